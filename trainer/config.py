@@ -1,0 +1,103 @@
+"""Typed, validated run configuration (frozen pydantic models) and run presets."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+Optimizer = Literal["adamw", "zocurv-block", "zocurv-sophia", "zocurv-line", "mezo", "1spsa", "1.5spsa"]
+
+# Run presets: named bundles of defaults. `--preset demo` picks one of these; any other value of
+# `--preset` names a model preset (trainer.models.PRESETS) and keeps the defaults below.
+RUN_PRESETS: dict[str, dict] = {
+    "demo": {
+        "model": "gpt2-tiny",
+        "corpus": "classics-small",
+        "steps": 300,
+        "batch_size": 16,
+        "seq_len": 128,
+        "lr": 3e-3,
+        "warmup_steps": 30,
+        "eval_every": 50,
+        "eval_batches": 8,
+    },
+}
+
+
+class TrainConfig(BaseModel):
+    """One training run, validated when built; immutable afterwards.
+
+    Units: lr is per optimizer step; `seq_len` and `batch_size` count tokens and sequences; the
+    schedule is linear warmup over `warmup_steps` then cosine from `lr` to `min_lr` at `steps`
+    (the GPT-2 recipe Sophia uses: Liu et al. 2023, section 4).
+
+    Raises:
+        pydantic.ValidationError: on unknown fields, out-of-range values or inconsistent settings.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    model: str = "gpt2-tiny"
+    corpus: str = "classics-small"
+    optimizer: Optimizer = "adamw"
+    steps: int = Field(300, ge=1, le=10_000_000)
+    batch_size: int = Field(16, ge=1, le=4096)
+    seq_len: int = Field(128, ge=2, le=8192)
+    lr: float = Field(3e-3, gt=0, le=1.0)
+    min_lr: float = Field(1e-5, ge=0, le=1.0)
+    warmup_steps: int = Field(30, ge=0)
+    weight_decay: float = Field(0.1, ge=0, le=10.0)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.95, ge=0, lt=1)
+    grad_clip: float = Field(1.0, ge=0)
+    eval_every: int = Field(50, ge=1)
+    eval_batches: int = Field(8, ge=1, le=10_000)
+    checkpoint_every: int = Field(100, ge=1)
+    seed: int = Field(0, ge=0, lt=2**63)
+    device: str = "cpu"
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    run_dir: Path | None = None
+    # Knobs of the ZO modes (ignored by adamw); names follow DESIGN section 2.
+    probes: int = Field(8, ge=1, le=100_000, description="K probes per step / per curvature round")
+    eps: float = Field(1e-3, gt=0, le=1.0, description="probe step epsilon")
+    alpha: float = Field(0.1, ge=0, le=2.0, description="1.5-SPSA curvature exponent")
+    lam: float = Field(1.0, gt=0, description="1.5-SPSA weight floor lambda")
+    probe_batch_size: int = Field(16, ge=1, le=4096)
+    curvature_interval: int = Field(10, ge=1)
+    staleness: int = Field(2, ge=0, le=1_000_000, description="staleness bound S, in versions")
+    task: Literal["lm", "sentiment"] = "lm"
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "TrainConfig":
+        if self.min_lr > self.lr:
+            raise ValueError(f"min_lr ({self.min_lr}) must not exceed lr ({self.lr})")
+        if self.warmup_steps >= self.steps and self.steps > 1:
+            raise ValueError(f"warmup_steps ({self.warmup_steps}) must be smaller than steps ({self.steps})")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        return self
+
+
+def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, total_steps: int) -> float:
+    """Learning rate at 0-based `step`: linear warmup to `lr`, then cosine decay to `min_lr`.
+
+    The schedule of GPT-2 pretraining recipes (nanoGPT; Sophia, Liu et al. 2023). Pure function.
+    """
+    if warmup_steps > 0 and step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    span = max(1, total_steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / span)
+    return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def resolve_preset(preset: str, overrides: dict) -> TrainConfig:
+    """Build a TrainConfig from a run preset name (e.g. "demo") or a model preset name plus overrides.
+
+    Overrides whose value is None are ignored (CLI options left unset).
+    """
+    base: dict = dict(RUN_PRESETS.get(preset, {"model": preset}))
+    base.update({k: v for k, v in overrides.items() if v is not None})
+    return TrainConfig(**base)

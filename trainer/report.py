@@ -1,0 +1,66 @@
+"""Run reports: metrics JSON lines and loss-curve PNGs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterable
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """Read a metrics JSON-lines file; a missing file gives an empty list, a torn last line is skipped."""
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+def _ema(values: list[float], beta: float = 0.9) -> list[float]:
+    out, acc = [], None
+    for v in values:
+        acc = v if acc is None else beta * acc + (1 - beta) * v
+        out.append(acc)
+    return out
+
+
+def plot_loss_curves(runs: dict[str, Iterable[dict[str, Any]]], path: Path, *, title: str) -> Path:
+    """Plot train loss (EMA-smoothed, thin) and validation loss (markers) per run against step.
+
+    Args:
+        runs: label -> metric records; records with `loss` are train steps, with `val_loss` evaluations.
+        path: PNG destination.
+        title: figure title.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (label, records) in enumerate(runs.items()):
+        recs = list(records)
+        c = colors[i % len(colors)]
+        tr = [(r["step"], r["loss"]) for r in recs if "loss" in r]
+        va = [(r["step"], r["val_loss"]) for r in recs if "val_loss" in r]
+        if tr:
+            ax.plot([s for s, _ in tr], _ema([v for _, v in tr]), color=c, alpha=0.45, lw=1.2,
+                    label=f"{label} train (EMA)")
+        if va:
+            ax.plot([s for s, _ in va], [v for _, v in va], color=c, marker="o", ms=4, lw=2,
+                    label=f"{label} validation")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("cross-entropy loss (nats/token)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
