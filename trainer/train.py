@@ -9,12 +9,15 @@ bit-identically on CPU.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -119,6 +122,29 @@ def build_mode(cfg: TrainConfig, model: torch.nn.Module) -> TrainMode:
     return build_zo_mode(cfg, model)
 
 
+@contextlib.contextmanager
+def _deferred_interrupt() -> Iterator[Callable[[], bool]]:
+    """Turn the first Ctrl-C into a flag checked between steps (a step is never cut in half).
+
+    A second Ctrl-C interrupts at once. Outside the main thread signals cannot be caught: no-op.
+    """
+    hit = {"n": 0}
+    if threading.current_thread() is not threading.main_thread():
+        yield lambda: False
+        return
+
+    def handler(signum, frame):
+        hit["n"] += 1
+        if hit["n"] > 1:
+            raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield lambda: hit["n"] > 0
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def default_run_dir(cfg: TrainConfig) -> Path:
     """`runs/<model>-<corpus>-<optimizer>-s<seed>` under `trainer.paths.runs_dir()`."""
     return runs_dir() / f"{cfg.model}-{cfg.corpus}-{cfg.optimizer}-s{cfg.seed}"
@@ -180,26 +206,40 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> R
     t0 = time.perf_counter()
     last_val = initial
     tokens_per_step = cfg.batch_size * cfg.seq_len
+
+    def one_step(step: int) -> tuple[int, str]:
+        nonlocal last_val
+        lr = lr_at(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps)
+        x, y = get_batch(corpus.train, cfg.batch_size, cfg.seq_len, cfg.seed, step)
+        stats = mode.step(step, (x.to(cfg.device), y.to(cfg.device)), lr)
+        if not math.isfinite(stats.get("loss", 0.0)):
+            raise FloatingPointError(f"loss became non-finite at step {step}; lower --lr")
+        done = step + 1
+        log({"step": done, "lr": lr, "tokens": done * tokens_per_step,
+             "elapsed_s": time.perf_counter() - t0, **stats})
+        if done % cfg.eval_every == 0 or done == cfg.steps:
+            last_val = evaluate(model, corpus.val, cfg)
+            log({"step": done, "val_loss": last_val})
+        if done % cfg.checkpoint_every == 0 or done == cfg.steps:
+            checkpoint(done)
+        return done, f"loss {stats.get('loss', float('nan')):.3f} val {last_val:.3f}"
+
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeRemainingColumn(), TextColumn("{task.fields[status]}"), disable=not progress) as bar:
         task = bar.add_task(f"{cfg.optimizer} {cfg.model}", total=cfg.steps, completed=start, status="")
-        for step in range(start, cfg.steps):
-            lr = lr_at(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps)
-            x, y = get_batch(corpus.train, cfg.batch_size, cfg.seq_len, cfg.seed, step)
-            stats = mode.step(step, (x.to(cfg.device), y.to(cfg.device)), lr)
-            if not math.isfinite(stats.get("loss", 0.0)):
-                raise FloatingPointError(f"loss became non-finite at step {step}; lower --lr")
-            log({"step": step + 1, "lr": lr, "tokens": (step + 1) * tokens_per_step,
-                 "elapsed_s": time.perf_counter() - t0, **stats})
-            done = step + 1
-            if done % cfg.eval_every == 0 or done == cfg.steps:
-                last_val = evaluate(model, corpus.val, cfg)
-                log({"step": done, "val_loss": last_val})
-            if done % cfg.checkpoint_every == 0 or done == cfg.steps:
-                checkpoint(done)
-            bar.update(task, completed=done, status=f"loss {stats.get('loss', float('nan')):.3f} val {last_val:.3f}")
+        done = start
+        with _deferred_interrupt() as interrupted:
+            try:
+                for step in range(start, cfg.steps):
+                    done, status = one_step(step)
+                    bar.update(task, completed=done, status=status)
+                    if interrupted():
+                        raise KeyboardInterrupt
+            except KeyboardInterrupt:
+                checkpoint(done)  # keep the position reached; `--resume` continues from here
+                raise
     wall = time.perf_counter() - t0
     records = read_metrics(metrics_path)
     plot_loss_curves({cfg.optimizer: records}, run_dir / "loss.png",
