@@ -1,0 +1,318 @@
+"""Fused Triton kernels: generate z(seed, offset) in registers and apply it, never writing z to memory.
+
+Same element layout and arithmetic as kernels.reference (read its docstring). Fused multiply-add is
+switched off (``enable_fp_fusion=False``) so results equal the reference bit for bit. Each program owns
+NC whole Philox calls (NC * EPC elements, EPC = 16 for gauss8, 128 for rademacher), aligned in the
+global element order, and masks elements outside its tensor, so any global offset is supported.
+
+Import this module only where triton is importable; on CPU it runs under ``TRITON_INTERPRET=1`` (set
+before triton is first imported).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.dist import GAUSS8_TABLE, ProbeDist, as_dist
+from kernels.philox import check_seed
+from kernels.reference import check_range
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_BLOCK_ELEMS = 4096  # elements per program: 256 gauss8 calls or 32 rademacher calls
+_NUM_WARPS = 8
+_tables: dict[torch.device, torch.Tensor] = {}
+
+
+def interpreted() -> bool:
+    """True when Triton runs in interpreter mode (TRITON_INTERPRET=1): kernels then take CPU tensors."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@triton.jit
+def _z_tile(seed, cbase, table_ptr, NC: tl.constexpr, EPC: tl.constexpr, GAUSS: tl.constexpr):
+    """(NC, EPC) fp32 tile: z of global elements (cbase + r) * EPC + e, r < NC, e < EPC."""
+    c = cbase + tl.arange(0, NC).to(tl.int64)
+    r0, r1, r2, r3 = tl.randint4x(seed, c)
+    e = tl.arange(0, EPC)[None, :]
+    WBITS: tl.constexpr = EPC // 4  # elements per 32-bit word: 4 bytes or 32 bits
+    sel = e // WBITS
+    word = tl.where(sel == 0, r0[:, None], tl.where(sel == 1, r1[:, None], tl.where(sel == 2, r2[:, None], r3[:, None])))
+    if GAUSS:
+        code = (word >> ((e % 4) * 8).to(tl.uint32)) & 0xFF
+        z = tl.load(table_ptr + code.to(tl.int32))
+    else:
+        bit = (word >> (e % 32).to(tl.uint32)) & 1
+        z = 1.0 - 2.0 * bit.to(tl.float32)
+    return z
+
+
+@triton.jit
+def _round_out(x, out_ptr):
+    """Round fp32 `x` to out_ptr's element type, to nearest even. bf16 is rounded with integer ops because
+    the interpreter truncates fp32 -> bf16 while compiled code rounds; this keeps both equal to torch."""
+    if out_ptr.dtype.element_ty == tl.bfloat16:
+        b = x.to(tl.uint32, bitcast=True)
+        r = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+        r = tl.where((b & 0x7FFFFFFF) > 0x7F800000, (b >> 16) | 0x40, r)  # NaN stays a quiet NaN
+        return r.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(out_ptr.dtype.element_ty)
+
+
+@triton.jit
+def _local_index(pid, head, NC: tl.constexpr, EPC: tl.constexpr):
+    return pid * (NC * EPC) + tl.arange(0, NC)[:, None] * EPC + tl.arange(0, EPC)[None, :] - head
+
+
+@triton.jit
+def _perturb_kernel(w_ptr, out_ptr, n, head, cbase0, seed, alpha, table_ptr,
+                    NC: tl.constexpr, EPC: tl.constexpr, GAUSS: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    idx = _local_index(pid, head, NC, EPC)
+    m = (idx >= 0) & (idx < n)
+    w = tl.load(w_ptr + idx, mask=m).to(tl.float32)
+    z = _z_tile(seed, cbase0 + pid * NC, table_ptr, NC, EPC, GAUSS)
+    tl.store(out_ptr + idx, _round_out(w + alpha * z, out_ptr), mask=m)
+
+
+@triton.jit
+def _replay_kernel(w_ptr, n, head, cbase0, seeds_ptr, coeffs_ptr, K, table_ptr,
+                   NC: tl.constexpr, EPC: tl.constexpr, GAUSS: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    idx = _local_index(pid, head, NC, EPC)
+    m = (idx >= 0) & (idx < n)
+    acc = tl.load(w_ptr + idx, mask=m).to(tl.float32)
+    cbase = cbase0 + pid * NC
+    for k in range(K):
+        s = tl.load(seeds_ptr + k)
+        c = tl.load(coeffs_ptr + k)
+        acc = acc + c * _z_tile(s, cbase, table_ptr, NC, EPC, GAUSS)
+    tl.store(w_ptr + idx, _round_out(acc, w_ptr), mask=m)
+
+
+@triton.jit
+def _list_entry(blk_ptr, meta_ptr, ALIGNED: tl.constexpr):
+    """Per-program lookup in the packed table: (delta_in, delta_out, n, head, cbase, block index)."""
+    pid = tl.program_id(0)
+    t = tl.load(blk_ptr + 2 * pid).to(tl.int64)
+    b = tl.load(blk_ptr + 2 * pid + 1).to(tl.int64)
+    row = meta_ptr + 5 * t
+    d_in = tl.load(row)
+    d_out = tl.load(row + 1)
+    n = tl.load(row + 2)
+    head = tl.load(row + 3)
+    cbase = tl.load(row + 4)
+    if ALIGNED:  # host checked: every tensor starts 16-element aligned and at a call boundary
+        d_in = tl.multiple_of(d_in, 16)
+        d_out = tl.multiple_of(d_out, 16)
+        head = 0
+    return d_in, d_out, n, head, cbase, b
+
+
+@triton.jit
+def _perturb_list_kernel(w_base, out_base, blk_ptr, meta_ptr, seed, alpha, table_ptr,
+                         NC: tl.constexpr, EPC: tl.constexpr, GAUSS: tl.constexpr, ALIGNED: tl.constexpr):
+    d_in, d_out, n, head, cbase, b = _list_entry(blk_ptr, meta_ptr, ALIGNED)
+    idx = _local_index(b, head, NC, EPC)
+    m = (idx >= 0) & (idx < n)
+    w = tl.load(w_base + d_in + idx, mask=m).to(tl.float32)
+    z = _z_tile(seed, cbase + b * NC, table_ptr, NC, EPC, GAUSS)
+    tl.store(out_base + d_out + idx, _round_out(w + alpha * z, out_base), mask=m)
+
+
+@triton.jit
+def _replay_list_kernel(w_base, blk_ptr, meta_ptr, seeds_ptr, coeffs_ptr, K, table_ptr,
+                        NC: tl.constexpr, EPC: tl.constexpr, GAUSS: tl.constexpr, ALIGNED: tl.constexpr):
+    d_in, d_out, n, head, cbase, b = _list_entry(blk_ptr, meta_ptr, ALIGNED)
+    idx = _local_index(b, head, NC, EPC)
+    m = (idx >= 0) & (idx < n)
+    acc = tl.load(w_base + d_in + idx, mask=m).to(tl.float32)
+    cb = cbase + b * NC
+    for k in range(K):
+        s = tl.load(seeds_ptr + k)
+        c = tl.load(coeffs_ptr + k)
+        acc = acc + c * _z_tile(s, cb, table_ptr, NC, EPC, GAUSS)
+    tl.store(w_base + d_in + idx, _round_out(acc, w_base), mask=m)
+
+
+# ----------------------------------------------------------------------------- launchers
+
+
+def _table(device: torch.device) -> torch.Tensor:
+    if device not in _tables:
+        _tables[device] = torch.from_numpy(GAUSS8_TABLE.copy()).to(device)
+    return _tables[device]
+
+
+def check_tensor(t: torch.Tensor, name: str, dtypes=FLOAT_DTYPES) -> None:
+    """Raise TypeError/ValueError unless `t` is a contiguous tensor of an allowed dtype on a device the
+    kernels can reach (CUDA; CPU only in interpreter mode)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name} has dtype {t.dtype}; the kernel takes {[str(d) for d in dtypes]}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (call .contiguous() first)")
+    want = "cpu" if interpreted() else "cuda"
+    if t.device.type != want:
+        raise ValueError(f"{name} is on {t.device}; the Triton kernels need a {want} tensor here "
+                         "(use kernels.perturb/axpy_/replay_, which fall back to the PyTorch reference)")
+
+
+def _geometry(offset: int, dist: ProbeDist) -> tuple[int, int, int, int]:
+    epc = dist.elems_per_call
+    return _BLOCK_ELEMS // epc, epc, offset % epc, offset // epc
+
+
+def _seed_arg(seed: int) -> int:
+    # Triton types a Python int >= 2**63 as uint64 and smaller ones as int32/int64; both reach
+    # tl.randint4x as the same 64-bit pattern.
+    return check_seed(seed)
+
+
+def perturb_triton(w: torch.Tensor, seed: int, offset: int, alpha: float, dist: ProbeDist | str,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """out = w + alpha * z(seed)[offset : offset + w.numel()] (fp32 math, one rounding); returns out.
+
+    w, out: contiguous, same shape/dtype (float32, bfloat16, float16), same CUDA device; out may be w.
+    Raises TypeError/ValueError for bad inputs.
+    """
+    dist = as_dist(dist)
+    check_tensor(w, "w")
+    check_range(offset, w.numel())
+    if out is None:
+        out = torch.empty_like(w)
+    check_tensor(out, "out")
+    if out.shape != w.shape or out.dtype != w.dtype or out.device != w.device:
+        raise ValueError(f"out must match w: got {tuple(out.shape)} {out.dtype} {out.device} "
+                         f"vs {tuple(w.shape)} {w.dtype} {w.device}")
+    n = w.numel()
+    if n == 0:
+        return out
+    nc, epc, head, cbase = _geometry(offset, dist)
+    grid = (triton.cdiv(n + head, nc * epc),)
+    _perturb_kernel[grid](w, out, n, head, cbase, _seed_arg(seed), float(alpha), _table(w.device),
+                          NC=nc, EPC=epc, GAUSS=dist is ProbeDist.GAUSS8, num_warps=_NUM_WARPS,
+                          enable_fp_fusion=False)
+    return out
+
+
+def _check_seeds(seeds: torch.Tensor, coeffs: torch.Tensor, device: torch.device) -> None:
+    if not isinstance(seeds, torch.Tensor) or seeds.dtype != torch.int64 or seeds.dim() != 1:
+        raise TypeError("seeds must be a (K,) int64 tensor (seeds >= 2**63 stored as two's complement)")
+    if not isinstance(coeffs, torch.Tensor) or coeffs.dtype != torch.float32 or coeffs.shape != seeds.shape:
+        raise TypeError(f"coeffs must be a float32 tensor of shape {tuple(seeds.shape)}")
+    if seeds.device != device or coeffs.device != device or not seeds.is_contiguous() or not coeffs.is_contiguous():
+        raise ValueError(f"seeds and coeffs must be contiguous tensors on {device}")
+
+
+def replay_triton(w: torch.Tensor, seeds: torch.Tensor, coeffs: torch.Tensor, offset: int,
+                  dist: ProbeDist | str) -> torch.Tensor:
+    """In place: w <- w + sum_k coeffs[k] * z(seeds[k])[offset : offset + w.numel()], fp32 accumulation in
+    order k = 0..K-1; one pass over w. w: contiguous float32 (or bf16/fp16, rounded once at the end).
+    seeds: (K,) int64, coeffs: (K,) float32, both on w's device. Returns w."""
+    dist = as_dist(dist)
+    check_tensor(w, "w")
+    check_range(offset, w.numel())
+    _check_seeds(seeds, coeffs, w.device)
+    n = w.numel()
+    if n == 0 or seeds.numel() == 0:
+        return w
+    nc, epc, head, cbase = _geometry(offset, dist)
+    grid = (triton.cdiv(n + head, nc * epc),)
+    _replay_kernel[grid](w, n, head, cbase, seeds, coeffs, seeds.numel(), _table(w.device),
+                         NC=nc, EPC=epc, GAUSS=dist is ProbeDist.GAUSS8, num_warps=_NUM_WARPS,
+                         enable_fp_fusion=False)
+    return w
+
+
+class PackedList:
+    """Device-side table for one launch over many tensors (same dtype and device).
+
+    blk: (P, 2) int32 rows (tensor index, block index within the tensor), one per program;
+    meta: (T, 5) int64 rows (element delta of the input from the base tensor, same for the output,
+    numel, head, first Philox counter). Built once per (tensor addresses, offsets, dist) and cached.
+    """
+
+    def __init__(self, ins: list[torch.Tensor], outs: list[torch.Tensor], offsets: list[int], dist: ProbeDist):
+        if not ins or len(ins) != len(outs) or len(ins) != len(offsets):
+            raise ValueError(f"need equally long non-empty lists: {len(ins)} tensors, {len(outs)} outputs, "
+                             f"{len(offsets)} offsets")
+        base_in, base_out = ins[0], outs[0]
+        esize = base_in.element_size()
+        nc, epc = _BLOCK_ELEMS // dist.elems_per_call, dist.elems_per_call
+        rows, blk_t, blk_b = [], [], []
+        aligned = True
+        for i, (w, o, off) in enumerate(zip(ins, outs, offsets)):
+            check_tensor(w, f"tensors[{i}]")
+            check_tensor(o, f"outs[{i}]")
+            check_range(off, w.numel())
+            if w.dtype != base_in.dtype or w.device != base_in.device or o.shape != w.shape or o.dtype != w.dtype \
+                    or o.device != w.device:
+                raise ValueError(f"tensor {i}: all tensors and outputs must share one dtype and device "
+                                 f"and outputs must match their inputs' shapes (group by dtype first)")
+            d_in, d_out = w.data_ptr() - base_in.data_ptr(), o.data_ptr() - base_out.data_ptr()
+            if d_in % esize or d_out % esize:
+                raise ValueError(f"tensor {i} is not element-aligned relative to tensor 0")
+            head = off % epc
+            aligned &= head == 0 and d_in % (16 * esize) == 0 and d_out % (16 * esize) == 0
+            rows.append([d_in // esize, d_out // esize, w.numel(), head, off // epc])
+            nblk = triton.cdiv(w.numel() + head, nc * epc)
+            blk_t.append(torch.full((nblk,), i, dtype=torch.int32))
+            blk_b.append(torch.arange(nblk, dtype=torch.int32))
+        dev = base_in.device
+        self.aligned = aligned and base_in.data_ptr() % 16 == 0 and base_out.data_ptr() % 16 == 0
+        self.blk = torch.stack([torch.cat(blk_t), torch.cat(blk_b)], dim=1).contiguous().to(dev)
+        self.meta = torch.tensor(rows, dtype=torch.int64).to(dev)
+        self.base_in, self.base_out = base_in, base_out
+        self.nc, self.epc = nc, epc
+        self.programs = int(self.blk.shape[0])
+
+
+_packed_cache: dict[tuple, PackedList] = {}
+
+
+def _packed(ins, outs, offsets, dist) -> PackedList:
+    key = (dist, tuple((t.data_ptr(), t.numel(), t.dtype) for t in ins), tuple(o.data_ptr() for o in outs),
+           tuple(offsets))
+    hit = _packed_cache.get(key)
+    if hit is None:
+        if len(_packed_cache) >= 16:
+            _packed_cache.clear()
+        hit = _packed_cache[key] = PackedList(ins, outs, offsets, dist)
+    return hit
+
+
+def perturb_list_triton(tensors: list[torch.Tensor], offsets: list[int], seed: int, alpha: float,
+                        dist: ProbeDist | str, outs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """One launch: outs[i] = tensors[i] + alpha * z(seed)[offsets[i] : offsets[i] + numel] for every i.
+
+    All tensors share one dtype and device; outs[i] matches tensors[i] (may be the same tensor).
+    The device table is cached by tensor addresses, so reuse the same output buffers across calls.
+    """
+    dist = as_dist(dist)
+    p = _packed(tensors, outs, offsets, dist)
+    _perturb_list_kernel[(p.programs,)](p.base_in, p.base_out, p.blk, p.meta, _seed_arg(seed), float(alpha),
+                                        _table(p.base_in.device), NC=p.nc, EPC=p.epc,
+                                        GAUSS=dist is ProbeDist.GAUSS8, ALIGNED=p.aligned,
+                                        num_warps=_NUM_WARPS, enable_fp_fusion=False)
+    return outs
+
+
+def replay_list_triton(tensors: list[torch.Tensor], offsets: list[int], seeds: torch.Tensor,
+                       coeffs: torch.Tensor, dist: ProbeDist | str) -> list[torch.Tensor]:
+    """One launch, in place: tensors[i] += sum_k coeffs[k] * z(seeds[k]) over each tensor's global range."""
+    dist = as_dist(dist)
+    p = _packed(tensors, tensors, offsets, dist)
+    _check_seeds(seeds, coeffs, p.base_in.device)
+    if seeds.numel() == 0:
+        return tensors
+    _replay_list_kernel[(p.programs,)](p.base_in, p.blk, p.meta, seeds, coeffs, seeds.numel(),
+                                       _table(p.base_in.device), NC=p.nc, EPC=p.epc,
+                                       GAUSS=dist is ProbeDist.GAUSS8, ALIGNED=p.aligned,
+                                       num_warps=_NUM_WARPS, enable_fp_fusion=False)
+    return tensors
