@@ -1,0 +1,147 @@
+"""GPT-2 model presets and a deterministic, RNG-neutral `build_model`.
+
+Initialisation follows GPT-2 (Radford et al. 2019, sec. 2.3) as implemented by Hugging Face's
+`GPT2PreTrainedModel._init_weights`: weights and embeddings ~ N(0, 0.02^2), the two residual output
+projections (`attn.c_proj`, `mlp.c_proj`) ~ N(0, (0.02 / sqrt(2 * n_layer))^2), biases 0, LayerNorm
+gain 1. Each tensor is drawn from its own `torch.Generator` seeded by sha256(seed, parameter name), so
+a parameter's initial value depends only on (seed, name) — not on the build order, the device or the
+global RNG, which is left untouched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from trainer.models.params import canonical_parameters
+
+GPT2_VOCAB_SIZE = 50257
+
+
+@dataclass(frozen=True)
+class GPT2Preset:
+    """Shape of one GPT-2 family member (all presets: vocab 50257, tied embeddings, no dropout).
+
+    Dropout is 0 because zeroth-order probes compare losses at nearby weights and need a forward pass
+    that is a deterministic function of (weights, batch).
+    """
+
+    name: str
+    n_layer: int
+    n_head: int
+    n_embd: int
+    n_positions: int = 1024
+    vocab_size: int = GPT2_VOCAB_SIZE
+    initializer_range: float = 0.02
+
+    def config(self) -> GPT2Config:
+        """Return the `transformers.GPT2Config` for this preset (SDPA attention, dropout 0, tied)."""
+        cfg = GPT2Config(
+            vocab_size=self.vocab_size, n_positions=self.n_positions, n_embd=self.n_embd,
+            n_layer=self.n_layer, n_head=self.n_head, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+            initializer_range=self.initializer_range, tie_word_embeddings=True,
+        )
+        cfg._attn_implementation = "sdpa"
+        cfg.loss_type = "ForCausalLM"  # silences transformers' "unrecognized loss_type" warning
+        return cfg
+
+    def num_params(self) -> int:
+        """Closed-form count of distinct parameters (tied lm_head counted once).
+
+        V*D + P*D (token and position embeddings) + L*(12*D^2 + 13*D) (per block: ln_1 2D, c_attn
+        3D^2+3D, attn c_proj D^2+D, ln_2 2D, c_fc 4D^2+4D, mlp c_proj 4D^2+D) + 2*D (ln_f).
+        """
+        d = self.n_embd
+        return self.vocab_size * d + self.n_positions * d + self.n_layer * (12 * d * d + 13 * d) + 2 * d
+
+
+PRESETS: dict[str, GPT2Preset] = {
+    p.name: p
+    for p in (
+        # 7,259,008 params, 6,432,896 of them (89%) the tied token embedding: CPU tests and demos.
+        GPT2Preset("gpt2-tiny", n_layer=4, n_head=4, n_embd=128, n_positions=256),
+        GPT2Preset("gpt2-small", n_layer=12, n_head=12, n_embd=768),  # 124,439,808
+        GPT2Preset("gpt2-medium", n_layer=24, n_head=16, n_embd=1024),  # 354,823,168
+        GPT2Preset("gpt2-large", n_layer=36, n_head=20, n_embd=1280),  # 774,030,080
+        GPT2Preset("gpt2-xl", n_layer=48, n_head=25, n_embd=1600),  # 1,557,611,200
+    )
+}
+
+
+def get_preset(preset: str) -> GPT2Preset:
+    """Look up a preset by name.
+
+    Raises:
+        ValueError: unknown name (the message lists the valid ones).
+    """
+    if not isinstance(preset, str) or preset not in PRESETS:
+        raise ValueError(f"unknown model preset {preset!r}; valid presets: {', '.join(PRESETS)}")
+    return PRESETS[preset]
+
+
+def param_seed(seed: int, name: str) -> int:
+    """Per-parameter generator seed: first 8 bytes of sha256(f"{seed}:{name}"), big-endian, < 2**63."""
+    digest = hashlib.sha256(f"{int(seed)}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") & (2**63 - 1)
+
+
+def init_std(name: str, n_layer: int, initializer_range: float = 0.02) -> float | None:
+    """GPT-2 init std for parameter `name`; None for biases/LayerNorm (set to constants instead)."""
+    if name.endswith(".bias") or ".ln_" in name:
+        return None
+    if name.endswith("c_proj.weight"):
+        return initializer_range / math.sqrt(2 * n_layer)
+    return initializer_range
+
+
+@torch.no_grad()
+def init_gpt2_weights_(model: GPT2LMHeadModel, seed: int) -> None:
+    """Overwrite every parameter of `model` with the seeded GPT-2 init (see module docstring).
+
+    Values are drawn in float32 on the CPU and copied (rounded once) into each parameter's dtype and
+    device, so a bf16 or CUDA build equals the fp32 CPU build rounded. Touches no global RNG.
+    """
+    n_layer = model.config.n_layer
+    for name, p in canonical_parameters(model):
+        std = init_std(name, n_layer, model.config.initializer_range)
+        if std is None:
+            p.fill_(1.0 if (".ln_" in name and name.endswith(".weight")) else 0.0)
+            continue
+        gen = torch.Generator(device="cpu").manual_seed(param_seed(seed, name))
+        p.copy_(torch.empty(p.shape, dtype=torch.float32).normal_(0.0, std, generator=gen))
+
+
+def build_model(
+    preset: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> GPT2LMHeadModel:
+    """Build a GPT-2 preset with deterministic weights, in eval mode.
+
+    Args:
+        preset: a key of `PRESETS` ("gpt2-tiny", "gpt2-small", "gpt2-medium", "gpt2-large", "gpt2-xl").
+        seed: init seed; same (preset, seed) gives bit-identical weights on every run and device.
+        dtype: parameter dtype (float32 master weights, or bfloat16/float16 for probe copies).
+        device: target device; "meta" builds shapes only (no memory, no init) for counting.
+
+    Returns:
+        `GPT2LMHeadModel` with `lm_head.weight` tied to `transformer.wte.weight`. Forward takes
+        input_ids (B, T) int64 with T <= n_positions and returns logits (B, T, vocab_size).
+
+    Raises:
+        ValueError: unknown preset. TypeError: dtype is not a floating torch.dtype.
+    """
+    spec = get_preset(preset)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating torch.dtype (e.g. torch.float32), got {dtype!r}")
+    # Build on the meta device (no allocation, no RNG draws), then materialise and init explicitly.
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+        model = GPT2LMHeadModel(spec.config()).to(dtype)
+    if torch.device(device).type != "meta":
+        model.to_empty(device=device)
+        model.tie_weights()  # to_empty allocates wte and lm_head separately; re-share them
+        init_gpt2_weights_(model, seed)
+    model.eval()
+    return model
