@@ -1,0 +1,281 @@
+"""The coordinator's REST API (FastAPI) over `coordinator.Store` and `coordinator.Intake`.
+
+HTTP errors are raised here and nowhere else: store errors map to 404 (NotFound), 409 (Conflict) and
+422 (Invalid, BlobError); every refused request is counted in `sparecycles_rejected_requests_total` by
+reason. A background task marks workers whose lease expired as lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Annotated
+
+import redis
+from fastapi import Depends, FastAPI, Header, Path, Query, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.concurrency import run_in_threadpool
+
+from api.auth import Principal, require
+from coordinator.blobs import BlobError
+from coordinator.intake import Intake
+from coordinator.messages import (
+    Attestation, BlobInfo, Heartbeat, HeartbeatReply, IntakeReply, ProbeRound, ResultBatch, RoundInfo, RunInfo,
+    RunSpec, SeedLedgerEntry, VersionManifest, WorkerInfo, WorkerRegistered, WorkerRegistration,
+)
+from coordinator.metrics import CoordinatorMetrics
+from coordinator.settings import CoordinatorSettings
+from coordinator.store import Conflict, CoordinatorError, Invalid, NotFound, Store
+
+log = logging.getLogger("sparecycles.api")
+
+RunP = Annotated[str, Path(pattern=r"^[a-z0-9][a-z0-9_-]{0,63}$")]
+RoundP = Annotated[str, Path(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,95}$")]
+WorkerP = Annotated[str, Path(pattern=r"^w-[0-9a-f]{16}$")]
+ShaP = Annotated[str, Path(pattern=r"^[0-9a-f]{64}$")]
+VersionP = Annotated[int, Path(ge=0, lt=2**53)]
+
+Admin = Depends(require("admin"))
+AdminOrSelf = Depends(require("admin", "worker", self_worker=True))
+Reader = Depends(require("admin", "worker"))
+WorkerOnly = Depends(require("worker"))
+Enroll = Depends(require("enroll"))
+
+_STATUS = {NotFound: 404, Conflict: 409, Invalid: 422}
+
+
+class _CountingFileResponse(FileResponse):
+    """FileResponse that counts the body bytes actually sent (full file or Range parts)."""
+
+    def __init__(self, *args, counter, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._counter = counter
+
+    async def __call__(self, scope, receive, send) -> None:
+        async def counting_send(message) -> None:
+            if message["type"] == "http.response.body":
+                self._counter.inc(len(message.get("body", b"")))
+            await send(message)
+
+        await super().__call__(scope, receive, counting_send)
+
+
+def create_app(
+    settings: CoordinatorSettings, *, store: Store | None = None, metrics: CoordinatorMetrics | None = None
+) -> FastAPI:
+    """Build the API. `store`/`metrics` may be injected (tests, in-process benches); otherwise created."""
+    store = store or Store(settings)
+    metrics = metrics or CoordinatorMetrics()
+    metrics.attach_live(store.worker_state_counts, store.queue_depths)
+    intake = Intake(store, metrics)
+
+    async def reaper() -> None:
+        while True:
+            try:
+                lost = await run_in_threadpool(store.reap_expired)
+                metrics.lost.inc(len(lost))
+            except redis.RedisError as exc:  # Redis briefly unreachable: /readyz reports it; keep reaping
+                log.warning("lease reaper: %s", exc)
+            await asyncio.sleep(settings.reaper_interval_s)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        task = asyncio.create_task(reaper())
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    app = FastAPI(title="sparecycles coordinator", version="1", lifespan=lifespan)
+    app.state.settings, app.state.store, app.state.metrics, app.state.intake = settings, store, metrics, intake
+
+    @app.exception_handler(CoordinatorError)
+    async def _coordinator_error(request: Request, exc: CoordinatorError) -> JSONResponse:
+        status = next((code for cls, code in _STATUS.items() if isinstance(exc, cls)), 400)
+        metrics.rejected_requests.labels(exc.reason).inc()
+        return JSONResponse({"detail": str(exc)}, status_code=status)
+
+    @app.exception_handler(BlobError)
+    async def _blob_error(request: Request, exc: BlobError) -> JSONResponse:
+        metrics.rejected_requests.labels("bad_blob").inc()
+        return JSONResponse({"detail": str(exc)}, status_code=422)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        metrics.rejected_requests.labels("validation").inc()
+        errors = [{"loc": list(e.get("loc", ())), "msg": str(e.get("msg", ""))} for e in exc.errors()]
+        return JSONResponse({"detail": errors}, status_code=422)
+
+    @app.exception_handler(redis.RedisError)
+    async def _redis_error(request: Request, exc: redis.RedisError) -> JSONResponse:
+        metrics.rejected_requests.labels("redis_unavailable").inc()
+        return JSONResponse({"detail": "state store unavailable; retry"}, status_code=503,
+                            headers={"Retry-After": "1"})
+
+    # ---- health and metrics -------------------------------------------------------------------------
+    @app.get("/healthz")
+    def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    def readyz() -> JSONResponse:
+        try:
+            store.ping()
+        except redis.RedisError as exc:
+            return JSONResponse({"status": "unavailable", "detail": str(exc)}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    def metrics_endpoint() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    # ---- workers ----------------------------------------------------------------------------------------
+    @app.post("/v1/workers", status_code=201, dependencies=[Enroll])
+    def register_worker(body: WorkerRegistration) -> WorkerRegistered:
+        return store.register_worker(body)
+
+    @app.get("/v1/workers", dependencies=[Admin])
+    def list_workers() -> list[WorkerInfo]:
+        return store.list_workers()
+
+    @app.get("/v1/workers/{worker_id}", dependencies=[AdminOrSelf])
+    def get_worker(worker_id: WorkerP) -> WorkerInfo:
+        return store.worker_info(worker_id)
+
+    @app.post("/v1/workers/{worker_id}/heartbeat", dependencies=[Depends(require("worker", self_worker=True))])
+    def heartbeat(worker_id: WorkerP, body: Heartbeat) -> HeartbeatReply:
+        return store.heartbeat(worker_id, body)
+
+    @app.post("/v1/workers/{worker_id}/drain", dependencies=[AdminOrSelf])
+    def drain(worker_id: WorkerP) -> WorkerInfo:
+        store.set_worker_state(worker_id, "draining", ("active", "draining", "lost"))
+        return store.worker_info(worker_id)
+
+    @app.post("/v1/workers/{worker_id}/resume", dependencies=[AdminOrSelf])
+    def resume(worker_id: WorkerP) -> WorkerInfo:
+        store.set_worker_state(worker_id, "active", ("active", "draining"))
+        return store.worker_info(worker_id)
+
+    @app.delete("/v1/workers/{worker_id}", status_code=204, dependencies=[AdminOrSelf])
+    def delete_worker(worker_id: WorkerP) -> Response:
+        store.delete_worker(worker_id)
+        return Response(status_code=204)
+
+    # ---- runs, versions, ledger -----------------------------------------------------------------------
+    @app.post("/v1/runs", status_code=201, dependencies=[Admin])
+    def create_run(body: RunSpec) -> RunInfo:
+        return store.create_run(body)
+
+    @app.get("/v1/runs/{run}", dependencies=[Reader])
+    def get_run(run: RunP) -> RunInfo:
+        return store.run_info(run)
+
+    @app.post("/v1/runs/{run}/versions", status_code=201, dependencies=[Admin])
+    def register_version(run: RunP, body: VersionManifest) -> VersionManifest:
+        if body.run != run:
+            raise Invalid("manifest run differs from the URL's run")
+        return store.register_version(body)
+
+    @app.get("/v1/runs/{run}/versions", dependencies=[Reader])
+    def list_versions(run: RunP) -> list[int]:
+        return store.list_versions(run)
+
+    @app.get("/v1/runs/{run}/versions/{version}", dependencies=[Reader])
+    def get_version(run: RunP, version: VersionP) -> VersionManifest:
+        return store.get_version(run, version)
+
+    @app.post("/v1/runs/{run}/ledger", status_code=201, dependencies=[Admin])
+    def append_ledger(run: RunP, body: SeedLedgerEntry) -> SeedLedgerEntry:
+        if body.run != run:
+            raise Invalid("ledger entry run differs from the URL's run")
+        return store.append_ledger(body)
+
+    @app.get("/v1/runs/{run}/ledger", dependencies=[Reader])
+    def get_ledger(
+        run: RunP, since: Annotated[int, Query(ge=-1, lt=2**53)] = -1,
+        limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
+    ) -> list[SeedLedgerEntry]:
+        return store.ledger(run, since, limit)
+
+    # ---- blobs ------------------------------------------------------------------------------------------
+    async def _upload(request: Request, expected: str | None) -> JSONResponse:
+        writer = store.blobs.writer(expected)
+        try:
+            async for chunk in request.stream():
+                writer.write(chunk)
+            sha, size = writer.commit()
+        finally:
+            writer.abort()
+        metrics.blob_bytes_stored.inc(size)
+        return JSONResponse(BlobInfo(sha256=sha, bytes=size).model_dump(), status_code=201)
+
+    @app.post("/v1/blobs", status_code=201, dependencies=[Admin], response_model=BlobInfo)
+    async def upload_blob(
+        request: Request, x_content_sha256: Annotated[str | None, Header(pattern=r"^[0-9a-f]{64}$")] = None
+    ) -> JSONResponse:
+        """Upload raw bytes (any content type); `X-Content-SHA256`, if given, must match."""
+        return await _upload(request, x_content_sha256)
+
+    @app.put("/v1/blobs/{sha256}", status_code=201, dependencies=[Admin], response_model=BlobInfo)
+    async def put_blob(request: Request, sha256: ShaP) -> JSONResponse:
+        """Upload raw bytes that must hash to `sha256`."""
+        return await _upload(request, sha256)
+
+    @app.get("/v1/blobs/{sha256}", dependencies=[Reader])
+    def get_blob(sha256: ShaP, if_none_match: Annotated[str | None, Header()] = None) -> Response:
+        """Stream a blob; ETag is the quoted sha256; Range requests give 206; unknown hashes 404."""
+        if not store.blobs.exists(sha256):
+            raise NotFound(f"no blob {sha256}")
+        etag = f'"{sha256}"'
+        headers = {"etag": etag, "cache-control": "public, max-age=31536000, immutable"}
+        if if_none_match is not None and etag in [t.strip() for t in if_none_match.split(",")]:
+            return Response(status_code=304, headers=headers)
+        return _CountingFileResponse(
+            store.blobs.path(sha256), media_type="application/octet-stream", headers=headers,
+            counter=metrics.blob_bytes_served,
+        )
+
+    # ---- rounds and results ----------------------------------------------------------------------------
+    @app.post("/v1/runs/{run}/rounds", status_code=201, dependencies=[Admin])
+    def create_round(run: RunP, body: ProbeRound) -> RoundInfo:
+        if body.run != run:
+            raise Invalid("round run differs from the URL's run")
+        info = store.create_round(body)
+        metrics.rounds_opened.inc()
+        metrics.tasks_published.inc(info.tasks_published)
+        return info
+
+    @app.get("/v1/runs/{run}/rounds/{round_id}", dependencies=[Reader])
+    def get_round(run: RunP, round_id: RoundP) -> RoundInfo:
+        return store.round_info(run, round_id)
+
+    @app.post("/v1/runs/{run}/rounds/{round_id}/close", dependencies=[Admin])
+    def close_round(run: RunP, round_id: RoundP) -> RoundInfo:
+        return store.close_round(run, round_id)
+
+    @app.post("/v1/runs/{run}/results")
+    def submit_results(run: RunP, body: ResultBatch, who: Principal = WorkerOnly) -> IntakeReply:
+        """Intake of one task's results; the reply lists each result's outcome in order."""
+        return IntakeReply(outcomes=intake.submit(who.worker_id, run, list(body.results)))
+
+    @app.post("/v1/runs/{run}/attest")
+    def attest(run: RunP, body: Attestation, who: Principal = WorkerOnly) -> dict[str, bool]:
+        """A worker proves its z generator: the digest of the run's canary direction."""
+        if body.worker_id != who.worker_id:
+            metrics.rejected_requests.labels("forbidden").inc()
+            return JSONResponse({"detail": "a worker may attest only for itself"}, status_code=403)
+        if not intake.attest(run, who.worker_id, body.digest):
+            raise Invalid("canary digest does not match the run's; this worker generates a different z")
+        return {"attested": True}
+
+    @app.get("/", include_in_schema=False)
+    def root() -> PlainTextResponse:
+        return PlainTextResponse("sparecycles coordinator; see /docs\n")
+
+    return app

@@ -1,0 +1,66 @@
+"""Bearer-token authentication and role checks for the REST API.
+
+Three roles: `admin` (runs, versions, rounds, blobs upload, worker management), `enroll` (joining the
+fleet), `worker` (its own heartbeat, results, downloads). A missing, malformed or unknown token is 401
+(with `WWW-Authenticate: Bearer`); a valid token of the wrong role, or a worker acting on another
+worker, is 403.
+"""
+
+from __future__ import annotations
+
+import hmac
+from dataclasses import dataclass
+from typing import Literal
+
+from fastapi import HTTPException, Request
+
+Role = Literal["admin", "enroll", "worker"]
+
+
+@dataclass(frozen=True)
+class Principal:
+    """The authenticated caller: a role and, for workers, their id."""
+
+    role: Role
+    worker_id: str | None = None
+
+
+def _reject(request: Request, status: int, reason: str, detail: str) -> HTTPException:
+    request.app.state.metrics.rejected_requests.labels(reason).inc()
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    return HTTPException(status_code=status, detail=detail, headers=headers)
+
+
+def principal(request: Request) -> Principal:
+    """Resolve the Authorization header to a Principal. Raises HTTPException 401 on failure."""
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token or len(token) > 512:
+        raise _reject(request, 401, "unauthenticated", "missing or malformed bearer token")
+    settings = request.app.state.settings
+    if hmac.compare_digest(token.encode(), settings.admin_token.get_secret_value().encode()):
+        return Principal("admin")
+    if hmac.compare_digest(token.encode(), settings.enrollment_token.get_secret_value().encode()):
+        return Principal("enroll")
+    wid = request.app.state.store.authenticate_worker(token)
+    if wid is None:
+        raise _reject(request, 401, "unauthenticated", "unknown token")
+    return Principal("worker", wid)
+
+
+def require(*roles: Role, self_worker: bool = False):
+    """Dependency factory: the caller must have one of `roles`.
+
+    With `self_worker=True` a worker is admitted only for the path parameter `worker_id` naming itself.
+    """
+
+    def dependency(request: Request) -> Principal:
+        p = principal(request)
+        if p.role not in roles:
+            raise _reject(request, 403, "forbidden", f"this call needs a {' or '.join(roles)} token")
+        if self_worker and p.role == "worker" and request.path_params.get("worker_id") != p.worker_id:
+            raise _reject(request, 403, "forbidden", "a worker may act only on itself")
+        return p
+
+    return dependency

@@ -1,0 +1,297 @@
+"""Result intake: validation, staleness bound, deduplication, spot checks, quarantine.
+
+Every result gets exactly one outcome (`IntakeOutcome`), counted in `sparecycles_intake_results_total`.
+A result is accepted only for an open round, one of its seeds, the round's version, finite values, a
+round version within the staleness bound, a non-quarantined (and, if the run has a canary, attested)
+worker; redeliveries are dropped by (round, seed, replica). Checks that depend on mutable state run in
+one Lua script per batch, together with the dedupe (`HSETNX`) and the `XADD` to the run's stream, so a
+crash can never record a result without streaming it or the reverse.
+
+Spot checks (seeds chosen by `spot_check_selected`): replicas 0 and 1 are evaluated by different
+workers and held back. If they agree within tolerance the value is streamed (verified). If not, the
+seed goes to a third worker (replica 2); the replica that disagrees with the other two is the odd one
+out, its worker is quarantined, and the majority value is streamed. Three-way disagreement streams a
+`dropped` event (nobody is provably wrong). Quarantine retracts the worker's unverified accepted results
+in open rounds (a `retracted` event) and re-dispatches those seeds; its later results are rejected and
+their seeds re-dispatched too (bounded by `max_redispatch` per seed and replica).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from functools import lru_cache
+
+from coordinator.celery_app import send_probe_tasks
+from coordinator.messages import ProbeResult, ProbeRound, StreamEvent, values_agree
+from coordinator.metrics import CoordinatorMetrics
+from coordinator.store import NotFound, Store, results_stream_key, spot_check_selected
+
+# KEYS: 1 round hash, 2 seeds set, 3 accepted hash, 4 stream, 5 run hash, 6 worker hash, 7 attested set,
+# 8 spot hash. ARGV: 1 worker id, 2 round version, then triples (seed, mode, payload); mode "a" accepts
+# and streams, "0"/"1"/"2" holds a spot-check replica.
+_INTAKE_LUA = """
+local state = redis.call('HGET', KEYS[1], 'state')
+if not state then return {'unknown_round'} end
+if state ~= 'open' then return {'closed_round'} end
+if redis.call('HGET', KEYS[6], 'state') == 'quarantined' then return {'quarantined'} end
+if redis.call('HGET', KEYS[5], 'canary') == '1' and redis.call('SISMEMBER', KEYS[7], ARGV[1]) == 0 then
+  return {'unattested'}
+end
+local age = tonumber(redis.call('HGET', KEYS[5], 'latest_version')) - tonumber(ARGV[2])
+if age > tonumber(redis.call('HGET', KEYS[5], 'staleness')) then return {'stale', age} end
+local out = {'ok', age, 0, 0, 0}
+local accepted = 0
+for i = 3, #ARGV, 3 do
+  local seed, mode, payload = ARGV[i], ARGV[i + 1], ARGV[i + 2]
+  if redis.call('SISMEMBER', KEYS[2], seed) == 0 then out[#out + 1] = 'unknown_seed'
+  elseif mode == 'a' then
+    if redis.call('HSETNX', KEYS[3], seed, payload) == 0 then out[#out + 1] = 'duplicate'
+    else
+      redis.call('XADD', KEYS[4], '*', 'e', payload)
+      accepted = accepted + 1
+      out[#out + 1] = 'accepted'
+    end
+  else
+    local field = seed .. ':' .. mode
+    local same = false
+    for r = 0, 2 do
+      if tostring(r) ~= mode and redis.call('HGET', KEYS[8], seed .. ':' .. r .. ':w') == ARGV[1] then same = true end
+    end
+    if redis.call('HEXISTS', KEYS[8], field) == 1 then out[#out + 1] = 'duplicate'
+    elseif same then out[#out + 1] = 'same_worker'
+    else
+      redis.call('HSET', KEYS[8], field, payload, field .. ':w', ARGV[1])
+      out[#out + 1] = 'held'
+    end
+  end
+end
+if accepted > 0 then
+  out[3] = redis.call('HINCRBY', KEYS[1], 'done', accepted)
+  out[4] = tonumber(redis.call('HGET', KEYS[1], 'n_seeds'))
+  out[5] = redis.call('HGET', KEYS[1], 'created_at')
+  redis.call('HINCRBY', KEYS[6], 'accepted', accepted)
+end
+return out
+"""
+
+# KEYS: 1 round hash, 2 accepted hash, 3 stream. ARGV: seed, event. Returns the new `done` or -1.
+_PUBLISH_LUA = """
+if redis.call('HSETNX', KEYS[2], ARGV[1], ARGV[2]) == 0 then return -1 end
+redis.call('XADD', KEYS[3], '*', 'e', ARGV[2])
+return redis.call('HINCRBY', KEYS[1], 'done', 1)
+"""
+
+# KEYS: 1 round hash, 2 accepted hash, 3 stream. ARGV: seed, expected event, retraction event.
+_RETRACT_LUA = """
+if redis.call('HGET', KEYS[2], ARGV[1]) ~= ARGV[2] then return 0 end
+redis.call('HDEL', KEYS[2], ARGV[1])
+redis.call('HINCRBY', KEYS[1], 'done', -1)
+redis.call('XADD', KEYS[3], '*', 'e', ARGV[3])
+return 1
+"""
+
+_REJECTED = ("quarantined", "unattested")
+
+
+class Intake:
+    """Applies intake rules to result batches against a `Store`, counting outcomes in `metrics`."""
+
+    def __init__(self, store: Store, metrics: CoordinatorMetrics) -> None:
+        self.store = store
+        self.metrics = metrics
+        self._intake = store.r.register_script(_INTAKE_LUA)
+        self._publish = store.r.register_script(_PUBLISH_LUA)
+        self._retract = store.r.register_script(_RETRACT_LUA)
+        self._round = lru_cache(maxsize=4096)(self._load_round)
+
+    def stream_key(self, run: str) -> str:
+        """Redis Stream of the run's accepted-result events (field `e`: a `StreamEvent` JSON)."""
+        return results_stream_key(self.store.p, run)
+
+    def _load_round(self, run: str, rid: str) -> tuple[ProbeRound, frozenset[int], float, float, float]:
+        # Immutable round facts (the round document never changes once written), cached per process.
+        rnd = self.store.get_round(run, rid)
+        spec = self.store.run_spec(run)
+        spot = frozenset(s for s in rnd.seeds if spot_check_selected(run, rid, s, spec.spot_check_fraction))
+        return rnd, spot, spec.spot_check_fraction, spec.spot_rtol, spec.spot_atol
+
+    def submit(self, worker_id: str, run: str, results: list[ProbeResult]) -> list[str]:
+        """Process results of `run` posted by `worker_id` (already authenticated); return outcomes in order.
+
+        A result naming another worker or another run is `invalid`.
+        """
+        outcomes: list[str] = [""] * len(results)
+        groups: dict[tuple[str, str], list[int]] = {}
+        for i, res in enumerate(results):
+            if res.worker_id != worker_id or res.run != run:
+                outcomes[i] = "invalid"
+            else:
+                groups.setdefault((res.run, res.round_id), []).append(i)
+        for (run, rid), idx in groups.items():
+            self._submit_group(worker_id, run, rid, [results[i] for i in idx], idx, outcomes)
+        for o in outcomes:
+            self.metrics.results.labels(o).inc()
+        rejected = sum(o not in ("accepted", "held", "duplicate") for o in outcomes)
+        if rejected:
+            self.store.r.hincrby(self.store.k_worker(worker_id), "rejected", rejected)
+        return outcomes
+
+    def _submit_group(
+        self, wid: str, run: str, rid: str, results: list[ProbeResult], idx: list[int], outcomes: list[str]
+    ) -> None:
+        try:
+            rnd, spot, _, _, _ = self._round(run, rid)
+        except NotFound:
+            for i in idx:
+                outcomes[i] = "unknown_round"
+            return
+        argv: list[str | int] = [wid, rnd.version]
+        sent: list[tuple[int, ProbeResult]] = []
+        for i, res in zip(idx, results):
+            mode = str(res.replica) if res.seed in spot else ("a" if res.replica == 0 else None)
+            if mode is None or res.version != rnd.version or (rnd.want_clean and res.l0 is None):
+                outcomes[i] = "invalid"
+                continue
+            if mode == "2" and self.store.r.hget(self.store.k_round(run, rid, "dec"), f"{res.seed}:pair") != "disagree":
+                outcomes[i] = "invalid"  # a third evaluation is only legitimate after a disagreement
+                continue
+            event = StreamEvent(kind="accepted", run=run, round_id=rid, seed=res.seed, result=res)
+            argv += [res.seed, mode, event.model_dump_json() if mode == "a" else res.model_dump_json()]
+            sent.append((i, res))
+        if not sent:
+            return
+        s = self.store
+        keys = [
+            s.k_round(run, rid), s.k_round(run, rid, "seeds"), s.k_round(run, rid, "acc"), self.stream_key(run),
+            s.k_run(run, "run"), s.k_worker(wid), s.k_run(run, "attested"), s.k_round(run, rid, "spot"),
+        ]
+        reply = self._intake(keys=keys, args=argv)
+        head = reply[0]
+        if head != "ok":
+            for i, res in sent:
+                outcomes[i] = head
+            if head in _REJECTED:
+                self._redispatch_seeds(rnd, [(res.seed, res.replica) for _, res in sent], head)
+            return
+        age, done, n_seeds, created = int(reply[1]), int(reply[2]), int(reply[3]), reply[4]
+        for (i, res), outcome in zip(sent, reply[5:]):
+            outcomes[i] = outcome
+            if outcome == "accepted":
+                self.metrics.result_age.observe(age)
+            elif outcome == "held":
+                self._resolve(rnd, res.seed)
+            elif outcome == "same_worker":
+                self._redispatch_seeds(rnd, [(res.seed, res.replica)], "same_worker")
+        if done and done == n_seeds:
+            self.metrics.round_latency.observe(max(0.0, time.time() - float(created)))
+
+    # ---- spot checks ----------------------------------------------------------------------------------
+    def _resolve(self, rnd: ProbeRound, seed: int) -> None:
+        s, run, rid = self.store, rnd.run, rnd.round_id
+        _, _, _, rtol, atol = self._round(run, rid)
+        vals = s.r.hmget(s.k_round(run, rid, "spot"), [f"{seed}:{r}" for r in range(3)])
+        r0, r1, r2 = (None if v is None else ProbeResult.model_validate_json(v) for v in vals)
+        dec = s.k_round(run, rid, "dec")
+        if r0 is None or r1 is None:
+            return
+        if r2 is None:
+            if values_agree(r0, r1, rtol, atol):
+                if s.r.hsetnx(dec, str(seed), "agree"):
+                    self.metrics.spot_checks.labels("agree").inc()
+                    self._publish_value(rnd, r0, verified=True)
+            elif s.r.hsetnx(dec, f"{seed}:pair", "disagree"):
+                self.metrics.spot_checks.labels("disagree").inc()
+                self._send(rnd, [seed], 2, "spot_check_third")
+            return
+        if not s.r.hsetnx(dec, str(seed), "final"):
+            return
+        a02, a12 = values_agree(r0, r2, rtol, atol), values_agree(r1, r2, rtol, atol)
+        if a02 and a12:
+            self.metrics.spot_checks.labels("resolved").inc()
+            self._publish_value(rnd, r0, verified=True)
+        elif a02 or a12:
+            good, bad = (r0, r1) if a02 else (r1, r0)
+            self.metrics.spot_checks.labels("resolved").inc()
+            self._publish_value(rnd, good, verified=True)
+            self.quarantine(bad.worker_id, run)
+        else:
+            self.metrics.spot_checks.labels("unresolved").inc()
+            event = StreamEvent(kind="dropped", run=run, round_id=rid, seed=seed)
+            s.r.xadd(self.stream_key(run), {"e": event.model_dump_json()})
+
+    def _publish_value(self, rnd: ProbeRound, res: ProbeResult, verified: bool) -> None:
+        s, run, rid = self.store, rnd.run, rnd.round_id
+        event = StreamEvent(kind="accepted", run=run, round_id=rid, seed=res.seed, result=res, verified=verified)
+        keys = [s.k_round(run, rid), s.k_round(run, rid, "acc"), self.stream_key(run)]
+        done = int(self._publish(keys=keys, args=[res.seed, event.model_dump_json()]))
+        if done >= 0:
+            self.metrics.result_age.observe(max(0, s.latest_version(run) - rnd.version))
+            h = s.r.hmget(s.k_round(run, rid), ["n_seeds", "created_at"])
+            if done == int(h[0]):
+                self.metrics.round_latency.observe(max(0.0, time.time() - float(h[1])))
+
+    def _redispatch_seeds(self, rnd: ProbeRound, seed_replicas: list[tuple[int, int]], reason: str) -> None:
+        """Re-send seeds whose evaluation was refused, at most `max_redispatch` times per (seed, replica)."""
+        s = self.store
+        if s.r.hget(s.k_round(rnd.run, rnd.round_id), "state") != "open":
+            return
+        key = s.k_round(rnd.run, rnd.round_id, "redispatch")
+        by_replica: dict[int, list[int]] = {}
+        for seed, replica in seed_replicas:
+            if s.r.hincrby(key, f"{seed}:{replica}", 1) <= s.settings.max_redispatch:
+                by_replica.setdefault(replica, []).append(seed)
+            elif replica > 0:
+                self._give_up(rnd, seed)
+        for replica, seeds in by_replica.items():
+            self._send(rnd, seeds, replica, reason)
+
+    def _give_up(self, rnd: ProbeRound, seed: int) -> None:
+        # No distinct worker could be found for a replica: stream whatever value exists, unverified.
+        s = self.store
+        if not s.r.hsetnx(s.k_round(rnd.run, rnd.round_id, "dec"), str(seed), "skipped"):
+            return
+        self.metrics.spot_checks.labels("skipped").inc()
+        for v in s.r.hmget(s.k_round(rnd.run, rnd.round_id, "spot"), [f"{seed}:{r}" for r in range(3)]):
+            if v is not None:
+                self._publish_value(rnd, ProbeResult.model_validate_json(v), verified=False)
+                return
+
+    def _send(self, rnd: ProbeRound, seeds: list[int], replica: int, reason: str) -> None:
+        spec = self.store.run_spec(rnd.run)
+        k = spec.seeds_per_task
+        tasks = [Store.task_for(rnd, seeds[i : i + k], replica).model_dump(mode="json") for i in range(0, len(seeds), k)]
+        send_probe_tasks(self.store.celery, self.store.queue_for(rnd.run), tasks)
+        self.metrics.redispatched.labels(reason).inc(len(tasks))
+        self.metrics.tasks_published.inc(len(tasks))
+
+    # ---- quarantine -------------------------------------------------------------------------------------
+    def quarantine(self, wid: str, run: str) -> None:
+        """Quarantine a worker; retract its unverified accepted results in `run`'s open rounds and re-send them."""
+        s = self.store
+        if s.r.hget(s.k_worker(wid), "state") in (None, "quarantined"):
+            return
+        s.r.hset(s.k_worker(wid), "state", "quarantined")
+        self.metrics.quarantined.inc()
+        for rid in s.r.smembers(s.k_run(run, "rounds:open")):
+            rnd, spot = self._round(run, rid)[:2]
+            keys = [s.k_round(run, rid), s.k_round(run, rid, "acc"), self.stream_key(run)]
+            seeds = []
+            for seed, body in s.r.hgetall(s.k_round(run, rid, "acc")).items():
+                ev = json.loads(body)
+                if ev["verified"] or int(seed) in spot or ev["result"]["worker_id"] != wid:
+                    continue
+                retraction = StreamEvent(kind="retracted", run=run, round_id=rid, seed=int(seed))
+                if self._retract(keys=keys, args=[seed, body, retraction.model_dump_json()]):
+                    seeds.append(int(seed))
+            if seeds:
+                self.metrics.retracted.inc(len(seeds))
+                self._send(rnd, seeds, 0, "retracted")
+
+    def attest(self, run: str, wid: str, digest: str) -> bool:
+        """Record a worker's canary digest for `run`; True if it matches the run's canary (or none is set)."""
+        spec = self.store.run_spec(run)
+        if spec.canary is None or spec.canary.digest == digest:
+            self.store.r.sadd(self.store.k_run(run, "attested"), wid)
+            return True
+        return False

@@ -1,0 +1,337 @@
+"""Wire messages between coordinator, workers and trainer (DESIGN.md section 3).
+
+Every message is a strict, frozen, versioned pydantic model: unknown fields, wrong types (no str->int
+coercion), non-finite floats and oversize lists are rejected with a `pydantic.ValidationError`. Ids are
+restricted by regex so they are safe as Redis key parts, Celery queue names and file names.
+Seeds are unsigned 64-bit integers (0 <= s < 2**64), the Philox key of DESIGN.md section 1.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, model_validator
+
+SCHEMA_VERSION = 1
+MAX_SEEDS_PER_ROUND = 65_536
+MAX_SEEDS_PER_TASK = 256
+MAX_RESULTS_PER_BATCH = 1024
+MAX_SHARDS = 4096
+
+RunId = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9_-]{0,63}$")]
+RoundId = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,95}$")]
+WorkerId = Annotated[str, Field(pattern=r"^w-[0-9a-f]{16}$")]
+Sha256Hex = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+ShortText = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[\x20-\x7e]+$")]
+Seed = Annotated[int, Field(ge=0, lt=2**64)]
+Version = Annotated[int, Field(ge=0, lt=2**53)]
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+Distribution = Literal["rademacher", "gauss8"]
+DType = Literal["float32", "bfloat16", "float16"]
+WorkerState = Literal["active", "draining", "lost", "quarantined"]
+
+
+class Message(BaseModel):
+    """Base of every wire message: strict, frozen, unknown fields forbidden, `schema_version == 1`."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
+    schema_version: Literal[1] = 1
+
+
+# ---- workers -----------------------------------------------------------------------------------------
+
+
+class WorkerRegistration(Message):
+    """`POST /v1/workers` body: a worker asks to join (authorised by the enrollment token)."""
+
+    name: ShortText
+    device: ShortText = "cpu"
+    host: ShortText = "unknown"
+
+
+class WorkerRegistered(Message):
+    """`POST /v1/workers` reply: identity, secret and everything needed to start the Celery worker.
+
+    `worker_token` is shown once; the coordinator keeps only its sha256. `queues` are the Celery queues
+    of the currently active runs (heartbeat replies carry the up-to-date list).
+    Times are seconds.
+    """
+
+    worker_id: WorkerId
+    worker_token: str
+    broker_url: str
+    queues: list[str] = Field(max_length=1024)
+    heartbeat_interval_s: FiniteFloat = Field(gt=0)
+    lease_seconds: FiniteFloat = Field(gt=0)
+    visibility_timeout_s: int = Field(gt=0)
+    probe_task_name: str
+
+
+class Heartbeat(Message):
+    """`POST /v1/workers/{id}/heartbeat` body: liveness plus what the worker is doing."""
+
+    busy: bool = False
+    version: Version | None = None
+    tasks_done: int = Field(default=0, ge=0)
+
+
+class Lease(Message):
+    """A worker's lease: valid until `expires_at` (unix seconds); renewed by each heartbeat."""
+
+    worker_id: WorkerId
+    expires_at: FiniteFloat
+    lease_seconds: FiniteFloat = Field(gt=0)
+
+
+class HeartbeatReply(Message):
+    """Heartbeat reply: the renewed lease, the worker's state (drain requests arrive here) and queues."""
+
+    lease: Lease
+    state: WorkerState
+    queues: list[str] = Field(max_length=1024)
+
+
+class WorkerInfo(Message):
+    """`GET /v1/workers` entry. Times are unix seconds; counters count results since registration."""
+
+    worker_id: WorkerId
+    name: str
+    device: str
+    host: str
+    state: WorkerState
+    registered_at: FiniteFloat
+    last_heartbeat: FiniteFloat
+    lease_expires_at: FiniteFloat
+    busy: bool
+    version: Version | None
+    accepted: int
+    rejected: int
+
+
+# ---- runs, versions, ledger, blobs --------------------------------------------------------------------
+
+
+class CanarySpec(Message):
+    """Canary for the z-generator: sha256 of z(seed)[0:numel] as little-endian float32 bytes.
+
+    A worker must post the same digest (`POST /v1/runs/{run}/attest`) before its results count.
+    """
+
+    seed: Seed
+    numel: int = Field(ge=1, le=1 << 24)
+    distribution: Distribution
+    digest: Sha256Hex
+
+
+class RunSpec(Message):
+    """`POST /v1/runs` body. `staleness` S: results for versions older than latest - S are dropped.
+
+    Spot checks: a fraction `spot_check_fraction` of each round's seeds is evaluated by two workers;
+    values disagreeing by more than `spot_atol + spot_rtol * max(|a|, |b|)` trigger a third evaluation.
+    """
+
+    run: RunId
+    model_class: ShortText
+    model_preset: ShortText | None = None
+    model_config_json: dict[str, JsonValue] = Field(default_factory=dict)
+    dtype: DType = "float32"
+    distribution: Distribution = "rademacher"
+    staleness: int = Field(default=2, ge=0, le=1_000_000)
+    spot_check_fraction: FiniteFloat = Field(default=0.05, ge=0.0, le=1.0)
+    spot_rtol: FiniteFloat = Field(default=1e-5, ge=0.0, le=1.0)
+    spot_atol: FiniteFloat = Field(default=1e-6, ge=0.0, le=1e3)
+    seeds_per_task: int = Field(default=4, ge=1, le=MAX_SEEDS_PER_TASK)
+    canary: CanarySpec | None = None
+
+
+class RunInfo(Message):
+    """`GET /v1/runs/{run}` reply. `latest_version` is -1 before the first version or ledger entry."""
+
+    spec: RunSpec
+    queue: str
+    latest_version: int
+    open_rounds: list[str] = Field(max_length=100_000)
+    created_at: FiniteFloat
+
+
+class ShardRef(Message):
+    """One safetensors shard of a version, content-addressed by sha256; `bytes` is its size."""
+
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")]
+    sha256: Sha256Hex
+    bytes: int = Field(ge=0, lt=2**50)
+
+
+class VersionManifest(Message):
+    """A full weight snapshot: shards already in the blob store, in canonical parameter order."""
+
+    run: RunId
+    version: Version
+    parent: Version | None = None
+    shards: list[ShardRef] = Field(min_length=1, max_length=MAX_SHARDS)
+    param_order_hash: Sha256Hex
+    dtype: DType
+    model_class: ShortText
+    model_config_json: dict[str, JsonValue] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _check(self) -> VersionManifest:
+        if self.parent is not None and self.parent >= self.version:
+            raise ValueError("parent must be older than version")
+        if len({s.name for s in self.shards}) != len(self.shards):
+            raise ValueError("shard names must be unique")
+        return self
+
+
+class SeedLedgerEntry(Message):
+    """Pure-ZO update: theta_version = scale * theta_parent + sum_k coeffs[k] * z(seeds[k]).
+
+    `version == parent + 1`; `scale` carries decoupled weight decay (1 - lr * wd).
+    """
+
+    run: RunId
+    version: Version
+    parent: Version
+    seeds: list[Seed] = Field(min_length=1, max_length=MAX_SEEDS_PER_ROUND)
+    coeffs: list[FiniteFloat] = Field(min_length=1, max_length=MAX_SEEDS_PER_ROUND)
+    distribution: Distribution
+    scale: FiniteFloat = 1.0
+
+    @model_validator(mode="after")
+    def _check(self) -> SeedLedgerEntry:
+        if len(self.seeds) != len(self.coeffs):
+            raise ValueError("seeds and coeffs must have the same length")
+        if self.version != self.parent + 1:
+            raise ValueError("a ledger entry must advance exactly one version (version == parent + 1)")
+        return self
+
+
+class BlobInfo(Message):
+    """Reply of a blob upload: the content hash and size in bytes."""
+
+    sha256: Sha256Hex
+    bytes: int
+
+
+class Attestation(Message):
+    """`POST /v1/runs/{run}/attest` body: the worker's digest of the run's canary direction."""
+
+    worker_id: WorkerId
+    digest: Sha256Hex
+
+
+# ---- rounds, tasks, results ---------------------------------------------------------------------------
+
+
+class ProbeRound(Message):
+    """`POST /v1/runs/{run}/rounds` body: evaluate L(theta_version +- eps z(seed); batch) for each seed.
+
+    `batch_sha256` names a blob already uploaded (the batch travels once). `want_clean` asks for L0.
+    """
+
+    run: RunId
+    round_id: RoundId
+    version: Version
+    batch_sha256: Sha256Hex
+    eps: FiniteFloat = Field(gt=0.0, le=1e3)
+    distribution: Distribution
+    seeds: list[Seed] = Field(min_length=1, max_length=MAX_SEEDS_PER_ROUND)
+    want_clean: bool = False
+
+    @model_validator(mode="after")
+    def _unique(self) -> ProbeRound:
+        if len(set(self.seeds)) != len(self.seeds):
+            raise ValueError("seeds of a round must be unique")
+        return self
+
+
+class RoundInfo(Message):
+    """Reply of round creation / `GET .../rounds/{round_id}`: task counts and progress."""
+
+    run: RunId
+    round_id: RoundId
+    version: Version
+    state: Literal["open", "closed"]
+    n_seeds: int
+    n_spot_checks: int
+    tasks_published: int
+    done: int
+
+
+class ProbeTask(Message):
+    """Celery task kwargs (`sparecycles.probe`): a few seeds of one round.
+
+    `replica` 0 is the primary evaluation; 1 and 2 are spot-check re-evaluations (must come from other
+    workers). Tasks are idempotent: redelivery produces duplicates that intake drops.
+    """
+
+    run: RunId
+    round_id: RoundId
+    version: Version
+    batch_sha256: Sha256Hex
+    eps: FiniteFloat = Field(gt=0.0)
+    distribution: Distribution
+    seeds: list[Seed] = Field(min_length=1, max_length=MAX_SEEDS_PER_TASK)
+    want_clean: bool
+    replica: int = Field(default=0, ge=0, le=2)
+
+
+class ProbeResult(Message):
+    """One seed's losses: l_plus = L(theta + eps z), l_minus = L(theta - eps z), l0 = L(theta)."""
+
+    run: RunId
+    round_id: RoundId
+    seed: Seed
+    version: Version
+    worker_id: WorkerId
+    replica: int = Field(default=0, ge=0, le=2)
+    l_plus: FiniteFloat
+    l_minus: FiniteFloat
+    l0: FiniteFloat | None = None
+
+
+class ResultBatch(Message):
+    """`POST /v1/runs/{run}/results` body: the results of one task (or a few), one worker, one round."""
+
+    results: list[ProbeResult] = Field(min_length=1, max_length=MAX_RESULTS_PER_BATCH)
+
+
+IntakeOutcome = Literal[
+    "accepted", "held", "duplicate", "stale", "invalid", "unknown_round", "closed_round", "unknown_seed",
+    "quarantined", "unattested", "same_worker",
+]
+INTAKE_OUTCOMES: tuple[str, ...] = IntakeOutcome.__args__  # type: ignore[attr-defined]
+
+
+class IntakeReply(Message):
+    """Per-result outcomes of a `ResultBatch`, in order. `held` = spot-check value awaiting its twin."""
+
+    outcomes: list[IntakeOutcome]
+
+
+class StreamEvent(Message):
+    """An entry of the run's accepted-results stream read by the trainer.
+
+    kind `accepted`: `result` is usable. `retracted`: a previously accepted result of a quarantined
+    worker must be discarded (a fresh evaluation of the seed follows). `dropped`: spot-check replicas
+    disagreed with no majority; the seed will not be delivered.
+    """
+
+    kind: Literal["accepted", "retracted", "dropped"]
+    run: RunId
+    round_id: RoundId
+    seed: Seed
+    result: ProbeResult | None = None
+    verified: bool = False
+
+
+def values_agree(a: ProbeResult, b: ProbeResult, rtol: float, atol: float) -> bool:
+    """True if l_plus, l_minus (and l0 when both have it) agree: |x - y| <= atol + rtol * max(|x|, |y|).
+
+    Pure function of two results and the tolerances (numpy.isclose-style but symmetric).
+    """
+    pairs = [(a.l_plus, b.l_plus), (a.l_minus, b.l_minus)]
+    if a.l0 is not None and b.l0 is not None:
+        pairs.append((a.l0, b.l0))
+    return all(math.fabs(x - y) <= atol + rtol * max(math.fabs(x), math.fabs(y)) for x, y in pairs)

@@ -1,0 +1,81 @@
+"""Prometheus metric definitions of the coordinator (prometheus-client).
+
+Names start with `sparecycles_`; counters end in `_total` (prometheus-client appends it); labels are
+bounded enums (outcome, reason, state, run) — never per seed or per task. Each `CoordinatorMetrics`
+owns its registry so several apps in one process (tests) do not collide.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from coordinator.messages import INTAKE_OUTCOMES
+
+SPOT_OUTCOMES = ("agree", "disagree", "resolved", "unresolved", "skipped")
+
+
+class _LiveGauges(Collector):
+    """Gauges read from Redis at scrape time: workers by state and Celery queue depth per run."""
+
+    def __init__(self, workers: Callable[[], dict[str, int]], queues: Callable[[], dict[str, int]]) -> None:
+        self._workers = workers
+        self._queues = queues
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        w = GaugeMetricFamily("sparecycles_workers", "Registered workers by state.", labels=["state"])
+        for state, n in sorted(self._workers().items()):
+            w.add_metric([state], n)
+        yield w
+        q = GaugeMetricFamily("sparecycles_queue_depth", "Probe tasks waiting in a run's queue.", labels=["run"])
+        for run, n in sorted(self._queues().items()):
+            q.add_metric([run], n)
+        yield q
+
+
+class CoordinatorMetrics:
+    """All coordinator metrics on one registry. Histogram units: versions, seconds."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.results = Counter(
+            "sparecycles_intake_results", "Probe results received, by intake outcome.", ["outcome"], registry=r
+        )
+        for outcome in INTAKE_OUTCOMES:
+            self.results.labels(outcome)
+        self.tasks_published = Counter("sparecycles_tasks_published", "Probe tasks sent to Celery.", registry=r)
+        self.redispatched = Counter(
+            "sparecycles_tasks_redispatched", "Probe tasks re-sent by intake, by reason.", ["reason"], registry=r
+        )
+        self.rounds_opened = Counter("sparecycles_rounds_opened", "Probe rounds opened.", registry=r)
+        self.result_age = Histogram(
+            "sparecycles_result_age_versions", "Accepted results: latest version minus the round's version.",
+            buckets=(0, 1, 2, 4, 8, 16, 32, 64), registry=r,
+        )
+        self.round_latency = Histogram(
+            "sparecycles_round_latency_seconds", "Round opened to every seed accepted.",
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900), registry=r,
+        )
+        self.blob_bytes_served = Counter("sparecycles_blob_bytes_served", "Blob bytes sent.", registry=r)
+        self.blob_bytes_stored = Counter("sparecycles_blob_bytes_stored", "Blob bytes uploaded.", registry=r)
+        self.rejected_requests = Counter(
+            "sparecycles_rejected_requests", "HTTP requests refused, by reason.", ["reason"], registry=r
+        )
+        self.spot_checks = Counter(
+            "sparecycles_spot_checks", "Spot-check decisions, by outcome.", ["outcome"], registry=r
+        )
+        for outcome in SPOT_OUTCOMES:
+            self.spot_checks.labels(outcome)
+        self.quarantined = Counter("sparecycles_workers_quarantined", "Workers quarantined.", registry=r)
+        self.lost = Counter("sparecycles_workers_lost", "Worker leases that expired.", registry=r)
+        self.retracted = Counter(
+            "sparecycles_results_retracted", "Accepted results retracted after quarantine.", registry=r
+        )
+
+    def attach_live(self, workers: Callable[[], dict[str, int]], queues: Callable[[], dict[str, int]]) -> None:
+        """Register the scrape-time gauges (worker states, queue depths) backed by the given callables."""
+        self.registry.register(_LiveGauges(workers, queues))

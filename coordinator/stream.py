@@ -1,0 +1,77 @@
+"""The trainer's side of result delivery: a Redis Streams consumer-group reader (no torch).
+
+Intake appends `StreamEvent`s to `{prefix}:{run}:results`. The trainer reads them through a consumer
+group with explicit acknowledgement, so a trainer restart loses nothing: on start the reader first
+re-reads its own pending (delivered, unacked) entries, then claims entries abandoned by other
+consumers for longer than `claim_idle_ms` (XAUTOCLAIM), then reads new ones.
+"""
+
+from __future__ import annotations
+
+import redis
+
+from coordinator.messages import StreamEvent
+from coordinator.store import results_stream_key
+
+
+class ResultStreamReader:
+    """Consumer `consumer` of group `group` on run `run`'s result stream.
+
+    `read()` returns [(entry_id, StreamEvent)]; call `ack(ids)` once an event is durably used. Duplicate
+    delivery of the same entry is possible after a crash between use and ack; entries are unique per
+    (round, seed) for `accepted` events, so callers dedupe on that key.
+    """
+
+    def __init__(
+        self, redis_url: str, run: str, *, group: str = "trainer", consumer: str = "trainer-0",
+        key_prefix: str = "sc", claim_idle_ms: int = 60_000,
+    ) -> None:
+        if claim_idle_ms <= 0:
+            raise ValueError("claim_idle_ms must be positive (milliseconds)")
+        self.r = redis.Redis.from_url(redis_url, decode_responses=True)
+        self.key = results_stream_key(key_prefix, run)
+        self.group, self.consumer, self.claim_idle_ms = group, consumer, claim_idle_ms
+        self._own_pending_done = False
+        try:
+            self.r.xgroup_create(self.key, group, id="0", mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    @staticmethod
+    def _parse(entries: list) -> list[tuple[str, StreamEvent]]:
+        return [(eid, StreamEvent.model_validate_json(fields["e"])) for eid, fields in entries if fields]
+
+    def read(self, count: int = 1000, block_ms: int = 1000) -> list[tuple[str, StreamEvent]]:
+        """Up to `count` events, waiting at most `block_ms` milliseconds for new ones."""
+        if not self._own_pending_done:
+            got = self.r.xreadgroup(self.group, self.consumer, {self.key: "0"}, count=count)
+            entries = got[0][1] if got else []
+            if entries:
+                return self._parse(entries)
+            self._own_pending_done = True
+        claimed = self.r.xautoclaim(self.key, self.group, self.consumer, self.claim_idle_ms, "0-0", count=count)
+        if claimed[1]:
+            return self._parse(claimed[1])
+        got = self.r.xreadgroup(self.group, self.consumer, {self.key: ">"}, count=count, block=block_ms)
+        return self._parse(got[0][1]) if got else []
+
+    def ack(self, ids: list[str]) -> int:
+        """Acknowledge entries; returns how many were pending."""
+        return int(self.r.xack(self.key, self.group, *ids)) if ids else 0
+
+    def pending(self) -> int:
+        """Entries delivered to the group but not yet acknowledged."""
+        return int(self.r.xpending(self.key, self.group)["pending"])
+
+    def trim(self) -> int:
+        """Delete entries every consumer of the group has acknowledged; returns how many were removed."""
+        info = self.r.xpending(self.key, self.group)
+        if info["pending"]:
+            min_id = info["min"]
+        else:
+            groups = {g["name"]: g for g in self.r.xinfo_groups(self.key)}
+            last = groups[self.group]["last-delivered-id"]
+            ms, seq = (int(x) for x in last.split("-"))
+            min_id = f"{ms}-{seq + 1}"
+        return int(self.r.xtrim(self.key, minid=min_id))
