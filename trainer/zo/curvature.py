@@ -1,0 +1,126 @@
+"""Versioned curvature state: an EMA of per-block (or per-coordinate) curvature with a staleness bound.
+
+Probe results are computed against published weight versions and may arrive late (DESIGN.md §2-§3).
+`CurvatureState` folds in only contributions whose version is within `staleness` of the trainer's
+current version, deduplicates redelivered results by key, and counts every outcome so the trainer can
+log accepted/stale/duplicate per step (DESIGN.md §2, "Convergence-relevant knobs").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from enum import Enum
+from typing import Any
+
+import torch
+
+
+class Outcome(str, Enum):
+    """What happened to one contribution offered to a `CurvatureState`."""
+
+    ACCEPTED = "accepted"
+    STALE = "stale"
+    DUPLICATE = "duplicate"
+
+
+class CurvatureState:
+    """Bias-corrected EMA of a curvature vector, shape (n,) float64, with version bookkeeping.
+
+    estimate = ema / (1 − β^updates) (Adam-style bias correction, so the first contribution is taken
+    as is). A contribution stamped with version u is stale when current_version − u > staleness.
+
+    Args:
+        size: length n of the curvature vector (blocks, or coordinates).
+        beta: EMA factor in [0, 1).
+        staleness: bound S >= 0 in versions.
+    Raises ValueError for out-of-range arguments.
+    """
+
+    def __init__(self, size: int, beta: float = 0.9, staleness: int = 2) -> None:
+        if size < 1:
+            raise ValueError(f"curvature size must be >= 1, got {size}")
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(f"beta must be in [0, 1), got {beta}")
+        if staleness < 0:
+            raise ValueError(f"staleness bound must be >= 0, got {staleness}")
+        self.size, self.beta, self.staleness = size, beta, staleness
+        self.ema = torch.zeros(size, dtype=torch.float64)
+        self.updates = 0
+        self.current_version = 0
+        self.counts = {o.value: 0 for o in Outcome}
+        self._seen: dict[Hashable, int] = {}  # key -> version, pruned once the version is stale
+
+    @property
+    def ready(self) -> bool:
+        """True once at least one contribution has been folded in."""
+        return self.updates > 0
+
+    @property
+    def estimate(self) -> torch.Tensor:
+        """Bias-corrected EMA, shape (n,) float64; zeros before the first contribution."""
+        if not self.updates:
+            return torch.zeros_like(self.ema)
+        return self.ema / (1.0 - self.beta**self.updates)
+
+    def set_version(self, version: int) -> None:
+        """Advance the trainer's current version (monotone). Raises ValueError if it goes backwards."""
+        if version < self.current_version:
+            raise ValueError(f"version went backwards: {version} < {self.current_version}")
+        self.current_version = version
+        floor = version - self.staleness
+        self._seen = {k: v for k, v in self._seen.items() if v >= floor}
+
+    def admit(self, version: int, key: Hashable | None = None) -> Outcome:
+        """Classify (and count) a contribution without folding it: stale, duplicate (same key), or accepted.
+
+        Raises ValueError for a version newer than the current one (results cannot come from the future).
+        """
+        if version > self.current_version:
+            raise ValueError(f"contribution version {version} is newer than current {self.current_version}; "
+                             "call set_version first")
+        if self.current_version - version > self.staleness:
+            outcome = Outcome.STALE
+        elif key is not None and key in self._seen:
+            outcome = Outcome.DUPLICATE
+        else:
+            outcome = Outcome.ACCEPTED
+            if key is not None:
+                self._seen[key] = version
+        self.counts[outcome.value] += 1
+        return outcome
+
+    def fold(self, contribution: torch.Tensor) -> None:
+        """EMA update ema ← β·ema + (1 − β)·contribution, contribution shape (n,), finite.
+
+        Raises ValueError on shape mismatch or non-finite values.
+        """
+        c = torch.as_tensor(contribution, dtype=torch.float64).reshape(-1)
+        if c.numel() != self.size:
+            raise ValueError(f"contribution has {c.numel()} entries, state holds {self.size}")
+        if not torch.isfinite(c).all():
+            raise ValueError("curvature contribution is not finite")
+        self.ema.mul_(self.beta).add_(c, alpha=1.0 - self.beta)
+        self.updates += 1
+
+    def add(self, contribution: torch.Tensor, version: int, key: Hashable | None = None) -> Outcome:
+        """`admit` then, if accepted, `fold`. Returns the outcome (also counted in `counts`)."""
+        outcome = self.admit(version, key)
+        if outcome is Outcome.ACCEPTED:
+            self.fold(contribution)
+        return outcome
+
+    def state_dict(self) -> dict[str, Any]:
+        """Checkpointable state (tensors and plain values; dedup keys are kept as a list of pairs)."""
+        return {"size": self.size, "beta": self.beta, "staleness": self.staleness, "ema": self.ema.clone(),
+                "updates": self.updates, "current_version": self.current_version,
+                "counts": dict(self.counts), "seen": [[k, v] for k, v in self._seen.items()]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore from `state_dict()`. Raises ValueError if the size differs."""
+        if int(state["size"]) != self.size:
+            raise ValueError(f"checkpoint curvature size {state['size']} != {self.size}")
+        self.beta, self.staleness = float(state["beta"]), int(state["staleness"])
+        self.ema = torch.as_tensor(state["ema"], dtype=torch.float64).clone()
+        self.updates, self.current_version = int(state["updates"]), int(state["current_version"])
+        self.counts = {o.value: int(state["counts"].get(o.value, 0)) for o in Outcome}
+        self._seen = {(tuple(k) if isinstance(k, list) else k): int(v) for k, v in state["seen"]}

@@ -1,0 +1,114 @@
+"""Pure-ZO training steps: MeZO, 1SPSA(K), 1.5-SPSA(K, α, λ) (DESIGN.md §2).
+
+Each step draws K seeds from (run seed, step), gets L± (and L0 for 1.5-SPSA) from a ProbeBackend,
+turns them into coefficients c_k (trainer.zo.estimators) and applies θ ← θ·(1 − lr·wd) + Σ_k c_k z(s_k)
+to fp32 master weights with the kernels' replay (so the update is a seed ledger: (step, seeds, c)).
+The decay-then-replay order equals MeZO's θ − lr·(g·z + wd·θ) with wd evaluated at the old θ.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Literal
+
+import torch
+
+from trainer.zo import estimators as est
+from kernels import replay_
+from trainer.zo.backend import ProbeBackend, ProbeRound, collect_round, losses
+
+Method = Literal["mezo", "1spsa", "1.5spsa"]
+METHOD_DIST = {"mezo": "gauss8", "1spsa": "rademacher", "1.5spsa": "rademacher"}
+
+
+def zo_coefficients(method: Method, lp: torch.Tensor, lm: torch.Tensor, l0: torch.Tensor | None, eps: float,
+                    lr: float, alpha: float = 0.1, lam: float = 1.0) -> tuple[torch.Tensor, dict[str, float]]:
+    """Update coefficients c (K,) float64 for `method` from probe losses, and scalars to log.
+
+    mezo: c = −lr·g (K = 1, Malladi et al. 2023); 1spsa: c_k = −(lr/K)·g_k (Spall 1992);
+    1.5spsa: c_k = −(lr/K)·g_k/max(|h_k|^α, λ) (Chaubard, Kochenderfer, Ré) — needs l0.
+    Raises ValueError for an unknown method or a 1.5-SPSA call without l0.
+    """
+    g = est.slope(lp, lm, eps)
+    stats = {"g_mean": float(g.mean()), "g_abs_mean": float(g.abs().mean())}
+    if method == "mezo":
+        c = est.mezo_coefficients(g, lr)
+    elif method == "1spsa":
+        c = est.spsa_coefficients(g, lr)
+    elif method == "1.5spsa":
+        if l0 is None:
+            raise ValueError("1.5-SPSA needs the clean loss L0 (submit rounds with want_clean=True)")
+        h = est.curvature(lp, lm, l0, eps)
+        w = est.spsa15_weights(h, alpha, lam)
+        c = est.spsa15_coefficients(g, h, lr, alpha, lam)
+        stats.update({"h_mean": float(h.mean()), "h_std": float(h.std()) if h.numel() > 1 else 0.0,
+                      "w_mean": float(w.mean()), "frac_weight_floored": float((h.abs().pow(alpha) <= lam)
+                                                                              .double().mean())})
+    else:
+        raise ValueError(f"unknown ZO method {method!r}; use mezo, 1spsa or 1.5spsa")
+    return c, stats
+
+
+class ZOStepper:
+    """Holds fp32 masters of a model and applies pure-ZO steps to it.
+
+    Args:
+        model: module whose `named_parameters()` (canonical order) are trained; any float dtype.
+        method: "mezo" (K forced to 1, gauss8 probes), "1spsa" or "1.5spsa" (Rademacher probes).
+        run_seed: seeds of step t are estimators.step_seeds(run_seed, t, K).
+        probes, eps, alpha, lam: K, ε, 1.5-SPSA α and λ.
+        weight_decay: decoupled, applied to tensors with dim >= 2 only (GPT-2 recipe).
+    Raises ValueError for an unknown method.
+    """
+
+    def __init__(self, model: torch.nn.Module, method: Method, *, run_seed: int, probes: int = 8,
+                 eps: float = 1e-3, alpha: float = 0.1, lam: float = 1.0, weight_decay: float = 0.0) -> None:
+        if method not in METHOD_DIST:
+            raise ValueError(f"unknown ZO method {method!r}; use mezo, 1spsa or 1.5spsa")
+        self.model, self.method, self.run_seed = model, method, run_seed
+        self.k = 1 if method == "mezo" else probes
+        self.eps, self.alpha, self.lam, self.weight_decay = eps, alpha, lam, weight_decay
+        self.dist = METHOD_DIST[method]
+        self.params = [p for _, p in model.named_parameters()]
+        self.offsets = list(itertools.accumulate((p.numel() for p in self.params), initial=0))[:-1]
+        self.masters = [p.detach().float().clone() if p.dtype != torch.float32 else p.data for p in self.params]
+        self.forward_passes = 0
+
+    def probe_round(self, step: int, batch: Any) -> ProbeRound:
+        """The round of step `step`: K seeded probes at version `step`, clean pass for 1.5-SPSA."""
+        seeds = tuple(est.step_seeds(self.run_seed, step, self.k))
+        return ProbeRound(f"zo-{step}", step, batch, self.eps, seeds, self.dist,
+                          want_clean=self.method == "1.5spsa")
+
+    @torch.no_grad()
+    def step(self, step: int, batch: Any, backend: ProbeBackend, lr: float) -> dict[str, float]:
+        """One ZO step at version `step`; returns loss (L0, or mean of L± without a clean pass) and stats."""
+        r = self.probe_round(step, batch)
+        res = collect_round(backend, r)
+        lp, lm, l0 = losses(res)
+        self.forward_passes += 2 * len(res) + (1 if r.want_clean else 0)
+        c, stats = zo_coefficients(self.method, lp, lm, l0, self.eps, lr, self.alpha, self.lam)
+        seeds, coeffs = list(r.seeds), [float(x) for x in c]
+        for p, w, off in zip(self.params, self.masters, self.offsets):
+            if self.weight_decay and p.dim() >= 2:
+                w.mul_(1.0 - lr * self.weight_decay)
+            replay_(w, seeds, coeffs, off, self.dist)
+            if p.dtype != torch.float32:
+                p.data.copy_(w)  # one rounding from the fp32 master
+        loss = float(l0.mean()) if l0 is not None else float((lp + lm).mean() / 2)
+        return {"loss": loss, "forward_passes": float(self.forward_passes),
+                "update_coef_abs_mean": float(c.abs().mean()), **stats}
+
+    def state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """(tensors, JSON) for checkpoints: fp32 masters of non-fp32 params, forward-pass count."""
+        tensors = {f"zo_master/{i}": w for i, (p, w) in enumerate(zip(self.params, self.masters))
+                   if p.dtype != torch.float32}
+        return tensors, {"forward_passes": self.forward_passes}
+
+    def load_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        """Restore `state()`; masters missing from `tensors` are re-read from the (loaded) model."""
+        self.forward_passes = int(meta.get("forward_passes", 0))
+        for i, p in enumerate(self.params):
+            if p.dtype != torch.float32:
+                src = tensors.get(f"zo_master/{i}")
+                self.masters[i] = (src if src is not None else p.detach()).float().clone()
