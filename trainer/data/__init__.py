@@ -21,9 +21,26 @@ from trainer.data.tokenizer import EOT, N_VOCAB, gpt2_encoding
 TASKS = ("sentiment",)
 
 __all__ = [
-    "ARTIFACTS", "Artifact", "CORPORA", "Corpus", "DataFetchError", "EOT", "N_VOCAB", "SentimentData", "TASKS",
-    "batch_rng", "corpus_dir", "fetch_artifact", "fetch_cli", "fetch_corpus", "fetch_sentiment", "get_batch",
-    "gpt2_encoding", "iter_eval_batches", "load_corpus", "load_sentiment",
+    "ARTIFACTS",
+    "CORPORA",
+    "EOT",
+    "N_VOCAB",
+    "TASKS",
+    "Artifact",
+    "Corpus",
+    "DataFetchError",
+    "SentimentData",
+    "batch_rng",
+    "corpus_dir",
+    "fetch_artifact",
+    "fetch_cli",
+    "fetch_corpus",
+    "fetch_sentiment",
+    "get_batch",
+    "gpt2_encoding",
+    "iter_eval_batches",
+    "load_corpus",
+    "load_sentiment",
 ]
 
 

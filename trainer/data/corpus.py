@@ -18,8 +18,14 @@ from typing import Any
 
 import numpy as np
 
-from trainer.data.sources import ARTIFACTS, DataFetchError, client_available, iter_deb_files, \
-    iter_tar_members, sha256_file
+from trainer.data.sources import (
+    ARTIFACTS,
+    DataFetchError,
+    client_available,
+    iter_deb_files,
+    iter_tar_members,
+    sha256_file,
+)
 from trainer.data.text import decode_text, dedupe_key, normalize_text, unit_hash
 from trainer.data.tokenizer import EOT, N_VOCAB, RANKS_SHA256, TOKENIZER_ID, gpt2_encoding
 from trainer.paths import cache_dir
@@ -151,7 +157,8 @@ def assign_val(doc_ids: list[str], n_tokens: list[int], val_fraction: float = VA
         ValueError: fewer than two documents, mismatched lengths, or val_fraction outside (0, 1).
     """
     if len(doc_ids) != len(n_tokens) or len(doc_ids) < 2:
-        raise ValueError(f"need >= 2 documents with token counts, got {len(doc_ids)} ids / {len(n_tokens)} counts")
+        raise ValueError(f"need >= 2 documents with token counts, got {len(doc_ids)} ids and "
+                         f"{len(n_tokens)} counts")
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
     target = val_fraction * sum(n_tokens)
@@ -265,7 +272,8 @@ def _build(name: str, d: Path, progress: bool) -> dict[str, Any]:
     d.mkdir(parents=True, exist_ok=True)
     splits: dict[str, Any] = {}
     for split in SPLITS:
-        picked = [(doc, t) for doc, t in zip(docs, tokens) if (doc.doc_id in val_ids) == (split == "val")]
+        picked = [(doc, t) for doc, t in zip(docs, tokens, strict=True)
+                  if (doc.doc_id in val_ids) == (split == "val")]
         arr = np.concatenate([t for _, t in picked]) if picked else np.zeros(0, np.uint16)
         tmp = d / f".{split}.bin.tmp"
         arr.tofile(tmp)

@@ -98,8 +98,8 @@ def _verify(manifest: dict[str, Any]) -> bool:
     if manifest.get("source", {}).get("sha256") != ARTIFACTS["vaderSentiment"].sha256:
         return False
     d = task_dir()
-    return all((d / f"{s}.jsonl").is_file() and sha256_file(d / f"{s}.jsonl") == manifest["splits"][s]["sha256"]
-               for s in SPLITS)
+    files = {s: d / f"{s}.jsonl" for s in SPLITS}
+    return all(p.is_file() and sha256_file(p) == manifest["splits"][s]["sha256"] for s, p in files.items())
 
 
 def fetch_sentiment(force: bool = False) -> dict[str, Any]:

@@ -137,7 +137,8 @@ def fetch_artifact(key: str) -> Path:
         got = sha256_file(dest)
         if got == art.sha256:
             return dest
-        log.warning("cached %s has sha256 %s, expected %s: deleting and fetching again", dest, got, art.sha256)
+        log.warning("cached %s has sha256 %s, expected %s: deleting and fetching again",
+                    dest, got, art.sha256)
         dest.unlink()
     if not client_available(key):
         missing = [exe for exe in _EXECUTABLES[art.client] if not shutil.which(exe)]
@@ -187,7 +188,8 @@ def _run_client(art: Artifact, out: Path) -> Path:
     attempts = 2 if art.client == "apt" else 1  # apt may only know the version after `apt-get update`
     for attempt in range(attempts):
         try:
-            proc = subprocess.run(cmd, cwd=out, capture_output=True, text=True, timeout=_TIMEOUT_S[art.client])
+            proc = subprocess.run(cmd, check=False, cwd=out, capture_output=True, text=True,
+                                  timeout=_TIMEOUT_S[art.client])
         except subprocess.TimeoutExpired:
             raise DataFetchError(f"fetching {art.spec} with {art.client} timed out after "
                                  f"{_TIMEOUT_S[art.client]} s. {_advice(art)}") from None
@@ -195,14 +197,21 @@ def _run_client(art: Artifact, out: Path) -> Path:
         if proc.returncode == 0 and len(files) == 1:
             return files[0]
         if attempt + 1 < attempts:
-            upd = subprocess.run(["apt-get", "update"], capture_output=True, text=True, timeout=300)
+            upd = subprocess.run(["apt-get", "update"], check=False, capture_output=True, text=True,
+                                 timeout=300)
             if upd.returncode != 0:
                 log.warning("apt-get update failed: %s", upd.stderr.strip()[-500:])
                 break
     tail = (proc.stderr or proc.stdout).strip()[-800:]
     raise DataFetchError(
-        f"could not fetch {art.spec} with {art.client} (`{' '.join(cmd[-3:])}` exited {proc.returncode}; "
-        f"files: {[p.name for p in out.iterdir()]}):\n{tail}\n{_advice(art)}")
+        f"could not fetch {art.spec} with {art.client} (`{_shown(cmd)}` exited {proc.returncode}):\n"
+        f"{tail}\n{_advice(art)}")
+
+
+def _shown(cmd: list[str]) -> str:
+    # `python -m pip download ... -d TMP` reads better as `pip download ...`
+    shown = cmd[2:-2] if cmd[0] == sys.executable else cmd
+    return " ".join(shown)
 
 
 def iter_tar_members(key: str, prefix: str, suffix: str = "") -> Iterator[tuple[str, bytes]]:
@@ -236,7 +245,8 @@ def iter_deb_files(key: str, prefix: str) -> Iterator[tuple[str, bytes]]:
     """
     deb = fetch_artifact(key)
     with tempfile.TemporaryDirectory(prefix=f".unpack-{key}-") as tmp:
-        proc = subprocess.run(["dpkg-deb", "-x", str(deb), tmp], capture_output=True, text=True, timeout=120)
+        proc = subprocess.run(["dpkg-deb", "-x", str(deb), tmp], check=False, capture_output=True, text=True,
+                              timeout=120)
         if proc.returncode != 0:
             raise DataFetchError(f"dpkg-deb -x {deb} failed: {proc.stderr.strip()[-500:]}")
         root = Path(tmp)

@@ -8,11 +8,12 @@ import unicodedata
 
 # Project Gutenberg wrappers, modern ("*** START OF THE PROJECT GUTENBERG EBOOK X ***") and the 1990s
 # "small print" header; the licence text sits outside these markers.
+_FLAGS = re.MULTILINE | re.IGNORECASE
 _PG_START = re.compile(
-    r"^\*{3}\s*START OF (?:THE|THIS) PROJECT GUTENBERG.*$|^\*END\*THE SMALL PRINT!.*$", re.M | re.I)
+    r"^\*{3}\s*START OF (?:THE|THIS) PROJECT GUTENBERG.*$|^\*END\*THE SMALL PRINT!.*$", _FLAGS)
 _PG_END = re.compile(
-    r"^\*{3}\s*END OF (?:THE|THIS) PROJECT GUTENBERG.*$|^End of (?:the )?Project Gutenberg'?s? .*$", re.M | re.I)
-_TRAILING_WS = re.compile(r"[ \t]+$", re.M)
+    r"^\*{3}\s*END OF (?:THE|THIS) PROJECT GUTENBERG.*$|^End of (?:the )?Project Gutenberg'?s? .*$", _FLAGS)
+_TRAILING_WS = re.compile(r"[ \t]+$", re.MULTILINE)
 _BLANK_RUNS = re.compile(r"\n{3,}")
 _WS = re.compile(r"\s+")
 
