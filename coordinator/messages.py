@@ -39,6 +39,12 @@ class Message(BaseModel):
     schema_version: Literal[1] = 1
 
 
+class Part(BaseModel):
+    """Base of nested parts of messages (no version of their own): same strictness as `Message`."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
+
+
 # ---- workers -----------------------------------------------------------------------------------------
 
 
@@ -76,7 +82,7 @@ class Heartbeat(Message):
     tasks_done: int = Field(default=0, ge=0)
 
 
-class Lease(Message):
+class Lease(Part):
     """A worker's lease: valid until `expires_at` (unix seconds); renewed by each heartbeat."""
 
     worker_id: WorkerId
@@ -112,7 +118,7 @@ class WorkerInfo(Message):
 # ---- runs, versions, ledger, blobs --------------------------------------------------------------------
 
 
-class CanarySpec(Message):
+class CanarySpec(Part):
     """Canary for the z-generator: sha256 of z(seed)[0:numel] as little-endian float32 bytes.
 
     A worker must post the same digest (`POST /v1/runs/{run}/attest`) before its results count.
@@ -155,7 +161,7 @@ class RunInfo(Message):
     created_at: FiniteFloat
 
 
-class ShardRef(Message):
+class ShardRef(Part):
     """One safetensors shard of a version, content-addressed by sha256; `bytes` is its size."""
 
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")]
