@@ -1,0 +1,219 @@
+"""Weight cache of a probe worker: content-addressed safetensors shards on disk, loaded versions in memory.
+
+Shards live at `root/shards/ab/abcdef...` named by their sha256. Every use re-hashes the bytes it is
+about to parse (the parse reads those same bytes, so nothing unverified is ever loaded); a shard whose
+hash differs is deleted, counted and fetched again. Only shards the worker lacks are downloaded, so a
+version sharing shards with its parent costs only the changed ones. The newest `keep_versions` models
+stay loaded; shards not referenced by the newest `keep_disk_versions` manifests are pruned from disk.
+
+Shard layout (written by `trainer.coordinator_backend.write_shards`): each shard holds some canonical
+parameters (`model.named_parameters()` names, tied weights once); together they cover all of them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from coordinator.messages import ShardRef, VersionManifest
+from probe_worker.client import CoordinatorClient, CorruptBlobError
+from probe_worker.metrics import WorkerMetrics, default_metrics
+
+SHARD_FETCH_TRIES = 3
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def model_config(model_config_json: dict[str, Any]):
+    """The `transformers` config a manifest names.
+
+    `{"preset": "gpt2-tiny"}` selects a `trainer.models` GPT-2 preset; any other dict is a Hugging Face
+    config dict (`config.to_dict()`, with `model_type`) built by `AutoConfig.for_model`. An optional
+    `attn_implementation` key ("sdpa" by default, "eager") picks the attention kernel, which must match
+    the trainer's for bit-identical losses. Raises ValueError for an unknown preset or a dict without
+    `model_type`.
+    """
+    cfg = dict(model_config_json)
+    attn = cfg.pop("attn_implementation", "sdpa")
+    if "preset" in cfg:
+        from trainer.models.gpt2 import get_preset
+
+        if set(cfg) != {"preset"}:
+            raise ValueError(f"a preset config holds only 'preset' (and 'attn_implementation'), got {sorted(cfg)}")
+        config = get_preset(str(cfg["preset"])).config()
+    else:
+        from transformers import AutoConfig
+
+        if "model_type" not in cfg:
+            raise ValueError("model_config_json needs 'preset' or a Hugging Face config dict with 'model_type'")
+        config = AutoConfig.for_model(**cfg)
+    config._attn_implementation = attn
+    return config
+
+
+def model_class(name: str) -> type[torch.nn.Module]:
+    """The `transformers` model class called `name` (e.g. "GPT2LMHeadModel").
+
+    Only `transformers.PreTrainedModel` subclasses are accepted, so a manifest cannot name arbitrary code.
+    Raises ValueError otherwise.
+    """
+    import transformers
+
+    cls = getattr(transformers, name, None) if name.isidentifier() else None
+    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
+        raise ValueError(f"model_class {name!r} is not a transformers model class (e.g. 'GPT2LMHeadModel')")
+    return cls
+
+
+@torch.no_grad()
+def build_from_tensors(manifest: VersionManifest, tensors: dict[str, torch.Tensor],
+                       device: str | torch.device = "cpu") -> torch.nn.Module:
+    """Build the manifest's model and give it `tensors` (canonical name -> tensor) as its parameters.
+
+    The model is built on the meta device (no allocation, no init), parameters are assigned, ties are
+    re-established; a model with computed buffers (e.g. rotary frequencies) is instead built for real
+    on `device` and the parameters copied in. Returns the model in eval mode, requires_grad off.
+    Raises ValueError if names, shapes, dtypes or the canonical-order hash differ from the manifest.
+    """
+    from trainer.models.params import canonical_parameters, param_order_hash
+
+    cls, config = model_class(manifest.model_class), model_config(manifest.model_config_json)
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+        model = cls(config)
+    if param_order_hash(model) != manifest.param_order_hash:
+        raise ValueError(f"version {manifest.version}: param_order_hash differs from the model the manifest "
+                         "names; the trainer and worker disagree on the architecture")
+    params = dict(canonical_parameters(model))
+    missing, extra = sorted(set(params) - set(tensors)), sorted(set(tensors) - set(params))
+    if missing or extra:
+        raise ValueError(f"version {manifest.version}: shards miss {missing[:3]} / add {extra[:3]}")
+    want = _DTYPES[manifest.dtype]
+    for name, p in params.items():
+        t = tensors[name]
+        if tuple(t.shape) != tuple(p.shape) or t.dtype != want:
+            raise ValueError(f"version {manifest.version}: {name} is {t.dtype}{tuple(t.shape)}, "
+                             f"expected {want}{tuple(p.shape)}")
+    if any(b.is_meta for b in model.buffers()):
+        with torch.random.fork_rng(devices=[]), torch.device(device):
+            model = cls(config)
+        for name, p in canonical_parameters(model):
+            p.data = tensors[name].to(device)
+    else:
+        model.load_state_dict({n: tensors[n].to(device) for n in params}, strict=False, assign=True)
+        model.tie_weights()
+    if any(t.is_meta for t in list(model.parameters()) + list(model.buffers())):
+        raise ValueError(f"{manifest.model_class}: some tensors stayed unmaterialised after loading")
+    model.requires_grad_(False)
+    return model.eval()
+
+
+@dataclass(frozen=True)
+class LoadedVersion:
+    """A version ready to probe: its manifest and the model (eval mode, on the cache's device)."""
+
+    manifest: VersionManifest
+    model: torch.nn.Module
+
+
+class WeightCache:
+    """Fetch, verify and load weight versions for one device; thread-safe.
+
+    Args:
+        client: coordinator client used to fetch manifests and blobs.
+        root: cache folder (shards under `root/shards`); default `trainer.paths.cache_dir()/worker`.
+        device: torch device the models are loaded onto.
+        keep_versions: loaded models kept in memory (>= 1).
+        keep_disk_versions: versions whose shards are kept on disk (>= keep_versions).
+        metrics: where hits, misses, bytes, seconds and the current version are counted.
+    """
+
+    def __init__(self, client: CoordinatorClient, root: Path | None = None, device: str = "cpu",
+                 keep_versions: int = 2, keep_disk_versions: int = 3, metrics: WorkerMetrics | None = None) -> None:
+        if keep_versions < 1 or keep_disk_versions < keep_versions:
+            raise ValueError("need keep_versions >= 1 and keep_disk_versions >= keep_versions")
+        if root is None:
+            from trainer.paths import cache_dir
+
+            root = cache_dir() / "worker"
+        self.client, self.device = client, device
+        self.shard_dir = Path(root) / "shards"
+        self.shard_dir.mkdir(parents=True, exist_ok=True)
+        self.keep_versions, self.keep_disk_versions = keep_versions, keep_disk_versions
+        self.metrics = metrics or default_metrics()
+        self._loaded: OrderedDict[tuple[str, int], LoadedVersion] = OrderedDict()
+        self._recent: OrderedDict[tuple[str, int], VersionManifest] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def shard_path(self, sha256: str) -> Path:
+        """Where the shard named `sha256` is kept."""
+        return self.shard_dir / sha256[:2] / sha256
+
+    def shard_bytes(self, ref: ShardRef) -> bytes:
+        """The verified bytes of one shard, fetching it if absent or corrupt.
+
+        Raises CorruptBlobError if SHARD_FETCH_TRIES downloads all arrive corrupt.
+        """
+        path = self.shard_path(ref.sha256)
+        for _ in range(SHARD_FETCH_TRIES):
+            if path.is_file():
+                data = path.read_bytes()
+                if hashlib.sha256(data).hexdigest() == ref.sha256:
+                    self.metrics.cache_hits.labels("shard").inc()
+                    return data
+                self.metrics.corrupt.inc()
+                path.unlink(missing_ok=True)  # never load it; fetch a good copy instead
+            self.metrics.cache_misses.labels("shard").inc()
+            try:
+                self.metrics.weight_bytes.inc(self.client.download_blob(ref.sha256, path))
+            except CorruptBlobError:
+                self.metrics.corrupt.inc()
+        raise CorruptBlobError(f"shard {ref.name} ({ref.sha256}) arrived corrupt {SHARD_FETCH_TRIES} times")
+
+    def get(self, run: str, version: int) -> LoadedVersion:
+        """The loaded model of (run, version): from memory, else fetched, verified and loaded.
+
+        Raises probe_worker.client.CoordinatorHTTPError (e.g. 404 unknown version), CorruptBlobError, or
+        ValueError (the shards do not fit the manifest's model).
+        """
+        from safetensors.torch import load as load_safetensors
+
+        key = (run, version)
+        with self._lock:
+            if key in self._loaded:
+                self._loaded.move_to_end(key)
+                self.metrics.cache_hits.labels("version").inc()
+                return self._loaded[key]
+            self.metrics.cache_misses.labels("version").inc()
+            t0 = time.perf_counter()
+            manifest = self.client.version(run, version)
+            tensors: dict[str, torch.Tensor] = {}
+            for ref in manifest.shards:
+                part = load_safetensors(self.shard_bytes(ref))
+                if set(part) & set(tensors):
+                    raise ValueError(f"version {version}: tensor names repeat across shards")
+                tensors.update(part)
+            loaded = LoadedVersion(manifest, build_from_tensors(manifest, tensors, self.device))
+            self._loaded[key] = loaded
+            while len(self._loaded) > self.keep_versions:
+                self._loaded.popitem(last=False)
+            self._recent[key] = manifest
+            self._recent.move_to_end(key)
+            while len(self._recent) > self.keep_disk_versions:
+                self._recent.popitem(last=False)
+            self._prune()
+            self.metrics.weight_load_seconds.observe(time.perf_counter() - t0)
+            self.metrics.version.set(version)
+            return loaded
+
+    def _prune(self) -> None:
+        """Delete shard files not referenced by the recent manifests (old versions, stray parts)."""
+        keep = {ref.sha256 for m in self._recent.values() for ref in m.shards}
+        for p in self.shard_dir.glob("??/*"):
+            if p.name not in keep:
+                p.unlink(missing_ok=True)

@@ -1,0 +1,194 @@
+"""REST client of a probe worker: the coordinator calls it makes, each with a timeout and bounded retries.
+
+Transient failures (connection errors, timeouts, HTTP 429 and 5xx) are retried with exponential
+backoff (tenacity) up to `attempts` times; other HTTP errors are raised at once as `CoordinatorHTTPError`
+carrying the status code, because repeating a refused request cannot succeed.
+Blobs are streamed to disk while hashed, and a blob whose sha256 differs from its name is deleted and
+raised as `CorruptBlobError` (never handed to a loader).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential
+
+from coordinator.messages import (
+    Attestation,
+    Heartbeat,
+    HeartbeatReply,
+    IntakeReply,
+    ResultBatch,
+    RunInfo,
+    VersionManifest,
+    WorkerRegistered,
+    WorkerRegistration,
+)
+
+T = TypeVar("T")
+
+
+class CoordinatorHTTPError(RuntimeError):
+    """The coordinator answered with an HTTP error; `status` is the code, `detail` its body (truncated)."""
+
+    def __init__(self, method: str, url: str, status: int, detail: str) -> None:
+        super().__init__(f"{method} {url} -> HTTP {status}: {detail[:300]}")
+        self.status, self.detail = status, detail
+
+
+class CorruptBlobError(ValueError):
+    """A downloaded or cached blob's sha256 does not match its content address."""
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True for errors worth retrying: transport errors/timeouts, HTTP 429 and 5xx."""
+    if isinstance(exc, httpx.TransportError):
+        return True
+    return isinstance(exc, CoordinatorHTTPError) and (exc.status == 429 or exc.status >= 500)
+
+
+class CoordinatorClient:
+    """Synchronous coordinator client for one identity (a worker token or the admin token).
+
+    Args:
+        base_url: coordinator root, e.g. "http://127.0.0.1:8000".
+        token: bearer token sent as `Authorization: Bearer <token>` (None before registration).
+        timeout_s: per-request timeout in seconds (connect, read, write, pool).
+        attempts: total tries for a transient failure (>= 1).
+        max_wait_s: cap of the exponential backoff between tries, seconds.
+    Raises ValueError for a non-http(s) base_url or non-positive limits.
+    """
+
+    def __init__(self, base_url: str, token: str | None = None, *, timeout_s: float = 30.0,
+                 attempts: int = 5, max_wait_s: float = 5.0) -> None:
+        if not base_url.startswith(("http://", "https://")):
+            raise ValueError(f"coordinator URL must start with http:// or https://, got {base_url!r}")
+        if timeout_s <= 0 or attempts < 1 or max_wait_s < 0:
+            raise ValueError("timeout_s must be > 0, attempts >= 1 and max_wait_s >= 0")
+        self.base_url = base_url.rstrip("/")
+        self.token = token
+        self.attempts, self.max_wait_s = attempts, max_wait_s
+        self._http = httpx.Client(base_url=self.base_url, timeout=httpx.Timeout(timeout_s))
+
+    def close(self) -> None:
+        """Close the connection pool."""
+        self._http.close()
+
+    def __enter__(self) -> CoordinatorClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- plumbing ----------------------------------------------------------------------------------
+
+    def _retrying(self, fn: Callable[[], T]) -> T:
+        for attempt in Retrying(
+            stop=stop_after_attempt(self.attempts),
+            wait=wait_exponential(multiplier=0.2, max=self.max_wait_s),
+            retry=retry_if_exception(is_transient),
+            reraise=True,
+        ):
+            with attempt:
+                return fn()
+        raise AssertionError("unreachable: tenacity reraises the last error")
+
+    def _headers(self, token: str | None) -> dict[str, str]:
+        tok = token if token is not None else self.token
+        return {"Authorization": f"Bearer {tok}"} if tok else {}
+
+    def request(self, method: str, path: str, *, json: Any = None, token: str | None = None,
+                params: dict[str, Any] | None = None) -> httpx.Response:
+        """One request with retries; returns the 2xx response or raises CoordinatorHTTPError/httpx errors."""
+
+        def once() -> httpx.Response:
+            r = self._http.request(method, path, json=json, params=params, headers=self._headers(token))
+            if r.status_code >= 400:
+                raise CoordinatorHTTPError(method, path, r.status_code, r.text)
+            return r
+
+        return self._retrying(once)
+
+    # ---- worker calls ------------------------------------------------------------------------------
+
+    def register(self, reg: WorkerRegistration, enrollment_token: str) -> WorkerRegistered:
+        """`POST /v1/workers` with the enrollment token; stores the returned worker token for later calls."""
+        r = self.request("POST", "/v1/workers", json=reg.model_dump(mode="json"), token=enrollment_token)
+        out = WorkerRegistered.model_validate_json(r.content)
+        self.token = out.worker_token
+        return out
+
+    def heartbeat(self, worker_id: str, hb: Heartbeat) -> HeartbeatReply:
+        """`POST /v1/workers/{id}/heartbeat`: renew the lease; the reply carries state and queues."""
+        r = self.request("POST", f"/v1/workers/{worker_id}/heartbeat", json=hb.model_dump(mode="json"))
+        return HeartbeatReply.model_validate_json(r.content)
+
+    def run_info(self, run: str) -> RunInfo:
+        """`GET /v1/runs/{run}`."""
+        return RunInfo.model_validate_json(self.request("GET", f"/v1/runs/{run}").content)
+
+    def version(self, run: str, version: int) -> VersionManifest:
+        """`GET /v1/runs/{run}/versions/{version}`: a version's manifest."""
+        r = self.request("GET", f"/v1/runs/{run}/versions/{version}")
+        return VersionManifest.model_validate_json(r.content)
+
+    def attest(self, run: str, att: Attestation) -> None:
+        """`POST /v1/runs/{run}/attest`: prove this worker generates the run's canary direction."""
+        self.request("POST", f"/v1/runs/{run}/attest", json=att.model_dump(mode="json"))
+
+    def post_results(self, run: str, batch: ResultBatch) -> IntakeReply:
+        """`POST /v1/runs/{run}/results`: report one task's results; returns the per-result outcomes."""
+        r = self.request("POST", f"/v1/runs/{run}/results", json=batch.model_dump(mode="json"))
+        return IntakeReply.model_validate_json(r.content)
+
+    def download_blob(self, sha256: str, dest: Path) -> int:
+        """Stream `GET /v1/blobs/{sha256}` into `dest` (atomically), verifying the hash; return its size.
+
+        Raises CorruptBlobError (nothing written) if the content's sha256 differs (the caller decides
+        whether to fetch again); transient HTTP errors are retried.
+        """
+        dest = Path(dest)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+
+        def once() -> int:
+            fd, tmp = tempfile.mkstemp(prefix=".part-", dir=dest.parent)
+            try:
+                digest, size = hashlib.sha256(), 0
+                with os.fdopen(fd, "wb") as f, self._http.stream(
+                    "GET", f"/v1/blobs/{sha256}", headers=self._headers(None)
+                ) as r:
+                    if r.status_code >= 400:
+                        r.read()
+                        raise CoordinatorHTTPError("GET", f"/v1/blobs/{sha256}", r.status_code, r.text)
+                    for chunk in r.iter_bytes(1 << 20):
+                        digest.update(chunk)
+                        size += len(chunk)
+                        f.write(chunk)
+                if digest.hexdigest() != sha256:
+                    raise CorruptBlobError(f"blob {sha256} arrived with sha256 {digest.hexdigest()}; discarded")
+                os.replace(tmp, dest)
+                return size
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+
+        return self._retrying(once)
+
+    def get_blob(self, sha256: str) -> bytes:
+        """Download a (small) blob into memory, verified. Raises CorruptBlobError on a hash mismatch."""
+
+        def once() -> bytes:
+            r = self._http.get(f"/v1/blobs/{sha256}", headers=self._headers(None))
+            if r.status_code >= 400:
+                raise CoordinatorHTTPError("GET", f"/v1/blobs/{sha256}", r.status_code, r.text)
+            if hashlib.sha256(r.content).hexdigest() != sha256:
+                raise CorruptBlobError(f"blob {sha256} arrived corrupt; discarded")
+            return r.content
+
+        return self._retrying(once)

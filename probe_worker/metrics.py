@@ -1,0 +1,88 @@
+"""Prometheus metrics of one probe worker (names start with `sparecycles_worker_`).
+
+Counters end in `_total`; labels carry only small closed sets (never per-seed or per-task values).
+Served on an optional port by `serve_metrics` (the worker CLI's `--metrics-port`).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+
+
+class WorkerMetrics:
+    """The worker's metric set, registered on `registry` (the process-global default unless given).
+
+    Units: `*_seconds` are seconds, `*_bytes` are bytes.
+    """
+
+    def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
+        self.probes = Counter(
+            "sparecycles_worker_probes_evaluated_total", "Probe seeds evaluated (one L+ and one L- each)",
+            registry=registry,
+        )
+        self.clean = Counter(
+            "sparecycles_worker_clean_evaluations_total", "Clean-loss L0 evaluations (one per round)",
+            registry=registry,
+        )
+        self.tasks = Counter(
+            "sparecycles_worker_tasks_total", "Probe tasks handled, by outcome", ["outcome"], registry=registry
+        )
+        self.results = Counter(
+            "sparecycles_worker_results_total", "Results posted, by coordinator intake outcome", ["outcome"],
+            registry=registry,
+        )
+        self.eval_seconds = Histogram(
+            "sparecycles_worker_evaluation_seconds", "Wall time of one loss evaluation (forward pass)",
+            buckets=_BUCKETS_S, registry=registry,
+        )
+        self.weight_load_seconds = Histogram(
+            "sparecycles_worker_weight_load_seconds", "Wall time to make a version ready (fetch, verify, load)",
+            buckets=_BUCKETS_S, registry=registry,
+        )
+        self.weight_bytes = Counter(
+            "sparecycles_worker_weight_bytes_total", "Shard bytes downloaded from the blob store",
+            registry=registry,
+        )
+        self.cache_hits = Counter(
+            "sparecycles_worker_cache_hits_total", "Cache hits, by kind (shard, version, batch, clean)",
+            ["kind"], registry=registry,
+        )
+        self.cache_misses = Counter(
+            "sparecycles_worker_cache_misses_total", "Cache misses, by kind (shard, version, batch, clean)",
+            ["kind"], registry=registry,
+        )
+        self.corrupt = Counter(
+            "sparecycles_worker_corrupt_blobs_total", "Downloaded or cached blobs whose sha256 did not match",
+            registry=registry,
+        )
+        self.version = Gauge(
+            "sparecycles_worker_current_version", "Weight version most recently made ready (-1 before any)",
+            registry=registry,
+        )
+        self.version.set(-1)
+        self.draining = Gauge(
+            "sparecycles_worker_draining", "1 while the worker is draining (not taking tasks)", registry=registry
+        )
+
+
+_DEFAULT: WorkerMetrics | None = None
+
+
+def default_metrics() -> WorkerMetrics:
+    """The process-wide WorkerMetrics on the default registry (created on first use)."""
+    global _DEFAULT
+    if _DEFAULT is None:
+        _DEFAULT = WorkerMetrics()
+    return _DEFAULT
+
+
+def serve_metrics(port: int, addr: str = "127.0.0.1") -> None:
+    """Serve the default registry at http://addr:port/metrics from a daemon thread.
+
+    Raises ValueError for a port outside 1..65535; OSError if the port is taken.
+    """
+    if not 0 < port < 65536:
+        raise ValueError(f"metrics port must be in 1..65535, got {port}")
+    start_http_server(port, addr=addr)

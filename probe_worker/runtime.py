@@ -1,0 +1,172 @@
+"""Probe evaluation of one worker, independent of Celery: task kwargs in, posted results out.
+
+One `ProbeRuntime` per worker process. For a task it validates the kwargs as a `ProbeTask`, attests the
+run's canary once, loads the version through the `WeightCache`, fetches the round's batch once by
+content hash, computes L0 once per (run, round, version) and L(theta +- eps z(seed)) per seed with the
+kernels' `ProbeEvaluator`, and posts the task's results in one `ResultBatch`. Evaluation is a pure
+function of (weights, batch, seed, eps, distribution), so re-running a redelivered task re-posts
+identical values, which the coordinator deduplicates by (round, seed).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+import time
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from coordinator.messages import Attestation, IntakeReply, ProbeResult, ProbeTask, ResultBatch
+from probe_worker.cache import WeightCache
+from probe_worker.client import CoordinatorClient
+from probe_worker.metrics import WorkerMetrics, default_metrics
+
+log = logging.getLogger("sparecycles.worker")
+
+
+def canary_digest(seed: int, numel: int, distribution: str) -> str:
+    """sha256 hex of z(seed)[0:numel] as little-endian float32 bytes (the run's canary, DESIGN.md §3).
+
+    z comes from `kernels.direction` on the CPU (bit-identical on every device by construction).
+    """
+    from kernels import direction
+
+    z = direction(seed, 0, numel, distribution, device="cpu").to(torch.float32).contiguous()
+    return hashlib.sha256(z.numpy().astype("<f4", copy=False).tobytes()).hexdigest()
+
+
+def parse_task(kwargs: Any) -> ProbeTask:
+    """Validate Celery task kwargs (a JSON object) as a `ProbeTask`.
+
+    Validated through JSON so integers stay integers and no Python-side coercion happens.
+    Raises pydantic.ValidationError (a ValueError) on anything malformed.
+    """
+    if not isinstance(kwargs, dict):
+        raise ValueError(f"probe task kwargs must be a JSON object, got {type(kwargs).__name__}")
+    return ProbeTask.model_validate_json(json.dumps(kwargs, allow_nan=False))
+
+
+class ProbeRuntime:
+    """Evaluates probe tasks for worker `worker_id` on `cache.device`; thread-safe for one task at a time.
+
+    Args:
+        client: authenticated (worker token) coordinator client.
+        worker_id: this worker's id (stamped on every result).
+        cache: the weight cache (decides the device).
+        metrics: counters and histograms (default: the process-wide set).
+        keep_rounds: clean losses and batches remembered (per round / per batch hash).
+    """
+
+    def __init__(self, client: CoordinatorClient, worker_id: str, cache: WeightCache,
+                 metrics: WorkerMetrics | None = None, keep_rounds: int = 64) -> None:
+        self.client, self.worker_id, self.cache = client, worker_id, cache
+        self.metrics = metrics or default_metrics()
+        self.keep_rounds = keep_rounds
+        self._clean: OrderedDict[tuple[str, str, int], float] = OrderedDict()
+        self._batches: OrderedDict[str, Any] = OrderedDict()
+        self._attested: set[str] = set()
+        self._evaluators: dict[int, Any] = {}
+        self._lock = threading.Lock()
+        self.tasks_done = 0
+        self.busy = False
+        self.current_version: int | None = None
+
+    # ---- cached inputs ------------------------------------------------------------------------------
+
+    def _batch(self, sha256: str) -> Any:
+        from trainer.coordinator_backend import decode_batch
+
+        if sha256 in self._batches:
+            self.metrics.cache_hits.labels("batch").inc()
+            self._batches.move_to_end(sha256)
+            return self._batches[sha256]
+        self.metrics.cache_misses.labels("batch").inc()
+        x, y = decode_batch(self.client.get_blob(sha256))
+        batch = (x.to(self.cache.device), y.to(self.cache.device))
+        self._batches[sha256] = batch
+        while len(self._batches) > 4:
+            self._batches.popitem(last=False)
+        return batch
+
+    def _evaluator(self, model: torch.nn.Module):
+        from kernels import ProbeEvaluator
+        from trainer.train import lm_loss
+
+        ev = self._evaluators.get(id(model))
+        if ev is None or ev.model is not model:
+            for old in self._evaluators.values():
+                old.close()
+            self._evaluators = {id(model): ProbeEvaluator(model, lambda m, b: lm_loss(m, b[0], b[1]))}
+            ev = self._evaluators[id(model)]
+        return ev
+
+    def _attest(self, run: str) -> None:
+        if run in self._attested:
+            return
+        canary = self.client.run_info(run).spec.canary
+        if canary is not None:
+            digest = canary_digest(canary.seed, canary.numel, canary.distribution)
+            self.client.attest(run, Attestation(worker_id=self.worker_id, digest=digest))
+        self._attested.add(run)
+
+    def _timed_loss(self, ev, batch: Any, seed: int | None, alpha: float, dist: str) -> float:
+        t0 = time.perf_counter()
+        value = ev.loss(batch, seed, alpha, dist) if seed is not None else ev.clean_loss(batch)
+        self.metrics.eval_seconds.observe(time.perf_counter() - t0)
+        return value
+
+    # ---- one task -----------------------------------------------------------------------------------
+
+    def evaluate(self, task: ProbeTask) -> list[ProbeResult]:
+        """Evaluate a task's seeds; returns one ProbeResult per seed, in the task's seed order.
+
+        l0 is set (for every result) when the task wants the clean loss. Raises the cache's and the
+        client's errors (unknown version, corrupt shards, coordinator unreachable).
+        """
+        with self._lock:
+            self.busy = True
+            try:
+                self._attest(task.run)
+                loaded = self.cache.get(task.run, task.version)
+                self.current_version = task.version
+                batch = self._batch(task.batch_sha256)
+                ev = self._evaluator(loaded.model)
+                l0 = None
+                if task.want_clean:
+                    key = (task.run, task.round_id, task.version)
+                    if key in self._clean:
+                        self.metrics.cache_hits.labels("clean").inc()
+                        l0 = self._clean[key]
+                    else:
+                        self.metrics.cache_misses.labels("clean").inc()
+                        l0 = self._clean[key] = self._timed_loss(ev, batch, None, 0.0, task.distribution)
+                        self.metrics.clean.inc()
+                        while len(self._clean) > self.keep_rounds:
+                            self._clean.popitem(last=False)
+                out = []
+                for seed in task.seeds:
+                    lp = self._timed_loss(ev, batch, seed, task.eps, task.distribution)
+                    lm = self._timed_loss(ev, batch, seed, -task.eps, task.distribution)
+                    self.metrics.probes.inc()
+                    out.append(ProbeResult(
+                        run=task.run, round_id=task.round_id, seed=seed, version=task.version,
+                        worker_id=self.worker_id, replica=task.replica, l_plus=lp, l_minus=lm, l0=l0,
+                    ))
+                return out
+            finally:
+                self.busy = False
+
+    def run_task(self, task: ProbeTask) -> IntakeReply:
+        """Evaluate and post a task's results; returns the coordinator's per-result outcomes."""
+        results = self.evaluate(task)
+        reply = self.client.post_results(task.run, ResultBatch(results=results))
+        for outcome in reply.outcomes:
+            self.metrics.results.labels(outcome).inc()
+        if "unattested" in reply.outcomes:
+            self._attested.discard(task.run)  # the coordinator forgot us (e.g. restarted): attest again
+        self.tasks_done += 1
+        return reply

@@ -1,0 +1,113 @@
+"""The Celery task `sparecycles.probe`: JSON kwargs (a `ProbeTask`) in, results posted to the coordinator.
+
+Delivery rules (DESIGN.md section 3): late ack and reject-on-worker-lost, so a killed worker's task is
+redelivered; the task is idempotent (evaluation is deterministic and intake dedupes by (round, seed)),
+so redelivery only costs compute. Outcomes, each counted in `sparecycles_worker_tasks_total{outcome}`:
+
+- `done`: evaluated and posted (whatever the per-result intake outcomes were);
+- `invalid`: kwargs are not a valid ProbeTask -> rejected without requeue, never retried;
+- `refused`: the coordinator refused a call with a 4xx (unknown version, closed run...) -> dropped;
+- `corrupt`: a shard kept arriving corrupt -> dropped (the coordinator re-dispatches what it misses);
+- `requeued`: the worker is draining, or the coordinator/broker stayed unreachable after bounded
+  retries -> rejected with requeue, so another worker (or this one later) evaluates it;
+- `error`: any other failure (a bug, out of memory) -> dropped after logging, the worker lives on.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import httpx
+from celery import Celery, Task
+from celery.exceptions import Reject
+from pydantic import ValidationError
+
+from coordinator.celery_app import PROBE_TASK_NAME
+from probe_worker.client import CoordinatorHTTPError, CorruptBlobError, is_transient
+from probe_worker.metrics import WorkerMetrics
+from probe_worker.runtime import ProbeRuntime, parse_task
+
+log = logging.getLogger("sparecycles.worker")
+
+REQUEUE_PAUSE_S = 0.2  # keep a draining worker from spinning on a task it keeps handing back
+
+
+class DrainState:
+    """Whether this worker takes tasks: draining if asked locally (SIGUSR1) or by the coordinator.
+
+    Thread-safe; `changed` is set on every transition so the control loop reacts at once.
+    """
+
+    def __init__(self) -> None:
+        self.local = False
+        self.remote = False
+        self.changed = threading.Event()
+
+    @property
+    def draining(self) -> bool:
+        """True while tasks must not be started."""
+        return self.local or self.remote
+
+    def set_local(self, value: bool) -> None:
+        """Drain (True) or resume (False) on local request; safe to call from a signal handler."""
+        self.local = value
+        self.changed.set()
+
+    def set_remote(self, value: bool) -> None:
+        """Record the coordinator's view (state 'draining' or 'quarantined' -> True)."""
+        if value != self.remote:
+            self.remote = value
+            self.changed.set()
+
+
+def run_probe(runtime: ProbeRuntime, drain: DrainState, metrics: WorkerMetrics, kwargs: Any) -> str:
+    """Handle one delivery of a probe task; returns the outcome name.
+
+    Raises celery.exceptions.Reject (requeue per the module docstring) for invalid, draining and
+    unreachable cases; every other failure is logged and reported as an outcome, never raised.
+    """
+    def outcome(name: str) -> str:
+        metrics.tasks.labels(name).inc()
+        return name
+
+    try:
+        task = parse_task(kwargs)
+    except (ValidationError, ValueError, TypeError) as exc:
+        outcome("invalid")
+        log.warning("rejected an invalid probe task: %s", str(exc)[:500])
+        raise Reject(f"invalid probe task: {str(exc)[:200]}", requeue=False) from None
+    if drain.draining:
+        outcome("requeued")
+        time.sleep(REQUEUE_PAUSE_S)
+        raise Reject("worker is draining", requeue=True)
+    try:
+        reply = runtime.run_task(task)
+    except (httpx.TransportError, CoordinatorHTTPError) as exc:
+        if is_transient(exc):
+            outcome("requeued")
+            log.warning("coordinator unreachable for round %s: %s; requeued", task.round_id, exc)
+            raise Reject("coordinator unreachable", requeue=True) from None
+        log.warning("coordinator refused round %s: %s", task.round_id, exc)
+        return outcome("refused")
+    except CorruptBlobError as exc:
+        log.error("round %s: %s", task.round_id, exc)
+        return outcome("corrupt")
+    except Exception:
+        log.exception("probe task of round %s failed", task.round_id)
+        return outcome("error")
+    log.info("round %s seeds %s replica %d -> %s", task.round_id, task.seeds, task.replica, reply.outcomes)
+    return outcome("done")
+
+
+def register_probe_task(app: Celery, runtime: ProbeRuntime, drain: DrainState, metrics: WorkerMetrics) -> Task:
+    """Register `sparecycles.probe` on `app` (JSON only, acks_late, reject_on_worker_lost, no result)."""
+
+    @app.task(name=PROBE_TASK_NAME, acks_late=True, reject_on_worker_lost=True, ignore_result=True,
+              serializer="json", typing=False)
+    def probe(**kwargs: Any) -> str:
+        return run_probe(runtime, drain, metrics, kwargs)
+
+    return probe

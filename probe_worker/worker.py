@@ -1,0 +1,170 @@
+"""A probe worker process: register over REST, heartbeat, run an in-process Celery worker, drain on request.
+
+Lifecycle: `POST /v1/workers` with the enrollment token returns the broker URL, the run queues and
+timings; the Celery app is built from those (`coordinator.celery_app.make_celery`: JSON only, late
+acks, reject on worker lost, prefetch 1, visibility timeout from the coordinator, soft shutdown) and
+started with `--pool=solo` (one process per device: CUDA does not survive fork).
+
+A control thread heartbeats every `control_interval_s` and reconciles the consumed queues with what
+the worker should consume: the coordinator's queue list, or nothing while draining (coordinator state
+'draining'/'quarantined', or SIGUSR1; SIGUSR2 resumes a local drain). Queues are added and cancelled
+through Celery's remote control addressed to this worker only; a task delivered before a cancel
+takes effect is handed back (rejected with requeue) unevaluated, and the in-flight task always
+finishes. SIGTERM is Celery's warm shutdown within `soft_shutdown_s`; the worker then deregisters.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from celery.signals import worker_ready
+
+from coordinator.celery_app import PROBE_TASK_NAME, make_celery
+from coordinator.messages import Heartbeat, WorkerRegistration
+from probe_worker.cache import WeightCache
+from probe_worker.client import CoordinatorClient, CoordinatorHTTPError
+from probe_worker.metrics import default_metrics, serve_metrics
+from probe_worker.runtime import ProbeRuntime
+from probe_worker.tasks import DrainState, register_probe_task
+
+log = logging.getLogger("sparecycles.worker")
+IDLE_QUEUE = "sparecycles.idle"  # consumed only while no run queue exists (Celery needs at least one)
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    """Settings of one worker process. Durations in seconds.
+
+    coordinator: base URL; token: enrollment token; device: "cpu" or "cuda:N"; name: shown in
+    `GET /v1/workers`; metrics_port: serve Prometheus metrics there (None: off); cache_dir: weight cache
+    root (None: trainer.paths.cache_dir()/worker); keep_versions: models kept loaded;
+    control_interval_s: heartbeat and drain-check period (<= 1 s drains within a second);
+    soft_shutdown_s: how long SIGTERM waits for the in-flight task; loglevel: Celery's.
+    """
+
+    coordinator: str
+    token: str
+    device: str = "cpu"
+    name: str | None = None
+    metrics_port: int | None = None
+    cache_dir: Path | None = None
+    keep_versions: int = 2
+    control_interval_s: float = 0.5
+    soft_shutdown_s: float = 30.0
+    loglevel: str = "INFO"
+
+
+class ProbeWorker:
+    """One registered worker. `run()` blocks until Celery shuts down (SIGTERM/SIGINT), then deregisters.
+
+    Raises CoordinatorHTTPError/httpx errors if registration fails, ValueError for bad options or a
+    coordinator that names a different probe task.
+    """
+
+    def __init__(self, opts: WorkerOptions) -> None:
+        if opts.control_interval_s <= 0 or opts.soft_shutdown_s < 0:
+            raise ValueError("control_interval_s must be > 0 and soft_shutdown_s >= 0")
+        self.opts = opts
+        self.host = socket.gethostname()[:64] or "unknown"
+        self.name = opts.name or f"{self.host}-{opts.device}"
+        self.metrics = default_metrics()
+        self.client = CoordinatorClient(opts.coordinator)
+        self.reg = self.client.register(
+            WorkerRegistration(name=self.name[:128], device=opts.device, host=self.host), opts.token
+        )
+        if self.reg.probe_task_name != PROBE_TASK_NAME:
+            raise ValueError(f"coordinator sends task {self.reg.probe_task_name!r}; this worker runs "
+                             f"{PROBE_TASK_NAME!r}; upgrade the worker")
+        self.worker_id = self.reg.worker_id
+        self.hostname = f"{self.worker_id}@{self.host}"
+        self.app = make_celery(self.reg.broker_url, visibility_timeout_s=self.reg.visibility_timeout_s,
+                               soft_shutdown_s=opts.soft_shutdown_s)
+        self.drain = DrainState()
+        self.cache = WeightCache(self.client, opts.cache_dir, opts.device, keep_versions=opts.keep_versions,
+                                 keep_disk_versions=opts.keep_versions + 1, metrics=self.metrics)
+        self.runtime = ProbeRuntime(self.client, self.worker_id, self.cache, self.metrics)
+        register_probe_task(self.app, self.runtime, self.drain, self.metrics)
+        self.queues = list(self.reg.queues)
+        self.consumed = set(self.queues or [IDLE_QUEUE])
+        self._stop = threading.Event()
+        self._control = threading.Thread(target=self._control_loop, name="sparecycles-control", daemon=True)
+
+    # ---- control loop ------------------------------------------------------------------------------
+
+    def _heartbeat(self) -> None:
+        hb = Heartbeat(busy=self.runtime.busy, version=self.runtime.current_version,
+                       tasks_done=self.runtime.tasks_done)
+        try:
+            reply = self.client.heartbeat(self.worker_id, hb)
+        except CoordinatorHTTPError as exc:
+            if exc.status in (401, 403, 404):  # deleted or unknown to the coordinator: take no more work
+                log.error("coordinator no longer knows this worker (%s); draining", exc.status)
+                self.drain.set_remote(True)
+            else:
+                log.warning("heartbeat failed: %s", exc)
+            return
+        except Exception as exc:  # coordinator down: keep working, retry at the next tick
+            log.warning("heartbeat failed: %s", exc)
+            return
+        self.queues = list(reply.queues)
+        self.drain.set_remote(reply.state in ("draining", "quarantined"))
+
+    def _reconcile(self) -> None:
+        want = set() if self.drain.draining else set(self.queues)
+        if not want and not self.drain.draining:
+            want = {IDLE_QUEUE}
+        self.metrics.draining.set(1 if self.drain.draining else 0)
+        for q in sorted(want - self.consumed):
+            self.app.control.add_consumer(q, destination=[self.hostname], reply=False)
+            self.consumed.add(q)
+            log.info("consuming %s", q)
+        for q in sorted(self.consumed - want):
+            self.app.control.cancel_consumer(q, destination=[self.hostname], reply=False)
+            self.consumed.discard(q)
+            log.info("stopped consuming %s", q)
+
+    def _control_loop(self) -> None:
+        while not self._stop.is_set():
+            self.drain.changed.clear()
+            self._heartbeat()
+            try:
+                self._reconcile()
+            except Exception as exc:  # broker hiccup: try again next tick
+                log.warning("queue reconcile failed: %s", exc)
+            self.drain.changed.wait(self.opts.control_interval_s)
+
+    # ---- process -----------------------------------------------------------------------------------
+
+    def _on_ready(self, sender=None, **_: object) -> None:
+        # Installed after Celery's own handlers, so these win; handlers only flip flags (signal-safe).
+        signal.signal(signal.SIGUSR1, lambda *_: self.drain.set_local(True))
+        signal.signal(signal.SIGUSR2, lambda *_: self.drain.set_local(False))
+        if not self._control.is_alive():
+            self._control.start()
+        log.info("worker %s ready on %s, queues %s", self.worker_id, self.opts.device, sorted(self.consumed))
+
+    def run(self) -> None:
+        """Start metrics (optional), the Celery worker and the control loop; block until shutdown."""
+        if self.opts.metrics_port:
+            serve_metrics(self.opts.metrics_port)
+        worker_ready.connect(self._on_ready, weak=False)
+        argv = [
+            "worker", "--pool=solo", "--concurrency=1", "--prefetch-multiplier=1",
+            "-Q", ",".join(sorted(self.consumed)), "-n", self.hostname, f"--loglevel={self.opts.loglevel}",
+            "--without-gossip", "--without-mingle", "--without-heartbeat",
+        ]
+        try:
+            self.app.worker_main(argv)
+        finally:
+            self._stop.set()
+            self.drain.changed.set()
+            try:
+                self.client.request("DELETE", f"/v1/workers/{self.worker_id}")
+            except Exception as exc:  # the lease expires on its own
+                log.warning("could not deregister: %s", exc)
+            self.client.close()
