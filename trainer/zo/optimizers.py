@@ -179,7 +179,7 @@ class _ZOCurvBase(torch.optim.Optimizer):
                 w.mul_(1 - g["lr"] * g["weight_decay"])
                 st["exp_avg"].lerp_(grad, 1 - b1)
                 st["exp_avg_sq"].mul_(b2).addcmul_(grad, grad, value=1 - b2)
-                denom = (st["exp_avg_sq"].sqrt() / math.sqrt(1 - b2**t)).add_(g["eps"])
+                denom = (st["exp_avg_sq"].sqrt() / (1 - b2**t) ** 0.5).add_(g["eps"])
                 mult = float(s[self.block_index[id(p)]])
                 w.addcdiv_(st["exp_avg"], denom, value=-g["lr"] / (1 - b1**t) * mult)
                 self._write_back(p, w)
