@@ -255,3 +255,26 @@ def test_fetch_cli_prints_counts(real_small, capsys):
     with pytest.raises(ValueError, match="unknown task"):
         fetch_cli(None, "sst2", False)
     assert sorted(CORPORA) == ["classics", "classics-small"]
+
+
+def test_concurrent_builds_share_one_result(tmp_cache):
+    """Two processes asking for the same corpus: one builds under the cache lock, the other reuses it."""
+    import subprocess
+    import sys
+
+    tmp, real = tmp_cache
+    _copy_archives(real, tmp, SMALL_ARTIFACTS)
+    shutil.copytree(real / "tokenizers", tmp / "tokenizers")
+    script = ("import trainer.data.corpus as c, json; built = []; b = c._build\n"
+              "c._build = lambda *a: built.append(1) or b(*a)\n"
+              "m = c.fetch_corpus('classics-small', progress=False)\n"
+              "print(json.dumps([len(built), m['splits']['train']['sha256']]))")
+    env = {**os.environ, "SPARECYCLES_CACHE": str(tmp)}
+    repo = Path(__file__).resolve().parents[1]
+    procs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, env=env, text=True, cwd=repo)
+             for _ in range(2)]
+    results = [json.loads(p.communicate(timeout=300)[0]) for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert sorted(n for n, _ in results) == [0, 1]
+    pristine = json.loads((real / "corpora" / "classics-small" / "manifest.json").read_text())
+    assert {h for _, h in results} == {pristine["splits"]["train"]["sha256"]}

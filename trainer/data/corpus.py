@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +20,8 @@ import numpy as np
 from trainer.data.sources import (
     ARTIFACTS,
     DataFetchError,
+    atomic_write,
+    cache_lock,
     client_available,
     iter_deb_files,
     iter_tar_members,
@@ -219,16 +220,17 @@ def fetch_corpus(name: str, *, force: bool = False, progress: bool = True) -> di
     """
     d = corpus_dir(name)
     mpath = d / "manifest.json"
-    if not force and mpath.is_file():
-        try:
-            manifest = json.loads(mpath.read_text())
-            why = _verify(name, manifest)
-        except (ValueError, KeyError, TypeError) as e:
-            why = f"unreadable manifest ({e})"
-        if why is None:
-            return manifest
-        log.warning("corpus %s: rebuilding, cached build unusable: %s", name, why)
-    return _build(name, d, progress)
+    with cache_lock(f"corpus-{name}"):
+        if not force and mpath.is_file():
+            try:
+                manifest = json.loads(mpath.read_text())
+                why = _verify(name, manifest)
+            except (ValueError, KeyError, TypeError) as e:
+                why = f"unreadable manifest ({e})"
+            if why is None:
+                return manifest
+            log.warning("corpus %s: rebuilding, cached build unusable: %s", name, why)
+        return _build(name, d, progress)
 
 
 def _build(name: str, d: Path, progress: bool) -> dict[str, Any]:
@@ -275,9 +277,7 @@ def _build(name: str, d: Path, progress: bool) -> dict[str, Any]:
         picked = [(doc, t) for doc, t in zip(docs, tokens, strict=True)
                   if (doc.doc_id in val_ids) == (split == "val")]
         arr = np.concatenate([t for _, t in picked]) if picked else np.zeros(0, np.uint16)
-        tmp = d / f".{split}.bin.tmp"
-        arr.tofile(tmp)
-        os.replace(tmp, d / f"{split}.bin")
+        atomic_write(d / f"{split}.bin", arr.tobytes())
         by_source: dict[str, dict[str, int]] = {}
         for doc, t in picked:
             s = by_source.setdefault(doc.source, {"tokens": 0, "docs": 0})
@@ -297,9 +297,8 @@ def _build(name: str, d: Path, progress: bool) -> dict[str, Any]:
         "skipped_sources": skipped,
         "splits": splits,
     }
-    tmp = d / ".manifest.json.tmp"
-    tmp.write_text(json.dumps(manifest, indent=2))
-    os.replace(tmp, d / "manifest.json")  # written last: a manifest only ever describes complete .bin files
+    # written last: a manifest only ever describes complete .bin files
+    atomic_write(d / "manifest.json", json.dumps(manifest, indent=2).encode())
     return manifest
 
 

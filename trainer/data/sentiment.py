@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer.data.sources import ARTIFACTS, iter_tar_members, sha256_file
+from trainer.data.sources import ARTIFACTS, atomic_write, cache_lock, iter_tar_members, sha256_file
 from trainer.data.text import decode_text, dedupe_key, unit_hash
 from trainer.paths import cache_dir
 
@@ -112,6 +111,11 @@ def fetch_sentiment(force: bool = False) -> dict[str, Any]:
     Raises:
         trainer.data.sources.DataFetchError: the vaderSentiment sdist could not be fetched.
     """
+    with cache_lock("task-sentiment"):
+        return _fetch_locked(force)
+
+
+def _fetch_locked(force: bool) -> dict[str, Any]:
     d = task_dir()
     mpath = d / "manifest.json"
     if not force and mpath.is_file():
@@ -126,9 +130,8 @@ def fetch_sentiment(force: bool = False) -> dict[str, Any]:
     d.mkdir(parents=True, exist_ok=True)
     info = {}
     for s in SPLITS:
-        tmp = d / f".{s}.jsonl.tmp"
-        tmp.write_text("".join(json.dumps({"text": t, "label": y}) + "\n" for t, y in splits[s]))
-        os.replace(tmp, d / f"{s}.jsonl")
+        lines = "".join(json.dumps({"text": t, "label": y}) + "\n" for t, y in splits[s])
+        atomic_write(d / f"{s}.jsonl", lines.encode("utf-8"))
         info[s] = {"file": f"{s}.jsonl", "examples": len(splits[s]),
                    "positives": sum(y for _, y in splits[s]), "sha256": sha256_file(d / f"{s}.jsonl")}
     art = ARTIFACTS["vaderSentiment"]
@@ -143,9 +146,7 @@ def fetch_sentiment(force: bool = False) -> dict[str, Any]:
         "zero_rating_dropped": unique - sum(v["examples"] for v in info.values()),
         "splits": info,
     }
-    tmp = d / ".manifest.json.tmp"
-    tmp.write_text(json.dumps(manifest, indent=2))
-    os.replace(tmp, mpath)
+    atomic_write(mpath, json.dumps(manifest, indent=2).encode())
     return manifest
 
 

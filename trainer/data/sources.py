@@ -8,6 +8,8 @@ matches is deleted and fetched again, so a corrupted or truncated download heals
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
@@ -103,6 +105,36 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
+@contextlib.contextmanager
+def cache_lock(name: str) -> Iterator[None]:
+    """Hold an exclusive advisory lock `cache_dir()/locks/<name>.lock` (flock) for the `with` body.
+
+    Several processes (probe workers, the trainer) may build the same cached item at once; the lock makes
+    the second one wait and then find the first one's verified result instead of fetching twice.
+    """
+    d = cache_dir() / "locks"
+    d.mkdir(parents=True, exist_ok=True)
+    with open(d / f"{name}.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write `data` to `path` via a unique temporary file and rename, so readers never see a partial file."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
 def client_available(key: str) -> bool:
     """True when the executables needed to fetch and unpack artifact `key` are on PATH.
 
@@ -132,7 +164,11 @@ def fetch_artifact(key: str) -> Path:
             the pinned sha256. The message says which package, which client, and what to do.
     """
     art = _artifact(key)
-    dest = cached_path(key)
+    with cache_lock(f"download-{key}"):
+        return _fetch_locked(art, cached_path(key))
+
+
+def _fetch_locked(art: Artifact, dest: Path) -> Path:
     if dest.exists():
         got = sha256_file(dest)
         if got == art.sha256:
@@ -140,12 +176,12 @@ def fetch_artifact(key: str) -> Path:
         log.warning("cached %s has sha256 %s, expected %s: deleting and fetching again",
                     dest, got, art.sha256)
         dest.unlink()
-    if not client_available(key):
+    if not client_available(art.key):
         missing = [exe for exe in _EXECUTABLES[art.client] if not shutil.which(exe)]
         raise DataFetchError(
             f"cannot fetch {art.spec}: the {art.client} client ({', '.join(missing)}) is not installed. "
             f"Install it, or copy {art.filename} (sha256 {art.sha256}) into {dest.parent}.")
-    with tempfile.TemporaryDirectory(prefix=f".fetch-{key}-", dir=dest.parent) as tmp:
+    with tempfile.TemporaryDirectory(prefix=f".fetch-{art.key}-", dir=dest.parent) as tmp:
         got_path = _run_client(art, Path(tmp))
         got = sha256_file(got_path)
         if got != art.sha256:

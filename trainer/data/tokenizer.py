@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import base64
 import functools
-import os
+import hashlib
 
 import tiktoken
 
-from trainer.data.sources import ARTIFACTS, iter_tar_members, sha256_file
+from trainer.data.sources import ARTIFACTS, atomic_write, iter_tar_members, sha256_file
 from trainer.paths import cache_dir
 
 TOKENIZER_ID = "gpt2-bpe/openai-whisper==20250625:whisper/assets/gpt2.tiktoken"
@@ -39,12 +39,9 @@ def gpt2_ranks_path() -> str:
         return str(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     data = dict(iter_tar_members(ARTIFACTS["openai-whisper"].key, _MEMBER))[_MEMBER]
-    tmp = path.with_suffix(".tmp")
-    tmp.write_bytes(data)
-    if sha256_file(tmp) != RANKS_SHA256:
-        tmp.unlink()
+    if hashlib.sha256(data).hexdigest() != RANKS_SHA256:
         raise RuntimeError(f"{_MEMBER} in the whisper sdist does not match sha256 {RANKS_SHA256}")
-    os.replace(tmp, path)
+    atomic_write(path, data)
     return str(path)
 
 
