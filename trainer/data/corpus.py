@@ -212,7 +212,8 @@ def fetch_corpus(name: str, *, force: bool = False, progress: bool = True) -> di
 
     A cached build whose manifest and .bin checksums verify is returned without downloading anything;
     otherwise the pinned archives are fetched (or taken from the download cache), normalised,
-    tokenized and written. `force` rebuilds regardless.
+    tokenized and written. `force` rebuilds regardless (e.g. to add an optional source whose client
+    was missing at build time: the manifest's `skipped_sources` lists those).
 
     Raises:
         ValueError: unknown corpus name (the message lists the valid ones).
