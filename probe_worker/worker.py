@@ -36,6 +36,17 @@ log = logging.getLogger("sparecycles.worker")
 IDLE_QUEUE = "sparecycles.idle"  # consumed only while no run queue exists (Celery needs at least one)
 
 
+def warm_up() -> None:
+    """Import the evaluation stack (torch, transformers' model base, kernels, the loss) before consuming.
+
+    On a busy host these imports take seconds; paying them before the first task keeps that task well
+    inside the visibility timeout (otherwise the broker would redeliver it to another worker).
+    """
+    import kernels  # noqa: F401
+    import transformers.modeling_utils  # noqa: F401
+    from trainer.train import lm_loss  # noqa: F401
+
+
 @dataclass(frozen=True)
 class WorkerOptions:
     """Settings of one worker process. Durations in seconds.
@@ -84,11 +95,18 @@ class ProbeWorker:
         self.hostname = f"{self.worker_id}@{self.host}"
         self.app = make_celery(self.reg.broker_url, visibility_timeout_s=self.reg.visibility_timeout_s,
                                soft_shutdown_s=opts.soft_shutdown_s)
+        # kombu sweeps for expired unacked messages only every interval * throttle seconds (100 s by
+        # default); sweep at a fifth of the visibility timeout so a killed worker's task returns promptly.
+        transport = dict(self.app.conf.broker_transport_options or {})
+        transport["unacked_restore_interval"] = max(1.0, min(10.0, self.reg.visibility_timeout_s / 5))
+        transport["unacked_restore_throttle"] = 1
+        self.app.conf.broker_transport_options = transport
         self.drain = DrainState()
         self.cache = WeightCache(self.client, opts.cache_dir, opts.device, keep_versions=opts.keep_versions,
                                  keep_disk_versions=opts.keep_versions + 1, metrics=self.metrics)
         self.runtime = ProbeRuntime(self.client, self.worker_id, self.cache, self.metrics)
         register_probe_task(self.app, self.runtime, self.drain, self.metrics)
+        warm_up()
         self.queues = list(self.reg.queues)
         self.consumed = set(self.queues or [IDLE_QUEUE])
         self._stop = threading.Event()
