@@ -9,12 +9,18 @@ worker, is 403.
 from __future__ import annotations
 
 import hmac
+import time
 from dataclasses import dataclass
 from typing import Literal
 
 from fastapi import HTTPException, Request
 
+from coordinator.store import parse_worker_token, token_digest
+
 Role = Literal["admin", "enroll", "worker"]
+# A verified worker token is trusted for this many seconds without a Redis read. DELETE through this
+# process invalidates it at once; another coordinator process notices a deletion within this delay.
+TOKEN_CACHE_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -31,8 +37,12 @@ def _reject(request: Request, status: int, reason: str, detail: str) -> HTTPExce
     return HTTPException(status_code=status, detail=detail, headers=headers)
 
 
-def principal(request: Request) -> Principal:
-    """Resolve the Authorization header to a Principal. Raises HTTPException 401 on failure."""
+async def principal(request: Request) -> Principal:
+    """Resolve the Authorization header to a Principal. Raises HTTPException 401 on failure.
+
+    Worker tokens are checked against the stored sha256 with one async Redis read (no thread hop),
+    then cached for `TOKEN_CACHE_S` seconds.
+    """
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
     token = token.strip()
@@ -43,9 +53,19 @@ def principal(request: Request) -> Principal:
         return Principal("admin")
     if hmac.compare_digest(token.encode(), settings.enrollment_token.get_secret_value().encode()):
         return Principal("enroll")
-    wid = request.app.state.store.authenticate_worker(token)
-    if wid is None:
+    digest = token_digest(token)
+    cache: dict[str, tuple[str, float]] = request.app.state.token_cache
+    hit = cache.get(digest)
+    if hit is not None and hit[1] > time.monotonic():
+        return Principal("worker", hit[0])
+    wid = parse_worker_token(token)
+    key = request.app.state.store.k_worker(wid) if wid is not None else None
+    stored = None if key is None else await request.app.state.aredis().hget(key, "token_sha256")
+    if stored is None or not hmac.compare_digest(stored, digest):
         raise _reject(request, 401, "unauthenticated", "unknown token")
+    if len(cache) > 100_000:
+        cache.clear()
+    cache[digest] = (wid, time.monotonic() + TOKEN_CACHE_S)
     return Principal("worker", wid)
 
 
@@ -55,8 +75,8 @@ def require(*roles: Role, self_worker: bool = False):
     With `self_worker=True` a worker is admitted only for the path parameter `worker_id` naming itself.
     """
 
-    def dependency(request: Request) -> Principal:
-        p = principal(request)
+    async def dependency(request: Request) -> Principal:
+        p = await principal(request)
         if p.role not in roles:
             raise _reject(request, 403, "forbidden", f"this call needs a {' or '.join(roles)} token")
         if self_worker and p.role == "worker" and request.path_params.get("worker_id") != p.worker_id:

@@ -18,9 +18,13 @@ their seeds re-dispatched too (bounded by `max_redispatch` per seed and replica)
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
+from collections.abc import Callable
 from functools import lru_cache
+
+from redis.asyncio import Redis as AsyncRedis
 
 from coordinator.celery_app import send_probe_tasks
 from coordinator.messages import ProbeResult, ProbeRound, StreamEvent, values_agree
@@ -121,70 +125,102 @@ class Intake:
 
         A result naming another worker or another run is `invalid`.
         """
-        outcomes: list[str] = [""] * len(results)
-        groups: dict[tuple[str, str], list[int]] = {}
-        for i, res in enumerate(results):
-            if res.worker_id != worker_id or res.run != run:
-                outcomes[i] = "invalid"
-            else:
-                groups.setdefault((res.run, res.round_id), []).append(i)
-        for (run, rid), idx in groups.items():
-            self._submit_group(worker_id, run, rid, [results[i] for i in idx], idx, outcomes)
-        for o in outcomes:
-            self.metrics.results.labels(o).inc()
-        rejected = sum(o not in ("accepted", "held", "duplicate") for o in outcomes)
+        outcomes, calls = self._plan(worker_id, run, results)
+        followups: list[Callable[[], None]] = []
+        for rnd, keys, argv, sent in calls:
+            followups += self._apply(rnd, sent, self._intake(keys=keys, args=argv), outcomes)
+        for f in followups:
+            f()
+        rejected = self._tally(outcomes)
         if rejected:
             self.store.r.hincrby(self.store.k_worker(worker_id), "rejected", rejected)
         return outcomes
 
-    def _submit_group(
-        self, wid: str, run: str, rid: str, results: list[ProbeResult], idx: list[int], outcomes: list[str]
-    ) -> None:
-        try:
-            rnd, spot, _, _, _ = self._round(run, rid)
-        except NotFound:
-            for i in idx:
-                outcomes[i] = "unknown_round"
-            return
-        argv: list[str | int] = [wid, rnd.version]
-        sent: list[tuple[int, ProbeResult]] = []
-        for i, res in zip(idx, results):
-            mode = str(res.replica) if res.seed in spot else ("a" if res.replica == 0 else None)
-            if mode is None or res.version != rnd.version or (rnd.want_clean and res.l0 is None):
+    async def submit_async(self, aredis: AsyncRedis, worker_id: str, run: str, results: list[ProbeResult]) -> list[str]:
+        """`submit` for an asyncio server: the per-batch Lua call goes through `aredis` (same Redis), the
+        rare follow-ups (spot-check resolution, re-dispatch) run in a worker thread."""
+        outcomes, calls = self._plan(worker_id, run, results)
+        script = aredis.register_script(_INTAKE_LUA)
+        followups: list[Callable[[], None]] = []
+        for rnd, keys, argv, sent in calls:
+            followups += self._apply(rnd, sent, await script(keys=keys, args=argv), outcomes)
+        if followups:
+            await asyncio.to_thread(lambda: [f() for f in followups])
+        rejected = self._tally(outcomes)
+        if rejected:
+            await aredis.hincrby(self.store.k_worker(worker_id), "rejected", rejected)
+        return outcomes
+
+    def _tally(self, outcomes: list[str]) -> int:
+        for o in outcomes:
+            self.metrics.results.labels(o).inc()
+        return sum(o not in ("accepted", "held", "duplicate") for o in outcomes)
+
+    def _plan(self, wid: str, run: str, results: list[ProbeResult]) -> tuple[list[str], list[tuple]]:
+        """Stateless checks; returns outcomes so far and one (round, keys, argv, sent) Lua call per round."""
+        outcomes: list[str] = [""] * len(results)
+        groups: dict[str, list[int]] = {}
+        for i, res in enumerate(results):
+            if res.worker_id != wid or res.run != run:
                 outcomes[i] = "invalid"
+            else:
+                groups.setdefault(res.round_id, []).append(i)
+        calls = []
+        for rid, idx in groups.items():
+            try:
+                rnd, spot, _, _, _ = self._round(run, rid)
+            except NotFound:
+                for i in idx:
+                    outcomes[i] = "unknown_round"
                 continue
-            if mode == "2" and self.store.r.hget(self.store.k_round(run, rid, "dec"), f"{res.seed}:pair") != "disagree":
-                outcomes[i] = "invalid"  # a third evaluation is only legitimate after a disagreement
-                continue
-            event = StreamEvent(kind="accepted", run=run, round_id=rid, seed=res.seed, result=res)
-            argv += [res.seed, mode, event.model_dump_json() if mode == "a" else res.model_dump_json()]
-            sent.append((i, res))
-        if not sent:
-            return
-        s = self.store
-        keys = [
-            s.k_round(run, rid), s.k_round(run, rid, "seeds"), s.k_round(run, rid, "acc"), self.stream_key(run),
-            s.k_run(run, "run"), s.k_worker(wid), s.k_run(run, "attested"), s.k_round(run, rid, "spot"),
-        ]
-        reply = self._intake(keys=keys, args=argv)
+            argv: list[str | int] = [wid, rnd.version]
+            sent: list[tuple[int, ProbeResult]] = []
+            for i in idx:
+                res = results[i]
+                mode = str(res.replica) if res.seed in spot else ("a" if res.replica == 0 else None)
+                if mode is None or res.version != rnd.version or (rnd.want_clean and res.l0 is None):
+                    outcomes[i] = "invalid"
+                    continue
+                if mode == "2" and self.store.r.hget(self.store.k_round(run, rid, "dec"), f"{res.seed}:pair") != "disagree":
+                    outcomes[i] = "invalid"  # a third evaluation is only legitimate after a disagreement
+                    continue
+                event = StreamEvent(kind="accepted", run=run, round_id=rid, seed=res.seed, result=res)
+                argv += [res.seed, mode, event.model_dump_json() if mode == "a" else res.model_dump_json()]
+                sent.append((i, res))
+            if sent:
+                s = self.store
+                keys = [
+                    s.k_round(run, rid), s.k_round(run, rid, "seeds"), s.k_round(run, rid, "acc"),
+                    self.stream_key(run), s.k_run(run, "run"), s.k_worker(wid), s.k_run(run, "attested"),
+                    s.k_round(run, rid, "spot"),
+                ]
+                calls.append((rnd, keys, argv, sent))
+        return outcomes, calls
+
+    def _apply(self, rnd: ProbeRound, sent: list[tuple[int, ProbeResult]], reply: list, outcomes: list[str]
+               ) -> list[Callable[[], None]]:
+        """Record the Lua reply's outcomes; return follow-ups (spot-check resolution, re-dispatch)."""
         head = reply[0]
         if head != "ok":
-            for i, res in sent:
+            for i, _ in sent:
                 outcomes[i] = head
             if head in _REJECTED:
-                self._redispatch_seeds(rnd, [(res.seed, res.replica) for _, res in sent], head)
-            return
+                pairs = [(res.seed, res.replica) for _, res in sent]
+                return [lambda: self._redispatch_seeds(rnd, pairs, head)]
+            return []
         age, done, n_seeds, created = int(reply[1]), int(reply[2]), int(reply[3]), reply[4]
+        followups: list[Callable[[], None]] = []
         for (i, res), outcome in zip(sent, reply[5:]):
             outcomes[i] = outcome
             if outcome == "accepted":
                 self.metrics.result_age.observe(age)
             elif outcome == "held":
-                self._resolve(rnd, res.seed)
+                followups.append(lambda seed=res.seed: self._resolve(rnd, seed))
             elif outcome == "same_worker":
-                self._redispatch_seeds(rnd, [(res.seed, res.replica)], "same_worker")
+                followups.append(lambda sr=(res.seed, res.replica): self._redispatch_seeds(rnd, [sr], "same_worker"))
         if done and done == n_seeds:
             self.metrics.round_latency.observe(max(0.0, time.time() - float(created)))
+        return followups
 
     # ---- spot checks ----------------------------------------------------------------------------------
     def _resolve(self, rnd: ProbeRound, seed: int) -> None:

@@ -53,6 +53,14 @@ def token_digest(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
+def parse_worker_token(token: str) -> str | None:
+    """The worker id a token claims (tokens are "w-<16 hex>.<secret>"), or None if malformed."""
+    wid, _, secret = token.partition(".")
+    if not secret or not wid.startswith("w-") or len(wid) != 18:
+        return None
+    return wid
+
+
 def spot_check_selected(run: str, round_id: str, seed: int, fraction: float) -> bool:
     """Deterministic spot-check choice: sha256("run/round/seed")[:8] / 2**64 < fraction.
 
@@ -125,8 +133,8 @@ class Store:
 
     def authenticate_worker(self, token: str) -> str | None:
         """Worker id owning `token`, or None (constant-time digest comparison)."""
-        wid, _, secret = token.partition(".")
-        if not secret or not wid.startswith("w-") or len(wid) != 18:
+        wid = parse_worker_token(token)
+        if wid is None:
             return None
         stored = self.r.hget(self.k_worker(wid), "token_sha256")
         if stored is None or not hmac.compare_digest(stored, token_digest(token)):

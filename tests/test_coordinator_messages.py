@@ -1,0 +1,134 @@
+"""Contract tests of the wire messages and settings, plus the no-torch import guarantee."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given, settings as hsettings, strategies as st
+from pydantic import ValidationError
+
+from coordinator.messages import (
+    MAX_SEEDS_PER_TASK, ProbeResult, ProbeRound, ProbeTask, ResultBatch, RunSpec, SeedLedgerEntry, StreamEvent,
+    VersionManifest, values_agree,
+)
+from coordinator.settings import CoordinatorSettings, generate_dev_settings
+from coordinator.store import spot_check_selected
+
+WID = "w-0123456789abcdef"
+SHA = "a" * 64
+
+
+def res(**kw):
+    base = dict(run="r", round_id="k", seed=1, version=0, worker_id=WID, l_plus=1.0, l_minus=2.0)
+    base.update(kw)
+    return base
+
+
+def test_result_roundtrip_and_strictness():
+    r = ProbeResult.model_validate(res(seed=2**64 - 1, l0=0.5))
+    assert ProbeResult.model_validate_json(r.model_dump_json()) == r
+    assert r.schema_version == 1
+    for bad in [
+        res(seed=2**64), res(seed=-1), res(seed="5"), res(l_plus=float("nan")), res(l_minus=float("inf")),
+        res(extra=1), res(worker_id="w-XYZ"), res(run="Bad Run"), res(schema_version=2), res(replica=3),
+        res(l_plus="1.0"),
+    ]:
+        with pytest.raises(ValidationError):
+            ProbeResult.model_validate(bad)
+    with pytest.raises(ValidationError):  # JSON NaN literal
+        ProbeResult.model_validate_json(json.dumps(res()).replace("1.0", "NaN"))
+    with pytest.raises(ValidationError):  # frozen
+        r.seed = 3  # type: ignore[misc]
+
+
+def test_bounded_lists_and_cross_field_rules():
+    rnd = dict(run="r", round_id="k", version=0, batch_sha256=SHA, eps=1e-3, distribution="gauss8", seeds=[1, 2])
+    ProbeRound.model_validate(rnd)
+    with pytest.raises(ValidationError, match="unique"):
+        ProbeRound.model_validate(dict(rnd, seeds=[1, 1]))
+    with pytest.raises(ValidationError):
+        ProbeRound.model_validate(dict(rnd, distribution="uniform"))
+    with pytest.raises(ValidationError):
+        ProbeRound.model_validate(dict(rnd, eps=0.0))
+    task = dict(rnd, want_clean=False, seeds=list(range(MAX_SEEDS_PER_TASK + 1)))
+    with pytest.raises(ValidationError):
+        ProbeTask.model_validate(task)
+    with pytest.raises(ValidationError):
+        ResultBatch.model_validate({"results": []})
+    led = dict(run="r", version=3, parent=2, seeds=[1, 2], coeffs=[0.5, 0.25], distribution="rademacher")
+    assert SeedLedgerEntry.model_validate(led).scale == 1.0
+    with pytest.raises(ValidationError, match="same length"):
+        SeedLedgerEntry.model_validate(dict(led, coeffs=[0.5]))
+    with pytest.raises(ValidationError, match="exactly one version"):
+        SeedLedgerEntry.model_validate(dict(led, parent=1))
+    shard = {"name": "a.safetensors", "sha256": SHA, "bytes": 3}
+    man = dict(run="r", version=1, parent=0, shards=[shard], param_order_hash=SHA, dtype="bfloat16",
+               model_class="GPT2LMHeadModel")
+    VersionManifest.model_validate(man)
+    with pytest.raises(ValidationError, match="unique"):
+        VersionManifest.model_validate(dict(man, shards=[shard, shard]))
+    with pytest.raises(ValidationError, match="older"):
+        VersionManifest.model_validate(dict(man, parent=1))
+    with pytest.raises(ValidationError):
+        VersionManifest.model_validate(dict(man, shards=[dict(shard, name="../etc/passwd")]))
+    ev = StreamEvent(kind="accepted", run="r", round_id="k", seed=1, result=ProbeResult.model_validate(res()))
+    assert StreamEvent.model_validate_json(ev.model_dump_json()) == ev
+
+
+def test_values_agree_is_the_symmetric_tolerance_rule():
+    a = ProbeResult.model_validate(res(l_plus=100.0, l_minus=1.0, l0=5.0))
+    b = ProbeResult.model_validate(res(l_plus=100.0 + 1e-3, l_minus=1.0, l0=5.0))
+    assert values_agree(a, b, rtol=1e-5, atol=0.0)  # 1e-3 <= 1e-5 * 100.001
+    assert not values_agree(a, b, rtol=1e-6, atol=0.0)
+    assert values_agree(a, b, rtol=0.0, atol=1e-3 + 1e-12)
+    c = ProbeResult.model_validate(res(l_plus=100.0, l_minus=1.0, l0=6.0))
+    assert not values_agree(a, c, rtol=1e-5, atol=0.0)  # l0 compared when both have it
+    d = ProbeResult.model_validate(res(l_plus=100.0, l_minus=1.0))
+    assert values_agree(c, d, rtol=0.0, atol=0.0)
+
+
+@hsettings(max_examples=50, deadline=None)
+@given(st.floats(0.0, 1.0), st.text(alphabet="abc-", min_size=1, max_size=8))
+def test_spot_check_selection_is_deterministic_and_proportional(fraction, rid):
+    seeds = range(4000)
+    chosen = [s for s in seeds if spot_check_selected("run", rid, s, fraction)]
+    assert chosen == [s for s in seeds if spot_check_selected("run", rid, s, fraction)]
+    # binomial(4000, f): 6 standard deviations either way (the hash is a fixed function, no flakiness)
+    sd = math.sqrt(4000 * fraction * (1 - fraction))
+    assert abs(len(chosen) - 4000 * fraction) <= 6 * sd + 1
+    if fraction == 0.0:
+        assert chosen == []
+
+
+def test_settings_refuse_default_and_short_secrets(monkeypatch):
+    for admin, enroll in [("changethis", "x" * 32), ("", "y" * 32), ("short", "y" * 32), ("z" * 32, "z" * 32)]:
+        with pytest.raises(ValidationError):
+            CoordinatorSettings(admin_token=admin, enrollment_token=enroll)
+    CoordinatorSettings(admin_token="changethis", enrollment_token="changethis", dev_mode=True)
+    monkeypatch.setenv("SPARECYCLES_ADMIN_TOKEN", "changethis")
+    monkeypatch.setenv("SPARECYCLES_ENROLLMENT_TOKEN", "e" * 20)
+    with pytest.raises(ValidationError, match="admin_token"):
+        CoordinatorSettings()
+    monkeypatch.setenv("SPARECYCLES_ADMIN_TOKEN", "a" * 20)
+    monkeypatch.setenv("REDIS_URL", "redis://:pw@example:6380/2")
+    s = CoordinatorSettings()
+    assert s.redis_url == "redis://:pw@example:6380/2" and s.worker_broker_url == s.redis_url
+    a, b = generate_dev_settings(), generate_dev_settings()
+    assert a.admin_token != b.admin_token and len(a.admin_token.get_secret_value()) >= 32
+    assert not a.dev_mode
+    with pytest.raises(ValidationError, match="heartbeat"):
+        generate_dev_settings(lease_seconds=1.0, heartbeat_interval_s=2.0)
+
+
+def test_api_and_coordinator_do_not_import_torch():
+    code = (
+        "import sys; import api.app, api.cli, coordinator.cli, coordinator.stream, coordinator.intake; "
+        "bad = [m for m in ('torch', 'numpy', 'transformers') if m in sys.modules]; print(bad); "
+        "sys.exit(1 if 'torch' in bad else 0)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
