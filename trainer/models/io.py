@@ -20,14 +20,22 @@ from trainer.models.params import canonical_parameters, param_order_hash
 FORMAT = "sparecycles-params-v1"
 
 
-def save_safetensors_model(model: torch.nn.Module, path: str | os.PathLike, metadata: dict[str, str] | None = None) -> Path:
+def save_safetensors_model(
+    model: torch.nn.Module,
+    path: str | os.PathLike,
+    metadata: dict[str, str] | None = None,
+    *,
+    dtype: torch.dtype | None = None,
+) -> Path:
     """Write the canonical parameters of `model` to a safetensors file (atomically: tmp + rename).
 
     The header metadata holds `format`, `param_order_hash` and the caller's string `metadata`.
-    Tensors keep their dtype and are saved from CPU copies.
+    Tensors are saved from CPU copies in their own dtype, or cast to `dtype` (e.g. torch.bfloat16
+    to publish probe weights at half the bytes; one round-to-nearest-even per element).
 
     Returns:
-        The written path. Raises TypeError for non-string metadata values (safetensors' rule).
+        The written path. Raises TypeError for non-string metadata values (safetensors' rule) or a
+        non-floating dtype.
     """
     path = Path(path)
     meta = {"format": FORMAT, "param_order_hash": param_order_hash(model)}
@@ -35,7 +43,12 @@ def save_safetensors_model(model: torch.nn.Module, path: str | os.PathLike, meta
         if not isinstance(k, str) or not isinstance(v, str):
             raise TypeError(f"metadata must map str to str, got {k!r}: {type(v).__name__}")
         meta[k] = v
-    tensors = {name: p.detach().to("cpu").contiguous() for name, p in canonical_parameters(model)}
+    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+        raise TypeError(f"dtype must be a floating torch.dtype or None, got {dtype!r}")
+    tensors = {
+        name: p.detach().to(device="cpu", dtype=dtype or p.dtype).contiguous()
+        for name, p in canonical_parameters(model)
+    }
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     save_file(tensors, str(tmp), metadata=meta)
