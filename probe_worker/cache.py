@@ -161,18 +161,21 @@ class WeightCache:
         """
         path = self.shard_path(ref.sha256)
         for _ in range(SHARD_FETCH_TRIES):
-            if path.is_file():
-                data = path.read_bytes()
-                if hashlib.sha256(data).hexdigest() == ref.sha256:
+            fetched = not path.is_file()
+            if fetched:
+                self.metrics.cache_misses.labels("shard").inc()
+                try:
+                    self.metrics.weight_bytes.inc(self.client.download_blob(ref.sha256, path))
+                except CorruptBlobError:
+                    self.metrics.corrupt.inc()
+                    continue
+            data = path.read_bytes()
+            if hashlib.sha256(data).hexdigest() == ref.sha256:
+                if not fetched:
                     self.metrics.cache_hits.labels("shard").inc()
-                    return data
-                self.metrics.corrupt.inc()
-                path.unlink(missing_ok=True)  # never load it; fetch a good copy instead
-            self.metrics.cache_misses.labels("shard").inc()
-            try:
-                self.metrics.weight_bytes.inc(self.client.download_blob(ref.sha256, path))
-            except CorruptBlobError:
-                self.metrics.corrupt.inc()
+                return data
+            self.metrics.corrupt.inc()
+            path.unlink(missing_ok=True)  # never load it; fetch a good copy instead
         raise CorruptBlobError(f"shard {ref.name} ({ref.sha256}) arrived corrupt {SHARD_FETCH_TRIES} times")
 
     def get(self, run: str, version: int) -> LoadedVersion:

@@ -1,0 +1,263 @@
+"""Probe-worker components against a real coordinator (uvicorn in a thread, real Redis DB 12): shard
+publishing and loading, corruption handling, task validation, the probe runtime, the batch codec, the
+canary digest, and trainer-restart delivery through CoordinatorBackend."""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+
+import pytest
+import redis
+import torch
+from celery.exceptions import Reject
+from prometheus_client import CollectorRegistry
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from api.app import create_app
+from api.server import ServerThread
+from coordinator.messages import CanarySpec, ProbeTask, RunSpec, WorkerRegistration
+from coordinator.settings import generate_dev_settings
+from kernels import ProbeEvaluator
+from kernels.reference import direction_ref
+from probe_worker.cache import WeightCache
+from probe_worker.client import CoordinatorClient, CorruptBlobError
+from probe_worker.metrics import WorkerMetrics
+from probe_worker.runtime import ProbeRuntime, canary_digest
+from probe_worker.tasks import DrainState, run_probe
+from trainer.coordinator_backend import CoordinatorBackend, decode_batch, encode_batch, write_shards
+from trainer.models.gpt2 import init_gpt2_weights_
+from trainer.train import lm_loss
+from trainer.zo.backend import ProbeRound
+
+REDIS_URL = "redis://127.0.0.1:6379/12"
+
+
+def tiny_model(seed: int = 0) -> GPT2LMHeadModel:
+    cfg = GPT2Config(vocab_size=96, n_positions=32, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    with torch.random.fork_rng(devices=[]):
+        model = GPT2LMHeadModel(cfg)
+    init_gpt2_weights_(model, seed)
+    return model.eval()
+
+
+def make_batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 96, (2, 17), generator=g)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+class Env:
+    """Coordinator in a thread + helpers; `backend(run)` is the trainer, `worker()` a registered worker."""
+
+    def __init__(self, tmp_path) -> None:
+        self.prefix = "tc" + secrets.token_hex(4)
+        self.settings = generate_dev_settings(
+            redis_url=REDIS_URL, key_prefix=self.prefix, queue_prefix=f"{self.prefix}.probe",
+            blob_dir=tmp_path / "blobs", reaper_interval_s=0.5,
+        )
+        self.server = ServerThread(create_app(self.settings)).start()
+        self.tmp = tmp_path
+
+    def backend(self, model, run: str, **spec) -> CoordinatorBackend:
+        return CoordinatorBackend(
+            model, coordinator_url=self.server.url, admin_token=self.settings.admin_token.get_secret_value(),
+            redis_url=REDIS_URL, run=RunSpec(run=run, model_class=type(model).__name__,
+                                             spot_check_fraction=0.0, **spec),
+            key_prefix=self.prefix, round_timeout_s=30.0, shard_bytes=4096,
+        )
+
+    def worker(self, name: str) -> tuple[CoordinatorClient, str]:
+        client = CoordinatorClient(self.server.url, timeout_s=10, attempts=2)
+        reg = client.register(WorkerRegistration(name=name), self.settings.enrollment_token.get_secret_value())
+        return client, reg.worker_id
+
+    def close(self) -> None:
+        self.server.stop()
+        r = redis.Redis.from_url(REDIS_URL)
+        for pattern in (f"{self.prefix}*", f"_kombu.binding.{self.prefix}*"):
+            keys = list(r.scan_iter(pattern, count=1000))
+            if keys:
+                r.delete(*keys)
+
+
+@pytest.fixture
+def env(tmp_path):
+    e = Env(tmp_path)
+    try:
+        yield e
+    finally:
+        e.close()
+
+
+def _params(model):
+    return [(n, p.detach().clone()) for n, p in model.named_parameters()]
+
+
+def test_published_version_loads_bit_exact_and_fetches_only_new_shards(env):
+    model = tiny_model()
+    be = env.backend(model, "shards")
+    be.publish(0)
+    client, _ = env.worker("w0")
+    metrics = WorkerMetrics(CollectorRegistry())
+    cache = WeightCache(client, env.tmp / "wc", metrics=metrics)
+    loaded = cache.get("shards", 0)
+    n_shards = len(loaded.manifest.shards)
+    assert n_shards == len(write_shards(model, 4096)) > 3  # 4 KiB shards: the tiny model spans many
+    got, want = _params(loaded.model), _params(model)
+    assert [n for n, _ in got] == [n for n, _ in want]
+    assert all(torch.equal(a, b) and a.dtype == b.dtype for (_, a), (_, b) in zip(got, want))
+    assert loaded.model.lm_head.weight is loaded.model.transformer.wte.weight  # tie survives
+    bytes_v0 = metrics.weight_bytes._value.get()
+    assert bytes_v0 == sum(s.bytes for s in loaded.manifest.shards)
+
+    with torch.no_grad():
+        model.transformer.ln_f.weight.add_(1.0)  # one small tensor changes -> one shard changes
+    be.publish(1)
+    v1 = cache.get("shards", 1)
+    changed = {s.sha256 for s in v1.manifest.shards} - {s.sha256 for s in loaded.manifest.shards}
+    assert len(changed) == 1
+    assert metrics.weight_bytes._value.get() - bytes_v0 == sum(s.bytes for s in v1.manifest.shards
+                                                               if s.sha256 in changed)
+    assert metrics.cache_hits.labels("shard")._value.get() == n_shards - 1
+    assert torch.equal(v1.model.transformer.ln_f.weight, model.transformer.ln_f.weight)
+    assert cache.get("shards", 1) is v1 and metrics.cache_hits.labels("version")._value.get() == 1
+    assert metrics.version._value.get() == 1
+    be.close()
+
+
+def test_corrupt_cached_shard_is_deleted_and_refetched(env):
+    model = tiny_model()
+    be = env.backend(model, "corrupt-cache")
+    be.publish(0)
+    client, _ = env.worker("w0")
+    WeightCache(client, env.tmp / "wc", metrics=WorkerMetrics(CollectorRegistry())).get("corrupt-cache", 0)
+    metrics = WorkerMetrics(CollectorRegistry())
+    cache = WeightCache(client, env.tmp / "wc", metrics=metrics)  # a restarted worker: disk cache only
+    manifest = client.version("corrupt-cache", 0)
+    path = cache.shard_path(manifest.shards[0].sha256)
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01  # flip one bit in the tensor data
+    path.write_bytes(bytes(data))
+    loaded = cache.get("corrupt-cache", 0)
+    assert metrics.corrupt._value.get() == 1
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == manifest.shards[0].sha256
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(_params(loaded.model), _params(model)))
+    be.close()
+
+
+def test_corrupt_blob_from_coordinator_is_never_loaded(env):
+    model = tiny_model()
+    be = env.backend(model, "corrupt-blob")
+    be.publish(0)
+    client, _ = env.worker("w0")
+    manifest = client.version("corrupt-blob", 0)
+    blob = env.settings.blob_dir / manifest.shards[1].sha256[:2] / manifest.shards[1].sha256
+    data = bytearray(blob.read_bytes())
+    data[len(data) // 2] ^= 0x80
+    blob.write_bytes(bytes(data))
+    metrics = WorkerMetrics(CollectorRegistry())
+    cache = WeightCache(client, env.tmp / "wc", metrics=metrics)
+    with pytest.raises(CorruptBlobError):
+        cache.get("corrupt-blob", 0)
+    assert metrics.corrupt._value.get() == 3  # every try arrived corrupt
+    assert not cache.shard_path(manifest.shards[1].sha256).exists()
+    assert list(cache.shard_dir.glob("??/.part-*")) == []
+    be.close()
+
+
+def test_runtime_posts_evaluator_values_once_and_rejects_bad_tasks(env):
+    model = tiny_model(seed=5)
+    be = env.backend(model, "runtime", distribution="gauss8")
+    be.publish(0)
+    batch = make_batch(1)
+    be.submit(ProbeRound("rt-0", 0, batch, eps=1e-3, seeds=(7, 8, 9), dist="gauss8", want_clean=True))
+    client, wid = env.worker("w0")
+    metrics = WorkerMetrics(CollectorRegistry())
+    runtime = ProbeRuntime(client, wid, WeightCache(client, env.tmp / "wc", metrics=metrics), metrics)
+    drain = DrainState()
+    kwargs = ProbeTask(run="runtime", round_id="rt-0", version=0, batch_sha256=be._upload(encode_batch(batch)),
+                       eps=1e-3, distribution="gauss8", seeds=[7, 8, 9], want_clean=True).model_dump(mode="json")
+    assert run_probe(runtime, drain, metrics, kwargs) == "done"
+    assert run_probe(runtime, drain, metrics, kwargs) == "done"  # a redelivery: identical values, deduped
+    assert metrics.results.labels("accepted")._value.get() == 3
+    assert metrics.results.labels("duplicate")._value.get() == 3
+    assert metrics.clean._value.get() == 1 and metrics.cache_hits.labels("clean")._value.get() == 1
+    res = {r.seed: r for r in be.poll("rt-0")}
+    ev = ProbeEvaluator(model, lambda m, b: lm_loss(m, b[0], b[1]))
+    for s in (7, 8, 9):
+        assert res[s].l_plus == ev.loss(batch, s, 1e-3, "gauss8")
+        assert res[s].l_minus == ev.loss(batch, s, -1e-3, "gauss8")
+        assert res[s].l0 == ev.clean_loss(batch)
+    for bad in ({"run": "runtime"}, {**kwargs, "eps": -1.0}, {**kwargs, "seeds": [-1]}, {**kwargs, "x": 1},
+                {**kwargs, "version": "0"}, ["not", "an", "object"]):
+        with pytest.raises(Reject) as exc:
+            run_probe(runtime, drain, metrics, bad)
+        assert exc.value.requeue is False
+    assert metrics.tasks.labels("invalid")._value.get() == 6
+    drain.set_local(True)
+    with pytest.raises(Reject) as exc:
+        run_probe(runtime, drain, metrics, kwargs)
+    assert exc.value.requeue is True and metrics.tasks.labels("requeued")._value.get() == 1
+    unknown = {**kwargs, "version": 9}
+    drain.set_local(False)
+    assert run_probe(runtime, drain, metrics, unknown) == "refused"  # 404: no such version
+    be.close()
+
+
+def test_canary_attestation_counts_results(env):
+    seed, numel = 12345, 1000
+    z = direction_ref(seed, 0, numel, "gauss8").numpy().astype("<f4").tobytes()
+    digest = hashlib.sha256(z).hexdigest()
+    assert canary_digest(seed, numel, "gauss8") == digest
+    model = tiny_model()
+    be = env.backend(model, "canary", canary=CanarySpec(seed=seed, numel=numel, distribution="gauss8",
+                                                        digest=digest))
+    be.publish(0)
+    batch = make_batch(2)
+    be.submit(ProbeRound("c-0", 0, batch, eps=1e-3, seeds=(1, 2), dist="gauss8"))
+    client, wid = env.worker("w0")
+    metrics = WorkerMetrics(CollectorRegistry())
+    runtime = ProbeRuntime(client, wid, WeightCache(client, env.tmp / "wc", metrics=metrics), metrics)
+    task = ProbeTask(run="canary", round_id="c-0", version=0, batch_sha256=be._upload(encode_batch(batch)),
+                     eps=1e-3, distribution="gauss8", seeds=[1, 2], want_clean=False)
+    assert runtime.run_task(task).outcomes == ["accepted", "accepted"]
+    be.close()
+
+
+def test_trainer_restart_receives_undelivered_results(env):
+    model = tiny_model()
+    be = env.backend(model, "restart")
+    be.publish(0)
+    batch = make_batch(3)
+    be.submit(ProbeRound("rs-0", 0, batch, eps=1e-3, seeds=(1, 2, 3, 4), dist="rademacher"))
+    client, wid = env.worker("w0")
+    runtime = ProbeRuntime(client, wid, WeightCache(client, env.tmp / "wc"), WorkerMetrics(CollectorRegistry()))
+    sha = hashlib.sha256(encode_batch(batch)).hexdigest()
+    for seeds in ([1, 2], [3, 4]):
+        runtime.run_task(ProbeTask(run="restart", round_id="rs-0", version=0, batch_sha256=sha, eps=1e-3,
+                                   distribution="rademacher", seeds=seeds, want_clean=False))
+    be._drain_stream(block_ms=1)  # read into memory, never handed out: then the trainer "crashes"
+    assert len(be._buffer) == 4
+    be.close()
+    be2 = CoordinatorBackend(model, coordinator_url=env.server.url, redis_url=REDIS_URL, run="restart",
+                             admin_token=env.settings.admin_token.get_secret_value(), key_prefix=env.prefix)
+    got = be2.poll()
+    assert sorted(r.seed for r in got) == [1, 2, 3, 4] and be2.reader.pending() == 0
+    assert be2.poll() == []
+    be2.close()
+
+
+def test_batch_codec_roundtrip_and_errors():
+    x, y = make_batch(4)
+    data = encode_batch((x, y))
+    assert data == encode_batch((x.clone(), y.clone()))  # deterministic bytes -> stable content hash
+    x2, y2 = decode_batch(data)
+    assert torch.equal(x, x2) and torch.equal(y, y2)
+    with pytest.raises(TypeError):
+        encode_batch((x.float(), y))
+    with pytest.raises(ValueError):
+        encode_batch((x, y[:, :3]))
+    with pytest.raises(ValueError):
+        decode_batch(b"not safetensors")
