@@ -1,0 +1,182 @@
+"""Public probe-kernel API: Triton on CUDA tensors, the bit-identical PyTorch reference everywhere else.
+
+All functions take `offset`, the global position of a tensor's first element in the model's canonical flat
+parameter order, so z is the same whatever the chunking, sharding, dtype or device (kernels.reference).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import lru_cache
+
+import torch
+
+from kernels.dist import ProbeDist, as_dist
+from kernels.philox import SEED_LIMIT, check_seed
+from kernels.reference import check_range, direction_ref, perturb_ref, replay_ref
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@lru_cache(maxsize=1)
+def triton_available() -> bool:
+    """True when `import triton` works (the Triton kernels are then used for CUDA tensors)."""
+    try:
+        import kernels.triton_kernels  # noqa: F401
+    except Exception:  # noqa: BLE001 - any import failure means: use the reference
+        return False
+    return True
+
+
+def uses_triton(t: torch.Tensor) -> bool:
+    """True when an op on `t` runs the Triton kernel (CUDA tensor, triton importable), else the reference."""
+    return t.device.type == "cuda" and triton_available()
+
+
+def _check_float(t: torch.Tensor, name: str, dtypes=FLOAT_DTYPES) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name} has dtype {t.dtype}; expected one of {[str(d) for d in dtypes]}"
+                        + (" (apply updates to fp32 master weights)" if dtypes == (torch.float32,) else ""))
+
+
+def seeds_tensor(seeds: Sequence[int] | torch.Tensor, device) -> torch.Tensor:
+    """(K,) int64 tensor of 64-bit seeds on `device`; seeds >= 2**63 are stored as two's complement."""
+    if isinstance(seeds, torch.Tensor):
+        if seeds.dtype != torch.int64 or seeds.dim() != 1:
+            raise TypeError("a seeds tensor must be (K,) int64")
+        return seeds.to(device).contiguous()
+    vals = [check_seed(s) for s in seeds]
+    return torch.tensor([s - SEED_LIMIT if s >= 1 << 63 else s for s in vals], dtype=torch.int64, device=device)
+
+
+def _seeds_list(seeds: Sequence[int] | torch.Tensor) -> list[int]:
+    if isinstance(seeds, torch.Tensor):
+        return [int(s) % SEED_LIMIT for s in seeds.tolist()]
+    return [check_seed(s) for s in seeds]
+
+
+def _coeffs_tensor(coeffs: Sequence[float] | torch.Tensor, k: int, device) -> torch.Tensor:
+    c = torch.as_tensor(coeffs, dtype=torch.float32).to(device).contiguous()
+    if c.shape != (k,):
+        raise ValueError(f"coeffs must have shape ({k},) to match the seeds, got {tuple(c.shape)}")
+    return c
+
+
+def direction(seed: int, offset: int, numel: int, dist: ProbeDist | str = ProbeDist.GAUSS8,
+              device="cpu") -> torch.Tensor:
+    """z(seed)[offset : offset + numel] as a (numel,) float32 tensor on `device` (materialised: for tests,
+    digests and CPU workers; the apply ops never materialise z)."""
+    device = torch.device(device)
+    probe = torch.empty(0, device=device)
+    if uses_triton(probe):
+        check_range(offset, numel)
+        return perturb(torch.zeros(numel, dtype=torch.float32, device=device), seed, offset, 1.0, dist)
+    return direction_ref(seed, offset, numel, dist, device)
+
+
+def perturb(w: torch.Tensor, seed: int, offset: int, alpha: float, dist: ProbeDist | str = ProbeDist.GAUSS8,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+    """out = w + alpha * z(seed)[offset : offset + w.numel()] in fp32, rounded once to w.dtype.
+
+    w: any shape, float32/bfloat16/float16 (contiguous on CUDA). out: None (allocated) or a tensor of w's
+    shape, dtype and device (may be w itself). Returns out. Raises TypeError/ValueError for bad inputs.
+    """
+    dist = as_dist(dist)
+    _check_float(w, "w")
+    if uses_triton(w):
+        from kernels.triton_kernels import perturb_triton
+
+        return perturb_triton(w, seed, offset, alpha, dist, out)
+    check_range(offset, w.numel())
+    res = perturb_ref(w, seed, offset, alpha, dist)
+    if out is None:
+        return res
+    if out.shape != w.shape or out.dtype != w.dtype or out.device != w.device:
+        raise ValueError("out must have w's shape, dtype and device")
+    return out.copy_(res)
+
+
+def axpy_(w: torch.Tensor, seed: int, offset: int, alpha: float,
+          dist: ProbeDist | str = ProbeDist.GAUSS8) -> torch.Tensor:
+    """In place on fp32 master weights: w <- w + alpha * z(seed)[offset : offset + w.numel()]. Returns w.
+
+    Raises TypeError unless w is float32 (tiny updates to bf16 weights round away; DESIGN.md section 1).
+    """
+    _check_float(w, "w", (torch.float32,))
+    return perturb(w, seed, offset, alpha, dist, out=w)
+
+
+def replay_(w: torch.Tensor, seeds: Sequence[int] | torch.Tensor, coeffs: Sequence[float] | torch.Tensor,
+            offset: int, dist: ProbeDist | str = ProbeDist.GAUSS8) -> torch.Tensor:
+    """In place on fp32 w: w <- w + sum_k coeffs[k] * z(seeds[k]) over w's global range, accumulated in
+    fp32 in order k = 0..K-1 (bit-identical to K successive axpy_ calls). One pass over w on CUDA.
+
+    seeds: K ints in [0, 2**64) or a (K,) int64 tensor; coeffs: K floats or a (K,) float32 tensor.
+    """
+    dist = as_dist(dist)
+    _check_float(w, "w", (torch.float32,))
+    if uses_triton(w):
+        from kernels.triton_kernels import replay_triton
+
+        s = seeds_tensor(seeds, w.device)
+        return replay_triton(w, s, _coeffs_tensor(coeffs, s.numel(), w.device), offset, dist)
+    check_range(offset, w.numel())
+    sl = _seeds_list(seeds)
+    cl = _coeffs_tensor(coeffs, len(sl), "cpu").tolist()
+    return w.copy_(replay_ref(w, sl, cl, offset, dist))
+
+
+def _groups(tensors: Sequence[torch.Tensor]) -> dict[tuple, list[int]]:
+    groups: dict[tuple, list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((t.dtype, t.device), []).append(i)
+    return groups
+
+
+def _check_lists(tensors, offsets) -> None:
+    if len(tensors) != len(offsets):
+        raise ValueError(f"{len(tensors)} tensors but {len(offsets)} offsets")
+
+
+def perturb_model(tensors: Sequence[torch.Tensor], offsets: Sequence[int], seed: int, alpha: float,
+                  dist: ProbeDist | str = ProbeDist.GAUSS8,
+                  outs: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """outs[i] = tensors[i] + alpha * z(seed) over [offsets[i], offsets[i] + numel) for all i: one Triton
+    launch per (dtype, device) group on CUDA. outs: None (allocated) or matching tensors (may alias the
+    inputs for in-place). Reuse the same outs across calls: the launch table is cached by address."""
+    dist = as_dist(dist)
+    _check_lists(tensors, offsets)
+    outs = [torch.empty_like(t) for t in tensors] if outs is None else list(outs)
+    _check_lists(outs, offsets)
+    for (dtype, device), idx in _groups(tensors).items():
+        if uses_triton(tensors[idx[0]]):
+            from kernels.triton_kernels import perturb_list_triton
+
+            perturb_list_triton([tensors[i] for i in idx], [offsets[i] for i in idx], seed, alpha, dist,
+                                [outs[i] for i in idx])
+        else:
+            for i in idx:
+                perturb(tensors[i], seed, offsets[i], alpha, dist, out=outs[i])
+    return outs
+
+
+def replay_model(tensors: Sequence[torch.Tensor], offsets: Sequence[int], seeds: Sequence[int] | torch.Tensor,
+                 coeffs: Sequence[float] | torch.Tensor, dist: ProbeDist | str = ProbeDist.GAUSS8) -> list:
+    """In place on fp32 tensors: replay_ over every tensor with its global offset (one launch on CUDA)."""
+    dist = as_dist(dist)
+    _check_lists(tensors, offsets)
+    for t in tensors:
+        _check_float(t, "tensors[i]", (torch.float32,))
+    for (dtype, device), idx in _groups(tensors).items():
+        if uses_triton(tensors[idx[0]]):
+            from kernels.triton_kernels import replay_list_triton
+
+            s = seeds_tensor(seeds, device)
+            replay_list_triton([tensors[i] for i in idx], [offsets[i] for i in idx], s,
+                               _coeffs_tensor(coeffs, s.numel(), device), dist)
+        else:
+            for i in idx:
+                replay_(tensors[i], seeds, coeffs, offsets[i], dist)
+    return list(tensors)
