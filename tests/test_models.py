@@ -182,6 +182,9 @@ def test_forward_deterministic_and_loss_near_uniform(tiny) -> None:
         loss = tiny(x, labels=x).loss.item()
     assert a.shape == (2, 64, 50257)
     assert torch.equal(a, b) and torch.equal(a, c)
+    # labels= is the mean next-token cross-entropy (logits at t predict token t+1).
+    ref = torch.nn.functional.cross_entropy(a[:, :-1].reshape(-1, 50257), x[:, 1:].reshape(-1))
+    assert loss == pytest.approx(ref.item(), rel=1e-6)
     # Small init -> near-uniform predictions: loss ~ ln(V) = 10.825.
     assert abs(loss - math.log(50257)) < 0.2
 

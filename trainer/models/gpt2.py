@@ -46,7 +46,6 @@ class GPT2Preset:
             initializer_range=self.initializer_range, tie_word_embeddings=True,
         )
         cfg._attn_implementation = "sdpa"
-        cfg.loss_type = "ForCausalLM"  # silences transformers' "unrecognized loss_type" warning
         return cfg
 
     def num_params(self) -> int:
@@ -139,6 +138,9 @@ def build_model(
     # Build on the meta device (no allocation, no RNG draws), then materialise and init explicitly.
     with torch.random.fork_rng(devices=[]), torch.device("meta"):
         model = GPT2LMHeadModel(spec.config()).to(dtype)
+    # transformers derives loss_type from the class name, which "GPT2LMHeadModel" does not match;
+    # name it so labels= uses the standard shifted causal-LM cross-entropy without a warning.
+    model.loss_type = "ForCausalLM"
     if torch.device(device).type != "meta":
         model.to_empty(device=device)
         model.tie_weights()  # to_empty allocates wte and lm_head separately; re-share them
