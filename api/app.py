@@ -266,9 +266,10 @@ def create_app(
     def create_round(run: RunP, body: ProbeRound) -> RoundInfo:
         if body.run != run:
             raise Invalid("round run differs from the URL's run")
-        info = store.create_round(body)
-        metrics.rounds_opened.inc()
-        metrics.tasks_published.inc(info.tasks_published)
+        info, sent = store.create_round(body)
+        if sent:
+            metrics.rounds_opened.inc()
+            metrics.tasks_published.inc(sent)
         return info
 
     @app.get("/v1/runs/{run}/rounds/{round_id}", dependencies=[Reader])

@@ -30,6 +30,9 @@ FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 Distribution = Literal["rademacher", "gauss8"]
 DType = Literal["float32", "bfloat16", "float16"]
 WorkerState = Literal["active", "draining", "lost", "quarantined"]
+# seeded: z(seed); block_scaled: per-block gauss8 scale times Rademacher signs; along_update: the update
+# theta_version - theta_base restricted to block `seed` (trainer.zo.backend.ProbeKind).
+ProbeKindName = Literal["seeded", "block_scaled", "along_update"]
 
 
 class Message(BaseModel):
@@ -227,6 +230,14 @@ class Attestation(Message):
     digest: Sha256Hex
 
 
+def _check_kind(kind: str, version: int, base_version: int | None) -> None:
+    if kind == "along_update":
+        if base_version is None or base_version >= version:
+            raise ValueError("an along_update round needs base_version < version")
+    elif base_version is not None:
+        raise ValueError("base_version is only meaningful for along_update rounds")
+
+
 # ---- rounds, tasks, results ---------------------------------------------------------------------------
 
 
@@ -244,11 +255,14 @@ class ProbeRound(Message):
     distribution: Distribution
     seeds: list[Seed] = Field(min_length=1, max_length=MAX_SEEDS_PER_ROUND)
     want_clean: bool = False
+    kind: ProbeKindName = "seeded"
+    base_version: Version | None = None
 
     @model_validator(mode="after")
     def _unique(self) -> ProbeRound:
         if len(set(self.seeds)) != len(self.seeds):
             raise ValueError("seeds of a round must be unique")
+        _check_kind(self.kind, self.version, self.base_version)
         return self
 
 
@@ -281,6 +295,13 @@ class ProbeTask(Message):
     seeds: list[Seed] = Field(min_length=1, max_length=MAX_SEEDS_PER_TASK)
     want_clean: bool
     replica: int = Field(default=0, ge=0, le=2)
+    kind: ProbeKindName = "seeded"
+    base_version: Version | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> ProbeTask:
+        _check_kind(self.kind, self.version, self.base_version)
+        return self
 
 
 class ProbeResult(Message):

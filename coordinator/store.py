@@ -338,10 +338,12 @@ class Store:
         return [SeedLedgerEntry.model_validate_json(b) for b in bodies]
 
     # ---- rounds -------------------------------------------------------------------------------------
-    def create_round(self, rnd: ProbeRound, now: float | None = None) -> RoundInfo:
+    def create_round(self, rnd: ProbeRound, now: float | None = None) -> tuple[RoundInfo, int]:
         """Open a round and publish its Celery tasks (primaries, then spot-check replicas).
 
-        Raises NotFound (run), Invalid (unknown version, missing batch blob), Conflict (round id reused).
+        Idempotent: re-posting the same round returns its info without publishing again (unless the
+        first attempt died before publishing). Raises NotFound (run), Invalid (unknown version, missing
+        batch blob), Conflict (round id reused with other content). Returns (info, tasks sent by this call).
         """
         spec = self.run_spec(rnd.run)
         latest = self.latest_version(rnd.run)
@@ -349,9 +351,15 @@ class Store:
             raise Invalid(f"version {rnd.version} is not published (latest is {latest})")
         if not self.blobs.exists(rnd.batch_sha256):
             raise Invalid(f"batch blob {rnd.batch_sha256} is not in the blob store; upload it first")
+        if rnd.base_version is not None and rnd.base_version > latest:
+            raise Invalid(f"base_version {rnd.base_version} is not published (latest is {latest})")
         key = self.k_round(rnd.run, rnd.round_id)
         if not self.r.hsetnx(key, "round", rnd.model_dump_json()):
-            raise Conflict(f"round {rnd.round_id} exists")
+            if self.r.hget(key, "round") != rnd.model_dump_json():
+                raise Conflict(f"round {rnd.round_id} exists with other content")
+            if self.r.hget(key, "published") == "1":
+                return self.round_info(rnd.run, rnd.round_id), 0
+            # A retry after a crash between recording and publishing: publish now (intake dedupes).
         spot = [s for s in rnd.seeds if spot_check_selected(rnd.run, rnd.round_id, s, spec.spot_check_fraction)]
         k = spec.seeds_per_task
         tasks = [self.task_for(rnd, rnd.seeds[i : i + k], 0) for i in range(0, len(rnd.seeds), k)]
@@ -367,7 +375,8 @@ class Store:
         pipe.sadd(self.k_run(rnd.run, "rounds"), rnd.round_id)
         pipe.execute()
         send_probe_tasks(self.celery, self.queue_for(rnd.run), [t.model_dump(mode="json") for t in tasks])
-        return self.round_info(rnd.run, rnd.round_id)
+        self.r.hset(key, "published", 1)
+        return self.round_info(rnd.run, rnd.round_id), len(tasks)
 
     @staticmethod
     def task_for(rnd: ProbeRound, seeds: list[int], replica: int) -> ProbeTask:
@@ -375,6 +384,7 @@ class Store:
         return ProbeTask(
             run=rnd.run, round_id=rnd.round_id, version=rnd.version, batch_sha256=rnd.batch_sha256,
             eps=rnd.eps, distribution=rnd.distribution, seeds=seeds, want_clean=rnd.want_clean, replica=replica,
+            kind=rnd.kind, base_version=rnd.base_version,
         )
 
     def get_round(self, run: str, rid: str) -> ProbeRound:

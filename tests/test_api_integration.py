@@ -148,8 +148,11 @@ def test_round_tasks_land_on_celery_queue(env: Env):
     assert [m["kwargs"]["seeds"] for m in msgs] == [[11, 12, 13], [14, 15, 16], [2**64 - 1]]
     k = msgs[0]["kwargs"]
     assert k == {"schema_version": 1, "run": "r1", "round_id": "step-0", "version": 0, "batch_sha256": batch,
-                 "eps": 1e-3, "distribution": "rademacher", "seeds": [11, 12, 13], "want_clean": True, "replica": 0}
-    assert env.admin.post("/v1/runs/r1/rounds", json=body).status_code == 409
+                 "eps": 1e-3, "distribution": "rademacher", "seeds": [11, 12, 13], "want_clean": True, "replica": 0,
+                 "kind": "seeded", "base_version": None}
+    again = env.admin.post("/v1/runs/r1/rounds", json=body)  # a retried POST publishes nothing twice
+    assert again.status_code == 201 and again.json() == info.json() and len(env.queue_messages("r1")) == 3
+    assert env.admin.post("/v1/runs/r1/rounds", json=dict(body, eps=1.0)).status_code == 409
     assert env.admin.post("/v1/runs/r1/rounds", json=dict(body, round_id="x", batch_sha256="e" * 64)).status_code == 422
     assert env.admin.post("/v1/runs/r1/rounds", json=dict(body, round_id="y", version=5)).status_code == 422
     m = metric_samples(env)

@@ -54,6 +54,10 @@ def test_bounded_lists_and_cross_field_rules():
         ProbeRound.model_validate(dict(rnd, distribution="uniform"))
     with pytest.raises(ValidationError):
         ProbeRound.model_validate(dict(rnd, eps=0.0))
+    assert ProbeRound.model_validate(dict(rnd, version=3, kind="along_update", base_version=2)).base_version == 2
+    for bad in [dict(kind="along_update"), dict(kind="along_update", base_version=0), dict(base_version=0)]:
+        with pytest.raises(ValidationError, match="base_version"):
+            ProbeRound.model_validate(dict(rnd, **bad))
     task = dict(rnd, want_clean=False, seeds=list(range(MAX_SEEDS_PER_TASK + 1)))
     with pytest.raises(ValidationError):
         ProbeTask.model_validate(task)
