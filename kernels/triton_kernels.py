@@ -37,14 +37,17 @@ def _z_tile(seed, cbase, table_ptr, NC: tl.constexpr, EPC: tl.constexpr, GAUSS: 
     """(NC, EPC) fp32 tile: z of global elements (cbase + r) * EPC + e, r < NC, e < EPC."""
     c = cbase + tl.arange(0, NC).to(tl.int64)
     r0, r1, r2, r3 = tl.randint4x(seed, c)
-    e = tl.arange(0, EPC)[None, :]
-    WBITS: tl.constexpr = EPC // 4  # elements per 32-bit word: 4 bytes or 32 bits
-    sel = e // WBITS
-    word = tl.where(sel == 0, r0[:, None], tl.where(sel == 1, r1[:, None], tl.where(sel == 2, r2[:, None], r3[:, None])))
     if GAUSS:
-        code = (word >> ((e % 4) * 8).to(tl.uint32)) & 0xFF
+        # join/reshape keep a counter's 4 words in one thread, so each Philox call is computed once
+        words = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), (NC, 4))  # [c, w] = r_w
+        sh = (tl.arange(0, 4) * 8).to(tl.uint32)
+        code = tl.reshape((words[:, :, None] >> sh[None, None, :]) & 0xFF, (NC, EPC))  # [c, 4w + b]
         z = tl.load(table_ptr + code.to(tl.int32))
     else:
+        e = tl.arange(0, EPC)[None, :]
+        sel = e // 32
+        word = tl.where(sel == 0, r0[:, None],
+                        tl.where(sel == 1, r1[:, None], tl.where(sel == 2, r2[:, None], r3[:, None])))
         bit = (word >> (e % 32).to(tl.uint32)) & 1
         z = 1.0 - 2.0 * bit.to(tl.float32)
     return z
@@ -106,9 +109,10 @@ def _list_entry(blk_ptr, meta_ptr, ALIGNED: tl.constexpr):
     n = tl.load(row + 2)
     head = tl.load(row + 3)
     cbase = tl.load(row + 4)
-    if ALIGNED:  # host checked: every tensor starts 16-element aligned and at a call boundary
+    if ALIGNED:  # host checked: 16-element aligned starts and sizes, each tensor starts a Philox call
         d_in = tl.multiple_of(d_in, 16)
         d_out = tl.multiple_of(d_out, 16)
+        n = tl.multiple_of(n, 16)
         head = 0
     return d_in, d_out, n, head, cbase, b
 
@@ -259,7 +263,7 @@ class PackedList:
             if d_in % esize or d_out % esize:
                 raise ValueError(f"tensor {i} is not element-aligned relative to tensor 0")
             head = off % epc
-            aligned &= head == 0 and d_in % (16 * esize) == 0 and d_out % (16 * esize) == 0
+            aligned &= head == 0 and w.numel() % 16 == 0 and d_in % (16 * esize) == 0 and d_out % (16 * esize) == 0
             rows.append([d_in // esize, d_out // esize, w.numel(), head, off // epc])
             nblk = triton.cdiv(w.numel() + head, nc * epc)
             blk_t.append(torch.full((nblk,), i, dtype=torch.int32))
