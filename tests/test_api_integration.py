@@ -291,3 +291,44 @@ def test_spot_check_disagreement_quarantines_the_odd_one_out(env: Env):
     assert m[("sparecycles_results_retracted_total", ())] == 1
     assert m[("sparecycles_intake_results_total", (("outcome", "same_worker"),))] == 1
     assert m[("sparecycles_workers", (("state", "quarantined"),))] == 1
+
+
+def test_coordinator_restart_keeps_state_and_dedupe(tmp_path):
+    """A second coordinator process on the same Redis continues the run: tokens, rounds and the dedupe
+    record survive, a completed round is timed once, and nothing reaches the stream twice."""
+    from api.app import create_app
+    from api.server import ServerThread
+    from test_coordinator_fixtures import cleanup, make_settings
+
+    settings = make_settings(tmp_path)
+    try:
+        import httpx
+        import redis as _redis
+
+        r = _redis.Redis.from_url(settings.redis_url, decode_responses=True)
+        admin_h = {"Authorization": f"Bearer {settings.admin_token.get_secret_value()}"}
+        with ServerThread(create_app(settings)) as srv:
+            env = Env(settings, srv.url, httpx.Client(base_url=srv.url, headers=admin_h), r)
+            env.create_run("x", spot_check_fraction=0.0)
+            env.publish_version("x", 0, b"w0")
+            batch = env.upload(b"batch")
+            rnd = {"run": "x", "round_id": "r", "version": 0, "batch_sha256": batch, "eps": 0.01,
+                   "distribution": "gauss8", "seeds": [5, 6, 7]}
+            assert env.admin.post("/v1/runs/x/rounds", json=rnd).status_code == 201
+            reg, w = env.enroll("gpu")
+            wid = reg["worker_id"]
+            out = w.post("/v1/runs/x/results", json={"results": [result("x", "r", 5, wid), result("x", "r", 6, wid)]})
+            assert out.json()["outcomes"] == ["accepted", "accepted"]
+        with ServerThread(create_app(settings)) as srv2:  # the "restarted" coordinator
+            w2 = httpx.Client(base_url=srv2.url, headers={"Authorization": f"Bearer {reg['worker_token']}"})
+            out = w2.post("/v1/runs/x/results", json={"results": [result("x", "r", 6, wid), result("x", "r", 7, wid)]})
+            assert out.json()["outcomes"] == ["duplicate", "accepted"]
+            info = w2.get("/v1/runs/x/rounds/r").json()
+            assert info["done"] == 3 and info["n_seeds"] == 3
+            text = httpx.get(srv2.url + "/metrics").text
+            fams = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels}
+            assert fams["sparecycles_round_latency_seconds_count"] == 1
+        reader = ResultStreamReader(settings.redis_url, "x", key_prefix=settings.key_prefix)
+        assert sorted(e.seed for _, e in reader.read(count=10, block_ms=10)) == [5, 6, 7]
+    finally:
+        cleanup(settings)
