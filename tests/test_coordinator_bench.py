@@ -1,0 +1,18 @@
+"""The intake bench runs end to end on real Redis (small sizes; no timing is asserted)."""
+
+from __future__ import annotations
+
+import redis
+
+from coordinator.bench import run_intake_bench
+from test_coordinator_fixtures import REDIS_URL
+
+
+def test_bench_intake_store_and_http_accept_everything_exactly_once():
+    r = redis.Redis.from_url(REDIS_URL)
+    before = set(r.scan_iter("bench*"))
+    for mode in ("store", "http"):
+        res = run_intake_bench(mode, workers=8, n_results=600, batch=4, redis_url=REDIS_URL)
+        assert res.accepted == res.streamed == res.results == 600
+        assert 0 < res.p50_ms <= res.p99_ms and res.results_per_s > 0 and res.server_cpu_s > 0
+    assert set(r.scan_iter("bench*")) == before  # the bench cleans up its keys and queues
