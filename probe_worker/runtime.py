@@ -69,6 +69,9 @@ class ProbeRuntime:
         self._clean: OrderedDict[tuple[str, str, int], float] = OrderedDict()
         self._batches: OrderedDict[str, Any] = OrderedDict()
         self._attested: set[str] = set()
+        # (run, round, seed) -> replicas this worker posted; (run, round, seed, replica) -> hand-backs
+        self._posted: OrderedDict[tuple[str, str, int], set[int]] = OrderedDict()
+        self._handed_back: OrderedDict[tuple[str, str, int, int], int] = OrderedDict()
         self._evaluators: dict[int, Any] = {}
         self._lock = threading.Lock()
         self.tasks_done = 0
@@ -160,10 +163,33 @@ class ProbeRuntime:
             finally:
                 self.busy = False
 
+    def should_hand_back(self, task: ProbeTask, max_hand_backs: int = 10) -> bool:
+        """True if this spot-check task should go to another worker: every seed of it was already
+        evaluated here as another replica (intake would refuse it as `same_worker`).
+
+        Bounded: after `max_hand_backs` hand-backs of the same task the worker evaluates it anyway (a
+        one-worker fleet must not spin), leaving the decision to the coordinator's redispatch rule.
+        """
+        mine = [self._posted.get((task.run, task.round_id, s), set()) - {task.replica} for s in task.seeds]
+        if not all(mine):
+            return False
+        key = (task.run, task.round_id, task.seeds[0], task.replica)
+        count = self._handed_back.get(key, 0)
+        if count >= max_hand_backs:
+            return False
+        self._handed_back[key] = count + 1
+        while len(self._handed_back) > 100_000:
+            self._handed_back.popitem(last=False)
+        return True
+
     def run_task(self, task: ProbeTask) -> IntakeReply:
         """Evaluate and post a task's results; returns the coordinator's per-result outcomes."""
         results = self.evaluate(task)
         reply = self.client.post_results(task.run, ResultBatch(results=results))
+        for seed in task.seeds:
+            self._posted.setdefault((task.run, task.round_id, seed), set()).add(task.replica)
+        while len(self._posted) > 100_000:
+            self._posted.popitem(last=False)
         for outcome in reply.outcomes:
             self.metrics.results.labels(outcome).inc()
         if "unattested" in reply.outcomes:

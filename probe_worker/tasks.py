@@ -8,6 +8,9 @@ so redelivery only costs compute. Outcomes, each counted in `sparecycles_worker_
 - `invalid`: kwargs are not a valid ProbeTask -> rejected without requeue, never retried;
 - `refused`: the coordinator refused a call with a 4xx (unknown version, closed run...) -> dropped;
 - `corrupt`: a shard kept arriving corrupt -> dropped (the coordinator re-dispatches what it misses);
+- `handed_back`: a spot-check replica of seeds this worker already evaluated in another replica ->
+  an identical copy is republished and this delivery acknowledged after a short pause, so that an
+  idle worker takes the copy (bounded per seed and replica; then it is evaluated here anyway);
 - `requeued`: the worker is draining, or the coordinator/broker stayed unreachable after bounded
   retries -> rejected with requeue, so another worker (or this one later) evaluates it;
 - `error`: any other failure (a bug, out of memory) -> dropped after logging, the worker lives on.
@@ -18,6 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -33,6 +37,7 @@ from probe_worker.runtime import ProbeRuntime, parse_task
 log = logging.getLogger("sparecycles.worker")
 
 REQUEUE_PAUSE_S = 0.2  # keep a draining worker from spinning on a task it keeps handing back
+HAND_BACK_PAUSE_S = 0.5
 
 
 class DrainState:
@@ -63,8 +68,12 @@ class DrainState:
             self.changed.set()
 
 
-def run_probe(runtime: ProbeRuntime, drain: DrainState, metrics: WorkerMetrics, kwargs: Any) -> str:
+def run_probe(runtime: ProbeRuntime, drain: DrainState, metrics: WorkerMetrics, kwargs: Any,
+              hand_off: Callable[[dict[str, Any]], None] | None = None) -> str:
     """Handle one delivery of a probe task; returns the outcome name.
+
+    `hand_off(kwargs)` republishes a task for another worker (spot-check replicas of seeds this worker
+    already evaluated); None disables hand-offs.
 
     Raises celery.exceptions.Reject (requeue per the module docstring) for invalid, draining and
     unreachable cases; every other failure is logged and reported as an outcome, never raised.
@@ -83,6 +92,10 @@ def run_probe(runtime: ProbeRuntime, drain: DrainState, metrics: WorkerMetrics, 
         outcome("requeued")
         time.sleep(REQUEUE_PAUSE_S)
         raise Reject("worker is draining", requeue=True)
+    if hand_off is not None and runtime.should_hand_back(task):
+        hand_off(kwargs)  # an identical copy goes back on the queue now...
+        time.sleep(HAND_BACK_PAUSE_S)  # ...while this worker stays busy, so an idle one takes it
+        return outcome("handed_back")
     try:
         reply = runtime.run_task(task)
     except (httpx.TransportError, CoordinatorHTTPError) as exc:
@@ -105,9 +118,14 @@ def run_probe(runtime: ProbeRuntime, drain: DrainState, metrics: WorkerMetrics, 
 def register_probe_task(app: Celery, runtime: ProbeRuntime, drain: DrainState, metrics: WorkerMetrics) -> Task:
     """Register `sparecycles.probe` on `app` (JSON only, acks_late, reject_on_worker_lost, no result)."""
 
-    @app.task(name=PROBE_TASK_NAME, acks_late=True, reject_on_worker_lost=True, ignore_result=True,
+    @app.task(name=PROBE_TASK_NAME, bind=True, acks_late=True, reject_on_worker_lost=True, ignore_result=True,
               serializer="json", typing=False)
-    def probe(**kwargs: Any) -> str:
-        return run_probe(runtime, drain, metrics, kwargs)
+    def probe(self: Task, **kwargs: Any) -> str:
+        queue = (self.request.delivery_info or {}).get("routing_key")
+
+        def hand_off(kw: dict[str, Any]) -> None:
+            app.send_task(PROBE_TASK_NAME, kwargs=kw, queue=queue, ignore_result=True)
+
+        return run_probe(runtime, drain, metrics, kwargs, hand_off if queue else None)
 
     return probe

@@ -263,6 +263,44 @@ def test_elastic_drain_and_join(fleet):
     be.close()
 
 
+def test_lying_worker_is_quarantined_and_never_used(fleet):
+    """With every seed spot-checked, a worker that posts wrong losses first is outvoted by two honest
+    worker processes, quarantined, and the trainer receives only the honest (in-process) values."""
+    model = tiny_model(seed=4)
+    be = fleet.backend(model, "trust", spot_check_fraction=1.0, seeds_per_task=1)
+    ids = {name: fleet.wait_consuming(name) for name in ("a", "b", "c")}
+    be.publish(0)
+    batch = make_batch(4, 16, seed=4)
+    for name in ids:  # hold the honest fleet back so the liar's values are the first replica
+        fleet.admin.post(f"/v1/workers/{ids[name]}/drain")
+    for name in ids:
+        fleet.wait(lambda: fleet.metric(name, "sparecycles_worker_draining") == 1.0, f"{name} draining")
+    seeds = (4000, 4001, 4002)
+    rnd = ProbeRound("t-0", 0, batch, eps=1e-2, seeds=seeds, dist="gauss8")
+    be.submit(rnd)
+    enroll = httpx.Client(base_url=fleet.url, headers={"Authorization": f"Bearer {fleet.enroll_token}"})
+    reg = enroll.post("/v1/workers", json={"name": "liar"}).json()
+    liar = httpx.Client(base_url=fleet.url, headers={"Authorization": f"Bearer {reg['worker_token']}"})
+    lies = [{"run": "trust", "round_id": "t-0", "seed": s, "version": 0, "worker_id": reg["worker_id"],
+             "replica": 0, "l_plus": 1.0, "l_minus": 2.0} for s in seeds]
+    assert liar.post("/v1/runs/trust/results", json={"results": lies}).json()["outcomes"] == ["held"] * 3
+    for name in ids:
+        fleet.admin.post(f"/v1/workers/{ids[name]}/resume")
+    res = _by_seed(be.poll("t-0"))
+    ref = InProcessBackend(model, loss_fn)
+    ref.submit(rnd)
+    truth = _by_seed(ref.poll("t-0"))
+    assert set(res) == set(seeds)
+    for s in seeds:
+        assert (res[s].l_plus, res[s].l_minus) == (truth[s].l_plus, truth[s].l_minus)
+        assert res[s].worker in set(ids.values())
+    assert fleet.admin.get(f"/v1/workers/{reg['worker_id']}").json()["state"] == "quarantined"
+    assert liar.post("/v1/runs/trust/results", json={"results": lies[:1]}).json()["outcomes"] == ["quarantined"]
+    enroll.close()
+    liar.close()
+    be.close()
+
+
 def test_sigkill_mid_round_loses_nothing(fleet):
     """SIGKILL a worker while it evaluates a task: its task is redelivered after the visibility timeout and
     every seed reaches the trainer exactly once (one accepted stream event per seed)."""
