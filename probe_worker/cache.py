@@ -67,7 +67,8 @@ def model_class(name: str) -> type[torch.nn.Module]:
 
     cls = getattr(transformers, name, None) if name.isidentifier() else None
     if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
-        raise ValueError(f"model_class {name!r} is not a transformers model class (e.g. 'GPT2LMHeadModel')")
+        raise ValueError(  # noqa: TRY004 - the name (a str) is the bad value, not its type
+            f"model_class {name!r} is not a transformers model class (e.g. 'GPT2LMHeadModel')")
     return cls
 
 

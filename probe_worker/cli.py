@@ -8,27 +8,25 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Optional
+from typing import Annotated
 
 import typer
 
 
 def worker(
-    coordinator: str = typer.Option(..., "--coordinator", envvar="SPARECYCLES_COORDINATOR",
-                                    help="Coordinator base URL, e.g. http://10.0.0.5:8000"),
-    token: str = typer.Option(..., "--token", envvar="SPARECYCLES_ENROLLMENT_TOKEN",
-                              help="Enrollment token (from the coordinator's operator)"),
-    device: str = typer.Option("cpu", "--device", help="Torch device: cpu or cuda:N (one worker per GPU)"),
-    name: Optional[str] = typer.Option(None, "--name", help="Name shown in GET /v1/workers"),
-    metrics_port: Optional[int] = typer.Option(None, "--metrics-port", help="Serve Prometheus metrics here"),
-    cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="Weight cache (default: cache root/worker)"),
-    keep_versions: int = typer.Option(2, "--keep-versions", min=1, help="Weight versions kept loaded"),
-    control_interval: float = typer.Option(0.5, "--control-interval", min=0.05,
-                                           help="Seconds between heartbeats / drain checks"),
-    soft_shutdown: float = typer.Option(30.0, "--soft-shutdown", min=0.0,
-                                        help="Seconds SIGTERM waits for the in-flight task"),
-    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="torch CPU threads (default: torch's)"),
-    loglevel: str = typer.Option("INFO", "--loglevel"),
+    coordinator: Annotated[str, typer.Option("--coordinator", envvar="SPARECYCLES_COORDINATOR",
+                                             help="Coordinator base URL, e.g. http://10.0.0.5:8000")],
+    token: Annotated[str, typer.Option("--token", envvar="SPARECYCLES_ENROLLMENT_TOKEN",
+                                       help="Enrollment token (from the coordinator's operator)")],
+    device: Annotated[str, typer.Option(help="Torch device: cpu or cuda:N (one worker per GPU)")] = "cpu",
+    name: Annotated[str | None, typer.Option(help="Name shown in GET /v1/workers")] = None,
+    metrics_port: Annotated[int | None, typer.Option(help="Serve Prometheus metrics on this port")] = None,
+    cache_dir: Annotated[Path | None, typer.Option(help="Weight cache (default: cache root/worker)")] = None,
+    keep_versions: Annotated[int, typer.Option(min=1, help="Weight versions kept loaded")] = 2,
+    control_interval: Annotated[float, typer.Option(min=0.05, help="Seconds between heartbeats/drain checks")] = 0.5,
+    soft_shutdown: Annotated[float, typer.Option(min=0.0, help="Seconds SIGTERM waits for the in-flight task")] = 30.0,
+    threads: Annotated[int | None, typer.Option(min=1, help="torch CPU threads (default: torch's)")] = None,
+    loglevel: Annotated[str, typer.Option(help="Log level (DEBUG, INFO, WARNING)")] = "INFO",
 ) -> None:
     """Register with the coordinator and evaluate probe tasks until SIGTERM (SIGUSR1 drains, SIGUSR2 resumes)."""
     if not device.startswith(("cpu", "cuda")):

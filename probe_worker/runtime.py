@@ -3,7 +3,7 @@
 One `ProbeRuntime` per worker process. For a task it validates the kwargs as a `ProbeTask`, attests the
 run's canary once, loads the version through the `WeightCache`, fetches the round's batch once by
 content hash, computes L0 once per (run, round, version) and L(theta +- eps z(seed)) per seed with the
-kernels' `ProbeEvaluator`, and posts the task's results in one `ResultBatch`. Evaluation is a pure
+kernels' `ProbeEvaluator` (seeded probes) or probe_worker.probes (block-scaled and along-update), and posts the task's results in one `ResultBatch`. Evaluation is a pure
 function of (weights, batch, seed, eps, distribution), so re-running a redelivered task re-posts
 identical values, which the coordinator deduplicates by (round, seed).
 """
@@ -43,10 +43,10 @@ def parse_task(kwargs: Any) -> ProbeTask:
     """Validate Celery task kwargs (a JSON object) as a `ProbeTask`.
 
     Validated through JSON so integers stay integers and no Python-side coercion happens.
-    Raises pydantic.ValidationError (a ValueError) on anything malformed.
+    Raises TypeError for a non-dict, pydantic.ValidationError (a ValueError) on anything malformed.
     """
     if not isinstance(kwargs, dict):
-        raise ValueError(f"probe task kwargs must be a JSON object, got {type(kwargs).__name__}")
+        raise TypeError(f"probe task kwargs must be a JSON object, got {type(kwargs).__name__}")
     return ProbeTask.model_validate_json(json.dumps(kwargs, allow_nan=False))
 
 
@@ -122,6 +122,30 @@ class ProbeRuntime:
         self.metrics.eval_seconds.observe(time.perf_counter() - t0)
         return value
 
+    def _probe(self, task: ProbeTask, model: torch.nn.Module, ev, batch: Any, seed: int,
+               l0: float | None) -> tuple[float, float]:
+        """(L+, L-) of one seed under the task's probe kind (see probe_worker.probes)."""
+        from probe_worker import probes
+        from trainer.train import lm_loss
+
+        if task.kind == "seeded":
+            return (self._timed_loss(ev, batch, seed, task.eps, task.distribution),
+                    self._timed_loss(ev, batch, seed, -task.eps, task.distribution))
+        params = probes.blocks(model)
+
+        def loss(new: dict[int, torch.Tensor] | None) -> float:
+            t0 = time.perf_counter()
+            value = probes.swapped_loss(model, params, lambda m, b: lm_loss(m, b[0], b[1]), batch, new)
+            self.metrics.eval_seconds.observe(time.perf_counter() - t0)
+            return value
+
+        if task.kind == "block_scaled":
+            return (loss(probes.block_scaled_weights(params, seed, task.eps)),
+                    loss(probes.block_scaled_weights(params, seed, -task.eps)))
+        base = self.cache.get(task.run, task.base_version)
+        lp, lm, _ = probes.along_update(params, probes.blocks(base.model), seed, task.eps, loss, l0)
+        return lp, lm
+
     # ---- one task -----------------------------------------------------------------------------------
 
     def evaluate(self, task: ProbeTask) -> list[ProbeResult]:
@@ -152,8 +176,7 @@ class ProbeRuntime:
                             self._clean.popitem(last=False)
                 out = []
                 for seed in task.seeds:
-                    lp = self._timed_loss(ev, batch, seed, task.eps, task.distribution)
-                    lm = self._timed_loss(ev, batch, seed, -task.eps, task.distribution)
+                    lp, lm = self._probe(task, loaded.model, ev, batch, seed, l0)
                     self.metrics.probes.inc()
                     out.append(ProbeResult(
                         run=task.run, round_id=task.round_id, seed=seed, version=task.version,

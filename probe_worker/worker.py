@@ -42,8 +42,9 @@ def warm_up() -> None:
     On a busy host these imports take seconds; paying them before the first task keeps that task well
     inside the visibility timeout (otherwise the broker would redeliver it to another worker).
     """
-    import kernels  # noqa: F401
     import transformers.modeling_utils  # noqa: F401
+
+    import kernels  # noqa: F401
     from trainer.train import lm_loss  # noqa: F401
 
 
@@ -126,7 +127,7 @@ class ProbeWorker:
             else:
                 log.warning("heartbeat failed: %s", exc)
             return
-        except Exception as exc:  # coordinator down: keep working, retry at the next tick
+        except Exception as exc:  # noqa: BLE001 - coordinator down: keep working, retry at the next tick
             log.warning("heartbeat failed: %s", exc)
             return
         self.queues = list(reply.queues)
@@ -152,7 +153,7 @@ class ProbeWorker:
             self._heartbeat()
             try:
                 self._reconcile()
-            except Exception as exc:  # broker hiccup: try again next tick
+            except Exception as exc:  # noqa: BLE001 - broker hiccup: try again next tick
                 log.warning("queue reconcile failed: %s", exc)
             self.drain.changed.wait(self.opts.control_interval_s)
 
@@ -183,6 +184,6 @@ class ProbeWorker:
             self.drain.changed.set()
             try:
                 self.client.request("DELETE", f"/v1/workers/{self.worker_id}")
-            except Exception as exc:  # the lease expires on its own
+            except Exception as exc:  # noqa: BLE001 - the lease expires on its own
                 log.warning("could not deregister: %s", exc)
             self.client.close()

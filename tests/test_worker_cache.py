@@ -261,3 +261,61 @@ def test_batch_codec_roundtrip_and_errors():
         encode_batch((x, y[:, :3]))
     with pytest.raises(ValueError):
         decode_batch(b"not safetensors")
+
+
+def _celery_kwargs(queue: str) -> list[dict]:
+    """Pop every probe task the coordinator published on `queue` (kombu Redis list) and decode its kwargs."""
+    import base64
+    import json
+
+    r = redis.Redis.from_url(REDIS_URL)
+    out = []
+    while (raw := r.rpop(queue)) is not None:
+        msg = json.loads(raw)
+        assert msg["headers"]["task"] == "sparecycles.probe" and msg["content-type"] == "application/json"
+        _, kwargs, _ = json.loads(base64.b64decode(msg["body"]))
+        out.append(kwargs)
+    return out
+
+
+def test_block_scaled_and_along_update_match_in_process(env):
+    """Tasks taken off the real Celery queue, evaluated by the worker runtime, give bit-identical L+, L-, L0
+    (and the trainer-side scale) to InProcessBackend for block-scaled and along-update rounds."""
+    from trainer.zo.backend import InProcessBackend, ProbeKind
+
+    model = tiny_model(seed=6)
+    be = env.backend(model, "kinds", seeds_per_task=2)
+    ref = InProcessBackend(model, lambda m, b: lm_loss(m, b[0], b[1]), history=2)
+    be.publish(0)
+    ref.publish(0)
+    with torch.no_grad():  # move three blocks; the others stay put (their along-update probe is flat)
+        model.transformer.wte.weight.mul_(1.01)
+        model.transformer.h[0].attn.c_attn.weight.add_(1e-3)
+        model.transformer.ln_f.bias.add_(0.05)
+    be.publish(1)
+    ref.publish(1)
+    n_blocks = len(list(model.named_parameters()))
+    batch = make_batch(7)
+    rounds = [
+        ProbeRound("k-bs", 1, batch, eps=1e-2, seeds=(11, 12, 13), want_clean=True, kind=ProbeKind.BLOCK_SCALED),
+        ProbeRound("k-au", 1, batch, eps=1e-2, seeds=(0, 1, 2, n_blocks - 1), want_clean=True,
+                   kind=ProbeKind.ALONG_UPDATE, base_version=0),
+    ]
+    client, wid = env.worker("w0")
+    metrics = WorkerMetrics(CollectorRegistry())
+    runtime = ProbeRuntime(client, wid, WeightCache(client, env.tmp / "wc", metrics=metrics), metrics)
+    for rnd in rounds:
+        be.submit(rnd)
+        for kwargs in _celery_kwargs(f"{env.prefix}.probe.kinds"):
+            assert run_probe(runtime, DrainState(), metrics, kwargs) == "done"
+        got = {r.seed: r for r in be.poll(rnd.round_id)}
+        ref.submit(rnd)
+        want = {r.seed: r for r in ref.poll(rnd.round_id)}
+        assert set(got) == set(rnd.seeds) == set(want)
+        for s in rnd.seeds:
+            g, w = got[s], want[s]
+            assert (g.l_plus, g.l_minus, g.l0, g.scale) == (w.l_plus, w.l_minus, w.l0, w.scale)
+    flat = [got[s] for s in (1, 2) if want[s].scale == 0.0]
+    assert flat and all(r.l_plus == r.l_minus == r.l0 for r in flat)  # unmoved blocks probe flat
+    assert got[0].scale > 0 and got[0].l_plus != got[0].l_minus
+    be.close()

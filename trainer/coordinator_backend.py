@@ -9,13 +9,15 @@
   acknowledges entries only when it hands them out, so a trainer restart loses nothing.
 
 Wire formats shared with probe_worker: a batch is a safetensors blob with int64 tensors "x" and "y" of
-shape (B, T) (`encode_batch`/`decode_batch`); the loss is trainer.train.lm_loss(model, x, y). Only
-`ProbeKind.SEEDED` rounds travel (the wire `ProbeTask` has no probe-kind field yet).
+shape (B, T) (`encode_batch`/`decode_batch`); the loss is trainer.train.lm_loss(model, x, y). All three
+probe kinds travel; the `scale` of along_update results is computed here from fp32 snapshots of the
+published versions (the wire ProbeResult has no scale field).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
 from typing import Any
 
@@ -109,15 +111,19 @@ class CoordinatorBackend:
         round_timeout_s: how long `poll(round_id)` waits for a round to complete, seconds.
         claim_idle_ms: entries idle this long in another consumer are claimed (a crashed trainer's).
         shard_bytes: target shard size in bytes. timeout_s / attempts: per request timeout, tries.
-    Raises ValueError for a model whose parameters mix dtypes.
+        history: published versions kept as fp32 snapshots here (>= 2 for along_update rounds, whose
+            result `scale` = ||theta_v[b] - theta_base[b]|| / sqrt(n_b) is computed from them).
+    Raises ValueError for a model whose parameters mix dtypes or a negative history.
     """
 
     def __init__(self, model: torch.nn.Module, *, coordinator_url: str, admin_token: str, redis_url: str,
                  run: RunSpec | str, key_prefix: str = "sc", consumer: str = "trainer-0",
                  round_timeout_s: float = 300.0, claim_idle_ms: int = 60_000, shard_bytes: int = 256 << 20,
-                 timeout_s: float = 30.0, attempts: int = 5) -> None:
+                 timeout_s: float = 30.0, attempts: int = 5, history: int = 2) -> None:
         from coordinator.stream import ResultStreamReader
 
+        if history < 0:
+            raise ValueError("history must be >= 0")
         dtypes = {p.dtype for p in model.parameters()}
         if len(dtypes) != 1 or next(iter(dtypes)) not in _DTYPE_NAMES:
             raise ValueError(f"publishable models have one float dtype of {list(_DTYPE_NAMES.values())}")
@@ -126,7 +132,7 @@ class CoordinatorBackend:
         self.http = httpx.Client(base_url=coordinator_url.rstrip("/"), timeout=httpx.Timeout(timeout_s),
                                  headers={"Authorization": f"Bearer {admin_token}"})
         if isinstance(run, RunSpec):
-            r = self._call("POST", "/v1/runs", json=run.model_dump(mode="json"), ok=(201, 409))
+            self._call("POST", "/v1/runs", json=run.model_dump(mode="json"), ok=(201, 409))
             self.run = run.run
         else:
             self.run = run
@@ -138,6 +144,9 @@ class CoordinatorBackend:
         self._rounds: dict[str, set[int]] = {}  # round -> seeds not yet handed out (nor dropped)
         self._buffer: dict[tuple[str, int], tuple[str, ProbeResult]] = {}  # (round, seed) -> (entry id, result)
         self._delivered: set[tuple[str, int]] = set()
+        self._meta: dict[str, ProbeRound] = {}
+        self.history = history
+        self.snapshots: dict[int, list[torch.Tensor]] = {}
         self.counts = {"accepted": 0, "duplicate": 0, "retracted": 0, "retracted_late": 0, "dropped": 0}
 
     # ---- HTTP ------------------------------------------------------------------------------------------
@@ -192,23 +201,40 @@ class CoordinatorBackend:
         )
         self._call("POST", f"/v1/runs/{self.run}/versions", json=manifest.model_dump(mode="json"))
         self.published.append(version)
+        if self.history:
+            self.snapshots[version] = [p.detach().float().clone() for p in self.model.parameters()]
+            for v in sorted(self.snapshots)[: -self.history]:
+                del self.snapshots[v]
+
+    def _scale(self, round_id: str, seed: int) -> float | None:
+        """||u_b|| / sqrt(n_b) of an along_update result (block b = seed), as InProcessBackend computes it."""
+        rnd = self._meta.get(round_id)
+        if rnd is None or rnd.kind is not ProbeKind.ALONG_UPDATE:
+            return None
+        if rnd.version not in self.snapshots or rnd.base_version not in self.snapshots:
+            return None
+        u = self.snapshots[rnd.version][seed] - self.snapshots[rnd.base_version][seed]
+        return float(torch.linalg.vector_norm(u.double())) / math.sqrt(u.numel())
 
     def submit(self, probe_round: ProbeRound) -> None:
         """Upload the batch (once per content) and open the round on the coordinator; returns at once.
 
         Raises ValueError for non-seeded probe kinds or a round id the wire format refuses.
         """
-        if probe_round.kind is not ProbeKind.SEEDED:
-            raise ValueError(f"the fleet evaluates only seeded probes, not {probe_round.kind.value}; use "
-                             "InProcessBackend for block_scaled/along_update rounds")
+        if probe_round.kind is ProbeKind.ALONG_UPDATE:
+            missing = {probe_round.version, probe_round.base_version} - set(self.snapshots)
+            if missing:
+                raise ValueError(f"along_update round needs snapshots of versions {sorted(missing)}; construct "
+                                 f"the backend with history >= 2 (have {sorted(self.snapshots)})")
         wire = WireRound(
             run=self.run, round_id=probe_round.round_id, version=probe_round.version,
             batch_sha256=self._upload(encode_batch(probe_round.batch)), eps=float(probe_round.eps),
             distribution=str(probe_round.dist), seeds=[int(s) for s in probe_round.seeds],
-            want_clean=probe_round.want_clean,
+            want_clean=probe_round.want_clean, kind=probe_round.kind.value, base_version=probe_round.base_version,
         )
         self._call("POST", f"/v1/runs/{self.run}/rounds", json=wire.model_dump(mode="json"))
         self._rounds[probe_round.round_id] = set(wire.seeds)
+        self._meta[probe_round.round_id] = probe_round
 
     def _drain_stream(self, block_ms: int) -> None:
         acks = []
@@ -223,7 +249,7 @@ class CoordinatorBackend:
                     continue
                 r = ev.result
                 self._buffer[key] = (entry_id, ProbeResult(r.round_id, r.seed, r.version, r.l_plus, r.l_minus,
-                                                           r.l0, None, r.worker_id))
+                                                           r.l0, self._scale(r.round_id, r.seed), r.worker_id))
                 self.counts["accepted"] += 1
             else:
                 acks.append(entry_id)
