@@ -1,0 +1,149 @@
+"""Training-loop modes for the ZO optimizers: the hook `trainer.train.build_mode` calls (`build_zo_mode`).
+
+- zocurv-block | zocurv-sophia | zocurv-line: backprop on the training batch plus a curvature probe round
+  every `curvature_interval` steps on the first `probe_batch_size` sequences of that batch;
+- mezo | 1spsa | 1.5spsa: pure ZO (no backward), K probes per step on the whole batch.
+Every mode implements trainer.train.TrainMode (step / extra_state / load_extra_state).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from trainer.config import TrainConfig
+from trainer.zo.backend import InProcessBackend
+from trainer.zo.optimizers import ZOCurvBlockAdamW, ZOCurvLine, ZOCurvSophia
+from trainer.zo.zo_step import ZOStepper
+
+ZOCURV = ("zocurv-block", "zocurv-sophia", "zocurv-line")
+PURE_ZO = ("mezo", "1spsa", "1.5spsa")
+
+
+def lm_batch_loss(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """loss_fn(model, (x, y)) for the backends: mean token cross-entropy (trainer.train.lm_loss)."""
+    from trainer.train import lm_loss
+
+    x, y = batch
+    return lm_loss(model, x, y)
+
+
+def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """The ZO-Curv optimizer of `cfg.optimizer`, weight decay on matrices only (as AdamWMode), blocks in
+    canonical order. Raises ValueError for a non-ZO-Curv optimizer name."""
+    canonical = [p for _, p in model.named_parameters()]
+    groups = [{"params": [p for p in canonical if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+              {"params": [p for p in canonical if p.dim() < 2], "weight_decay": 0.0}]
+    common = dict(blocks=canonical, staleness=cfg.staleness, probe_eps=cfg.eps, seed=cfg.seed)
+    if cfg.optimizer == "zocurv-block":
+        return ZOCurvBlockAdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), probes=cfg.probes, **common)
+    if cfg.optimizer == "zocurv-sophia":
+        return ZOCurvSophia(groups, lr=cfg.lr, betas=(cfg.beta1, 0.99), probes=cfg.probes, **common)
+    if cfg.optimizer == "zocurv-line":
+        return ZOCurvLine(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), **common)
+    raise ValueError(f"{cfg.optimizer!r} is not a ZO-Curv optimizer; use one of {ZOCURV}")
+
+
+class ZOCurvMode:
+    """Backprop step with a ZO-Curv optimizer; a probe round every `curvature_interval` steps.
+
+    Logged per step: loss, grad_norm, clipped_frac, forward_passes (training + probe forwards); on
+    refresh steps also h mean/std/rounding noise, curvature spread and accepted/stale/duplicate counts.
+    """
+
+    def __init__(self, cfg: TrainConfig, model: torch.nn.Module,
+                 loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] = lm_batch_loss) -> None:
+        self.cfg, self.model, self.loss_fn = cfg, model, loss_fn
+        self.optimizer = build_optimizer(cfg, model)
+        self.line = isinstance(self.optimizer, ZOCurvLine)
+        self.backend = InProcessBackend(model, loss_fn, history=2 if self.line else 0)
+        self.train_forwards = 0
+
+    def _probe_batch(self, batch: Any) -> Any:
+        if isinstance(batch, tuple) and all(isinstance(t, torch.Tensor) for t in batch):
+            return tuple(t[: self.cfg.probe_batch_size] for t in batch)
+        return batch
+
+    def step(self, step: int, batch: Any, lr: float) -> dict[str, float]:
+        """Optimizer step `step` (= weight version before it) on `batch`; returns logged scalars."""
+        opt = self.optimizer
+        for g in opt.param_groups:
+            g["lr"] = lr
+        stats: dict[str, float] = {}
+        if self.line:
+            self.backend.publish(step)
+        due = step % self.cfg.curvature_interval == 0
+        if due and (not self.line or step - 1 in self.backend.snapshots):
+            stats.update(opt.refresh_curvature(self.backend, self._probe_batch(batch), version=step))
+        opt.zero_grad(set_to_none=True)
+        loss = self.loss_fn(self.model, batch)
+        loss.backward()
+        self.train_forwards += 1
+        gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip or float("inf"))
+        opt.step()
+        stats.update({"loss": loss.item(), "grad_norm": float(gnorm), "clipped_frac": opt.last_clipped_frac,
+                      "forward_passes": float(self.train_forwards + self.backend.forward_passes)})
+        return stats
+
+    def extra_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """Curvature state tensors and JSON (optimizer moments/masters travel in the optimizer state).
+
+        zocurv-line also keeps its newest published snapshot θ_{v−1}: the first round after a resume
+        probes along θ_v − θ_{v−1} exactly as an uninterrupted run would.
+        """
+        tensors, meta = self.optimizer.zo_state()
+        meta = {"curvature": meta, "train_forwards": self.train_forwards,
+                "probe_forwards": self.backend.forward_passes}
+        if self.line and self.backend.snapshots:
+            v = max(self.backend.snapshots)
+            tensors.update({f"line_prev/{i}": t for i, t in enumerate(self.backend.snapshots[v])})
+            meta["line_prev_version"] = v
+        return tensors, meta
+
+    def load_extra_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        """Restore `extra_state()`."""
+        self.optimizer.load_zo_state(tensors, meta["curvature"])
+        self.train_forwards = int(meta.get("train_forwards", 0))
+        self.backend.forward_passes = int(meta.get("probe_forwards", 0))
+        if self.line and "line_prev_version" in meta:
+            n = len(self.backend.params)
+            self.backend.snapshots = {int(meta["line_prev_version"]): [tensors[f"line_prev/{i}"] for i in range(n)]}
+
+
+class PureZOMode:
+    """MeZO / 1SPSA / 1.5-SPSA step (trainer.zo.zo_step.ZOStepper) through an in-process backend."""
+
+    optimizer = None
+
+    def __init__(self, cfg: TrainConfig, model: torch.nn.Module,
+                 loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] = lm_batch_loss) -> None:
+        self.model = model
+        self.backend = InProcessBackend(model, loss_fn)
+        self.stepper = ZOStepper(model, cfg.optimizer, run_seed=cfg.seed, probes=cfg.probes, eps=cfg.eps,
+                                 alpha=cfg.alpha, lam=cfg.lam, weight_decay=cfg.weight_decay)
+
+    def step(self, step: int, batch: Any, lr: float) -> dict[str, float]:
+        """One pure-ZO step; returns loss, forward_passes and the estimator stats."""
+        return self.stepper.step(step, batch, self.backend, lr)
+
+    def extra_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """fp32 masters (non-fp32 models) and the forward-pass count."""
+        return self.stepper.state()
+
+    def load_extra_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        """Restore `extra_state()`."""
+        self.stepper.load_state(tensors, meta)
+
+
+def build_zo_mode(cfg: TrainConfig, model: torch.nn.Module,
+                  loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] = lm_batch_loss):
+    """The TrainMode for a ZO optimizer name (the hook trainer.train.build_mode calls).
+
+    Raises ValueError for an unknown name.
+    """
+    if cfg.optimizer in ZOCURV:
+        return ZOCurvMode(cfg, model, loss_fn)
+    if cfg.optimizer in PURE_ZO:
+        return PureZOMode(cfg, model, loss_fn)
+    raise ValueError(f"unknown ZO optimizer {cfg.optimizer!r}; use one of {ZOCURV + PURE_ZO}")
