@@ -99,5 +99,9 @@ def resolve_preset(preset: str, overrides: dict) -> TrainConfig:
     Overrides whose value is None are ignored (CLI options left unset).
     """
     base: dict = dict(RUN_PRESETS.get(preset, {"model": preset}))
-    base.update({k: v for k, v in overrides.items() if v is not None})
+    given = {k: v for k, v in overrides.items() if v is not None}
+    base.update(given)
+    # A preset's warmup scales down with a shorter --steps unless the user set --warmup-steps.
+    if "warmup_steps" not in given and base.get("warmup_steps", 0) >= base.get("steps", 2):
+        base["warmup_steps"] = base["steps"] // 10
     return TrainConfig(**base)
