@@ -40,6 +40,7 @@ class IntakeBenchResult:
     """Throughput in results/s; latencies in milliseconds (per result = its request's latency)."""
 
     mode: str
+    rate: float  # offered results/s (open loop); 0 = closed loop
     workers: int
     batch: int
     results: int
@@ -105,7 +106,7 @@ def _proc_cpu(pid: int) -> float:
 def _finish(settings, mode, workers, batch, n, accepted, seconds, lat_ms, cpu) -> IntakeBenchResult:
     streamed = redis.Redis.from_url(settings.redis_url).xlen(results_stream_key(settings.key_prefix, RUN))
     lat_ms.sort()
-    return IntakeBenchResult(mode, workers, batch, n, accepted, streamed, round(seconds, 3), round(accepted / seconds, 1),
+    return IntakeBenchResult(mode, 0.0, workers, batch, n, accepted, streamed, round(seconds, 3), round(accepted / seconds, 1),
                              round(_quantile(lat_ms, 0.50), 3), round(_quantile(lat_ms, 0.99), 3),
                              *(round(c, 3) for c in cpu), round(os.getloadavg()[0], 2))
 
@@ -140,33 +141,50 @@ def bench_store(settings: CoordinatorSettings, workers: int, n_results: int, bat
     return res
 
 
-async def _http_clients(url: str, tokens: list[tuple[str, str]], jobs: list[tuple[str, list[int]]]):
+async def _http_clients(url: str, tokens: list[tuple[str, str]], jobs: list[tuple[str, list[int]]], rate: float):
+    """Closed loop (rate 0: each worker posts as soon as its previous post returns) or open loop at `rate`
+    results/s in total. Open-loop latency counts from the scheduled send time, so a server falling
+    behind shows up in the figures (no coordinated omission)."""
     queue: asyncio.Queue = asyncio.Queue()
     for job in jobs:
         queue.put_nowait(job)
     lat: list[float] = []
     accepted = 0
+    interval = len(tokens) * len(jobs[0][1]) / rate if rate > 0 else 0.0
+    # Clients are built and connected before the clock starts (httpx builds an SSL context per client,
+    # tens of ms each): the bench measures steady-state intake, not client start-up.
+    clients = [httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {t}"}, timeout=60) for _, t in tokens]
+    await asyncio.gather(*(c.get("/healthz") for c in clients))
+    start = time.perf_counter() + 0.05
 
-    async def worker(wid: str, token: str) -> None:
+    async def worker(k: int, wid: str, c: httpx.AsyncClient) -> None:
         nonlocal accepted
-        async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=60) as c:
-            while not queue.empty():
-                rid, seeds = queue.get_nowait()
-                results = [{"run": RUN, "round_id": rid, "seed": s, "version": 0, "worker_id": wid,
-                            "l_plus": 1.0, "l_minus": 2.0} for s in seeds]
-                t0 = time.perf_counter()
-                resp = await c.post(f"/v1/runs/{RUN}/results", json={"results": results})
-                dt = (time.perf_counter() - t0) * 1e3
-                resp.raise_for_status()
-                accepted += resp.json()["outcomes"].count("accepted")
-                lat.extend([dt] * len(seeds))
+        n = 0
+        while not queue.empty():
+            rid, seeds = queue.get_nowait()
+            results = [{"run": RUN, "round_id": rid, "seed": s, "version": 0, "worker_id": wid,
+                        "l_plus": 1.0, "l_minus": 2.0} for s in seeds]
+            t0 = time.perf_counter()
+            if interval:
+                t0 = start + (n + k / len(tokens)) * interval  # staggered, evenly spaced sends
+                n += 1
+                await asyncio.sleep(max(0.0, t0 - time.perf_counter()))
+            resp = await c.post(f"/v1/runs/{RUN}/results", json={"results": results})
+            dt = (time.perf_counter() - t0) * 1e3
+            resp.raise_for_status()
+            accepted += resp.json()["outcomes"].count("accepted")
+            lat.extend([dt] * len(seeds))
 
     t0 = time.perf_counter()
-    await asyncio.gather(*(worker(w, t) for w, t in tokens))
+    try:
+        await asyncio.gather(*(worker(k, w, c) for k, ((w, _), c) in enumerate(zip(tokens, clients))))
+    finally:
+        await asyncio.gather(*(c.aclose() for c in clients))
     return accepted, time.perf_counter() - t0, lat
 
 
-def bench_http(settings: CoordinatorSettings, workers: int, n_results: int, batch: int) -> IntakeBenchResult:
+def bench_http(settings: CoordinatorSettings, workers: int, n_results: int, batch: int, rate: float = 0.0
+               ) -> IntakeBenchResult:
     """Coordinator in a uvicorn subprocess; `workers` asyncio+httpx simulated workers in this process."""
     from api.server import free_port
 
@@ -197,18 +215,23 @@ def bench_http(settings: CoordinatorSettings, workers: int, n_results: int, batc
             tokens.append((reg["worker_id"], reg["worker_token"]))
         load = os.getloadavg()[0]
         r0, s0, c0 = _redis_cpu(settings.redis_url), _proc_cpu(proc.pid), time.process_time()
-        accepted, seconds, lat = asyncio.run(_http_clients(url, tokens, _batches(rounds, batch)))
+        accepted, seconds, lat = asyncio.run(_http_clients(url, tokens, _batches(rounds, batch), rate))
         cpu = (_proc_cpu(proc.pid) - s0, time.process_time() - c0, _redis_cpu(settings.redis_url) - r0)
         res = _finish(settings, "http", workers, batch, n_results, accepted, seconds, lat, cpu)
-        res.load_avg_1m = round(load, 2)
+        res.load_avg_1m, res.rate = round(load, 2), rate
         return res
     finally:
         proc.terminate()
         proc.wait(timeout=30)
 
 
-def run_intake_bench(mode: str, workers: int, n_results: int, batch: int, redis_url: str) -> IntakeBenchResult:
-    """Run one bench on fresh keys (a random prefix, deleted afterwards). Raises ValueError on bad sizes."""
+def run_intake_bench(mode: str, workers: int, n_results: int, batch: int, redis_url: str, rate: float = 0.0
+                     ) -> IntakeBenchResult:
+    """Run one bench on fresh keys (a random prefix, deleted afterwards). Raises ValueError on bad sizes.
+
+    `rate` (results/s, http mode only): offered load of an open-loop run; 0 = closed loop, as fast as
+    the coordinator answers.
+    """
     if workers < 1 or n_results < 1 or not 1 <= batch <= 1024:
         raise ValueError("workers and results must be >= 1 and batch in [1, 1024]")
     prefix = "bench" + secrets.token_hex(4)
@@ -216,8 +239,9 @@ def run_intake_bench(mode: str, workers: int, n_results: int, batch: int, redis_
         settings = generate_dev_settings(redis_url=redis_url, key_prefix=prefix, queue_prefix=f"{prefix}.probe",
                                          blob_dir=Path(tmp))
         try:
-            fn = bench_http if mode == "http" else bench_store
-            return fn(settings, workers, n_results, batch)
+            if mode == "http":
+                return bench_http(settings, workers, n_results, batch, rate)
+            return bench_store(settings, workers, n_results, batch)
         finally:
             _cleanup(settings)
 
