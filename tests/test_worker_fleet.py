@@ -80,18 +80,24 @@ class Fleet:
             "SPARECYCLES_LEASE_SECONDS": "4", "SPARECYCLES_HEARTBEAT_INTERVAL_S": "0.5",
             "SPARECYCLES_REAPER_INTERVAL_S": "0.2", "SPARECYCLES_CACHE": str(tmp / "cache"),
         }
-        port = self.url.rsplit(":", 1)[1]
-        code = ("import uvicorn; from api.app import create_app; from coordinator.settings import "
-                "CoordinatorSettings; uvicorn.run(create_app(CoordinatorSettings()), host='127.0.0.1', "
-                f"port={port}, log_level='warning')")
-        self.coord = subprocess.Popen([sys.executable, "-c", code], env=self.env, cwd=ROOT,
-                                      stdout=open(tmp / "coordinator.log", "wb"), stderr=subprocess.STDOUT)
+        self.logs = []
+        self.start_coordinator()
         self.admin = httpx.Client(base_url=self.url, timeout=30,
                                   headers={"Authorization": f"Bearer {self.admin_token}"})
         self.r = redis.Redis.from_url(REDIS_URL, decode_responses=True)
         self.workers: dict[str, subprocess.Popen] = {}
         self.metrics_ports: dict[str, int] = {}
         self.wait(lambda: self._ready(), "coordinator /readyz")
+
+    def start_coordinator(self) -> None:
+        """Start the coordinator process on this fleet's port (its state lives in Redis and the blob dir)."""
+        port = self.url.rsplit(":", 1)[1]
+        code = ("import uvicorn; from api.app import create_app; from coordinator.settings import "
+                "CoordinatorSettings; uvicorn.run(create_app(CoordinatorSettings()), host='127.0.0.1', "
+                f"port={port}, log_level='warning')")
+        self.logs.append(open(self.tmp / "coordinator.log", "ab"))  # noqa: SIM115 - closed in close()
+        self.coord = subprocess.Popen([sys.executable, "-c", code], env=self.env, cwd=ROOT,
+                                      stdout=self.logs[-1], stderr=subprocess.STDOUT)
 
     def _ready(self) -> bool:
         try:
@@ -116,8 +122,8 @@ class Fleet:
                "--name", name, "--cache-dir", str(self.tmp / f"cache-{name}"), "--control-interval", "0.25",
                "--soft-shutdown", "5", "--threads", "1", "--loglevel", "INFO",
                "--metrics-port", str(self.metrics_ports[name])]
-        proc = subprocess.Popen(cmd, env=self.env, cwd=ROOT, stdout=open(self.tmp / f"{name}.log", "wb"),
-                                stderr=subprocess.STDOUT)
+        self.logs.append(open(self.tmp / f"{name}.log", "wb"))  # noqa: SIM115 - closed in close()
+        proc = subprocess.Popen(cmd, env=self.env, cwd=ROOT, stdout=self.logs[-1], stderr=subprocess.STDOUT)
         self.workers[name] = proc
         return proc
 
@@ -165,6 +171,8 @@ class Fleet:
         self.coord.terminate()
         self.coord.wait(timeout=15)
         self.admin.close()
+        for f in self.logs:
+            f.close()
         for pattern in (f"{self.prefix}*", f"_kombu.binding.{self.prefix}*"):
             keys = list(self.r.scan_iter(pattern, count=1000))
             if keys:
@@ -251,7 +259,7 @@ def test_elastic_drain_and_join(fleet):
     for name in ("b", "c"):
         fleet.workers[name].send_signal(signal.SIGUSR1)
     for name in ("b", "c"):
-        fleet.wait(lambda: fleet.metric(name, "sparecycles_worker_draining") == 1.0, f"worker {name} drained")
+        fleet.wait(lambda name=name: fleet.metric(name, "sparecycles_worker_draining") == 1.0, f"worker {name} drained")
     seeds = tuple(range(2100, 2108))
     be.submit(ProbeRound("el-1", 0, batch, eps=1e-2, seeds=seeds, dist="rademacher"))
     res = _by_seed(be.poll("el-1"))
@@ -259,7 +267,7 @@ def test_elastic_drain_and_join(fleet):
     for name in ("b", "c"):
         fleet.workers[name].send_signal(signal.SIGUSR2)
     for name in ("b", "c"):
-        fleet.wait(lambda: fleet.metric(name, "sparecycles_worker_draining") == 0.0, f"worker {name} resumed")
+        fleet.wait(lambda name=name: fleet.metric(name, "sparecycles_worker_draining") == 0.0, f"worker {name} resumed")
     be.close()
 
 
@@ -271,10 +279,10 @@ def test_lying_worker_is_quarantined_and_never_used(fleet):
     ids = {name: fleet.wait_consuming(name) for name in ("a", "b", "c")}
     be.publish(0)
     batch = make_batch(4, 16, seed=4)
-    for name in ids:  # hold the honest fleet back so the liar's values are the first replica
-        fleet.admin.post(f"/v1/workers/{ids[name]}/drain")
+    for wid in ids.values():  # hold the honest fleet back so the liar's values are the first replica
+        fleet.admin.post(f"/v1/workers/{wid}/drain")
     for name in ids:
-        fleet.wait(lambda: fleet.metric(name, "sparecycles_worker_draining") == 1.0, f"{name} draining")
+        fleet.wait(lambda name=name: fleet.metric(name, "sparecycles_worker_draining") == 1.0, f"{name} draining")
     seeds = (4000, 4001, 4002)
     rnd = ProbeRound("t-0", 0, batch, eps=1e-2, seeds=seeds, dist="gauss8")
     be.submit(rnd)
@@ -284,8 +292,8 @@ def test_lying_worker_is_quarantined_and_never_used(fleet):
     lies = [{"run": "trust", "round_id": "t-0", "seed": s, "version": 0, "worker_id": reg["worker_id"],
              "replica": 0, "l_plus": 1.0, "l_minus": 2.0} for s in seeds]
     assert liar.post("/v1/runs/trust/results", json={"results": lies}).json()["outcomes"] == ["held"] * 3
-    for name in ids:
-        fleet.admin.post(f"/v1/workers/{ids[name]}/resume")
+    for wid in ids.values():
+        fleet.admin.post(f"/v1/workers/{wid}/resume")
     res = _by_seed(be.poll("t-0"))
     ref = InProcessBackend(model, loss_fn)
     ref.submit(rnd)
@@ -326,5 +334,35 @@ def test_sigkill_mid_round_loses_nothing(fleet):
     assert len(l0s) == 1  # every worker computed the same clean loss
     stream = fleet.r.xrange(f"{fleet.prefix}:{{kill}}:results")
     accepted = [e for _, e in stream if '"accepted"' in e["e"]]
+    assert len(accepted) == len(seeds)
+    be.close()
+
+
+def test_coordinator_restart_mid_round_loses_and_doubles_nothing(fleet):
+    """SIGKILL the coordinator while workers evaluate a round and start a new one on the same port: the
+    workers retry/requeue, the round completes, one accepted stream event per seed, values unchanged."""
+    model = tiny_model(seed=7)
+    be = fleet.backend(model, "restart")
+    for name in ("a", "c"):
+        fleet.wait_consuming(name)
+    be.publish(0)
+    batch = make_batch(4, 32, seed=7)
+    seeds = tuple(range(5000, 5020))
+    rnd = ProbeRound("rs-0", 0, batch, eps=1e-2, seeds=seeds, dist="rademacher", want_clean=True)
+    be.submit(rnd)
+    stream_key = f"{fleet.prefix}:{{restart}}:results"
+    fleet.wait(lambda: fleet.r.xlen(stream_key) >= 2, "first results")
+    fleet.coord.send_signal(signal.SIGKILL)
+    fleet.coord.wait(timeout=10)
+    assert fleet.r.xlen(stream_key) < len(seeds)  # the round really was cut mid-way
+    fleet.start_coordinator()
+    fleet.wait(fleet._ready, "restarted coordinator")
+    res = _by_seed(be.poll("rs-0"))
+    assert set(res) == set(seeds)
+    ref = InProcessBackend(model, loss_fn)
+    ref.submit(rnd)
+    for r in ref.poll("rs-0"):
+        assert (res[r.seed].l_plus, res[r.seed].l_minus, res[r.seed].l0) == (r.l_plus, r.l_minus, r.l0)
+    accepted = [e for _, e in fleet.r.xrange(stream_key) if '"accepted"' in e["e"]]
     assert len(accepted) == len(seeds)
     be.close()
