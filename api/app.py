@@ -16,19 +16,32 @@ from collections.abc import AsyncIterator
 from typing import Annotated
 
 import redis
-from redis.asyncio import Redis as AsyncRedis
 from fastapi import Depends, FastAPI, Header, Path, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from redis.asyncio import Redis as AsyncRedis
 from starlette.concurrency import run_in_threadpool
 
 from api.auth import Principal, require
 from coordinator.blobs import BlobError
 from coordinator.intake import Intake
 from coordinator.messages import (
-    Attestation, BlobInfo, Heartbeat, HeartbeatReply, IntakeReply, ProbeRound, ResultBatch, RoundInfo, RunInfo,
-    RunSpec, SeedLedgerEntry, VersionManifest, WorkerInfo, WorkerRegistered, WorkerRegistration,
+    Attestation,
+    BlobInfo,
+    Heartbeat,
+    HeartbeatReply,
+    IntakeReply,
+    ProbeRound,
+    ResultBatch,
+    RoundInfo,
+    RunInfo,
+    RunSpec,
+    SeedLedgerEntry,
+    VersionManifest,
+    WorkerInfo,
+    WorkerRegistered,
+    WorkerRegistration,
 )
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.settings import CoordinatorSettings

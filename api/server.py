@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from typing import Self
 
 import uvicorn
 from fastapi import FastAPI
@@ -49,7 +50,7 @@ class ServerThread:
         self.server.should_exit = True
         self.thread.join(timeout=10)
 
-    def __enter__(self) -> ServerThread:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

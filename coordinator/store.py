@@ -12,14 +12,26 @@ import hashlib
 import hmac
 import secrets
 import time
+
 import redis
 from celery import Celery
 
 from coordinator.blobs import BlobStore
 from coordinator.celery_app import PROBE_TASK_NAME, make_celery, send_probe_tasks
 from coordinator.messages import (
-    HeartbeatReply, Heartbeat, Lease, ProbeRound, ProbeTask, RoundInfo, RunInfo, RunSpec, SeedLedgerEntry,
-    VersionManifest, WorkerInfo, WorkerRegistered, WorkerRegistration,
+    Heartbeat,
+    HeartbeatReply,
+    Lease,
+    ProbeRound,
+    ProbeTask,
+    RoundInfo,
+    RunInfo,
+    RunSpec,
+    SeedLedgerEntry,
+    VersionManifest,
+    WorkerInfo,
+    WorkerRegistered,
+    WorkerRegistration,
 )
 from coordinator.settings import CoordinatorSettings
 

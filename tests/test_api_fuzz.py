@@ -16,10 +16,9 @@ import pytest
 import schemathesis
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, settings
-
-from api.app import create_app
 from test_coordinator_fixtures import cleanup, make_settings
 
+from api.app import create_app
 
 _SETTINGS = make_settings(Path(tempfile.mkdtemp(prefix="sc-fuzz-")))
 _APP = create_app(_SETTINGS)

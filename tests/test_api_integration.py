@@ -7,11 +7,11 @@ import time
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from test_coordinator_fixtures import Env, result, running_env
 
 from coordinator.messages import WorkerRegistered
 from coordinator.store import spot_check_selected
 from coordinator.stream import ResultStreamReader
-from test_coordinator_fixtures import Env, result, running_env
 
 
 @pytest.fixture
@@ -94,8 +94,8 @@ def test_versions_blobs_etag_range_and_ledger(env: Env):
     payload = bytes(range(256)) * 1000
     manifest = env.publish_version("gpt2-tiny", 0, payload)
     sha = manifest["shards"][0]["sha256"]
-    reg, w = env.enroll("gpu0")
-    got = w.get(f"/v1/runs/gpt2-tiny/versions/0").json()
+    _reg, w = env.enroll("gpu0")
+    got = w.get("/v1/runs/gpt2-tiny/versions/0").json()
     assert got["shards"] == manifest["shards"]
     full = w.get(f"/v1/blobs/{sha}")
     assert full.status_code == 200 and hashlib.sha256(full.content).hexdigest() == sha
@@ -205,7 +205,7 @@ def test_every_intake_outcome_is_counted(env: Env):
                                                          "digest": digest})
     env.publish_version("c", 0, b"c0")
     assert env.admin.post("/v1/runs/c/rounds", json=dict(rnd, run="c", want_clean=False)).status_code == 201
-    cpost = lambda res: w.post("/v1/runs/c/results", json={"results": res}).json()["outcomes"]  # noqa: E731
+    cpost = lambda res: w.post("/v1/runs/c/results", json={"results": res}).json()["outcomes"]
     outs = cpost([result("c", "r0", 1, wid)])
     assert outs == ["unattested"]
     seen["unattested"] = 1
@@ -252,7 +252,7 @@ def test_spot_check_disagreement_quarantines_the_odd_one_out(env: Env):
     assert [t["kwargs"]["replica"] for t in tasks] == [0, 1] and tasks[1]["kwargs"]["seeds"] == spot
     (ra, a), (rb, b), (rc, c) = env.enroll("honest"), env.enroll("liar"), env.enroll("tiebreak")
     A, B, C = ra["worker_id"], rb["worker_id"], rc["worker_id"]
-    post = lambda cl, res: cl.post(f"/v1/runs/{run}/results", json={"results": res}).json()["outcomes"]  # noqa
+    post = lambda cl, res: cl.post(f"/v1/runs/{run}/results", json={"results": res}).json()["outcomes"]
 
     s0, s1 = spot[0], spot[1]
     # the liar evaluated a plain seed first (accepted, unverified) -> retracted once it is caught
@@ -296,9 +296,10 @@ def test_spot_check_disagreement_quarantines_the_odd_one_out(env: Env):
 def test_coordinator_restart_keeps_state_and_dedupe(tmp_path):
     """A second coordinator process on the same Redis continues the run: tokens, rounds and the dedupe
     record survive, a completed round is timed once, and nothing reaches the stream twice."""
+    from test_coordinator_fixtures import cleanup, make_settings
+
     from api.app import create_app
     from api.server import ServerThread
-    from test_coordinator_fixtures import cleanup, make_settings
 
     settings = make_settings(tmp_path)
     try:

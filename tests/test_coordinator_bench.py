@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import redis
+from test_coordinator_fixtures import REDIS_URL
 
 from coordinator.bench import run_intake_bench
-from test_coordinator_fixtures import REDIS_URL
 
 
 def test_bench_intake_store_and_http_accept_everything_exactly_once():

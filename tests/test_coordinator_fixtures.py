@@ -24,10 +24,10 @@ REDIS_URL = "redis://127.0.0.1:6379/11"
 def make_settings(tmp_path: Path, **overrides) -> CoordinatorSettings:
     """Dev settings isolated by a random key/queue prefix and a private blob directory."""
     prefix = "t" + secrets.token_hex(5)
-    values = dict(
-        redis_url=REDIS_URL, key_prefix=prefix, queue_prefix=f"{prefix}.probe", blob_dir=tmp_path / "blobs",
-        lease_seconds=30.0, heartbeat_interval_s=1.0, reaper_interval_s=0.05,
-    )
+    values = {
+        "redis_url": REDIS_URL, "key_prefix": prefix, "queue_prefix": f"{prefix}.probe", "blob_dir": tmp_path / "blobs",
+        "lease_seconds": 30.0, "heartbeat_interval_s": 1.0, "reaper_interval_s": 0.05,
+    }
     values.update(overrides)
     return generate_dev_settings(**values)
 

@@ -8,12 +8,21 @@ import subprocess
 import sys
 
 import pytest
-from hypothesis import given, settings as hsettings, strategies as st
+from hypothesis import given
+from hypothesis import settings as hsettings
+from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from coordinator.messages import (
-    MAX_SEEDS_PER_TASK, ProbeResult, ProbeRound, ProbeTask, ResultBatch, RunSpec, SeedLedgerEntry, StreamEvent,
-    VersionManifest, values_agree,
+    MAX_SEEDS_PER_TASK,
+    ProbeResult,
+    ProbeRound,
+    ProbeTask,
+    ResultBatch,
+    SeedLedgerEntry,
+    StreamEvent,
+    VersionManifest,
+    values_agree,
 )
 from coordinator.settings import CoordinatorSettings, generate_dev_settings
 from coordinator.store import spot_check_selected
@@ -23,7 +32,7 @@ SHA = "a" * 64
 
 
 def res(**kw):
-    base = dict(run="r", round_id="k", seed=1, version=0, worker_id=WID, l_plus=1.0, l_minus=2.0)
+    base = {"run": "r", "round_id": "k", "seed": 1, "version": 0, "worker_id": WID, "l_plus": 1.0, "l_minus": 2.0}
     base.update(kw)
     return base
 
@@ -46,7 +55,7 @@ def test_result_roundtrip_and_strictness():
 
 
 def test_bounded_lists_and_cross_field_rules():
-    rnd = dict(run="r", round_id="k", version=0, batch_sha256=SHA, eps=1e-3, distribution="gauss8", seeds=[1, 2])
+    rnd = {"run": "r", "round_id": "k", "version": 0, "batch_sha256": SHA, "eps": 1e-3, "distribution": "gauss8", "seeds": [1, 2]}
     ProbeRound.model_validate(rnd)
     with pytest.raises(ValidationError, match="unique"):
         ProbeRound.model_validate(dict(rnd, seeds=[1, 1]))
@@ -55,7 +64,7 @@ def test_bounded_lists_and_cross_field_rules():
     with pytest.raises(ValidationError):
         ProbeRound.model_validate(dict(rnd, eps=0.0))
     assert ProbeRound.model_validate(dict(rnd, version=3, kind="along_update", base_version=2)).base_version == 2
-    for bad in [dict(kind="along_update"), dict(kind="along_update", base_version=0), dict(base_version=0)]:
+    for bad in [{"kind": "along_update"}, {"kind": "along_update", "base_version": 0}, {"base_version": 0}]:
         with pytest.raises(ValidationError, match="base_version"):
             ProbeRound.model_validate(dict(rnd, **bad))
     task = dict(rnd, want_clean=False, seeds=list(range(MAX_SEEDS_PER_TASK + 1)))
@@ -63,15 +72,15 @@ def test_bounded_lists_and_cross_field_rules():
         ProbeTask.model_validate(task)
     with pytest.raises(ValidationError):
         ResultBatch.model_validate({"results": []})
-    led = dict(run="r", version=3, parent=2, seeds=[1, 2], coeffs=[0.5, 0.25], distribution="rademacher")
+    led = {"run": "r", "version": 3, "parent": 2, "seeds": [1, 2], "coeffs": [0.5, 0.25], "distribution": "rademacher"}
     assert SeedLedgerEntry.model_validate(led).scale == 1.0
     with pytest.raises(ValidationError, match="same length"):
         SeedLedgerEntry.model_validate(dict(led, coeffs=[0.5]))
     with pytest.raises(ValidationError, match="exactly one version"):
         SeedLedgerEntry.model_validate(dict(led, parent=1))
     shard = {"name": "a.safetensors", "sha256": SHA, "bytes": 3}
-    man = dict(run="r", version=1, parent=0, shards=[shard], param_order_hash=SHA, dtype="bfloat16",
-               model_class="GPT2LMHeadModel")
+    man = {"run": "r", "version": 1, "parent": 0, "shards": [shard], "param_order_hash": SHA, "dtype": "bfloat16",
+               "model_class": "GPT2LMHeadModel"}
     VersionManifest.model_validate(man)
     with pytest.raises(ValidationError, match="unique"):
         VersionManifest.model_validate(dict(man, shards=[shard, shard]))
@@ -134,5 +143,5 @@ def test_api_and_coordinator_do_not_import_torch():
         "bad = [m for m in ('torch', 'numpy', 'transformers') if m in sys.modules]; print(bad); "
         "sys.exit(1 if 'torch' in bad else 0)"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
