@@ -6,8 +6,16 @@ Each subcommand lives in the `cli` module of the package that owns it; those mod
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from typing import Optional
+
 import typer
 
+from api import cli as api_cli
+from coordinator import cli as coordinator_cli
+from kernels import cli as kernels_cli
+from probe_worker import cli as worker_cli
 from trainer import cli as trainer_cli
 
 app = typer.Typer(
@@ -23,27 +31,37 @@ app.command("train")(trainer_cli.train)
 app.add_typer(bench_app, name="bench")
 
 
-def _register_optional() -> None:
-    """Attach commands whose owning packages exist; each import is cheap (typer only)."""
-    import importlib
-
-    for module, attr, kind, name in [
-        ("kernels.cli", "bench_kernels", "bench", "kernels"),
-        ("api.cli", "coordinator", "app", "coordinator"),
-        ("coordinator.cli", "bench_intake", "bench", "intake"),
-        ("probe_worker.cli", "worker", "app", "worker"),
-    ]:
-        try:
-            mod = importlib.import_module(module)
-        except ModuleNotFoundError as exc:
-            if exc.name != module:
-                raise
-            continue
-        target = app if kind == "app" else bench_app
-        target.command(name)(getattr(mod, attr))
+app.command("coordinator")(api_cli.coordinator)
+app.command("worker")(worker_cli.worker)
+bench_app.command("kernels")(kernels_cli.bench_kernels)
+bench_app.command("intake")(coordinator_cli.bench_intake)
 
 
-_register_optional()
+@app.command("up")
+def up(
+    preset: str = typer.Option("demo", help="Run preset (demo) or model preset."),
+    optimizer: str = typer.Option("zocurv-block", help="The fleet-probed optimizer (ZO-Curv variant)."),
+    workers: int = typer.Option(2, min=1, max=64, help="Local probe worker processes."),
+    steps: Optional[int] = typer.Option(None, min=1, help="Optimizer steps (default: the preset's)."),
+    task: Optional[str] = typer.Option(None, help="lm (default) or sentiment."),
+    run_dir: Optional[Path] = typer.Option(None, help="Run folder (default runs/up-<preset>-<optimizer>)."),
+    progress: bool = typer.Option(True, help="Show the live progress display."),
+) -> None:
+    """Run everything on this machine: embedded Valkey (unless REDIS_URL), coordinator, N probe workers
+    and the trainer; AdamW baseline vs the ZO-Curv run; loss curves PNG and a JSON summary. Ctrl-C stops
+    every process it started."""
+    from sparecycles.up import run_up
+
+    try:
+        summary = run_up(preset=preset, optimizer=optimizer, workers=workers, steps=steps, task=task,
+                         run_dir=run_dir, progress=progress)
+    except (ValueError, RuntimeError) as exc:
+        typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from exc
+    except KeyboardInterrupt:
+        typer.echo("interrupted: every process stopped; rerun the same command to resume", err=True)
+        raise typer.Exit(130)
+    typer.echo(json.dumps(summary, indent=2))
 
 
 @app.command("version")

@@ -75,7 +75,7 @@ class AdamWMode:
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip or float("inf"))
         self.optimizer.step()
-        return {"loss": float(loss), "grad_norm": float(gnorm)}
+        return {"loss": float(loss.detach()), "grad_norm": float(gnorm)}
 
     def extra_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         return {}, {}
@@ -150,12 +150,20 @@ def default_run_dir(cfg: TrainConfig) -> Path:
     return runs_dir() / f"{cfg.model}-{cfg.corpus}-{cfg.optimizer}-s{cfg.seed}"
 
 
-def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> RunResult:
+def train(
+    cfg: TrainConfig,
+    *,
+    resume: bool = False,
+    progress: bool = True,
+    mode_factory: Callable[[TrainConfig, torch.nn.Module], TrainMode] | None = None,
+    status: Callable[[], str] | None = None,
+) -> RunResult:
     """Run (or resume) a training run and write its run folder.
 
     The folder holds `config.json`, `metrics.jsonl` (one record per step and per evaluation),
     `checkpoint.safetensors` (every `checkpoint_every` steps and at the end), `loss.png` and
-    `summary.json`.
+    `summary.json`. `mode_factory` replaces `build_mode` (e.g. a ZO-Curv mode whose probes go to a
+    fleet); `status` adds a live line (workers, probes/s) to the progress display.
 
     Raises:
         ValueError: unknown model preset or corpus, or a folder holding a different run's config.
@@ -178,7 +186,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> R
     corpus = load_corpus(cfg.corpus)
     model = build_model(cfg.model, seed=cfg.seed, device=cfg.device)
     model.train()
-    mode = build_mode(cfg, model)
+    mode = (mode_factory or build_mode)(cfg, model)
     start = 0
     if resume:
         start, meta, extra = load_checkpoint(ckpt_path, model=model, optimizer=mode.optimizer)
@@ -190,9 +198,12 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> R
     history = read_metrics(metrics_path)
     initial = next((r["val_loss"] for r in history if "val_loss" in r and r["step"] == 0), None)
 
+    from trainer import metrics as prom
+
     def log(rec: dict[str, Any]) -> None:
         with metrics_path.open("a") as f:
             f.write(json.dumps(rec) + "\n")
+        prom.record(cfg.optimizer, rec, cfg.batch_size * cfg.seq_len)
 
     def checkpoint(step: int) -> None:
         tensors, meta = mode.extra_state()
@@ -233,8 +244,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> R
         with _deferred_interrupt() as interrupted:
             try:
                 for step in range(start, cfg.steps):
-                    done, status = one_step(step)
-                    bar.update(task, completed=done, status=status)
+                    done, text = one_step(step)
+                    bar.update(task, completed=done, status=f"{text} | {status()}" if status else text)
                     if interrupted():
                         raise KeyboardInterrupt
             except KeyboardInterrupt:

