@@ -25,6 +25,7 @@ from starlette.concurrency import run_in_threadpool
 
 from api.auth import Principal, require
 from coordinator.blobs import BlobError
+from coordinator.errors import Conflict, CoordinatorError, Invalid, NotFound
 from coordinator.intake import Intake
 from coordinator.messages import (
     Attestation,
@@ -45,7 +46,7 @@ from coordinator.messages import (
 )
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.settings import CoordinatorSettings
-from coordinator.store import Conflict, CoordinatorError, Invalid, NotFound, Store
+from coordinator.store import Store
 
 log = logging.getLogger("sparecycles.api")
 
@@ -112,7 +113,12 @@ def create_app(
                 await client.aclose()
 
     app = FastAPI(title="sparecycles coordinator", version="1", lifespan=lifespan)
-    app.state.settings, app.state.store, app.state.metrics, app.state.intake = settings, store, metrics, intake
+    app.state.settings, app.state.store, app.state.metrics, app.state.intake = (
+        settings,
+        store,
+        metrics,
+        intake,
+    )
     clients: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def aredis() -> AsyncRedis:
@@ -145,8 +151,9 @@ def create_app(
     @app.exception_handler(redis.RedisError)
     async def _redis_error(request: Request, exc: redis.RedisError) -> JSONResponse:
         metrics.rejected_requests.labels("redis_unavailable").inc()
-        return JSONResponse({"detail": "state store unavailable; retry"}, status_code=503,
-                            headers={"Retry-After": "1"})
+        return JSONResponse(
+            {"detail": "state store unavailable; retry"}, status_code=503, headers={"Retry-After": "1"}
+        )
 
     # ---- health and metrics -------------------------------------------------------------------------
     @app.get("/healthz")
@@ -178,7 +185,9 @@ def create_app(
     def get_worker(worker_id: WorkerP) -> WorkerInfo:
         return store.worker_info(worker_id)
 
-    @app.post("/v1/workers/{worker_id}/heartbeat", dependencies=[Depends(require("worker", self_worker=True))])
+    @app.post(
+        "/v1/workers/{worker_id}/heartbeat", dependencies=[Depends(require("worker", self_worker=True))]
+    )
     def heartbeat(worker_id: WorkerP, body: Heartbeat) -> HeartbeatReply:
         return store.heartbeat(worker_id, body)
 
@@ -231,7 +240,8 @@ def create_app(
 
     @app.get("/v1/runs/{run}/ledger", dependencies=[Reader])
     def get_ledger(
-        run: RunP, since: Annotated[int, Query(ge=-1, lt=2**53)] = -1,
+        run: RunP,
+        since: Annotated[int, Query(ge=-1, lt=2**53)] = -1,
         limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
     ) -> list[SeedLedgerEntry]:
         return store.ledger(run, since, limit)
@@ -270,7 +280,9 @@ def create_app(
         if if_none_match is not None and etag in [t.strip() for t in if_none_match.split(",")]:
             return Response(status_code=304, headers=headers)
         return _CountingFileResponse(
-            store.blobs.path(sha256), media_type="application/octet-stream", headers=headers,
+            store.blobs.path(sha256),
+            media_type="application/octet-stream",
+            headers=headers,
             counter=metrics.blob_bytes_served,
         )
 
@@ -298,7 +310,9 @@ def create_app(
         """Intake of one task's results; the reply lists each result's outcome in order."""
         outcomes = await intake.submit_async(aredis(), who.worker_id, run, list(body.results))
         # Serialised directly (the hot path): the outcomes are already of the IntakeReply type.
-        return Response(json.dumps({"schema_version": 1, "outcomes": outcomes}), media_type="application/json")
+        return Response(
+            json.dumps({"schema_version": 1, "outcomes": outcomes}), media_type="application/json"
+        )
 
     @app.post("/v1/runs/{run}/attest")
     def attest(run: RunP, body: Attestation, who: Principal = WorkerOnly) -> dict[str, bool]:

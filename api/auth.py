@@ -15,7 +15,7 @@ from typing import Literal
 
 from fastapi import HTTPException, Request
 
-from coordinator.store import parse_worker_token, token_digest
+from coordinator.registry import parse_worker_token, token_digest
 
 Role = Literal["admin", "enroll", "worker"]
 # A verified worker token is trusted for this many seconds without a Redis read. DELETE through this

@@ -23,8 +23,14 @@ def coordinator(
     except ValidationError as exc:
         typer.echo(f"refusing to start: {exc}", err=True)
         raise typer.Exit(2) from exc
-    uvicorn.run(create_app(settings), host=host, port=port, log_level=log_level, proxy_headers=True,
-                timeout_graceful_shutdown=10)
+    uvicorn.run(
+        create_app(settings),
+        host=host,
+        port=port,
+        log_level=log_level,
+        proxy_headers=True,
+        timeout_graceful_shutdown=10,
+    )
 
 
 if __name__ == "__main__":

@@ -25,12 +25,25 @@ class ServerThread:
     `start_timeout_s` seconds.
     """
 
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, start_timeout_s: float = 20.0,
-                 log_level: str = "warning") -> None:
+    def __init__(
+        self,
+        app: FastAPI,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        start_timeout_s: float = 20.0,
+        log_level: str = "warning",
+    ) -> None:
         self.port = port or free_port(host)
         self.url = f"http://{host}:{self.port}"
-        config = uvicorn.Config(app, host=host, port=self.port, log_level=log_level, access_log=False,
-                                lifespan="on", timeout_graceful_shutdown=5)
+        config = uvicorn.Config(
+            app,
+            host=host,
+            port=self.port,
+            log_level=log_level,
+            access_log=False,
+            lifespan="on",
+            timeout_graceful_shutdown=5,
+        )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name=f"uvicorn:{self.port}", daemon=True)
         self.start_timeout_s = start_timeout_s

@@ -69,19 +69,38 @@ def _quantile(sorted_ms: list[float], q: float) -> float:
 
 def _setup_rounds(store: Store, n_results: int) -> list[tuple[str, list[int]]]:
     """Create the run, version 0, a batch blob and enough rounds for `n_results` seeds (not timed)."""
-    store.create_run(RunSpec(run=RUN, model_class="GPT2LMHeadModel", spot_check_fraction=0.0,
-                             seeds_per_task=256, staleness=4))
+    store.create_run(
+        RunSpec(
+            run=RUN, model_class="GPT2LMHeadModel", spot_check_fraction=0.0, seeds_per_task=256, staleness=4
+        )
+    )
     shard, size = store.blobs.put(b"bench weights")
-    store.register_version(VersionManifest(
-        run=RUN, version=0, shards=[ShardRef(name="m.safetensors", sha256=shard, bytes=size)],
-        param_order_hash="0" * 64, dtype="float32", model_class="GPT2LMHeadModel"))
+    store.register_version(
+        VersionManifest(
+            run=RUN,
+            version=0,
+            shards=[ShardRef(name="m.safetensors", sha256=shard, bytes=size)],
+            param_order_hash="0" * 64,
+            dtype="float32",
+            model_class="GPT2LMHeadModel",
+        )
+    )
     batch, _ = store.blobs.put(b"bench batch")
     rounds, seed, k = [], 1, 0
     while seed <= n_results:
         seeds = list(range(seed, min(n_results, seed + 65_535) + 1))
         rid = f"round-{k}"
-        store.create_round(ProbeRound(run=RUN, round_id=rid, version=0, batch_sha256=batch, eps=1e-3,
-                                      distribution="rademacher", seeds=seeds))
+        store.create_round(
+            ProbeRound(
+                run=RUN,
+                round_id=rid,
+                version=0,
+                batch_sha256=batch,
+                eps=1e-3,
+                distribution="rademacher",
+                seeds=seeds,
+            )
+        )
         rounds.append((rid, seeds))
         seed, k = seed + len(seeds), k + 1
     return rounds
@@ -93,7 +112,11 @@ def _batches(rounds: list[tuple[str, list[int]]], batch: int) -> list[tuple[str,
 
 def _cleanup(settings: CoordinatorSettings) -> None:
     r = redis.Redis.from_url(settings.redis_url)
-    for pattern in (f"{settings.key_prefix}:*", f"{settings.queue_prefix}.*", f"_kombu.binding.{settings.queue_prefix}*"):
+    for pattern in (
+        f"{settings.key_prefix}:*",
+        f"{settings.queue_prefix}.*",
+        f"_kombu.binding.{settings.queue_prefix}*",
+    ):
         keys = list(r.scan_iter(pattern, count=1000))
         for i in range(0, len(keys), 1000):
             r.delete(*keys[i : i + 1000])
@@ -113,9 +136,21 @@ def _proc_cpu(pid: int) -> float:
 def _finish(settings, mode, workers, batch, n, accepted, seconds, lat_ms, cpu) -> IntakeBenchResult:
     streamed = redis.Redis.from_url(settings.redis_url).xlen(results_stream_key(settings.key_prefix, RUN))
     lat_ms.sort()
-    return IntakeBenchResult(mode, 0.0, workers, batch, n, accepted, streamed, round(seconds, 3), round(accepted / seconds, 1),
-                             round(_quantile(lat_ms, 0.50), 3), round(_quantile(lat_ms, 0.99), 3),
-                             *(round(c, 3) for c in cpu), round(os.getloadavg()[0], 2))
+    return IntakeBenchResult(
+        mode,
+        0.0,
+        workers,
+        batch,
+        n,
+        accepted,
+        streamed,
+        round(seconds, 3),
+        round(accepted / seconds, 1),
+        round(_quantile(lat_ms, 0.50), 3),
+        round(_quantile(lat_ms, 0.99), 3),
+        *(round(c, 3) for c in cpu),
+        round(os.getloadavg()[0], 2),
+    )
 
 
 def bench_store(settings: CoordinatorSettings, workers: int, n_results: int, batch: int) -> IntakeBenchResult:
@@ -124,8 +159,15 @@ def bench_store(settings: CoordinatorSettings, workers: int, n_results: int, bat
     intake = Intake(store, CoordinatorMetrics())
     rounds = _setup_rounds(store, n_results)
     wids = [store.register_worker(WorkerRegistration(name=f"sim{i}")).worker_id for i in range(workers)]
-    jobs = [[ProbeResult(run=RUN, round_id=rid, seed=s, version=0, worker_id=wids[j % workers], l_plus=1.0,
-                         l_minus=2.0) for s in seeds] for j, (rid, seeds) in enumerate(_batches(rounds, batch))]
+    jobs = [
+        [
+            ProbeResult(
+                run=RUN, round_id=rid, seed=s, version=0, worker_id=wids[j % workers], l_plus=1.0, l_minus=2.0
+            )
+            for s in seeds
+        ]
+        for j, (rid, seeds) in enumerate(_batches(rounds, batch))
+    ]
     lat: list[float] = []
     lock = threading.Lock()
 
@@ -148,7 +190,9 @@ def bench_store(settings: CoordinatorSettings, workers: int, n_results: int, bat
     return res
 
 
-async def _http_clients(url: str, tokens: list[tuple[str, str]], jobs: list[tuple[str, list[int]]], rate: float):
+async def _http_clients(
+    url: str, tokens: list[tuple[str, str]], jobs: list[tuple[str, list[int]]], rate: float
+):
     """Closed loop (rate 0: each worker posts as soon as its previous post returns) or open loop at `rate`
     results/s in total. Open-loop latency counts from the scheduled send time, so a server falling
     behind shows up in the figures (no coordinated omission)."""
@@ -160,7 +204,10 @@ async def _http_clients(url: str, tokens: list[tuple[str, str]], jobs: list[tupl
     interval = len(tokens) * len(jobs[0][1]) / rate if rate > 0 else 0.0
     # Clients are built and connected before the clock starts (httpx builds an SSL context per client,
     # tens of ms each): the bench measures steady-state intake, not client start-up.
-    clients = [httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {t}"}, timeout=60) for _, t in tokens]
+    clients = [
+        httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {t}"}, timeout=60)
+        for _, t in tokens
+    ]
     await asyncio.gather(*(c.get("/healthz") for c in clients))
     start = time.perf_counter() + 0.05
 
@@ -169,8 +216,18 @@ async def _http_clients(url: str, tokens: list[tuple[str, str]], jobs: list[tupl
         n = 0
         while not queue.empty():
             rid, seeds = queue.get_nowait()
-            results = [{"run": RUN, "round_id": rid, "seed": s, "version": 0, "worker_id": wid,
-                        "l_plus": 1.0, "l_minus": 2.0} for s in seeds]
+            results = [
+                {
+                    "run": RUN,
+                    "round_id": rid,
+                    "seed": s,
+                    "version": 0,
+                    "worker_id": wid,
+                    "l_plus": 1.0,
+                    "l_minus": 2.0,
+                }
+                for s in seeds
+            ]
             t0 = time.perf_counter()
             if interval:
                 t0 = start + (n + k / len(tokens)) * interval  # staggered, evenly spaced sends
@@ -190,18 +247,26 @@ async def _http_clients(url: str, tokens: list[tuple[str, str]], jobs: list[tupl
     return accepted, time.perf_counter() - t0, lat
 
 
-def bench_http(settings: CoordinatorSettings, workers: int, n_results: int, batch: int, rate: float = 0.0
-               ) -> IntakeBenchResult:
+def bench_http(
+    settings: CoordinatorSettings, workers: int, n_results: int, batch: int, rate: float = 0.0
+) -> IntakeBenchResult:
     """Coordinator in a uvicorn subprocess; `workers` asyncio+httpx simulated workers in this process."""
     from api.server import free_port
 
     port = free_port()
-    env = dict(os.environ, REDIS_URL=settings.redis_url, SPARECYCLES_KEY_PREFIX=settings.key_prefix,
-               SPARECYCLES_QUEUE_PREFIX=settings.queue_prefix, SPARECYCLES_BLOB_DIR=str(settings.blob_dir),
-               SPARECYCLES_ADMIN_TOKEN=settings.admin_token.get_secret_value(),
-               SPARECYCLES_ENROLLMENT_TOKEN=settings.enrollment_token.get_secret_value())
+    env = dict(
+        os.environ,
+        REDIS_URL=settings.redis_url,
+        SPARECYCLES_KEY_PREFIX=settings.key_prefix,
+        SPARECYCLES_QUEUE_PREFIX=settings.queue_prefix,
+        SPARECYCLES_BLOB_DIR=str(settings.blob_dir),
+        SPARECYCLES_ADMIN_TOKEN=settings.admin_token.get_secret_value(),
+        SPARECYCLES_ENROLLMENT_TOKEN=settings.enrollment_token.get_secret_value(),
+    )
     env.pop("SPARECYCLES_REDIS_URL", None)
-    proc = subprocess.Popen([sys.executable, "-m", "api.cli", "--port", str(port), "--log-level", "warning"], env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "api.cli", "--port", str(port), "--log-level", "warning"], env=env
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
@@ -232,8 +297,9 @@ def bench_http(settings: CoordinatorSettings, workers: int, n_results: int, batc
         proc.wait(timeout=30)
 
 
-def run_intake_bench(mode: str, workers: int, n_results: int, batch: int, redis_url: str, rate: float = 0.0
-                     ) -> IntakeBenchResult:
+def run_intake_bench(
+    mode: str, workers: int, n_results: int, batch: int, redis_url: str, rate: float = 0.0
+) -> IntakeBenchResult:
     """Run one bench on fresh keys (a random prefix, deleted afterwards). Raises ValueError on bad sizes.
 
     `rate` (results/s, http mode only): offered load of an open-loop run; 0 = closed loop, as fast as
@@ -243,8 +309,9 @@ def run_intake_bench(mode: str, workers: int, n_results: int, batch: int, redis_
         raise ValueError("workers and results must be >= 1 and batch in [1, 1024]")
     prefix = "bench" + secrets.token_hex(4)
     with tempfile.TemporaryDirectory() as tmp:
-        settings = generate_dev_settings(redis_url=redis_url, key_prefix=prefix, queue_prefix=f"{prefix}.probe",
-                                         blob_dir=Path(tmp))
+        settings = generate_dev_settings(
+            redis_url=redis_url, key_prefix=prefix, queue_prefix=f"{prefix}.probe", blob_dir=Path(tmp)
+        )
         try:
             if mode == "http":
                 return bench_http(settings, workers, n_results, batch, rate)

@@ -16,7 +16,9 @@ from celery import Celery
 PROBE_TASK_NAME = "sparecycles.probe"
 
 
-def make_celery(broker_url: str, *, visibility_timeout_s: int = 3600, soft_shutdown_s: float = 30.0) -> Celery:
+def make_celery(
+    broker_url: str, *, visibility_timeout_s: int = 3600, soft_shutdown_s: float = 30.0
+) -> Celery:
     """Build the Celery app for `broker_url` (redis:// or amqp://).
 
     `visibility_timeout_s` (seconds) must exceed the longest probe task including its queue wait;

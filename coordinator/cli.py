@@ -13,7 +13,9 @@ def bench_intake(
     results: int = typer.Option(50_000, min=1, help="Probe results to submit in total."),
     batch: int = typer.Option(4, min=1, max=1024, help="Results per request (a task's seeds)."),
     mode: str = typer.Option("both", help="http, store or both."),
-    rate: float = typer.Option(0.0, min=0.0, help="Open-loop offered load in results/s (http); 0 = closed loop."),
+    rate: float = typer.Option(
+        0.0, min=0.0, help="Open-loop offered load in results/s (http); 0 = closed loop."
+    ),
     redis_url: str = typer.Option(
         os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"), help="Redis to use (keys are namespaced)."
     ),
@@ -24,7 +26,7 @@ def bench_intake(
 
     if mode not in ("http", "store", "both"):
         raise typer.BadParameter("mode must be http, store or both")
-    for m in (["http", "store"] if mode == "both" else [mode]):
+    for m in ["http", "store"] if mode == "both" else [mode]:
         res = run_intake_bench(m, workers, results, batch, redis_url, rate)
         if json_out:
             typer.echo(json.dumps(result_dict(res)))

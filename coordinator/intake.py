@@ -27,9 +27,10 @@ from functools import lru_cache
 from redis.asyncio import Redis as AsyncRedis
 
 from coordinator.celery_app import send_probe_tasks
+from coordinator.errors import NotFound
 from coordinator.messages import ProbeResult, ProbeRound, StreamEvent, values_agree
 from coordinator.metrics import CoordinatorMetrics
-from coordinator.store import NotFound, Store, results_stream_key, spot_check_selected
+from coordinator.store import Store, results_stream_key, spot_check_selected
 
 # KEYS: 1 round hash, 2 seeds set, 3 accepted hash, 4 stream, 5 run hash, 6 worker hash, 7 attested set,
 # 8 spot hash. ARGV: 1 worker id, 2 round version, then triples (seed, mode, payload); mode "a" accepts
@@ -136,7 +137,9 @@ class Intake:
             self.store.r.hincrby(self.store.k_worker(worker_id), "rejected", rejected)
         return outcomes
 
-    async def submit_async(self, aredis: AsyncRedis, worker_id: str, run: str, results: list[ProbeResult]) -> list[str]:
+    async def submit_async(
+        self, aredis: AsyncRedis, worker_id: str, run: str, results: list[ProbeResult]
+    ) -> list[str]:
         """`submit` for an asyncio server: the per-batch Lua call goes through `aredis` (same Redis), the
         rare follow-ups (spot-check resolution, re-dispatch) run in a worker thread."""
         outcomes, calls = self._plan(worker_id, run, results)
@@ -181,7 +184,11 @@ class Intake:
                 if mode is None or res.version != rnd.version or (rnd.want_clean and res.l0 is None):
                     outcomes[i] = "invalid"
                     continue
-                if mode == "2" and self.store.r.hget(self.store.k_round(run, rid, "dec"), f"{res.seed}:pair") != "disagree":
+                if (
+                    mode == "2"
+                    and self.store.r.hget(self.store.k_round(run, rid, "dec"), f"{res.seed}:pair")
+                    != "disagree"
+                ):
                     outcomes[i] = "invalid"  # a third evaluation is only legitimate after a disagreement
                     continue
                 event = StreamEvent(kind="accepted", run=run, round_id=rid, seed=res.seed, result=res)
@@ -190,15 +197,21 @@ class Intake:
             if sent:
                 s = self.store
                 keys = [
-                    s.k_round(run, rid), s.k_round(run, rid, "seeds"), s.k_round(run, rid, "acc"),
-                    self.stream_key(run), s.k_run(run, "run"), s.k_worker(wid), s.k_run(run, "attested"),
+                    s.k_round(run, rid),
+                    s.k_round(run, rid, "seeds"),
+                    s.k_round(run, rid, "acc"),
+                    self.stream_key(run),
+                    s.k_run(run, "run"),
+                    s.k_worker(wid),
+                    s.k_run(run, "attested"),
                     s.k_round(run, rid, "spot"),
                 ]
                 calls.append((rnd, keys, argv, sent))
         return outcomes, calls
 
-    def _apply(self, rnd: ProbeRound, sent: list[tuple[int, ProbeResult]], reply: list, outcomes: list[str]
-               ) -> list[Callable[[], None]]:
+    def _apply(
+        self, rnd: ProbeRound, sent: list[tuple[int, ProbeResult]], reply: list, outcomes: list[str]
+    ) -> list[Callable[[], None]]:
         """Record the Lua reply's outcomes; return follow-ups (spot-check resolution, re-dispatch)."""
         head = reply[0]
         if head != "ok":
@@ -217,7 +230,9 @@ class Intake:
             elif outcome == "held":
                 followups.append(lambda seed=res.seed: self._resolve(rnd, seed))
             elif outcome == "same_worker":
-                followups.append(lambda sr=(res.seed, res.replica): self._redispatch_seeds(rnd, [sr], "same_worker"))
+                followups.append(
+                    lambda sr=(res.seed, res.replica): self._redispatch_seeds(rnd, [sr], "same_worker")
+                )
         if done and done == n_seeds:
             self.metrics.round_latency.observe(max(0.0, time.time() - float(created)))
         return followups
@@ -258,7 +273,9 @@ class Intake:
 
     def _publish_value(self, rnd: ProbeRound, res: ProbeResult, verified: bool) -> None:
         s, run, rid = self.store, rnd.run, rnd.round_id
-        event = StreamEvent(kind="accepted", run=run, round_id=rid, seed=res.seed, result=res, verified=verified)
+        event = StreamEvent(
+            kind="accepted", run=run, round_id=rid, seed=res.seed, result=res, verified=verified
+        )
         keys = [s.k_round(run, rid), s.k_round(run, rid, "acc"), self.stream_key(run)]
         done = int(self._publish(keys=keys, args=[res.seed, event.model_dump_json()]))
         if done >= 0:
@@ -296,7 +313,10 @@ class Intake:
     def _send(self, rnd: ProbeRound, seeds: list[int], replica: int, reason: str) -> None:
         spec = self.store.run_spec(rnd.run)
         k = spec.seeds_per_task
-        tasks = [Store.task_for(rnd, seeds[i : i + k], replica).model_dump(mode="json") for i in range(0, len(seeds), k)]
+        tasks = [
+            Store.task_for(rnd, seeds[i : i + k], replica).model_dump(mode="json")
+            for i in range(0, len(seeds), k)
+        ]
         send_probe_tasks(self.store.celery, self.store.queue_for(rnd.run), tasks)
         self.metrics.redispatched.labels(reason).inc(len(tasks))
         self.metrics.tasks_published.inc(len(tasks))

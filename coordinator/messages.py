@@ -325,8 +325,17 @@ class ResultBatch(Message):
 
 
 IntakeOutcome = Literal[
-    "accepted", "held", "duplicate", "stale", "invalid", "unknown_round", "closed_round", "unknown_seed",
-    "quarantined", "unattested", "same_worker",
+    "accepted",
+    "held",
+    "duplicate",
+    "stale",
+    "invalid",
+    "unknown_round",
+    "closed_round",
+    "unknown_seed",
+    "quarantined",
+    "unattested",
+    "same_worker",
 ]
 INTAKE_OUTCOMES: tuple[str, ...] = IntakeOutcome.__args__  # type: ignore[attr-defined]
 

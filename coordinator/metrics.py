@@ -30,7 +30,9 @@ class _LiveGauges(Collector):
         for state, n in sorted(self._workers().items()):
             w.add_metric([state], n)
         yield w
-        q = GaugeMetricFamily("sparecycles_queue_depth", "Probe tasks waiting in a run's queue.", labels=["run"])
+        q = GaugeMetricFamily(
+            "sparecycles_queue_depth", "Probe tasks waiting in a run's queue.", labels=["run"]
+        )
         for run, n in sorted(self._queues().items()):
             q.add_metric([run], n)
         yield q
@@ -43,22 +45,34 @@ class CoordinatorMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.results = Counter(
-            "sparecycles_intake_results", "Probe results received, by intake outcome.", ["outcome"], registry=r
+            "sparecycles_intake_results",
+            "Probe results received, by intake outcome.",
+            ["outcome"],
+            registry=r,
         )
         for outcome in INTAKE_OUTCOMES:
             self.results.labels(outcome)
-        self.tasks_published = Counter("sparecycles_tasks_published", "Probe tasks sent to Celery.", registry=r)
+        self.tasks_published = Counter(
+            "sparecycles_tasks_published", "Probe tasks sent to Celery.", registry=r
+        )
         self.redispatched = Counter(
-            "sparecycles_tasks_redispatched", "Probe tasks re-sent by intake, by reason.", ["reason"], registry=r
+            "sparecycles_tasks_redispatched",
+            "Probe tasks re-sent by intake, by reason.",
+            ["reason"],
+            registry=r,
         )
         self.rounds_opened = Counter("sparecycles_rounds_opened", "Probe rounds opened.", registry=r)
         self.result_age = Histogram(
-            "sparecycles_result_age_versions", "Accepted results: latest version minus the round's version.",
-            buckets=(0, 1, 2, 4, 8, 16, 32, 64), registry=r,
+            "sparecycles_result_age_versions",
+            "Accepted results: latest version minus the round's version.",
+            buckets=(0, 1, 2, 4, 8, 16, 32, 64),
+            registry=r,
         )
         self.round_latency = Histogram(
-            "sparecycles_round_latency_seconds", "Round opened to every seed accepted.",
-            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900), registry=r,
+            "sparecycles_round_latency_seconds",
+            "Round opened to every seed accepted.",
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900),
+            registry=r,
         )
         self.blob_bytes_served = Counter("sparecycles_blob_bytes_served", "Blob bytes sent.", registry=r)
         self.blob_bytes_stored = Counter("sparecycles_blob_bytes_stored", "Blob bytes uploaded.", registry=r)
@@ -76,6 +90,8 @@ class CoordinatorMetrics:
             "sparecycles_results_retracted", "Accepted results retracted after quarantine.", registry=r
         )
 
-    def attach_live(self, workers: Callable[[], dict[str, int]], queues: Callable[[], dict[str, int]]) -> None:
+    def attach_live(
+        self, workers: Callable[[], dict[str, int]], queues: Callable[[], dict[str, int]]
+    ) -> None:
         """Register the scrape-time gauges (worker states, queue depths) backed by the given callables."""
         self.registry.register(_LiveGauges(workers, queues))

@@ -37,7 +37,8 @@ class CoordinatorSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SPARECYCLES_", extra="ignore")
 
     redis_url: str = Field(
-        default="redis://127.0.0.1:6379/0", validation_alias=AliasChoices("SPARECYCLES_REDIS_URL", "REDIS_URL")
+        default="redis://127.0.0.1:6379/0",
+        validation_alias=AliasChoices("SPARECYCLES_REDIS_URL", "REDIS_URL"),
     )
     broker_url: str | None = None  # URL workers use for Celery; defaults to redis_url
     key_prefix: str = Field(default="sc", pattern=r"^[A-Za-z0-9_-]{1,32}$")

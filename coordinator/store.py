@@ -1,27 +1,24 @@
 """Redis-backed coordinator state: worker registry with leases, runs, versions, seed ledger, rounds.
 
+The worker registry (leases, hashed tokens) is the `WorkerRegistry` mixin in `coordinator.registry`.
 Keys are namespaced `{prefix}:{run}:...` with the run in braces (a Redis Cluster hash tag, so the
 multi-key intake script touches one slot). Worker tokens are stored only as sha256 digests. Intake
-(results, spot checks) lives in `coordinator.intake`. Errors are the `CoordinatorError` family below;
+(results, spot checks) lives in `coordinator.intake`. Errors are the `CoordinatorError` family (coordinator.errors);
 the API maps them to HTTP statuses.
 """
 
 from __future__ import annotations
 
 import hashlib
-import hmac
-import secrets
 import time
 
 import redis
 from celery import Celery
 
 from coordinator.blobs import BlobStore
-from coordinator.celery_app import PROBE_TASK_NAME, make_celery, send_probe_tasks
+from coordinator.celery_app import make_celery, send_probe_tasks
+from coordinator.errors import Conflict, Invalid, NotFound
 from coordinator.messages import (
-    Heartbeat,
-    HeartbeatReply,
-    Lease,
     ProbeRound,
     ProbeTask,
     RoundInfo,
@@ -29,48 +26,9 @@ from coordinator.messages import (
     RunSpec,
     SeedLedgerEntry,
     VersionManifest,
-    WorkerInfo,
-    WorkerRegistered,
-    WorkerRegistration,
 )
+from coordinator.registry import WorkerRegistry
 from coordinator.settings import CoordinatorSettings
-
-
-class CoordinatorError(Exception):
-    """Base of store errors; `reason` is a short metric label."""
-
-    reason = "error"
-
-
-class NotFound(CoordinatorError, LookupError):
-    """The named run, version, round, worker or blob does not exist."""
-
-    reason = "not_found"
-
-
-class Conflict(CoordinatorError):
-    """The request contradicts existing state (id reused with other content, non-linear ledger...)."""
-
-    reason = "conflict"
-
-
-class Invalid(CoordinatorError, ValueError):
-    """The request is well-formed but refers to something unusable (missing blob, wrong size...)."""
-
-    reason = "invalid"
-
-
-def token_digest(token: str) -> str:
-    """sha256 hex digest of a token (tokens carry 256 random bits, so an unsalted hash suffices)."""
-    return hashlib.sha256(token.encode()).hexdigest()
-
-
-def parse_worker_token(token: str) -> str | None:
-    """The worker id a token claims (tokens are "w-<16 hex>.<secret>"), or None if malformed."""
-    wid, _, secret = token.partition(".")
-    if not secret or not wid.startswith("w-") or len(wid) != 18:
-        return None
-    return wid
 
 
 def spot_check_selected(run: str, round_id: str, seed: int, fraction: float) -> bool:
@@ -89,7 +47,7 @@ def results_stream_key(prefix: str, run: str) -> str:
     return f"{prefix}:{{{run}}}:results"
 
 
-class Store:
+class Store(WorkerRegistry):
     """Coordinator state on Redis. `settings.redis_url` holds state; the broker may be another URL."""
 
     def __init__(self, settings: CoordinatorSettings, celery_app: Celery | None = None) -> None:
@@ -119,127 +77,6 @@ class Store:
         """True if Redis answers."""
         return bool(self.r.ping())
 
-    # ---- workers ----------------------------------------------------------------------------------
-    def register_worker(self, reg: WorkerRegistration, now: float | None = None) -> WorkerRegistered:
-        """Create a worker with a fresh id and token (token stored as its sha256) and a first lease."""
-        now = time.time() if now is None else now
-        wid = "w-" + secrets.token_hex(8)
-        token = f"{wid}.{secrets.token_urlsafe(32)}"
-        expires = now + self.settings.lease_seconds
-        fields = {
-            "name": reg.name, "device": reg.device, "host": reg.host, "state": "active",
-            "token_sha256": token_digest(token), "registered_at": now, "last_heartbeat": now,
-            "lease_expires_at": expires, "busy": 0, "version": -1, "accepted": 0, "rejected": 0,
-        }
-        pipe = self.r.pipeline()
-        pipe.hset(self.k_worker(wid), mapping=fields)
-        pipe.sadd(f"{self.p}:workers", wid)
-        pipe.zadd(f"{self.p}:leases", {wid: expires})
-        pipe.execute()
-        return WorkerRegistered(
-            worker_id=wid, worker_token=token, broker_url=self.settings.worker_broker_url,
-            queues=self.queues(), heartbeat_interval_s=self.settings.heartbeat_interval_s,
-            lease_seconds=self.settings.lease_seconds, visibility_timeout_s=self.settings.visibility_timeout_s,
-            probe_task_name=PROBE_TASK_NAME,
-        )
-
-    def authenticate_worker(self, token: str) -> str | None:
-        """Worker id owning `token`, or None (constant-time digest comparison)."""
-        wid = parse_worker_token(token)
-        if wid is None:
-            return None
-        stored = self.r.hget(self.k_worker(wid), "token_sha256")
-        if stored is None or not hmac.compare_digest(stored, token_digest(token)):
-            return None
-        return wid
-
-    def heartbeat(self, wid: str, hb: Heartbeat, now: float | None = None) -> HeartbeatReply:
-        """Renew the lease; a worker marked lost by an expired lease becomes active again."""
-        now = time.time() if now is None else now
-        key = self.k_worker(wid)
-        state = self.r.hget(key, "state")
-        if state is None:
-            raise NotFound(f"unknown worker {wid}")
-        if state == "lost":
-            state = "active"
-        expires = now + self.settings.lease_seconds
-        pipe = self.r.pipeline()
-        pipe.hset(key, mapping={
-            "state": state, "last_heartbeat": now, "lease_expires_at": expires, "busy": int(hb.busy),
-            "version": -1 if hb.version is None else hb.version,
-        })
-        pipe.zadd(f"{self.p}:leases", {wid: expires})
-        pipe.execute()
-        lease = Lease(worker_id=wid, expires_at=expires, lease_seconds=self.settings.lease_seconds)
-        return HeartbeatReply(lease=lease, state=state, queues=self.queues())
-
-    def reap_expired(self, now: float | None = None) -> list[str]:
-        """Mark workers whose lease expired before `now` as lost; return their ids.
-
-        ZREM arbitrates between concurrent reapers: only the one that removed the lease marks it.
-        Celery redelivers the lost worker's unacked task after the visibility timeout.
-        """
-        now = time.time() if now is None else now
-        lost = []
-        for wid in self.r.zrangebyscore(f"{self.p}:leases", "-inf", now):
-            if self.r.zrem(f"{self.p}:leases", wid) and self.r.hget(self.k_worker(wid), "state") in (
-                "active", "draining"
-            ):
-                self.r.hset(self.k_worker(wid), "state", "lost")
-                lost.append(wid)
-        return lost
-
-    def set_worker_state(self, wid: str, state: str, allowed_from: tuple[str, ...]) -> str:
-        """Change a worker's state if its current state is in `allowed_from`; return the new state."""
-        current = self.r.hget(self.k_worker(wid), "state")
-        if current is None:
-            raise NotFound(f"unknown worker {wid}")
-        if current not in allowed_from:
-            raise Conflict(f"worker {wid} is {current}; cannot become {state}")
-        self.r.hset(self.k_worker(wid), "state", state)
-        return state
-
-    def delete_worker(self, wid: str) -> None:
-        """Forget a worker (its token stops working)."""
-        if not self.r.delete(self.k_worker(wid)):
-            raise NotFound(f"unknown worker {wid}")
-        self.r.srem(f"{self.p}:workers", wid)
-        self.r.zrem(f"{self.p}:leases", wid)
-
-    def worker_info(self, wid: str) -> WorkerInfo:
-        """One worker's record."""
-        h = self.r.hgetall(self.k_worker(wid))
-        if not h:
-            raise NotFound(f"unknown worker {wid}")
-        version = int(h["version"])
-        return WorkerInfo(
-            worker_id=wid, name=h["name"], device=h["device"], host=h["host"], state=h["state"],
-            registered_at=float(h["registered_at"]), last_heartbeat=float(h["last_heartbeat"]),
-            lease_expires_at=float(h["lease_expires_at"]), busy=h["busy"] == "1",
-            version=None if version < 0 else version, accepted=int(h["accepted"]), rejected=int(h["rejected"]),
-        )
-
-    def list_workers(self) -> list[WorkerInfo]:
-        """All registered workers, sorted by id."""
-        out = []
-        for wid in sorted(self.r.smembers(f"{self.p}:workers")):
-            try:
-                out.append(self.worker_info(wid))
-            except NotFound:
-                continue
-        return out
-
-    def worker_state_counts(self) -> dict[str, int]:
-        """Number of workers per state (for the `sparecycles_workers` gauge)."""
-        counts = {"active": 0, "draining": 0, "lost": 0, "quarantined": 0}
-        pipe = self.r.pipeline()
-        for wid in self.r.smembers(f"{self.p}:workers"):
-            pipe.hget(self.k_worker(wid), "state")
-        for state in pipe.execute():
-            if state in counts:
-                counts[state] += 1
-        return counts
-
     # ---- runs, versions, ledger ---------------------------------------------------------------------
     def create_run(self, spec: RunSpec, now: float | None = None) -> RunInfo:
         """Create a run; re-posting the identical spec is a no-op, a different one raises Conflict."""
@@ -249,10 +86,15 @@ class Store:
         if not created and self.r.hget(key, "spec") != body:
             raise Conflict(f"run {spec.run} exists with a different spec")
         if created:
-            self.r.hset(key, mapping={
-                "created_at": time.time() if now is None else now, "latest_version": -1,
-                "staleness": spec.staleness, "canary": int(spec.canary is not None),
-            })
+            self.r.hset(
+                key,
+                mapping={
+                    "created_at": time.time() if now is None else now,
+                    "latest_version": -1,
+                    "staleness": spec.staleness,
+                    "canary": int(spec.canary is not None),
+                },
+            )
             self.r.sadd(f"{self.p}:runs", spec.run)
         return self.run_info(spec.run)
 
@@ -268,7 +110,9 @@ class Store:
         spec = self.run_spec(run)
         h = self.r.hgetall(self.k_run(run, "run"))
         return RunInfo(
-            spec=spec, queue=self.queue_for(run), latest_version=int(h["latest_version"]),
+            spec=spec,
+            queue=self.queue_for(run),
+            latest_version=int(h["latest_version"]),
             open_rounds=sorted(self.r.smembers(self.k_run(run, "rounds:open"))),
             created_at=float(h["created_at"]),
         )
@@ -289,7 +133,9 @@ class Store:
         self.r.eval(
             "local c = tonumber(redis.call('HGET', KEYS[1], 'latest_version'))"
             " if tonumber(ARGV[1]) > c then redis.call('HSET', KEYS[1], 'latest_version', ARGV[1]) end",
-            1, self.k_run(run, "run"), version,
+            1,
+            self.k_run(run, "run"),
+            version,
         )
 
     def register_version(self, manifest: VersionManifest) -> VersionManifest:
@@ -301,12 +147,19 @@ class Store:
         self.run_spec(manifest.run)
         for shard in manifest.shards:
             if not self.blobs.exists(shard.sha256):
-                raise Invalid(f"shard {shard.name} ({shard.sha256}) is not in the blob store; upload it first")
+                raise Invalid(
+                    f"shard {shard.name} ({shard.sha256}) is not in the blob store; upload it first"
+                )
             if self.blobs.size(shard.sha256) != shard.bytes:
-                raise Invalid(f"shard {shard.name} is {self.blobs.size(shard.sha256)} bytes, not {shard.bytes}")
+                raise Invalid(
+                    f"shard {shard.name} is {self.blobs.size(shard.sha256)} bytes, not {shard.bytes}"
+                )
         body = manifest.model_dump_json()
         key = self.k_run(manifest.run, "versions")
-        if not self.r.hsetnx(key, str(manifest.version), body) and self.r.hget(key, str(manifest.version)) != body:
+        if (
+            not self.r.hsetnx(key, str(manifest.version), body)
+            and self.r.hget(key, str(manifest.version)) != body
+        ):
             raise Conflict(f"version {manifest.version} of run {manifest.run} exists with another manifest")
         self._bump_latest(manifest.run, manifest.version)
         return manifest
@@ -372,17 +225,29 @@ class Store:
             if self.r.hget(key, "published") == "1":
                 return self.round_info(rnd.run, rnd.round_id), 0
             # A retry after a crash between recording and publishing: publish now (intake dedupes).
-        spot = [s for s in rnd.seeds if spot_check_selected(rnd.run, rnd.round_id, s, spec.spot_check_fraction)]
+        spot = [
+            s for s in rnd.seeds if spot_check_selected(rnd.run, rnd.round_id, s, spec.spot_check_fraction)
+        ]
         k = spec.seeds_per_task
         tasks = [self.task_for(rnd, rnd.seeds[i : i + k], 0) for i in range(0, len(rnd.seeds), k)]
         tasks += [self.task_for(rnd, spot[i : i + k], 1) for i in range(0, len(spot), k)]
         pipe = self.r.pipeline()
         for i in range(0, len(rnd.seeds), 8192):
-            pipe.sadd(self.k_round(rnd.run, rnd.round_id, "seeds"), *[str(s) for s in rnd.seeds[i : i + 8192]])
-        pipe.hset(key, mapping={
-            "state": "open", "version": rnd.version, "n_seeds": len(rnd.seeds), "n_spot": len(spot),
-            "done": 0, "tasks": len(tasks), "created_at": time.time() if now is None else now,
-        })
+            pipe.sadd(
+                self.k_round(rnd.run, rnd.round_id, "seeds"), *[str(s) for s in rnd.seeds[i : i + 8192]]
+            )
+        pipe.hset(
+            key,
+            mapping={
+                "state": "open",
+                "version": rnd.version,
+                "n_seeds": len(rnd.seeds),
+                "n_spot": len(spot),
+                "done": 0,
+                "tasks": len(tasks),
+                "created_at": time.time() if now is None else now,
+            },
+        )
         pipe.sadd(self.k_run(rnd.run, "rounds:open"), rnd.round_id)
         pipe.sadd(self.k_run(rnd.run, "rounds"), rnd.round_id)
         pipe.execute()
@@ -394,9 +259,17 @@ class Store:
     def task_for(rnd: ProbeRound, seeds: list[int], replica: int) -> ProbeTask:
         """The task evaluating `seeds` of round `rnd` as replica `replica`."""
         return ProbeTask(
-            run=rnd.run, round_id=rnd.round_id, version=rnd.version, batch_sha256=rnd.batch_sha256,
-            eps=rnd.eps, distribution=rnd.distribution, seeds=seeds, want_clean=rnd.want_clean, replica=replica,
-            kind=rnd.kind, base_version=rnd.base_version,
+            run=rnd.run,
+            round_id=rnd.round_id,
+            version=rnd.version,
+            batch_sha256=rnd.batch_sha256,
+            eps=rnd.eps,
+            distribution=rnd.distribution,
+            seeds=seeds,
+            want_clean=rnd.want_clean,
+            replica=replica,
+            kind=rnd.kind,
+            base_version=rnd.base_version,
         )
 
     def get_round(self, run: str, rid: str) -> ProbeRound:
@@ -412,8 +285,14 @@ class Store:
         if "state" not in h:
             raise NotFound(f"unknown round {rid} of run {run}")
         return RoundInfo(
-            run=run, round_id=rid, version=int(h["version"]), state=h["state"], n_seeds=int(h["n_seeds"]),
-            n_spot_checks=int(h["n_spot"]), tasks_published=int(h["tasks"]), done=int(h["done"]),
+            run=run,
+            round_id=rid,
+            version=int(h["version"]),
+            state=h["state"],
+            n_seeds=int(h["n_seeds"]),
+            n_spot_checks=int(h["n_spot"]),
+            tasks_published=int(h["tasks"]),
+            done=int(h["done"]),
         )
 
     def close_round(self, run: str, rid: str) -> RoundInfo:

@@ -23,8 +23,14 @@ class ResultStreamReader:
     """
 
     def __init__(
-        self, redis_url: str, run: str, *, group: str = "trainer", consumer: str = "trainer-0",
-        key_prefix: str = "sc", claim_idle_ms: int = 60_000,
+        self,
+        redis_url: str,
+        run: str,
+        *,
+        group: str = "trainer",
+        consumer: str = "trainer-0",
+        key_prefix: str = "sc",
+        claim_idle_ms: int = 60_000,
     ) -> None:
         if claim_idle_ms <= 0:
             raise ValueError("claim_idle_ms must be positive (milliseconds)")
@@ -50,7 +56,9 @@ class ResultStreamReader:
             if entries:
                 return self._parse(entries)
             self._own_pending_done = True
-        claimed = self.r.xautoclaim(self.key, self.group, self.consumer, self.claim_idle_ms, "0-0", count=count)
+        claimed = self.r.xautoclaim(
+            self.key, self.group, self.consumer, self.claim_idle_ms, "0-0", count=count
+        )
         if claimed[1]:
             return self._parse(claimed[1])
         got = self.r.xreadgroup(self.group, self.consumer, {self.key: ">"}, count=count, block=block_ms)

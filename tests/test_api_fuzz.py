@@ -35,11 +35,24 @@ def fuzz_env():
         assert c.post("/v1/runs", json={"run": "r", "model_class": "M"}, headers=admin).status_code == 201
         sha = hashlib.sha256(b"w").hexdigest()
         assert c.put(f"/v1/blobs/{sha}", content=b"w", headers=admin).status_code == 201
-        man = {"run": "r", "version": 0, "shards": [{"name": "a", "sha256": sha, "bytes": 1}],
-               "param_order_hash": sha, "dtype": "float32", "model_class": "M"}
+        man = {
+            "run": "r",
+            "version": 0,
+            "shards": [{"name": "a", "sha256": sha, "bytes": 1}],
+            "param_order_hash": sha,
+            "dtype": "float32",
+            "model_class": "M",
+        }
         assert c.post("/v1/runs/r/versions", json=man, headers=admin).status_code == 201
-        rnd = {"run": "r", "round_id": "k", "version": 0, "batch_sha256": sha, "eps": 1e-3,
-               "distribution": "rademacher", "seeds": [0, 1, 2, 3]}
+        rnd = {
+            "run": "r",
+            "round_id": "k",
+            "version": 0,
+            "batch_sha256": sha,
+            "eps": 1e-3,
+            "distribution": "rademacher",
+            "seeds": [0, 1, 2, 3],
+        }
         assert c.post("/v1/runs/r/rounds", json=rnd, headers=admin).status_code == 201
     tokens = {"admin": admin, "enroll": enroll, "worker": {"Authorization": f"Bearer {reg['worker_token']}"}}
     yield app, tokens

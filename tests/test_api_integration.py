@@ -65,6 +65,7 @@ def test_registration_heartbeat_lease_expiry_and_auth(env: Env):
     reg2, w2 = env.enroll("gpu1")
     assert w2.post(f"/v1/workers/{wid}/heartbeat", json={}).status_code == 403
     import httpx
+
     assert httpx.get(env.url + "/v1/workers").status_code == 401
     assert httpx.get(env.url + "/v1/workers", headers={"Authorization": "Basic abc"}).status_code == 401
 
@@ -110,7 +111,9 @@ def test_versions_blobs_etag_range_and_ledger(env: Env):
     # uploads: a claimed hash that does not match is refused and nothing is stored
     bad = env.admin.put(f"/v1/blobs/{'cd' * 32}", content=b"hello")
     assert bad.status_code == 422 and not (env.settings.blob_dir / "cd" / ("cd" * 32)).exists()
-    ok = env.admin.post("/v1/blobs", content=b"hello", headers={"X-Content-SHA256": hashlib.sha256(b"hello").hexdigest()})
+    ok = env.admin.post(
+        "/v1/blobs", content=b"hello", headers={"X-Content-SHA256": hashlib.sha256(b"hello").hexdigest()}
+    )
     assert ok.status_code == 201 and ok.json()["bytes"] == 5
     assert w.put(f"/v1/blobs/{hashlib.sha256(b'x').hexdigest()}", content=b"x").status_code == 403
     # a manifest naming a missing shard or a wrong size is refused; a conflicting re-registration too
@@ -120,13 +123,22 @@ def test_versions_blobs_etag_range_and_ledger(env: Env):
     assert env.admin.post("/v1/runs/gpt2-tiny/versions", json=m3).status_code == 409
     assert env.admin.post("/v1/runs/gpt2-tiny/versions", json=manifest).status_code == 201  # idempotent
     # seed ledger: linear, version == parent + 1 == latest + 1
-    entry = {"run": "gpt2-tiny", "version": 1, "parent": 0, "seeds": [2**64 - 1, 5], "coeffs": [0.5, -0.25],
-             "distribution": "gauss8", "scale": 0.999}
+    entry = {
+        "run": "gpt2-tiny",
+        "version": 1,
+        "parent": 0,
+        "seeds": [2**64 - 1, 5],
+        "coeffs": [0.5, -0.25],
+        "distribution": "gauss8",
+        "scale": 0.999,
+    }
     assert env.admin.post("/v1/runs/gpt2-tiny/ledger", json=entry).status_code == 201
     stale_parent = dict(entry, version=1, parent=0, seeds=[7])
     stale_parent["coeffs"] = [1.0]
     assert env.admin.post("/v1/runs/gpt2-tiny/ledger", json=stale_parent).status_code == 409
-    assert env.admin.post("/v1/runs/gpt2-tiny/ledger", json=dict(entry, version=2, parent=1)).status_code == 201
+    assert (
+        env.admin.post("/v1/runs/gpt2-tiny/ledger", json=dict(entry, version=2, parent=1)).status_code == 201
+    )
     led = w.get("/v1/runs/gpt2-tiny/ledger", params={"since": 0}).json()
     assert [e["version"] for e in led] == [1, 2] and led[0]["seeds"][0] == 2**64 - 1
     assert w.get("/v1/runs/gpt2-tiny").json()["latest_version"] == 2
@@ -138,8 +150,16 @@ def test_round_tasks_land_on_celery_queue(env: Env):
     env.publish_version("r1", 0, b"weights")
     batch = env.upload(b"\x00\x01" * 512)
     seeds = [11, 12, 13, 14, 15, 16, 2**64 - 1]
-    body = {"run": "r1", "round_id": "step-0", "version": 0, "batch_sha256": batch, "eps": 1e-3,
-            "distribution": "rademacher", "seeds": seeds, "want_clean": True}
+    body = {
+        "run": "r1",
+        "round_id": "step-0",
+        "version": 0,
+        "batch_sha256": batch,
+        "eps": 1e-3,
+        "distribution": "rademacher",
+        "seeds": seeds,
+        "want_clean": True,
+    }
     info = env.admin.post("/v1/runs/r1/rounds", json=body)
     assert info.status_code == 201 and info.json()["tasks_published"] == 3
     msgs = env.queue_messages("r1")
@@ -147,13 +167,27 @@ def test_round_tasks_land_on_celery_queue(env: Env):
     assert all(m["args"] == [] for m in msgs)
     assert [m["kwargs"]["seeds"] for m in msgs] == [[11, 12, 13], [14, 15, 16], [2**64 - 1]]
     k = msgs[0]["kwargs"]
-    assert k == {"schema_version": 1, "run": "r1", "round_id": "step-0", "version": 0, "batch_sha256": batch,
-                 "eps": 1e-3, "distribution": "rademacher", "seeds": [11, 12, 13], "want_clean": True, "replica": 0,
-                 "kind": "seeded", "base_version": None}
+    assert k == {
+        "schema_version": 1,
+        "run": "r1",
+        "round_id": "step-0",
+        "version": 0,
+        "batch_sha256": batch,
+        "eps": 1e-3,
+        "distribution": "rademacher",
+        "seeds": [11, 12, 13],
+        "want_clean": True,
+        "replica": 0,
+        "kind": "seeded",
+        "base_version": None,
+    }
     again = env.admin.post("/v1/runs/r1/rounds", json=body)  # a retried POST publishes nothing twice
     assert again.status_code == 201 and again.json() == info.json() and len(env.queue_messages("r1")) == 3
     assert env.admin.post("/v1/runs/r1/rounds", json=dict(body, eps=1.0)).status_code == 409
-    assert env.admin.post("/v1/runs/r1/rounds", json=dict(body, round_id="x", batch_sha256="e" * 64)).status_code == 422
+    assert (
+        env.admin.post("/v1/runs/r1/rounds", json=dict(body, round_id="x", batch_sha256="e" * 64)).status_code
+        == 422
+    )
     assert env.admin.post("/v1/runs/r1/rounds", json=dict(body, round_id="y", version=5)).status_code == 422
     m = metric_samples(env)
     assert m[("sparecycles_tasks_published_total", ())] == 3
@@ -166,8 +200,16 @@ def test_every_intake_outcome_is_counted(env: Env):
     env.create_run("a", staleness=1, spot_check_fraction=0.0, seeds_per_task=4)
     env.publish_version("a", 0, b"v0")
     batch = env.upload(b"batch")
-    rnd = {"run": "a", "round_id": "r0", "version": 0, "batch_sha256": batch, "eps": 1e-3,
-           "distribution": "rademacher", "seeds": list(range(1, 9)), "want_clean": True}
+    rnd = {
+        "run": "a",
+        "round_id": "r0",
+        "version": 0,
+        "batch_sha256": batch,
+        "eps": 1e-3,
+        "distribution": "rademacher",
+        "seeds": list(range(1, 9)),
+        "want_clean": True,
+    }
     assert env.admin.post("/v1/runs/a/rounds", json=rnd).status_code == 201
     reg, w = env.enroll("gpu0")
     wid = reg["worker_id"]
@@ -189,9 +231,12 @@ def test_every_intake_outcome_is_counted(env: Env):
     assert post([result("a", "r0", 3, "w-0123456789abcdef", l0=1.0)]) == ["invalid"]  # another worker's id
     assert post([result("a", "nope", 3, wid, l0=1.0)]) == ["unknown_round"]
     # non-finite values never reach intake: 422 and counted as a rejected request
-    bad = w.post("/v1/runs/a/results", content=b'{"results": [' + b'{"run": "a", "round_id": "r0", "seed": 3, '
-                 b'"version": 0, "worker_id": "' + wid.encode() + b'", "l_plus": NaN, "l_minus": 1.0}]}',
-                 headers={"content-type": "application/json"})
+    bad = w.post(
+        "/v1/runs/a/results",
+        content=b'{"results": [' + b'{"run": "a", "round_id": "r0", "seed": 3, '
+        b'"version": 0, "worker_id": "' + wid.encode() + b'", "l_plus": NaN, "l_minus": 1.0}]}',
+        headers={"content-type": "application/json"},
+    )
     assert bad.status_code == 422
     env.publish_version("a", 1, b"v1")
     assert post([result("a", "r0", 3, wid, l0=1.0)]) == ["accepted"]  # age 1 <= S
@@ -201,8 +246,11 @@ def test_every_intake_outcome_is_counted(env: Env):
     assert post([result("a", "r0", 5, wid, l0=1.0)]) == ["closed_round"]
     # canary: results count only after attestation with the right digest
     digest = hashlib.sha256(b"z-canary").hexdigest()
-    env.create_run("c", spot_check_fraction=0.0, canary={"seed": 7, "numel": 4096, "distribution": "gauss8",
-                                                         "digest": digest})
+    env.create_run(
+        "c",
+        spot_check_fraction=0.0,
+        canary={"seed": 7, "numel": 4096, "distribution": "gauss8", "digest": digest},
+    )
     env.publish_version("c", 0, b"c0")
     assert env.admin.post("/v1/runs/c/rounds", json=dict(rnd, run="c", want_clean=False)).status_code == 201
     cpost = lambda res: w.post("/v1/runs/c/results", json={"results": res}).json()["outcomes"]
@@ -245,8 +293,16 @@ def test_spot_check_disagreement_quarantines_the_odd_one_out(env: Env):
     env.create_run(run, spot_check_fraction=0.5, spot_rtol=1e-6, spot_atol=0.0, seeds_per_task=64)
     env.publish_version(run, 0, b"w")
     batch = env.upload(b"b")
-    body = {"run": run, "round_id": rid, "version": 0, "batch_sha256": batch, "eps": 1e-3,
-            "distribution": "rademacher", "seeds": seeds, "want_clean": False}
+    body = {
+        "run": run,
+        "round_id": rid,
+        "version": 0,
+        "batch_sha256": batch,
+        "eps": 1e-3,
+        "distribution": "rademacher",
+        "seeds": seeds,
+        "want_clean": False,
+    }
     assert env.admin.post(f"/v1/runs/{run}/rounds", json=body).json()["n_spot_checks"] == len(spot)
     tasks = env.queue_messages(run)
     assert [t["kwargs"]["replica"] for t in tasks] == [0, 1] and tasks[1]["kwargs"]["seeds"] == spot
@@ -275,7 +331,11 @@ def test_spot_check_disagreement_quarantines_the_odd_one_out(env: Env):
     reader = ResultStreamReader(env.settings.redis_url, run, key_prefix=env.settings.key_prefix)
     ev = [e for _, e in reader.read(count=100, block_ms=10)]
     assert [(e.kind, e.seed) for e in ev] == [
-        ("accepted", plain[0]), ("accepted", s0), ("accepted", s1), ("retracted", plain[0])]
+        ("accepted", plain[0]),
+        ("accepted", s0),
+        ("accepted", s1),
+        ("retracted", plain[0]),
+    ]
     assert ev[1].verified and ev[1].result.worker_id == A
     assert ev[2].verified and ev[2].result.worker_id == A and ev[2].result.l_plus == 1.25
     # the retracted seed and the refused one were re-sent for a fresh evaluation
@@ -313,21 +373,37 @@ def test_coordinator_restart_keeps_state_and_dedupe(tmp_path):
             env.create_run("x", spot_check_fraction=0.0)
             env.publish_version("x", 0, b"w0")
             batch = env.upload(b"batch")
-            rnd = {"run": "x", "round_id": "r", "version": 0, "batch_sha256": batch, "eps": 0.01,
-                   "distribution": "gauss8", "seeds": [5, 6, 7]}
+            rnd = {
+                "run": "x",
+                "round_id": "r",
+                "version": 0,
+                "batch_sha256": batch,
+                "eps": 0.01,
+                "distribution": "gauss8",
+                "seeds": [5, 6, 7],
+            }
             assert env.admin.post("/v1/runs/x/rounds", json=rnd).status_code == 201
             reg, w = env.enroll("gpu")
             wid = reg["worker_id"]
-            out = w.post("/v1/runs/x/results", json={"results": [result("x", "r", 5, wid), result("x", "r", 6, wid)]})
+            out = w.post(
+                "/v1/runs/x/results", json={"results": [result("x", "r", 5, wid), result("x", "r", 6, wid)]}
+            )
             assert out.json()["outcomes"] == ["accepted", "accepted"]
         with ServerThread(create_app(settings)) as srv2:  # the "restarted" coordinator
             w2 = httpx.Client(base_url=srv2.url, headers={"Authorization": f"Bearer {reg['worker_token']}"})
-            out = w2.post("/v1/runs/x/results", json={"results": [result("x", "r", 6, wid), result("x", "r", 7, wid)]})
+            out = w2.post(
+                "/v1/runs/x/results", json={"results": [result("x", "r", 6, wid), result("x", "r", 7, wid)]}
+            )
             assert out.json()["outcomes"] == ["duplicate", "accepted"]
             info = w2.get("/v1/runs/x/rounds/r").json()
             assert info["done"] == 3 and info["n_seeds"] == 3
             text = httpx.get(srv2.url + "/metrics").text
-            fams = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels}
+            fams = {
+                s.name: s.value
+                for f in text_string_to_metric_families(text)
+                for s in f.samples
+                if not s.labels
+            }
             assert fams["sparecycles_round_latency_seconds_count"] == 1
         reader = ResultStreamReader(settings.redis_url, "x", key_prefix=settings.key_prefix)
         assert sorted(e.seed for _, e in reader.read(count=10, block_ms=10)) == [5, 6, 7]

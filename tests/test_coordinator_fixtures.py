@@ -25,8 +25,13 @@ def make_settings(tmp_path: Path, **overrides) -> CoordinatorSettings:
     """Dev settings isolated by a random key/queue prefix and a private blob directory."""
     prefix = "t" + secrets.token_hex(5)
     values = {
-        "redis_url": REDIS_URL, "key_prefix": prefix, "queue_prefix": f"{prefix}.probe", "blob_dir": tmp_path / "blobs",
-        "lease_seconds": 30.0, "heartbeat_interval_s": 1.0, "reaper_interval_s": 0.05,
+        "redis_url": REDIS_URL,
+        "key_prefix": prefix,
+        "queue_prefix": f"{prefix}.probe",
+        "blob_dir": tmp_path / "blobs",
+        "lease_seconds": 30.0,
+        "heartbeat_interval_s": 1.0,
+        "reaper_interval_s": 0.05,
     }
     values.update(overrides)
     return generate_dev_settings(**values)
@@ -76,9 +81,13 @@ class Env:
     def publish_version(self, run: str, version: int, payload: bytes) -> dict:
         sha = self.upload(payload)
         manifest = {
-            "run": run, "version": version, "parent": None if version == 0 else version - 1,
+            "run": run,
+            "version": version,
+            "parent": None if version == 0 else version - 1,
             "shards": [{"name": "model-00001.safetensors", "sha256": sha, "bytes": len(payload)}],
-            "param_order_hash": "0" * 64, "dtype": "float32", "model_class": "GPT2LMHeadModel",
+            "param_order_hash": "0" * 64,
+            "dtype": "float32",
+            "model_class": "GPT2LMHeadModel",
         }
         resp = self.admin.post(f"/v1/runs/{run}/versions", json=manifest)
         assert resp.status_code == 201, resp.text
@@ -103,7 +112,8 @@ def running_env(tmp_path: Path, **overrides) -> Iterator[Env]:
     try:
         with ServerThread(app) as srv:
             admin = httpx.Client(
-                base_url=srv.url, headers={"Authorization": f"Bearer {settings.admin_token.get_secret_value()}"},
+                base_url=srv.url,
+                headers={"Authorization": f"Bearer {settings.admin_token.get_secret_value()}"},
                 timeout=30,
             )
             with admin:
@@ -114,5 +124,13 @@ def running_env(tmp_path: Path, **overrides) -> Iterator[Env]:
 
 def result(run: str, rid: str, seed: int, wid: str, lp: float = 1.0, lm: float = 2.0, **kw) -> dict:
     """A probe result as JSON."""
-    return {"run": run, "round_id": rid, "seed": seed, "version": kw.pop("version", 0), "worker_id": wid,
-            "l_plus": lp, "l_minus": lm, **kw}
+    return {
+        "run": run,
+        "round_id": rid,
+        "seed": seed,
+        "version": kw.pop("version", 0),
+        "worker_id": wid,
+        "l_plus": lp,
+        "l_minus": lm,
+        **kw,
+    }

@@ -32,7 +32,15 @@ SHA = "a" * 64
 
 
 def res(**kw):
-    base = {"run": "r", "round_id": "k", "seed": 1, "version": 0, "worker_id": WID, "l_plus": 1.0, "l_minus": 2.0}
+    base = {
+        "run": "r",
+        "round_id": "k",
+        "seed": 1,
+        "version": 0,
+        "worker_id": WID,
+        "l_plus": 1.0,
+        "l_minus": 2.0,
+    }
     base.update(kw)
     return base
 
@@ -42,8 +50,16 @@ def test_result_roundtrip_and_strictness():
     assert ProbeResult.model_validate_json(r.model_dump_json()) == r
     assert r.schema_version == 1
     for bad in [
-        res(seed=2**64), res(seed=-1), res(seed="5"), res(l_plus=float("nan")), res(l_minus=float("inf")),
-        res(extra=1), res(worker_id="w-XYZ"), res(run="Bad Run"), res(schema_version=2), res(replica=3),
+        res(seed=2**64),
+        res(seed=-1),
+        res(seed="5"),
+        res(l_plus=float("nan")),
+        res(l_minus=float("inf")),
+        res(extra=1),
+        res(worker_id="w-XYZ"),
+        res(run="Bad Run"),
+        res(schema_version=2),
+        res(replica=3),
         res(l_plus="1.0"),
     ]:
         with pytest.raises(ValidationError):
@@ -55,7 +71,15 @@ def test_result_roundtrip_and_strictness():
 
 
 def test_bounded_lists_and_cross_field_rules():
-    rnd = {"run": "r", "round_id": "k", "version": 0, "batch_sha256": SHA, "eps": 1e-3, "distribution": "gauss8", "seeds": [1, 2]}
+    rnd = {
+        "run": "r",
+        "round_id": "k",
+        "version": 0,
+        "batch_sha256": SHA,
+        "eps": 1e-3,
+        "distribution": "gauss8",
+        "seeds": [1, 2],
+    }
     ProbeRound.model_validate(rnd)
     with pytest.raises(ValidationError, match="unique"):
         ProbeRound.model_validate(dict(rnd, seeds=[1, 1]))
@@ -63,7 +87,9 @@ def test_bounded_lists_and_cross_field_rules():
         ProbeRound.model_validate(dict(rnd, distribution="uniform"))
     with pytest.raises(ValidationError):
         ProbeRound.model_validate(dict(rnd, eps=0.0))
-    assert ProbeRound.model_validate(dict(rnd, version=3, kind="along_update", base_version=2)).base_version == 2
+    assert (
+        ProbeRound.model_validate(dict(rnd, version=3, kind="along_update", base_version=2)).base_version == 2
+    )
     for bad in [{"kind": "along_update"}, {"kind": "along_update", "base_version": 0}, {"base_version": 0}]:
         with pytest.raises(ValidationError, match="base_version"):
             ProbeRound.model_validate(dict(rnd, **bad))
@@ -72,15 +98,29 @@ def test_bounded_lists_and_cross_field_rules():
         ProbeTask.model_validate(task)
     with pytest.raises(ValidationError):
         ResultBatch.model_validate({"results": []})
-    led = {"run": "r", "version": 3, "parent": 2, "seeds": [1, 2], "coeffs": [0.5, 0.25], "distribution": "rademacher"}
+    led = {
+        "run": "r",
+        "version": 3,
+        "parent": 2,
+        "seeds": [1, 2],
+        "coeffs": [0.5, 0.25],
+        "distribution": "rademacher",
+    }
     assert SeedLedgerEntry.model_validate(led).scale == 1.0
     with pytest.raises(ValidationError, match="same length"):
         SeedLedgerEntry.model_validate(dict(led, coeffs=[0.5]))
     with pytest.raises(ValidationError, match="exactly one version"):
         SeedLedgerEntry.model_validate(dict(led, parent=1))
     shard = {"name": "a.safetensors", "sha256": SHA, "bytes": 3}
-    man = {"run": "r", "version": 1, "parent": 0, "shards": [shard], "param_order_hash": SHA, "dtype": "bfloat16",
-               "model_class": "GPT2LMHeadModel"}
+    man = {
+        "run": "r",
+        "version": 1,
+        "parent": 0,
+        "shards": [shard],
+        "param_order_hash": SHA,
+        "dtype": "bfloat16",
+        "model_class": "GPT2LMHeadModel",
+    }
     VersionManifest.model_validate(man)
     with pytest.raises(ValidationError, match="unique"):
         VersionManifest.model_validate(dict(man, shards=[shard, shard]))
@@ -118,7 +158,12 @@ def test_spot_check_selection_is_deterministic_and_proportional(fraction, rid):
 
 
 def test_settings_refuse_default_and_short_secrets(monkeypatch):
-    for admin, enroll in [("changethis", "x" * 32), ("", "y" * 32), ("short", "y" * 32), ("z" * 32, "z" * 32)]:
+    for admin, enroll in [
+        ("changethis", "x" * 32),
+        ("", "y" * 32),
+        ("short", "y" * 32),
+        ("z" * 32, "z" * 32),
+    ]:
         with pytest.raises(ValidationError):
             CoordinatorSettings(admin_token=admin, enrollment_token=enroll)
     CoordinatorSettings(admin_token="changethis", enrollment_token="changethis", dev_mode=True)
@@ -143,5 +188,7 @@ def test_api_and_coordinator_do_not_import_torch():
         "bad = [m for m in ('torch', 'numpy', 'transformers') if m in sys.modules]; print(bad); "
         "sys.exit(1 if 'torch' in bad else 0)"
     )
-    out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stdout + out.stderr
