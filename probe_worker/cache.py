@@ -151,6 +151,10 @@ class WeightCache:
         self._recent: OrderedDict[tuple[str, int], VersionManifest] = OrderedDict()
         self._lock = threading.Lock()
 
+    def has(self, run: str, version: int) -> bool:
+        """True if (run, version) is loaded in memory (ready to probe without I/O)."""
+        return (run, version) in self._loaded
+
     def shard_path(self, sha256: str) -> Path:
         """Where the shard named `sha256` is kept."""
         return self.shard_dir / sha256[:2] / sha256

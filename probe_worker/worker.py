@@ -56,7 +56,9 @@ class WorkerOptions:
     `GET /v1/workers`; metrics_port: serve Prometheus metrics there (None: off); cache_dir: weight cache
     root (None: trainer.paths.cache_dir()/worker); keep_versions: models kept loaded;
     control_interval_s: heartbeat and drain-check period (<= 1 s drains within a second);
-    soft_shutdown_s: how long SIGTERM waits for the in-flight task; loglevel: Celery's.
+    soft_shutdown_s: how long SIGTERM waits for the in-flight task; prefetch_interval_s: how often the
+    latest version of each consumed run is checked and loaded ahead of its rounds (0: load lazily);
+    loglevel: Celery's.
     """
 
     coordinator: str
@@ -68,6 +70,7 @@ class WorkerOptions:
     keep_versions: int = 2
     control_interval_s: float = 0.5
     soft_shutdown_s: float = 30.0
+    prefetch_interval_s: float = 1.0
     loglevel: str = "INFO"
 
 
@@ -147,6 +150,22 @@ class ProbeWorker:
             self.consumed.discard(q)
             log.info("stopped consuming %s", q)
 
+    def _prefetch_loop(self) -> None:
+        # Load each consumed run's latest published version before its first round arrives, so a new
+        # version is ready on every worker shortly after publishing (not at the first task).
+        while not self._stop.wait(self.opts.prefetch_interval_s):
+            if self.drain.draining:
+                continue
+            for q in sorted(self.consumed - {IDLE_QUEUE}):
+                run = q.rsplit(".", 1)[-1]  # queues are "<prefix>.<run>"; run ids contain no dot
+                try:
+                    latest = self.client.run_info(run).latest_version
+                    if latest >= 0 and not self.cache.has(run, latest):
+                        self.cache.get(run, latest)
+                        self.runtime.current_version = latest
+                except Exception as exc:  # noqa: BLE001 - a ledger-only version or a hiccup: tasks load lazily
+                    log.debug("prefetch of run %s skipped: %s", run, exc)
+
     def _control_loop(self) -> None:
         while not self._stop.is_set():
             self.drain.changed.clear()
@@ -165,6 +184,8 @@ class ProbeWorker:
         signal.signal(signal.SIGUSR2, lambda *_: self.drain.set_local(False))
         if not self._control.is_alive():
             self._control.start()
+            if self.opts.prefetch_interval_s > 0:
+                threading.Thread(target=self._prefetch_loop, name="sparecycles-prefetch", daemon=True).start()
         log.info("worker %s ready on %s, queues %s", self.worker_id, self.opts.device, sorted(self.consumed))
 
     def run(self) -> None:

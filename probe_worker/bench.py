@@ -1,0 +1,187 @@
+"""`sparecycles bench fleet`: probe throughput of 1..N real CPU worker processes, and publish -> ready latency.
+
+Everything is real: a coordinator (uvicorn in a thread) on Redis, `python -m probe_worker.cli` worker
+processes (Celery, solo pool), the trainer side through CoordinatorBackend. Throughput is seeds per
+second over a timed round (each seed is two forward passes) after a warm-up round; publish -> ready is
+the wall time from `CoordinatorBackend.publish` starting until every worker's heartbeat reports the
+version loaded (workers prefetch new versions of the runs they serve).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+import redis
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class FleetBenchResult:
+    """Figures of one bench run. Rates are per second of wall time; latencies in seconds."""
+
+    preset: str
+    seeds: int
+    seeds_per_task: int
+    batch: tuple[int, int]
+    threads_per_worker: int
+    cpus: int
+    probes_per_s: dict[int, float] = field(default_factory=dict)
+    forward_passes_per_s: dict[int, float] = field(default_factory=dict)
+    ready_preset: str = ""
+    ready_bytes: int = 0
+    publish_s: float = 0.0
+    publish_to_ready_s: float = 0.0
+
+
+class _Fleet:
+    def __init__(self, redis_url: str, tmp: Path, threads: int) -> None:
+        from api.app import create_app
+        from api.server import ServerThread
+        from coordinator.settings import generate_dev_settings
+
+        self.prefix = "bench" + secrets.token_hex(4)
+        self.redis_url, self.tmp, self.threads = redis_url, tmp, threads
+        self.settings = generate_dev_settings(redis_url=redis_url, key_prefix=self.prefix,
+                                              queue_prefix=f"{self.prefix}.probe", blob_dir=tmp / "blobs",
+                                              visibility_timeout_s=900)
+        self.server = ServerThread(create_app(self.settings)).start()
+        self.admin = httpx.Client(base_url=self.server.url, timeout=60, headers={
+            "Authorization": f"Bearer {self.settings.admin_token.get_secret_value()}"})
+        self.procs: list[subprocess.Popen] = []
+        self.started = 0
+
+    def start_workers(self, n: int) -> list[str]:
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "SPARECYCLES_CACHE": str(self.tmp / "cache")}
+        names = [f"bench-{self.started + i}" for i in range(n)]
+        self.started += n
+        for name in names:
+            log = open(self.tmp / f"{name}.log", "wb")  # noqa: SIM115 - the child owns it
+            self.procs.append(subprocess.Popen(
+                [sys.executable, "-m", "probe_worker.cli", "--coordinator", self.server.url, "--token",
+                 self.settings.enrollment_token.get_secret_value(), "--name", name, "--threads", str(self.threads),
+                 "--cache-dir", str(self.tmp / f"cache-{name}"), "--loglevel", "WARNING",
+                 "--prefetch-interval", "0.2"], env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT))
+        self.wait(lambda: all(self.info(nm) and self.info(nm)["last_heartbeat"] > self.info(nm)["registered_at"]
+                              for nm in names), "workers to start")
+        return names
+
+    def info(self, name: str) -> dict | None:
+        found = [w for w in self.admin.get("/v1/workers").json() if w["name"] == name]
+        return found[-1] if found else None
+
+    def wait(self, cond, what: str, timeout_s: float = 600.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not cond():
+            for p in self.procs:
+                if p.poll() not in (None, 0, -signal.SIGTERM):
+                    raise RuntimeError(f"a worker exited with {p.returncode}; logs in {self.tmp}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"timed out waiting for {what}; logs in {self.tmp}")
+            time.sleep(0.05)
+
+    def stop_workers(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        self.procs = []
+
+    def backend(self, model, run: str, seeds_per_task: int):
+        from coordinator.messages import RunSpec
+        from trainer.coordinator_backend import CoordinatorBackend
+
+        spec = RunSpec(run=run, model_class=type(model).__name__, spot_check_fraction=0.0,
+                       seeds_per_task=seeds_per_task)
+        return CoordinatorBackend(model, coordinator_url=self.server.url, redis_url=self.redis_url, run=spec,
+                                  admin_token=self.settings.admin_token.get_secret_value(),
+                                  key_prefix=self.prefix, round_timeout_s=3600.0, history=0)
+
+    def close(self) -> None:
+        self.stop_workers()
+        self.server.stop()
+        self.admin.close()
+        r = redis.Redis.from_url(self.redis_url)
+        for pattern in (f"{self.prefix}*", f"_kombu.binding.{self.prefix}*"):
+            keys = list(r.scan_iter(pattern, count=1000))
+            if keys:
+                r.delete(*keys)
+
+
+def _batch(b: int, t: int, vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (b, t + 1), generator=g)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def run_fleet_bench(redis_url: str, worker_counts: tuple[int, ...] = (1, 2, 4), preset: str = "gpt2-tiny",
+                    seeds: int = 32, seeds_per_task: int = 4, batch: tuple[int, int] = (4, 64),
+                    threads: int = 1, ready_preset: str = "gpt2-small") -> FleetBenchResult:
+    """Measure probes/s for each worker count and publish -> ready latency of `ready_preset` weights.
+
+    Raises RuntimeError if a worker dies or a phase exceeds its (generous) time limit.
+    """
+    from trainer.models import build_model
+    from trainer.zo.backend import ProbeRound
+
+    res = FleetBenchResult(preset, seeds, seeds_per_task, batch, threads, os.cpu_count() or 1)
+    with tempfile.TemporaryDirectory(prefix="sparecycles-bench-") as tmp:
+        fleet = _Fleet(redis_url, Path(tmp), threads)
+        try:
+            model = build_model(preset)
+            xb = _batch(*batch, model.config.vocab_size, seed=0)
+            for n in worker_counts:
+                names = fleet.start_workers(n)
+                be = fleet.backend(model, f"fleet-{n}", seeds_per_task)
+                be.publish(0)
+                fleet.wait(lambda names=names: all(fleet.info(nm)["version"] == 0 for nm in names),
+                           "weights on every worker")
+                warm = ProbeRound("warm", 0, xb, 1e-3, tuple(range(n * seeds_per_task * 2)), "rademacher")
+                be.submit(warm)
+                be.poll("warm")
+                rnd = ProbeRound("timed", 0, xb, 1e-3, tuple(range(10_000, 10_000 + seeds)), "rademacher")
+                t0 = time.perf_counter()
+                be.submit(rnd)
+                got = be.poll("timed")
+                dt = time.perf_counter() - t0
+                if len(got) != seeds:
+                    raise RuntimeError(f"timed round returned {len(got)} of {seeds} seeds")
+                res.probes_per_s[n] = seeds / dt
+                res.forward_passes_per_s[n] = 2 * seeds / dt
+                be.close()
+                if n != worker_counts[-1]:
+                    fleet.stop_workers()
+            if ready_preset:
+                big = build_model(ready_preset)
+                be = fleet.backend(big, "ready", seeds_per_task)
+                t0 = time.perf_counter()
+                be.publish(4242)
+                res.publish_s = time.perf_counter() - t0
+                fleet.wait(lambda names=names: all(fleet.info(nm)["version"] == 4242 for nm in names),
+                           "ready on every worker")
+                res.publish_to_ready_s = time.perf_counter() - t0
+                res.ready_preset = ready_preset
+                res.ready_bytes = sum(p.numel() * p.element_size() for p in big.parameters())
+                be.close()
+        finally:
+            fleet.close()
+    return res
+
+
+def result_dict(res: FleetBenchResult) -> dict:
+    """JSON-ready dict of a FleetBenchResult."""
+    return asdict(res)
