@@ -304,7 +304,9 @@ class Store(WorkerRegistry):
 
     def queue_depths(self) -> dict[str, int]:
         """Messages waiting in each run's Celery queue (kombu's Redis transport keeps a list per queue)."""
-        broker = redis.Redis.from_url(self.settings.worker_broker_url) if self.settings.broker_url else self.r
+        if self.settings.broker_url and not hasattr(self, "_broker"):
+            self._broker = redis.Redis.from_url(self.settings.broker_url)
+        broker = self._broker if self.settings.broker_url else self.r
         runs = sorted(self.r.smembers(f"{self.p}:runs"))
         pipe = broker.pipeline()
         for run in runs:
