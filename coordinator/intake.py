@@ -38,13 +38,13 @@ from coordinator.store import Store, results_stream_key, spot_check_selected
 _INTAKE_LUA = """
 local state = redis.call('HGET', KEYS[1], 'state')
 if not state then return {'unknown_round'} end
+local age = tonumber(redis.call('HGET', KEYS[5], 'latest_version')) - tonumber(ARGV[2])
+if age > tonumber(redis.call('HGET', KEYS[5], 'staleness')) then return {'stale', age} end
 if state ~= 'open' then return {'closed_round'} end
 if redis.call('HGET', KEYS[6], 'state') == 'quarantined' then return {'quarantined'} end
 if redis.call('HGET', KEYS[5], 'canary') == '1' and redis.call('SISMEMBER', KEYS[7], ARGV[1]) == 0 then
   return {'unattested'}
 end
-local age = tonumber(redis.call('HGET', KEYS[5], 'latest_version')) - tonumber(ARGV[2])
-if age > tonumber(redis.call('HGET', KEYS[5], 'staleness')) then return {'stale', age} end
 local out = {'ok', age, 0, 0, 0}
 local accepted = 0
 for i = 3, #ARGV, 3 do

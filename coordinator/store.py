@@ -137,6 +137,18 @@ class Store(WorkerRegistry):
             self.k_run(run, "run"),
             version,
         )
+        self._close_stale_rounds(run)
+
+    def _close_stale_rounds(self, run: str) -> None:
+        # Rounds older than the staleness bound can accept nothing more: closing them keeps the open set
+        # (scanned by quarantine, listed in RunInfo) bounded over a long run.
+        h = self.r.hmget(self.k_run(run, "run"), ["latest_version", "staleness"])
+        latest, staleness = int(h[0]), int(h[1])
+        for rid in self.r.smembers(self.k_run(run, "rounds:open")):
+            v = self.r.hget(self.k_round(run, rid), "version")
+            if v is not None and latest - int(v) > staleness:
+                self.r.hset(self.k_round(run, rid), "state", "closed")
+                self.r.srem(self.k_run(run, "rounds:open"), rid)
 
     def register_version(self, manifest: VersionManifest) -> VersionManifest:
         """Register a snapshot whose shards are all in the blob store with the stated sizes.

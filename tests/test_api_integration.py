@@ -16,6 +16,11 @@ from coordinator.stream import ResultStreamReader
 
 @pytest.fixture
 def env(tmp_path):
+    yield from running_env(tmp_path)
+
+
+@pytest.fixture
+def short_lease_env(tmp_path):
     yield from running_env(tmp_path, lease_seconds=1.0, heartbeat_interval_s=0.2)
 
 
@@ -39,7 +44,8 @@ def wait_for(predicate, what: str, deadline_s: float = 15.0):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def test_registration_heartbeat_lease_expiry_and_auth(env: Env):
+def test_registration_heartbeat_lease_expiry_and_auth(short_lease_env: Env):
+    env = short_lease_env
     reg, w = env.enroll("gpu0")
     WorkerRegistered.model_validate(reg)
     assert reg["broker_url"] == env.settings.redis_url and reg["lease_seconds"] == 1.0
@@ -242,8 +248,11 @@ def test_every_intake_outcome_is_counted(env: Env):
     assert post([result("a", "r0", 3, wid, l0=1.0)]) == ["accepted"]  # age 1 <= S
     env.publish_version("a", 2, b"v2")
     assert post([result("a", "r0", 4, wid, l0=1.0)]) == ["stale"]  # age 2 > S = 1
-    assert env.admin.post("/v1/runs/a/rounds/r0/close").json()["state"] == "closed"
-    assert post([result("a", "r0", 5, wid, l0=1.0)]) == ["closed_round"]
+    # publishing version 2 closed the stale round r0 (bounded open set); an explicit close counts too
+    assert env.admin.get("/v1/runs/a").json()["open_rounds"] == []
+    assert env.admin.post("/v1/runs/a/rounds", json=dict(rnd, round_id="r1", version=2)).status_code == 201
+    assert env.admin.post("/v1/runs/a/rounds/r1/close").json()["state"] == "closed"
+    assert post([result("a", "r1", 5, wid, l0=1.0, version=2)]) == ["closed_round"]
     # canary: results count only after attestation with the right digest
     digest = hashlib.sha256(b"z-canary").hexdigest()
     env.create_run(
