@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from typing import Annotated
 
 import redis
-from fastapi import Depends, FastAPI, Header, Path, Query, Request, Response
+from fastapi import Depends, FastAPI, Header, HTTPException, Path, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -319,7 +319,7 @@ def create_app(
         """A worker proves its z generator: the digest of the run's canary direction."""
         if body.worker_id != who.worker_id:
             metrics.rejected_requests.labels("forbidden").inc()
-            return JSONResponse({"detail": "a worker may attest only for itself"}, status_code=403)
+            raise HTTPException(status_code=403, detail="a worker may attest only for itself")
         if not intake.attest(run, who.worker_id, body.digest):
             raise Invalid("canary digest does not match the run's; this worker generates a different z")
         return {"attested": True}
