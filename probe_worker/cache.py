@@ -6,6 +6,10 @@ hash differs is deleted, counted and fetched again. Only shards the worker lacks
 version sharing shards with its parent costs only the changed ones. The newest `keep_versions` models
 stay loaded; shards not referenced by the newest `keep_disk_versions` manifests are pruned from disk.
 
+A version the coordinator has no snapshot for (404) is a pure-ZO seed-ledger version: it is rebuilt by
+replaying ledger entries on the newest loaded version below it (or the newest snapshot when none is
+loaded or it is more than `max_replay` entries behind), in fp32 with the kernels' replay.
+
 Shard layout (written by `trainer.coordinator_backend.write_shards`): each shard holds some canonical
 parameters (`model.named_parameters()` names, tied weights once); together they cover all of them.
 """
@@ -23,7 +27,7 @@ from typing import Any
 import torch
 
 from coordinator.messages import ShardRef, VersionManifest
-from probe_worker.client import CoordinatorClient, CorruptBlobError
+from probe_worker.client import CoordinatorClient, CoordinatorHTTPError, CorruptBlobError
 from probe_worker.metrics import WorkerMetrics, default_metrics
 
 SHARD_FETCH_TRIES = 3
@@ -114,6 +118,10 @@ def build_from_tensors(manifest: VersionManifest, tensors: dict[str, torch.Tenso
     return model.eval()
 
 
+class VersionUnavailable(LookupError):
+    """The coordinator has neither a snapshot of a version nor a ledger path to it from one."""
+
+
 @dataclass(frozen=True)
 class LoadedVersion:
     """A version ready to probe: its manifest and the model (eval mode, on the cache's device)."""
@@ -132,10 +140,13 @@ class WeightCache:
         keep_versions: loaded models kept in memory (>= 1).
         keep_disk_versions: versions whose shards are kept on disk (>= keep_versions).
         metrics: where hits, misses, bytes, seconds and the current version are counted.
+        max_replay: a pure-ZO version further than this many ledger entries from the newest loaded version
+            is rebuilt from the newest snapshot instead (DESIGN.md: "fetch a snapshot when too far behind").
     """
 
     def __init__(self, client: CoordinatorClient, root: Path | None = None, device: str = "cpu",
-                 keep_versions: int = 2, keep_disk_versions: int = 3, metrics: WorkerMetrics | None = None) -> None:
+                 keep_versions: int = 2, keep_disk_versions: int = 3, metrics: WorkerMetrics | None = None,
+                 max_replay: int = 1000) -> None:
         if keep_versions < 1 or keep_disk_versions < keep_versions:
             raise ValueError("need keep_versions >= 1 and keep_disk_versions >= keep_versions")
         if root is None:
@@ -146,6 +157,7 @@ class WeightCache:
         self.shard_dir = Path(root) / "shards"
         self.shard_dir.mkdir(parents=True, exist_ok=True)
         self.keep_versions, self.keep_disk_versions = keep_versions, keep_disk_versions
+        self.max_replay = max_replay
         self.metrics = metrics or default_metrics()
         self._loaded: OrderedDict[tuple[str, int], LoadedVersion] = OrderedDict()
         self._recent: OrderedDict[tuple[str, int], VersionManifest] = OrderedDict()
@@ -186,10 +198,9 @@ class WeightCache:
     def get(self, run: str, version: int) -> LoadedVersion:
         """The loaded model of (run, version): from memory, else fetched, verified and loaded.
 
-        Raises probe_worker.client.CoordinatorHTTPError (e.g. 404 unknown version), CorruptBlobError, or
-        ValueError (the shards do not fit the manifest's model).
+        Raises VersionUnavailable (no snapshot and no ledger path), CoordinatorHTTPError, CorruptBlobError,
+        or ValueError (the shards do not fit the manifest's model).
         """
-        from safetensors.torch import load as load_safetensors
 
         key = (run, version)
         with self._lock:
@@ -199,25 +210,84 @@ class WeightCache:
                 return self._loaded[key]
             self.metrics.cache_misses.labels("version").inc()
             t0 = time.perf_counter()
-            manifest = self.client.version(run, version)
-            tensors: dict[str, torch.Tensor] = {}
-            for ref in manifest.shards:
-                part = load_safetensors(self.shard_bytes(ref))
-                if set(part) & set(tensors):
-                    raise ValueError(f"version {version}: tensor names repeat across shards")
-                tensors.update(part)
-            loaded = LoadedVersion(manifest, build_from_tensors(manifest, tensors, self.device))
-            self._loaded[key] = loaded
-            while len(self._loaded) > self.keep_versions:
-                self._loaded.popitem(last=False)
-            self._recent[key] = manifest
-            self._recent.move_to_end(key)
-            while len(self._recent) > self.keep_disk_versions:
-                self._recent.popitem(last=False)
-            self._prune()
+            try:
+                manifest = self.client.version(run, version)
+            except CoordinatorHTTPError as exc:
+                if exc.status != 404:
+                    raise
+                loaded = self._replay(run, version)  # a pure-ZO version: a seed-ledger entry, not a snapshot
+            else:
+                loaded = self._load_snapshot(run, version, manifest)
+            self._keep(key, loaded)
             self.metrics.weight_load_seconds.observe(time.perf_counter() - t0)
             self.metrics.version.set(version)
             return loaded
+
+    def _keep(self, key: tuple[str, int], loaded: LoadedVersion) -> None:
+        self._loaded[key] = loaded
+        self._loaded.move_to_end(key)
+        while len(self._loaded) > self.keep_versions:
+            self._loaded.popitem(last=False)
+
+    @torch.no_grad()
+    def _replay(self, run: str, version: int) -> LoadedVersion:
+        """theta_version from the newest loaded (or, if none or too far behind, the newest snapshot) version
+        below it, by applying seed-ledger entries: theta <- scale * theta + sum_k c_k z(s_k) per entry, in
+        fp32 with the kernels' replay, exactly as `SeedLedgerEntry` defines the step."""
+        from kernels import replay_
+
+        base_v = max((v for (r, v) in self._loaded if r == run and v < version), default=None)
+        if base_v is None or version - base_v > self.max_replay:
+            snaps = [v for v in self.client.versions(run) if v < version]
+            if not snaps:
+                raise VersionUnavailable(f"run {run} has no snapshot below version {version} to replay from")
+            if base_v is None or snaps[-1] > base_v:
+                base_v = snaps[-1]
+                self._keep((run, base_v), self._load_snapshot(run, base_v, self.client.version(run, base_v)))
+        base = self._loaded[(run, base_v)]
+        if base.manifest.dtype != "float32":
+            raise ValueError(f"ledger replay needs float32 master weights; version {base_v} is {base.manifest.dtype}")
+        entries: list = []
+        while len(entries) < version - base_v:
+            got = self.client.ledger(run, base_v + len(entries), min(1000, version - base_v - len(entries)))
+            if not got:
+                break
+            entries += got
+        if [e.version for e in entries] != list(range(base_v + 1, version + 1)):
+            raise VersionUnavailable(f"run {run}: ledger from {base_v} does not reach version {version} contiguously")
+        tensors = {n: p.detach().clone() for n, p in base.model.named_parameters()}
+        model = build_from_tensors(base.manifest, tensors, self.device)
+        params, offset = [], 0
+        for _, p in model.named_parameters():
+            params.append((p, offset))
+            offset += p.numel()
+        for e in entries:
+            for p, off in params:
+                if e.scale != 1.0:
+                    p.data.mul_(e.scale)
+                replay_(p.data, list(e.seeds), list(e.coeffs), off, e.distribution)
+        self.metrics.replayed.inc(len(entries))
+        manifest = base.manifest.model_copy(update={"version": version, "parent": version - 1})
+        return LoadedVersion(manifest, model)
+
+    def _load_snapshot(self, run: str, version: int, manifest: VersionManifest) -> LoadedVersion:
+        """Fetch (only missing shards), verify and load a snapshot version; prune old shards from disk."""
+        from safetensors.torch import load as load_safetensors
+
+        tensors: dict[str, torch.Tensor] = {}
+        for ref in manifest.shards:
+            part = load_safetensors(self.shard_bytes(ref))
+            if set(part) & set(tensors):
+                raise ValueError(f"version {version}: tensor names repeat across shards")
+            tensors.update(part)
+        loaded = LoadedVersion(manifest, build_from_tensors(manifest, tensors, self.device))
+        key = (run, version)
+        self._recent[key] = manifest
+        self._recent.move_to_end(key)
+        while len(self._recent) > self.keep_disk_versions:
+            self._recent.popitem(last=False)
+        self._prune()
+        return loaded
 
     def _prune(self) -> None:
         """Delete shard files not referenced by the recent manifests (old versions, stray parts)."""

@@ -26,6 +26,7 @@ from coordinator.messages import (
     IntakeReply,
     ResultBatch,
     RunInfo,
+    SeedLedgerEntry,
     VersionManifest,
     WorkerRegistered,
     WorkerRegistration,
@@ -137,6 +138,15 @@ class CoordinatorClient:
         """`GET /v1/runs/{run}/versions/{version}`: a version's manifest."""
         r = self.request("GET", f"/v1/runs/{run}/versions/{version}")
         return VersionManifest.model_validate_json(r.content)
+
+    def versions(self, run: str) -> list[int]:
+        """`GET /v1/runs/{run}/versions`: the run's snapshot versions, ascending."""
+        return [int(v) for v in self.request("GET", f"/v1/runs/{run}/versions").json()]
+
+    def ledger(self, run: str, since: int, limit: int) -> list[SeedLedgerEntry]:
+        """`GET /v1/runs/{run}/ledger`: pure-ZO entries with version > since, ascending, at most `limit`."""
+        r = self.request("GET", f"/v1/runs/{run}/ledger", params={"since": since, "limit": limit})
+        return [SeedLedgerEntry.model_validate(e) for e in r.json()]
 
     def attest(self, run: str, att: Attestation) -> None:
         """`POST /v1/runs/{run}/attest`: prove this worker generates the run's canary direction."""

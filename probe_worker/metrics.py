@@ -57,6 +57,10 @@ class WorkerMetrics:
             "sparecycles_worker_corrupt_blobs_total", "Downloaded or cached blobs whose sha256 did not match",
             registry=registry,
         )
+        self.replayed = Counter(
+            "sparecycles_worker_ledger_entries_replayed_total", "Pure-ZO seed-ledger entries replayed onto weights",
+            registry=registry,
+        )
         self.version = Gauge(
             "sparecycles_worker_current_version", "Weight version most recently made ready (-1 before any)",
             registry=registry,

@@ -6,7 +6,8 @@ so redelivery only costs compute. Outcomes, each counted in `sparecycles_worker_
 
 - `done`: evaluated and posted (whatever the per-result intake outcomes were);
 - `invalid`: kwargs are not a valid ProbeTask -> rejected without requeue, never retried;
-- `refused`: the coordinator refused a call with a 4xx (unknown version, closed run...) -> dropped;
+- `refused`: the coordinator refused a call with a 4xx, or the version is neither a snapshot nor reachable
+  by the seed ledger -> dropped;
 - `corrupt`: a shard kept arriving corrupt -> dropped (the coordinator re-dispatches what it misses);
 - `handed_back`: a spot-check replica of seeds this worker already evaluated in another replica ->
   an identical copy is republished and this delivery acknowledged after a short pause, so that an
@@ -30,6 +31,7 @@ from celery.exceptions import Reject
 from pydantic import ValidationError
 
 from coordinator.celery_app import PROBE_TASK_NAME
+from probe_worker.cache import VersionUnavailable
 from probe_worker.client import CoordinatorHTTPError, CorruptBlobError, is_transient
 from probe_worker.metrics import WorkerMetrics
 from probe_worker.runtime import ProbeRuntime, parse_task
@@ -104,6 +106,9 @@ def run_probe(runtime: ProbeRuntime, drain: DrainState, metrics: WorkerMetrics, 
             log.warning("coordinator unreachable for round %s: %s; requeued", task.round_id, exc)
             raise Reject("coordinator unreachable", requeue=True) from None
         log.warning("coordinator refused round %s: %s", task.round_id, exc)
+        return outcome("refused")
+    except VersionUnavailable as exc:
+        log.warning("round %s: %s", task.round_id, exc)
         return outcome("refused")
     except CorruptBlobError as exc:
         log.error("round %s: %s", task.round_id, exc)

@@ -319,3 +319,46 @@ def test_block_scaled_and_along_update_match_in_process(env):
     assert flat and all(r.l_plus == r.l_minus == r.l0 for r in flat)  # unmoved blocks probe flat
     assert got[0].scale > 0 and got[0].l_plus != got[0].l_minus
     be.close()
+
+
+def test_seed_ledger_versions_replay_bit_exact(env):
+    """Pure-ZO versions published as seed-ledger entries are rebuilt on the worker by replay (from the loaded
+    parent, or from the snapshot when nothing is loaded) with weights and losses bit-identical to the trainer's."""
+    from kernels import replay_
+
+    model = tiny_model(seed=8)
+    be = env.backend(model, "ledger")
+    be.publish(0)
+    client, wid = env.worker("w0")
+    metrics = WorkerMetrics(CollectorRegistry())
+    cache = WeightCache(client, env.tmp / "wc", metrics=metrics)
+    cache.get("ledger", 0)
+    steps = [([11, 12, 13], [1e-3, -2e-3, 5e-4], "rademacher", 1.0), ([21, 22], [-1e-3, 3e-3], "gauss8", 0.999)]
+    with torch.no_grad():
+        for v, (seeds, coeffs, dist, scale) in enumerate(steps, start=1):
+            offset = 0
+            for _, p in model.named_parameters():
+                if scale != 1.0:
+                    p.data.mul_(scale)
+                replay_(p.data, seeds, coeffs, offset, dist)
+                offset += p.numel()
+            be.publish_ledger(v, seeds, coeffs, dist, scale)
+    v2 = cache.get("ledger", 2)  # replays entry 1 (onto loaded v0), then entry 2
+    fresh = WeightCache(client, env.tmp / "wc2", metrics=WorkerMetrics(CollectorRegistry())).get("ledger", 2)
+    for loaded in (v2, fresh):
+        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(_params(loaded.model), _params(model)))
+    assert metrics.replayed._value.get() == 2
+    v0 = cache.get("ledger", 0)
+    assert any(not torch.equal(a, b) for (_, a), (_, b) in zip(_params(v2.model), _params(v0.model)))
+    batch = make_batch(9)
+    be.submit(ProbeRound("l-0", 2, batch, eps=1e-3, seeds=(5, 6), dist="rademacher", want_clean=True))
+    runtime = ProbeRuntime(client, wid, cache, metrics)
+    for kwargs in _celery_kwargs(f"{env.prefix}.probe.ledger"):
+        assert run_probe(runtime, DrainState(), metrics, kwargs) == "done"
+    ev = ProbeEvaluator(model, lambda m, b: lm_loss(m, b[0], b[1]))
+    got = be.poll("l-0")
+    assert sorted(r.seed for r in got) == [5, 6]
+    for r in got:
+        assert (r.l_plus, r.l_minus, r.l0) == (ev.loss(batch, r.seed, 1e-3, "rademacher"),
+                                               ev.loss(batch, r.seed, -1e-3, "rademacher"), ev.clean_loss(batch))
+    be.close()

@@ -206,6 +206,29 @@ class CoordinatorBackend:
             for v in sorted(self.snapshots)[: -self.history]:
                 del self.snapshots[v]
 
+    def publish_ledger(self, version: int, seeds: list[int], coeffs: list[float], dist: str,
+                       scale: float = 1.0) -> None:
+        """Register pure-ZO version `version` as a seed-ledger entry on the last published version:
+        theta_version = scale * theta_parent + sum_k coeffs[k] z(seeds[k]) (bytes, not a snapshot).
+
+        The caller must have applied exactly that update to the model (fp32, kernels.replay_), so that
+        workers replaying the entry hold bit-identical weights. Raises ValueError unless version is the
+        last published version + 1.
+        """
+        from coordinator.messages import SeedLedgerEntry
+
+        if not self.published or version != self.published[-1] + 1:
+            raise ValueError(f"a ledger entry must follow the last published version "
+                             f"({self.published[-1] if self.published else 'none'}) by exactly one")
+        entry = SeedLedgerEntry(run=self.run, version=version, parent=version - 1, seeds=[int(s) for s in seeds],
+                                coeffs=[float(c) for c in coeffs], distribution=dist, scale=float(scale))
+        self._call("POST", f"/v1/runs/{self.run}/ledger", json=entry.model_dump(mode="json"))
+        self.published.append(version)
+        if self.history:
+            self.snapshots[version] = [p.detach().float().clone() for p in self.model.parameters()]
+            for v in sorted(self.snapshots)[: -self.history]:
+                del self.snapshots[v]
+
     def _scale(self, round_id: str, seed: int) -> float | None:
         """||u_b|| / sqrt(n_b) of an along_update result (block b = seed), as InProcessBackend computes it."""
         rnd = self._meta.get(round_id)
