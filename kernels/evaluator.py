@@ -1,12 +1,14 @@
 """ProbeEvaluator: L(theta + alpha * z(seed); batch) without touching the clean weights.
 
-Each module's own parameters are swapped for perturbed scratch copies (``param.data = scratch``) by a
-forward pre-hook just before the module runs and swapped back by its forward hook, so at most one
-module's scratch is alive at a time -- except parameters owned by several modules (tied weights such as
-GPT-2's wte/lm_head), whose scratch lives until the end of the forward so it is computed once. The clean
-tensors are never written, so they stay bit-identical after any number of probes.
+The model's modules are grouped into *units*: the highest modules whose parameters (own and
+descendants') total at most `budget` elements (default: the largest parameter's numel). Just before a
+unit runs, a forward pre-hook writes all its parameters, perturbed, into a reused scratch arena in one
+launch and swaps them in (``param.data = scratch``); its forward hook swaps the clean tensors back. So
+scratch holds one unit at a time, plus one persistent copy per parameter shared by several units (tied
+weights such as GPT-2's wte/lm_head), perturbed once per forward and kept until the forward ends. The
+clean tensors are never written, so they stay bit-identical after any number of probes.
 
-Limitation: a parameter read by code outside the forward of a module that owns it is seen clean.
+Limitation: a parameter read by code outside the forward of a unit that contains it is seen clean.
 """
 
 from __future__ import annotations
@@ -16,13 +18,15 @@ from collections.abc import Callable, Sequence
 import torch
 
 from kernels.dist import ProbeDist, as_dist
-from kernels.ops import perturb
+from kernels.ops import perturb_model
+
+_ALIGN = 64  # elements: arena slices start 16-element aligned and at Philox-call boundaries
 
 
 def canonical_offsets(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter, int]]:
     """(name, parameter, global offset) in canonical order = ``model.named_parameters()`` (tied weights once).
 
-    Uses trainer.models.param_offsets when that module exists, so both agree by construction.
+    Uses trainer.models.param_offsets when importable, so both agree by construction.
     """
     named = list(model.named_parameters())
     try:
@@ -37,48 +41,116 @@ def canonical_offsets(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parame
     return [(n, p, o) for (n, p), o in zip(named, offs)]
 
 
+def _unique_params(m: torch.nn.Module, recurse: bool) -> list[torch.nn.Parameter]:
+    seen, out = set(), []
+    for p in m.parameters(recurse=recurse):
+        if id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out
+
+
+def plan_units(model: torch.nn.Module, budget: int) -> list[tuple[torch.nn.Module, list[torch.nn.Parameter]]]:
+    """Partition the parameter-owning modules into units (module, its parameters), top down: a module is a
+    unit if its subtree holds at most `budget` elements or has no child with parameters; otherwise its
+    own direct parameters form a unit and its children are visited."""
+    units = []
+
+    def visit(m: torch.nn.Module) -> None:
+        ps = _unique_params(m, recurse=True)
+        if not ps:
+            return
+        kids = [c for c in m.children() if _unique_params(c, True)]
+        if sum(p.numel() for p in ps) <= budget or not kids:
+            units.append((m, ps))
+            return
+        own = _unique_params(m, recurse=False)
+        if own:
+            units.append((m, own))
+        for c in kids:
+            visit(c)
+
+    visit(model)
+    return units
+
+
 class ProbeEvaluator:
     """Evaluates a model's loss at seeded perturbations theta + alpha * z(seed).
 
     model: any torch.nn.Module; loss_fn(model, batch) -> scalar tensor (e.g. mean token cross-entropy).
-    Hooks are installed at construction and are inert outside `loss`; call `close()` to remove them.
+    budget: max elements per unit (default: the largest parameter's numel). Extra memory while probing is
+    one unit's scratch plus the shared (tied) parameters' copies. Hooks are installed at construction and
+    are inert outside `loss`; call `close()` to remove them.
     """
 
-    def __init__(self, model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, object], torch.Tensor]):
+    def __init__(self, model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, object], torch.Tensor],
+                 budget: int | None = None):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not callable(loss_fn):
             raise TypeError("loss_fn must be callable as loss_fn(model, batch) -> scalar tensor")
+        rows = canonical_offsets(model)
+        if not rows:
+            raise ValueError("model has no parameters to perturb")
         self.model, self.loss_fn = model, loss_fn
-        self.offsets = {id(p): o for _, p, o in canonical_offsets(model)}
-        self.numel = sum(p.numel() for _, p, _ in canonical_offsets(model))
-        owners: dict[int, int] = {}
-        self._owned: list[tuple[torch.nn.Module, list[torch.nn.Parameter]]] = []
-        for m in model.modules():
-            ps = [p for _, p in m.named_parameters(recurse=False) if p is not None]
-            if ps:
-                self._owned.append((m, ps))
-                for p in ps:
-                    owners[id(p)] = owners.get(id(p), 0) + 1
-        self._shared = {pid for pid, k in owners.items() if k > 1}
+        self.offsets = {id(p): o for _, p, o in rows}
+        self.numel = sum(p.numel() for _, p, _ in rows)
+        self.budget = budget if budget is not None else max(p.numel() for _, p, _ in rows)
+        self.units = plan_units(model, self.budget)
+        count: dict[int, int] = {}
+        for _, ps in self.units:
+            for p in ps:
+                count[id(p)] = count.get(id(p), 0) + 1
+        self._shared = {pid for pid, k in count.items() if k > 1}
         self._probe: tuple[int, float, ProbeDist] | None = None
         self._live: dict[int, tuple[torch.nn.Parameter, torch.Tensor]] = {}
+        self._arena: dict[tuple, torch.Tensor] = {}
+        self._shared_scratch: dict[int, torch.Tensor] = {}
         self._handles = []
-        for m, ps in self._owned:
+        for m, ps in self.units:
             self._handles.append(m.register_forward_pre_hook(self._make_pre(ps)))
             self._handles.append(m.register_forward_hook(self._make_post(ps)))
+
+    def _scratch_for(self, params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
+        """Flat scratch views for `params`: shared ones get a persistent copy, the others arena slices."""
+        outs, cursor = [], {}
+        for p in params:
+            t = p.data
+            if id(p) in self._shared:
+                s = self._shared_scratch.get(id(p))
+                if s is None or s.dtype != t.dtype or s.device != t.device or s.shape != t.shape:
+                    s = self._shared_scratch[id(p)] = torch.empty_like(t, memory_format=torch.contiguous_format)
+                outs.append(s)
+                continue
+            key = (t.dtype, t.device)
+            start = cursor.get(key, 0)
+            cursor[key] = start + -(-t.numel() // _ALIGN) * _ALIGN
+            outs.append((key, start, t))
+        need = {}
+        for o in outs:
+            if isinstance(o, tuple):
+                need[o[0]] = max(need.get(o[0], 0), o[1] + o[2].numel())
+        for key, n in need.items():
+            a = self._arena.get(key)
+            if a is None or a.numel() < n:
+                self._arena[key] = torch.empty(n, dtype=key[0], device=key[1])
+        return [o if isinstance(o, torch.Tensor) else self._arena[o[0]][o[1] : o[1] + o[2].numel()].view(o[2].shape)
+                for o in outs]
 
     def _make_pre(self, params: list[torch.nn.Parameter]):
         def pre(_module, _args):
             if self._probe is None:
                 return
             seed, alpha, dist = self._probe
-            for p in params:
-                if id(p) in self._live:
-                    continue
-                clean = p.data
-                self._live[id(p)] = (p, clean)
-                p.data = perturb(clean, seed, self.offsets[id(p)], alpha, dist)
+            todo = [p for p in params if id(p) not in self._live]
+            if not todo:
+                return
+            cleans = [p.data.contiguous() if not p.data.is_contiguous() else p.data for p in todo]
+            outs = self._scratch_for(todo)
+            perturb_model(cleans, [self.offsets[id(p)] for p in todo], seed, alpha, dist, outs=outs)
+            for p, o in zip(todo, outs):
+                self._live[id(p)] = (p, p.data)
+                p.data = o
 
         return pre
 
@@ -125,7 +197,9 @@ class ProbeEvaluator:
         return [(self.loss(batch, s, alpha, dist), self.loss(batch, s, -alpha, dist)) for s in seeds]
 
     def close(self) -> None:
-        """Remove the hooks from the model."""
+        """Remove the hooks from the model and free the scratch."""
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self._arena.clear()
+        self._shared_scratch.clear()

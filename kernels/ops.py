@@ -157,9 +157,35 @@ def perturb_model(tensors: Sequence[torch.Tensor], offsets: Sequence[int], seed:
             perturb_list_triton([tensors[i] for i in idx], [offsets[i] for i in idx], seed, alpha, dist,
                                 [outs[i] for i in idx])
         else:
-            for i in idx:
-                perturb(tensors[i], seed, offsets[i], alpha, dist, out=outs[i])
+            _perturb_runs_ref([tensors[i] for i in idx], [offsets[i] for i in idx], seed, alpha, dist,
+                              [outs[i] for i in idx])
     return outs
+
+
+def _perturb_runs_ref(tensors, offsets, seed, alpha, dist, outs) -> None:
+    """Reference perturb of many tensors, generating z once per run of back-to-back global ranges (same
+    bits as per-tensor perturb_ref: z does not depend on chunking)."""
+    order = sorted(range(len(tensors)), key=lambda i: offsets[i])
+    a = torch.tensor(float(alpha), dtype=torch.float32)
+    start = 0
+    while start < len(order):
+        end = start + 1
+        while end < len(order) and offsets[order[end]] == offsets[order[end - 1]] + tensors[order[end - 1]].numel():
+            end += 1
+        run = order[start:end]
+        for i in run:
+            check_range(offsets[i], tensors[i].numel())
+            if outs[i].shape != tensors[i].shape or outs[i].dtype != tensors[i].dtype:
+                raise ValueError(f"outs[{i}] must have the shape and dtype of tensors[{i}]")
+        total = sum(tensors[i].numel() for i in run)
+        z = direction_ref(seed, offsets[run[0]], total, dist, tensors[run[0]].device)
+        pos = 0
+        for i in run:
+            w = tensors[i]
+            zi = z[pos : pos + w.numel()].view(w.shape)
+            pos += w.numel()
+            outs[i].copy_((w.to(torch.float32) + a.to(w.device) * zi).to(w.dtype))
+        start = end
 
 
 def replay_model(tensors: Sequence[torch.Tensor], offsets: Sequence[int], seeds: Sequence[int] | torch.Tensor,

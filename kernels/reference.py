@@ -67,8 +67,17 @@ def direction_ref(seed: int, offset: int, numel: int, dist: ProbeDist | str, dev
     dist = as_dist(dist)
     codes = direction_codes(seed, offset, numel, dist, device)
     if dist is ProbeDist.GAUSS8:
-        return torch.from_numpy(GAUSS8_TABLE.copy()).to(codes.device)[codes]
+        return _table(codes.device)[codes]
     return 1.0 - 2.0 * codes.to(torch.float32)
+
+
+_tables: dict[torch.device, torch.Tensor] = {}
+
+
+def _table(device: torch.device) -> torch.Tensor:
+    if device not in _tables:
+        _tables[device] = torch.from_numpy(GAUSS8_TABLE.copy()).to(device)
+    return _tables[device]
 
 
 def _f32(x: float) -> torch.Tensor:

@@ -22,8 +22,10 @@ from kernels.philox import check_seed
 from kernels.reference import check_range
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_BLOCK_ELEMS = 4096  # elements per program: 256 gauss8 calls or 32 rademacher calls
-_NUM_WARPS = 8
+# (elements per program, warps) by (kernel, element size in bytes); kernels/tune.py measures the options.
+TUNING: dict[tuple[str, int], tuple[int, int]] = {
+    ("perturb", 2): (4096, 8), ("perturb", 4): (4096, 8), ("replay", 2): (4096, 8), ("replay", 4): (4096, 8),
+}
 _tables: dict[torch.device, torch.Tensor] = {}
 
 
@@ -167,9 +169,13 @@ def check_tensor(t: torch.Tensor, name: str, dtypes=FLOAT_DTYPES) -> None:
                          "(use kernels.perturb/axpy_/replay_, which fall back to the PyTorch reference)")
 
 
-def _geometry(offset: int, dist: ProbeDist) -> tuple[int, int, int, int]:
+def _config(kind: str, t: torch.Tensor) -> tuple[int, int]:
+    return TUNING.get((kind, t.element_size()), (4096, 8))
+
+
+def _geometry(offset: int, dist: ProbeDist, block: int) -> tuple[int, int, int, int]:
     epc = dist.elems_per_call
-    return _BLOCK_ELEMS // epc, epc, offset % epc, offset // epc
+    return block // epc, epc, offset % epc, offset // epc
 
 
 def _seed_arg(seed: int) -> int:
@@ -197,10 +203,11 @@ def perturb_triton(w: torch.Tensor, seed: int, offset: int, alpha: float, dist: 
     n = w.numel()
     if n == 0:
         return out
-    nc, epc, head, cbase = _geometry(offset, dist)
+    block, warps = _config("perturb", w)
+    nc, epc, head, cbase = _geometry(offset, dist, block)
     grid = (triton.cdiv(n + head, nc * epc),)
     _perturb_kernel[grid](w, out, n, head, cbase, _seed_arg(seed), float(alpha), _table(w.device),
-                          NC=nc, EPC=epc, GAUSS=dist is ProbeDist.GAUSS8, num_warps=_NUM_WARPS,
+                          NC=nc, EPC=epc, GAUSS=dist is ProbeDist.GAUSS8, num_warps=warps,
                           enable_fp_fusion=False)
     return out
 
@@ -226,10 +233,11 @@ def replay_triton(w: torch.Tensor, seeds: torch.Tensor, coeffs: torch.Tensor, of
     n = w.numel()
     if n == 0 or seeds.numel() == 0:
         return w
-    nc, epc, head, cbase = _geometry(offset, dist)
+    block, warps = _config("replay", w)
+    nc, epc, head, cbase = _geometry(offset, dist, block)
     grid = (triton.cdiv(n + head, nc * epc),)
     _replay_kernel[grid](w, n, head, cbase, seeds, coeffs, seeds.numel(), _table(w.device),
-                         NC=nc, EPC=epc, GAUSS=dist is ProbeDist.GAUSS8, num_warps=_NUM_WARPS,
+                         NC=nc, EPC=epc, GAUSS=dist is ProbeDist.GAUSS8, num_warps=warps,
                          enable_fp_fusion=False)
     return w
 
@@ -242,13 +250,14 @@ class PackedList:
     numel, head, first Philox counter). Built once per (tensor addresses, offsets, dist) and cached.
     """
 
-    def __init__(self, ins: list[torch.Tensor], outs: list[torch.Tensor], offsets: list[int], dist: ProbeDist):
+    def __init__(self, ins: list[torch.Tensor], outs: list[torch.Tensor], offsets: list[int], dist: ProbeDist,
+                 block: int):
         if not ins or len(ins) != len(outs) or len(ins) != len(offsets):
             raise ValueError(f"need equally long non-empty lists: {len(ins)} tensors, {len(outs)} outputs, "
                              f"{len(offsets)} offsets")
         base_in, base_out = ins[0], outs[0]
         esize = base_in.element_size()
-        nc, epc = _BLOCK_ELEMS // dist.elems_per_call, dist.elems_per_call
+        nc, epc = block // dist.elems_per_call, dist.elems_per_call
         rows, blk_t, blk_b = [], [], []
         aligned = True
         for i, (w, o, off) in enumerate(zip(ins, outs, offsets)):
@@ -278,16 +287,18 @@ class PackedList:
 
 
 _packed_cache: dict[tuple, PackedList] = {}
+_PACKED_CACHE_SIZE = 1024
 
 
-def _packed(ins, outs, offsets, dist) -> PackedList:
-    key = (dist, tuple((t.data_ptr(), t.numel(), t.dtype) for t in ins), tuple(o.data_ptr() for o in outs),
-           tuple(offsets))
-    hit = _packed_cache.get(key)
+def _packed(ins, outs, offsets, dist, block) -> PackedList:
+    key = (dist, block, tuple((t.data_ptr(), t.numel(), t.dtype, t.device) for t in ins),
+           tuple(o.data_ptr() for o in outs), tuple(offsets))
+    hit = _packed_cache.pop(key, None)
     if hit is None:
-        if len(_packed_cache) >= 16:
-            _packed_cache.clear()
-        hit = _packed_cache[key] = PackedList(ins, outs, offsets, dist)
+        if len(_packed_cache) >= _PACKED_CACHE_SIZE:
+            _packed_cache.pop(next(iter(_packed_cache)))  # least recently used
+        hit = PackedList(ins, outs, offsets, dist, block)
+    _packed_cache[key] = hit
     return hit
 
 
@@ -299,11 +310,12 @@ def perturb_list_triton(tensors: list[torch.Tensor], offsets: list[int], seed: i
     The device table is cached by tensor addresses, so reuse the same output buffers across calls.
     """
     dist = as_dist(dist)
-    p = _packed(tensors, outs, offsets, dist)
+    block, warps = _config("perturb", tensors[0]) if tensors else (4096, 8)
+    p = _packed(tensors, outs, offsets, dist, block)
     _perturb_list_kernel[(p.programs,)](p.base_in, p.base_out, p.blk, p.meta, _seed_arg(seed), float(alpha),
                                         _table(p.base_in.device), NC=p.nc, EPC=p.epc,
                                         GAUSS=dist is ProbeDist.GAUSS8, ALIGNED=p.aligned,
-                                        num_warps=_NUM_WARPS, enable_fp_fusion=False)
+                                        num_warps=warps, enable_fp_fusion=False)
     return outs
 
 
@@ -311,12 +323,13 @@ def replay_list_triton(tensors: list[torch.Tensor], offsets: list[int], seeds: t
                        coeffs: torch.Tensor, dist: ProbeDist | str) -> list[torch.Tensor]:
     """One launch, in place: tensors[i] += sum_k coeffs[k] * z(seeds[k]) over each tensor's global range."""
     dist = as_dist(dist)
-    p = _packed(tensors, tensors, offsets, dist)
+    block, warps = _config("replay", tensors[0]) if tensors else (4096, 8)
+    p = _packed(tensors, tensors, offsets, dist, block)
     _check_seeds(seeds, coeffs, p.base_in.device)
     if seeds.numel() == 0:
         return tensors
     _replay_list_kernel[(p.programs,)](p.base_in, p.blk, p.meta, seeds, coeffs, seeds.numel(),
                                        _table(p.base_in.device), NC=p.nc, EPC=p.epc,
                                        GAUSS=dist is ProbeDist.GAUSS8, ALIGNED=p.aligned,
-                                       num_warps=_NUM_WARPS, enable_fp_fusion=False)
+                                       num_warps=warps, enable_fp_fusion=False)
     return tensors

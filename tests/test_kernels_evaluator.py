@@ -95,3 +95,27 @@ def test_perturb_of_param_matches_evaluator_scratch(setup):
     _, p, off = canonical_offsets(model)[3]
     out = perturb(p.detach(), 11, off, 0.5)
     assert not torch.equal(out, p.detach())
+
+
+def test_units_cover_every_parameter_and_tied_weight_is_shared(setup):
+    model, _ = setup
+    ev = ProbeEvaluator(model, _loss)
+    seen: dict[int, int] = {}
+    for _, ps in ev.units:
+        for p in ps:
+            seen[id(p)] = seen.get(id(p), 0) + 1
+    assert set(seen) == {id(p) for p in model.parameters()}
+    assert ev._shared == {id(model.transformer.wte.weight)}
+    assert all(sum(p.numel() for p in ps) <= ev.budget for _, ps in ev.units)
+    ev.close()
+
+
+def test_small_budget_splits_units_and_gives_same_loss(setup):
+    model, batch = setup
+    big, small = ProbeEvaluator(model, _loss), ProbeEvaluator(model, _loss, budget=64)
+    try:
+        assert len(small.units) > len(big.units)
+        assert small.loss(batch, 21, 0.02) == big.loss(batch, 21, 0.02)
+    finally:
+        big.close()
+        small.close()
