@@ -155,6 +155,16 @@ def create_app(
             {"detail": "state store unavailable; retry"}, status_code=503, headers={"Retry-After": "1"}
         )
 
+    # ---- the hot path first: routes are matched in registration order ------------------------------
+    @app.post("/v1/runs/{run}/results", response_model=IntakeReply)
+    async def submit_results(run: RunP, body: ResultBatch, who: Principal = WorkerOnly) -> Response:
+        """Intake of one task's results; the reply lists each result's outcome in order."""
+        outcomes = await intake.submit_async(aredis(), who.worker_id, run, list(body.results))
+        # Serialised directly (the hot path): the outcomes are already of the IntakeReply type.
+        return Response(
+            json.dumps({"schema_version": 1, "outcomes": outcomes}), media_type="application/json"
+        )
+
     # ---- health and metrics -------------------------------------------------------------------------
     @app.get("/healthz")
     def healthz() -> dict[str, str]:
@@ -304,15 +314,6 @@ def create_app(
     @app.post("/v1/runs/{run}/rounds/{round_id}/close", dependencies=[Admin])
     def close_round(run: RunP, round_id: RoundP) -> RoundInfo:
         return store.close_round(run, round_id)
-
-    @app.post("/v1/runs/{run}/results", response_model=IntakeReply)
-    async def submit_results(run: RunP, body: ResultBatch, who: Principal = WorkerOnly) -> Response:
-        """Intake of one task's results; the reply lists each result's outcome in order."""
-        outcomes = await intake.submit_async(aredis(), who.worker_id, run, list(body.results))
-        # Serialised directly (the hot path): the outcomes are already of the IntakeReply type.
-        return Response(
-            json.dumps({"schema_version": 1, "outcomes": outcomes}), media_type="application/json"
-        )
 
     @app.post("/v1/runs/{run}/attest")
     def attest(run: RunP, body: Attestation, who: Principal = WorkerOnly) -> dict[str, bool]:
