@@ -115,7 +115,7 @@ def _cleanup(settings: CoordinatorSettings) -> None:
     for pattern in (
         f"{settings.key_prefix}:*",
         f"{settings.queue_prefix}.*",
-        f"_kombu.binding.{settings.queue_prefix}*",
+        f"_kombu.binding*.{settings.queue_prefix}*",
     ):
         keys = list(r.scan_iter(pattern, count=1000))
         for i in range(0, len(keys), 1000):
@@ -298,16 +298,24 @@ def bench_http(
 
 
 def run_intake_bench(
-    mode: str, workers: int, n_results: int, batch: int, redis_url: str, rate: float = 0.0
+    mode: str,
+    workers: int,
+    n_results: int,
+    batch: int,
+    redis_url: str,
+    rate: float = 0.0,
+    key_prefix: str | None = None,
 ) -> IntakeBenchResult:
-    """Run one bench on fresh keys (a random prefix, deleted afterwards). Raises ValueError on bad sizes.
+    """Run one bench on fresh keys (`key_prefix`, random by default; deleted afterwards).
+
+    Raises ValueError on bad sizes.
 
     `rate` (results/s, http mode only): offered load of an open-loop run; 0 = closed loop, as fast as
     the coordinator answers.
     """
     if workers < 1 or n_results < 1 or not 1 <= batch <= 1024:
         raise ValueError("workers and results must be >= 1 and batch in [1, 1024]")
-    prefix = "bench" + secrets.token_hex(4)
+    prefix = key_prefix or "bench" + secrets.token_hex(4)
     with tempfile.TemporaryDirectory() as tmp:
         settings = generate_dev_settings(
             redis_url=redis_url, key_prefix=prefix, queue_prefix=f"{prefix}.probe", blob_dir=Path(tmp)

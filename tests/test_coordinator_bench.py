@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import secrets
+
 import redis
 from test_coordinator_fixtures import REDIS_URL
 
@@ -10,9 +12,12 @@ from coordinator.bench import run_intake_bench
 
 def test_bench_intake_store_and_http_accept_everything_exactly_once():
     r = redis.Redis.from_url(REDIS_URL)
-    before = set(r.scan_iter("bench*"))
+    prefix = "tbench" + secrets.token_hex(4)
     for mode in ("store", "http"):
-        res = run_intake_bench(mode, workers=8, n_results=600, batch=4, redis_url=REDIS_URL)
+        res = run_intake_bench(
+            mode, workers=8, n_results=600, batch=4, redis_url=REDIS_URL, key_prefix=prefix
+        )
         assert res.accepted == res.streamed == res.results == 600
         assert 0 < res.p50_ms <= res.p99_ms and res.results_per_s > 0 and res.server_cpu_s > 0
-    assert set(r.scan_iter("bench*")) == before  # the bench cleans up its keys and queues
+    leftovers = list(r.scan_iter(f"*{prefix}*"))
+    assert leftovers == []  # the bench deletes its state, queues and kombu bindings

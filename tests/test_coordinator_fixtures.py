@@ -40,7 +40,7 @@ def make_settings(tmp_path: Path, **overrides) -> CoordinatorSettings:
 def cleanup(settings: CoordinatorSettings) -> None:
     """Delete every Redis key of this test (state, Celery queues and kombu bindings)."""
     r = redis.Redis.from_url(settings.redis_url)
-    for pattern in (f"{settings.key_prefix}*", f"_kombu.binding.{settings.queue_prefix}*"):
+    for pattern in (f"{settings.key_prefix}*", f"_kombu.binding*.{settings.queue_prefix}*"):
         keys = list(r.scan_iter(pattern, count=1000))
         if keys:
             r.delete(*keys)
