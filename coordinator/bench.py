@@ -2,7 +2,7 @@
 
 Two modes, both with real Redis and the real intake code (Lua dedupe + XADD to the run's stream):
 - `http`: the coordinator runs as a separate uvicorn process; N simulated workers (registered over REST,
-  each with its own token and keep-alive connection, asyncio + httpx) post result batches, one batch
+  each with its own token and keep-alive connection, asyncio + a lean HTTP/1.1 client) post result batches, one batch
   per task as real workers do. Latency = worker starts the POST -> reply received (the result is on the
   stream by then); it excludes compute by construction.
 - `store`: N threads call `Intake.submit` in-process (no HTTP), isolating the Redis/Lua cost.
@@ -12,6 +12,7 @@ Afterwards the stream length is checked against the number of accepted results.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import secrets
 import subprocess
@@ -190,6 +191,48 @@ def bench_store(settings: CoordinatorSettings, workers: int, n_results: int, bat
     return res
 
 
+class _KeepAliveClient:
+    """A minimal HTTP/1.1 keep-alive client for the load generator (one connection, one request at a time).
+
+    The simulated workers share the bench machine's cores with the coordinator; httpx costs more CPU per
+    request than the server does, so a lean client keeps the measurement about the server. Raises
+    RuntimeError on a non-2xx status or a response without Content-Length.
+    """
+
+    def __init__(self, host: str, port: int, token: str) -> None:
+        self.host, self.port = host, port
+        self.auth = f"Authorization: Bearer {token}\r\n".encode()
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def connect(self) -> None:
+        self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+
+    async def post_json(self, path: str, body: bytes) -> bytes:
+        head = (
+            f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n"
+        ).encode()
+        self.writer.write(head + self.auth + b"\r\n" + body)
+        status_line = await self.reader.readline()
+        length = None
+        while (line := await self.reader.readline()) not in (b"\r\n", b""):
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"content-length":
+                length = int(value)
+        if length is None:
+            raise RuntimeError(f"response without Content-Length: {status_line!r}")
+        payload = await self.reader.readexactly(length)
+        if not status_line.split()[1].startswith(b"2"):
+            raise RuntimeError(f"{status_line!r}: {payload[:200]!r}")
+        return payload
+
+    async def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            await self.writer.wait_closed()
+
+
 async def _http_clients(
     url: str, tokens: list[tuple[str, str]], jobs: list[tuple[str, list[int]]], rate: float
 ):
@@ -202,16 +245,12 @@ async def _http_clients(
     lat: list[float] = []
     accepted = 0
     interval = len(tokens) * len(jobs[0][1]) / rate if rate > 0 else 0.0
-    # Clients are built and connected before the clock starts (httpx builds an SSL context per client,
-    # tens of ms each): the bench measures steady-state intake, not client start-up.
-    clients = [
-        httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {t}"}, timeout=60)
-        for _, t in tokens
-    ]
-    await asyncio.gather(*(c.get("/healthz") for c in clients))
+    host, port = httpx.URL(url).host, httpx.URL(url).port
+    clients = [_KeepAliveClient(host, port, t) for _, t in tokens]
+    await asyncio.gather(*(c.connect() for c in clients))  # connected before the clock starts
     start = time.perf_counter() + 0.05
 
-    async def worker(k: int, wid: str, c: httpx.AsyncClient) -> None:
+    async def worker(k: int, wid: str, c: _KeepAliveClient) -> None:
         nonlocal accepted
         n = 0
         while not queue.empty():
@@ -233,17 +272,16 @@ async def _http_clients(
                 t0 = start + (n + k / len(tokens)) * interval  # staggered, evenly spaced sends
                 n += 1
                 await asyncio.sleep(max(0.0, t0 - time.perf_counter()))
-            resp = await c.post(f"/v1/runs/{RUN}/results", json={"results": results})
+            reply = await c.post_json(f"/v1/runs/{RUN}/results", json.dumps({"results": results}).encode())
             dt = (time.perf_counter() - t0) * 1e3
-            resp.raise_for_status()
-            accepted += resp.json()["outcomes"].count("accepted")
+            accepted += json.loads(reply)["outcomes"].count("accepted")
             lat.extend([dt] * len(seeds))
 
     t0 = time.perf_counter()
     try:
         await asyncio.gather(*(worker(k, w, c) for k, ((w, _), c) in enumerate(zip(tokens, clients))))
     finally:
-        await asyncio.gather(*(c.aclose() for c in clients))
+        await asyncio.gather(*(c.close() for c in clients))
     return accepted, time.perf_counter() - t0, lat
 
 
