@@ -1,6 +1,6 @@
 """`sparecycles bench fleet`: probe throughput of 1..N real CPU worker processes, and publish -> ready latency.
 
-Everything is real: a coordinator (uvicorn in a thread) on Redis, `python -m probe_worker.cli` worker
+Everything is real: a coordinator process (uvicorn) on Redis, `python -m probe_worker.cli` worker
 processes (Celery, solo pool), the trainer side through CoordinatorBackend. Throughput is seeds per
 second over a timed round (each seed is two forward passes) after a warm-up round; publish -> ready is
 the wall time from `CoordinatorBackend.publish` starting until every worker's heartbeat reports the
@@ -46,20 +46,37 @@ class FleetBenchResult:
 
 class _Fleet:
     def __init__(self, redis_url: str, tmp: Path, threads: int) -> None:
-        from api.app import create_app
-        from api.server import ServerThread
-        from coordinator.settings import generate_dev_settings
+        from api.server import free_port
 
         self.prefix = "bench" + secrets.token_hex(4)
         self.redis_url, self.tmp, self.threads = redis_url, tmp, threads
-        self.settings = generate_dev_settings(redis_url=redis_url, key_prefix=self.prefix,
-                                              queue_prefix=f"{self.prefix}.probe", blob_dir=tmp / "blobs",
-                                              visibility_timeout_s=900)
-        self.server = ServerThread(create_app(self.settings)).start()
-        self.admin = httpx.Client(base_url=self.server.url, timeout=60, headers={
-            "Authorization": f"Bearer {self.settings.admin_token.get_secret_value()}"})
+        self.admin_token, self.enroll_token = secrets.token_urlsafe(32), secrets.token_urlsafe(32)
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "SPARECYCLES_REDIS_URL": redis_url,
+               "SPARECYCLES_KEY_PREFIX": self.prefix, "SPARECYCLES_QUEUE_PREFIX": f"{self.prefix}.probe",
+               "SPARECYCLES_ADMIN_TOKEN": self.admin_token, "SPARECYCLES_ENROLLMENT_TOKEN": self.enroll_token,
+               "SPARECYCLES_BLOB_DIR": str(tmp / "blobs"), "SPARECYCLES_VISIBILITY_TIMEOUT_S": "900"}
+        code = ("import uvicorn; from api.app import create_app; from coordinator.settings import "
+                "CoordinatorSettings; uvicorn.run(create_app(CoordinatorSettings()), host='127.0.0.1', "
+                f"port={port}, log_level='warning')")
+        log = open(tmp / "coordinator.log", "wb")  # noqa: SIM115 - the child owns it
+        # A separate process, as in a deployment: the coordinator must not share this process's GIL.
+        self.coord = subprocess.Popen([sys.executable, "-c", code], env=env, cwd=ROOT, stdout=log,
+                                      stderr=subprocess.STDOUT)
+        self.admin = httpx.Client(base_url=self.url, timeout=60,
+                                  headers={"Authorization": f"Bearer {self.admin_token}"})
         self.procs: list[subprocess.Popen] = []
         self.started = 0
+        self.wait(self._ready, "the coordinator")
+
+    def _ready(self) -> bool:
+        if self.coord.poll() is not None:
+            raise RuntimeError(f"the coordinator exited; see {self.tmp / 'coordinator.log'}")
+        try:
+            return self.admin.get("/readyz").status_code == 200
+        except httpx.TransportError:
+            return False
 
     def start_workers(self, n: int) -> list[str]:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "SPARECYCLES_CACHE": str(self.tmp / "cache")}
@@ -68,8 +85,8 @@ class _Fleet:
         for name in names:
             log = open(self.tmp / f"{name}.log", "wb")  # noqa: SIM115 - the child owns it
             self.procs.append(subprocess.Popen(
-                [sys.executable, "-m", "probe_worker.cli", "--coordinator", self.server.url, "--token",
-                 self.settings.enrollment_token.get_secret_value(), "--name", name, "--threads", str(self.threads),
+                [sys.executable, "-m", "probe_worker.cli", "--coordinator", self.url, "--token",
+                 self.enroll_token, "--name", name, "--threads", str(self.threads),
                  "--cache-dir", str(self.tmp / f"cache-{name}"), "--loglevel", "WARNING",
                  "--prefetch-interval", "0.2"], env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT))
         self.wait(lambda: all(self.info(nm) and self.info(nm)["last_heartbeat"] > self.info(nm)["registered_at"]
@@ -107,13 +124,14 @@ class _Fleet:
 
         spec = RunSpec(run=run, model_class=type(model).__name__, spot_check_fraction=0.0,
                        seeds_per_task=seeds_per_task)
-        return CoordinatorBackend(model, coordinator_url=self.server.url, redis_url=self.redis_url, run=spec,
-                                  admin_token=self.settings.admin_token.get_secret_value(),
+        return CoordinatorBackend(model, coordinator_url=self.url, redis_url=self.redis_url, run=spec,
+                                  admin_token=self.admin_token,
                                   key_prefix=self.prefix, round_timeout_s=3600.0, history=0)
 
     def close(self) -> None:
         self.stop_workers()
-        self.server.stop()
+        self.coord.terminate()
+        self.coord.wait(timeout=30)
         self.admin.close()
         r = redis.Redis.from_url(self.redis_url)
         for pattern in (f"{self.prefix}*", f"_kombu.binding.{self.prefix}*"):

@@ -96,6 +96,10 @@ class ProbeWorker:
             raise ValueError(f"coordinator sends task {self.reg.probe_task_name!r}; this worker runs "
                              f"{PROBE_TASK_NAME!r}; upgrade the worker")
         self.worker_id = self.reg.worker_id
+        # Heartbeats get their own short-timeout, single-try client: a hung coordinator must not stall the
+        # control loop (and with it local drains) behind the task path's long retries.
+        self.hb_client = CoordinatorClient(opts.coordinator, self.client.token, attempts=1,
+                                           timeout_s=max(1.0, min(5.0, self.reg.lease_seconds / 3)))
         self.hostname = f"{self.worker_id}@{self.host}"
         self.app = make_celery(self.reg.broker_url, visibility_timeout_s=self.reg.visibility_timeout_s,
                                soft_shutdown_s=opts.soft_shutdown_s)
@@ -114,6 +118,7 @@ class ProbeWorker:
         self.queues = list(self.reg.queues)
         self.consumed = set(self.queues or [IDLE_QUEUE])
         self._stop = threading.Event()
+        self._prefetched: dict[str, int] = {}
         self._control = threading.Thread(target=self._control_loop, name="sparecycles-control", daemon=True)
 
     # ---- control loop ------------------------------------------------------------------------------
@@ -122,7 +127,7 @@ class ProbeWorker:
         hb = Heartbeat(busy=self.runtime.busy, version=self.runtime.current_version,
                        tasks_done=self.runtime.tasks_done)
         try:
-            reply = self.client.heartbeat(self.worker_id, hb)
+            reply = self.hb_client.heartbeat(self.worker_id, hb)
         except CoordinatorHTTPError as exc:
             if exc.status in (401, 403, 404):  # deleted or unknown to the coordinator: take no more work
                 log.error("coordinator no longer knows this worker (%s); draining", exc.status)
@@ -160,7 +165,8 @@ class ProbeWorker:
                 run = q.rsplit(".", 1)[-1]  # queues are "<prefix>.<run>"; run ids contain no dot
                 try:
                     latest = self.client.run_info(run).latest_version
-                    if latest >= 0 and not self.cache.has(run, latest):
+                    if latest > self._prefetched.get(run, -1):  # each version once: no LRU thrash across runs
+                        self._prefetched[run] = latest
                         self.cache.get(run, latest)
                         self.runtime.current_version = latest
                 except Exception as exc:  # noqa: BLE001 - a ledger-only version or a hiccup: tasks load lazily
@@ -208,3 +214,4 @@ class ProbeWorker:
             except Exception as exc:  # noqa: BLE001 - the lease expires on its own
                 log.warning("could not deregister: %s", exc)
             self.client.close()
+            self.hb_client.close()
