@@ -141,7 +141,10 @@ def run_bench(presets: list[str], dist: ProbeDist | str = ProbeDist.GAUSS8, k: i
     dist = as_dist(dist)
     for p in presets:
         preset_config(p)
+    from kernels.triton_kernels import TUNING
+
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "tuning": {f"{kind}/{esize}B": list(cfg) for (kind, esize), cfg in TUNING.items()},
            "presets": [bench_preset(p, dist, k) for p in presets]}
     import triton
 

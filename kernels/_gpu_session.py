@@ -1,0 +1,18 @@
+"""One device session: tune the launch options, then run the benchmark with them (writes JSON to argv[1])."""
+
+import json
+import sys
+
+from kernels.bench import render, run_bench
+from kernels.tune import tune
+
+if __name__ == "__main__":
+    tune("gpt2-small", 40, apply=True)
+    from kernels.parity import run_parity
+
+    fails = run_parity("cuda", 64)
+    print("parity with tuned options:", "OK" if not fails else fails, flush=True)
+    res = run_bench(["gpt2-small", "gpt2-large"])
+    render(res)
+    with open(sys.argv[1], "w") as f:
+        json.dump(res, f, indent=2)
