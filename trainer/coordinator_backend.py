@@ -145,6 +145,9 @@ class CoordinatorBackend:
         self._buffer: dict[tuple[str, int], tuple[str, ProbeResult]] = {}  # (round, seed) -> (entry id, result)
         self._delivered: set[tuple[str, int]] = set()
         self._meta: dict[str, ProbeRound] = {}
+        self.params = [p for _, p in model.named_parameters()]
+        self.forward_passes = 0  # fleet forward passes behind the results handed out (2 per seed, +1 L0/round)
+        self._clean_counted: set[str] = set()
         self.history = history
         self.snapshots: dict[int, list[torch.Tensor]] = {}
         self.counts = {"accepted": 0, "duplicate": 0, "retracted": 0, "retracted_late": 0, "dropped": 0}
@@ -239,11 +242,23 @@ class CoordinatorBackend:
         u = self.snapshots[rnd.version][seed] - self.snapshots[rnd.base_version][seed]
         return float(torch.linalg.vector_norm(u.double())) / math.sqrt(u.numel())
 
+    @property
+    def block_sizes(self) -> list[int]:
+        """numel of each canonical block, in order (as InProcessBackend.block_sizes)."""
+        return [p.numel() for p in self.params]
+
     def submit(self, probe_round: ProbeRound) -> None:
         """Upload the batch (once per content) and open the round on the coordinator; returns at once.
 
-        Raises ValueError for non-seeded probe kinds or a round id the wire format refuses.
+        Like InProcessBackend, a round probes the model's current weights: a round whose version is newer
+        than the last published one publishes the current weights as that version first.
+        Raises ValueError for an along_update round without snapshots, a round at an older version that
+        was never published, or a round id the wire format refuses.
         """
+        if not self.published or probe_round.version > self.published[-1]:
+            self.publish(probe_round.version)
+        elif probe_round.version not in self.published:
+            raise ValueError(f"version {probe_round.version} was never published (last is {self.published[-1]})")
         if probe_round.kind is ProbeKind.ALONG_UPDATE:
             missing = {probe_round.version, probe_round.base_version} - set(self.snapshots)
             if missing:
@@ -293,6 +308,10 @@ class CoordinatorBackend:
         for key in keys:
             entry_id, res = self._buffer.pop(key)
             self._delivered.add(key)
+            self.forward_passes += 2
+            if res.l0 is not None and key[0] not in self._clean_counted:
+                self._clean_counted.add(key[0])
+                self.forward_passes += 1
             self._rounds.get(key[0], set()).discard(key[1])
             out.append(res)
             acks.append(entry_id)
