@@ -1,0 +1,85 @@
+"""The worker's device path on CUDA (skipped without a GPU): weights loaded from shard tensors onto the GPU
+and the worker's probe arithmetic give bit-identical losses to InProcessBackend on the same GPU, in fp32
+and in bf16 (the usual inference-fleet dtype)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from coordinator.messages import ShardRef, VersionManifest
+from kernels import ProbeEvaluator
+from probe_worker import probes
+from probe_worker.cache import build_from_tensors
+from trainer.coordinator_backend import manifest_config
+from trainer.models.gpt2 import init_gpt2_weights_
+from trainer.models.params import param_order_hash
+from trainer.train import lm_loss
+from trainer.zo.backend import InProcessBackend, ProbeKind, ProbeRound
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+def loss_fn(model, batch):
+    return lm_loss(model, batch[0], batch[1])
+
+
+def _model(dtype: torch.dtype) -> GPT2LMHeadModel:
+    cfg = GPT2Config(vocab_size=512, n_positions=64, n_embd=128, n_layer=2, n_head=4, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    with torch.random.fork_rng(devices=[]):
+        model = GPT2LMHeadModel(cfg)
+    init_gpt2_weights_(model, 0)
+    return model.to(device="cuda", dtype=dtype).eval()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_worker_probe_path_on_cuda_matches_in_process(dtype):
+    model = _model(dtype)
+    ref = InProcessBackend(model, loss_fn, history=2)
+    ref.publish(0)
+    snap0 = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        model.transformer.h[1].mlp.c_fc.weight.mul_(1.05)
+    ref.publish(1)
+    snap1 = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
+    name = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype]
+
+    def loaded(version, tensors):
+        manifest = VersionManifest(
+            run="gpu", version=version, shards=[ShardRef(name="s", sha256="0" * 64, bytes=1)],
+            param_order_hash=param_order_hash(model), dtype=name, model_class="GPT2LMHeadModel",
+            model_config_json=manifest_config(model))
+        m = build_from_tensors(manifest, tensors, "cuda")
+        assert all(p.device.type == "cuda" and p.dtype == dtype for p in m.parameters())
+        return m
+
+    w0, w1 = loaded(0, snap0), loaded(1, snap1)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 512, (4, 33), generator=g)
+    batch = (tokens[:, :-1].cuda(), tokens[:, 1:].cuda())
+    params1, params0 = probes.blocks(w1), probes.blocks(w0)
+
+    def wloss(new):
+        return probes.swapped_loss(w1, params1, loss_fn, batch, new)
+
+    ev = ProbeEvaluator(w1, loss_fn)
+    fc = [n for n, _ in model.named_parameters()].index("transformer.h.1.mlp.c_fc.weight")
+    cases = [
+        (ProbeRound("s", 1, batch, 1e-2, (3, 4), "gauss8", want_clean=True),
+         lambda s: (ev.loss(batch, s, 1e-2, "gauss8"), ev.loss(batch, s, -1e-2, "gauss8"))),
+        (ProbeRound("b", 1, batch, 1e-2, (5, 6), want_clean=True, kind=ProbeKind.BLOCK_SCALED),
+         lambda s: (wloss(probes.block_scaled_weights(params1, s, 1e-2)),
+                    wloss(probes.block_scaled_weights(params1, s, -1e-2)))),
+        (ProbeRound("a", 1, batch, 1e-2, (0, fc), want_clean=True, kind=ProbeKind.ALONG_UPDATE,
+                    base_version=0),
+         lambda s: probes.along_update(params1, params0, s, 1e-2, wloss, wloss(None))[:2]),
+    ]
+    for rnd, worker in cases:
+        ref.submit(rnd)
+        for r in ref.poll(rnd.round_id):
+            assert worker(r.seed) == (r.l_plus, r.l_minus)
+            assert ev.clean_loss(batch) == r.l0
+    moved = probes.along_update(params1, params0, fc, 1e-2, wloss, None)
+    assert moved[2] > 0 and moved[0] != moved[1]  # the probe really ran along the moved block
