@@ -15,7 +15,7 @@ from kernels.bench import _ms, preset_sizes
 from kernels.dist import ProbeDist
 from kernels.ops import perturb_model, replay_model
 
-OPTIONS = [(512, 1), (1024, 1), (2048, 2), (2048, 4), (4096, 4), (4096, 8), (8192, 4), (8192, 8), (16384, 8)]
+OPTIONS = [(1024, 1), (2048, 2), (4096, 4), (4096, 8), (8192, 8), (16384, 8)]
 
 
 def tune(preset: str = "gpt2-small", k: int = 40, apply: bool = True) -> dict[tuple[str, int], tuple[int, int]]:
