@@ -347,7 +347,7 @@ def test_coordinator_restart_mid_round_loses_and_doubles_nothing(fleet):
         fleet.wait_consuming(name)
     be.publish(0)
     batch = make_batch(4, 32, seed=7)
-    seeds = tuple(range(5000, 5020))
+    seeds = tuple(range(5000, 5040))
     rnd = ProbeRound("rs-0", 0, batch, eps=1e-2, seeds=seeds, dist="rademacher", want_clean=True)
     be.submit(rnd)
     stream_key = f"{fleet.prefix}:{{restart}}:results"
