@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_zo_support import QuadraticModel, quad_loss
 
 from kernels import direction, perturb
-from test_zo_support import QuadraticModel, quad_loss
 from trainer.zo import estimators as est
 from trainer.zo.backend import InProcessBackend, ProbeKind, ProbeRound, collect_round
 

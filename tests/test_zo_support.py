@@ -28,7 +28,7 @@ class QuadraticModel(torch.nn.Module):
         """Current θ as (n,) float64 (canonical order)."""
         return torch.cat([p.detach().double().reshape(-1) for p in self.parameters()])
 
-    def forward(self, batch=None) -> torch.Tensor:  # noqa: ARG002 - the batch is part of the loss_fn API
+    def forward(self, batch=None) -> torch.Tensor:
         t = torch.cat([p.double().reshape(-1) for p in self.parameters()])
         return 0.5 * t @ self.h @ t + self.b @ t
 

@@ -8,7 +8,8 @@ Every mode implements trainer.train.TrainMode (step / extra_state / load_extra_s
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -35,7 +36,7 @@ def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Opt
     canonical = [p for _, p in model.named_parameters()]
     groups = [{"params": [p for p in canonical if p.dim() >= 2], "weight_decay": cfg.weight_decay},
               {"params": [p for p in canonical if p.dim() < 2], "weight_decay": 0.0}]
-    common = dict(blocks=canonical, staleness=cfg.staleness, probe_eps=cfg.eps, seed=cfg.seed)
+    common = {"blocks": canonical, "staleness": cfg.staleness, "probe_eps": cfg.eps, "seed": cfg.seed}
     if cfg.optimizer == "zocurv-block":
         return ZOCurvBlockAdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), probes=cfg.probes, **common)
     if cfg.optimizer == "zocurv-sophia":

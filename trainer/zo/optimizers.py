@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from trainer.zo import estimators as est
 from kernels import direction, dist_moments
+from trainer.zo import estimators as est
 from trainer.zo.backend import ProbeBackend, ProbeKind, ProbeResult, ProbeRound, losses
 from trainer.zo.curvature import CurvatureState, Outcome
 
@@ -220,7 +220,7 @@ class ZOCurvBlockAdamW(_ZOCurvBase):
             raise ValueError(f"need 0 < s_min <= 1 <= s_max, got {s_min}, {s_max}")
         self.rho, self.s_min, self.s_max = rho, s_min, s_max
         self.last_clipped_frac = 0.0
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay), blocks=blocks,
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}, blocks=blocks,
                          curv_size="block", curv_beta=curv_beta, staleness=staleness, probes=probes,
                          probe_eps=probe_eps, seed=seed)
 
@@ -262,7 +262,7 @@ class ZOCurvSophia(_ZOCurvBase):
             raise ValueError(f"gamma must be > 0, got {gamma}")
         self.granularity = granularity
         self.last_clipped_frac = 0.0
-        super().__init__(params, dict(lr=lr, betas=betas, gamma=gamma, eps=eps, weight_decay=weight_decay),
+        super().__init__(params, {"lr": lr, "betas": betas, "gamma": gamma, "eps": eps, "weight_decay": weight_decay},
                          blocks=blocks, curv_size=granularity, curv_beta=betas[1], staleness=staleness,
                          probes=probes, probe_eps=probe_eps, seed=seed)
         self.offsets = [0, *torch.tensor(self.block_sizes).cumsum(0).tolist()]
@@ -343,7 +343,7 @@ class ZOCurvLine(_ZOCurvBase):
             raise ValueError("need 0 < s_min <= 1 <= s_max and 0 < r_min <= 1 <= r_max")
         self.s_min, self.s_max, self.r_min, self.r_max = s_min, s_max, r_min, r_max
         self.last_clipped_frac = 0.0
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay), blocks=blocks,
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}, blocks=blocks,
                          curv_size="block", curv_beta=curv_beta, staleness=staleness, probes=1,
                          probe_eps=probe_eps, seed=seed)
 

@@ -13,8 +13,8 @@ from typing import Any, Literal
 
 import torch
 
-from trainer.zo import estimators as est
 from kernels import replay_
+from trainer.zo import estimators as est
 from trainer.zo.backend import ProbeBackend, ProbeRound, collect_round, losses
 
 Method = Literal["mezo", "1spsa", "1.5spsa"]

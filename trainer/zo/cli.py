@@ -1,0 +1,38 @@
+"""`sparecycles bench zo`: the ZO side-by-side benchmarks (typer + stdlib at import; torch inside the body)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+
+def bench_zo(
+    part: str = typer.Option("all", help="lm (gpt2-tiny: AdamW vs ZO-Curv), sentiment (MeZO/1SPSA/1.5-SPSA) or all."),
+    out: Path = typer.Option(Path("runs/zo-bench"), help="Folder for JSON summaries, PNG figures and run folders."),
+    device: str = typer.Option("cpu", help="cpu or cuda[:N]."),
+    steps: int = typer.Option(600, min=1, help="lm: optimizer steps per run."),
+    probes: int = typer.Option(32, min=1, help="lm: block-scaled probes per curvature round."),
+    k: int = typer.Option(16, min=1, help="sentiment: probes K per step of 1SPSA and 1.5-SPSA."),
+    budget: int = typer.Option(6000, min=3, help="sentiment: forward passes per run."),
+    lrs: str = typer.Option("1e-5,1e-4,1e-3", help="sentiment: comma-separated learning rates tried per method."),
+    seed: int = typer.Option(0, min=0, help="Run seed."),
+) -> None:
+    """Run the ZO benchmarks on real data and write lm_summary.json / sentiment_summary.json and PNGs."""
+    from trainer.zo.bench import lm_comparison, sentiment_comparison
+
+    if part not in ("lm", "sentiment", "all"):
+        raise typer.BadParameter(f"part must be lm, sentiment or all, got {part!r}")
+    if part in ("lm", "all"):
+        s = lm_comparison(out, steps=steps, device=device, probes=probes, seed=seed)
+        typer.echo(json.dumps({k: {"final_val_loss": v["final_val_loss"], "steps_to_adamw_final":
+                                   v["steps_to_adamw_final"]} for k, v in s["runs"].items()}))
+    if part in ("sentiment", "all"):
+        grid = tuple(float(x) for x in lrs.split(","))
+        s = sentiment_comparison(out, budget=budget, device=device, probes=k, lrs=grid, seed=seed)
+        typer.echo(json.dumps(s["best"]))
+
+
+if __name__ == "__main__":
+    typer.run(bench_zo)
