@@ -136,11 +136,11 @@ def run_bench(presets: list[str], dist: ProbeDist | str = ProbeDist.GAUSS8, k: i
     """All measurements as a JSON-ready dict; raises RuntimeError without CUDA or triton."""
     from kernels.ops import triton_available
 
-    if not torch.cuda.is_available() or not triton_available():
-        raise RuntimeError("bench kernels needs a CUDA device and triton (run it on a GPU machine)")
     dist = as_dist(dist)
     for p in presets:
         preset_config(p)
+    if not torch.cuda.is_available() or not triton_available():
+        raise RuntimeError("bench kernels needs a CUDA device and triton (run it on a GPU machine)")
     from kernels.triton_kernels import TUNING
 
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,

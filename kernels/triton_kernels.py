@@ -22,9 +22,10 @@ from kernels.philox import check_seed
 from kernels.reference import check_range
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# (elements per program, warps) by (kernel, element size in bytes); kernels/tune.py measures the options.
+# (elements per program, warps) by (kernel, element size in bytes): the fastest options kernels.tune found
+# on an H200 over gpt2-small's parameter sizes (kernels/NOTES.md); other keys fall back to (4096, 8).
 TUNING: dict[tuple[str, int], tuple[int, int]] = {
-    ("perturb", 2): (4096, 8), ("perturb", 4): (4096, 8), ("replay", 2): (4096, 8), ("replay", 4): (4096, 8),
+    ("perturb", 2): (2048, 2), ("perturb", 4): (4096, 8), ("replay", 4): (2048, 2),
 }
 _tables: dict[torch.device, torch.Tensor] = {}
 

@@ -1,0 +1,40 @@
+"""`bench kernels` command: light import, preset sizes, clear error without a GPU."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from typer.testing import CliRunner
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_cli_module_imports_no_torch():
+    code = "import sys, kernels.cli; assert 'torch' not in sys.modules and 'triton' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
+
+
+def test_preset_sizes_match_published_gpt2_counts():
+    from kernels.bench import preset_sizes
+
+    small, large = preset_sizes("gpt2-small"), preset_sizes("gpt2-large")
+    assert (sum(small), len(small)) == (124_439_808, 148)
+    assert (sum(large), len(large)) == (774_030_080, 436)
+
+
+def test_bench_without_cuda_fails_with_clear_message():
+    from kernels.cli import bench_app
+
+    res = CliRunner().invoke(bench_app, ["--preset", "gpt2-small", "--no-forward"])
+    if torch.cuda.is_available():
+        assert res.exit_code == 0, res.output
+    else:
+        assert res.exit_code == 2 and "needs a CUDA device" in res.output
+
+
+def test_bench_rejects_unknown_preset():
+    from kernels.cli import bench_app
+
+    res = CliRunner().invoke(bench_app, ["--preset", "gpt2-huge", "--no-forward"])
+    assert res.exit_code == 2 and "unknown preset" in res.output
