@@ -16,7 +16,11 @@ _EXPORTS = {
     "replay_": "kernels.ops", "replay_model": "kernels.ops", "seeds_tensor": "kernels.ops",
     "triton_available": "kernels.ops", "uses_triton": "kernels.ops",
 }
-__all__ = sorted(_EXPORTS)
+__all__ = [  # noqa: RUF022 - grouped by module like _EXPORTS
+    "GAUSS8_TABLE", "KAPPA", "ProbeDist", "dist_moments", "gauss8_moments", "ProbeEvaluator", "canonical_offsets",
+    "axpy_", "direction", "perturb", "perturb_model", "replay_", "replay_model", "seeds_tensor",
+    "triton_available", "uses_triton",
+]
 
 
 def __getattr__(name: str):

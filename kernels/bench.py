@@ -11,9 +11,9 @@ import torch
 from kernels.dist import ProbeDist, as_dist
 
 PRESETS = {  # GPT-2 family shapes (Sophia's settings; DESIGN.md section 2)
-    "gpt2-small": dict(n_layer=12, n_embd=768, n_head=12),
-    "gpt2-medium": dict(n_layer=24, n_embd=1024, n_head=16),
-    "gpt2-large": dict(n_layer=36, n_embd=1280, n_head=20),
+    "gpt2-small": {"n_layer": 12, "n_embd": 768, "n_head": 12},
+    "gpt2-medium": {"n_layer": 24, "n_embd": 1024, "n_head": 16},
+    "gpt2-large": {"n_layer": 36, "n_embd": 1280, "n_head": 20},
 }
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
@@ -12,14 +13,15 @@ bench_app = typer.Typer(help="Benchmarks.", no_args_is_help=True)
 
 @bench_app.command("kernels")
 def bench_kernels(
-    preset: str = typer.Option("gpt2-small,gpt2-large", help="comma-separated presets: gpt2-small, "
-                                                               "gpt2-medium, gpt2-large"),
-    dist: str = typer.Option("gauss8", help="probe distribution: gauss8 or rademacher"),
-    k: int = typer.Option(40, min=1, help="seeds per replay"),
-    batch: int = typer.Option(16, min=1, help="forward batch size (gpt2-small overhead test)"),
-    seq_len: int = typer.Option(1024, min=1, max=1024, help="forward sequence length"),
-    forward: bool = typer.Option(True, help="also measure per-probe overhead vs a gpt2-small forward"),
-    json_out: Path = typer.Option(None, help="write all measurements as JSON here"),
+    preset: Annotated[str, typer.Option(help="comma-separated presets: gpt2-small, gpt2-medium, gpt2-large")] = (
+        "gpt2-small,gpt2-large"
+    ),
+    dist: Annotated[str, typer.Option(help="probe distribution: gauss8 or rademacher")] = "gauss8",
+    k: Annotated[int, typer.Option(min=1, help="seeds per replay")] = 40,
+    batch: Annotated[int, typer.Option(min=1, help="forward batch size (gpt2-small overhead test)")] = 16,
+    seq_len: Annotated[int, typer.Option(min=1, max=1024, help="forward sequence length")] = 1024,
+    forward: Annotated[bool, typer.Option(help="also measure per-probe overhead vs a gpt2-small forward")] = True,
+    json_out: Annotated[Path | None, typer.Option(help="write all measurements as JSON here")] = None,
 ) -> None:
     """Effective bandwidth of the fused perturb/replay kernels vs a device copy and naive PyTorch, and the
     per-probe perturbation overhead vs one bf16 forward of gpt2-small. Needs a CUDA GPU."""
@@ -35,5 +37,7 @@ def bench_kernels(
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps(res, indent=2))
         typer.echo(f"wrote {json_out}")
+
+
 if __name__ == "__main__":
     bench_app()

@@ -150,7 +150,7 @@ def perturb_model(tensors: Sequence[torch.Tensor], offsets: Sequence[int], seed:
     _check_lists(tensors, offsets)
     outs = [torch.empty_like(t) for t in tensors] if outs is None else list(outs)
     _check_lists(outs, offsets)
-    for (dtype, device), idx in _groups(tensors).items():
+    for idx in _groups(tensors).values():
         if uses_triton(tensors[idx[0]]):
             from kernels.triton_kernels import perturb_list_triton
 
@@ -195,7 +195,7 @@ def replay_model(tensors: Sequence[torch.Tensor], offsets: Sequence[int], seeds:
     _check_lists(tensors, offsets)
     for t in tensors:
         _check_float(t, "tensors[i]", (torch.float32,))
-    for (dtype, device), idx in _groups(tensors).items():
+    for (_, device), idx in _groups(tensors).items():
         if uses_triton(tensors[idx[0]]):
             from kernels.triton_kernels import replay_list_triton
 

@@ -134,7 +134,7 @@ def _perturb_list_kernel(w_base, out_base, blk_ptr, meta_ptr, seed, alpha, table
 @triton.jit
 def _replay_list_kernel(w_base, blk_ptr, meta_ptr, seeds_ptr, coeffs_ptr, K, table_ptr,
                         NC: tl.constexpr, EPC: tl.constexpr, GAUSS: tl.constexpr, ALIGNED: tl.constexpr):
-    d_in, d_out, n, head, cbase, b = _list_entry(blk_ptr, meta_ptr, ALIGNED)
+    d_in, _d_out, n, head, cbase, b = _list_entry(blk_ptr, meta_ptr, ALIGNED)
     idx = _local_index(b, head, NC, EPC)
     m = (idx >= 0) & (idx < n)
     acc = tl.load(w_base + d_in + idx, mask=m).to(tl.float32)
@@ -282,18 +282,21 @@ class PackedList:
         self.aligned = aligned and base_in.data_ptr() % 16 == 0 and base_out.data_ptr() % 16 == 0
         self.blk = torch.stack([torch.cat(blk_t), torch.cat(blk_b)], dim=1).contiguous().to(dev)
         self.meta = torch.tensor(rows, dtype=torch.int64).to(dev)
-        self.base_in, self.base_out = base_in, base_out
+        self.device = dev  # no tensor references kept: the cache must not pin memory
         self.nc, self.epc = nc, epc
         self.programs = int(self.blk.shape[0])
 
 
 _packed_cache: dict[tuple, PackedList] = {}
-_PACKED_CACHE_SIZE = 1024
+_PACKED_CACHE_SIZE = 64  # tables are ~8 B per program; an evaluator needs one per unit
+
+
+def _sig(ts: list[torch.Tensor]) -> tuple:
+    return tuple((t.data_ptr(), t.numel(), t.dtype, t.device, t.is_contiguous()) for t in ts)
 
 
 def _packed(ins, outs, offsets, dist, block) -> PackedList:
-    key = (dist, block, tuple((t.data_ptr(), t.numel(), t.dtype, t.device) for t in ins),
-           tuple(o.data_ptr() for o in outs), tuple(offsets))
+    key = (dist, block, _sig(ins), _sig(outs), tuple(offsets))
     hit = _packed_cache.pop(key, None)
     if hit is None:
         if len(_packed_cache) >= _PACKED_CACHE_SIZE:
@@ -313,8 +316,8 @@ def perturb_list_triton(tensors: list[torch.Tensor], offsets: list[int], seed: i
     dist = as_dist(dist)
     block, warps = _config("perturb", tensors[0]) if tensors else (4096, 8)
     p = _packed(tensors, outs, offsets, dist, block)
-    _perturb_list_kernel[(p.programs,)](p.base_in, p.base_out, p.blk, p.meta, _seed_arg(seed), float(alpha),
-                                        _table(p.base_in.device), NC=p.nc, EPC=p.epc,
+    _perturb_list_kernel[(p.programs,)](tensors[0], outs[0], p.blk, p.meta, _seed_arg(seed), float(alpha),
+                                        _table(p.device), NC=p.nc, EPC=p.epc,
                                         GAUSS=dist is ProbeDist.GAUSS8, ALIGNED=p.aligned,
                                         num_warps=warps, enable_fp_fusion=False)
     return outs
@@ -326,11 +329,11 @@ def replay_list_triton(tensors: list[torch.Tensor], offsets: list[int], seeds: t
     dist = as_dist(dist)
     block, warps = _config("replay", tensors[0]) if tensors else (4096, 8)
     p = _packed(tensors, tensors, offsets, dist, block)
-    _check_seeds(seeds, coeffs, p.base_in.device)
+    _check_seeds(seeds, coeffs, p.device)
     if seeds.numel() == 0:
         return tensors
-    _replay_list_kernel[(p.programs,)](p.base_in, p.blk, p.meta, seeds, coeffs, seeds.numel(),
-                                       _table(p.base_in.device), NC=p.nc, EPC=p.epc,
+    _replay_list_kernel[(p.programs,)](tensors[0], p.blk, p.meta, seeds, coeffs, seeds.numel(),
+                                       _table(p.device), NC=p.nc, EPC=p.epc,
                                        GAUSS=dist is ProbeDist.GAUSS8, ALIGNED=p.aligned,
                                        num_warps=warps, enable_fp_fusion=False)
     return tensors

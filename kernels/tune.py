@@ -44,7 +44,7 @@ def tune(preset: str = "gpt2-small", k: int = 40, apply: bool = True) -> dict[tu
         for block, warps in OPTIONS:
             tk.TUNING[(kind, esize)] = (block, warps)
             tk._packed_cache.clear()
-            ms = _ms(lambda: fn(ProbeDist(dist)), rep=60)
+            ms = _ms(lambda fn=fn, dist=dist: fn(ProbeDist(dist)), rep=60)
             row.append(f"{block}/{warps}: {ms:.3f}")
             if dist == "gauss8" and ms < best.get((kind, esize), (float("inf"),))[0]:
                 best[(kind, esize)] = (ms, (block, warps))
