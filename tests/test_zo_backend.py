@@ -8,7 +8,7 @@ from test_zo_support import QuadraticModel, quad_loss
 
 from kernels import direction, perturb
 from trainer.zo import estimators as est
-from trainer.zo.backend import InProcessBackend, ProbeKind, ProbeRound, collect_round
+from trainer.zo.backend import InProcessBackend, ProbeKind, ProbeRound, collect_round, collect_round_counted
 
 SIZES = [6, 10, 3]
 
@@ -81,3 +81,13 @@ def test_delayed_delivery_and_round_validation():
     with pytest.raises(ValueError):
         ProbeRound("bad", 0, None, 1e-3, (1, 1))
     assert direction(1, 0, 4, "rademacher").abs().eq(1).all()
+
+
+def test_collect_round_drops_other_versions_and_redeliveries():
+    model = QuadraticModel(SIZES, seed=4)
+    be = InProcessBackend(model, quad_loss)
+    be.submit(ProbeRound("x", 0, None, 1e-2, (1, 2)))  # an older evaluation of the same round id, unpolled
+    be.submit(ProbeRound("x", 1, None, 1e-2, (1, 2)))  # a redelivery at the right version
+    res, counts = collect_round_counted(be, ProbeRound("x", 1, None, 1e-2, (1, 2)))
+    assert [(r.seed, r.version) for r in res] == [(1, 1), (2, 1)]
+    assert counts == {"accepted": 2, "stale": 2, "duplicate": 2}

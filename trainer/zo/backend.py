@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -249,21 +250,42 @@ class InProcessBackend:
         return got
 
 
-def collect_round(backend: ProbeBackend, probe_round: ProbeRound) -> list[ProbeResult]:
-    """Submit a round and return exactly one result per seed (duplicates dropped), in seed order.
+def collect_round_counted(backend: ProbeBackend, probe_round: ProbeRound, timeout_s: float = 0.0,
+                          poll_s: float = 0.05) -> tuple[list[ProbeResult], dict[str, int]]:
+    """Submit a round and wait for one result per seed; also return intake counts.
 
-    For synchronous use (pure-ZO steps). Raises RuntimeError if the backend does not deliver every
-    seed (an in-process backend with delay_rounds > 0, or a fleet that timed out).
+    Results stamped with another version than the round's are counted `stale` and ignored (a pure-ZO
+    step needs every slope at the same θ); redeliveries of a seed are counted `duplicate`. Polls every
+    `poll_s` seconds until all seeds arrived or `timeout_s` passed (0: poll once — synchronous backends).
+    Returns (results in seed order, {"accepted", "stale", "duplicate"}).
+    Raises RuntimeError naming the missing seeds when the deadline passes.
     """
     backend.submit(probe_round)
     by_seed: dict[int, ProbeResult] = {}
-    for res in backend.poll(probe_round.round_id):
-        by_seed.setdefault(res.seed, res)
-    missing = [s for s in probe_round.seeds if s not in by_seed]
-    if missing:
-        raise RuntimeError(f"round {probe_round.round_id}: no result for {len(missing)} seeds; "
-                           "use a backend that delivers synchronously (delay_rounds=0)")
-    return [by_seed[s] for s in probe_round.seeds]
+    counts = {"accepted": 0, "stale": 0, "duplicate": 0}
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for res in backend.poll(probe_round.round_id):
+            if res.version != probe_round.version:
+                counts["stale"] += 1
+            elif res.seed in by_seed:
+                counts["duplicate"] += 1
+            else:
+                by_seed[res.seed] = res
+                counts["accepted"] += 1
+        missing = [s for s in probe_round.seeds if s not in by_seed]
+        if not missing:
+            return [by_seed[s] for s in probe_round.seeds], counts
+        if time.monotonic() >= deadline:
+            raise RuntimeError(f"round {probe_round.round_id}: no result for {len(missing)} of "
+                               f"{len(probe_round.seeds)} seeds after {timeout_s} s; raise the timeout, or use "
+                               "a backend that delivers synchronously (InProcessBackend with delay_rounds=0)")
+        time.sleep(poll_s)
+
+
+def collect_round(backend: ProbeBackend, probe_round: ProbeRound, timeout_s: float = 0.0) -> list[ProbeResult]:
+    """`collect_round_counted` without the counts: one result per seed, in seed order."""
+    return collect_round_counted(backend, probe_round, timeout_s)[0]
 
 
 def losses(results: Sequence[ProbeResult]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

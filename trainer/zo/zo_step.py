@@ -15,7 +15,7 @@ import torch
 
 from kernels import replay_
 from trainer.zo import estimators as est
-from trainer.zo.backend import ProbeBackend, ProbeRound, collect_round, losses
+from trainer.zo.backend import ProbeBackend, ProbeRound, collect_round_counted, losses
 
 Method = Literal["mezo", "1spsa", "1.5spsa"]
 METHOD_DIST = {"mezo": "gauss8", "1spsa": "rademacher", "1.5spsa": "rademacher"}
@@ -58,16 +58,19 @@ class ZOStepper:
         run_seed: seeds of step t are estimators.step_seeds(run_seed, t, K).
         probes, eps, alpha, lam: K, ε, 1.5-SPSA α and λ.
         weight_decay: decoupled, applied to tensors with dim >= 2 only (GPT-2 recipe).
+        timeout_s: how long a step waits for its round's results (0 for synchronous backends).
     Raises ValueError for an unknown method.
     """
 
     def __init__(self, model: torch.nn.Module, method: Method, *, run_seed: int, probes: int = 8,
-                 eps: float = 1e-3, alpha: float = 0.1, lam: float = 1.0, weight_decay: float = 0.0) -> None:
+                 eps: float = 1e-3, alpha: float = 0.1, lam: float = 1.0, weight_decay: float = 0.0, timeout_s: float = 0.0) -> None:
         if method not in METHOD_DIST:
             raise ValueError(f"unknown ZO method {method!r}; use mezo, 1spsa or 1.5spsa")
         self.model, self.method, self.run_seed = model, method, run_seed
         self.k = 1 if method == "mezo" else probes
         self.eps, self.alpha, self.lam, self.weight_decay = eps, alpha, lam, weight_decay
+        self.timeout_s = timeout_s
+        self.counts = {"accepted": 0, "stale": 0, "duplicate": 0}
         self.dist = METHOD_DIST[method]
         self.params = [p for _, p in model.named_parameters()]
         self.offsets = list(itertools.accumulate((p.numel() for p in self.params), initial=0))[:-1]
@@ -84,7 +87,9 @@ class ZOStepper:
     def step(self, step: int, batch: Any, backend: ProbeBackend, lr: float) -> dict[str, float]:
         """One ZO step at version `step`; returns loss (L0, or mean of L± without a clean pass) and stats."""
         r = self.probe_round(step, batch)
-        res = collect_round(backend, r)
+        res, counts = collect_round_counted(backend, r, self.timeout_s)
+        for k, v in counts.items():
+            self.counts[k] += v
         lp, lm, l0 = losses(res)
         self.forward_passes += 2 * len(res) + (1 if r.want_clean else 0)
         c, stats = zo_coefficients(self.method, lp, lm, l0, self.eps, lr, self.alpha, self.lam)
@@ -97,17 +102,19 @@ class ZOStepper:
                 p.data.copy_(w)  # one rounding from the fp32 master
         loss = float(l0.mean()) if l0 is not None else float((lp + lm).mean() / 2)
         return {"loss": loss, "forward_passes": float(self.forward_passes),
-                "update_coef_abs_mean": float(c.abs().mean()), **stats}
+                "update_coef_abs_mean": float(c.abs().mean()), **stats,
+                **{f"probe_{k}": float(v) for k, v in self.counts.items()}}
 
     def state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """(tensors, JSON) for checkpoints: fp32 masters of non-fp32 params, forward-pass count."""
         tensors = {f"zo_master/{i}": w for i, (p, w) in enumerate(zip(self.params, self.masters))
                    if p.dtype != torch.float32}
-        return tensors, {"forward_passes": self.forward_passes}
+        return tensors, {"forward_passes": self.forward_passes, "counts": dict(self.counts)}
 
     def load_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
         """Restore `state()`; masters missing from `tensors` are re-read from the (loaded) model."""
         self.forward_passes = int(meta.get("forward_passes", 0))
+        self.counts.update({k: int(v) for k, v in meta.get("counts", {}).items()})
         for i, p in enumerate(self.params):
             if p.dtype != torch.float32:
                 src = tensors.get(f"zo_master/{i}")
