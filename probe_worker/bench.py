@@ -134,7 +134,7 @@ class _Fleet:
         self.coord.wait(timeout=30)
         self.admin.close()
         r = redis.Redis.from_url(self.redis_url)
-        for pattern in (f"{self.prefix}*", f"_kombu.binding.{self.prefix}*"):
+        for pattern in (f"{self.prefix}*", f"_kombu.binding*.{self.prefix}*"):
             keys = list(r.scan_iter(pattern, count=1000))
             if keys:
                 r.delete(*keys)

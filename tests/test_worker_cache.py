@@ -76,7 +76,7 @@ class Env:
     def close(self) -> None:
         self.server.stop()
         r = redis.Redis.from_url(REDIS_URL)
-        for pattern in (f"{self.prefix}*", f"_kombu.binding.{self.prefix}*"):
+        for pattern in (f"{self.prefix}*", f"_kombu.binding*.{self.prefix}*"):
             keys = list(r.scan_iter(pattern, count=1000))
             if keys:
                 r.delete(*keys)

@@ -173,7 +173,7 @@ class Fleet:
         self.admin.close()
         for f in self.logs:
             f.close()
-        for pattern in (f"{self.prefix}*", f"_kombu.binding.{self.prefix}*"):
+        for pattern in (f"{self.prefix}*", f"_kombu.binding*.{self.prefix}*"):
             keys = list(self.r.scan_iter(pattern, count=1000))
             if keys:
                 self.r.delete(*keys)
