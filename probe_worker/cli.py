@@ -27,6 +27,9 @@ def worker(
     soft_shutdown: Annotated[float, typer.Option(min=0.0, help="Seconds SIGTERM waits for the in-flight task")] = 30.0,
     prefetch_interval: Annotated[float, typer.Option(min=0.0, help="Seconds between checks for a new version "
                                                      "to load ahead of its rounds (0: load at the first task)")] = 1.0,
+    yield_gpu_util: Annotated[float | None, typer.Option(min=1.0, max=100.0, help="Drain while other work keeps "
+                                                          "the GPU at least this busy (percent; needs "
+                                                          "nvidia-ml-py)")] = None,
     threads: Annotated[int | None, typer.Option(min=1, help="torch CPU threads (default: torch's)")] = None,
     loglevel: Annotated[str, typer.Option(help="Log level (DEBUG, INFO, WARNING)")] = "INFO",
 ) -> None:
@@ -40,12 +43,15 @@ def worker(
 
     if threads:
         torch.set_num_threads(threads)
+    if yield_gpu_util is not None and not device.startswith("cuda"):
+        raise typer.BadParameter("--yield-gpu-util needs --device cuda:N", param_hint="--yield-gpu-util")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise typer.BadParameter(f"{device} requested but CUDA is not available", param_hint="--device")
     opts = WorkerOptions(
         coordinator=coordinator, token=token, device=device, name=name, metrics_port=metrics_port,
         cache_dir=cache_dir, keep_versions=keep_versions, control_interval_s=control_interval,
-        soft_shutdown_s=soft_shutdown, prefetch_interval_s=prefetch_interval, loglevel=loglevel.upper(),
+        soft_shutdown_s=soft_shutdown, prefetch_interval_s=prefetch_interval, yield_gpu_util_pct=yield_gpu_util,
+        loglevel=loglevel.upper(),
     )
     ProbeWorker(opts).run()
 

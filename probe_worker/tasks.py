@@ -43,7 +43,8 @@ HAND_BACK_PAUSE_S = 0.5
 
 
 class DrainState:
-    """Whether this worker takes tasks: draining if asked locally (SIGUSR1) or by the coordinator.
+    """Whether this worker takes tasks: draining if asked locally (SIGUSR1), by the coordinator, or by
+    the GPU-busy policy.
 
     Thread-safe; `changed` is set on every transition so the control loop reacts at once.
     """
@@ -51,12 +52,19 @@ class DrainState:
     def __init__(self) -> None:
         self.local = False
         self.remote = False
+        self.policy = False
         self.changed = threading.Event()
 
     @property
     def draining(self) -> bool:
         """True while tasks must not be started."""
-        return self.local or self.remote
+        return self.local or self.remote or self.policy
+
+    def set_policy(self, value: bool) -> None:
+        """Record the GPU-busy policy's decision (BusyPolicy)."""
+        if value != self.policy:
+            self.policy = value
+            self.changed.set()
 
     def set_local(self, value: bool) -> None:
         """Drain (True) or resume (False) on local request; safe to call from a signal handler."""
@@ -134,3 +142,49 @@ def register_probe_task(app: Celery, runtime: ProbeRuntime, drain: DrainState, m
         return run_probe(runtime, drain, metrics, kwargs, hand_off if queue else None)
 
     return probe
+
+
+class BusyPolicy:
+    """Yield the GPU to its serving load: drain while another process keeps the device busy.
+
+    Feed `update(util_pct, self_busy)` one utilization reading (percent, 0..100) per control tick.
+    Readings taken while this worker runs a task are ignored (its own kernels count in them). The
+    worker drains after `n_on` consecutive idle readings >= `threshold_pct` and resumes after `n_off`
+    consecutive readings below it (hysteresis, so a short serving burst does not flap the queue).
+    Raises ValueError for a threshold outside (0, 100] or non-positive counts.
+    """
+
+    def __init__(self, threshold_pct: float, n_on: int = 2, n_off: int = 4) -> None:
+        if not 0 < threshold_pct <= 100 or n_on < 1 or n_off < 1:
+            raise ValueError("threshold_pct must be in (0, 100] and n_on, n_off >= 1")
+        self.threshold_pct, self.n_on, self.n_off = threshold_pct, n_on, n_off
+        self.yielding = False
+        self._run = 0
+
+    def update(self, util_pct: float, self_busy: bool) -> bool:
+        """Record one reading; return whether the worker should be draining now."""
+        if self_busy:
+            return self.yielding
+        hot = util_pct >= self.threshold_pct
+        self._run = self._run + 1 if hot != self.yielding else 0
+        if self._run >= (self.n_off if self.yielding else self.n_on):
+            self.yielding, self._run = hot, 0
+        return self.yielding
+
+
+def gpu_utilization_reader(device: str) -> Callable[[], float]:
+    """A function returning the current utilization (percent) of CUDA device `device` via NVML.
+
+    Needs the `nvidia-ml-py` package; the index is NVML's (physical) one, so set it to match when
+    CUDA_VISIBLE_DEVICES renumbers devices. Raises ValueError for a non-CUDA device.
+    """
+    import torch
+
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        raise ValueError(f"GPU-busy yielding needs a cuda device, got {device!r}")
+    import pynvml
+
+    pynvml.nvmlInit()
+    handle = pynvml.nvmlDeviceGetHandleByIndex(dev.index or 0)
+    return lambda: float(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)

@@ -7,7 +7,7 @@ started with `--pool=solo` (one process per device: CUDA does not survive fork).
 
 A control thread heartbeats every `control_interval_s` and reconciles the consumed queues with what
 the worker should consume: the coordinator's queue list, or nothing while draining (coordinator state
-'draining'/'quarantined', or SIGUSR1; SIGUSR2 resumes a local drain). Queues are added and cancelled
+'draining'/'quarantined', SIGUSR1 until SIGUSR2, or, optionally, while other processes keep the GPU busy). Queues are added and cancelled
 through Celery's remote control addressed to this worker only; a task delivered before a cancel
 takes effect is handed back (rejected with requeue) unevaluated, and the in-flight task always
 finishes. SIGTERM is Celery's warm shutdown within `soft_shutdown_s`; the worker then deregisters.
@@ -30,7 +30,7 @@ from probe_worker.cache import WeightCache
 from probe_worker.client import CoordinatorClient, CoordinatorHTTPError
 from probe_worker.metrics import default_metrics, serve_metrics
 from probe_worker.runtime import ProbeRuntime
-from probe_worker.tasks import DrainState, register_probe_task
+from probe_worker.tasks import BusyPolicy, DrainState, gpu_utilization_reader, register_probe_task
 
 log = logging.getLogger("sparecycles.worker")
 IDLE_QUEUE = "sparecycles.idle"  # consumed only while no run queue exists (Celery needs at least one)
@@ -58,7 +58,8 @@ class WorkerOptions:
     control_interval_s: heartbeat and drain-check period (<= 1 s drains within a second);
     soft_shutdown_s: how long SIGTERM waits for the in-flight task; prefetch_interval_s: how often the
     latest version of each consumed run is checked and loaded ahead of its rounds (0: load lazily);
-    loglevel: Celery's.
+    yield_gpu_util_pct: drain while the GPU is this busy (percent) with other work (BusyPolicy, NVML;
+    None: off); loglevel: Celery's.
     """
 
     coordinator: str
@@ -71,6 +72,7 @@ class WorkerOptions:
     control_interval_s: float = 0.5
     soft_shutdown_s: float = 30.0
     prefetch_interval_s: float = 1.0
+    yield_gpu_util_pct: float | None = None
     loglevel: str = "INFO"
 
 
@@ -119,6 +121,8 @@ class ProbeWorker:
         self.consumed = set(self.queues or [IDLE_QUEUE])
         self._stop = threading.Event()
         self._prefetched: dict[str, int] = {}
+        self._gpu_util = gpu_utilization_reader(opts.device) if opts.yield_gpu_util_pct else None
+        self._busy_policy = BusyPolicy(opts.yield_gpu_util_pct) if opts.yield_gpu_util_pct else None
         self._control = threading.Thread(target=self._control_loop, name="sparecycles-control", daemon=True)
 
     # ---- control loop ------------------------------------------------------------------------------
@@ -175,6 +179,11 @@ class ProbeWorker:
     def _control_loop(self) -> None:
         while not self._stop.is_set():
             self.drain.changed.clear()
+            if self._gpu_util is not None:
+                try:
+                    self.drain.set_policy(self._busy_policy.update(self._gpu_util(), self.runtime.busy))
+                except Exception as exc:  # noqa: BLE001 - NVML hiccup: keep the last decision
+                    log.warning("GPU utilization unreadable: %s", exc)
             self._heartbeat()
             try:
                 self._reconcile()
