@@ -1,1 +1,7 @@
-"""probe_worker package."""
+"""Elastic probe workers (DESIGN.md section 3): a Celery worker per device that registers with the
+coordinator, caches weight versions (sha256-verified safetensors shards, or seed-ledger replay), evaluates
+probe tasks without disturbing clean weights, posts the scalars, and yields to serving on drain.
+
+Modules: client (REST), cache (weights), runtime (evaluation), probes (non-seeded probe kinds), tasks
+(the Celery task, drain state, GPU-busy policy), worker (process lifecycle), metrics, bench, cli.
+"""
