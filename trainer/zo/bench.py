@@ -160,6 +160,27 @@ def sentiment_run(task: SentimentTask, method: str, *, lr: float, budget: int, p
             "diverged": diverged}
 
 
+def sentiment_backprop_baseline(task: SentimentTask, *, steps: int, lr: float = 5e-5, batch_size: int = 32,
+                                seed: int = 0, device: str = "cpu", evals: int = 10) -> dict:
+    """Context for the ZO runs: the same fresh MiniLM classifier fine-tuned by backprop AdamW (wd 0).
+
+    Returns a curve of (optimizer steps, val acc, test acc). Each step costs one forward and one backward.
+    """
+    from trainer.models import load_minilm_classifier
+
+    model, _ = load_minilm_classifier(seed=seed)
+    model.to(device).eval()  # eval: dropout is 0 anyway; keeps the forward deterministic
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    curve = [(0, task.accuracy(model, "val"), task.accuracy(model, "test"))]
+    for step in range(steps):
+        opt.zero_grad(set_to_none=True)
+        classifier_loss(model, task.batch(batch_size, seed, step)).backward()
+        opt.step()
+        if (step + 1) % max(1, steps // evals) == 0:
+            curve.append((step + 1, task.accuracy(model, "val"), task.accuracy(model, "test")))
+    return {"method": "adamw-backprop", "lr": lr, "steps": steps, "curve": curve}
+
+
 def sentiment_comparison(out_dir: Path, *, budget: int = 6000, device: str = "cpu", probes: int = 16,
                          lrs=(1e-5, 1e-4, 1e-3), eps: float = 1e-3, alpha: float = 0.1, lam: float = 1.0,
                          batch_size: int = 32, seed: int = 0) -> dict[str, Any]:
