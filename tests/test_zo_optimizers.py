@@ -6,7 +6,7 @@ import pytest
 import torch
 from test_zo_support import QuadraticModel, quad_loss
 
-from kernels import dist_moments
+from kernels import direction, dist_moments
 from trainer.checkpoint import load_checkpoint, save_checkpoint
 from trainer.zo import estimators as est
 from trainer.zo.backend import InProcessBackend
@@ -164,3 +164,16 @@ def test_bf16_masters_stay_fp32_through_checkpoint(tmp_path):
     opt.step(), opt2.step()
     for p, q in zip(model.parameters(), model2.parameters()):
         assert torch.equal(p, q)
+
+
+def test_sophia_coordinate_refresh_folds_the_diagonal_estimate():
+    model = QuadraticModel(SIZES, seed=9)
+    opt = ZOCurvSophia(model.parameters(), granularity="coordinate", probes=5, probe_eps=1e-2, seed=4)
+    opt.refresh_curvature(InProcessBackend(model, quad_loss), None, version=0)
+    r = opt._make_round(None, 0)
+    assert r.dist == "gauss8"
+    z = torch.stack([direction(s, 0, 19, "gauss8") for s in r.seeds]).double()
+    h = torch.einsum("ki,ij,kj->k", z, model.h, z)
+    m2, m4 = dist_moments("gauss8")
+    expected = est.diag_estimate(h, z, est.leave_one_out_mean(h), m2, m4)
+    torch.testing.assert_close(opt.curv.estimate, expected, rtol=2e-3, atol=2e-3)
