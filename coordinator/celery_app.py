@@ -41,7 +41,13 @@ def make_celery(
         worker_soft_shutdown_timeout=soft_shutdown_s,
         worker_enable_soft_shutdown_on_idle=True,
         broker_connection_retry_on_startup=True,
-        broker_transport_options={"visibility_timeout": visibility_timeout_s},
+        # kombu restores unacked messages of dead workers only in a periodic sweep (default every 100 s):
+        # sweep at a fifth of the visibility timeout so a SIGKILLed worker's task returns promptly.
+        broker_transport_options={
+            "visibility_timeout": visibility_timeout_s,
+            "unacked_restore_interval": max(1, visibility_timeout_s // 5),
+            "unacked_restore_throttle": 1,
+        },
         task_default_queue="sparecycles.default",
         worker_hijack_root_logger=False,
     )

@@ -300,15 +300,22 @@ class Intake:
             self._send(rnd, seeds, replica, reason)
 
     def _give_up(self, rnd: ProbeRound, seed: int) -> None:
-        # No distinct worker could be found for a replica: stream whatever value exists, unverified.
+        # No distinct worker could be found for a replica. One value alone is streamed unverified (no
+        # evidence against it); values that already disagree are dropped: either may be the liar's.
         s = self.store
         if not s.r.hsetnx(s.k_round(rnd.run, rnd.round_id, "dec"), str(seed), "skipped"):
             return
-        self.metrics.spot_checks.labels("skipped").inc()
-        for v in s.r.hmget(s.k_round(rnd.run, rnd.round_id, "spot"), [f"{seed}:{r}" for r in range(3)]):
-            if v is not None:
-                self._publish_value(rnd, ProbeResult.model_validate_json(v), verified=False)
-                return
+        stored = s.r.hmget(s.k_round(rnd.run, rnd.round_id, "spot"), [f"{seed}:{r}" for r in range(3)])
+        values = [ProbeResult.model_validate_json(v) for v in stored if v is not None]
+        spec = s.run_spec(rnd.run)
+        agree = all(values_agree(values[0], v, spec.spot_rtol, spec.spot_atol) for v in values[1:])
+        if values and agree:
+            self.metrics.spot_checks.labels("skipped").inc()
+            self._publish_value(rnd, values[0], verified=False)
+            return
+        self.metrics.spot_checks.labels("unresolved").inc()
+        event = StreamEvent(kind="dropped", run=rnd.run, round_id=rnd.round_id, seed=seed)
+        s.r.xadd(self.stream_key(rnd.run), {"e": event.model_dump_json()})
 
     def _send(self, rnd: ProbeRound, seeds: list[int], replica: int, reason: str) -> None:
         spec = self.store.run_spec(rnd.run)

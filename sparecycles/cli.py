@@ -35,6 +35,7 @@ app.command("coordinator")(api_cli.coordinator)
 app.command("worker")(worker_cli.worker)
 bench_app.command("kernels")(kernels_cli.bench_kernels)
 bench_app.command("intake")(coordinator_cli.bench_intake)
+bench_app.command("fleet")(worker_cli.bench_fleet)
 
 
 @app.command("up")
