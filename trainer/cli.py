@@ -44,6 +44,7 @@ def train(
     eps: Optional[float] = typer.Option(None, help="ZO: probe step epsilon."),
     alpha: Optional[float] = typer.Option(None, help="1.5-SPSA: curvature exponent alpha."),
     lam: Optional[float] = typer.Option(None, help="1.5-SPSA: weight floor lambda."),
+    probe_batch_size: Optional[int] = typer.Option(None, min=1, help="ZO: sequences per probe batch."),
     curvature_interval: Optional[int] = typer.Option(None, min=1, help="ZO-Curv: steps between curvature rounds."),
     staleness: Optional[int] = typer.Option(None, min=0, help="ZO-Curv: staleness bound S in versions."),
     seed: Optional[int] = typer.Option(None, min=0, help="Run seed (init, batches, probe seeds)."),
@@ -61,7 +62,7 @@ def train(
     overrides = dict(corpus=corpus, optimizer=optimizer, task=task, steps=steps, batch_size=batch_size,
                      seq_len=seq_len, lr=lr, warmup_steps=warmup_steps, eval_every=eval_every,
                      checkpoint_every=checkpoint_every, probes=probes, eps=eps, alpha=alpha, lam=lam,
-                     curvature_interval=curvature_interval, staleness=staleness, seed=seed, device=device,
+                     probe_batch_size=probe_batch_size, curvature_interval=curvature_interval, staleness=staleness, seed=seed, device=device,
                      run_dir=run_dir)
     try:
         cfg = resolve_preset(preset, overrides)

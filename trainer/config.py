@@ -16,13 +16,17 @@ RUN_PRESETS: dict[str, dict] = {
     "demo": {
         "model": "gpt2-tiny",
         "corpus": "classics-small",
-        "steps": 300,
+        "steps": 150,
         "batch_size": 16,
-        "seq_len": 128,
+        "seq_len": 64,
         "lr": 3e-3,
-        "warmup_steps": 30,
-        "eval_every": 50,
+        "warmup_steps": 15,
+        "eval_every": 25,
         "eval_batches": 8,
+        # Sized so two CPU probe workers finish a zocurv-line round (one probe per parameter block)
+        # within one curvature interval of the trainer on a 2-core machine.
+        "probe_batch_size": 4,
+        "curvature_interval": 15,
     },
 }
 

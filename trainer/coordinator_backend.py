@@ -145,6 +145,7 @@ class CoordinatorBackend:
         self._buffer: dict[tuple[str, int], tuple[str, ProbeResult]] = {}  # (round, seed) -> (entry id, result)
         self._delivered: set[tuple[str, int]] = set()
         self._meta: dict[str, ProbeRound] = {}
+        self._scales: dict[str, dict[int, float]] = {}  # along_update round -> block -> step RMS
         self.params = [p for _, p in model.named_parameters()]
         self.forward_passes = 0  # fleet forward passes behind the results handed out (2 per seed, +1 L0/round)
         self._clean_counted: set[str] = set()
@@ -233,14 +234,20 @@ class CoordinatorBackend:
                 del self.snapshots[v]
 
     def _scale(self, round_id: str, seed: int) -> float | None:
-        """||u_b|| / sqrt(n_b) of an along_update result (block b = seed), as InProcessBackend computes it."""
-        rnd = self._meta.get(round_id)
-        if rnd is None or rnd.kind is not ProbeKind.ALONG_UPDATE:
-            return None
-        if rnd.version not in self.snapshots or rnd.base_version not in self.snapshots:
-            return None
-        u = self.snapshots[rnd.version][seed] - self.snapshots[rnd.base_version][seed]
-        return float(torch.linalg.vector_norm(u.double())) / math.sqrt(u.numel())
+        """||u_b|| / sqrt(n_b) of an along_update result (block b = seed), as InProcessBackend computes it.
+
+        Computed when the round is submitted (`_round_scales`): a fleet answers rounds while the trainer
+        keeps publishing, and the two snapshots may be pruned before the results arrive.
+        """
+        return self._scales.get(round_id, {}).get(seed)
+
+    def _round_scales(self, rnd: ProbeRound) -> dict[int, float]:
+        new, base = self.snapshots[rnd.version], self.snapshots[rnd.base_version]
+        out = {}
+        for b in rnd.seeds:
+            u = new[b] - base[b]
+            out[int(b)] = float(torch.linalg.vector_norm(u.double())) / math.sqrt(u.numel())
+        return out
 
     @property
     def block_sizes(self) -> list[int]:
@@ -273,6 +280,8 @@ class CoordinatorBackend:
         self._call("POST", f"/v1/runs/{self.run}/rounds", json=wire.model_dump(mode="json"))
         self._rounds[probe_round.round_id] = set(wire.seeds)
         self._meta[probe_round.round_id] = probe_round
+        if probe_round.kind is ProbeKind.ALONG_UPDATE:
+            self._scales[probe_round.round_id] = self._round_scales(probe_round)
 
     def _drain_stream(self, block_ms: int) -> None:
         acks = []

@@ -172,6 +172,9 @@ def train(
     from trainer.data import get_batch, load_corpus
     from trainer.models import build_model, param_order_hash
 
+    if cfg.task != "lm":
+        raise ValueError(f"train() runs causal-LM pretraining; task {cfg.task!r} runs through "
+                         "`sparecycles bench zo --part sentiment` (trainer.zo.bench)")
     run_dir = Path(cfg.run_dir) if cfg.run_dir else default_run_dir(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg_json = cfg.model_dump(mode="json", exclude={"run_dir", "steps"})

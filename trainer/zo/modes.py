@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from trainer.config import TrainConfig
-from trainer.zo.backend import InProcessBackend
+from trainer.zo.backend import InProcessBackend, ProbeBackend
 from trainer.zo.optimizers import ZOCurvBlockAdamW, ZOCurvLine, ZOCurvSophia
 from trainer.zo.zo_step import ZOStepper
 
@@ -54,11 +54,12 @@ class ZOCurvMode:
     """
 
     def __init__(self, cfg: TrainConfig, model: torch.nn.Module,
-                 loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] = lm_batch_loss) -> None:
+                 loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] = lm_batch_loss,
+                 backend: ProbeBackend | None = None) -> None:
         self.cfg, self.model, self.loss_fn = cfg, model, loss_fn
         self.optimizer = build_optimizer(cfg, model)
         self.line = isinstance(self.optimizer, ZOCurvLine)
-        self.backend = InProcessBackend(model, loss_fn, history=2 if self.line else 0)
+        self.backend = backend or InProcessBackend(model, loss_fn, history=2 if self.line else 0)
         self.train_forwards = 0
 
     def _probe_batch(self, batch: Any) -> Any:
@@ -72,9 +73,12 @@ class ZOCurvMode:
         for g in opt.param_groups:
             g["lr"] = lr
         stats: dict[str, float] = {}
-        if self.line:
+        interval = self.cfg.curvature_interval
+        due = step % interval == 0
+        # zocurv-line probes along theta_v - theta_{v-1}: only the two versions around a refresh step are
+        # needed, so publish just those (a fleet backend uploads every published version).
+        if self.line and (due or (step + 1) % interval == 0):
             self.backend.publish(step)
-        due = step % self.cfg.curvature_interval == 0
         if due and (not self.line or step - 1 in self.backend.snapshots):
             stats.update(opt.refresh_curvature(self.backend, self._probe_batch(batch), version=step))
         opt.zero_grad(set_to_none=True)
@@ -118,9 +122,10 @@ class PureZOMode:
     optimizer = None
 
     def __init__(self, cfg: TrainConfig, model: torch.nn.Module,
-                 loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] = lm_batch_loss) -> None:
+                 loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] = lm_batch_loss,
+                 backend: ProbeBackend | None = None) -> None:
         self.model = model
-        self.backend = InProcessBackend(model, loss_fn)
+        self.backend = backend or InProcessBackend(model, loss_fn)
         self.stepper = ZOStepper(model, cfg.optimizer, run_seed=cfg.seed, probes=cfg.probes, eps=cfg.eps,
                                  alpha=cfg.alpha, lam=cfg.lam, weight_decay=cfg.weight_decay)
 
@@ -138,13 +143,15 @@ class PureZOMode:
 
 
 def build_zo_mode(cfg: TrainConfig, model: torch.nn.Module,
-                  loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] = lm_batch_loss):
+                  loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] = lm_batch_loss,
+                  backend: ProbeBackend | None = None):
     """The TrainMode for a ZO optimizer name (the hook trainer.train.build_mode calls).
 
-    Raises ValueError for an unknown name.
+    `backend` evaluates the probe rounds (default: an InProcessBackend on `model`; `sparecycles up`
+    passes a CoordinatorBackend so the fleet evaluates them). Raises ValueError for an unknown name.
     """
     if cfg.optimizer in ZOCURV:
-        return ZOCurvMode(cfg, model, loss_fn)
+        return ZOCurvMode(cfg, model, loss_fn, backend)
     if cfg.optimizer in PURE_ZO:
-        return PureZOMode(cfg, model, loss_fn)
+        return PureZOMode(cfg, model, loss_fn, backend)
     raise ValueError(f"unknown ZO optimizer {cfg.optimizer!r}; use one of {ZOCURV + PURE_ZO}")

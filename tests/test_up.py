@@ -1,0 +1,73 @@
+"""End to end: `sparecycles up` on the real corpus (embedded Valkey, coordinator, 2 workers, trainer)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+
+def _processes_of(run_dir: Path) -> list[str]:
+    """Command lines of live processes started for `run_dir` (they inherit SPARECYCLES_UP_RUN)."""
+    marker = f"SPARECYCLES_UP_RUN={run_dir.resolve()}".encode()
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if marker not in (proc / "environ").read_bytes().split(b"\0"):
+                continue
+            found.append(proc.name + ": " + (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode())
+        except OSError:
+            continue
+    return found
+
+
+def _up(run_dir: Path, *args: str) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}  # exercise the embedded Valkey
+    return subprocess.Popen([sys.executable, "-m", "sparecycles.cli", "up", "--run-dir", str(run_dir),
+                             "--no-progress", *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def test_up_runs_both_curves_and_leaves_no_process(tmp_path):
+    run_dir = tmp_path / "up"
+    proc = _up(run_dir, "--steps", "12", "--curvature-interval", "4")
+    out, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, out.decode()[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["workers"] == 2 and summary["optimizer"] == "zocurv-line" and summary["steps"] == 12
+    assert summary["redis"].startswith("embedded Valkey")
+    assert summary["fleet"]["workers"] == 2
+    assert summary["fleet"]["tasks_published"] >= 1  # the ZO-Curv rounds reached the Celery queue
+    for name in ("adamw", "zocurv-line"):
+        recs = [json.loads(line) for line in (run_dir / name / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in recs if "loss" in r] == list(range(1, 13))
+        vals = [r["val_loss"] for r in recs if "val_loss" in r]
+        assert vals[-1] < vals[0] - 1.0, (name, vals)
+        assert summary[name]["final_val_loss"] == pytest.approx(vals[-1])
+    assert (run_dir / "loss_curves.png").stat().st_size > 20_000
+    assert _processes_of(run_dir) == []
+
+
+def test_ctrl_c_stops_every_process(tmp_path):
+    run_dir = tmp_path / "up-int"
+    proc = _up(run_dir, "--steps", "500")
+    deadline = time.monotonic() + 600
+    metrics = run_dir / "adamw" / "metrics.jsonl"
+    while time.monotonic() < deadline and not (metrics.is_file() and metrics.stat().st_size > 0):
+        assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
+        time.sleep(0.5)
+    started = _processes_of(run_dir)
+    assert any("valkey-server" in c for c in started) and any(" coordinator " in c for c in started)
+    assert sum(" worker " in c for c in started) == 2
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out.decode()[-3000:]
+    assert _processes_of(run_dir) == []
+    assert (run_dir / "adamw" / "checkpoint.safetensors").is_file()  # interrupted runs resume from here
