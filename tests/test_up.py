@@ -14,14 +14,17 @@ import pytest
 
 
 def _processes_of(run_dir: Path) -> list[str]:
-    """Command lines of live processes started for `run_dir` (they inherit SPARECYCLES_UP_RUN)."""
-    marker = f"SPARECYCLES_UP_RUN={run_dir.resolve()}".encode()
+    """Command lines of live processes started for `run_dir`: they inherit SPARECYCLES_UP_RUN, or (Valkey,
+    whose process title overwrites its environment block) run inside the run folder."""
+    root = run_dir.resolve()
+    marker = f"SPARECYCLES_UP_RUN={root}".encode()
     found = []
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
         try:
-            if marker not in (proc / "environ").read_bytes().split(b"\0"):
+            inherited = marker in (proc / "environ").read_bytes().split(b"\0")
+            if not inherited and not Path(os.readlink(proc / "cwd")).is_relative_to(root):
                 continue
             found.append(proc.name + ": " + (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode())
         except OSError:
@@ -58,16 +61,18 @@ def test_up_runs_both_curves_and_leaves_no_process(tmp_path):
 def test_ctrl_c_stops_every_process(tmp_path):
     run_dir = tmp_path / "up-int"
     proc = _up(run_dir, "--steps", "500")
-    deadline = time.monotonic() + 600
-    metrics = run_dir / "adamw" / "metrics.jsonl"
-    while time.monotonic() < deadline and not (metrics.is_file() and metrics.stat().st_size > 0):
-        assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
-        time.sleep(0.5)
-    started = _processes_of(run_dir)
-    assert any("valkey-server" in c for c in started) and any(" coordinator " in c for c in started)
-    assert sum(" worker " in c for c in started) == 2
-    proc.send_signal(signal.SIGINT)
-    out, _ = proc.communicate(timeout=120)
+    try:
+        deadline = time.monotonic() + 600
+        metrics = run_dir / "adamw" / "metrics.jsonl"
+        while time.monotonic() < deadline and not (metrics.is_file() and metrics.stat().st_size > 0):
+            assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
+            time.sleep(0.5)
+        started = _processes_of(run_dir)
+        assert any("valkey-server" in c for c in started) and any(" coordinator " in c for c in started)
+        assert sum(" worker " in c for c in started) == 2
+    finally:
+        proc.send_signal(signal.SIGINT)  # also on failure: never leave a fleet behind
+        out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 130, out.decode()[-3000:]
     assert _processes_of(run_dir) == []
     assert (run_dir / "adamw" / "checkpoint.safetensors").is_file()  # interrupted runs resume from here
