@@ -26,12 +26,10 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_show_locals=False,
 )
-bench_app = typer.Typer(help="Benchmarks (kernels, intake, fleet).", no_args_is_help=True)
+bench_app = typer.Typer(help="Benchmarks (kernels, intake, fleet, zo).", no_args_is_help=True)
 app.add_typer(trainer_cli.data_app, name="data")
 app.command("train")(trainer_cli.train)
 app.add_typer(bench_app, name="bench")
-
-
 app.command("coordinator")(api_cli.coordinator)
 app.command("worker")(worker_cli.worker)
 bench_app.command("kernels")(kernels_cli.bench_kernels)
