@@ -30,6 +30,11 @@ RUN_PRESETS: dict[str, dict] = {
     },
 }
 
+# `--task sentiment` fine-tunes a pretrained encoder, so the LM presets' lr would wreck it: when the
+# user gives no --lr, each optimizer starts from the lr the sentiment benchmark picked on validation
+# accuracy (trainer/zo/results/sentiment_summary.json; AdamW: measured on 30 steps at batch 16, tests/test_train_sentiment.py).
+SENTIMENT_LR: dict[str, float] = {"adamw": 2e-4, "mezo": 1e-4, "1spsa": 1e-5, "1.5spsa": 1e-5}
+
 
 class TrainConfig(BaseModel):
     """One training run, validated when built; immutable afterwards.
@@ -37,6 +42,11 @@ class TrainConfig(BaseModel):
     Units: lr is per optimizer step; `seq_len` and `batch_size` count tokens and sequences; the
     schedule is linear warmup over `warmup_steps` then cosine from `lr` to `min_lr` at `steps`
     (the GPT-2 recipe Sophia uses: Liu et al. 2023, section 4).
+
+    `task` picks what is trained: "lm" pretrains `model` on `corpus`; "sentiment" fine-tunes the
+    pretrained MiniLM-L6 encoder with a 2-way head (trainer.sentiment) and ignores `model` and
+    `corpus`; there `seq_len` is the max tokens per sentence and evaluation uses a fixed random subset of
+    `eval_batches * batch_size` validation sentences. ZO-Curv optimizers are LM-only.
 
     Raises:
         pydantic.ValidationError: on unknown fields, out-of-range values or inconsistent settings.
@@ -105,6 +115,10 @@ def resolve_preset(preset: str, overrides: dict) -> TrainConfig:
     base: dict = dict(RUN_PRESETS.get(preset, {"model": preset}))
     given = {k: v for k, v in overrides.items() if v is not None}
     base.update(given)
+    if base.get("task") == "sentiment" and "lr" not in given:
+        base["lr"] = SENTIMENT_LR.get(base.get("optimizer", "adamw"), base.get("lr", 3e-3))
+        base.setdefault("min_lr", base["lr"] / 10)
+        base["min_lr"] = min(base["min_lr"], base["lr"])
     # A preset's warmup scales down with a shorter --steps unless the user set --warmup-steps.
     if "warmup_steps" not in given and base.get("warmup_steps", 0) >= base.get("steps", 2):
         base["warmup_steps"] = base["steps"] // 10

@@ -19,7 +19,8 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
+
+from trainer.sentiment import SentimentTask, classifier_loss  # re-exported: the benchmark's task and loss
 
 ZOCURV_VARIANTS = ("zocurv-block", "zocurv-sophia", "zocurv-line")
 
@@ -81,51 +82,6 @@ def _plot(curves: dict[str, list[tuple[float, float]]], path: Path, xlabel: str,
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-class SentimentTask:
-    """Tokenized sentiment splits for a sequence classifier: ids (N, T) int64, mask (N, T), labels (N,).
-
-    Batches are pure functions of (seed, index): rows drawn by a Philox generator keyed on both.
-    """
-
-    def __init__(self, tokenizer, data, max_len: int = 64, device: str = "cpu") -> None:
-        self.device = device
-        self.splits = {}
-        for name in ("train", "val", "test"):
-            rows = getattr(data, name)
-            enc = tokenizer([t for t, _ in rows], padding="max_length", truncation=True, max_length=max_len,
-                            return_tensors="pt")
-            labels = torch.tensor([y for _, y in rows], dtype=torch.int64)
-            self.splits[name] = (enc["input_ids"].to(device), enc["attention_mask"].to(device), labels.to(device))
-
-    @staticmethod
-    def _trim(ids, mask, labels):
-        t = int(mask.sum(1).max())
-        return ids[:, :t], mask[:, :t], labels
-
-    def batch(self, batch_size: int, seed: int, index: int):
-        """(input_ids (B, T), attention_mask (B, T), labels (B,)) of training batch `index`."""
-        ids, mask, labels = self.splits["train"]
-        rng = np.random.Generator(np.random.Philox(key=seed, counter=[index, 0, 0, 0]))
-        rows = torch.as_tensor(rng.choice(ids.shape[0], size=batch_size, replace=False), device=ids.device)
-        return self._trim(ids[rows], mask[rows], labels[rows])
-
-    @torch.no_grad()
-    def accuracy(self, model, split: str, chunk: int = 256) -> float:
-        """Fraction of `split` classified correctly (argmax of the logits)."""
-        ids, mask, labels = self.splits[split]
-        right = 0
-        for i in range(0, ids.shape[0], chunk):
-            b = self._trim(ids[i:i + chunk], mask[i:i + chunk], labels[i:i + chunk])
-            right += int((model(input_ids=b[0], attention_mask=b[1]).logits.argmax(-1) == b[2]).sum())
-        return right / ids.shape[0]
-
-
-def classifier_loss(model, batch) -> torch.Tensor:
-    """Mean cross-entropy (nats) of a sequence classifier on (input_ids, attention_mask, labels)."""
-    ids, mask, labels = batch
-    return F.cross_entropy(model(input_ids=ids, attention_mask=mask).logits.float(), labels)
 
 
 def sentiment_run(task: SentimentTask, method: str, *, lr: float, budget: int, probes: int, eps: float,
