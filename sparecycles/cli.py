@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -44,9 +43,9 @@ def up(
     optimizer: str = typer.Option("zocurv-line", help="The fleet-probed optimizer (default: the ZO-Curv "
                                  "variant the side-by-side benchmark supports, trainer/zo/results)."),
     workers: int = typer.Option(2, min=1, max=64, help="Local probe worker processes."),
-    steps: Optional[int] = typer.Option(None, min=1, help="Optimizer steps (default: the preset's)."),
-    curvature_interval: Optional[int] = typer.Option(None, min=1, help="Steps between curvature rounds."),
-    run_dir: Optional[Path] = typer.Option(None, help="Run folder (default runs/up-<preset>-<optimizer>)."),
+    steps: int | None = typer.Option(None, min=1, help="Optimizer steps (default: the preset's)."),
+    curvature_interval: int | None = typer.Option(None, min=1, help="Steps between curvature rounds."),
+    run_dir: Path | None = typer.Option(None, help="Run folder (default runs/up-<preset>-<optimizer>)."),
     progress: bool = typer.Option(True, help="Show the live progress display."),
 ) -> None:
     """Run everything on this machine: embedded Valkey (unless REDIS_URL), coordinator, N probe workers

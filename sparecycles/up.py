@@ -18,9 +18,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 import httpx
 
@@ -31,13 +31,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def _prctl():
     try:
         import ctypes
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux
+        return None
+
+
+_PRCTL = _prctl()  # resolved before any fork: the child must not dlopen or import
+
+
+def _die_with_parent() -> None:
+    """Runs in the child between fork and exec: SIGTERM it if `up` dies (PR_SET_PDEATHSIG = 1)."""
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGTERM)
 
 
 @dataclass
@@ -126,14 +135,10 @@ def wait_workers(base: str, admin_token: str, n: int, sup: Supervisor, timeout_s
         sup.check()
         with contextlib.suppress(httpx.HTTPError):
             r = httpx.get(f"{base}/v1/workers", headers={"Authorization": f"Bearer {admin_token}"}, timeout=2.0)
-            if r.status_code == 200 and sum(w.get("state") == "active" for w in _workers(r.json())) >= n:
+            if r.status_code == 200 and sum(w["state"] == "active" for w in r.json()) >= n:  # list[WorkerInfo]
                 return
         time.sleep(0.3)
     raise RuntimeError(f"{n} workers did not join within {timeout_s:.0f} s; see {sup.log_dir}")
-
-
-def _workers(body) -> list[dict]:
-    return body.get("workers", body) if isinstance(body, dict) else body
 
 
 class FleetStatus:

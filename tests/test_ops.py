@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
+import subprocess
+import time
 from pathlib import Path
 
+import httpx
+import pytest
 import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 
@@ -65,13 +71,6 @@ def test_compose_and_prometheus_config_parse():
 
 # ---- live tools (CI installs Debian's prometheus and docker-compose; see .ci/run) -----------------------
 
-import shutil  # noqa: E402
-import subprocess  # noqa: E402
-import time  # noqa: E402
-
-import httpx  # noqa: E402
-import pytest  # noqa: E402
-
 PROMETHEUS = shutil.which("prometheus")
 COMPOSE = shutil.which("docker-compose")
 
@@ -89,14 +88,15 @@ def test_docker_compose_config_validates(tmp_path):
     empty.write_text("")
     res = subprocess.run([COMPOSE, "-f", str(ROOT / "docker/compose.yml"), "--env-file", str(empty), "config"],
                          capture_output=True, text=True, timeout=120,
-                         env={k: v for k, v in __import__("os").environ.items() if not k.startswith("SPARECYCLES_")})
+                         env={k: v for k, v in os.environ.items() if not k.startswith("SPARECYCLES_")})
     assert res.returncode != 0 and "SPARECYCLES_" in res.stderr
 
 
 @pytest.mark.skipif(PROMETHEUS is None, reason="prometheus not installed (.ci/run installs Debian's package)")
 def test_prometheus_scrapes_a_live_coordinator(tmp_path):
-    from api.server import free_port
     from test_coordinator_fixtures import running_env
+
+    from api.server import free_port
 
     gen = running_env(tmp_path)
     env = next(gen)

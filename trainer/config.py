@@ -85,7 +85,7 @@ class TrainConfig(BaseModel):
     task: Literal["lm", "sentiment"] = "lm"
 
     @model_validator(mode="after")
-    def _consistent(self) -> "TrainConfig":
+    def _consistent(self) -> TrainConfig:
         if self.min_lr > self.lr:
             raise ValueError(f"min_lr ({self.min_lr}) must not exceed lr ({self.lr})")
         if self.warmup_steps >= self.steps and self.steps > 1:
