@@ -21,7 +21,9 @@ def coordinator(
     try:
         settings = CoordinatorSettings()
     except ValidationError as exc:
-        typer.echo(f"refusing to start: {exc}", err=True)
+        # Never echo input values: they are secrets.
+        reasons = "; ".join(e["msg"] for e in exc.errors(include_input=False, include_url=False))
+        typer.echo(f"refusing to start: {reasons}", err=True)
         raise typer.Exit(2) from exc
     uvicorn.run(
         create_app(settings),

@@ -52,7 +52,10 @@ class CoordinatorSettings(BaseSettings):
     heartbeat_interval_s: float = Field(default=10.0, gt=0)
     reaper_interval_s: float = Field(default=1.0, gt=0)
     visibility_timeout_s: int = Field(default=3600, gt=0)
-    max_redispatch: int = Field(default=5, ge=0)
+    # Re-sends per (seed, replica). Celery cannot address "any worker but X", so a spot-check replica can
+    # land on the worker that evaluated the other replica several times before another takes it; re-sends
+    # cost no evaluation, so the bound is generous.
+    max_redispatch: int = Field(default=20, ge=0)
 
     @model_validator(mode="after")
     def _check_secrets(self) -> CoordinatorSettings:

