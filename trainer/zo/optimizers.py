@@ -50,6 +50,18 @@ class _ZOCurvBase(torch.optim.Optimizer):
         self.dropped_rounds = 0
 
     # ---- fp32 masters ---------------------------------------------------------------------------
+    def _moments(self, p: torch.Tensor, *, second: bool) -> tuple[dict, torch.Tensor]:
+        """(state, fp32 master) of `p` with its step counter advanced; first use creates the fp32 moment
+        buffers (`exp_avg`, and `exp_avg_sq` when `second`), zero-initialised as in AdamW."""
+        st, w = self.state[p], self._master(p)
+        if "exp_avg" not in st:
+            st["step"] = torch.tensor(0.0)
+            st["exp_avg"] = torch.zeros_like(w)
+            if second:
+                st["exp_avg_sq"] = torch.zeros_like(w)
+        st["step"] += 1
+        return st, w
+
     def _master(self, p: torch.Tensor) -> torch.Tensor:
         if p.dtype == torch.float32:
             return p.data
@@ -168,12 +180,7 @@ class _ZOCurvBase(torch.optim.Optimizer):
             for p in g["params"]:
                 if p.grad is None:
                     continue
-                st, w = self.state[p], self._master(p)
-                if "exp_avg" not in st:
-                    st["step"] = torch.tensor(0.0)
-                    st["exp_avg"] = torch.zeros_like(w)
-                    st["exp_avg_sq"] = torch.zeros_like(w)
-                st["step"] += 1
+                st, w = self._moments(p, second=True)
                 t = float(st["step"])
                 grad = p.grad.float()
                 w.mul_(1 - g["lr"] * g["weight_decay"])
@@ -304,11 +311,7 @@ class ZOCurvSophia(_ZOCurvBase):
             for p in g["params"]:
                 if p.grad is None:
                     continue
-                st, w = self.state[p], self._master(p)
-                if "exp_avg" not in st:
-                    st["step"] = torch.tensor(0.0)
-                    st["exp_avg"] = torch.zeros_like(w)
-                st["step"] += 1
+                st, w = self._moments(p, second=False)
                 st["exp_avg"].lerp_(p.grad.float(), 1 - b1)
                 w.mul_(1 - g["lr"] * g["weight_decay"])
                 d = self._curvature_of(self.block_index[id(p)], w)
