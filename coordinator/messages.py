@@ -196,7 +196,9 @@ class VersionManifest(Message):
 class SeedLedgerEntry(Message):
     """Pure-ZO update: theta_version = scale * theta_parent + sum_k coeffs[k] * z(seeds[k]).
 
-    `version == parent + 1`; `scale` carries decoupled weight decay (1 - lr * wd).
+    `version == parent + 1`; `scale` carries decoupled weight decay (1 - lr * wd) and multiplies only the
+    parameters with at least `scale_min_dim` dimensions (0: all; 2: matrices only, the GPT-2 recipe that
+    trainer.zo.zo_step.ZOStepper follows), each before its seeds are replayed onto it.
     """
 
     run: RunId
@@ -206,6 +208,7 @@ class SeedLedgerEntry(Message):
     coeffs: list[FiniteFloat] = Field(min_length=1, max_length=MAX_SEEDS_PER_ROUND)
     distribution: Distribution
     scale: FiniteFloat = 1.0
+    scale_min_dim: int = Field(default=0, ge=0, le=8)
 
     @model_validator(mode="after")
     def _check(self) -> SeedLedgerEntry:

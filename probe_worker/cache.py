@@ -232,8 +232,9 @@ class WeightCache:
     @torch.no_grad()
     def _replay(self, run: str, version: int) -> LoadedVersion:
         """theta_version from the newest loaded (or, if none or too far behind, the newest snapshot) version
-        below it, by applying seed-ledger entries: theta <- scale * theta + sum_k c_k z(s_k) per entry, in
-        fp32 with the kernels' replay, exactly as `SeedLedgerEntry` defines the step."""
+        below it, by applying seed-ledger entries: theta <- scale * theta + sum_k c_k z(s_k) per entry (scale
+        only on parameters of at least `scale_min_dim` dimensions), in fp32 with the kernels' replay, exactly
+        as `SeedLedgerEntry` defines the step and in the trainer's order (decay, then replay, per tensor)."""
         from kernels import replay_
 
         base_v = max((v for (r, v) in self._loaded if r == run and v < version), default=None)
@@ -263,7 +264,7 @@ class WeightCache:
             offset += p.numel()
         for e in entries:
             for p, off in params:
-                if e.scale != 1.0:
+                if e.scale != 1.0 and p.dim() >= e.scale_min_dim:
                     p.data.mul_(e.scale)
                 replay_(p.data, list(e.seeds), list(e.coeffs), off, e.distribution)
         self.metrics.replayed.inc(len(entries))

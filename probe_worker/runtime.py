@@ -3,9 +3,13 @@
 One `ProbeRuntime` per worker process. For a task it validates the kwargs as a `ProbeTask`, attests the
 run's canary once, loads the version through the `WeightCache`, fetches the round's batch once by
 content hash, computes L0 once per (run, round, version) and L(theta +- eps z(seed)) per seed with the
-kernels' `ProbeEvaluator` (seeded probes) or probe_worker.probes (block-scaled and along-update), and posts the task's results in one `ResultBatch`. Evaluation is a pure
-function of (weights, batch, seed, eps, distribution), so re-running a redelivered task re-posts
-identical values, which the coordinator deduplicates by (round, seed).
+kernels' `ProbeEvaluator` (seeded probes) or probe_worker.probes (block-scaled and along-update), and posts
+the task's results in one `ResultBatch`. The loss and the batch format follow from the version manifest's
+model class (trainer.batch_wire): causal LMs take `lm/1` batches and trainer.train.lm_loss, sequence
+classifiers `classifier/1` batches and trainer.sentiment.classifier_loss; a batch that is malformed, of the
+other kind, or outside the model's vocabulary/positions/labels raises BatchFormatError before any forward
+pass. Evaluation is a pure function of (weights, batch, seed, eps, distribution), so re-running a
+redelivered task re-posts identical values, which the coordinator deduplicates by (round, seed).
 """
 
 from __future__ import annotations
@@ -67,7 +71,7 @@ class ProbeRuntime:
         self.metrics = metrics or default_metrics()
         self.keep_rounds = keep_rounds
         self._clean: OrderedDict[tuple[str, str, int], float] = OrderedDict()
-        self._batches: OrderedDict[str, Any] = OrderedDict()
+        self._batches: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._attested: set[str] = set()
         # (run, round, seed) -> replicas this worker posted; (run, round, seed, replica) -> hand-backs
         self._posted: OrderedDict[tuple[str, str, int], set[int]] = OrderedDict()
@@ -80,30 +84,31 @@ class ProbeRuntime:
 
     # ---- cached inputs ------------------------------------------------------------------------------
 
-    def _batch(self, sha256: str) -> Any:
-        from trainer.coordinator_backend import decode_batch
+    def _batch(self, sha256: str, kind: str) -> Any:
+        """The decoded batch blob `sha256` of `kind` on the cache's device (BatchFormatError if malformed)."""
+        from trainer.batch_wire import decode_batch
 
-        if sha256 in self._batches:
+        key = (sha256, kind)
+        if key in self._batches:
             self.metrics.cache_hits.labels("batch").inc()
-            self._batches.move_to_end(sha256)
-            return self._batches[sha256]
+            self._batches.move_to_end(key)
+            return self._batches[key]
         self.metrics.cache_misses.labels("batch").inc()
-        x, y = decode_batch(self.client.get_blob(sha256))
-        batch = (x.to(self.cache.device), y.to(self.cache.device))
-        self._batches[sha256] = batch
+        tensors = decode_batch(self.client.get_blob(sha256), kind)  # type: ignore[arg-type]
+        batch = tuple(t.to(self.cache.device) for t in tensors)
+        self._batches[key] = batch
         while len(self._batches) > 4:
             self._batches.popitem(last=False)
         return batch
 
-    def _evaluator(self, model: torch.nn.Module):
+    def _evaluator(self, model: torch.nn.Module, loss_fn):
         from kernels import ProbeEvaluator
-        from trainer.train import lm_loss
 
         ev = self._evaluators.get(id(model))
         if ev is None or ev.model is not model:
             for old in self._evaluators.values():
                 old.close()
-            self._evaluators = {id(model): ProbeEvaluator(model, lambda m, b: lm_loss(m, b[0], b[1]))}
+            self._evaluators = {id(model): ProbeEvaluator(model, loss_fn)}
             ev = self._evaluators[id(model)]
         return ev
 
@@ -126,7 +131,6 @@ class ProbeRuntime:
                l0: float | None) -> tuple[float, float]:
         """(L+, L-) of one seed under the task's probe kind (see probe_worker.probes)."""
         from probe_worker import probes
-        from trainer.train import lm_loss
 
         if task.kind == "seeded":
             return (self._timed_loss(ev, batch, seed, task.eps, task.distribution),
@@ -135,7 +139,7 @@ class ProbeRuntime:
 
         def loss(new: dict[int, torch.Tensor] | None) -> float:
             t0 = time.perf_counter()
-            value = probes.swapped_loss(model, params, lambda m, b: lm_loss(m, b[0], b[1]), batch, new)
+            value = probes.swapped_loss(model, params, ev.loss_fn, batch, new)
             self.metrics.eval_seconds.observe(time.perf_counter() - t0)
             return value
 
@@ -152,16 +156,22 @@ class ProbeRuntime:
         """Evaluate a task's seeds; returns one ProbeResult per seed, in the task's seed order.
 
         l0 is set (for every result) when the task wants the clean loss. Raises the cache's and the
-        client's errors (unknown version, corrupt shards, coordinator unreachable).
+        client's errors (unknown version, corrupt shards, coordinator unreachable), BatchFormatError for a
+        batch that is malformed or does not fit the version's model, ValueError for a model class without a
+        probe loss.
         """
+        from trainer.batch_wire import batch_kind_for_model, check_fits, loss_for_kind
+
         with self._lock:
             self.busy = True
             try:
                 self._attest(task.run)
                 loaded = self.cache.get(task.run, task.version)
                 self.current_version = task.version
-                batch = self._batch(task.batch_sha256)
-                ev = self._evaluator(loaded.model)
+                kind = batch_kind_for_model(loaded.manifest.model_class)
+                batch = self._batch(task.batch_sha256, kind)
+                check_fits(loaded.model, kind, batch)
+                ev = self._evaluator(loaded.model, loss_for_kind(kind))
                 l0 = None
                 if task.want_clean:
                     key = (task.run, task.round_id, task.version)

@@ -5,7 +5,9 @@ redelivered; the task is idempotent (evaluation is deterministic and intake dedu
 so redelivery only costs compute. Outcomes, each counted in `sparecycles_worker_tasks_total{outcome}`:
 
 - `done`: evaluated and posted (whatever the per-result intake outcomes were);
-- `invalid`: kwargs are not a valid ProbeTask -> rejected without requeue, never retried;
+- `invalid`: kwargs are not a valid ProbeTask, or the round's batch blob is malformed or does not fit the
+  version's model (trainer.batch_wire.BatchFormatError) -> rejected without requeue, never retried (another
+  worker would refuse the same bytes);
 - `refused`: the coordinator refused a call with a 4xx, or the version is neither a snapshot nor reachable
   by the seed ledger -> dropped;
 - `corrupt`: a shard kept arriving corrupt -> dropped (the coordinator re-dispatches what it misses);
@@ -35,6 +37,7 @@ from probe_worker.cache import VersionUnavailable
 from probe_worker.client import CoordinatorHTTPError, CorruptBlobError, is_transient
 from probe_worker.metrics import WorkerMetrics
 from probe_worker.runtime import ProbeRuntime, parse_task
+from trainer.batch_wire import BatchFormatError
 
 log = logging.getLogger("sparecycles.worker")
 
@@ -121,6 +124,10 @@ def run_probe(runtime: ProbeRuntime, drain: DrainState, metrics: WorkerMetrics, 
     except CorruptBlobError as exc:
         log.error("round %s: %s", task.round_id, exc)
         return outcome("corrupt")
+    except BatchFormatError as exc:
+        outcome("invalid")
+        log.warning("rejected round %s: its batch %s", task.round_id, str(exc)[:500])
+        raise Reject(f"invalid batch: {str(exc)[:200]}", requeue=False) from None
     except Exception:
         log.exception("probe task of round %s failed", task.round_id)
         return outcome("error")

@@ -45,7 +45,9 @@ def warm_up() -> None:
     import transformers.modeling_utils  # noqa: F401
 
     import kernels  # noqa: F401
-    from trainer.train import lm_loss  # noqa: F401
+    from trainer.batch_wire import loss_for_kind
+
+    loss_for_kind("lm"), loss_for_kind("classifier")  # both probe losses' modules
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from coordinator import cli as coordinator_cli
 from kernels import cli as kernels_cli
 from probe_worker import cli as worker_cli
 from trainer import cli as trainer_cli
+from trainer import headline_cli
 from trainer.zo import cli as zo_cli
 
 app = typer.Typer(
@@ -25,7 +26,7 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_show_locals=False,
 )
-bench_app = typer.Typer(help="Benchmarks (kernels, intake, fleet, zo).", no_args_is_help=True)
+bench_app = typer.Typer(help="Benchmarks (kernels, intake, fleet, zo, headline).", no_args_is_help=True)
 app.add_typer(trainer_cli.data_app, name="data")
 app.command("train")(trainer_cli.train)
 app.add_typer(bench_app, name="bench")
@@ -35,27 +36,37 @@ bench_app.command("kernels")(kernels_cli.bench_kernels)
 bench_app.command("intake")(coordinator_cli.bench_intake)
 bench_app.command("fleet")(worker_cli.bench_fleet)
 bench_app.command("zo")(zo_cli.bench_zo)
+bench_app.add_typer(headline_cli.headline_app, name="headline")
 
 
 @app.command("up")
 def up(
-    preset: str = typer.Option("demo", help="Run preset (demo) or model preset."),
-    optimizer: str = typer.Option("zocurv-line", help="The fleet-probed optimizer (default: the ZO-Curv "
-                                 "variant the side-by-side benchmark supports, trainer/zo/results)."),
+    preset: str = typer.Option("demo", help="Run preset (demo; with --task sentiment: sentiment-demo) or model "
+                               "preset."),
+    task: str = typer.Option("lm", help="lm (pretraining, ZO-Curv) or sentiment (MiniLM-L6, pure ZO)."),
+    optimizer: str | None = typer.Option(None, help="The fleet-probed optimizer. Default: zocurv-line for lm (the "
+                                         "ZO-Curv variant the side-by-side benchmark supports, trainer/zo/results); "
+                                         "1.5spsa for sentiment (mezo, 1spsa or 1.5spsa)."),
     workers: int = typer.Option(2, min=1, max=64, help="Local probe worker processes."),
     steps: int | None = typer.Option(None, min=1, help="Optimizer steps (default: the preset's)."),
+    probes: int | None = typer.Option(None, min=1, help="ZO probes K per step / curvature round (default: the "
+                                      "preset's)."),
+    batch_size: int | None = typer.Option(None, min=1, help="Sequences (sentences) per step (default: the "
+                                          "preset's)."),
+    seq_len: int | None = typer.Option(None, min=2, help="Tokens per sequence (sentence) (default: the preset's)."),
     curvature_interval: int | None = typer.Option(None, min=1, help="Steps between curvature rounds."),
     run_dir: Path | None = typer.Option(None, help="Run folder (default runs/up-<preset>-<optimizer>)."),
     progress: bool = typer.Option(True, help="Show the live progress display."),
 ) -> None:
     """Run everything on this machine: embedded Valkey (unless REDIS_URL), coordinator, N probe workers
-    and the trainer; AdamW baseline vs the ZO-Curv run; loss curves PNG and a JSON summary. Ctrl-C stops
-    every process it started."""
+    and the trainer; AdamW baseline vs the fleet-probed run at equal steps; curves PNG and a JSON summary.
+    Ctrl-C stops every process it started."""
     from sparecycles.up import run_up
 
     try:
-        summary = run_up(preset=preset, optimizer=optimizer, workers=workers, steps=steps,
-                         run_dir=run_dir, curvature_interval=curvature_interval, progress=progress)
+        summary = run_up(preset=preset, optimizer=optimizer, workers=workers, steps=steps, run_dir=run_dir,
+                         curvature_interval=curvature_interval, progress=progress, task=task, probes=probes,
+                         batch_size=batch_size, seq_len=seq_len)
     except (ValueError, RuntimeError) as exc:
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from exc

@@ -1,9 +1,10 @@
 """`sparecycles up`: the whole system on one machine, no services installed.
 
 Starts an embedded Valkey (unless REDIS_URL is set), the coordinator with fresh random secrets, N local
-probe workers (one process each) and the trainer; runs the AdamW baseline and the ZO-Curv run at equal
-steps on the real corpus; writes a run folder with both loss curves (PNG), a JSON summary and the URLs
-it served. Every child runs in its own process group and dies with `up` (SIGTERM, then SIGKILL; on
+probe workers (one process each) and the trainer; runs the AdamW baseline and the fleet-probed run at equal
+steps on real data (LM pretraining with ZO-Curv on the corpus, or `--task sentiment`: MiniLM-L6 fine-tuning
+with pure ZO); writes a run folder with both runs' curves (PNG: losses; for sentiment also accuracy), a JSON
+summary and the URLs it served. Every child runs in its own process group and dies with `up` (SIGTERM, then SIGKILL; on
 Linux also PR_SET_PDEATHSIG if `up` itself is killed).
 """
 
@@ -206,30 +207,69 @@ def _progress_of(run_dir: Path, cfg) -> str:
     return "resume" if (run_dir / "checkpoint.safetensors").is_file() else "new"
 
 
-def run_up(*, preset: str, optimizer: str, workers: int, steps: int | None, run_dir: Path | None, curvature_interval: int | None = None, progress: bool = True) -> dict:
+def _run_summary(run_dir: Path) -> dict:
+    """Initial/final validation figures (loss, and accuracy for classifiers) and test figures of a finished run."""
+    s = json.loads((run_dir / "summary.json").read_text())
+    keys = [k for k in s if k.startswith(("initial_val_", "final_val_", "test_"))]
+    return {k: s[k] for k in keys}
+
+
+def _prefetch_inputs(cfg, progress: bool) -> None:
+    """Fetch (or verify the cache of) the task's data and weights once, before any child races to do it."""
+    if cfg.task == "sentiment":
+        from trainer.data import load_sentiment
+        from trainer.models.pretrained import minilm_dir
+
+        load_sentiment()
+        minilm_dir()
+    else:
+        from trainer.data import load_corpus
+
+        load_corpus(cfg.corpus, progress=progress)
+
+
+def run_up(*, preset: str, optimizer: str | None, workers: int, steps: int | None, run_dir: Path | None,
+           curvature_interval: int | None = None, progress: bool = True, task: str = "lm",
+           probes: int | None = None, batch_size: int | None = None, seq_len: int | None = None) -> dict:
     """Run the main job on this machine and return its summary (also written to `<run_dir>/summary.json`).
 
+    `task` "lm" pretrains the preset's model with `optimizer` (default zocurv-line); "sentiment" fine-tunes
+    MiniLM-L6 with a pure-ZO optimizer (default 1.5spsa) whose probes the fleet evaluates, from the
+    `sentiment-demo` preset when `preset` is "demo". Either way an AdamW backprop baseline runs at equal steps
+    in this process. `probes`, `batch_size` and `seq_len` override the preset's.
     Raises RuntimeError if a service fails to start (the message names its log file), ValueError on
     bad options; always stops every process it started.
     """
     from coordinator.messages import RunSpec
     from coordinator.settings import generate_dev_settings
     from trainer.config import resolve_preset
-    from trainer.data import load_corpus
     from trainer.paths import runs_dir
-    from trainer.report import plot_loss_curves, read_metrics
+    from trainer.report import plot_accuracy_and_loss, plot_loss_curves, read_metrics
     from trainer.train import train
+    from trainer.zo.modes import PURE_ZO
 
-    over = {"steps": steps, "curvature_interval": curvature_interval}
-    # A fleet answers a round while the trainer moves on; versions advance with steps, so the staleness
-    # bound must cover the rounds' round trip: two curvature intervals.
-    interval = resolve_preset(preset, over).curvature_interval
-    over["staleness"] = 2 * interval
+    if task not in ("lm", "sentiment"):
+        raise ValueError(f"--task must be lm or sentiment, got {task!r}")
+    sentiment = task == "sentiment"
+    if sentiment:
+        optimizer = optimizer or "1.5spsa"
+        if optimizer not in PURE_ZO:
+            raise ValueError(f"--task sentiment runs a pure-ZO optimizer over the fleet ({', '.join(PURE_ZO)}), "
+                             f"not {optimizer!r}")
+        preset = "sentiment-demo" if preset == "demo" else preset
+    optimizer = optimizer or "zocurv-line"
+    over = {"steps": steps, "curvature_interval": curvature_interval, "task": task, "probes": probes,
+            "batch_size": batch_size, "seq_len": seq_len}
+    if not sentiment:
+        # A fleet answers a round while the trainer moves on; versions advance with steps, so the staleness
+        # bound must cover the rounds' round trip: two curvature intervals.
+        interval = resolve_preset(preset, over).curvature_interval
+        over["staleness"] = 2 * interval
     zo_cfg = resolve_preset(preset, {**over, "optimizer": optimizer})
     base_cfg = resolve_preset(preset, {**over, "optimizer": "adamw"})
     out = Path(run_dir) if run_dir else runs_dir() / f"up-{preset}-{optimizer}"
     out.mkdir(parents=True, exist_ok=True)
-    load_corpus(zo_cfg.corpus, progress=progress)  # fetch once, before any child races to do it
+    _prefetch_inputs(zo_cfg, progress)
     # Every descendant (Valkey, coordinator, workers) inherits this marker: orphans are findable.
     os.environ["SPARECYCLES_UP_RUN"] = str(out.resolve())
     sup = Supervisor(out / "logs")
@@ -256,38 +296,48 @@ def run_up(*, preset: str, optimizer: str, workers: int, steps: int | None, run_
             status = FleetStatus(base)
 
             def fleet_mode(cfg, model):
+                from trainer.batch_wire import batch_kind_for_model, loss_for_kind
                 from trainer.coordinator_backend import CoordinatorBackend
                 from trainer.zo.modes import build_zo_mode
 
-                spec = RunSpec(run=f"up-{secrets.token_hex(4)}", model_class="GPT2LMHeadModel",
-                               model_preset=cfg.model, staleness=cfg.staleness)
+                # The workers build the model from the manifest (class + config + shards) and pick the loss
+                # and batch format from its class, exactly as the backend does here.
+                pure = cfg.optimizer in PURE_ZO
+                # A pure-ZO step waits for all K probes: split them evenly so every worker takes a share.
+                spec = RunSpec(run=f"up-{secrets.token_hex(4)}", model_class=type(model).__name__,
+                               model_preset=None if sentiment else cfg.model, staleness=cfg.staleness,
+                               **({"seeds_per_task": max(1, -(-cfg.probes // workers))} if pure else {}))
                 backend = CoordinatorBackend(model, coordinator_url=base, admin_token=admin, redis_url=redis_url,
-                                             run=spec, key_prefix=settings.key_prefix)
-                return build_zo_mode(cfg, model, backend=backend)
+                                             run=spec, key_prefix=settings.key_prefix,
+                                             history=0 if pure else 2)
+                loss_fn = loss_for_kind(batch_kind_for_model(type(model).__name__))
+                return build_zo_mode(cfg, model, loss_fn, backend=backend)
 
             base_dir, zo_dir = out / "adamw", out / optimizer
             base_cfg = base_cfg.model_copy(update={"run_dir": base_dir})
             zo_cfg = zo_cfg.model_copy(update={"run_dir": zo_dir})
-            # Finished runs are reused and interrupted ones resumed (checkpoints hold the curvature state).
+            # Finished runs are reused and interrupted ones resumed (checkpoints hold the ZO state).
             base_state = _progress_of(base_dir, base_cfg)
             reused = base_state == "done"
             if not reused:
                 train(base_cfg, progress=progress, resume=base_state == "resume", overwrite=True)
-            zo = train(zo_cfg, progress=progress, resume=_progress_of(zo_dir, zo_cfg) == "resume",
-                       overwrite=True, mode_factory=fleet_mode, status=status)
+            train(zo_cfg, progress=progress, resume=_progress_of(zo_dir, zo_cfg) == "resume",
+                  overwrite=True, mode_factory=fleet_mode, status=status)
             fleet = status.snapshot()
     finally:
         sup.stop_all()
     runs = {"adamw": read_metrics(base_dir / "metrics.jsonl"), optimizer: read_metrics(zo_dir / "metrics.jsonl")}
-    png = plot_loss_curves(runs, out / "loss_curves.png",
-                           title=f"{zo_cfg.model} on {zo_cfg.corpus}: {optimizer} (fleet of {workers}) vs AdamW")
-    base_sum = json.loads((base_dir / "summary.json").read_text())
+    model_name, data_name = ("minilm-l6", "sentiment") if sentiment else (zo_cfg.model, zo_cfg.corpus)
+    title = f"{model_name} on {data_name}: {optimizer} (fleet of {workers}) vs AdamW, {zo_cfg.steps} steps"
+    if sentiment:
+        png = plot_accuracy_and_loss(runs, out / "curves.png", title=title, chance=0.5)
+    else:
+        png = plot_loss_curves(runs, out / "loss_curves.png", title=title)
     summary = {
-        "preset": preset, "model": zo_cfg.model, "corpus": zo_cfg.corpus, "steps": zo_cfg.steps,
+        "task": task, "preset": preset, "model": model_name, "corpus": data_name, "steps": zo_cfg.steps,
         "workers": workers, "optimizer": optimizer, "redis": redis_desc, "coordinator_url": base,
         "metrics_url": f"{base}/metrics", "adamw_reused_from_cache": reused,
-        "adamw": {"initial_val_loss": base_sum["initial_val_loss"], "final_val_loss": base_sum["final_val_loss"]},
-        optimizer: {"initial_val_loss": zo.initial_val_loss, "final_val_loss": zo.final_val_loss},
+        "adamw": _run_summary(base_dir), optimizer: _run_summary(zo_dir),
         "fleet": fleet, "wall_s": time.perf_counter() - t0, "plot": str(png), "logs": str(sup.log_dir),
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -367,7 +367,8 @@ def test_seed_ledger_versions_replay_bit_exact(env):
 def test_zo_training_through_coordinator_matches_in_process(env):
     """CoordinatorBackend is a drop-in for InProcessBackend: two 1.5-SPSA steps whose probes are evaluated by
     a worker runtime consuming the real Celery queue (in a thread) leave weights and logged scalars
-    bit-identical to the same steps in process (each round auto-publishes the current weights)."""
+    bit-identical to the same steps in process (the first round publishes a snapshot; each step then publishes
+    its update as a seed-ledger entry, which the worker replays)."""
     import threading
 
     from trainer.zo.backend import InProcessBackend
@@ -400,7 +401,9 @@ def test_zo_training_through_coordinator_matches_in_process(env):
     finally:
         stop.set()
         thread.join(timeout=30)
-    assert be.published == [0, 1] and be.forward_passes == 2 * (2 * 4 + 1)
+    assert be.published == [0, 1, 2] and be.forward_passes == 2 * (2 * 4 + 1)
+    assert client.versions("zo") == [0]  # versions 1 and 2 travelled as seed-ledger entries, replayed by the worker
+    assert metrics.replayed._value.get() == 1  # v1 onto v0 (the last entry, v2, is never probed)
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(_params(m_fleet), _params(m_ref)))
     assert not torch.equal(_params(m_fleet)[0][1], _params(tiny_model(seed=9))[0][1])  # training moved theta
     be.close()

@@ -28,6 +28,21 @@ RUN_PRESETS: dict[str, dict] = {
         "probe_batch_size": 4,
         "curvature_interval": 15,
     },
+    # `sparecycles up --task sentiment`: MiniLM-L6 fine-tuning, pure ZO probed by the fleet vs AdamW at equal
+    # steps. Sized for 2 CPU cores: on one core a probe pair of this classifier costs ~2.6 s (two full
+    # Philox perturbations of 22.7M weights, ~1 s each, dominate two 16 x 48 forwards) and replaying a step
+    # ~1 s per probe (trainer and every worker), so K=4 keeps a step near 11 s with two workers.
+    "sentiment-demo": {
+        "task": "sentiment",
+        "steps": 10,
+        "batch_size": 16,
+        "seq_len": 48,
+        "warmup_steps": 2,
+        "eval_every": 5,
+        "eval_batches": 8,
+        "checkpoint_every": 10,
+        "probes": 4,
+    },
 }
 
 # `--task sentiment` fine-tunes a pretrained encoder, so the LM presets' lr would wreck it: when the

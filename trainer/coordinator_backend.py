@@ -8,10 +8,11 @@
   (coordinator.stream.ResultStreamReader), deduplicates by (round, seed), honours retractions, and
   acknowledges entries only when it hands them out, so a trainer restart loses nothing.
 
-Wire formats shared with probe_worker: a batch is a safetensors blob with int64 tensors "x" and "y" of
-shape (B, T) (`encode_batch`/`decode_batch`); the loss is trainer.train.lm_loss(model, x, y). All three
-probe kinds travel; the `scale` of along_update results is computed here from fp32 snapshots of the
-published versions (the wire ProbeResult has no scale field).
+Wire formats shared with probe_worker: a round's batch is a versioned safetensors blob (trainer.batch_wire:
+`lm/1` = int64 "x", "y" (B, T) for causal LMs, `classifier/1` = "input_ids", "attention_mask" (B, T) and
+"labels" (B,) for sequence classifiers); the kind, and with it the workers' loss, follows from the model
+class. All three probe kinds travel; the `scale` of along_update results is computed here from fp32
+snapshots of the published versions (the wire ProbeResult has no scale field).
 """
 
 from __future__ import annotations
@@ -27,39 +28,21 @@ from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_expo
 
 from coordinator.messages import ProbeRound as WireRound
 from coordinator.messages import RunSpec, ShardRef, VersionManifest
+from trainer import batch_wire
+from trainer.batch_wire import BatchKind
 from trainer.zo.backend import ProbeKind, ProbeResult, ProbeRound
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-def encode_batch(batch: tuple[torch.Tensor, torch.Tensor]) -> bytes:
-    """Serialise an LM batch (x, y), int64 (B, T) each, to deterministic safetensors bytes.
-
-    Raises TypeError/ValueError unless both are int64 tensors of one 2-D shape.
-    """
-    from safetensors.torch import save
-
-    if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
-        raise TypeError("a fleet batch is a pair (x, y) of int64 tensors (B, T)")
-    x, y = batch
-    if not all(isinstance(t, torch.Tensor) and t.dtype == torch.int64 and t.dim() == 2 for t in (x, y)):
-        raise TypeError("x and y must be int64 tensors of shape (B, T)")
-    if x.shape != y.shape:
-        raise ValueError(f"x {tuple(x.shape)} and y {tuple(y.shape)} must have the same shape")
-    return save({"x": x.detach().cpu().contiguous(), "y": y.detach().cpu().contiguous()})
+def encode_batch(batch: tuple[torch.Tensor, ...], kind: BatchKind = "lm") -> bytes:
+    """`trainer.batch_wire.encode_batch` (kept here for callers of the LM codec): deterministic bytes."""
+    return batch_wire.encode_batch(batch, kind)
 
 
-def decode_batch(data: bytes) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse of `encode_batch`: bytes -> (x, y), int64 (B, T) CPU tensors. Raises ValueError if malformed."""
-    from safetensors.torch import load
-
-    try:
-        t = load(data)
-    except Exception as exc:  # safetensors raises its own error types for garbage
-        raise ValueError(f"batch blob is not a safetensors file: {exc}") from exc
-    if set(t) != {"x", "y"} or t["x"].dtype != torch.int64 or t["x"].shape != t["y"].shape or t["x"].dim() != 2:
-        raise ValueError("batch blob must hold int64 tensors 'x' and 'y' of one shape (B, T)")
-    return t["x"], t["y"]
+def decode_batch(data: bytes, kind: BatchKind | None = None) -> tuple[torch.Tensor, ...]:
+    """`trainer.batch_wire.decode_batch`: bytes -> the kind's int64 CPU tensors; BatchFormatError if malformed."""
+    return batch_wire.decode_batch(data, kind)
 
 
 def write_shards(model: torch.nn.Module, shard_bytes: int = 256 << 20) -> list[tuple[str, bytes]]:
@@ -113,7 +96,9 @@ class CoordinatorBackend:
         shard_bytes: target shard size in bytes. timeout_s / attempts: per request timeout, tries.
         history: published versions kept as fp32 snapshots here (>= 2 for along_update rounds, whose
             result `scale` = ||theta_v[b] - theta_base[b]|| / sqrt(n_b) is computed from them).
-    Raises ValueError for a model whose parameters mix dtypes or a negative history.
+    Rounds' batches are encoded as the model class's batch kind (trainer.batch_wire.batch_kind_for_model).
+    Raises ValueError for a model whose parameters mix dtypes, a model class without a probe loss, or a
+    negative history.
     """
 
     def __init__(self, model: torch.nn.Module, *, coordinator_url: str, admin_token: str, redis_url: str,
@@ -128,6 +113,7 @@ class CoordinatorBackend:
         if len(dtypes) != 1 or next(iter(dtypes)) not in _DTYPE_NAMES:
             raise ValueError(f"publishable models have one float dtype of {list(_DTYPE_NAMES.values())}")
         self.model, self.dtype = model, _DTYPE_NAMES[next(iter(dtypes))]
+        self.batch_kind: BatchKind = batch_wire.batch_kind_for_model(type(model).__name__)
         self.round_timeout_s, self.shard_bytes, self.attempts = round_timeout_s, shard_bytes, attempts
         self.http = httpx.Client(base_url=coordinator_url.rstrip("/"), timeout=httpx.Timeout(timeout_s),
                                  headers={"Authorization": f"Bearer {admin_token}"})
@@ -211,9 +197,11 @@ class CoordinatorBackend:
                 del self.snapshots[v]
 
     def publish_ledger(self, version: int, seeds: list[int], coeffs: list[float], dist: str,
-                       scale: float = 1.0) -> None:
+                       scale: float = 1.0, scale_min_dim: int = 0) -> None:
         """Register pure-ZO version `version` as a seed-ledger entry on the last published version:
-        theta_version = scale * theta_parent + sum_k coeffs[k] z(seeds[k]) (bytes, not a snapshot).
+        theta_version = scale * theta_parent + sum_k coeffs[k] z(seeds[k]) (bytes, not a snapshot), where
+        `scale` multiplies only parameters with at least `scale_min_dim` dimensions (decoupled weight decay
+        on matrices only: 2).
 
         The caller must have applied exactly that update to the model (fp32, kernels.replay_), so that
         workers replaying the entry hold bit-identical weights. Raises ValueError unless version is the
@@ -225,7 +213,8 @@ class CoordinatorBackend:
             raise ValueError(f"a ledger entry must follow the last published version "
                              f"({self.published[-1] if self.published else 'none'}) by exactly one")
         entry = SeedLedgerEntry(run=self.run, version=version, parent=version - 1, seeds=[int(s) for s in seeds],
-                                coeffs=[float(c) for c in coeffs], distribution=dist, scale=float(scale))
+                                coeffs=[float(c) for c in coeffs], distribution=dist, scale=float(scale),
+                                scale_min_dim=int(scale_min_dim))
         self._call("POST", f"/v1/runs/{self.run}/ledger", json=entry.model_dump(mode="json"))
         self.published.append(version)
         if self.history:
@@ -273,7 +262,7 @@ class CoordinatorBackend:
                                  f"the backend with history >= 2 (have {sorted(self.snapshots)})")
         wire = WireRound(
             run=self.run, round_id=probe_round.round_id, version=probe_round.version,
-            batch_sha256=self._upload(encode_batch(probe_round.batch)), eps=float(probe_round.eps),
+            batch_sha256=self._upload(encode_batch(probe_round.batch, self.batch_kind)), eps=float(probe_round.eps),
             distribution=str(probe_round.dist), seeds=[int(s) for s in probe_round.seeds],
             want_clean=probe_round.want_clean, kind=probe_round.kind.value, base_version=probe_round.base_version,
         )

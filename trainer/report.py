@@ -1,4 +1,4 @@
-"""Run reports: metrics JSON lines and loss-curve PNGs."""
+"""Run reports: metrics JSON lines, loss-curve PNGs and (classifiers) accuracy-and-loss PNGs."""
 
 from __future__ import annotations
 
@@ -60,6 +60,52 @@ def plot_loss_curves(runs: dict[str, Iterable[dict[str, Any]]], path: Path, *, t
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def plot_accuracy_and_loss(runs: dict[str, Iterable[dict[str, Any]]], path: Path, *, title: str,
+                           chance: float | None = None) -> Path:
+    """Two panels against optimizer step, for classifier runs: validation accuracy (markers; a dotted line at
+    `chance`, the accuracy of guessing, if given) and cross-entropy (train EMA thin, validation markers).
+
+    Args:
+        runs: label -> metric records (`loss` on train steps; `val_loss` and `val_acc` on evaluations).
+        path: PNG destination. title: figure title.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (acc_ax, loss_ax) = plt.subplots(1, 2, figsize=(12, 4.8), dpi=120)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (label, records) in enumerate(runs.items()):
+        recs = list(records)
+        c = colors[i % len(colors)]
+        acc = [(r["step"], r["val_acc"]) for r in recs if "val_acc" in r]
+        tr = [(r["step"], r["loss"]) for r in recs if "loss" in r]
+        va = [(r["step"], r["val_loss"]) for r in recs if "val_loss" in r]
+        if acc:
+            acc_ax.plot([s for s, _ in acc], [100 * v for _, v in acc], color=c, marker="o", ms=4, lw=2, label=label)
+        if tr:
+            loss_ax.plot([s for s, _ in tr], _ema([v for _, v in tr]), color=c, alpha=0.45, lw=1.2,
+                         label=f"{label} train (EMA)")
+        if va:
+            loss_ax.plot([s for s, _ in va], [v for _, v in va], color=c, marker="o", ms=4, lw=2,
+                         label=f"{label} validation")
+    if chance is not None:
+        acc_ax.axhline(100 * chance, color="gray", ls=":", lw=1.5, label="chance")
+    acc_ax.set_ylabel("validation accuracy (%)")
+    loss_ax.set_ylabel("cross-entropy (nats)")
+    for ax in (acc_ax, loss_ax):
+        ax.set_xlabel("optimizer step")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)

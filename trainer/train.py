@@ -260,22 +260,25 @@ def train(
     The folder holds `config.json`, `metrics.jsonl` (one record per step and per evaluation),
     `checkpoint.safetensors` (every `checkpoint_every` steps and at the end), `loss.png` and
     `summary.json`; `cfg.task` picks the Task (`build_task`): evaluation records hold `val_loss` (and
-    `val_acc` for sentiment), the summary adds the task's final metrics. `mode_factory` replaces `build_mode` (e.g. a ZO-Curv mode whose probes go to a
-    fleet); `status` adds a live line (workers, probes/s) to the progress display.
+    `val_acc` for sentiment), the summary adds the task's final metrics. `mode_factory(cfg, model)` replaces
+    `build_mode` (e.g. a ZO-Curv or pure-ZO mode whose probes go to a fleet; it must use the task's loss);
+    `status` adds a live line (workers, probes/s) to the progress display.
 
     Raises:
         ValueError: unknown model preset or corpus, a folder holding a different run's config, a ZO-Curv
-            optimizer or a `mode_factory` with the sentiment task.
+            optimizer with the sentiment task (without a `mode_factory`).
         trainer.checkpoint.CheckpointError: `resume` with no usable checkpoint.
         FileExistsError: the folder already holds a run and neither `resume` nor `overwrite` is set.
     """
     from trainer.models import param_order_hash
 
-    if mode_factory is not None and cfg.task != "lm":
-        raise ValueError(f"a custom mode_factory (fleet training) runs task 'lm' only, not {cfg.task!r}")
     run_dir = Path(cfg.run_dir) if cfg.run_dir else default_run_dir(cfg)
     if cfg.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {cfg.device}: CUDA is not available on this machine; use --device cpu")
+    if cfg.device.startswith("cuda"):
+        # fp32 weights and optimizer state, TF32 tensor-core matmuls (10-bit mantissa, fp32 accumulate):
+        # every optimizer of a comparison runs at the same precision, probes included.
+        torch.set_float32_matmul_precision("high")
     if run_dir.exists() and not run_dir.is_dir():
         raise ValueError(f"run folder {run_dir} exists and is not a folder; pass another --run-dir")
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -100,10 +100,28 @@ class ZOStepper:
             replay_(w, seeds, coeffs, off, self.dist)
             if p.dtype != torch.float32:
                 p.data.copy_(w)  # one rounding from the fp32 master
+        self._publish_ledger(backend, step, seeds, coeffs, 1.0 - lr * self.weight_decay)
         loss = float(l0.mean()) if l0 is not None else float((lp + lm).mean() / 2)
         return {"loss": loss, "forward_passes": float(self.forward_passes),
                 "update_coef_abs_mean": float(c.abs().mean()), **stats,
                 **{f"probe_{k}": float(v) for k, v in self.counts.items()}}
+
+    def _publish_ledger(self, backend: ProbeBackend, step: int, seeds: list[int], coeffs: list[float],
+                        scale: float) -> None:
+        """Publish version step + 1 as a seed-ledger entry on a backend that takes them (the fleet's
+        CoordinatorBackend: bytes instead of a snapshot per step; workers replay it bit-identically).
+
+        Only when the entry is exact: every parameter is fp32 (workers replay onto fp32 masters) and the
+        backend's last published version is `step` (else the next round publishes a snapshot, e.g. after
+        a resume). The decay multiplies matrices only, as in `step`, hence scale_min_dim=2.
+        """
+        publish = getattr(backend, "publish_ledger", None)
+        published = getattr(backend, "published", None)
+        if publish is None or not published or published[-1] != step:
+            return
+        if any(p.dtype != torch.float32 for p in self.params):
+            return
+        publish(step + 1, seeds, coeffs, self.dist, scale=scale if self.weight_decay else 1.0, scale_min_dim=2)
 
     def state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """(tensors, JSON) for checkpoints: fp32 masters of non-fp32 params, forward-pass count."""
