@@ -93,6 +93,19 @@ def bench_preset(name: str, dist: ProbeDist, k: int) -> dict:
     }
 
 
+H200_BF16_DENSE_FLOPS = 989e12  # NVIDIA H200 SXM datasheet, dense bf16 (the H100's rate)
+
+
+def forward_flops(model: torch.nn.Module, batch: int, seq_len: int) -> float:
+    """Matmul FLOPs of one GPT-2 forward at (batch, seq_len): 2·N + 4·L·d·T per token (PaLM, Chowdhery et
+    al. 2022, appendix B: training is 6N + 12·L·H·Q·T; a forward is a third of it). N counts every weight
+    used in a matmul: all parameters but the position table (the tied token table counts once, as the
+    LM head)."""
+    cfg = model.config
+    n = sum(p.numel() for name, p in model.named_parameters() if "wpe" not in name)
+    return batch * seq_len * (2.0 * n + 4.0 * cfg.n_layer * cfg.n_embd * seq_len)
+
+
 def bench_forward(dist: ProbeDist, batch: int, seq_len: int) -> dict:
     """Per-probe perturbation overhead vs one bf16 forward (with loss) of gpt2-small at (batch, seq_len)."""
     from transformers import GPT2LMHeadModel
@@ -121,10 +134,18 @@ def bench_forward(dist: ProbeDist, batch: int, seq_len: int) -> dict:
             "naive_perturb_pass": _ms(naive),
         }
         t["forward_clean_again"] = _ms(lambda: ev.loss(x), rep=1000)
+        a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16, generator=gen)
+        t["matmul_8192_bf16"] = _ms(lambda: a @ a, rep=200)
     ev.close()
     fwd = min(t["forward_clean"], t["forward_clean_again"])
+    flops = forward_flops(model, batch, seq_len)
+    peak_measured = 2 * 8192**3 / (t["matmul_8192_bf16"] * 1e-3)
     return {
         "batch": batch, "seq_len": seq_len, "dist": dist.value, "ms": t,
+        "probes_per_s": 1e3 / t["forward_probe"], "tokens_per_s": batch * seq_len * 1e3 / t["forward_probe"],
+        "forward_flops": flops, "matmul_tflops_measured": peak_measured / 1e12,
+        "forward_mfu_vs_measured_matmul": flops / (t["forward_probe"] * 1e-3) / peak_measured,
+        "forward_mfu_vs_datasheet": flops / (t["forward_probe"] * 1e-3) / H200_BF16_DENSE_FLOPS,
         "probe_overhead_end_to_end": (t["forward_probe"] - fwd) / fwd,
         "kernel_pass_over_forward": t["perturb_model_one_launch"] / fwd,
         "naive_pass_over_forward": t["naive_perturb_pass"] / fwd,
@@ -181,4 +202,8 @@ def render(res: dict) -> None:
         tab.add_row("probe overhead, end to end (evaluator)", f"{f['probe_overhead_end_to_end']:.2%}")
         tab.add_row("one fused perturb pass / forward", f"{f['kernel_pass_over_forward']:.2%}")
         tab.add_row("one naive PyTorch perturb pass / forward", f"{f['naive_pass_over_forward']:.2%}")
+        tab.add_row("probes/s (one GPU, perturbed forward + loss)", f"{f['probes_per_s']:.1f}")
+        tab.add_row("forward MFU vs measured 8192^3 bf16 matmul "
+                    f"({f['matmul_tflops_measured']:.0f} TFLOP/s)", f"{f['forward_mfu_vs_measured_matmul']:.1%}")
+        tab.add_row("forward MFU vs datasheet 989 TFLOP/s", f"{f['forward_mfu_vs_datasheet']:.1%}")
         con.print(tab)
