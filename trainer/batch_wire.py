@@ -119,7 +119,8 @@ def encode_batch(batch: Sequence[torch.Tensor], kind: BatchKind = "lm") -> bytes
     problem = _problem(kind, batch)
     if problem:
         raise BatchFormatError(f"{kind} batch: {problem}")
-    tensors = {n: x.detach().cpu().contiguous() for n, x in zip(names, batch)}
+    # Own copies: safetensors refuses tensors sharing storage (x and y of one row are views of one window).
+    tensors = {n: x.detach().cpu().clone(memory_format=torch.contiguous_format) for n, x in zip(names, batch)}
     # One metadata key: safetensors writes the header from a map, so a single key keeps the bytes stable.
     return save(tensors, metadata={FORMAT_KEY: tag(kind)})
 
