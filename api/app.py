@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
+import inspect
 import json
 import logging
 import weakref
@@ -19,7 +21,8 @@ import redis
 from fastapi import Depends, FastAPI, Header, HTTPException, Path, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ValidationError
 from redis.asyncio import Redis as AsyncRedis
 from starlette.concurrency import run_in_threadpool
 
@@ -46,7 +49,7 @@ from coordinator.messages import (
 )
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.settings import CoordinatorSettings
-from coordinator.store import Store
+from coordinator.store import Store, redis_client_kwargs
 
 log = logging.getLogger("sparecycles.api")
 
@@ -81,6 +84,50 @@ class _CountingFileResponse(FileResponse):
         await super().__call__(scope, receive, counting_send)
 
 
+# Connections the asyncio Redis pool opens before serving: after a coordinator restart every worker posts
+# at once, and opening a connection inside a request (TCP connect, HELLO, CLIENT SETINFO) adds its round
+# trips and ~1 ms of event-loop CPU to that request and to every request queued behind it.
+WARM_REDIS_CONNECTIONS = 32
+
+
+def _fastapi_options() -> dict:
+    """FastAPI constructor options. Recent FastAPI wraps each request in native OpenTelemetry checks
+    (global provider look-ups, ~9% of the intake path's CPU) even when nothing is configured; the
+    coordinator's telemetry is Prometheus (`/metrics`), so it is switched off where the option exists."""
+    if "telemetry" in inspect.signature(FastAPI.__init__).parameters:
+        return {"telemetry": {"tracing": False, "metrics": False, "logs": False}}
+    return {}
+
+
+def _json_body(model: type[BaseModel]) -> dict:
+    """`openapi_extra` documenting a JSON request body of `model` for a route that parses it itself."""
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}},
+        }
+    }
+
+
+def _with_body_schemas(schema: dict, *models: type[BaseModel]) -> dict:
+    """Add the JSON schemas of `models` (and their nested models) to an OpenAPI document's components."""
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    for model in models:
+        body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        for name, sub in body.pop("$defs", {}).items():
+            components.setdefault(name, sub)
+        components[model.__name__] = body
+    return schema
+
+
+async def _open_pool(client: AsyncRedis, n: int) -> None:
+    """Open up to `n` pooled connections (n concurrent PINGs); a Redis outage only logs (see /readyz)."""
+    try:
+        await asyncio.wait_for(asyncio.gather(*(client.ping() for _ in range(n))), timeout=5.0)
+    except (redis.RedisError, OSError, TimeoutError) as exc:
+        log.warning("could not pre-open Redis connections: %s", exc)
+
+
 def create_app(
     settings: CoordinatorSettings, *, store: Store | None = None, metrics: CoordinatorMetrics | None = None
 ) -> FastAPI:
@@ -101,6 +148,7 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await _open_pool(aredis(), WARM_REDIS_CONNECTIONS)
         task = asyncio.create_task(reaper())
         try:
             yield
@@ -112,7 +160,7 @@ def create_app(
             if client is not None:
                 await client.aclose()
 
-    app = FastAPI(title="sparecycles coordinator", version="1", lifespan=lifespan)
+    app = FastAPI(title="sparecycles coordinator", version="1", lifespan=lifespan, **_fastapi_options())
     app.state.settings, app.state.store, app.state.metrics, app.state.intake = (
         settings,
         store,
@@ -125,10 +173,19 @@ def create_app(
         # One asyncio Redis client per event loop (connections belong to the loop that opened them).
         loop = asyncio.get_running_loop()
         if loop not in clients:
-            clients[loop] = AsyncRedis.from_url(settings.redis_url, decode_responses=True)
+            clients[loop] = AsyncRedis.from_url(
+                settings.redis_url, decode_responses=True, **redis_client_kwargs()
+            )
         return clients[loop]
 
     app.state.aredis = aredis
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            app.openapi_schema = _with_body_schemas(FastAPI.openapi(app), ResultBatch)
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     app.state.token_cache = {}
 
     @app.exception_handler(CoordinatorError)
@@ -156,9 +213,20 @@ def create_app(
         )
 
     # ---- the hot path first: routes are matched in registration order ------------------------------
-    @app.post("/v1/runs/{run}/results", response_model=IntakeReply)
-    async def submit_results(run: RunP, body: ResultBatch, who: Principal = WorkerOnly) -> Response:
-        """Intake of one task's results; the reply lists each result's outcome in order."""
+    worker_only = require("worker")
+
+    @app.post("/v1/runs/{run}/results", response_model=IntakeReply, openapi_extra=_json_body(ResultBatch))
+    async def submit_results(run: RunP, request: Request) -> Response:
+        """Intake of one task's results (a `ResultBatch`); the reply lists each result's outcome in order."""
+        # The body is parsed and validated by pydantic-core straight from bytes, not through FastAPI's
+        # body machinery (json.loads, then a Python-side validation): the same strict model, the same
+        # 422, for ~15% less CPU on the path every result takes. Authentication still comes first.
+        who = await worker_only(request)
+        try:
+            body = ResultBatch.model_validate_json(await request.body())
+        except ValidationError as exc:
+            errors = [{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)]
+            raise RequestValidationError(errors) from None
         outcomes = await intake.submit_async(aredis(), who.worker_id, run, list(body.results))
         # Serialised directly (the hot path): the outcomes are already of the IntakeReply type.
         return Response(
@@ -180,7 +248,7 @@ def create_app(
 
     @app.get("/metrics")
     def metrics_endpoint() -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     # ---- workers ----------------------------------------------------------------------------------------
     @app.post("/v1/workers", status_code=201, dependencies=[Enroll])
@@ -329,4 +397,18 @@ def create_app(
     def root() -> PlainTextResponse:
         return PlainTextResponse("sparecycles coordinator; see /docs\n")
 
+    return app
+
+
+def app_from_env() -> FastAPI:
+    """uvicorn factory of a dedicated coordinator process (`sparecycles coordinator`, and each of its
+    `--workers`): settings from the environment (raises pydantic.ValidationError on weak secrets).
+
+    The objects built so far (FastAPI routes, pydantic schemas, Celery) live as long as the process; a
+    full garbage collection would rescan all of them, a ~50 ms pause of the event loop (every request
+    in flight waits). They are collected once and frozen out of the collector's generations.
+    """
+    app = create_app(CoordinatorSettings())
+    gc.collect()
+    gc.freeze()
     return app

@@ -9,30 +9,55 @@ def coordinator(
     host: str = typer.Option("127.0.0.1", help="Interface to bind (0.0.0.0 in containers)."),
     port: int = typer.Option(8787, min=1, max=65535, help="TCP port."),
     log_level: str = typer.Option("info", help="uvicorn log level."),
+    workers: int = typer.Option(
+        1,
+        min=1,
+        max=64,
+        help="Coordinator processes sharing the port (uvicorn workers). Above 1, /metrics sums every "
+        "process's counters through prometheus-client's multiprocess mode (PROMETHEUS_MULTIPROC_DIR, "
+        "a fresh temporary directory unless set; its *.db files are cleared at start).",
+    ),
 ) -> None:
     """Serve the coordinator API. Settings come from SPARECYCLES_* environment variables (and REDIS_URL);
     it refuses to start with empty or default secrets unless SPARECYCLES_DEV_MODE=1."""
+    import contextlib
+    import os
+    import tempfile
+    from pathlib import Path
+
     import uvicorn
     from pydantic import ValidationError
 
-    from api.app import create_app
     from coordinator.settings import CoordinatorSettings
 
     try:
-        settings = CoordinatorSettings()
+        CoordinatorSettings()  # fail here, once, with a clear message (each worker process re-reads it)
     except ValidationError as exc:
         # Never echo input values: they are secrets.
         reasons = "; ".join(e["msg"] for e in exc.errors(include_input=False, include_url=False))
         typer.echo(f"refusing to start: {reasons}", err=True)
         raise typer.Exit(2) from exc
-    uvicorn.run(
-        create_app(settings),
-        host=host,
-        port=port,
-        log_level=log_level,
-        proxy_headers=True,
-        timeout_graceful_shutdown=10,
-    )
+    with contextlib.ExitStack() as stack:
+        if workers > 1:
+            # Must be in the environment before a worker process imports prometheus-client.
+            mp = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+            if mp:
+                Path(mp).mkdir(parents=True, exist_ok=True)
+                for stale in Path(mp).glob("*.db"):  # values of a previous run would be summed in
+                    stale.unlink()
+            else:
+                tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="sparecycles-metrics-"))
+                os.environ["PROMETHEUS_MULTIPROC_DIR"] = tmp
+        uvicorn.run(
+            "api.app:app_from_env",
+            factory=True,
+            workers=workers,
+            host=host,
+            port=port,
+            log_level=log_level,
+            proxy_headers=True,
+            timeout_graceful_shutdown=10,
+        )
 
 
 if __name__ == "__main__":

@@ -62,6 +62,7 @@ class IntakeBenchResult:
     client_cpu_s: float  # CPU seconds of the simulated workers (0 in `store` mode: same process)
     redis_cpu_s: float  # CPU seconds of the Redis server during the run (includes other clients' load)
     load_avg_1m: float  # machine load when the run started: other processes compete for the cores
+    coordinators: int = 1  # coordinator processes (uvicorn workers) in `http` mode
 
 
 def _quantile(sorted_ms: list[float], q: float) -> float:
@@ -132,6 +133,28 @@ def _proc_cpu(pid: int) -> float:
     """utime + stime of a process in seconds (Linux /proc)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _children(pid: int) -> list[int]:
+    """Live child processes of `pid` (Linux /proc; empty if it has exited)."""
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return out
+
+
+def _tree_cpu(pid: int) -> float:
+    """CPU seconds of `pid` and its live descendants (the coordinator's uvicorn workers)."""
+    total = 0.0
+    for p in [pid, *_children(pid)]:
+        try:
+            total += _proc_cpu(p) if p == pid else _tree_cpu(p)
+        except OSError:
+            pass
+    return total
 
 
 def _finish(settings, mode, workers, batch, n, accepted, seconds, lat_ms, cpu) -> IntakeBenchResult:
@@ -285,13 +308,40 @@ async def _http_clients(
     return accepted, time.perf_counter() - t0, lat
 
 
+def _wait_ready(url: str, proc: subprocess.Popen, coordinators: int, metrics_dir: Path) -> None:
+    """Wait for /readyz and, with several coordinator processes, for each to have built its app (its
+    metric files appear in `metrics_dir`) and a moment more for its start-up to finish."""
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            ready = httpx.get(url + "/readyz", timeout=2).status_code == 200
+        except httpx.TransportError:
+            ready = False
+        pids = {f.stem.rsplit("_", 1)[-1] for f in metrics_dir.glob("*.db")}
+        if ready and (coordinators == 1 or len(pids) >= coordinators):
+            break
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError("the coordinator process did not become ready")
+        time.sleep(0.1)
+    if coordinators > 1:
+        time.sleep(1.0)  # app built -> lifespan (Redis pool opened) -> accepting: well under a second
+
+
 def bench_http(
-    settings: CoordinatorSettings, workers: int, n_results: int, batch: int, rate: float = 0.0
+    settings: CoordinatorSettings,
+    workers: int,
+    n_results: int,
+    batch: int,
+    rate: float = 0.0,
+    coordinators: int = 1,
 ) -> IntakeBenchResult:
-    """Coordinator in a uvicorn subprocess; `workers` asyncio+httpx simulated workers in this process."""
+    """Coordinator in a uvicorn subprocess (`coordinators` worker processes); `workers` asyncio simulated
+    workers in this process."""
     from api.server import free_port
 
     port = free_port()
+    metrics_dir = settings.blob_dir / "prometheus"
+    metrics_dir.mkdir()
     env = dict(
         os.environ,
         REDIS_URL=settings.redis_url,
@@ -302,21 +352,15 @@ def bench_http(
         SPARECYCLES_ENROLLMENT_TOKEN=settings.enrollment_token.get_secret_value(),
     )
     env.pop("SPARECYCLES_REDIS_URL", None)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "api.cli", "--port", str(port), "--log-level", "warning"], env=env
-    )
+    if coordinators > 1:
+        env["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
+    else:
+        env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    cmd = [sys.executable, "-m", "api.cli", "--port", str(port), "--log-level", "warning"]
+    proc = subprocess.Popen(cmd + ["--workers", str(coordinators)], env=env)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(url + "/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the coordinator process did not become ready")
-            time.sleep(0.1)
+        _wait_ready(url, proc, coordinators, metrics_dir)
         rounds = _setup_rounds(Store(settings), n_results)
         enroll = {"Authorization": f"Bearer {settings.enrollment_token.get_secret_value()}"}
         tokens = []
@@ -324,11 +368,11 @@ def bench_http(
             reg = httpx.post(url + "/v1/workers", json={"name": f"sim{i}"}, headers=enroll, timeout=30).json()
             tokens.append((reg["worker_id"], reg["worker_token"]))
         load = os.getloadavg()[0]
-        r0, s0, c0 = _redis_cpu(settings.redis_url), _proc_cpu(proc.pid), time.process_time()
+        r0, s0, c0 = _redis_cpu(settings.redis_url), _tree_cpu(proc.pid), time.process_time()
         accepted, seconds, lat = asyncio.run(_http_clients(url, tokens, _batches(rounds, batch), rate))
-        cpu = (_proc_cpu(proc.pid) - s0, time.process_time() - c0, _redis_cpu(settings.redis_url) - r0)
+        cpu = (_tree_cpu(proc.pid) - s0, time.process_time() - c0, _redis_cpu(settings.redis_url) - r0)
         res = _finish(settings, "http", workers, batch, n_results, accepted, seconds, lat, cpu)
-        res.load_avg_1m, res.rate = round(load, 2), rate
+        res.load_avg_1m, res.rate, res.coordinators = round(load, 2), rate, coordinators
         return res
     finally:
         proc.terminate()
@@ -343,16 +387,18 @@ def run_intake_bench(
     redis_url: str,
     rate: float = 0.0,
     key_prefix: str | None = None,
+    coordinators: int = 1,
 ) -> IntakeBenchResult:
     """Run one bench on fresh keys (`key_prefix`, random by default; deleted afterwards).
 
     Raises ValueError on bad sizes.
 
     `rate` (results/s, http mode only): offered load of an open-loop run; 0 = closed loop, as fast as
-    the coordinator answers.
+    the coordinator answers. `coordinators` (http mode only): coordinator processes
+    (`sparecycles coordinator --workers`).
     """
-    if workers < 1 or n_results < 1 or not 1 <= batch <= 1024:
-        raise ValueError("workers and results must be >= 1 and batch in [1, 1024]")
+    if workers < 1 or n_results < 1 or not 1 <= batch <= 1024 or not 1 <= coordinators <= 64:
+        raise ValueError("workers and results must be >= 1, batch in [1, 1024], coordinators in [1, 64]")
     prefix = key_prefix or "bench" + secrets.token_hex(4)
     with tempfile.TemporaryDirectory() as tmp:
         settings = generate_dev_settings(
@@ -360,7 +406,7 @@ def run_intake_bench(
         )
         try:
             if mode == "http":
-                return bench_http(settings, workers, n_results, batch, rate)
+                return bench_http(settings, workers, n_results, batch, rate, coordinators)
             return bench_store(settings, workers, n_results, batch)
         finally:
             _cleanup(settings)

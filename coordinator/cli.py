@@ -19,6 +19,9 @@ def bench_intake(
     redis_url: str = typer.Option(
         os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"), help="Redis to use (keys are namespaced)."
     ),
+    coordinators: int = typer.Option(
+        1, min=1, max=64, help="Coordinator processes in http mode (sparecycles coordinator --workers)."
+    ),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object per mode."),
 ) -> None:
     """Results accepted per second end to end through Redis, and p50/p99 latency from publish to acceptance."""
@@ -27,12 +30,14 @@ def bench_intake(
     if mode not in ("http", "store", "both"):
         raise typer.BadParameter("mode must be http, store or both")
     for m in ["http", "store"] if mode == "both" else [mode]:
-        res = run_intake_bench(m, workers, results, batch, redis_url, rate)
+        res = run_intake_bench(m, workers, results, batch, redis_url, rate, coordinators=coordinators)
         if json_out:
             typer.echo(json.dumps(result_dict(res)))
         else:
             typer.echo(
-                f"{res.mode:5s} {'rate=' + format(res.rate, '.0f') + ' ' if res.rate else ''}workers={res.workers} batch={res.batch} results={res.results} accepted={res.accepted} "
+                f"{res.mode:5s} {'rate=' + format(res.rate, '.0f') + ' ' if res.rate else ''}"
+                f"{'coordinators=' + str(res.coordinators) + ' ' if res.coordinators > 1 else ''}"
+                f"workers={res.workers} batch={res.batch} results={res.results} accepted={res.accepted} "
                 f"streamed={res.streamed}  {res.results_per_s:,.0f} results/s  p50={res.p50_ms:.2f} ms  "
                 f"p99={res.p99_ms:.2f} ms  ({res.seconds:.2f} s, {os.cpu_count()} CPUs, load {res.load_avg_1m})"
             )

@@ -21,6 +21,8 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import weakref
+from collections import Counter
 from collections.abc import Callable
 from functools import lru_cache
 
@@ -109,6 +111,7 @@ class Intake:
         self._publish = store.r.register_script(_PUBLISH_LUA)
         self._retract = store.r.register_script(_RETRACT_LUA)
         self._round = lru_cache(maxsize=4096)(self._load_round)
+        self._async_scripts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def stream_key(self, run: str) -> str:
         """Redis Stream of the run's accepted-result events (field `e`: a `StreamEvent` JSON)."""
@@ -143,7 +146,9 @@ class Intake:
         """`submit` for an asyncio server: the per-batch Lua call goes through `aredis` (same Redis), the
         rare follow-ups (spot-check resolution, re-dispatch) run in a worker thread."""
         outcomes, calls = self._plan(worker_id, run, results)
-        script = aredis.register_script(_INTAKE_LUA)
+        script = self._async_scripts.get(aredis)
+        if script is None:  # one AsyncScript per client (it caches the SHA; EVALSHA then, EVAL on NOSCRIPT)
+            script = self._async_scripts[aredis] = aredis.register_script(_INTAKE_LUA)
         followups: list[Callable[[], None]] = []
         for rnd, keys, argv, sent in calls:
             followups += self._apply(rnd, sent, await script(keys=keys, args=argv), outcomes)
@@ -155,9 +160,10 @@ class Intake:
         return outcomes
 
     def _tally(self, outcomes: list[str]) -> int:
-        for o in outcomes:
-            self.metrics.results.labels(o).inc()
-        return sum(o not in ("accepted", "held", "duplicate") for o in outcomes)
+        counts = Counter(outcomes)  # one metric update per distinct outcome, not per result
+        for o, n in counts.items():
+            self.metrics.results.labels(o).inc(n)
+        return len(outcomes) - counts["accepted"] - counts["held"] - counts["duplicate"]
 
     def _plan(self, wid: str, run: str, results: list[ProbeResult]) -> tuple[list[str], list[tuple]]:
         """Stateless checks; returns outcomes so far and one (round, keys, argv, sent) Lua call per round."""

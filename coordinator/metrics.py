@@ -3,13 +3,21 @@
 Names start with `sparecycles_`; counters end in `_total` (prometheus-client appends it); labels are
 bounded enums (outcome, reason, state, run) — never per seed or per task. Each `CoordinatorMetrics`
 owns its registry so several apps in one process (tests) do not collide.
+
+Several coordinator processes (`sparecycles coordinator --workers N`) use prometheus-client's
+multiprocess mode: with `PROMETHEUS_MULTIPROC_DIR` set before prometheus-client is imported, every
+counter and histogram lives in a per-process file there, and `exposition()` sums them over all
+processes. The two gauges (workers by state, queue depth) are not per-process values at all: they are
+read from Redis at scrape time, so they are added once to the summed output and need no
+`multiprocess_mode`. Any per-process `Gauge` added later must declare one (e.g. "livesum").
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -43,6 +51,7 @@ class CoordinatorMetrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self._live: _LiveGauges | None = None
         r = self.registry
         self.results = Counter(
             "sparecycles_intake_results",
@@ -94,4 +103,24 @@ class CoordinatorMetrics:
         self, workers: Callable[[], dict[str, int]], queues: Callable[[], dict[str, int]]
     ) -> None:
         """Register the scrape-time gauges (worker states, queue depths) backed by the given callables."""
-        self.registry.register(_LiveGauges(workers, queues))
+        self._live = _LiveGauges(workers, queues)
+        self.registry.register(self._live)
+
+    def exposition(self) -> bytes:
+        """The text exposition for `/metrics`: this registry, or in multiprocess mode the sum over every
+        coordinator process's counters and histograms plus the live gauges (read once)."""
+        path = multiprocess_dir()
+        if path is None:
+            return generate_latest(self.registry)
+        from prometheus_client import multiprocess
+
+        merged = CollectorRegistry()
+        multiprocess.MultiProcessCollector(merged, path)
+        if self._live is not None:
+            merged.register(self._live)
+        return generate_latest(merged)
+
+
+def multiprocess_dir() -> str | None:
+    """`PROMETHEUS_MULTIPROC_DIR` if set (prometheus-client then keeps metric values in files there)."""
+    return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None

@@ -1,0 +1,130 @@
+"""Several coordinator processes: /metrics sums every process's counters (prometheus-client multiprocess
+mode), and the Redis-backed gauges are reported once, not once per process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import httpx
+from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.parser import text_string_to_metric_families
+from test_coordinator_fixtures import cleanup, make_settings
+
+from api.server import free_port
+from coordinator.metrics import CoordinatorMetrics
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _samples(text: str) -> dict[tuple[str, tuple], float]:
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
+
+
+def _per_process(mp_dir: Path, name: str, labels: dict[str, str]) -> dict[str, float]:
+    """One sample's value in each process's counter file (file stem counter_<pid> -> value)."""
+    out = {}
+    for f in sorted(mp_dir.glob("counter_*.db")):
+        for metric in MultiProcessCollector.merge([str(f)], accumulate=True):
+            for s in metric.samples:
+                if s.name == name and s.labels == labels:
+                    out[f.stem] = s.value
+    return out
+
+
+def test_exposition_sums_counters_and_histograms_of_all_processes(tmp_path, monkeypatch):
+    # Two separate processes write their metrics to the same directory, as uvicorn workers do.
+    code = textwrap.dedent(
+        """
+        import sys
+        from coordinator.metrics import CoordinatorMetrics
+        n, age = int(sys.argv[1]), int(sys.argv[2])
+        m = CoordinatorMetrics()
+        m.results.labels("accepted").inc(n)
+        m.results.labels("stale").inc(1)
+        for _ in range(n):
+            m.result_age.observe(age)
+        """
+    )
+    env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(tmp_path))
+    for n, age in ((5, 0), (7, 3)):
+        subprocess.run([sys.executable, "-c", code, str(n), str(age)], env=env, cwd=ROOT, check=True)
+    assert len(list(tmp_path.glob("counter_*.db"))) == 2
+
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    m = CoordinatorMetrics()
+    m.attach_live(lambda: {"active": 3, "lost": 1}, lambda: {"r": 4})
+    got = _samples(m.exposition().decode())
+    assert got[("sparecycles_intake_results_total", (("outcome", "accepted"),))] == 12
+    assert got[("sparecycles_intake_results_total", (("outcome", "stale"),))] == 2
+    assert got[("sparecycles_result_age_versions_count", ())] == 12
+    assert got[("sparecycles_result_age_versions_sum", ())] == 7 * 3
+    assert got[("sparecycles_result_age_versions_bucket", (("le", "0.0"),))] == 5
+    assert got[("sparecycles_result_age_versions_bucket", (("le", "4.0"),))] == 12
+    # Live gauges come from Redis at scrape time: present once, never multiplied by the process count.
+    assert got[("sparecycles_workers", (("state", "active"),))] == 3
+    assert got[("sparecycles_queue_depth", (("run", "r"),))] == 4
+
+
+def test_coordinator_with_two_workers_reports_the_sum_over_processes(tmp_path):
+    settings = make_settings(tmp_path)
+    mp_dir = tmp_path / "prom"
+    mp_dir.mkdir()
+    (mp_dir / "counter_1.db").write_bytes(b"stale values of an earlier run")  # cleared at start
+    port = free_port()
+    env = dict(
+        os.environ,
+        REDIS_URL=settings.redis_url,
+        SPARECYCLES_KEY_PREFIX=settings.key_prefix,
+        SPARECYCLES_QUEUE_PREFIX=settings.queue_prefix,
+        SPARECYCLES_BLOB_DIR=str(settings.blob_dir),
+        SPARECYCLES_ADMIN_TOKEN=settings.admin_token.get_secret_value(),
+        SPARECYCLES_ENROLLMENT_TOKEN=settings.enrollment_token.get_secret_value(),
+        PROMETHEUS_MULTIPROC_DIR=str(mp_dir),
+    )
+    env.pop("SPARECYCLES_REDIS_URL", None)
+    cmd = [sys.executable, "-m", "api.cli", "--port", str(port), "--log-level", "warning", "--workers", "2"]
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(mp_dir.glob("counter_*.db"))) < 2 or not _ready(url):
+            assert proc.poll() is None and time.monotonic() < deadline, "coordinator did not start"
+            time.sleep(0.1)
+        enroll = {"Authorization": f"Bearer {settings.enrollment_token.get_secret_value()}"}
+        assert httpx.post(url + "/v1/workers", json={"name": "w"}, headers=enroll).status_code == 201
+        # Unauthenticated calls (each on a new connection) until both processes have answered some.
+        label = {"reason": "unauthenticated"}
+        sent = 0
+        while sent < 3000:
+            assert httpx.get(url + "/v1/workers").status_code == 401
+            sent += 1
+            per = _per_process(mp_dir, "sparecycles_rejected_requests_total", label)
+            if sent >= 20 and len([v for v in per.values() if v > 0]) == 2:
+                break
+        assert "counter_1" not in per and len(per) == 2 and all(0 < v < sent for v in per.values()), per
+        assert sum(per.values()) == sent
+        admin = {"Authorization": f"Bearer {settings.admin_token.get_secret_value()}"}
+        for _ in range(6):  # whichever process answers the scrape reports the same totals
+            got = _samples(httpx.get(url + "/metrics", headers=admin).text)
+            assert got[("sparecycles_rejected_requests_total", (("reason", "unauthenticated"),))] == sent
+            assert got[("sparecycles_workers", (("state", "active"),))] == 1
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        cleanup(settings)
+
+
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(url + "/readyz", timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
