@@ -64,7 +64,7 @@ def test_one_and_a_half_spsa_steps_through_the_fleet_equal_in_process(fleet, min
     be = fleet.backend(m_fleet, "senti", seeds_per_task=1)
     fleet.wait_consuming("a"), fleet.wait_consuming("b")
     ref = InProcessBackend(m_ref, classifier_loss)
-    kw = dict(run_seed=11, probes=2, eps=1e-3, weight_decay=0.1)
+    kw = {"run_seed": 11, "probes": 2, "eps": 1e-3, "weight_decay": 0.1}
     st_f, st_r = ZOStepper(m_fleet, "1.5spsa", **kw), ZOStepper(m_ref, "1.5spsa", **kw)
     for step in range(2):
         got, want = st_f.step(step, batch, be, lr=1e-3), st_r.step(step, batch, ref, lr=1e-3)
@@ -87,7 +87,7 @@ def test_malformed_batches_are_rejected_counted_and_survived(fleet, minilm):
     model, batch = minilm
     be = fleet.backend(model, "senti-bad", seeds_per_task=1)
     be.publish(0)
-    ids, mask, labels = batch
+    ids, mask, _ = batch
     bad = [b"garbage, not a safetensors batch", encode_batch((ids, ids.clone()), "lm"),
            encode_batch((ids, mask, torch.tensor([1, 0, 5, 0])), "classifier")]
     before = sum(_tasks(fleet, n, "invalid") for n in ("a", "b"))

@@ -160,7 +160,7 @@ def decode_batch(data: bytes, kind: BatchKind | None = None) -> tuple[torch.Tens
         raise BatchFormatError(f"expected a {tag(kind)} batch for this model, got a {got} batch")
     try:
         tensors = load(data)
-    except Exception as exc:  # safetensors raises its own error types for truncated or garbled data
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types for garbled data
         raise BatchFormatError(f"batch blob is not a valid safetensors file: {exc}") from None
     names = FIELDS[found]
     if set(tensors) != set(names):
