@@ -61,7 +61,8 @@ class TrainConfig(BaseModel):
     `task` picks what is trained: "lm" pretrains `model` on `corpus`; "sentiment" fine-tunes the
     pretrained MiniLM-L6 encoder with a 2-way head (trainer.sentiment) and ignores `model` and
     `corpus`; there `seq_len` is the max tokens per sentence and evaluation uses a fixed random subset of
-    `eval_batches * batch_size` validation sentences. ZO-Curv optimizers are LM-only.
+    `eval_batches * batch_size` validation sentences. ZO-Curv optimizers are LM-only; the pure-ZO ones run
+    in process or over the fleet (`sparecycles up --task sentiment`).
 
     Raises:
         pydantic.ValidationError: on unknown fields, out-of-range values or inconsistent settings.

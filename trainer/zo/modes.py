@@ -117,7 +117,9 @@ class ZOCurvMode:
 
 
 class PureZOMode:
-    """MeZO / 1SPSA / 1.5-SPSA step (trainer.zo.zo_step.ZOStepper) through an in-process backend."""
+    """MeZO / 1SPSA / 1.5-SPSA step (trainer.zo.zo_step.ZOStepper) through a ProbeBackend: in process by
+    default; the fleet's CoordinatorBackend under `sparecycles up` (LM or sentiment task), where each step's
+    update travels to the workers as a seed-ledger entry."""
 
     optimizer = None
 
