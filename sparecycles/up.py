@@ -4,8 +4,8 @@ Starts an embedded Valkey (unless REDIS_URL is set), the coordinator with fresh 
 probe workers (one process each) and the trainer; runs the AdamW baseline and the fleet-probed run at equal
 steps on real data (LM pretraining with ZO-Curv on the corpus, or `--task sentiment`: MiniLM-L6 fine-tuning
 with pure ZO); writes a run folder with both runs' curves (PNG: losses; for sentiment also accuracy), a JSON
-summary and the URLs it served. Every child runs in its own process group and dies with `up` (SIGTERM, then SIGKILL; on
-Linux also PR_SET_PDEATHSIG if `up` itself is killed).
+summary and the URLs it served. Every child runs in its own process group and dies with `up` (SIGTERM, then
+SIGKILL; on Linux also PR_SET_PDEATHSIG if `up` itself is killed).
 """
 
 from __future__ import annotations
