@@ -4,10 +4,9 @@ A round's batch travels once, as a content-addressed blob (DESIGN.md section 3, 
 safetensors file whose `__metadata__` is exactly {"sparecycles.batch": "<kind>/<version>"} and whose tensors
 are exactly the kind's fields, all int64 on the CPU:
 
-| tag            | tensors                                                        | loss (nats)                       |
-| -------------- | -------------------------------------------------------------- | --------------------------------- |
-| `lm/1`         | x (B, T), y (B, T) token ids; y is x shifted by one            | trainer.train.lm_loss             |
-| `classifier/1` | input_ids (B, T), attention_mask (B, T) in {0, 1}, labels (B,) | trainer.sentiment.classifier_loss |
+- `lm/1`: x (B, T), y (B, T) token ids, y = x shifted by one; loss trainer.train.lm_loss (nats/token);
+- `classifier/1`: input_ids (B, T), attention_mask (B, T) in {0, 1}, labels (B,); loss
+  trainer.sentiment.classifier_loss (nats/sentence).
 
 A run's kind follows from its model class (the version manifest's `model_class`): `*ForSequenceClassification`
 -> classifier, causal LMs -> lm. The trainer (CoordinatorBackend) and the worker (ProbeRuntime) both derive it
