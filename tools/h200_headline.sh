@@ -13,10 +13,15 @@ mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 SPARECYCLES_CACHE=$PWD/.h200/cache
 [ -f .h200/cache/corpora/classics/train.bin.xz ] && xz -d .h200/cache/corpora/classics/train.bin.xz
+deadline=$(( $(date +%s) + ${HEADLINE_SECONDS:-510} ))  # leave time to pack before the call's limit
+wait_or_stop() {  # wait for the background jobs; past the deadline stop them (their metrics are on disk)
+  while [ -n "$(jobs -rp)" ] && [ "$(date +%s)" -lt "$deadline" ]; do sleep 2; done
+  if [ -n "$(jobs -rp)" ]; then echo "deadline: stopping $(jobs -rp | wc -l) job(s)"; kill -TERM $(jobs -rp) 2>/dev/null; pkill -TERM -f "from sparecycles.cli import app"; sleep 3; fi
+}
 sc() { python3 -c 'import sys; from sparecycles.cli import app; sys.argv[0] = "sparecycles"; app()' "$@"; }
 ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-res=/tmp/headline && mkdir -p $res
+res=/tmp/headline && mkdir -p $res/logs
 common=(--preset gpt2-small --corpus classics --steps "$steps" --batch-size 16 --seq-len 512 --warmup-steps $((steps / 10))
         --eval-every $((steps / 20)) --checkpoint-every "$steps" --no-progress)
 if [ "$part" = pretrain ]; then
@@ -32,10 +37,24 @@ if [ "$part" = pretrain ]; then
         --device cuda:$g1 --run-dir $res/zocurv-line-lr$lr
     done
   ) > "$out/gpu1.log" 2>&1 &
-  wait
+  wait_or_stop
   sc bench headline report $res/adamw-lr* $res/zocurv-line-lr* --out $res/report > "$out/report.log" 2>&1
 elif [ "$part" = finetune ]; then
-  sc bench zo --part sentiment --device cuda:0 --out $res/sentiment > "$out/gpu0.log" 2>&1
+  # MiniLM-L6 sentiment from a linear-probe head: one process per (method, lr), three per GPU (more
+  # processes time-slice one GPU too finely). Each run writes its curve after every evaluation, so the
+  # deadline leaves every run's progress; compare them at equal forward passes.
+  budget=${3:-60000}
+  ft=(--part sentiment --budget "$budget" --k 16 --evals 40 --head-init linear-probe --out $res/sentiment)
+  i=0
+  for job in ${FINETUNE_JOBS:-mezo:3e-5 mezo:1e-4 1spsa:1e-5 1spsa:3e-5 1.5spsa:1e-5 1.5spsa:3e-5}; do
+    m=${job%%:*} lr=${job##*:}
+    sc bench zo "${ft[@]}" --methods "$m" --lrs "$lr" --device cuda:$(( i % ngpu )) > "$res/logs/ft-$m-$lr.log" 2>&1 &
+    i=$((i + 1))
+  done
+  wait_or_stop
+  sc bench zo --part sentiment --budget 3 --lrs "" --methods mezo --evals 1 --head-init linear-probe \
+    --device cuda:0 --out $res/sentiment > "$res/logs/ft-summary.log" 2>&1
+  tail -n 4 $res/logs/*.log > "$out/finetune-tail.log"
 fi
 find $res -name 'checkpoint*' -delete
 tar -czf "$out/headline-$part.tgz" -C $res .

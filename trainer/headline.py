@@ -196,6 +196,7 @@ def memory_scan(device: str = "cuda", sizes: tuple[str, ...] = tuple(SCAN_SHAPES
     if unknown:
         raise ValueError(f"unknown shapes {unknown}; choose from {sorted(SCAN_SHAPES)}")
     torch.set_float32_matmul_precision("high")
+    torch.zeros(1, device=device)  # create the context first: the peak-memory counters need it
     trials, largest = [], {}
     for method in ("adamw", "1.5spsa"):
         for name in sizes:

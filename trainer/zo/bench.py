@@ -84,18 +84,71 @@ def _plot(curves: dict[str, list[tuple[float, float]]], path: Path, xlabel: str,
     plt.close(fig)
 
 
+@torch.no_grad()
+def _pooled_features(model, task: SentimentTask, split: str, batch_size: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(features (N, H) fp32 = what the head sees (BERT pooler output), labels (N,), forward batches used)."""
+    ids, mask, labels = task.splits[split]
+    feats, n_fwd = [], 0
+    for i in range(0, ids.shape[0], batch_size):
+        b = task._trim(ids[i:i + batch_size], mask[i:i + batch_size], labels[i:i + batch_size])
+        feats.append(model.bert(input_ids=b[0], attention_mask=b[1]).pooler_output.float())
+        n_fwd += 1
+    return torch.cat(feats), labels, n_fwd
+
+
+def fit_linear_probe_head_(model, task: SentimentTask, *, batch_size: int = 32, l2: float = 1e-3,
+                           iters: int = 100) -> dict[str, float]:
+    """Fit the classifier head on frozen features (L2-regularised logistic regression, full-batch L-BFGS) and
+    write it into `model.classifier` in place: the "LP" of LP-FT (Kumar et al. 2022, "Fine-Tuning can Distort
+    Pretrained Features", section 4), the forward-only stand-in for MeZO's prompt-based start (Malladi et
+    al. 2023, section 2). Costs one forward pass per `batch_size` training sentences, returned as
+    "forward_passes" (int), with the probe's training accuracy ("train_acc").
+    """
+    x, y, n_fwd = _pooled_features(model, task, "train", batch_size)
+    w = torch.zeros(model.classifier.weight.shape, device=x.device, requires_grad=True)  # (C, H)
+    b = torch.zeros(model.classifier.bias.shape, device=x.device, requires_grad=True)  # (C,)
+    opt = torch.optim.LBFGS([w, b], lr=1.0, max_iter=iters, line_search_fn="strong_wolfe")
+
+    def closure():
+        opt.zero_grad()
+        with torch.enable_grad():
+            loss = torch.nn.functional.cross_entropy(x @ w.T + b, y) + l2 * (w * w).sum()
+            loss.backward()
+        return loss
+
+    opt.step(closure)
+    with torch.no_grad():
+        model.classifier.weight.copy_(w.detach().to(model.classifier.weight.dtype))
+        model.classifier.bias.copy_(b.detach().to(model.classifier.bias.dtype))
+        acc = float(((x @ w.T + b).argmax(-1) == y).float().mean())
+    return {"forward_passes": n_fwd, "train_acc": acc}
+
+
+def _fresh_classifier(task: SentimentTask, seed: int, device: str, head_init: str, batch_size: int):
+    from trainer.models import load_minilm_classifier
+
+    if head_init not in ("random", "linear-probe"):
+        raise ValueError(f"head_init must be 'random' or 'linear-probe', got {head_init!r}")
+    model, _ = load_minilm_classifier(seed=seed)
+    model.to(device).eval()
+    lp = fit_linear_probe_head_(model, task, batch_size=batch_size) if head_init == "linear-probe" else None
+    return model, lp
+
+
 def sentiment_run(task: SentimentTask, method: str, *, lr: float, budget: int, probes: int, eps: float,
-                  alpha: float, lam: float, batch_size: int, seed: int, device: str, evals: int = 10) -> dict:
+                  alpha: float, lam: float, batch_size: int, seed: int, device: str, evals: int = 10,
+                  head_init: str = "random", on_eval=None) -> dict:
     """Fine-tune a fresh MiniLM classifier with a pure-ZO method until `budget` forward passes are spent.
 
-    Returns curves of (forward passes, val acc, test acc) at ~`evals` evenly spaced points.
+    head_init "random" (BERT init) or "linear-probe" (fit_linear_probe_head_ first; its forward passes are
+    reported as "head_forward_passes" and not counted in `budget`). Returns curves of (forward passes,
+    val acc, test acc) at ~`evals` evenly spaced points; `on_eval(partial_result)` is called after each
+    (so a run stopped early still leaves its curve). Raises ValueError for an unknown head_init.
     """
-    from trainer.models import load_minilm_classifier
     from trainer.zo.backend import InProcessBackend
     from trainer.zo.zo_step import ZOStepper
 
-    model, _ = load_minilm_classifier(seed=seed)
-    model.to(device).eval()
+    model, lp = _fresh_classifier(task, seed, device, head_init, batch_size)
     stepper = ZOStepper(model, method, run_seed=seed, probes=probes, eps=eps, alpha=alpha, lam=lam)
     backend = InProcessBackend(model, classifier_loss)
     per_step = 2 * stepper.k + (method == "1.5spsa")
@@ -103,6 +156,13 @@ def sentiment_run(task: SentimentTask, method: str, *, lr: float, budget: int, p
     eval_at = {round(n_steps * (i + 1) / evals) for i in range(evals)}
     curve = [(0, task.accuracy(model, "val"), task.accuracy(model, "test"))]
     losses, diverged = [], False
+
+    def result(done: int) -> dict:
+        return {"method": method, "lr": lr, "probes": stepper.k, "steps": done, "planned_steps": n_steps,
+                "curve": curve, "head_init": head_init, "head_forward_passes": lp["forward_passes"] if lp else 0,
+                "train_loss_first_last": [float(np.mean(losses[:20] or [math.nan])),
+                                          float(np.mean(losses[-20:] or [math.nan]))], "diverged": diverged}
+
     for step in range(n_steps):
         stats = stepper.step(step, task.batch(batch_size, seed, step), backend, lr)
         losses.append(stats["loss"])
@@ -111,21 +171,19 @@ def sentiment_run(task: SentimentTask, method: str, *, lr: float, budget: int, p
             break
         if step + 1 in eval_at:
             curve.append(((step + 1) * per_step, task.accuracy(model, "val"), task.accuracy(model, "test")))
-    return {"method": method, "lr": lr, "probes": stepper.k, "steps": n_steps, "curve": curve,
-            "train_loss_first_last": [float(np.mean(losses[:20])), float(np.mean(losses[-20:]))],
-            "diverged": diverged}
+            if on_eval is not None:
+                on_eval(result(step + 1))
+    return result(len(losses))
 
 
 def sentiment_backprop_baseline(task: SentimentTask, *, steps: int, lr: float = 5e-5, batch_size: int = 32,
-                                seed: int = 0, device: str = "cpu", evals: int = 10) -> dict:
+                                seed: int = 0, device: str = "cpu", evals: int = 10,
+                                head_init: str = "random", on_eval=None) -> dict:
     """Context for the ZO runs: the same fresh MiniLM classifier fine-tuned by backprop AdamW (wd 0).
 
     Returns a curve of (optimizer steps, val acc, test acc). Each step costs one forward and one backward.
     """
-    from trainer.models import load_minilm_classifier
-
-    model, _ = load_minilm_classifier(seed=seed)
-    model.to(device).eval()  # eval: dropout is 0 anyway; keeps the forward deterministic
+    model, _ = _fresh_classifier(task, seed, device, head_init, batch_size)  # eval mode: dropout is 0 anyway
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     curve = [(0, task.accuracy(model, "val"), task.accuracy(model, "test"))]
     for step in range(steps):
@@ -134,13 +192,18 @@ def sentiment_backprop_baseline(task: SentimentTask, *, steps: int, lr: float = 
         opt.step()
         if (step + 1) % max(1, steps // evals) == 0:
             curve.append((step + 1, task.accuracy(model, "val"), task.accuracy(model, "test")))
-    return {"method": "adamw-backprop", "lr": lr, "steps": steps, "curve": curve}
+    return {"method": "adamw-backprop", "lr": lr, "steps": steps, "curve": curve, "head_init": head_init}
 
 
 def sentiment_comparison(out_dir: Path, *, budget: int = 6000, device: str = "cpu", probes: int = 16,
                          lrs=(1e-5, 1e-4, 1e-3), eps: float = 1e-3, alpha: float = 0.1, lam: float = 1.0,
-                         batch_size: int = 32, seed: int = 0) -> dict[str, Any]:
-    """MeZO vs 1SPSA vs 1.5-SPSA at equal forward passes; lr picked per method on validation accuracy."""
+                         batch_size: int = 32, seed: int = 0, methods=("mezo", "1spsa", "1.5spsa"),
+                         head_init: str = "random", evals: int = 10, backprop_steps: int = 0) -> dict[str, Any]:
+    """Sweep `methods` x `lrs` at equal forward passes, write `sentiment_runs-<methods>.json`, then summarise
+    every runs file in `out_dir` (`sentiment_summary`), so several processes can share one sweep.
+
+    With `backprop_steps` > 0 the backprop AdamW baseline (lr 5e-5) runs too, as method "adamw-backprop".
+    """
     from transformers import AutoTokenizer
 
     from trainer.data import load_sentiment
@@ -149,28 +212,70 @@ def sentiment_comparison(out_dir: Path, *, budget: int = 6000, device: str = "cp
     out_dir.mkdir(parents=True, exist_ok=True)
     task = SentimentTask(AutoTokenizer.from_pretrained(minilm_dir(), local_files_only=True), load_sentiment(),
                          device=device)
-    runs = []
-    for method in ("mezo", "1spsa", "1.5spsa"):
+    tag = "-".join(methods) + "-lr" + "_".join(f"{lr:g}" for lr in lrs) + ("-backprop" if backprop_steps else "")
+    meta = {"budget_forward_passes": budget, "probes": probes, "eps": eps, "alpha": alpha, "lam": lam,
+            "batch_size": batch_size, "head_init": head_init, "device": device}
+    runs: list[dict] = []
+
+    def save(partial: dict | None = None) -> None:  # after every evaluation: a stopped sweep keeps its curves
+        done = runs + ([dict(partial, partial=True)] if partial else [])
+        (out_dir / f"sentiment_runs-{tag}.json").write_text(json.dumps({"meta": meta, "runs": done}, indent=2))
+
+    for method in methods:
         for lr in lrs:
             t0 = time.perf_counter()
             r = sentiment_run(task, method, lr=lr, budget=budget, probes=probes, eps=eps, alpha=alpha, lam=lam,
-                              batch_size=batch_size, seed=seed, device=device)
+                              batch_size=batch_size, seed=seed, device=device, head_init=head_init, evals=evals,
+                              on_eval=lambda p, t0=t0: (save(dict(p, wall_s=time.perf_counter() - t0)),
+                                                        print(f"{method} lr {lr:g}: {p['curve'][-1]}", flush=True)))
             r["wall_s"] = time.perf_counter() - t0
             runs.append(r)
+            save()
             print(json.dumps(r), flush=True)
+    if backprop_steps:
+        r = sentiment_backprop_baseline(task, steps=backprop_steps, batch_size=batch_size, seed=seed,
+                                        device=device, evals=evals, head_init=head_init)
+        runs.append(r)
+        print(json.dumps(r), flush=True)
+    save()
+    return sentiment_summary(out_dir)
+
+
+def reach_ratio(curve_a: list, curve_b: list) -> dict[str, Any]:
+    """How much sooner curve A reaches B's final test accuracy: curves are [(forward passes, val, test)].
+
+    Returns {"target_test_acc", "a_forwards_to_target" (first point of A at or above it, None if never),
+    "b_forwards", "forward_ratio" (b_forwards / a_forwards), "final_gap_points" (100 * (A final - B final))}.
+    """
+    target, b_fwd = curve_b[-1][2], curve_b[-1][0]
+    hit = next((f for f, _, te in curve_a if te >= target and f > 0), None)
+    return {"target_test_acc": target, "a_forwards_to_target": hit, "b_forwards": b_fwd,
+            "forward_ratio": b_fwd / hit if hit else None, "final_gap_points": 100 * (curve_a[-1][2] - target)}
+
+
+def sentiment_summary(out_dir: Path) -> dict[str, Any]:
+    """Merge every `sentiment_runs-*.json` in `out_dir`: best lr per method on final validation accuracy,
+    1.5-SPSA vs MeZO (`reach_ratio`), `sentiment_summary.json` and `sentiment_test_acc.png`.
+    Raises FileNotFoundError when no runs file exists."""
+    files = sorted(out_dir.glob("sentiment_runs-*.json"))
+    if not files:
+        raise FileNotFoundError(f"no sentiment_runs-*.json in {out_dir}")
+    loaded = [json.loads(f.read_text()) for f in files]
+    runs = [r for d in loaded for r in d["runs"]]
     best = {}
-    for method in ("mezo", "1spsa", "1.5spsa"):
-        ok = [r for r in runs if r["method"] == method and not r["diverged"]]
+    for method in dict.fromkeys(r["method"] for r in runs):
+        ok = [r for r in runs if r["method"] == method and not r.get("diverged")]
         if ok:
             b = max(ok, key=lambda r: r["curve"][-1][1])
             best[method] = {"lr": b["lr"], "final_val_acc": b["curve"][-1][1], "final_test_acc": b["curve"][-1][2],
-                            "initial_test_acc": b["curve"][0][2], "steps": b["steps"]}
-    summary = {"budget_forward_passes": budget, "probes": probes, "eps": eps, "alpha": alpha, "lam": lam,
-               "batch_size": batch_size, "best": best, "runs": runs}
+                            "initial_test_acc": b["curve"][0][2], "steps": b["steps"], "curve": b["curve"]}
+    summary: dict[str, Any] = {"meta": loaded[0]["meta"], "best": best, "runs": runs}
+    if "1.5spsa" in best and "mezo" in best:
+        summary["1.5spsa_vs_mezo"] = reach_ratio(best["1.5spsa"]["curve"], best["mezo"]["curve"])
     (out_dir / "sentiment_summary.json").write_text(json.dumps(summary, indent=2))
-    curves = {f"{m} (lr {best[m]['lr']:g})": [(f, te) for f, _, te in
-                                              next(r for r in runs if r["method"] == m and r["lr"] == best[m]["lr"])
-                                              ["curve"]] for m in best}
+    curves = {f"{m} (lr {b['lr']:g})": [(f, te) for f, _, te in b["curve"]] for m, b in best.items()
+              if m != "adamw-backprop"}
+    meta = loaded[0]["meta"]
     _plot(curves, out_dir / "sentiment_test_acc.png", "forward passes", "test accuracy",
-          f"MiniLM sentiment: ZO fine-tuning at equal forward passes (K={probes})")
+          f"MiniLM sentiment, ZO fine-tuning at equal forward passes (K={meta['probes']}, head {meta['head_init']})")
     return summary

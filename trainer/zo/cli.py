@@ -18,6 +18,11 @@ def bench_zo(
     budget: int = typer.Option(6000, min=3, help="sentiment: forward passes per run."),
     lrs: str = typer.Option("1e-5,1e-4,1e-3", help="sentiment: comma-separated learning rates tried per method."),
     seed: int = typer.Option(0, min=0, help="Run seed."),
+    methods: str = typer.Option("mezo,1spsa,1.5spsa", help="sentiment: comma-separated ZO methods to sweep."),
+    head_init: str = typer.Option("random", help="sentiment: classifier head start, random (BERT init) or "
+                                  "linear-probe (logistic regression on frozen features first: LP-FT)."),
+    evals: int = typer.Option(10, min=1, help="sentiment: accuracy evaluations per run."),
+    backprop_steps: int = typer.Option(0, min=0, help="sentiment: also run the backprop AdamW baseline this many steps."),
 ) -> None:
     """Run the ZO benchmarks on real data and write lm_summary.json / sentiment_summary.json and PNGs."""
     from trainer.zo.bench import lm_comparison, sentiment_comparison
@@ -29,9 +34,17 @@ def bench_zo(
         typer.echo(json.dumps({k: {"final_val_loss": v["final_val_loss"], "steps_to_adamw_final":
                                    v["steps_to_adamw_final"]} for k, v in s["runs"].items()}))
     if part in ("sentiment", "all"):
-        grid = tuple(float(x) for x in lrs.split(","))
-        s = sentiment_comparison(out, budget=budget, device=device, probes=k, lrs=grid, seed=seed)
-        typer.echo(json.dumps(s["best"]))
+        grid = tuple(float(x) for x in lrs.split(",") if x.strip())
+        ms = tuple(m.strip() for m in methods.split(",") if m.strip())
+        bad = [m for m in ms if m not in ("mezo", "1spsa", "1.5spsa")]
+        if bad or head_init not in ("random", "linear-probe"):
+            raise typer.BadParameter(f"methods are mezo, 1spsa, 1.5spsa (got {bad}); head-init random or "
+                                     f"linear-probe (got {head_init!r})")
+        s = sentiment_comparison(out, budget=budget, device=device, probes=k, lrs=grid, seed=seed, methods=ms,
+                                 head_init=head_init, evals=evals, backprop_steps=backprop_steps)
+        typer.echo(json.dumps({m: {k2: v for k2, v in b.items() if k2 != "curve"} for m, b in s["best"].items()}))
+        if "1.5spsa_vs_mezo" in s:
+            typer.echo(json.dumps({"1.5spsa_vs_mezo": s["1.5spsa_vs_mezo"]}))
 
 
 if __name__ == "__main__":
