@@ -277,5 +277,5 @@ def sentiment_summary(out_dir: Path) -> dict[str, Any]:
               if m != "adamw-backprop"}
     meta = loaded[0]["meta"]
     _plot(curves, out_dir / "sentiment_test_acc.png", "forward passes", "test accuracy",
-          f"MiniLM sentiment, ZO fine-tuning at equal forward passes (K={meta['probes']}, head {meta['head_init']})")
+          f"MiniLM sentiment, ZO fine-tuning at equal forward passes\n(K={meta['probes']}, head {meta['head_init']})")
     return summary
