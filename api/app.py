@@ -409,6 +409,24 @@ def app_from_env() -> FastAPI:
     in flight waits). They are collected once and frozen out of the collector's generations.
     """
     app = create_app(CoordinatorSettings())
+    _warm_endpoints(app)
     gc.collect()
     gc.freeze()
     return app
+
+
+def _warm_endpoints(app: FastAPI) -> None:
+    """Do FastAPI's lazy per-endpoint set-up now rather than inside each route's first request.
+
+    FastAPI (>= 0.12x) locates every endpoint's source (inspect.getsourcelines, up to ~10 ms) on its first
+    request and caches it; the first intake request after a start would stall every request behind it.
+    A private helper, so only called where it exists.
+    """
+    import fastapi.routing
+
+    extract = getattr(fastapi.routing, "_extract_endpoint_context", None)
+    if extract is None:
+        return
+    for route in app.routes:
+        if isinstance(route, fastapi.routing.APIRoute):
+            extract(route.dependant.call)

@@ -22,6 +22,7 @@ def coordinator(
     it refuses to start with empty or default secrets unless SPARECYCLES_DEV_MODE=1."""
     import contextlib
     import os
+    import socket
     import tempfile
     from pathlib import Path
 
@@ -48,16 +49,19 @@ def coordinator(
             else:
                 tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="sparecycles-metrics-"))
                 os.environ["PROMETHEUS_MULTIPROC_DIR"] = tmp
-        uvicorn.run(
-            "api.app:app_from_env",
-            factory=True,
-            workers=workers,
-            host=host,
-            port=port,
-            log_level=log_level,
-            proxy_headers=True,
-            timeout_graceful_shutdown=10,
-        )
+        options = {
+            "factory": True,
+            "log_level": log_level,
+            "proxy_headers": True,
+            "timeout_graceful_shutdown": 10,
+        }
+        if workers > 1 and hasattr(socket, "SO_REUSEPORT"):
+            from api.server import serve_processes
+
+            raise typer.Exit(
+                serve_processes("api.app:app_from_env", host=host, port=port, workers=workers, **options)
+            )
+        uvicorn.run("api.app:app_from_env", host=host, port=port, workers=workers, **options)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,15 @@
-"""Run the API under uvicorn in a background thread (embedded `up`, benches, integration tests)."""
+"""Run the API under uvicorn: in a background thread (benches, integration tests), or as several
+processes sharing a port (`sparecycles coordinator --workers N`)."""
 
 from __future__ import annotations
 
+import multiprocessing
+import multiprocessing.connection
+import signal
 import socket
 import threading
 import time
-from typing import Self
+from typing import Any, Self
 
 import uvicorn
 from fastapi import FastAPI
@@ -68,3 +72,54 @@ class ServerThread:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def serve_processes(app: str, *, host: str, port: int, workers: int, **uvicorn_options: Any) -> int:
+    """Serve the ASGI app import string `app` from `workers` uvicorn processes, each accepting on its own
+    SO_REUSEPORT listener of `host:port` (Linux spreads new connections over them by address hash).
+
+    uvicorn's own `workers` shares one listening socket: a burst of connections (every worker of a fleet
+    reconnecting at once) goes to whichever process wakes first, and keep-alive connections stay
+    there: in the intake bench one of two processes often served nearly all 64 workers. `uvicorn_options` go to
+    `uvicorn.Config` (e.g. `factory=True`, `log_level`). Stops every process on SIGINT/SIGTERM, or
+    when one exits (a service manager restarts the whole); returns 0 after a signal, 1 otherwise.
+    Raises OSError if `host:port` is already taken (checked without SO_REUSEPORT, which would
+    otherwise silently share the port with a stale server).
+    """
+    family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind(addr)
+    ctx = multiprocessing.get_context("spawn")  # no fork of a process that may hold threads or sockets
+    procs = [
+        ctx.Process(target=_serve_one, args=(app, family, addr, uvicorn_options)) for _ in range(workers)
+    ]
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for p in procs:
+            p.start()
+        while not stop.is_set() and all(p.is_alive() for p in procs):
+            multiprocessing.connection.wait([p.sentinel for p in procs], timeout=0.2)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()  # SIGTERM: uvicorn's graceful shutdown
+        for p in procs:
+            p.join(timeout=uvicorn_options.get("timeout_graceful_shutdown", 10) + 5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 0 if stop.is_set() else 1
+
+
+def _serve_one(app: str, family: int, addr: tuple, options: dict[str, Any]) -> None:
+    # One worker process: its own listener in the SO_REUSEPORT group, then a plain uvicorn server on it.
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind(addr)
+    sock.listen(2048)
+    uvicorn.Server(uvicorn.Config(app, host=addr[0], port=addr[1], **options)).run(sockets=[sock])

@@ -121,7 +121,13 @@ class Intake:
         # Immutable round facts (the round document never changes once written), cached per process.
         rnd = self.store.get_round(run, rid)
         spec = self.store.run_spec(run)
-        spot = frozenset(s for s in rnd.seeds if spot_check_selected(run, rid, s, spec.spot_check_fraction))
+        fraction = spec.spot_check_fraction
+        # Skipped without spot checks: a hash per seed of a large round stalls the event loop (~10 ms per 30k).
+        spot = (
+            frozenset(s for s in rnd.seeds if spot_check_selected(run, rid, s, fraction))
+            if fraction > 0
+            else frozenset()
+        )
         return rnd, spot, spec.spot_check_fraction, spec.spot_rtol, spec.spot_atol
 
     def submit(self, worker_id: str, run: str, results: list[ProbeResult]) -> list[str]:

@@ -4,6 +4,7 @@ mode), and the Redis-backed gauges are reported once, not once per process."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -11,11 +12,12 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 from test_coordinator_fixtures import cleanup, make_settings
 
-from api.server import free_port
+from api.server import free_port, serve_processes
 from coordinator.metrics import CoordinatorMetrics
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -117,10 +119,36 @@ def test_coordinator_with_two_workers_reports_the_sum_over_processes(tmp_path):
             got = _samples(httpx.get(url + "/metrics", headers=admin).text)
             assert got[("sparecycles_rejected_requests_total", (("reason", "unauthenticated"),))] == sent
             assert got[("sparecycles_workers", (("state", "active"),))] == 1
+        children = _children(proc.pid)
+        assert len(children) >= 2
     finally:
         proc.terminate()
         proc.wait(timeout=30)
         cleanup(settings)
+    assert proc.returncode == 0  # stopped by the signal, not by a failing worker
+    assert not [pid for pid in children if _running(pid)]  # no orphan holds the port
+
+
+def test_serve_processes_refuses_a_port_another_server_shares(tmp_path):
+    # SO_REUSEPORT would let a second server join a stale one's port silently; the probe bind refuses it.
+    with socket.socket() as stale:
+        stale.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        stale.bind(("127.0.0.1", 0))
+        stale.listen()
+        with pytest.raises(OSError):
+            serve_processes("api.app:app_from_env", host="127.0.0.1", port=stale.getsockname()[1], workers=2)
+
+
+def _running(pid: int) -> bool:
+    """True if `pid` exists and is not a zombie (an exited child waiting to be reaped holds no socket)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _children(pid: int) -> list[int]:
+    return [int(c) for t in Path(f"/proc/{pid}/task").glob("*") for c in (t / "children").read_text().split()]
 
 
 def _ready(url: str) -> bool:
