@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 import torch
 
-from kernels import replay_
+from kernels import replay_model
 from trainer.zo import estimators as est
 from trainer.zo.backend import ProbeBackend, ProbeRound, collect_round_counted, losses
 
@@ -94,10 +94,14 @@ class ZOStepper:
         self.forward_passes += 2 * len(res) + (1 if r.want_clean else 0)
         c, stats = zo_coefficients(self.method, lp, lm, l0, self.eps, lr, self.alpha, self.lam)
         seeds, coeffs = list(r.seeds), [float(x) for x in c]
-        for p, w, off in zip(self.params, self.masters, self.offsets):
-            if self.weight_decay and p.dim() >= 2:
-                w.mul_(1.0 - lr * self.weight_decay)
-            replay_(w, seeds, coeffs, off, self.dist)
+        if self.weight_decay:
+            for p, w in zip(self.params, self.masters):
+                if p.dim() >= 2:
+                    w.mul_(1.0 - lr * self.weight_decay)
+        # One launch for the whole model on CUDA (bit-identical to per-tensor replay_: kernels/parity.py);
+        # per-tensor launches made MeZO's 2-forward steps launch-bound (trainer/results/h200/RESULTS.md).
+        replay_model(self.masters, self.offsets, seeds, coeffs, self.dist)
+        for p, w in zip(self.params, self.masters):
             if p.dtype != torch.float32:
                 p.data.copy_(w)  # one rounding from the fp32 master
         self._publish_ledger(backend, step, seeds, coeffs, 1.0 - lr * self.weight_decay)
