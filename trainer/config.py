@@ -56,7 +56,8 @@ class TrainConfig(BaseModel):
 
     Units: lr is per optimizer step; `seq_len` and `batch_size` count tokens and sequences; the
     schedule is linear warmup over `warmup_steps` then cosine from `lr` to `min_lr` at `steps`
-    (the GPT-2 recipe Sophia uses: Liu et al. 2023, section 4).
+    (the GPT-2 recipe Sophia uses: Liu et al. 2023, section 4). Weights and optimizer state are fp32; on
+    CUDA, matmuls run as TF32 (trainer.train.train).
 
     `task` picks what is trained: "lm" pretrains `model` on `corpus`; "sentiment" fine-tunes the
     pretrained MiniLM-L6 encoder with a 2-way head (trainer.sentiment) and ignores `model` and
@@ -88,7 +89,6 @@ class TrainConfig(BaseModel):
     checkpoint_every: int = Field(100, ge=1)
     seed: int = Field(0, ge=0, lt=2**63)
     device: str = "cpu"
-    dtype: Literal["float32", "bfloat16"] = "float32"
     run_dir: Path | None = None
     # Knobs of the ZO modes (ignored by adamw); names follow DESIGN section 2.
     probes: int = Field(8, ge=1, le=100_000, description="K probes per step / per curvature round")
