@@ -13,9 +13,10 @@ def coordinator(
         1,
         min=1,
         max=64,
-        help="Coordinator processes sharing the port (uvicorn workers). Above 1, /metrics sums every "
-        "process's counters through prometheus-client's multiprocess mode (PROMETHEUS_MULTIPROC_DIR, "
-        "a fresh temporary directory unless set; its *.db files are cleared at start).",
+        help="Coordinator processes sharing the port, each a uvicorn server with its own SO_REUSEPORT "
+        "listener. Above 1, /metrics sums every process's counters through prometheus-client's "
+        "multiprocess mode (PROMETHEUS_MULTIPROC_DIR, a fresh temporary directory unless set; its *.db "
+        "files are cleared at start).",
     ),
 ) -> None:
     """Serve the coordinator API. Settings come from SPARECYCLES_* environment variables (and REDIS_URL);
