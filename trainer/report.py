@@ -47,14 +47,7 @@ def plot_loss_curves(runs: dict[str, Iterable[dict[str, Any]]], path: Path, *, t
     for i, (label, records) in enumerate(runs.items()):
         recs = list(records)
         c = colors[i % len(colors)]
-        tr = [(r["step"], r["loss"]) for r in recs if "loss" in r]
-        va = [(r["step"], r["val_loss"]) for r in recs if "val_loss" in r]
-        if tr:
-            ax.plot([s for s, _ in tr], _ema([v for _, v in tr]), color=c, alpha=0.45, lw=1.2,
-                    label=f"{label} train (EMA)")
-        if va:
-            ax.plot([s for s, _ in va], [v for _, v in va], color=c, marker="o", ms=4, lw=2,
-                    label=f"{label} validation")
+        _plot_losses(ax, recs, c, label)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("cross-entropy loss (nats/token)")
     ax.set_title(title)
@@ -65,6 +58,18 @@ def plot_loss_curves(runs: dict[str, Iterable[dict[str, Any]]], path: Path, *, t
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+def _plot_losses(ax, recs: list[dict[str, Any]], color: str, label: str) -> None:
+    """Train loss (EMA, thin) and validation loss (markers) of one run's records on `ax`."""
+    tr = [(r["step"], r["loss"]) for r in recs if "loss" in r]
+    va = [(r["step"], r["val_loss"]) for r in recs if "val_loss" in r]
+    if tr:
+        ax.plot([s for s, _ in tr], _ema([v for _, v in tr]), color=color, alpha=0.45, lw=1.2,
+                label=f"{label} train (EMA)")
+    if va:
+        ax.plot([s for s, _ in va], [v for _, v in va], color=color, marker="o", ms=4, lw=2,
+                label=f"{label} validation")
 
 
 def plot_accuracy_and_loss(runs: dict[str, Iterable[dict[str, Any]]], path: Path, *, title: str,
@@ -87,16 +92,9 @@ def plot_accuracy_and_loss(runs: dict[str, Iterable[dict[str, Any]]], path: Path
         recs = list(records)
         c = colors[i % len(colors)]
         acc = [(r["step"], r["val_acc"]) for r in recs if "val_acc" in r]
-        tr = [(r["step"], r["loss"]) for r in recs if "loss" in r]
-        va = [(r["step"], r["val_loss"]) for r in recs if "val_loss" in r]
         if acc:
             acc_ax.plot([s for s, _ in acc], [100 * v for _, v in acc], color=c, marker="o", ms=4, lw=2, label=label)
-        if tr:
-            loss_ax.plot([s for s, _ in tr], _ema([v for _, v in tr]), color=c, alpha=0.45, lw=1.2,
-                         label=f"{label} train (EMA)")
-        if va:
-            loss_ax.plot([s for s, _ in va], [v for _, v in va], color=c, marker="o", ms=4, lw=2,
-                         label=f"{label} validation")
+        _plot_losses(loss_ax, recs, c, label)
     if chance is not None:
         acc_ax.axhline(100 * chance, color="gray", ls=":", lw=1.5, label="chance")
     acc_ax.set_ylabel("validation accuracy (%)")
