@@ -48,6 +48,17 @@ def test_unknown_preset_and_corpus_are_clear_errors(tmp_path):
         train(TrainConfig(corpus="nope", steps=2, warmup_steps=0, run_dir=tmp_path / "b"), progress=False)
 
 
+def test_resolve_preset_rejects_unknown_names_and_scales_the_default_warmup():
+    # --task sentiment ignores the model, so an unknown preset must fail here, not run with LM defaults.
+    with pytest.raises(ValueError, match="unknown preset 'nope'.*sentiment-demo.*gpt2-tiny"):
+        resolve_preset("nope", {"task": "sentiment"})
+    # A model preset sets no warmup: TrainConfig's 30 scales to steps // 10 for a shorter run.
+    assert resolve_preset("gpt2-tiny", {"steps": 2}).warmup_steps == 0
+    assert resolve_preset("gpt2-tiny", {"steps": 20}).warmup_steps == 2
+    assert resolve_preset("gpt2-tiny", {}).warmup_steps == 30
+    assert resolve_preset("gpt2-tiny", {"steps": 20, "warmup_steps": 5}).warmup_steps == 5
+
+
 def _cfg(tmp_path, name, **kw):
     base = dict(model="gpt2-tiny", corpus="classics-small", steps=120, batch_size=8, seq_len=64, lr=3e-3,
                 warmup_steps=10, eval_every=40, eval_batches=4, checkpoint_every=40, run_dir=tmp_path / name)

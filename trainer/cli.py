@@ -78,6 +78,8 @@ def train(
         reasons = "; ".join(f"--{'-'.join(map(str, e['loc'])).replace('_', '-')}: {e['msg']}" if e["loc"]
                             else e["msg"] for e in exc.errors(include_url=False))
         raise typer.BadParameter(reasons) from exc
+    except ValueError as exc:  # an unknown preset
+        raise typer.BadParameter(str(exc), param_hint="--preset") from exc
     try:
         result = run_train(cfg, resume=resume, progress=progress, overwrite=overwrite)
     except (ValueError, CheckpointError, OSError) as exc:

@@ -127,7 +127,15 @@ def resolve_preset(preset: str, overrides: dict) -> TrainConfig:
     """Build a TrainConfig from a run preset name (e.g. "demo") or a model preset name plus overrides.
 
     Overrides whose value is None are ignored (CLI options left unset).
+    Raises ValueError if `preset` is neither a run preset nor a model preset (`--task sentiment` ignores the
+    model, so a typo would otherwise run silently with the LM defaults).
     """
+    if preset not in RUN_PRESETS:
+        from trainer.models.gpt2 import PRESETS  # lazy: pulls in transformers
+
+        if preset not in PRESETS:
+            raise ValueError(f"unknown preset {preset!r}; run presets: {', '.join(RUN_PRESETS)}; "
+                             f"model presets: {', '.join(PRESETS)}")
     base: dict = dict(RUN_PRESETS.get(preset, {"model": preset}))
     given = {k: v for k, v in overrides.items() if v is not None}
     base.update(given)
@@ -136,6 +144,9 @@ def resolve_preset(preset: str, overrides: dict) -> TrainConfig:
         base.setdefault("min_lr", base["lr"] / 10)
         base["min_lr"] = min(base["min_lr"], base["lr"])
     # A preset's warmup scales down with a shorter --steps unless the user set --warmup-steps.
-    if "warmup_steps" not in given and base.get("warmup_steps", 0) >= base.get("steps", 2):
+    # (A model preset sets neither: TrainConfig's defaults apply, so compare those.)
+    default = TrainConfig.model_fields
+    warmup = base.get("warmup_steps", default["warmup_steps"].default)
+    if "warmup_steps" not in given and warmup >= base.get("steps", default["steps"].default):
         base["warmup_steps"] = base["steps"] // 10
     return TrainConfig(**base)
