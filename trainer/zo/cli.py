@@ -29,17 +29,24 @@ def bench_zo(
 
     if part not in ("lm", "sentiment", "all"):
         raise typer.BadParameter(f"part must be lm, sentiment or all, got {part!r}")
+    # Every option is checked before anything runs: with --part all the lm part takes minutes first.
+    ms = tuple(m.strip() for m in methods.split(",") if m.strip())
+    bad = [m for m in ms if m not in ("mezo", "1spsa", "1.5spsa")]
+    if bad or not ms:
+        raise typer.BadParameter(f"methods are mezo, 1spsa, 1.5spsa; got {methods!r}", param_hint="--methods")
+    if head_init not in ("random", "linear-probe"):
+        raise typer.BadParameter(f"random or linear-probe, got {head_init!r}", param_hint="--head-init")
+    try:  # empty is allowed: tools/h200_headline.sh merges earlier runs' JSON with --lrs ""
+        grid = tuple(float(x) for x in lrs.split(",") if x.strip())
+    except ValueError:
+        grid = (float("nan"),)
+    if not all(0 < lr < 1 for lr in grid):
+        raise typer.BadParameter(f"comma-separated learning rates in (0, 1), got {lrs!r}", param_hint="--lrs")
     if part in ("lm", "all"):
         s = lm_comparison(out, steps=steps, device=device, probes=probes, seed=seed)
         typer.echo(json.dumps({k: {"final_val_loss": v["final_val_loss"], "steps_to_adamw_final":
                                    v["steps_to_adamw_final"]} for k, v in s["runs"].items()}))
     if part in ("sentiment", "all"):
-        grid = tuple(float(x) for x in lrs.split(",") if x.strip())
-        ms = tuple(m.strip() for m in methods.split(",") if m.strip())
-        bad = [m for m in ms if m not in ("mezo", "1spsa", "1.5spsa")]
-        if bad or head_init not in ("random", "linear-probe"):
-            raise typer.BadParameter(f"methods are mezo, 1spsa, 1.5spsa (got {bad}); head-init random or "
-                                     f"linear-probe (got {head_init!r})")
         s = sentiment_comparison(out, budget=budget, device=device, probes=k, lrs=grid, seed=seed, methods=ms,
                                  head_init=head_init, evals=evals, backprop_steps=backprop_steps)
         typer.echo(json.dumps({m: {k2: v for k2, v in b.items() if k2 != "curve"} for m, b in s["best"].items()}))

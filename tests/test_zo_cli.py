@@ -1,0 +1,27 @@
+"""`sparecycles bench zo` option checks: every bad option fails before any benchmark runs."""
+
+from __future__ import annotations
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from trainer.zo.cli import bench_zo
+
+app = typer.Typer()
+app.command()(bench_zo)
+
+
+@pytest.mark.parametrize(("args", "hint"), [
+    (["--methods", "foo"], "--methods"),
+    (["--methods", ","], "--methods"),
+    (["--head-init", "bar"], "--head-init"),
+    (["--lrs", "abc"], "--lrs"),
+    (["--lrs", "1e-5,2"], "--lrs"),
+])
+def test_bad_sentiment_options_fail_before_the_lm_part_runs(tmp_path, args, hint):
+    # --part all runs the (minutes-long) lm part first: the sentiment options must be checked before it.
+    res = CliRunner().invoke(app, ["--part", "all", "--out", str(tmp_path / "out"), *args])
+    assert res.exit_code == 2, res.output
+    assert hint in res.output
+    assert not (tmp_path / "out").exists()
