@@ -78,7 +78,8 @@ def pretrain_report(run_dirs: list[Path], out_dir: Path) -> dict[str, Any]:
             refs["same_lr_adamw"] = same[0]
         entry: dict[str, Any] = {"optimizer": r["optimizer"], "lr": r["lr"], "steps": r["steps"],
                                  "final_val_loss": r["val"][-1][1], "wall_s": r["elapsed"].get(r["steps"]),
-                                 "forward_passes": r["forward_passes"].get(r["steps"])}
+                                 "forward_passes": r["forward_passes"].get(r["steps"]), "val_curve": r["val"],
+                                 "wall_at_eval": [r["elapsed"].get(st) for st, _ in r["val"]]}
         for key, ref in refs.items():
             target = ref["val"][-1][1]
             hit = first_reach(r["val"], target)
