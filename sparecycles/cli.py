@@ -61,8 +61,14 @@ def up(
     """Run everything on this machine: embedded Valkey (unless REDIS_URL), coordinator, N probe workers
     and the trainer; AdamW baseline vs the fleet-probed run at equal steps; curves PNG and a JSON summary.
     Ctrl-C stops every process it started."""
+    import signal
+
     from sparecycles.up import run_up
 
+    def _terminate(signum, frame):  # `kill`/`timeout` get Ctrl-C's clean shutdown of every child
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _terminate)
     try:
         summary = run_up(preset=preset, optimizer=optimizer, workers=workers, steps=steps, run_dir=run_dir,
                          curvature_interval=curvature_interval, progress=progress, task=task, probes=probes,

@@ -113,3 +113,29 @@ def test_resume_refuses_a_different_config(tmp_path):
     with pytest.raises(ValueError, match="lr"):
         train(_cfg(tmp_path, "r", steps=4, warmup_steps=1, eval_every=2, checkpoint_every=2, lr=1e-3),
               resume=True, progress=False)
+
+
+def test_sigterm_stops_between_steps_with_a_checkpoint(tmp_path, monkeypatch):
+    import os
+    import signal
+
+    from trainer import train as train_mod
+
+    real_step = train_mod.AdamWMode.step
+
+    def terminated(self, step, batch, lr):
+        out = real_step(self, step, batch, lr)
+        if step == 4:  # `kill`/`timeout` mid-step: the step finishes, then the run checkpoints and stops
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+
+    monkeypatch.setattr(train_mod.AdamWMode, "step", terminated)
+    previous = signal.getsignal(signal.SIGTERM)
+    cfg = _cfg(tmp_path, "term", steps=12, warmup_steps=1, eval_every=6, checkpoint_every=6)
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg, progress=False)
+    assert signal.getsignal(signal.SIGTERM) == previous  # the handler is restored
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "term" / "checkpoint.safetensors"), "pt") as f:
+        assert json.loads(f.metadata()["sparecycles"])["step"] == 5  # steps 0..4 done, none cut in half

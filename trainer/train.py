@@ -218,9 +218,9 @@ def build_mode(cfg: TrainConfig, model: torch.nn.Module,
 
 @contextlib.contextmanager
 def _deferred_interrupt() -> Iterator[Callable[[], bool]]:
-    """Turn the first Ctrl-C into a flag checked between steps (a step is never cut in half).
-
-    A second Ctrl-C interrupts at once. Outside the main thread signals cannot be caught: no-op.
+    """Turn the first Ctrl-C (SIGINT) or SIGTERM into a flag checked between steps (a step is never cut in
+    half); the run then checkpoints and raises KeyboardInterrupt. A second signal interrupts at once.
+    Outside the main thread signals cannot be caught: no-op.
     """
     hit = {"n": 0}
     if threading.current_thread() is not threading.main_thread():
@@ -232,11 +232,12 @@ def _deferred_interrupt() -> Iterator[Callable[[], bool]]:
         if hit["n"] > 1:
             raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGINT, handler)
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield lambda: hit["n"] > 0
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 def default_run_dir(cfg: TrainConfig) -> Path:
