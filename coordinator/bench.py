@@ -1,7 +1,8 @@
 """`sparecycles bench intake`: result intake throughput and latency, end to end through Redis.
 
 Two modes, both with real Redis and the real intake code (Lua dedupe + XADD to the run's stream):
-- `http`: the coordinator runs as a separate uvicorn process; N simulated workers (registered over REST,
+- `http`: the coordinator runs as a separate process (`--coordinators C`: C uvicorn processes sharing the
+  port, as `sparecycles coordinator --workers C`); N simulated workers (registered over REST,
   each with its own token and keep-alive connection, asyncio + a lean HTTP/1.1 client) post result batches, one batch
   per task as real workers do. Latency = worker starts the POST -> reply received (the result is on the
   stream by then); it excludes compute by construction.

@@ -21,3 +21,10 @@ def test_bench_intake_store_and_http_accept_everything_exactly_once():
         assert 0 < res.p50_ms <= res.p99_ms and res.results_per_s > 0 and res.server_cpu_s > 0
     leftovers = list(r.scan_iter(f"*{prefix}*"))
     assert leftovers == []  # the bench deletes its state, queues and kombu bindings
+
+
+def test_bench_intake_with_two_coordinator_processes():
+    res = run_intake_bench("http", workers=8, n_results=400, batch=4, redis_url=REDIS_URL, coordinators=2)
+    assert res.coordinators == 2
+    assert res.accepted == res.streamed == res.results == 400
+    assert res.server_cpu_s > 0  # summed over the coordinator's processes
