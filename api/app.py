@@ -220,7 +220,7 @@ def create_app(
         """Intake of one task's results (a `ResultBatch`); the reply lists each result's outcome in order."""
         # The body is parsed and validated by pydantic-core straight from bytes, not through FastAPI's
         # body machinery (json.loads, then a Python-side validation): the same strict model, the same
-        # 422, for ~15% less CPU on the path every result takes. Authentication still comes first.
+        # 422, for less CPU on the path every result takes. Authentication still comes first.
         who = await worker_only(request)
         try:
             body = ResultBatch.model_validate_json(await request.body())
