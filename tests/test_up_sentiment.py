@@ -27,7 +27,11 @@ def test_up_sentiment_runs_both_runs_through_the_fleet_and_leaves_no_process(tmp
     assert summary["redis"].startswith("embedded Valkey") and summary["coordinator_url"].startswith("http://")
     assert summary["fleet"]["workers"] == 2
     assert summary["fleet"]["tasks_published"] >= 2 * 2  # K=2 probes in tasks of one seed, two steps
-    assert summary["fleet"]["results_accepted"] >= 2 * 2
+    # A spot-checked seed's replicas are counted as "held" at intake, not "accepted" (which seed gets checked
+    # is random); every delivered result is one or the other. That the trainer received every probe is
+    # asserted exactly below (probe_accepted per step).
+    fleet = summary["fleet"]
+    assert fleet.get("results_accepted", 0) + fleet.get("results_held", 0) >= 2 * 2
     for name in ("adamw", "1.5spsa"):
         recs = _records(run_dir / name / "metrics.jsonl")
         assert [r["step"] for r in recs if "loss" in r] == [1, 2]
