@@ -42,8 +42,12 @@ def _ms(fn, rep: int = 200) -> float:
 
 
 def bench_preset(name: str, dist: ProbeDist, k: int) -> dict:
-    """Times (ms) and effective bandwidths (GB/s) of perturb and replay over one preset's parameter sizes."""
-    from kernels.ops import perturb, perturb_model, replay_model
+    """Times (ms) and effective bandwidths (GB/s) of perturb and replay over one preset's parameter sizes.
+
+    "one_launch" rows launch through a prepared `ModelPlan` (the kernel alone); "list_api" rows call
+    perturb_model, whose per-call Python over every tensor is included. Replay is timed for both
+    distributions (`dist` first)."""
+    from kernels.ops import ModelPlan, perturb, perturb_model
 
     dev = torch.device("cuda")
     sizes = preset_sizes(name)
@@ -72,13 +76,18 @@ def bench_preset(name: str, dist: ProbeDist, k: int) -> dict:
         for w, o, off in zip(w16, out16, offs):
             perturb(w, 7, off, 1e-3, dist, out=o)
 
+    other = ProbeDist.RADEMACHER if dist is ProbeDist.GAUSS8 else ProbeDist.GAUSS8
+    plan16, plan32 = ModelPlan(w16, offs, dist, outs=out16), ModelPlan(w32, offs, dist, outs=w32)
+    plan32_other = ModelPlan(w32, offs, other, outs=w32)
     t = {
         "copy_bf16": _ms(lambda: dst16.copy_(src16)),
         "copy_fp32": _ms(lambda: dst32.copy_(src32)),
-        "perturb_bf16_one_launch": _ms(lambda: perturb_model(w16, offs, 7, 1e-3, dist, outs=out16)),
+        "perturb_bf16_one_launch": _ms(lambda: plan16.perturb(7, 1e-3)),
+        "perturb_bf16_list_api": _ms(lambda: perturb_model(w16, offs, 7, 1e-3, dist, outs=out16)),
         "perturb_bf16_per_tensor": _ms(per_tensor_perturb),
-        "axpy_fp32_one_launch": _ms(lambda: perturb_model(w32, offs, 7, 1e-7, dist, outs=w32)),
-        f"replay_fp32_k{k}_one_launch": _ms(lambda: replay_model(w32, offs, seeds, coeffs, dist)),
+        "axpy_fp32_one_launch": _ms(lambda: plan32.perturb(7, 1e-7)),
+        f"replay_fp32_k{k}_one_launch": _ms(lambda: plan32.replay_(seeds, coeffs)),
+        f"replay_fp32_k{k}_one_launch_{other.value}": _ms(lambda: plan32_other.replay_(seeds, coeffs)),
         "naive_perturb_bf16": _ms(naive_perturb),
         f"naive_replay_fp32_k{k}": _ms(naive_replay, rep=50),
     }
@@ -89,6 +98,10 @@ def bench_preset(name: str, dist: ProbeDist, k: int) -> dict:
         "frac_of_copy": {key: bw[key] / bw["copy_bf16" if "bf16" in key else "copy_fp32"] for key in t},
         "replay_over_perturb_bf16": t[f"replay_fp32_k{k}_one_launch"] / t["perturb_bf16_one_launch"],
         "replay_over_axpy_fp32": t[f"replay_fp32_k{k}_one_launch"] / t["axpy_fp32_one_launch"],
+        "other_dist": other.value,
+        "replay_other_over_perturb_bf16": t[f"replay_fp32_k{k}_one_launch_{other.value}"]
+        / t["perturb_bf16_one_launch"],
+        "replay_other_over_axpy_fp32": t[f"replay_fp32_k{k}_one_launch_{other.value}"] / t["axpy_fp32_one_launch"],
         "naive_replay_over_replay": t[f"naive_replay_fp32_k{k}"] / t[f"replay_fp32_k{k}_one_launch"],
     }
 
@@ -111,7 +124,7 @@ def bench_forward(dist: ProbeDist, batch: int, seq_len: int) -> dict:
     from transformers import GPT2LMHeadModel
 
     from kernels.evaluator import ProbeEvaluator, canonical_offsets
-    from kernels.ops import perturb_model
+    from kernels.ops import ModelPlan
 
     dev = torch.device("cuda")
     model = GPT2LMHeadModel(preset_config("gpt2-small")).to(dev, torch.bfloat16).eval()
@@ -121,6 +134,7 @@ def bench_forward(dist: ProbeDist, batch: int, seq_len: int) -> dict:
     rows = canonical_offsets(model)
     ps, offs = [p.detach() for _, p, _ in rows], [o for _, _, o in rows]
     scratch = [torch.empty_like(p) for p in ps]
+    plan = ModelPlan(ps, offs, dist, outs=scratch)
 
     def naive():
         for p, s in zip(ps, scratch):
@@ -130,7 +144,7 @@ def bench_forward(dist: ProbeDist, batch: int, seq_len: int) -> dict:
         t = {
             "forward_clean": _ms(lambda: ev.loss(x), rep=1000),
             "forward_probe": _ms(lambda: ev.loss(x, 11, 1e-3, dist), rep=1000),
-            "perturb_model_one_launch": _ms(lambda: perturb_model(ps, offs, 11, 1e-3, dist, outs=scratch)),
+            "perturb_model_one_launch": _ms(lambda: plan.perturb(11, 1e-3)),
             "naive_perturb_pass": _ms(naive),
         }
         t["forward_clean_again"] = _ms(lambda: ev.loss(x), rep=1000)
@@ -165,7 +179,7 @@ def run_bench(presets: list[str], dist: ProbeDist | str = ProbeDist.GAUSS8, k: i
     from kernels.triton_kernels import TUNING
 
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "tuning": {f"{kind}/{esize}B": list(cfg) for (kind, esize), cfg in TUNING.items()},
+           "tuning": {f"{kind}/{esize}B/{d or 'any'}": list(cfg) for (kind, esize, d), cfg in TUNING.items()},
            "presets": [bench_preset(p, dist, k) for p in presets]}
     import triton
 
@@ -189,9 +203,12 @@ def render(res: dict) -> None:
         for key, ms in pr["ms"].items():
             tab.add_row(key, f"{ms:.3f}", f"{pr['GBps'][key]:.0f}", f"{pr['frac_of_copy'][key]:.1%}")
         con.print(tab)
-        con.print(f"replay K={pr['k']} / perturb bf16 pass: {pr['replay_over_perturb_bf16']:.2f}x; "
+        con.print(f"replay K={pr['k']} {pr['dist']} / perturb bf16 pass: {pr['replay_over_perturb_bf16']:.2f}x; "
                   f"/ axpy fp32 pass: {pr['replay_over_axpy_fp32']:.2f}x; naive replay is "
                   f"{pr['naive_replay_over_replay']:.1f}x slower")
+        con.print(f"replay K={pr['k']} {pr['other_dist']} / perturb bf16 pass: "
+                  f"{pr['replay_other_over_perturb_bf16']:.2f}x; / axpy fp32 pass: "
+                  f"{pr['replay_other_over_axpy_fp32']:.2f}x")
     if "forward" in res:
         f = res["forward"]
         tab = Table(title=f"gpt2-small bf16 forward+loss at {f['batch']}x{f['seq_len']}, {f['dist']}")

@@ -12,7 +12,7 @@ import sys
 import torch
 
 from kernels.dist import ProbeDist
-from kernels.ops import seeds_tensor
+from kernels.ops import ModelPlan, seeds_tensor
 from kernels.reference import direction_ref, perturb_ref, replay_ref
 
 SEEDS = (0, 1, 12345, (1 << 32) + 7, (1 << 63) + 5, (1 << 64) - 1)
@@ -99,6 +99,16 @@ def _list_parity(dist: ProbeDist, dev: torch.device, scale: int) -> list[str]:
                 if not _same(o, perturb_ref(w, seed, offs[j], -0.3, dist)):
                     fails.append(f"perturb_list {name} {dist.value} {dtype} tensor {j}")
             seeds, coeffs = [1, (1 << 63) + 1, 99], [0.25, -1.5, 1e-3]
+            plan = ModelPlan([w.to(dev, copy=True) for w in ws], offs, dist)  # prepared once, launched twice
+            for call in range(2):
+                for j, (w, o) in enumerate(zip(ws, plan.perturb(seed, -0.3))):
+                    if not _same(o, perturb_ref(w, seed, offs[j], -0.3, dist)):
+                        fails.append(f"ModelPlan.perturb call {call} {name} {dist.value} {dtype} tensor {j}")
+            if dtype == torch.float32:
+                plan.replay_(seeds, coeffs)
+                for j, (w, o) in enumerate(zip(ws, plan.tensors)):
+                    if not _same(o, replay_ref(w, seeds, coeffs, offs[j], dist)):
+                        fails.append(f"ModelPlan.replay_ {name} {dist.value} tensor {j}")
             tk.replay_list_triton(dws, offs, seeds_tensor(seeds, dev), torch.tensor(coeffs, device=dev), dist)
             for j, (w, o) in enumerate(zip(ws, dws)):
                 if not _same(o, replay_ref(w, seeds, coeffs, offs[j], dist)):

@@ -22,10 +22,12 @@ from kernels.philox import check_seed
 from kernels.reference import check_range
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# (elements per program, warps) by (kernel, element size in bytes): the fastest options kernels.tune found
-# on an H200 over gpt2-small's parameter sizes (kernels/NOTES.md); other keys fall back to (4096, 8).
-TUNING: dict[tuple[str, int], tuple[int, int]] = {
-    ("perturb", 2): (2048, 2), ("perturb", 4): (4096, 8), ("replay", 4): (2048, 2),
+# (elements per program, warps) by (kernel, element size in bytes, distribution): the fastest options found
+# on an H200 over gpt2-small's and gpt2-large's parameter sizes (kernels/NOTES.md); other keys fall back to
+# (kernel, element size, None), then to (4096, 8).
+TUNING: dict[tuple[str, int, str | None], tuple[int, int]] = {
+    ("perturb", 2, None): (1024, 1), ("perturb", 4, None): (4096, 8),
+    ("replay", 4, "gauss8"): (2048, 2), ("replay", 4, "rademacher"): (1024, 1),
 }
 _tables: dict[torch.device, torch.Tensor] = {}
 
@@ -36,31 +38,50 @@ def interpreted() -> bool:
 
 
 @triton.jit
-def _z_tile(seed, cbase, table_ptr, NC: tl.constexpr, EPC: tl.constexpr, GAUSS: tl.constexpr):
-    """(NC, EPC) fp32 tile: z of global elements (cbase + r) * EPC + e, r < NC, e < EPC."""
+def _codes(seed, cbase, NC: tl.constexpr, EPC: tl.constexpr, GAUSS: tl.constexpr):
+    """(NC, EPC) uint32 codes of global elements (cbase + r) * EPC + e: bytes (gauss8) or bits (rademacher).
+
+    join/reshape keep a counter's four words in one thread, so each Philox call is computed once and every
+    bit of it is used (16 bytes or 128 bits); selecting words with tl.where instead spread a call over
+    several threads, each recomputing it (4x slower replay, kernels/NOTES.md)."""
     c = cbase + tl.arange(0, NC).to(tl.int64)
     r0, r1, r2, r3 = tl.randint4x(seed, c)
+    words = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), (NC, 4))  # [c, w] = r_w
     if GAUSS:
-        # join/reshape keep a counter's 4 words in one thread, so each Philox call is computed once
-        words = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), (NC, 4))  # [c, w] = r_w
         sh = (tl.arange(0, 4) * 8).to(tl.uint32)
-        code = tl.reshape((words[:, :, None] >> sh[None, None, :]) & 0xFF, (NC, EPC))  # [c, 4w + b]
-        z = tl.load(table_ptr + code.to(tl.int32))
+        return tl.reshape((words[:, :, None] >> sh[None, None, :]) & 0xFF, (NC, EPC))  # [c, 4w + b]
     else:
-        e = tl.arange(0, EPC)[None, :]
-        sel = e // 32
-        word = tl.where(sel == 0, r0[:, None],
-                        tl.where(sel == 1, r1[:, None], tl.where(sel == 2, r2[:, None], r3[:, None])))
-        bit = (word >> (e % 32).to(tl.uint32)) & 1
-        z = 1.0 - 2.0 * bit.to(tl.float32)
-    return z
+        sh = tl.arange(0, 32).to(tl.uint32)
+        return tl.reshape((words[:, :, None] >> sh[None, None, :]) & 1, (NC, EPC))  # [c, 32w + j]
 
 
 @triton.jit
-def _round_out(x, out_ptr):
-    """Round fp32 `x` to out_ptr's element type, to nearest even. bf16 is rounded with integer ops because
-    the interpreter truncates fp32 -> bf16 while compiled code rounds; this keeps both equal to torch."""
-    if out_ptr.dtype.element_ty == tl.bfloat16:
+def _z_tile(seed, cbase, table_ptr, NC: tl.constexpr, EPC: tl.constexpr, GAUSS: tl.constexpr):
+    """(NC, EPC) fp32 tile: z of global elements (cbase + r) * EPC + e, r < NC, e < EPC."""
+    code = _codes(seed, cbase, NC, EPC, GAUSS)
+    if GAUSS:
+        return tl.load(table_ptr + code.to(tl.int32))
+    else:
+        return 1.0 - 2.0 * code.to(tl.float32)
+
+
+@triton.jit
+def _add_cz(acc, c, seed, cbase, table_ptr, NC: tl.constexpr, EPC: tl.constexpr, GAUSS: tl.constexpr):
+    """acc + fl(c * z) for one seed; for signs fl(c * +-1) = +-c exactly, so a select replaces the multiply."""
+    if GAUSS:
+        return acc + c * _z_tile(seed, cbase, table_ptr, NC, EPC, GAUSS)
+    else:
+        return acc + tl.where(_codes(seed, cbase, NC, EPC, GAUSS) != 0, -c, c)
+
+
+@triton.jit
+def _round_out(x, out_ptr, HWCVT: tl.constexpr):
+    """Round fp32 `x` to out_ptr's element type, to nearest even. Compiled code uses the hardware conversion
+    (HWCVT; cvt.rn, 1 instruction). The interpreter truncates fp32 -> bf16, so there bf16 is rounded with
+    integer ops; both equal torch's rounding for every non-NaN value (NaN stays a NaN, payload may differ)."""
+    if HWCVT:
+        return x.to(out_ptr.dtype.element_ty)
+    elif out_ptr.dtype.element_ty == tl.bfloat16:
         b = x.to(tl.uint32, bitcast=True)
         r = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
         r = tl.where((b & 0x7FFFFFFF) > 0x7F800000, (b >> 16) | 0x40, r)  # NaN stays a quiet NaN
@@ -76,18 +97,18 @@ def _local_index(pid, head, NC: tl.constexpr, EPC: tl.constexpr):
 
 @triton.jit
 def _perturb_kernel(w_ptr, out_ptr, n, head, cbase0, seed, alpha, table_ptr,
-                    NC: tl.constexpr, EPC: tl.constexpr, GAUSS: tl.constexpr):
+                    NC: tl.constexpr, EPC: tl.constexpr, GAUSS: tl.constexpr, HWCVT: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     idx = _local_index(pid, head, NC, EPC)
     m = (idx >= 0) & (idx < n)
     w = tl.load(w_ptr + idx, mask=m).to(tl.float32)
     z = _z_tile(seed, cbase0 + pid * NC, table_ptr, NC, EPC, GAUSS)
-    tl.store(out_ptr + idx, _round_out(w + alpha * z, out_ptr), mask=m)
+    tl.store(out_ptr + idx, _round_out(w + alpha * z, out_ptr, HWCVT), mask=m)
 
 
 @triton.jit
 def _replay_kernel(w_ptr, n, head, cbase0, seeds_ptr, coeffs_ptr, K, table_ptr,
-                   NC: tl.constexpr, EPC: tl.constexpr, GAUSS: tl.constexpr):
+                   NC: tl.constexpr, EPC: tl.constexpr, GAUSS: tl.constexpr, HWCVT: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     idx = _local_index(pid, head, NC, EPC)
     m = (idx >= 0) & (idx < n)
@@ -96,8 +117,8 @@ def _replay_kernel(w_ptr, n, head, cbase0, seeds_ptr, coeffs_ptr, K, table_ptr,
     for k in range(K):
         s = tl.load(seeds_ptr + k)
         c = tl.load(coeffs_ptr + k)
-        acc = acc + c * _z_tile(s, cbase, table_ptr, NC, EPC, GAUSS)
-    tl.store(w_ptr + idx, _round_out(acc, w_ptr), mask=m)
+        acc = _add_cz(acc, c, s, cbase, table_ptr, NC, EPC, GAUSS)
+    tl.store(w_ptr + idx, _round_out(acc, w_ptr, HWCVT), mask=m)
 
 
 @triton.jit
@@ -122,18 +143,20 @@ def _list_entry(blk_ptr, meta_ptr, ALIGNED: tl.constexpr):
 
 @triton.jit
 def _perturb_list_kernel(w_base, out_base, blk_ptr, meta_ptr, seed, alpha, table_ptr,
-                         NC: tl.constexpr, EPC: tl.constexpr, GAUSS: tl.constexpr, ALIGNED: tl.constexpr):
+                         NC: tl.constexpr, EPC: tl.constexpr, GAUSS: tl.constexpr, ALIGNED: tl.constexpr,
+                         HWCVT: tl.constexpr):
     d_in, d_out, n, head, cbase, b = _list_entry(blk_ptr, meta_ptr, ALIGNED)
     idx = _local_index(b, head, NC, EPC)
     m = (idx >= 0) & (idx < n)
     w = tl.load(w_base + d_in + idx, mask=m).to(tl.float32)
     z = _z_tile(seed, cbase + b * NC, table_ptr, NC, EPC, GAUSS)
-    tl.store(out_base + d_out + idx, _round_out(w + alpha * z, out_base), mask=m)
+    tl.store(out_base + d_out + idx, _round_out(w + alpha * z, out_base, HWCVT), mask=m)
 
 
 @triton.jit
 def _replay_list_kernel(w_base, blk_ptr, meta_ptr, seeds_ptr, coeffs_ptr, K, table_ptr,
-                        NC: tl.constexpr, EPC: tl.constexpr, GAUSS: tl.constexpr, ALIGNED: tl.constexpr):
+                        NC: tl.constexpr, EPC: tl.constexpr, GAUSS: tl.constexpr, ALIGNED: tl.constexpr,
+                         HWCVT: tl.constexpr):
     d_in, _d_out, n, head, cbase, b = _list_entry(blk_ptr, meta_ptr, ALIGNED)
     idx = _local_index(b, head, NC, EPC)
     m = (idx >= 0) & (idx < n)
@@ -142,8 +165,8 @@ def _replay_list_kernel(w_base, blk_ptr, meta_ptr, seeds_ptr, coeffs_ptr, K, tab
     for k in range(K):
         s = tl.load(seeds_ptr + k)
         c = tl.load(coeffs_ptr + k)
-        acc = acc + c * _z_tile(s, cb, table_ptr, NC, EPC, GAUSS)
-    tl.store(w_base + d_in + idx, _round_out(acc, w_base), mask=m)
+        acc = _add_cz(acc, c, s, cb, table_ptr, NC, EPC, GAUSS)
+    tl.store(w_base + d_in + idx, _round_out(acc, w_base, HWCVT), mask=m)
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -170,8 +193,9 @@ def check_tensor(t: torch.Tensor, name: str, dtypes=FLOAT_DTYPES) -> None:
                          "(use kernels.perturb/axpy_/replay_, which fall back to the PyTorch reference)")
 
 
-def _config(kind: str, t: torch.Tensor) -> tuple[int, int]:
-    return TUNING.get((kind, t.element_size()), (4096, 8))
+def _config(kind: str, t: torch.Tensor, dist: ProbeDist) -> tuple[int, int]:
+    es = t.element_size()
+    return TUNING.get((kind, es, dist.value), TUNING.get((kind, es, None), (4096, 8)))
 
 
 def _geometry(offset: int, dist: ProbeDist, block: int) -> tuple[int, int, int, int]:
@@ -204,11 +228,11 @@ def perturb_triton(w: torch.Tensor, seed: int, offset: int, alpha: float, dist: 
     n = w.numel()
     if n == 0:
         return out
-    block, warps = _config("perturb", w)
+    block, warps = _config("perturb", w, dist)
     nc, epc, head, cbase = _geometry(offset, dist, block)
     grid = (triton.cdiv(n + head, nc * epc),)
     _perturb_kernel[grid](w, out, n, head, cbase, _seed_arg(seed), float(alpha), _table(w.device),
-                          NC=nc, EPC=epc, GAUSS=dist is ProbeDist.GAUSS8, num_warps=warps,
+                          NC=nc, EPC=epc, GAUSS=dist is ProbeDist.GAUSS8, HWCVT=not interpreted(), num_warps=warps,
                           enable_fp_fusion=False)
     return out
 
@@ -234,11 +258,11 @@ def replay_triton(w: torch.Tensor, seeds: torch.Tensor, coeffs: torch.Tensor, of
     n = w.numel()
     if n == 0 or seeds.numel() == 0:
         return w
-    block, warps = _config("replay", w)
+    block, warps = _config("replay", w, dist)
     nc, epc, head, cbase = _geometry(offset, dist, block)
     grid = (triton.cdiv(n + head, nc * epc),)
     _replay_kernel[grid](w, n, head, cbase, seeds, coeffs, seeds.numel(), _table(w.device),
-                         NC=nc, EPC=epc, GAUSS=dist is ProbeDist.GAUSS8, num_warps=warps,
+                         NC=nc, EPC=epc, GAUSS=dist is ProbeDist.GAUSS8, HWCVT=not interpreted(), num_warps=warps,
                          enable_fp_fusion=False)
     return w
 
@@ -306,6 +330,38 @@ def _packed(ins, outs, offsets, dist, block) -> PackedList:
     return hit
 
 
+def list_plan(kind: str, tensors: list[torch.Tensor], outs: list[torch.Tensor], offsets: list[int],
+              dist: ProbeDist | str) -> tuple[PackedList, int]:
+    """(launch table, warps) for one launch of `kind` ("perturb" or "replay") over `tensors`; validates the
+    lists (same dtype and device, matching outputs) and raises ValueError/TypeError otherwise."""
+    dist = as_dist(dist)
+    if not tensors:
+        raise ValueError("need a non-empty tensor list")
+    block, warps = _config(kind, tensors[0], dist)
+    return _packed(tensors, outs, offsets, dist, block), warps
+
+
+def launch_perturb_list(p: PackedList, warps: int, w0: torch.Tensor, out0: torch.Tensor, seed: int, alpha: float,
+                        dist: ProbeDist) -> None:
+    """The perturb launch over a prepared table: w0/out0 are the first input/output tensors it was built on."""
+    _perturb_list_kernel[(p.programs,)](w0, out0, p.blk, p.meta, _seed_arg(seed), float(alpha),
+                                        _table(p.device), NC=p.nc, EPC=p.epc,
+                                        GAUSS=dist is ProbeDist.GAUSS8, ALIGNED=p.aligned, HWCVT=not interpreted(),
+                                        num_warps=warps, enable_fp_fusion=False)
+
+
+def launch_replay_list(p: PackedList, warps: int, w0: torch.Tensor, seeds: torch.Tensor, coeffs: torch.Tensor,
+                       dist: ProbeDist) -> None:
+    """The in-place replay launch over a prepared table (seeds (K,) int64, coeffs (K,) float32, checked)."""
+    _check_seeds(seeds, coeffs, p.device)
+    if seeds.numel() == 0:
+        return
+    _replay_list_kernel[(p.programs,)](w0, p.blk, p.meta, seeds, coeffs, seeds.numel(),
+                                       _table(p.device), NC=p.nc, EPC=p.epc,
+                                       GAUSS=dist is ProbeDist.GAUSS8, ALIGNED=p.aligned, HWCVT=not interpreted(),
+                                       num_warps=warps, enable_fp_fusion=False)
+
+
 def perturb_list_triton(tensors: list[torch.Tensor], offsets: list[int], seed: int, alpha: float,
                         dist: ProbeDist | str, outs: list[torch.Tensor]) -> list[torch.Tensor]:
     """One launch: outs[i] = tensors[i] + alpha * z(seed)[offsets[i] : offsets[i] + numel] for every i.
@@ -314,12 +370,8 @@ def perturb_list_triton(tensors: list[torch.Tensor], offsets: list[int], seed: i
     The device table is cached by tensor addresses, so reuse the same output buffers across calls.
     """
     dist = as_dist(dist)
-    block, warps = _config("perturb", tensors[0]) if tensors else (4096, 8)
-    p = _packed(tensors, outs, offsets, dist, block)
-    _perturb_list_kernel[(p.programs,)](tensors[0], outs[0], p.blk, p.meta, _seed_arg(seed), float(alpha),
-                                        _table(p.device), NC=p.nc, EPC=p.epc,
-                                        GAUSS=dist is ProbeDist.GAUSS8, ALIGNED=p.aligned,
-                                        num_warps=warps, enable_fp_fusion=False)
+    p, warps = list_plan("perturb", tensors, outs, offsets, dist)
+    launch_perturb_list(p, warps, tensors[0], outs[0], seed, alpha, dist)
     return outs
 
 
@@ -327,13 +379,6 @@ def replay_list_triton(tensors: list[torch.Tensor], offsets: list[int], seeds: t
                        coeffs: torch.Tensor, dist: ProbeDist | str) -> list[torch.Tensor]:
     """One launch, in place: tensors[i] += sum_k coeffs[k] * z(seeds[k]) over each tensor's global range."""
     dist = as_dist(dist)
-    block, warps = _config("replay", tensors[0]) if tensors else (4096, 8)
-    p = _packed(tensors, tensors, offsets, dist, block)
-    _check_seeds(seeds, coeffs, p.device)
-    if seeds.numel() == 0:
-        return tensors
-    _replay_list_kernel[(p.programs,)](tensors[0], p.blk, p.meta, seeds, coeffs, seeds.numel(),
-                                       _table(p.device), NC=p.nc, EPC=p.epc,
-                                       GAUSS=dist is ProbeDist.GAUSS8, ALIGNED=p.aligned,
-                                       num_warps=warps, enable_fp_fusion=False)
+    p, warps = list_plan("replay", tensors, tensors, offsets, dist)
+    launch_replay_list(p, warps, tensors[0], seeds, coeffs, dist)
     return tensors

@@ -13,14 +13,15 @@ import torch
 from kernels import triton_kernels as tk
 from kernels.bench import _ms, preset_sizes
 from kernels.dist import ProbeDist
-from kernels.ops import perturb_model, replay_model
+from kernels.ops import ModelPlan
 
 OPTIONS = [(1024, 1), (2048, 2), (4096, 4), (4096, 8), (8192, 8), (16384, 8)]
 
 
 def tune(preset: str = "gpt2-small", k: int = 40, apply: bool = True) -> dict[tuple[str, int], tuple[int, int]]:
     """Time every option per kernel over `preset`'s sizes; returns the fastest (block, warps) per
-    (kernel, element size) (gauss8 decides) and, if `apply`, stores them in triton_kernels.TUNING."""
+    (kernel, element size, dist) key of triton_kernels.TUNING (perturb: gauss8 decides, stored for any dist)
+    and, if `apply`, stores them there."""
     dev = torch.device("cuda")
     sizes = preset_sizes(preset)
     offs = [sum(sizes[:i]) for i in range(len(sizes))]
@@ -30,24 +31,34 @@ def tune(preset: str = "gpt2-small", k: int = 40, apply: bool = True) -> dict[tu
     w32 = [torch.randn(s, device=dev, generator=gen) for s in sizes]
     seeds = torch.arange(1, k + 1, dtype=torch.int64, device=dev) * 7919
     coeffs = torch.full((k,), 1e-6, device=dev)
+    def case(ws, outs, op):  # the plan is built outside the timing: it prepares its launch table once
+        def build(d: ProbeDist):
+            plan = ModelPlan(ws, offs, d, outs=outs)
+            return (lambda: plan.perturb(3, 1e-3)) if op == "perturb" else (lambda: plan.replay_(seeds, coeffs))
+
+        return build
+
     cases = {
-        ("perturb", 2, "gauss8"): lambda d: perturb_model(w16, offs, 3, 1e-3, d, outs=o16),
-        ("perturb", 4, "gauss8"): lambda d: perturb_model(w32, offs, 3, 1e-7, d, outs=w32),
-        ("replay", 4, "gauss8"): lambda d: replay_model(w32, offs, seeds, coeffs, d),
-        ("replay", 4, "rademacher"): lambda d: replay_model(w32, offs, seeds, coeffs, d),
+        ("perturb", 2, "gauss8"): case(w16, o16, "perturb"),
+        ("perturb", 4, "gauss8"): case(w32, w32, "perturb"),
+        ("replay", 4, "gauss8"): case(w32, w32, "replay"),
+        ("replay", 4, "rademacher"): case(w32, w32, "replay"),
     }
     print(f"{preset}: {sum(sizes) / 1e6:.1f}M params; median ms per option (block, warps)")
-    best: dict[tuple[str, int], tuple[float, tuple[int, int]]] = {}
+    best: dict[tuple[str, int, str | None], tuple[float, tuple[int, int]]] = {}
     saved = dict(tk.TUNING)
     for (kind, esize, dist), fn in cases.items():
         row = []
         for block, warps in OPTIONS:
-            tk.TUNING[(kind, esize)] = (block, warps)
+            key = (kind, esize, dist if kind == "replay" else None)
+            tk.TUNING[key] = (block, warps)
             tk._packed_cache.clear()
-            ms = _ms(lambda fn=fn, dist=dist: fn(ProbeDist(dist)), rep=60)
+            call = fn(ProbeDist(dist))
+            call()  # builds the table and compiles before timing
+            ms = _ms(call, rep=60)
             row.append(f"{block}/{warps}: {ms:.3f}")
-            if dist == "gauss8" and ms < best.get((kind, esize), (float("inf"),))[0]:
-                best[(kind, esize)] = (ms, (block, warps))
+            if ms < best.get(key, (float("inf"),))[0]:
+                best[key] = (ms, (block, warps))
         print(f"{kind} {esize}B {dist}: " + "  ".join(row), flush=True)
     choice = {key: cfg for key, (_, cfg) in best.items()}
     tk.TUNING.clear()
