@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from kernels.dist import ProbeDist, as_dist
-from kernels.ops import perturb_model
+from kernels.ops import ModelPlan
 
 _ALIGN = 64  # elements: arena slices start 16-element aligned and at Philox-call boundaries
 
@@ -106,9 +106,13 @@ class ProbeEvaluator:
         self._live: dict[int, tuple[torch.nn.Parameter, torch.Tensor]] = {}
         self._arena: dict[tuple, torch.Tensor] = {}
         self._shared_scratch: dict[int, torch.Tensor] = {}
+        self._scratch_version = 0  # bumped when any scratch buffer is reallocated: plans over it are stale
+        # (unit, dist, ids of the params to perturb) -> (signature, ModelPlan): the launch table is prepared once
+        # per unit; the signature (clean data pointers and dtypes, scratch version) catches reallocations
+        self._plans: dict[tuple, tuple[tuple, ModelPlan]] = {}
         self._handles = []
-        for m, ps in self.units:
-            self._handles.append(m.register_forward_pre_hook(self._make_pre(ps)))
+        for u, (m, ps) in enumerate(self.units):
+            self._handles.append(m.register_forward_pre_hook(self._make_pre(u, ps)))
             self._handles.append(m.register_forward_hook(self._make_post(ps)))
 
     def _scratch_for(self, params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
@@ -120,6 +124,7 @@ class ProbeEvaluator:
                 s = self._shared_scratch.get(id(p))
                 if s is None or s.dtype != t.dtype or s.device != t.device or s.shape != t.shape:
                     s = self._shared_scratch[id(p)] = torch.empty_like(t, memory_format=torch.contiguous_format)
+                    self._scratch_version += 1
                 outs.append(s)
                 continue
             key = (t.dtype, t.device)
@@ -134,10 +139,22 @@ class ProbeEvaluator:
             a = self._arena.get(key)
             if a is None or a.numel() < n:
                 self._arena[key] = torch.empty(n, dtype=key[0], device=key[1])
+                self._scratch_version += 1
         return [o if isinstance(o, torch.Tensor) else self._arena[o[0]][o[1] : o[1] + o[2].numel()].view(o[2].shape)
                 for o in outs]
 
-    def _make_pre(self, params: list[torch.nn.Parameter]):
+    def _unit_plan(self, unit: int, todo: list[torch.nn.Parameter], dist: ProbeDist) -> ModelPlan:
+        cleans = [p.data if p.data.is_contiguous() else p.data.contiguous() for p in todo]
+        key = (unit, dist, tuple(id(p) for p in todo))
+        sig = (self._scratch_version, *((c.data_ptr(), c.dtype) for c in cleans))
+        hit = self._plans.get(key)
+        if hit is None or hit[0] != sig:
+            outs = self._scratch_for(todo)  # may reallocate scratch: the signature takes the new version
+            sig = (self._scratch_version, *((c.data_ptr(), c.dtype) for c in cleans))
+            hit = self._plans[key] = (sig, ModelPlan(cleans, [self.offsets[id(p)] for p in todo], dist, outs=outs))
+        return hit[1]
+
+    def _make_pre(self, unit: int, params: list[torch.nn.Parameter]):
         def pre(_module, _args):
             if self._probe is None:
                 return
@@ -145,10 +162,8 @@ class ProbeEvaluator:
             todo = [p for p in params if id(p) not in self._live]
             if not todo:
                 return
-            cleans = [p.data.contiguous() if not p.data.is_contiguous() else p.data for p in todo]
-            outs = self._scratch_for(todo)
-            perturb_model(cleans, [self.offsets[id(p)] for p in todo], seed, alpha, dist, outs=outs)
-            for p, o in zip(todo, outs):
+            plan = self._unit_plan(unit, todo, dist)
+            for p, o in zip(todo, plan.perturb(seed, alpha)):
                 self._live[id(p)] = (p, p.data)
                 p.data = o
 
@@ -203,3 +218,4 @@ class ProbeEvaluator:
         self._handles.clear()
         self._arena.clear()
         self._shared_scratch.clear()
+        self._plans.clear()

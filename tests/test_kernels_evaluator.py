@@ -119,3 +119,28 @@ def test_small_budget_splits_units_and_gives_same_loss(setup):
     finally:
         big.close()
         small.close()
+
+
+def test_prepared_unit_plans_follow_weight_updates_and_reallocation():
+    """The evaluator prepares one launch plan per unit; in-place updates and replaced tensors (new storage,
+    another dtype) must both be seen by the next probe, equal to a fresh evaluator's loss bit for bit."""
+    model = _tiny_gpt2()
+    batch = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(4))
+    ev = ProbeEvaluator(model, _loss)
+    try:
+        first = ev.loss(batch, 11, 1e-2)
+        assert ev.loss(batch, 11, 1e-2) == first  # reused plans give the same bits
+        block = model.transformer.h[0]
+        with torch.no_grad():
+            block.mlp.c_fc.weight.add_(0.5)  # in place: same storage
+        updated = ev.loss(batch, 11, 1e-2)
+        fresh = ProbeEvaluator(model, _loss)
+        assert updated == fresh.loss(batch, 11, 1e-2) != first
+        fresh.close()
+        block.attn.c_attn.weight.data = block.attn.c_attn.weight.data * 0.25  # new storage
+        replaced = ev.loss(batch, 11, 1e-2)
+        fresh = ProbeEvaluator(model, _loss)
+        assert replaced == fresh.loss(batch, 11, 1e-2) != updated
+        fresh.close()
+    finally:
+        ev.close()
