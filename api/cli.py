@@ -9,6 +9,10 @@ def coordinator(
     host: str = typer.Option("127.0.0.1", help="Interface to bind (0.0.0.0 in containers)."),
     port: int = typer.Option(8787, min=1, max=65535, help="TCP port."),
     log_level: str = typer.Option("info", help="uvicorn log level."),
+    access_log: bool = typer.Option(
+        False, help="Log one line per HTTP request (uvicorn's access log; off by default: at thousands of "
+        "results/s it costs the coordinator CPU; rejections are counted in /metrics either way)."
+    ),
     workers: int = typer.Option(
         1,
         min=1,
@@ -53,6 +57,7 @@ def coordinator(
         options = {
             "factory": True,
             "log_level": log_level,
+            "access_log": access_log,
             "proxy_headers": True,
             "timeout_graceful_shutdown": 10,
         }

@@ -218,6 +218,10 @@ def _run_summary(run_dir: Path) -> dict:
 
 def _prefetch_inputs(cfg, progress: bool) -> None:
     """Fetch (or verify the cache of) the task's data and weights once, before any child races to do it."""
+    if not progress:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     if cfg.task == "sentiment":
         from trainer.data import load_sentiment
         from trainer.models.pretrained import minilm_dir

@@ -295,6 +295,10 @@ def train(
             raise ValueError(f"--resume with a different config than {cfg_path} (fields: {diff})")
     cfg_path.write_text(json.dumps(cfg_json, indent=2))
 
+    if not progress:  # transformers draws its own bars (weight loading) outside our display
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     task = build_task(cfg)
     model = task.build_model()
     model.train()
