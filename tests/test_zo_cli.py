@@ -18,6 +18,9 @@ app.command()(bench_zo)
     (["--head-init", "bar"], "--head-init"),
     (["--lrs", "abc"], "--lrs"),
     (["--lrs", "1e-5,2"], "--lrs"),
+    (["--model", "gpt2"], "--model"),
+    (["--model", "smollm2", "--head-init", "linear-probe"], "--head-init"),  # SmolLM2 starts from its prompt
+    (["--head-init", "prompt"], "--head-init"),  # MiniLM has a head to start
 ])
 def test_bad_sentiment_options_fail_before_the_lm_part_runs(tmp_path, args, hint):
     # --part all runs the (minutes-long) lm part first: the sentiment options must be checked before it.

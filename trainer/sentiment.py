@@ -23,15 +23,23 @@ class SentimentTask:
 
     Sentences are padded/truncated to `max_len` tokens; batches are trimmed to their longest sentence.
     Batches are pure functions of (seed, index): rows drawn by a Philox generator keyed on both.
+    With `template` (a str.format pattern with one `{}`, e.g. trainer.prompt_classifier.PROMPT_TEMPLATE)
+    each sentence is tokenized as template.format(sentence), and nothing is truncated: a prompt's end
+    carries the label position. Raises ValueError when a templated sentence exceeds `max_len` tokens.
     """
 
-    def __init__(self, tokenizer, data, max_len: int = 64, device: str = "cpu") -> None:
+    def __init__(self, tokenizer, data, max_len: int = 64, device: str = "cpu", template: str | None = None) -> None:
         self.device = device
         self.splits = {}
         for name in ("train", "val", "test"):
             rows = getattr(data, name)
-            enc = tokenizer([t for t, _ in rows], padding="max_length", truncation=True, max_length=max_len,
-                            return_tensors="pt")
+            texts = [t for t, _ in rows] if template is None else [template.format(t) for t, _ in rows]
+            if template is not None:
+                longest = max(len(x) for x in tokenizer(texts)["input_ids"])
+                if longest > max_len:
+                    raise ValueError(f"a {name} prompt is {longest} tokens, over max_len {max_len}; raise max_len "
+                                     "(prompts are never truncated: the label is read at their last token)")
+            enc = tokenizer(texts, padding="max_length", truncation=True, max_length=max_len, return_tensors="pt")
             labels = torch.tensor([y for _, y in rows], dtype=torch.int64)
             self.splits[name] = (enc["input_ids"].to(device), enc["attention_mask"].to(device), labels.to(device))
 

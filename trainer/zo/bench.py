@@ -3,9 +3,10 @@
 1. `lm_comparison`: gpt2-tiny on a pretraining corpus, AdamW vs each ZO-Curv variant at equal optimizer
    steps (trainer.train.train, same seed, batches and schedule): final validation loss and the first
    evaluated step at which each variant reaches AdamW's final validation loss.
-2. `sentiment_comparison`: the MiniLM classifier (pretrained encoder, new head) fine-tuned by MeZO,
-   1SPSA(K) and 1.5-SPSA(K) at equal numbers of forward passes; test accuracy curves, best lr per method
-   picked on the validation split.
+2. `sentiment_comparison`: a sentiment classifier fine-tuned by MeZO, 1SPSA(K) and 1.5-SPSA(K) at equal
+   numbers of forward passes; test accuracy curves, best lr per method picked on the validation split.
+   `model` "minilm": MiniLM-L6 (pretrained encoder, new head); "smollm2": SmolLM2-135M-Instruct as a
+   prompt + label-word classifier over all its parameters (trainer.prompt_classifier, MeZO's setting).
 Writes JSON summaries and PNG figures into `out_dir`.
 """
 
@@ -23,6 +24,11 @@ import torch
 from trainer.sentiment import SentimentTask, classifier_loss  # re-exported: the benchmark's task and loss
 
 ZOCURV_VARIANTS = ("zocurv-block", "zocurv-sophia", "zocurv-line")
+SENTIMENT_MODELS = ("minilm", "smollm2")
+# head_init values per model; the first is the default. SmolLM2 has no head: it starts as the zero-shot prompt.
+HEAD_INITS = {"minilm": ("random", "linear-probe"), "smollm2": ("prompt",)}
+BACKPROP_LR = {"minilm": 5e-5, "smollm2": 1e-5}
+MODEL_TITLES = {"minilm": "MiniLM", "smollm2": "SmolLM2-135M (prompt)"}  # AdamW baseline lr (MeZO's fine-tuning grid holds 1e-5)
 
 
 def lm_comparison(out_dir: Path, *, steps: int = 600, device: str = "cpu", batch_size: int = 16,
@@ -124,11 +130,54 @@ def fit_linear_probe_head_(model, task: SentimentTask, *, batch_size: int = 32, 
     return {"forward_passes": n_fwd, "train_acc": acc}
 
 
-def _fresh_classifier(task: SentimentTask, seed: int, device: str, head_init: str, batch_size: int):
+def resolve_head_init(model: str, head_init: str | None) -> str:
+    """The start of `model`'s classifier: head_init, or the model's default when None ("random" for minilm,
+    "prompt" for smollm2). Raises ValueError for an unknown model or a start the model does not have."""
+    if model not in SENTIMENT_MODELS:
+        raise ValueError(f"model must be one of {SENTIMENT_MODELS}, got {model!r}")
+    if head_init is None:
+        return HEAD_INITS[model][0]
+    if head_init not in HEAD_INITS[model]:
+        why = " (SmolLM2 has no head: it starts from the zero-shot prompt)" if model == "smollm2" else ""
+        raise ValueError(f"head_init for {model} must be one of {HEAD_INITS[model]}{why}, got {head_init!r}")
+    return head_init
+
+
+def sentiment_task(model: str = "minilm", device: str = "cpu") -> SentimentTask:
+    """The tokenized sentiment splits for `model`: MiniLM's tokenizer at 64 tokens, or SmolLM2's prompts
+    (trainer.prompt_classifier.PROMPT_TEMPLATE, SMOLLM2_MAX_LEN tokens, right-padded). Raises ValueError
+    for an unknown model; FetchError / DataFetchError when data or tokenizer files are unavailable."""
+    from transformers import AutoTokenizer
+
+    from trainer.data import load_sentiment
+
+    if model not in SENTIMENT_MODELS:
+        raise ValueError(f"model must be one of {SENTIMENT_MODELS}, got {model!r}")
+    if model == "minilm":
+        from trainer.models.pretrained import minilm_dir
+
+        return SentimentTask(AutoTokenizer.from_pretrained(minilm_dir(), local_files_only=True), load_sentiment(),
+                             device=device)
+    from trainer.models.pretrained import smollm2_dir
+    from trainer.prompt_classifier import PROMPT_TEMPLATE, SMOLLM2_MAX_LEN
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir(), local_files_only=True)
+    tok.padding_side = "right"  # PromptClassifier reads the label at mask.sum(1) - 1
+    return SentimentTask(tok, load_sentiment(), max_len=SMOLLM2_MAX_LEN, device=device, template=PROMPT_TEMPLATE)
+
+
+def _fresh_classifier(task: SentimentTask, seed: int, device: str, head_init: str, batch_size: int,
+                      model_name: str = "minilm"):
+    """(classifier on `device`, eval mode, fp32; linear-probe stats or None). SmolLM2's start does not
+    depend on `seed` (no new parameters)."""
     from trainer.models import load_minilm_classifier
 
-    if head_init not in ("random", "linear-probe"):
-        raise ValueError(f"head_init must be 'random' or 'linear-probe', got {head_init!r}")
+    head_init = resolve_head_init(model_name, head_init)
+    if model_name == "smollm2":
+        from trainer.prompt_classifier import load_smollm2_prompt_classifier
+
+        model, _ = load_smollm2_prompt_classifier()
+        return model.to(device).eval(), None
     model, _ = load_minilm_classifier(seed=seed)
     model.to(device).eval()
     lp = fit_linear_probe_head_(model, task, batch_size=batch_size) if head_init == "linear-probe" else None
@@ -137,29 +186,33 @@ def _fresh_classifier(task: SentimentTask, seed: int, device: str, head_init: st
 
 def sentiment_run(task: SentimentTask, method: str, *, lr: float, budget: int, probes: int, eps: float,
                   alpha: float, lam: float, batch_size: int, seed: int, device: str, evals: int = 10,
-                  head_init: str = "random", on_eval=None) -> dict:
-    """Fine-tune a fresh MiniLM classifier with a pure-ZO method until `budget` forward passes are spent.
+                  head_init: str | None = None, on_eval=None, model: str = "minilm") -> dict:
+    """Fine-tune a fresh classifier (`model`: "minilm" or "smollm2", built on the matching
+    `sentiment_task`) with a pure-ZO method until `budget` forward passes are spent.
 
-    head_init "random" (BERT init) or "linear-probe" (fit_linear_probe_head_ first; its forward passes are
-    reported as "head_forward_passes" and not counted in `budget`). Returns curves of (forward passes,
-    val acc, test acc) at ~`evals` evenly spaced points; `on_eval(partial_result)` is called after each
-    (so a run stopped early still leaves its curve). Raises ValueError for an unknown head_init.
+    head_init (minilm) "random" (BERT init, the default) or "linear-probe" (fit_linear_probe_head_ first;
+    its forward passes are reported as "head_forward_passes" and not counted in `budget`); smollm2 starts
+    from the zero-shot prompt ("prompt", its only start). Returns curves of (forward passes, val acc,
+    test acc) at ~`evals` evenly spaced points; `on_eval(partial_result)` is called after each (so a run
+    stopped early still leaves its curve). Raises ValueError for an unknown model or head_init.
     """
     from trainer.zo.backend import InProcessBackend
     from trainer.zo.zo_step import ZOStepper
 
-    model, lp = _fresh_classifier(task, seed, device, head_init, batch_size)
-    stepper = ZOStepper(model, method, run_seed=seed, probes=probes, eps=eps, alpha=alpha, lam=lam)
-    backend = InProcessBackend(model, classifier_loss)
+    head_init = resolve_head_init(model, head_init)
+    net, lp = _fresh_classifier(task, seed, device, head_init, batch_size, model)
+    stepper = ZOStepper(net, method, run_seed=seed, probes=probes, eps=eps, alpha=alpha, lam=lam)
+    backend = InProcessBackend(net, classifier_loss)
     per_step = 2 * stepper.k + (method == "1.5spsa")
     n_steps = budget // per_step
     eval_at = {round(n_steps * (i + 1) / evals) for i in range(evals)}
-    curve = [(0, task.accuracy(model, "val"), task.accuracy(model, "test"))]
+    curve = [(0, task.accuracy(net, "val"), task.accuracy(net, "test"))]
     losses, diverged = [], False
 
     def result(done: int) -> dict:
         return {"method": method, "lr": lr, "probes": stepper.k, "steps": done, "planned_steps": n_steps,
-                "curve": curve, "head_init": head_init, "head_forward_passes": lp["forward_passes"] if lp else 0,
+                "curve": curve, "model": model, "head_init": head_init,
+                "head_forward_passes": lp["forward_passes"] if lp else 0,
                 "train_loss_first_last": [float(np.mean(losses[:20] or [math.nan])),
                                           float(np.mean(losses[-20:] or [math.nan]))], "diverged": diverged}
 
@@ -170,51 +223,54 @@ def sentiment_run(task: SentimentTask, method: str, *, lr: float, budget: int, p
             diverged = True
             break
         if step + 1 in eval_at:
-            curve.append(((step + 1) * per_step, task.accuracy(model, "val"), task.accuracy(model, "test")))
+            curve.append(((step + 1) * per_step, task.accuracy(net, "val"), task.accuracy(net, "test")))
             if on_eval is not None:
                 on_eval(result(step + 1))
     return result(len(losses))
 
 
-def sentiment_backprop_baseline(task: SentimentTask, *, steps: int, lr: float = 5e-5, batch_size: int = 32,
+def sentiment_backprop_baseline(task: SentimentTask, *, steps: int, lr: float | None = None, batch_size: int = 32,
                                 seed: int = 0, device: str = "cpu", evals: int = 10,
-                                head_init: str = "random", on_eval=None) -> dict:
-    """Context for the ZO runs: the same fresh MiniLM classifier fine-tuned by backprop AdamW (wd 0).
+                                head_init: str | None = None, on_eval=None, model: str = "minilm") -> dict:
+    """Context for the ZO runs: the same fresh classifier fine-tuned by backprop AdamW (wd 0), lr
+    BACKPROP_LR[model] when None (5e-5 MiniLM, 1e-5 SmolLM2).
 
     Returns a curve of (optimizer steps, val acc, test acc). Each step costs one forward and one backward.
+    Raises ValueError for an unknown model or head_init.
     """
-    model, _ = _fresh_classifier(task, seed, device, head_init, batch_size)  # eval mode: dropout is 0 anyway
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    curve = [(0, task.accuracy(model, "val"), task.accuracy(model, "test"))]
+    head_init = resolve_head_init(model, head_init)
+    lr = BACKPROP_LR[model] if lr is None else lr
+    net, _ = _fresh_classifier(task, seed, device, head_init, batch_size, model)  # eval mode: dropout is 0 anyway
+    opt = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=0.0)
+    curve = [(0, task.accuracy(net, "val"), task.accuracy(net, "test"))]
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
-        classifier_loss(model, task.batch(batch_size, seed, step)).backward()
+        classifier_loss(net, task.batch(batch_size, seed, step)).backward()
         opt.step()
         if (step + 1) % max(1, steps // evals) == 0:
-            curve.append((step + 1, task.accuracy(model, "val"), task.accuracy(model, "test")))
-    return {"method": "adamw-backprop", "lr": lr, "steps": steps, "curve": curve, "head_init": head_init}
+            curve.append((step + 1, task.accuracy(net, "val"), task.accuracy(net, "test")))
+    return {"method": "adamw-backprop", "lr": lr, "steps": steps, "curve": curve, "model": model,
+            "head_init": head_init}
 
 
 def sentiment_comparison(out_dir: Path, *, budget: int = 6000, device: str = "cpu", probes: int = 16,
                          lrs=(1e-5, 1e-4, 1e-3), eps: float = 1e-3, alpha: float = 0.1, lam: float = 1.0,
                          batch_size: int = 32, seed: int = 0, methods=("mezo", "1spsa", "1.5spsa"),
-                         head_init: str = "random", evals: int = 10, backprop_steps: int = 0) -> dict[str, Any]:
-    """Sweep `methods` x `lrs` at equal forward passes, write `sentiment_runs-<methods>.json`, then summarise
-    every runs file in `out_dir` (`sentiment_summary`), so several processes can share one sweep.
+                         head_init: str | None = None, evals: int = 10, backprop_steps: int = 0,
+                         model: str = "minilm", backprop_lr: float | None = None) -> dict[str, Any]:
+    """Sweep `methods` x `lrs` at equal forward passes on `model` ("minilm" or "smollm2"), write
+    `sentiment_runs-<methods>.json`, then summarise every runs file in `out_dir` (`sentiment_summary`), so
+    several processes can share one sweep (of one model: the summary refuses a mix).
 
-    With `backprop_steps` > 0 the backprop AdamW baseline (lr 5e-5) runs too, as method "adamw-backprop".
+    With `backprop_steps` > 0 the backprop AdamW baseline (lr `backprop_lr`, default BACKPROP_LR[model])
+    runs too, as method "adamw-backprop". Raises ValueError for an unknown model or head_init.
     """
-    from transformers import AutoTokenizer
-
-    from trainer.data import load_sentiment
-    from trainer.models.pretrained import minilm_dir
-
+    head_init = resolve_head_init(model, head_init)
     out_dir.mkdir(parents=True, exist_ok=True)
-    task = SentimentTask(AutoTokenizer.from_pretrained(minilm_dir(), local_files_only=True), load_sentiment(),
-                         device=device)
+    task = sentiment_task(model, device)
     tag = "-".join(methods) + "-lr" + "_".join(f"{lr:g}" for lr in lrs) + ("-backprop" if backprop_steps else "")
     meta = {"budget_forward_passes": budget, "probes": probes, "eps": eps, "alpha": alpha, "lam": lam,
-            "batch_size": batch_size, "head_init": head_init, "device": device}
+            "batch_size": batch_size, "head_init": head_init, "device": device, "model": model}
     runs: list[dict] = []
 
     def save(partial: dict | None = None) -> None:  # after every evaluation: a stopped sweep keeps its curves
@@ -226,6 +282,7 @@ def sentiment_comparison(out_dir: Path, *, budget: int = 6000, device: str = "cp
             t0 = time.perf_counter()
             r = sentiment_run(task, method, lr=lr, budget=budget, probes=probes, eps=eps, alpha=alpha, lam=lam,
                               batch_size=batch_size, seed=seed, device=device, head_init=head_init, evals=evals,
+                              model=model,
                               on_eval=lambda p, t0=t0: (save(dict(p, wall_s=time.perf_counter() - t0)),
                                                         print(f"{method} lr {lr:g}: {p['curve'][-1]}", flush=True)))
             r["wall_s"] = time.perf_counter() - t0
@@ -233,8 +290,8 @@ def sentiment_comparison(out_dir: Path, *, budget: int = 6000, device: str = "cp
             save()
             print(json.dumps(r), flush=True)
     if backprop_steps:
-        r = sentiment_backprop_baseline(task, steps=backprop_steps, batch_size=batch_size, seed=seed,
-                                        device=device, evals=evals, head_init=head_init)
+        r = sentiment_backprop_baseline(task, steps=backprop_steps, lr=backprop_lr, batch_size=batch_size,
+                                        seed=seed, device=device, evals=evals, head_init=head_init, model=model)
         runs.append(r)
         print(json.dumps(r), flush=True)
     save()
@@ -255,12 +312,17 @@ def reach_ratio(curve_a: list, curve_b: list) -> dict[str, Any]:
 
 def sentiment_summary(out_dir: Path) -> dict[str, Any]:
     """Merge every `sentiment_runs-*.json` in `out_dir`: best lr per method on final validation accuracy,
-    1.5-SPSA vs MeZO (`reach_ratio`), `sentiment_summary.json` and `sentiment_test_acc.png`.
-    Raises FileNotFoundError when no runs file exists."""
+    1.5-SPSA vs MeZO (`reach_ratio`), `sentiment_summary.json` (with "model") and `sentiment_test_acc.png`.
+    Raises FileNotFoundError when no runs file exists, ValueError when the files hold runs of several
+    models (files without meta "model" are MiniLM's, from before SmolLM2)."""
     files = sorted(out_dir.glob("sentiment_runs-*.json"))
     if not files:
         raise FileNotFoundError(f"no sentiment_runs-*.json in {out_dir}")
     loaded = [json.loads(f.read_text()) for f in files]
+    models = {d["meta"].get("model", "minilm") for d in loaded}
+    if len(models) > 1:
+        raise ValueError(f"{out_dir} holds sentiment runs of several models {sorted(models)}; use one folder per model")
+    model = models.pop()
     runs = [r for d in loaded for r in d["runs"]]
     best = {}
     for method in dict.fromkeys(r["method"] for r in runs):
@@ -269,7 +331,7 @@ def sentiment_summary(out_dir: Path) -> dict[str, Any]:
             b = max(ok, key=lambda r: r["curve"][-1][1])
             best[method] = {"lr": b["lr"], "final_val_acc": b["curve"][-1][1], "final_test_acc": b["curve"][-1][2],
                             "initial_test_acc": b["curve"][0][2], "steps": b["steps"], "curve": b["curve"]}
-    summary: dict[str, Any] = {"meta": loaded[0]["meta"], "best": best, "runs": runs}
+    summary: dict[str, Any] = {"model": model, "meta": loaded[0]["meta"], "best": best, "runs": runs}
     if "1.5spsa" in best and "mezo" in best:
         summary["1.5spsa_vs_mezo"] = reach_ratio(best["1.5spsa"]["curve"], best["mezo"]["curve"])
     (out_dir / "sentiment_summary.json").write_text(json.dumps(summary, indent=2))
@@ -277,5 +339,6 @@ def sentiment_summary(out_dir: Path) -> dict[str, Any]:
               if m != "adamw-backprop"}
     meta = loaded[0]["meta"]
     _plot(curves, out_dir / "sentiment_test_acc.png", "forward passes", "test accuracy",
-          f"MiniLM sentiment, ZO fine-tuning at equal forward passes\n(K={meta['probes']}, head {meta['head_init']})")
+          f"{MODEL_TITLES[model]} sentiment, ZO fine-tuning at equal forward passes\n"
+          f"(K={meta['probes']}, head {meta['head_init']})")
     return summary

@@ -19,13 +19,18 @@ def bench_zo(
     lrs: str = typer.Option("1e-5,1e-4,1e-3", help="sentiment: comma-separated learning rates tried per method."),
     seed: int = typer.Option(0, min=0, help="Run seed."),
     methods: str = typer.Option("mezo,1spsa,1.5spsa", help="sentiment: comma-separated ZO methods to sweep."),
-    head_init: str = typer.Option("random", help="sentiment: classifier head start, random (BERT init) or "
-                                  "linear-probe (logistic regression on frozen features first: LP-FT)."),
+    model: str = typer.Option("minilm", help="sentiment: minilm (MiniLM-L6 + new head) or smollm2 "
+                              "(SmolLM2-135M-Instruct as a prompt + label-word classifier, all parameters)."),
+    head_init: str | None = typer.Option(None, help="sentiment: classifier start; minilm: random (BERT init, default) or "
+                                  "linear-probe (logistic regression on frozen features first: LP-FT); smollm2: "
+                                  "prompt (the zero-shot prompt classifier, its only start)."),
     evals: int = typer.Option(10, min=1, help="sentiment: accuracy evaluations per run."),
     backprop_steps: int = typer.Option(0, min=0, help="sentiment: also run the backprop AdamW baseline this many steps."),
+    backprop_lr: float | None = typer.Option(None, min=0.0, help="sentiment: AdamW lr of the baseline (default 5e-5 minilm, "
+                                      "1e-5 smollm2)."),
 ) -> None:
     """Run the ZO benchmarks on real data and write lm_summary.json / sentiment_summary.json and PNGs."""
-    from trainer.zo.bench import lm_comparison, sentiment_comparison
+    from trainer.zo.bench import lm_comparison, resolve_head_init, sentiment_comparison
 
     if part not in ("lm", "sentiment", "all"):
         raise typer.BadParameter(f"part must be lm, sentiment or all, got {part!r}")
@@ -34,8 +39,12 @@ def bench_zo(
     bad = [m for m in ms if m not in ("mezo", "1spsa", "1.5spsa")]
     if bad or not ms:
         raise typer.BadParameter(f"methods are mezo, 1spsa, 1.5spsa; got {methods!r}", param_hint="--methods")
-    if head_init not in ("random", "linear-probe"):
-        raise typer.BadParameter(f"random or linear-probe, got {head_init!r}", param_hint="--head-init")
+    if model not in ("minilm", "smollm2"):
+        raise typer.BadParameter(f"minilm or smollm2, got {model!r}", param_hint="--model")
+    try:
+        head_init = resolve_head_init(model, head_init)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--head-init") from None
     try:  # empty is allowed: tools/h200_headline.sh merges earlier runs' JSON with --lrs ""
         grid = tuple(float(x) for x in lrs.split(",") if x.strip())
     except ValueError:
@@ -48,7 +57,8 @@ def bench_zo(
                                    v["steps_to_adamw_final"]} for k, v in s["runs"].items()}))
     if part in ("sentiment", "all"):
         s = sentiment_comparison(out, budget=budget, device=device, probes=k, lrs=grid, seed=seed, methods=ms,
-                                 head_init=head_init, evals=evals, backprop_steps=backprop_steps)
+                                 head_init=head_init, evals=evals, backprop_steps=backprop_steps, model=model,
+                                 backprop_lr=backprop_lr)
         typer.echo(json.dumps({m: {k2: v for k2, v in b.items() if k2 != "curve"} for m, b in s["best"].items()}))
         if "1.5spsa_vs_mezo" in s:
             typer.echo(json.dumps({"1.5spsa_vs_mezo": s["1.5spsa_vs_mezo"]}))
