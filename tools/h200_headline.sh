@@ -3,10 +3,13 @@
 #   pretrain: gpt2-small on classics, AdamW at three lrs on GPU 0, then the probe-throughput and memory
 #             scans there; zocurv-line (in-process probes on the same GPU) on GPU 1.
 #   finetune: MiniLM-L6 sentiment, MeZO / 1SPSA / 1.5-SPSA / backprop, runs spread over the GPUs.
-# Needs tools/h200_pack.sh run first (carry .h200 and .whl). Writes a tarball and logs under $OUT.
-# Usage: bash tools/h200_headline.sh pretrain|finetune [steps]
+#   finetune-smollm2: the same for SmolLM2-135M-Instruct as a prompt classifier (all 134.5M parameters).
+# Needs tools/h200_pack.sh run first (carry .h200 and .whl); finetune-smollm2 needs `tools/h200_pack.sh
+# smollm2` instead: one call carries .h200s1, a later one on the same warm machine .h200s2 and .whl.
+# Writes a tarball and logs under $OUT.
+# Usage: bash tools/h200_headline.sh pretrain|finetune|finetune-smollm2 [steps] [budget: forward passes per ZO run]
 set -uo pipefail
-part=${1:?usage: h200_headline.sh pretrain|finetune [steps]}
+part=${1:?usage: h200_headline.sh pretrain|finetune|finetune-smollm2 [steps] [budget]}
 steps=${2:-1000}
 out=${OUT:-/tmp/headline-out}
 mkdir -p "$out"
@@ -55,6 +58,32 @@ elif [ "$part" = finetune ]; then
   sc bench zo --part sentiment --budget 3 --lrs "" --methods mezo --evals 1 --head-init linear-probe \
     --device cuda:0 --out $res/sentiment > "$res/logs/ft-summary.log" 2>&1
   tail -n 4 $res/logs/*.log > "$out/finetune-tail.log"
+elif [ "$part" = finetune-smollm2 ]; then
+  # SmolLM2-135M-Instruct, prompt + label words, from its zero-shot start: rejoin the GGUF halves into a cache
+  # kept on the machine (.h200sc: the next call on a warm machine skips the rejoin and the conversion), then one
+  # process per (method, lr), a backprop AdamW baseline (BACKPROP_STEPS, 0 to skip) beside them.
+  export SPARECYCLES_CACHE=$PWD/.h200sc
+  if ! bash tools/h200_smollm2_cache.sh "$SPARECYCLES_CACHE" > "$out/smollm2-cache.log" 2>&1; then
+    tail -n 20 "$out/smollm2-cache.log"; exit 1
+  fi
+  budget=${3:-10000}
+  ft=(--part sentiment --model smollm2 --budget "$budget" --k 16 --evals "${FINETUNE_EVALS:-20}" --out $res/sentiment-smollm2)
+  i=0
+  for job in ${FINETUNE_JOBS:-mezo:1e-5 mezo:1e-4 1spsa:1e-5 1spsa:1e-4 1.5spsa:1e-5 1.5spsa:1e-4}; do
+    m=${job%%:*} lr=${job##*:}
+    sc bench zo "${ft[@]}" --methods "$m" --lrs "$lr" --device cuda:$(( i % ngpu )) > "$res/logs/ft-$m-$lr.log" 2>&1 &
+    i=$((i + 1))
+  done
+  if [ "${BACKPROP_STEPS:-300}" -gt 0 ]; then
+    sc bench zo "${ft[@]}" --methods mezo --lrs "" --backprop-steps "${BACKPROP_STEPS:-300}" --evals 10 \
+      --device cuda:$(( i % ngpu )) > "$res/logs/ft-backprop.log" 2>&1 &
+  fi
+  wait_or_stop
+  sc bench zo --part sentiment --model smollm2 --budget 3 --lrs "" --methods mezo --evals 1 \
+    --device cuda:0 --out $res/sentiment-smollm2 > "$res/logs/ft-summary.log" 2>&1
+  tail -n 4 $res/logs/*.log > "$out/finetune-smollm2-tail.log"
+else
+  echo "unknown part $part: pretrain, finetune or finetune-smollm2" >&2; exit 2
 fi
 find $res -name 'checkpoint*' -delete
 tar -czf "$out/headline-$part.tgz" -C $res .
