@@ -16,7 +16,8 @@ for f in ".h200s1/$g.part1" ".h200s1/$g.sha256" ".h200s2/$g.part2" ".h200s2/$g.s
   [ -f "$f" ] || { echo "missing $f: carry .h200s1 in one device call and .h200s2 in a later one on the same" \
                         "warm machine (made by tools/h200_pack.sh smollm2)" >&2; exit 1; }
 done
-cmp -s ".h200s1/$g.sha256" ".h200s2/$g.sha256" || { echo "the two halves come from different packs" >&2; exit 1; }
+[ "$(cat ".h200s1/$g.sha256")" = "$(cat ".h200s2/$g.sha256")" ] ||
+  { echo "the two halves come from different packs" >&2; exit 1; }
 repo=$PWD
 read -r root wheel_sha < <(SPARECYCLES_CACHE="$cache" $py -c \
   "from trainer.models.fetch import SMOLLM2_WHEEL as w; print(w.root, w.sha256)")
