@@ -34,6 +34,15 @@ def label_token_ids(tokenizer: PreTrainedTokenizerBase, words=LABEL_WORDS) -> li
     return ids
 
 
+def prompt_tokenizer(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
+    """`tokenizer` set up for PromptClassifier, in place: right padding, and a pad token if it has none (some
+    transformers versions load SmolLM2's GGUF tokenizer without one; pads are masked and never read)."""
+    tokenizer.padding_side = "right"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
 class PromptClassifier(torch.nn.Module):
     """A causal LM read as a classifier through label words (a "verbalizer").
 
@@ -80,7 +89,7 @@ def load_smollm2_prompt_classifier(dtype: torch.dtype = torch.float32
     from trainer.models.pretrained import load_smollm2
 
     lm, tokenizer = load_smollm2(dtype=dtype)
-    tokenizer.padding_side = "right"
+    tokenizer = prompt_tokenizer(tokenizer)
     model = PromptClassifier(lm, label_token_ids(tokenizer))
     model.eval()
     return model, tokenizer

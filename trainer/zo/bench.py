@@ -28,7 +28,7 @@ SENTIMENT_MODELS = ("minilm", "smollm2")
 # head_init values per model; the first is the default. SmolLM2 has no head: it starts as the zero-shot prompt.
 HEAD_INITS = {"minilm": ("random", "linear-probe"), "smollm2": ("prompt",)}
 BACKPROP_LR = {"minilm": 5e-5, "smollm2": 1e-5}
-MODEL_TITLES = {"minilm": "MiniLM", "smollm2": "SmolLM2-135M (prompt)"}  # AdamW baseline lr (MeZO's fine-tuning grid holds 1e-5)
+MODEL_TITLES = {"minilm": "MiniLM", "smollm2": "SmolLM2-135M"}  # AdamW baseline lr (MeZO's fine-tuning grid holds 1e-5)
 
 
 def lm_comparison(out_dir: Path, *, steps: int = 600, device: str = "cpu", batch_size: int = 16,
@@ -159,10 +159,10 @@ def sentiment_task(model: str = "minilm", device: str = "cpu") -> SentimentTask:
         return SentimentTask(AutoTokenizer.from_pretrained(minilm_dir(), local_files_only=True), load_sentiment(),
                              device=device)
     from trainer.models.pretrained import smollm2_dir
-    from trainer.prompt_classifier import PROMPT_TEMPLATE, SMOLLM2_MAX_LEN
+    from trainer.prompt_classifier import PROMPT_TEMPLATE, SMOLLM2_MAX_LEN, prompt_tokenizer
 
-    tok = AutoTokenizer.from_pretrained(smollm2_dir(), local_files_only=True)
-    tok.padding_side = "right"  # PromptClassifier reads the label at mask.sum(1) - 1
+    # right-padded: PromptClassifier reads the label at mask.sum(1) - 1
+    tok = prompt_tokenizer(AutoTokenizer.from_pretrained(smollm2_dir(), local_files_only=True))
     return SentimentTask(tok, load_sentiment(), max_len=SMOLLM2_MAX_LEN, device=device, template=PROMPT_TEMPLATE)
 
 
