@@ -62,7 +62,8 @@ def test_label_words_are_single_tokens_and_params_are_the_lm(smollm2):
     names = [n for n, _ in model.named_parameters()]
     assert len(names) == 272 and all(n.startswith("lm.model.") for n in names)
     assert sum(p.numel() for p in model.parameters()) == 134_515_008
-    assert tok.padding_side == "right" and tok.pad_token_id == 2
+    # The pad id differs with the converting transformers (2 under 5.24, 1 under 5.17); rows never see pads.
+    assert tok.padding_side == "right" and tok.pad_token_id is not None
 
 
 @torch.no_grad()

@@ -27,8 +27,8 @@ ZOCURV_VARIANTS = ("zocurv-block", "zocurv-sophia", "zocurv-line")
 SENTIMENT_MODELS = ("minilm", "smollm2")
 # head_init values per model; the first is the default. SmolLM2 has no head: it starts as the zero-shot prompt.
 HEAD_INITS = {"minilm": ("random", "linear-probe"), "smollm2": ("prompt",)}
-BACKPROP_LR = {"minilm": 5e-5, "smollm2": 1e-5}
-MODEL_TITLES = {"minilm": "MiniLM", "smollm2": "SmolLM2-135M"}  # AdamW baseline lr (MeZO's fine-tuning grid holds 1e-5)
+BACKPROP_LR = {"minilm": 5e-5, "smollm2": 1e-5}  # AdamW baseline lr (MeZO's fine-tuning grid holds 1e-5)
+MODEL_TITLES = {"minilm": "MiniLM", "smollm2": "SmolLM2-135M"}
 
 
 def lm_comparison(out_dir: Path, *, steps: int = 600, device: str = "cpu", batch_size: int = 16,
