@@ -73,10 +73,15 @@ def test_linear_probe_head_separates_separable_features():
         pooled = model.bert(input_ids=ids, attention_mask=mask).pooler_output
     direction = torch.randn(16, generator=gen)
     score = pooled @ direction
-    labels = (score > score.median()).long()  # linearly separable in the head's own input features
+    # linearly separable in the head's own input features, with a margin: the 40 sentences closest to the
+    # boundary are dropped (without it L-BFGS's 200 iterations can leave a near-tie misclassified, and
+    # how near depends on transformers' init code)
+    keep = torch.argsort((score - score.median()).abs(), descending=True)[:160].sort().values
+    ids, mask = ids[keep], mask[keep]
+    labels = (score[keep] > score.median()).long()
     task = SimpleNamespace(splits={"train": (ids, mask, labels)}, _trim=lambda i, m, y: (i, m, y))
     res = fit_linear_probe_head_(model, task, batch_size=64, l2=0.0, iters=200)
-    assert res["forward_passes"] == 4  # ceil(200 / 64) batched forwards
+    assert res["forward_passes"] == 3  # ceil(160 / 64) batched forwards
     assert res["train_acc"] == 1.0
     with torch.no_grad():
         pred = model(input_ids=ids, attention_mask=mask).logits.argmax(-1)
