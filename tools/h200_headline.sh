@@ -5,7 +5,9 @@
 #   finetune: MiniLM-L6 sentiment, MeZO / 1SPSA / 1.5-SPSA / backprop, runs spread over the GPUs.
 #   finetune-smollm2: the same for SmolLM2-135M-Instruct as a prompt classifier (all 134.5M parameters).
 # Needs tools/h200_pack.sh run first (carry .h200 and .whl); finetune-smollm2 needs `tools/h200_pack.sh
-# smollm2` instead: one call carries .h200s1, a later one on the same warm machine .h200s2 and .whl.
+# smollm2` instead: one call carries .h200s1 and copies it out of the repository (a later call removes
+# carried folders it does not name), a later one on the same warm machine carries .h200s2 and .whl and copies
+# .h200s1 back first (README, "--model smollm2").
 # Writes a tarball and logs under $OUT.
 # Usage: bash tools/h200_headline.sh pretrain|finetune|finetune-smollm2 [steps] [budget: forward passes per ZO run]
 set -uo pipefail
@@ -22,6 +24,16 @@ wait_or_stop() {  # wait for the background jobs; past the deadline stop them (t
   if [ -n "$(jobs -rp)" ]; then echo "deadline: stopping $(jobs -rp | wc -l) job(s)"; kill -TERM $(jobs -rp) 2>/dev/null; pkill -TERM -f "from sparecycles.cli import app"; sleep 3; fi
 }
 sc() { python3 -c 'import sys; from sparecycles.cli import app; sys.argv[0] = "sparecycles"; app()' "$@"; }
+sweep() {  # sweep DEFAULT_JOBS BENCH_ARGS...: one `bench zo` process per METHOD:LR job ($FINETUNE_JOBS
+  # overrides), spread round-robin over the GPUs; sets i to the number of jobs started
+  local jobs=$1 job m lr; shift
+  i=0
+  for job in ${FINETUNE_JOBS:-$jobs}; do
+    m=${job%%:*} lr=${job##*:}
+    sc bench zo "$@" --methods "$m" --lrs "$lr" --device cuda:$(( i % ngpu )) > "$res/logs/ft-$m-$lr.log" 2>&1 &
+    i=$((i + 1))
+  done
+}
 ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 res=/tmp/headline && mkdir -p $res/logs
@@ -48,12 +60,7 @@ elif [ "$part" = finetune ]; then
   # deadline leaves every run's progress; compare them at equal forward passes.
   budget=${3:-60000}
   ft=(--part sentiment --budget "$budget" --k 16 --evals 40 --head-init linear-probe --out $res/sentiment)
-  i=0
-  for job in ${FINETUNE_JOBS:-mezo:3e-5 mezo:1e-4 1spsa:1e-5 1spsa:3e-5 1.5spsa:1e-5 1.5spsa:3e-5}; do
-    m=${job%%:*} lr=${job##*:}
-    sc bench zo "${ft[@]}" --methods "$m" --lrs "$lr" --device cuda:$(( i % ngpu )) > "$res/logs/ft-$m-$lr.log" 2>&1 &
-    i=$((i + 1))
-  done
+  sweep "mezo:3e-5 mezo:1e-4 1spsa:1e-5 1spsa:3e-5 1.5spsa:1e-5 1.5spsa:3e-5" "${ft[@]}"
   wait_or_stop
   sc bench zo --part sentiment --budget 3 --lrs "" --methods mezo --evals 1 --head-init linear-probe \
     --device cuda:0 --out $res/sentiment > "$res/logs/ft-summary.log" 2>&1
@@ -70,12 +77,7 @@ elif [ "$part" = finetune-smollm2 ]; then
   fi
   budget=${3:-10000}
   ft=(--part sentiment --model smollm2 --budget "$budget" --k 16 --evals "${FINETUNE_EVALS:-20}" --out $res/sentiment-smollm2)
-  i=0
-  for job in ${FINETUNE_JOBS:-mezo:3e-5 mezo:1e-4 1spsa:1e-4 1spsa:3e-4 1.5spsa:1e-4 1.5spsa:3e-4}; do
-    m=${job%%:*} lr=${job##*:}
-    sc bench zo "${ft[@]}" --methods "$m" --lrs "$lr" --device cuda:$(( i % ngpu )) > "$res/logs/ft-$m-$lr.log" 2>&1 &
-    i=$((i + 1))
-  done
+  sweep "mezo:3e-5 mezo:1e-4 1spsa:1e-4 1spsa:3e-4 1.5spsa:1e-4 1.5spsa:3e-4" "${ft[@]}"
   if [ "${BACKPROP_STEPS:-300}" -gt 0 ]; then
     sc bench zo "${ft[@]}" --methods mezo --lrs "" --backprop-steps "${BACKPROP_STEPS:-300}" --evals 10 \
       --device cuda:$(( i % ngpu )) > "$res/logs/ft-backprop.log" 2>&1 &

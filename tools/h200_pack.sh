@@ -8,8 +8,9 @@
 #   bash tools/h200_pack.sh smollm2  SmolLM2-135M-Instruct's Q4_1 GGUF (98,362,432 bytes, over one call's
 #                                    limit) split in two halves, .h200s1/ and .h200s2/, each with the sha256
 #                                    of the whole file; .h200s2/cache/tasks holds the sentiment splits; .whl/
-#                                    gets `gguf` too. One call carries .h200s1, the next .h200s2 and .whl;
-#                                    tools/h200_smollm2_cache.sh rejoins them there.
+#                                    gets `gguf` too. One call carries .h200s1 and copies it out of the
+#                                    repository, the next (warm machine) .h200s2 and .whl and copies it
+#                                    back; tools/h200_smollm2_cache.sh rejoins them there.
 set -euo pipefail
 mode=${1:-default}
 cache="${SPARECYCLES_CACHE:-$HOME/.cache/sparecycles}"
