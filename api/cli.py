@@ -8,7 +8,8 @@ import typer
 def coordinator(
     host: str = typer.Option("127.0.0.1", help="Interface to bind (0.0.0.0 in containers)."),
     port: int = typer.Option(8787, min=1, max=65535, help="TCP port."),
-    log_level: str = typer.Option("info", help="uvicorn log level."),
+    log_level: str = typer.Option("info", help="uvicorn log level: critical, error, warning, info, debug or trace "
+                                  "(access lines are info: --access-log shows them at info and below)."),
     access_log: bool = typer.Option(
         False, help="Log one line per HTTP request (uvicorn's access log; off by default: at thousands of "
         "results/s it costs the coordinator CPU; rejections are counted in /metrics either way)."
@@ -35,6 +36,11 @@ def coordinator(
     from pydantic import ValidationError
 
     from coordinator.settings import CoordinatorSettings
+
+    if log_level.lower() not in ("critical", "error", "warning", "info", "debug", "trace"):
+        raise typer.BadParameter(f"one of critical, error, warning, info, debug, trace; got {log_level!r}",
+                                 param_hint="--log-level")
+    log_level = log_level.lower()
 
     try:
         CoordinatorSettings()  # fail here, once, with a clear message (each worker process re-reads it)

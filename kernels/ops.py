@@ -60,6 +60,8 @@ def seeds_tensor(seeds: Sequence[int] | torch.Tensor, device) -> torch.Tensor:
 
 def _seeds_list(seeds: Sequence[int] | torch.Tensor) -> list[int]:
     if isinstance(seeds, torch.Tensor):
+        if seeds.dtype != torch.int64 or seeds.dim() != 1:
+            raise TypeError("a seeds tensor must be (K,) int64")
         return [int(s) % SEED_LIMIT for s in seeds.tolist()]
     return [check_seed(s) for s in seeds]
 
@@ -223,24 +225,30 @@ class ModelPlan:
     an H200 (kernels/NOTES.md). A plan does that work here, once; each call is then one kernel launch per
     (dtype, device) group on CUDA (the reference path elsewhere, same bits).
 
-    tensors: parameter tensors (any float dtype; replay_ needs float32), offsets[i] the global offset of
-    tensors[i]; outs: perturb outputs matching tensors (None: allocated here; pass `tensors` for in place).
-    The plan holds the tensors: rebuild it if any is reallocated. Raises ValueError/TypeError for bad lists.
+    tensors: contiguous parameter tensors (float32/bfloat16/float16; replay_ needs float32), offsets[i] (int
+    >= 0) the global offset of tensors[i]; outs: perturb outputs matching tensors (None: allocated here; pass
+    `tensors` for in place). `perturb` writes into `outs` and returns that same list on every call. The plan
+    holds the tensors: rebuild it if any is reallocated (`param.data = ...`). Call it under torch.no_grad()
+    when the tensors are Parameters. Raises ValueError/TypeError for bad lists.
     """
 
     def __init__(self, tensors: Sequence[torch.Tensor], offsets: Sequence[int],
                  dist: ProbeDist | str = ProbeDist.GAUSS8, outs: Sequence[torch.Tensor] | None = None):
         self.dist = as_dist(dist)
-        self.tensors, self.offsets = list(tensors), [int(o) for o in offsets]
+        self.tensors, self.offsets = list(tensors), list(offsets)
         _check_lists(self.tensors, self.offsets)
         for i, t in enumerate(self.tensors):
             _check_float(t, f"tensors[{i}]")
-            check_range(self.offsets[i], t.numel())
+            check_range(self.offsets[i], t.numel())  # ints only: a float offset would silently shift z
+            if not t.is_contiguous():
+                raise ValueError(f"tensors[{i}] must be contiguous (call .contiguous() first)")
         self.outs = [torch.empty_like(t) for t in self.tensors] if outs is None else list(outs)
-        _check_lists(self.outs, self.offsets)
+        if len(self.outs) != len(self.tensors):
+            raise ValueError(f"{len(self.tensors)} tensors but {len(self.outs)} outs")
         for i, (t, o) in enumerate(zip(self.tensors, self.outs)):
-            if o.shape != t.shape or o.dtype != t.dtype or o.device != t.device:
-                raise ValueError(f"outs[{i}] must match tensors[{i}] in shape, dtype and device")
+            _check_float(o, f"outs[{i}]")
+            if o.shape != t.shape or o.dtype != t.dtype or o.device != t.device or not o.is_contiguous():
+                raise ValueError(f"outs[{i}] must match tensors[{i}] in shape, dtype and device, and be contiguous")
         self._groups = list(_groups(self.tensors).values())
         self._triton: dict[tuple[str, int], tuple] = {}  # (kind, group) -> (table, warps, w0, out0)
         self._fp32_checked = False
@@ -274,7 +282,10 @@ class ModelPlan:
         return self.outs
 
     def replay_(self, seeds: Sequence[int] | torch.Tensor, coeffs: Sequence[float] | torch.Tensor) -> list:
-        """In place: tensors[i] += sum_k coeffs[k] * z(seeds[k]) (fp32 tensors only; replay_model's bits)."""
+        """In place: tensors[i] += sum_k coeffs[k] * z(seeds[k]) (fp32 tensors only; replay_model's bits).
+
+        seeds: K ints in [0, 2**64) or a (K,) int64 tensor; coeffs: K floats or a (K,) float32 tensor. Returns
+        the tensors. Raises TypeError/ValueError for bad seeds or coeffs."""
         if not self._fp32_checked:
             for i, t in enumerate(self.tensors):
                 _check_float(t, f"tensors[{i}]", (torch.float32,))

@@ -53,3 +53,18 @@ def test_plan_rejects_bad_lists():
         ModelPlan(_tensors(torch.bfloat16), offs).replay_([1], [1.0])
     with pytest.raises(ValueError):
         ModelPlan(ws, offs).perturb(-5, 1.0)
+
+
+def test_plan_rejects_what_the_gpu_path_would_refuse():
+    """Inputs the Triton path refuses are refused on every device, at construction (a fresh user's findings)."""
+    ws, offs = _tensors(), _offsets()
+    with pytest.raises(TypeError, match="offset must be an int"):
+        ModelPlan(ws, [1.7, *offs[1:]])
+    with pytest.raises(ValueError, match="contiguous"):
+        ModelPlan([torch.zeros(4, 2).t(), *ws[1:]], offs)
+    with pytest.raises(ValueError, match="4 tensors but 3 outs"):
+        ModelPlan(ws, offs, outs=ws[:3])
+    with pytest.raises(TypeError):
+        ModelPlan(ws, offs, outs=["x"] * 4)
+    with pytest.raises(TypeError, match="int64"):
+        ModelPlan(ws, offs, outs=ws).replay_(torch.tensor([1.7, 2.2]), [0.1, 0.2])

@@ -266,6 +266,7 @@ def sentiment_comparison(out_dir: Path, *, budget: int = 6000, device: str = "cp
     runs too, as method "adamw-backprop". Raises ValueError for an unknown model or head_init.
     """
     head_init = resolve_head_init(model, head_init)
+    check_sentiment_folder(out_dir, model)
     out_dir.mkdir(parents=True, exist_ok=True)
     task = sentiment_task(model, device)
     tag = "-".join(methods) + "-lr" + "_".join(f"{lr:g}" for lr in lrs) + ("-backprop" if backprop_steps else "")
@@ -308,6 +309,15 @@ def reach_ratio(curve_a: list, curve_b: list) -> dict[str, Any]:
     hit = next((f for f, _, te in curve_a if te >= target and f > 0), None)
     return {"target_test_acc": target, "a_forwards_to_target": hit, "b_forwards": b_fwd,
             "forward_ratio": b_fwd / hit if hit else None, "final_gap_points": 100 * (curve_a[-1][2] - target)}
+
+
+def check_sentiment_folder(out_dir: Path, model: str) -> None:
+    """Raise ValueError if `out_dir` already holds sentiment runs of another model than `model` (the summary
+    would refuse the mix only after the sweep ran). A missing folder is fine."""
+    for f in sorted(Path(out_dir).glob("sentiment_runs-*.json")):
+        other = json.loads(f.read_text())["meta"].get("model", "minilm")
+        if other != model:
+            raise ValueError(f"{out_dir} holds {other} sentiment runs ({f.name}); use another --out for {model}")
 
 
 def sentiment_summary(out_dir: Path) -> dict[str, Any]:

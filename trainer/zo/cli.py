@@ -30,7 +30,12 @@ def bench_zo(
                                       "1e-5 smollm2)."),
 ) -> None:
     """Run the ZO benchmarks on real data and write lm_summary.json / sentiment_summary.json and PNGs."""
-    from trainer.zo.bench import lm_comparison, resolve_head_init, sentiment_comparison
+    from trainer.zo.bench import (
+        check_sentiment_folder,
+        lm_comparison,
+        resolve_head_init,
+        sentiment_comparison,
+    )
 
     if part not in ("lm", "sentiment", "all"):
         raise typer.BadParameter(f"part must be lm, sentiment or all, got {part!r}")
@@ -51,6 +56,18 @@ def bench_zo(
         grid = (float("nan"),)
     if not all(0 < lr < 1 for lr in grid):
         raise typer.BadParameter(f"comma-separated learning rates in (0, 1), got {lrs!r}", param_hint="--lrs")
+    if part in ("sentiment", "all") and grid:
+        # forward passes per step: 2 per probe (+1 clean for 1.5-SPSA); a smaller budget would run no step
+        need = {m: 2 * (1 if m == "mezo" else k) + (m == "1.5spsa") for m in ms}
+        short = {m: n for m, n in need.items() if budget < n}
+        if short:
+            raise typer.BadParameter(f"{budget} forward passes is less than one step of {short} (forwards per "
+                                     f"step with --k {k}); raise --budget", param_hint="--budget")
+    if part in ("sentiment", "all"):
+        try:
+            check_sentiment_folder(out, model)
+        except ValueError as e:
+            raise typer.BadParameter(str(e), param_hint="--out") from None
     if part in ("lm", "all"):
         s = lm_comparison(out, steps=steps, device=device, probes=probes, seed=seed)
         typer.echo(json.dumps({k: {"final_val_loss": v["final_val_loss"], "steps_to_adamw_final":
