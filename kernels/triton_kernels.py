@@ -156,7 +156,7 @@ def _perturb_list_kernel(w_base, out_base, blk_ptr, meta_ptr, seed, alpha, table
 @triton.jit
 def _replay_list_kernel(w_base, blk_ptr, meta_ptr, seeds_ptr, coeffs_ptr, K, table_ptr,
                         NC: tl.constexpr, EPC: tl.constexpr, GAUSS: tl.constexpr, ALIGNED: tl.constexpr,
-                         HWCVT: tl.constexpr):
+                        HWCVT: tl.constexpr):
     d_in, _d_out, n, head, cbase, b = _list_entry(blk_ptr, meta_ptr, ALIGNED)
     idx = _local_index(b, head, NC, EPC)
     m = (idx >= 0) & (idx < n)
