@@ -159,8 +159,11 @@ def test_zo_step_moves_the_loss_and_is_bit_reproducible(smollm2):
 def test_bench_sentiment_run_on_smollm2(smollm2):
     # The benchmark's own path (a fresh model from the loader, the zero-shot prompt start) on four sentences.
     _, tok = smollm2
+    seen = []  # on_eval reports the start (step 0) too, so a run stopped before its first step keeps it
     r = sentiment_run(_task(tok), "mezo", lr=1e-5, budget=2, probes=1, eps=1e-3, alpha=0.1, lam=1.0,
-                      batch_size=4, seed=0, device="cpu", evals=1, model="smollm2")
+                      batch_size=4, seed=0, device="cpu", evals=1, model="smollm2",
+                      on_eval=lambda p: seen.append(p["steps"]))
+    assert seen == [0, 1]
     assert r["model"] == "smollm2" and r["head_init"] == "prompt" and r["head_forward_passes"] == 0
     assert r["steps"] == 1 and [c[0] for c in r["curve"]] == [0, 2] and not r["diverged"]
     assert all(0.0 <= acc <= 1.0 for _, v, te in r["curve"] for acc in (v, te))

@@ -22,6 +22,8 @@ app.command()(bench_zo)
     (["--model", "smollm2", "--head-init", "linear-probe"], "--head-init"),  # SmolLM2 starts from its prompt
     (["--head-init", "prompt"], "--head-init"),  # MiniLM has a head to start
     (["--methods", "mezo,1.5spsa", "--k", "4", "--budget", "8"], "--budget"),  # 1.5-SPSA needs 9 per step
+    (["--device", "bogus"], "--device"),
+    (["--device", "mps"], "--device"),
 ])
 def test_bad_sentiment_options_fail_before_the_lm_part_runs(tmp_path, args, hint):
     # --part all runs the (minutes-long) lm part first: the sentiment options must be checked before it.

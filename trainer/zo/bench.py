@@ -82,7 +82,7 @@ def _plot(curves: dict[str, list[tuple[float, float]]], path: Path, xlabel: str,
             ax.plot(xs, ys, marker=".", label=name)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
-    ax.set_title(title)
+    ax.set_title(title, fontsize=10)  # long two-line titles stay inside the figure
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -215,6 +215,9 @@ def sentiment_run(task: SentimentTask, method: str, *, lr: float, budget: int, p
                 "head_forward_passes": lp["forward_passes"] if lp else 0,
                 "train_loss_first_last": [float(np.mean(losses[:20] or [math.nan])),
                                           float(np.mean(losses[-20:] or [math.nan]))], "diverged": diverged}
+
+    if on_eval is not None:  # the start too: a run stopped before its first step still leaves its point
+        on_eval(result(0))
 
     for step in range(n_steps):
         stats = stepper.step(step, task.batch(batch_size, seed, step), backend, lr)

@@ -56,6 +56,15 @@ def bench_zo(
         grid = (float("nan"),)
     if not all(0 < lr < 1 for lr in grid):
         raise typer.BadParameter(f"comma-separated learning rates in (0, 1), got {lrs!r}", param_hint="--lrs")
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise typer.BadParameter(f"cpu or cuda[:N], got {device!r}", param_hint="--device") from None
+    if dev.type not in ("cpu", "cuda") or (dev.type == "cuda" and not torch.cuda.is_available()):
+        raise typer.BadParameter(f"{device!r} is not available here (CUDA available: "
+                                 f"{torch.cuda.is_available()})", param_hint="--device")
     if part in ("sentiment", "all") and grid:
         # forward passes per step: 2 per probe (+1 clean for 1.5-SPSA); a smaller budget would run no step
         need = {m: 2 * (1 if m == "mezo" else k) + (m == "1.5spsa") for m in ms}
