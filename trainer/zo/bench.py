@@ -203,7 +203,7 @@ def sentiment_run(task: SentimentTask, method: str, *, lr: float, budget: int, p
     net, lp = _fresh_classifier(task, seed, device, head_init, batch_size, model)
     stepper = ZOStepper(net, method, run_seed=seed, probes=probes, eps=eps, alpha=alpha, lam=lam)
     backend = InProcessBackend(net, classifier_loss)
-    per_step = 2 * stepper.k + (method == "1.5spsa")
+    per_step = forwards_per_step(method, probes)
     n_steps = budget // per_step
     eval_at = {round(n_steps * (i + 1) / evals) for i in range(evals)}
     curve = [(0, task.accuracy(net, "val"), task.accuracy(net, "test"))]
@@ -312,6 +312,11 @@ def reach_ratio(curve_a: list, curve_b: list) -> dict[str, Any]:
     hit = next((f for f, _, te in curve_a if te >= target and f > 0), None)
     return {"target_test_acc": target, "a_forwards_to_target": hit, "b_forwards": b_fwd,
             "forward_ratio": b_fwd / hit if hit else None, "final_gap_points": 100 * (curve_a[-1][2] - target)}
+
+
+def forwards_per_step(method: str, probes: int) -> int:
+    """Forward passes one ZO step costs: 2 per probe (MeZO always has 1 probe), +1 clean pass for 1.5-SPSA."""
+    return 2 * (1 if method == "mezo" else probes) + (method == "1.5spsa")
 
 
 def check_sentiment_folder(out_dir: Path, model: str) -> None:

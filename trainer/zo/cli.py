@@ -32,6 +32,7 @@ def bench_zo(
     """Run the ZO benchmarks on real data and write lm_summary.json / sentiment_summary.json and PNGs."""
     from trainer.zo.bench import (
         check_sentiment_folder,
+        forwards_per_step,
         lm_comparison,
         resolve_head_init,
         sentiment_comparison,
@@ -67,7 +68,7 @@ def bench_zo(
                                  f"{torch.cuda.is_available()})", param_hint="--device")
     if part in ("sentiment", "all") and grid:
         # forward passes per step: 2 per probe (+1 clean for 1.5-SPSA); a smaller budget would run no step
-        need = {m: 2 * (1 if m == "mezo" else k) + (m == "1.5spsa") for m in ms}
+        need = {m: forwards_per_step(m, k) for m in ms}
         short = {m: n for m, n in need.items() if budget < n}
         if short:
             raise typer.BadParameter(f"{budget} forward passes is less than one step of {short} (forwards per "
