@@ -16,7 +16,7 @@ from coordinator import cli as coordinator_cli
 from kernels import cli as kernels_cli
 from probe_worker import cli as worker_cli
 from trainer import cli as trainer_cli
-from trainer import headline_cli
+from trainer import export_cli, headline_cli
 from trainer.zo import cli as zo_cli
 
 app = typer.Typer(
@@ -29,6 +29,7 @@ app = typer.Typer(
 bench_app = typer.Typer(help="Benchmarks (kernels, intake, fleet, zo, headline).", no_args_is_help=True)
 app.add_typer(trainer_cli.data_app, name="data")
 app.command("train")(trainer_cli.train)
+app.command("export")(export_cli.export)
 app.add_typer(bench_app, name="bench")
 app.command("coordinator")(api_cli.coordinator)
 app.command("worker")(worker_cli.worker)

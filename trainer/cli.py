@@ -58,8 +58,10 @@ def train(
     resume: bool = typer.Option(False, help="Continue from the run folder's checkpoint."),
     overwrite: bool = typer.Option(False, help="Start afresh in a run folder that already holds a run."),
     progress: bool = typer.Option(True, help="Show a progress bar."),
+    export: bool = typer.Option(True, help="At the end, export the model as a transformers folder RUN_DIR/export."),
 ) -> None:
-    """Train a model and write a run folder (metrics.jsonl, checkpoint.safetensors, loss.png, summary.json)."""
+    """Train a model and write a run folder (metrics.jsonl, TensorBoard event files, checkpoint.safetensors,
+    loss.png, summary.json, export/)."""
     from pydantic import ValidationError
 
     from trainer.config import resolve_preset
@@ -81,7 +83,7 @@ def train(
     except ValueError as exc:  # an unknown preset
         raise typer.BadParameter(str(exc), param_hint="--preset") from exc
     try:
-        result = run_train(cfg, resume=resume, progress=progress, overwrite=overwrite)
+        result = run_train(cfg, resume=resume, progress=progress, overwrite=overwrite, export=export)
     except (ValueError, CheckpointError, OSError) as exc:
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from exc

@@ -255,12 +255,14 @@ def train(
     mode_factory: Callable[[TrainConfig, torch.nn.Module], TrainMode] | None = None,
     status: Callable[[], str] | None = None,
     overwrite: bool = False,
+    export: bool = True,
 ) -> RunResult:
     """Run (or resume) a training run and write its run folder.
 
     The folder holds `config.json`, `metrics.jsonl` (one record per step and per evaluation),
-    `checkpoint.safetensors` (every `checkpoint_every` steps and at the end), `loss.png` and
-    `summary.json`; `cfg.task` picks the Task (`build_task`): evaluation records hold `val_loss` (and
+    `checkpoint.safetensors` (every `checkpoint_every` steps and at the end), `loss.png`, `summary.json`,
+    TensorBoard event files with the scalars of metrics.jsonl (trainer.events) and, with `export`, the
+    finished model as a transformers folder `export/` (trainer.export); `cfg.task` picks the Task (`build_task`): evaluation records hold `val_loss` (and
     `val_acc` for sentiment), the summary adds the task's final metrics. `mode_factory(cfg, model)` replaces
     `build_mode` (e.g. a ZO-Curv or pure-ZO mode whose probes go to a fleet; it must use the task's loss);
     `status` adds a live line (workers, probes/s) to the progress display.
@@ -316,10 +318,14 @@ def train(
     initial = next(({k: v for k, v in r.items() if k != "step"} for r in evals if r["step"] == 0), None)
 
     from trainer import metrics as prom
+    from trainer.events import EventLog
+
+    events = EventLog(run_dir, resume_step=start if resume else None)
 
     def log(rec: dict[str, Any]) -> None:
         with metrics_path.open("a") as f:
             f.write(json.dumps(rec) + "\n")
+        events.write(rec)  # the same record: TensorBoard mirrors metrics.jsonl
         prom.record(cfg.optimizer, rec, task.tokens_per_step)
 
     def checkpoint(step: int) -> None:
@@ -378,4 +384,8 @@ def train(
         "run_dir": str(run_dir), **task.final(model),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if export:
+        from trainer.export import export_trained
+
+        export_trained(model, cfg_json, run_dir / "export", step=cfg.steps, run_dir=run_dir)
     return RunResult(run_dir, cfg.steps, initial["val_loss"], last_val["val_loss"], wall, summary)

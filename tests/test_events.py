@@ -1,0 +1,92 @@
+"""TensorBoard event files (trainer.events) hold exactly the scalars of metrics.jsonl, read back with
+TensorBoard's own EventAccumulator: a ZO-Curv run (curvature counters and spread), and a crashed-then-resumed
+run whose events past the checkpoint are purged as metrics.jsonl's records are."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from trainer.config import TrainConfig
+from trainer.events import EVENTS_GLOB, scalars_of
+from trainer.train import train
+
+
+def _records(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _tensorboard_scalars(run_dir) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
+
+    acc = EventAccumulator(str(run_dir), size_guidance={SCALARS: 0})  # 0: keep every event
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def _expected(run_dir) -> dict[str, list[tuple[int, float]]]:
+    """metrics.jsonl as TensorBoard shows it: per key, (step, value rounded to float32) in file order."""
+    out: dict[str, list[tuple[int, float]]] = {}
+    for rec in _records(run_dir):
+        for k, v in scalars_of(rec).items():
+            out.setdefault(k, []).append((rec["step"], float(np.float32(v))))
+    return out
+
+
+def _same(a, b) -> bool:
+    return a.keys() == b.keys() and all(
+        len(a[k]) == len(b[k]) and all(s == t and (x == y or (math.isnan(x) and math.isnan(y)))
+                                       for (s, x), (t, y) in zip(a[k], b[k])) for k in a)
+
+
+def test_scalars_of_takes_numbers_but_not_step_bools_or_structures():
+    rec = {"step": 3, "loss": 2.5, "n": 4, "flag": True, "name": "x", "xs": [1.0], "nan": float("nan")}
+    got = scalars_of(rec)
+    assert set(got) == {"loss", "n", "nan"} and got["n"] == 4.0 and math.isnan(got["nan"])
+
+
+def test_zocurv_run_events_hold_the_metrics_jsonl_scalars(tmp_path):
+    cfg = TrainConfig(model="gpt2-tiny", corpus="classics-small", optimizer="zocurv-block", steps=4, batch_size=4,
+                      seq_len=32, warmup_steps=1, eval_every=2, eval_batches=2, checkpoint_every=4, probes=2,
+                      probe_batch_size=2, curvature_interval=2, run_dir=tmp_path / "zc")
+    res = train(cfg, progress=False, export=False)
+    assert not (res.run_dir / "export").exists()
+    assert len(list(res.run_dir.glob(EVENTS_GLOB))) == 1
+    want, got = _expected(res.run_dir), _tensorboard_scalars(res.run_dir)
+    # losses, lr, the curvature round's counters (accepted/stale/duplicate) and spread are all there
+    assert {"loss", "val_loss", "lr", "grad_norm", "clipped_frac", "curv_accepted", "curv_stale",
+            "curv_duplicate"} <= set(want)
+    assert any(k.startswith("curv_") and k not in ("curv_accepted", "curv_stale", "curv_duplicate") for k in want)
+    assert _same(got, want), (sorted(got), sorted(want))
+    assert [s for s, _ in got["val_loss"]] == [0, 2, 4]
+
+
+def test_resume_after_a_crash_purges_the_events_past_the_checkpoint(tmp_path, monkeypatch):
+    from trainer import train as train_mod
+
+    cfg = TrainConfig(model="gpt2-tiny", corpus="classics-small", steps=4, batch_size=4, seq_len=32,
+                      warmup_steps=1, eval_every=2, eval_batches=2, checkpoint_every=2, run_dir=tmp_path / "r")
+    real_step = train_mod.AdamWMode.step
+
+    def crashing(self, step, batch, lr):
+        if step == 3:  # a crash (not Ctrl-C): step 3 was logged, the last checkpoint is step 2
+            raise RuntimeError("worker node lost")
+        return real_step(self, step, batch, lr)
+
+    monkeypatch.setattr(train_mod.AdamWMode, "step", crashing)
+    with pytest.raises(RuntimeError, match="node lost"):
+        train(cfg, progress=False, export=False)
+    assert _same(_tensorboard_scalars(cfg.run_dir), _expected(cfg.run_dir))  # steps 1..3 so far
+    assert max(s for s, _ in _tensorboard_scalars(cfg.run_dir)["loss"]) == 3
+    monkeypatch.setattr(train_mod.AdamWMode, "step", real_step)
+    train(cfg, resume=True, progress=False, export=False)
+    assert len(list(cfg.run_dir.glob(EVENTS_GLOB))) == 2
+    want, got = _expected(cfg.run_dir), _tensorboard_scalars(cfg.run_dir)
+    assert [s for s, _ in want["loss"]] == [1, 2, 3, 4]  # the crashed step 3 logged once, by the resumed run
+    assert _same(got, want)
+    train(cfg, overwrite=True, progress=False, export=False)  # afresh: the old files go
+    assert len(list(cfg.run_dir.glob(EVENTS_GLOB))) == 1 and _same(_tensorboard_scalars(cfg.run_dir),
+                                                                  _expected(cfg.run_dir))

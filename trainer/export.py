@@ -1,0 +1,267 @@
+"""Export trained models as standard transformers folders (`from_pretrained`-loadable, offline).
+
+A folder holds `config.json`, `model.safetensors` (fp32, as trained; tied weights once), the tokenizer
+(`tokenizer.json` + `tokenizer_config.json`), `generation_config.json` for causal LMs, and
+`sparecycles.json` (where it came from: run folder, step, run config, final metrics).
+
+- GPT-2 presets -> `GPT2LMHeadModel`. The project tokenizes with GPT-2 BPE from a tiktoken rank file
+  (trainer.data.tokenizer); `gpt2_tokenizer` converts those ranks with transformers' `TikTokenConverter`
+  (vocab = the 50,257 ranks as byte-level strings, merges = every split of a token into two tokens,
+  ordered by the merged token's rank) under the GPT-2 pre-tokenisation regex, so it encodes text to the
+  same ids as `gpt2_encoding()` (tests/test_export.py checks a slice of the corpus). `<|endoftext|>` = 50256
+  is BOS, EOS and UNK, as in GPT-2; `model_max_length` is the preset's context.
+- The MiniLM sentiment classifier -> `BertForSequenceClassification` with its trained head, labels
+  0 = negative, 1 = positive; its tokenizer's `model_max_length` is the run's `seq_len`, the length it was
+  trained and scored at, so `tokenizer(texts, truncation=True)` feeds the model what the run did.
+- SmolLM2 (`LlamaForCausalLM`, or the `PromptClassifier` the ZO sentiment benchmark trains around it) ->
+  `LlamaForCausalLM` with the tokenizer it was loaded with (`export_model`); a prompt classifier's template
+  and label words go to `sparecycles.json`.
+
+`export_run(run_dir, out_dir)` rebuilds a run folder's model from `checkpoint.safetensors` (model tensors
+only); `train()` calls `export_trained` on the in-memory model at the end of a run (`RUN_DIR/export/`).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+CHECKPOINT_NAME = "checkpoint.safetensors"
+SENTIMENT_LABELS = {0: "negative", 1: "positive"}  # trainer.data.sentiment: label 1 = positive
+
+
+class ExportError(RuntimeError):
+    """A run folder cannot be exported: missing, not a run, no checkpoint, unfinished, or unknown model."""
+
+
+@functools.lru_cache(maxsize=1)
+def _gpt2_backend():
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    from trainer.data.tokenizer import EOT, GPT2_PATTERN, gpt2_ranks_path
+
+    return TikTokenConverter(vocab_file=gpt2_ranks_path(), pattern=GPT2_PATTERN,
+                             extra_special_tokens={"<|endoftext|>": EOT}).converted()
+
+
+def gpt2_tokenizer(model_max_length: int = 1024):
+    """The project's GPT-2 BPE (trainer.data.tokenizer.gpt2_encoding) as a transformers fast tokenizer.
+
+    `gpt2_tokenizer()("Hello world")["input_ids"] == [15496, 995]`; vocabulary 50,257 with `<|endoftext|>`
+    = 50256 as BOS/EOS/UNK and no padding token (GPT-2 has none). No special tokens are added on encode.
+
+    Raises:
+        trainer.data.sources.DataFetchError: the rank file's source (the openai-whisper sdist) is not cached
+            and cannot be fetched.
+    """
+    from transformers import GPT2TokenizerFast
+
+    eot = "<|endoftext|>"
+    return GPT2TokenizerFast(tokenizer_object=copy.deepcopy(_gpt2_backend()), bos_token=eot, eos_token=eot,
+                             unk_token=eot, model_max_length=model_max_length)
+
+
+def _write_folder(out_dir: Path, write, overwrite: bool) -> Path:
+    """Run write(tmp) into a fresh sibling folder, then move it to `out_dir` (readers never see half a folder).
+
+    Raises FileExistsError when `out_dir` exists and is not empty and `overwrite` is False.
+    """
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise FileExistsError(f"{out_dir} exists and is not a folder")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
+        raise FileExistsError(f"{out_dir} is not empty; pass --overwrite or another output folder")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}-"))
+    try:
+        write(tmp)
+        tmp.chmod(0o755)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.rename(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def export_model(model: torch.nn.Module, out_dir: Path, *, tokenizer, info: dict[str, Any] | None = None,
+                 overwrite: bool = False) -> Path:
+    """Write `model` and `tokenizer` as a transformers folder at `out_dir` and return it.
+
+    Args:
+        model: a transformers `PreTrainedModel` (GPT2LMHeadModel, LlamaForCausalLM,
+            BertForSequenceClassification, ...) on any device, or a trainer.prompt_classifier.PromptClassifier
+            (its LM is exported; template and label words go to sparecycles.json). Saved in its own dtype.
+        tokenizer: the tokenizer to save beside it (any transformers tokenizer).
+        info: JSON-serialisable provenance written to `sparecycles.json`.
+        overwrite: replace a non-empty `out_dir`.
+
+    Raises:
+        TypeError: `model` is neither a PreTrainedModel nor a PromptClassifier.
+        FileExistsError: `out_dir` is not empty and `overwrite` is False.
+    """
+    from transformers import GenerationConfig, PreTrainedModel
+
+    from trainer.prompt_classifier import LABEL_WORDS, PROMPT_TEMPLATE, PromptClassifier
+
+    info = dict(info or {})
+    if isinstance(model, PromptClassifier):
+        info["prompt_classifier"] = {"template": PROMPT_TEMPLATE, "label_words": list(LABEL_WORDS),
+                                     "label_token_ids": model.label_ids.tolist()}
+        model = model.lm
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(f"cannot export a {type(model).__name__}: need a transformers PreTrainedModel")
+    if model.can_generate():  # generation_config.json: BOS/EOS from the tokenizer where the config lacks them
+        gen = copy.deepcopy(model.generation_config) if model.generation_config is not None else GenerationConfig()
+        for key in ("bos_token_id", "eos_token_id"):
+            if getattr(gen, key) is None:
+                setattr(gen, key, getattr(tokenizer, key))
+        model.generation_config = gen
+
+    def write(tmp: Path) -> None:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "sparecycles.json").write_text(json.dumps(info, indent=2))
+
+    return _write_folder(out_dir, write, overwrite)
+
+
+def export_trained(model: torch.nn.Module, cfg_json: dict[str, Any], out_dir: Path, *, step: int,
+                   run_dir: Path | None = None, overwrite: bool = True) -> Path:
+    """Export a model `trainer.train.train` trained: the task's model class, tokenizer and labels.
+
+    Args:
+        model: the trained model (GPT2LMHeadModel for task "lm", BertForSequenceClassification for "sentiment").
+        cfg_json: the run's config.json (TrainConfig fields less run_dir and steps).
+        out_dir: destination folder; `step`: optimizer steps the weights have taken.
+        run_dir: the run folder, for provenance (its summary.json's final metrics are copied when present).
+
+    Raises:
+        ExportError: unknown task. FileExistsError: see `export_model`.
+    """
+    task = cfg_json.get("task", "lm")
+    if task == "lm":
+        tokenizer = gpt2_tokenizer(model.config.n_positions)
+    elif task == "sentiment":
+        from transformers import AutoTokenizer
+
+        from trainer.models.pretrained import minilm_dir
+
+        tokenizer = AutoTokenizer.from_pretrained(minilm_dir(), local_files_only=True,
+                                                  model_max_length=cfg_json["seq_len"])
+        model.config.id2label = dict(SENTIMENT_LABELS)
+        model.config.label2id = {v: k for k, v in SENTIMENT_LABELS.items()}
+    else:
+        raise ExportError(f"cannot export task {task!r}: known tasks are lm and sentiment")
+    info: dict[str, Any] = {"source": "sparecycles", "step": step, "config": cfg_json}
+    if run_dir is not None:
+        info["run_dir"] = str(run_dir)
+        summary = Path(run_dir) / "summary.json"
+        if summary.is_file():
+            s = json.loads(summary.read_text())
+            if s.get("steps") == step:
+                info["final"] = {k: v for k, v in s.items() if k.startswith(("final_", "test_"))}
+    return export_model(model, out_dir, tokenizer=tokenizer, info=info, overwrite=overwrite)
+
+
+def run_status(run_dir: Path) -> tuple[dict[str, Any], int, int | None]:
+    """(config.json, checkpoint step, steps of the finished run or None) of a run folder.
+
+    A run is finished when summary.json exists and names the checkpoint's step (train() writes it after the
+    final checkpoint; a resumed run with more steps is unfinished again until it ends).
+
+    Raises:
+        ExportError: the folder is missing, holds no config.json, no checkpoint, or an unreadable one.
+    """
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise ExportError(f"no run folder at {run_dir}")
+    cfg_path, ckpt = run_dir / "config.json", run_dir / CHECKPOINT_NAME
+    if not cfg_path.is_file():
+        raise ExportError(f"{run_dir} is not a run folder (no config.json); pass the folder `sparecycles train` wrote")
+    if not ckpt.is_file():
+        raise ExportError(f"{run_dir} has no {CHECKPOINT_NAME}: the run stopped before its first checkpoint; "
+                          "train it (or --resume it) to the end first")
+    try:
+        with safe_open(str(ckpt), framework="pt") as f:
+            step = int(json.loads(f.metadata()["sparecycles"])["step"])
+    except (OSError, KeyError, TypeError, ValueError) as exc:
+        raise ExportError(f"checkpoint {ckpt} is unreadable ({exc})") from exc
+    summary = run_dir / "summary.json"
+    steps = json.loads(summary.read_text()).get("steps") if summary.is_file() else None
+    return json.loads(cfg_path.read_text()), step, (steps if steps == step else None)
+
+
+def _load_model_tensors(ckpt: Path, model: torch.nn.Module) -> None:
+    """Copy the checkpoint's `model/*` tensors into `model` (optimizer state is not read).
+
+    Raises ExportError if names or shapes differ.
+    """
+    params = dict(model.named_parameters())
+    with safe_open(str(ckpt), framework="pt") as f:
+        saved = {k[len("model/"):] for k in f.keys() if k.startswith("model/")}
+        if saved != set(params):
+            raise ExportError(f"checkpoint {ckpt} holds parameters {sorted(saved ^ set(params))[:5]} that do "
+                              "not match the run's model")
+        with torch.no_grad():
+            for name, p in params.items():
+                src = f.get_tensor(f"model/{name}")
+                if src.shape != p.shape:
+                    raise ExportError(f"parameter {name}: checkpoint shape {tuple(src.shape)} != {tuple(p.shape)}")
+                p.copy_(src)
+
+
+def build_run_model(cfg_json: dict[str, Any]) -> torch.nn.Module:
+    """An fp32 CPU model of the run's architecture, weights to be overwritten (GPT-2 preset or MiniLM classifier).
+
+    Raises ExportError for an unknown task or model preset.
+    """
+    task = cfg_json.get("task", "lm")
+    if task == "sentiment":
+        from trainer.models import load_minilm_classifier
+
+        return load_minilm_classifier(seed=int(cfg_json.get("seed", 0)))[0]
+    if task != "lm":
+        raise ExportError(f"cannot export task {task!r}: known tasks are lm and sentiment")
+    from trainer.models import build_model
+
+    try:
+        model = build_model(cfg_json["model"], device="meta")  # shapes only: the checkpoint fills the values
+    except (KeyError, ValueError) as exc:
+        raise ExportError(f"cannot rebuild the run's model: {exc}") from exc
+    model.to_empty(device="cpu")
+    model.tie_weights()  # to_empty allocates wte and lm_head separately; re-share them
+    return model
+
+
+def export_run(run_dir: Path, out_dir: Path, *, partial: bool = False, overwrite: bool = False) -> Path:
+    """Export a run folder's checkpointed model as a transformers folder at `out_dir`; return `out_dir`.
+
+    Args:
+        run_dir: a folder `sparecycles train` (or `sparecycles up`) wrote.
+        out_dir: destination (created; must be empty unless `overwrite`).
+        partial: export the checkpoint of an unfinished (interrupted) run instead of refusing.
+
+    Raises:
+        ExportError: no run folder, no config.json, no or unreadable checkpoint, an unfinished run without
+            `partial`, an unknown task/model, or a checkpoint that does not fit the model.
+        FileExistsError: `out_dir` is not empty and `overwrite` is False.
+    """
+    cfg_json, step, finished = run_status(run_dir)
+    if finished is None and not partial:
+        raise ExportError(f"{run_dir} has not finished: its checkpoint is at step {step} and summary.json "
+                          "names no finished run at that step; finish it with `sparecycles train ... --resume`, "
+                          f"or pass --partial to export the step-{step} weights")
+    model = build_run_model(cfg_json)
+    _load_model_tensors(Path(run_dir) / CHECKPOINT_NAME, model)
+    model.eval()
+    return export_trained(model, cfg_json, out_dir, step=step, run_dir=Path(run_dir), overwrite=overwrite)

@@ -1,0 +1,25 @@
+"""`sparecycles export RUN_DIR OUT_DIR`: a run folder's model as a transformers folder (trainer.export)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+
+def export(
+    run_dir: Path = typer.Argument(..., help="Run folder written by `sparecycles train` or `sparecycles up`."),
+    out_dir: Path = typer.Argument(..., help="Output folder (config.json, model.safetensors, tokenizer files)."),
+    partial: bool = typer.Option(False, help="Export the checkpoint of an unfinished (interrupted) run."),
+    overwrite: bool = typer.Option(False, help="Replace a non-empty OUT_DIR."),
+) -> None:
+    """Export a finished run's model for `transformers`: AutoModelForCausalLM (GPT-2 presets) or
+    AutoModelForSequenceClassification (the MiniLM sentiment classifier) `.from_pretrained(OUT_DIR)`."""
+    from trainer.export import ExportError, export_run
+
+    try:
+        out = export_run(run_dir, out_dir, partial=partial, overwrite=overwrite)
+    except (ExportError, FileExistsError) as exc:
+        typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from exc
+    typer.echo(f"exported {run_dir} to {out} (load with transformers' from_pretrained)")
