@@ -28,11 +28,12 @@ from functools import lru_cache
 
 from redis.asyncio import Redis as AsyncRedis
 
-from coordinator.celery_app import send_probe_tasks
 from coordinator.errors import NotFound
+from coordinator.keys import results_stream_key
 from coordinator.messages import ProbeResult, ProbeRound, StreamEvent, values_agree
 from coordinator.metrics import CoordinatorMetrics
-from coordinator.store import Store, results_stream_key, spot_check_selected
+from coordinator.rounds import spot_check_selected
+from coordinator.store import Store
 
 # KEYS: 1 round hash, 2 seeds set, 3 accepted hash, 4 stream, 5 run hash, 6 worker hash, 7 attested set,
 # 8 spot hash. ARGV: 1 worker id, 2 round version, then triples (seed, mode, payload); mode "a" accepts
@@ -330,15 +331,9 @@ class Intake:
         s.r.xadd(self.stream_key(rnd.run), {"e": event.model_dump_json()})
 
     def _send(self, rnd: ProbeRound, seeds: list[int], replica: int, reason: str) -> None:
-        spec = self.store.run_spec(rnd.run)
-        k = spec.seeds_per_task
-        tasks = [
-            Store.task_for(rnd, seeds[i : i + k], replica).model_dump(mode="json")
-            for i in range(0, len(seeds), k)
-        ]
-        send_probe_tasks(self.store.celery, self.store.queue_for(rnd.run), tasks)
-        self.metrics.redispatched.labels(reason).inc(len(tasks))
-        self.metrics.tasks_published.inc(len(tasks))
+        sent = self.store.publish_tasks(rnd.run, self.store.tasks_for(rnd, seeds, replica))
+        self.metrics.redispatched.labels(reason).inc(sent)
+        self.metrics.tasks_published.inc(sent)
 
     # ---- quarantine -------------------------------------------------------------------------------------
     def quarantine(self, wid: str, run: str) -> None:

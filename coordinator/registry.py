@@ -62,8 +62,8 @@ class WorkerRegistry:
         }
         pipe = self.r.pipeline()
         pipe.hset(self.k_worker(wid), mapping=fields)
-        pipe.sadd(f"{self.p}:workers", wid)
-        pipe.zadd(f"{self.p}:leases", {wid: expires})
+        pipe.sadd(self.k_workers, wid)
+        pipe.zadd(self.k_leases, {wid: expires})
         pipe.execute()
         return WorkerRegistered(
             worker_id=wid,
@@ -107,7 +107,7 @@ class WorkerRegistry:
                 "version": -1 if hb.version is None else hb.version,
             },
         )
-        pipe.zadd(f"{self.p}:leases", {wid: expires})
+        pipe.zadd(self.k_leases, {wid: expires})
         pipe.execute()
         lease = Lease(worker_id=wid, expires_at=expires, lease_seconds=self.settings.lease_seconds)
         return HeartbeatReply(lease=lease, state=state, queues=self.queues())
@@ -120,8 +120,8 @@ class WorkerRegistry:
         """
         now = time.time() if now is None else now
         lost = []
-        for wid in self.r.zrangebyscore(f"{self.p}:leases", "-inf", now):
-            if self.r.zrem(f"{self.p}:leases", wid) and self.r.hget(self.k_worker(wid), "state") in (
+        for wid in self.r.zrangebyscore(self.k_leases, "-inf", now):
+            if self.r.zrem(self.k_leases, wid) and self.r.hget(self.k_worker(wid), "state") in (
                 "active",
                 "draining",
             ):
@@ -143,8 +143,8 @@ class WorkerRegistry:
         """Forget a worker (its token stops working)."""
         if not self.r.delete(self.k_worker(wid)):
             raise NotFound(f"unknown worker {wid}")
-        self.r.srem(f"{self.p}:workers", wid)
-        self.r.zrem(f"{self.p}:leases", wid)
+        self.r.srem(self.k_workers, wid)
+        self.r.zrem(self.k_leases, wid)
 
     def worker_info(self, wid: str) -> WorkerInfo:
         """One worker's record."""
@@ -170,7 +170,7 @@ class WorkerRegistry:
     def list_workers(self) -> list[WorkerInfo]:
         """All registered workers, sorted by id."""
         out = []
-        for wid in sorted(self.r.smembers(f"{self.p}:workers")):
+        for wid in sorted(self.r.smembers(self.k_workers)):
             try:
                 out.append(self.worker_info(wid))
             except NotFound:
@@ -181,7 +181,7 @@ class WorkerRegistry:
         """Number of workers per state (for the `sparecycles_workers` gauge)."""
         counts = {"active": 0, "draining": 0, "lost": 0, "quarantined": 0}
         pipe = self.r.pipeline()
-        for wid in self.r.smembers(f"{self.p}:workers"):
+        for wid in self.r.smembers(self.k_workers):
             pipe.hget(self.k_worker(wid), "state")
         for state in pipe.execute():
             if state in counts:

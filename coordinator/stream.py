@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import redis
 
+from coordinator.keys import results_stream_key
 from coordinator.messages import StreamEvent
-from coordinator.store import results_stream_key
 
 
 class ResultStreamReader:

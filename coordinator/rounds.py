@@ -1,0 +1,109 @@
+"""Probe rounds: opening (recording seeds, publishing tasks), progress and closing (a mixin of
+`coordinator.store.Store`).
+
+Keys: `{p}:{run}:rd:{rid}` (hash: round document, state, version, n_seeds, n_spot, done, tasks,
+created_at, published), `{p}:{run}:rd:{rid}:seeds` (set), `{p}:{run}:rounds` and `:rounds:open` (sets).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+
+from coordinator.errors import Conflict, Invalid, NotFound
+from coordinator.messages import ProbeRound, RoundInfo
+
+
+def spot_check_selected(run: str, round_id: str, seed: int, fraction: float) -> bool:
+    """Deterministic spot-check choice: sha256("run/round/seed")[:8] / 2**64 < fraction.
+
+    A pure function of its arguments (counter-based hashing, no RNG state), so intake can recompute it.
+    """
+    if fraction <= 0.0:
+        return False
+    h = int.from_bytes(hashlib.sha256(f"{run}/{round_id}/{seed}".encode()).digest()[:8], "big")
+    return h < fraction * 2.0**64
+
+
+class RoundStore:
+    """Round records on Redis (mixed into `Store`; publishing goes through `Dispatch`)."""
+
+    def create_round(self, rnd: ProbeRound, now: float | None = None) -> tuple[RoundInfo, int]:
+        """Open a round and publish its Celery tasks (primaries, then spot-check replicas).
+
+        Idempotent: re-posting the same round returns its info without publishing again (unless the
+        first attempt died before publishing). Raises NotFound (run), Invalid (unknown version, missing
+        batch blob), Conflict (round id reused with other content). Returns (info, tasks sent by this call).
+        """
+        spec = self.run_spec(rnd.run)
+        latest = self.latest_version(rnd.run)
+        if rnd.version > latest:
+            raise Invalid(f"version {rnd.version} is not published (latest is {latest})")
+        if not self.blobs.exists(rnd.batch_sha256):
+            raise Invalid(f"batch blob {rnd.batch_sha256} is not in the blob store; upload it first")
+        if rnd.base_version is not None and rnd.base_version > latest:
+            raise Invalid(f"base_version {rnd.base_version} is not published (latest is {latest})")
+        key = self.k_round(rnd.run, rnd.round_id)
+        if not self.r.hsetnx(key, "round", rnd.model_dump_json()):
+            if self.r.hget(key, "round") != rnd.model_dump_json():
+                raise Conflict(f"round {rnd.round_id} exists with other content")
+            if self.r.hget(key, "published") == "1":
+                return self.round_info(rnd.run, rnd.round_id), 0
+            # A retry after a crash between recording and publishing: publish now (intake dedupes).
+        spot = [
+            s for s in rnd.seeds if spot_check_selected(rnd.run, rnd.round_id, s, spec.spot_check_fraction)
+        ]
+        tasks = self.tasks_for(rnd, rnd.seeds, 0) + self.tasks_for(rnd, spot, 1)
+        pipe = self.r.pipeline()
+        for i in range(0, len(rnd.seeds), 8192):
+            pipe.sadd(
+                self.k_round(rnd.run, rnd.round_id, "seeds"), *[str(s) for s in rnd.seeds[i : i + 8192]]
+            )
+        pipe.hset(
+            key,
+            mapping={
+                "state": "open",
+                "version": rnd.version,
+                "n_seeds": len(rnd.seeds),
+                "n_spot": len(spot),
+                "done": 0,
+                "tasks": len(tasks),
+                "created_at": time.time() if now is None else now,
+            },
+        )
+        pipe.sadd(self.k_run(rnd.run, "rounds:open"), rnd.round_id)
+        pipe.sadd(self.k_run(rnd.run, "rounds"), rnd.round_id)
+        pipe.execute()
+        self.publish_tasks(rnd.run, tasks)
+        self.r.hset(key, "published", 1)
+        return self.round_info(rnd.run, rnd.round_id), len(tasks)
+
+    def get_round(self, run: str, rid: str) -> ProbeRound:
+        """The round request as posted; raises NotFound."""
+        body = self.r.hget(self.k_round(run, rid), "round")
+        if body is None:
+            raise NotFound(f"unknown round {rid} of run {run}")
+        return ProbeRound.model_validate_json(body)
+
+    def round_info(self, run: str, rid: str) -> RoundInfo:
+        """Progress of a round: `done` counts seeds whose value reached the stream."""
+        h = self.r.hgetall(self.k_round(run, rid))
+        if "state" not in h:
+            raise NotFound(f"unknown round {rid} of run {run}")
+        return RoundInfo(
+            run=run,
+            round_id=rid,
+            version=int(h["version"]),
+            state=h["state"],
+            n_seeds=int(h["n_seeds"]),
+            n_spot_checks=int(h["n_spot"]),
+            tasks_published=int(h["tasks"]),
+            done=int(h["done"]),
+        )
+
+    def close_round(self, run: str, rid: str) -> RoundInfo:
+        """Close a round: later results are counted `closed_round` and dropped."""
+        self.get_round(run, rid)
+        self.r.hset(self.k_round(run, rid), "state", "closed")
+        self.r.srem(self.k_run(run, "rounds:open"), rid)
+        return self.round_info(run, rid)
