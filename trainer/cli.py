@@ -36,7 +36,8 @@ def train(
     preset: str = typer.Option("demo", help="Run preset (demo) or model preset (gpt2-tiny, gpt2-small, ...)."),
     corpus: Optional[str] = typer.Option(None, help="Corpus: classics-small or classics."),
     optimizer: Optional[str] = typer.Option(
-        None, help="adamw | zocurv-block | zocurv-sophia | zocurv-line | mezo | 1spsa | 1.5spsa"),
+        None, help="adamw | zocurv-block | zocurv-sophia | zocurv-line | zocurv-group | zocurv-global | "
+                   "zocurv-group-global | zocurv-group-fixed | mezo | 1spsa | 1.5spsa"),
     task: Optional[str] = typer.Option(None, help="lm (pretraining on the corpus) or sentiment."),
     steps: Optional[int] = typer.Option(None, min=1, help="Optimizer steps."),
     batch_size: Optional[int] = typer.Option(None, min=1, help="Sequences per step."),
@@ -52,6 +53,7 @@ def train(
     probe_batch_size: Optional[int] = typer.Option(None, min=1, help="ZO: sequences per probe batch."),
     curvature_interval: Optional[int] = typer.Option(None, min=1, help="ZO-Curv: steps between curvature rounds."),
     staleness: Optional[int] = typer.Option(None, min=0, help="ZO-Curv: staleness bound S in versions."),
+    probe_budget: Optional[int] = typer.Option(None, min=3, help="zocurv-group: forward passes per curvature refresh."),
     seed: Optional[int] = typer.Option(None, min=0, help="Run seed (init, batches, probe seeds)."),
     device: Optional[str] = typer.Option(None, help="cpu or cuda[:N]."),
     run_dir: Optional[Path] = typer.Option(None, help="Run folder (default runs/<model>-<corpus>-<optimizer>-s<seed>)."),
@@ -70,7 +72,7 @@ def train(
     overrides = dict(corpus=corpus, optimizer=optimizer, task=task, steps=steps, batch_size=batch_size,
                      seq_len=seq_len, lr=lr, warmup_steps=warmup_steps, eval_every=eval_every,
                      checkpoint_every=checkpoint_every, probes=probes, eps=eps, alpha=alpha, lam=lam,
-                     probe_batch_size=probe_batch_size, curvature_interval=curvature_interval, staleness=staleness, seed=seed, device=device,
+                     probe_batch_size=probe_batch_size, curvature_interval=curvature_interval, staleness=staleness, probe_budget=probe_budget, seed=seed, device=device,
                      run_dir=run_dir)
     from trainer.checkpoint import CheckpointError
 

@@ -8,7 +8,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-Optimizer = Literal["adamw", "zocurv-block", "zocurv-sophia", "zocurv-line", "mezo", "1spsa", "1.5spsa"]
+Optimizer = Literal["adamw", "zocurv-block", "zocurv-sophia", "zocurv-line", "zocurv-group", "zocurv-global",
+                    "zocurv-group-global", "zocurv-group-fixed", "mezo", "1spsa", "1.5spsa"]
 
 # Run presets: named bundles of defaults. `--preset demo` picks one of these; any other value of
 # `--preset` names a model preset (trainer.models.PRESETS) and keeps the defaults below.
@@ -98,6 +99,8 @@ class TrainConfig(BaseModel):
     probe_batch_size: int = Field(16, ge=1, le=4096)
     curvature_interval: int = Field(10, ge=1)
     staleness: int = Field(2, ge=0, le=1_000_000, description="staleness bound S, in versions")
+    probe_budget: int = Field(41, ge=3, le=1_000_000,
+                              description="zocurv-group: forward-equivalents per curvature refresh")
     task: Literal["lm", "sentiment"] = "lm"
 
     @model_validator(mode="after")

@@ -20,6 +20,7 @@ from trainer.zo.zo_step import ZOStepper
 
 ZOCURV = ("zocurv-block", "zocurv-sophia", "zocurv-line")
 PURE_ZO = ("mezo", "1spsa", "1.5spsa")
+ROLE_METHODS = ("zocurv-group", "zocurv-global", "zocurv-group-global", "zocurv-group-fixed")  # trainer.zo.role_mode
 
 
 def lm_batch_loss(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -152,8 +153,12 @@ def build_zo_mode(cfg: TrainConfig, model: torch.nn.Module,
     `backend` evaluates the probe rounds (default: an InProcessBackend on `model`; `sparecycles up`
     passes a CoordinatorBackend so the fleet evaluates them). Raises ValueError for an unknown name.
     """
+    if cfg.optimizer in ROLE_METHODS:
+        from trainer.zo.role_mode import RoleCurvMode
+
+        return RoleCurvMode(cfg, model, loss_fn)
     if cfg.optimizer in ZOCURV:
         return ZOCurvMode(cfg, model, loss_fn, backend)
     if cfg.optimizer in PURE_ZO:
         return PureZOMode(cfg, model, loss_fn, backend)
-    raise ValueError(f"unknown ZO optimizer {cfg.optimizer!r}; use one of {ZOCURV + PURE_ZO}")
+    raise ValueError(f"unknown ZO optimizer {cfg.optimizer!r}; use one of {ZOCURV + ROLE_METHODS + PURE_ZO}")
