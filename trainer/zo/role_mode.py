@@ -9,11 +9,13 @@
 - ``zocurv-group-global``: both.
 - ``zocurv-group-fixed``: the zero-probe ablation, WANG2025_MULTIPLIERS fixed from step 0.
 `eps` is relative for these modes: ε_G = eps·RMS(θ_G). Logged on refresh steps: ``mult_<role>``,
-``curv_<role>``, ``snr_<role>``, ``mult_global``, ``line_snr``, ``line_ratio``, ``probe_forwards``.
+``curv_<role>``, ``snr_<role>``, ``mult_global``, ``line_snr``, ``line_ratio``; every step ``probe_forwards`` and ``probe_wall_s`` (cumulative).
 """
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -66,6 +68,7 @@ class RoleCurvMode:
         self.per_role = max(2, (cfg.probe_budget - 1) // (2 * len(roles)))
         self.prev: list[torch.Tensor] | None = None  # θ at the last refresh (zocurv-global)
         self.train_forwards = self.probe_forwards = 0
+        self.probe_wall_s = 0.0  # seconds spent probing (would run on idle workers)
         self._apply()
 
     def _apply(self) -> None:
@@ -79,6 +82,7 @@ class RoleCurvMode:
 
     def refresh(self, step: int, batch: Any) -> dict[str, float]:
         """Probe at θ_step on `batch` and update the multipliers; returns the logged scalars."""
+        t0 = self._clock()
         stats: dict[str, float] = {}
         refresh = step // self.cfg.curvature_interval
         if self.group_probes:
@@ -89,7 +93,8 @@ class RoleCurvMode:
                                                  snr_min=SNR_MIN)
             self._apply()
             for r, e in est.items():
-                stats.update({f"curv_{r.value}": e.mean, f"snr_{r.value}": e.snr})
+                # SE = 0 (exactly quadratic losses) gives an infinite SNR; keep the JSON log standard
+                stats.update({f"curv_{r.value}": e.mean, f"snr_{r.value}": max(min(e.snr, 1e12), -1e12)})
             stats.update({k: v for k, v in extra.items() if k.startswith("eps_")})
         if self.line:
             params = list(self.model.parameters())
@@ -100,11 +105,19 @@ class RoleCurvMode:
                 r = line_ratio(fit)
                 self.optimizer.global_mult = update_global_multiplier(self.optimizer.global_mult, r, m_max=M_MAX,
                                                                       beta=GLOBAL_BETA)
-                stats.update({"line_ratio": r, "line_snr": fit.snr, "line_curv": fit.a, "line_slope": fit.b})
+                stats.update({"line_ratio": r, "line_snr": fit.snr if math.isfinite(fit.snr) else 0.0, "line_curv": fit.a, "line_slope": fit.b})
             self.prev = [p.detach().float().clone() for p in params]
         stats.update({f"mult_{r.value}": float(v) for r, v in self.mult.items()})
         stats["mult_global"] = self.optimizer.global_mult
+        self.probe_wall_s += self._clock() - t0
         return stats
+
+    def _clock(self) -> float:
+        """Seconds, after the device's queued work finished (probe time is GPU time on CUDA)."""
+        dev = next(self.model.parameters()).device
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        return time.perf_counter()
 
     def step(self, step: int, batch: Any, lr: float) -> dict[str, float]:
         """Optimizer step `step` on `batch` at base lr `lr`; a refresh first every `curvature_interval` steps."""
@@ -122,7 +135,7 @@ class RoleCurvMode:
         opt.step()
         stats.update({"loss": loss.item(), "grad_norm": float(gnorm), "clipped_frac": 0.0,
                       "forward_passes": float(self.train_forwards + self.probe_forwards),
-                      "probe_forwards": float(self.probe_forwards)})
+                      "probe_forwards": float(self.probe_forwards), "probe_wall_s": self.probe_wall_s})
         return stats
 
     def extra_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
