@@ -156,6 +156,9 @@ def build_zo_mode(cfg: TrainConfig, model: torch.nn.Module,
     if cfg.optimizer in ROLE_METHODS:
         from trainer.zo.role_mode import RoleCurvMode
 
+        if backend is not None:  # their group/line probes are evaluated in process (issue 17); no fleet kind yet
+            raise ValueError(f"{cfg.optimizer} probes in process only; a fleet backend cannot run its rounds yet")
+
         return RoleCurvMode(cfg, model, loss_fn)
     if cfg.optimizer in ZOCURV:
         return ZOCurvMode(cfg, model, loss_fn, backend)
