@@ -67,43 +67,5 @@ def worker(
         raise typer.Exit(2) from exc
 
 
-def bench_fleet(
-    workers: Annotated[str, typer.Option(help="Comma-separated worker counts to measure")] = "1,2,4",
-    preset: Annotated[str, typer.Option(help="Model preset probed")] = "gpt2-tiny",
-    seeds: Annotated[int, typer.Option(min=1, help="Seeds in the timed round")] = 32,
-    seeds_per_task: Annotated[int, typer.Option(min=1, max=256, help="Seeds per Celery task")] = 4,
-    batch_size: Annotated[int, typer.Option(min=1)] = 4,
-    seq_len: Annotated[int, typer.Option(min=2)] = 64,
-    threads: Annotated[int, typer.Option(min=1, help="torch threads per worker process")] = 1,
-    ready_preset: Annotated[str, typer.Option(help="Preset whose publish -> ready latency is measured "
-                                              "('' to skip)")] = "gpt2-small",
-    redis_url: Annotated[str, typer.Option(envvar="REDIS_URL", help="Redis (keys are namespaced)")]
-    = "redis://127.0.0.1:6379/0",
-    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object")] = False,
-) -> None:
-    """Probes per second with 1, 2, 4 CPU workers, and version publish -> every worker ready latency."""
-    import json
-    import os
-
-    from probe_worker.bench import result_dict, run_fleet_bench
-
-    try:
-        counts = tuple(int(x) for x in workers.split(","))
-    except ValueError:
-        raise typer.BadParameter("use comma-separated integers, e.g. 1,2,4", param_hint="--workers") from None
-    res = run_fleet_bench(redis_url, counts, preset, seeds, seeds_per_task, (batch_size, seq_len), threads,
-                          ready_preset)
-    if json_out:
-        typer.echo(json.dumps(result_dict(res)))
-        return
-    typer.echo(f"{preset}, batch {batch_size}x{seq_len}, {seeds} seeds in tasks of {seeds_per_task}, "
-               f"{threads} thread(s)/worker, {os.cpu_count()} CPUs")
-    for n, rate in res.probes_per_s.items():
-        typer.echo(f"  {n} worker(s): {rate:8.2f} probes/s ({res.forward_passes_per_s[n]:.2f} forward passes/s)")
-    if res.ready_preset:
-        typer.echo(f"  publish -> every worker ready, {res.ready_preset} ({res.ready_bytes / 2**20:.0f} MiB): "
-                   f"{res.publish_to_ready_s:.2f} s (publish itself {res.publish_s:.2f} s)")
-
-
 if __name__ == "__main__":
     typer.run(worker)

@@ -12,12 +12,10 @@ from pathlib import Path
 import typer
 
 from api import cli as api_cli
-from coordinator import cli as coordinator_cli
-from kernels import cli as kernels_cli
+from benchmarks.cli import bench_app
 from probe_worker import cli as worker_cli
 from trainer import cli as trainer_cli
-from trainer import export_cli, headline_cli
-from trainer.zo import cli as zo_cli
+from trainer import export_cli
 
 app = typer.Typer(
     name="sparecycles",
@@ -26,18 +24,12 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_show_locals=False,
 )
-bench_app = typer.Typer(help="Benchmarks (kernels, intake, fleet, zo, headline).", no_args_is_help=True)
 app.add_typer(trainer_cli.data_app, name="data")
 app.command("train")(trainer_cli.train)
 app.command("export")(export_cli.export)
 app.add_typer(bench_app, name="bench")
 app.command("coordinator")(api_cli.coordinator)
 app.command("worker")(worker_cli.worker)
-bench_app.command("kernels")(kernels_cli.bench_kernels)
-bench_app.command("intake")(coordinator_cli.bench_intake)
-bench_app.command("fleet")(worker_cli.bench_fleet)
-bench_app.command("zo")(zo_cli.bench_zo)
-bench_app.add_typer(headline_cli.headline_app, name="headline")
 
 
 @app.command("up")
@@ -46,7 +38,7 @@ def up(
                                "preset."),
     task: str = typer.Option("lm", help="lm (pretraining, ZO-Curv) or sentiment (MiniLM-L6, pure ZO)."),
     optimizer: str | None = typer.Option(None, help="The fleet-probed optimizer. Default: zocurv-line for lm (the "
-                                         "ZO-Curv variant the side-by-side benchmark supports, trainer/zo/results); "
+                                         "ZO-Curv variant the side-by-side benchmark supports, benchmarks/results/zo); "
                                          "1.5spsa for sentiment (mezo, 1spsa or 1.5spsa)."),
     workers: int = typer.Option(2, min=1, max=64, help="Local probe worker processes."),
     steps: int | None = typer.Option(None, min=1, help="Optimizer steps (default: the preset's)."),

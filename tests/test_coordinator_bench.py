@@ -7,7 +7,7 @@ import secrets
 import redis
 from test_coordinator_fixtures import REDIS_URL
 
-from coordinator.bench import run_intake_bench
+from benchmarks.intake import run_intake_bench
 
 
 def test_bench_intake_store_and_http_accept_everything_exactly_once():

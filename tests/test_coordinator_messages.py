@@ -184,7 +184,7 @@ def test_settings_refuse_default_and_short_secrets(monkeypatch):
 
 def test_api_and_coordinator_do_not_import_torch():
     code = (
-        "import sys; import api.app, api.cli, coordinator.cli, coordinator.stream, coordinator.intake; "
+        "import sys; import api.app, api.cli, benchmarks.cli, coordinator.stream, coordinator.intake; "
         "bad = [m for m in ('torch', 'numpy', 'transformers') if m in sys.modules]; print(bad); "
         "sys.exit(1 if 'torch' in bad else 0)"
     )

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from trainer.headline import first_reach, pretrain_report
-from trainer.zo.bench import fit_linear_probe_head_, reach_ratio
+from benchmarks.headline import first_reach, pretrain_report
+from benchmarks.zo import fit_linear_probe_head_, reach_ratio
 
 
 def _run(tmp, name, optimizer, lr, vals, step_s):

@@ -25,7 +25,7 @@ from trainer.prompt_classifier import (
 )
 from trainer.sentiment import SentimentTask, classifier_loss
 from trainer.zo.backend import InProcessBackend
-from trainer.zo.bench import resolve_head_init, sentiment_run, sentiment_summary
+from benchmarks.zo import resolve_head_init, sentiment_run, sentiment_summary
 from trainer.zo.zo_step import ZOStepper
 
 SENTENCES = [  # (text, label) of the Rotten Tomatoes kind, of different token lengths

@@ -6,7 +6,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from trainer.zo.cli import bench_zo
+from benchmarks.cli import bench_zo
 
 app = typer.Typer()
 app.command()(bench_zo)

@@ -48,7 +48,7 @@ RUN_PRESETS: dict[str, dict] = {
 
 # `--task sentiment` fine-tunes a pretrained encoder, so the LM presets' lr would wreck it: when the
 # user gives no --lr, each optimizer starts from the lr the sentiment benchmark picked on validation
-# accuracy (trainer/zo/results/sentiment_summary.json; AdamW: measured on 30 steps at batch 16, tests/test_train_sentiment.py).
+# accuracy (benchmarks/results/zo/sentiment_summary.json; AdamW: measured on 30 steps at batch 16, tests/test_train_sentiment.py).
 SENTIMENT_LR: dict[str, float] = {"adamw": 2e-4, "mezo": 1e-4, "1spsa": 1e-5, "1.5spsa": 1e-5}
 
 

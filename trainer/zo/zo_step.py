@@ -99,7 +99,7 @@ class ZOStepper:
                 if p.dim() >= 2:
                     w.mul_(1.0 - lr * self.weight_decay)
         # One launch for the whole model on CUDA (bit-identical to per-tensor replay_: kernels/parity.py);
-        # per-tensor launches made MeZO's 2-forward steps launch-bound (trainer/results/h200/RESULTS.md).
+        # per-tensor launches made MeZO's 2-forward steps launch-bound (benchmarks/results/h200/RESULTS.md).
         replay_model(self.masters, self.offsets, seeds, coeffs, self.dist)
         for p, w in zip(self.params, self.masters):
             if p.dtype != torch.float32:

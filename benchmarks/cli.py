@@ -1,0 +1,242 @@
+"""`sparecycles bench ...`: every benchmark's command (typer + stdlib at import; the work is imported inside).
+
+kernels: probe kernels on a GPU (kernels.bench, beside the kernels it measures); intake: result intake through
+Redis (benchmarks.intake); fleet: probe throughput of real CPU workers (benchmarks.fleet); zo: the ZO
+side-by-side benchmarks (benchmarks.zo); headline: the H200 headline report and memory scan (benchmarks.headline).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kernels import cli as kernels_cli
+
+bench_app = typer.Typer(help="Benchmarks (kernels, intake, fleet, zo, headline).", no_args_is_help=True)
+
+
+def bench_intake(
+    workers: int = typer.Option(64, min=1, help="Simulated workers (concurrent connections/threads)."),
+    results: int = typer.Option(50_000, min=1, help="Probe results to submit in total."),
+    batch: int = typer.Option(4, min=1, max=1024, help="Results per request (a task's seeds)."),
+    mode: str = typer.Option("both", help="http, store or both."),
+    rate: float = typer.Option(
+        0.0, min=0.0, help="Open-loop offered load in results/s (http); 0 = closed loop."
+    ),
+    redis_url: str = typer.Option(
+        os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"), help="Redis to use (keys are namespaced)."
+    ),
+    coordinators: int = typer.Option(
+        1, min=1, max=64, help="Coordinator processes in http mode (sparecycles coordinator --workers)."
+    ),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object per mode."),
+) -> None:
+    """Results accepted per second end to end through Redis, and p50/p99 latency from publish to acceptance."""
+    from benchmarks.intake import result_dict, run_intake_bench
+
+    if mode not in ("http", "store", "both"):
+        raise typer.BadParameter("mode must be http, store or both")
+    for m in ["http", "store"] if mode == "both" else [mode]:
+        res = run_intake_bench(m, workers, results, batch, redis_url, rate, coordinators=coordinators)
+        if json_out:
+            typer.echo(json.dumps(result_dict(res)))
+        else:
+            typer.echo(
+                f"{res.mode:5s} {'rate=' + format(res.rate, '.0f') + ' ' if res.rate else ''}"
+                f"{'coordinators=' + str(res.coordinators) + ' ' if res.coordinators > 1 else ''}"
+                f"workers={res.workers} batch={res.batch} results={res.results} accepted={res.accepted} "
+                f"streamed={res.streamed}  {res.results_per_s:,.0f} results/s  p50={res.p50_ms:.2f} ms  "
+                f"p99={res.p99_ms:.2f} ms  ({res.seconds:.2f} s, {os.cpu_count()} CPUs, load {res.load_avg_1m})"
+            )
+            per = 1e3 / max(res.accepted, 1)
+            coord, rds, cli = res.server_cpu_s * per, res.redis_cpu_s * per, res.client_cpu_s * per
+            # One coordinator process is one core (GIL); Redis is another. Load-independent capacity:
+            capacity = 1e3 / max(coord, rds, 1e-9)
+            typer.echo(
+                f"      CPU ms/result: coordinator {coord:.3f}, redis {rds:.3f}, simulated workers {cli:.3f} "
+                f"-> one coordinator process on a dedicated core (+ Redis on another): ~{capacity:,.0f} results/s"
+            )
+
+
+def bench_fleet(
+    workers: Annotated[str, typer.Option(help="Comma-separated worker counts to measure")] = "1,2,4",
+    preset: Annotated[str, typer.Option(help="Model preset probed")] = "gpt2-tiny",
+    seeds: Annotated[int, typer.Option(min=1, help="Seeds in the timed round")] = 32,
+    seeds_per_task: Annotated[int, typer.Option(min=1, max=256, help="Seeds per Celery task")] = 4,
+    batch_size: Annotated[int, typer.Option(min=1)] = 4,
+    seq_len: Annotated[int, typer.Option(min=2)] = 64,
+    threads: Annotated[int, typer.Option(min=1, help="torch threads per worker process")] = 1,
+    ready_preset: Annotated[str, typer.Option(help="Preset whose publish -> ready latency is measured "
+                                              "('' to skip)")] = "gpt2-small",
+    redis_url: Annotated[str, typer.Option(envvar="REDIS_URL", help="Redis (keys are namespaced)")]
+    = "redis://127.0.0.1:6379/0",
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object")] = False,
+) -> None:
+    """Probes per second with 1, 2, 4 CPU workers, and version publish -> every worker ready latency."""
+    from benchmarks.fleet import result_dict, run_fleet_bench
+
+    try:
+        counts = tuple(int(x) for x in workers.split(","))
+    except ValueError:
+        raise typer.BadParameter("use comma-separated integers, e.g. 1,2,4", param_hint="--workers") from None
+    res = run_fleet_bench(redis_url, counts, preset, seeds, seeds_per_task, (batch_size, seq_len), threads,
+                          ready_preset)
+    if json_out:
+        typer.echo(json.dumps(result_dict(res)))
+        return
+    typer.echo(f"{preset}, batch {batch_size}x{seq_len}, {seeds} seeds in tasks of {seeds_per_task}, "
+               f"{threads} thread(s)/worker, {os.cpu_count()} CPUs")
+    for n, rate in res.probes_per_s.items():
+        typer.echo(f"  {n} worker(s): {rate:8.2f} probes/s ({res.forward_passes_per_s[n]:.2f} forward passes/s)")
+    if res.ready_preset:
+        typer.echo(f"  publish -> every worker ready, {res.ready_preset} ({res.ready_bytes / 2**20:.0f} MiB): "
+                   f"{res.publish_to_ready_s:.2f} s (publish itself {res.publish_s:.2f} s)")
+
+
+def bench_zo(
+    part: str = typer.Option("all", help="lm (gpt2-tiny: AdamW vs ZO-Curv), sentiment (MeZO/1SPSA/1.5-SPSA) or all."),
+    out: Path = typer.Option(Path("runs/zo-bench"), help="Folder for JSON summaries, PNG figures and run folders."),
+    device: str = typer.Option("cpu", help="cpu or cuda[:N]."),
+    steps: int = typer.Option(600, min=1, help="lm: optimizer steps per run."),
+    probes: int = typer.Option(32, min=1, help="lm: block-scaled probes per curvature round."),
+    k: int = typer.Option(16, min=1, help="sentiment: probes K per step of 1SPSA and 1.5-SPSA."),
+    budget: int = typer.Option(6000, min=3, help="sentiment: forward passes per run."),
+    lrs: str = typer.Option("1e-5,1e-4,1e-3", help="sentiment: comma-separated learning rates tried per method."),
+    seed: int = typer.Option(0, min=0, help="Run seed."),
+    methods: str = typer.Option("mezo,1spsa,1.5spsa", help="sentiment: comma-separated ZO methods to sweep."),
+    model: str = typer.Option("minilm", help="sentiment: minilm (MiniLM-L6 + new head) or smollm2 "
+                              "(SmolLM2-135M-Instruct as a prompt + label-word classifier, all parameters)."),
+    head_init: str | None = typer.Option(None, help="sentiment: classifier start; minilm: random (BERT init, default) or "
+                                  "linear-probe (logistic regression on frozen features first: LP-FT); smollm2: "
+                                  "prompt (the zero-shot prompt classifier, its only start)."),
+    evals: int = typer.Option(10, min=1, help="sentiment: accuracy evaluations per run."),
+    backprop_steps: int = typer.Option(0, min=0, help="sentiment: also run the backprop AdamW baseline this many steps."),
+    backprop_lr: float | None = typer.Option(None, min=0.0, help="sentiment: AdamW lr of the baseline (default 5e-5 minilm, "
+                                      "1e-5 smollm2)."),
+) -> None:
+    """Run the ZO benchmarks on real data and write lm_summary.json / sentiment_summary.json and PNGs."""
+    from benchmarks.zo import (
+        check_sentiment_folder,
+        forwards_per_step,
+        lm_comparison,
+        resolve_head_init,
+        sentiment_comparison,
+    )
+
+    if part not in ("lm", "sentiment", "all"):
+        raise typer.BadParameter(f"part must be lm, sentiment or all, got {part!r}")
+    # Every option is checked before anything runs: with --part all the lm part takes minutes first.
+    ms = tuple(m.strip() for m in methods.split(",") if m.strip())
+    bad = [m for m in ms if m not in ("mezo", "1spsa", "1.5spsa")]
+    if bad or not ms:
+        raise typer.BadParameter(f"methods are mezo, 1spsa, 1.5spsa; got {methods!r}", param_hint="--methods")
+    if model not in ("minilm", "smollm2"):
+        raise typer.BadParameter(f"minilm or smollm2, got {model!r}", param_hint="--model")
+    try:
+        head_init = resolve_head_init(model, head_init)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--head-init") from None
+    try:  # empty is allowed: tools/h200_headline.sh merges earlier runs' JSON with --lrs ""
+        grid = tuple(float(x) for x in lrs.split(",") if x.strip())
+    except ValueError:
+        grid = (float("nan"),)
+    if not all(0 < lr < 1 for lr in grid):
+        raise typer.BadParameter(f"comma-separated learning rates in (0, 1), got {lrs!r}", param_hint="--lrs")
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise typer.BadParameter(f"cpu or cuda[:N], got {device!r}", param_hint="--device") from None
+    if dev.type not in ("cpu", "cuda") or (dev.type == "cuda" and not torch.cuda.is_available()):
+        raise typer.BadParameter(f"{device!r} is not available here (CUDA available: "
+                                 f"{torch.cuda.is_available()})", param_hint="--device")
+    if part in ("sentiment", "all") and grid:
+        # forward passes per step: 2 per probe (+1 clean for 1.5-SPSA); a smaller budget would run no step
+        need = {m: forwards_per_step(m, k) for m in ms}
+        short = {m: n for m, n in need.items() if budget < n}
+        if short:
+            raise typer.BadParameter(f"{budget} forward passes is less than one step of {short} (forwards per "
+                                     f"step with --k {k}); raise --budget", param_hint="--budget")
+    if part in ("sentiment", "all"):
+        try:
+            check_sentiment_folder(out, model)
+        except ValueError as e:
+            raise typer.BadParameter(str(e), param_hint="--out") from None
+    if part in ("lm", "all"):
+        s = lm_comparison(out, steps=steps, device=device, probes=probes, seed=seed)
+        typer.echo(json.dumps({k: {"final_val_loss": v["final_val_loss"], "steps_to_adamw_final":
+                                   v["steps_to_adamw_final"]} for k, v in s["runs"].items()}))
+    if part in ("sentiment", "all"):
+        s = sentiment_comparison(out, budget=budget, device=device, probes=k, lrs=grid, seed=seed, methods=ms,
+                                 head_init=head_init, evals=evals, backprop_steps=backprop_steps, model=model,
+                                 backprop_lr=backprop_lr)
+        typer.echo(json.dumps({m: {k2: v for k2, v in b.items() if k2 != "curve"} for m, b in s["best"].items()}))
+        if "1.5spsa_vs_mezo" in s:
+            typer.echo(json.dumps({"1.5spsa_vs_mezo": s["1.5spsa_vs_mezo"]}))
+
+
+headline_app = typer.Typer(help="Headline benchmarks: pretraining report, memory scan (tools/h200_headline.sh "
+                                "runs the whole set on a GPU machine).", no_args_is_help=True)
+
+
+@headline_app.command("report")
+def report(
+    runs: Annotated[list[Path], typer.Argument(help="finished `sparecycles train` run folders (one AdamW at least)")],
+    out: Annotated[Path, typer.Option(help="folder for pretrain_summary.json and pretrain_val_loss.png")] = Path(
+        "runs/headline"),
+) -> None:
+    """Validation loss at equal steps, and steps / wall time to reach each AdamW reference's final loss."""
+    from benchmarks.headline import pretrain_report
+
+    missing = [str(r) for r in runs if not (r / "metrics.jsonl").is_file()]
+    if missing:
+        raise typer.BadParameter(f"not run folders (no metrics.jsonl): {', '.join(missing)}")
+    try:
+        res = pretrain_report(runs, out)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    for name, r in res["runs"].items():
+        same = r.get("same_lr_adamw", {})
+        typer.echo(f"{name}: final val {r['final_val_loss']:.4f}; reaches best AdamW final at step "
+                   f"{r['best_adamw']['step_reached']} (ratio {r['best_adamw']['step_ratio']}); same-lr AdamW "
+                   f"final at step {same.get('step_reached')} (ratio {same.get('step_ratio')})")
+    typer.echo(f"wrote {out / 'pretrain_summary.json'} and {out / 'pretrain_val_loss.png'}")
+
+
+@headline_app.command("memory")
+def memory(
+    device: Annotated[str, typer.Option(help="CUDA device")] = "cuda",
+    shapes: Annotated[str, typer.Option(help="comma-separated shapes, ascending (benchmarks.headline.SCAN_SHAPES)")] = (
+        "gpt2-xl,gpt-2.7b,gpt-6.7b,gpt-13b,gpt-30b,gpt-45b"),
+    seq_len: Annotated[int, typer.Option(min=1, max=1024, help="tokens per sequence (batch 1)")] = 1024,
+    json_out: Annotated[Path | None, typer.Option(help="write the scan as JSON here")] = None,
+) -> None:
+    """Largest GPT shape that takes a training step in place with AdamW vs 1.5-SPSA on one GPU; peak memory."""
+    from benchmarks.headline import memory_scan
+
+    try:
+        res = memory_scan(device, tuple(s.strip() for s in shapes.split(",") if s.strip()), seq_len=seq_len)
+    except (ValueError, RuntimeError) as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    for t in res["trials"]:
+        typer.echo(f"{t['method']:8s} {t['shape']:9s} {t['params'] / 1e9:6.2f}B params  "
+                   f"{'ok ' if t['ok'] else 'OOM'} peak {t['peak_bytes'] / 2**30:7.1f} GiB")
+    typer.echo(f"largest: {res['largest']} on {res['gpu']} ({res['gpu_bytes'] / 2**30:.0f} GiB)")
+    if json_out is not None:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(res, indent=2))
+
+
+bench_app.command("kernels")(kernels_cli.bench_kernels)
+bench_app.command("intake")(bench_intake)
+bench_app.command("fleet")(bench_fleet)
+bench_app.command("zo")(bench_zo)
+bench_app.add_typer(headline_app, name="headline")
+
+if __name__ == "__main__":
+    bench_app()
