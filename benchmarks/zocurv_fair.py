@@ -70,11 +70,13 @@ VARIANTS = ("zocurv-group-fixed", "zocurv-group", "zocurv-global")
 
 
 def h200_plan(t_ref: int = 400, variant_lr: float = 6e-4) -> list[RunSpec]:
-    """AdamW at T_ref: lr 3e-4 … 2e-3 at warmup 10%, two lrs at 5%; each variant at T ∈ {½, ¾, 1}·T_ref.
-    Ordered longest-first so a deadline cuts the cheap runs last."""
+    """AdamW at T_ref: lr 3e-4 … 2e-3 at warmup 10%, two lrs at 5%; each variant at T ∈ {1, ½, ¾}·T_ref
+    (the fixed table also at half the base lr: its multipliers reach 10×). In priority order: a deadline
+    drops the last ones (T = ¾·T_ref first: ½ is the goal's point)."""
     specs = [RunSpec(ADAMW, lr, t_ref, 0.1) for lr in (3e-4, 6e-4, 1.2e-3, 2e-3)]
     specs += [RunSpec(ADAMW, lr, t_ref, 0.05) for lr in (6e-4, 1.2e-3)]
-    for frac in (1.0, 0.75, 0.5):
+    specs += [RunSpec(VARIANTS[0], variant_lr / 2, t_ref, 0.1)]
+    for frac in (1.0, 0.5, 0.75):
         specs += [RunSpec(v, variant_lr, round(frac * t_ref), 0.1) for v in VARIANTS]
     return specs
 
@@ -149,17 +151,17 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
                                            "seeds": len(v)} for k, v in sorted(settings.items())],
                            "adamw_bracketed": best[0] not in (min(k[0] for k in settings), max(k[0] for k in settings)),
                            "variants": {}}
-    for opt in dict.fromkeys(r["optimizer"] for r in results if r["optimizer"] != ADAMW):
-        runs = [r for r in results if r["optimizer"] == opt]
+    for opt, lr in dict.fromkeys((r["optimizer"], r["lr"]) for r in results if r["optimizer"] != ADAMW):
+        runs = [r for r in results if (r["optimizer"], r["lr"]) == (opt, lr)]
         finals = {r["steps"]: r["final_val_loss"] for r in runs}
         ref = next((r for r in runs if r["steps"] == t_ref), None)
-        entry = {"lr": runs[0]["lr"], "finals_by_T": finals, **step_ratio(finals, target, t_ref)}
+        entry = {"optimizer": opt, "lr": lr, "finals_by_T": finals, **step_ratio(finals, target, t_ref)}
         if ref is not None:
             entry.update({"final_at_T_ref": ref["final_val_loss"], "gap_at_T_ref": ref["final_val_loss"] - target,
                           "wall_ratio_probes_elsewhere": ref["trainer_wall_s"] / best_run["wall_s"],
                           "probe_gpu_s": ref["probe_gpu_s"], "probe_forwards": ref["probe_forwards"],
                           "last_multipliers": ref["multipliers"][-1] if ref["multipliers"] else {}})
-        out["variants"][opt] = entry
+        out["variants"][f"{opt}@{lr:g}"] = entry
     return out
 
 
@@ -176,10 +178,12 @@ def plot(results: list[dict[str, Any]], summary: dict[str, Any], path: Path) -> 
         if r["steps"] == t_ref:
             s, v = zip(*r["val_curve"][1:]) if len(r["val_curve"]) > 1 else ([], [])
             a1.plot(s, v, marker=".", label=f"{r['optimizer']} lr {r['lr']:g} wu {r['warmup_frac']:g}")
-    for opt in dict.fromkeys(r["optimizer"] for r in results):
-        pts = sorted((r["steps"], r["final_val_loss"]) for r in results if r["optimizer"] == opt
-                     and (opt != ADAMW or (r["lr"], r["warmup_frac"]) == tuple(summary["best_adamw"].values())))
-        a2.plot(*zip(*pts), marker="o", label=opt)
+    best = tuple(summary["best_adamw"].values())
+    for opt, lr in dict.fromkeys((r["optimizer"], r["lr"]) for r in results):
+        pts = sorted((r["steps"], r["final_val_loss"]) for r in results if (r["optimizer"], r["lr"]) == (opt, lr)
+                     and (opt != ADAMW or (r["lr"], r["warmup_frac"]) == best))
+        if pts:
+            a2.plot(*zip(*pts), marker="o", label=f"{opt} lr {lr:g}")
     for ax in (a1, a2):
         ax.axhline(summary["target_val_loss"], ls="--", c="k", lw=0.8)
         ax.set_xlabel("optimizer step" if ax is a1 else "schedule length T (steps)")
@@ -211,7 +215,7 @@ def run_one(spec: RunSpec, settings: dict[str, Any], device: str, out_dir: Path)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "spec.json").write_text(json.dumps(asdict(spec)))
     cfg = fair_config(spec, device=device, run_dir=run_dir, **settings)
-    train(cfg, progress=False, overwrite=True)
+    train(cfg, progress=False, overwrite=True, export=False)
     (run_dir / "checkpoint.safetensors").unlink(missing_ok=True)
 
 

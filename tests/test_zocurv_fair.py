@@ -31,7 +31,7 @@ def test_summarize_picks_best_adamw_mean_over_seeds_and_scores_variants():
     s = summarize(runs)
     assert s["best_adamw"] == {"lr": 6e-4, "warmup_frac": 0.1} and s["adamw_seeds_at_best"] == 2
     assert s["target_val_loss"] == pytest.approx(5.12) and s["adamw_bracketed"]
-    v = s["variants"]["zocurv-group"]
+    v = s["variants"]["zocurv-group@0.0006"]
     assert v["step_ratio"] == 0.75 and v["gap_at_T_ref"] == pytest.approx(-0.12)
     assert v["wall_ratio_probes_elsewhere"] == pytest.approx(1.0)  # (12 − 2) / 10
     with pytest.raises(ValueError):
