@@ -191,11 +191,28 @@ class FleetStatus:
         return snap
 
     def __call__(self) -> str:
-        s = self.snapshot()
+        s = self.last or self.snapshot()  # the step just taken scraped it (FleetFiguresMode)
         if not s:
             return "coordinator unreachable"
         return (f"workers {s['workers']:.0f} | probes/s {s['probes_per_s']:.1f} | "
                 f"stale {100 * s['stale_fraction']:.1f}%")
+
+
+class FleetFiguresMode:
+    """A TrainMode (trainer.train) that adds the fleet's figures to every step's record, so probes/s, active
+    workers and results by outcome land in metrics.jsonl and the TensorBoard events: `fleet_<key>` for each key
+    of `FleetStatus.snapshot()` (one scrape of the coordinator's /metrics per step). Everything else is the
+    wrapped mode's."""
+
+    def __init__(self, mode, status: FleetStatus) -> None:
+        self.mode, self.status = mode, status
+
+    def __getattr__(self, name: str):
+        return getattr(self.mode, name)
+
+    def step(self, step: int, batch, lr: float) -> dict[str, float]:
+        stats = self.mode.step(step, batch, lr)
+        return {**stats, **{f"fleet_{k}": float(v) for k, v in self.status.snapshot().items()}}
 
 
 def _progress_of(run_dir: Path, cfg) -> str:
@@ -317,7 +334,7 @@ def run_up(*, preset: str, optimizer: str | None, workers: int, steps: int | Non
                                              run=spec, key_prefix=settings.key_prefix,
                                              history=0 if pure else 2)
                 loss_fn = loss_for_kind(batch_kind_for_model(type(model).__name__))
-                return build_zo_mode(cfg, model, loss_fn, backend=backend)
+                return FleetFiguresMode(build_zo_mode(cfg, model, loss_fn, backend=backend), status)
 
             base_dir, zo_dir = out / "adamw", out / optimizer
             base_cfg = base_cfg.model_copy(update={"run_dir": base_dir})

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+from test_events import _expected, _same, _tensorboard_scalars
 from test_up import _processes_of, _up
 
 
@@ -43,6 +44,9 @@ def test_up_sentiment_runs_both_runs_through_the_fleet_and_leaves_no_process(tmp
     zo_steps = [r for r in _records(run_dir / "1.5spsa" / "metrics.jsonl") if "loss" in r]
     for r in zo_steps:
         assert r["forward_passes"] == r["step"] * (2 * 2 + 1) and r["probe_accepted"] == 2 * r["step"]
+        assert r["fleet_workers"] == 2 and r["fleet_probes_per_s"] >= 0.0  # the fleet's figures, per step
+    for name in ("adamw", "1.5spsa"):  # TensorBoard shows what metrics.jsonl holds, fleet figures included
+        assert _same(_tensorboard_scalars(run_dir / name), _expected(run_dir / name))
     # Step 1's logged loss is L0, the clean loss a worker process computed on the model it built from the
     # published manifest; AdamW's step 1 logs the trainer's own loss of the same initial model on the same
     # batch: equal bit for bit.
