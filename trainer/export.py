@@ -24,7 +24,6 @@ only); `train()` calls `export_trained` on the in-memory model at the end of a r
 from __future__ import annotations
 
 import copy
-import functools
 import json
 import os
 import shutil
@@ -43,14 +42,29 @@ class ExportError(RuntimeError):
     """A run folder cannot be exported: missing, not a run, no checkpoint, unfinished, or unknown model."""
 
 
-@functools.lru_cache(maxsize=1)
-def _gpt2_backend():
-    from transformers.convert_slow_tokenizer import TikTokenConverter
+def gpt2_tokenizer_file() -> Path:
+    """`tokenizer.json` of the GPT-2 BPE converted from the project's rank file, cached under
+    `cache_dir()/tokenizers/` (named by the ranks' sha256; the conversion takes seconds, a load ~0.3 s).
 
-    from trainer.data.tokenizer import EOT, GPT2_PATTERN, gpt2_ranks_path
+    Raises:
+        trainer.data.sources.DataFetchError: the rank file is not cached and cannot be fetched.
+    """
+    from trainer.data.tokenizer import RANKS_SHA256
+    from trainer.paths import cache_dir
 
-    return TikTokenConverter(vocab_file=gpt2_ranks_path(), pattern=GPT2_PATTERN,
-                             extra_special_tokens={"<|endoftext|>": EOT}).converted()
+    path = cache_dir() / "tokenizers" / f"gpt2-transformers-{RANKS_SHA256[:16]}.json"
+    if not path.is_file():
+        from transformers.convert_slow_tokenizer import TikTokenConverter
+
+        from trainer.data.tokenizer import EOT, GPT2_PATTERN, gpt2_ranks_path
+
+        backend = TikTokenConverter(vocab_file=gpt2_ranks_path(), pattern=GPT2_PATTERN,
+                                    extra_special_tokens={"<|endoftext|>": EOT}).converted()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        backend.save(str(tmp))
+        os.replace(tmp, path)  # atomic: a concurrent conversion writes identical content
+    return path
 
 
 def gpt2_tokenizer(model_max_length: int = 1024):
@@ -66,7 +80,7 @@ def gpt2_tokenizer(model_max_length: int = 1024):
     from transformers import GPT2TokenizerFast
 
     eot = "<|endoftext|>"
-    return GPT2TokenizerFast(tokenizer_object=copy.deepcopy(_gpt2_backend()), bos_token=eot, eos_token=eot,
+    return GPT2TokenizerFast(tokenizer_file=str(gpt2_tokenizer_file()), bos_token=eot, eos_token=eot,
                              unk_token=eot, model_max_length=model_max_length)
 
 
