@@ -120,7 +120,7 @@ class _Fleet:
 
     def backend(self, model, run: str, seeds_per_task: int):
         from coordinator.messages import RunSpec
-        from trainer.coordinator_backend import CoordinatorBackend
+        from fleet.backend import CoordinatorBackend
 
         spec = RunSpec(run=run, model_class=type(model).__name__, spot_check_fraction=0.0,
                        seeds_per_task=seeds_per_task)
@@ -154,7 +154,7 @@ def run_fleet_bench(redis_url: str, worker_counts: tuple[int, ...] = (1, 2, 4), 
     Raises RuntimeError if a worker dies or a phase exceeds its (generous) time limit.
     """
     from trainer.models import build_model
-    from trainer.zo.backend import ProbeRound
+    from trainer.zo.probes import RoundSpec
 
     res = FleetBenchResult(preset, seeds, seeds_per_task, batch, threads, os.cpu_count() or 1)
     with tempfile.TemporaryDirectory(prefix="sparecycles-bench-") as tmp:
@@ -168,13 +168,13 @@ def run_fleet_bench(redis_url: str, worker_counts: tuple[int, ...] = (1, 2, 4), 
                 be.publish(0)
                 fleet.wait(lambda names=names: all(fleet.info(nm)["version"] == 0 for nm in names),
                            "weights on every worker")
-                warm = ProbeRound("warm", 0, xb, 1e-3, tuple(range(n * seeds_per_task * 2)), "rademacher")
+                warm = RoundSpec("warm", 0, xb, 1e-3, tuple(range(n * seeds_per_task * 2)), "rademacher")
                 be.submit(warm)
-                be.poll("warm")
-                rnd = ProbeRound("timed", 0, xb, 1e-3, tuple(range(10_000, 10_000 + seeds)), "rademacher")
+                be.collect("warm")
+                rnd = RoundSpec("timed", 0, xb, 1e-3, tuple(range(10_000, 10_000 + seeds)), "rademacher")
                 t0 = time.perf_counter()
                 be.submit(rnd)
-                got = be.poll("timed")
+                got = be.collect("timed").results
                 dt = time.perf_counter() - t0
                 if len(got) != seeds:
                     raise RuntimeError(f"timed round returned {len(got)} of {seeds} seeds")

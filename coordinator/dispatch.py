@@ -25,6 +25,7 @@ class Dispatch:
     def task_for(rnd: ProbeRound, seeds: list[int], replica: int) -> ProbeTask:
         """The task evaluating `seeds` of round `rnd` as replica `replica`."""
         return ProbeTask(
+            schema_version=rnd.schema_version,
             run=rnd.run,
             round_id=rnd.round_id,
             version=rnd.version,
@@ -36,6 +37,7 @@ class Dispatch:
             replica=replica,
             kind=rnd.kind,
             base_version=rnd.base_version,
+            blocks=rnd.blocks,
         )
 
     def tasks_for(self, rnd: ProbeRound, seeds: list[int], replica: int) -> list[ProbeTask]:

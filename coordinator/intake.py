@@ -37,12 +37,17 @@ from coordinator.store import Store
 
 # KEYS: 1 round hash, 2 seeds set, 3 accepted hash, 4 stream, 5 run hash, 6 worker hash, 7 attested set,
 # 8 spot hash. ARGV: 1 worker id, 2 round version, then triples (seed, mode, payload); mode "a" accepts
-# and streams, "0"/"1"/"2" holds a spot-check replica.
+# and streams, "0"/"1"/"2" holds a spot-check replica. Stale and duplicate results are also counted on
+# the round hash (n_stale, n_duplicate): the trainer reads them in RoundInfo, this intake being the one
+# authority on which results count.
 _INTAKE_LUA = """
 local state = redis.call('HGET', KEYS[1], 'state')
 if not state then return {'unknown_round'} end
 local age = tonumber(redis.call('HGET', KEYS[5], 'latest_version')) - tonumber(ARGV[2])
-if age > tonumber(redis.call('HGET', KEYS[5], 'staleness')) then return {'stale', age} end
+if age > tonumber(redis.call('HGET', KEYS[5], 'staleness')) then
+  redis.call('HINCRBY', KEYS[1], 'n_stale', (#ARGV - 2) / 3)
+  return {'stale', age}
+end
 if state ~= 'open' then return {'closed_round'} end
 if redis.call('HGET', KEYS[6], 'state') == 'quarantined' then return {'quarantined'} end
 if redis.call('HGET', KEYS[5], 'canary') == '1' and redis.call('SISMEMBER', KEYS[7], ARGV[1]) == 0 then
@@ -54,7 +59,9 @@ for i = 3, #ARGV, 3 do
   local seed, mode, payload = ARGV[i], ARGV[i + 1], ARGV[i + 2]
   if redis.call('SISMEMBER', KEYS[2], seed) == 0 then out[#out + 1] = 'unknown_seed'
   elseif mode == 'a' then
-    if redis.call('HSETNX', KEYS[3], seed, payload) == 0 then out[#out + 1] = 'duplicate'
+    if redis.call('HSETNX', KEYS[3], seed, payload) == 0 then
+      redis.call('HINCRBY', KEYS[1], 'n_duplicate', 1)
+      out[#out + 1] = 'duplicate'
     else
       redis.call('XADD', KEYS[4], '*', 'e', payload)
       accepted = accepted + 1
@@ -66,7 +73,9 @@ for i = 3, #ARGV, 3 do
     for r = 0, 2 do
       if tostring(r) ~= mode and redis.call('HGET', KEYS[8], seed .. ':' .. r .. ':w') == ARGV[1] then same = true end
     end
-    if redis.call('HEXISTS', KEYS[8], field) == 1 then out[#out + 1] = 'duplicate'
+    if redis.call('HEXISTS', KEYS[8], field) == 1 then
+      redis.call('HINCRBY', KEYS[1], 'n_duplicate', 1)
+      out[#out + 1] = 'duplicate'
     elseif same then out[#out + 1] = 'same_worker'
     else
       redis.call('HSET', KEYS[8], field, payload, field .. ':w', ARGV[1])

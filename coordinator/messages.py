@@ -8,6 +8,7 @@ Seeds are unsigned 64-bit integers (0 <= s < 2**64), the Philox key of DESIGN.md
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Annotated, Literal
 
@@ -31,8 +32,11 @@ Distribution = Literal["rademacher", "gauss8"]
 DType = Literal["float32", "bfloat16", "float16"]
 WorkerState = Literal["active", "draining", "lost", "quarantined"]
 # seeded: z(seed); block_scaled: per-block gauss8 scale times Rademacher signs; along_update: the update
-# theta_version - theta_base restricted to block `seed` (trainer.zo.backend.ProbeKind).
-ProbeKindName = Literal["seeded", "block_scaled", "along_update"]
+# theta_version - theta_base restricted to block `seed`; group: z(seed) restricted to the round's `blocks`
+# (the meaning of each: trainer.zo.probes.KINDS, which a test keeps equal to this list).
+ProbeKindName = Literal["seeded", "block_scaled", "along_update", "group"]
+MAX_BLOCKS = 1 << 20  # canonical blocks of a model (parameter tensors): far above any real model
+BlockIndex = Annotated[int, Field(ge=0, lt=MAX_BLOCKS)]
 
 
 class Message(BaseModel):
@@ -233,12 +237,20 @@ class Attestation(Message):
     digest: Sha256Hex
 
 
-def _check_kind(kind: str, version: int, base_version: int | None) -> None:
+def _check_kind(kind: str, version: int, base_version: int | None, blocks: list[int] | None,
+                schema_version: int) -> None:
     if kind == "along_update":
         if base_version is None or base_version >= version:
             raise ValueError("an along_update round needs base_version < version")
     elif base_version is not None:
         raise ValueError("base_version is only meaningful for along_update rounds")
+    if kind == "group":
+        if schema_version < 2 or not blocks:
+            raise ValueError("a group round needs schema_version 2 and a non-empty `blocks` list")
+        if any(a >= b for a, b in itertools.pairwise(blocks)):
+            raise ValueError("group blocks must be sorted and unique")
+    elif blocks is not None:
+        raise ValueError("`blocks` is only meaningful for group rounds")
 
 
 # ---- rounds, tasks, results ---------------------------------------------------------------------------
@@ -248,8 +260,11 @@ class ProbeRound(Message):
     """`POST /v1/runs/{run}/rounds` body: evaluate L(theta_version +- eps z(seed); batch) for each seed.
 
     `batch_sha256` names a blob already uploaded (the batch travels once). `want_clean` asks for L0.
+    Schema version 2 adds `blocks`: the sorted, unique canonical block indices of a `group` round (the
+    worker checks them against its model's block count); version 1 rounds have no group kind.
     """
 
+    schema_version: Literal[1, 2] = 1
     run: RunId
     round_id: RoundId
     version: Version
@@ -260,17 +275,21 @@ class ProbeRound(Message):
     want_clean: bool = False
     kind: ProbeKindName = "seeded"
     base_version: Version | None = None
+    blocks: list[BlockIndex] | None = Field(default=None, min_length=1, max_length=MAX_BLOCKS)
 
     @model_validator(mode="after")
     def _unique(self) -> ProbeRound:
         if len(set(self.seeds)) != len(self.seeds):
             raise ValueError("seeds of a round must be unique")
-        _check_kind(self.kind, self.version, self.base_version)
+        _check_kind(self.kind, self.version, self.base_version, self.blocks, self.schema_version)
         return self
 
 
 class RoundInfo(Message):
-    """Reply of round creation / `GET .../rounds/{round_id}`: task counts and progress."""
+    """Reply of round creation / `GET .../rounds/{round_id}`: task counts and progress.
+
+    `stale` and `duplicate` count the round's results intake refused as such (the trainer's counts).
+    """
 
     run: RunId
     round_id: RoundId
@@ -280,15 +299,19 @@ class RoundInfo(Message):
     n_spot_checks: int
     tasks_published: int
     done: int
+    stale: int = Field(default=0, ge=0)
+    duplicate: int = Field(default=0, ge=0)
 
 
 class ProbeTask(Message):
     """Celery task kwargs (`sparecycles.probe`): a few seeds of one round.
 
     `replica` 0 is the primary evaluation; 1 and 2 are spot-check re-evaluations (must come from other
-    workers). Tasks are idempotent: redelivery produces duplicates that intake drops.
+    workers). Tasks are idempotent: redelivery produces duplicates that intake drops. Schema version 2
+    carries a group round's `blocks` (as ProbeRound).
     """
 
+    schema_version: Literal[1, 2] = 1
     run: RunId
     round_id: RoundId
     version: Version
@@ -300,10 +323,11 @@ class ProbeTask(Message):
     replica: int = Field(default=0, ge=0, le=2)
     kind: ProbeKindName = "seeded"
     base_version: Version | None = None
+    blocks: list[BlockIndex] | None = Field(default=None, min_length=1, max_length=MAX_BLOCKS)
 
     @model_validator(mode="after")
     def _check(self) -> ProbeTask:
-        _check_kind(self.kind, self.version, self.base_version)
+        _check_kind(self.kind, self.version, self.base_version, self.blocks, self.schema_version)
         return self
 
 

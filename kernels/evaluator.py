@@ -26,19 +26,14 @@ _ALIGN = 64  # elements: arena slices start 16-element aligned and at Philox-cal
 def canonical_offsets(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter, int]]:
     """(name, parameter, global offset) in canonical order = ``model.named_parameters()`` (tied weights once).
 
-    Uses trainer.models.param_offsets when importable, so both agree by construction.
+    The one computation of canonical offsets (elements): offset[k + 1] = offset[k] + numel of parameter k,
+    offset[0] = 0. trainer.models.param_offsets and trainer.zo.probes.canonical_blocks read it from here.
     """
-    named = list(model.named_parameters())
-    try:
-        from trainer.models import param_offsets
-    except ImportError:
-        offs, acc = [], 0
-        for _, p in named:
-            offs.append(acc)
-            acc += p.numel()
-    else:
-        offs = list(param_offsets(model))
-    return [(n, p, o) for (n, p), o in zip(named, offs)]
+    out, acc = [], 0
+    for n, p in model.named_parameters():
+        out.append((n, p, acc))
+        acc += p.numel()
+    return out
 
 
 def _unique_params(m: torch.nn.Module, recurse: bool) -> list[torch.nn.Parameter]:

@@ -56,7 +56,7 @@ def worker(
     )
     import httpx
 
-    from probe_worker.client import CoordinatorHTTPError
+    from coordinator.client import CoordinatorHTTPError
 
     try:
         ProbeWorker(opts).run()

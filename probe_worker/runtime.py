@@ -3,9 +3,9 @@
 One `ProbeRuntime` per worker process. For a task it validates the kwargs as a `ProbeTask`, attests the
 run's canary once, loads the version through the `WeightCache`, fetches the round's batch once by
 content hash, computes L0 once per (run, round, version) and L(theta +- eps z(seed)) per seed with the
-kernels' `ProbeEvaluator` (seeded probes) or probe_worker.probes (block-scaled and along-update), and posts
+probe kind's rule in trainer.zo.probes (the same code the trainer's in-process backend runs), and posts
 the task's results in one `ResultBatch`. The loss and the batch format follow from the version manifest's
-model class (trainer.batch_wire): causal LMs take `lm/1` batches and trainer.train.lm_loss, sequence
+model class (fleet.batch_wire): causal LMs take `lm/1` batches and trainer.train.lm_loss, sequence
 classifiers `classifier/1` batches and trainer.sentiment.classifier_loss; a batch that is malformed, of the
 other kind, or outside the model's vocabulary/positions/labels raises BatchFormatError before any forward
 pass. Evaluation is a pure function of (weights, batch, seed, eps, distribution), so re-running a
@@ -20,14 +20,16 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
+from coordinator.client import CoordinatorClient
 from coordinator.messages import Attestation, IntakeReply, ProbeResult, ProbeTask, ResultBatch
 from probe_worker.cache import WeightCache
-from probe_worker.client import CoordinatorClient
 from probe_worker.metrics import WorkerMetrics, default_metrics
+from trainer.zo import probes
 
 log = logging.getLogger("sparecycles.worker")
 
@@ -86,7 +88,7 @@ class ProbeRuntime:
 
     def _batch(self, sha256: str, kind: str) -> Any:
         """The decoded batch blob `sha256` of `kind` on the cache's device (BatchFormatError if malformed)."""
-        from trainer.batch_wire import decode_batch
+        from fleet.batch_wire import decode_batch
 
         key = (sha256, kind)
         if key in self._batches:
@@ -127,28 +129,26 @@ class ProbeRuntime:
         self.metrics.eval_seconds.observe(time.perf_counter() - t0)
         return value
 
-    def _probe(self, task: ProbeTask, model: torch.nn.Module, ev, batch: Any, seed: int,
-               l0: float | None) -> tuple[float, float]:
-        """(L+, L-) of one seed under the task's probe kind (see probe_worker.probes)."""
-        from probe_worker import probes
+    def _site(self, task: ProbeTask, model: torch.nn.Module, ev, batch: Any) -> probes.ProbeSite:
+        """Where the task's probes run (trainer.zo.probes gives every kind its meaning): the loaded version's
+        blocks, timed losses, and for along_update rounds u_b = theta_v[b] - theta_base[b] in fp32."""
+        blocks = probes.canonical_blocks(model)
 
-        if task.kind == "seeded":
-            return (self._timed_loss(ev, batch, seed, task.eps, task.distribution),
-                    self._timed_loss(ev, batch, seed, -task.eps, task.distribution))
-        params = probes.blocks(model)
-
-        def loss(new: dict[int, torch.Tensor] | None) -> float:
+        def loss(new: Mapping[int, torch.Tensor] | None) -> float:
             t0 = time.perf_counter()
-            value = probes.swapped_loss(model, params, ev.loss_fn, batch, new)
+            value = probes.swapped_loss(model, blocks, ev.loss_fn, batch, new)
             self.metrics.eval_seconds.observe(time.perf_counter() - t0)
             return value
 
-        if task.kind == "block_scaled":
-            return (loss(probes.block_scaled_weights(params, seed, task.eps)),
-                    loss(probes.block_scaled_weights(params, seed, -task.eps)))
-        base = self.cache.get(task.run, task.base_version)
-        lp, lm, _ = probes.along_update(params, probes.blocks(base.model), seed, task.eps, loss, l0)
-        return lp, lm
+        update = None
+        if task.kind == "along_update":
+            base = probes.canonical_blocks(self.cache.get(task.run, task.base_version).model)
+            if len(base) != len(blocks):
+                raise ValueError(f"versions {task.base_version} and {task.version} differ in blocks")
+
+            def update(b: int) -> torch.Tensor:
+                return blocks[b].param.detach().float() - base[b].param.detach().float()
+        return probes.ProbeSite(blocks, loss, lambda s, a, d: self._timed_loss(ev, batch, s, a, d), update)
 
     # ---- one task -----------------------------------------------------------------------------------
 
@@ -160,7 +160,7 @@ class ProbeRuntime:
         batch that is malformed or does not fit the version's model, ValueError for a model class without a
         probe loss.
         """
-        from trainer.batch_wire import batch_kind_for_model, check_fits, loss_for_kind
+        from fleet.batch_wire import batch_kind_for_model, check_fits, loss_for_kind
 
         with self._lock:
             self.busy = True
@@ -184,9 +184,13 @@ class ProbeRuntime:
                         self.metrics.clean.inc()
                         while len(self._clean) > self.keep_rounds:
                             self._clean.popitem(last=False)
+                if task.blocks is not None:
+                    probes.check_group(task.blocks, len(probes.canonical_blocks(loaded.model)))
+                site = self._site(task, loaded.model, ev, batch)
                 out = []
                 for seed in task.seeds:
-                    lp, lm = self._probe(task, loaded.model, ev, batch, seed, l0)
+                    lp, lm, _ = probes.probe_losses(site, task.kind, seed, task.eps, task.distribution,
+                                                    task.blocks or (), l0)
                     self.metrics.probes.inc()
                     out.append(ProbeResult(
                         run=task.run, round_id=task.round_id, seed=seed, version=task.version,

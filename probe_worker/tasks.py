@@ -6,7 +6,7 @@ so redelivery only costs compute. Outcomes, each counted in `sparecycles_worker_
 
 - `done`: evaluated and posted (whatever the per-result intake outcomes were);
 - `invalid`: kwargs are not a valid ProbeTask, or the round's batch blob is malformed or does not fit the
-  version's model (trainer.batch_wire.BatchFormatError) -> rejected without requeue, never retried (another
+  version's model (fleet.batch_wire.BatchFormatError) -> rejected without requeue, never retried (another
   worker would refuse the same bytes);
 - `refused`: the coordinator refused a call with a 4xx, or the version is neither a snapshot nor reachable
   by the seed ledger -> dropped;
@@ -33,11 +33,11 @@ from celery.exceptions import Reject
 from pydantic import ValidationError
 
 from coordinator.celery_app import PROBE_TASK_NAME
+from coordinator.client import CoordinatorHTTPError, CorruptBlobError, is_transient
+from fleet.batch_wire import BatchFormatError
 from probe_worker.cache import VersionUnavailable
-from probe_worker.client import CoordinatorHTTPError, CorruptBlobError, is_transient
 from probe_worker.metrics import WorkerMetrics
 from probe_worker.runtime import ProbeRuntime, parse_task
-from trainer.batch_wire import BatchFormatError
 
 log = logging.getLogger("sparecycles.worker")
 

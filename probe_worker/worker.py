@@ -25,9 +25,9 @@ from pathlib import Path
 from celery.signals import worker_ready
 
 from coordinator.celery_app import PROBE_TASK_NAME, make_celery
+from coordinator.client import CoordinatorClient, CoordinatorHTTPError
 from coordinator.messages import Heartbeat, WorkerRegistration
 from probe_worker.cache import WeightCache
-from probe_worker.client import CoordinatorClient, CoordinatorHTTPError
 from probe_worker.metrics import default_metrics, serve_metrics
 from probe_worker.runtime import ProbeRuntime
 from probe_worker.tasks import BusyPolicy, DrainState, gpu_utilization_reader, register_probe_task
@@ -45,7 +45,7 @@ def warm_up() -> None:
     import transformers.modeling_utils  # noqa: F401
 
     import kernels  # noqa: F401
-    from trainer.batch_wire import loss_for_kind
+    from fleet.batch_wire import loss_for_kind
 
     loss_for_kind("lm"), loss_for_kind("classifier")  # both probe losses' modules
 

@@ -319,8 +319,8 @@ def run_up(*, preset: str, optimizer: str | None, workers: int, steps: int | Non
             status = FleetStatus(base)
 
             def fleet_mode(cfg, model):
-                from trainer.batch_wire import batch_kind_for_model, loss_for_kind
-                from trainer.coordinator_backend import CoordinatorBackend
+                from fleet.backend import CoordinatorBackend
+                from fleet.batch_wire import batch_kind_for_model, loss_for_kind
                 from trainer.zo.modes import build_zo_mode
 
                 # The workers build the model from the manifest (class + config + shards) and pick the loss

@@ -14,7 +14,7 @@ import torch
 from test_worker_fleet import Fleet
 
 from coordinator.messages import ProbeRound as WireRound
-from trainer.batch_wire import encode_batch
+from fleet.batch_wire import encode_batch
 from trainer.sentiment import classifier_loss
 from trainer.zo.backend import InProcessBackend
 from trainer.zo.zo_step import ZOStepper
@@ -106,17 +106,17 @@ def test_malformed_batches_are_rejected_counted_and_survived(fleet, minilm):
     for i, data in enumerate(bad):
         wire = WireRound(run="senti-bad", round_id=f"bad-{i}", version=0, batch_sha256=be._upload(data), eps=1e-3,
                          distribution="rademacher", seeds=[100 + i], want_clean=True)
-        be._call("POST", "/v1/runs/senti-bad/rounds", json=wire.model_dump(mode="json"))
+        be.client.post_round(wire)
     fleet.wait(lambda: sum(_tasks(fleet, n, "invalid") for n in ("a", "b")) == before + len(bad), "3 rejections")
     assert sum(_tasks(fleet, n, "error") for n in ("a", "b")) == errors
     assert all(p.poll() is None for p in fleet.workers.values())
     st_f = ZOStepper(model, "1.5spsa", run_seed=5, probes=2, eps=1e-3)
     rnd = st_f.probe_round(0, batch)
     be.submit(rnd)
-    got = {r.seed: r for r in be.poll(rnd.round_id)}
+    got = {r.seed: r for r in be.collect(rnd.round_id).results}
     ref = InProcessBackend(model, classifier_loss)
     ref.submit(rnd)
-    for r in ref.poll(rnd.round_id):
+    for r in ref.collect(rnd.round_id).results:
         assert (got[r.seed].l_plus, got[r.seed].l_minus, got[r.seed].l0) == (r.l_plus, r.l_minus, r.l0)
-    assert be.poll() == []  # nothing arrived for the refused rounds
+    assert be.collect().results == []  # nothing arrived for the refused rounds
     be.close()

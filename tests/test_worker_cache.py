@@ -16,19 +16,20 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from api.app import create_app
 from api.server import ServerThread
+from coordinator.client import CoordinatorClient, CorruptBlobError
 from coordinator.messages import CanarySpec, ProbeTask, RunSpec, WorkerRegistration
 from coordinator.settings import generate_dev_settings
+from fleet.backend import CoordinatorBackend, write_shards
+from fleet.batch_wire import decode_batch, encode_batch
 from kernels import ProbeEvaluator
 from kernels.reference import direction_ref
 from probe_worker.cache import WeightCache
-from probe_worker.client import CoordinatorClient, CorruptBlobError
 from probe_worker.metrics import WorkerMetrics
 from probe_worker.runtime import ProbeRuntime, canary_digest
 from probe_worker.tasks import DrainState, run_probe
-from trainer.coordinator_backend import CoordinatorBackend, decode_batch, encode_batch, write_shards
 from trainer.models.gpt2 import init_gpt2_weights_
 from trainer.train import lm_loss
-from trainer.zo.backend import ProbeRound
+from trainer.zo.probes import RoundSpec
 
 REDIS_URL = "redis://127.0.0.1:6379/12"
 
@@ -172,7 +173,7 @@ def test_runtime_posts_evaluator_values_once_and_rejects_bad_tasks(env):
     be = env.backend(model, "runtime", distribution="gauss8")
     be.publish(0)
     batch = make_batch(1)
-    be.submit(ProbeRound("rt-0", 0, batch, eps=1e-3, seeds=(7, 8, 9), dist="gauss8", want_clean=True))
+    be.submit(RoundSpec("rt-0", 0, batch, eps=1e-3, seeds=(7, 8, 9), dist="gauss8", want_clean=True))
     client, wid = env.worker("w0")
     metrics = WorkerMetrics(CollectorRegistry())
     runtime = ProbeRuntime(client, wid, WeightCache(client, env.tmp / "wc", metrics=metrics), metrics)
@@ -184,7 +185,7 @@ def test_runtime_posts_evaluator_values_once_and_rejects_bad_tasks(env):
     assert metrics.results.labels("accepted")._value.get() == 3
     assert metrics.results.labels("duplicate")._value.get() == 3
     assert metrics.clean._value.get() == 1 and metrics.cache_hits.labels("clean")._value.get() == 1
-    res = {r.seed: r for r in be.poll("rt-0")}
+    res = {r.seed: r for r in be.collect("rt-0").results}
     ev = ProbeEvaluator(model, lambda m, b: lm_loss(m, b[0], b[1]))
     for s in (7, 8, 9):
         assert res[s].l_plus == ev.loss(batch, s, 1e-3, "gauss8")
@@ -216,7 +217,7 @@ def test_canary_attestation_counts_results(env):
                                                         digest=digest))
     be.publish(0)
     batch = make_batch(2)
-    be.submit(ProbeRound("c-0", 0, batch, eps=1e-3, seeds=(1, 2), dist="gauss8"))
+    be.submit(RoundSpec("c-0", 0, batch, eps=1e-3, seeds=(1, 2), dist="gauss8"))
     client, wid = env.worker("w0")
     metrics = WorkerMetrics(CollectorRegistry())
     runtime = ProbeRuntime(client, wid, WeightCache(client, env.tmp / "wc", metrics=metrics), metrics)
@@ -231,7 +232,7 @@ def test_trainer_restart_receives_undelivered_results(env):
     be = env.backend(model, "restart")
     be.publish(0)
     batch = make_batch(3)
-    be.submit(ProbeRound("rs-0", 0, batch, eps=1e-3, seeds=(1, 2, 3, 4), dist="rademacher"))
+    be.submit(RoundSpec("rs-0", 0, batch, eps=1e-3, seeds=(1, 2, 3, 4), dist="rademacher"))
     client, wid = env.worker("w0")
     runtime = ProbeRuntime(client, wid, WeightCache(client, env.tmp / "wc"), WorkerMetrics(CollectorRegistry()))
     sha = hashlib.sha256(encode_batch(batch)).hexdigest()
@@ -243,9 +244,9 @@ def test_trainer_restart_receives_undelivered_results(env):
     be.close()
     be2 = CoordinatorBackend(model, coordinator_url=env.server.url, redis_url=REDIS_URL, run="restart",
                              admin_token=env.settings.admin_token.get_secret_value(), key_prefix=env.prefix)
-    got = be2.poll()
+    got = be2.collect().results
     assert sorted(r.seed for r in got) == [1, 2, 3, 4] and be2.reader.pending() == 0
-    assert be2.poll() == []
+    assert be2.collect().results == []
     be2.close()
 
 
@@ -278,10 +279,11 @@ def _celery_kwargs(queue: str) -> list[dict]:
     return out
 
 
-def test_block_scaled_and_along_update_match_in_process(env):
+def test_block_scaled_along_update_and_group_match_in_process(env):
     """Tasks taken off the real Celery queue, evaluated by the worker runtime, give bit-identical L+, L-, L0
-    (and the trainer-side scale) to InProcessBackend for block-scaled and along-update rounds."""
-    from trainer.zo.backend import InProcessBackend, ProbeKind
+    (and the trainer-side scale) to InProcessBackend for block-scaled, along-update and group rounds."""
+    from trainer.zo.backend import InProcessBackend
+    from trainer.zo.probes import ProbeKind
 
     model = tiny_model(seed=6)
     be = env.backend(model, "kinds", seeds_per_task=2)
@@ -297,24 +299,30 @@ def test_block_scaled_and_along_update_match_in_process(env):
     n_blocks = len(list(model.named_parameters()))
     batch = make_batch(7)
     rounds = [
-        ProbeRound("k-bs", 1, batch, eps=1e-2, seeds=(11, 12, 13), want_clean=True, kind=ProbeKind.BLOCK_SCALED),
-        ProbeRound("k-au", 1, batch, eps=1e-2, seeds=(0, 1, 2, n_blocks - 1), want_clean=True,
+        RoundSpec("k-bs", 1, batch, eps=1e-2, seeds=(11, 12, 13), want_clean=True, kind=ProbeKind.BLOCK_SCALED),
+        RoundSpec("k-au", 1, batch, eps=1e-2, seeds=(0, 1, 2, n_blocks - 1), want_clean=True,
                    kind=ProbeKind.ALONG_UPDATE, base_version=0),
+        RoundSpec("k-g", 1, batch, eps=1e-2, seeds=(21, 22), dist="gauss8", want_clean=True, kind=ProbeKind.GROUP,
+                  group=(0, 3, n_blocks - 1)),
     ]
     client, wid = env.worker("w0")
     metrics = WorkerMetrics(CollectorRegistry())
     runtime = ProbeRuntime(client, wid, WeightCache(client, env.tmp / "wc", metrics=metrics), metrics)
+    seen = {}
     for rnd in rounds:
         be.submit(rnd)
         for kwargs in _celery_kwargs(f"{env.prefix}.probe.kinds"):
             assert run_probe(runtime, DrainState(), metrics, kwargs) == "done"
-        got = {r.seed: r for r in be.poll(rnd.round_id)}
+        got = {r.seed: r for r in be.collect(rnd.round_id).results}
         ref.submit(rnd)
-        want = {r.seed: r for r in ref.poll(rnd.round_id)}
+        want = {r.seed: r for r in ref.collect(rnd.round_id).results}
         assert set(got) == set(rnd.seeds) == set(want)
         for s in rnd.seeds:
             g, w = got[s], want[s]
             assert (g.l_plus, g.l_minus, g.l0, g.scale) == (w.l_plus, w.l_minus, w.l0, w.scale)
+        seen[rnd.round_id] = got, want
+    assert all(r.l_plus != r.l_minus for r in seen["k-g"][0].values())
+    got, want = seen["k-au"]
     flat = [got[s] for s in (1, 2) if want[s].scale == 0.0]
     assert flat and all(r.l_plus == r.l_minus == r.l0 for r in flat)  # unmoved blocks probe flat
     assert got[0].scale > 0 and got[0].l_plus != got[0].l_minus
@@ -351,12 +359,12 @@ def test_seed_ledger_versions_replay_bit_exact(env):
     v0 = cache.get("ledger", 0)
     assert any(not torch.equal(a, b) for (_, a), (_, b) in zip(_params(v2.model), _params(v0.model)))
     batch = make_batch(9)
-    be.submit(ProbeRound("l-0", 2, batch, eps=1e-3, seeds=(5, 6), dist="rademacher", want_clean=True))
+    be.submit(RoundSpec("l-0", 2, batch, eps=1e-3, seeds=(5, 6), dist="rademacher", want_clean=True))
     runtime = ProbeRuntime(client, wid, cache, metrics)
     for kwargs in _celery_kwargs(f"{env.prefix}.probe.ledger"):
         assert run_probe(runtime, DrainState(), metrics, kwargs) == "done"
     ev = ProbeEvaluator(model, lambda m, b: lm_loss(m, b[0], b[1]))
-    got = be.poll("l-0")
+    got = be.collect("l-0").results
     assert sorted(r.seed for r in got) == [5, 6]
     for r in got:
         assert (r.l_plus, r.l_minus, r.l0) == (ev.loss(batch, r.seed, 1e-3, "rademacher"),

@@ -24,11 +24,12 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from coordinator.messages import RunSpec
+from fleet.backend import CoordinatorBackend
 from kernels import ProbeEvaluator
-from trainer.coordinator_backend import CoordinatorBackend
 from trainer.models.gpt2 import init_gpt2_weights_
 from trainer.train import lm_loss
-from trainer.zo.backend import InProcessBackend, ProbeRound
+from trainer.zo.backend import InProcessBackend
+from trainer.zo.probes import RoundSpec
 
 REDIS_URL = "redis://127.0.0.1:6379/12"
 ROOT = Path(__file__).resolve().parents[1]
@@ -214,11 +215,11 @@ def test_fleet_equals_in_process(fleet):
         be.publish(version)
         ref.publish(version)
         seeds = tuple(range(1000 + 10 * version, 1008 + 10 * version))
-        rnd = ProbeRound(f"eq-{version}", version, batch, eps=1e-2, seeds=seeds, dist=dist, want_clean=True)
+        rnd = RoundSpec(f"eq-{version}", version, batch, eps=1e-2, seeds=seeds, dist=dist, want_clean=True)
         be.submit(rnd)
-        fleet_res = _by_seed(be.poll(rnd.round_id))
+        fleet_res = _by_seed(be.collect(rnd.round_id).results)
         ref.submit(rnd)
-        ref_res = _by_seed(ref.poll(rnd.round_id))
+        ref_res = _by_seed(ref.collect(rnd.round_id).results)
         assert set(fleet_res) == set(seeds)
         ev = ProbeEvaluator(model, loss_fn)
         for s in seeds:
@@ -228,7 +229,7 @@ def test_fleet_equals_in_process(fleet):
             assert f.l_plus != f.l_minus  # the perturbation really moved the loss
             assert f.worker in ids
         ev.close()
-    assert be.poll() == []  # nothing delivered twice
+    assert be.collect().results == []  # nothing delivered twice
     be.close()
 
 
@@ -246,8 +247,8 @@ def test_elastic_drain_and_join(fleet):
     fleet.start_worker("c")
     id_c = fleet.wait_consuming("c")
     seeds = tuple(range(2000, 2024))
-    be.submit(ProbeRound("el-0", 0, batch, eps=1e-2, seeds=seeds, dist="gauss8"))
-    res = _by_seed(be.poll("el-0"))
+    be.submit(RoundSpec("el-0", 0, batch, eps=1e-2, seeds=seeds, dist="gauss8"))
+    res = _by_seed(be.collect("el-0").results)
     assert set(res) == set(seeds)
     workers = {r.worker for r in res.values()}
     assert id_a not in workers and id_c in workers and workers <= {id_b, id_c}
@@ -261,8 +262,8 @@ def test_elastic_drain_and_join(fleet):
     for name in ("b", "c"):
         fleet.wait(lambda name=name: fleet.metric(name, "sparecycles_worker_draining") == 1.0, f"worker {name} drained")
     seeds = tuple(range(2100, 2108))
-    be.submit(ProbeRound("el-1", 0, batch, eps=1e-2, seeds=seeds, dist="rademacher"))
-    res = _by_seed(be.poll("el-1"))
+    be.submit(RoundSpec("el-1", 0, batch, eps=1e-2, seeds=seeds, dist="rademacher"))
+    res = _by_seed(be.collect("el-1").results)
     assert set(res) == set(seeds) and {r.worker for r in res.values()} == {id_a}
     for name in ("b", "c"):
         fleet.workers[name].send_signal(signal.SIGUSR2)
@@ -284,7 +285,7 @@ def test_lying_worker_is_quarantined_and_never_used(fleet):
     for name in ids:
         fleet.wait(lambda name=name: fleet.metric(name, "sparecycles_worker_draining") == 1.0, f"{name} draining")
     seeds = (4000, 4001, 4002)
-    rnd = ProbeRound("t-0", 0, batch, eps=1e-2, seeds=seeds, dist="gauss8")
+    rnd = RoundSpec("t-0", 0, batch, eps=1e-2, seeds=seeds, dist="gauss8")
     be.submit(rnd)
     enroll = httpx.Client(base_url=fleet.url, headers={"Authorization": f"Bearer {fleet.enroll_token}"})
     reg = enroll.post("/v1/workers", json={"name": "liar"}).json()
@@ -294,10 +295,10 @@ def test_lying_worker_is_quarantined_and_never_used(fleet):
     assert liar.post("/v1/runs/trust/results", json={"results": lies}).json()["outcomes"] == ["held"] * 3
     for wid in ids.values():
         fleet.admin.post(f"/v1/workers/{wid}/resume")
-    res = _by_seed(be.poll("t-0"))
+    res = _by_seed(be.collect("t-0").results)
     ref = InProcessBackend(model, loss_fn)
     ref.submit(rnd)
-    truth = _by_seed(ref.poll("t-0"))
+    truth = _by_seed(ref.collect("t-0").results)
     assert set(res) == set(seeds)
     for s in seeds:
         assert (res[s].l_plus, res[s].l_minus) == (truth[s].l_plus, truth[s].l_minus)
@@ -319,7 +320,7 @@ def test_sigkill_mid_round_loses_nothing(fleet):
     be.publish(0)
     batch = make_batch(8, 48, seed=3)
     seeds = tuple(range(3000, 3024))
-    be.submit(ProbeRound("k-0", 0, batch, eps=1e-2, seeds=seeds, dist="gauss8", want_clean=True))
+    be.submit(RoundSpec("k-0", 0, batch, eps=1e-2, seeds=seeds, dist="gauss8", want_clean=True))
     log_b = fleet.tmp / "b.log"
     fleet.wait(lambda: log_b.read_text().count("round k-0 seeds") >= 1, "worker b to finish a task")
     fleet.wait(lambda: log_b.read_text().rsplit("round k-0 seeds", 1)[1].count("] received") >= 1,
@@ -328,7 +329,7 @@ def test_sigkill_mid_round_loses_nothing(fleet):
     fleet.workers["b"].wait(timeout=10)
     tail = log_b.read_text().rsplit("] received", 1)[1]
     assert "succeeded" not in tail  # b died inside a task, before acknowledging it
-    res = _by_seed(be.poll("k-0"))
+    res = _by_seed(be.collect("k-0").results)
     assert set(res) == set(seeds)
     l0s = {r.l0 for r in res.values()}
     assert len(l0s) == 1  # every worker computed the same clean loss
@@ -348,7 +349,7 @@ def test_coordinator_restart_mid_round_loses_and_doubles_nothing(fleet):
     be.publish(0)
     batch = make_batch(4, 32, seed=7)
     seeds = tuple(range(5000, 5040))
-    rnd = ProbeRound("rs-0", 0, batch, eps=1e-2, seeds=seeds, dist="rademacher", want_clean=True)
+    rnd = RoundSpec("rs-0", 0, batch, eps=1e-2, seeds=seeds, dist="rademacher", want_clean=True)
     be.submit(rnd)
     stream_key = f"{fleet.prefix}:{{restart}}:results"
     fleet.wait(lambda: fleet.r.xlen(stream_key) >= 2, "first results")
@@ -357,11 +358,11 @@ def test_coordinator_restart_mid_round_loses_and_doubles_nothing(fleet):
     assert fleet.r.xlen(stream_key) < len(seeds)  # the round really was cut mid-way
     fleet.start_coordinator()
     fleet.wait(fleet._ready, "restarted coordinator")
-    res = _by_seed(be.poll("rs-0"))
+    res = _by_seed(be.collect("rs-0").results)
     assert set(res) == set(seeds)
     ref = InProcessBackend(model, loss_fn)
     ref.submit(rnd)
-    for r in ref.poll("rs-0"):
+    for r in ref.collect("rs-0").results:
         assert (res[r.seed].l_plus, res[r.seed].l_minus, res[r.seed].l0) == (r.l_plus, r.l_minus, r.l0)
     accepted = [e for _, e in fleet.r.xrange(stream_key) if '"accepted"' in e["e"]]
     assert len(accepted) == len(seeds)

@@ -9,14 +9,15 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from coordinator.messages import ShardRef, VersionManifest
+from fleet.backend import manifest_config
 from kernels import ProbeEvaluator
-from probe_worker import probes
 from probe_worker.cache import build_from_tensors
-from trainer.coordinator_backend import manifest_config
 from trainer.models.gpt2 import init_gpt2_weights_
 from trainer.models.params import param_order_hash
 from trainer.train import lm_loss
-from trainer.zo.backend import InProcessBackend, ProbeKind, ProbeRound
+from trainer.zo import probes
+from trainer.zo.backend import InProcessBackend
+from trainer.zo.probes import ProbeKind, RoundSpec
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -59,27 +60,25 @@ def test_worker_probe_path_on_cuda_matches_in_process(dtype):
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 512, (4, 33), generator=g)
     batch = (tokens[:, :-1].cuda(), tokens[:, 1:].cuda())
-    params1, params0 = probes.blocks(w1), probes.blocks(w0)
+    params1, params0 = probes.canonical_blocks(w1), probes.canonical_blocks(w0)
 
     def wloss(new):
         return probes.swapped_loss(w1, params1, loss_fn, batch, new)
 
     ev = ProbeEvaluator(w1, loss_fn)
+    # the worker's site (probe_worker.runtime): blocks of the loaded version, u_b from the loaded base
+    site = probes.ProbeSite(params1, wloss, lambda s, a, d: ev.loss(batch, s, a, d),
+                            lambda b: params1[b].param.detach().float() - params0[b].param.detach().float())
     fc = [n for n, _ in model.named_parameters()].index("transformer.h.1.mlp.c_fc.weight")
-    cases = [
-        (ProbeRound("s", 1, batch, 1e-2, (3, 4), "gauss8", want_clean=True),
-         lambda s: (ev.loss(batch, s, 1e-2, "gauss8"), ev.loss(batch, s, -1e-2, "gauss8"))),
-        (ProbeRound("b", 1, batch, 1e-2, (5, 6), want_clean=True, kind=ProbeKind.BLOCK_SCALED),
-         lambda s: (wloss(probes.block_scaled_weights(params1, s, 1e-2)),
-                    wloss(probes.block_scaled_weights(params1, s, -1e-2)))),
-        (ProbeRound("a", 1, batch, 1e-2, (0, fc), want_clean=True, kind=ProbeKind.ALONG_UPDATE,
-                    base_version=0),
-         lambda s: probes.along_update(params1, params0, s, 1e-2, wloss, wloss(None))[:2]),
-    ]
-    for rnd, worker in cases:
+    rounds = [RoundSpec("s", 1, batch, 1e-2, (3, 4), "gauss8", want_clean=True),
+              RoundSpec("b", 1, batch, 1e-2, (5, 6), want_clean=True, kind=ProbeKind.BLOCK_SCALED),
+              RoundSpec("a", 1, batch, 1e-2, (0, fc), want_clean=True, kind=ProbeKind.ALONG_UPDATE, base_version=0),
+              RoundSpec("g", 1, batch, 1e-2, (7,), "gauss8", want_clean=True, kind=ProbeKind.GROUP, group=(1, fc))]
+    for rnd in rounds:
         ref.submit(rnd)
-        for r in ref.poll(rnd.round_id):
-            assert worker(r.seed) == (r.l_plus, r.l_minus)
+        for r in ref.collect(rnd.round_id).results:
+            worker = probes.probe_losses(site, rnd.kind, r.seed, rnd.eps, rnd.dist, rnd.group, ev.clean_loss(batch))
+            assert worker == (r.l_plus, r.l_minus, r.scale)
             assert ev.clean_loss(batch) == r.l0
-    moved = probes.along_update(params1, params0, fc, 1e-2, wloss, None)
+    moved = probes.probe_losses(site, ProbeKind.ALONG_UPDATE, fc, 1e-2, "rademacher")
     assert moved[2] > 0 and moved[0] != moved[1]  # the probe really ran along the moved block

@@ -93,7 +93,7 @@ def test_block_refresh_folds_the_block_trace_estimate_of_exact_probe_curvatures(
 
 def test_stale_rounds_dropped_and_counted_end_to_end():
     model = QuadraticModel(SIZES, seed=5)
-    late = InProcessBackend(model, quad_loss, delay_rounds=2)  # results arrive two versions late
+    late = InProcessBackend(model, quad_loss, delay_rounds=2, staleness=1)  # results arrive two versions late
     opt = ZOCurvBlockAdamW(model.parameters(), probes=2, staleness=1)
     for v in range(5):
         stats = opt.refresh_curvature(late, None, version=v)

@@ -24,11 +24,9 @@ def param_offsets(model: torch.nn.Module) -> list[int]:
 
     offsets[k + 1] - offsets[k] == numel of parameter k.
     """
-    offsets, total = [], 0
-    for _, p in canonical_parameters(model):
-        offsets.append(total)
-        total += p.numel()
-    return offsets
+    from kernels import canonical_offsets
+
+    return [o for _, _, o in canonical_offsets(model)]
 
 
 def num_params(model: torch.nn.Module) -> int:

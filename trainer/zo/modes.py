@@ -16,6 +16,7 @@ import torch
 from trainer.config import TrainConfig
 from trainer.zo.backend import InProcessBackend, ProbeBackend
 from trainer.zo.optimizers import ZOCurvBlockAdamW, ZOCurvLine, ZOCurvSophia
+from trainer.zo.probes import canonical_blocks
 from trainer.zo.zo_step import ZOStepper
 
 ZOCURV = ("zocurv-block", "zocurv-sophia", "zocurv-line")
@@ -34,7 +35,7 @@ def lm_batch_loss(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tenso
 def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
     """The ZO-Curv optimizer of `cfg.optimizer`, weight decay on matrices only (as AdamWMode), blocks in
     canonical order. Raises ValueError for a non-ZO-Curv optimizer name."""
-    canonical = [p for _, p in model.named_parameters()]
+    canonical = [b.param for b in canonical_blocks(model)]
     groups = [{"params": [p for p in canonical if p.dim() >= 2], "weight_decay": cfg.weight_decay},
               {"params": [p for p in canonical if p.dim() < 2], "weight_decay": 0.0}]
     common = {"blocks": canonical, "staleness": cfg.staleness, "probe_eps": cfg.eps, "seed": cfg.seed}
@@ -60,7 +61,8 @@ class ZOCurvMode:
         self.cfg, self.model, self.loss_fn = cfg, model, loss_fn
         self.optimizer = build_optimizer(cfg, model)
         self.line = isinstance(self.optimizer, ZOCurvLine)
-        self.backend = backend or InProcessBackend(model, loss_fn, history=2 if self.line else 0)
+        self.backend = backend or InProcessBackend(model, loss_fn, history=2 if self.line else 0,
+                                                   staleness=cfg.staleness)
         self.train_forwards = 0
 
     def _probe_batch(self, batch: Any) -> Any:
@@ -113,13 +115,13 @@ class ZOCurvMode:
         self.train_forwards = int(meta.get("train_forwards", 0))
         self.backend.forward_passes = int(meta.get("probe_forwards", 0))
         if self.line and "line_prev_version" in meta:
-            n = len(self.backend.params)
+            n = len(self.backend.block_sizes)
             self.backend.snapshots = {int(meta["line_prev_version"]): [tensors[f"line_prev/{i}"] for i in range(n)]}
 
 
 class PureZOMode:
     """MeZO / 1SPSA / 1.5-SPSA step (trainer.zo.zo_step.ZOStepper) through a ProbeBackend: in process by
-    default; the fleet's CoordinatorBackend under `sparecycles up` (LM or sentiment task), where each step's
+    default; the fleet's fleet.backend.CoordinatorBackend under `sparecycles up` (LM or sentiment task), where each step's
     update travels to the workers as a seed-ledger entry."""
 
     optimizer = None

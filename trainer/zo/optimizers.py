@@ -4,7 +4,8 @@ All three are `torch.optim.Optimizer`s with AdamW semantics (decoupled weight de
 moments, Loshchilov & Hutter 2019), keep fp32 master weights in their state when a parameter is not
 fp32, and add `refresh_curvature(backend, batch, version) -> stats`, which the training loop calls
 every `curvature_interval` steps: it submits a probe round, folds every result that has arrived into a
-versioned `CurvatureState` (staleness bound S, deduplication) and returns scalars to log.
+versioned `CurvatureState` (staleness bound S on rounds; the backend judges single results) and returns
+scalars to log.
 
 Blocks are parameter tensors in canonical order (`list(model.named_parameters())`); pass that list as
 `blocks` when the param groups reorder them (e.g. decay / no-decay groups).
@@ -13,15 +14,16 @@ Blocks are parameter tensors in canonical order (`list(model.named_parameters())
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from kernels import direction, dist_moments
 from trainer.zo import estimators as est
-from trainer.zo.backend import ProbeBackend, ProbeKind, ProbeResult, ProbeRound, losses
+from trainer.zo.backend import Collected, ProbeBackend, losses
 from trainer.zo.curvature import CurvatureState, Outcome
+from trainer.zo.probes import ProbeKind, RoundSpec, SeedResult
 
 _FP32_LOSS_ULP = 2.0**-24  # relative rounding of an fp32 loss value
 
@@ -45,8 +47,8 @@ class _ZOCurvBase(torch.optim.Optimizer):
         self.probes, self.probe_eps, self.seed = probes, probe_eps, seed
         n = sum(self.block_sizes) if curv_size == "coordinate" else len(self.blocks)
         self.curv = CurvatureState(n, beta=curv_beta, staleness=staleness)
-        self._pending: dict[str, ProbeRound] = {}
-        self._arrived: dict[str, dict[int, ProbeResult]] = {}
+        self._pending: dict[str, RoundSpec] = {}
+        self._arrived: dict[str, dict[int, SeedResult]] = {}
         self.dropped_rounds = 0
 
     # ---- fp32 masters ---------------------------------------------------------------------------
@@ -86,12 +88,12 @@ class _ZOCurvBase(torch.optim.Optimizer):
                     self.state[flat[idx]][key] = val.to(device=flat[idx].device, dtype=torch.float32).clone()
 
     # ---- curvature rounds -----------------------------------------------------------------------
-    def _make_round(self, batch: Any, version: int) -> ProbeRound:
+    def _make_round(self, batch: Any, version: int) -> RoundSpec:
         seeds = tuple(est.derive_seed(self.seed, version, k) for k in range(self.probes))
-        return ProbeRound(f"curv-{version}", version, batch, self.probe_eps, seeds, "rademacher",
+        return RoundSpec(f"curv-{version}", version, batch, self.probe_eps, seeds, "rademacher",
                           want_clean=True, kind=ProbeKind.BLOCK_SCALED)
 
-    def _contribution(self, r: ProbeRound, res: list[ProbeResult]) -> tuple[torch.Tensor, dict[str, float]]:
+    def _contribution(self, r: RoundSpec, res: list[SeedResult]) -> tuple[torch.Tensor, dict[str, float]]:
         """Per-block mean diagonal curvature D_b = T̂_b / n_b from a block-scaled round, (B,) float64."""
         lp, lm, l0 = losses(res)
         h = est.curvature(lp, lm, l0, r.eps)
@@ -104,33 +106,38 @@ class _ZOCurvBase(torch.optim.Optimizer):
     def refresh_curvature(self, backend: ProbeBackend, batch: Any, version: int) -> dict[str, float]:
         """Submit a probe round at `version` on `batch` and fold every completed round into the state.
 
-        Results are admitted one by one (stale: version older than current − S; duplicate: same
-        (round, seed)); a round is folded once all its seeds arrived; rounds gone stale before completing
-        are dropped and counted. Returns h mean/std, rounding noise, curvature spread and the counters.
+        The backend hands out results already judged (stale and duplicate ones removed, `intake`); a round
+        is folded once all its seeds arrived; rounds gone stale before completing are dropped and counted. Returns h mean/std, rounding noise, curvature spread and the counters.
         """
         self.curv.set_version(version)
-        sizes = getattr(backend, "block_sizes", None)
-        if sizes is not None and list(sizes) != self.block_sizes:
+        if list(backend.block_sizes) != self.block_sizes:
             raise ValueError("backend blocks differ from the optimizer's: build both from the same model")
         r = self._make_round(batch, version)
         self._pending[r.round_id] = r
         self._arrived[r.round_id] = {}
         backend.submit(r)
-        return self.intake(backend.poll())
+        return self.intake(backend.collect())
 
-    def intake(self, results: Iterable[ProbeResult]) -> dict[str, float]:
-        """Admit delivered results and fold completed rounds; returns stats of what was folded."""
+    def intake(self, got: Collected) -> dict[str, float]:
+        """Take collected results and fold completed rounds; returns stats of what was folded.
+
+        Which results count was decided by the backend's authority (the coordinator's intake, or
+        InProcessBackend): its counts are added to `curv.counts`. A result of a round this optimizer no
+        longer waits for (closed, or from before a resume) is counted stale.
+        """
         stats: dict[str, float] = {}
-        for x in results:
+        for k in self.curv.counts:
+            self.curv.counts[k] += got.counts.get(k, 0)
+        for x in got.results:
             if x.round_id not in self._pending:
-                self.curv.counts[Outcome.STALE.value] += 1  # round unknown (closed or from before a resume)
+                self.curv.counts[Outcome.STALE.value] += 1
+                self.curv.counts[Outcome.ACCEPTED.value] -= 1
                 continue
-            if self.curv.admit(x.version, (x.round_id, x.seed)) is Outcome.ACCEPTED:
-                self._arrived[x.round_id][x.seed] = x
+            self._arrived[x.round_id][x.seed] = x
         for rid, r in list(self._pending.items()):
-            got = self._arrived[rid]
-            if all(s in got for s in r.seeds):
-                contrib, stats = self._contribution(r, [got[s] for s in r.seeds])
+            got_r = self._arrived[rid]
+            if all(s in got_r for s in r.seeds):
+                contrib, stats = self._contribution(r, [got_r[s] for s in r.seeds])
                 self.curv.fold(contrib)
             elif self.curv.current_version - r.version > self.curv.staleness:
                 self.dropped_rounds += 1
@@ -274,13 +281,13 @@ class ZOCurvSophia(_ZOCurvBase):
                          probes=probes, probe_eps=probe_eps, seed=seed)
         self.offsets = [0, *torch.tensor(self.block_sizes).cumsum(0).tolist()]
 
-    def _make_round(self, batch: Any, version: int) -> ProbeRound:
+    def _make_round(self, batch: Any, version: int) -> RoundSpec:
         if self.granularity == "block":
             return super()._make_round(batch, version)
         seeds = tuple(est.derive_seed(self.seed, version, k) for k in range(self.probes))
-        return ProbeRound(f"curv-{version}", version, batch, self.probe_eps, seeds, "gauss8", want_clean=True)
+        return RoundSpec(f"curv-{version}", version, batch, self.probe_eps, seeds, "gauss8", want_clean=True)
 
-    def _contribution(self, r: ProbeRound, res: list[ProbeResult]) -> tuple[torch.Tensor, dict[str, float]]:
+    def _contribution(self, r: RoundSpec, res: list[SeedResult]) -> tuple[torch.Tensor, dict[str, float]]:
         if self.granularity == "block":
             return super()._contribution(r, res)
         lp, lm, l0 = losses(res)
@@ -350,10 +357,10 @@ class ZOCurvLine(_ZOCurvBase):
                          curv_size="block", curv_beta=curv_beta, staleness=staleness, probes=1,
                          probe_eps=probe_eps, seed=seed)
 
-    def _make_round(self, batch: Any, version: int) -> ProbeRound:
+    def _make_round(self, batch: Any, version: int) -> RoundSpec:
         if version < 1:
             raise ValueError("curvature along the update needs version >= 1 (a step must have been taken)")
-        return ProbeRound(f"line-{version}", version, batch, self.probe_eps, tuple(range(len(self.blocks))),
+        return RoundSpec(f"line-{version}", version, batch, self.probe_eps, tuple(range(len(self.blocks))),
                           want_clean=True, kind=ProbeKind.ALONG_UPDATE, base_version=version - 1)
 
     def _multipliers(self) -> torch.Tensor:
@@ -361,7 +368,7 @@ class ZOCurvLine(_ZOCurvBase):
             return super()._multipliers()
         return self.curv.estimate
 
-    def _contribution(self, r: ProbeRound, res: list[ProbeResult]) -> tuple[torch.Tensor, dict[str, float]]:
+    def _contribution(self, r: RoundSpec, res: list[SeedResult]) -> tuple[torch.Tensor, dict[str, float]]:
         lp, lm, l0 = losses(res)
         g, h = est.slope(lp, lm, r.eps), est.curvature(lp, lm, l0, r.eps)
         tau = torch.tensor([x.scale or 0.0 for x in res], dtype=torch.float64)

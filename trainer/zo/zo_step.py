@@ -8,14 +8,14 @@ The decay-then-replay order equals MeZO's θ − lr·(g·z + wd·θ) with wd eva
 
 from __future__ import annotations
 
-import itertools
 from typing import Any, Literal
 
 import torch
 
 from kernels import replay_model
 from trainer.zo import estimators as est
-from trainer.zo.backend import ProbeBackend, ProbeRound, collect_round_counted, losses
+from trainer.zo.backend import COUNT_KEYS, ProbeBackend, collect_round, losses
+from trainer.zo.probes import RoundSpec, canonical_blocks
 
 Method = Literal["mezo", "1spsa", "1.5spsa"]
 METHOD_DIST = {"mezo": "gauss8", "1spsa": "rademacher", "1.5spsa": "rademacher"}
@@ -70,24 +70,25 @@ class ZOStepper:
         self.k = 1 if method == "mezo" else probes
         self.eps, self.alpha, self.lam, self.weight_decay = eps, alpha, lam, weight_decay
         self.timeout_s = timeout_s
-        self.counts = {"accepted": 0, "stale": 0, "duplicate": 0}
+        self.counts = dict.fromkeys(COUNT_KEYS, 0)
         self.dist = METHOD_DIST[method]
-        self.params = [p for _, p in model.named_parameters()]
-        self.offsets = list(itertools.accumulate((p.numel() for p in self.params), initial=0))[:-1]
+        blocks = canonical_blocks(model)
+        self.params = [b.param for b in blocks]
+        self.offsets = [b.offset for b in blocks]
         self.masters = [p.detach().float().clone() if p.dtype != torch.float32 else p.data for p in self.params]
         self.forward_passes = 0
 
-    def probe_round(self, step: int, batch: Any) -> ProbeRound:
+    def probe_round(self, step: int, batch: Any) -> RoundSpec:
         """The round of step `step`: K seeded probes at version `step`, clean pass for 1.5-SPSA."""
         seeds = tuple(est.step_seeds(self.run_seed, step, self.k))
-        return ProbeRound(f"zo-{step}", step, batch, self.eps, seeds, self.dist,
+        return RoundSpec(f"zo-{step}", step, batch, self.eps, seeds, self.dist,
                           want_clean=self.method == "1.5spsa")
 
     @torch.no_grad()
     def step(self, step: int, batch: Any, backend: ProbeBackend, lr: float) -> dict[str, float]:
         """One ZO step at version `step`; returns loss (L0, or mean of L± without a clean pass) and stats."""
         r = self.probe_round(step, batch)
-        res, counts = collect_round_counted(backend, r, self.timeout_s)
+        res, counts = collect_round(backend, r, self.timeout_s)
         for k, v in counts.items():
             self.counts[k] += v
         lp, lm, l0 = losses(res)
@@ -112,20 +113,17 @@ class ZOStepper:
 
     def _publish_ledger(self, backend: ProbeBackend, step: int, seeds: list[int], coeffs: list[float],
                         scale: float) -> None:
-        """Publish version step + 1 as a seed-ledger entry on a backend that takes them (the fleet's
+        """Publish version step + 1 as a seed-ledger entry on a backend that keeps them (the fleet's
         CoordinatorBackend: bytes instead of a snapshot per step; workers replay it bit-identically).
 
         Only when the entry is exact: every parameter is fp32 (workers replay onto fp32 masters) and the
         backend's last published version is `step` (else the next round publishes a snapshot, e.g. after
         a resume). The decay multiplies matrices only, as in `step`, hence scale_min_dim=2.
         """
-        publish = getattr(backend, "publish_ledger", None)
-        published = getattr(backend, "published", None)
-        if publish is None or not published or published[-1] != step:
+        if backend.latest_version != step or any(p.dtype != torch.float32 for p in self.params):
             return
-        if any(p.dtype != torch.float32 for p in self.params):
-            return
-        publish(step + 1, seeds, coeffs, self.dist, scale=scale if self.weight_decay else 1.0, scale_min_dim=2)
+        backend.publish_ledger(step + 1, seeds, coeffs, self.dist, scale=scale if self.weight_decay else 1.0,
+                               scale_min_dim=2)
 
     def state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """(tensors, JSON) for checkpoints: fp32 masters of non-fp32 params, forward-pass count."""

@@ -1,4 +1,6 @@
-"""REST client of a probe worker: the coordinator calls it makes, each with a timeout and bounded retries.
+"""The one HTTP client of the coordinator's REST API, used by probe workers and by the trainer's fleet backend.
+
+Torch-free. Every call has a timeout (connect, read, write, pool) and bounded retries.
 
 Transient failures (connection errors, timeouts, HTTP 429 and 5xx) are retried with exponential
 backoff (tenacity) up to `attempts` times; other HTTP errors are raised at once as `CoordinatorHTTPError`
@@ -21,11 +23,15 @@ from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_expo
 
 from coordinator.messages import (
     Attestation,
+    BlobInfo,
     Heartbeat,
     HeartbeatReply,
     IntakeReply,
+    ProbeRound,
     ResultBatch,
+    RoundInfo,
     RunInfo,
+    RunSpec,
     SeedLedgerEntry,
     VersionManifest,
     WorkerRegistered,
@@ -56,6 +62,9 @@ def is_transient(exc: BaseException) -> bool:
 
 class CoordinatorClient:
     """Synchronous coordinator client for one identity (a worker token or the admin token).
+
+    Worker calls (register, heartbeat, attest, post_results, blobs) and the trainer's admin calls
+    (create_run, put_blob, post_version, post_ledger, post_round, round_info) share the retry policy.
 
     Args:
         base_url: coordinator root, e.g. "http://127.0.0.1:8000".
@@ -105,12 +114,20 @@ class CoordinatorClient:
         return {"Authorization": f"Bearer {tok}"} if tok else {}
 
     def request(self, method: str, path: str, *, json: Any = None, token: str | None = None,
-                params: dict[str, Any] | None = None) -> httpx.Response:
-        """One request with retries; returns the 2xx response or raises CoordinatorHTTPError/httpx errors."""
+                params: dict[str, Any] | None = None, content: bytes | None = None,
+                accept: tuple[int, ...] = ()) -> httpx.Response:
+        """One request with retries; returns the response, or raises CoordinatorHTTPError/httpx errors.
+
+        `content` sends raw bytes (application/octet-stream) instead of JSON; error statuses listed in
+        `accept` (e.g. 409 for "already exists") are returned instead of raised.
+        """
+        headers = self._headers(token)
+        if content is not None:
+            headers["Content-Type"] = "application/octet-stream"
 
         def once() -> httpx.Response:
-            r = self._http.request(method, path, json=json, params=params, headers=self._headers(token))
-            if r.status_code >= 400:
+            r = self._http.request(method, path, json=json, params=params, content=content, headers=headers)
+            if r.status_code >= 400 and r.status_code not in accept:
                 raise CoordinatorHTTPError(method, path, r.status_code, r.text)
             return r
 
@@ -156,6 +173,33 @@ class CoordinatorClient:
         """`POST /v1/runs/{run}/results`: report one task's results; returns the per-result outcomes."""
         r = self.request("POST", f"/v1/runs/{run}/results", json=batch.model_dump(mode="json"))
         return IntakeReply.model_validate_json(r.content)
+
+    # ---- trainer (admin) calls ------------------------------------------------------------------------
+
+    def create_run(self, spec: RunSpec) -> bool:
+        """`POST /v1/runs`; True if created, False if a run of that id exists already (409)."""
+        return self.request("POST", "/v1/runs", json=spec.model_dump(mode="json"), accept=(409,)).status_code != 409
+
+    def put_blob(self, sha256: str, data: bytes) -> BlobInfo:
+        """`PUT /v1/blobs/{sha256}`: upload `data` under its content address (idempotent)."""
+        return BlobInfo.model_validate_json(self.request("PUT", f"/v1/blobs/{sha256}", content=data).content)
+
+    def post_version(self, manifest: VersionManifest) -> None:
+        """`POST /v1/runs/{run}/versions`: register a weight snapshot whose shards are uploaded."""
+        self.request("POST", f"/v1/runs/{manifest.run}/versions", json=manifest.model_dump(mode="json"))
+
+    def post_ledger(self, entry: SeedLedgerEntry) -> None:
+        """`POST /v1/runs/{run}/ledger`: register a pure-ZO version as a seed-ledger entry."""
+        self.request("POST", f"/v1/runs/{entry.run}/ledger", json=entry.model_dump(mode="json"))
+
+    def post_round(self, rnd: ProbeRound) -> RoundInfo:
+        """`POST /v1/runs/{run}/rounds`: open a probe round (the coordinator dispatches its tasks)."""
+        r = self.request("POST", f"/v1/runs/{rnd.run}/rounds", json=rnd.model_dump(mode="json"))
+        return RoundInfo.model_validate_json(r.content)
+
+    def round_info(self, run: str, round_id: str) -> RoundInfo:
+        """`GET /v1/runs/{run}/rounds/{round_id}`: a round's progress and intake counts."""
+        return RoundInfo.model_validate_json(self.request("GET", f"/v1/runs/{run}/rounds/{round_id}").content)
 
     def download_blob(self, sha256: str, dest: Path) -> int:
         """Stream `GET /v1/blobs/{sha256}` into `dest` (atomically), verifying the hash; return its size.

@@ -1,0 +1,312 @@
+"""`CoordinatorBackend`: the `ProbeBackend` (trainer/zo/backend.py) over the coordinator and its fleet.
+
+- `publish(version)` writes the model's canonical parameters as safetensors shards (content-addressed by
+  sha256), uploads the shards the blob store lacks and registers a `VersionManifest`.
+- `submit(round)` uploads the round's batch once (by content hash) and posts a wire `ProbeRound`; the
+  coordinator turns it into Celery tasks for the probe workers.
+- `collect(round_id)` reads accepted results from the run's Redis Stream through a consumer group
+  (coordinator.stream.ResultStreamReader), honours retractions and drops, and acknowledges entries only
+  when it hands them out, so a trainer restart loses nothing. Stale and duplicate results never reach
+  the stream: the coordinator's intake decides them, and its per-round counts (RoundInfo) are returned.
+
+Every HTTP call goes through coordinator.client.CoordinatorClient (timeouts, bounded tenacity retries).
+Wire formats shared with probe_worker: a round's batch is a versioned safetensors blob (fleet.batch_wire:
+`lm/1` for causal LMs, `classifier/1` for sequence classifiers; the kind follows from the model class).
+All probe kinds travel (trainer.zo.probes); the `scale` of along_update results is computed here
+(probes.update_rms) from fp32 snapshots of the published versions (the wire ProbeResult has no scale).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections import Counter
+from typing import Any
+
+import torch
+
+from coordinator.client import CoordinatorClient
+from coordinator.messages import ProbeRound, RunSpec, SeedLedgerEntry, ShardRef, VersionManifest
+from fleet import batch_wire
+from fleet.batch_wire import BatchKind
+from trainer.zo import probes
+from trainer.zo.backend import COUNT_KEYS, Collected
+from trainer.zo.probes import ProbeKind, RoundSpec, SeedResult
+
+RECENT_ROUNDS = 4  # rounds whose intake counts every collect asks the coordinator for
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def write_shards(model: torch.nn.Module, shard_bytes: int = 256 << 20) -> list[tuple[str, bytes]]:
+    """Split the canonical parameters into safetensors shards of about `shard_bytes` bytes each.
+
+    Returns [(name, bytes)] with names "shard-00000.safetensors", ... in canonical order; a parameter is
+    never split. Serialisation is deterministic, so equal weights give equal bytes (and sha256).
+    """
+    from safetensors.torch import save
+
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for b in probes.canonical_blocks(model):
+        nbytes = b.numel * b.param.element_size()
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][b.name] = b.param.detach().cpu().contiguous()
+        size += nbytes
+    return [(f"shard-{i:05d}.safetensors", save(s)) for i, s in enumerate(shards)]
+
+
+def manifest_config(model: torch.nn.Module) -> dict[str, Any]:
+    """The JSON model config a manifest carries: the HF config dict plus its attention implementation."""
+    cfg = json.loads(model.config.to_json_string(use_diff=False))
+    cfg["attn_implementation"] = model.config._attn_implementation or "sdpa"
+    return cfg
+
+
+def wire_round(r: RoundSpec, run: str, batch_sha256: str) -> ProbeRound:
+    """The wire form of a round whose batch is uploaded as `batch_sha256` (schema 2 only for group rounds)."""
+    group = ProbeKind(r.kind) is ProbeKind.GROUP
+    return ProbeRound(
+        schema_version=2 if group else 1, run=run, round_id=r.round_id, version=r.version,
+        batch_sha256=batch_sha256, eps=float(r.eps), distribution=str(r.dist), seeds=[int(s) for s in r.seeds],
+        want_clean=r.want_clean, kind=ProbeKind(r.kind).value, base_version=r.base_version,
+        blocks=[int(b) for b in r.group] if group else None,
+    )
+
+
+class CoordinatorBackend:
+    """ProbeBackend whose rounds are evaluated by the coordinator's probe workers.
+
+    Args:
+        model: the trained module (its current weights are what `publish` sends).
+        coordinator_url: e.g. "http://127.0.0.1:8000". admin_token: the coordinator's admin token.
+        redis_url: Redis holding the coordinator's state (the results stream).
+        run: a RunSpec (created if absent) or the id of an existing run.
+        key_prefix: the coordinator's key prefix (settings.key_prefix).
+        consumer: this trainer's consumer name in the stream's group "trainer".
+        round_timeout_s: default wait of `collect(round_id)` for a round to complete, seconds.
+        claim_idle_ms: entries idle this long in another consumer are claimed (a crashed trainer's).
+        shard_bytes: target shard size in bytes. timeout_s / attempts: per request timeout, tries.
+        history: published versions kept as fp32 snapshots here (>= 2 for along_update rounds, whose
+            result `scale` is computed from them).
+    Rounds' batches are encoded as the model class's batch kind (fleet.batch_wire.batch_kind_for_model).
+    Raises ValueError for a model whose parameters mix dtypes, a model class without a probe loss, or a
+    negative history; CoordinatorHTTPError if the run does not exist.
+    """
+
+    def __init__(self, model: torch.nn.Module, *, coordinator_url: str, admin_token: str, redis_url: str,
+                 run: RunSpec | str, key_prefix: str = "sc", consumer: str = "trainer-0",
+                 round_timeout_s: float = 300.0, claim_idle_ms: int = 60_000, shard_bytes: int = 256 << 20,
+                 timeout_s: float = 30.0, attempts: int = 5, history: int = 2) -> None:
+        from coordinator.stream import ResultStreamReader
+
+        if history < 0:
+            raise ValueError("history must be >= 0")
+        dtypes = {p.dtype for p in model.parameters()}
+        if len(dtypes) != 1 or next(iter(dtypes)) not in _DTYPE_NAMES:
+            raise ValueError(f"publishable models have one float dtype of {list(_DTYPE_NAMES.values())}")
+        self.model, self.dtype = model, _DTYPE_NAMES[next(iter(dtypes))]
+        self.blocks = probes.canonical_blocks(model)
+        self.batch_kind: BatchKind = batch_wire.batch_kind_for_model(type(model).__name__)
+        self.round_timeout_s, self.shard_bytes, self.history = round_timeout_s, shard_bytes, history
+        self.client = CoordinatorClient(coordinator_url, admin_token, timeout_s=timeout_s, attempts=attempts)
+        if isinstance(run, RunSpec):
+            self.client.create_run(run)
+            self.run = run.run
+        else:
+            self.run = run
+        self.client.run_info(self.run)  # raises if the run does not exist
+        self.reader = ResultStreamReader(redis_url, self.run, consumer=consumer, key_prefix=key_prefix,
+                                         claim_idle_ms=claim_idle_ms)
+        self.published: list[int] = []
+        self.snapshots: dict[int, list[torch.Tensor]] = {}
+        self.forward_passes = 0  # fleet forward passes behind the results handed out (2 per seed, +1 L0/round)
+        self._uploaded: set[str] = set()
+        self._waiting: dict[str, set[int]] = {}  # round -> seeds not yet handed out (nor dropped)
+        self._buffer: dict[tuple[str, int], tuple[str, SeedResult]] = {}  # (round, seed) -> (entry id, result)
+        self._delivered: set[tuple[str, int]] = set()
+        self._scales: dict[str, dict[int, float]] = {}  # along_update round -> block -> step RMS
+        self._clean_counted: set[str] = set()
+        self._seen: dict[str, tuple[int, int]] = {}  # round -> (stale, duplicate) intake counts reported
+        self._counts: Counter[str] = Counter()  # dropped / retracted since the last collect
+
+    def _upload(self, data: bytes) -> str:
+        sha = hashlib.sha256(data).hexdigest()
+        if sha not in self._uploaded:
+            self.client.put_blob(sha, data)
+            self._uploaded.add(sha)
+        return sha
+
+    def close(self) -> None:
+        """Close the HTTP client and the Redis connection."""
+        self.client.close()
+        self.reader.r.close()
+
+    # ---- ProbeBackend -------------------------------------------------------------------------------
+
+    @property
+    def block_sizes(self) -> list[int]:
+        """numel of each canonical block, in order (as InProcessBackend.block_sizes)."""
+        return probes.block_sizes(self.blocks)
+
+    @property
+    def latest_version(self) -> int | None:
+        """The newest version published (snapshot or ledger entry), None before the first."""
+        return self.published[-1] if self.published else None
+
+    def _snapshot(self, version: int) -> None:
+        self.published.append(version)
+        if self.history:
+            self.snapshots[version] = [b.param.detach().float().clone() for b in self.blocks]
+            for v in sorted(self.snapshots)[: -self.history]:
+                del self.snapshots[v]
+
+    def publish(self, version: int) -> None:
+        """Upload the model's current weights as `version` and register its manifest.
+
+        Raises ValueError if `version` is not newer than the last published one; CoordinatorHTTPError
+        from the coordinator (e.g. 409 when the version exists with other content).
+        """
+        from trainer.models.params import param_order_hash
+
+        if self.published and version <= self.published[-1]:
+            raise ValueError(f"version {version} is not newer than {self.published[-1]}")
+        refs = [ShardRef(name=name, sha256=self._upload(data), bytes=len(data))
+                for name, data in write_shards(self.model, self.shard_bytes)]
+        self.client.post_version(VersionManifest(
+            run=self.run, version=version, parent=self.latest_version, shards=refs,
+            param_order_hash=param_order_hash(self.model), dtype=self.dtype,
+            model_class=type(self.model).__name__, model_config_json=manifest_config(self.model),
+        ))
+        self._snapshot(version)
+
+    def publish_ledger(self, version: int, seeds: list[int], coeffs: list[float], dist: str,
+                       scale: float = 1.0, scale_min_dim: int = 0) -> bool:
+        """Register pure-ZO version `version` as a seed-ledger entry on the last published version:
+        theta_version = scale * theta_parent + sum_k coeffs[k] z(seeds[k]) (bytes, not a snapshot), where
+        `scale` multiplies only parameters with at least `scale_min_dim` dimensions (decoupled weight decay
+        on matrices only: 2). Returns True.
+
+        The caller must have applied exactly that update to the model (fp32, kernels.replay_), so that
+        workers replaying the entry hold bit-identical weights. Raises ValueError unless version is the
+        last published version + 1.
+        """
+        if not self.published or version != self.published[-1] + 1:
+            raise ValueError(f"a ledger entry must follow the last published version "
+                             f"({self.latest_version if self.published else 'none'}) by exactly one")
+        self.client.post_ledger(SeedLedgerEntry(
+            run=self.run, version=version, parent=version - 1, seeds=[int(s) for s in seeds],
+            coeffs=[float(c) for c in coeffs], distribution=dist, scale=float(scale),
+            scale_min_dim=int(scale_min_dim)))
+        self._snapshot(version)
+        return True
+
+    def submit(self, probe_round: RoundSpec) -> None:
+        """Upload the batch (once per content) and open the round on the coordinator; returns at once.
+
+        Like InProcessBackend, a round probes the model's current weights: a round whose version is newer
+        than the last published one publishes the current weights as that version first.
+        Raises ValueError for an along_update round without snapshots, a round at an older version that
+        was never published, a group outside the blocks, or a round id the wire format refuses.
+        """
+        r = probe_round
+        if not self.published or r.version > self.published[-1]:
+            self.publish(r.version)
+        elif r.version not in self.published:
+            raise ValueError(f"version {r.version} was never published (last is {self.published[-1]})")
+        if r.group:
+            probes.check_group(r.group, len(self.blocks))
+        if ProbeKind(r.kind) is ProbeKind.ALONG_UPDATE:
+            missing = {r.version, r.base_version} - set(self.snapshots)
+            if missing:
+                raise ValueError(f"along_update round needs snapshots of versions {sorted(missing)}; construct "
+                                 f"the backend with history >= 2 (have {sorted(self.snapshots)})")
+            # computed now: the trainer keeps publishing while the fleet answers, pruning these snapshots
+            new, base = self.snapshots[r.version], self.snapshots[r.base_version]
+            self._scales[r.round_id] = {int(b): probes.update_rms(new[b] - base[b]) for b in r.seeds}
+        wire = wire_round(r, self.run, self._upload(batch_wire.encode_batch(r.batch, self.batch_kind)))
+        self.client.post_round(wire)
+        self._waiting[r.round_id] = set(wire.seeds)
+        self._seen.setdefault(r.round_id, (0, 0))
+        while len(self._seen) > 4 * RECENT_ROUNDS:
+            del self._seen[next(iter(self._seen))]
+
+    def _drain_stream(self, block_ms: int) -> None:
+        """Buffer the stream's accepted results; apply retractions and drops (the coordinator's decisions)."""
+        acks = []
+        for entry_id, ev in self.reader.read(count=1000, block_ms=block_ms):
+            key = (ev.round_id, ev.seed)
+            if ev.kind == "accepted":
+                if key in self._buffer and self._buffer[key][0] == entry_id:
+                    continue  # our own pending entry re-read (claimed back after idling): still buffered
+                if key in self._buffer or key in self._delivered:
+                    acks.append(entry_id)  # an entry handed out before, re-read after a restart or claim
+                    continue
+                r = ev.result
+                self._buffer[key] = (entry_id, SeedResult(r.round_id, r.seed, r.version, r.l_plus, r.l_minus, r.l0,
+                                                          self._scales.get(r.round_id, {}).get(r.seed), r.worker_id))
+                continue
+            acks.append(entry_id)
+            if ev.kind == "retracted":
+                self._counts["retracted"] += 1
+                if self._buffer.pop(key, None) is None and key in self._delivered:
+                    self._delivered.discard(key)  # already used; a fresh value follows
+                    self._waiting.setdefault(ev.round_id, set()).add(ev.seed)
+            else:
+                self._counts["dropped"] += 1
+                self._waiting.get(ev.round_id, set()).discard(ev.seed)
+        self.reader.ack(acks)
+
+    def _hand_out(self, keys: list[tuple[str, int]]) -> list[SeedResult]:
+        out, acks = [], []
+        for key in keys:
+            entry_id, res = self._buffer.pop(key)
+            self._delivered.add(key)
+            self.forward_passes += 2
+            if res.l0 is not None and key[0] not in self._clean_counted:
+                self._clean_counted.add(key[0])
+                self.forward_passes += 1
+            self._waiting.get(key[0], set()).discard(key[1])
+            out.append(res)
+            acks.append(entry_id)
+        self.reader.ack(acks)
+        return out
+
+    def _intake_counts(self, rounds: set[str]) -> dict[str, int]:
+        """The coordinator's stale/duplicate counts of `rounds` since they were last reported."""
+        out = {"stale": 0, "duplicate": 0}
+        for rid in sorted(rounds & set(self._seen)):  # rounds this backend submitted
+            info = self.client.round_info(self.run, rid)
+            stale, dup = self._seen[rid]
+            out["stale"] += info.stale - stale
+            out["duplicate"] += info.duplicate - dup
+            self._seen[rid] = (info.stale, info.duplicate)
+        return out
+
+    def collect(self, round_id: str | None = None, timeout_s: float = 0.0) -> Collected:
+        """Accepted results not handed out before (only `round_id`'s if given), each (round, seed) once,
+        with the coordinator's counts since the last collect.
+
+        With a `round_id` this backend submitted, waits up to `timeout_s` (0: round_timeout_s) until every
+        seed of the round has arrived or was dropped; otherwise returns what is there now. Counts of
+        `stale` and `duplicate` cover `round_id` and the newest `RECENT_ROUNDS` rounds submitted (late
+        redeliveries land on recent rounds; older ones are no longer asked about).
+        """
+        self._drain_stream(block_ms=1)
+        if round_id is not None and round_id in self._waiting:
+            wait = timeout_s or self.round_timeout_s
+            deadline = time.monotonic() + wait
+            while (self._waiting[round_id] - {s for (r, s) in self._buffer if r == round_id}
+                   and time.monotonic() < deadline):
+                self._drain_stream(block_ms=200)
+        keys = [k for k in self._buffer if round_id is None or k[0] == round_id]
+        results = self._hand_out(keys)
+        counts = dict.fromkeys(COUNT_KEYS, 0)
+        recent = set(list(self._seen)[-RECENT_ROUNDS:])
+        counts.update(self._intake_counts(recent | ({round_id} if round_id is not None else set())))
+        counts.update({k: v for k, v in self._counts.items()})
+        counts["accepted"] = len(results)
+        self._counts.clear()
+        return Collected(results, counts)

@@ -1,0 +1,292 @@
+"""Probe kinds, canonical blocks and the trainer's round/result types: the one meaning of every probe.
+
+A probe of seed s at step ε evaluates L(θ_v ± ε·z) on a round's batch (DESIGN.md §1-§3). The *kind* says
+what z is; `KINDS` holds one entry per kind, and both the in-process backend (trainer.zo.backend) and the
+fleet's workers (probe_worker.runtime) evaluate a seed through `probe_losses`, which is what makes fleet
+results bit-identical to in-process ones.
+
+- ``seeded``: z(seed) of `dist` over all canonical parameters (kernels.ProbeEvaluator, hooks, no copy).
+- ``block_scaled``: z = Σ_b a_b r_b with a = estimators.block_scales(seed) (gauss8, one per block) and r
+  the Rademacher stream of estimators.block_sign_seed(seed) at each element's global offset; block b
+  becomes kernels.perturb(w_b, sign_seed, offset_b, ±ε·a_b, "rademacher") (per-block curvature, §2).
+- ``along_update``: the seed is a block index b; u_b = θ_v[b] − θ_base[b] in fp32, scale = ‖u_b‖/√n_b
+  (norm in float64, `update_rms`), and block b becomes (w_b ± ε·u_b/scale) rounded once to its dtype (unit
+  RMS, so ε means what it means for a unit-variance z). A block that did not move (scale 0) gives
+  L+ = L− = L0. The result carries `scale` so the caller converts back to step units (ZO-Curv (c)).
+- ``group``: z(seed) of `dist` restricted to the canonical blocks G of the round (`group`, sorted block
+  indices), every other block unperturbed: block b ∈ G becomes kernels.perturb(w_b, seed, offset_b, ±ε,
+  dist). For a quadratic, h = (L+ + L− − 2L0)/ε² = z_Gᵀ H_GG z_G, so E[h] = tr(H_GG) for a unit-variance z
+  and tr(H_GG)/n_G estimates the group's mean curvature (ZO-Curv by parameter group).
+
+Non-seeded kinds build perturbed blocks out of place (fp32 math, one rounding to the parameter dtype) and
+swap them in (`param.data = new`) for one forward pass only; the clean storages are never written.
+Canonical blocks are `model.named_parameters()` in order (tied weights once) with the global flat offsets
+of kernels.canonical_offsets, the one place offsets are computed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import torch
+
+from kernels import canonical_offsets, perturb
+from trainer.zo import estimators as est
+
+
+class ProbeKind(str, Enum):
+    """How a round's seeds map to perturbation directions (module docstring); values are the wire names."""
+
+    SEEDED = "seeded"
+    BLOCK_SCALED = "block_scaled"
+    ALONG_UPDATE = "along_update"
+    GROUP = "group"
+
+
+@dataclass(frozen=True)
+class Block:
+    """One canonical parameter block: its name, the live parameter and its global flat offset (elements)."""
+
+    name: str
+    param: torch.nn.Parameter
+    offset: int
+
+    @property
+    def numel(self) -> int:
+        """Number of elements n_b of the block."""
+        return self.param.numel()
+
+
+def canonical_blocks(model: torch.nn.Module) -> list[Block]:
+    """The model's canonical blocks in order (kernels.canonical_offsets: named_parameters, tied once)."""
+    return [Block(n, p, o) for n, p, o in canonical_offsets(model)]
+
+
+def block_sizes(blocks: Sequence[Block]) -> list[int]:
+    """numel of each block, in order."""
+    return [b.numel for b in blocks]
+
+
+@dataclass(frozen=True)
+class RoundSpec:
+    """One round of probes sharing a batch and a clean loss (common random numbers), as the trainer holds it.
+
+    The wire form the coordinator receives is coordinator.messages.ProbeRound (batch by content hash).
+
+    Attributes:
+        round_id: unique name of the round.
+        version: weight version θ_v the probes are taken at.
+        batch: task batch passed to the loss function as is (in process: tensors).
+        eps: probe step ε > 0 (parameter units, for a unit-RMS direction).
+        seeds: probe seeds (for ``along_update``: block indices).
+        dist: "rademacher" or "gauss8" (``seeded`` and ``group``).
+        want_clean: also evaluate L0 = L(θ_v).
+        kind: a ProbeKind.
+        base_version: θ_base for ``along_update`` (usually version − 1).
+        group: sorted, distinct canonical block indices perturbed by a ``group`` round (empty otherwise).
+    Raises ValueError at construction for an empty or repeated seed list, eps <= 0 or non-finite, and fields
+    the kind needs or forbids (`check_kind_fields`).
+    """
+
+    round_id: str
+    version: int
+    batch: Any
+    eps: float
+    seeds: tuple[int, ...]
+    dist: str = "rademacher"
+    want_clean: bool = False
+    kind: ProbeKind = ProbeKind.SEEDED
+    base_version: int | None = None
+    group: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.seeds:
+            raise ValueError("a probe round needs at least one seed")
+        if len(set(self.seeds)) != len(self.seeds):
+            raise ValueError("seeds of a round must be distinct (results are deduplicated by (round, seed))")
+        if not (self.eps > 0 and math.isfinite(self.eps)):
+            raise ValueError(f"eps must be finite and > 0, got {self.eps}")
+        check_kind_fields(ProbeKind(self.kind), self.base_version, self.group)
+
+
+@dataclass(frozen=True)
+class SeedResult:
+    """Scalars of one probe: losses in nats (task loss units), stamped with the version probed.
+
+    `l0` is None unless the round wanted the clean loss; `scale` is ‖u_b‖/√n_b for along_update probes
+    (0.0 when the block did not move, in which case l_plus = l_minus = l0 and the probe carries nothing).
+    """
+
+    round_id: str
+    seed: int
+    version: int
+    l_plus: float
+    l_minus: float
+    l0: float | None = None
+    scale: float | None = None
+    worker: str = "in-process"
+
+
+# ---- evaluating one seed ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ProbeSite:
+    """Where probes of one round run: the model's blocks at θ_v and how to evaluate losses there.
+
+    Attributes:
+        blocks: canonical blocks of the model holding θ_v.
+        loss: loss(new) -> L (nats) with blocks `new` {index: tensor} swapped in; None or {} = clean.
+        seeded_loss: seeded_loss(seed, alpha, dist) -> L(θ_v + alpha·z(seed)) (kernels.ProbeEvaluator).
+        update: update(b) -> u_b = θ_v[b] − θ_base[b], fp32 of block b's shape (along_update rounds only).
+    """
+
+    blocks: Sequence[Block]
+    loss: Callable[[Mapping[int, torch.Tensor] | None], float]
+    seeded_loss: Callable[[int, float, str], float]
+    update: Callable[[int], torch.Tensor] | None = None
+
+
+Losses = tuple[float, float, float | None]  # (L+, L−, scale or None)
+
+
+def _seeded(site: ProbeSite, seed: int, eps: float, dist: str, group: Sequence[int], l0: float | None) -> Losses:
+    return site.seeded_loss(seed, eps, dist), site.seeded_loss(seed, -eps, dist), None
+
+
+def block_scaled_weights(blocks: Sequence[Block], seed: int, alpha: float) -> dict[int, torch.Tensor]:
+    """Every block of θ + alpha·z_block_scaled(seed), out of place, each in its parameter's dtype."""
+    a = est.block_scales(seed, len(blocks))
+    rs = est.block_sign_seed(seed)
+    return {i: perturb(b.param.detach(), rs, b.offset, alpha * float(a[i]), "rademacher")
+            for i, b in enumerate(blocks)}
+
+
+def _block_scaled(site: ProbeSite, seed: int, eps: float, dist: str, group: Sequence[int],
+                  l0: float | None) -> Losses:
+    return (site.loss(block_scaled_weights(site.blocks, seed, eps)),
+            site.loss(block_scaled_weights(site.blocks, seed, -eps)), None)
+
+
+def update_rms(u: torch.Tensor) -> float:
+    """‖u‖/√n of a block update u (any shape, fp32), the norm in float64: the along-update `scale`."""
+    return float(torch.linalg.vector_norm(u.double())) / math.sqrt(u.numel())
+
+
+def _along_update(site: ProbeSite, b: int, eps: float, dist: str, group: Sequence[int], l0: float | None) -> Losses:
+    if site.update is None:
+        raise ValueError("along_update probes need the base version's weights (ProbeSite.update)")
+    if not 0 <= b < len(site.blocks):
+        raise ValueError(f"block index {b} out of range [0, {len(site.blocks)})")
+    w = site.blocks[b].param.detach()
+    u = site.update(b)
+    if u.shape != w.shape:
+        raise ValueError(f"block {b} has shape {tuple(w.shape)} in one version, {tuple(u.shape)} in the other")
+    scale = update_rms(u)
+    if scale == 0.0:
+        base = l0 if l0 is not None else site.loss(None)
+        return base, base, 0.0
+    uhat = u / scale
+    lp = site.loss({b: (w.float() + eps * uhat).to(w.dtype)})
+    lm = site.loss({b: (w.float() - eps * uhat).to(w.dtype)})
+    return lp, lm, scale
+
+
+def group_weights(blocks: Sequence[Block], group: Sequence[int], seed: int, alpha: float,
+                  dist: str) -> dict[int, torch.Tensor]:
+    """Blocks `group` of θ + alpha·z(seed) (z of `dist` at each block's global offset), out of place.
+
+    Raises ValueError unless `group` is a non-empty, sorted, duplicate-free list of block indices.
+    """
+    check_group(group, len(blocks))
+    return {i: perturb(blocks[i].param.detach(), seed, blocks[i].offset, alpha, dist) for i in group}
+
+
+def _group(site: ProbeSite, seed: int, eps: float, dist: str, group: Sequence[int], l0: float | None) -> Losses:
+    return (site.loss(group_weights(site.blocks, group, seed, eps, dist)),
+            site.loss(group_weights(site.blocks, group, seed, -eps, dist)), None)
+
+
+@dataclass(frozen=True)
+class KindRule:
+    """One probe kind: how a seed is evaluated and which round fields it needs.
+
+    evaluate(site, seed, eps, dist, group, l0) -> (L+, L−, scale or None).
+    """
+
+    evaluate: Callable[[ProbeSite, int, float, str, Sequence[int], float | None], Losses]
+    needs_base: bool = False  # the round names base_version (along_update)
+    needs_group: bool = False  # the round names its block group (group)
+
+
+# Adding a kind: a ProbeKind member and one entry here (the wire name in coordinator.messages.ProbeKindName
+# is checked against this table by tests/test_zo_probes.py).
+KINDS: dict[ProbeKind, KindRule] = {
+    ProbeKind.SEEDED: KindRule(_seeded),
+    ProbeKind.BLOCK_SCALED: KindRule(_block_scaled),
+    ProbeKind.ALONG_UPDATE: KindRule(_along_update, needs_base=True),
+    ProbeKind.GROUP: KindRule(_group, needs_group=True),
+}
+
+
+def check_group(group: Sequence[int], n_blocks: int | None = None) -> None:
+    """Raise ValueError unless `group` is non-empty, strictly increasing and (given n_blocks) in range."""
+    if not group:
+        raise ValueError("a group round needs at least one block index")
+    if any(b < 0 for b in group) or any(x >= y for x, y in itertools.pairwise(group)):
+        raise ValueError(f"group block indices must be sorted, distinct and >= 0, got {list(group)[:16]}")
+    if n_blocks is not None and group[-1] >= n_blocks:
+        raise ValueError(f"group block index {group[-1]} out of range [0, {n_blocks})")
+
+
+def check_kind_fields(kind: ProbeKind, base_version: int | None, group: Sequence[int]) -> None:
+    """Raise ValueError when a round lacks a field its kind needs (KINDS) or carries one it does not use."""
+    rule = KINDS[kind]
+    if rule.needs_base and base_version is None:
+        raise ValueError(f"{kind.value} rounds need base_version (the version the step started from)")
+    if not rule.needs_base and base_version is not None:
+        raise ValueError(f"base_version is only meaningful for along_update rounds, not {kind.value}")
+    if rule.needs_group:
+        check_group(group)
+    elif group:
+        raise ValueError(f"a block group is only meaningful for group rounds, not {kind.value}")
+
+
+def probe_losses(site: ProbeSite, kind: ProbeKind | str, seed: int, eps: float, dist: str,
+                 group: Sequence[int] = (), l0: float | None = None) -> Losses:
+    """(L+, L−, scale or None) of one seed of a round of `kind` at `site` (the table `KINDS`).
+
+    Raises ValueError for an unknown kind, a block index out of range, or missing base weights.
+    """
+    return KINDS[ProbeKind(kind)].evaluate(site, int(seed), float(eps), str(dist), group, l0)
+
+
+# ---- swapping blocks in for one forward pass ----------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def swapped(blocks: Sequence[Block], new: Mapping[int, torch.Tensor]) -> Iterator[None]:
+    """Point block i's `.data` at new[i] for the duration; restore the original storages afterwards."""
+    saved = {i: blocks[i].param.data for i in new}
+    try:
+        for i, t in new.items():
+            blocks[i].param.data = t
+        yield
+    finally:
+        for i, t in saved.items():
+            blocks[i].param.data = t
+
+
+@torch.no_grad()
+def swapped_loss(model: torch.nn.Module, blocks: Sequence[Block],
+                 loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor], batch: Any,
+                 new: Mapping[int, torch.Tensor] | None) -> float:
+    """loss_fn(model, batch) as a float with blocks `new` swapped in (None: the clean model)."""
+    with swapped(blocks, new or {}):
+        return float(loss_fn(model, batch))
