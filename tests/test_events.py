@@ -1,6 +1,7 @@
 """TensorBoard event files (trainer.events) hold exactly the scalars of metrics.jsonl, read back with
-TensorBoard's own EventAccumulator: a ZO-Curv run (curvature counters and spread), and a crashed-then-resumed
-run whose events past the checkpoint are purged as metrics.jsonl's records are."""
+TensorBoard's own EventAccumulator and with the CRC-checking reader trainer.events.read_scalars: a ZO-Curv run
+(curvature counters and spread), and a crashed-then-resumed run whose events past the checkpoint (and a torn
+last record) are dropped as metrics.jsonl's records are."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 
 from trainer.config import TrainConfig
-from trainer.events import EVENTS_GLOB, scalars_of
+from trainer.events import EVENTS_GLOB, read_events, read_scalars, scalars_of
 from trainer.train import train
 
 
@@ -61,6 +62,7 @@ def test_zocurv_run_events_hold_the_metrics_jsonl_scalars(tmp_path):
             "curv_duplicate"} <= set(want)
     assert any(k.startswith("curv_") and k not in ("curv_accepted", "curv_stale", "curv_duplicate") for k in want)
     assert _same(got, want), (sorted(got), sorted(want))
+    assert _same(read_scalars(res.run_dir), want)
     assert [s for s, _ in got["val_loss"]] == [0, 2, 4]
 
 
@@ -81,12 +83,18 @@ def test_resume_after_a_crash_purges_the_events_past_the_checkpoint(tmp_path, mo
         train(cfg, progress=False, export=False)
     assert _same(_tensorboard_scalars(cfg.run_dir), _expected(cfg.run_dir))  # steps 1..3 so far
     assert max(s for s, _ in _tensorboard_scalars(cfg.run_dir)["loss"]) == 3
+    (old,) = cfg.run_dir.glob(EVENTS_GLOB)
+    with old.open("ab") as f:  # and the crash tore a record in half
+        f.write(b"\x40\x00\x00\x00\x00\x00\x00\x00\x01\x02")
+    assert _same(read_scalars(cfg.run_dir), _expected(cfg.run_dir))  # the reader stops at the torn record
     monkeypatch.setattr(train_mod.AdamWMode, "step", real_step)
     train(cfg, resume=True, progress=False, export=False)
     assert len(list(cfg.run_dir.glob(EVENTS_GLOB))) == 2
     want, got = _expected(cfg.run_dir), _tensorboard_scalars(cfg.run_dir)
     assert [s for s, _ in want["loss"]] == [1, 2, 3, 4]  # the crashed step 3 logged once, by the resumed run
-    assert _same(got, want)
+    assert _same(got, want) and _same(read_scalars(cfg.run_dir), want)
+    # the old file itself lost step 3 and the torn record
+    assert max(e.step for e in read_events(old)) == 2 and not old.read_bytes().endswith(b"\x01\x02")
     train(cfg, overwrite=True, progress=False, export=False)  # afresh: the old files go
     assert len(list(cfg.run_dir.glob(EVENTS_GLOB))) == 1 and _same(_tensorboard_scalars(cfg.run_dir),
                                                                   _expected(cfg.run_dir))
