@@ -81,13 +81,19 @@ def h200_plan(t_ref: int = 400, variant_lr: float = 6e-4) -> list[RunSpec]:
     return specs
 
 
+def h200_followup_plan() -> list[RunSpec]:
+    """Second call (the first ran out of its deadline after the 6 AdamW and 2 fixed-table runs): the learned
+    variants at T_ref and a second AdamW seed at the best setting of the first call (lr 6e-4, warmup 10%)."""
+    return [RunSpec("zocurv-group", 6e-4, 400), RunSpec("zocurv-global", 6e-4, 400), RunSpec(ADAMW, 6e-4, 400, seed=1)]
+
+
 def cpu_plan() -> list[RunSpec]:
     """A smoke plan for gpt2-tiny on CPU (checks the harness end to end)."""
     return [RunSpec(ADAMW, 3e-3, 4), RunSpec(ADAMW, 1e-2, 4), RunSpec("zocurv-group", 3e-3, 4),
             RunSpec("zocurv-group", 3e-3, 2)]
 
 
-PLANS = {"h200": (h200_plan, H200_SETTINGS),
+PLANS = {"h200": (h200_plan, H200_SETTINGS), "h200-followup": (h200_followup_plan, H200_SETTINGS),
          "cpu": (cpu_plan, {"model": "gpt2-tiny", "corpus": "classics-small", "batch_size": 2, "seq_len": 16,
                             "eval_batches": 2, "curvature_interval": 2, "probe_budget": 11})}
 
@@ -221,7 +227,7 @@ def run_one(spec: RunSpec, settings: dict[str, Any], device: str, out_dir: Path)
 
 def run_plan(plan: str, out_dir: Path, *, jobs: int, device: str, deadline_s: float) -> list[str]:
     """Run the plan's specs as subprocesses, `jobs` at a time; past the deadline stop what still runs.
-    Returns the names of the runs that did not finish."""
+    Returns the names of the runs that did not finish (no summary.json)."""
     make, settings = PLANS[plan]
     queue = list(make())
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -243,6 +249,7 @@ def run_plan(plan: str, out_dir: Path, *, jobs: int, device: str, deadline_s: fl
                 unfinished.append(s.name)
             for p, _ in running:
                 p.wait(timeout=30)
+            unfinished = [n for n in unfinished if not (out_dir / n / "summary.json").is_file()]
             break
         time.sleep(1.0)
         running = [(p, s) for p, s in running if p.poll() is None]
