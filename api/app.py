@@ -25,6 +25,7 @@ from pydantic import BaseModel
 from redis.asyncio import Redis as AsyncRedis
 from starlette.concurrency import run_in_threadpool
 
+from api.limits import BodyGuard
 from api.routes import blobs, health, results, rounds, runs, workers
 from coordinator.blobs import BlobError
 from coordinator.errors import Conflict, CoordinatorError, Invalid, NotFound
@@ -125,6 +126,7 @@ def create_app(
         return clients[loop]
 
     app.state.aredis = aredis
+    app.add_middleware(BodyGuard)
 
     def openapi() -> dict:
         if app.openapi_schema is None:

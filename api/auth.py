@@ -43,6 +43,9 @@ async def principal(request: Request) -> Principal:
     Worker tokens are checked against the stored sha256 with one async Redis read (no thread hop),
     then cached for `TOKEN_CACHE_S` seconds.
     """
+    known = getattr(request.state, "principal", None)  # resolved by api.limits.BodyGuard already
+    if known is not None:
+        return known
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
     token = token.strip()

@@ -56,6 +56,12 @@ class CoordinatorSettings(BaseSettings):
     # land on the worker that evaluated the other replica several times before another takes it; re-sends
     # cost no evaluation, so the bound is generous.
     max_redispatch: int = Field(default=20, ge=0)
+    # Request body limits (bytes), enforced before the body is read (declared Content-Length) and while
+    # it streams; see api.limits. Results: a full ResultBatch (1024 results) is ~400 KiB. Admin JSON: a
+    # round of 65,536 seeds is ~1.4 MB. Everything else (registration, heartbeat, drain, attest) is tiny.
+    max_body_bytes: int = Field(default=64 << 10, gt=0)
+    max_results_body_bytes: int = Field(default=1 << 20, gt=0)
+    max_admin_body_bytes: int = Field(default=8 << 20, gt=0)
 
     @model_validator(mode="after")
     def _check_secrets(self) -> CoordinatorSettings:
