@@ -115,15 +115,15 @@ class CoordinatorClient:
 
     def request(self, method: str, path: str, *, json: Any = None, token: str | None = None,
                 params: dict[str, Any] | None = None, content: bytes | None = None,
-                accept: tuple[int, ...] = ()) -> httpx.Response:
+                content_type: str = "application/octet-stream", accept: tuple[int, ...] = ()) -> httpx.Response:
         """One request with retries; returns the response, or raises CoordinatorHTTPError/httpx errors.
 
-        `content` sends raw bytes (application/octet-stream) instead of JSON; error statuses listed in
+        `content` sends raw bytes (of `content_type`) instead of `json`; error statuses listed in
         `accept` (e.g. 409 for "already exists") are returned instead of raised.
         """
         headers = self._headers(token)
         if content is not None:
-            headers["Content-Type"] = "application/octet-stream"
+            headers["Content-Type"] = content_type
 
         def once() -> httpx.Response:
             r = self._http.request(method, path, json=json, params=params, content=content, headers=headers)
@@ -171,7 +171,11 @@ class CoordinatorClient:
 
     def post_results(self, run: str, batch: ResultBatch) -> IntakeReply:
         """`POST /v1/runs/{run}/results`: report one task's results; returns the per-result outcomes."""
-        r = self.request("POST", f"/v1/runs/{run}/results", json=batch.model_dump(mode="json"))
+        # Serialised by pydantic: a non-finite loss travels as a JSON NaN token (httpx's json= refuses it).
+        r = self.request(
+            "POST", f"/v1/runs/{run}/results", content=batch.model_dump_json().encode(),
+            content_type="application/json",
+        )
         return IntakeReply.model_validate_json(r.content)
 
     # ---- trainer (admin) calls ------------------------------------------------------------------------

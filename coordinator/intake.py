@@ -175,6 +175,49 @@ class Intake:
             await aredis.hincrby(self.store.k_worker(worker_id), "rejected", rejected)
         return outcomes
 
+    async def submit_entries_async(
+        self, aredis: AsyncRedis, worker_id: str, run: str, parsed: list[tuple[ProbeResult | None, str]]
+    ) -> list[str]:
+        """`submit_async` for entries validated one by one (`messages.parse_result`): valid ones go through
+        intake; a `malformed` entry keeps that outcome; a `non_finite` one of this worker and run is
+        counted as such and its seed re-issued (`_redispatch_seeds`, bounded; past the bound the seed is
+        streamed as `dropped`, so the round is told). Outcomes are in entry order."""
+        outcomes = [why for _, why in parsed]
+        good = [i for i, (_, why) in enumerate(parsed) if not why]
+        if good:
+            sub = await self.submit_async(aredis, worker_id, run, [parsed[i][0] for i in good])
+            for i, o in zip(good, sub):
+                outcomes[i] = o
+        bad = [i for i, (_, why) in enumerate(parsed) if why]
+        retry: dict[str, list[tuple[int, int]]] = {}
+        for i in bad:
+            res = parsed[i][0]
+            if res is None:
+                continue
+            if res.worker_id != worker_id or res.run != run:
+                outcomes[i] = "invalid"
+                continue
+            retry.setdefault(res.round_id, []).append((res.seed, res.replica))
+        if retry:
+            await asyncio.to_thread(self._redispatch_reported, run, retry)
+        rejected = self._tally([outcomes[i] for i in bad])
+        if rejected:
+            await aredis.hincrby(self.store.k_worker(worker_id), "rejected", rejected)
+        return outcomes
+
+    def _redispatch_reported(self, run: str, pairs_by_round: dict[str, list[tuple[int, int]]]) -> None:
+        # Seeds a worker reported as non-finite: re-issued if they belong to the round (and, for
+        # replicas 1-2, are spot-checked); anything else is ignored (it was counted already).
+        for rid, pairs in pairs_by_round.items():
+            try:
+                rnd, spot = self._round(run, rid)[:2]
+            except NotFound:
+                continue
+            seeds = set(rnd.seeds)
+            ok = [(s, r) for s, r in pairs if s in seeds and (r == 0 or s in spot)]
+            if ok:
+                self._redispatch_seeds(rnd, ok, "non_finite")
+
     def _tally(self, outcomes: list[str]) -> int:
         counts = Counter(outcomes)  # one metric update per distinct outcome, not per result
         for o, n in counts.items():
@@ -318,6 +361,8 @@ class Intake:
                 by_replica.setdefault(replica, []).append(seed)
             elif replica > 0:
                 self._give_up(rnd, seed)
+            elif reason == "non_finite":
+                self._drop(rnd, seed)
         for replica, seeds in by_replica.items():
             self._send(rnd, seeds, replica, reason)
 
@@ -338,6 +383,16 @@ class Intake:
         self.metrics.spot_checks.labels("unresolved").inc()
         event = StreamEvent(kind="dropped", run=rnd.run, round_id=rnd.round_id, seed=seed)
         s.r.xadd(self.stream_key(rnd.run), {"e": event.model_dump_json()})
+
+    def _drop(self, rnd: ProbeRound, seed: int) -> None:
+        # Every evaluation of the seed was non-finite: the round is told (a `dropped` event, once) rather
+        # than left waiting for a value that will not come.
+        s = self.store
+        if s.r.hexists(s.k_round(rnd.run, rnd.round_id, "acc"), str(seed)):
+            return
+        if s.r.hsetnx(s.k_round(rnd.run, rnd.round_id, "dec"), str(seed), "non_finite"):
+            event = StreamEvent(kind="dropped", run=rnd.run, round_id=rnd.round_id, seed=seed)
+            s.r.xadd(self.stream_key(rnd.run), {"e": event.model_dump_json()})
 
     def _send(self, rnd: ProbeRound, seeds: list[int], replica: int, reason: str) -> None:
         sent = self.store.publish_tasks(rnd.run, self.store.tasks_for(rnd, seeds, replica))

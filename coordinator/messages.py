@@ -332,7 +332,14 @@ class ProbeTask(Message):
 
 
 class ProbeResult(Message):
-    """One seed's losses: l_plus = L(theta + eps z), l_minus = L(theta - eps z), l0 = L(theta)."""
+    """One seed's losses: l_plus = L(theta + eps z), l_minus = L(theta - eps z), l0 = L(theta).
+
+    Validation refuses non-finite losses; a worker whose evaluation gave one reports it anyway (built
+    with `non_finite_result`, serialised as a JSON `NaN`/`Infinity` token) and intake counts it
+    `non_finite` and re-issues the seed.
+    """
+
+    model_config = ConfigDict(**Message.model_config, ser_json_inf_nan="constants")
 
     run: RunId
     round_id: RoundId
@@ -351,6 +358,45 @@ class ResultBatch(Message):
     results: list[ProbeResult] = Field(min_length=1, max_length=MAX_RESULTS_PER_BATCH)
 
 
+class ResultEnvelope(Message):
+    """What intake parses first: a `ResultBatch` whose entries are still unchecked JSON values.
+
+    Each entry is then validated on its own (`parse_result`), so one bad entry costs only its own
+    result (outcome `malformed` or `non_finite`), not the batch. JSON `NaN`/`Infinity` tokens are read.
+    """
+
+    model_config = ConfigDict(**Message.model_config | {"allow_inf_nan": True})
+    results: list[JsonValue] = Field(min_length=1, max_length=MAX_RESULTS_PER_BATCH)
+
+
+def non_finite_result(**fields: object) -> ProbeResult:
+    """A `ProbeResult` carrying a non-finite loss, built without validation so it can be reported as such.
+
+    Raises ValueError if every loss is finite (then build a `ProbeResult` normally) or if the rest of the
+    fields do not validate.
+    """
+    losses = {k: fields.get(k) for k in ("l_plus", "l_minus", "l0")}
+    if all(v is None or math.isfinite(v) for v in losses.values()):
+        raise ValueError("every loss is finite: build a ProbeResult")
+    ProbeResult.model_validate({**fields, **{k: 0.0 for k, v in losses.items() if v is not None}})
+    return ProbeResult.model_construct(**{"replica": 0, "l0": None, **fields})
+
+
+def parse_result(entry: JsonValue) -> tuple[ProbeResult | None, str]:
+    """Validate one entry of a `ResultEnvelope`: (result, "") if valid; (result built as reported,
+    "non_finite") if only its losses are NaN or infinite; (None, "malformed") otherwise."""
+    try:
+        return ProbeResult.model_validate(entry), ""
+    except ValueError as exc:  # pydantic.ValidationError
+        errors = exc.errors() if hasattr(exc, "errors") else []
+    if isinstance(entry, dict) and errors and all(e["type"] == "finite_number" for e in errors):
+        try:
+            return non_finite_result(**entry), "non_finite"
+        except (ValueError, TypeError):
+            pass
+    return None, "malformed"
+
+
 IntakeOutcome = Literal[
     "accepted",
     "held",
@@ -363,6 +409,8 @@ IntakeOutcome = Literal[
     "quarantined",
     "unattested",
     "same_worker",
+    "non_finite",
+    "malformed",
 ]
 INTAKE_OUTCOMES: tuple[str, ...] = IntakeOutcome.__args__  # type: ignore[attr-defined]
 

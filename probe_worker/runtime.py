@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import threading
 import time
 from collections import OrderedDict
@@ -26,7 +27,14 @@ from typing import Any
 import torch
 
 from coordinator.client import CoordinatorClient
-from coordinator.messages import Attestation, IntakeReply, ProbeResult, ProbeTask, ResultBatch
+from coordinator.messages import (
+    Attestation,
+    IntakeReply,
+    ProbeResult,
+    ProbeTask,
+    ResultBatch,
+    non_finite_result,
+)
 from probe_worker.cache import WeightCache
 from probe_worker.metrics import WorkerMetrics, default_metrics
 from trainer.zo import probes
@@ -192,10 +200,16 @@ class ProbeRuntime:
                     lp, lm, _ = probes.probe_losses(site, task.kind, seed, task.eps, task.distribution,
                                                     task.blocks or (), l0)
                     self.metrics.probes.inc()
-                    out.append(ProbeResult(
-                        run=task.run, round_id=task.round_id, seed=seed, version=task.version,
-                        worker_id=self.worker_id, replica=task.replica, l_plus=lp, l_minus=lm, l0=l0,
-                    ))
+                    fields = {
+                        "run": task.run, "round_id": task.round_id, "seed": seed, "version": task.version,
+                        "worker_id": self.worker_id, "replica": task.replica, "l_plus": lp, "l_minus": lm,
+                        "l0": l0,
+                    }
+                    if all(math.isfinite(v) for v in (lp, lm, 0.0 if l0 is None else l0)):
+                        out.append(ProbeResult(**fields))
+                    else:  # reported as such: intake counts it `non_finite` and re-issues the seed
+                        log.warning("round %s seed %d: non-finite loss", task.round_id, seed)
+                        out.append(non_finite_result(**fields))
                 return out
             finally:
                 self.busy = False

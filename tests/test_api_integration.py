@@ -236,14 +236,17 @@ def test_every_intake_outcome_is_counted(env: Env):
     assert post([result("a", "r0", 3, wid, l0=1.0, replica=1)]) == ["invalid"]  # not a spot-check seed
     assert post([result("a", "r0", 3, "w-0123456789abcdef", l0=1.0)]) == ["invalid"]  # another worker's id
     assert post([result("a", "nope", 3, wid, l0=1.0)]) == ["unknown_round"]
-    # non-finite values never reach intake: 422 and counted as a rejected request
-    bad = w.post(
+    # a non-finite loss is that result's outcome (issue 14 case 4), not the batch's: see test_intake_partial
+    nan = w.post(
         "/v1/runs/a/results",
-        content=b'{"results": [' + b'{"run": "a", "round_id": "r0", "seed": 3, '
+        content=b'{"results": [' + b'{"run": "a", "round_id": "r0", "seed": 3, "l0": 1.0, '
         b'"version": 0, "worker_id": "' + wid.encode() + b'", "l_plus": NaN, "l_minus": 1.0}]}',
         headers={"content-type": "application/json"},
     )
-    assert bad.status_code == 422
+    assert nan.status_code == 200 and nan.json()["outcomes"] == ["non_finite"]
+    seen["non_finite"] = 1
+    # only a bad envelope refuses the whole batch: 422, counted as a rejected request
+    assert w.post("/v1/runs/a/results", json={"results": []}).status_code == 422
     env.publish_version("a", 1, b"v1")
     assert post([result("a", "r0", 3, wid, l0=1.0)]) == ["accepted"]  # age 1 <= S
     env.publish_version("a", 2, b"v2")

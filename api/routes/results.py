@@ -10,7 +10,7 @@ from pydantic import BaseModel, ValidationError
 
 from api.auth import require
 from api.deps import RunP
-from coordinator.messages import IntakeReply, ResultBatch
+from coordinator.messages import IntakeReply, ResultBatch, ResultEnvelope, parse_result
 
 router = APIRouter()
 _worker_only = require("worker")
@@ -32,13 +32,22 @@ async def submit_results(run: RunP, request: Request) -> Response:
     # The body is parsed and validated by pydantic-core straight from bytes, not through FastAPI's
     # body machinery (json.loads, then a Python-side validation): the same strict model, the same
     # 422, for less CPU on the path every result takes. Authentication still comes first.
+    # A batch with a bad entry is then re-read entry by entry: only the envelope (JSON, 1..1024 entries)
+    # can refuse the whole batch (422); each bad entry gets its own outcome, `malformed` or `non_finite`.
     who = await _worker_only(request)
-    try:
-        body = ResultBatch.model_validate_json(await request.body())
-    except ValidationError as exc:
-        errors = [{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)]
-        raise RequestValidationError(errors) from None
+    raw = await request.body()
     state = request.app.state
-    outcomes = await state.intake.submit_async(state.aredis(), who.worker_id, run, list(body.results))
+    try:
+        body = ResultBatch.model_validate_json(raw)
+    except ValidationError:
+        try:
+            envelope = ResultEnvelope.model_validate_json(raw)
+        except ValidationError as exc:
+            errors = [{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)]
+            raise RequestValidationError(errors) from None
+        parsed = [parse_result(entry) for entry in envelope.results]
+        outcomes = await state.intake.submit_entries_async(state.aredis(), who.worker_id, run, parsed)
+    else:
+        outcomes = await state.intake.submit_async(state.aredis(), who.worker_id, run, list(body.results))
     # Serialised directly (the hot path): the outcomes are already of the IntakeReply type.
     return Response(json.dumps({"schema_version": 1, "outcomes": outcomes}), media_type="application/json")
