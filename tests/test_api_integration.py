@@ -186,6 +186,7 @@ def test_round_tasks_land_on_celery_queue(env: Env):
         "replica": 0,
         "kind": "seeded",
         "base_version": None,
+        "blocks": None,
     }
     again = env.admin.post("/v1/runs/r1/rounds", json=body)  # a retried POST publishes nothing twice
     assert again.status_code == 201 and again.json() == info.json() and len(env.queue_messages("r1")) == 3
