@@ -28,7 +28,7 @@ from starlette.concurrency import run_in_threadpool
 from api.limits import BodyGuard
 from api.routes import blobs, health, results, rounds, runs, workers
 from coordinator.blobs import BlobError
-from coordinator.errors import Conflict, CoordinatorError, Invalid, NotFound
+from coordinator.errors import Conflict, CoordinatorError, Invalid, NotFound, TooMany
 from coordinator.intake import Intake
 from coordinator.keys import redis_client_kwargs
 from coordinator.messages import ResultBatch
@@ -38,7 +38,7 @@ from coordinator.store import Store
 
 log = logging.getLogger("sparecycles.api")
 
-_STATUS = {NotFound: 404, Conflict: 409, Invalid: 422}
+_STATUS = {NotFound: 404, Conflict: 409, Invalid: 422, TooMany: 429}
 
 
 # Connections the asyncio Redis pool opens before serving: after a coordinator restart every worker posts
@@ -140,7 +140,8 @@ def create_app(
     async def _coordinator_error(request: Request, exc: CoordinatorError) -> JSONResponse:
         status = next((code for cls, code in _STATUS.items() if isinstance(exc, cls)), 400)
         metrics.rejected_requests.labels(exc.reason).inc()
-        return JSONResponse({"detail": str(exc)}, status_code=status)
+        headers = {"Retry-After": str(exc.retry_after)} if isinstance(exc, TooMany) else None
+        return JSONResponse({"detail": str(exc)}, status_code=status, headers=headers)
 
     @app.exception_handler(BlobError)
     async def _blob_error(request: Request, exc: BlobError) -> JSONResponse:

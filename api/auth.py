@@ -29,6 +29,7 @@ class Principal:
 
     role: Role
     worker_id: str | None = None
+    token_id: str | None = None  # enrollment tokens: sha256 prefix, the key of their cap and rate
 
 
 def _reject(request: Request, status: int, reason: str, detail: str) -> HTTPException:
@@ -55,7 +56,7 @@ async def principal(request: Request) -> Principal:
     if hmac.compare_digest(token.encode(), settings.admin_token.get_secret_value().encode()):
         return Principal("admin")
     if hmac.compare_digest(token.encode(), settings.enrollment_token.get_secret_value().encode()):
-        return Principal("enroll")
+        return Principal("enroll", token_id=token_digest(token)[:16])
     digest = token_digest(token)
     cache: dict[str, tuple[str, float]] = request.app.state.token_cache
     hit = cache.get(digest)

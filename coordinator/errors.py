@@ -1,4 +1,4 @@
-"""Errors of the coordinator's state layer; the API maps them to HTTP statuses (404, 409, 422)."""
+"""Errors of the coordinator's state layer; the API maps them to HTTP statuses (404, 409, 422, 429)."""
 
 from __future__ import annotations
 
@@ -25,3 +25,14 @@ class Invalid(CoordinatorError, ValueError):
     """The request is well-formed but refers to something unusable (missing blob, wrong size...)."""
 
     reason = "invalid"
+
+
+class TooMany(CoordinatorError):
+    """A rate or a cap is exceeded (HTTP 429); `retry_after` is seconds, `reason` the metric label."""
+
+    reason = "too_many"
+
+    def __init__(self, message: str, retry_after: int = 1, reason: str = "too_many") -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+        self.reason = reason

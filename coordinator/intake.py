@@ -28,12 +28,13 @@ from functools import lru_cache
 
 from redis.asyncio import Redis as AsyncRedis
 
-from coordinator.errors import NotFound
+from coordinator.errors import Conflict, NotFound
 from coordinator.keys import results_stream_key
 from coordinator.messages import ProbeResult, ProbeRound, StreamEvent, values_agree
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.rounds import spot_check_selected
 from coordinator.store import Store
+from coordinator.worker_scripts import INCR_IF_EXISTS
 
 # KEYS: 1 round hash, 2 seeds set, 3 accepted hash, 4 stream, 5 run hash, 6 worker hash, 7 attested set,
 # 8 spot hash. ARGV: 1 worker id, 2 round version, then triples (seed, mode, payload); mode "a" accepts
@@ -87,7 +88,7 @@ if accepted > 0 then
   out[3] = redis.call('HINCRBY', KEYS[1], 'done', accepted)
   out[4] = tonumber(redis.call('HGET', KEYS[1], 'n_seeds'))
   out[5] = redis.call('HGET', KEYS[1], 'created_at')
-  redis.call('HINCRBY', KEYS[6], 'accepted', accepted)
+  if redis.call('HEXISTS', KEYS[6], 'token_sha256') == 1 then redis.call('HINCRBY', KEYS[6], 'accepted', accepted) end
 end
 return out
 """
@@ -153,7 +154,7 @@ class Intake:
             f()
         rejected = self._tally(outcomes)
         if rejected:
-            self.store.r.hincrby(self.store.k_worker(worker_id), "rejected", rejected)
+            self.store.count_on_worker(worker_id, "rejected", rejected)
         return outcomes
 
     async def submit_async(
@@ -172,7 +173,7 @@ class Intake:
             await asyncio.to_thread(lambda: [f() for f in followups])
         rejected = self._tally(outcomes)
         if rejected:
-            await aredis.hincrby(self.store.k_worker(worker_id), "rejected", rejected)
+            await aredis.eval(INCR_IF_EXISTS, 1, self.store.k_worker(worker_id), "rejected", rejected)
         return outcomes
 
     async def submit_entries_async(
@@ -202,7 +203,7 @@ class Intake:
             await asyncio.to_thread(self._redispatch_reported, run, retry)
         rejected = self._tally([outcomes[i] for i in bad])
         if rejected:
-            await aredis.hincrby(self.store.k_worker(worker_id), "rejected", rejected)
+            await aredis.eval(INCR_IF_EXISTS, 1, self.store.k_worker(worker_id), "rejected", rejected)
         return outcomes
 
     def _redispatch_reported(self, run: str, pairs_by_round: dict[str, list[tuple[int, int]]]) -> None:
@@ -403,9 +404,10 @@ class Intake:
     def quarantine(self, wid: str, run: str) -> None:
         """Quarantine a worker; retract its unverified accepted results in `run`'s open rounds and re-send them."""
         s = self.store
-        if s.r.hget(s.k_worker(wid), "state") in (None, "quarantined"):
+        try:
+            s.set_worker_state(wid, "quarantined", ("active", "draining", "lost"), actor="coordinator")
+        except (NotFound, Conflict):  # unknown, or quarantined already
             return
-        s.r.hset(s.k_worker(wid), "state", "quarantined")
         self.metrics.quarantined.inc()
         for rid in s.r.smembers(s.k_run(run, "rounds:open")):
             rnd, spot = self._round(run, rid)[:2]

@@ -1,19 +1,38 @@
-"""Worker registry: registration, hashed tokens, leases renewed by heartbeats, drain/resume, loss.
+"""Worker registry: registration (capped and rate-limited per enrollment token), hashed tokens, leases
+renewed by heartbeats, drain/resume, loss and expiry.
 
 A mixin of `coordinator.store.Store` (it uses the store's Redis client `r`, `settings`, key helpers and
 `queues()`). Keys: `{prefix}:workers` (set of ids), `{prefix}:w:{id}` (hash), `{prefix}:leases`
-(sorted set id -> lease expiry in unix seconds).
+(sorted set id -> lease expiry, unix seconds), `{prefix}:expiry` (lost workers -> when they are
+deleted), `{prefix}:enrolled:{token id}` (workers enrolled with one enrollment token),
+`{prefix}:enroll_rate:{token id}` (registrations in the current window).
+
+Every state transition is one Lua script (`coordinator.worker_scripts`):
+
+| transition | from | by |
+|---|---|---|
+| register -> active | - | enrollment token (cap `max_workers_per_enrollment`, `registrations_per_minute`) |
+| heartbeat | any; lost -> active (or draining if drained before) | the worker |
+| drain -> draining | active, draining, lost | admin, or the worker itself |
+| resume -> active | active, draining | admin; the worker only if it drained itself |
+| quarantine -> quarantined | active, draining, lost | intake (spot checks); left only by deletion |
+| lose -> lost | active, draining, lease ended | the reaper |
+| expire (deleted) | lost for `lost_expiry_leases` leases | the reaper |
+| delete | any | admin, or the worker itself |
 """
 
 from __future__ import annotations
 
+import bisect
+import functools
 import hashlib
 import hmac
 import secrets
 import time
 
+from coordinator import worker_scripts
 from coordinator.celery_app import PROBE_TASK_NAME
-from coordinator.errors import Conflict, NotFound
+from coordinator.errors import Conflict, NotFound, TooMany
 from coordinator.messages import (
     Heartbeat,
     HeartbeatReply,
@@ -22,6 +41,8 @@ from coordinator.messages import (
     WorkerRegistered,
     WorkerRegistration,
 )
+
+RATE_WINDOW_S = 60
 
 
 def token_digest(token: str) -> str:
@@ -38,10 +59,26 @@ def parse_worker_token(token: str) -> str | None:
 
 
 class WorkerRegistry:
-    """Worker records and leases on Redis (mixed into `Store`)."""
+    """Worker records and leases on Redis (mixed into `Store`); transitions as in the module table."""
 
-    def register_worker(self, reg: WorkerRegistration, now: float | None = None) -> WorkerRegistered:
-        """Create a worker with a fresh id and token (token stored as its sha256) and a first lease."""
+    @functools.cached_property
+    def _scripts(self) -> dict:
+        names = ("REGISTER", "HEARTBEAT", "TRANSITION", "MARK_LOST", "DELETE", "INCR_IF_EXISTS")
+        return {n: self.r.register_script(getattr(worker_scripts, n)) for n in names}
+
+    def k_enrolled(self, token_id: str) -> str:
+        """Set of the workers enrolled with the enrollment token `token_id` (sha256 prefix)."""
+        return f"{self.p}:enrolled:{token_id}"
+
+    def register_worker(
+        self, reg: WorkerRegistration, now: float | None = None, enrolled_by: str = "default"
+    ) -> WorkerRegistered:
+        """Create a worker with a fresh id and token (token stored as its sha256) and a first lease.
+
+        `enrolled_by` names the enrollment token (its sha256 prefix). Raises TooMany when that token
+        enrolled `registrations_per_minute` workers in the current minute, or holds
+        `max_workers_per_enrollment` workers (lost ones count until they expire).
+        """
         now = time.time() if now is None else now
         wid = "w-" + secrets.token_hex(8)
         token = f"{wid}.{secrets.token_urlsafe(32)}"
@@ -52,6 +89,7 @@ class WorkerRegistry:
             "host": reg.host,
             "state": "active",
             "token_sha256": token_digest(token),
+            "enrolled_by": enrolled_by,
             "registered_at": now,
             "last_heartbeat": now,
             "lease_expires_at": expires,
@@ -60,11 +98,31 @@ class WorkerRegistry:
             "accepted": 0,
             "rejected": 0,
         }
-        pipe = self.r.pipeline()
-        pipe.hset(self.k_worker(wid), mapping=fields)
-        pipe.sadd(self.k_workers, wid)
-        pipe.zadd(self.k_leases, {wid: expires})
-        pipe.execute()
+        s = self.settings
+        keys = [
+            self.k_worker(wid),
+            self.k_workers,
+            self.k_leases,
+            self.k_enrolled(enrolled_by),
+            f"{self.p}:enroll_rate:{enrolled_by}",
+        ]
+        argv = [wid, expires, s.max_workers_per_enrollment, s.registrations_per_minute, RATE_WINDOW_S]
+        argv += [x for kv in fields.items() for x in kv]
+        reply = self._scripts["REGISTER"](keys=keys, args=argv)
+        if reply[0] == "rate":
+            raise TooMany(
+                f"more than {s.registrations_per_minute} registrations this minute with this enrollment "
+                "token (SPARECYCLES_REGISTRATIONS_PER_MINUTE)",
+                retry_after=max(1, int(reply[1])),
+                reason="registration_rate",
+            )
+        if reply[0] == "cap":
+            raise TooMany(
+                f"this enrollment token already holds {reply[1]} workers, the cap "
+                "(SPARECYCLES_MAX_WORKERS_PER_ENROLLMENT); delete workers or wait for lost ones to expire",
+                retry_after=int(s.lease_seconds),
+                reason="enrollment_cap",
+            )
         return WorkerRegistered(
             worker_id=wid,
             worker_token=token,
@@ -87,95 +145,115 @@ class WorkerRegistry:
         return wid
 
     def heartbeat(self, wid: str, hb: Heartbeat, now: float | None = None) -> HeartbeatReply:
-        """Renew the lease; a worker marked lost by an expired lease becomes active again."""
+        """Renew the lease (one script); a lost worker comes back. Raises NotFound for an unknown worker."""
         now = time.time() if now is None else now
-        key = self.k_worker(wid)
-        state = self.r.hget(key, "state")
+        expires = now + self.settings.lease_seconds
+        keys = [self.k_worker(wid), self.k_leases, self.k_expiry]
+        version = -1 if hb.version is None else hb.version
+        state = self._scripts["HEARTBEAT"](keys=keys, args=[wid, now, expires, int(hb.busy), version])
         if state is None:
             raise NotFound(f"unknown worker {wid}")
-        if state == "lost":
-            state = "active"
-        expires = now + self.settings.lease_seconds
-        pipe = self.r.pipeline()
-        pipe.hset(
-            key,
-            mapping={
-                "state": state,
-                "last_heartbeat": now,
-                "lease_expires_at": expires,
-                "busy": int(hb.busy),
-                "version": -1 if hb.version is None else hb.version,
-            },
-        )
-        pipe.zadd(self.k_leases, {wid: expires})
-        pipe.execute()
         lease = Lease(worker_id=wid, expires_at=expires, lease_seconds=self.settings.lease_seconds)
         return HeartbeatReply(lease=lease, state=state, queues=self.queues())
 
-    def reap_expired(self, now: float | None = None) -> list[str]:
-        """Mark workers whose lease expired before `now` as lost; return their ids.
+    @property
+    def k_expiry(self) -> str:
+        """Sorted set of lost workers -> unix time at which the reaper deletes them."""
+        return f"{self.p}:expiry"
 
-        ZREM arbitrates between concurrent reapers: only the one that removed the lease marks it.
-        Celery redelivers the lost worker's unacked task after the visibility timeout.
+    def reap_expired(self, now: float | None = None) -> list[str]:
+        """Mark workers whose lease ended before `now` as lost, and delete workers lost for
+        `lost_expiry_leases` leases; return the ids newly marked lost.
+
+        Each step is one script that re-checks its condition, so a heartbeat racing the reaper wins
+        and concurrent reapers act once. Celery redelivers a lost worker's unacked task after the
+        visibility timeout.
         """
         now = time.time() if now is None else now
+        expire_at = now + self.settings.lost_expiry_leases * self.settings.lease_seconds
         lost = []
-        for wid in self.r.zrangebyscore(self.k_leases, "-inf", now):
-            if self.r.zrem(self.k_leases, wid) and self.r.hget(self.k_worker(wid), "state") in (
-                "active",
-                "draining",
-            ):
-                self.r.hset(self.k_worker(wid), "state", "lost")
+        for wid in self.r.zrangebyscore(self.k_leases, "-inf", now, start=0, num=1000):
+            keys = [self.k_worker(wid), self.k_leases, self.k_expiry]
+            if self._scripts["MARK_LOST"](keys=keys, args=[wid, now, expire_at]):
                 lost.append(wid)
+        for wid in self.r.zrangebyscore(self.k_expiry, "-inf", now, start=0, num=1000):
+            self._delete(wid, required_state="lost")
+            self.r.zrem(self.k_expiry, wid)  # a worker that came back is no longer due
         return lost
 
-    def set_worker_state(self, wid: str, state: str, allowed_from: tuple[str, ...]) -> str:
-        """Change a worker's state if its current state is in `allowed_from`; return the new state."""
-        current = self.r.hget(self.k_worker(wid), "state")
-        if current is None:
+    def set_worker_state(
+        self, wid: str, state: str, allowed_from: tuple[str, ...], actor: str = "admin"
+    ) -> str:
+        """Change a worker's state if its current state is in `allowed_from` (one script); `actor` is
+        admin, worker (the worker itself) or coordinator. Raises NotFound, or Conflict for a disallowed
+        transition (a worker resuming an admin's drain included). Returns the new state."""
+        reply = self._scripts["TRANSITION"](
+            keys=[self.k_worker(wid)], args=[state, actor, ",".join(allowed_from)]
+        )
+        if reply[0] == "missing":
             raise NotFound(f"unknown worker {wid}")
-        if current not in allowed_from:
-            raise Conflict(f"worker {wid} is {current}; cannot become {state}")
-        self.r.hset(self.k_worker(wid), "state", state)
+        if reply[0] == "admin_drain":
+            raise Conflict(f"worker {wid} was drained by an admin; only an admin can resume it")
+        if reply[0] == "conflict":
+            raise Conflict(f"worker {wid} is {reply[1]}; cannot become {state}")
         return state
 
-    def delete_worker(self, wid: str) -> None:
-        """Forget a worker (its token stops working)."""
-        if not self.r.delete(self.k_worker(wid)):
-            raise NotFound(f"unknown worker {wid}")
-        self.r.srem(self.k_workers, wid)
-        self.r.zrem(self.k_leases, wid)
+    def count_on_worker(self, wid: str, field: str, n: int) -> None:
+        """Add `n` to a counter of an existing worker record (never creates a record)."""
+        self._scripts["INCR_IF_EXISTS"](keys=[self.k_worker(wid)], args=[field, n])
 
-    def worker_info(self, wid: str) -> WorkerInfo:
-        """One worker's record."""
-        h = self.r.hgetall(self.k_worker(wid))
-        if not h:
-            raise NotFound(f"unknown worker {wid}")
-        version = int(h["version"])
-        return WorkerInfo(
-            worker_id=wid,
-            name=h["name"],
-            device=h["device"],
-            host=h["host"],
-            state=h["state"],
-            registered_at=float(h["registered_at"]),
-            last_heartbeat=float(h["last_heartbeat"]),
-            lease_expires_at=float(h["lease_expires_at"]),
-            busy=h["busy"] == "1",
-            version=None if version < 0 else version,
-            accepted=int(h["accepted"]),
-            rejected=int(h["rejected"]),
+    def _delete(self, wid: str, required_state: str = "") -> bool:
+        keys = [self.k_worker(wid), self.k_workers, self.k_leases, self.k_expiry]
+        return (
+            self._scripts["DELETE"](keys=keys, args=[wid, required_state, f"{self.p}:enrolled:"]) is not None
         )
 
-    def list_workers(self) -> list[WorkerInfo]:
-        """All registered workers, sorted by id."""
+    def delete_worker(self, wid: str) -> None:
+        """Forget a worker (one script; its token stops working). Raises NotFound."""
+        if not self._delete(wid):
+            raise NotFound(f"unknown worker {wid}")
+
+    def worker_info(self, wid: str) -> WorkerInfo:
+        """One worker's record. Raises NotFound, also for an incomplete record (see worker_scripts)."""
+        return self._worker_info(wid, self.r.hgetall(self.k_worker(wid)))
+
+    @staticmethod
+    def _worker_info(wid: str, h: dict) -> WorkerInfo:
+        try:
+            version = int(h["version"])
+            return WorkerInfo(
+                worker_id=wid,
+                name=h["name"],
+                device=h["device"],
+                host=h["host"],
+                state=h["state"],
+                registered_at=float(h["registered_at"]),
+                last_heartbeat=float(h["last_heartbeat"]),
+                lease_expires_at=float(h["lease_expires_at"]),
+                busy=h["busy"] == "1",
+                version=None if version < 0 else version,
+                accepted=int(h["accepted"]),
+                rejected=int(h["rejected"]),
+            )
+        except (KeyError, ValueError):  # absent, or not written by a registry script: read as absent
+            raise NotFound(f"unknown worker {wid}") from None
+
+    def list_workers(self, after: str = "", limit: int = 100) -> tuple[list[WorkerInfo], str | None]:
+        """Up to `limit` workers with id > `after`, sorted by id; returns (page, cursor of the next page or
+        None). The id set is bounded by the enrollment cap, so sorting it per page is cheap."""
+        ids = sorted(self.r.smembers(self.k_workers))
+        page = ids[bisect.bisect_right(ids, after) :][:limit] if after else ids[:limit]
+        pipe = self.r.pipeline(transaction=False)
+        for wid in page:
+            pipe.hgetall(self.k_worker(wid))
         out = []
-        for wid in sorted(self.r.smembers(self.k_workers)):
+        for wid, h in zip(page, pipe.execute()):
             try:
-                out.append(self.worker_info(wid))
+                out.append(self._worker_info(wid, h))
             except NotFound:
                 continue
-        return out
+        more = page and ids[-1] > page[-1]
+        return out, (page[-1] if more else None)
 
     def worker_state_counts(self) -> dict[str, int]:
         """Number of workers per state (for the `sparecycles_workers` gauge)."""

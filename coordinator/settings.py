@@ -56,6 +56,11 @@ class CoordinatorSettings(BaseSettings):
     # land on the worker that evaluated the other replica several times before another takes it; re-sends
     # cost no evaluation, so the bound is generous.
     max_redispatch: int = Field(default=20, ge=0)
+    # Registration: workers per enrollment token (lost ones count until they expire), registrations per
+    # minute per enrollment token, and how many lease periods a lost worker is kept before it is deleted.
+    max_workers_per_enrollment: int = Field(default=1024, gt=0)
+    registrations_per_minute: int = Field(default=120, gt=0)
+    lost_expiry_leases: int = Field(default=10, gt=0)
     # Request body limits (bytes), enforced before the body is read (declared Content-Length) and while
     # it streams; see api.limits. Results: a full ResultBatch (1024 results) is ~400 KiB. Admin JSON: a
     # round of 65,536 seeds is ~1.4 MB. Everything else (registration, heartbeat, drain, attest) is tiny.

@@ -2,22 +2,36 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request, Response
+from typing import Annotated
 
+from fastapi import APIRouter, Query, Request, Response
+
+from api.auth import Principal
 from api.deps import Admin, AdminOrSelf, Enroll, SelfWorker, StoreD, WorkerP
 from coordinator.messages import Heartbeat, HeartbeatReply, WorkerInfo, WorkerRegistered, WorkerRegistration
 
 router = APIRouter(prefix="/v1/workers")
 
 
-@router.post("", status_code=201, dependencies=[Enroll])
-def register_worker(body: WorkerRegistration, store: StoreD) -> WorkerRegistered:
-    return store.register_worker(body)
+@router.post("", status_code=201)
+def register_worker(body: WorkerRegistration, store: StoreD, who: Principal = Enroll) -> WorkerRegistered:
+    """Join the fleet; 429 past the enrollment token's cap or registration rate."""
+    return store.register_worker(body, enrolled_by=who.token_id or "default")
 
 
 @router.get("", dependencies=[Admin])
-def list_workers(store: StoreD) -> list[WorkerInfo]:
-    return store.list_workers()
+def list_workers(
+    store: StoreD,
+    response: Response,
+    after: Annotated[str, Query(pattern=r"^(w-[0-9a-f]{16})?$")] = "",
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+) -> list[WorkerInfo]:
+    """Workers sorted by id, `limit` per page from the id after `after`; header `X-Next-After` holds the
+    cursor of the next page when there is one."""
+    page, cursor = store.list_workers(after, limit)
+    if cursor is not None:
+        response.headers["X-Next-After"] = cursor
+    return page
 
 
 @router.get("/{worker_id}", dependencies=[AdminOrSelf])
@@ -30,15 +44,17 @@ def heartbeat(worker_id: WorkerP, body: Heartbeat, store: StoreD) -> HeartbeatRe
     return store.heartbeat(worker_id, body)
 
 
-@router.post("/{worker_id}/drain", dependencies=[AdminOrSelf])
-def drain(worker_id: WorkerP, store: StoreD) -> WorkerInfo:
-    store.set_worker_state(worker_id, "draining", ("active", "draining", "lost"))
+@router.post("/{worker_id}/drain")
+def drain(worker_id: WorkerP, store: StoreD, who: Principal = AdminOrSelf) -> WorkerInfo:
+    """Stop giving the worker tasks; an admin's drain is sticky (the worker cannot resume it)."""
+    store.set_worker_state(worker_id, "draining", ("active", "draining", "lost"), actor=who.role)
     return store.worker_info(worker_id)
 
 
-@router.post("/{worker_id}/resume", dependencies=[AdminOrSelf])
-def resume(worker_id: WorkerP, store: StoreD) -> WorkerInfo:
-    store.set_worker_state(worker_id, "active", ("active", "draining"))
+@router.post("/{worker_id}/resume")
+def resume(worker_id: WorkerP, store: StoreD, who: Principal = AdminOrSelf) -> WorkerInfo:
+    """Back to active; 409 for a quarantined worker, or for a worker resuming an admin's drain."""
+    store.set_worker_state(worker_id, "active", ("active", "draining"), actor=who.role)
     return store.worker_info(worker_id)
 
 
