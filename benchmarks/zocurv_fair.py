@@ -9,7 +9,8 @@ smallest T whose full schedule reaches the target, divided by T_ref (`step_ratio
 grid reaches it), with a linear interpolation in T between the two bracketing grid points beside it.
 
 Wall-clock: "trainer_wall_s" is the run's wall time minus the time its probes took (they would run on idle
-workers); "probe_gpu_s" is that probe time. With several runs sharing one GPU both are inflated alike.
+workers); "probe_gpu_s" is that probe time. With several runs sharing one GPU both are inflated alike, so a
+variant's wall ratio is taken against a best-setting AdamW run of the same plan (device call) when one ran.
 
 Usage (one process per run, `jobs` at a time on one GPU, stopped at a deadline; `report` reads whatever
 finished): `python -m benchmarks.zocurv_fair run --plan h200 --out DIR --jobs 6 --deadline-s 400`, then
@@ -23,7 +24,7 @@ import math
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,7 @@ class RunSpec:
     steps: int
     warmup_frac: float = 0.1
     seed: int = 0
+    plan: str = ""  # the plan (device call) that ran it: wall times compare only within one call
 
     @property
     def name(self) -> str:
@@ -118,10 +120,9 @@ def step_ratio(finals: dict[int, float], target: float, t_ref: int) -> dict[str,
 
 
 def load_result(run_dir: Path) -> dict[str, Any] | None:
-    """Scores of one finished run folder (None if it did not finish): final val loss, val curve, wall and
-    probe times, the last logged multipliers."""
-    summ = run_dir / "summary.json"
-    if not summ.is_file():
+    """Scores of one run folder (None without metrics): final val loss, val curve, wall and probe times, the
+    logged multipliers; "partial": True when the run was stopped before its end (not scored)."""
+    if not (run_dir / "metrics.jsonl").is_file() or not (run_dir / "spec.json").is_file():
         return None
     spec = json.loads((run_dir / "spec.json").read_text())
     recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
@@ -132,7 +133,10 @@ def load_result(run_dir: Path) -> dict[str, Any] | None:
     wall = float(last.get("elapsed_s", math.nan))
     mults = [{k: v for k, v in r.items() if k.startswith(("mult_", "snr_", "line_"))} | {"step": r["step"]}
              for r in steps if any(k.startswith("mult_") for k in r)]
-    return {**spec, "name": run_dir.name, "final_val_loss": val[-1][1], "val_curve": val, "wall_s": wall,
+    if not val or not steps:
+        return None
+    return {**spec, "name": run_dir.name, "partial": not (run_dir / "summary.json").is_file(),
+            "steps_done": int(last.get("step", 0)), "final_val_loss": val[-1][1], "val_curve": val, "wall_s": wall,
             "probe_gpu_s": probe_s, "trainer_wall_s": wall - probe_s,
             "probe_forwards": float(last.get("probe_forwards", 0.0)), "multipliers": mults}
 
@@ -163,16 +167,21 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
         ref = next((r for r in runs if r["steps"] == t_ref), None)
         entry = {"optimizer": opt, "lr": lr, "finals_by_T": finals, **step_ratio(finals, target, t_ref)}
         if ref is not None:
+            same = [r for r in at_ref if key(r) == best and r.get("plan") == ref.get("plan")]
+            wall_ref = same[0] if same else best_run
             entry.update({"final_at_T_ref": ref["final_val_loss"], "gap_at_T_ref": ref["final_val_loss"] - target,
-                          "wall_ratio_probes_elsewhere": ref["trainer_wall_s"] / best_run["wall_s"],
+                          "wall_reference": wall_ref["name"],
+                          "wall_ratio_probes_elsewhere": ref["trainer_wall_s"] / wall_ref["wall_s"],
                           "probe_gpu_s": ref["probe_gpu_s"], "probe_forwards": ref["probe_forwards"],
                           "last_multipliers": ref["multipliers"][-1] if ref["multipliers"] else {}})
         out["variants"][f"{opt}@{lr:g}"] = entry
     return out
 
 
-def plot(results: list[dict[str, Any]], summary: dict[str, Any], path: Path) -> None:
-    """Left: validation curves of the T_ref runs; right: final loss vs T per method, the target dashed."""
+def plot(results: list[dict[str, Any]], summary: dict[str, Any], path: Path,
+         partial: list[dict[str, Any]] = ()) -> None:
+    """Left: validation curves of the T_ref runs (stopped runs dashed); right: final loss vs T per method, the
+    target dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -180,10 +189,12 @@ def plot(results: list[dict[str, Any]], summary: dict[str, Any], path: Path) -> 
 
     t_ref = summary["t_ref"]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 4.8))
-    for r in sorted(results, key=lambda r: r["name"]):
-        if r["steps"] == t_ref:
-            s, v = zip(*r["val_curve"][1:]) if len(r["val_curve"]) > 1 else ([], [])
-            a1.plot(s, v, marker=".", label=f"{r['optimizer']} lr {r['lr']:g} wu {r['warmup_frac']:g}")
+    for r in sorted([*results, *partial], key=lambda r: r["name"]):
+        if r["steps"] == t_ref and len(r["val_curve"]) > 1:
+            s, v = zip(*r["val_curve"][1:])
+            stop = f" (stopped at {r['steps_done']})" if r.get("partial") else ""
+            a1.plot(s, v, marker=".", ls="--" if stop else "-",
+                    label=f"{r['optimizer']} lr {r['lr']:g} wu {r['warmup_frac']:g} s{r['seed']}{stop}")
     best = tuple(summary["best_adamw"].values())
     for opt, lr in dict.fromkeys((r["optimizer"], r["lr"]) for r in results):
         pts = sorted((r["steps"], r["final_val_loss"]) for r in results if (r["optimizer"], r["lr"]) == (opt, lr)
@@ -204,11 +215,13 @@ def plot(results: list[dict[str, Any]], summary: dict[str, Any], path: Path) -> 
 
 def report(out_dir: Path) -> dict[str, Any]:
     """Summarise every finished run under out_dir; write fair_summary.json and fair_val_loss.png."""
-    results = [r for d in sorted(p for p in out_dir.iterdir() if p.is_dir()) if (r := load_result(d))]
+    loaded = [r for d in sorted(p for p in out_dir.iterdir() if p.is_dir()) if (r := load_result(d))]
+    results = [r for r in loaded if not r["partial"]]
     summary = summarize(results)
     summary["runs"] = results
+    summary["partial_runs"] = [r for r in loaded if r["partial"]]  # stopped by the deadline: curves only
     (out_dir / "fair_summary.json").write_text(json.dumps(summary, indent=1))
-    plot(results, summary, out_dir / "fair_val_loss.png")
+    plot(results, summary, out_dir / "fair_val_loss.png", summary["partial_runs"])
     return summary
 
 
@@ -229,7 +242,7 @@ def run_plan(plan: str, out_dir: Path, *, jobs: int, device: str, deadline_s: fl
     """Run the plan's specs as subprocesses, `jobs` at a time; past the deadline stop what still runs.
     Returns the names of the runs that did not finish (no summary.json)."""
     make, settings = PLANS[plan]
-    queue = list(make())
+    queue = [replace(s, plan=plan) for s in make()]
     out_dir.mkdir(parents=True, exist_ok=True)
     t_end = time.monotonic() + deadline_s
     running: list[tuple[subprocess.Popen, RunSpec]] = []

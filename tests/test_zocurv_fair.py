@@ -16,7 +16,7 @@ def test_step_ratio_smallest_full_schedule_reaching_the_target():
 
 
 def _run(opt, lr, steps, wu=0.1, seed=0, final=5.0, wall=10.0, probe=0.0):
-    return {"optimizer": opt, "lr": lr, "steps": steps, "warmup_frac": wu, "seed": seed, "name": f"{opt}{lr}{steps}{seed}",
+    return {"optimizer": opt, "lr": lr, "partial": False, "steps_done": steps, "steps": steps, "warmup_frac": wu, "seed": seed, "name": f"{opt}{lr}{steps}{seed}",
             "final_val_loss": final, "val_curve": [(0, 11.0), (steps, final)], "wall_s": wall, "probe_gpu_s": probe,
             "trainer_wall_s": wall - probe, "probe_forwards": 0.0, "multipliers": []}
 
