@@ -4,7 +4,8 @@ Routes live in one router per resource (`api.routes`: results, health, workers, 
 this module builds the app, its Redis clients, error handlers and the lease reaper. HTTP errors are
 raised in `api` and nowhere else: store errors map to 404 (NotFound), 409 (Conflict) and
 422 (Invalid, BlobError); every refused request is counted in `sparecycles_rejected_requests_total` by
-reason. A background task marks workers whose lease expired as lost.
+reason. A background task marks workers whose lease expired as lost and re-issues the seeds of rounds
+that stopped progressing (`coordinator.deadlines`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from starlette.concurrency import run_in_threadpool
 from api.limits import BodyGuard
 from api.routes import blobs, health, results, rounds, runs, workers
 from coordinator.blobs import BlobError
+from coordinator.deadlines import RoundWatch
 from coordinator.errors import Conflict, CoordinatorError, Invalid, NotFound, TooMany
 from coordinator.intake import Intake
 from coordinator.keys import redis_client_kwargs
@@ -81,14 +83,23 @@ def create_app(
     """Build the API. `store`/`metrics` may be injected (tests, in-process benches); otherwise created."""
     store = store or Store(settings)
     metrics = metrics or CoordinatorMetrics()
-    metrics.attach_live(store.worker_state_counts, store.queue_depths)
+    metrics.attach_live(store.worker_state_counts, store.queue_depths, store.outstanding_seeds)
     intake = Intake(store, metrics)
+    watch = RoundWatch(store)
+
+    def reap_and_watch() -> None:
+        lost = store.reap_expired()
+        metrics.lost.inc(len(lost))
+        if lost:
+            watch.worker_lost()
+        for _, _, tasks in watch.tick():
+            metrics.redispatched.labels("deadline").inc(tasks)
+            metrics.tasks_published.inc(tasks)
 
     async def reaper() -> None:
         while True:
             try:
-                lost = await run_in_threadpool(store.reap_expired)
-                metrics.lost.inc(len(lost))
+                await run_in_threadpool(reap_and_watch)
             except redis.RedisError as exc:  # Redis briefly unreachable: /readyz reports it; keep reaping
                 log.warning("lease reaper: %s", exc)
             await asyncio.sleep(settings.reaper_interval_s)

@@ -29,9 +29,15 @@ SPOT_OUTCOMES = ("agree", "disagree", "resolved", "unresolved", "skipped")
 class _LiveGauges(Collector):
     """Gauges read from Redis at scrape time: workers by state and Celery queue depth per run."""
 
-    def __init__(self, workers: Callable[[], dict[str, int]], queues: Callable[[], dict[str, int]]) -> None:
+    def __init__(
+        self,
+        workers: Callable[[], dict[str, int]],
+        queues: Callable[[], dict[str, int]],
+        outstanding: Callable[[], dict[str, int]] | None = None,
+    ) -> None:
         self._workers = workers
         self._queues = queues
+        self._outstanding = outstanding
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         w = GaugeMetricFamily("sparecycles_workers", "Registered workers by state.", labels=["state"])
@@ -44,6 +50,15 @@ class _LiveGauges(Collector):
         for run, n in sorted(self._queues().items()):
             q.add_metric([run], n)
         yield q
+        if self._outstanding is not None:
+            o = GaugeMetricFamily(
+                "sparecycles_outstanding_seeds",
+                "Seeds of open rounds without a delivered value (queued, being evaluated, or stuck).",
+                labels=["run"],
+            )
+            for run, n in sorted(self._outstanding().items()):
+                o.add_metric([run], n)
+            yield o
 
 
 class CoordinatorMetrics:
@@ -100,10 +115,13 @@ class CoordinatorMetrics:
         )
 
     def attach_live(
-        self, workers: Callable[[], dict[str, int]], queues: Callable[[], dict[str, int]]
+        self,
+        workers: Callable[[], dict[str, int]],
+        queues: Callable[[], dict[str, int]],
+        outstanding: Callable[[], dict[str, int]] | None = None,
     ) -> None:
-        """Register the scrape-time gauges (worker states, queue depths) backed by the given callables."""
-        self._live = _LiveGauges(workers, queues)
+        """Register the scrape-time gauges (worker states, queue depths, outstanding seeds per run)."""
+        self._live = _LiveGauges(workers, queues, outstanding)
         self.registry.register(self._live)
 
     def exposition(self) -> bytes:

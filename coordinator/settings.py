@@ -56,6 +56,14 @@ class CoordinatorSettings(BaseSettings):
     # land on the worker that evaluated the other replica several times before another takes it; re-sends
     # cost no evaluation, so the bound is generous.
     max_redispatch: int = Field(default=20, ge=0)
+    # Round deadlines (coordinator.deadlines): a quiet round's outstanding seeds are re-issued after
+    # max(min_s, factor x quantile of the run's progress gaps) seconds, initial_s before any gap is known,
+    # at most `speculate_max` times per round.
+    speculate_initial_s: float = Field(default=30.0, gt=0)
+    speculate_min_s: float = Field(default=1.0, gt=0)
+    speculate_factor: float = Field(default=3.0, ge=1.0)
+    speculate_quantile: float = Field(default=0.9, gt=0, le=1)
+    speculate_max: int = Field(default=3, ge=0)
     # Registration: workers per enrollment token (lost ones count until they expire), registrations per
     # minute per enrollment token, and how many lease periods a lost worker is kept before it is deleted.
     max_workers_per_enrollment: int = Field(default=1024, gt=0)
