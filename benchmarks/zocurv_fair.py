@@ -148,7 +148,9 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
         raise ValueError("no finished AdamW run: nothing to compare against")
     t_ref = max(r["steps"] for r in adam)
     at_ref = [r for r in adam if r["steps"] == t_ref]
-    key = lambda r: (r["lr"], r["warmup_frac"])  # noqa: E731
+    def key(r: dict[str, Any]) -> tuple[float, float]:
+        return r["lr"], r["warmup_frac"]
+
     settings: dict[tuple, list[float]] = {}
     for r in at_ref:
         settings.setdefault(key(r), []).append(r["final_val_loss"])
@@ -241,8 +243,7 @@ def run_one(spec: RunSpec, settings: dict[str, Any], device: str, out_dir: Path)
 def run_plan(plan: str, out_dir: Path, *, jobs: int, device: str, deadline_s: float) -> list[str]:
     """Run the plan's specs as subprocesses, `jobs` at a time; past the deadline stop what still runs.
     Returns the names of the runs that did not finish (no summary.json)."""
-    make, settings = PLANS[plan]
-    queue = [replace(s, plan=plan) for s in make()]
+    queue = [replace(s, plan=plan) for s in PLANS[plan][0]()]
     out_dir.mkdir(parents=True, exist_ok=True)
     t_end = time.monotonic() + deadline_s
     running: list[tuple[subprocess.Popen, RunSpec]] = []

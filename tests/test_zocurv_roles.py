@@ -91,6 +91,22 @@ def test_llama_roles(tied):
     assert sum(g.size(r) for r in g.roles) == sum(p.numel() for p in m.parameters())
 
 
+def test_whole_block_roles_are_the_group_probe_kind():
+    """A Llama role is a set of whole blocks: its probe is bit-identical to trainer.zo.probes' group kind."""
+    from trainer.zo.probes import canonical_blocks, group_weights
+    from trainer.zo.role_adamw import group_perturbed
+
+    m = tiny_llama(tied=False)
+    g = model_roles(m)
+    params = list(m.parameters())
+    blocks = canonical_blocks(m)
+    for role in g.roles:
+        ours = group_perturbed(params, [b.offset for b in blocks], g, role, seed=11, alpha=-0.03)
+        theirs = group_weights(blocks, sorted(s.block for s in g.groups[role]), 11, -0.03, "rademacher")
+        assert ours.keys() == theirs.keys()
+        assert all(torch.equal(ours[i], theirs[i]) for i in ours)
+
+
 def test_unknown_names_and_bad_c_attn_raise():
     with pytest.raises(ValueError, match="no role"):
         assign_roles([("encoder.layer.0.weird.weight", torch.zeros(2, 2))])

@@ -17,13 +17,12 @@ Seeds: derive_seed(seed, TAG, refresh, role index, k); z(seed) at each element's
 from __future__ import annotations
 
 import contextlib
-import itertools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from kernels import perturb
+from kernels import canonical_offsets, perturb
 from trainer.zo import estimators as est
 from trainer.zo.groups import GroupMap, Role
 from trainer.zo.multipliers import CurvEstimate, group_curvature
@@ -103,11 +102,6 @@ def swapped(params: Sequence[torch.Tensor], new: Mapping[int, torch.Tensor]) -> 
             params[i].data = t
 
 
-def canonical_offsets(params: Sequence[torch.Tensor]) -> list[int]:
-    """Global flat offset of each canonical block (DESIGN.md §1)."""
-    return list(itertools.accumulate((p.numel() for p in params), initial=0))[:-1]
-
-
 def group_rms(params: Sequence[torch.Tensor], gmap: GroupMap, role: Role) -> float:
     """RMS of θ over the elements of `role` (segments honoured), float."""
     sq, n = 0.0, 0
@@ -121,7 +115,12 @@ def group_rms(params: Sequence[torch.Tensor], gmap: GroupMap, role: Role) -> flo
 
 def group_perturbed(params: Sequence[torch.Tensor], offsets: Sequence[int], gmap: GroupMap, role: Role, seed: int,
                     alpha: float) -> dict[int, torch.Tensor]:
-    """Out-of-place weights θ + α·z_G: Rademacher z(seed) at global offsets, zero outside `role`'s segments."""
+    """Out-of-place weights θ + α·z_G: Rademacher z(seed) at global offsets, zero outside `role`'s segments.
+
+    On whole-block segments this is exactly the ``group`` probe kind (trainer.zo.probes.group_weights with
+    dist "rademacher" and ε = α), so a role made of whole blocks (every Llama role) is a group round any
+    backend can evaluate; segments of a block (GPT-2's c_attn QK | V columns) keep the rest of it clean.
+    """
     out: dict[int, torch.Tensor] = {}
     for seg in gmap.groups[role]:
         w = params[seg.block].detach()
@@ -144,7 +143,7 @@ def group_curvatures(model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module,
     if probes < 1 or not eps_rel > 0:
         raise ValueError(f"need probes >= 1 and eps_rel > 0, got {probes}, {eps_rel}")
     params = list(model.parameters())
-    offsets = canonical_offsets(params)
+    offsets = [o for _, _, o in canonical_offsets(model)]
     l0 = float(loss_fn(model, batch))
     fwd, stats, out = 1, {"l0": l0}, {}
     for ri, role in enumerate(gmap.roles):
