@@ -195,6 +195,16 @@ def test_multipliers_upward_only_and_clipped(seed):
     assert sharpness_multipliers({0: -1.0, 1: 0.0}) == {0: 1.0, 1: 1.0}
 
 
+def test_negative_curvature_policy():
+    est = {"a": CurvEstimate(4.0, 0.1, 40.0), "b": CurvEstimate(1.0, 0.1, 10.0), "c": CurvEstimate(-1.0, 0.1, -10.0)}
+    flat = update_group_multipliers({}, est, gamma=0.5, s_max=8.0, beta=0.0)
+    skip = update_group_multipliers({"c": 1.5}, est, gamma=0.5, s_max=8.0, beta=0.0, negative="skip")
+    assert flat == {"a": 1.0, "b": 2.0, "c": 8.0}
+    assert skip == {"a": 1.0, "b": 2.0, "c": 1.5}
+    with pytest.raises(ValueError):
+        update_group_multipliers({}, est, negative="up")
+
+
 def test_wang_table_is_upward_only():
     assert min(WANG2025_MULTIPLIERS.values()) == 1.0 and WANG2025_MULTIPLIERS["embed"] == 10.0
 

@@ -85,11 +85,20 @@ def ema(prev: float, target: float, beta: float) -> float:
 
 
 def update_group_multipliers(prev: Mapping[K, float], est: Mapping[K, CurvEstimate], *, gamma: float = 0.5,
-                             s_max: float = 10.0, beta: float = 0.5, snr_min: float = 2.0) -> dict[K, float]:
+                             s_max: float = 10.0, beta: float = 0.5, snr_min: float = 2.0,
+                             negative: str = "flat") -> dict[K, float]:
     """One refresh: groups whose |SNR| >= snr_min are trusted; their targets `sharpness_multipliers` (over
     trusted groups only) enter the EMA; untrusted groups keep their previous multiplier. Missing previous
-    values start at 1. Outputs stay in [1, s_max] (convex combinations of values in [1, s_max])."""
-    trusted = {k: e.mean for k, e in est.items() if abs(e.snr) >= snr_min}
+    values start at 1. Outputs stay in [1, s_max] (convex combinations of values in [1, s_max]).
+
+    negative: what a trusted *negative* mean curvature means — "flat" (target s_max, as measured on the
+    H200, benchmarks/results/h200/zocurv-fair) or "skip" (left unchanged, like an untrusted group).
+    Raises ValueError for another value.
+    """
+    if negative not in ("flat", "skip"):
+        raise ValueError(f"negative must be 'flat' or 'skip', got {negative!r}")
+    trusted = {k: e.mean for k, e in est.items()
+               if abs(e.snr) >= snr_min and (negative == "flat" or e.mean > 0)}
     target = sharpness_multipliers(trusted, gamma, s_max) if trusted else {}
     keys = set(prev) | set(est)
     out = {k: float(prev.get(k, 1.0)) for k in keys}
