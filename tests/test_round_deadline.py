@@ -7,9 +7,11 @@ field case end to end: a coordinator process, two worker processes, one SIGSTOPp
 
 from __future__ import annotations
 
+import signal
 import time
 
 import pytest
+import redis
 from prometheus_client.parser import text_string_to_metric_families
 from test_coordinator_fixtures import Env, result, running_env
 
@@ -83,3 +85,92 @@ def test_quiet_round_is_reissued(env: Env):
     assert w.post("/v1/runs/d/results", json={"results": late}).json()["outcomes"] == ["accepted"] * 2
     assert w.post("/v1/runs/d/results", json={"results": late}).json()["outcomes"] == ["duplicate"] * 2
     assert _gauge(env, "sparecycles_outstanding_seeds", "d") == 0
+
+
+class _PausableFleet:
+    """The fleet harness of test_worker_fleet with the field's settings: leases long (60 s) and a
+    visibility timeout of an hour, so neither lease expiry nor broker redelivery can rescue the round."""
+
+    @staticmethod
+    def make(tmp):
+        from test_worker_fleet import Fleet
+
+        class F(Fleet):
+            def start_coordinator(self) -> None:
+                self.env.update(
+                    SPARECYCLES_LEASE_SECONDS="60",
+                    SPARECYCLES_VISIBILITY_TIMEOUT_S="3600",
+                    SPARECYCLES_SPECULATE_MIN_S="0.3",
+                )
+                super().start_coordinator()
+
+        return F(tmp)
+
+
+def _unacked_on(r: redis.Redis, queue: str) -> int:
+    """Messages of `queue` reserved by a worker and not acknowledged (kombu's Redis `unacked` hash)."""
+    import json
+
+    return sum(1 for v in r.hvals("unacked") if json.loads(v)[2] == queue)
+
+
+@pytest.mark.slow
+def test_paused_worker_does_not_stall_the_round(tmp_path):
+    from test_worker_fleet import make_batch, tiny_model
+
+    from trainer.zo.probes import RoundSpec
+
+    fleet = _PausableFleet.make(tmp_path)
+    try:
+        fleet.start_worker("a")
+        fleet.start_worker("b")
+        fleet.wait_consuming("a")
+        fleet.wait_consuming("b")
+        model = tiny_model(n_embd=64)
+        be = fleet.backend(model, "pause", seeds_per_task=2)
+        be.publish(0)
+        batch = make_batch(8, 32, seed=5)
+        queue = f"{fleet.prefix}.probe.pause"
+        seeds = lambda k: tuple(range(1000 * k, 1000 * k + 32))
+
+        def timed_round(k: int, pause_at: int | None = None) -> tuple[float, bool]:
+            rnd = RoundSpec(f"p-{k}", 0, batch, eps=1e-2, seeds=seeds(k), dist="rademacher")
+            t = time.monotonic()
+            be.submit(rnd)
+            held = False
+            if pause_at is not None:
+                fleet.wait(
+                    lambda: fleet.admin.get(f"/v1/runs/pause/rounds/p-{k}").json()["done"] >= pause_at,
+                    "progress",
+                )
+                fleet.workers["b"].send_signal(signal.SIGSTOP)
+            got = be.collect(rnd.round_id).results
+            took = time.monotonic() - t
+            if pause_at is not None:
+                held = _unacked_on(fleet.r, queue) == 1  # b stopped holding a task (a acked all of its own)
+                fleet.workers["b"].send_signal(signal.SIGCONT)
+            assert sorted(r.seed for r in got) == list(seeds(k))  # every seed exactly once
+            return took, held
+
+        timed_round(0)  # warm-up: weights fetched and loaded by both workers
+        normal = timed_round(1)[0]
+        for k in range(2, 5):  # b may be between tasks when stopped: then nothing stalls; try again
+            paused, held = timed_round(k, pause_at=24)
+            if held:
+                break
+        assert held, "worker b never held a task when stopped"
+        print(f"round times: normal {normal:.2f} s, with b stopped {paused:.2f} s")
+        assert paused < 2 * normal, (paused, normal)
+        text = fleet.admin.get("/metrics").text
+        assert 'sparecycles_tasks_redispatched_total{reason="deadline"}' in text
+        deadline_sends = [
+            float(line.split()[-1])
+            for line in text.splitlines()
+            if line.startswith('sparecycles_tasks_redispatched_total{reason="deadline"}')
+        ]
+        assert deadline_sends[0] >= 1
+        be.close()
+    finally:
+        if "b" in fleet.workers:
+            fleet.workers["b"].send_signal(signal.SIGCONT)
+        fleet.close()
