@@ -50,6 +50,7 @@ def up(
     curvature_interval: int | None = typer.Option(None, min=1, help="Steps between curvature rounds."),
     run_dir: Path | None = typer.Option(None, help="Run folder (default runs/up-<preset>-<optimizer>)."),
     progress: bool = typer.Option(True, help="Show the live progress display."),
+    export: bool = typer.Option(True, help="Export each finished model as a transformers folder RUN_DIR/<run>/export."),
 ) -> None:
     """Run everything on this machine: embedded Valkey (unless REDIS_URL), coordinator, N probe workers
     and the trainer; AdamW baseline vs the fleet-probed run at equal steps; curves PNG and a JSON summary.
@@ -65,7 +66,7 @@ def up(
     try:
         summary = run_up(preset=preset, optimizer=optimizer, workers=workers, steps=steps, run_dir=run_dir,
                          curvature_interval=curvature_interval, progress=progress, task=task, probes=probes,
-                         batch_size=batch_size, seq_len=seq_len)
+                         batch_size=batch_size, seq_len=seq_len, export=export)
     except (ValueError, RuntimeError) as exc:
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from exc

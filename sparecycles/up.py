@@ -253,13 +253,15 @@ def _prefetch_inputs(cfg, progress: bool) -> None:
 
 def run_up(*, preset: str, optimizer: str | None, workers: int, steps: int | None, run_dir: Path | None,
            curvature_interval: int | None = None, progress: bool = True, task: str = "lm",
-           probes: int | None = None, batch_size: int | None = None, seq_len: int | None = None) -> dict:
+           probes: int | None = None, batch_size: int | None = None, seq_len: int | None = None,
+           export: bool = True) -> dict:
     """Run the main job on this machine and return its summary (also written to `<run_dir>/summary.json`).
 
     `task` "lm" pretrains the preset's model with `optimizer` (default zocurv-line); "sentiment" fine-tunes
     MiniLM-L6 with a pure-ZO optimizer (default 1.5spsa) whose probes the fleet evaluates, from the
     `sentiment-demo` preset when `preset` is "demo". Either way an AdamW backprop baseline runs at equal steps
-    in this process. `probes`, `batch_size` and `seq_len` override the preset's.
+    in this process. `probes`, `batch_size` and `seq_len` override the preset's. With `export`, each run folder
+    gets its finished model as a transformers folder `export/` (trainer.export).
     Raises RuntimeError if a service fails to start (the message names its log file), ValueError on
     bad options; always stops every process it started.
     """
@@ -343,9 +345,9 @@ def run_up(*, preset: str, optimizer: str | None, workers: int, steps: int | Non
             base_state = _progress_of(base_dir, base_cfg)
             reused = base_state == "done"
             if not reused:
-                train(base_cfg, progress=progress, resume=base_state == "resume", overwrite=True)
+                train(base_cfg, progress=progress, resume=base_state == "resume", overwrite=True, export=export)
             train(zo_cfg, progress=progress, resume=_progress_of(zo_dir, zo_cfg) == "resume",
-                  overwrite=True, mode_factory=fleet_mode, status=status)
+                  overwrite=True, mode_factory=fleet_mode, status=status, export=export)
             fleet = status.snapshot()
     finally:
         sup.stop_all()

@@ -40,7 +40,7 @@ def _up(run_dir: Path, *args: str) -> subprocess.Popen:
 
 def test_up_runs_both_curves_and_leaves_no_process(tmp_path):
     run_dir = tmp_path / "up"
-    proc = _up(run_dir, "--steps", "12", "--curvature-interval", "4")
+    proc = _up(run_dir, "--steps", "12", "--curvature-interval", "4", "--no-export")
     out, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, out.decode()[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -55,6 +55,7 @@ def test_up_runs_both_curves_and_leaves_no_process(tmp_path):
         assert vals[-1] < vals[0] - 1.0, (name, vals)
         assert summary[name]["final_val_loss"] == pytest.approx(vals[-1])
     assert (run_dir / "loss_curves.png").stat().st_size > 20_000
+    assert not (run_dir / "adamw" / "export").exists() and not (run_dir / "zocurv-line" / "export").exists()
     assert _processes_of(run_dir) == []
 
 

@@ -47,6 +47,7 @@ def test_up_sentiment_runs_both_runs_through_the_fleet_and_leaves_no_process(tmp
         assert r["fleet_workers"] == 2 and r["fleet_probes_per_s"] >= 0.0  # the fleet's figures, per step
     for name in ("adamw", "1.5spsa"):  # TensorBoard shows what metrics.jsonl holds, fleet figures included
         assert _same(_tensorboard_scalars(run_dir / name), _expected(run_dir / name))
+        assert (run_dir / name / "export" / "model.safetensors").is_file()  # --export is the default
     # Step 1's logged loss is L0, the clean loss a worker process computed on the model it built from the
     # published manifest; AdamW's step 1 logs the trainer's own loss of the same initial model on the same
     # batch: equal bit for bit.
