@@ -21,7 +21,7 @@ def test_cli_import_pulls_no_torch_celery_or_fastapi():
 def test_help_lists_every_command():
     res = _cli("--help")
     assert res.returncode == 0
-    for cmd in ("up", "train", "data", "coordinator", "worker", "bench"):
+    for cmd in ("up", "train", "export", "data", "coordinator", "worker", "bench"):
         assert cmd in res.stdout
     bench = _cli("bench", "--help")
     for cmd in ("kernels", "intake", "fleet", "zo"):
