@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from redis.asyncio import Redis as AsyncRedis
 from starlette.concurrency import run_in_threadpool
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential
 
 from api.limits import BodyGuard
 from api.routes import blobs, health, results, rounds, runs, workers
@@ -69,6 +70,23 @@ def _with_body_schemas(schema: dict, *models: type[BaseModel]) -> dict:
     return schema
 
 
+async def _wait_for_redis(client: AsyncRedis, n: int) -> None:
+    """Wait until Redis answers (exponential backoff up to 5 s, one log line per attempt, no traceback),
+    then open `n` pooled connections. Runs beside the server: /readyz answers 503 meanwhile."""
+
+    def note(state: RetryCallState) -> None:
+        log.warning("waiting for Redis: %s; /readyz is 503 until it answers", state.outcome.exception())
+
+    async for attempt in AsyncRetrying(
+        wait=wait_exponential(multiplier=0.25, max=5.0),
+        retry=retry_if_exception_type((redis.RedisError, OSError, TimeoutError)),
+        before_sleep=note,
+    ):
+        with attempt:
+            await asyncio.wait_for(client.ping(), timeout=5.0)
+    await _open_pool(client, n)
+
+
 async def _open_pool(client: AsyncRedis, n: int) -> None:
     """Open up to `n` pooled connections (n concurrent PINGs); a Redis outage only logs (see /readyz)."""
     try:
@@ -97,23 +115,38 @@ def create_app(
             metrics.tasks_published.inc(tasks)
 
     async def reaper() -> None:
+        failing = False
         while True:
             try:
                 await run_in_threadpool(reap_and_watch)
-            except redis.RedisError as exc:  # Redis briefly unreachable: /readyz reports it; keep reaping
-                log.warning("lease reaper: %s", exc)
+                if failing:
+                    log.warning("lease reaper: Redis is back")
+                failing = False
+            except (redis.RedisError, OSError) as exc:  # Redis unreachable: /readyz says so; keep trying
+                if not failing:  # one line per outage, not one per tick
+                    log.warning(
+                        "lease reaper: Redis unreachable (%s); retrying every %.1f s",
+                        exc,
+                        settings.reaper_interval_s,
+                    )
+                failing = True
             await asyncio.sleep(settings.reaper_interval_s)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        await _open_pool(aredis(), WARM_REDIS_CONNECTIONS)
-        task = asyncio.create_task(reaper())
+        # Serving starts at once; until Redis answers, /readyz is 503 and state calls 503 with Retry-After.
+        tasks = [
+            asyncio.create_task(_wait_for_redis(aredis(), WARM_REDIS_CONNECTIONS)),
+            asyncio.create_task(reaper()),
+        ]
         try:
             yield
         finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             client = clients.pop(asyncio.get_running_loop(), None)
             if client is not None:
                 await client.aclose()

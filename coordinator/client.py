@@ -76,7 +76,7 @@ class CoordinatorClient:
     """
 
     def __init__(self, base_url: str, token: str | None = None, *, timeout_s: float = 30.0,
-                 attempts: int = 5, max_wait_s: float = 5.0) -> None:
+                 attempts: int = 10, max_wait_s: float = 5.0) -> None:
         if not base_url.startswith(("http://", "https://")):
             raise ValueError(f"coordinator URL must start with http:// or https://, got {base_url!r}")
         if timeout_s <= 0 or attempts < 1 or max_wait_s < 0:

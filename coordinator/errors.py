@@ -36,3 +36,10 @@ class TooMany(CoordinatorError):
         super().__init__(message)
         self.retry_after = retry_after
         self.reason = reason
+
+
+class Unavailable(CoordinatorError, ConnectionError):
+    """Redis (or the coordinator) stayed unreachable past a bounded retry budget; a ConnectionError, so
+    callers that checkpoint on connection loss (trainer.train) catch it without importing this module."""
+
+    reason = "unavailable"

@@ -17,7 +17,8 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+import redis
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -27,7 +28,8 @@ SPOT_OUTCOMES = ("agree", "disagree", "resolved", "unresolved", "skipped")
 
 
 class _LiveGauges(Collector):
-    """Gauges read from Redis at scrape time: workers by state and Celery queue depth per run."""
+    """Gauges read from Redis at scrape time: workers by state, Celery queue depth and outstanding seeds
+    per run, and whether Redis could be read at all (`sparecycles_state_store_up`)."""
 
     def __init__(
         self,
@@ -39,26 +41,48 @@ class _LiveGauges(Collector):
         self._queues = queues
         self._outstanding = outstanding
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
-        w = GaugeMetricFamily("sparecycles_workers", "Registered workers by state.", labels=["state"])
-        for state, n in sorted(self._workers().items()):
-            w.add_metric([state], n)
-        yield w
-        q = GaugeMetricFamily(
-            "sparecycles_queue_depth", "Probe tasks waiting in a run's queue.", labels=["run"]
-        )
-        for run, n in sorted(self._queues().items()):
-            q.add_metric([run], n)
-        yield q
+    def _families(self) -> list[tuple[GaugeMetricFamily, Callable[[], dict[str, int]] | None]]:
+        fams = [
+            (
+                GaugeMetricFamily("sparecycles_workers", "Registered workers by state.", labels=["state"]),
+                self._workers,
+            ),
+            (
+                GaugeMetricFamily(
+                    "sparecycles_queue_depth", "Probe tasks waiting in a run's queue.", labels=["run"]
+                ),
+                self._queues,
+            ),
+        ]
         if self._outstanding is not None:
-            o = GaugeMetricFamily(
-                "sparecycles_outstanding_seeds",
-                "Seeds of open rounds without a delivered value (queued, being evaluated, or stuck).",
-                labels=["run"],
+            help_ = "Seeds of open rounds without a delivered value (queued, being evaluated, or stuck)."
+            fams.append(
+                (GaugeMetricFamily("sparecycles_outstanding_seeds", help_, labels=["run"]), self._outstanding)
             )
-            for run, n in sorted(self._outstanding().items()):
-                o.add_metric([run], n)
-            yield o
+        up = GaugeMetricFamily("sparecycles_state_store_up", "1 if the last scrape could read Redis, else 0.")
+        return [*fams, (up, None)]
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        # Names only: registering the collector must not read Redis (it may be down at start).
+        for fam, _ in self._families():
+            yield fam
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        # While Redis is unreachable the Redis-backed gauges are left out and the state-store gauge reads
+        # 0: /metrics keeps serving every counter and the process metrics.
+        fams = self._families()
+        up = 1
+        for fam, read in fams[:-1]:
+            try:
+                values = read()
+            except (redis.RedisError, OSError):
+                up = 0
+                break
+            for label, n in sorted(values.items()):
+                fam.add_metric([label], n)
+            yield fam
+        fams[-1][0].add_metric([], up)
+        yield fams[-1][0]
 
 
 class CoordinatorMetrics:
@@ -110,6 +134,8 @@ class CoordinatorMetrics:
             self.spot_checks.labels(outcome)
         self.quarantined = Counter("sparecycles_workers_quarantined", "Workers quarantined.", registry=r)
         self.lost = Counter("sparecycles_workers_lost", "Worker leases that expired.", registry=r)
+        if multiprocess_dir() is None:  # per-process figures; in multiprocess mode they would not add up
+            ProcessCollector(registry=r)
         self.retracted = Counter(
             "sparecycles_results_retracted", "Accepted results retracted after quarantine.", registry=r
         )

@@ -3,15 +3,22 @@
 Intake appends `StreamEvent`s to `{prefix}:{run}:results`. The trainer reads them through a consumer
 group with explicit acknowledgement, so a trainer restart loses nothing: on start the reader first
 re-reads its own pending (delivered, unacked) entries, then claims entries abandoned by other
-consumers for longer than `claim_idle_ms` (XAUTOCLAIM), then reads new ones.
+consumers for longer than `claim_idle_ms` (XAUTOCLAIM), then reads new ones. Reads and acks retry through
+a Redis outage of up to `outage_s` seconds.
 """
 
 from __future__ import annotations
 
-import redis
+import logging
 
+import redis
+from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
+
+from coordinator.errors import Unavailable
 from coordinator.keys import results_stream_key
 from coordinator.messages import StreamEvent
+
+log = logging.getLogger("sparecycles.stream")
 
 
 class ResultStreamReader:
@@ -31,12 +38,14 @@ class ResultStreamReader:
         consumer: str = "trainer-0",
         key_prefix: str = "sc",
         claim_idle_ms: int = 60_000,
+        outage_s: float = 60.0,
     ) -> None:
         if claim_idle_ms <= 0:
             raise ValueError("claim_idle_ms must be positive (milliseconds)")
         self.r = redis.Redis.from_url(redis_url, decode_responses=True)
         self.key = results_stream_key(key_prefix, run)
         self.group, self.consumer, self.claim_idle_ms = group, consumer, claim_idle_ms
+        self.outage_s = outage_s
         self._own_pending_done = False
         try:
             self.r.xgroup_create(self.key, group, id="0", mkstream=True)
@@ -48,8 +57,34 @@ class ResultStreamReader:
     def _parse(entries: list) -> list[tuple[str, StreamEvent]]:
         return [(eid, StreamEvent.model_validate_json(fields["e"])) for eid, fields in entries if fields]
 
+    def _retrying(self, fn):
+        # A Redis restart or a short network outage: retry with backoff for `outage_s` seconds, then
+        # give up with a clear error (trainer.train checkpoints on it).
+        try:
+            for attempt in Retrying(
+                retry=retry_if_exception_type((redis.ConnectionError, redis.TimeoutError)),
+                stop=stop_after_delay(self.outage_s),
+                wait=wait_exponential(multiplier=0.2, max=2.0),
+                before_sleep=lambda st: log.warning(
+                    "results stream: Redis unreachable (%s); retrying", st.outcome.exception()
+                ),
+                reraise=True,
+            ):
+                with attempt:
+                    return fn()
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            raise Unavailable(f"Redis unreachable for {self.outage_s:.0f} s ({exc}); giving up") from exc
+        raise AssertionError("unreachable")
+
     def read(self, count: int = 1000, block_ms: int = 1000) -> list[tuple[str, StreamEvent]]:
-        """Up to `count` events, waiting at most `block_ms` milliseconds for new ones."""
+        """Up to `count` events, waiting at most `block_ms` milliseconds for new ones.
+
+        Retries through a Redis outage of up to `outage_s` seconds; raises `coordinator.errors.Unavailable`
+        (a ConnectionError) past that.
+        """
+        return self._retrying(lambda: self._read(count, block_ms))
+
+    def _read(self, count: int, block_ms: int) -> list[tuple[str, StreamEvent]]:
         if not self._own_pending_done:
             got = self.r.xreadgroup(self.group, self.consumer, {self.key: "0"}, count=count)
             entries = got[0][1] if got else []
@@ -65,8 +100,8 @@ class ResultStreamReader:
         return self._parse(got[0][1]) if got else []
 
     def ack(self, ids: list[str]) -> int:
-        """Acknowledge entries; returns how many were pending."""
-        return int(self.r.xack(self.key, self.group, *ids)) if ids else 0
+        """Acknowledge entries; returns how many were pending (retried through an outage as `read`)."""
+        return int(self._retrying(lambda: self.r.xack(self.key, self.group, *ids))) if ids else 0
 
     def pending(self) -> int:
         """Entries delivered to the group but not yet acknowledged."""

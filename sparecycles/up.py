@@ -168,19 +168,26 @@ class FleetStatus:
         """Scrape once: active workers, tasks published, results by outcome, accepted results/s since start."""
         from prometheus_client.parser import text_string_to_metric_families
 
+        # Only a 200 in Prometheus text is parsed: a 503 (an older coordinator while Redis is down)
+        # carries JSON, and any unparsable scrape keeps the last figures rather than ending the run.
         try:
-            text = httpx.get(f"{self.base}/metrics", timeout=1.0).text
+            r = httpx.get(f"{self.base}/metrics", timeout=1.0)
         except httpx.HTTPError:
             return self.last
+        if r.status_code != 200 or not r.headers.get("content-type", "").startswith("text/plain"):
+            return self.last
         snap: dict[str, float] = {"workers": 0.0, "tasks_published": 0.0}
-        for fam in text_string_to_metric_families(text):
-            for s in fam.samples:
-                if s.name == "sparecycles_workers" and s.labels.get("state") == "active":
-                    snap["workers"] += s.value
-                elif s.name == "sparecycles_tasks_published_total":
-                    snap["tasks_published"] = s.value
-                elif s.name == "sparecycles_intake_results_total":
-                    snap[f"results_{s.labels.get('outcome', '?')}"] = s.value
+        try:
+            for fam in text_string_to_metric_families(r.text):
+                for s in fam.samples:
+                    if s.name == "sparecycles_workers" and s.labels.get("state") == "active":
+                        snap["workers"] += s.value
+                    elif s.name == "sparecycles_tasks_published_total":
+                        snap["tasks_published"] = s.value
+                    elif s.name == "sparecycles_intake_results_total":
+                        snap[f"results_{s.labels.get('outcome', '?')}"] = s.value
+        except ValueError:
+            return self.last
         accepted = snap.get("results_accepted", 0.0)
         if self.accepted0 is None:
             self.accepted0, self.t0 = accepted, time.monotonic()

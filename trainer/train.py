@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterator, Protocol
 import torch
 import torch.nn.functional as F
 
+from coordinator.client import is_transient
 from trainer.checkpoint import load_checkpoint, save_checkpoint
 from trainer.config import TrainConfig, lr_at
 from trainer.paths import runs_dir
@@ -373,6 +374,15 @@ def train(
             except KeyboardInterrupt:
                 checkpoint(done)  # keep the position reached; `--resume` continues from here
                 raise
+            except Exception as exc:
+                # The fleet stayed unreachable past its bounded retries (Redis or coordinator down): the
+                # failed step applied nothing, so the position reached is kept for `--resume`.
+                if not (isinstance(exc, ConnectionError) or is_transient(exc)):
+                    raise
+                checkpoint(done)
+                raise RuntimeError(
+                    f"the fleet stayed unreachable ({exc}); checkpointed at step {done}: rerun with --resume"
+                ) from exc
     wall = time.perf_counter() - t0
     records = read_metrics(metrics_path)
     plot_loss_curves({cfg.optimizer: records}, run_dir / "loss.png",

