@@ -23,50 +23,61 @@ app = typer.Typer(
     "zeroth-order probes for curvature (ZO-Curv) and memory-light ZO training (1SPSA, 1.5-SPSA, MeZO).",
     no_args_is_help=True,
     pretty_exceptions_show_locals=False,
+    # Plain click help: rich's option tables wrap every help text into a narrow column at 80 columns.
+    rich_markup_mode=None,
 )
 app.add_typer(trainer_cli.data_app, name="data")
-app.command("train")(trainer_cli.train)
+app.command("train", short_help="Train one model in this process; write its run folder.")(trainer_cli.train)
 app.command("export")(export_cli.export)
 app.add_typer(bench_app, name="bench")
 app.command("coordinator")(api_cli.coordinator)
-app.command("worker")(worker_cli.worker)
+app.command("worker", short_help="Join a coordinator and evaluate its probe tasks.")(worker_cli.worker)
 
 
-@app.command("up")
+@app.command("up", short_help="Everything on this machine: AdamW vs a fleet-probed run.")
 def up(
-    preset: str = typer.Option("demo", help="Run preset (demo; with --task sentiment: sentiment-demo) or model "
-                               "preset."),
+    preset: str = typer.Option("demo", help="Run preset (demo; with --task sentiment: sentiment-demo) or a "
+                               "model preset."),
     task: str = typer.Option("lm", help="lm (pretraining, ZO-Curv) or sentiment (MiniLM-L6, pure ZO)."),
-    optimizer: str | None = typer.Option(None, help="The fleet-probed optimizer. Default: zocurv-line for lm (the "
-                                         "ZO-Curv variant the side-by-side benchmark supports, benchmarks/results/zo); "
-                                         "1.5spsa for sentiment (mezo, 1spsa or 1.5spsa)."),
+    optimizer: str | None = typer.Option(None, help="The fleet-probed optimizer (AdamW always runs as the "
+                                         "baseline). lm: zocurv-line (default), zocurv-block, zocurv-sophia, "
+                                         "mezo, 1spsa, 1.5spsa; sentiment: 1.5spsa (default), mezo, 1spsa."),
     workers: int = typer.Option(2, min=1, max=64, help="Local probe worker processes."),
     steps: int | None = typer.Option(None, min=1, help="Optimizer steps (default: the preset's)."),
-    probes: int | None = typer.Option(None, min=1, help="ZO probes K per step / curvature round (default: the "
-                                      "preset's)."),
-    batch_size: int | None = typer.Option(None, min=1, help="Sequences (sentences) per step (default: the "
-                                          "preset's)."),
-    seq_len: int | None = typer.Option(None, min=2, help="Tokens per sequence (sentence) (default: the preset's)."),
+    probes: int | None = typer.Option(None, min=1, help="ZO probes K per step or curvature round."),
+    batch_size: int | None = typer.Option(None, min=1, help="Sequences (sentences) per step."),
+    seq_len: int | None = typer.Option(None, min=2, help="Tokens per sequence (sentence)."),
     curvature_interval: int | None = typer.Option(None, min=1, help="Steps between curvature rounds."),
-    run_dir: Path | None = typer.Option(None, help="Run folder (default runs/up-<preset>-<optimizer>)."),
+    run_dir: Path | None = typer.Option(None, help="Run folder. Default: runs/up-<preset>-<optimizer>, plus "
+                                        "the settings that differ from the preset's (e.g. -steps5)."),
+    overwrite: bool = typer.Option(False, help="Replace a run folder that holds a run with other settings."),
+    keep_blobs: bool = typer.Option(False, help="Keep the coordinator's weight blobs and Valkey files."),
     progress: bool = typer.Option(True, help="Show the live progress display."),
     export: bool = typer.Option(True, help="Export each finished model as a transformers folder RUN_DIR/<run>/export."),
 ) -> None:
-    """Run everything on this machine: embedded Valkey (unless REDIS_URL), coordinator, N probe workers
-    and the trainer; AdamW baseline vs the fleet-probed run at equal steps; curves PNG and a JSON summary.
-    Ctrl-C stops every process it started."""
+    """Run everything on this machine: Valkey, coordinator, probe workers, trainer.
+
+    Trains an AdamW baseline and the fleet-probed run at equal steps; writes curves (PNG) and summary.json
+    to the run folder. Every option is checked before anything starts. A finished run with the same
+    settings is reused, an interrupted one resumed; a folder holding other settings is refused without
+    --overwrite. Ctrl-C stops every process it started. Defaults: options left unset take the preset's
+    values (demo: 150 steps, batch 16 x 64 tokens, curvature every 15 steps).
+    """
     import signal
 
-    from sparecycles.up import run_up
+    from sparecycles.up import plan_up, run_up
 
     def _terminate(signum, frame):  # `kill`/`timeout` get Ctrl-C's clean shutdown of every child
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, _terminate)
     try:
-        summary = run_up(preset=preset, optimizer=optimizer, workers=workers, steps=steps, run_dir=run_dir,
-                         curvature_interval=curvature_interval, progress=progress, task=task, probes=probes,
-                         batch_size=batch_size, seq_len=seq_len, export=export)
+        plan = plan_up(preset=preset, optimizer=optimizer, workers=workers, steps=steps, run_dir=run_dir,
+                       curvature_interval=curvature_interval, task=task, probes=probes, batch_size=batch_size,
+                       seq_len=seq_len, overwrite=overwrite)
+        summary = run_up(plan, progress=progress, keep_blobs=keep_blobs, export=export,
+                         log=lambda m: typer.secho(m, fg=typer.colors.YELLOW if m.startswith("warning") else None,
+                                                   err=True))
     except (ValueError, RuntimeError) as exc:
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from exc
@@ -74,6 +85,9 @@ def up(
         typer.echo("interrupted: every process stopped; rerun the same command to resume", err=True)
         raise typer.Exit(130)
     typer.echo(json.dumps(summary, indent=2))
+    disk = summary["disk_mb"]
+    parts = ", ".join(f"{k} {v:.1f}" for k, v in disk.items() if k != "total" and v >= 0.1)
+    typer.echo(f"{plan.out}: {disk['total']:.1f} MB on disk ({parts}); wall {summary['wall_s']:.0f} s", err=True)
 
 
 @app.command("version")

@@ -14,16 +14,19 @@ import contextlib
 import json
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+from sparecycles.up_plan import UP_SETTINGS, UpPlan, clear_folder, disk_use, plan_up, read_json  # noqa: F401 (plan_up re-exported)
 
 
 def _free_port() -> int:
@@ -191,7 +194,8 @@ class FleetStatus:
         accepted = snap.get("results_accepted", 0.0)
         if self.accepted0 is None:
             self.accepted0, self.t0 = accepted, time.monotonic()
-        snap["probes_per_s"] = (accepted - self.accepted0) / max(1e-9, time.monotonic() - self.t0)
+        snap["seconds"] = time.monotonic() - self.t0
+        snap["probes_per_s"] = (accepted - self.accepted0) / max(1e-9, snap["seconds"])
         total = sum(v for k, v in snap.items() if k.startswith("results_"))
         snap["stale_fraction"] = snap.get("results_stale", 0.0) / total if total else 0.0
         self.last = snap
@@ -222,17 +226,6 @@ class FleetFiguresMode:
         return {**stats, **{f"fleet_{k}": float(v) for k, v in self.status.snapshot().items()}}
 
 
-def _progress_of(run_dir: Path, cfg) -> str:
-    """"done" (finished with this config), "resume" (a checkpoint of this config) or "new"."""
-    p = run_dir / "config.json"
-    if not (p.is_file() and json.loads(p.read_text()) == cfg.model_dump(mode="json", exclude={"run_dir", "steps"})):
-        return "new"
-    done = run_dir / "summary.json"
-    if done.is_file() and json.loads(done.read_text()).get("steps") == cfg.steps:
-        return "done"
-    return "resume" if (run_dir / "checkpoint.safetensors").is_file() else "new"
-
-
 def _run_summary(run_dir: Path) -> dict:
     """Initial/final validation figures (loss, and accuracy for classifiers) and test figures of a finished run."""
     s = json.loads((run_dir / "summary.json").read_text())
@@ -258,54 +251,48 @@ def _prefetch_inputs(cfg, progress: bool) -> None:
         load_corpus(cfg.corpus, progress=progress)
 
 
-def run_up(*, preset: str, optimizer: str | None, workers: int, steps: int | None, run_dir: Path | None,
-           curvature_interval: int | None = None, progress: bool = True, task: str = "lm",
-           probes: int | None = None, batch_size: int | None = None, seq_len: int | None = None,
-           export: bool = True) -> dict:
-    """Run the main job on this machine and return its summary (also written to `<run_dir>/summary.json`).
+FLEET_PARTS = "fleet_parts.json"  # in the fleet-probed run's folder: one fleet snapshot per part trained
 
-    `task` "lm" pretrains the preset's model with `optimizer` (default zocurv-line); "sentiment" fine-tunes
-    MiniLM-L6 with a pure-ZO optimizer (default 1.5spsa) whose probes the fleet evaluates, from the
-    `sentiment-demo` preset when `preset` is "demo". Either way an AdamW backprop baseline runs at equal steps
-    in this process. `probes`, `batch_size` and `seq_len` override the preset's. With `export`, each run folder
-    gets its finished model as a transformers folder `export/` (trainer.export).
-    Raises RuntimeError if a service fails to start (the message names its log file), ValueError on
-    bad options; always stops every process it started.
-    """
+
+def _read_parts(path: Path) -> list[dict]:
+    try:
+        parts = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    return parts if isinstance(parts, list) else []
+
+
+def sum_fleet(parts: list[dict]) -> dict:
+    """Fleet figures of a run trained in parts (interrupted, resumed): each part's coordinator counters
+    (`tasks_published`, `results_<outcome>`) summed, `workers` the most active in any part, `probes_per_s` =
+    accepted results / seconds over all parts and `stale_fraction` = stale / all results. One part: itself."""
+    if len(parts) == 1:
+        return parts[0]
+    keys = {k for p in parts for k in p if k == "tasks_published" or k.startswith("results_")}
+    out = {k: sum(p.get(k, 0.0) for p in parts) for k in sorted(keys)}
+    out["workers"] = max((p.get("workers", 0.0) for p in parts), default=0.0)
+    out["seconds"] = sum(p.get("seconds", 0.0) for p in parts)
+    out["probes_per_s"] = sum(p.get("probes_per_s", 0.0) * p.get("seconds", 0.0) for p in parts) / max(1e-9, out["seconds"])
+    total = sum(v for k, v in out.items() if k.startswith("results_"))
+    out["stale_fraction"] = out.get("results_stale", 0.0) / total if total else 0.0
+    out["parts"] = len(parts)
+    return out
+
+
+def _train_with_fleet(plan: UpPlan, progress: bool, log: Callable[[str], None],
+                      export: bool) -> tuple[dict, str]:
+    """Start Valkey (unless REDIS_URL), the coordinator and the workers; train the runs not finished (AdamW in
+    this process, then the fleet-probed run; `export`: each also as a transformers folder, trainer.export);
+    stop every child. Returns (fleet figures, Redis description)."""
     from coordinator.messages import RunSpec
     from coordinator.settings import generate_dev_settings
-    from trainer.config import resolve_preset
-    from trainer.paths import runs_dir
-    from trainer.report import plot_accuracy_and_loss, plot_loss_curves, read_metrics
+    from trainer.preflight import PURE_ZO
     from trainer.train import train
-    from trainer.zo.modes import PURE_ZO
 
-    if task not in ("lm", "sentiment"):
-        raise ValueError(f"--task must be lm or sentiment, got {task!r}")
-    sentiment = task == "sentiment"
-    if sentiment:
-        optimizer = optimizer or "1.5spsa"
-        if optimizer not in PURE_ZO:
-            raise ValueError(f"--task sentiment runs a pure-ZO optimizer over the fleet ({', '.join(PURE_ZO)}), "
-                             f"not {optimizer!r}")
-        preset = "sentiment-demo" if preset == "demo" else preset
-    optimizer = optimizer or "zocurv-line"
-    over = {"steps": steps, "curvature_interval": curvature_interval, "task": task, "probes": probes,
-            "batch_size": batch_size, "seq_len": seq_len}
-    if not sentiment:
-        # A fleet answers a round while the trainer moves on; versions advance with steps, so the staleness
-        # bound must cover the rounds' round trip: two curvature intervals.
-        interval = resolve_preset(preset, over).curvature_interval
-        over["staleness"] = 2 * interval
-    zo_cfg = resolve_preset(preset, {**over, "optimizer": optimizer})
-    base_cfg = resolve_preset(preset, {**over, "optimizer": "adamw"})
-    out = (Path(run_dir) if run_dir else runs_dir() / f"up-{preset}-{optimizer}").resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    _prefetch_inputs(zo_cfg, progress)
+    out, workers, sentiment = plan.out, plan.workers, plan.task == "sentiment"
     # Every descendant (Valkey, coordinator, workers) inherits this marker: orphans are findable.
-    os.environ["SPARECYCLES_UP_RUN"] = str(out.resolve())
+    os.environ["SPARECYCLES_UP_RUN"] = str(out)
     sup = Supervisor(out / "logs")
-    t0 = time.perf_counter()
     try:
         with redis_url_or_embedded(out / "valkey", sup) as (redis_url, redis_desc):
             settings = generate_dev_settings(redis_url=redis_url, blob_dir=out / "blobs",
@@ -320,6 +307,7 @@ def run_up(*, preset: str, optimizer: str | None, workers: int, steps: int | Non
             py = [sys.executable, "-m", "sparecycles.cli"]
             sup.start("coordinator", py + ["coordinator", "--port", str(port), "--log-level", "warning"], env)
             wait_ready(f"{base}/readyz", sup)
+            log(f"coordinator {base} (Prometheus figures at {base}/metrics while `up` runs); logs in {sup.log_dir}")
             for i in range(workers):
                 # The token travels in the environment (SPARECYCLES_ENROLLMENT_TOKEN), never in argv (ps).
                 sup.start(f"worker-{i}", py + ["worker", "--coordinator", base, "--name", f"local-{i}",
@@ -345,32 +333,86 @@ def run_up(*, preset: str, optimizer: str | None, workers: int, steps: int | Non
                 loss_fn = loss_for_kind(batch_kind_for_model(type(model).__name__))
                 return FleetFiguresMode(build_zo_mode(cfg, model, loss_fn, backend=backend), status)
 
-            base_dir, zo_dir = out / "adamw", out / optimizer
-            base_cfg = base_cfg.model_copy(update={"run_dir": base_dir})
-            zo_cfg = zo_cfg.model_copy(update={"run_dir": zo_dir})
-            # Finished runs are reused and interrupted ones resumed (checkpoints hold the ZO state).
-            base_state = _progress_of(base_dir, base_cfg)
-            reused = base_state == "done"
-            if not reused:
-                train(base_cfg, progress=progress, resume=base_state == "resume", overwrite=True, export=export)
-            train(zo_cfg, progress=progress, resume=_progress_of(zo_dir, zo_cfg) == "resume",
-                  overwrite=True, mode_factory=fleet_mode, status=status, export=export)
-            fleet = status.snapshot()
+            # Interrupted runs resume from their checkpoints (which hold the ZO state).
+            base_state, zo_state = plan.states["adamw"].kind, plan.states[plan.optimizer].kind
+            if base_state != "done":
+                train(plan.base_cfg, progress=progress, resume=base_state == "resume", overwrite=True, export=export)
+            if zo_state == "done":
+                return {}, redis_desc
+            # A resumed run's fleet figures add up every part: each interruption records the one it ends.
+            parts_path = plan.out / plan.optimizer / FLEET_PARTS
+            parts = _read_parts(parts_path) if zo_state == "resume" else []
+            try:
+                train(plan.zo_cfg, progress=progress, resume=zo_state == "resume", overwrite=True,
+                      mode_factory=fleet_mode, status=status, export=export)
+            finally:  # the coordinator still answers here: its counters cover this part
+                parts.append(status.snapshot())
+                parts_path.write_text(json.dumps(parts, indent=2))
+            return sum_fleet(parts), redis_desc
     finally:
         sup.stop_all()
-    runs = {"adamw": read_metrics(base_dir / "metrics.jsonl"), optimizer: read_metrics(zo_dir / "metrics.jsonl")}
-    model_name, data_name = ("minilm-l6", "sentiment") if sentiment else (zo_cfg.model, zo_cfg.corpus)
-    title = f"{model_name} on {data_name}: {optimizer} (fleet of {workers}) vs AdamW, {zo_cfg.steps} steps"
-    if sentiment:
-        png = plot_accuracy_and_loss(runs, out / "curves.png", title=title, chance=0.5)
+
+
+def _plot(plan: UpPlan, title: str) -> Path:
+    from trainer.report import plot_accuracy_and_loss, plot_loss_curves, read_metrics
+
+    runs = {name: read_metrics(plan.out / name / "metrics.jsonl") for name in ("adamw", plan.optimizer)}
+    if plan.task != "sentiment":
+        return plot_loss_curves(runs, plan.out / "loss_curves.png", title=title, unit="nats/token")
+    from trainer.data import load_sentiment
+
+    cfg = plan.zo_cfg  # evaluation scores min(eval_batches * batch_size, |val|) fixed sentences (trainer.sentiment)
+    n_val = min(cfg.eval_batches * cfg.batch_size, len(load_sentiment().val))
+    return plot_accuracy_and_loss(runs, plan.out / "curves.png", title=title, chance=0.5, n_val=n_val)
+
+
+def run_up(plan: UpPlan, *, progress: bool = True, keep_blobs: bool = False, export: bool = True,
+           log: Callable[[str], None] = lambda m: print(m, file=sys.stderr)) -> dict:
+    """Carry out `plan` (from `plan_up`) and return its summary (also written to `<out>/summary.json`).
+
+    Finished runs with the same settings are reused (both finished: no service starts), interrupted ones
+    resume from their checkpoints; the rest train: an AdamW backprop baseline in this process, then the
+    fleet-probed run at equal steps. Afterwards the coordinator's blobs and the embedded Valkey's files are
+    removed unless `keep_blobs`. With `export`, each run folder gets its finished model as a transformers folder
+    `export/` (trainer.export). `log` receives progress lines and warnings.
+    Raises RuntimeError if a service fails to start (the message names its log file); always stops every
+    process it started.
+    """
+    out, opt = plan.out, plan.optimizer
+    if plan.clear:
+        clear_folder(out)
+    out.mkdir(parents=True, exist_ok=True)
+    for w in plan.warnings:
+        log(f"warning: {w}")
+    t0 = time.perf_counter()
+    _prefetch_inputs(plan.zo_cfg, progress)
+    (out / UP_SETTINGS).write_text(json.dumps(plan.settings, indent=2))
+    reused = [name for name, st in plan.states.items() if st.kind == "done"]
+    for name in reused:
+        log(f"{name}: reusing the finished run in {out / name} (same settings; --overwrite trains it again)")
+    old = read_json(out / "summary.json") or {}
+    if len(reused) == 2:  # nothing to train: no service needed
+        fleet, redis_desc = old.get("fleet", {}), old.get("redis", "not started (both runs reused)")
     else:
-        png = plot_loss_curves(runs, out / "loss_curves.png", title=title)
+        fleet, redis_desc = _train_with_fleet(plan, progress, log, export)
+        fleet = fleet or old.get("fleet", {})  # the fleet-probed run was reused, only AdamW trained
+    sentiment = plan.task == "sentiment"
+    model_name, data_name = ("minilm-l6", "sentiment") if sentiment else (plan.zo_cfg.model, plan.zo_cfg.corpus)
+    steps = plan.zo_cfg.steps
+    png = _plot(plan, f"{model_name} on {data_name}: {opt} (fleet of {plan.workers}) vs AdamW, {steps} steps")
+    if not keep_blobs:  # a finished run never reads them again; a resumed one publishes afresh
+        for name in ("blobs", "valkey"):
+            shutil.rmtree(out / name, ignore_errors=True)
     summary = {
-        "task": task, "preset": preset, "model": model_name, "corpus": data_name, "steps": zo_cfg.steps,
-        "workers": workers, "optimizer": optimizer, "redis": redis_desc, "coordinator_url": base,
-        "metrics_url": f"{base}/metrics", "adamw_reused_from_cache": reused,
-        "adamw": _run_summary(base_dir), optimizer: _run_summary(zo_dir),
-        "fleet": fleet, "wall_s": time.perf_counter() - t0, "plot": str(png), "logs": str(sup.log_dir),
+        "task": plan.task, "preset": plan.preset, "model": model_name, "corpus": data_name, "steps": steps,
+        "workers": plan.workers, "optimizer": opt, "redis": redis_desc, "reused": reused,
+        "adamw": _run_summary(out / "adamw"), opt: _run_summary(out / opt), "fleet": fleet,
+        "warnings": list(plan.warnings), "wall_s": time.perf_counter() - t0, "plot": str(png),
+        "logs": str(out / "logs"),
     }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    sizes = disk_use(out)
+    summary["disk_mb"] = {k: round(v / 2**20, 1) for k, v in sizes.items()}
+    summary["disk_mb"]["total"] = round(sum(sizes.values()) / 2**20, 1)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary

@@ -38,6 +38,12 @@ def _up(run_dir: Path, *args: str) -> subprocess.Popen:
                              "--no-progress", *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
+def _files(run_dir: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*"))
+            if p.is_file() and p.parent.name in ("adamw", "zocurv-line")}
+
+
+@pytest.mark.timeout(1800)  # three invocations of `up`; the first trains both runs
 def test_up_runs_both_curves_and_leaves_no_process(tmp_path):
     run_dir = tmp_path / "up"
     proc = _up(run_dir, "--steps", "12", "--curvature-interval", "4", "--no-export")
@@ -57,6 +63,39 @@ def test_up_runs_both_curves_and_leaves_no_process(tmp_path):
     assert (run_dir / "loss_curves.png").stat().st_size > 20_000
     assert not (run_dir / "adamw" / "export").exists() and not (run_dir / "zocurv-line" / "export").exists()
     assert _processes_of(run_dir) == []
+    # zocurv-line probes at steps 4 and 8 (not 0: it probes along the step before): trainer.preflight's count
+    zo = [json.loads(line) for line in (run_dir / "zocurv-line" / "metrics.jsonl").read_text().splitlines()]
+    refreshes = [r for r in zo if "curv_dropped_rounds" in r]
+    assert [r["step"] for r in refreshes] == [5, 9]
+    assert summary["reused"] == [] and summary["warnings"] == []
+    assert not (run_dir / "blobs").exists() and not (run_dir / "valkey").exists()  # no --keep-blobs
+    assert summary["disk_mb"]["total"] > summary["disk_mb"]["adamw"] > 1
+
+    # The same command again: both finished runs reused, no service started, every file of both runs kept.
+    files, log_size = _files(run_dir), (run_dir / "logs" / "coordinator.log").stat().st_size
+    proc = _up(run_dir, "--steps", "12", "--curvature-interval", "4")
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out.decode()[-3000:]
+    again = json.loads((run_dir / "summary.json").read_text())
+    assert again["reused"] == ["adamw", "zocurv-line"] and again["redis"] == summary["redis"]
+    assert {k: again[k] for k in ("adamw", "zocurv-line", "fleet")} == {k: summary[k] for k in ("adamw", "zocurv-line", "fleet")}
+    assert _files(run_dir) == files and (run_dir / "logs" / "coordinator.log").stat().st_size == log_size
+
+    # Other --steps into the same folder: refused before anything starts, naming the difference.
+    proc = _up(run_dir, "--steps", "13", "--curvature-interval", "4")
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 2 and "steps: 12 -> 13" in out.decode() and "--overwrite" in out.decode(), out.decode()
+    assert _files(run_dir) == files and json.loads((run_dir / "summary.json").read_text()) == again
+
+
+def test_invalid_option_fails_before_any_child_starts(tmp_path):
+    for args, words in [(["--optimizer", "adamw"], ("--optimizer 'adamw'", "baseline")),
+                        (["--seq-len", "300"], ("--seq-len 300", "256"))]:
+        run_dir = tmp_path / "bad"
+        proc = _up(run_dir, *args)
+        out = proc.communicate(timeout=300)[0].decode()
+        assert proc.returncode == 2 and all(w in out for w in words) and "Traceback" not in out, out
+        assert not run_dir.exists()  # no folder, so no log of any child: nothing was started
 
 
 def test_ctrl_c_stops_every_process(tmp_path):

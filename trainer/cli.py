@@ -63,32 +63,56 @@ def train(
     export: bool = typer.Option(True, help="At the end, export the model as a transformers folder RUN_DIR/export."),
 ) -> None:
     """Train a model and write a run folder (metrics.jsonl, TensorBoard event files, checkpoint.safetensors,
-    loss.png, summary.json, export/)."""
-    from pydantic import ValidationError
+    loss.png, summary.json, export/).
 
+    Every option is checked before training. A folder holding this run finished (same settings) is reused
+    and its summary printed; one holding another run is refused (naming the differences) unless
+    --overwrite; an interrupted one continues with --resume.
+    """
+    import json
+
+    from trainer.checkpoint import CheckpointError
     from trainer.config import resolve_preset
+    from trainer.preflight import check_options, explain, folder_state, no_probe_round_warning
+    from trainer.train import default_run_dir
     from trainer.train import train as run_train
 
     overrides = dict(corpus=corpus, optimizer=optimizer, task=task, steps=steps, batch_size=batch_size,
                      seq_len=seq_len, lr=lr, warmup_steps=warmup_steps, eval_every=eval_every,
                      checkpoint_every=checkpoint_every, probes=probes, eps=eps, alpha=alpha, lam=lam,
-                     probe_batch_size=probe_batch_size, curvature_interval=curvature_interval, staleness=staleness, probe_budget=probe_budget, seed=seed, device=device,
-                     run_dir=run_dir)
-    from trainer.checkpoint import CheckpointError
-
+                     probe_batch_size=probe_batch_size, curvature_interval=curvature_interval, staleness=staleness,
+                     probe_budget=probe_budget, seed=seed, device=device, run_dir=run_dir)
     try:
         cfg = resolve_preset(preset, overrides)
-    except ValidationError as exc:
-        reasons = "; ".join(f"--{'-'.join(map(str, e['loc'])).replace('_', '-')}: {e['msg']}" if e["loc"]
-                            else e["msg"] for e in exc.errors(include_url=False))
-        raise typer.BadParameter(reasons) from exc
-    except ValueError as exc:  # an unknown preset
-        raise typer.BadParameter(str(exc), param_hint="--preset") from exc
+    except ValueError as exc:  # pydantic's ValidationError, or an unknown preset
+        hint = None if hasattr(exc, "errors") else "--preset"
+        raise typer.BadParameter(explain(exc), param_hint=hint) from exc
+    try:
+        check_options(cfg)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    folder = cfg.run_dir or default_run_dir(cfg)
+    state = folder_state(folder, cfg)
+    if not resume and not overwrite and state.kind in ("done", "other"):
+        if state.kind == "other":
+            typer.secho(f"error: {folder} holds a run with other settings ({'; '.join(state.diffs)}); pass "
+                        "--overwrite to replace it, or another --run-dir", fg=typer.colors.RED, err=True)
+            raise typer.Exit(2)
+        typer.echo(f"{folder} already holds this run, finished (same settings): reused, nothing trained "
+                   "(--overwrite trains it again)", err=True)
+        typer.echo((folder / "summary.json").read_text())
+        return
+    warning = no_probe_round_warning(cfg)
+    if warning:
+        typer.secho(f"warning: {warning}", fg=typer.colors.YELLOW, err=True)
     try:
         result = run_train(cfg, resume=resume, progress=progress, overwrite=overwrite, export=export)
     except (ValueError, CheckpointError, OSError) as exc:
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from exc
+    if warning:  # the summary says it too, for whoever reads the folder later
+        path = result.run_dir / "summary.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), "warnings": [warning]}, indent=2))
     typer.echo(
         f"val loss {result.initial_val_loss:.4f} -> {result.final_val_loss:.4f} after {result.steps} steps "
         f"({result.wall_s:.1f} s); run folder {result.run_dir}"

@@ -1,0 +1,166 @@
+"""`sparecycles up`, before anything starts: validate every option and decide what happens to the run folder.
+
+`plan_up` returns an `UpPlan` (both runs' configs, the folder, what each run's sub-folder holds, warnings)
+or raises ValueError; it trains nothing and starts no process. `sparecycles.up.run_up` carries a plan out.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+UP_SETTINGS = "up_settings.json"
+# Settings that name a non-default `up` folder: runs/up-<preset>-<optimizer>[-steps5][-k4][-b8][-t16][-ci4].
+_NAME_TAGS = {"steps": "steps", "probes": "k", "batch_size": "b", "seq_len": "t", "curvature_interval": "ci"}
+# What `--overwrite` removes from an `up` folder (besides the runs' own folders); never anything else there.
+_UP_FILES = (UP_SETTINGS, "summary.json", "loss_curves.png", "curves.png", "blobs", "valkey")
+
+
+@dataclass(frozen=True)
+class UpPlan:
+    """What `up` will do, decided and validated before anything starts (`plan_up`).
+
+    `states` maps "adamw" and `optimizer` to the trainer.preflight.FolderState of their sub-folders of `out`;
+    `clear` is set when `--overwrite` replaces another run there; `warnings` go to the console and summary.
+    """
+
+    task: str
+    preset: str
+    optimizer: str
+    workers: int
+    out: Path
+    base_cfg: Any
+    zo_cfg: Any
+    states: dict[str, Any]
+    clear: bool
+    warnings: tuple[str, ...]
+
+    @property
+    def settings(self) -> dict[str, dict]:
+        """Both runs' settings (trainer.preflight.run_settings), as written to `up_settings.json`."""
+        from trainer.preflight import run_settings
+
+        return {"adamw": run_settings(self.base_cfg), self.optimizer: run_settings(self.zo_cfg)}
+
+
+def read_json(path: Path) -> dict | None:
+    """The JSON object in `path`, or None if it is missing or unreadable."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _folder_diffs(out: Path, settings: dict[str, dict], states: dict) -> list[str]:
+    """How the runs recorded in `out` differ from `settings` ("field: old -> new"); [] when they match or
+    `out` holds none. Reads `up_settings.json` (written by `up` before training) and each run's own files."""
+    from trainer.preflight import differences
+
+    diffs: set[str] = set()
+    recorded = read_json(out / UP_SETTINGS)
+    old_summary = read_json(out / "summary.json") or {}
+    old_opt = ([k for k in recorded if k != "adamw"] or [None])[0] if recorded else old_summary.get("optimizer")
+    new_opt = next(k for k in settings if k != "adamw")
+    if old_opt is not None and old_opt != new_opt:
+        diffs.add(f"optimizer: {old_opt!r} -> {new_opt!r}")
+    elif recorded:
+        for name, new in settings.items():
+            diffs.update(differences(recorded.get(name, {}), new))
+    for st in states.values():
+        diffs.update(st.diffs)
+    return sorted(diffs)
+
+
+def plan_up(*, preset: str = "demo", optimizer: str | None = None, workers: int = 2, steps: int | None = None,
+            run_dir: Path | None = None, curvature_interval: int | None = None, task: str = "lm",
+            probes: int | None = None, batch_size: int | None = None, seq_len: int | None = None,
+            overwrite: bool = False) -> UpPlan:
+    """Validate every option of `up` and decide what happens to its run folder; starts and trains nothing.
+
+    The folder is `run_dir`, else `runs/up-<preset>-<optimizer>` plus a tag per setting that differs from
+    the preset's (`-steps5`, `-k4`, `-b8`, `-t16`, `-ci4`), so runs with other settings get other folders.
+    Raises ValueError (message names the option) for an invalid option, or when the folder holds a run with
+    other settings and `overwrite` is not set (the message lists the differences).
+    """
+    from trainer.config import resolve_preset
+    from trainer.paths import runs_dir
+    from trainer.preflight import (
+        PURE_ZO,
+        ZOCURV,
+        FolderState,
+        check_options,
+        explain,
+        folder_state,
+        no_probe_round_warning,
+    )
+
+    if task not in ("lm", "sentiment"):
+        raise ValueError(f"--task must be lm or sentiment, got {task!r}")
+    if not 1 <= workers <= 64:
+        raise ValueError(f"--workers must be 1 to 64, got {workers}")
+    sentiment = task == "sentiment"
+    optimizer = optimizer or ("1.5spsa" if sentiment else "zocurv-line")
+    allowed = PURE_ZO if sentiment else ZOCURV + PURE_ZO
+    if optimizer not in allowed:
+        why = "AdamW is the baseline `up` always runs; " if optimizer == "adamw" else ""
+        raise ValueError(f"--optimizer {optimizer!r}: {why}the fleet-probed optimizer for --task {task} is one of "
+                         f"{', '.join(allowed)}")
+    preset = "sentiment-demo" if sentiment and preset == "demo" else preset
+    over = {"steps": steps, "curvature_interval": curvature_interval, "task": task, "probes": probes,
+            "batch_size": batch_size, "seq_len": seq_len}
+    try:
+        if not sentiment:
+            # A fleet answers a round while the trainer moves on; versions advance with steps, so the staleness
+            # bound must cover the rounds' round trip: two curvature intervals.
+            over["staleness"] = 2 * resolve_preset(preset, over).curvature_interval
+        zo_cfg = resolve_preset(preset, {**over, "optimizer": optimizer})
+        base_cfg = resolve_preset(preset, {**over, "optimizer": "adamw"})
+        default = resolve_preset(preset, {"task": task, "optimizer": optimizer})
+    except ValueError as exc:  # pydantic's ValidationError is one; so is an unknown preset
+        raise ValueError(explain(exc)) from None
+    check_options(zo_cfg)
+    check_options(base_cfg)
+    tags = [f"{tag}{getattr(zo_cfg, f)}" for f, tag in _NAME_TAGS.items() if getattr(zo_cfg, f) != getattr(default, f)]
+    out = (Path(run_dir) if run_dir else runs_dir() / "-".join(["up", preset, optimizer, *tags])).resolve()
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--run-dir {out} exists and is not a folder")
+    base_cfg = base_cfg.model_copy(update={"run_dir": out / "adamw"})
+    zo_cfg = zo_cfg.model_copy(update={"run_dir": out / optimizer})
+    states = {"adamw": folder_state(out / "adamw", base_cfg), optimizer: folder_state(out / optimizer, zo_cfg)}
+    plan = UpPlan(task, preset, optimizer, workers, out, base_cfg, zo_cfg, states, False,
+                  tuple(w for w in [no_probe_round_warning(zo_cfg)] if w))
+    diffs = _folder_diffs(out, plan.settings, states)
+    if diffs and not overwrite:
+        raise ValueError(f"{out} holds a run with other settings ({'; '.join(diffs)}); nothing was changed. "
+                         "Pass --overwrite to replace it, or another --run-dir (without --run-dir, the default "
+                         "folder name carries --steps, --probes, --batch-size, --seq-len, --curvature-interval)")
+    if overwrite:
+        plan = replace(plan, clear=True, states={k: FolderState("empty") for k in states})
+    return plan
+
+
+def clear_folder(out: Path) -> None:
+    """Remove what an earlier `up` wrote in `out` (its files and the runs named in its settings); `logs/` and
+    anything else stay."""
+    names = {"adamw", *(read_json(out / UP_SETTINGS) or {}), (read_json(out / "summary.json") or {}).get("optimizer")}
+    for name in [*_UP_FILES, *filter(None, names)]:
+        p = out / name
+        if p.is_dir():
+            shutil.rmtree(p)
+        elif p.exists():
+            p.unlink()
+
+
+
+def disk_use(folder: Path) -> dict[str, int]:
+    """Bytes under each entry of `folder` (files count their size; links are not followed)."""
+    sizes = {}
+    for entry in sorted(Path(folder).iterdir()):
+        files = [entry] if not entry.is_dir() else [p for p in entry.rglob("*") if p.is_file()]
+        sizes[entry.name] = sum(p.lstat().st_size for p in files)
+    return sizes
+
+

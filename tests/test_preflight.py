@@ -1,0 +1,125 @@
+"""Checks before anything runs (trainer.preflight, sparecycles.up.plan_up) and the report's pure helpers."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from sparecycles.up import UP_SETTINGS, plan_up, sum_fleet
+from trainer.config import resolve_preset
+from trainer.preflight import folder_state, probe_rounds, run_settings
+from trainer.report import (
+    bias_corrected_ema,
+    binomial_se,
+    loss_unit,
+    plot_accuracy_and_loss,
+    plot_loss_curves,
+)
+
+
+def test_probe_rounds_closed_form():
+    line = resolve_preset("demo", {"optimizer": "zocurv-line", "steps": 15, "curvature_interval": 15})
+    assert probe_rounds(line) == 0  # rounds at steps 15, 30, ...: none in steps 0..14
+    assert probe_rounds(line.model_copy(update={"steps": 16})) == 1
+    assert probe_rounds(line.model_copy(update={"steps": 150})) == 9
+    block = line.model_copy(update={"optimizer": "zocurv-block"})
+    assert probe_rounds(block) == 1  # zocurv-block also probes at step 0
+    assert probe_rounds(line.model_copy(update={"optimizer": "mezo"})) is None
+
+
+def _fake_run(folder, cfg, *, finished: bool, checkpoint: bool = True):
+    """The files `trainer.train.train` leaves: config.json (steps excluded), metrics, summary when finished."""
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({k: v for k, v in run_settings(cfg).items() if k != "steps"}))
+    (folder / "metrics.jsonl").write_text('{"step": 0, "val_loss": 10.8}\n')
+    if checkpoint:
+        (folder / "checkpoint.safetensors").write_bytes(b"x")
+    if finished:
+        (folder / "summary.json").write_text(json.dumps({"steps": cfg.steps}))
+
+
+def test_folder_state_kinds(tmp_path):
+    cfg = resolve_preset("demo", {"optimizer": "adamw"})
+    assert folder_state(tmp_path / "none", cfg).kind == "empty"
+    _fake_run(tmp_path / "done", cfg, finished=True)
+    assert folder_state(tmp_path / "done", cfg).kind == "done"
+    other = folder_state(tmp_path / "done", resolve_preset("demo", {"optimizer": "adamw", "steps": 5}))
+    assert other.kind == "other" and "steps: 150 -> 5" in other.diffs and "warmup_steps: 15 -> 0" in other.diffs
+    _fake_run(tmp_path / "cut", cfg, finished=False)
+    assert folder_state(tmp_path / "cut", cfg).kind == "resume"
+    assert folder_state(tmp_path / "cut", cfg.model_copy(update={"lr": 1e-3})).diffs == ("lr: 0.003 -> 0.001",)
+
+
+def test_up_default_folder_carries_the_settings_and_a_finished_run_is_never_replaced(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPARECYCLES_RUNS", str(tmp_path))
+    demo = plan_up()
+    assert demo.out == tmp_path / "up-demo-zocurv-line" and demo.warnings == ()
+    assert plan_up(steps=150).out == demo.out  # the preset's own value names no tag
+    assert plan_up(steps=5, curvature_interval=4).out.name == "up-demo-zocurv-line-steps5-ci4"
+    # A finished demo in the default folder; `--steps 5 --run-dir` that folder is refused, naming the change.
+    demo.out.mkdir()
+    (demo.out / UP_SETTINGS).write_text(json.dumps(demo.settings))
+    for name, cfg in (("adamw", demo.base_cfg), ("zocurv-line", demo.zo_cfg)):
+        _fake_run(demo.out / name, cfg, finished=True)
+    assert {k: s.kind for k, s in plan_up().states.items()} == {"adamw": "done", "zocurv-line": "done"}
+    with pytest.raises(ValueError, match="steps: 150 -> 5.*--overwrite"):
+        plan_up(steps=5, run_dir=demo.out)
+    with pytest.raises(ValueError, match="optimizer: 'zocurv-line' -> 'zocurv-block'"):
+        plan_up(optimizer="zocurv-block", run_dir=demo.out)
+    assert plan_up(steps=5, run_dir=demo.out, overwrite=True).clear
+
+
+def test_steps_below_the_curvature_interval_warn(tmp_path):
+    """`up` plans the warning; `train` prints it, writes it to summary.json, and indeed probes nothing."""
+    assert "no curvature probe round in 5 steps" in plan_up(steps=5).warnings[0]
+    run_dir = tmp_path / "r"
+    res = subprocess.run([sys.executable, "-m", "sparecycles.cli", "train", "--preset", "gpt2-tiny", "--optimizer",
+                          "zocurv-line", "--steps", "2", "--curvature-interval", "2", "--batch-size", "2",
+                          "--seq-len", "16", "--no-progress", "--run-dir", str(run_dir)],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "warning: zocurv-line runs no curvature probe round in 2 steps" in res.stderr
+    assert "equals AdamW" in json.loads((run_dir / "summary.json").read_text())["warnings"][0]
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs if "loss" in r] == [1, 2] and not any("curv_dropped_rounds" in r for r in recs)
+    # The same command again: the finished run is reused, nothing trained.
+    again = subprocess.run(res.args, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0 and "reused" in again.stderr and (run_dir / "metrics.jsonl").read_text() == \
+        "".join(json.dumps(r) + "\n" for r in recs)
+
+
+def test_report_ema_and_standard_error_closed_forms():
+    assert bias_corrected_ema([3.0] * 5, 0.9) == pytest.approx([3.0] * 5)  # a weighted mean of equal values
+    b = 0.8
+    assert bias_corrected_ema([1.0, 2.0], b) == pytest.approx([1.0, (b * 1.0 + 2.0) / (1 + b)])
+    assert binomial_se(0.5, 100) == pytest.approx(0.05) and binomial_se(1.0, 10) == 0.0
+    assert math.isclose(binomial_se(0.7, 128), math.sqrt(0.21 / 128))
+
+
+def test_plots_write_pngs_with_units(tmp_path):
+    import matplotlib.image
+
+    lm = [{"step": 0, "val_loss": 10.0}] + [{"step": s, "loss": 10.0 - s / 10} for s in range(1, 31)] + \
+        [{"step": 30, "val_loss": 7.0}]
+    assert loss_unit(lm) == "nats/token"
+    png = plot_loss_curves({"a": lm, "b": lm}, tmp_path / "l.png", title="t")
+    assert matplotlib.image.imread(png).shape[1] > matplotlib.image.imread(png).shape[0]  # two panels side by side
+    cls = [{**r, "val_acc": 0.6} if "val_loss" in r else r for r in lm]
+    assert loss_unit(cls) == "nats/sentence"
+    assert plot_accuracy_and_loss({"a": cls}, tmp_path / "c.png", title="t", chance=0.5, n_val=128).is_file()
+
+
+def test_fleet_figures_of_a_resumed_run_add_up_its_parts():
+    a = {"workers": 2.0, "tasks_published": 10.0, "results_accepted": 30.0, "results_stale": 2.0, "seconds": 10.0,
+         "probes_per_s": 3.0, "stale_fraction": 2 / 32}
+    b = {"workers": 1.0, "tasks_published": 4.0, "results_accepted": 12.0, "results_held": 4.0, "seconds": 30.0,
+         "probes_per_s": 0.4, "stale_fraction": 0.0}
+    assert sum_fleet([a]) == a
+    s = sum_fleet([a, b])
+    assert (s["workers"], s["tasks_published"], s["results_accepted"], s["results_held"]) == (2.0, 14.0, 42.0, 4.0)
+    assert s["probes_per_s"] == pytest.approx((30 + 12) / 40) and s["stale_fraction"] == pytest.approx(2 / 48)
+    assert s["parts"] == 2

@@ -1,0 +1,146 @@
+"""Checks that run before anything trains or any service starts.
+
+- `check_options(cfg)`: settings that TrainConfig alone cannot judge (the model's context, the corpus
+  name, the device, the task's optimizers), so a bad option fails in a second, not after minutes.
+- `probe_rounds(cfg)` / `no_probe_round_warning(cfg)`: how many curvature rounds a ZO-Curv run probes.
+- `folder_state(run_dir, cfg)`: whether a run folder is free, holds this run finished or interrupted, or
+  holds another run (and how its settings differ), so no finished run is overwritten by accident.
+
+Pure functions over configs and small JSON files; nothing here trains or starts a process.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from trainer.config import TrainConfig
+
+ZOCURV = ("zocurv-block", "zocurv-sophia", "zocurv-line")  # as trainer.zo.modes, without importing torch
+PURE_ZO = ("mezo", "1spsa", "1.5spsa")
+
+
+def explain(exc: Exception) -> str:
+    """A pydantic ValidationError as "--option: reason; ..." (CLI spelling); other errors as str(exc)."""
+    errors = getattr(exc, "errors", None)
+    if not callable(errors):
+        return str(exc)
+    return "; ".join(f"--{'-'.join(map(str, e['loc'])).replace('_', '-')}: {e['msg']}" if e["loc"] else e["msg"]
+                     for e in errors(include_url=False))
+
+
+def check_options(cfg: TrainConfig) -> None:
+    """Raise ValueError naming the option when `cfg` cannot run on this machine with this data.
+
+    Checks the corpus name, the model preset and its context (`--seq-len` at most `n_positions`; for
+    `--task sentiment` at most MiniLM-L6's 512 positions), ZO-Curv on the sentiment task, and CUDA for
+    `--device cuda[:N]`. Imports torch only for a CUDA device.
+    """
+    if cfg.task == "sentiment":
+        if cfg.optimizer in ZOCURV:
+            raise ValueError(f"--task sentiment supports adamw, mezo, 1spsa and 1.5spsa, not {cfg.optimizer!r}; "
+                             "ZO-Curv variants run on the LM task (--task lm)")
+        if cfg.seq_len > 512:  # MiniLM-L6's max_position_embeddings
+            raise ValueError(f"--seq-len {cfg.seq_len} exceeds MiniLM-L6's 512 positions")
+    else:
+        from trainer.data.corpus import CORPORA
+        from trainer.models.gpt2 import get_preset
+
+        if cfg.corpus not in CORPORA:
+            raise ValueError(f"--corpus: unknown corpus {cfg.corpus!r}; valid names: {', '.join(sorted(CORPORA))}")
+        ctx = get_preset(cfg.model).n_positions  # ValueError for an unknown model preset
+        if cfg.seq_len > ctx:
+            raise ValueError(f"--seq-len {cfg.seq_len} exceeds {cfg.model}'s context of {ctx} tokens")
+    if cfg.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {cfg.device}: CUDA is not available on this machine; use --device cpu")
+        index = int(cfg.device.partition(":")[2] or 0)
+        if index >= torch.cuda.device_count():
+            raise ValueError(f"--device {cfg.device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+
+
+def probe_rounds(cfg: TrainConfig) -> int | None:
+    """Curvature probe rounds a ZO-Curv run of `cfg.steps` steps runs; None for other optimizers.
+
+    A round is due at 0-based steps s with s % curvature_interval == 0 (trainer.zo.modes.ZOCurvMode).
+    zocurv-line probes along θ_s − θ_{s−1}, so it skips s = 0 (no earlier version): (steps − 1) // interval
+    rounds. zocurv-block and zocurv-sophia also probe at s = 0: one more.
+    """
+    if cfg.optimizer not in ZOCURV:
+        return None
+    rounds = (cfg.steps - 1) // cfg.curvature_interval
+    return rounds if cfg.optimizer == "zocurv-line" else rounds + 1
+
+
+def no_probe_round_warning(cfg: TrainConfig) -> str | None:
+    """The warning for a ZO-Curv run that probes no curvature at all (it is then AdamW), else None."""
+    if probe_rounds(cfg) != 0:
+        return None
+    k = cfg.curvature_interval
+    return (f"{cfg.optimizer} runs no curvature probe round in {cfg.steps} steps: its first round is at step {k} "
+            f"(--curvature-interval {k}; it probes along the step before), so this run equals AdamW. "
+            f"Use --steps {k + 1} or more, or a smaller --curvature-interval.")
+
+
+def run_settings(cfg: TrainConfig) -> dict[str, Any]:
+    """Everything that defines a run's result: the config as JSON, `steps` included, `run_dir` excluded."""
+    return cfg.model_dump(mode="json", exclude={"run_dir"})
+
+
+def differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """"name: old -> new" for every key whose value differs (a missing key shows as None), sorted by key."""
+    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+
+
+@dataclass(frozen=True)
+class FolderState:
+    """What a run folder holds relative to a config.
+
+    kind: "empty" (nothing to keep), "done" (this run, finished), "resume" (this run, interrupted, with a
+    checkpoint) or "other" (another run, or files of an unknown one). diffs: `differences` for "other".
+    """
+
+    kind: Literal["empty", "done", "resume", "other"]
+    diffs: tuple[str, ...] = ()
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def folder_state(run_dir: Path, cfg: TrainConfig) -> FolderState:
+    """Classify `run_dir` (a `sparecycles train` folder) against `cfg`; see FolderState.
+
+    The folder's settings are its `config.json`; `steps` comes from there or, for a finished run, from
+    `summary.json` (an interrupted run's `config.json` may omit it: `--resume` may extend a run).
+    """
+    run_dir = Path(run_dir)
+    metrics, summary_path = run_dir / "metrics.jsonl", run_dir / "summary.json"
+    has_run = (metrics.is_file() and metrics.stat().st_size > 0) or summary_path.is_file()
+    if not has_run:
+        return FolderState("empty")
+    old = _read_json(run_dir / "config.json")
+    if old is None:
+        return FolderState("other", (f"{run_dir} holds metrics but no readable config.json",))
+    new = run_settings(cfg)
+    summary = _read_json(summary_path)
+    if summary is not None and "steps" in summary:
+        old = {**old, "steps": summary["steps"]}
+    old.pop("run_dir", None)
+    if "steps" not in old:  # interrupted, steps not recorded: judge the rest
+        new = {k: v for k, v in new.items() if k != "steps"}
+    diffs = differences(old, new)
+    if diffs:
+        return FolderState("other", tuple(diffs))
+    if summary is not None and summary.get("steps") == cfg.steps:
+        return FolderState("done")
+    if (run_dir / "checkpoint.safetensors").is_file():
+        return FolderState("resume")
+    return FolderState("empty")  # same settings, nothing past the first checkpoint: restarting loses nothing
