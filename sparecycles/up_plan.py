@@ -89,6 +89,7 @@ def plan_up(*, preset: str = "demo", optimizer: str | None = None, workers: int 
     from trainer.paths import runs_dir
     from trainer.preflight import (
         PURE_ZO,
+        ROLE_METHODS,
         ZOCURV,
         FolderState,
         check_options,
@@ -105,7 +106,9 @@ def plan_up(*, preset: str = "demo", optimizer: str | None = None, workers: int 
     optimizer = optimizer or ("1.5spsa" if sentiment else "zocurv-line")
     allowed = PURE_ZO if sentiment else ZOCURV + PURE_ZO
     if optimizer not in allowed:
-        why = "AdamW is the baseline `up` always runs; " if optimizer == "adamw" else ""
+        why = {"adamw": "AdamW is the baseline `up` always runs; "}.get(optimizer, "")
+        if optimizer in ROLE_METHODS:
+            why = "its probes run in process only (`sparecycles train`), not on a fleet; "
         raise ValueError(f"--optimizer {optimizer!r}: {why}the fleet-probed optimizer for --task {task} is one of "
                          f"{', '.join(allowed)}")
     preset = "sentiment-demo" if sentiment and preset == "demo" else preset

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from sparecycles.up import UP_SETTINGS, plan_up, sum_fleet
+from trainer import preflight
 from trainer.config import resolve_preset
 from trainer.preflight import folder_state, probe_rounds, run_settings
 from trainer.report import (
@@ -29,6 +30,18 @@ def test_probe_rounds_closed_form():
     block = line.model_copy(update={"optimizer": "zocurv-block"})
     assert probe_rounds(block) == 1  # zocurv-block also probes at step 0
     assert probe_rounds(line.model_copy(update={"optimizer": "mezo"})) is None
+    assert probe_rounds(line.model_copy(update={"optimizer": "zocurv-global"})) == 0
+    assert probe_rounds(line.model_copy(update={"optimizer": "zocurv-group"})) == 1
+    assert probe_rounds(line.model_copy(update={"optimizer": "zocurv-group-fixed"})) is None  # probes by design never
+
+
+def test_preflight_knows_every_optimizer():
+    from trainer.config import Optimizer
+    from trainer.zo import modes
+
+    assert (preflight.ZOCURV, preflight.ROLE_METHODS, preflight.PURE_ZO) == \
+        (modes.ZOCURV, modes.ROLE_METHODS, modes.PURE_ZO)
+    assert {"adamw", *preflight.ZOCURV, *preflight.ROLE_METHODS, *preflight.PURE_ZO} == set(Optimizer.__args__)
 
 
 def _fake_run(folder, cfg, *, finished: bool, checkpoint: bool = True):

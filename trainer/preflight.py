@@ -18,8 +18,12 @@ from typing import Any, Literal
 
 from trainer.config import TrainConfig
 
-ZOCURV = ("zocurv-block", "zocurv-sophia", "zocurv-line")  # as trainer.zo.modes, without importing torch
+# The names of trainer.zo.modes, without importing torch (tests/test_preflight.py checks they agree).
+ZOCURV = ("zocurv-block", "zocurv-sophia", "zocurv-line")  # their rounds can go to a fleet
+ROLE_METHODS = ("zocurv-group", "zocurv-global", "zocurv-group-global", "zocurv-group-fixed")  # in process only
 PURE_ZO = ("mezo", "1spsa", "1.5spsa")
+# Probing along θ_s − θ_{s−k} needs an earlier version, so the first round is at step k, not 0.
+_ALONG_A_STEP = ("zocurv-line", "zocurv-global")
 
 
 def explain(exc: Exception) -> str:
@@ -39,7 +43,7 @@ def check_options(cfg: TrainConfig) -> None:
     `--device cuda[:N]`. Imports torch only for a CUDA device.
     """
     if cfg.task == "sentiment":
-        if cfg.optimizer in ZOCURV:
+        if cfg.optimizer.startswith("zocurv"):
             raise ValueError(f"--task sentiment supports adamw, mezo, 1spsa and 1.5spsa, not {cfg.optimizer!r}; "
                              "ZO-Curv variants run on the LM task (--task lm)")
         if cfg.seq_len > 512:  # MiniLM-L6's max_position_embeddings
@@ -64,16 +68,18 @@ def check_options(cfg: TrainConfig) -> None:
 
 
 def probe_rounds(cfg: TrainConfig) -> int | None:
-    """Curvature probe rounds a ZO-Curv run of `cfg.steps` steps runs; None for other optimizers.
+    """Curvature probe rounds a ZO-Curv run of `cfg.steps` steps runs; None for optimizers without rounds
+    (AdamW, pure ZO, the zero-probe ablation zocurv-group-fixed).
 
-    A round is due at 0-based steps s with s % curvature_interval == 0 (trainer.zo.modes.ZOCurvMode).
-    zocurv-line probes along θ_s − θ_{s−1}, so it skips s = 0 (no earlier version): (steps − 1) // interval
-    rounds. zocurv-block and zocurv-sophia also probe at s = 0: one more.
+    A round is due at 0-based steps s with s % curvature_interval == 0 (trainer.zo.modes.ZOCurvMode,
+    trainer.zo.role_mode.RoleCurvMode). zocurv-line (along θ_s − θ_{s−1}) and zocurv-global (along
+    θ_s − θ_{s−k}) need an earlier version, so they skip s = 0: (steps − 1) // interval rounds. The others
+    also probe at s = 0: one more.
     """
-    if cfg.optimizer not in ZOCURV:
+    if cfg.optimizer not in ZOCURV + ROLE_METHODS or cfg.optimizer == "zocurv-group-fixed":
         return None
     rounds = (cfg.steps - 1) // cfg.curvature_interval
-    return rounds if cfg.optimizer == "zocurv-line" else rounds + 1
+    return rounds if cfg.optimizer in _ALONG_A_STEP else rounds + 1
 
 
 def no_probe_round_warning(cfg: TrainConfig) -> str | None:
@@ -82,7 +88,7 @@ def no_probe_round_warning(cfg: TrainConfig) -> str | None:
         return None
     k = cfg.curvature_interval
     return (f"{cfg.optimizer} runs no curvature probe round in {cfg.steps} steps: its first round is at step {k} "
-            f"(--curvature-interval {k}; it probes along the step before), so this run equals AdamW. "
+            f"(--curvature-interval {k}; it probes along the steps before), so this run equals AdamW. "
             f"Use --steps {k + 1} or more, or a smaller --curvature-interval.")
 
 
