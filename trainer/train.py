@@ -263,8 +263,9 @@ def train(
     The folder holds `config.json`, `metrics.jsonl` (one record per step and per evaluation),
     `checkpoint.safetensors` (every `checkpoint_every` steps and at the end), `loss.png`, `summary.json`,
     TensorBoard event files with the scalars of metrics.jsonl (trainer.events) and, with `export`, the
-    finished model as a transformers folder `export/` (trainer.export); `cfg.task` picks the Task (`build_task`): evaluation records hold `val_loss` (and
-    `val_acc` for sentiment), the summary adds the task's final metrics. `mode_factory(cfg, model)` replaces
+    finished model as a transformers folder `export/` (trainer.export); `cfg.task` picks the Task
+    (`build_task`): evaluation records hold `val_loss` (and `val_acc` for sentiment), the summary adds the
+    task's final metrics. `mode_factory(cfg, model)` replaces
     `build_mode` (e.g. a ZO-Curv or pure-ZO mode whose probes go to a fleet; it must use the task's loss);
     `status` adds a live line (workers, probes/s) to the progress display.
 
