@@ -16,7 +16,7 @@ import typer
 
 from kernels import cli as kernels_cli
 
-bench_app = typer.Typer(help="Benchmarks (kernels, intake, fleet, zo, headline).", no_args_is_help=True)
+bench_app = typer.Typer(help="Benchmarks (kernels, probe, intake, fleet, zo, headline).", no_args_is_help=True)
 
 
 def bench_intake(
@@ -233,6 +233,7 @@ def memory(
 
 
 bench_app.command("kernels")(kernels_cli.bench_kernels)
+bench_app.command("probe")(kernels_cli.bench_probe)
 bench_app.command("intake")(bench_intake)
 bench_app.command("fleet")(bench_fleet)
 bench_app.command("zo")(bench_zo)

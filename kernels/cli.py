@@ -39,5 +39,35 @@ def bench_kernels(
         typer.echo(f"wrote {json_out}")
 
 
+@bench_app.command("probe")
+def bench_probe(
+    preset: Annotated[str, typer.Option(help="comma-separated presets: gpt2-small, gpt2-medium, gpt2-large")] = (
+        "gpt2-small,gpt2-large"
+    ),
+    batch: Annotated[int, typer.Option(min=1, help="probe batch size")] = 16,
+    seq_len: Annotated[int, typer.Option(min=1, max=1024, help="probe sequence length")] = 1024,
+    parity_seeds: Annotated[int, typer.Option(min=1, help="seeds compared with the reference path (the "
+                                              "first preset; a tenth of them for the others)")] = 100,
+    cuda_graphs: Annotated[bool, typer.Option(help="compile in mode reduce-overhead (CUDA graphs)")] = False,
+    cross_process: Annotated[bool, typer.Option(help="recompute the first preset's bits in a second process")] = True,
+    json_out: Annotated[Path | None, typer.Option(help="write all measurements as JSON here (after each preset)")] = None,
+) -> None:
+    """A probe worker's speed on one GPU: the compiled whole-model probe path against the per-unit eager
+    reference (probes/s, forward MFU against a measured bf16 matmul, end-to-end probe overhead against a
+    clean forward of the same compiled model, parity on seeds, determinism). Needs a CUDA GPU."""
+    from kernels.bench_probe import render, run_probe_bench
+
+    names = [p.strip() for p in preset.split(",") if p.strip()]
+    if json_out is not None:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        res = run_probe_bench(names, batch, seq_len, parity_seeds, cuda_graphs, cross_process, json_out)
+    except (ValueError, RuntimeError) as e:
+        raise typer.BadParameter(str(e)) from e
+    render(res)
+    if json_out is not None:
+        typer.echo(f"wrote {json_out}")
+
+
 if __name__ == "__main__":
     bench_app()

@@ -48,7 +48,9 @@ def _unique_params(m: torch.nn.Module, recurse: bool) -> list[torch.nn.Parameter
 def plan_units(model: torch.nn.Module, budget: int) -> list[tuple[torch.nn.Module, list[torch.nn.Parameter]]]:
     """Partition the parameter-owning modules into units (module, its parameters), top down: a module is a
     unit if its subtree holds at most `budget` elements or has no child with parameters; otherwise its
-    own direct parameters form a unit and its children are visited."""
+    own direct parameters form a unit and its children are visited. A container without a forward of its
+    own (ModuleList, ModuleDict) is never a unit: its hooks would never run, so its parameters would be
+    evaluated clean; its children are visited instead."""
     units = []
 
     def visit(m: torch.nn.Module) -> None:
@@ -56,7 +58,8 @@ def plan_units(model: torch.nn.Module, budget: int) -> list[tuple[torch.nn.Modul
         if not ps:
             return
         kids = [c for c in m.children() if _unique_params(c, True)]
-        if sum(p.numel() for p in ps) <= budget or not kids:
+        container = type(m).forward is torch.nn.Module.forward
+        if (sum(p.numel() for p in ps) <= budget and not (container and kids)) or not kids:
             units.append((m, ps))
             return
         own = _unique_params(m, recurse=False)
@@ -77,6 +80,8 @@ class ProbeEvaluator:
     one unit's scratch plus the shared (tied) parameters' copies. Hooks are installed at construction and
     are inert outside `loss`; call `close()` to remove them.
     """
+
+    mode = "per_unit"  # kernels.fastpath.make_evaluator's name for this path
 
     def __init__(self, model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, object], torch.Tensor],
                  budget: int | None = None):
@@ -205,6 +210,20 @@ class ProbeEvaluator:
                dist: ProbeDist | str = ProbeDist.GAUSS8) -> list[tuple[float, float]]:
         """[(L(theta + alpha z_s), L(theta - alpha z_s)) for s in seeds] on one shared batch."""
         return [(self.loss(batch, s, alpha, dist), self.loss(batch, s, -alpha, dist)) for s in seeds]
+
+    @torch.no_grad()
+    def loss_swapped(self, batch, new: dict[int, torch.Tensor] | None) -> float:
+        """The loss with canonical block i (``canonical_offsets`` order) pointed at new[i] for one forward
+        (None or {}: the clean loss); the clean storages are restored afterwards, even when loss_fn raises."""
+        params = [p for _, p, _ in canonical_offsets(self.model)]
+        saved = {i: params[i].data for i in (new or {})}
+        try:
+            for i, t in (new or {}).items():
+                params[i].data = t
+            return float(self.loss_fn(self.model, batch))
+        finally:
+            for i, t in saved.items():
+                params[i].data = t
 
     def close(self) -> None:
         """Remove the hooks from the model and free the scratch."""

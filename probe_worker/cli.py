@@ -31,11 +31,15 @@ def worker(
                                                           "the GPU at least this busy (percent; needs "
                                                           "nvidia-ml-py)")] = None,
     threads: Annotated[int | None, typer.Option(min=1, help="torch CPU threads (default: torch's)")] = None,
+    probe_path: Annotated[str, typer.Option(help="auto (a whole-model scratch copy when it fits in free memory, "
+                                            "else per-unit), whole or per_unit")] = "auto",
     loglevel: Annotated[str, typer.Option(help="Log level (DEBUG, INFO, WARNING)")] = "INFO",
 ) -> None:
     """Register with the coordinator and evaluate probe tasks until SIGTERM (SIGUSR1 drains, SIGUSR2 resumes)."""
     if not device.startswith(("cpu", "cuda")):
         raise typer.BadParameter("use cpu or cuda:N", param_hint="--device")
+    if probe_path not in ("auto", "whole", "per_unit"):
+        raise typer.BadParameter("use auto, whole or per_unit", param_hint="--probe-path")
     logging.basicConfig(level=loglevel.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))  # one line per heartbeat
     import torch
@@ -52,7 +56,7 @@ def worker(
         coordinator=coordinator, token=token, device=device, name=name, metrics_port=metrics_port,
         cache_dir=cache_dir, keep_versions=keep_versions, control_interval_s=control_interval,
         soft_shutdown_s=soft_shutdown, prefetch_interval_s=prefetch_interval, yield_gpu_util_pct=yield_gpu_util,
-        loglevel=loglevel.upper(),
+        probe_path=probe_path, loglevel=loglevel.upper(),
     )
     import httpx
 

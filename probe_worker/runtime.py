@@ -2,9 +2,11 @@
 
 One `ProbeRuntime` per worker process. For a task it validates the kwargs as a `ProbeTask`, attests the
 run's canary once, loads the version through the `WeightCache`, fetches the round's batch once by
-content hash, computes L0 once per (run, round, version) and L(theta +- eps z(seed)) per seed with the
+content hash, computes L0 once per (run, version, batch) and L(theta +- eps z(seed)) per seed with the
 probe kind's rule in trainer.zo.probes (the same code the trainer's in-process backend runs), and posts
-the task's results in one `ResultBatch`. The loss and the batch format follow from the version manifest's
+the task's results in one `ResultBatch`. Every loss of a task, L0 included, runs through one evaluator
+that `kernels.make_evaluator` picks from free memory and logs (a whole-model scratch copy with a compiled
+forward on CUDA, else per-unit hooks), so L+ + L- - 2 L0 compares like with like. The loss and the batch format follow from the version manifest's
 model class (fleet.batch_wire): causal LMs take `lm/1` batches and trainer.train.lm_loss, sequence
 classifiers `classifier/1` batches and trainer.sentiment.classifier_loss; a batch that is malformed, of the
 other kind, or outside the model's vocabulary/positions/labels raises BatchFormatError before any forward
@@ -72,15 +74,25 @@ class ProbeRuntime:
         worker_id: this worker's id (stamped on every result).
         cache: the weight cache (decides the device).
         metrics: counters and histograms (default: the process-wide set).
-        keep_rounds: clean losses and batches remembered (per round / per batch hash).
+        keep_rounds: clean losses remembered (per (run, version, batch hash)).
+        probe_path: "auto" (whole-model copy when it fits in free memory, else per-unit), "whole" or
+            "per_unit" (kernels.fastpath.make_evaluator); compile: torch.compile the whole-model forward
+            (None: on CUDA); cuda_graphs: replay it as CUDA graphs.
+    Raises ValueError for an unknown probe_path.
     """
 
     def __init__(self, client: CoordinatorClient, worker_id: str, cache: WeightCache,
-                 metrics: WorkerMetrics | None = None, keep_rounds: int = 64) -> None:
+                 metrics: WorkerMetrics | None = None, keep_rounds: int = 64, probe_path: str = "auto",
+                 compile: bool | None = None, cuda_graphs: bool = False) -> None:
+        from kernels.fastpath import MODES
+
+        if probe_path not in MODES:
+            raise ValueError(f"probe_path must be one of {MODES}, got {probe_path!r}")
         self.client, self.worker_id, self.cache = client, worker_id, cache
         self.metrics = metrics or default_metrics()
         self.keep_rounds = keep_rounds
-        self._clean: OrderedDict[tuple[str, str, int], float] = OrderedDict()
+        self.probe_path, self.compile, self.cuda_graphs = probe_path, compile, cuda_graphs
+        self._clean: OrderedDict[tuple[str, int, str], float] = OrderedDict()
         self._batches: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._attested: set[str] = set()
         # (run, round, seed) -> replicas this worker posted; (run, round, seed, replica) -> hand-backs
@@ -112,14 +124,19 @@ class ProbeRuntime:
         return batch
 
     def _evaluator(self, model: torch.nn.Module, loss_fn):
-        from kernels import ProbeEvaluator
+        from kernels import make_evaluator
 
         ev = self._evaluators.get(id(model))
-        if ev is None or ev.model is not model:
+        if ev is None or ev.model is not model or ev.loss_fn is not loss_fn:
+            for old in self._evaluators.values():  # a new version: keep the copy and its compiled forward
+                if old.loss_fn is loss_fn and hasattr(old, "rebind") and old.rebind(model):
+                    self._evaluators = {id(model): old}
+                    return old
             for old in self._evaluators.values():
                 old.close()
-            self._evaluators = {id(model): ProbeEvaluator(model, loss_fn)}
-            ev = self._evaluators[id(model)]
+            self._evaluators = {}  # the old scratch copy is freed before the new one is sized
+            ev = make_evaluator(model, loss_fn, self.probe_path, self.compile, self.cuda_graphs)
+            self._evaluators = {id(model): ev}
         return ev
 
     def _attest(self, run: str) -> None:
@@ -143,8 +160,9 @@ class ProbeRuntime:
         blocks = probes.canonical_blocks(model)
 
         def loss(new: Mapping[int, torch.Tensor] | None) -> float:
+            # through the evaluator's own forward (the one L0 and the seeded probes take)
             t0 = time.perf_counter()
-            value = probes.swapped_loss(model, blocks, ev.loss_fn, batch, new)
+            value = ev.loss_swapped(batch, new)
             self.metrics.eval_seconds.observe(time.perf_counter() - t0)
             return value
 
@@ -182,7 +200,7 @@ class ProbeRuntime:
                 ev = self._evaluator(loaded.model, loss_for_kind(kind))
                 l0 = None
                 if task.want_clean:
-                    key = (task.run, task.round_id, task.version)
+                    key = (task.run, task.version, task.batch_sha256)  # rounds may share a batch
                     if key in self._clean:
                         self.metrics.cache_hits.labels("clean").inc()
                         l0 = self._clean[key]

@@ -61,7 +61,8 @@ class WorkerOptions:
     soft_shutdown_s: how long SIGTERM waits for the in-flight task; prefetch_interval_s: how often the
     latest version of each consumed run is checked and loaded ahead of its rounds (0: load lazily);
     yield_gpu_util_pct: drain while the GPU is this busy (percent) with other work (BusyPolicy, NVML;
-    None: off); loglevel: Celery's.
+    None: off); probe_path: the probe evaluator (kernels.fastpath.make_evaluator: "auto", "whole" or
+    "per_unit"); loglevel: Celery's.
     """
 
     coordinator: str
@@ -75,6 +76,7 @@ class WorkerOptions:
     soft_shutdown_s: float = 30.0
     prefetch_interval_s: float = 1.0
     yield_gpu_util_pct: float | None = None
+    probe_path: str = "auto"
     loglevel: str = "INFO"
 
 
@@ -116,7 +118,8 @@ class ProbeWorker:
         self.drain = DrainState()
         self.cache = WeightCache(self.client, opts.cache_dir, opts.device, keep_versions=opts.keep_versions,
                                  keep_disk_versions=opts.keep_versions + 1, metrics=self.metrics)
-        self.runtime = ProbeRuntime(self.client, self.worker_id, self.cache, self.metrics)
+        self.runtime = ProbeRuntime(self.client, self.worker_id, self.cache, self.metrics,
+                                    probe_path=opts.probe_path)
         register_probe_task(self.app, self.runtime, self.drain, self.metrics)
         warm_up()
         self.queues = list(self.reg.queues)

@@ -1,0 +1,262 @@
+"""Whole-model probe evaluation: one scratch copy of the model, perturbed in one launch, forward compiled.
+
+`WholeModelEvaluator` keeps a second copy of the model (the *shadow*) whose parameters are the scratch. A
+probe is one `ModelPlan.perturb` launch (clean weights -> shadow, theta + alpha z(seed)) and one forward of
+the shadow. On CUDA that forward is `torch.compile`d (static shapes, Inductor's deterministic mode) and,
+optionally, replayed as CUDA graphs (mode "reduce-overhead"); the shadow's parameters never move, so the
+compiled code and the graphs see each new perturbation in place. The clean loss L0 runs through the same
+compiled forward on a copy of the clean weights, so L+ + L- - 2 L0 compares like with like.
+
+Memory: one more copy of the parameters (and buffers). `make_evaluator` picks this path when that copy
+fits in free memory with room left for activations, else the per-unit `ProbeEvaluator` (one unit of
+scratch at a time), and logs the choice. Without compilation (CPU, or compile=False) the shadow runs the
+very same eager module code on bit-identical perturbed weights, so its losses equal ProbeEvaluator's bit
+for bit; compiled, they differ in the last bits (fused kernels, another reduction order), measured in
+kernels/NOTES.md.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from kernels.dist import ProbeDist, as_dist
+from kernels.evaluator import ProbeEvaluator, canonical_offsets
+from kernels.ops import ModelPlan
+
+log = logging.getLogger("sparecycles.kernels")
+
+MODES = ("auto", "whole", "per_unit")
+
+
+def model_bytes(model: torch.nn.Module) -> int:
+    """Bytes of a model's parameters (tied ones once) and buffers: what one more copy of it allocates."""
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total
+
+
+def free_bytes(device: torch.device | str) -> int:
+    """Free memory (bytes) of `device`: the CUDA driver's free count, or the host's available RAM."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def choose_mode(copy_bytes: int, free: int, reserve: int | None = None) -> str:
+    """"whole" when one more copy of the model (`copy_bytes`) fits in `free` bytes with `reserve` bytes left
+    for activations (default: max(2 GiB, a quarter of `free`)), else "per_unit". Raises ValueError for
+    negative sizes."""
+    if copy_bytes < 0 or free < 0 or (reserve is not None and reserve < 0):
+        raise ValueError("sizes must be >= 0 bytes")
+    if reserve is None:
+        reserve = max(2 << 30, free // 4)
+    return "whole" if copy_bytes + reserve <= free else "per_unit"
+
+
+def _configure_inductor() -> bool:
+    """Inductor's deterministic mode (no on-device benchmarking that changes numerics, so two processes
+    compile the same kernels); returns whether this torch has it."""
+    try:
+        import torch._inductor.config as icfg
+    except ImportError:
+        return False
+    if hasattr(icfg, "deterministic"):
+        icfg.deterministic = True
+        return True
+    return False
+
+
+class WholeModelEvaluator:
+    """L(theta + alpha z(seed); batch) through one perturbed scratch copy of the whole model.
+
+    model: any torch.nn.Module (left untouched: the clean weights are only read); loss_fn(model, batch) ->
+    scalar tensor. compile: torch.compile the shadow's forward (default: on CUDA). cuda_graphs: compile in
+    mode "reduce-overhead" (CUDA graphs; default: off). Same methods as ProbeEvaluator (loss, clean_loss,
+    losses, loss_swapped, close). Raises TypeError/ValueError for a bad model or loss_fn.
+    """
+
+    mode = "whole"
+
+    def __init__(self, model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, object], torch.Tensor],
+                 compile: bool | None = None, cuda_graphs: bool = False):
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if not callable(loss_fn):
+            raise TypeError("loss_fn must be callable as loss_fn(model, batch) -> scalar tensor")
+        rows = canonical_offsets(model)
+        if not rows:
+            raise ValueError("model has no parameters to perturb")
+        self.model, self.loss_fn = model, loss_fn
+        with torch.no_grad():
+            self.shadow = copy.deepcopy(model).eval()
+            for p in self.shadow.parameters():
+                if not p.data.is_contiguous():
+                    p.data = p.data.contiguous()
+        shadow_rows = canonical_offsets(self.shadow)
+        if [(n, o) for n, _, o in rows] != [(n, o) for n, _, o in shadow_rows]:
+            raise ValueError("the model's copy has another parameter order (a module with custom __deepcopy__?)")
+        self.clean = [p.detach() if p.is_contiguous() else p.detach().contiguous() for _, p, _ in rows]
+        self.scratch = [p.detach() for _, p, _ in shadow_rows]
+        self.offsets = [o for _, _, o in rows]
+        self.numel = sum(t.numel() for t in self.clean)
+        self._plans: dict[ProbeDist, ModelPlan] = {}
+        self._state: object = None  # what the scratch holds: "clean", (seed, alpha, dist), or None (unknown)
+        device = self.clean[0].device
+        self.compiled = bool(device.type == "cuda" if compile is None else compile)
+        self.cuda_graphs = bool(cuda_graphs and self.compiled and device.type == "cuda")
+        self.inductor_deterministic = _configure_inductor() if self.compiled else False
+        shadow, fn = self.shadow, loss_fn
+
+        def forward(batch):
+            return fn(shadow, batch)
+
+        self._eager = forward
+        self._forward = forward
+        if self.compiled:
+            self._forward = torch.compile(forward, dynamic=False,
+                                          mode="reduce-overhead" if self.cuda_graphs else None)
+        self.compile_seconds: float | None = None
+
+    def rebind(self, model: torch.nn.Module) -> bool:
+        """Evaluate `model` (e.g. the next weight version) through this copy, keeping its compiled forward and
+        CUDA graphs: True if `model` has the same class, parameter names, shapes, dtypes and device (its
+        buffers are copied in), else False and nothing changes."""
+        if type(model) is not type(self.model) or self.shadow is None:
+            return False
+        rows = canonical_offsets(model)
+        old = canonical_offsets(self.model)
+        same = len(rows) == len(old) and all(
+            n == m and o == k and p.shape == q.shape and p.dtype == q.dtype and p.device == q.device
+            for (n, p, o), (m, q, k) in zip(rows, old))
+        bufs, sbufs = dict(model.named_buffers()), dict(self.shadow.named_buffers())
+        if not same or bufs.keys() != sbufs.keys() or any(bufs[k].shape != sbufs[k].shape for k in bufs):
+            return False
+        with torch.no_grad():
+            for k, b in bufs.items():
+                sbufs[k].copy_(b)
+        self.model = model
+        self.clean = [p.detach() if p.is_contiguous() else p.detach().contiguous() for _, p, _ in rows]
+        self._plans.clear()
+        self._state = None
+        return True
+
+    def _plan(self, dist: ProbeDist) -> ModelPlan:
+        plan = self._plans.get(dist)
+        if plan is None:
+            plan = self._plans[dist] = ModelPlan(self.clean, self.offsets, dist, outs=self.scratch)
+        return plan
+
+    def _set_clean(self) -> None:
+        if self._state != "clean":
+            torch._foreach_copy_(self.scratch, self.clean)
+            self._state = "clean"
+
+    @torch.no_grad()
+    def forward_loss(self, batch) -> float:
+        """The loss of whatever the scratch holds now (the timed forward of `sparecycles bench probe`)."""
+        if self.compile_seconds is None and self.compiled:
+            t0 = time.perf_counter()
+            try:
+                value = self._call(batch)
+            except Exception:  # a model the compiler cannot handle is still evaluated (eagerly)
+                log.exception("torch.compile failed for %s; evaluating eagerly", type(self.model).__name__)
+                self._forward, self.compiled, self.cuda_graphs = self._eager, False, False
+                value = self._call(batch)
+            if self.compiled and self.clean[0].device.type == "cuda":
+                torch.cuda.synchronize()
+            self.compile_seconds = time.perf_counter() - t0
+            return value
+        return self._call(batch)
+
+    def _call(self, batch) -> float:
+        if self.cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        return float(self._forward(batch))
+
+    @torch.no_grad()
+    def loss(self, batch, seed: int | None = None, alpha: float = 0.0,
+             dist: ProbeDist | str = ProbeDist.GAUSS8) -> float:
+        """L(theta + alpha * z(seed); batch) as a float; seed None or alpha 0 gives the clean loss L0.
+
+        Raises TypeError/ValueError for a bad seed or distribution (before any forward)."""
+        dist = as_dist(dist)
+        if seed is None or alpha == 0.0:
+            self._set_clean()
+        else:
+            self._plan(dist).perturb(seed, float(alpha))
+            self._state = None  # the values are z-dependent; another probe always rewrites every element
+        return self.forward_loss(batch)
+
+    def clean_loss(self, batch) -> float:
+        """L0 = L(theta; batch), through the same forward as the probes."""
+        return self.loss(batch)
+
+    def losses(self, batch, seeds: Sequence[int], alpha: float,
+               dist: ProbeDist | str = ProbeDist.GAUSS8) -> list[tuple[float, float]]:
+        """[(L(theta + alpha z_s), L(theta - alpha z_s)) for s in seeds] on one shared batch."""
+        return [(self.loss(batch, s, alpha, dist), self.loss(batch, s, -alpha, dist)) for s in seeds]
+
+    @torch.no_grad()
+    def loss_swapped(self, batch, new: dict[int, torch.Tensor] | None) -> float:
+        """The loss with canonical block i replaced by new[i] (None or {}: the clean loss), same forward.
+
+        new[i] must have block i's shape and dtype (ValueError otherwise)."""
+        self._set_clean()
+        for i, t in (new or {}).items():
+            dst = self.scratch[i]
+            if t.shape != dst.shape or t.dtype != dst.dtype:
+                raise ValueError(f"block {i} is {dst.dtype}{tuple(dst.shape)}, got {t.dtype}{tuple(t.shape)}")
+            dst.copy_(t)
+            self._state = None
+        return self.forward_loss(batch)
+
+    def close(self) -> None:
+        """Free the scratch copy and the compiled forward."""
+        self._plans.clear()
+        self.scratch, self._forward, self._eager = [], None, None
+        self.shadow = None
+
+
+def make_evaluator(model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, object], torch.Tensor],
+                   mode: str = "auto", compile: bool | None = None, cuda_graphs: bool = False,
+                   reserve: int | None = None):
+    """The probe evaluator for `model`: WholeModelEvaluator ("whole") or ProbeEvaluator ("per_unit").
+
+    mode "auto" chooses from free memory (`choose_mode`, `reserve` bytes kept for activations) and logs the
+    choice with its numbers at INFO. compile/cuda_graphs go to WholeModelEvaluator. Raises ValueError for an
+    unknown mode.
+    """
+    if mode not in MODES:
+        raise ValueError(f"probe path mode must be one of {MODES}, got {mode!r}")
+    params = [p for _, p, _ in canonical_offsets(model)]
+    device = params[0].device if params else torch.device("cpu")
+    need = model_bytes(model)
+    chosen = mode
+    if mode == "auto":
+        free = free_bytes(device)
+        chosen = choose_mode(need, free, reserve)
+        log.info("probe path: %s (one more model copy needs %.2f GB; %.2f GB free on %s)",
+                 chosen, need / 1e9, free / 1e9, device)
+    else:
+        log.info("probe path: %s (set explicitly; one model copy is %.2f GB)", chosen, need / 1e9)
+    if chosen == "whole":
+        return WholeModelEvaluator(model, loss_fn, compile=compile, cuda_graphs=cuda_graphs)
+    return ProbeEvaluator(model, loss_fn)
