@@ -97,6 +97,7 @@ def bench_one(preset: str, batch: int, seq_len: int, parity_seeds: int, cuda_gra
     l0 = fast.clean_loss(b)
     res["compile_s"], res["compiled"] = fast.compile_seconds, fast.compiled
     res["inductor_deterministic"] = fast.inductor_deterministic
+    res["padded_head"], res["eager_mask_builders"] = fast.padded_head, fast.eager_masks
     fast.loss(b, 11, eps)  # warm: the first perturb launch builds the plan's table
     ms["fast_clean_forward"] = _ms(lambda: fast.forward_loss(b), rep=2000)
     ms["fast_probe"] = _ms(lambda: fast.loss(b, 11, eps), rep=2000)
@@ -191,6 +192,24 @@ def render(res: dict) -> None:
                     f"{r['overhead_end_to_end']:.2%}", f"{r['mfu_probe']:.1%}", f"{r['parity_fast']['max_abs']:.2e}",
                     f"{r['compile_s']:.0f}")
     Console().print(tab)
+
+
+def profile_fast(preset: str = "gpt2-small", batch: int = 16, seq_len: int = 1024, top: int = 15) -> str:
+    """torch.profiler table of the compiled fast path's clean forward (CUDA time per kernel), as text."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from kernels.fastpath import WholeModelEvaluator
+
+    model, b = build(preset, batch, seq_len)
+    fast = WholeModelEvaluator(model, lm_loss)
+    fast.clean_loss(b)
+    for _ in range(3):
+        fast.forward_loss(b)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            fast.forward_loss(b)
+    head = f"{preset}: padded head {fast.padded_head}, mask builders run eagerly {fast.eager_masks}\n"
+    return head + prof.key_averages().table(sort_by="cuda_time_total", row_limit=top, max_name_column_width=70)
 
 
 if __name__ == "__main__":  # child of run_probe_bench: PRESET BATCH SEQ_LEN CUDA_GRAPHS -> bits as JSON

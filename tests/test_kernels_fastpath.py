@@ -118,3 +118,24 @@ def test_rebind_moves_the_copy_to_the_next_version():
     assert fast.loss(b, 3, 1e-2) == ref.loss(b, 3, 1e-2) and fast.clean_loss(b) == ref.clean_loss(b)
     assert not fast.rebind(tiny(torch.bfloat16))  # another dtype: a new copy is needed
     assert fast.model is m1
+
+
+def test_padded_head_and_eager_masks_keep_the_losses():
+    import sys
+
+    model, b = tiny(), batch(5)  # vocab 96: padded to 128 rows
+    ref = ProbeEvaluator(model, lm_loss)
+    fast = WholeModelEvaluator(model, lm_loss, compile=False, pad_head=True, eager_masks=True)
+    assert fast.padded_head and fast.shadow.lm_head.padded_weight.shape == (128, 32)
+    assert fast.shadow.transformer.wte.weight is fast.shadow.lm_head.weight  # still tied, now a padded view
+    assert [n for n, _ in fast.shadow.named_parameters()] == [n for n, _ in model.named_parameters()]
+    mod = sys.modules[type(model).__module__]
+    assert fast.eager_masks >= 0 and getattr(mod.create_causal_mask, "_eager_mask", False)
+    for s in range(10):
+        want, got = ref.loss(b, s, 1e-2), fast.loss(b, s, 1e-2)
+        assert abs(want - got) <= 1e-5 * abs(want)
+    assert fast.shadow.lm_head.padded_weight[96:].abs().sum() == 0  # the padding rows stay zero
+    assert abs(fast.clean_loss(b) - ref.clean_loss(b)) <= 1e-5 * ref.clean_loss(b)
+    m1 = tiny(seed=1)
+    assert fast.rebind(m1)
+    assert abs(fast.loss(b, 2, 1e-2) - ProbeEvaluator(m1, lm_loss).loss(b, 2, 1e-2)) <= 1e-5 * 5

@@ -23,7 +23,7 @@ wheels() {  # the GPU image's python is 3.12 and has no pydantic or tenacity (th
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
     pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 tenacity==9.2.1 \
-    pydantic-settings==2.16.3 "$@"
+    pydantic-settings==2.16.3 python-dotenv==1.2.4 "$@"
 }
 if [ "$mode" = smollm2 ]; then
   .venv/bin/sparecycles data fetch --task sentiment >/dev/null
