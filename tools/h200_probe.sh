@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Issue 16 on one GPU machine, one device call: `sparecycles bench probe` for gpt2-small (100 parity seeds, a
-# second process for the determinism check), `pytest -m gpu`, gpt2-large, then a profile of the compiled
+# Issue 16 on one GPU machine, one device call: `pytest -m gpu`, `sparecycles bench probe` for gpt2-small (100 parity
+# seeds, a second process for the determinism check), gpt2-large, then a profile of the compiled
 # gpt2-small forward (and, if LARGE_CG_S is set, gpt2-small with CUDA graphs). Each stage has its own time
 # limit and writes its JSON/log under $OUT as it goes. Needs .whl (tools/h200_pack.sh).
 # Usage (repository root on the device): bash tools/h200_probe.sh
@@ -13,12 +13,12 @@ sc() { python3 -c 'import sys; from sparecycles.cli import app; sys.argv[0] = "s
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader
 t0=$(date +%s)
 stage() { echo "=== $1 at +$(( $(date +%s) - t0 )) s"; }
-stage small
-timeout "${SMALL_S:-150}" bash -c "$(declare -f sc); sc bench probe --preset gpt2-small --json-out $out/probe_small.json" > "$out/small.log" 2>&1
-tail -n 8 "$out/small.log"
 stage pytest
 timeout "${PYTEST_S:-120}" python3 -m pytest -m gpu -q -p no:cacheprovider -rs tests > "$out/pytest_gpu.log" 2>&1
 tail -n 25 "$out/pytest_gpu.log"
+stage small
+timeout "${SMALL_S:-150}" bash -c "$(declare -f sc); sc bench probe --preset gpt2-small --json-out $out/probe_small.json" > "$out/small.log" 2>&1
+tail -n 8 "$out/small.log"
 stage large
 timeout "${LARGE_S:-100}" bash -c "$(declare -f sc); sc bench probe --preset gpt2-large --parity-seeds ${LARGE_SEEDS:-10} --no-cross-process --json-out $out/probe_large.json" > "$out/large.log" 2>&1
 tail -n 8 "$out/large.log"
