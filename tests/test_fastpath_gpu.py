@@ -12,8 +12,8 @@ from kernels import ProbeEvaluator, WholeModelEvaluator
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-# |L_fast - L_ref| <= RTOL * |L_ref| (kernels/NOTES.md: measured differences, gpt2-small and this model)
-RTOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+# |L_fast - L_ref| <= RTOL * |L_ref|; measured on gpt2-small bf16 (kernels/NOTES.md): 1.4e-5 at most
+RTOL = {torch.float32: 1e-4, torch.bfloat16: 1e-3}
 
 
 def lm_loss(model, batch):

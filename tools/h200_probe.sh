@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 16 on one GPU machine, one device call: `pytest -m gpu`, `sparecycles bench probe` for gpt2-small (100 parity
 # seeds, a second process for the determinism check), gpt2-large, then a profile of the compiled
-# gpt2-small forward (and, if LARGE_CG_S is set, gpt2-small with CUDA graphs). Each stage has its own time
+# gpt2-small forward (and, if CG_S is set, gpt2-small with CUDA graphs). Each stage has its own time
 # limit and writes its JSON/log under $OUT as it goes. Needs .whl (tools/h200_pack.sh).
 # Usage (repository root on the device): bash tools/h200_probe.sh
 set -uo pipefail
