@@ -39,8 +39,7 @@ def bench_kernels(
         typer.echo(f"wrote {json_out}")
 
 
-@bench_app.command("probe")
-def bench_probe(
+def bench_probe(  # registered as `sparecycles bench probe` in benchmarks.cli
     preset: Annotated[str, typer.Option(help="comma-separated presets: gpt2-small, gpt2-medium, gpt2-large")] = (
         "gpt2-small,gpt2-large"
     ),

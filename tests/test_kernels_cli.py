@@ -38,3 +38,15 @@ def test_bench_rejects_unknown_preset():
 
     res = CliRunner().invoke(bench_app, ["--preset", "gpt2-huge", "--no-forward"])
     assert res.exit_code == 2 and "unknown preset" in res.output
+
+
+def test_bench_probe_without_cuda_or_with_an_unknown_preset_fails_clearly():
+    import typer
+
+    from kernels.cli import bench_probe
+
+    app = typer.Typer()
+    app.command()(bench_probe)
+    res = CliRunner().invoke(app, ["--preset", "gpt2-huge"])
+    assert res.exit_code == 2
+    assert ("unknown preset" if torch.cuda.is_available() else "needs a CUDA device") in res.output
