@@ -98,13 +98,14 @@ def test_unexportable_run_folders_are_clear_errors(lm_run, tmp_path):
         export_run(res.run_dir, tmp_path / "o4")
     # The CLI: exit 2 and the message, no traceback.
     cli = [sys.executable, "-m", "sparecycles.cli", "export"]
-    bad = subprocess.run([*cli, str(no_ckpt), str(tmp_path / "o5")], capture_output=True, text=True, timeout=300)
+    bad = subprocess.run([*cli, str(no_ckpt), str(tmp_path / "o5")], capture_output=True, text=True,
+                         timeout=300)
     assert bad.returncode == 2 and "first checkpoint" in bad.stderr and "Traceback" not in bad.stderr
 
 
 def test_tiny_llama_prompt_classifier_exports_its_lm():
-    """SmolLM2's architecture (LlamaForCausalLM, tied embeddings), shrunk to build on CPU in a blink, inside the
-    PromptClassifier the ZO sentiment benchmark trains: the export is the LM, logits bit-identical."""
+    """SmolLM2's architecture (LlamaForCausalLM, tied embeddings), shrunk to build on CPU in a blink, inside
+    the PromptClassifier the ZO sentiment benchmark trains: the export is the LM, logits bit-identical."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from trainer.prompt_classifier import LABEL_WORDS, PromptClassifier, label_token_ids

@@ -108,7 +108,8 @@ class EventLog:
                 old.unlink()
             else:
                 _write_atomic(old, [e for e in read_events(old) if e.step <= resume_step])
-        self.path = run_dir / f"events.out.tfevents.{time.time_ns():020d}.{socket.gethostname()}.{os.getpid()}"
+        name = f"events.out.tfevents.{time.time_ns():020d}.{socket.gethostname()}.{os.getpid()}"
+        self.path = run_dir / name
         self._append([Event(wall_time=time.time(), file_version="brain.Event:2")])
 
     def write(self, rec: Mapping[str, Any]) -> None:

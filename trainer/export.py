@@ -85,7 +85,7 @@ def gpt2_tokenizer(model_max_length: int = 1024):
 
 
 def _write_folder(out_dir: Path, write, overwrite: bool) -> Path:
-    """Run write(tmp) into a fresh sibling folder, then move it to `out_dir` (readers never see half a folder).
+    """Run write(tmp) in a fresh sibling folder, then move it to `out_dir` (readers never see half a folder).
 
     Raises FileExistsError when `out_dir` exists and is not empty and `overwrite` is False.
     """
@@ -135,7 +135,8 @@ def export_model(model: torch.nn.Module, out_dir: Path, *, tokenizer, info: dict
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"cannot export a {type(model).__name__}: need a transformers PreTrainedModel")
     if model.can_generate():  # generation_config.json: BOS/EOS from the tokenizer where the config lacks them
-        gen = copy.deepcopy(model.generation_config) if model.generation_config is not None else GenerationConfig()
+        gen = model.generation_config
+        gen = GenerationConfig() if gen is None else copy.deepcopy(gen)
         for key in ("bos_token_id", "eos_token_id"):
             if getattr(gen, key) is None:
                 setattr(gen, key, getattr(tokenizer, key))
@@ -154,7 +155,8 @@ def export_trained(model: torch.nn.Module, cfg_json: dict[str, Any], out_dir: Pa
     """Export a model `trainer.train.train` trained: the task's model class, tokenizer and labels.
 
     Args:
-        model: the trained model (GPT2LMHeadModel for task "lm", BertForSequenceClassification for "sentiment").
+        model: the trained model (GPT2LMHeadModel for task "lm", BertForSequenceClassification for
+            "sentiment").
         cfg_json: the run's config.json (TrainConfig fields less run_dir and steps).
         out_dir: destination folder; `step`: optimizer steps the weights have taken.
         run_dir: the run folder, for provenance (its summary.json's final metrics are copied when present).
@@ -201,7 +203,8 @@ def run_status(run_dir: Path) -> tuple[dict[str, Any], int, int | None]:
         raise ExportError(f"no run folder at {run_dir}")
     cfg_path, ckpt = run_dir / "config.json", run_dir / CHECKPOINT_NAME
     if not cfg_path.is_file():
-        raise ExportError(f"{run_dir} is not a run folder (no config.json); pass the folder `sparecycles train` wrote")
+        raise ExportError(f"{run_dir} is not a run folder (no config.json); pass the folder "
+                          "`sparecycles train` wrote")
     if not ckpt.is_file():
         raise ExportError(f"{run_dir} has no {CHECKPOINT_NAME}: the run stopped before its first checkpoint; "
                           "train it (or --resume it) to the end first")
@@ -230,12 +233,14 @@ def _load_model_tensors(ckpt: Path, model: torch.nn.Module) -> None:
             for name, p in params.items():
                 src = f.get_tensor(f"model/{name}")
                 if src.shape != p.shape:
-                    raise ExportError(f"parameter {name}: checkpoint shape {tuple(src.shape)} != {tuple(p.shape)}")
+                    raise ExportError(f"parameter {name}: checkpoint shape {tuple(src.shape)} != "
+                                      f"{tuple(p.shape)}")
                 p.copy_(src)
 
 
 def build_run_model(cfg_json: dict[str, Any]) -> torch.nn.Module:
-    """An fp32 CPU model of the run's architecture, weights to be overwritten (GPT-2 preset or MiniLM classifier).
+    """An fp32 CPU model of the run's architecture (GPT-2 preset or MiniLM classifier), weights to be
+    overwritten.
 
     Raises ExportError for an unknown task or model preset.
     """
@@ -273,8 +278,9 @@ def export_run(run_dir: Path, out_dir: Path, *, partial: bool = False, overwrite
     cfg_json, step, finished = run_status(run_dir)
     if finished is None and not partial:
         raise ExportError(f"{run_dir} has not finished: its checkpoint is at step {step} and summary.json "
-                          "names no finished run at that step; finish it with `sparecycles train ... --resume`, "
-                          f"or pass --partial to export the step-{step} weights")
+                          "names no finished run at that step; finish it with "
+                          f"`sparecycles train ... --resume`, or pass --partial to export the step-{step} "
+                          "weights")
     model = build_run_model(cfg_json)
     _load_model_tensors(Path(run_dir) / CHECKPOINT_NAME, model)
     model.eval()

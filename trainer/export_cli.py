@@ -8,8 +8,8 @@ import typer
 
 
 def export(
-    run_dir: Path = typer.Argument(..., help="Run folder written by `sparecycles train` or `sparecycles up`."),
-    out_dir: Path = typer.Argument(..., help="Output folder (config.json, model.safetensors, tokenizer files)."),
+    run_dir: Path = typer.Argument(..., help="Run folder of `sparecycles train` or `sparecycles up`."),
+    out_dir: Path = typer.Argument(..., help="Output folder (config.json, model.safetensors, tokenizer)."),
     partial: bool = typer.Option(False, help="Export the checkpoint of an unfinished (interrupted) run."),
     overwrite: bool = typer.Option(False, help="Replace a non-empty OUT_DIR."),
 ) -> None:
