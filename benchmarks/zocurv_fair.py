@@ -32,7 +32,7 @@ ADAMW = "adamw"
 
 
 @dataclass(frozen=True)
-class RunSpec:
+class FairRun:
     """One full-schedule run of the comparison (name = its folder)."""
 
     optimizer: str
@@ -47,7 +47,7 @@ class RunSpec:
         return f"{self.optimizer}-lr{self.lr:g}-T{self.steps}-wu{round(self.warmup_frac * 100)}-s{self.seed}"
 
 
-def fair_config(spec: RunSpec, *, model: str, corpus: str, batch_size: int, seq_len: int, device: str,
+def fair_config(spec: FairRun, *, model: str, corpus: str, batch_size: int, seq_len: int, device: str,
                 run_dir: Path, eval_batches: int = 64, curvature_interval: int = 50, probe_budget: int = 151,
                 probe_batch_size: int = 8, eps: float = 0.1):
     """The TrainConfig of `spec` under the issue-17 protocol (module docstring); eval every T/4 steps on the
@@ -71,28 +71,28 @@ H200_SETTINGS = {"model": "gpt2-small", "corpus": "classics", "batch_size": 16, 
 VARIANTS = ("zocurv-group-fixed", "zocurv-group", "zocurv-global")
 
 
-def h200_plan(t_ref: int = 400, variant_lr: float = 6e-4) -> list[RunSpec]:
+def h200_plan(t_ref: int = 400, variant_lr: float = 6e-4) -> list[FairRun]:
     """AdamW at T_ref: lr 3e-4 … 2e-3 at warmup 10%, two lrs at 5%; each variant at T ∈ {1, ½, ¾}·T_ref
     (the fixed table also at half the base lr: its multipliers reach 10×). In priority order: a deadline
     drops the last ones (T = ¾·T_ref first: ½ is the goal's point)."""
-    specs = [RunSpec(ADAMW, lr, t_ref, 0.1) for lr in (3e-4, 6e-4, 1.2e-3, 2e-3)]
-    specs += [RunSpec(ADAMW, lr, t_ref, 0.05) for lr in (6e-4, 1.2e-3)]
-    specs += [RunSpec(VARIANTS[0], variant_lr / 2, t_ref, 0.1)]
+    specs = [FairRun(ADAMW, lr, t_ref, 0.1) for lr in (3e-4, 6e-4, 1.2e-3, 2e-3)]
+    specs += [FairRun(ADAMW, lr, t_ref, 0.05) for lr in (6e-4, 1.2e-3)]
+    specs += [FairRun(VARIANTS[0], variant_lr / 2, t_ref, 0.1)]
     for frac in (1.0, 0.5, 0.75):
-        specs += [RunSpec(v, variant_lr, round(frac * t_ref), 0.1) for v in VARIANTS]
+        specs += [FairRun(v, variant_lr, round(frac * t_ref), 0.1) for v in VARIANTS]
     return specs
 
 
-def h200_followup_plan() -> list[RunSpec]:
+def h200_followup_plan() -> list[FairRun]:
     """Second call (the first ran out of its deadline after the 6 AdamW and 2 fixed-table runs): the learned
     variants at T_ref and a second AdamW seed at the best setting of the first call (lr 6e-4, warmup 10%)."""
-    return [RunSpec("zocurv-group", 6e-4, 400), RunSpec("zocurv-global", 6e-4, 400), RunSpec(ADAMW, 6e-4, 400, seed=1)]
+    return [FairRun("zocurv-group", 6e-4, 400), FairRun("zocurv-global", 6e-4, 400), FairRun(ADAMW, 6e-4, 400, seed=1)]
 
 
-def cpu_plan() -> list[RunSpec]:
+def cpu_plan() -> list[FairRun]:
     """A smoke plan for gpt2-tiny on CPU (checks the harness end to end)."""
-    return [RunSpec(ADAMW, 3e-3, 4), RunSpec(ADAMW, 1e-2, 4), RunSpec("zocurv-group", 3e-3, 4),
-            RunSpec("zocurv-group", 3e-3, 2)]
+    return [FairRun(ADAMW, 3e-3, 4), FairRun(ADAMW, 1e-2, 4), FairRun("zocurv-group", 3e-3, 4),
+            FairRun("zocurv-group", 3e-3, 2)]
 
 
 PLANS = {"h200": (h200_plan, H200_SETTINGS), "h200-followup": (h200_followup_plan, H200_SETTINGS),
@@ -228,7 +228,7 @@ def report(out_dir: Path) -> dict[str, Any]:
 
 
 # ---- running -----------------------------------------------------------------------------------------
-def run_one(spec: RunSpec, settings: dict[str, Any], device: str, out_dir: Path) -> None:
+def run_one(spec: FairRun, settings: dict[str, Any], device: str, out_dir: Path) -> None:
     """Train one spec into out_dir/spec.name (spec.json beside the run's files)."""
     from trainer.train import train
 
@@ -246,7 +246,7 @@ def run_plan(plan: str, out_dir: Path, *, jobs: int, device: str, deadline_s: fl
     queue = [replace(s, plan=plan) for s in PLANS[plan][0]()]
     out_dir.mkdir(parents=True, exist_ok=True)
     t_end = time.monotonic() + deadline_s
-    running: list[tuple[subprocess.Popen, RunSpec]] = []
+    running: list[tuple[subprocess.Popen, FairRun]] = []
     unfinished: list[str] = []
     while queue or running:
         while queue and len(running) < jobs and time.monotonic() < t_end:
@@ -295,7 +295,7 @@ def main(argv: list[str]) -> None:
         s = report(a.out)
         print(json.dumps({k: v for k, v in s.items() if k != "runs"}, indent=1))
     else:
-        run_one(RunSpec(**json.loads(a.spec)), PLANS[a.plan][1], a.device, Path(a.out))
+        run_one(FairRun(**json.loads(a.spec)), PLANS[a.plan][1], a.device, Path(a.out))
 
 
 if __name__ == "__main__":

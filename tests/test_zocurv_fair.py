@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.zocurv_fair import RunSpec, fair_config, h200_plan, step_ratio, summarize
+from benchmarks.zocurv_fair import FairRun, fair_config, h200_plan, step_ratio, summarize
 
 
 def test_step_ratio_smallest_full_schedule_reaching_the_target():
@@ -39,7 +39,7 @@ def test_summarize_picks_best_adamw_mean_over_seeds_and_scores_variants():
 
 
 def test_fair_config_follows_the_protocol():
-    cfg = fair_config(RunSpec("adamw", 1e-3, 400, 0.05), model="gpt2-tiny", corpus="classics-small", batch_size=4,
+    cfg = fair_config(FairRun("adamw", 1e-3, 400, 0.05), model="gpt2-tiny", corpus="classics-small", batch_size=4,
                       seq_len=32, device="cpu", run_dir=None)
     assert (cfg.min_lr, cfg.warmup_steps, cfg.beta1, cfg.beta2, cfg.weight_decay, cfg.grad_clip) == (
         pytest.approx(1e-4), 20, 0.9, 0.95, 0.1, 1.0)
