@@ -12,7 +12,7 @@ import itertools
 import math
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, model_validator
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, SerializerFunctionWrapHandler, model_serializer, model_validator
 
 SCHEMA_VERSION = 1
 MAX_SEEDS_PER_ROUND = 65_536
@@ -159,13 +159,19 @@ class RunSpec(Message):
 
 
 class RunInfo(Message):
-    """`GET /v1/runs/{run}` reply. `latest_version` is -1 before the first version or ledger entry."""
+    """`GET /v1/runs/{run}` reply. `latest_version` is -1 before the first version or ledger entry.
+
+    `stale` and `duplicate` count the run's results intake refused as such (monotone; the trainer reports
+    their growth as its counts).
+    """
 
     spec: RunSpec
     queue: str
     latest_version: int
     open_rounds: list[str] = Field(max_length=100_000)
     created_at: FiniteFloat
+    stale: int = Field(default=0, ge=0)
+    duplicate: int = Field(default=0, ge=0)
 
 
 class ShardRef(Part):
@@ -256,7 +262,19 @@ def _check_kind(kind: str, version: int, base_version: int | None, blocks: list[
 # ---- rounds, tasks, results ---------------------------------------------------------------------------
 
 
-class ProbeRound(Message):
+class _GroupBlocks(BaseModel):
+    """Mixin: a schema-1 message serialises without the schema-2 `blocks` field, byte-identical to what
+    workers and trainers of schema 1 send and accept (they forbid unknown fields, even null ones)."""
+
+    @model_serializer(mode="wrap")
+    def _drop_absent_blocks(self, handler: SerializerFunctionWrapHandler) -> dict:
+        out = handler(self)
+        if out.get("blocks", 0) is None:
+            del out["blocks"]
+        return out
+
+
+class ProbeRound(Message, _GroupBlocks):
     """`POST /v1/runs/{run}/rounds` body: evaluate L(theta_version +- eps z(seed); batch) for each seed.
 
     `batch_sha256` names a blob already uploaded (the batch travels once). `want_clean` asks for L0.
@@ -303,7 +321,7 @@ class RoundInfo(Message):
     duplicate: int = Field(default=0, ge=0)
 
 
-class ProbeTask(Message):
+class ProbeTask(Message, _GroupBlocks):
     """Celery task kwargs (`sparecycles.probe`): a few seeds of one round.
 
     `replica` 0 is the primary evaluation; 1 and 2 are spot-check re-evaluations (must come from other

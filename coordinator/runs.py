@@ -53,6 +53,8 @@ class RunStore:
             latest_version=int(h["latest_version"]),
             open_rounds=sorted(self.r.smembers(self.k_run(run, "rounds:open"))),
             created_at=float(h["created_at"]),
+            stale=int(h.get("n_stale", 0)),
+            duplicate=int(h.get("n_duplicate", 0)),
         )
 
     def latest_version(self, run: str) -> int:

@@ -7,7 +7,7 @@
 - `collect(round_id)` reads accepted results from the run's Redis Stream through a consumer group
   (coordinator.stream.ResultStreamReader), honours retractions and drops, and acknowledges entries only
   when it hands them out, so a trainer restart loses nothing. Stale and duplicate results never reach
-  the stream: the coordinator's intake decides them, and its per-round counts (RoundInfo) are returned.
+  the stream: the coordinator's intake decides them, and its counts (RunInfo) are returned with the results.
 
 Every HTTP call goes through coordinator.client.CoordinatorClient (timeouts, bounded tenacity retries).
 Wire formats shared with probe_worker: a round's batch is a versioned safetensors blob (fleet.batch_wire:
@@ -34,7 +34,6 @@ from trainer.zo import probes
 from trainer.zo.backend import COUNT_KEYS, Collected
 from trainer.zo.probes import ProbeKind, RoundSpec, SeedResult
 
-RECENT_ROUNDS = 4  # rounds whose intake counts every collect asks the coordinator for
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -117,7 +116,8 @@ class CoordinatorBackend:
             self.run = run.run
         else:
             self.run = run
-        self.client.run_info(self.run)  # raises if the run does not exist
+        info = self.client.run_info(self.run)  # raises if the run does not exist
+        self._intake_seen = (info.stale, info.duplicate)  # the coordinator's counts already reported
         self.reader = ResultStreamReader(redis_url, self.run, consumer=consumer, key_prefix=key_prefix,
                                          claim_idle_ms=claim_idle_ms)
         self.published: list[int] = []
@@ -129,7 +129,6 @@ class CoordinatorBackend:
         self._delivered: set[tuple[str, int]] = set()
         self._scales: dict[str, dict[int, float]] = {}  # along_update round -> block -> step RMS
         self._clean_counted: set[str] = set()
-        self._seen: dict[str, tuple[int, int]] = {}  # round -> (stale, duplicate) intake counts reported
         self._counts: Counter[str] = Counter()  # dropped / retracted since the last collect
 
     def _upload(self, data: bytes) -> str:
@@ -229,9 +228,6 @@ class CoordinatorBackend:
         wire = wire_round(r, self.run, self._upload(batch_wire.encode_batch(r.batch, self.batch_kind)))
         self.client.post_round(wire)
         self._waiting[r.round_id] = set(wire.seeds)
-        self._seen.setdefault(r.round_id, (0, 0))
-        while len(self._seen) > 4 * RECENT_ROUNDS:
-            del self._seen[next(iter(self._seen))]
 
     def _drain_stream(self, block_ms: int) -> None:
         """Buffer the stream's accepted results; apply retractions and drops (the coordinator's decisions)."""
@@ -274,25 +270,20 @@ class CoordinatorBackend:
         self.reader.ack(acks)
         return out
 
-    def _intake_counts(self, rounds: set[str]) -> dict[str, int]:
-        """The coordinator's stale/duplicate counts of `rounds` since they were last reported."""
-        out = {"stale": 0, "duplicate": 0}
-        for rid in sorted(rounds & set(self._seen)):  # rounds this backend submitted
-            info = self.client.round_info(self.run, rid)
-            stale, dup = self._seen[rid]
-            out["stale"] += info.stale - stale
-            out["duplicate"] += info.duplicate - dup
-            self._seen[rid] = (info.stale, info.duplicate)
-        return out
+    def _intake_counts(self) -> dict[str, int]:
+        """Growth of the coordinator's stale/duplicate counts of this run since they were last reported."""
+        info = self.client.run_info(self.run)
+        stale, dup = self._intake_seen
+        self._intake_seen = (info.stale, info.duplicate)
+        return {"stale": info.stale - stale, "duplicate": info.duplicate - dup}
 
     def collect(self, round_id: str | None = None, timeout_s: float = 0.0) -> Collected:
         """Accepted results not handed out before (only `round_id`'s if given), each (round, seed) once,
         with the coordinator's counts since the last collect.
 
         With a `round_id` this backend submitted, waits up to `timeout_s` (0: round_timeout_s) until every
-        seed of the round has arrived or was dropped; otherwise returns what is there now. Counts of
-        `stale` and `duplicate` cover `round_id` and the newest `RECENT_ROUNDS` rounds submitted (late
-        redeliveries land on recent rounds; older ones are no longer asked about).
+        seed of the round has arrived or was dropped; otherwise returns what is there now. The counts of
+        `stale` and `duplicate` are the run's, from the coordinator's intake (RunInfo), since the last collect.
         """
         self._drain_stream(block_ms=1)
         if round_id is not None and round_id in self._waiting:
@@ -304,8 +295,7 @@ class CoordinatorBackend:
         keys = [k for k in self._buffer if round_id is None or k[0] == round_id]
         results = self._hand_out(keys)
         counts = dict.fromkeys(COUNT_KEYS, 0)
-        recent = set(list(self._seen)[-RECENT_ROUNDS:])
-        counts.update(self._intake_counts(recent | ({round_id} if round_id is not None else set())))
+        counts.update(self._intake_counts())
         counts.update({k: v for k, v in self._counts.items()})
         counts["accepted"] = len(results)
         self._counts.clear()
