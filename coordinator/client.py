@@ -26,6 +26,7 @@ from coordinator.messages import (
     BlobInfo,
     Heartbeat,
     HeartbeatReply,
+    IntakeCounts,
     IntakeReply,
     ProbeRound,
     ResultBatch,
@@ -201,8 +202,12 @@ class CoordinatorClient:
         r = self.request("POST", f"/v1/runs/{rnd.run}/rounds", json=rnd.model_dump(mode="json"))
         return RoundInfo.model_validate_json(r.content)
 
+    def intake_counts(self, run: str) -> IntakeCounts:
+        """`GET /v1/runs/{run}/intake`: the run's results intake refused as stale or duplicate so far."""
+        return IntakeCounts.model_validate_json(self.request("GET", f"/v1/runs/{run}/intake").content)
+
     def round_info(self, run: str, round_id: str) -> RoundInfo:
-        """`GET /v1/runs/{run}/rounds/{round_id}`: a round's progress and intake counts."""
+        """`GET /v1/runs/{run}/rounds/{round_id}`: a round's progress."""
         return RoundInfo.model_validate_json(self.request("GET", f"/v1/runs/{run}/rounds/{round_id}").content)
 
     def download_blob(self, sha256: str, dest: Path) -> int:

@@ -39,14 +39,13 @@ from coordinator.worker_scripts import INCR_IF_EXISTS
 # KEYS: 1 round hash, 2 seeds set, 3 accepted hash, 4 stream, 5 run hash, 6 worker hash, 7 attested set,
 # 8 spot hash. ARGV: 1 worker id, 2 round version, then triples (seed, mode, payload); mode "a" accepts
 # and streams, "0"/"1"/"2" holds a spot-check replica. Stale and duplicate results are also counted on
-# the round and run hashes (n_stale, n_duplicate): the trainer reads them in RunInfo / RoundInfo, this
-# intake being the one authority on which results count.
+# run hash (n_stale, n_duplicate): the trainer reads them (IntakeCounts) with the results it collects,
+# this intake being the one authority on which results count.
 _INTAKE_LUA = """
 local state = redis.call('HGET', KEYS[1], 'state')
 if not state then return {'unknown_round'} end
 local age = tonumber(redis.call('HGET', KEYS[5], 'latest_version')) - tonumber(ARGV[2])
 if age > tonumber(redis.call('HGET', KEYS[5], 'staleness')) then
-  redis.call('HINCRBY', KEYS[1], 'n_stale', (#ARGV - 2) / 3)
   redis.call('HINCRBY', KEYS[5], 'n_stale', (#ARGV - 2) / 3)
   return {'stale', age}
 end
@@ -62,7 +61,6 @@ for i = 3, #ARGV, 3 do
   if redis.call('SISMEMBER', KEYS[2], seed) == 0 then out[#out + 1] = 'unknown_seed'
   elseif mode == 'a' then
     if redis.call('HSETNX', KEYS[3], seed, payload) == 0 then
-      redis.call('HINCRBY', KEYS[1], 'n_duplicate', 1)
       redis.call('HINCRBY', KEYS[5], 'n_duplicate', 1)
       out[#out + 1] = 'duplicate'
     else
@@ -77,7 +75,6 @@ for i = 3, #ARGV, 3 do
       if tostring(r) ~= mode and redis.call('HGET', KEYS[8], seed .. ':' .. r .. ':w') == ARGV[1] then same = true end
     end
     if redis.call('HEXISTS', KEYS[8], field) == 1 then
-      redis.call('HINCRBY', KEYS[1], 'n_duplicate', 1)
       redis.call('HINCRBY', KEYS[5], 'n_duplicate', 1)
       out[#out + 1] = 'duplicate'
     elseif same then out[#out + 1] = 'same_worker'

@@ -12,7 +12,15 @@ import itertools
 import math
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, SerializerFunctionWrapHandler, model_serializer, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    JsonValue,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+    model_validator,
+)
 
 SCHEMA_VERSION = 1
 MAX_SEEDS_PER_ROUND = 65_536
@@ -159,19 +167,25 @@ class RunSpec(Message):
 
 
 class RunInfo(Message):
-    """`GET /v1/runs/{run}` reply. `latest_version` is -1 before the first version or ledger entry.
-
-    `stale` and `duplicate` count the run's results intake refused as such (monotone; the trainer reports
-    their growth as its counts).
-    """
+    """`GET /v1/runs/{run}` reply. `latest_version` is -1 before the first version or ledger entry."""
 
     spec: RunSpec
     queue: str
     latest_version: int
     open_rounds: list[str] = Field(max_length=100_000)
     created_at: FiniteFloat
-    stale: int = Field(default=0, ge=0)
-    duplicate: int = Field(default=0, ge=0)
+
+
+class IntakeCounts(Message):
+    """`GET /v1/runs/{run}/intake` reply: results intake refused as `stale` or `duplicate` in the run so far.
+
+    Monotone counters; the trainer reports their growth with the results it collects (intake is the one
+    authority on which results count). A message of its own so that RunInfo stays what older clients parse.
+    """
+
+    run: RunId
+    stale: int = Field(ge=0)
+    duplicate: int = Field(ge=0)
 
 
 class ShardRef(Part):
@@ -304,10 +318,7 @@ class ProbeRound(Message, _GroupBlocks):
 
 
 class RoundInfo(Message):
-    """Reply of round creation / `GET .../rounds/{round_id}`: task counts and progress.
-
-    `stale` and `duplicate` count the round's results intake refused as such (the trainer's counts).
-    """
+    """Reply of round creation / `GET .../rounds/{round_id}`: task counts and progress."""
 
     run: RunId
     round_id: RoundId
@@ -317,8 +328,6 @@ class RoundInfo(Message):
     n_spot_checks: int
     tasks_published: int
     done: int
-    stale: int = Field(default=0, ge=0)
-    duplicate: int = Field(default=0, ge=0)
 
 
 class ProbeTask(Message, _GroupBlocks):

@@ -99,8 +99,6 @@ class RoundStore:
             n_spot_checks=int(h["n_spot"]),
             tasks_published=int(h["tasks"]),
             done=int(h["done"]),
-            stale=int(h.get("n_stale", 0)),
-            duplicate=int(h.get("n_duplicate", 0)),
         )
 
     def close_round(self, run: str, rid: str) -> RoundInfo:

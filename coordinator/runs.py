@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 
 from coordinator.errors import Conflict, Invalid, NotFound
-from coordinator.messages import RunInfo, RunSpec, SeedLedgerEntry, VersionManifest
+from coordinator.messages import IntakeCounts, RunInfo, RunSpec, SeedLedgerEntry, VersionManifest
 
 
 class RunStore:
@@ -53,9 +53,14 @@ class RunStore:
             latest_version=int(h["latest_version"]),
             open_rounds=sorted(self.r.smembers(self.k_run(run, "rounds:open"))),
             created_at=float(h["created_at"]),
-            stale=int(h.get("n_stale", 0)),
-            duplicate=int(h.get("n_duplicate", 0)),
         )
+
+    def intake_counts(self, run: str) -> IntakeCounts:
+        """Results of `run` intake refused as stale or duplicate so far (counted by the intake script)."""
+        h = self.r.hmget(self.k_run(run, "run"), ["spec", "n_stale", "n_duplicate"])
+        if h[0] is None:
+            raise NotFound(f"unknown run {run}")
+        return IntakeCounts(run=run, stale=int(h[1] or 0), duplicate=int(h[2] or 0))
 
     def latest_version(self, run: str) -> int:
         """Newest version of a run (-1 if none)."""

@@ -7,7 +7,7 @@
 - `collect(round_id)` reads accepted results from the run's Redis Stream through a consumer group
   (coordinator.stream.ResultStreamReader), honours retractions and drops, and acknowledges entries only
   when it hands them out, so a trainer restart loses nothing. Stale and duplicate results never reach
-  the stream: the coordinator's intake decides them, and its counts (RunInfo) are returned with the results.
+  the stream: the coordinator's intake decides them, and its counts (IntakeCounts) are returned with the results.
 
 Every HTTP call goes through coordinator.client.CoordinatorClient (timeouts, bounded tenacity retries).
 Wire formats shared with probe_worker: a round's batch is a versioned safetensors blob (fleet.batch_wire:
@@ -116,8 +116,9 @@ class CoordinatorBackend:
             self.run = run.run
         else:
             self.run = run
-        info = self.client.run_info(self.run)  # raises if the run does not exist
-        self._intake_seen = (info.stale, info.duplicate)  # the coordinator's counts already reported
+        self.client.run_info(self.run)  # raises if the run does not exist
+        seen = self.client.intake_counts(self.run)
+        self._intake_seen = (seen.stale, seen.duplicate)  # the coordinator's counts already reported
         self.reader = ResultStreamReader(redis_url, self.run, consumer=consumer, key_prefix=key_prefix,
                                          claim_idle_ms=claim_idle_ms)
         self.published: list[int] = []
@@ -272,7 +273,7 @@ class CoordinatorBackend:
 
     def _intake_counts(self) -> dict[str, int]:
         """Growth of the coordinator's stale/duplicate counts of this run since they were last reported."""
-        info = self.client.run_info(self.run)
+        info = self.client.intake_counts(self.run)
         stale, dup = self._intake_seen
         self._intake_seen = (info.stale, info.duplicate)
         return {"stale": info.stale - stale, "duplicate": info.duplicate - dup}
@@ -283,7 +284,7 @@ class CoordinatorBackend:
 
         With a `round_id` this backend submitted, waits up to `timeout_s` (0: round_timeout_s) until every
         seed of the round has arrived or was dropped; otherwise returns what is there now. The counts of
-        `stale` and `duplicate` are the run's, from the coordinator's intake (RunInfo), since the last collect.
+        `stale` and `duplicate` are the run's, from the coordinator's intake (IntakeCounts), since the last collect.
         """
         self._drain_stream(block_ms=1)
         if round_id is not None and round_id in self._waiting:

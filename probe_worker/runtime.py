@@ -232,6 +232,17 @@ class ProbeRuntime:
             finally:
                 self.busy = False
 
+    def prefetch(self, run: str, version: int) -> None:
+        """Load (run, version) into the cache ahead of its tasks, never during a task's evaluation.
+
+        A probe swaps perturbed tensors into the loaded model's parameters for its forward passes; a ledger
+        version replayed from that model meanwhile would copy perturbed weights. Taking the evaluation lock
+        keeps the two apart. Raises what WeightCache.get raises.
+        """
+        with self._lock:
+            self.cache.get(run, version)
+            self.current_version = version
+
     def should_hand_back(self, task: ProbeTask, max_hand_backs: int = 10) -> bool:
         """True if this spot-check task should go to another worker: every seed of it was already
         evaluated here as another replica (intake would refuse it as `same_worker`).

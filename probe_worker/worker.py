@@ -176,8 +176,7 @@ class ProbeWorker:
                     latest = self.client.run_info(run).latest_version
                     if latest > self._prefetched.get(run, -1):  # each version once: no LRU thrash across runs
                         self._prefetched[run] = latest
-                        self.cache.get(run, latest)
-                        self.runtime.current_version = latest
+                        self.runtime.prefetch(run, latest)  # not while a task's probe swaps weights in
                 except Exception as exc:  # noqa: BLE001 - a ledger-only version or a hiccup: tasks load lazily
                     log.debug("prefetch of run %s skipped: %s", run, exc)
 

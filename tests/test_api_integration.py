@@ -252,10 +252,9 @@ def test_every_intake_outcome_is_counted(env: Env):
     assert post([result("a", "r0", 3, wid, l0=1.0)]) == ["accepted"]  # age 1 <= S
     env.publish_version("a", 2, b"v2")
     assert post([result("a", "r0", 4, wid, l0=1.0)]) == ["stale"]  # age 2 > S = 1
-    info = env.admin.get("/v1/runs/a/rounds/r0").json()  # the trainer reads intake's judgement per round
-    assert (info["done"], info["duplicate"], info["stale"]) == (3, 1, 1)
-    run_info = env.admin.get("/v1/runs/a").json()
-    assert (run_info["duplicate"], run_info["stale"]) == (1, 1)
+    counts = env.admin.get("/v1/runs/a/intake").json()  # the trainer reads intake's judgement with its results
+    assert (counts["duplicate"], counts["stale"]) == (1, 1)
+    assert env.admin.get("/v1/runs/nope/intake").status_code == 404
     # publishing version 2 closed the stale round r0 (bounded open set); an explicit close counts too
     assert env.admin.get("/v1/runs/a").json()["open_rounds"] == []
     assert env.admin.post("/v1/runs/a/rounds", json=dict(rnd, round_id="r1", version=2)).status_code == 201

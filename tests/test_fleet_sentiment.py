@@ -79,8 +79,13 @@ def test_one_and_a_half_spsa_steps_through_the_fleet_equal_in_process(fleet, min
     st_f, st_r = ZOStepper(m_fleet, "1.5spsa", **kw), ZOStepper(m_ref, "1.5spsa", **kw)
     for step in range(2):
         got, want = st_f.step(step, batch, be, lr=1e-3), st_r.step(step, batch, ref, lr=1e-3)
-        assert got == want
+        # the coordinator's intake counts are the fleet's own: a task redelivered under load (visibility
+        # timeout) is evaluated twice and its second value counted duplicate, which a one-process run cannot see
+        intake = ("probe_duplicate", "probe_stale")
+        assert {k: v for k, v in got.items() if k not in intake} == {k: v for k, v in want.items() if k not in intake}
+        assert want["probe_duplicate"] == want["probe_stale"] == got["probe_stale"] == 0
         assert got["probe_accepted"] == 2 * (step + 1) and got["loss"] > 0.5
+        assert all(torch.equal(a, b) for a, b in zip(m_fleet.parameters(), m_ref.parameters())), step
     assert all(torch.equal(a, b) for a, b in zip(m_fleet.parameters(), m_ref.parameters()))
     assert not torch.equal(m_fleet.classifier.weight, model.classifier.weight)  # the steps moved theta
     assert be.published == [0, 1, 2]

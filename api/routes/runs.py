@@ -8,7 +8,7 @@ from fastapi import APIRouter, Query
 
 from api.deps import Admin, Reader, RunP, StoreD, VersionP
 from coordinator.errors import Invalid
-from coordinator.messages import RunInfo, RunSpec, SeedLedgerEntry, VersionManifest
+from coordinator.messages import IntakeCounts, RunInfo, RunSpec, SeedLedgerEntry, VersionManifest
 
 router = APIRouter(prefix="/v1/runs")
 
@@ -21,6 +21,11 @@ def create_run(body: RunSpec, store: StoreD) -> RunInfo:
 @router.get("/{run}", dependencies=[Reader])
 def get_run(run: RunP, store: StoreD) -> RunInfo:
     return store.run_info(run)
+
+
+@router.get("/{run}/intake", dependencies=[Reader])
+def get_intake_counts(run: RunP, store: StoreD) -> IntakeCounts:
+    return store.intake_counts(run)
 
 
 @router.post("/{run}/versions", status_code=201, dependencies=[Admin])

@@ -1,14 +1,14 @@
 """Versioned curvature state: an EMA of per-block (or per-coordinate) curvature with a staleness bound.
 
 Probe results are computed against published weight versions and may arrive late (DESIGN.md §2-§3).
-`CurvatureState` folds in only contributions whose version is within `staleness` of the trainer's
-current version, deduplicates redelivered results by key, and counts every outcome so the trainer can
-log accepted/stale/duplicate per step (DESIGN.md §2, "Convergence-relevant knobs").
+Which single results count (stale, duplicate) is decided by the probe backend's authority (the
+coordinator's intake, or trainer.zo.backend.InProcessBackend); `counts` accumulates those outcomes so the
+trainer can log accepted/stale/duplicate per step (DESIGN.md §2, "Convergence-relevant knobs"), and
+`staleness` bounds how long the optimizer waits for an incomplete round.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable
 from enum import Enum
 from typing import Any
 
@@ -16,7 +16,7 @@ import torch
 
 
 class Outcome(str, Enum):
-    """What happened to one contribution offered to a `CurvatureState`."""
+    """What the backend's authority decided about one probe result (the keys of `CurvatureState.counts`)."""
 
     ACCEPTED = "accepted"
     STALE = "stale"
@@ -27,7 +27,7 @@ class CurvatureState:
     """Bias-corrected EMA of a curvature vector, shape (n,) float64, with version bookkeeping.
 
     estimate = ema / (1 − β^updates) (Adam-style bias correction, so the first contribution is taken
-    as is). A contribution stamped with version u is stale when current_version − u > staleness.
+    as is). A round taken at version u is stale when current_version − u > staleness (`is_stale`).
 
     Args:
         size: length n of the curvature vector (blocks, or coordinates).
@@ -48,7 +48,6 @@ class CurvatureState:
         self.updates = 0
         self.current_version = 0
         self.counts = {o.value: 0 for o in Outcome}
-        self._seen: dict[Hashable, int] = {}  # key -> version, pruned once the version is stale
 
     @property
     def ready(self) -> bool:
@@ -67,27 +66,10 @@ class CurvatureState:
         if version < self.current_version:
             raise ValueError(f"version went backwards: {version} < {self.current_version}")
         self.current_version = version
-        floor = version - self.staleness
-        self._seen = {k: v for k, v in self._seen.items() if v >= floor}
 
-    def admit(self, version: int, key: Hashable | None = None) -> Outcome:
-        """Classify (and count) a contribution without folding it: stale, duplicate (same key), or accepted.
-
-        Raises ValueError for a version newer than the current one (results cannot come from the future).
-        """
-        if version > self.current_version:
-            raise ValueError(f"contribution version {version} is newer than current {self.current_version}; "
-                             "call set_version first")
-        if self.current_version - version > self.staleness:
-            outcome = Outcome.STALE
-        elif key is not None and key in self._seen:
-            outcome = Outcome.DUPLICATE
-        else:
-            outcome = Outcome.ACCEPTED
-            if key is not None:
-                self._seen[key] = version
-        self.counts[outcome.value] += 1
-        return outcome
+    def is_stale(self, version: int) -> bool:
+        """True if a round taken at `version` is older than the current version − staleness."""
+        return self.current_version - version > self.staleness
 
     def fold(self, contribution: torch.Tensor) -> None:
         """EMA update ema ← β·ema + (1 − β)·contribution, contribution shape (n,), finite.
@@ -102,25 +84,17 @@ class CurvatureState:
         self.ema.mul_(self.beta).add_(c, alpha=1.0 - self.beta)
         self.updates += 1
 
-    def add(self, contribution: torch.Tensor, version: int, key: Hashable | None = None) -> Outcome:
-        """`admit` then, if accepted, `fold`. Returns the outcome (also counted in `counts`)."""
-        outcome = self.admit(version, key)
-        if outcome is Outcome.ACCEPTED:
-            self.fold(contribution)
-        return outcome
-
     def state_dict(self) -> dict[str, Any]:
-        """Checkpointable state (tensors and plain values; dedup keys are kept as a list of pairs)."""
+        """Checkpointable state (tensors and plain values)."""
         return {"size": self.size, "beta": self.beta, "staleness": self.staleness, "ema": self.ema.clone(),
-                "updates": self.updates, "current_version": self.current_version,
-                "counts": dict(self.counts), "seen": [[k, v] for k, v in self._seen.items()]}
+                "updates": self.updates, "current_version": self.current_version, "counts": dict(self.counts)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore from `state_dict()`. Raises ValueError if the size differs."""
+        """Restore from `state_dict()` (older checkpoints' "seen" keys are ignored). Raises ValueError if the
+        size differs."""
         if int(state["size"]) != self.size:
             raise ValueError(f"checkpoint curvature size {state['size']} != {self.size}")
         self.beta, self.staleness = float(state["beta"]), int(state["staleness"])
         self.ema = torch.as_tensor(state["ema"], dtype=torch.float64).clone()
         self.updates, self.current_version = int(state["updates"]), int(state["current_version"])
         self.counts = {o.value: int(state["counts"].get(o.value, 0)) for o in Outcome}
-        self._seen = {(tuple(k) if isinstance(k, list) else k): int(v) for k, v in state["seen"]}

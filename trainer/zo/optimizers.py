@@ -139,7 +139,7 @@ class _ZOCurvBase(torch.optim.Optimizer):
             if all(s in got_r for s in r.seeds):
                 contrib, stats = self._contribution(r, [got_r[s] for s in r.seeds])
                 self.curv.fold(contrib)
-            elif self.curv.current_version - r.version > self.curv.staleness:
+            elif self.curv.is_stale(r.version):
                 self.dropped_rounds += 1
             else:
                 continue
@@ -155,7 +155,6 @@ class _ZOCurvBase(torch.optim.Optimizer):
         """(tensors, JSON) of the curvature state for checkpoints; in-flight rounds are not kept."""
         sd = self.curv.state_dict()
         ema = sd.pop("ema")
-        sd["seen"] = []  # keys belong to in-flight rounds, which a resume abandons
         sd["dropped_rounds"] = self.dropped_rounds + len(self._pending)
         return {"curv_ema": ema}, sd
 
