@@ -186,8 +186,7 @@ def test_round_tasks_land_on_celery_queue(env: Env):
         "replica": 0,
         "kind": "seeded",
         "base_version": None,
-        "blocks": None,
-    }
+    }  # a schema-1 task has no `blocks` field at all: byte-identical to what older workers accept
     again = env.admin.post("/v1/runs/r1/rounds", json=body)  # a retried POST publishes nothing twice
     assert again.status_code == 201 and again.json() == info.json() and len(env.queue_messages("r1")) == 3
     assert env.admin.post("/v1/runs/r1/rounds", json=dict(body, eps=1.0)).status_code == 409
