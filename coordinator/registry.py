@@ -19,6 +19,9 @@ Every state transition is one Lua script (`coordinator.worker_scripts`):
 | lose -> lost | active, draining, lease ended | the reaper |
 | expire (deleted) | lost for `lost_expiry_leases` leases | the reaper |
 | delete | any | admin, or the worker itself |
+
+With `settings.broker_acl` each worker also gets its own broker user (`coordinator.broker_acl`):
+created at registration, disabled at quarantine, removed with the record (deletion or expiry).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import secrets
 import time
 
 from coordinator import worker_scripts
+from coordinator.broker_acl import BrokerAcl
 from coordinator.celery_app import PROBE_TASK_NAME
 from coordinator.errors import Conflict, NotFound, TooMany
 from coordinator.messages import (
@@ -65,6 +69,13 @@ class WorkerRegistry:
     def _scripts(self) -> dict:
         names = ("REGISTER", "HEARTBEAT", "TRANSITION", "MARK_LOST", "DELETE", "INCR_IF_EXISTS")
         return {n: self.r.register_script(getattr(worker_scripts, n)) for n in names}
+
+    @functools.cached_property
+    def broker_acl(self) -> BrokerAcl | None:
+        """The workers' broker users (`settings.broker_acl`), or None when workers share the broker URL."""
+        if not self.settings.broker_acl:
+            return None
+        return BrokerAcl(self.settings.worker_broker_url, self.settings.queue_prefix)
 
     def k_enrolled(self, token_id: str) -> str:
         """Set of the workers enrolled with the enrollment token `token_id` (sha256 prefix)."""
@@ -123,10 +134,11 @@ class WorkerRegistry:
                 retry_after=int(s.lease_seconds),
                 reason="enrollment_cap",
             )
+        acl = self.broker_acl
         return WorkerRegistered(
             worker_id=wid,
             worker_token=token,
-            broker_url=self.settings.worker_broker_url,
+            broker_url=acl.create(wid) if acl is not None else self.settings.worker_broker_url,
             queues=self.queues(),
             heartbeat_interval_s=self.settings.heartbeat_interval_s,
             lease_seconds=self.settings.lease_seconds,
@@ -196,6 +208,8 @@ class WorkerRegistry:
             raise Conflict(f"worker {wid} was drained by an admin; only an admin can resume it")
         if reply[0] == "conflict":
             raise Conflict(f"worker {wid} is {reply[1]}; cannot become {state}")
+        if state == "quarantined" and self.broker_acl is not None:
+            self.broker_acl.disable(wid)  # its broker credentials stop working, open connections closed
         return state
 
     def count_on_worker(self, wid: str, field: str, n: int) -> None:
@@ -204,9 +218,11 @@ class WorkerRegistry:
 
     def _delete(self, wid: str, required_state: str = "") -> bool:
         keys = [self.k_worker(wid), self.k_workers, self.k_leases, self.k_expiry]
-        return (
-            self._scripts["DELETE"](keys=keys, args=[wid, required_state, f"{self.p}:enrolled:"]) is not None
-        )
+        args = [wid, required_state, f"{self.p}:enrolled:"]
+        deleted = self._scripts["DELETE"](keys=keys, args=args) is not None
+        if deleted and self.broker_acl is not None:
+            self.broker_acl.delete(wid)
+        return deleted
 
     def delete_worker(self, wid: str) -> None:
         """Forget a worker (one script; its token stops working). Raises NotFound."""

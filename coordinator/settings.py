@@ -41,6 +41,9 @@ class CoordinatorSettings(BaseSettings):
         validation_alias=AliasChoices("SPARECYCLES_REDIS_URL", "REDIS_URL"),
     )
     broker_url: str | None = None  # URL workers use for Celery; defaults to redis_url
+    # One Redis ACL user per worker on the broker, limited to the Celery keys (coordinator.broker_acl);
+    # off, every worker receives the broker URL itself (the coordinator's credentials).
+    broker_acl: bool = False
     key_prefix: str = Field(default="sc", pattern=r"^[A-Za-z0-9_-]{1,32}$")
     queue_prefix: str = Field(default="sparecycles.probe", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     admin_token: SecretStr = SecretStr("")

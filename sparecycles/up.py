@@ -302,6 +302,11 @@ def _train_with_fleet(plan: UpPlan, progress: bool, log: Callable[[str], None],
             env = {**os.environ, "SPARECYCLES_REDIS_URL": redis_url, "SPARECYCLES_ADMIN_TOKEN": admin,
                    "SPARECYCLES_ENROLLMENT_TOKEN": enroll, "SPARECYCLES_BLOB_DIR": str(out / "blobs"),
                    "SPARECYCLES_KEY_PREFIX": settings.key_prefix, "PYTHONUNBUFFERED": "1"}
+            if redis_desc.startswith("embedded"):  # our own Valkey: each worker gets its own broker user
+                env["SPARECYCLES_BROKER_ACL"] = "1"
+            # Workers get the enrollment token only: their broker URL comes from registration.
+            worker_env = {k: v for k, v in env.items()
+                          if k not in ("SPARECYCLES_REDIS_URL", "REDIS_URL", "SPARECYCLES_ADMIN_TOKEN")}
             port = _free_port()
             base = f"http://127.0.0.1:{port}"
             py = [sys.executable, "-m", "sparecycles.cli"]
@@ -311,7 +316,7 @@ def _train_with_fleet(plan: UpPlan, progress: bool, log: Callable[[str], None],
             for i in range(workers):
                 # The token travels in the environment (SPARECYCLES_ENROLLMENT_TOKEN), never in argv (ps).
                 sup.start(f"worker-{i}", py + ["worker", "--coordinator", base, "--name", f"local-{i}",
-                                               "--threads", "1"], env)
+                                               "--threads", "1"], worker_env)
             wait_workers(base, admin, workers, sup)
             status = FleetStatus(base)
 

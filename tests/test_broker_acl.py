@@ -1,0 +1,175 @@
+"""Issue 14 case 6: a worker's broker credentials reach the Celery keys only, and stop at quarantine.
+
+A private Valkey with a password (never the shared Redis: ACL users are created here), a real
+coordinator (uvicorn in a thread) with `broker_acl` on, the worker's side through kombu's Redis
+transport (the transport its Celery worker uses) with the credentials registration handed out.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+import httpx
+import pytest
+import redis
+from kombu import Connection
+from test_outage import Valkey
+
+from api.app import create_app
+from api.server import ServerThread
+from coordinator.broker_acl import with_credentials, worker_acl_rules
+from coordinator.settings import generate_dev_settings
+from coordinator.store import Store
+
+
+def test_rules_and_urls_are_pure():
+    rules = worker_acl_rules("sc.probe", "pw")
+    assert rules[:3] == ["reset", "on", ">pw"] and "~sc.probe.*" in rules and "-@dangerous" in rules
+    assert not any(r.startswith("~sc:") or r == "~*" or r == "allkeys" for r in rules)
+    assert with_credentials("redis://:secret@h:6380/2", "w-1", "p/w") == "redis://w-1:p%2Fw@h:6380/2"
+
+
+@pytest.fixture
+def fleet(tmp_path):
+    v = Valkey(tmp_path / "valkey", password=secrets.token_urlsafe(16))
+    v.start()
+    settings = generate_dev_settings(
+        redis_url=v.url,
+        blob_dir=tmp_path / "blobs",
+        broker_acl=True,
+        key_prefix="sc",
+        queue_prefix="sc.probe",
+    )
+    try:
+        with ServerThread(create_app(settings)) as srv:
+            yield settings, srv.url, v
+    finally:
+        v.stop()
+
+
+def test_quarantined_worker_cannot_touch_registry_keys(fleet):
+    settings, url, v = fleet
+    enroll = {"Authorization": f"Bearer {settings.enrollment_token.get_secret_value()}"}
+    admin = httpx.Client(
+        base_url=url, headers={"Authorization": f"Bearer {settings.admin_token.get_secret_value()}"}
+    )
+    reg = httpx.post(f"{url}/v1/workers", json={"name": "w"}, headers=enroll).json()
+    other = httpx.post(f"{url}/v1/workers", json={"name": "w2"}, headers=enroll).json()
+    wid = reg["worker_id"]
+    assert reg["broker_url"] != settings.redis_url and reg["broker_url"].startswith(f"redis://{wid}:")
+    assert v.url.split("@")[0].split(":")[-1] not in reg["broker_url"]  # never the coordinator's password
+
+    # the coordinator publishes a round's task; the worker takes it over kombu with its own credentials
+    assert (
+        admin.post(
+            "/v1/runs", json={"run": "acl", "model_class": "M", "spot_check_fraction": 0.0}
+        ).status_code
+        == 201
+    )
+    sha = admin.post("/v1/blobs", content=b"w").json()["sha256"]
+    manifest = {
+        "run": "acl",
+        "version": 0,
+        "parent": None,
+        "param_order_hash": "0" * 64,
+        "dtype": "float32",
+        "model_class": "M",
+        "shards": [{"name": "m.safetensors", "sha256": sha, "bytes": 1}],
+    }
+    assert admin.post("/v1/runs/acl/versions", json=manifest).status_code == 201
+    rnd = {
+        "run": "acl",
+        "round_id": "r0",
+        "version": 0,
+        "batch_sha256": sha,
+        "eps": 1e-3,
+        "distribution": "rademacher",
+        "seeds": [1, 2],
+    }
+    assert admin.post("/v1/runs/acl/rounds", json=rnd).status_code == 201
+    with Connection(reg["broker_url"]) as conn:
+        q = conn.SimpleQueue("sc.probe.acl")
+        msg = q.get(timeout=10)
+        assert msg.headers["task"] == "sparecycles.probe" and msg.payload[1]["seeds"] == [1, 2]
+        msg.requeue()  # a hand-back: LPUSH on the queue is allowed too
+        q.get(timeout=10).ack()
+        q.close()
+
+    # ...and nothing else: registry keys, token digests, other workers, admin commands
+    w = redis.Redis.from_url(reg["broker_url"], decode_responses=True)
+    for attempt in (
+        lambda: w.hget(f"sc:w:{wid}", "state"),
+        lambda: w.hset(f"sc:w:{wid}", "state", "active"),
+        lambda: w.hget(f"sc:w:{other['worker_id']}", "token_sha256"),
+        lambda: w.smembers("sc:workers"),
+        lambda: w.keys("*"),
+        lambda: w.config_get("*"),
+        lambda: w.acl_list(),
+        lambda: w.flushall(),
+    ):
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            attempt()
+    assert w.llen("sc.probe.acl") == 0  # its queue it may read
+
+    # quarantine disables the user: the open connection is closed and a new login refused
+    Store(settings).set_worker_state(wid, "quarantined", ("active", "draining", "lost"), actor="coordinator")
+    with pytest.raises((redis.exceptions.ConnectionError, redis.exceptions.AuthenticationError)):
+        w.llen("sc.probe.acl")
+    fresh = redis.Redis.from_url(reg["broker_url"])
+    with pytest.raises((redis.exceptions.AuthenticationError, redis.exceptions.ResponseError)):
+        fresh.ping()
+    root = redis.Redis.from_url(v.url, decode_responses=True)
+    assert root.hget(f"sc:w:{wid}", "state") == "quarantined"  # still quarantined: it could not undo it
+    # deletion removes the user; the other worker's user is untouched
+    assert admin.delete(f"/v1/workers/{wid}").status_code == 204
+    assert root.acl_getuser(wid) is None and root.acl_getuser(other["worker_id"])["enabled"]
+    admin.close()
+
+
+@pytest.mark.slow
+def test_real_worker_process_runs_rounds_with_its_own_broker_user(tmp_path):
+    """A probe-worker process (Celery) evaluates a round with only its ACL user's rights."""
+    from test_worker_fleet import Fleet, make_batch, tiny_model
+
+    from coordinator.messages import RunSpec
+    from fleet.backend import CoordinatorBackend
+    from trainer.zo.probes import RoundSpec
+
+    v = Valkey(tmp_path / "valkey", password=secrets.token_urlsafe(16))
+    v.start()
+
+    class AclFleet(Fleet):
+        def start_coordinator(self) -> None:
+            self.env.update(SPARECYCLES_REDIS_URL=v.url, SPARECYCLES_BROKER_ACL="1")
+            super().start_coordinator()
+
+    fleet = AclFleet(tmp_path)
+    try:
+        fleet.start_worker("a")
+        wid = fleet.wait_consuming("a")
+        root = redis.Redis.from_url(v.url, decode_responses=True)
+        assert root.acl_getuser(wid)["enabled"]
+        model = tiny_model()
+        run = RunSpec(
+            run="aclrun", model_class=type(model).__name__, spot_check_fraction=0.0, seeds_per_task=2
+        )
+        be = CoordinatorBackend(
+            model,
+            coordinator_url=fleet.url,
+            admin_token=fleet.admin_token,
+            redis_url=v.url,
+            run=run,
+            key_prefix=fleet.prefix,
+            round_timeout_s=120.0,
+        )
+        be.publish(0)
+        seeds = tuple(range(100, 106))
+        be.submit(RoundSpec("acl-0", 0, make_batch(2, 8, seed=1), eps=1e-2, seeds=seeds, dist="rademacher"))
+        got = be.collect("acl-0").results
+        assert sorted(r.seed for r in got) == list(seeds) and {r.worker for r in got} == {wid}
+        be.close()
+        log = (tmp_path / "a.log").read_text()
+        assert "NOPERM" not in log and "No permissions" not in log
+    finally:
+        fleet.close()
+        v.stop()
