@@ -33,7 +33,7 @@ def _exported() -> set[str]:
     from trainer import metrics as trainer_metrics
 
     coord = CoordinatorMetrics()
-    coord.attach_live(lambda: {"active": 1}, lambda: {"run": 0})
+    coord.attach_live(lambda: {"active": 1}, lambda: {"run": 0}, lambda: {"run": 0})
     worker_reg = CollectorRegistry()
     WorkerMetrics(registry=worker_reg)
     trainer_metrics.record("adamw", {"step": 1, "loss": 2.0, "clipped_frac": 0.0}, 8)
