@@ -180,3 +180,35 @@ def test_up_status_keeps_its_last_figures_through_a_503():
         state["down"] = True
         assert status.snapshot()["workers"] == 2.0  # kept, not parsed as Prometheus text
         assert "workers 2" in status()
+
+
+def test_train_checkpoints_when_the_fleet_stays_unreachable(tmp_path, monkeypatch):
+    from trainer import train as train_mod
+    from trainer.config import TrainConfig
+
+    cfg = TrainConfig(
+        model="gpt2-tiny",
+        corpus="classics-small",
+        steps=8,
+        batch_size=4,
+        seq_len=32,
+        lr=3e-3,
+        warmup_steps=1,
+        eval_every=4,
+        eval_batches=1,
+        checkpoint_every=4,
+        run_dir=tmp_path / "o",
+    )
+    real_step = train_mod.AdamWMode.step
+
+    def outage(self, step, batch, lr):
+        if step == 5:  # what a fleet backend raises once its bounded retries are spent
+            raise Unavailable("Redis unreachable for 60 s")
+        return real_step(self, step, batch, lr)
+
+    monkeypatch.setattr(train_mod.AdamWMode, "step", outage)
+    with pytest.raises(RuntimeError, match="checkpointed at step 5: rerun with --resume"):
+        train_mod.train(cfg, progress=False)
+    monkeypatch.setattr(train_mod.AdamWMode, "step", real_step)
+    resumed = train_mod.train(cfg, resume=True, progress=False)
+    assert resumed.summary["resumed_from_step"] == 5  # not 4: the position reached was kept
