@@ -26,6 +26,15 @@ app = typer.Typer(
     # Plain click help: rich's option tables wrap every help text into a narrow column at 80 columns.
     rich_markup_mode=None,
 )
+
+
+def _attach(url: str, **kw):
+    from fleet.attach import attach
+
+    return attach(url, **kw)
+
+
+trainer_cli.FLEET_ATTACH = _attach  # `train --coordinator`: the top layer hands the trainer its fleet
 app.add_typer(trainer_cli.data_app, name="data")
 app.command("train", short_help="Train one model in this process; write its run folder.")(trainer_cli.train)
 app.command("export")(export_cli.export)

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import httpx
 
+from fleet.attach import Fleet, FleetFiguresMode, FleetSettings, FleetStatus, wait_for_workers  # noqa: F401 (re-exported)
 from sparecycles.up_plan import UP_SETTINGS, UpPlan, clear_folder, disk_use, plan_up, read_json  # noqa: F401 (plan_up re-exported)
 
 
@@ -147,85 +148,6 @@ def wait_ready(url: str, sup: Supervisor, timeout_s: float = 60.0) -> None:
     raise RuntimeError(f"{url} did not become ready in {timeout_s:.0f} s; see the logs in {sup.log_dir}")
 
 
-def wait_workers(base: str, admin_token: str, n: int, sup: Supervisor, timeout_s: float = 120.0) -> None:
-    """Wait until `n` workers are registered and active. Raises RuntimeError on timeout."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        sup.check()
-        with contextlib.suppress(httpx.HTTPError):
-            r = httpx.get(f"{base}/v1/workers", headers={"Authorization": f"Bearer {admin_token}"}, timeout=2.0)
-            if r.status_code == 200 and sum(w["state"] == "active" for w in r.json()) >= n:  # list[WorkerInfo]
-                return
-        time.sleep(0.3)
-    raise RuntimeError(f"{n} workers did not join within {timeout_s:.0f} s; see {sup.log_dir}")
-
-
-class FleetStatus:
-    """Live fleet figures from the coordinator's /metrics: workers, probes/s, stale-result rate."""
-
-    def __init__(self, base: str) -> None:
-        self.base, self.t0, self.accepted0 = base, time.monotonic(), None
-        self.last: dict[str, float] = {}
-
-    def snapshot(self) -> dict[str, float]:
-        """Scrape once: active workers, tasks published, results by outcome, accepted results/s since start."""
-        from prometheus_client.parser import text_string_to_metric_families
-
-        # Only a 200 in Prometheus text is parsed: a 503 (an older coordinator while Redis is down)
-        # carries JSON, and any unparsable scrape keeps the last figures rather than ending the run.
-        try:
-            r = httpx.get(f"{self.base}/metrics", timeout=1.0)
-        except httpx.HTTPError:
-            return self.last
-        if r.status_code != 200 or not r.headers.get("content-type", "").startswith("text/plain"):
-            return self.last
-        snap: dict[str, float] = {"workers": 0.0, "tasks_published": 0.0}
-        try:
-            for fam in text_string_to_metric_families(r.text):
-                for s in fam.samples:
-                    if s.name == "sparecycles_workers" and s.labels.get("state") == "active":
-                        snap["workers"] += s.value
-                    elif s.name == "sparecycles_tasks_published_total":
-                        snap["tasks_published"] = s.value
-                    elif s.name == "sparecycles_intake_results_total":
-                        snap[f"results_{s.labels.get('outcome', '?')}"] = s.value
-        except ValueError:
-            return self.last
-        accepted = snap.get("results_accepted", 0.0)
-        if self.accepted0 is None:
-            self.accepted0, self.t0 = accepted, time.monotonic()
-        snap["seconds"] = time.monotonic() - self.t0
-        snap["probes_per_s"] = (accepted - self.accepted0) / max(1e-9, snap["seconds"])
-        total = sum(v for k, v in snap.items() if k.startswith("results_"))
-        snap["stale_fraction"] = snap.get("results_stale", 0.0) / total if total else 0.0
-        self.last = snap
-        return snap
-
-    def __call__(self) -> str:
-        s = self.last or self.snapshot()  # the step just taken scraped it (FleetFiguresMode)
-        if not s:
-            return "coordinator unreachable"
-        return (f"workers {s['workers']:.0f} | probes/s {s['probes_per_s']:.1f} | "
-                f"stale {100 * s['stale_fraction']:.1f}%")
-
-
-class FleetFiguresMode:
-    """A TrainMode (trainer.train) that adds the fleet's figures to every step's record, so probes/s, active
-    workers and results by outcome land in metrics.jsonl and the TensorBoard events: `fleet_<key>` for each key
-    of `FleetStatus.snapshot()` (one scrape of the coordinator's /metrics per step). Everything else is the
-    wrapped mode's."""
-
-    def __init__(self, mode, status: FleetStatus) -> None:
-        self.mode, self.status = mode, status
-
-    def __getattr__(self, name: str):
-        return getattr(self.mode, name)
-
-    def step(self, step: int, batch, lr: float) -> dict[str, float]:
-        stats = self.mode.step(step, batch, lr)
-        return {**stats, **{f"fleet_{k}": float(v) for k, v in self.status.snapshot().items()}}
-
-
 def _run_summary(run_dir: Path) -> dict:
     """Initial/final validation figures (loss, and accuracy for classifiers) and test figures of a finished run."""
     s = json.loads((run_dir / "summary.json").read_text())
@@ -284,12 +206,10 @@ def _train_with_fleet(plan: UpPlan, progress: bool, log: Callable[[str], None],
     """Start Valkey (unless REDIS_URL), the coordinator and the workers; train the runs not finished (AdamW in
     this process, then the fleet-probed run; `export`: each also as a transformers folder, trainer.export);
     stop every child. Returns (fleet figures, Redis description)."""
-    from coordinator.messages import RunSpec
     from coordinator.settings import generate_dev_settings
-    from trainer.preflight import PURE_ZO
     from trainer.train import train
 
-    out, workers, sentiment = plan.out, plan.workers, plan.task == "sentiment"
+    out, workers = plan.out, plan.workers
     # Every descendant (Valkey, coordinator, workers) inherits this marker: orphans are findable.
     os.environ["SPARECYCLES_UP_RUN"] = str(out)
     sup = Supervisor(out / "logs")
@@ -317,26 +237,11 @@ def _train_with_fleet(plan: UpPlan, progress: bool, log: Callable[[str], None],
                 # The token travels in the environment (SPARECYCLES_ENROLLMENT_TOKEN), never in argv (ps).
                 sup.start(f"worker-{i}", py + ["worker", "--coordinator", base, "--name", f"local-{i}",
                                                "--threads", "1"], worker_env)
-            wait_workers(base, admin, workers, sup)
-            status = FleetStatus(base)
-
-            def fleet_mode(cfg, model):
-                from fleet.backend import CoordinatorBackend
-                from fleet.batch_wire import batch_kind_for_model, loss_for_kind
-                from trainer.zo.modes import build_zo_mode
-
-                # The workers build the model from the manifest (class + config + shards) and pick the loss
-                # and batch format from its class, exactly as the backend does here.
-                pure = cfg.optimizer in PURE_ZO
-                # A pure-ZO step waits for all K probes: split them evenly so every worker takes a share.
-                spec = RunSpec(run=f"up-{secrets.token_hex(4)}", model_class=type(model).__name__,
-                               model_preset=None if sentiment else cfg.model, staleness=cfg.staleness,
-                               **({"seeds_per_task": max(1, -(-cfg.probes // workers))} if pure else {}))
-                backend = CoordinatorBackend(model, coordinator_url=base, admin_token=admin, redis_url=redis_url,
-                                             run=spec, key_prefix=settings.key_prefix,
-                                             history=0 if pure else 2)
-                loss_fn = loss_for_kind(batch_kind_for_model(type(model).__name__))
-                return FleetFiguresMode(build_zo_mode(cfg, model, loss_fn, backend=backend), status)
+            fleet = Fleet(base, FleetSettings(admin_token=admin, redis_url=redis_url, key_prefix=settings.key_prefix),
+                          workers, FleetStatus(base), run_prefix="up")
+            wait_for_workers(base, admin, workers, 120.0, check=sup.check)
+            status = fleet.status
+            fleet_mode = fleet.mode_factory
 
             # Interrupted runs resume from their checkpoints (which hold the ZO state).
             base_state, zo_state = plan.states["adamw"].kind, plan.states[plan.optimizer].kind

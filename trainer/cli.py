@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 
@@ -30,6 +31,30 @@ def fetch(
     except (ValueError, DataFetchError) as exc:
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from exc
+
+
+# Set by sparecycles.cli (the top layer composes: trainer may not import fleet, which sits above it):
+# attach(url, wait_s=..., log=...) -> fleet.attach.Fleet, raising fleet.attach.FleetError (a RuntimeError).
+FLEET_ATTACH: Callable[..., Any] | None = None
+
+
+def _attach_fleet(url: str, cfg: Any, wait_s: float, sync: bool = False) -> dict[str, Any]:
+    """`train`'s keyword arguments for a fleet-probed run (mode_factory, status); exits 2 with a clear message
+    for a first-order optimizer, an unreachable coordinator, a refused token or no active worker in time."""
+    from trainer.preflight import PURE_ZO, ZOCURV
+
+    if cfg.optimizer not in (*ZOCURV, *PURE_ZO):
+        raise typer.BadParameter(f"--optimizer {cfg.optimizer} takes no probes; --coordinator needs one of "
+                                 f"{', '.join((*ZOCURV, *PURE_ZO))}", param_hint="--coordinator")
+    if FLEET_ATTACH is None:
+        raise RuntimeError("trainer.cli.FLEET_ATTACH is unset: run `train` through the sparecycles CLI")
+    try:
+        fleet = FLEET_ATTACH(url, wait_s=wait_s, sync_rounds=sync, log=lambda m: typer.echo(m, err=True))
+    except (RuntimeError, ValueError) as exc:
+        typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from exc
+    typer.echo(f"probes from the fleet at {fleet.base}: {fleet.workers} active worker(s)", err=True)
+    return {"mode_factory": fleet.mode_factory, "status": fleet.status}
 
 
 def train(
@@ -61,6 +86,14 @@ def train(
     overwrite: bool = typer.Option(False, help="Start afresh in a run folder that already holds a run."),
     progress: bool = typer.Option(True, help="Show a progress bar."),
     export: bool = typer.Option(True, help="At the end, export the model as a transformers folder RUN_DIR/export."),
+    coordinator: Optional[str] = typer.Option(
+        None, envvar="SPARECYCLES_COORDINATOR_URL",
+        help="Get the probes from this coordinator's fleet (ZO-Curv and pure-ZO optimizers); needs "
+             "SPARECYCLES_ADMIN_TOKEN and SPARECYCLES_REDIS_URL in the environment. Default: probe in process."),
+    fleet_wait: float = typer.Option(120.0, min=0.0, help="With --coordinator: seconds to wait for the "
+                                     "coordinator and at least one active probe worker before giving up."),
+    fleet_sync: bool = typer.Option(False, help="With --coordinator: wait for each ZO-Curv round before the next "
+                                    "step (slower; reproduces the in-process run bit for bit)."),
 ) -> None:
     """Train a model and write a run folder (metrics.jsonl, TensorBoard event files, checkpoint.safetensors,
     loss.png, summary.json, export/).
@@ -105,8 +138,11 @@ def train(
     warning = no_probe_round_warning(cfg)
     if warning:
         typer.secho(f"warning: {warning}", fg=typer.colors.YELLOW, err=True)
+    fleet_kw = {}
+    if coordinator:
+        fleet_kw = _attach_fleet(coordinator, cfg, fleet_wait, fleet_sync)
     try:
-        result = run_train(cfg, resume=resume, progress=progress, overwrite=overwrite, export=export)
+        result = run_train(cfg, resume=resume, progress=progress, overwrite=overwrite, export=export, **fleet_kw)
     except (ValueError, CheckpointError, OSError) as exc:
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from exc

@@ -1,0 +1,291 @@
+"""Attach a training run to a coordinator's fleet: the one way `sparecycles train --coordinator` and
+`sparecycles up` get their probes from probe workers.
+
+- `FleetSettings`: what the trainer needs besides the coordinator URL, from the environment only (the admin
+  token never travels on a command line): SPARECYCLES_ADMIN_TOKEN, SPARECYCLES_REDIS_URL (the coordinator's
+  Redis, whose result stream the trainer reads), SPARECYCLES_KEY_PREFIX.
+- `attach(url, settings, wait_s)`: checks that the coordinator answers, that it accepts the admin token and
+  that at least `min_workers` workers are active, waiting up to `wait_s` seconds (and saying so); raises
+  `FleetError` with a message fit for a user otherwise.
+- `Fleet.mode_factory`: a `trainer.train` mode factory that builds the run's ZO mode over a
+  `fleet.backend.CoordinatorBackend` (a new coordinator run per attach; a resumed run re-publishes what the
+  workers need, see trainer.zo.modes).
+- `FleetStatus` / `FleetFiguresMode`: live fleet figures (workers, probes/s, results by outcome) scraped from
+  the coordinator's /metrics, shown in the progress line and added to every step's record.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+PURE_ZO = ("mezo", "1spsa", "1.5spsa")  # their steps wait for every probe: seeds are spread over the workers
+
+
+class FleetError(RuntimeError):
+    """The fleet cannot be used: coordinator unreachable, token refused, or no active worker in time."""
+
+
+class FleetSettings(BaseSettings):
+    """The trainer's fleet credentials, read from the environment (prefix SPARECYCLES_).
+
+    admin_token: the coordinator's admin token (creates runs, publishes versions and rounds).
+    redis_url: the Redis/Valkey holding the coordinator's result streams.
+    key_prefix: the coordinator's key prefix (its SPARECYCLES_KEY_PREFIX).
+    Raises pydantic.ValidationError when the token or the Redis URL is missing.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="SPARECYCLES_", extra="ignore")
+
+    admin_token: SecretStr = Field(min_length=1)
+    redis_url: str = Field(min_length=1, pattern=r"^(redis|rediss|unix)://")
+    key_prefix: str = Field(default="sc", pattern=r"^[A-Za-z0-9_-]{1,32}$")
+
+
+def active_workers(base: str, admin_token: str, timeout_s: float = 5.0) -> list[dict[str, Any]]:
+    """Active workers of the coordinator at `base` (every page of GET /v1/workers).
+
+    Raises FleetError for a refused token (401/403) or another error status; httpx.HTTPError when the
+    coordinator does not answer.
+    """
+    out: list[dict[str, Any]] = []
+    after = ""
+    while True:
+        r = httpx.get(f"{base}/v1/workers", params={"after": after, "limit": 1000} if after else {"limit": 1000},
+                      headers={"Authorization": f"Bearer {admin_token}"}, timeout=timeout_s)
+        if r.status_code in (401, 403):
+            raise FleetError(f"the coordinator at {base} refused the admin token ({r.status_code}); set "
+                             "SPARECYCLES_ADMIN_TOKEN to its admin token")
+        if r.status_code != 200:
+            raise FleetError(f"GET {base}/v1/workers answered {r.status_code}: {r.text[:200]}")
+        out.extend(w for w in r.json() if w.get("state") == "active")
+        after = r.headers.get("X-Next-After", "")
+        if not after:
+            return out
+
+
+def wait_for_workers(base: str, admin_token: str, n: int, wait_s: float, *,
+                     check: Callable[[], None] = lambda: None, log: Callable[[str], None] = lambda m: None,
+                     poll_s: float = 0.3) -> list[dict[str, Any]]:
+    """Wait up to `wait_s` seconds until `n` workers are active; returns them.
+
+    `check()` runs every poll (e.g. a supervisor raising when a child died); `log` gets one line when the
+    wait starts (so a user knows why nothing happens). Raises FleetError after `wait_s` seconds or on a
+    refused token; transient HTTP errors are retried until the deadline.
+    """
+    deadline = time.monotonic() + wait_s
+    said = False
+    while True:
+        check()
+        try:
+            workers = active_workers(base, admin_token)
+            if len(workers) >= n:
+                return workers
+        except httpx.HTTPError:
+            workers = []
+        if time.monotonic() >= deadline:
+            raise FleetError(f"{len(workers)} of {n} probe worker(s) active at {base} after {wait_s:.0f} s; start "
+                             "workers with `sparecycles worker --coordinator URL` (or raise --fleet-wait)")
+        if not said:
+            log(f"waiting up to {wait_s:.0f} s for {n} active probe worker(s) at {base} ({len(workers)} now)")
+            said = True
+        time.sleep(poll_s)
+
+
+class FleetStatus:
+    """Live fleet figures from the coordinator's /metrics: workers, probes/s, stale-result rate."""
+
+    def __init__(self, base: str) -> None:
+        self.base, self.t0, self.accepted0 = base, time.monotonic(), None
+        self.last: dict[str, float] = {}
+
+    def snapshot(self) -> dict[str, float]:
+        """Scrape once: active workers, tasks published, results by outcome, accepted results/s since start."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        # Only a 200 in Prometheus text is parsed: a 503 (an older coordinator while Redis is down)
+        # carries JSON, and any unparsable scrape keeps the last figures rather than ending the run.
+        try:
+            r = httpx.get(f"{self.base}/metrics", timeout=1.0)
+        except httpx.HTTPError:
+            return self.last
+        if r.status_code != 200 or not r.headers.get("content-type", "").startswith("text/plain"):
+            return self.last
+        snap: dict[str, float] = {"workers": 0.0, "tasks_published": 0.0}
+        try:
+            for fam in text_string_to_metric_families(r.text):
+                for s in fam.samples:
+                    if s.name == "sparecycles_workers" and s.labels.get("state") == "active":
+                        snap["workers"] += s.value
+                    elif s.name == "sparecycles_tasks_published_total":
+                        snap["tasks_published"] = s.value
+                    elif s.name == "sparecycles_intake_results_total":
+                        snap[f"results_{s.labels.get('outcome', '?')}"] = s.value
+        except ValueError:
+            return self.last
+        accepted = snap.get("results_accepted", 0.0)
+        if self.accepted0 is None:
+            self.accepted0, self.t0 = accepted, time.monotonic()
+        snap["seconds"] = time.monotonic() - self.t0
+        snap["probes_per_s"] = (accepted - self.accepted0) / max(1e-9, snap["seconds"])
+        total = sum(v for k, v in snap.items() if k.startswith("results_"))
+        snap["stale_fraction"] = snap.get("results_stale", 0.0) / total if total else 0.0
+        self.last = snap
+        return snap
+
+    def __call__(self) -> str:
+        s = self.last or self.snapshot()  # the step just taken scraped it (FleetFiguresMode)
+        if not s:
+            return "coordinator unreachable"
+        return (f"workers {s['workers']:.0f} | probes/s {s['probes_per_s']:.1f} | "
+                f"stale {100 * s['stale_fraction']:.1f}%")
+
+
+class FleetFiguresMode:
+    """A TrainMode (trainer.train) that adds the fleet's figures to every step's record, so probes/s, active
+    workers and results by outcome land in metrics.jsonl and the TensorBoard events: `fleet_<key>` for each key
+    of `FleetStatus.snapshot()` (one scrape of the coordinator's /metrics per step). Everything else is the
+    wrapped mode's."""
+
+    def __init__(self, mode, status: FleetStatus) -> None:
+        self.mode, self.status = mode, status
+
+    def __getattr__(self, name: str):
+        return getattr(self.mode, name)
+
+    def step(self, step: int, batch, lr: float) -> dict[str, float]:
+        stats = self.mode.step(step, batch, lr)
+        return {**stats, **{f"fleet_{k}": float(v) for k, v in self.status.snapshot().items()}}
+
+
+class SyncRounds:
+    """A ProbeBackend wrapper that makes curvature rounds synchronous: `collect()` first waits (up to
+    `timeout_s` seconds per round) for every round submitted since the last collect, then hands out
+    everything. A ZO-Curv run over the fleet then folds each round at the same step as in process, so its
+    losses equal the in-process run's bit for bit (the workers' forward passes being bit-identical); the
+    price is that the trainer waits for the fleet once per curvature interval. Everything else delegates.
+    """
+
+    def __init__(self, backend, timeout_s: float = 300.0) -> None:
+        self.backend, self.timeout_s = backend, timeout_s
+        self._pending: list[str] = []
+
+    def __getattr__(self, name: str):
+        return getattr(self.backend, name)
+
+    def __setattr__(self, name: str, value) -> None:  # forward_passes / snapshots are the backend's state
+        if name in ("backend", "timeout_s", "_pending"):
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.backend, name, value)
+
+    def submit(self, probe_round) -> None:
+        """Submit to the wrapped backend and remember the round."""
+        self.backend.submit(probe_round)
+        self._pending.append(probe_round.round_id)
+
+    def collect(self, round_id: str | None = None, timeout_s: float = 0.0):
+        """With a round id: the wrapped backend's collect. Without: wait for the pending rounds, then hand
+        out every result (trainer.zo.backend.Collected, counts summed over the calls)."""
+        from trainer.zo.backend import Collected
+
+        if round_id is not None:
+            return self.backend.collect(round_id, timeout_s)
+        parts = [self.backend.collect(r, self.timeout_s) for r in self._pending]
+        self._pending = []
+        parts.append(self.backend.collect())
+        counts: dict[str, int] = {}
+        for c in parts:
+            for k, v in c.counts.items():
+                counts[k] = counts.get(k, 0) + v
+        return Collected([r for c in parts for r in c.results], counts)
+
+
+@dataclass
+class Fleet:
+    """A coordinator this trainer attached to (see `attach`). `workers` is the number of active workers
+    seen at attach time (pure-ZO rounds split their seeds over that many tasks)."""
+
+    base: str
+    settings: FleetSettings
+    workers: int
+    status: FleetStatus
+    run_prefix: str = "train"
+    sync_rounds: bool = False
+
+    def mode_factory(self, cfg, model):
+        """trainer.train's `mode_factory`: the run's ZO mode (cfg.optimizer) with its probes on the fleet.
+
+        Raises ValueError for a first-order optimizer (nothing to probe) and CoordinatorHTTPError when the
+        coordinator refuses the run.
+        """
+        from coordinator.messages import RunSpec
+        from fleet.backend import CoordinatorBackend
+        from fleet.batch_wire import batch_kind_for_model, loss_for_kind
+        from trainer.zo.modes import build_zo_mode
+
+        pure = cfg.optimizer in PURE_ZO
+        lm = getattr(cfg, "task", "lm") != "sentiment"
+        # The workers build the model from the manifest (class + config + shards) and pick the loss and batch
+        # format from its class, exactly as the backend does here.
+        spec = RunSpec(run=f"{self.run_prefix}-{secrets.token_hex(4)}", model_class=type(model).__name__,
+                       model_preset=cfg.model if lm else None, staleness=cfg.staleness,
+                       **({"seeds_per_task": max(1, -(-cfg.probes // max(1, self.workers)))} if pure else {}))
+        backend = CoordinatorBackend(model, coordinator_url=self.base, admin_token=self.settings.admin_token
+                                     .get_secret_value(), redis_url=self.settings.redis_url, run=spec,
+                                     key_prefix=self.settings.key_prefix, history=0 if pure else 2)
+        if self.sync_rounds and not pure:  # pure-ZO steps wait for their probes anyway
+            backend = SyncRounds(backend)
+        loss_fn = loss_for_kind(batch_kind_for_model(type(model).__name__))
+        return FleetFiguresMode(build_zo_mode(cfg, model, loss_fn, backend=backend), self.status)
+
+
+def attach(url: str, *, settings: FleetSettings | None = None, wait_s: float = 120.0, min_workers: int = 1,
+           check: Callable[[], None] = lambda: None, log: Callable[[str], None] = lambda m: None,
+           run_prefix: str = "train", sync_rounds: bool = False) -> Fleet:
+    """Connect to the coordinator at `url` and wait for `min_workers` active workers (at most `wait_s` s).
+
+    `settings` default to the environment (FleetSettings); `sync_rounds` makes ZO-Curv rounds synchronous
+    (SyncRounds). Raises FleetError when the coordinator does not
+    answer /readyz (one bounded retry loop of `wait_s` seconds), refuses the admin token, or has too few
+    active workers after `wait_s` seconds; ValueError for a URL that is not http(s).
+    """
+    from pydantic import ValidationError
+
+    base = url.rstrip("/")
+    if not base.startswith(("http://", "https://")):
+        raise ValueError(f"--coordinator must be an http(s) URL, got {url!r}")
+    if settings is None:
+        try:
+            settings = FleetSettings()
+        except ValidationError as exc:
+            missing = ", ".join(f"SPARECYCLES_{str(e['loc'][0]).upper()}" for e in exc.errors())
+            raise FleetError(f"a fleet run needs {missing} in the environment (the coordinator's admin token "
+                             "and its Redis URL; never on the command line)") from None
+    deadline = time.monotonic() + wait_s
+    while True:
+        check()
+        try:
+            r = httpx.get(f"{base}/readyz", timeout=5.0)
+            if r.status_code == 200:
+                break
+            why = f"/readyz answered {r.status_code}"
+        except httpx.HTTPError as exc:
+            why = f"{type(exc).__name__}: {exc}"
+        if time.monotonic() >= deadline:
+            raise FleetError(f"the coordinator at {base} is not reachable or not ready after {wait_s:.0f} s ({why})")
+        time.sleep(0.5)
+    token = settings.admin_token.get_secret_value()
+    try:
+        active_workers(base, token)  # token check first: a refused token must not look like an empty fleet
+    except httpx.HTTPError as exc:
+        raise FleetError(f"the coordinator at {base} stopped answering: {exc}") from None
+    workers = wait_for_workers(base, token, min_workers, max(0.0, deadline - time.monotonic()), check=check, log=log)
+    return Fleet(base, settings, len(workers), FleetStatus(base), run_prefix, sync_rounds)
