@@ -1,0 +1,133 @@
+"""`sparecycles train --coordinator`: a trainer fed by a real coordinator, real Redis and a real worker process.
+
+The fleet-probed runs must log the same losses as the same runs probed in process, bit for bit (ZO-Curv with
+--fleet-sync, and a pure-ZO optimizer); the user-facing failures (no coordinator, wrong token, no worker, a
+first-order optimizer, missing credentials) exit 2 with a message that says what to do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+REDIS_URL = os.environ.get("SPARECYCLES_TEST_REDIS", "redis://127.0.0.1:6379/0")
+TINY = ["--preset", "demo", "--batch-size", "4", "--seq-len", "32", "--eval-every", "3", "--no-export",
+        "--no-progress"]
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cli(*args: str, env: dict[str, str], timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "sparecycles.cli", *args], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _losses(run_dir: Path) -> list[tuple[int, str, float]]:
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], k, r[k]) for r in recs for k in ("loss", "val_loss") if k in r]
+
+
+@pytest.fixture
+def coordinator(tmp_path):
+    """A coordinator process on the shared Redis (its own key prefix); yields (url, env for clients)."""
+    port = _port()
+    env = {**os.environ, "SPARECYCLES_REDIS_URL": REDIS_URL, "SPARECYCLES_ADMIN_TOKEN": secrets.token_urlsafe(24),
+           "SPARECYCLES_ENROLLMENT_TOKEN": secrets.token_urlsafe(24), "SPARECYCLES_BLOB_DIR": str(tmp_path / "blobs"),
+           "SPARECYCLES_KEY_PREFIX": f"tf{secrets.token_hex(4)}", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env.pop("SPARECYCLES_COORDINATOR_URL", None)
+    log = open(tmp_path / "coordinator.log", "wb")  # noqa: SIM115 (closed below)
+    proc = subprocess.Popen([sys.executable, "-m", "sparecycles.cli", "coordinator", "--port", str(port),
+                             "--log-level", "warning"], env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
+                break
+        assert proc.poll() is None, (tmp_path / "coordinator.log").read_text()
+        time.sleep(0.2)
+    workers: list[subprocess.Popen] = []
+    try:
+        yield url, env, workers
+    finally:
+        for p in [*workers, proc]:
+            p.terminate()
+        for p in [*workers, proc]:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        log.close()
+
+
+def _start_worker(url: str, env: dict[str, str], tmp_path: Path) -> subprocess.Popen:
+    log = open(tmp_path / "worker.log", "wb")  # noqa: SIM115 (the child holds it)
+    return subprocess.Popen([sys.executable, "-m", "sparecycles.cli", "worker", "--coordinator", url, "--name", "tf-0",
+                             "--threads", "1", "--cache-dir", str(tmp_path / "wcache")], env=env, stdout=log,
+                            stderr=subprocess.STDOUT)
+
+
+def test_train_coordinator_refuses_clearly_without_a_fleet(tmp_path):
+    env = {**os.environ, "SPARECYCLES_ADMIN_TOKEN": "x" * 24, "SPARECYCLES_REDIS_URL": REDIS_URL}
+    env.pop("SPARECYCLES_COORDINATOR_URL", None)
+    base = [*TINY, "--steps", "2", "--run-dir", str(tmp_path / "r")]
+    res = _cli("train", *base, "--optimizer", "zocurv-line", "--coordinator", f"http://127.0.0.1:{_port()}",
+               "--fleet-wait", "1", env=env)
+    assert res.returncode == 2 and "not reachable" in res.stderr, res.stderr[-2000:]
+    res = _cli("train", *base, "--optimizer", "adamw", "--coordinator", "http://127.0.0.1:1", env=env)
+    assert res.returncode == 2 and "takes no probes" in res.stderr, res.stderr[-2000:]
+    bare = {k: v for k, v in env.items() if k not in ("SPARECYCLES_ADMIN_TOKEN", "SPARECYCLES_REDIS_URL")}
+    res = _cli("train", *base, "--optimizer", "1.5spsa", env={**bare, "SPARECYCLES_COORDINATOR_URL": "http://127.0.0.1:1"})
+    assert res.returncode == 2 and "SPARECYCLES_ADMIN_TOKEN" in res.stderr, res.stderr[-2000:]
+    assert not (tmp_path / "r" / "metrics.jsonl").exists()  # nothing trained
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_train_coordinator_equals_in_process(coordinator, tmp_path):
+    url, env, workers = coordinator
+    zo = [*TINY, "--optimizer", "zocurv-line", "--steps", "6", "--curvature-interval", "2"]
+    # A wrong admin token and an empty fleet: exit 2 with the reason, before anything trains.
+    res = _cli("train", *zo, "--run-dir", str(tmp_path / "bad"), "--coordinator", url, "--fleet-wait", "2",
+               env={**env, "SPARECYCLES_ADMIN_TOKEN": "not-the-token-" + "y" * 16})
+    assert res.returncode == 2 and "refused the admin token" in res.stderr, res.stderr[-2000:]
+    res = _cli("train", *zo, "--run-dir", str(tmp_path / "bad"), "--coordinator", url, "--fleet-wait", "2", env=env)
+    assert res.returncode == 2 and "0 of 1 probe worker(s) active" in res.stderr, res.stderr[-2000:]
+
+    workers.append(_start_worker(url, env, tmp_path))
+    # ZO-Curv (zocurv-line, rounds at steps 2 and 4) through the fleet, rounds synchronous; then in process.
+    res = _cli("train", *zo, "--run-dir", str(tmp_path / "line-fleet"), "--coordinator", url, "--fleet-sync", env=env)
+    assert res.returncode == 0, res.stderr[-3000:] + (tmp_path / "worker.log").read_text()[-3000:]
+    assert "1 active worker(s)" in res.stderr
+    local = {k: v for k, v in env.items() if k not in ("SPARECYCLES_ADMIN_TOKEN", "SPARECYCLES_REDIS_URL")}
+    res = _cli("train", *zo, "--run-dir", str(tmp_path / "line-local"), env=local)
+    assert res.returncode == 0, res.stderr[-3000:]
+    fleet, inproc = _losses(tmp_path / "line-fleet"), _losses(tmp_path / "line-local")
+    assert fleet == inproc and len(fleet) == 6 + 3  # bit for bit (floats compared exactly)
+    recs = [json.loads(line) for line in (tmp_path / "line-fleet" / "metrics.jsonl").read_text().splitlines()]
+    assert max(r.get("fleet_results_accepted", 0) for r in recs) > 0  # the worker's results were accepted
+    folded = [r["step"] for r in recs if "curv_dropped_rounds" in r]
+    assert folded == [r["step"] for r in map(json.loads, (tmp_path / "line-local" / "metrics.jsonl")
+                                             .read_text().splitlines()) if "curv_dropped_rounds" in r] and folded
+
+    # A pure-ZO optimizer: every step's probes on the fleet (its update reaches the worker as a ledger entry).
+    zo_pure = [*TINY, "--optimizer", "1.5spsa", "--steps", "2", "--probes", "4"]
+    res = _cli("train", *zo_pure, "--run-dir", str(tmp_path / "spsa-fleet"), "--coordinator", url, env=env)
+    assert res.returncode == 0, res.stderr[-3000:] + (tmp_path / "worker.log").read_text()[-3000:]
+    res = _cli("train", *zo_pure, "--run-dir", str(tmp_path / "spsa-local"), env=local)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert _losses(tmp_path / "spsa-fleet") == _losses(tmp_path / "spsa-local")
