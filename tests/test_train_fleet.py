@@ -76,6 +76,8 @@ def coordinator(tmp_path):
 
 def _start_worker(url: str, env: dict[str, str], tmp_path: Path) -> subprocess.Popen:
     log = open(tmp_path / "worker.log", "wb")  # noqa: SIM115 (the child holds it)
+    # A worker holds the enrollment token only: its broker URL comes from registration.
+    env = {k: v for k, v in env.items() if k not in ("SPARECYCLES_REDIS_URL", "SPARECYCLES_ADMIN_TOKEN")}
     return subprocess.Popen([sys.executable, "-m", "sparecycles.cli", "worker", "--coordinator", url, "--name", "tf-0",
                              "--threads", "1", "--cache-dir", str(tmp_path / "wcache")], env=env, stdout=log,
                             stderr=subprocess.STDOUT)
