@@ -14,7 +14,7 @@ import typer
 
 
 def worker(
-    coordinator: Annotated[str, typer.Option("--coordinator", envvar="SPARECYCLES_COORDINATOR",
+    coordinator: Annotated[str, typer.Option("--coordinator", envvar=["SPARECYCLES_COORDINATOR_URL", "SPARECYCLES_COORDINATOR"],
                                              help="Coordinator base URL, e.g. http://10.0.0.5:8000")],
     token: Annotated[str, typer.Option("--token", envvar="SPARECYCLES_ENROLLMENT_TOKEN",
                                        help="Enrollment token (from the coordinator's operator)")],

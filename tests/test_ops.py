@@ -134,3 +134,46 @@ def test_prometheus_scrapes_a_live_coordinator(tmp_path):
             prom.wait(timeout=30)
     finally:
         gen.close()
+
+
+def _reads(command: list[str]) -> set[str]:
+    """The SPARECYCLES_* variables the `sparecycles` subcommand in `command` reads: its options' env vars, the
+    pydantic-settings fields it builds, the cache/runs roots every command reads, and `$${NAME}` in a shell line."""
+    import re
+
+    import typer.main
+
+    from coordinator.settings import CoordinatorSettings
+    from fleet.attach import FleetSettings
+    from sparecycles.cli import app
+
+    line = " ".join(command)
+    sub = re.search(r"\b(coordinator|train|worker)\b", line.split("sparecycles", 1)[-1] if "sparecycles" in line
+                    else line).group(1)
+    click_cmd = typer.main.get_command(app).commands[sub]
+    names = {"SPARECYCLES_CACHE", "SPARECYCLES_RUNS"}  # trainer/paths.py, coordinator/settings.py
+    for p in click_cmd.params:
+        envvars = p.envvar if isinstance(p.envvar, list | tuple) else [p.envvar] if p.envvar else []
+        names.update(envvars)
+    settings = {"coordinator": CoordinatorSettings, "train": FleetSettings}.get(sub)
+    if settings is not None:
+        names.update(f"SPARECYCLES_{f.upper()}" for f in settings.model_fields)
+    names.update(re.findall(r"\$\$?\{(SPARECYCLES_[A-Z_]+)", line))
+    return names
+
+
+def test_compose_passes_only_variables_its_programs_read():
+    """A deployment file is code: every SPARECYCLES_* variable a service gets is read by the program it runs
+    (a variable nobody reads is a setting that silently does nothing, like the trainer's coordinator URL was)."""
+    compose = yaml.safe_load((ROOT / "docker/compose.yml").read_text())
+    checked = 0
+    for name in ("coordinator", "trainer", "probe-worker"):
+        svc = compose["services"][name]
+        passed = {k for k in (svc.get("environment") or {}) if k.startswith("SPARECYCLES_")}
+        unread = passed - _reads(svc["command"])
+        assert not unread, f"compose passes {sorted(unread)} to {name}, which never reads them"
+        checked += len(passed)
+    assert checked >= 8
+    trainer = " ".join(compose["services"]["trainer"]["command"])
+    assert "--coordinator http://coordinator:8000" in trainer  # the compose trainer probes on the fleet
+    assert compose["services"]["trainer"]["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
