@@ -75,16 +75,29 @@ def bench_fleet(
     redis_url: Annotated[str, typer.Option(envvar="REDIS_URL", help="Redis (keys are namespaced)")]
     = "redis://127.0.0.1:6379/0",
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object")] = False,
+    device: Annotated[str, typer.Option(help="Workers' devices, round-robin: cpu, cuda:0 or cuda:1,cuda:2")] = "cpu",
 ) -> None:
-    """Probes per second with 1, 2, 4 CPU workers, and version publish -> every worker ready latency."""
+    """Probes per second with 1, 2, 4 workers (CPU or GPU), and version publish -> every worker ready latency."""
     from benchmarks.fleet import result_dict, run_fleet_bench
 
     try:
         counts = tuple(int(x) for x in workers.split(","))
     except ValueError:
         raise typer.BadParameter("use comma-separated integers, e.g. 1,2,4", param_hint="--workers") from None
+    from fleet.devices import place
+
+    devs = tuple(d.strip() for d in device.split(",") if d.strip())
+    try:
+        n_cuda = 0
+        if any(d.startswith("cuda") for d in devs):
+            import torch
+
+            n_cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        devs = place(device=None, worker_devices=",".join(devs), gpus=None, workers=1, n_cuda=n_cuda).workers
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--device") from None
     res = run_fleet_bench(redis_url, counts, preset, seeds, seeds_per_task, (batch_size, seq_len), threads,
-                          ready_preset)
+                          ready_preset, devs)
     if json_out:
         typer.echo(json.dumps(result_dict(res)))
         return

@@ -45,9 +45,10 @@ class FleetBenchResult:
 
 
 class _Fleet:
-    def __init__(self, redis_url: str, tmp: Path, threads: int) -> None:
+    def __init__(self, redis_url: str, tmp: Path, threads: int, devices: tuple[str, ...] = ("cpu",)) -> None:
         from api.server import free_port
 
+        self.devices = devices or ("cpu",)
         self.prefix = "bench" + secrets.token_hex(4)
         self.redis_url, self.tmp, self.threads = redis_url, tmp, threads
         self.admin_token, self.enroll_token = secrets.token_urlsafe(32), secrets.token_urlsafe(32)
@@ -82,11 +83,12 @@ class _Fleet:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "SPARECYCLES_CACHE": str(self.tmp / "cache")}
         names = [f"bench-{self.started + i}" for i in range(n)]
         self.started += n
-        for name in names:
+        for i, name in enumerate(names):
             log = open(self.tmp / f"{name}.log", "wb")  # noqa: SIM115 - the child owns it
+            device = self.devices[i % len(self.devices)]  # round-robin over the listed devices
             self.procs.append(subprocess.Popen(
                 [sys.executable, "-m", "probe_worker.cli", "--coordinator", self.url, "--token",
-                 self.enroll_token, "--name", name, "--threads", str(self.threads),
+                 self.enroll_token, "--name", name, "--threads", str(self.threads), "--device", device,
                  "--cache-dir", str(self.tmp / f"cache-{name}"), "--loglevel", "WARNING",
                  "--prefetch-interval", "0.2"], env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT))
         self.wait(lambda: all(self.info(nm) and self.info(nm)["last_heartbeat"] > self.info(nm)["registered_at"]
@@ -148,9 +150,11 @@ def _batch(b: int, t: int, vocab: int, seed: int) -> tuple[torch.Tensor, torch.T
 
 def run_fleet_bench(redis_url: str, worker_counts: tuple[int, ...] = (1, 2, 4), preset: str = "gpt2-tiny",
                     seeds: int = 32, seeds_per_task: int = 4, batch: tuple[int, int] = (4, 64),
-                    threads: int = 1, ready_preset: str = "gpt2-small") -> FleetBenchResult:
+                    threads: int = 1, ready_preset: str = "gpt2-small",
+                    devices: tuple[str, ...] = ("cpu",)) -> FleetBenchResult:
     """Measure probes/s for each worker count and publish -> ready latency of `ready_preset` weights.
 
+    Worker i runs on devices[i % len(devices)] (e.g. ("cuda:1", "cuda:2")); the publishing side stays on the CPU.
     Raises RuntimeError if a worker dies or a phase exceeds its (generous) time limit.
     """
     from trainer.models import build_model
@@ -158,7 +162,7 @@ def run_fleet_bench(redis_url: str, worker_counts: tuple[int, ...] = (1, 2, 4), 
 
     res = FleetBenchResult(preset, seeds, seeds_per_task, batch, threads, os.cpu_count() or 1)
     with tempfile.TemporaryDirectory(prefix="sparecycles-bench-") as tmp:
-        fleet = _Fleet(redis_url, Path(tmp), threads)
+        fleet = _Fleet(redis_url, Path(tmp), threads, devices)
         try:
             model = build_model(preset)
             xb = _batch(*batch, model.config.vocab_size, seed=0)

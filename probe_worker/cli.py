@@ -52,6 +52,11 @@ def worker(
         raise typer.BadParameter("--yield-gpu-util needs --device cuda:N", param_hint="--yield-gpu-util")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise typer.BadParameter(f"{device} requested but CUDA is not available", param_hint="--device")
+    if device.startswith("cuda"):
+        # fp32 weights (the trainer's published master values) are evaluated with TF32 matmuls, the precision
+        # the trainer itself trains at on CUDA (trainer.train); bf16 shards would round a one-step displacement
+        # (zocurv-line's probe direction) away. docs: README "A GPU fleet".
+        torch.set_float32_matmul_precision("high")
     opts = WorkerOptions(
         coordinator=coordinator, token=token, device=device, name=name, metrics_port=metrics_port,
         cache_dir=cache_dir, keep_versions=keep_versions, control_interval_s=control_interval,

@@ -63,6 +63,11 @@ def up(
     keep_blobs: bool = typer.Option(False, help="Keep the coordinator's weight blobs and Valkey files."),
     progress: bool = typer.Option(True, help="Show the live progress display."),
     export: bool = typer.Option(True, help="Export each finished model as a transformers folder RUN_DIR/<run>/export."),
+    device: str | None = typer.Option(None, help="The trainer's device (both runs): cpu (default) or cuda:N."),
+    worker_devices: str | None = typer.Option(None, help="One probe worker per listed device, e.g. cuda:1,cuda:2 "
+                                              "(replaces --workers)."),
+    gpus: str | None = typer.Option(None, help="auto: the trainer on the first GPU, a probe worker on each other "
+                                    "(one GPU: both share it)."),
 ) -> None:
     """Run everything on this machine: Valkey, coordinator, probe workers, trainer.
 
@@ -81,9 +86,14 @@ def up(
 
     signal.signal(signal.SIGTERM, _terminate)
     try:
-        plan = plan_up(preset=preset, optimizer=optimizer, workers=workers, steps=steps, run_dir=run_dir,
-                       curvature_interval=curvature_interval, task=task, probes=probes, batch_size=batch_size,
-                       seq_len=seq_len, overwrite=overwrite)
+        placement = _placement(device, worker_devices, gpus, workers)
+        if placement.note:
+            typer.echo(placement.note, err=True)
+        plan = plan_up(preset=preset, optimizer=optimizer, workers=len(placement.workers), steps=steps,
+                       run_dir=run_dir, curvature_interval=curvature_interval, task=task, probes=probes,
+                       batch_size=batch_size, seq_len=seq_len, overwrite=overwrite,
+                       device=None if placement.trainer == "cpu" else placement.trainer,
+                       worker_devices=placement.workers)
         summary = run_up(plan, progress=progress, keep_blobs=keep_blobs, export=export,
                          log=lambda m: typer.secho(m, fg=typer.colors.YELLOW if m.startswith("warning") else None,
                                                    err=True))
@@ -97,6 +107,18 @@ def up(
     disk = summary["disk_mb"]
     parts = ", ".join(f"{k} {v:.1f}" for k, v in disk.items() if k != "total" and v >= 0.1)
     typer.echo(f"{plan.out}: {disk['total']:.1f} MB on disk ({parts}); wall {summary['wall_s']:.0f} s", err=True)
+
+
+def _placement(device: str | None, worker_devices: str | None, gpus: str | None, workers: int):
+    """fleet.devices.place with the number of CUDA devices torch sees (torch imported only when asked)."""
+    from fleet.devices import place
+
+    n_cuda = 0
+    if any(x is not None and "cpu" not in x for x in (device, worker_devices, gpus)):
+        import torch
+
+        n_cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return place(device=device, worker_devices=worker_devices, gpus=gpus, workers=workers, n_cuda=n_cuda)
 
 
 @app.command("version")

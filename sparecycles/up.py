@@ -233,10 +233,14 @@ def _train_with_fleet(plan: UpPlan, progress: bool, log: Callable[[str], None],
             sup.start("coordinator", py + ["coordinator", "--port", str(port), "--log-level", "warning"], env)
             wait_ready(f"{base}/readyz", sup)
             log(f"coordinator {base} (Prometheus figures at {base}/metrics while `up` runs); logs in {sup.log_dir}")
-            for i in range(workers):
+            devices = plan.worker_devices or ("cpu",) * workers
+            for i, dev in enumerate(devices):
                 # The token travels in the environment (SPARECYCLES_ENROLLMENT_TOKEN), never in argv (ps).
+                # CPU workers take one thread each (two share the cores with the trainer); GPU workers the defaults.
+                extra = ["--threads", "1"] if dev == "cpu" else []
                 sup.start(f"worker-{i}", py + ["worker", "--coordinator", base, "--name", f"local-{i}",
-                                               "--threads", "1"], worker_env)
+                                               "--device", dev, *extra], worker_env)
+            log(f"probe workers on {', '.join(devices)}; forward at the published float32 weights")
             fleet = Fleet(base, FleetSettings(admin_token=admin, redis_url=redis_url, key_prefix=settings.key_prefix),
                           workers, FleetStatus(base), run_prefix="up")
             wait_for_workers(base, admin, workers, 120.0, check=sup.check)
@@ -317,6 +321,9 @@ def run_up(plan: UpPlan, *, progress: bool = True, keep_blobs: bool = False, exp
         "task": plan.task, "preset": plan.preset, "model": model_name, "corpus": data_name, "steps": steps,
         "workers": plan.workers, "optimizer": opt, "redis": redis_desc, "reused": reused,
         "adamw": _run_summary(out / "adamw"), opt: _run_summary(out / opt), "fleet": fleet,
+        "trainer_device": plan.zo_cfg.device, "worker_devices": list(plan.worker_devices or ("cpu",) * plan.workers),
+        "forward_dtype": "float32 (TF32 matmuls on CUDA)" if any(d.startswith("cuda") for d in plan.worker_devices)
+        else "float32",
         "warnings": list(plan.warnings), "wall_s": time.perf_counter() - t0, "plot": str(png),
         "logs": str(out / "logs"),
     }

@@ -37,6 +37,7 @@ class UpPlan:
     states: dict[str, Any]
     clear: bool
     warnings: tuple[str, ...]
+    worker_devices: tuple[str, ...] = ()  # one torch device per worker process (fleet.devices); () = cpu
 
     @property
     def settings(self) -> dict[str, dict]:
@@ -77,10 +78,11 @@ def _folder_diffs(out: Path, settings: dict[str, dict], states: dict) -> list[st
 def plan_up(*, preset: str = "demo", optimizer: str | None = None, workers: int = 2, steps: int | None = None,
             run_dir: Path | None = None, curvature_interval: int | None = None, task: str = "lm",
             probes: int | None = None, batch_size: int | None = None, seq_len: int | None = None,
-            overwrite: bool = False) -> UpPlan:
+            overwrite: bool = False, device: str | None = None, worker_devices: tuple[str, ...] = ()) -> UpPlan:
     """Validate every option of `up` and decide what happens to its run folder; starts and trains nothing.
 
-    The folder is `run_dir`, else `runs/up-<preset>-<optimizer>` plus a tag per setting that differs from
+    `device` is the trainer's torch device (both runs), `worker_devices` one device per worker process
+    (fleet.devices.place decides both). The folder is `run_dir`, else `runs/up-<preset>-<optimizer>` plus a tag per setting that differs from
     the preset's (`-steps5`, `-k4`, `-b8`, `-t16`, `-ci4`), so runs with other settings get other folders.
     Raises ValueError (message names the option) for an invalid option, or when the folder holds a run with
     other settings and `overwrite` is not set (the message lists the differences).
@@ -113,7 +115,7 @@ def plan_up(*, preset: str = "demo", optimizer: str | None = None, workers: int 
                          f"{', '.join(allowed)}")
     preset = "sentiment-demo" if sentiment and preset == "demo" else preset
     over = {"steps": steps, "curvature_interval": curvature_interval, "task": task, "probes": probes,
-            "batch_size": batch_size, "seq_len": seq_len}
+            "batch_size": batch_size, "seq_len": seq_len, "device": device}
     try:
         if not sentiment:
             # A fleet answers a round while the trainer moves on; versions advance with steps, so the staleness
@@ -134,7 +136,7 @@ def plan_up(*, preset: str = "demo", optimizer: str | None = None, workers: int 
     zo_cfg = zo_cfg.model_copy(update={"run_dir": out / optimizer})
     states = {"adamw": folder_state(out / "adamw", base_cfg), optimizer: folder_state(out / optimizer, zo_cfg)}
     plan = UpPlan(task, preset, optimizer, workers, out, base_cfg, zo_cfg, states, False,
-                  tuple(w for w in [no_probe_round_warning(zo_cfg)] if w))
+                  tuple(w for w in [no_probe_round_warning(zo_cfg)] if w), tuple(worker_devices))
     diffs = _folder_diffs(out, plan.settings, states)
     if diffs and not overwrite:
         raise ValueError(f"{out} holds a run with other settings ({'; '.join(diffs)}); nothing was changed. "
