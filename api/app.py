@@ -16,7 +16,7 @@ import gc
 import inspect
 import logging
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import redis
 from fastapi import FastAPI, Request
@@ -70,9 +70,10 @@ def _with_body_schemas(schema: dict, *models: type[BaseModel]) -> dict:
     return schema
 
 
-async def _wait_for_redis(client: AsyncRedis, n: int) -> None:
+async def _wait_for_redis(client: AsyncRedis, n: int, restore: Callable[[], int] | None = None) -> None:
     """Wait until Redis answers (exponential backoff up to 5 s, one log line per attempt, no traceback),
-    then open `n` pooled connections. Runs beside the server: /readyz answers 503 meanwhile."""
+    then open `n` pooled connections and run `restore` (re-creating lost broker users). Runs beside the
+    server: /readyz answers 503 meanwhile."""
 
     def note(state: RetryCallState) -> None:
         log.warning("waiting for Redis: %s; /readyz is 503 until it answers", state.outcome.exception())
@@ -85,6 +86,10 @@ async def _wait_for_redis(client: AsyncRedis, n: int) -> None:
         with attempt:
             await asyncio.wait_for(client.ping(), timeout=5.0)
     await _open_pool(client, n)
+    if restore is not None:  # Redis may have restarted while the coordinator was down
+        restored = await asyncio.to_thread(restore)
+        if restored:
+            log.warning("re-created %d workers' broker users the broker had lost", restored)
 
 
 async def _open_pool(client: AsyncRedis, n: int) -> None:
@@ -105,7 +110,15 @@ def create_app(
     intake = Intake(store, metrics)
     watch = RoundWatch(store)
 
+    redis_run_id: list[str] = []
+
     def reap_and_watch() -> None:
+        if store.broker_acl is not None:
+            # A restarted broker forgot the workers' ACL users (created at run time, not in its AOF).
+            run_id = store.broker_acl.server_run_id()
+            if redis_run_id and run_id != redis_run_id[0]:
+                log.warning("the broker restarted: %d broker users re-created", store.restore_broker_users())
+            redis_run_id[:] = [run_id]
         lost = store.reap_expired()
         metrics.lost.inc(len(lost))
         if lost:
@@ -136,7 +149,9 @@ def create_app(
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         # Serving starts at once; until Redis answers, /readyz is 503 and state calls 503 with Retry-After.
         tasks = [
-            asyncio.create_task(_wait_for_redis(aredis(), WARM_REDIS_CONNECTIONS)),
+            asyncio.create_task(
+                _wait_for_redis(aredis(), WARM_REDIS_CONNECTIONS, store.restore_broker_users)
+            ),
             asyncio.create_task(reaper()),
         ]
         try:

@@ -14,13 +14,17 @@ user may touch only:
 
 with the command set `+@all -@admin -@dangerous` (no ACL, CONFIG, KEYS, FLUSHALL, DEBUG, ...).
 Quarantine and expiry disable the user (`ACL SETUSER off` and its open connections killed); deletion
-removes it. Redis 6+/Valkey ACLs; the coordinator's own connection must be allowed `ACL` (the default
+removes it. Passwords are derived from a coordinator secret (`worker_password`), so after a Redis
+restart, which forgets users created at run time, `restore` re-creates the users of the workers that are
+neither quarantined nor deleted (the coordinator does so when Redis comes back). Redis 6+/Valkey ACLs; the coordinator's own connection must be allowed `ACL` (the default
 user is).
 """
 
 from __future__ import annotations
 
-import secrets
+import base64
+import hashlib
+import hmac
 from urllib.parse import quote, urlsplit, urlunsplit
 
 import redis
@@ -56,18 +60,44 @@ def with_credentials(url: str, user: str, password: str) -> str:
     return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
 
 
-class BrokerAcl:
-    """Creates, disables and deletes the workers' broker users on the broker Redis at `admin_url`."""
+def worker_password(secret: bytes, wid: str) -> str:
+    """The broker password of worker `wid`: HMAC-SHA256(secret, "broker-user:" + wid), URL-safe base64.
 
-    def __init__(self, admin_url: str, queue_prefix: str) -> None:
-        self.admin_url, self.queue_prefix = admin_url, queue_prefix
+    Derived rather than drawn, so the coordinator can re-create the users after a Redis restart (ACL users
+    created at run time are not in the append-only file) without storing any password.
+    """
+    mac = hmac.new(secret, f"broker-user:{wid}".encode(), hashlib.sha256).digest()
+    return base64.urlsafe_b64encode(mac).decode().rstrip("=")
+
+
+class BrokerAcl:
+    """Creates, disables and deletes the workers' broker users on the broker Redis at `admin_url`.
+
+    `secret` (bytes) keys the password derivation (`worker_password`); the coordinator passes its admin
+    token, so rotating that token rotates every worker's broker password at the next `restore`.
+    """
+
+    def __init__(self, admin_url: str, queue_prefix: str, secret: bytes) -> None:
+        self.admin_url, self.queue_prefix, self._secret = admin_url, queue_prefix, secret
         self.r = redis.Redis.from_url(admin_url, decode_responses=True, **redis_client_kwargs())
 
     def create(self, wid: str) -> str:
         """Create (or reset) the user `wid`; return the broker URL the worker must use."""
-        password = secrets.token_urlsafe(32)
+        password = worker_password(self._secret, wid)
         self.r.execute_command("ACL", "SETUSER", wid, *worker_acl_rules(self.queue_prefix, password))
         return with_credentials(self.admin_url, wid, password)
+
+    def server_run_id(self) -> str:
+        """The broker server's run id (changes with every restart)."""
+        return str(self.r.info("server")["run_id"])
+
+    def restore(self, wids: list[str]) -> int:
+        """Re-create the users of `wids` that the broker lost (a restart); return how many were missing."""
+        have = set(self.r.execute_command("ACL", "USERS"))
+        missing = [w for w in wids if w not in have]
+        for wid in missing:
+            self.create(wid)
+        return len(missing)
 
     def disable(self, wid: str) -> None:
         """Refuse the user's logins and close its open connections (quarantine, expiry)."""

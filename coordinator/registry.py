@@ -75,7 +75,20 @@ class WorkerRegistry:
         """The workers' broker users (`settings.broker_acl`), or None when workers share the broker URL."""
         if not self.settings.broker_acl:
             return None
-        return BrokerAcl(self.settings.worker_broker_url, self.settings.queue_prefix)
+        secret = self.settings.admin_token.get_secret_value().encode()
+        return BrokerAcl(self.settings.worker_broker_url, self.settings.queue_prefix, secret)
+
+    def restore_broker_users(self) -> int:
+        """Re-create the broker users a restarted Redis forgot (workers not quarantined); returns how many.
+        A no-op without `settings.broker_acl`."""
+        if self.broker_acl is None:
+            return 0
+        wids = sorted(self.r.smembers(self.k_workers))
+        pipe = self.r.pipeline(transaction=False)
+        for wid in wids:
+            pipe.hget(self.k_worker(wid), "state")
+        keep = [w for w, st in zip(wids, pipe.execute()) if st is not None and st != "quarantined"]
+        return self.broker_acl.restore(keep)
 
     def k_enrolled(self, token_id: str) -> str:
         """Set of the workers enrolled with the enrollment token `token_id` (sha256 prefix)."""

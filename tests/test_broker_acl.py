@@ -8,6 +8,7 @@ transport (the transport its Celery worker uses) with the credentials registrati
 from __future__ import annotations
 
 import secrets
+import time
 
 import httpx
 import pytest
@@ -128,7 +129,8 @@ def test_quarantined_worker_cannot_touch_registry_keys(fleet):
 
 @pytest.mark.slow
 def test_real_worker_process_runs_rounds_with_its_own_broker_user(tmp_path):
-    """A probe-worker process (Celery) evaluates a round with only its ACL user's rights."""
+    """A probe-worker process (Celery) evaluates rounds with only its ACL user's rights, also across an
+    8 s broker outage with a Redis restart (issue 14 case 5 end to end)."""
     from test_worker_fleet import Fleet, make_batch, tiny_model
 
     from coordinator.messages import RunSpec
@@ -167,6 +169,18 @@ def test_real_worker_process_runs_rounds_with_its_own_broker_user(tmp_path):
         be.submit(RoundSpec("acl-0", 0, make_batch(2, 8, seed=1), eps=1e-2, seeds=seeds, dist="rademacher"))
         got = be.collect("acl-0").results
         assert sorted(r.seed for r in got) == list(seeds) and {r.worker for r in got} == {wid}
+
+        # an 8 s broker outage mid-run, Redis restarted (which forgets ACL users created at run time):
+        # the coordinator re-creates the worker's user, the worker reconnects, the trainer's round ends
+        seeds = tuple(range(200, 212))
+        be.submit(RoundSpec("acl-1", 0, make_batch(2, 8, seed=2), eps=1e-2, seeds=seeds, dist="rademacher"))
+        v.stop()
+        time.sleep(8.0)  # the outage lasts this long (not an assertion on timing)
+        v.start()
+        got = be.collect("acl-1").results
+        assert sorted(r.seed for r in got) == list(seeds) and {r.worker for r in got} == {wid}
+        assert redis.Redis.from_url(v.url, decode_responses=True).acl_getuser(wid)["enabled"]
+        assert "the broker restarted: 1 broker users re-created" in (tmp_path / "coordinator.log").read_text()
         be.close()
         log = (tmp_path / "a.log").read_text()
         assert "NOPERM" not in log and "No permissions" not in log
