@@ -73,7 +73,8 @@ class _Fleet:
 
     def _ready(self) -> bool:
         if self.coord.poll() is not None:
-            raise RuntimeError(f"the coordinator exited; see {self.tmp / 'coordinator.log'}")
+            tail = (self.tmp / "coordinator.log").read_text(errors="replace")[-2000:]
+            raise RuntimeError(f"the coordinator exited; its log ends:\n{tail}")
         try:
             return self.admin.get("/readyz").status_code == 200
         except httpx.TransportError:

