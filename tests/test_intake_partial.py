@@ -13,9 +13,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from test_coordinator_fixtures import Env, result, running_env
 
+from coordinator.client import CoordinatorClient
 from coordinator.messages import ProbeResult, ResultBatch, non_finite_result
 from coordinator.stream import ResultStreamReader
-from coordinator.client import CoordinatorClient
 
 
 def metric_samples(env: Env) -> dict[tuple[str, tuple], float]:
