@@ -108,6 +108,10 @@ def _loss_panels(full, zoom, runs: dict[str, list[dict[str, Any]]], colors: list
 
 def _save(fig, path: Path) -> Path:
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    for ax in fig.axes:  # steps are whole numbers, also on a short zoom
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
