@@ -5,7 +5,8 @@ a host paused): the broker redelivers it only after the visibility timeout (an h
 coordinator watches each open round's progress (its `done` counter, polled by the reaper loop) and
 learns how long the gaps between progress steps usually are. When a round with outstanding seeds has
 made no progress for longer than its deadline, while the run's queue is empty (every task was taken:
-the remaining ones sit with a worker), its outstanding seeds are published again. An idle worker takes
+the remaining ones sit with a worker) and some active worker reports itself idle (heartbeat `busy`
+false), its outstanding seeds are published again. An idle worker takes
 them; the first result wins, because intake already drops a second result of a seed as a duplicate.
 
 deadline = max(`speculate_min_s`, `speculate_factor` x quantile `speculate_quantile` of the last 256
@@ -77,7 +78,7 @@ class RoundWatch:
             pipe = st.r.pipeline(transaction=False)
             for rid in rids:
                 pipe.hmget(st.k_round(run, rid), ["done", "n_seeds", "created_at", "state"])
-            queue_empty = None
+            can_reissue = None
             for rid, (done, n_seeds, created, state) in zip(rids, pipe.execute()):
                 if done is None or state != "open":
                     continue
@@ -91,9 +92,9 @@ class RoundWatch:
                     self._last[key] = prev = (done, now)
                 if done >= int(n_seeds) or (not lost and now - prev[1] <= self.deadline(run)):
                     continue
-                if queue_empty is None:
-                    queue_empty = st.broker_queue_length(run) == 0
-                if queue_empty:
+                if can_reissue is None:
+                    can_reissue = st.broker_queue_length(run) == 0 and st.idle_workers() > 0
+                if can_reissue:
                     n = self._reissue(run, rid)
                     if n:
                         reissued.append((run, rid, n))

@@ -284,6 +284,14 @@ class WorkerRegistry:
         more = page and ids[-1] > page[-1]
         return out, (page[-1] if more else None)
 
+    def idle_workers(self) -> int:
+        """Active workers whose last heartbeat said they were not busy."""
+        wids = list(self.r.smembers(self.k_workers))
+        pipe = self.r.pipeline(transaction=False)
+        for wid in wids:
+            pipe.hmget(self.k_worker(wid), ["state", "busy"])
+        return sum(1 for state, busy in pipe.execute() if state == "active" and busy == "0")
+
     def worker_state_counts(self) -> dict[str, int]:
         """Number of workers per state (for the `sparecycles_workers` gauge)."""
         counts = {"active": 0, "draining": 0, "lost": 0, "quarantined": 0}

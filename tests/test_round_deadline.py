@@ -73,6 +73,10 @@ def test_quiet_round_is_reissued(env: Env):
     assert _gauge(env, "sparecycles_queue_depth", "d") == 0
     assert _gauge(env, "sparecycles_outstanding_seeds", "d") == 2
     assert watch.tick(t0 + 1.9) == []  # 1.4 s quiet: within the deadline
+    busy = w.post(f"/v1/workers/{reg['worker_id']}/heartbeat", json={"busy": True})
+    assert busy.status_code == 200
+    assert watch.tick(t0 + 2.05) == []  # past the deadline, but no worker is idle to take a copy
+    w.post(f"/v1/workers/{reg['worker_id']}/heartbeat", json={"busy": False})
     assert watch.tick(t0 + 2.1) == [("d", "r0", 1)]  # 1.6 s quiet: re-issued, seeds 5 and 6 only
     assert [m["kwargs"]["seeds"] for m in env.queue_messages("d")] == [[5, 6]]
     assert watch.tick(t0 + 2.2) == []  # the queue is not empty: an idle worker will take it
