@@ -245,12 +245,15 @@ def memory(
         json_out.write_text(json.dumps(res, indent=2))
 
 
-bench_app.command("kernels")(kernels_cli.bench_kernels)
-bench_app.command("probe")(kernels_cli.bench_probe)
-bench_app.command("intake")(bench_intake)
-bench_app.command("fleet")(bench_fleet)
-bench_app.command("zo")(bench_zo)
-bench_app.add_typer(headline_app, name="headline")
+# short_help: the one-line summaries `sparecycles bench --help` lists, whole at 80 columns.
+bench_app.command("kernels", short_help="Fused perturb/replay kernels vs copy bandwidth.")(
+    kernels_cli.bench_kernels)
+bench_app.command("probe", short_help="One probe worker's speed on one GPU.")(kernels_cli.bench_probe)
+bench_app.command("intake", short_help="Coordinator intake: results/s and latency.")(bench_intake)
+bench_app.command("fleet", short_help="Fleet probes/s with 1, 2, 4 workers; publish time.")(bench_fleet)
+bench_app.command("zo", short_help="ZO-Curv and pure-ZO benchmarks on real data.")(bench_zo)
+bench_app.add_typer(headline_app, name="headline",
+                    short_help="Headline benchmarks: pretraining report, memory scan.")
 
 if __name__ == "__main__":
     bench_app()

@@ -37,7 +37,8 @@ def _attach(url: str, **kw):
 trainer_cli.FLEET_ATTACH = _attach  # `train --coordinator`: the top layer hands the trainer its fleet
 app.add_typer(trainer_cli.data_app, name="data")
 app.command("train", short_help="Train one model in this process; write its run folder.")(trainer_cli.train)
-app.command("export")(export_cli.export)
+app.command("export", short_help="Export a finished run's model as a transformers folder.")(
+    export_cli.export)
 app.add_typer(bench_app, name="bench")
 app.command("coordinator")(api_cli.coordinator)
 app.command("worker", short_help="Join a coordinator and evaluate its probe tasks.")(worker_cli.worker)

@@ -36,3 +36,19 @@ def test_bad_input_is_a_clear_error_not_a_traceback(tmp_path):
     assert res.returncode == 2 and "lr" in res.stderr
     res = _cli("train", "--optimizer", "sgd", "--run-dir", str(tmp_path / "r3"))
     assert res.returncode == 2 and "optimizer" in res.stderr
+
+
+def test_help_is_whole_at_80_columns():
+    """Every line fits 80 columns, nothing is cut with an ellipsis (env-var names of `worker` included)."""
+    import os
+
+    env = {**os.environ, "COLUMNS": "80"}
+    for cmd in ([], ["up"], ["train"], ["worker"], ["bench"]):
+        res = subprocess.run([sys.executable, "-m", "sparecycles.cli", *cmd, "--help"], capture_output=True,
+                             text=True, timeout=300, env=env)
+        assert res.returncode == 0, res.stderr
+        lines = res.stdout.splitlines()
+        cut = [line for line in lines if line.rstrip().endswith(("...", "…")) and "Usage:" not in line]
+        assert max(map(len, lines)) <= 80 and not cut, (cmd, cut, res.stdout)
+        if cmd == ["worker"]:
+            assert "SPARECYCLES_ENROLLMENT_TOKEN" in res.stdout
