@@ -54,7 +54,7 @@ class _Fleet:
         self.admin_token, self.enroll_token = secrets.token_urlsafe(32), secrets.token_urlsafe(32)
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "SPARECYCLES_REDIS_URL": redis_url,
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])), "SPARECYCLES_REDIS_URL": redis_url,
                "SPARECYCLES_KEY_PREFIX": self.prefix, "SPARECYCLES_QUEUE_PREFIX": f"{self.prefix}.probe",
                "SPARECYCLES_ADMIN_TOKEN": self.admin_token, "SPARECYCLES_ENROLLMENT_TOKEN": self.enroll_token,
                "SPARECYCLES_BLOB_DIR": str(tmp / "blobs"), "SPARECYCLES_VISIBILITY_TIMEOUT_S": "900"}
@@ -81,7 +81,7 @@ class _Fleet:
             return False
 
     def start_workers(self, n: int) -> list[str]:
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "SPARECYCLES_CACHE": str(self.tmp / "cache")}
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])), "SPARECYCLES_CACHE": str(self.tmp / "cache")}
         names = [f"bench-{self.started + i}" for i in range(n)]
         self.started += n
         for i, name in enumerate(names):
