@@ -5,7 +5,8 @@ Per GPT-2 preset (bf16, sdpa attention, random weights from a fixed seed, tokens
 - whole-model eager: `WholeModelEvaluator(compile=False)`; its losses must equal the reference's bit for bit;
 - fast: `WholeModelEvaluator` compiled (optionally CUDA graphs): compile seconds, the clean forward of the
   compiled model, one probe end to end (perturb launch + forward + loss + the host read of the float),
-  probes/s (one perturbed forward + loss each), forward MFU against a measured 8192^3 bf16 matmul, parity
+  probes/s (one perturbed forward + loss each), the same pipelined as a worker runs a task (4 seeds x +-
+  queued, one wait) against 8 queued clean forwards, forward MFU against a measured 8192^3 bf16 matmul, parity
   against the reference on `parity_seeds` seeds (max |dL|, max |d(L+ - L-)|), and determinism (the same
   seeds again, and in a second process when `child` is set).
 Times are medians of `triton.testing.do_bench` (CUDA events). Needs a CUDA device.
@@ -104,6 +105,14 @@ def bench_one(preset: str, batch: int, seq_len: int, parity_seeds: int, cuda_gra
     ms["fast_clean_forward_again"] = _ms(lambda: fast.forward_loss(b), rep=2000)
     plan = fast._plan(as_dist("gauss8"))
     ms["fast_perturb_only"] = _ms(lambda: plan.perturb(11, eps))
+    try:  # a task's probes pipelined (WholeModelEvaluator.losses: one wait per 4 seeds x +-), as the worker runs them
+        ms["fast_probe_pipelined"] = _ms(lambda: fast.losses(b, [11, 12, 13, 14], eps), rep=2000) / 8
+        ms["fast_clean_pipelined"] = _ms(lambda: torch.stack([fast._launch(b) for _ in range(8)]).tolist(),
+                                         rep=2000) / 8
+        res["overhead_pipelined"] = ms["fast_probe_pipelined"] / ms["fast_clean_pipelined"] - 1
+        res["probes_per_s_pipelined"] = 1e3 / ms["fast_probe_pipelined"]
+    except Exception as exc:  # noqa: BLE001 - the per-call figures above still count
+        res["pipelined_error"] = repr(exc)[:1000]
     vals = [(fast.loss(b, s, eps), fast.loss(b, s, -eps)) for s in seeds]
     again = [(fast.loss(b, s, eps), fast.loss(b, s, -eps)) for s in seeds[:10]]
     res["parity_fast"] = {**_parity(ref_vals, vals), "l0_abs": abs(l0 - ref_l0)}

@@ -28,6 +28,7 @@ import torch
 from kernels.dist import ProbeDist, as_dist
 from kernels.evaluator import ProbeEvaluator, canonical_offsets
 from kernels.ops import ModelPlan
+from kernels.philox import check_seed
 
 log = logging.getLogger("sparecycles.kernels")
 
@@ -244,9 +245,14 @@ class WholeModelEvaluator:
         return self._call(batch)
 
     def _call(self, batch) -> float:
+        return float(self._launch(batch))
+
+    def _launch(self, batch) -> torch.Tensor:
+        """The loss as a 0-dim tensor, not waited for (a CUDA-graph output is cloned before the next replay)."""
         if self.cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()
-        return float(self._forward(batch))
+            return self._forward(batch).detach().clone()
+        return self._forward(batch).detach()
 
     @torch.no_grad()
     def loss(self, batch, seed: int | None = None, alpha: float = 0.0,
@@ -266,10 +272,39 @@ class WholeModelEvaluator:
         """L0 = L(theta; batch), through the same forward as the probes."""
         return self.loss(batch)
 
+    @torch.no_grad()
     def losses(self, batch, seeds: Sequence[int], alpha: float,
                dist: ProbeDist | str = ProbeDist.GAUSS8) -> list[tuple[float, float]]:
-        """[(L(theta + alpha z_s), L(theta - alpha z_s)) for s in seeds] on one shared batch."""
-        return [(self.loss(batch, s, alpha, dist), self.loss(batch, s, -alpha, dist)) for s in seeds]
+        """[(L(theta + alpha z_s), L(theta - alpha z_s)) for s in seeds] on one shared batch.
+
+        Pipelined: every perturb launch and forward is queued and the losses are read once at the end, so the
+        host's per-probe work hides behind the GPU's. The same kernels run in the same order as with `loss`, so
+        the values are the same bits. Raises like `loss`, before anything is launched for a bad seed."""
+        dist = as_dist(dist)
+        seeds = list(seeds)
+        if not seeds:
+            return []
+        if alpha == 0.0:
+            l0 = self.loss(batch)
+            return [(l0, l0) for _ in seeds]
+        plan = self._plan(dist)
+        for s in seeds:
+            check_seed(s)
+        out: list[float | torch.Tensor] = []
+        first = self.compiled and self.compile_seconds is None
+        for s in seeds:
+            for a in (float(alpha), -float(alpha)):
+                plan.perturb(s, a)
+                self._state = None
+                if first:  # the first call compiles (and may fall back to eager): through forward_loss
+                    out.append(self.forward_loss(batch))
+                    first = False
+                else:
+                    out.append(self._launch(batch))
+        queued = [t for t in out if isinstance(t, torch.Tensor)]
+        read = iter(torch.stack([t.float() for t in queued]).tolist() if queued else [])  # the one wait
+        vals = [v if isinstance(v, float) else next(read) for v in out]
+        return [(vals[2 * i], vals[2 * i + 1]) for i in range(len(seeds))]
 
     @torch.no_grad()
     def loss_swapped(self, batch, new: dict[int, torch.Tensor] | None) -> float:

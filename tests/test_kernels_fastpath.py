@@ -139,3 +139,17 @@ def test_padded_head_and_eager_masks_keep_the_losses():
     m1 = tiny(seed=1)
     assert fast.rebind(m1)
     assert abs(fast.loss(b, 2, 1e-2) - ProbeEvaluator(m1, lm_loss).loss(b, 2, 1e-2)) <= 1e-5 * 5
+
+
+def test_pipelined_losses_are_the_per_call_bits():
+    torch.set_num_threads(1)
+    model, b = tiny(torch.bfloat16), batch(6)
+    fast = WholeModelEvaluator(model, lm_loss, compile=False)
+    seeds = [0, 7, 2**64 - 1]
+    want = [(fast.loss(b, s, 1e-2, "rademacher"), fast.loss(b, s, -1e-2, "rademacher")) for s in seeds]
+    assert fast.losses(b, seeds, 1e-2, "rademacher") == want
+    assert fast.losses(b, [], 1e-2) == [] and fast.losses(b, [3], 0.0) == [(fast.clean_loss(b),) * 2]
+    assert fast.clean_loss(b) == ProbeEvaluator(model, lm_loss).clean_loss(b)  # the scratch was reset
+    for bad in ([1.5], [-1], [2**64]):
+        with pytest.raises((TypeError, ValueError)):
+            fast.losses(b, bad, 1e-2)
