@@ -271,6 +271,19 @@ def _train_with_fleet(plan: UpPlan, progress: bool, log: Callable[[str], None],
         sup.stop_all()
 
 
+def unfolded_warning(optimizer: str, records: list[dict]) -> str | None:
+    """The warning for a ZO-Curv run whose probe rounds were sent but none completed before a refresh could fold
+    it (its refresh records never carry the curvature estimate, `curv_median`): the fleet answered slower than
+    the curvature interval, so the run equals AdamW. None otherwise (or for optimizers without rounds)."""
+    refreshes = [r for r in records if "curv_pending_rounds" in r]
+    if not refreshes or any("curv_median" in r for r in refreshes):
+        return None
+    pending = int(refreshes[-1]["curv_pending_rounds"])
+    return (f"{optimizer} sent {len(refreshes)} probe round(s) but none completed before the next refresh "
+            f"({pending} still pending at the last one): the fleet answered slower than --curvature-interval "
+            "steps of the trainer, so this run equals AdamW. Use more --workers or a larger --curvature-interval.")
+
+
 def _plot(plan: UpPlan, title: str) -> Path:
     from trainer.report import plot_accuracy_and_loss, plot_loss_curves, read_metrics
 
@@ -318,6 +331,11 @@ def run_up(plan: UpPlan, *, progress: bool = True, keep_blobs: bool = False, exp
     model_name, data_name = ("minilm-l6", "sentiment") if sentiment else (plan.zo_cfg.model, plan.zo_cfg.corpus)
     steps = plan.zo_cfg.steps
     png = _plot(plan, f"{model_name} on {data_name}: {opt} (fleet of {plan.workers}) vs AdamW, {steps} steps")
+    from trainer.report import read_metrics
+
+    late = unfolded_warning(opt, read_metrics(out / opt / "metrics.jsonl"))
+    if late:
+        log(f"warning: {late}")
     if not keep_blobs:  # a finished run never reads them again; a resumed one publishes afresh
         for name in ("blobs", "valkey"):
             shutil.rmtree(out / name, ignore_errors=True)
@@ -328,7 +346,7 @@ def run_up(plan: UpPlan, *, progress: bool = True, keep_blobs: bool = False, exp
         "trainer_device": plan.zo_cfg.device, "worker_devices": list(plan.worker_devices or ("cpu",) * plan.workers),
         "forward_dtype": "float32 (TF32 matmuls on CUDA)" if any(d.startswith("cuda") for d in plan.worker_devices)
         else "float32",
-        "warnings": list(plan.warnings), "wall_s": time.perf_counter() - t0, "plot": str(png),
+        "warnings": [*plan.warnings, *([late] if late else [])], "wall_s": time.perf_counter() - t0, "plot": str(png),
         "logs": str(out / "logs"),
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))

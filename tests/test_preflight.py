@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from sparecycles.up import UP_SETTINGS, plan_up, sum_fleet
+from sparecycles.up import UP_SETTINGS, plan_up, sum_fleet, unfolded_warning
 from trainer import preflight
 from trainer.config import resolve_preset
 from trainer.preflight import folder_state, probe_rounds, run_settings
@@ -136,3 +136,13 @@ def test_fleet_figures_of_a_resumed_run_add_up_its_parts():
     assert (s["workers"], s["tasks_published"], s["results_accepted"], s["results_held"]) == (2.0, 14.0, 42.0, 4.0)
     assert s["probes_per_s"] == pytest.approx((30 + 12) / 40) and s["stale_fraction"] == pytest.approx(2 / 48)
     assert s["parts"] == 2
+
+
+def test_a_zocurv_run_whose_rounds_never_completed_is_flagged():
+    sent = {"curv_accepted": 48.0, "curv_pending_rounds": 2.0}  # refresh records of a slow fleet (measured)
+    slow = [{"step": 5, "loss": 9.0, **sent}, {"step": 9, "loss": 8.0, **sent}]
+    assert "none completed" in unfolded_warning("zocurv-line", slow) and "2 still pending" in unfolded_warning(
+        "zocurv-line", slow)
+    folded = slow + [{"step": 13, "loss": 7.0, **sent, "curv_median": 0.1}]
+    assert unfolded_warning("zocurv-line", folded) is None
+    assert unfolded_warning("1.5spsa", [{"step": 1, "loss": 0.69}]) is None
