@@ -1,12 +1,16 @@
-"""Collection on machines without the service stack (the GPU image has torch but no Celery, FastAPI, Redis
-or valkey): a test module that cannot be imported because one of those packages is not installed is
-reported as skipped, naming the package, instead of failing the whole collection, so ``pytest -m gpu``
-runs there. Where every package is installed (CI, developer machines) nothing changes: an import error is
-an error."""
+"""Shared fixtures of the test files (pytest finds them by name; their helpers live in tests/support/, and no
+test file imports another test file), and collection on machines without the service stack (the GPU image
+has torch but no Celery, FastAPI, Redis or valkey): a test module that cannot be imported because one of
+those packages is not installed is reported as skipped, naming the package, instead of failing the whole
+collection, so ``pytest -m gpu`` runs there. Where every package is installed (CI, developer machines)
+nothing changes: an import error is an error. The fixtures import the service stack inside their bodies for
+the same reason."""
 
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 from _pytest.reports import CollectReport
@@ -37,3 +41,55 @@ def pytest_make_collect_report(collector):
                 outcome.force_result(
                     CollectReport(rep.nodeid, "skipped", (str(collector.path), 0, f"Skipped: {reason}"), []))
                 return
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> str:
+    """The Redis the coordinator tests use (DB 11; every test isolates itself by a random key prefix)."""
+    from support.coordinator import REDIS_URL
+
+    return REDIS_URL
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> Iterator:
+    """A running coordinator (support.coordinator.Env): a real uvicorn server in a thread on real Redis, with an
+    admin client; its keys are deleted afterwards."""
+    from support.coordinator import running_env
+
+    yield from running_env(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator:
+    """A coordinator process and two probe-worker processes ("a", "b") (support.fleet.Fleet), shared by the tests
+    of one module (starting worker processes dominates the cost on 2 cores); stopped and its keys deleted after."""
+    from support.fleet import Fleet
+
+    f = Fleet(tmp_path_factory.mktemp(request.module.__name__.rsplit(".", 1)[-1]))
+    f.start_worker("a")
+    f.start_worker("b")
+    try:
+        yield f
+    finally:
+        f.close()
+
+
+@pytest.fixture
+def fail_at_step(monkeypatch: pytest.MonkeyPatch) -> Callable[..., Callable[[], None]]:
+    """The interrupt-resume scaffold: `undo = fail_at_step(ModeClass, step, exc)` makes ModeClass.step raise
+    `exc` (default KeyboardInterrupt, a Ctrl-C) when the loop reaches `step`; `undo()` restores the real step
+    before the run is resumed. Compare the two runs' checkpoints with support.resume.assert_same_checkpoints."""
+
+    def arm(mode_cls: type, at: int, exc: BaseException | type[BaseException] = KeyboardInterrupt):
+        real = mode_cls.step
+
+        def step(self, step: int, *args, **kwargs):
+            if step == at:
+                raise exc
+            return real(self, step, *args, **kwargs)
+
+        monkeypatch.setattr(mode_cls, "step", step)
+        return lambda: monkeypatch.setattr(mode_cls, "step", real)
+
+    return arm

@@ -16,7 +16,7 @@ import pytest
 import schemathesis
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, settings
-from test_coordinator_fixtures import cleanup, make_settings
+from support.coordinator import cleanup, make_settings
 
 from api.app import create_app
 

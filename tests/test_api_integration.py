@@ -7,16 +7,11 @@ import time
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from test_coordinator_fixtures import Env, result, running_env
+from support.coordinator import Env, result, round_body, running_env
 
 from coordinator.messages import WorkerRegistered
 from coordinator.store import spot_check_selected
 from coordinator.stream import ResultStreamReader
-
-
-@pytest.fixture
-def env(tmp_path):
-    yield from running_env(tmp_path)
 
 
 @pytest.fixture
@@ -156,16 +151,7 @@ def test_round_tasks_land_on_celery_queue(env: Env):
     env.publish_version("r1", 0, b"weights")
     batch = env.upload(b"\x00\x01" * 512)
     seeds = [11, 12, 13, 14, 15, 16, 2**64 - 1]
-    body = {
-        "run": "r1",
-        "round_id": "step-0",
-        "version": 0,
-        "batch_sha256": batch,
-        "eps": 1e-3,
-        "distribution": "rademacher",
-        "seeds": seeds,
-        "want_clean": True,
-    }
+    body = round_body("r1", "step-0", batch, seeds, want_clean=True)
     info = env.admin.post("/v1/runs/r1/rounds", json=body)
     assert info.status_code == 201 and info.json()["tasks_published"] == 3
     msgs = env.queue_messages("r1")
@@ -206,16 +192,7 @@ def test_every_intake_outcome_is_counted(env: Env):
     env.create_run("a", staleness=1, spot_check_fraction=0.0, seeds_per_task=4)
     env.publish_version("a", 0, b"v0")
     batch = env.upload(b"batch")
-    rnd = {
-        "run": "a",
-        "round_id": "r0",
-        "version": 0,
-        "batch_sha256": batch,
-        "eps": 1e-3,
-        "distribution": "rademacher",
-        "seeds": list(range(1, 9)),
-        "want_clean": True,
-    }
+    rnd = round_body("a", "r0", batch, list(range(1, 9)), want_clean=True)
     assert env.admin.post("/v1/runs/a/rounds", json=rnd).status_code == 201
     reg, w = env.enroll("gpu0")
     wid = reg["worker_id"]
@@ -308,16 +285,7 @@ def test_spot_check_disagreement_quarantines_the_odd_one_out(env: Env):
     env.create_run(run, spot_check_fraction=0.5, spot_rtol=1e-6, spot_atol=0.0, seeds_per_task=64)
     env.publish_version(run, 0, b"w")
     batch = env.upload(b"b")
-    body = {
-        "run": run,
-        "round_id": rid,
-        "version": 0,
-        "batch_sha256": batch,
-        "eps": 1e-3,
-        "distribution": "rademacher",
-        "seeds": seeds,
-        "want_clean": False,
-    }
+    body = round_body(run, rid, batch, seeds)
     assert env.admin.post(f"/v1/runs/{run}/rounds", json=body).json()["n_spot_checks"] == len(spot)
     tasks = env.queue_messages(run)
     assert [t["kwargs"]["replica"] for t in tasks] == [0, 1] and tasks[1]["kwargs"]["seeds"] == spot
@@ -371,7 +339,7 @@ def test_spot_check_disagreement_quarantines_the_odd_one_out(env: Env):
 def test_coordinator_restart_keeps_state_and_dedupe(tmp_path):
     """A second coordinator process on the same Redis continues the run: tokens, rounds and the dedupe
     record survive, a completed round is timed once, and nothing reaches the stream twice."""
-    from test_coordinator_fixtures import cleanup, make_settings
+    from support.coordinator import cleanup, make_settings
 
     from api.app import create_app
     from api.server import ServerThread
@@ -388,15 +356,7 @@ def test_coordinator_restart_keeps_state_and_dedupe(tmp_path):
             env.create_run("x", spot_check_fraction=0.0)
             env.publish_version("x", 0, b"w0")
             batch = env.upload(b"batch")
-            rnd = {
-                "run": "x",
-                "round_id": "r",
-                "version": 0,
-                "batch_sha256": batch,
-                "eps": 0.01,
-                "distribution": "gauss8",
-                "seeds": [5, 6, 7],
-            }
+            rnd = round_body("x", "r", batch, [5, 6, 7], eps=0.01, distribution="gauss8")
             assert env.admin.post("/v1/runs/x/rounds", json=rnd).status_code == 201
             reg, w = env.enroll("gpu")
             wid = reg["worker_id"]

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_coordinator_fixtures import REDIS_URL, cleanup, make_settings
+from support.coordinator import REDIS_URL, cleanup, make_settings
 
 from api.server import free_port
 
@@ -144,7 +144,7 @@ def test_large_bodies_are_refused_before_they_are_read(coordinator_process):
 
 
 def test_results_route_has_its_own_limit_and_role_caps_it(tmp_path):
-    from test_coordinator_fixtures import running_env
+    from support.coordinator import running_env
 
     gen = running_env(tmp_path, max_results_body_bytes=4096, max_body_bytes=1024)
     env = next(gen)

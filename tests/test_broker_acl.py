@@ -14,7 +14,7 @@ import httpx
 import pytest
 import redis
 from kombu import Connection
-from test_outage import Valkey
+from support.valkey import Valkey
 
 from api.app import create_app
 from api.server import ServerThread
@@ -131,7 +131,8 @@ def test_quarantined_worker_cannot_touch_registry_keys(fleet):
 def test_real_worker_process_runs_rounds_with_its_own_broker_user(tmp_path):
     """A probe-worker process (Celery) evaluates rounds with only its ACL user's rights, also across an
     8 s broker outage with a Redis restart (issue 14 case 5 end to end)."""
-    from test_worker_fleet import Fleet, make_batch, tiny_model
+    from support.fleet import Fleet, make_batch
+    from support.models import tiny_gpt2 as tiny_model
 
     from coordinator.messages import RunSpec
     from fleet.backend import CoordinatorBackend

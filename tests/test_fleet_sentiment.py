@@ -1,5 +1,5 @@
 """The sentiment task over a real fleet: real Redis (DB 12), a coordinator process and two probe-worker processes
-(test_worker_fleet.Fleet) evaluating the pretrained MiniLM-L6 classifier, which the workers build from the
+(conftest.py's `fleet`) evaluating the pretrained MiniLM-L6 classifier, which the workers build from the
 published manifest alone (class + config + shards; their cache folder holds no model files).
 
 Both tests share the fleet (module scope); starting worker processes dominates the cost on 2 cores.
@@ -11,7 +11,7 @@ import copy
 
 import pytest
 import torch
-from test_worker_fleet import Fleet
+from support.fleet import Fleet
 
 from coordinator.messages import ProbeRound as WireRound
 from fleet.batch_wire import encode_batch
@@ -21,6 +21,8 @@ from trainer.zo.zo_step import ZOStepper
 
 SENTENCES = ["a gripping, beautifully acted film", "dull, lifeless and far too long",
              "not bad at all, really", "an utter mess from start to finish"]
+
+pytestmark = pytest.mark.slow  # a coordinator process and probe-worker processes with MiniLM-L6
 
 
 @pytest.fixture(scope="module")
@@ -44,17 +46,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
-    f = Fleet(tmp_path_factory.mktemp("fleet-sentiment"))
-    f.start_worker("a")
-    f.start_worker("b")
-    try:
-        yield f
-    finally:
-        f.close()
 
 
 def _tasks(fleet: Fleet, name: str, outcome: str) -> float:

@@ -11,7 +11,7 @@ import json
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from test_coordinator_fixtures import Env, result, running_env
+from support.coordinator import Env, result, running_env
 
 from coordinator.client import CoordinatorClient
 from coordinator.messages import ProbeResult, ResultBatch, non_finite_result

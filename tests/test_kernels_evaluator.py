@@ -4,20 +4,9 @@ import copy
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel
+from support.models import tiny_gpt2
 
 from kernels import ProbeEvaluator, canonical_offsets, direction, perturb
-
-
-def _tiny_gpt2() -> GPT2LMHeadModel:
-    cfg = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=256, n_positions=64,
-                     bos_token_id=0, eos_token_id=0)
-    model = GPT2LMHeadModel(cfg).eval()
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for _, p in model.named_parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
-    return model
 
 
 def _loss(model, batch):
@@ -26,7 +15,7 @@ def _loss(model, batch):
 
 @pytest.fixture(scope="module")
 def setup():
-    model = _tiny_gpt2()
+    model = tiny_gpt2(vocab_size=256)
     batch = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
     return model, batch
 
@@ -124,7 +113,7 @@ def test_small_budget_splits_units_and_gives_same_loss(setup):
 def test_prepared_unit_plans_follow_weight_updates_and_reallocation():
     """The evaluator prepares one launch plan per unit; in-place updates and replaced tensors (new storage,
     another dtype) must both be seen by the next probe, equal to a fresh evaluator's loss bit for bit."""
-    model = _tiny_gpt2()
+    model = tiny_gpt2(vocab_size=256)
     batch = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(4))
     ev = ProbeEvaluator(model, _loss)
     try:

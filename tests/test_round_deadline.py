@@ -13,7 +13,7 @@ import time
 import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
-from test_coordinator_fixtures import Env, result, running_env
+from support.coordinator import Env, result, running_env
 
 from coordinator.deadlines import RoundWatch, quantile
 from coordinator.store import Store
@@ -97,7 +97,7 @@ class _PausableFleet:
 
     @staticmethod
     def make(tmp):
-        from test_worker_fleet import Fleet
+        from support.fleet import Fleet
 
         class F(Fleet):
             def start_coordinator(self) -> None:
@@ -120,7 +120,8 @@ def _unacked_on(r: redis.Redis, queue: str) -> int:
 
 @pytest.mark.slow
 def test_paused_worker_does_not_stall_the_round(tmp_path):
-    from test_worker_fleet import make_batch, tiny_model
+    from support.fleet import make_batch
+    from support.models import tiny_gpt2 as tiny_model
 
     from trainer.zo.probes import RoundSpec
 

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from benchmarks.zo import resolve_head_init, sentiment_run, sentiment_summary
 from kernels import perturb
 from trainer.prompt_classifier import (
     LABEL_WORDS,
@@ -25,7 +26,6 @@ from trainer.prompt_classifier import (
 )
 from trainer.sentiment import SentimentTask, classifier_loss
 from trainer.zo.backend import InProcessBackend
-from benchmarks.zo import resolve_head_init, sentiment_run, sentiment_summary
 from trainer.zo.zo_step import ZOStepper
 
 SENTENCES = [  # (text, label) of the Rotten Tomatoes kind, of different token lengths
@@ -34,6 +34,8 @@ SENTENCES = [  # (text, label) of the Rotten Tomatoes kind, of different token l
     ("It's a lovely film with lovely performances, but the story drags on and on without any purpose at all.", 0),
     ("Funny, touching and smart: the best comedy of the year.", 1),
 ]
+
+pytestmark = pytest.mark.slow  # the real 135M-parameter SmolLM2
 
 
 @pytest.fixture(scope="module")

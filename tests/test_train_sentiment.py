@@ -7,8 +7,7 @@ import subprocess
 import sys
 
 import pytest
-import torch
-from safetensors.torch import load_file
+from support.resume import assert_same_checkpoints
 
 from trainer.config import TrainConfig
 from trainer.train import train
@@ -61,31 +60,20 @@ def test_zo_curv_is_rejected_for_sentiment(tmp_path):
         train(_cfg(tmp_path, "curv", optimizer="zocurv-block", steps=2, warmup_steps=0), progress=False)
 
 
-def test_mezo_interrupt_then_resume_is_bit_identical(tmp_path, monkeypatch):
+def test_mezo_interrupt_then_resume_is_bit_identical(tmp_path, fail_at_step):
     from trainer.zo import modes
 
     kw = dict(optimizer="mezo", steps=4, warmup_steps=0, seq_len=32, lr=1e-4, min_lr=1e-5, eval_every=2, checkpoint_every=2,
               eval_batches=2)
     straight = train(_cfg(tmp_path, "straight", **kw), progress=False)
     cfg = _cfg(tmp_path, "resumed", **kw)
-    real_step = modes.PureZOMode.step
-
-    def interrupted(self, step, batch, lr):
-        if step == 3:  # Ctrl-C after the step-2 checkpoint: the loop saves step 3 and re-raises
-            raise KeyboardInterrupt
-        return real_step(self, step, batch, lr)
-
-    monkeypatch.setattr(modes.PureZOMode, "step", interrupted)
+    undo = fail_at_step(modes.PureZOMode, 3)  # Ctrl-C after the step-2 checkpoint: the loop saves step 3, re-raises
     with pytest.raises(KeyboardInterrupt):
         train(cfg, progress=False)
-    monkeypatch.setattr(modes.PureZOMode, "step", real_step)
+    undo()
     resumed = train(cfg, resume=True, progress=False)
     assert resumed.summary["resumed_from_step"] == 3
-    a = load_file(str(straight.run_dir / "checkpoint.safetensors"))
-    b = load_file(str(resumed.run_dir / "checkpoint.safetensors"))
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
+    assert_same_checkpoints(straight.run_dir, resumed.run_dir)
     assert resumed.summary["final_val_acc"] == straight.summary["final_val_acc"]
     assert resumed.summary["test_acc"] == straight.summary["test_acc"]
     steps = [r for r in _records(resumed.run_dir) if "loss" in r]

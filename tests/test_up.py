@@ -3,39 +3,14 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from support.processes import processes_of, start_up
 
-
-def _processes_of(run_dir: Path) -> list[str]:
-    """Command lines of live processes started for `run_dir`: they inherit SPARECYCLES_UP_RUN, or (Valkey,
-    whose process title overwrites its environment block) run inside the run folder."""
-    root = run_dir.resolve()
-    marker = f"SPARECYCLES_UP_RUN={root}".encode()
-    found = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            inherited = marker in (proc / "environ").read_bytes().split(b"\0")
-            if not inherited and not Path(os.readlink(proc / "cwd")).is_relative_to(root):
-                continue
-            found.append(proc.name + ": " + (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode())
-        except OSError:
-            continue
-    return found
-
-
-def _up(run_dir: Path, *args: str) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}  # exercise the embedded Valkey
-    return subprocess.Popen([sys.executable, "-m", "sparecycles.cli", "up", "--run-dir", str(run_dir),
-                             "--no-progress", *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+pytestmark = pytest.mark.slow  # end to end: `sparecycles up` starts Valkey, a coordinator, 2 workers, the trainer
 
 
 def _files(run_dir: Path) -> dict[str, bytes]:
@@ -46,7 +21,7 @@ def _files(run_dir: Path) -> dict[str, bytes]:
 @pytest.mark.timeout(1800)  # three invocations of `up`; the first trains both runs
 def test_up_runs_both_curves_and_leaves_no_process(tmp_path):
     run_dir = tmp_path / "up"
-    proc = _up(run_dir, "--steps", "12", "--curvature-interval", "4", "--no-export")
+    proc = start_up(run_dir, "--steps", "12", "--curvature-interval", "4", "--no-export")
     out, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, out.decode()[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -62,7 +37,7 @@ def test_up_runs_both_curves_and_leaves_no_process(tmp_path):
         assert summary[name]["final_val_loss"] == pytest.approx(vals[-1])
     assert (run_dir / "loss_curves.png").stat().st_size > 20_000
     assert not (run_dir / "adamw" / "export").exists() and not (run_dir / "zocurv-line" / "export").exists()
-    assert _processes_of(run_dir) == []
+    assert processes_of(run_dir) == []
     # zocurv-line probes at steps 4 and 8 (not 0: it probes along the step before): trainer.preflight's count
     zo = [json.loads(line) for line in (run_dir / "zocurv-line" / "metrics.jsonl").read_text().splitlines()]
     refreshes = [r for r in zo if "curv_dropped_rounds" in r]
@@ -75,7 +50,7 @@ def test_up_runs_both_curves_and_leaves_no_process(tmp_path):
 
     # The same command again: both finished runs reused, no service started, every file of both runs kept.
     files, log_size = _files(run_dir), (run_dir / "logs" / "coordinator.log").stat().st_size
-    proc = _up(run_dir, "--steps", "12", "--curvature-interval", "4")
+    proc = start_up(run_dir, "--steps", "12", "--curvature-interval", "4")
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out.decode()[-3000:]
     again = json.loads((run_dir / "summary.json").read_text())
@@ -84,7 +59,7 @@ def test_up_runs_both_curves_and_leaves_no_process(tmp_path):
     assert _files(run_dir) == files and (run_dir / "logs" / "coordinator.log").stat().st_size == log_size
 
     # Other --steps into the same folder: refused before anything starts, naming the difference.
-    proc = _up(run_dir, "--steps", "13", "--curvature-interval", "4")
+    proc = start_up(run_dir, "--steps", "13", "--curvature-interval", "4")
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 2 and "steps: 12 -> 13" in out.decode() and "--overwrite" in out.decode(), out.decode()
     assert _files(run_dir) == files and json.loads((run_dir / "summary.json").read_text()) == again
@@ -94,7 +69,7 @@ def test_invalid_option_fails_before_any_child_starts(tmp_path):
     for args, words in [(["--optimizer", "adamw"], ("--optimizer 'adamw'", "baseline")),
                         (["--seq-len", "300"], ("--seq-len 300", "256"))]:
         run_dir = tmp_path / "bad"
-        proc = _up(run_dir, *args)
+        proc = start_up(run_dir, *args)
         out = proc.communicate(timeout=300)[0].decode()
         assert proc.returncode == 2 and all(w in out for w in words) and "Traceback" not in out, out
         assert not run_dir.exists()  # no folder, so no log of any child: nothing was started
@@ -102,19 +77,19 @@ def test_invalid_option_fails_before_any_child_starts(tmp_path):
 
 def test_ctrl_c_stops_every_process(tmp_path):
     run_dir = tmp_path / "up-int"
-    proc = _up(run_dir, "--steps", "500")
+    proc = start_up(run_dir, "--steps", "500")
     try:
         deadline = time.monotonic() + 600
         metrics = run_dir / "adamw" / "metrics.jsonl"
         while time.monotonic() < deadline and not (metrics.is_file() and metrics.stat().st_size > 0):
             assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
             time.sleep(0.5)
-        started = _processes_of(run_dir)
+        started = processes_of(run_dir)
         assert any("valkey-server" in c for c in started) and any(" coordinator " in c for c in started)
         assert sum(" worker " in c for c in started) == 2
     finally:
         proc.send_signal(signal.SIGINT)  # also on failure: never leave a fleet behind
         out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 130, out.decode()[-3000:]
-    assert _processes_of(run_dir) == []
+    assert processes_of(run_dir) == []
     assert (run_dir / "adamw" / "checkpoint.safetensors").is_file()  # interrupted runs resume from here

@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import json
 
-from test_events import _expected, _same, _tensorboard_scalars
-from test_up import _processes_of, _up
+import pytest
+from support.events import expected_scalars, same_scalars, tensorboard_scalars
+from support.processes import processes_of, start_up
+
+pytestmark = pytest.mark.slow  # end to end: `sparecycles up` with MiniLM-L6 probe workers
 
 
 def _records(path):
@@ -17,11 +20,11 @@ def _records(path):
 
 def test_up_sentiment_runs_both_runs_through_the_fleet_and_leaves_no_process(tmp_path):
     run_dir = tmp_path / "up-sentiment"
-    proc = _up(run_dir, "--task", "sentiment", "--optimizer", "1.5spsa", "--steps", "2", "--probes", "2",
+    proc = start_up(run_dir, "--task", "sentiment", "--optimizer", "1.5spsa", "--steps", "2", "--probes", "2",
                "--batch-size", "8", "--seq-len", "16")
     out, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, out.decode()[-3000:]
-    assert _processes_of(run_dir) == []
+    assert processes_of(run_dir) == []
     summary = json.loads((run_dir / "summary.json").read_text())
     assert (summary["task"], summary["model"], summary["corpus"]) == ("sentiment", "minilm-l6", "sentiment")
     assert (summary["optimizer"], summary["steps"], summary["workers"]) == ("1.5spsa", 2, 2)
@@ -46,7 +49,7 @@ def test_up_sentiment_runs_both_runs_through_the_fleet_and_leaves_no_process(tmp
         assert r["forward_passes"] == r["step"] * (2 * 2 + 1) and r["probe_accepted"] == 2 * r["step"]
         assert r["fleet_workers"] == 2 and r["fleet_probes_per_s"] >= 0.0  # the fleet's figures, per step
     for name in ("adamw", "1.5spsa"):  # TensorBoard shows what metrics.jsonl holds, fleet figures included
-        assert _same(_tensorboard_scalars(run_dir / name), _expected(run_dir / name))
+        assert same_scalars(tensorboard_scalars(run_dir / name), expected_scalars(run_dir / name))
         assert (run_dir / name / "export" / "model.safetensors").is_file()  # --export is the default
     # Step 1's logged loss is L0, the clean loss a worker process computed on the model it built from the
     # published manifest; AdamW's step 1 logs the trainer's own loss of the same initial model on the same

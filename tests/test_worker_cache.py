@@ -12,7 +12,8 @@ import redis
 import torch
 from celery.exceptions import Reject
 from prometheus_client import CollectorRegistry
-from transformers import GPT2Config, GPT2LMHeadModel
+from support.models import tiny_gpt2
+from transformers import GPT2LMHeadModel
 
 from api.app import create_app
 from api.server import ServerThread
@@ -27,7 +28,6 @@ from probe_worker.cache import WeightCache
 from probe_worker.metrics import WorkerMetrics
 from probe_worker.runtime import ProbeRuntime, canary_digest
 from probe_worker.tasks import DrainState, run_probe
-from trainer.models.gpt2 import init_gpt2_weights_
 from trainer.train import lm_loss
 from trainer.zo.probes import RoundSpec
 
@@ -35,12 +35,7 @@ REDIS_URL = "redis://127.0.0.1:6379/12"
 
 
 def tiny_model(seed: int = 0) -> GPT2LMHeadModel:
-    cfg = GPT2Config(vocab_size=96, n_positions=32, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
-                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
-    with torch.random.fork_rng(devices=[]):
-        model = GPT2LMHeadModel(cfg)
-    init_gpt2_weights_(model, seed)
-    return model.eval()
+    return tiny_gpt2(vocab_size=96, n_positions=32, seed=seed)
 
 
 def make_batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel
+from support.models import tiny_gpt2
+from transformers import GPT2LMHeadModel
 
 from coordinator.messages import ShardRef, VersionManifest
 from fleet.backend import manifest_config
 from kernels import ProbeEvaluator
 from probe_worker.cache import build_from_tensors
-from trainer.models.gpt2 import init_gpt2_weights_
 from trainer.models.params import param_order_hash
 from trainer.train import lm_loss
 from trainer.zo import probes
@@ -27,12 +27,7 @@ def loss_fn(model, batch):
 
 
 def _model(dtype: torch.dtype) -> GPT2LMHeadModel:
-    cfg = GPT2Config(vocab_size=512, n_positions=64, n_embd=128, n_layer=2, n_head=4, resid_pdrop=0.0,
-                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
-    with torch.random.fork_rng(devices=[]):
-        model = GPT2LMHeadModel(cfg)
-    init_gpt2_weights_(model, 0)
-    return model.to(device="cuda", dtype=dtype).eval()
+    return tiny_gpt2(vocab_size=512, n_embd=128, n_head=4).to(device="cuda", dtype=dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -10,7 +10,7 @@ import time
 
 import httpx
 import pytest
-from test_coordinator_fixtures import Env, running_env
+from support.coordinator import Env, running_env
 
 from coordinator.messages import Heartbeat
 

@@ -6,8 +6,8 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
-from test_zo_support import QuadraticModel, quad_loss
+from support.quadratic import QuadraticModel, quad_loss
+from support.resume import assert_same_checkpoints
 
 from kernels import direction
 from trainer.config import TrainConfig
@@ -71,11 +71,7 @@ def test_modes_train_and_resume_bit_identically(tmp_path, optimizer):
     cfg = _cfg(tmp_path, optimizer, "resumed")
     train(_cfg(tmp_path, optimizer, "resumed", steps=2), progress=False)  # stop after the step-2 checkpoint
     resumed = train(cfg, resume=True, progress=False)
-    a = load_file(str(straight.run_dir / "checkpoint.safetensors"))
-    b = load_file(str(resumed.run_dir / "checkpoint.safetensors"))
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
+    assert_same_checkpoints(straight.run_dir, resumed.run_dir)
     assert resumed.final_val_loss == straight.final_val_loss
     records = [json.loads(x) for x in (straight.run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "loss" in r]

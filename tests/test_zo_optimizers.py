@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_zo_support import QuadraticModel, quad_loss
+from support.quadratic import QuadraticModel, quad_loss
 
 from kernels import direction, dist_moments
 from trainer.checkpoint import load_checkpoint, save_checkpoint

@@ -7,7 +7,7 @@ from typing import get_args
 import pydantic
 import pytest
 import torch
-from test_zo_support import QuadraticModel, quad_loss
+from support.quadratic import QuadraticModel, quad_loss
 
 from coordinator.messages import ProbeKindName, ProbeRound, ProbeTask
 from kernels import direction

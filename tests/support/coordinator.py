@@ -1,4 +1,4 @@
-"""Shared fixtures of the coordinator/API tests: real Redis (DB 11, a unique key prefix per test), a real
+"""Helpers of the coordinator/API tests (conftest.py's `env` and `redis_url` wrap them): real Redis (DB 11, a unique key prefix per test), a real
 uvicorn server in a thread, and helpers that play the trainer and the workers over HTTP."""
 
 from __future__ import annotations
@@ -120,6 +120,13 @@ def running_env(tmp_path: Path, **overrides) -> Iterator[Env]:
                 yield Env(settings, srv.url, admin, r)
     finally:
         cleanup(settings)
+
+
+def round_body(run: str, rid: str, batch: str, seeds: list[int], *, want_clean: bool = False, **kw) -> dict:
+    """A probe round as JSON (version 0, eps 1e-3, rademacher unless `kw` says otherwise)."""
+    body = {"run": run, "round_id": rid, "version": 0, "batch_sha256": batch, "eps": 1e-3,
+            "distribution": "rademacher", "seeds": seeds, "want_clean": want_clean}
+    return {**body, **kw}
 
 
 def result(run: str, rid: str, seed: int, wid: str, lp: float = 1.0, lm: float = 2.0, **kw) -> dict:
