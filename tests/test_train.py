@@ -65,6 +65,7 @@ def _cfg(tmp_path, name, **kw):
     return TrainConfig(**base)
 
 
+@pytest.mark.slow  # 120 steps of real training
 def test_adamw_tiny_learns_real_text(tmp_path):
     res = train(_cfg(tmp_path, "learn"), progress=False)
     # Random init sits at ~ln(50257) = 10.8 nats; 120 steps of 512 tokens reach ~6.5 (measured 6.3-6.6).
@@ -79,6 +80,7 @@ def test_adamw_tiny_learns_real_text(tmp_path):
     assert [r["step"] for r in recs if "val_loss" in r] == [0, 40, 80, 120]
 
 
+@pytest.mark.slow  # two 30-step runs and a resume
 def test_interrupt_then_resume_is_bit_identical(tmp_path, fail_at_step):
     from trainer import train as train_mod
 

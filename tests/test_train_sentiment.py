@@ -24,6 +24,7 @@ def _records(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow  # 30 steps of MiniLM-L6 fine-tuning
 def test_adamw_fine_tuning_beats_chance(tmp_path):
     res = train(_cfg(tmp_path, "adamw"), progress=False)
     s = res.summary
@@ -80,6 +81,7 @@ def test_mezo_interrupt_then_resume_is_bit_identical(tmp_path, fail_at_step):
     assert [r["step"] for r in steps] == [1, 2, 3, 4] and steps[-1]["forward_passes"] == 4 * 2
 
 
+@pytest.mark.slow  # a `sparecycles train` process with MiniLM-L6
 def test_cli_trains_sentiment(tmp_path):
     run = tmp_path / "cli"
     out = subprocess.run([sys.executable, "-m", "sparecycles.cli", "train", "--task", "sentiment", "--optimizer",
