@@ -144,9 +144,12 @@ def bench_zo(
         raise typer.BadParameter(f"part must be lm, sentiment or all, got {part!r}")
     # Every option is checked before anything runs: with --part all the lm part takes minutes first.
     ms = tuple(m.strip() for m in methods.split(",") if m.strip())
-    bad = [m for m in ms if m not in ("mezo", "1spsa", "1.5spsa")]
+    from trainer.methods import method_names
+
+    pure_zo = method_names(kind="pure-zo", task="sentiment")
+    bad = [m for m in ms if m not in pure_zo]
     if bad or not ms:
-        raise typer.BadParameter(f"methods are mezo, 1spsa, 1.5spsa; got {methods!r}", param_hint="--methods")
+        raise typer.BadParameter(f"methods are {', '.join(pure_zo)}; got {methods!r}", param_hint="--methods")
     if model not in ("minilm", "smollm2"):
         raise typer.BadParameter(f"minilm or smollm2, got {model!r}", param_hint="--model")
     try:

@@ -26,8 +26,6 @@ import httpx
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-PURE_ZO = ("mezo", "1spsa", "1.5spsa")  # their steps wait for every probe: seeds are spread over the workers
-
 
 class FleetError(RuntimeError):
     """The fleet cannot be used: coordinator unreachable, token refused, or no active worker in time."""
@@ -229,9 +227,11 @@ class Fleet:
         from coordinator.messages import RunSpec
         from fleet.backend import CoordinatorBackend
         from fleet.batch_wire import batch_kind_for_model, loss_for_kind
-        from trainer.zo.modes import build_zo_mode
+        from trainer.methods import get_method
+        from trainer.modes import build_mode
 
-        pure = cfg.optimizer in PURE_ZO
+        # Pure-ZO steps wait for every probe: their seeds are spread over the workers.
+        pure = get_method(cfg.optimizer).kind == "pure-zo"
         lm = getattr(cfg, "task", "lm") != "sentiment"
         # The workers build the model from the manifest (class + config + shards) and pick the loss and batch
         # format from its class, exactly as the backend does here.
@@ -244,7 +244,7 @@ class Fleet:
         if self.sync_rounds and not pure:  # pure-ZO steps wait for their probes anyway
             backend = SyncRounds(backend)
         loss_fn = loss_for_kind(batch_kind_for_model(type(model).__name__))
-        return FleetFiguresMode(build_zo_mode(cfg, model, loss_fn, backend=backend), self.status)
+        return FleetFiguresMode(build_mode(cfg, model, loss_fn, backend=backend), self.status)
 
 
 def attach(url: str, *, settings: FleetSettings | None = None, wait_s: float = 120.0, min_workers: int = 1,

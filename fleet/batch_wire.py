@@ -4,7 +4,7 @@ A round's batch travels once, as a content-addressed blob (DESIGN.md section 3, 
 safetensors file whose `__metadata__` is exactly {"sparecycles.batch": "<kind>/<version>"} and whose tensors
 are exactly the kind's fields, all int64 on the CPU:
 
-- `lm/1`: x (B, T), y (B, T) token ids, y = x shifted by one; loss trainer.train.lm_loss (nats/token);
+- `lm/1`: x (B, T), y (B, T) token ids, y = x shifted by one; loss trainer.models.losses.lm_loss (nats/token);
 - `classifier/1`: input_ids (B, T), attention_mask (B, T) in {0, 1}, labels (B,); loss
   trainer.sentiment.classifier_loss (nats/sentence).
 
@@ -59,7 +59,7 @@ def batch_kind_for_model(model_class: str) -> BatchKind:
 def loss_for_kind(kind: BatchKind) -> Callable[[torch.nn.Module, tuple[torch.Tensor, ...]], torch.Tensor]:
     """loss_fn(model, batch) -> scalar tensor (nats) for batches of `kind` (the table in the module docstring)."""
     if kind == "lm":
-        from trainer.train import lm_batch_loss
+        from trainer.models.losses import lm_batch_loss
 
         return lm_batch_loss
     if kind == "classifier":

@@ -7,7 +7,7 @@ probe kind's rule in trainer.zo.probes (the same code the trainer's in-process b
 the task's results in one `ResultBatch`. Every loss of a task, L0 included, runs through one evaluator
 that `kernels.make_evaluator` picks from free memory and logs (a whole-model scratch copy with a compiled
 forward on CUDA, else per-unit hooks), so L+ + L- - 2 L0 compares like with like. The loss and the batch format follow from the version manifest's
-model class (fleet.batch_wire): causal LMs take `lm/1` batches and trainer.train.lm_loss, sequence
+model class (fleet.batch_wire): causal LMs take `lm/1` batches and trainer.models.losses.lm_loss, sequence
 classifiers `classifier/1` batches and trainer.sentiment.classifier_loss; a batch that is malformed, of the
 other kind, or outside the model's vocabulary/positions/labels raises BatchFormatError before any forward
 pass. Evaluation is a pure function of (weights, batch, seed, eps, distribution), so re-running a

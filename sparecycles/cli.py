@@ -16,6 +16,13 @@ from benchmarks.cli import bench_app
 from probe_worker import cli as worker_cli
 from trainer import cli as trainer_cli
 from trainer import export_cli
+from trainer.methods import fleet_method_names
+
+
+def _fleet_methods(task: str) -> list[str]:
+    """The methods `up` can probe over a fleet on `task`, its default excluded (for --help)."""
+    default = "1.5spsa" if task == "sentiment" else "zocurv-line"
+    return [name for name in fleet_method_names(task) if name != default]
 
 app = typer.Typer(
     name="sparecycles",
@@ -50,8 +57,8 @@ def up(
                                "model preset."),
     task: str = typer.Option("lm", help="lm (pretraining, ZO-Curv) or sentiment (MiniLM-L6, pure ZO)."),
     optimizer: str | None = typer.Option(None, help="The fleet-probed optimizer (AdamW always runs as the "
-                                         "baseline). lm: zocurv-line (default), zocurv-block, zocurv-sophia, "
-                                         "mezo, 1spsa, 1.5spsa; sentiment: 1.5spsa (default), mezo, 1spsa."),
+                                         f"baseline). lm: zocurv-line (default), {', '.join(_fleet_methods('lm'))}; "
+                                         f"sentiment: 1.5spsa (default), {', '.join(_fleet_methods('sentiment'))}."),
     workers: int = typer.Option(2, min=1, max=64, help="Local probe worker processes."),
     steps: int | None = typer.Option(None, min=1, help="Optimizer steps (default: the preset's)."),
     probes: int | None = typer.Option(None, min=1, help="ZO probes K per step or curvature round."),

@@ -88,11 +88,9 @@ def plan_up(*, preset: str = "demo", optimizer: str | None = None, workers: int 
     other settings and `overwrite` is not set (the message lists the differences).
     """
     from trainer.config import resolve_preset
+    from trainer.methods import METHODS, fleet_method_names
     from trainer.paths import runs_dir
     from trainer.preflight import (
-        PURE_ZO,
-        ROLE_METHODS,
-        ZOCURV,
         FolderState,
         check_options,
         explain,
@@ -106,10 +104,10 @@ def plan_up(*, preset: str = "demo", optimizer: str | None = None, workers: int 
         raise ValueError(f"--workers must be 1 to 64, got {workers}")
     sentiment = task == "sentiment"
     optimizer = optimizer or ("1.5spsa" if sentiment else "zocurv-line")
-    allowed = PURE_ZO if sentiment else ZOCURV + PURE_ZO
+    allowed = fleet_method_names(task)
     if optimizer not in allowed:
         why = {"adamw": "AdamW is the baseline `up` always runs; "}.get(optimizer, "")
-        if optimizer in ROLE_METHODS:
+        if optimizer in METHODS and not METHODS[optimizer].fleet:
             why = "its probes run in process only (`sparecycles train`), not on a fleet; "
         raise ValueError(f"--optimizer {optimizer!r}: {why}the fleet-probed optimizer for --task {task} is one of "
                          f"{', '.join(allowed)}")

@@ -10,8 +10,7 @@ import sys
 import pytest
 
 from sparecycles.up import UP_SETTINGS, plan_up, sum_fleet, unfolded_warning
-from trainer import preflight
-from trainer.config import resolve_preset
+from trainer.config import TrainConfig, resolve_preset
 from trainer.preflight import folder_state, probe_rounds, run_settings
 from trainer.report import (
     bias_corrected_ema,
@@ -36,12 +35,15 @@ def test_probe_rounds_closed_form():
 
 
 def test_preflight_knows_every_optimizer():
-    from trainer.config import Optimizer
-    from trainer.zo import modes
+    from trainer.methods import METHODS
 
-    assert (preflight.ZOCURV, preflight.ROLE_METHODS, preflight.PURE_ZO) == \
-        (modes.ZOCURV, modes.ROLE_METHODS, modes.PURE_ZO)
-    assert {"adamw", *preflight.ZOCURV, *preflight.ROLE_METHODS, *preflight.PURE_ZO} == set(Optimizer.__args__)
+    # Every registered method gets an answer; those with probe rounds get a count (trainer.methods is the one list).
+    base = TrainConfig(steps=31, curvature_interval=10)
+    for name, m in METHODS.items():
+        rounds = probe_rounds(base.model_copy(update={"optimizer": name}))
+        assert (rounds is None) == (m.kind != "zo-curv" or not m.needs_probes), name
+        if rounds is not None:
+            assert rounds == (3 if m.probes_along_step else 4), name
 
 
 def _fake_run(folder, cfg, *, finished: bool, checkpoint: bool = True):

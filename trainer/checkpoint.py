@@ -117,3 +117,32 @@ def load_checkpoint(
         optimizer.load_state_dict({"state": state, "param_groups": om["param_groups"]})
     extra = {k[len("extra/"):]: t for k, t in tensors.items() if k.startswith("extra/")}
     return int(header["step"]), header["meta"], extra
+
+
+class Checkpointer:
+    """Saves and restores a training run's position in one file: model, the mode's optimizer, the mode's
+    extra state (curvature EMA, fp32 masters, counters: `TrainMode.extra_state`) and fixed run metadata.
+
+    Args:
+        path: the `.safetensors` file (trainer.run_dir.RunDir.checkpoint).
+        model: the model trained; mode: a trainer.modes.TrainMode (its `optimizer` may be None).
+        meta: JSON saved with every checkpoint (config, parameter-order hash); the mode's JSON goes under "mode".
+    """
+
+    def __init__(self, path: Path, model: torch.nn.Module, mode: Any, meta: dict[str, Any]) -> None:
+        self.path, self.model, self.mode, self.meta = path, model, mode, meta
+
+    def save(self, step: int) -> None:
+        """Write the checkpoint of `step` completed steps (atomically, replacing the previous one)."""
+        tensors, mode_meta = self.mode.extra_state()
+        save_checkpoint(self.path, model=self.model, optimizer=self.mode.optimizer, step=step,
+                        meta={**self.meta, "mode": mode_meta}, extra=tensors)
+
+    def restore(self) -> int:
+        """Load the checkpoint into the model, optimizer and mode; return its step (the next step to run).
+
+        Raises CheckpointError: missing, unreadable, or of another model.
+        """
+        step, meta, extra = load_checkpoint(self.path, model=self.model, optimizer=self.mode.optimizer)
+        self.mode.load_extra_state(extra, meta.get("mode", {}))
+        return step

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional
 
 import typer
+
+from trainer.methods import METHODS
+
+# --optimizer's choices: the registered method names (typer shows and checks an Enum's values).
+OptimizerName = enum.Enum("OptimizerName", {name: name for name in METHODS}, type=str)
 
 data_app = typer.Typer(help="Fetch and build real corpora and labelled tasks (cached).", no_args_is_help=True)
 
@@ -41,11 +47,12 @@ FLEET_ATTACH: Callable[..., Any] | None = None
 def _attach_fleet(url: str, cfg: Any, wait_s: float, sync: bool = False) -> dict[str, Any]:
     """`train`'s keyword arguments for a fleet-probed run (mode_factory, status); exits 2 with a clear message
     for a first-order optimizer, an unreachable coordinator, a refused token or no active worker in time."""
-    from trainer.preflight import PURE_ZO, ZOCURV
+    from trainer.methods import fleet_method_names
 
-    if cfg.optimizer not in (*ZOCURV, *PURE_ZO):
-        raise typer.BadParameter(f"--optimizer {cfg.optimizer} takes no probes; --coordinator needs one of "
-                                 f"{', '.join((*ZOCURV, *PURE_ZO))}", param_hint="--coordinator")
+    allowed = fleet_method_names(cfg.task)
+    if cfg.optimizer not in allowed:
+        raise typer.BadParameter(f"--optimizer {cfg.optimizer} sends no probes to a fleet; --coordinator needs one "
+                                 f"of {', '.join(allowed)}", param_hint="--coordinator")
     if FLEET_ATTACH is None:
         raise RuntimeError("trainer.cli.FLEET_ATTACH is unset: run `train` through the sparecycles CLI")
     try:
@@ -60,9 +67,11 @@ def _attach_fleet(url: str, cfg: Any, wait_s: float, sync: bool = False) -> dict
 def train(
     preset: str = typer.Option("demo", help="Run preset (demo) or model preset (gpt2-tiny, gpt2-small, ...)."),
     corpus: Optional[str] = typer.Option(None, help="Corpus: classics-small or classics."),
-    optimizer: Optional[str] = typer.Option(
-        None, help="adamw | zocurv-block | zocurv-sophia | zocurv-line | zocurv-group | zocurv-global | "
-                   "zocurv-group-global | zocurv-group-fixed | mezo | 1spsa | 1.5spsa"),
+    optimizer: Optional[OptimizerName] = typer.Option(
+        None,
+        help="Training method (registry: trainer/methods.py, one line on each in its table)."),
+    optimizer_option: Optional[list[str]] = typer.Option(
+        None, help="KEY=VALUE: a knob of the chosen optimizer (repeatable), e.g. s_max=8 for zocurv-line."),
     task: Optional[str] = typer.Option(None, help="lm (pretraining on the corpus) or sentiment."),
     steps: Optional[int] = typer.Option(None, min=1, help="Optimizer steps."),
     batch_size: Optional[int] = typer.Option(None, min=1, help="Sequences per step."),
@@ -110,11 +119,12 @@ def train(
     from trainer.train import default_run_dir
     from trainer.train import train as run_train
 
-    overrides = dict(corpus=corpus, optimizer=optimizer, task=task, steps=steps, batch_size=batch_size,
+    overrides = dict(corpus=corpus, optimizer=optimizer and optimizer.value, task=task, steps=steps, batch_size=batch_size,
                      seq_len=seq_len, lr=lr, warmup_steps=warmup_steps, eval_every=eval_every,
                      checkpoint_every=checkpoint_every, probes=probes, eps=eps, alpha=alpha, lam=lam,
                      probe_batch_size=probe_batch_size, curvature_interval=curvature_interval, staleness=staleness,
-                     probe_budget=probe_budget, seed=seed, device=device, run_dir=run_dir)
+                     probe_budget=probe_budget, seed=seed, device=device, run_dir=run_dir,
+                     optimizer_options=_key_values(optimizer_option or []) or None)
     try:
         cfg = resolve_preset(preset, overrides)
     except ValueError as exc:  # pydantic's ValidationError, or an unknown preset
@@ -153,3 +163,20 @@ def train(
         f"val loss {result.initial_val_loss:.4f} -> {result.final_val_loss:.4f} after {result.steps} steps "
         f"({result.wall_s:.1f} s); run folder {result.run_dir}"
     )
+
+
+def _key_values(items: list[str]) -> dict:
+    """--optimizer-option KEY=VALUE pairs as a dict; VALUE is read as JSON (8, 0.5, true, null) or else kept as
+    text (block). TrainConfig validates them against the method. Raises typer.BadParameter without '='."""
+    import json
+
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise typer.BadParameter(f"expected KEY=VALUE, got {item!r}", param_hint="--optimizer-option")
+        try:
+            out[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key.strip()] = value.strip()
+    return out

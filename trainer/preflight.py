@@ -17,13 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from trainer.config import TrainConfig
-
-# The names of trainer.zo.modes, without importing torch (tests/test_preflight.py checks they agree).
-ZOCURV = ("zocurv-block", "zocurv-sophia", "zocurv-line")  # their rounds can go to a fleet
-ROLE_METHODS = ("zocurv-group", "zocurv-global", "zocurv-group-global", "zocurv-group-fixed")  # in process only
-PURE_ZO = ("mezo", "1spsa", "1.5spsa")
-# Probing along θ_s − θ_{s−k} needs an earlier version, so the first round is at step k, not 0.
-_ALONG_A_STEP = ("zocurv-line", "zocurv-global")
+from trainer.methods import get_method, method_names
 
 
 def explain(exc: Exception) -> str:
@@ -42,10 +36,10 @@ def check_options(cfg: TrainConfig) -> None:
     `--task sentiment` at most MiniLM-L6's 512 positions), ZO-Curv on the sentiment task, and CUDA for
     `--device cuda[:N]`. Imports torch only for a CUDA device.
     """
+    if cfg.task not in get_method(cfg.optimizer).tasks:  # TrainConfig refuses it too; kept for configs built by hand
+        raise ValueError(f"--task {cfg.task} supports {', '.join(method_names(task=cfg.task))}, not {cfg.optimizer!r}; "
+                         "ZO-Curv variants run on the LM task (--task lm)")
     if cfg.task == "sentiment":
-        if cfg.optimizer.startswith("zocurv"):
-            raise ValueError(f"--task sentiment supports adamw, mezo, 1spsa and 1.5spsa, not {cfg.optimizer!r}; "
-                             "ZO-Curv variants run on the LM task (--task lm)")
         if cfg.seq_len > 512:  # MiniLM-L6's max_position_embeddings
             raise ValueError(f"--seq-len {cfg.seq_len} exceeds MiniLM-L6's 512 positions")
     else:
@@ -76,10 +70,11 @@ def probe_rounds(cfg: TrainConfig) -> int | None:
     θ_s − θ_{s−k}) need an earlier version, so they skip s = 0: (steps − 1) // interval rounds. The others
     also probe at s = 0: one more.
     """
-    if cfg.optimizer not in ZOCURV + ROLE_METHODS or cfg.optimizer == "zocurv-group-fixed":
+    method = get_method(cfg.optimizer)
+    if method.kind != "zo-curv" or not method.needs_probes:
         return None
     rounds = (cfg.steps - 1) // cfg.curvature_interval
-    return rounds if cfg.optimizer in _ALONG_A_STEP else rounds + 1
+    return rounds if method.probes_along_step else rounds + 1
 
 
 def no_probe_round_warning(cfg: TrainConfig) -> str | None:

@@ -1,9 +1,10 @@
-"""Training-loop modes for the ZO optimizers: the hook `trainer.train.build_mode` calls (`build_zo_mode`).
+"""Training-loop modes for the ZO methods, built through the registry (trainer.methods):
 
-- zocurv-block | zocurv-sophia | zocurv-line: backprop on the training batch plus a curvature probe round
-  every `curvature_interval` steps on the first `probe_batch_size` sequences of that batch;
-- mezo | 1spsa | 1.5spsa: pure ZO (no backward), K probes per step on the whole batch.
-Every mode implements trainer.train.TrainMode (step / extra_state / load_extra_state).
+- `ZOCurvMode` (kind "zo-curv": zocurv-block, zocurv-sophia, zocurv-line, ...): backprop on the training
+  batch plus a curvature probe round every `curvature_interval` steps on the first `probe_batch_size`
+  sequences of that batch; the optimizer comes from the method's `optimizer` factory;
+- `PureZOMode` (kind "pure-zo": mezo, 1spsa, 1.5spsa): no backward, K probes per step on the whole batch.
+Every mode implements trainer.modes.TrainMode (step / extra_state / load_extra_state).
 """
 
 from __future__ import annotations
@@ -14,38 +15,23 @@ from typing import Any
 import torch
 
 from trainer.config import TrainConfig
+from trainer.methods import get_method
+from trainer.tasks import lm_batch_loss
 from trainer.zo.backend import InProcessBackend, ProbeBackend
-from trainer.zo.optimizers import ZOCurvBlockAdamW, ZOCurvLine, ZOCurvSophia
-from trainer.zo.probes import canonical_blocks
+from trainer.zo.probes import ProbeKind, canonical_blocks
 from trainer.zo.zo_step import ZOStepper
-
-ZOCURV = ("zocurv-block", "zocurv-sophia", "zocurv-line")
-PURE_ZO = ("mezo", "1spsa", "1.5spsa")
-ROLE_METHODS = ("zocurv-group", "zocurv-global", "zocurv-group-global", "zocurv-group-fixed")  # trainer.zo.role_mode
-
-
-def lm_batch_loss(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """loss_fn(model, (x, y)) for the backends: mean token cross-entropy (trainer.train.lm_loss)."""
-    from trainer.train import lm_loss
-
-    x, y = batch
-    return lm_loss(model, x, y)
 
 
 def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
-    """The ZO-Curv optimizer of `cfg.optimizer`, weight decay on matrices only (as AdamWMode), blocks in
-    canonical order. Raises ValueError for a non-ZO-Curv optimizer name."""
+    """The ZO-Curv optimizer of `cfg.optimizer` from its registered factory, weight decay on matrices only (as
+    AdamWMode), blocks in canonical order. Raises ValueError for a method that is not of kind zo-curv."""
+    method = get_method(cfg.optimizer)
+    if method.optimizer is None:
+        raise ValueError(f"{cfg.optimizer!r} is not a ZO-Curv optimizer (its kind is {method.kind})")
     canonical = [b.param for b in canonical_blocks(model)]
     groups = [{"params": [p for p in canonical if p.dim() >= 2], "weight_decay": cfg.weight_decay},
               {"params": [p for p in canonical if p.dim() < 2], "weight_decay": 0.0}]
-    common = {"blocks": canonical, "staleness": cfg.staleness, "probe_eps": cfg.eps, "seed": cfg.seed}
-    if cfg.optimizer == "zocurv-block":
-        return ZOCurvBlockAdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), probes=cfg.probes, **common)
-    if cfg.optimizer == "zocurv-sophia":
-        return ZOCurvSophia(groups, lr=cfg.lr, betas=(cfg.beta1, 0.99), probes=cfg.probes, **common)
-    if cfg.optimizer == "zocurv-line":
-        return ZOCurvLine(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), **common)
-    raise ValueError(f"{cfg.optimizer!r} is not a ZO-Curv optimizer; use one of {ZOCURV}")
+    return method.optimizer(groups, canonical, cfg, method.parse_options(cfg.optimizer_options))
 
 
 class ZOCurvMode:
@@ -60,7 +46,8 @@ class ZOCurvMode:
                  backend: ProbeBackend | None = None) -> None:
         self.cfg, self.model, self.loss_fn = cfg, model, loss_fn
         self.optimizer = build_optimizer(cfg, model)
-        self.line = isinstance(self.optimizer, ZOCurvLine)
+        # Probes along the last update need the two weight versions around each refresh (zocurv-line).
+        self.line = self.optimizer.kind is ProbeKind.ALONG_UPDATE
         self.backend = backend or InProcessBackend(model, loss_fn, history=2 if self.line else 0,
                                                    staleness=cfg.staleness)
         self.train_forwards = 0
@@ -145,25 +132,3 @@ class PureZOMode:
     def load_extra_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
         """Restore `extra_state()`."""
         self.stepper.load_state(tensors, meta)
-
-
-def build_zo_mode(cfg: TrainConfig, model: torch.nn.Module,
-                  loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] = lm_batch_loss,
-                  backend: ProbeBackend | None = None):
-    """The TrainMode for a ZO optimizer name (the hook trainer.train.build_mode calls).
-
-    `backend` evaluates the probe rounds (default: an InProcessBackend on `model`; `sparecycles up`
-    passes a CoordinatorBackend so the fleet evaluates them). Raises ValueError for an unknown name.
-    """
-    if cfg.optimizer in ROLE_METHODS:
-        from trainer.zo.role_mode import RoleCurvMode
-
-        if backend is not None:  # their group/line probes are evaluated in process (issue 17); no fleet kind yet
-            raise ValueError(f"{cfg.optimizer} probes in process only; a fleet backend cannot run its rounds yet")
-
-        return RoleCurvMode(cfg, model, loss_fn)
-    if cfg.optimizer in ZOCURV:
-        return ZOCurvMode(cfg, model, loss_fn, backend)
-    if cfg.optimizer in PURE_ZO:
-        return PureZOMode(cfg, model, loss_fn, backend)
-    raise ValueError(f"unknown ZO optimizer {cfg.optimizer!r}; use one of {ZOCURV + ROLE_METHODS + PURE_ZO}")

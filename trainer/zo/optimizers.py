@@ -21,9 +21,11 @@ import torch
 
 from kernels import direction, dist_moments
 from trainer.zo import estimators as est
+from trainer.zo import updates as upd
 from trainer.zo.backend import Collected, ProbeBackend, losses
 from trainer.zo.curvature import CurvatureState, Outcome
 from trainer.zo.probes import ProbeKind, RoundSpec, SeedResult
+from trainer.zo.updates import block_multipliers, line_ratios  # noqa: F401  (public here too)
 
 _FP32_LOSS_ULP = 2.0**-24  # relative rounding of an fp32 loss value
 
@@ -187,14 +189,9 @@ class _ZOCurvBase(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 st, w = self._moments(p, second=True)
-                t = float(st["step"])
-                grad = p.grad.float()
-                w.mul_(1 - g["lr"] * g["weight_decay"])
-                st["exp_avg"].lerp_(grad, 1 - b1)
-                st["exp_avg_sq"].mul_(b2).addcmul_(grad, grad, value=1 - b2)
-                denom = (st["exp_avg_sq"].sqrt() / (1 - b2**t) ** 0.5).add_(g["eps"])
-                mult = float(s[self.block_index[id(p)]])
-                w.addcdiv_(st["exp_avg"], denom, value=-g["lr"] / (1 - b1**t) * mult)
+                upd.adamw_update_(w, p.grad.float(), st["exp_avg"], st["exp_avg_sq"], step=float(st["step"]),
+                                  lr=g["lr"], beta1=b1, beta2=b2, eps=g["eps"], weight_decay=g["weight_decay"],
+                                  lr_scale=float(s[self.block_index[id(p)]]))
                 self._write_back(p, w)
         return loss
 
@@ -240,20 +237,9 @@ class ZOCurvBlockAdamW(_ZOCurvBase):
     def _multipliers(self) -> torch.Tensor:
         if not self.curv.ready:
             return super()._multipliers()
-        s = block_multipliers(self.curv.estimate, self.rho, self.s_min, self.s_max)
-        self.last_clipped_frac = float(((s <= self.s_min) | (s >= self.s_max)).double().mean())
+        s = upd.block_multipliers(self.curv.estimate, self.rho, self.s_min, self.s_max)
+        self.last_clipped_frac = upd.clipped_fraction(s, self.s_min, self.s_max)
         return s
-
-
-def block_multipliers(d: torch.Tensor, rho: float | None, s_min: float, s_max: float) -> torch.Tensor:
-    """s_b = clip(ρ/D_b, s_min, s_max), s_max where D_b <= 0; ρ = None → median of positive D_b. (B,) float64."""
-    pos = d[d > 0]
-    if rho is None:
-        if pos.numel() == 0:
-            return torch.ones_like(d)
-        rho = float(pos.median())
-    s = torch.where(d > 0, rho / d.clamp(min=torch.finfo(torch.float64).tiny), torch.full_like(d, s_max))
-    return s.clamp(s_min, s_max)
 
 
 class ZOCurvSophia(_ZOCurvBase):
@@ -318,14 +304,10 @@ class ZOCurvSophia(_ZOCurvBase):
                 if p.grad is None:
                     continue
                 st, w = self._moments(p, second=False)
-                st["exp_avg"].lerp_(p.grad.float(), 1 - b1)
-                w.mul_(1 - g["lr"] * g["weight_decay"])
                 d = self._curvature_of(self.block_index[id(p)], w)
-                ratio = st["exp_avg"] / torch.clamp(g["gamma"] * d, min=g["eps"])
-                upd = ratio.clamp(-1.0, 1.0)
-                clipped += int((ratio.abs() >= 1.0).sum())
-                total += ratio.numel()
-                w.add_(upd, alpha=-g["lr"])
+                clipped += upd.sophia_update_(w, p.grad.float(), st["exp_avg"], d, lr=g["lr"], beta1=b1,
+                                              gamma=g["gamma"], eps=g["eps"], weight_decay=g["weight_decay"])
+                total += w.numel()
                 self._write_back(p, w)
         self.last_clipped_frac = clipped / max(total, 1)
         return loss
@@ -371,22 +353,9 @@ class ZOCurvLine(_ZOCurvBase):
         lp, lm, l0 = losses(res)
         g, h = est.slope(lp, lm, r.eps), est.curvature(lp, lm, l0, r.eps)
         tau = torch.tensor([x.scale or 0.0 for x in res], dtype=torch.float64)
-        ratio = line_ratios(g, h, tau, self.r_min, self.r_max)
-        target = (self._multipliers() * ratio).clamp(self.s_min, self.s_max)
-        self.last_clipped_frac = float(((target <= self.s_min) | (target >= self.s_max)).double().mean())
+        ratio = upd.line_ratios(g, h, tau, self.r_min, self.r_max)
+        target = upd.line_multipliers(self._multipliers(), ratio, self.s_min, self.s_max)
+        self.last_clipped_frac = upd.clipped_fraction(target, self.s_min, self.s_max)
         stats = _h_stats(h[tau > 0], l0, r.eps) if bool((tau > 0).any()) else {}
         stats["line_ratio_median"] = float(ratio.median())
         return target, stats
-
-
-def line_ratios(g: torch.Tensor, h: torch.Tensor, tau: torch.Tensor, r_min: float, r_max: float) -> torch.Tensor:
-    """Per-block step ratio r_b = clip(1 − g_b/(h_b·τ_b), r_min, r_max); 1 where τ_b = 0. (B,) float64.
-
-    g, h: slope and curvature along the unit-RMS step direction û_b; τ_b: RMS of the step taken.
-    Non-positive curvature: r_max when the loss still descends (g < 0), else r_min.
-    """
-    safe_h = torch.where(h > 0, h, torch.ones_like(h))
-    safe_tau = torch.where(tau > 0, tau, torch.ones_like(tau))
-    newton = 1.0 - g / (safe_h * safe_tau)
-    r = torch.where(h > 0, newton, torch.where(g < 0, torch.full_like(g, r_max), torch.full_like(g, r_min)))
-    return torch.where(tau > 0, r.clamp(r_min, r_max), torch.ones_like(r))

@@ -1,14 +1,14 @@
 """Pure-ZO training steps: MeZO, 1SPSA(K), 1.5-SPSA(K, α, λ) (DESIGN.md §2).
 
 Each step draws K seeds from (run seed, step), gets L± (and L0 for 1.5-SPSA) from a ProbeBackend,
-turns them into coefficients c_k (trainer.zo.estimators) and applies θ ← θ·(1 − lr·wd) + Σ_k c_k z(s_k)
+turns them into coefficients c_k (trainer.zo.updates.zo_coefficients) and applies θ ← θ·(1 − lr·wd) + Σ_k c_k z(s_k)
 to fp32 master weights with the kernels' replay (so the update is a seed ledger: (step, seeds, c)).
 The decay-then-replay order equals MeZO's θ − lr·(g·z + wd·θ) with wd evaluated at the old θ.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
@@ -16,37 +16,10 @@ from kernels import replay_model
 from trainer.zo import estimators as est
 from trainer.zo.backend import COUNT_KEYS, ProbeBackend, collect_round, losses
 from trainer.zo.probes import RoundSpec, canonical_blocks
+from trainer.zo.updates import ZOMethod as Method
+from trainer.zo.updates import decoupled_decay_, zo_coefficients
 
-Method = Literal["mezo", "1spsa", "1.5spsa"]
 METHOD_DIST = {"mezo": "gauss8", "1spsa": "rademacher", "1.5spsa": "rademacher"}
-
-
-def zo_coefficients(method: Method, lp: torch.Tensor, lm: torch.Tensor, l0: torch.Tensor | None, eps: float,
-                    lr: float, alpha: float = 0.1, lam: float = 1.0) -> tuple[torch.Tensor, dict[str, float]]:
-    """Update coefficients c (K,) float64 for `method` from probe losses, and scalars to log.
-
-    mezo: c = −lr·g (K = 1, Malladi et al. 2023); 1spsa: c_k = −(lr/K)·g_k (Spall 1992);
-    1.5spsa: c_k = −(lr/K)·g_k/max(|h_k|^α, λ) (Chaubard, Kochenderfer, Ré) — needs l0.
-    Raises ValueError for an unknown method or a 1.5-SPSA call without l0.
-    """
-    g = est.slope(lp, lm, eps)
-    stats = {"g_mean": float(g.mean()), "g_abs_mean": float(g.abs().mean())}
-    if method == "mezo":
-        c = est.mezo_coefficients(g, lr)
-    elif method == "1spsa":
-        c = est.spsa_coefficients(g, lr)
-    elif method == "1.5spsa":
-        if l0 is None:
-            raise ValueError("1.5-SPSA needs the clean loss L0 (submit rounds with want_clean=True)")
-        h = est.curvature(lp, lm, l0, eps)
-        w = est.spsa15_weights(h, alpha, lam)
-        c = est.spsa15_coefficients(g, h, lr, alpha, lam)
-        stats.update({"h_mean": float(h.mean()), "h_std": float(h.std()) if h.numel() > 1 else 0.0,
-                      "w_mean": float(w.mean()), "frac_weight_floored": float((h.abs().pow(alpha) <= lam)
-                                                                              .double().mean())})
-    else:
-        raise ValueError(f"unknown ZO method {method!r}; use mezo, 1spsa or 1.5spsa")
-    return c, stats
 
 
 class ZOStepper:
@@ -95,10 +68,7 @@ class ZOStepper:
         self.forward_passes += 2 * len(res) + (1 if r.want_clean else 0)
         c, stats = zo_coefficients(self.method, lp, lm, l0, self.eps, lr, self.alpha, self.lam)
         seeds, coeffs = list(r.seeds), [float(x) for x in c]
-        if self.weight_decay:
-            for p, w in zip(self.params, self.masters):
-                if p.dim() >= 2:
-                    w.mul_(1.0 - lr * self.weight_decay)
+        decoupled_decay_(self.masters, lr, self.weight_decay)
         # One launch for the whole model on CUDA (bit-identical to per-tensor replay_: kernels/parity.py);
         # per-tensor launches made MeZO's 2-forward steps launch-bound (benchmarks/results/h200/RESULTS.md).
         replay_model(self.masters, self.offsets, seeds, coeffs, self.dist)

@@ -1,0 +1,84 @@
+"""How one optimizer step is taken: the `TrainMode` protocol the loop drives, backprop AdamW, and `build_mode`.
+
+The ZO modes (ZO-Curv, pure ZO) live in trainer.zo.modes; which mode a `--optimizer` name gets is the
+registry's business (trainer.methods).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from trainer.config import TrainConfig
+from trainer.methods import get_method
+from trainer.tasks import lm_batch_loss
+
+if TYPE_CHECKING:
+    from trainer.zo.backend import ProbeBackend
+
+
+class TrainMode(Protocol):
+    """One optimizer step strategy. Backprop AdamW lives here; the ZO modes live in trainer.zo."""
+
+    optimizer: torch.optim.Optimizer | None
+
+    def step(self, step: int, batch: Any, lr: float) -> dict[str, float]:
+        """Run optimizer step `step` (0-based) on `batch` (the Task's batch: (x, y) int64 (B, T) for the LM);
+        return logged scalars."""
+        ...
+
+    def extra_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """Tensors and JSON state beyond the model and optimizer, for checkpoints."""
+        ...
+
+    def load_extra_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        """Restore what `extra_state` returned."""
+        ...
+
+
+class AdamWMode:
+    """Backprop AdamW with decoupled weight decay on matrices only and global-norm gradient clipping.
+
+    `loss_fn(model, batch) -> scalar` defaults to the causal-LM loss on batch = (x, y).
+    """
+
+    def __init__(self, model: torch.nn.Module, cfg: TrainConfig,
+                 loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] = lm_batch_loss) -> None:
+        self.loss_fn = loss_fn
+        decay = [p for p in model.parameters() if p.dim() >= 2]
+        no_decay = [p for p in model.parameters() if p.dim() < 2]
+        self.model, self.cfg = model, cfg
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), foreach=False,
+        )
+
+    def step(self, step: int, batch: Any, lr: float) -> dict[str, float]:
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.loss_fn(self.model, batch)
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip or float("inf"))
+        self.optimizer.step()
+        return {"loss": float(loss.detach()), "grad_norm": float(gnorm)}
+
+    def extra_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        return {}, {}
+
+    def load_extra_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        return None
+
+
+def build_mode(cfg: TrainConfig, model: torch.nn.Module,
+               loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] = lm_batch_loss,
+               backend: ProbeBackend | None = None) -> TrainMode:
+    """The step strategy of `cfg.optimizer` on `loss_fn`, built by its registered builder (trainer.methods).
+
+    `backend` evaluates probe rounds (default: in process on `model`; `sparecycles up` passes the fleet's
+    CoordinatorBackend); first-order methods ignore it. The method/task pairing is checked by TrainConfig.
+    Raises ValueError for an unregistered name.
+    """
+    return get_method(cfg.optimizer).build(cfg, model, loss_fn, backend)

@@ -1,0 +1,86 @@
+"""A run folder and the files the training loop writes into it.
+
+    <run_dir>/config.json            the run's identity (TrainConfig.run_json); --resume must match it
+    <run_dir>/metrics.jsonl          one JSON record per step ({"step", "lr", "loss", ...}) and per evaluation
+                                     ({"step", "val_loss", ...}); steps count completed optimizer steps
+    <run_dir>/checkpoint.safetensors trainer.checkpoint.Checkpointer
+    <run_dir>/loss.png, summary.json written when the run finishes
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from trainer.config import TrainConfig
+from trainer.paths import runs_dir
+from trainer.report import read_metrics
+
+CHECKPOINT_NAME = "checkpoint.safetensors"
+
+
+def default_run_dir(cfg: TrainConfig) -> Path:
+    """`runs/<model>-<corpus>-<optimizer>-s<seed>` under `trainer.paths.runs_dir()` (sentiment task:
+    `runs/minilm-l6-sentiment-<optimizer>-s<seed>`)."""
+    model, data = ("minilm-l6", "sentiment") if cfg.task == "sentiment" else (cfg.model, cfg.corpus)
+    return runs_dir() / f"{model}-{data}-{cfg.optimizer}-s{cfg.seed}"
+
+
+class RunDir:
+    """The folder of one run: where each file lives, the config check on open, and the metrics log.
+
+    Build with `RunDir.open`; `path` is the folder.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.config = path / "config.json"
+        self.metrics = path / "metrics.jsonl"
+        self.checkpoint = path / CHECKPOINT_NAME
+        self.plot = path / "loss.png"
+        self.summary = path / "summary.json"
+
+    @classmethod
+    def open(cls, cfg: TrainConfig, *, resume: bool, overwrite: bool) -> RunDir:
+        """Create (or reopen) the folder of `cfg` (cfg.run_dir, else `default_run_dir`) and write config.json.
+
+        Raises:
+            ValueError: the path is a file, or `resume` with a config.json of a different run (names the fields).
+            FileExistsError: the folder already holds a run and neither `resume` nor `overwrite` is set.
+        """
+        run = cls(Path(cfg.run_dir) if cfg.run_dir else default_run_dir(cfg))
+        if run.path.exists() and not run.path.is_dir():
+            raise ValueError(f"run folder {run.path} exists and is not a folder; pass another --run-dir")
+        run.path.mkdir(parents=True, exist_ok=True)
+        ours = cfg.run_json()
+        if not resume and not overwrite and run.metrics.is_file() and run.metrics.stat().st_size > 0:
+            raise FileExistsError(f"{run.path} already holds a run; pass --resume to continue it, --overwrite to "
+                                  "start afresh, or another --run-dir")
+        if resume and run.config.is_file():
+            old = json.loads(run.config.read_text())
+            if old != ours:
+                diff = sorted(k for k in set(old) | set(ours) if old.get(k) != ours.get(k))
+                raise ValueError(f"--resume with a different config than {run.config} (fields: {diff})")
+        run.config.write_text(json.dumps(ours, indent=2))
+        return run
+
+    def restart_metrics(self, at_step: int | None) -> list[dict[str, Any]]:
+        """Keep the records logged up to `at_step` (the step of the checkpoint a resume starts from; None: a
+        fresh run keeps none) and return them: records after the checkpoint are re-logged by the resumed run."""
+        kept = [] if at_step is None else [r for r in read_metrics(self.metrics) if r["step"] <= at_step]
+        self.metrics.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        return kept
+
+    def log(self, record: dict[str, Any]) -> None:
+        """Append one JSON record to metrics.jsonl."""
+        with self.metrics.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def records(self) -> list[dict[str, Any]]:
+        """Every record of metrics.jsonl, in order."""
+        return read_metrics(self.metrics)
+
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        """Write summary.json."""
+        self.summary.write_text(json.dumps(summary, indent=2))

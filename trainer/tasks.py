@@ -1,0 +1,105 @@
+"""What a run trains on: the `Task` protocol, causal-LM pretraining (`LMTask`) and its loss and evaluation.
+
+The sentiment task lives in trainer.sentiment (`SentimentRunTask`); `build_task` picks by `cfg.task`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from trainer.config import TrainConfig
+from trainer.models.losses import lm_batch_loss, lm_loss
+
+
+class Task(Protocol):
+    """What the loop trains on: LM pretraining (`LMTask`) or sentiment (trainer.sentiment.SentimentRunTask)."""
+
+    model_name: str
+    data_name: str
+    tokens_per_step: int
+
+    def build_model(self) -> torch.nn.Module:
+        """A fresh model initialised from cfg.seed."""
+        ...
+
+    def batch(self, step: int) -> Any:
+        """Training batch of 0-based `step`, a pure function of (cfg.seed, step), on cfg.device."""
+        ...
+
+    def loss_fn(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        """Scalar training loss (nats) of `model` on `batch`."""
+        ...
+
+    def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
+        """Held-out metrics; always includes "val_loss"."""
+        ...
+
+    def final(self, model: torch.nn.Module) -> dict[str, Any]:
+        """Extra end-of-run metrics for summary.json (e.g. test accuracy)."""
+        ...
+
+
+class LMTask:
+    """Causal-LM pretraining of a `cfg.model` preset on `cfg.corpus` (GPT-2 token windows).
+
+    Raises ValueError for an unknown corpus (here) or model preset (in build_model).
+    """
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        from trainer.data import load_corpus
+
+        self.cfg, self.corpus = cfg, load_corpus(cfg.corpus)
+        self.model_name, self.data_name = cfg.model, cfg.corpus
+        self.tokens_per_step = cfg.batch_size * cfg.seq_len
+
+    loss_fn = staticmethod(lm_batch_loss)
+
+    def build_model(self) -> torch.nn.Module:
+        from trainer.models import build_model
+
+        model = build_model(self.cfg.model, seed=self.cfg.seed, device=self.cfg.device)
+        if self.cfg.seq_len > model.config.n_positions:
+            raise ValueError(f"--seq-len {self.cfg.seq_len} exceeds {self.cfg.model}'s context of "
+                             f"{model.config.n_positions} tokens")
+        return model
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        from trainer.data import get_batch
+
+        cfg = self.cfg
+        x, y = get_batch(self.corpus.train, cfg.batch_size, cfg.seq_len, cfg.seed, step)
+        return x.to(cfg.device), y.to(cfg.device)
+
+    def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
+        return {"val_loss": evaluate(model, self.corpus.val, self.cfg)}
+
+    def final(self, model: torch.nn.Module) -> dict[str, Any]:
+        return {}
+
+
+def build_task(cfg: TrainConfig) -> Task:
+    """The Task of `cfg.task`: "lm" -> LMTask, "sentiment" -> trainer.sentiment.SentimentRunTask."""
+    if cfg.task == "sentiment":
+        from trainer.sentiment import SentimentRunTask
+
+        return SentimentRunTask(cfg)
+    return LMTask(cfg)
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, tokens, cfg: TrainConfig) -> float:
+    """Mean validation loss over a fixed set of `cfg.eval_batches` windows of the held-out split."""
+    from trainer.data import iter_eval_batches
+
+    was_training = model.training
+    model.eval()
+    losses = [
+        float(lm_loss(model, x.to(cfg.device), y.to(cfg.device)))
+        for x, y in iter_eval_batches(tokens, cfg.batch_size, cfg.seq_len, cfg.eval_batches)
+    ]
+    model.train(was_training)
+    if not losses:
+        raise ValueError("the validation split is shorter than one batch; lower --batch-size/--seq-len")
+    return sum(losses) / len(losses)
