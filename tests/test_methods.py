@@ -1,0 +1,78 @@
+"""The method registry (trainer.methods): one table drives config validation, the CLI's choices, the
+sentiment defaults and the builders; each method's options reach its optimizer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pydantic import ValidationError
+from test_zo_support import QuadraticModel, quad_loss
+
+from trainer.cli import OptimizerName
+from trainer.config import TrainConfig, resolve_preset
+from trainer.methods import KINDS, METHODS, Method, build_first_order_mode, get_method, method_names
+from trainer.modes import AdamWMode, build_mode
+from trainer.zo.modes import PureZOMode, ZOCurvMode
+from trainer.zo.optimizers import ZOCurvBlockAdamW, ZOCurvLine, ZOCurvSophia
+
+
+def test_every_registered_name_is_a_valid_config_and_a_cli_choice():
+    assert [m.value for m in OptimizerName] == list(METHODS)
+    for name, m in METHODS.items():
+        assert m.name == name and m.kind in KINDS
+        for task in m.tasks:
+            assert TrainConfig(optimizer=name, task=task).optimizer == name
+    assert method_names(kind="pure-zo", task="sentiment") == ("mezo", "1spsa", "1.5spsa")
+    assert "adamw" in method_names(task="sentiment") and "zocurv-line" not in method_names(task="sentiment")
+    assert not METHODS["adamw"].needs_probes and METHODS["zocurv-line"].needs_probes
+    assert not METHODS["zocurv-group-fixed"].needs_probes  # the zero-probe ablation
+
+
+def test_unknown_names_and_bad_pairings_are_refused():
+    with pytest.raises(ValidationError, match="use one of adamw"):
+        TrainConfig(optimizer="sgd")
+    with pytest.raises(ValueError, match="unknown optimizer"):
+        get_method("sgd")
+    with pytest.raises(ValidationError, match="LM task"):
+        TrainConfig(optimizer="zocurv-line", task="sentiment")
+    with pytest.raises(ValidationError, match="s_maxx"):
+        TrainConfig(optimizer="zocurv-line", optimizer_options={"s_maxx": 3})
+    with pytest.raises(ValidationError, match="s_min"):
+        TrainConfig(optimizer="zocurv-line", optimizer_options={"s_min": 2.0})  # must be <= 1
+    with pytest.raises(ValueError, match="zo-curv methods only"):
+        Method("x", "first-order", "x", build_first_order_mode, optimizer=lambda *a: None)
+
+
+def test_sentiment_default_lr_comes_from_the_registry():
+    for name in method_names(task="sentiment"):
+        cfg = resolve_preset("sentiment-demo", {"optimizer": name})
+        assert cfg.lr == METHODS[name].sentiment_lr
+    assert resolve_preset("sentiment-demo", {"optimizer": "mezo", "lr": 3e-4}).lr == 3e-4
+
+
+def test_run_json_keeps_old_config_files_resumable():
+    assert "optimizer_options" not in TrainConfig().run_json()  # as written before the field existed
+    cfg = TrainConfig(optimizer="zocurv-line", optimizer_options={"s_max": 8})
+    assert cfg.run_json()["optimizer_options"] == {"s_max": 8}
+
+
+@pytest.mark.parametrize(("name", "mode_type", "opt_type"), [
+    ("adamw", AdamWMode, torch.optim.AdamW),
+    ("zocurv-block", ZOCurvMode, ZOCurvBlockAdamW),
+    ("zocurv-sophia", ZOCurvMode, ZOCurvSophia),
+    ("zocurv-line", ZOCurvMode, ZOCurvLine),
+    ("1.5spsa", PureZOMode, type(None)),
+])
+def test_build_mode_goes_through_the_registry(name, mode_type, opt_type):
+    mode = build_mode(TrainConfig(optimizer=name, probes=2), QuadraticModel([3, 4], seed=0), quad_loss)
+    assert type(mode) is mode_type and type(mode.optimizer) is opt_type
+
+
+def test_options_reach_the_optimizer():
+    model = QuadraticModel([3, 4], seed=0)
+    line = build_mode(TrainConfig(optimizer="zocurv-line", optimizer_options={"s_max": 8, "r_min": 0.25}),
+                      model, quad_loss).optimizer
+    assert (line.s_max, line.r_min, line.s_min) == (8.0, 0.25, 0.25)  # s_min keeps its default
+    sophia = build_mode(TrainConfig(optimizer="zocurv-sophia", optimizer_options={"granularity": "coordinate"}),
+                        model, quad_loss).optimizer
+    assert sophia.granularity == "coordinate" and sophia.curv.size == 7
