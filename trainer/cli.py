@@ -68,10 +68,10 @@ def train(
     preset: str = typer.Option("demo", help="Run preset (demo) or model preset (gpt2-tiny, gpt2-small, ...)."),
     corpus: Optional[str] = typer.Option(None, help="Corpus: classics-small or classics."),
     optimizer: Optional[OptimizerName] = typer.Option(
-        None,
-        help="Training method (registry: trainer/methods.py, one line on each in its table)."),
+        None, metavar="METHOD",
+        help=f"Training method (trainer/methods.py): {', '.join(METHODS)}."),
     optimizer_option: Optional[list[str]] = typer.Option(
-        None, help="KEY=VALUE: a knob of the chosen optimizer (repeatable), e.g. s_max=8 for zocurv-line."),
+        None, metavar="KEY=VALUE", help="KEY=VALUE: a knob of the chosen optimizer (repeatable), e.g. s_max=8 for zocurv-line."),
     task: Optional[str] = typer.Option(None, help="lm (pretraining on the corpus) or sentiment."),
     steps: Optional[int] = typer.Option(None, min=1, help="Optimizer steps."),
     batch_size: Optional[int] = typer.Option(None, min=1, help="Sequences per step."),
