@@ -143,11 +143,10 @@ def _build_shape(n_layer: int, n_head: int, n_embd: int, dtype: torch.dtype, dev
 
 def _step_peak(name: str, method: str, device: str, batch: int, seq_len: int) -> dict[str, Any]:
     """Peak bytes of building `name` and taking two steps of `method` at (batch, seq_len) tokens."""
-    from trainer.zo.backend import InProcessBackend
-    from trainer.tasks import lm_batch_loss
-    from trainer.zo.zo_step import ZOStepper
-
     from trainer.models.gpt2 import GPT2Preset
+    from trainer.models.losses import lm_batch_loss
+    from trainer.zo.backend import InProcessBackend
+    from trainer.zo.zo_step import ZOStepper
 
     n_layer, n_head, n_embd = SCAN_SHAPES[name]
     n = GPT2Preset(name, n_layer=n_layer, n_head=n_head, n_embd=n_embd).num_params()

@@ -1,8 +1,8 @@
 """Pure-ZO training steps: MeZO, 1SPSA(K), 1.5-SPSA(K, α, λ) (DESIGN.md §2).
 
 Each step draws K seeds from (run seed, step), gets L± (and L0 for 1.5-SPSA) from a ProbeBackend,
-turns them into coefficients c_k (trainer.zo.updates.zo_coefficients) and applies θ ← θ·(1 − lr·wd) + Σ_k c_k z(s_k)
-to fp32 master weights with the kernels' replay (so the update is a seed ledger: (step, seeds, c)).
+turns them into coefficients c_k (trainer.zo.updates.zo_coefficients) and applies
+θ ← θ·(1 − lr·wd) + Σ_k c_k z(s_k) to fp32 master weights with the kernels' replay (so the update is a seed ledger: (step, seeds, c)).
 The decay-then-replay order equals MeZO's θ − lr·(g·z + wd·θ) with wd evaluated at the old θ.
 """
 
