@@ -89,7 +89,7 @@ def no_probe_round_warning(cfg: TrainConfig) -> str | None:
 
 def run_settings(cfg: TrainConfig) -> dict[str, Any]:
     """Everything that defines a run's result: the config as JSON, `steps` included, `run_dir` excluded."""
-    return cfg.model_dump(mode="json", exclude={"run_dir"})
+    return {**cfg.run_json(), "steps": cfg.steps}  # config.json's fields (TrainConfig.run_json) plus steps
 
 
 def differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
