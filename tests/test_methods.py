@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from pydantic import ValidationError
-from test_zo_support import QuadraticModel, quad_loss
+from support.quadratic import QuadraticModel, quad_loss
 
 from trainer.cli import OptimizerName
 from trainer.config import TrainConfig, resolve_preset
