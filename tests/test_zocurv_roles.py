@@ -301,3 +301,13 @@ def test_role_mode_steps_logs_and_resumes(name):
     other.load_extra_state(tensors, meta)
     assert other.mult == mode.mult and other.optimizer.global_mult == mode.optimizer.global_mult
     assert (other.prev is None) == (mode.prev is None)
+
+
+def test_role_options_come_from_the_registry():
+    from pydantic import ValidationError
+
+    cfg = TrainConfig(model="gpt2-tiny", optimizer="zocurv-group", optimizer_options={"s_max": 3.0, "negative": "skip"})
+    mode = RoleCurvMode(cfg, tiny_gpt2(), _lm_loss)
+    assert (mode.opts.s_max, mode.opts.negative, mode.opts.gamma) == (3.0, "skip", 0.5)
+    with pytest.raises(ValidationError):
+        TrainConfig(model="gpt2-tiny", optimizer="zocurv-global", optimizer_options={"s_maximum": 3.0})

@@ -183,6 +183,21 @@ def _zocurv_line(groups, blocks, cfg, o: LineOptions):
                       r_min=o.r_min, r_max=o.r_max, curv_beta=o.curv_beta, **_zocurv_common(blocks, cfg))
 
 
+class RoleOptions(MethodOptions):
+    """zocurv-group / -global / -group-global / -group-fixed (trainer.zo.role_mode; issue 17): group multipliers
+    s_G = clip((S_max/S_G)^γ, 1, s_max) with EMA `group_beta`, trusted when |SNR| >= snr_min, a trusted
+    negative curvature read as "flat" (target s_max, as measured) or "skip"ped; global multiplier capped at
+    m_max with EMA `global_beta` (trainer.zo.multipliers)."""
+
+    gamma: float = Field(0.5, ge=0)
+    s_max: float = Field(10.0, ge=1)
+    group_beta: float = Field(0.5, ge=0, lt=1)
+    snr_min: float = Field(2.0, ge=0)
+    negative: Literal["flat", "skip"] = "flat"
+    m_max: float = Field(4.0, ge=1)
+    global_beta: float = Field(0.5, ge=0, lt=1)
+
+
 # ---- the table -----------------------------------------------------------------------------------------
 _LM_AND_SENTIMENT = ("lm", "sentiment")
 
@@ -195,16 +210,16 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            build_zocurv_mode, SophiaOptions, _zocurv_sophia),
     Method("zocurv-line", "zo-curv", "AdamW with per-block Newton multipliers along the last update (default)",
            build_zocurv_mode, LineOptions, _zocurv_line, probes_along_step=True),
-    # Second generation (issue 17; trainer.zo.role_mode): knobs are module constants there, probe budget per
-    # refresh is TrainConfig.probe_budget.
+    # Second generation (issue 17; trainer.zo.role_mode): knobs in RoleOptions, probe budget per refresh is
+    # TrainConfig.probe_budget.
     Method("zocurv-group", "zo-curv", "AdamW with upward-only per-role multipliers from group curvature probes",
-           build_role_mode, fleet=False),
+           build_role_mode, RoleOptions, fleet=False),
     Method("zocurv-global", "zo-curv", "AdamW with an upward-only global multiplier from a multi-step line fit",
-           build_role_mode, fleet=False, probes_along_step=True),
+           build_role_mode, RoleOptions, fleet=False, probes_along_step=True),
     Method("zocurv-group-global", "zo-curv", "zocurv-group and zocurv-global together", build_role_mode,
-           fleet=False),
+           RoleOptions, fleet=False),
     Method("zocurv-group-fixed", "zo-curv", "ablation: Wang et al. 2025's per-role multipliers fixed, no probes",
-           build_role_mode, fleet=False, needs_probes=False),
+           build_role_mode, RoleOptions, fleet=False, needs_probes=False),
     Method("mezo", "pure-zo", "MeZO: one Gaussian probe pair per step", build_pure_zo_mode,
            tasks=_LM_AND_SENTIMENT, sentiment_lr=1e-4),
     Method("1spsa", "pure-zo", "SPSA with K Rademacher probe pairs per step", build_pure_zo_mode,

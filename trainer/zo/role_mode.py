@@ -34,11 +34,9 @@ from trainer.zo.role_adamw import RoleAdamW, group_curvatures, line_losses
 
 ROLE_METHODS = ("zocurv-group", "zocurv-global", "zocurv-group-global", "zocurv-group-fixed")
 LINE_ALPHAS = (-1.0, -0.5, 0.0, 0.5, 1.0, 1.5)
-# Multiplier knobs (module constants so a run's config stays the shared TrainConfig): γ = ½ equalises the
+# Multiplier knobs: trainer.methods.RoleOptions (--optimizer-option KEY=VALUE). Defaults: γ = ½ equalises the
 # second-order cost of a sign-like step across groups (trainer.zo.multipliers); s_max = 10 is the top of
 # Wang et al.'s table; refreshes with |SNR| < 2 leave a group's multiplier as it was.
-GAMMA, S_MAX, GROUP_BETA, SNR_MIN = 0.5, 10.0, 0.5, 2.0
-M_MAX, GLOBAL_BETA = 4.0, 0.5
 
 
 class RoleCurvMode:
@@ -52,7 +50,10 @@ class RoleCurvMode:
                  loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor]) -> None:
         if cfg.optimizer not in ROLE_METHODS:
             raise ValueError(f"{cfg.optimizer!r} is not one of {ROLE_METHODS}")
+        from trainer.methods import get_method
+
         self.cfg, self.model, self.loss_fn = cfg, model, loss_fn
+        self.opts = get_method(cfg.optimizer).parse_options(cfg.optimizer_options)
         self.gmap = model_roles(model)
         canonical = [p for _, p in model.named_parameters()]
         groups = [{"params": [p for p in canonical if p.dim() >= 2], "weight_decay": cfg.weight_decay},
@@ -89,8 +90,9 @@ class RoleCurvMode:
             est, extra, fwd = group_curvatures(self.model, self.loss_fn, batch, self.gmap, probes=self.per_role,
                                                eps_rel=self.cfg.eps, seed=self.cfg.seed, refresh=refresh)
             self.probe_forwards += fwd
-            self.mult = update_group_multipliers(self.mult, est, gamma=GAMMA, s_max=S_MAX, beta=GROUP_BETA,
-                                                 snr_min=SNR_MIN)
+            o = self.opts
+            self.mult = update_group_multipliers(self.mult, est, gamma=o.gamma, s_max=o.s_max, beta=o.group_beta,
+                                                 snr_min=o.snr_min, negative=o.negative)
             self._apply()
             for r, e in est.items():
                 # SE = 0 (exactly quadratic losses) gives an infinite SNR; keep the JSON log standard
@@ -103,8 +105,9 @@ class RoleCurvMode:
                 self.probe_forwards += len(LINE_ALPHAS)
                 fit = quadratic_fit(LINE_ALPHAS, losses)
                 r = line_ratio(fit)
-                self.optimizer.global_mult = update_global_multiplier(self.optimizer.global_mult, r, m_max=M_MAX,
-                                                                      beta=GLOBAL_BETA)
+                self.optimizer.global_mult = update_global_multiplier(self.optimizer.global_mult, r,
+                                                                      m_max=self.opts.m_max,
+                                                                      beta=self.opts.global_beta)
                 stats.update({"line_ratio": r, "line_snr": fit.snr if math.isfinite(fit.snr) else 0.0, "line_curv": fit.a, "line_slope": fit.b})
             self.prev = [p.detach().float().clone() for p in params]
         stats.update({f"mult_{r.value}": float(v) for r, v in self.mult.items()})
