@@ -36,6 +36,22 @@ def canonical_offsets(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parame
     return out
 
 
+def checked_rows(model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, object], torch.Tensor]) -> list:
+    """`canonical_offsets(model)` after the checks every probe evaluator makes of its arguments.
+
+    Raises TypeError for a non-Module model or a non-callable loss_fn, ValueError for a model without
+    parameters.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not callable(loss_fn):
+        raise TypeError("loss_fn must be callable as loss_fn(model, batch) -> scalar tensor")
+    rows = canonical_offsets(model)
+    if not rows:
+        raise ValueError("model has no parameters to perturb")
+    return rows
+
+
 def _unique_params(m: torch.nn.Module, recurse: bool) -> list[torch.nn.Parameter]:
     seen, out = set(), []
     for p in m.parameters(recurse=recurse):
@@ -85,13 +101,7 @@ class ProbeEvaluator:
 
     def __init__(self, model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, object], torch.Tensor],
                  budget: int | None = None):
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if not callable(loss_fn):
-            raise TypeError("loss_fn must be callable as loss_fn(model, batch) -> scalar tensor")
-        rows = canonical_offsets(model)
-        if not rows:
-            raise ValueError("model has no parameters to perturb")
+        rows = checked_rows(model, loss_fn)
         self.model, self.loss_fn = model, loss_fn
         self.offsets = {id(p): o for _, p, o in rows}
         self.numel = sum(p.numel() for _, p, _ in rows)

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from kernels.dist import ProbeDist, as_dist
-from kernels.evaluator import ProbeEvaluator, canonical_offsets
+from kernels.evaluator import ProbeEvaluator, canonical_offsets, checked_rows
 from kernels.ops import ModelPlan
 from kernels.philox import check_seed
 
@@ -152,13 +152,7 @@ class WholeModelEvaluator:
     def __init__(self, model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, object], torch.Tensor],
                  compile: bool | None = None, cuda_graphs: bool = False, pad_head: bool | None = None,
                  eager_masks: bool | None = None):
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if not callable(loss_fn):
-            raise TypeError("loss_fn must be callable as loss_fn(model, batch) -> scalar tensor")
-        rows = canonical_offsets(model)
-        if not rows:
-            raise ValueError("model has no parameters to perturb")
+        rows = checked_rows(model, loss_fn)
         self.model, self.loss_fn = model, loss_fn
         device = next(model.parameters()).device
         self.compiled = bool(device.type == "cuda" if compile is None else compile)

@@ -34,6 +34,19 @@ def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Opt
     return method.optimizer(groups, canonical, cfg, method.parse_options(cfg.optimizer_options))
 
 
+
+def backprop_step(model: torch.nn.Module, opt: torch.optim.Optimizer,
+                  loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor], batch: Any,
+                  grad_clip: float) -> tuple[float, float]:
+    """The first-order half of a ZO-Curv step: zero the grads, backprop loss_fn(model, batch), clip the global
+    gradient norm to `grad_clip` (0: no clipping), step `opt`. Returns (loss in nats, pre-clip gradient norm)."""
+    opt.zero_grad(set_to_none=True)
+    loss = loss_fn(model, batch)
+    loss.backward()
+    gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float("inf"))
+    opt.step()
+    return loss.item(), float(gnorm)
+
 class ZOCurvMode:
     """Backprop step with a ZO-Curv optimizer; a probe round every `curvature_interval` steps.
 
@@ -71,13 +84,9 @@ class ZOCurvMode:
             self.backend.publish(step)
         if due and (not self.line or step - 1 in self.backend.snapshots):
             stats.update(opt.refresh_curvature(self.backend, self._probe_batch(batch), version=step))
-        opt.zero_grad(set_to_none=True)
-        loss = self.loss_fn(self.model, batch)
-        loss.backward()
+        loss, gnorm = backprop_step(self.model, opt, self.loss_fn, batch, self.cfg.grad_clip)
         self.train_forwards += 1
-        gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip or float("inf"))
-        opt.step()
-        stats.update({"loss": loss.item(), "grad_norm": float(gnorm), "clipped_frac": opt.last_clipped_frac,
+        stats.update({"loss": loss, "grad_norm": gnorm, "clipped_frac": opt.last_clipped_frac,
                       "forward_passes": float(self.train_forwards + self.backend.forward_passes)})
         return stats
 

@@ -23,6 +23,7 @@ import torch
 
 from trainer.config import TrainConfig
 from trainer.zo.groups import Role, block_multipliers, model_roles
+from trainer.zo.modes import backprop_step
 from trainer.zo.multipliers import (
     WANG2025_MULTIPLIERS,
     line_ratio,
@@ -130,13 +131,9 @@ class RoleCurvMode:
         stats: dict[str, float] = {}
         if step % self.cfg.curvature_interval == 0:  # the fixed ablation logs its (constant) multipliers too
             stats.update(self.refresh(step, self._probe_batch(batch)))
-        opt.zero_grad(set_to_none=True)
-        loss = self.loss_fn(self.model, batch)
-        loss.backward()
+        loss, gnorm = backprop_step(self.model, opt, self.loss_fn, batch, self.cfg.grad_clip)
         self.train_forwards += 1
-        gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip or float("inf"))
-        opt.step()
-        stats.update({"loss": loss.item(), "grad_norm": float(gnorm), "clipped_frac": 0.0,
+        stats.update({"loss": loss, "grad_norm": gnorm, "clipped_frac": 0.0,
                       "forward_passes": float(self.train_forwards + self.probe_forwards),
                       "probe_forwards": float(self.probe_forwards), "probe_wall_s": self.probe_wall_s})
         return stats
