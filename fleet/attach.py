@@ -247,6 +247,28 @@ class Fleet:
         return FleetFiguresMode(build_mode(cfg, model, loss_fn, backend=backend), self.status)
 
 
+def check_key_prefix(settings: FleetSettings) -> None:
+    """Check that the coordinator's state lives under `settings.key_prefix` in `settings.redis_url`: its set of
+    registered workers (coordinator.keys.Keys.k_workers) exists there once a worker joined. A wrong prefix would
+    otherwise make the trainer wait on a result stream nobody writes.
+
+    Raises FleetError when Redis is unreachable from here or holds no such key (the message never shows the URL,
+    which may carry a password).
+    """
+    import redis
+
+    try:
+        client = redis.Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=5)
+        found = client.exists(f"{settings.key_prefix}:workers")
+        client.close()
+    except redis.RedisError as exc:
+        raise FleetError(f"the coordinator's Redis (SPARECYCLES_REDIS_URL) is not reachable from here: "
+                         f"{type(exc).__name__}") from None
+    if not found:
+        raise FleetError(f"no coordinator state under key prefix {settings.key_prefix!r} in SPARECYCLES_REDIS_URL: "
+                         "set SPARECYCLES_KEY_PREFIX to the coordinator's own (its workers would be registered there)")
+
+
 def attach(url: str, *, settings: FleetSettings | None = None, wait_s: float = 120.0, min_workers: int = 1,
            check: Callable[[], None] = lambda: None, log: Callable[[str], None] = lambda m: None,
            run_prefix: str = "train", sync_rounds: bool = False) -> Fleet:
@@ -266,9 +288,16 @@ def attach(url: str, *, settings: FleetSettings | None = None, wait_s: float = 1
         try:
             settings = FleetSettings()
         except ValidationError as exc:
-            missing = ", ".join(f"SPARECYCLES_{str(e['loc'][0]).upper()}" for e in exc.errors())
-            raise FleetError(f"a fleet run needs {missing} in the environment (the coordinator's admin token "
-                             "and its Redis URL; never on the command line)") from None
+            missing = [f"SPARECYCLES_{str(e['loc'][0]).upper()}" for e in exc.errors() if e["type"] == "missing"]
+            invalid = [f"SPARECYCLES_{str(e['loc'][0]).upper()} ({e['msg']})" for e in exc.errors()
+                       if e["type"] != "missing"]
+            why = []
+            if missing:
+                why.append(f"needs {', '.join(missing)} in the environment (the coordinator's admin token and its "
+                           "Redis URL; never on the command line)")
+            if invalid:
+                why.append(f"has an invalid {', '.join(invalid)}")
+            raise FleetError(f"a fleet run {'; '.join(why)}") from None
     deadline = time.monotonic() + wait_s
     while True:
         check()
@@ -288,4 +317,5 @@ def attach(url: str, *, settings: FleetSettings | None = None, wait_s: float = 1
     except httpx.HTTPError as exc:
         raise FleetError(f"the coordinator at {base} stopped answering: {exc}") from None
     workers = wait_for_workers(base, token, min_workers, max(0.0, deadline - time.monotonic()), check=check, log=log)
+    check_key_prefix(settings)
     return Fleet(base, settings, len(workers), FleetStatus(base), run_prefix, sync_rounds)

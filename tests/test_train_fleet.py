@@ -91,10 +91,13 @@ def test_train_coordinator_refuses_clearly_without_a_fleet(tmp_path):
                "--fleet-wait", "1", env=env)
     assert res.returncode == 2 and "not reachable" in res.stderr, res.stderr[-2000:]
     res = _cli("train", *base, "--optimizer", "adamw", "--coordinator", "http://127.0.0.1:1", env=env)
-    assert res.returncode == 2 and "takes no probes" in res.stderr, res.stderr[-2000:]
+    assert res.returncode == 2 and "sends no probes to a fleet" in res.stderr, res.stderr[-2000:]
     bare = {k: v for k, v in env.items() if k not in ("SPARECYCLES_ADMIN_TOKEN", "SPARECYCLES_REDIS_URL")}
     res = _cli("train", *base, "--optimizer", "1.5spsa", env={**bare, "SPARECYCLES_COORDINATOR_URL": "http://127.0.0.1:1"})
     assert res.returncode == 2 and "SPARECYCLES_ADMIN_TOKEN" in res.stderr, res.stderr[-2000:]
+    res = _cli("train", *base, "--optimizer", "1.5spsa", "--coordinator", "http://127.0.0.1:1",
+               env={**env, "SPARECYCLES_REDIS_URL": "notaurl"})
+    assert res.returncode == 2 and "invalid SPARECYCLES_REDIS_URL" in res.stderr, res.stderr[-2000:]
     assert not (tmp_path / "r" / "metrics.jsonl").exists()  # nothing trained
 
 
@@ -111,6 +114,11 @@ def test_train_coordinator_equals_in_process(coordinator, tmp_path):
     assert res.returncode == 2 and "0 of 1 probe worker(s) active" in res.stderr, res.stderr[-2000:]
 
     workers.append(_start_worker(url, env, tmp_path))
+    # A key prefix other than the coordinator's: the trainer would wait on a stream nobody writes. Refused.
+    res = _cli("train", *zo, "--run-dir", str(tmp_path / "bad"), "--coordinator", url, "--fleet-wait", "60",
+               env={**env, "SPARECYCLES_KEY_PREFIX": "not-the-prefix"})
+    assert res.returncode == 2 and "no coordinator state under key prefix 'not-the-prefix'" in res.stderr, \
+        res.stderr[-2000:]
     # ZO-Curv (zocurv-line, rounds at steps 2 and 4) through the fleet, rounds synchronous; then in process.
     res = _cli("train", *zo, "--run-dir", str(tmp_path / "line-fleet"), "--coordinator", url, "--fleet-sync", env=env)
     assert res.returncode == 0, res.stderr[-3000:] + (tmp_path / "worker.log").read_text()[-3000:]

@@ -51,8 +51,9 @@ def _attach_fleet(url: str, cfg: Any, wait_s: float, sync: bool = False) -> dict
 
     allowed = fleet_method_names(cfg.task)
     if cfg.optimizer not in allowed:
-        raise typer.BadParameter(f"--optimizer {cfg.optimizer} sends no probes to a fleet; --coordinator needs one "
-                                 f"of {', '.join(allowed)}", param_hint="--coordinator")
+        raise typer.BadParameter(f"--optimizer {cfg.optimizer} (the preset's, if you gave none) sends no probes to "
+                                 f"a fleet; --coordinator needs one of {', '.join(allowed)}",
+                                 param_hint="--coordinator")
     if FLEET_ATTACH is None:
         raise RuntimeError("trainer.cli.FLEET_ATTACH is unset: run `train` through the sparecycles CLI")
     try:
