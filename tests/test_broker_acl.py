@@ -180,8 +180,17 @@ def test_real_worker_process_runs_rounds_with_its_own_broker_user(tmp_path):
         v.start()
         got = be.collect("acl-1").results
         assert sorted(r.seed for r in got) == list(seeds) and {r.worker for r in got} == {wid}
-        assert redis.Redis.from_url(v.url, decode_responses=True).acl_getuser(wid)["enabled"]
-        assert "the broker restarted: 1 broker users re-created" in (tmp_path / "coordinator.log").read_text()
+        # The round may complete before the coordinator notices the restart (the worker can have taken every
+        # task before the outage): wait for the re-creation itself, bounded, rather than racing it.
+        deadline = time.monotonic() + 60
+        restored = False
+        while not restored and time.monotonic() < deadline:
+            user = redis.Redis.from_url(v.url, decode_responses=True).acl_getuser(wid)
+            restored = bool(user and user["enabled"]) and "the broker restarted: 1 broker users re-created" in (
+                tmp_path / "coordinator.log").read_text()
+            if not restored:
+                time.sleep(0.5)
+        assert restored, "the coordinator did not re-create the worker's broker user after the restart"
         be.close()
         log = (tmp_path / "a.log").read_text()
         assert "NOPERM" not in log and "No permissions" not in log
