@@ -157,27 +157,27 @@ def test_paused_worker_does_not_stall_the_round(tmp_path):
             assert sorted(r.seed for r in got) == list(seeds(k))  # every seed exactly once
             return took, held
 
+        def deadline_sends() -> float:
+            text = fleet.admin.get("/metrics").text
+            return sum(float(line.split()[-1]) for line in text.splitlines()
+                       if line.startswith('sparecycles_tasks_redispatched_total{reason="deadline"}'))
+
         timed_round(0)  # warm-up: weights fetched and loaded by both workers
         normal = timed_round(1)[0]
-        for k in range(2, 5):  # b may be between tasks when stopped: then nothing stalls; try again
+        # b may be between tasks when stopped, or stopped after posting its results but before acking them:
+        # then nothing of the round stalls (no re-issue needed). Try again until b stalled some seeds.
+        for k in range(2, 7):
+            before = deadline_sends()
             paused, held = timed_round(k, pause_at=24)
-            if held:
+            if held and deadline_sends() > before:
                 break
-        assert held, "worker b never held a task when stopped"
+        assert held and deadline_sends() > before, "worker b never stalled a round when stopped"
         print(f"round times: normal {normal:.2f} s, with b stopped {paused:.2f} s")
         # The round finished while b sat stopped on a task: its seeds were re-issued. Within far less than b's
         # 120 s lease and the 1 h visibility timeout, so by the round deadline, not by lease expiry or the broker
         # (measured on an idle machine: 8.1 s with b stopped vs 6.7 s normal; the ratio is a benchmark figure,
         # not asserted: under CPU contention both times stretch unevenly).
         assert paused < 100, (paused, normal)
-        text = fleet.admin.get("/metrics").text
-        assert 'sparecycles_tasks_redispatched_total{reason="deadline"}' in text
-        deadline_sends = [
-            float(line.split()[-1])
-            for line in text.splitlines()
-            if line.startswith('sparecycles_tasks_redispatched_total{reason="deadline"}')
-        ]
-        assert deadline_sends[0] >= 1
         be.close()
     finally:
         if "b" in fleet.workers:
