@@ -84,16 +84,10 @@ def bench_fleet(
         counts = tuple(int(x) for x in workers.split(","))
     except ValueError:
         raise typer.BadParameter("use comma-separated integers, e.g. 1,2,4", param_hint="--workers") from None
-    from fleet.devices import place
+    from fleet.devices import place_here
 
-    devs = tuple(d.strip() for d in device.split(",") if d.strip())
     try:
-        n_cuda = 0
-        if any(d.startswith("cuda") for d in devs):
-            import torch
-
-            n_cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        devs = place(device=None, worker_devices=",".join(devs), gpus=None, workers=1, n_cuda=n_cuda).workers
+        devs = place_here(worker_devices=device).workers
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--device") from None
     res = run_fleet_bench(redis_url, counts, preset, seeds, seeds_per_task, (batch_size, seq_len), threads,

@@ -65,3 +65,15 @@ def place(*, device: str | None, worker_devices: str | None, gpus: str | None, w
         note = f"the trainer shares {', '.join(shared)} with a probe worker" if shared else ""
         return Placement(trainer, devs, note)
     return Placement(trainer, ("cpu",) * workers)
+
+
+def place_here(*, device: str | None = None, worker_devices: str | None = None, gpus: str | None = None,
+               workers: int = 1) -> Placement:
+    """`place` with the number of CUDA devices torch sees on this machine; torch is imported (and CUDA asked)
+    only when an option names a GPU. Raises ValueError as `place` does."""
+    n_cuda = 0
+    if gpus is not None or any(x is not None and "cuda" in x for x in (device, worker_devices)):
+        import torch
+
+        n_cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return place(device=device, worker_devices=worker_devices, gpus=gpus, workers=workers, n_cuda=n_cuda)

@@ -87,6 +87,7 @@ def up(
     """
     import signal
 
+    from fleet.devices import place_here
     from sparecycles.up import plan_up, run_up
 
     def _terminate(signum, frame):  # `kill`/`timeout` get Ctrl-C's clean shutdown of every child
@@ -94,7 +95,7 @@ def up(
 
     signal.signal(signal.SIGTERM, _terminate)
     try:
-        placement = _placement(device, worker_devices, gpus, workers)
+        placement = place_here(device=device, worker_devices=worker_devices, gpus=gpus, workers=workers)
         if placement.note:
             typer.echo(placement.note, err=True)
         plan = plan_up(preset=preset, optimizer=optimizer, workers=len(placement.workers), steps=steps,
@@ -115,18 +116,6 @@ def up(
     disk = summary["disk_mb"]
     parts = ", ".join(f"{k} {v:.1f}" for k, v in disk.items() if k != "total" and v >= 0.1)
     typer.echo(f"{plan.out}: {disk['total']:.1f} MB on disk ({parts}); wall {summary['wall_s']:.0f} s", err=True)
-
-
-def _placement(device: str | None, worker_devices: str | None, gpus: str | None, workers: int):
-    """fleet.devices.place with the number of CUDA devices torch sees (torch imported only when asked)."""
-    from fleet.devices import place
-
-    n_cuda = 0
-    if any(x is not None and "cpu" not in x for x in (device, worker_devices, gpus)):
-        import torch
-
-        n_cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    return place(device=device, worker_devices=worker_devices, gpus=gpus, workers=workers, n_cuda=n_cuda)
 
 
 @app.command("version")
