@@ -124,6 +124,12 @@ def bench_zo(
     backprop_steps: int = typer.Option(0, min=0, help="sentiment: also run the backprop AdamW baseline this many steps."),
     backprop_lr: float | None = typer.Option(None, min=0.0, help="sentiment: AdamW lr of the baseline (default 5e-5 minilm, "
                                       "1e-5 smollm2)."),
+    regime: str = typer.Option("project", help="sentiment: project (the sweep above) or paper (smollm2 only: 1.5-SPSA's "
+                               "published regime, arms A1..A6 of issue 18; benchmarks.zo_paper)."),
+    arms: str = typer.Option("", help="regime paper: comma-separated arms (A1,A2,A3,A3w,A4-16,A4-128,A5-1e-05,"
+                             "A5-3e-05,A6-1e-05,A6-5e-05); empty = all."),
+    time_budget: float = typer.Option(300.0, min=1.0, help="regime paper: seconds shared by the arms (each stops "
+                                      "at its share or its iteration cap)."),
 ) -> None:
     """Run the ZO benchmarks on real data and write lm_summary.json / sentiment_summary.json and PNGs."""
     from benchmarks.zo import (
@@ -136,6 +142,11 @@ def bench_zo(
 
     if part not in ("lm", "sentiment", "all"):
         raise typer.BadParameter(f"part must be lm, sentiment or all, got {part!r}")
+    if regime not in ("project", "paper"):
+        raise typer.BadParameter(f"project or paper, got {regime!r}", param_hint="--regime")
+    if regime == "paper":
+        _bench_zo_paper(model, out, device, arms, time_budget, seed)
+        return
     # Every option is checked before anything runs: with --part all the lm part takes minutes first.
     ms = tuple(m.strip() for m in methods.split(",") if m.strip())
     from trainer.methods import method_names
@@ -188,6 +199,29 @@ def bench_zo(
         typer.echo(json.dumps({m: {k2: v for k2, v in b.items() if k2 != "curve"} for m, b in s["best"].items()}))
         if "1.5spsa_vs_mezo" in s:
             typer.echo(json.dumps({"1.5spsa_vs_mezo": s["1.5spsa_vs_mezo"]}))
+
+
+def _bench_zo_paper(model: str, out: Path, device: str, arms: str, time_budget: float, seed: int) -> None:
+    """`bench zo --regime paper`: validate, run benchmarks.zo_paper.paper_main, print the arms' table."""
+    from benchmarks.zo_paper import paper_arms, paper_main
+
+    if model != "smollm2":
+        raise typer.BadParameter(f"--regime paper runs on smollm2 only, got {model!r}", param_hint="--model")
+    names = tuple(a.strip() for a in arms.split(",") if a.strip()) or None
+    known = [a["name"] for a in paper_arms(time_budget)]
+    if names and any(n not in known for n in names):
+        raise typer.BadParameter(f"arms are {', '.join(known)}; got {arms!r}", param_hint="--arms")
+    if names and "A3w" in names and "A1" not in names:
+        raise typer.BadParameter("A3w takes its lr from A1's mean w: name A1 too", param_hint="--arms")
+    import torch
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise typer.BadParameter(f"{device!r} is not available here", param_hint="--device")
+    s = paper_main(out, device=device, total_s=time_budget, arms=names, seed=seed)
+    for row in s["table"]:
+        typer.echo(json.dumps(row))
+    if "drift" in s:
+        typer.echo(json.dumps({"drift": s["drift"]}))
 
 
 headline_app = typer.Typer(help="Headline benchmarks: pretraining report, memory scan (tools/h200_headline.sh "

@@ -1,0 +1,386 @@
+"""1.5-SPSA in its published regime, side by side with MeZO and backprop (issue 18; `bench zo --regime paper`).
+
+Arms (same data, prompt and label words; trainer.zo.paper.PAPER holds the published numbers):
+  A1      1.5-SPSA, K=40, batch 512 with replacement, lr=ε=1e-4, plateau halving, fp32 weights (project path)
+  A2      A1 with bf16 weights perturbed in place (+ε, −2ε, +ε) and updated in place (the public code's numerics)
+  A3      1SPSA(40) at lr 1e-4;  A3w: 1SPSA at 1e-4 × mean(w) of A1 (same step length as A1 on average)
+  A4-16 / A4-128   A1 at batch 16 / 128 (A4 at 512 is A1)
+  A5-<lr> MeZO at its own recipe: batch 16, ε=1e-3, one Gaussian probe, lr grid
+  A6-<lr> backprop AdamW (wd 0), batch 16, two lrs
+Every arm stops at its iteration cap or its share of the time budget, whichever comes first, and says which.
+Selection: the evaluated point with the best validation accuracy (500 sentences); test (1,000) is scored once,
+at the end, on those weights. The test accuracy at every evaluated point is kept too, and its maximum is
+reported as "best_on_test_peek" (selection on test: it shows how much peeking inflates).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer.sentiment import classifier_loss
+from trainer.zo.paper import PAPER, PlateauState, ZOParamStepper, batch_rows, numerics_drift, plateau_update
+from trainer.zo.probes import canonical_blocks
+
+Split = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # ids (N, T) int64, mask (N, T) int64, labels (N,) int64
+TRAIN_KEY, VAL_KEY, TEST_KEY = 181, 182, 183  # Philox keys of the fixed subsets (independent of the run seed)
+
+
+def binomial_se(acc: float, n: int) -> float:
+    """Standard error sqrt(p(1−p)/n) of an accuracy p measured on n sentences. Raises ValueError for n < 1."""
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    return math.sqrt(max(acc * (1.0 - acc), 0.0) / n)
+
+
+class PaperData:
+    """The paper's splits: `splits` {"train", "val", "test"} of (ids, mask, labels), rows already chosen.
+
+    `from_task(task)` takes fixed random subsets (SentimentTask.subset_rows, keys TRAIN/VAL/TEST_KEY) of
+    PAPER.n_train training, n_val validation and n_test test sentences (fewer if a split is smaller).
+    """
+
+    def __init__(self, splits: dict[str, Split]) -> None:
+        missing = {"train", "val", "test"} - set(splits)
+        if missing:
+            raise ValueError(f"splits lack {sorted(missing)}")
+        self.splits = splits
+
+    @classmethod
+    def from_task(cls, task, n_train: int = PAPER.n_train, n_val: int = PAPER.n_val,
+                  n_test: int = PAPER.n_test) -> PaperData:
+        out = {}
+        for name, n, key in (("train", n_train, TRAIN_KEY), ("val", n_val, VAL_KEY), ("test", n_test, TEST_KEY)):
+            rows = task.subset_rows(name, n, key=key)
+            out[name] = tuple(t[rows.to(t.device)] for t in task.splits[name])
+        return cls(out)
+
+    @staticmethod
+    def _trim(ids, mask, labels) -> Split:
+        t = int(mask.sum(1).max())
+        return ids[:, :t], mask[:, :t], labels
+
+    def size(self, split: str) -> int:
+        return int(self.splits[split][2].shape[0])
+
+    def batch(self, seed: int, iteration: int, batch_size: int) -> Split:
+        """Training batch `iteration`: trainer.zo.paper.batch_rows (with replacement), trimmed to its longest row."""
+        rows = batch_rows(seed, iteration, self.size("train"), batch_size)
+        ids, mask, labels = self.splits["train"]
+        rows = rows.to(ids.device)
+        return self._trim(ids[rows], mask[rows], labels[rows])
+
+    @torch.no_grad()
+    def accuracy(self, model, split: str, chunk: int = 512) -> float:
+        """Fraction of `split` classified correctly (argmax of the logits)."""
+        ids, mask, labels = self.splits[split]
+        right = 0
+        for i in range(0, ids.shape[0], chunk):
+            b = self._trim(ids[i:i + chunk], mask[i:i + chunk], labels[i:i + chunk])
+            right += int((model(input_ids=b[0], attention_mask=b[1]).logits.argmax(-1) == b[2]).sum())
+        return right / ids.shape[0]
+
+
+class AccuracyLoss:
+    """classifier_loss that also keeps the batch accuracy of the first call since `reset()` (the train accuracy
+    of the plateau rule: the clean pass for 1.5-SPSA, θ+εz_1 for 1SPSA/MeZO, which have no clean pass)."""
+
+    def __init__(self) -> None:
+        self.first_acc: float | None = None
+
+    def reset(self) -> None:
+        self.first_acc = None
+
+    def __call__(self, model, batch: Split) -> torch.Tensor:
+        ids, mask, labels = batch
+        logits = model(input_ids=ids, attention_mask=mask).logits.float()
+        if self.first_acc is None:
+            self.first_acc = float((logits.argmax(-1) == labels).float().mean())
+        return torch.nn.functional.cross_entropy(logits, labels)
+
+
+def _finish(arm: dict, data: PaperData, model, best_state, evals: list, t0: float, stop: str) -> dict:
+    """Select on validation, score test once on the selected weights, label the test peek."""
+    best = max(evals, key=lambda e: (e["val_acc"], -e["iteration"]))
+    if best_state is not None:
+        with torch.no_grad():
+            for p, s in zip(model.parameters(), best_state):
+                p.copy_(s)
+    test = data.accuracy(model, "test")
+    peek = max(evals, key=lambda e: e["test_acc_peek"])
+    n_val, n_test = data.size("val"), data.size("test")
+    return {**arm, "stop": stop, "wall_s": time.perf_counter() - t0, "evals": evals,
+            "selected_iteration": best["iteration"], "val_acc": best["val_acc"],
+            "val_se": binomial_se(best["val_acc"], n_val), "test_acc": test, "test_se": binomial_se(test, n_test),
+            "initial_test_acc": evals[0]["test_acc_peek"],
+            "best_on_test_peek": {"iteration": peek["iteration"], "test_acc": peek["test_acc_peek"],
+                                  "label": "selected on TEST (peeking): an inflated upper bound"}}
+
+
+def _eval_point(data: PaperData, model, it: int, seq_fwd: int, wall: float) -> dict:
+    return {"iteration": it, "seq_forwards": seq_fwd, "wall_s": wall, "val_acc": data.accuracy(model, "val"),
+            "test_acc_peek": data.accuracy(model, "test")}
+
+
+def run_zo_arm(data: PaperData, model: torch.nn.Module, arm: dict, *, seed: int = 0,
+               keep_ledger: bool = False) -> dict[str, Any]:
+    """Train `model` (consumed) with arm {"name", "method", "numerics", "lr", "eps", "batch_size", "probes",
+    "max_iters", "time_s", "eval_every", "patience"}; returns the arm with per-iteration "log" (loss,
+    train_acc, lr, eps, h_mean, h_std, w_mean, frac_weight_floored, g_abs_mean), "evals", the selection
+    (_finish) and "ledger" [(seeds, coeffs, eps)] when keep_ledger."""
+    t0 = time.perf_counter()
+    stepper = ZOParamStepper(model, arm["method"], numerics=arm.get("numerics", "master"), run_seed=seed,
+                             probes=arm.get("probes", PAPER.probes), alpha=arm.get("alpha", PAPER.alpha),
+                             lam=arm.get("lam", PAPER.lam))
+    loss_fn, state = AccuracyLoss(), PlateauState()
+    bs = arm["batch_size"]
+    evals = [_eval_point(data, model, 0, 0, 0.0)]
+    best_state, log, ledger, stop = None, [], [], "max_iters"
+    for it in range(arm["max_iters"]):
+        lr, eps = arm["lr"] * state.scale, arm["eps"] * state.scale
+        loss_fn.reset()
+        st = stepper.step(it, data.batch(seed, it, bs), loss_fn, lr, eps)
+        if keep_ledger:
+            ledger.append((st["seeds"], st["coeffs"], eps))
+        state = plateau_update(state, loss_fn.first_acc, arm.get("patience", PAPER.patience))
+        log.append({"iteration": it + 1, "loss": st["loss"], "train_acc": loss_fn.first_acc, "lr": lr, "eps": eps,
+                    **{k: st[k] for k in ("h_mean", "h_std", "w_mean", "frac_weight_floored", "g_abs_mean")
+                       if k in st}})
+        if not math.isfinite(st["loss"]):
+            stop = "diverged"
+            break
+        out_of_time = time.perf_counter() - t0 > arm["time_s"]
+        if (it + 1) % arm["eval_every"] == 0 or out_of_time or it + 1 == arm["max_iters"]:
+            e = _eval_point(data, model, it + 1, stepper.forward_passes * bs, time.perf_counter() - t0)
+            evals.append(e)
+            if e["val_acc"] >= max(x["val_acc"] for x in evals):
+                best_state = [p.detach().clone() for p in model.parameters()]
+        if out_of_time:
+            stop = "time"
+            break
+    res = _finish(arm, data, model, best_state, evals, t0, stop)
+    res.update(iterations=len(log), forward_passes=stepper.forward_passes,
+               seq_forwards=stepper.forward_passes * bs, log=log)
+    if keep_ledger:
+        res["ledger"] = ledger
+    return res
+
+
+def run_backprop_arm(data: PaperData, model: torch.nn.Module, arm: dict, *, seed: int = 0) -> dict[str, Any]:
+    """AdamW (wd 0) on `model` (consumed) with arm {"name", "lr", "batch_size", "max_iters", "time_s",
+    "eval_every"}; batches as the ZO arms' (with replacement). Each step is one forward and one backward."""
+    t0 = time.perf_counter()
+    opt = torch.optim.AdamW(model.parameters(), lr=arm["lr"], weight_decay=0.0)
+    bs = arm["batch_size"]
+    evals = [_eval_point(data, model, 0, 0, 0.0)]
+    best_state, log, stop = None, [], "max_iters"
+    for it in range(arm["max_iters"]):
+        opt.zero_grad(set_to_none=True)
+        loss = classifier_loss(model, data.batch(seed, it, bs))
+        loss.backward()
+        opt.step()
+        log.append({"iteration": it + 1, "loss": float(loss.detach())})
+        out_of_time = time.perf_counter() - t0 > arm["time_s"]
+        if (it + 1) % arm["eval_every"] == 0 or out_of_time or it + 1 == arm["max_iters"]:
+            evals.append(_eval_point(data, model, it + 1, (it + 1) * bs, time.perf_counter() - t0))
+            if evals[-1]["val_acc"] >= max(x["val_acc"] for x in evals):
+                best_state = [p.detach().clone() for p in model.parameters()]
+        if out_of_time:
+            stop = "time"
+            break
+    res = _finish({**arm, "method": "adamw-backprop"}, data, model, best_state, evals, t0, stop)
+    res.update(iterations=len(log), seq_forwards=len(log) * bs, seq_backwards=len(log) * bs, log=log)
+    return res
+
+
+def paper_arms(total_s: float, mezo_lrs=(1e-5, 3e-5), adamw_lrs=(1e-5, 5e-5)) -> list[dict]:
+    """The arms A1..A6 with their iteration caps and shares of `total_s` seconds (A3w's lr is filled in from
+    A1's mean w when it runs). Shares: A1 24%, A2 16%, A3 and A3w 11% each, A4-16 5%, A4-128 8%, MeZO and
+    AdamW the rest (5% and 3% per lr)."""
+    zo = {"method": "1.5spsa", "numerics": "master", "lr": PAPER.lr, "eps": PAPER.eps, "batch_size": PAPER.batch_size,
+          "probes": PAPER.probes, "max_iters": 75, "eval_every": 3, "patience": PAPER.patience}
+    arms = [dict(zo, name="A1", time_s=0.24 * total_s),
+            dict(zo, name="A2", numerics="inplace", time_s=0.16 * total_s),
+            dict(zo, name="A3", method="1spsa", time_s=0.11 * total_s),
+            dict(zo, name="A3w", method="1spsa", time_s=0.11 * total_s, lr_from="A1 mean w"),
+            dict(zo, name="A4-16", batch_size=16, max_iters=2000, eval_every=25, time_s=0.05 * total_s),
+            dict(zo, name="A4-128", batch_size=128, max_iters=300, eval_every=6, time_s=0.08 * total_s)]
+    arms += [dict(zo, name=f"A5-{lr:g}", method="mezo", lr=lr, eps=1e-3, batch_size=16, max_iters=20000,
+                  eval_every=250, time_s=0.05 * total_s) for lr in mezo_lrs]
+    arms += [{"name": f"A6-{lr:g}", "kind": "backprop", "lr": lr, "batch_size": 16, "max_iters": 1000,
+              "eval_every": 50, "time_s": 0.03 * total_s} for lr in adamw_lrs]
+    return arms
+
+
+def paper_comparison(out_dir: Path, make_model: Callable[[torch.dtype], torch.nn.Module], data: PaperData, *,
+                     total_s: float = 300.0, arms: tuple[str, ...] | None = None, seed: int = 0,
+                     meta: dict | None = None) -> dict[str, Any]:
+    """Run the arms (all, or those named in `arms`) within ~`total_s` seconds; write `paper_summary.json`,
+    `paper_curves.png` and `paper_hw.png` into `out_dir`. make_model(dtype) returns a fresh model on the
+    device (fp32 for every arm but A2's bf16). The drift of A2's numerics against the fp32-master path is
+    measured by replaying A1's ledger from the bf16-rounded start (numerics_drift)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plan = [a for a in paper_arms(total_s) if arms is None or a["name"] in arms]
+    results: dict[str, Any] = {}
+    summary = {"meta": {**(meta or {}), "total_s": total_s, "seed": seed, "regime": PAPER.__dict__,
+                        "n": {s: data.size(s) for s in ("train", "val", "test")}}, "arms": results}
+
+    def save() -> None:
+        (out_dir / "paper_summary.json").write_text(json.dumps(summary, indent=2))
+
+    for arm in plan:
+        if arm.get("lr_from"):
+            ws = [r["w_mean"] for r in results.get("A1", {}).get("log", []) if "w_mean" in r]
+            if not ws:
+                continue
+            arm = dict(arm, lr=PAPER.lr * sum(ws) / len(ws))
+        if arm.get("kind") == "backprop":
+            r = run_backprop_arm(data, make_model(torch.float32), arm, seed=seed)
+        else:
+            dtype = torch.bfloat16 if arm["numerics"] == "inplace" else torch.float32
+            r = run_zo_arm(data, make_model(dtype), arm, seed=seed, keep_ledger=arm["name"] == "A1")
+        if "ledger" in r:  # A2's numerics vs the fp32 master on A1's own steps, from the bf16-rounded start
+            m = make_model(torch.bfloat16)
+            blocks = canonical_blocks(m)
+            summary["drift"] = numerics_drift([b.param.data for b in blocks], [b.offset for b in blocks],
+                                              r.pop("ledger"))
+            del m
+        results[arm["name"]] = r
+        print(json.dumps({k: r[k] for k in ("name", "iterations", "stop", "val_acc", "test_acc", "wall_s")}),
+              flush=True)
+        save()
+    summary["table"] = summary_table(results)
+    save()
+    plot_paper(summary, out_dir)
+    return summary
+
+
+def summary_table(results: dict[str, Any]) -> list[dict]:
+    """One row per arm: iterations, sequence-forwards, val/test accuracy with standard errors, test peek."""
+    return [{"arm": n, "method": r.get("method"), "lr": r.get("lr"), "batch": r.get("batch_size"),
+             "iterations": r["iterations"], "stop": r["stop"], "seq_forwards": r["seq_forwards"],
+             "selected_iteration": r["selected_iteration"], "val_acc": r["val_acc"], "val_se": r["val_se"],
+             "test_acc": r["test_acc"], "test_se": r["test_se"], "initial_test_acc": r["initial_test_acc"],
+             "best_on_test_peek": r["best_on_test_peek"]["test_acc"]} for n, r in results.items()]
+
+
+def plot_paper(summary: dict, out_dir: Path) -> None:
+    """paper_curves.png (val accuracy vs iteration and vs sequence-forwards) and paper_hw.png (A1/A2 h and w)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms = summary["arms"]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 4.8))
+    for n, r in arms.items():
+        it = [e["iteration"] for e in r["evals"]]
+        v = [e["val_acc"] for e in r["evals"]]
+        sf = [max(e["seq_forwards"], 1) for e in r["evals"]]
+        a1.plot(it, v, marker=".", label=n)
+        a2.plot(sf, v, marker=".", label=n)
+    a1.set_xscale("symlog", linthresh=10)
+    a2.set_xscale("log")
+    for ax, xl in ((a1, "iteration (optimizer step)"), (a2, "sequence-forwards (forward passes x batch)")):
+        ax.set_xlabel(xl)
+        ax.set_ylabel("validation accuracy (500 sentences)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle("SmolLM2-135M sentiment, 1.5-SPSA published regime vs 1SPSA, MeZO, AdamW")
+    fig.tight_layout()
+    fig.savefig(out_dir / "paper_curves.png", dpi=120)
+    plt.close(fig)
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    for n in ("A1", "A2", "A4-16", "A4-128"):
+        log = [x for x in arms.get(n, {}).get("log", []) if "h_mean" in x]
+        if not log:
+            continue
+        it = [x["iteration"] for x in log]
+        axes[0].errorbar(it, [x["h_mean"] for x in log], yerr=[x["h_std"] for x in log], label=n, alpha=0.7)
+        axes[1].plot(it, [x["w_mean"] for x in log], label=n)
+        axes[2].plot(it, [x["frac_weight_floored"] for x in log], label=n)
+    for ax, yl in zip(axes, ("h = (L+ + L- - 2 L0)/eps^2 (mean ± sd over K)", "mean w", "fraction of probes at 1/lambda")):
+        ax.set_xlabel("iteration")
+        ax.set_ylabel(yl, fontsize=8)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out_dir / "paper_hw.png", dpi=120)
+    plt.close(fig)
+
+
+def inplace_memory_scan(device: str = "cuda", sizes: tuple[str, ...] = ("gpt-30b", "gpt-55b", "gpt-66b", "gpt-73b"),
+                        seq_len: int = 1024) -> dict[str, Any]:
+    """Largest GPT (batch 1 x seq_len) that takes two 1.5-SPSA(K=2) steps with bf16 weights perturbed and
+    updated in place (2 bytes per parameter, no fp32 master), trying `sizes` in order until one runs out of
+    memory. Returns {"gpu", "gpu_bytes", "trials": [{shape, params, ok, peak_bytes, seconds, error}], "largest"}.
+    Raises RuntimeError without CUDA, ValueError for an unknown shape."""
+    from benchmarks.headline import _build_shape
+    from trainer.models.losses import lm_batch_loss
+
+    shapes = {"gpt-13b": (40, 40, 5120), "gpt-30b": (48, 56, 7168), "gpt-45b": (56, 64, 8192),
+              "gpt-55b": (68, 64, 8192), "gpt-66b": (64, 72, 9216), "gpt-73b": (72, 72, 9216)}
+    if not torch.cuda.is_available():
+        raise RuntimeError("the memory scan needs a CUDA GPU")
+    bad = [s for s in sizes if s not in shapes]
+    if bad:
+        raise ValueError(f"unknown shapes {bad}; choose from {sorted(shapes)}")
+    torch.zeros(1, device=device)
+    trials, largest = [], None
+    for name in sizes:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        t0, model, err = time.perf_counter(), None, None
+        try:
+            model = _build_shape(*shapes[name], torch.bfloat16, device, seed=0)
+            n = sum(p.numel() for p in model.parameters())
+            x = torch.randint(0, 50257, (1, seq_len), device=device)
+            st = ZOParamStepper(model, "1.5spsa", numerics="inplace", probes=2)
+            for s in range(2):
+                st.step(s, (x, x), lm_batch_loss, 1e-6, 1e-3)
+            torch.cuda.synchronize(device)
+            ok = True
+        except torch.OutOfMemoryError as exc:
+            ok, err = False, str(exc).splitlines()[0][:160]
+            n = None
+        peak = torch.cuda.max_memory_allocated(device)
+        del model
+        torch.cuda.empty_cache()
+        trials.append({"shape": name, "params": n, "ok": ok, "peak_bytes": peak,
+                       "seconds": time.perf_counter() - t0, "error": err})
+        print(json.dumps(trials[-1]), flush=True)
+        if not ok:
+            break
+        largest = name
+    props = torch.cuda.get_device_properties(device)
+    return {"gpu": props.name, "gpu_bytes": props.total_memory, "batch": 1, "seq_len": seq_len,
+            "trials": trials, "largest": largest}
+
+
+def paper_main(out_dir: Path, *, device: str = "cuda", total_s: float = 300.0, arms: tuple[str, ...] | None = None,
+               seed: int = 0) -> dict[str, Any]:
+    """`bench zo --model smollm2 --regime paper`: SmolLM2-135M prompt classifier (trainer.prompt_classifier),
+    loaded once and copied fresh for every arm; fp32 arms use TF32 matmuls on CUDA. Raises FetchError /
+    DataFetchError when weights or data are unavailable."""
+    from benchmarks.zo import sentiment_task
+    from trainer.prompt_classifier import load_smollm2_prompt_classifier
+
+    if device.startswith("cuda"):
+        torch.set_float32_matmul_precision("high")
+    task = sentiment_task("smollm2", device)
+    data = PaperData.from_task(task)
+    base, _ = load_smollm2_prompt_classifier(torch.float32)
+
+    def make_model(dtype: torch.dtype) -> torch.nn.Module:
+        return copy.deepcopy(base).to(device=device, dtype=dtype).eval()
+
+    meta = {"model": "smollm2", "device": device, "matmul_fp32": "tf32" if device.startswith("cuda") else "fp32",
+            "gpu": torch.cuda.get_device_name(device) if device.startswith("cuda") else None}
+    return paper_comparison(out_dir, make_model, data, total_s=total_s, arms=arms, seed=seed, meta=meta)
