@@ -40,9 +40,11 @@ Distribution = Literal["rademacher", "gauss8"]
 DType = Literal["float32", "bfloat16", "float16"]
 WorkerState = Literal["active", "draining", "lost", "quarantined"]
 # seeded: z(seed); block_scaled: per-block gauss8 scale times Rademacher signs; along_update: the update
-# theta_version - theta_base restricted to block `seed`; group: z(seed) restricted to the round's `blocks`
-# (the meaning of each: trainer.zo.probes.KINDS, which a test keeps equal to this list).
-ProbeKindName = Literal["seeded", "block_scaled", "along_update", "group"]
+# theta_version - theta_base restricted to block `seed`; group: z(seed) restricted to the round's `blocks`;
+# line: seed * eps times the whole update theta_version - theta_base (the meaning of each:
+# trainer.zo.probes.KINDS, which a test keeps equal to this list).
+ProbeKindName = Literal["seeded", "block_scaled", "along_update", "group", "line"]
+BASE_KINDS = ("along_update", "line")  # kinds probing along theta_version - theta_base
 MAX_BLOCKS = 1 << 20  # canonical blocks of a model (parameter tensors): far above any real model
 BlockIndex = Annotated[int, Field(ge=0, lt=MAX_BLOCKS)]
 
@@ -259,11 +261,11 @@ class Attestation(Message):
 
 def _check_kind(kind: str, version: int, base_version: int | None, blocks: list[int] | None,
                 schema_version: int) -> None:
-    if kind == "along_update":
+    if kind in BASE_KINDS:
         if base_version is None or base_version >= version:
-            raise ValueError("an along_update round needs base_version < version")
+            raise ValueError(f"{kind} rounds need base_version < version")
     elif base_version is not None:
-        raise ValueError("base_version is only meaningful for along_update rounds")
+        raise ValueError("base_version is only meaningful for along_update and line rounds")
     if kind == "group":
         if schema_version < 2 or not blocks:
             raise ValueError("a group round needs schema_version 2 and a non-empty `blocks` list")

@@ -76,6 +76,9 @@ def up(
                                               "(replaces --workers)."),
     gpus: str | None = typer.Option(None, help="auto: the trainer on the first GPU, a probe worker on each other "
                                     "(one GPU: both share it)."),
+    set_: list[str] | None = typer.Option(None, "--set", help="KEY=VALUE: another training setting of both runs "
+                                          "(a TrainConfig field), e.g. --set lr=6e-4 --set warmup_steps=40 "
+                                          "--set corpus=classics. Repeatable."),
 ) -> None:
     """Run everything on this machine: Valkey, coordinator, probe workers, trainer.
 
@@ -102,7 +105,7 @@ def up(
                        run_dir=run_dir, curvature_interval=curvature_interval, task=task, probes=probes,
                        batch_size=batch_size, seq_len=seq_len, overwrite=overwrite,
                        device=None if placement.trainer == "cpu" else placement.trainer,
-                       worker_devices=placement.workers)
+                       worker_devices=placement.workers, train_options=tuple(set_ or ()))
         summary = run_up(plan, progress=progress, keep_blobs=keep_blobs, export=export,
                          log=lambda m: typer.secho(m, fg=typer.colors.YELLOW if m.startswith("warning") else None,
                                                    err=True))

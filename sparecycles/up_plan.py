@@ -78,12 +78,15 @@ def _folder_diffs(out: Path, settings: dict[str, dict], states: dict) -> list[st
 def plan_up(*, preset: str = "demo", optimizer: str | None = None, workers: int = 2, steps: int | None = None,
             run_dir: Path | None = None, curvature_interval: int | None = None, task: str = "lm",
             probes: int | None = None, batch_size: int | None = None, seq_len: int | None = None,
-            overwrite: bool = False, device: str | None = None, worker_devices: tuple[str, ...] = ()) -> UpPlan:
+            overwrite: bool = False, device: str | None = None, worker_devices: tuple[str, ...] = (),
+            train_options: tuple[str, ...] = ()) -> UpPlan:
     """Validate every option of `up` and decide what happens to its run folder; starts and trains nothing.
 
     `device` is the trainer's torch device (both runs), `worker_devices` one device per worker process
     (fleet.devices.place decides both). The folder is `run_dir`, else `runs/up-<preset>-<optimizer>` plus a tag per setting that differs from
     the preset's (`-steps5`, `-k4`, `-b8`, `-t16`, `-ci4`), so runs with other settings get other folders.
+    `train_options` ("KEY=VALUE", `up --set`) set any other TrainConfig field of both runs (e.g. lr=6e-4,
+    warmup_steps=40, min_lr=6e-5, corpus=classics, eval_every=25), validated by TrainConfig.
     Raises ValueError (message names the option) for an invalid option, or when the folder holds a run with
     other settings and `overwrite` is not set (the message lists the differences).
     """
@@ -114,11 +117,13 @@ def plan_up(*, preset: str = "demo", optimizer: str | None = None, workers: int 
     preset = "sentiment-demo" if sentiment and preset == "demo" else preset
     over = {"steps": steps, "curvature_interval": curvature_interval, "task": task, "probes": probes,
             "batch_size": batch_size, "seq_len": seq_len, "device": device}
+    extra = parse_train_options(train_options)
     try:
-        if not sentiment:
+        if not sentiment and "staleness" not in extra:
             # A fleet answers a round while the trainer moves on; versions advance with steps, so the staleness
             # bound must cover the rounds' round trip: two curvature intervals.
             over["staleness"] = 2 * resolve_preset(preset, over).curvature_interval
+        over.update(extra)
         zo_cfg = resolve_preset(preset, {**over, "optimizer": optimizer})
         base_cfg = resolve_preset(preset, {**over, "optimizer": "adamw"})
         default = resolve_preset(preset, {"task": task, "optimizer": optimizer})
@@ -143,6 +148,36 @@ def plan_up(*, preset: str = "demo", optimizer: str | None = None, workers: int 
     if overwrite:
         plan = replace(plan, clear=True, states={k: FolderState("empty") for k in states})
     return plan
+
+
+# `up --set` may not set what `up` decides itself (the runs' optimizers, folders, devices and task).
+_NOT_SETTABLE = ("optimizer", "optimizer_options", "run_dir", "device", "task")
+
+
+def parse_train_options(items: tuple[str, ...] | list[str]) -> dict[str, str]:
+    """{field: value} from "KEY=VALUE" strings (`up --set`); TrainConfig converts and validates the values.
+
+    Raises ValueError for an item without "=", an unknown TrainConfig field, one of _NOT_SETTABLE (or one of
+    `up`'s own options: use the option), or a key given twice.
+    """
+    from trainer.config import TrainConfig
+
+    own = ("steps", "curvature_interval", "probes", "batch_size", "seq_len")
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or not key:
+            raise ValueError(f"--set {item!r}: use KEY=VALUE, e.g. --set lr=6e-4")
+        if key not in TrainConfig.model_fields or key in _NOT_SETTABLE:
+            raise ValueError(f"--set {key}: not a setting of both runs; settable: "
+                             f"{', '.join(k for k in TrainConfig.model_fields if k not in _NOT_SETTABLE + own)}")
+        if key in own:
+            raise ValueError(f"--set {key}: use --{key.replace('_', '-')}")
+        if key in out:
+            raise ValueError(f"--set {key} given twice")
+        out[key] = value.strip()
+    return out
 
 
 def clear_folder(out: Path) -> None:

@@ -88,6 +88,23 @@ def test_up_default_folder_carries_the_settings_and_a_finished_run_is_never_repl
     assert plan_up(steps=5, run_dir=demo.out, overwrite=True).clear
 
 
+def test_up_set_gives_both_runs_the_settings_and_refuses_what_up_decides(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPARECYCLES_RUNS", str(tmp_path))
+    plan = plan_up(optimizer="zocurv-global", steps=40, train_options=("lr=6e-4", "warmup-steps=4", "min_lr=6e-5"))
+    for cfg in (plan.base_cfg, plan.zo_cfg):
+        assert (cfg.lr, cfg.warmup_steps, cfg.min_lr, cfg.staleness) == (6e-4, 4, 6e-5, 30)
+    assert (plan.base_cfg.optimizer, plan.zo_cfg.optimizer) == ("adamw", "zocurv-global")
+    assert plan_up(train_options=("staleness=7",)).zo_cfg.staleness == 7
+    for bad, msg in (("lr", "KEY=VALUE"), ("optimizer=mezo", "not a setting of both runs"),
+                     ("steps=3", "use --steps"), ("lr=-1", "lr")):
+        with pytest.raises(ValueError, match=msg):
+            plan_up(train_options=(bad,))
+    with pytest.raises(ValueError, match="given twice"):
+        plan_up(train_options=("lr=1e-3", "lr=2e-3"))
+    with pytest.raises(ValueError, match="in process only"):
+        plan_up(optimizer="zocurv-group")
+
+
 def test_steps_below_the_curvature_interval_warn(tmp_path):
     """`up` plans the warning; `train` prints it, writes it to summary.json, and indeed probes nothing."""
     assert "no curvature probe round in 5 steps" in plan_up(steps=5).warnings[0]

@@ -300,7 +300,8 @@ def test_role_mode_steps_logs_and_resumes(name):
     other = RoleCurvMode(cfg, tiny_gpt2(), _lm_loss)
     other.load_extra_state(tensors, meta)
     assert other.mult == mode.mult and other.optimizer.global_mult == mode.optimizer.global_mult
-    assert (other.prev is None) == (mode.prev is None)
+    assert other.prev_version == mode.prev_version
+    assert sorted(other.backend.snapshots) == ([mode.prev_version] if 'global' in name else [])
 
 
 def test_role_options_come_from_the_registry():
@@ -311,3 +312,32 @@ def test_role_options_come_from_the_registry():
     assert (mode.opts.s_max, mode.opts.negative, mode.opts.gamma) == (3.0, "skip", 0.5)
     with pytest.raises(ValidationError):
         TrainConfig(model="gpt2-tiny", optimizer="zocurv-global", optimizer_options={"s_maximum": 3.0})
+
+
+def test_line_round_gives_line_losses_bit_for_bit():
+    """zocurv-global's ``line`` probe round (seeds 1, 2, 3 at ε = ½ with L0), the one fleet workers evaluate, gives
+    the losses of `line_losses` at LINE_ALPHAS exactly: the in-process run kept its numbers when its probes moved
+    to a ProbeBackend."""
+    from trainer.zo.backend import InProcessBackend, collect_round
+    from trainer.zo.probes import ProbeKind, RoundSpec
+    from trainer.zo.role_mode import LINE_ALPHAS, LINE_EPS, LINE_SEEDS, line_fit_losses
+
+    m = tiny_gpt2()
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randint(0, 32, (2, 9), generator=gen)
+    batch = (x[:, :-1], x[:, 1:])
+    be = InProcessBackend(m, _lm_loss, history=2)
+    be.publish(0)
+    prev = [p.detach().float().clone() for p in m.parameters()]
+    with torch.no_grad():
+        for i, p in enumerate(m.parameters()):
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(i)) * 1e-2)
+    be.publish(5)
+    res, counts = collect_round(be, RoundSpec("g", 5, batch, LINE_EPS, LINE_SEEDS, want_clean=True,
+                                              kind=ProbeKind.LINE, base_version=0))
+    assert counts["accepted"] == 3 and be.forward_passes == 1 + 2 * 3
+    assert line_fit_losses({r.seed: r for r in res}) == line_losses(m, _lm_loss, batch, prev, LINE_ALPHAS)
+    with pytest.raises(ValueError, match="step multiples"):
+        collect_round(be, RoundSpec("h", 5, batch, LINE_EPS, (0,), kind=ProbeKind.LINE, base_version=0))
+    with pytest.raises(ValueError, match="base_version"):
+        RoundSpec("i", 5, batch, LINE_EPS, (1,), kind=ProbeKind.LINE)

@@ -115,12 +115,12 @@ def build_zocurv_mode(cfg, model, loss_fn, backend=None):
 
 def build_role_mode(cfg, model, loss_fn, backend=None):
     """Second-generation ZO-Curv (trainer.zo.role_mode.RoleCurvMode: per-role / global multipliers, issue 17).
-    Raises ValueError for a backend: its group and line probes run in process only (no fleet probe kind yet)."""
-    if backend is not None:
-        raise ValueError(f"{cfg.optimizer} probes in process only; a fleet backend cannot run its rounds yet")
+    zocurv-global's line rounds go to `backend` (a fleet's, or None: in process). Raises ValueError for a
+    backend with the group variants: their GPT-2 role segments split parameter tensors (c_attn's QK | V
+    columns), which the wire's ``group`` kind (whole blocks) cannot carry, so they probe in process only."""
     from trainer.zo.role_mode import RoleCurvMode
 
-    return RoleCurvMode(cfg, model, loss_fn)
+    return RoleCurvMode(cfg, model, loss_fn, backend)
 
 
 def build_pure_zo_mode(cfg, model, loss_fn, backend=None):
@@ -215,7 +215,7 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("zocurv-group", "zo-curv", "AdamW with upward-only per-role multipliers from group curvature probes",
            build_role_mode, RoleOptions, fleet=False),
     Method("zocurv-global", "zo-curv", "AdamW with an upward-only global multiplier from a multi-step line fit",
-           build_role_mode, RoleOptions, fleet=False, probes_along_step=True),
+           build_role_mode, RoleOptions, probes_along_step=True),
     Method("zocurv-group-global", "zo-curv", "zocurv-group and zocurv-global together", build_role_mode,
            RoleOptions, fleet=False),
     Method("zocurv-group-fixed", "zo-curv", "ablation: Wang et al. 2025's per-role multipliers fixed, no probes",

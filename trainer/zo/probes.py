@@ -17,6 +17,10 @@ results bit-identical to in-process ones.
   indices), every other block unperturbed: block b ∈ G becomes kernels.perturb(w_b, seed, offset_b, ±ε,
   dist). For a quadratic, h = (L+ + L− − 2L0)/ε² = z_Gᵀ H_GG z_G, so E[h] = tr(H_GG) for a unit-variance z
   and tr(H_GG)/n_G estimates the group's mean curvature (ZO-Curv by parameter group).
+- ``line``: the seed j >= 1 is a step multiple along the whole multi-step update d = θ_v − θ_base (every
+  block at once, fp32, not normalised): L± = L(θ_v ± j·ε·d), each block (w_b ± (j·ε)·d_b) rounded once to
+  its dtype. With ε = ½ and seeds (1, 2, 3) a round gives the losses at α ∈ {±½, ±1, ±1½} along d that
+  zocurv-global's quadratic line fit takes (trainer.zo.role_mode; α = −1 is θ_base itself up to rounding).
 
 Non-seeded kinds build perturbed blocks out of place (fp32 math, one rounding to the parameter dtype) and
 swap them in (`param.data = new`) for one forward pass only; the clean storages are never written.
@@ -47,6 +51,7 @@ class ProbeKind(str, Enum):
     BLOCK_SCALED = "block_scaled"
     ALONG_UPDATE = "along_update"
     GROUP = "group"
+    LINE = "line"
 
 
 @dataclass(frozen=True)
@@ -84,11 +89,11 @@ class RoundSpec:
         version: weight version θ_v the probes are taken at.
         batch: task batch passed to the loss function as is (in process: tensors).
         eps: probe step ε > 0 (parameter units, for a unit-RMS direction).
-        seeds: probe seeds (for ``along_update``: block indices).
+        seeds: probe seeds (``along_update``: block indices; ``line``: step multiples j >= 1).
         dist: "rademacher" or "gauss8" (``seeded`` and ``group``).
         want_clean: also evaluate L0 = L(θ_v).
         kind: a ProbeKind.
-        base_version: θ_base for ``along_update`` (usually version − 1).
+        base_version: θ_base for ``along_update`` (usually version − 1) and ``line`` (an earlier refresh).
         group: sorted, distinct canonical block indices perturbed by a ``group`` round (empty otherwise).
     Raises ValueError at construction for an empty or repeated seed list, eps <= 0 or non-finite, and fields
     the kind needs or forbids (`check_kind_fields`).
@@ -144,7 +149,8 @@ class ProbeSite:
         blocks: canonical blocks of the model holding θ_v.
         loss: loss(new) -> L (nats) with blocks `new` {index: tensor} swapped in; None or {} = clean.
         seeded_loss: seeded_loss(seed, alpha, dist) -> L(θ_v + alpha·z(seed)) (kernels.ProbeEvaluator).
-        update: update(b) -> u_b = θ_v[b] − θ_base[b], fp32 of block b's shape (along_update rounds only).
+        update: update(b) -> u_b = θ_v[b] − θ_base[b], fp32 of block b's shape (along_update
+            and line rounds only).
     """
 
     blocks: Sequence[Block]
@@ -213,6 +219,28 @@ def _group(site: ProbeSite, seed: int, eps: float, dist: str, group: Sequence[in
             site.loss(group_weights(site.blocks, group, seed, -eps, dist)), None)
 
 
+def line_weights(site: ProbeSite, alpha: float) -> dict[int, torch.Tensor]:
+    """Every block of θ_v + alpha·d, d = θ_v − θ_base (site.update), out of place: (w_b + alpha·d_b) in fp32,
+    rounded once to the block's dtype. Raises ValueError without base weights or for a block of another shape."""
+    if site.update is None:
+        raise ValueError("line probes need the base version's weights (ProbeSite.update)")
+    out = {}
+    for b, blk in enumerate(site.blocks):
+        w = blk.param.detach()
+        d = site.update(b)
+        if d.shape != w.shape:
+            raise ValueError(f"block {b} has shape {tuple(w.shape)} in one version, {tuple(d.shape)} in the other")
+        out[b] = (w.float() + alpha * d).to(w.dtype)
+    return out
+
+
+def _line(site: ProbeSite, j: int, eps: float, dist: str, group: Sequence[int], l0: float | None) -> Losses:
+    if j < 1:
+        raise ValueError(f"line seeds are step multiples j >= 1, got {j}")
+    a = j * eps
+    return site.loss(line_weights(site, a)), site.loss(line_weights(site, -a)), None
+
+
 @dataclass(frozen=True)
 class KindRule:
     """One probe kind: how a seed is evaluated and which round fields it needs.
@@ -232,6 +260,7 @@ KINDS: dict[ProbeKind, KindRule] = {
     ProbeKind.BLOCK_SCALED: KindRule(_block_scaled),
     ProbeKind.ALONG_UPDATE: KindRule(_along_update, needs_base=True),
     ProbeKind.GROUP: KindRule(_group, needs_group=True),
+    ProbeKind.LINE: KindRule(_line, needs_base=True),
 }
 
 
@@ -249,9 +278,9 @@ def check_kind_fields(kind: ProbeKind, base_version: int | None, group: Sequence
     """Raise ValueError when a round lacks a field its kind needs (KINDS) or carries one it does not use."""
     rule = KINDS[kind]
     if rule.needs_base and base_version is None:
-        raise ValueError(f"{kind.value} rounds need base_version (the version the step started from)")
+        raise ValueError(f"{kind.value} rounds need base_version (the version the update started from)")
     if not rule.needs_base and base_version is not None:
-        raise ValueError(f"base_version is only meaningful for along_update rounds, not {kind.value}")
+        raise ValueError(f"base_version is only meaningful for along_update and line rounds, not {kind.value}")
     if rule.needs_group:
         check_group(group)
     elif group:
