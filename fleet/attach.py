@@ -171,6 +171,8 @@ class SyncRounds:
     price is that the trainer waits for the fleet once per curvature interval. Everything else delegates.
     """
 
+    synchronous = True  # modes that would publish/submit off the training thread do it inline here
+
     def __init__(self, backend, timeout_s: float = 300.0) -> None:
         self.backend, self.timeout_s = backend, timeout_s
         self._pending: list[str] = []

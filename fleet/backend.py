@@ -37,22 +37,30 @@ from trainer.zo.probes import ProbeKind, RoundSpec, SeedResult
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-def write_shards(model: torch.nn.Module, shard_bytes: int = 256 << 20) -> list[tuple[str, bytes]]:
+def write_shards(model: torch.nn.Module, shard_bytes: int = 256 << 20,
+                 weights: list[torch.Tensor] | None = None) -> list[tuple[str, bytes]]:
     """Split the canonical parameters into safetensors shards of about `shard_bytes` bytes each.
 
-    Returns [(name, bytes)] with names "shard-00000.safetensors", ... in canonical order; a parameter is
-    never split. Serialisation is deterministic, so equal weights give equal bytes (and sha256).
+    `weights`: tensors to write instead of the live parameters, one per canonical block in order (a copy
+    taken earlier: the trainer publishes it while it trains on). Returns [(name, bytes)] with names
+    "shard-00000.safetensors", ... in canonical order; a parameter is never split. Serialisation is
+    deterministic, so equal weights give equal bytes (and sha256). Raises ValueError for `weights` that do not
+    match the blocks' count, shapes or dtypes.
     """
     from safetensors.torch import save
 
+    blocks = probes.canonical_blocks(model)
+    if weights is not None and (len(weights) != len(blocks) or any(
+            w.shape != b.param.shape or w.dtype != b.param.dtype for w, b in zip(weights, blocks))):
+        raise ValueError("weights must hold one tensor per canonical block, of its shape and dtype")
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
-    for b in probes.canonical_blocks(model):
+    for i, b in enumerate(blocks):
         nbytes = b.numel * b.param.element_size()
         if shards[-1] and size + nbytes > shard_bytes:
             shards.append({})
             size = 0
-        shards[-1][b.name] = b.param.detach().cpu().contiguous()
+        shards[-1][b.name] = (b.param if weights is None else weights[i]).detach().cpu().contiguous()
         size += nbytes
     return [(f"shard-{i:05d}.safetensors", save(s)) for i, s in enumerate(shards)]
 
@@ -156,31 +164,33 @@ class CoordinatorBackend:
         """The newest version published (snapshot or ledger entry), None before the first."""
         return self.published[-1] if self.published else None
 
-    def _snapshot(self, version: int) -> None:
+    def _snapshot(self, version: int, weights: list[torch.Tensor] | None = None) -> None:
         self.published.append(version)
         if self.history:
-            self.snapshots[version] = [b.param.detach().float().clone() for b in self.blocks]
+            src = [b.param for b in self.blocks] if weights is None else weights
+            self.snapshots[version] = [w.detach().float().clone() for w in src]
             for v in sorted(self.snapshots)[: -self.history]:
                 del self.snapshots[v]
 
-    def publish(self, version: int) -> None:
-        """Upload the model's current weights as `version` and register its manifest.
+    def publish(self, version: int, weights: list[torch.Tensor] | None = None) -> None:
+        """Upload the model's current weights (or `weights`, a copy of them taken earlier, one tensor per
+        canonical block: see write_shards) as `version` and register its manifest.
 
-        Raises ValueError if `version` is not newer than the last published one; CoordinatorHTTPError
-        from the coordinator (e.g. 409 when the version exists with other content).
+        Raises ValueError if `version` is not newer than the last published one or `weights` do not fit;
+        CoordinatorHTTPError from the coordinator (e.g. 409 when the version exists with other content).
         """
         from trainer.models.params import param_order_hash
 
         if self.published and version <= self.published[-1]:
             raise ValueError(f"version {version} is not newer than {self.published[-1]}")
         refs = [ShardRef(name=name, sha256=self._upload(data), bytes=len(data))
-                for name, data in write_shards(self.model, self.shard_bytes)]
+                for name, data in write_shards(self.model, self.shard_bytes, weights)]
         self.client.post_version(VersionManifest(
             run=self.run, version=version, parent=self.latest_version, shards=refs,
             param_order_hash=param_order_hash(self.model), dtype=self.dtype,
             model_class=type(self.model).__name__, model_config_json=manifest_config(self.model),
         ))
-        self._snapshot(version)
+        self._snapshot(version, weights)
 
     def publish_ledger(self, version: int, seeds: list[int], coeffs: list[float], dist: str,
                        scale: float = 1.0, scale_min_dim: int = 0) -> bool:

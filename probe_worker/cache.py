@@ -17,6 +17,7 @@ parameters (`model.named_parameters()` names, tied weights once); together they 
 from __future__ import annotations
 
 import hashlib
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -29,6 +30,8 @@ import torch
 from coordinator.client import CoordinatorClient, CoordinatorHTTPError, CorruptBlobError
 from coordinator.messages import ShardRef, VersionManifest
 from probe_worker.metrics import WorkerMetrics, default_metrics
+
+log = logging.getLogger("sparecycles.worker")
 
 SHARD_FETCH_TRIES = 3
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -219,8 +222,11 @@ class WeightCache:
             else:
                 loaded = self._load_snapshot(run, version, manifest)
             self._keep(key, loaded)
-            self.metrics.weight_load_seconds.observe(time.perf_counter() - t0)
+            dt = time.perf_counter() - t0
+            self.metrics.weight_load_seconds.observe(dt)
             self.metrics.version.set(version)
+            # unix time: benchmarks pair it with the trainer's publish time (publish -> ready per version)
+            log.info("run %s version %d ready in %.3f s (unix %.3f)", run, version, dt, time.time())
             return loaded
 
     def _keep(self, key: tuple[str, int], loaded: LoadedVersion) -> None:

@@ -141,3 +141,34 @@ def test_train_coordinator_equals_in_process(coordinator, tmp_path):
     res = _cli("train", *zo_pure, "--run-dir", str(tmp_path / "spsa-local"), env=local)
     assert res.returncode == 0, res.stderr[-3000:]
     assert _losses(tmp_path / "spsa-fleet") == _losses(tmp_path / "spsa-local")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_train_coordinator_zocurv_global_equals_in_process(coordinator, tmp_path):
+    """zocurv-global (issue 17's best variant) through the fleet: each refresh publishes θ_t and its ``line`` round
+    along θ_t − θ_{t−k} is evaluated by the worker; with --fleet-sync the run equals the in-process one bit for bit."""
+    url, env, workers = coordinator
+    workers.append(_start_worker(url, env, tmp_path))
+    zo = [*TINY, "--optimizer", "zocurv-global", "--steps", "6", "--curvature-interval", "2"]
+    res = _cli("train", *zo, "--run-dir", str(tmp_path / "global-fleet"), "--coordinator", url, "--fleet-sync", env=env)
+    assert res.returncode == 0, res.stderr[-3000:] + (tmp_path / "worker.log").read_text()[-3000:]
+    local = {k: v for k, v in env.items() if k not in ("SPARECYCLES_ADMIN_TOKEN", "SPARECYCLES_REDIS_URL")}
+    res = _cli("train", *zo, "--run-dir", str(tmp_path / "global-local"), env=local)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert _losses(tmp_path / "global-fleet") == _losses(tmp_path / "global-local")  # floats compared exactly
+    fleet, inproc = ([json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
+                     for d in ("global-fleet", "global-local"))
+    keys = ("line_ratio", "line_curv", "line_slope", "mult_global")
+    folded = [(r["step"], *(r[k] for k in keys)) for r in fleet if "line_ratio" in r]
+    assert folded == [(r["step"], *(r[k] for k in keys)) for r in inproc if "line_ratio" in r]
+    assert [f[0] for f in folded] == [3, 5]  # rounds at steps 2 and 4 (0-based), logged with the step they shaped
+    assert max(r.get("line_accepted", 0) for r in fleet) == 2 * 3  # 3 seeds per round, all from the worker
+    assert [r["publish_version"] for r in fleet if "publish_unix" in r] == [0, 2, 4]  # inline under --fleet-sync
+    # Asynchronous (no --fleet-sync): each refresh's publish and round run on a background thread while the trainer
+    # steps on; a refresh waits for the previous one, so versions 0 and 2 are seen published by steps 2 and 4.
+    res = _cli("train", *zo, "--run-dir", str(tmp_path / "global-async"), "--coordinator", url, env=env)
+    assert res.returncode == 0, res.stderr[-3000:] + (tmp_path / "worker.log").read_text()[-3000:]
+    recs = [json.loads(x) for x in (tmp_path / "global-async" / "metrics.jsonl").read_text().splitlines()]
+    seen = {int(r["publish_version"]): r["step"] for r in recs if "publish_version" in r}
+    assert {0, 2} <= set(seen) <= {0, 2, 4} and seen[0] <= 3 and seen[2] <= 5
