@@ -127,14 +127,14 @@ def test_block_multipliers_broadcast_c_attn_columns():
 
 
 # ---- multipliers from exact curvature --------------------------------------------------------------
-def test_multipliers_from_exact_curvature_of_a_quadratic_with_known_block_spectra():
-    """L(θ) = ½ Σ_i d_i θ_i² with d drawn per role around known means: Rademacher probes restricted to G
-    give h = Σ_{i∈G} d_i exactly (z_i² = 1), so S_G = mean d over G with zero standard error; every
-    value below is exactly representable, so the finite differences are exact too."""
+def _role_quadratic(means):
+    """tiny GPT-2 at θ = 0.5 and L(θ) = ½ Σ_i d_i θ_i² with d_i = mean_role · u_i, u_i ~ U[0.5, 1.5) per element
+    (negative means give a concave group). Rademacher probes restricted to G give h = Σ_{i∈G} d_i exactly
+    (z_i² = 1), so S_G = mean d over G with zero standard error; θ, ε and z are exactly representable, so
+    the finite differences are exact to float64 rounding. Returns (model, role map, loss, exact S_G)."""
     m = tiny_gpt2()
     g = model_roles(m)
     params = list(m.parameters())
-    means = {Role.EMBED: 0.01, Role.QK: 0.5, Role.VO: 2.0, Role.FFN: 1.0, Role.NORM: 50.0}
     gen = torch.Generator().manual_seed(1)
     d = [torch.zeros(p.shape, dtype=torch.float64) for p in params]
     for role, segs in g.groups.items():
@@ -149,18 +149,48 @@ def test_multipliers_from_exact_curvature_of_a_quadratic_with_known_block_spectr
     def quad(model, batch):
         return sum(0.5 * (di * q.double() ** 2).sum() for di, q in zip(d, model.parameters()))
 
+    exact = {role: float(sum((d[s.block][s.mask()] if s.mask() is not None else d[s.block]).sum()
+                             for s in g.groups[role])) / g.size(role) for role in g.roles}
+    return m, g, quad, exact
+
+
+def test_multipliers_from_exact_curvature_of_a_quadratic_with_known_block_spectra():
+    means = {Role.EMBED: 0.01, Role.QK: 0.5, Role.VO: 2.0, Role.FFN: 1.0, Role.NORM: 50.0}
+    m, g, quad, exact = _role_quadratic(means)
     est, _, fwd = group_curvatures(m, quad, None, g, probes=3, eps_rel=2.0**-4, seed=7, refresh=0)
     assert fwd == 1 + 2 * 3 * len(g.roles)
     for role in g.roles:
-        exact = float(sum((d[s.block][s.mask()] if s.mask() is not None else d[s.block]).sum()
-                          for s in g.groups[role])) / g.size(role)
-        assert est[role].mean == pytest.approx(exact, rel=1e-9)
-        assert est[role].se == pytest.approx(0.0, abs=1e-9 * exact)
+        assert est[role].mean == pytest.approx(exact[role], rel=1e-9)
+        assert est[role].se == pytest.approx(0.0, abs=1e-9 * exact[role])
     s = update_group_multipliers({}, est, gamma=0.5, s_max=10.0, beta=0.0, snr_min=2.0)
     top = max(e.mean for e in est.values())
     for role in g.roles:
         assert s[role] == pytest.approx(min(max(math.sqrt(top / est[role].mean), 1.0), 10.0))
     assert s[Role.NORM] == 1.0 and s[Role.EMBED] == 10.0  # sharpest keeps lr; the flattest is clipped
+
+
+def test_a_concave_group_keeps_its_multiplier_and_never_rises_to_s_max():
+    """FFN concave (mean d = −1) with the probes' exact, zero-variance estimate (|SNR| = inf): by default it is
+    skipped (keeps its multiplier, refresh after refresh), the other groups follow s_G = clip(√(S_max/S_G), 1,
+    s_max) over the convex groups alone; the old "flat" rule drives it to s_max by the EMA:
+    s_k = s_max − (s_max − s_0)·β^k."""
+    means = {Role.EMBED: 0.01, Role.QK: 0.5, Role.VO: 2.0, Role.FFN: -1.0, Role.NORM: 50.0}
+    m, g, quad, exact = _role_quadratic(means)
+    assert exact[Role.FFN] < 0
+    est, _, _ = group_curvatures(m, quad, None, g, probes=3, eps_rel=2.0**-4, seed=7, refresh=0)
+    assert est[Role.FFN].mean == pytest.approx(exact[Role.FFN], rel=1e-9)
+    assert est[Role.FFN].snr < -1e6  # trusted: confidently negative
+    top = exact[Role.NORM]
+    skip = flat = {r: 1.0 for r in g.roles} | {Role.FFN: 1.5}
+    for k in range(1, 5):
+        skip = update_group_multipliers(skip, est, gamma=0.5, s_max=10.0, beta=0.5)
+        flat = update_group_multipliers(flat, est, gamma=0.5, s_max=10.0, beta=0.5, negative="flat")
+        assert skip[Role.FFN] == 1.5
+        assert flat[Role.FFN] == pytest.approx(10.0 - (10.0 - 1.5) * 0.5**k)
+        for role in (Role.EMBED, Role.QK, Role.VO, Role.NORM):
+            target = min(max(math.sqrt(top / exact[role]), 1.0), 10.0)
+            assert skip[role] == pytest.approx(flat[role]) == pytest.approx(target - (target - 1.0) * 0.5**k)
+    assert skip[Role.NORM] == 1.0 and skip[Role.EMBED] == pytest.approx(10.0 - 9.0 * 0.5**4)  # 70x clipped
 
 
 def test_group_curvature_statistics():
@@ -197,8 +227,8 @@ def test_multipliers_upward_only_and_clipped(seed):
 
 def test_negative_curvature_policy():
     est = {"a": CurvEstimate(4.0, 0.1, 40.0), "b": CurvEstimate(1.0, 0.1, 10.0), "c": CurvEstimate(-1.0, 0.1, -10.0)}
-    flat = update_group_multipliers({}, est, gamma=0.5, s_max=8.0, beta=0.0)
-    skip = update_group_multipliers({"c": 1.5}, est, gamma=0.5, s_max=8.0, beta=0.0, negative="skip")
+    flat = update_group_multipliers({}, est, gamma=0.5, s_max=8.0, beta=0.0, negative="flat")
+    skip = update_group_multipliers({"c": 1.5}, est, gamma=0.5, s_max=8.0, beta=0.0)  # the default
     assert flat == {"a": 1.0, "b": 2.0, "c": 8.0}
     assert skip == {"a": 1.0, "b": 2.0, "c": 1.5}
     with pytest.raises(ValueError):
@@ -307,9 +337,10 @@ def test_role_mode_steps_logs_and_resumes(name):
 def test_role_options_come_from_the_registry():
     from pydantic import ValidationError
 
-    cfg = TrainConfig(model="gpt2-tiny", optimizer="zocurv-group", optimizer_options={"s_max": 3.0, "negative": "skip"})
+    cfg = TrainConfig(model="gpt2-tiny", optimizer="zocurv-group", optimizer_options={"s_max": 3.0, "negative": "flat"})
     mode = RoleCurvMode(cfg, tiny_gpt2(), _lm_loss)
-    assert (mode.opts.s_max, mode.opts.negative, mode.opts.gamma) == (3.0, "skip", 0.5)
+    assert (mode.opts.s_max, mode.opts.negative, mode.opts.gamma) == (3.0, "flat", 0.5)
+    assert RoleCurvMode(TrainConfig(model="gpt2-tiny", optimizer="zocurv-group"), tiny_gpt2(), _lm_loss).opts.negative == "skip"
     with pytest.raises(ValidationError):
         TrainConfig(model="gpt2-tiny", optimizer="zocurv-global", optimizer_options={"s_maximum": 3.0})
 

@@ -186,14 +186,15 @@ def _zocurv_line(groups, blocks, cfg, o: LineOptions):
 class RoleOptions(MethodOptions):
     """zocurv-group / -global / -group-global / -group-fixed (trainer.zo.role_mode; issue 17): group multipliers
     s_G = clip((S_max/S_G)^γ, 1, s_max) with EMA `group_beta`, trusted when |SNR| >= snr_min, a trusted
-    negative curvature read as "flat" (target s_max, as measured) or "skip"ped; global multiplier capped at
-    m_max with EMA `global_beta` (trainer.zo.multipliers)."""
+    negative curvature "skip"ped (default: the quadratic rule gives no step there) or read as "flat" (target
+    s_max: the first H200 run's rule); global multiplier capped at m_max with EMA `global_beta`
+    (trainer.zo.multipliers.update_group_multipliers)."""
 
     gamma: float = Field(0.5, ge=0)
     s_max: float = Field(10.0, ge=1)
     group_beta: float = Field(0.5, ge=0, lt=1)
     snr_min: float = Field(2.0, ge=0)
-    negative: Literal["flat", "skip"] = "flat"
+    negative: Literal["flat", "skip"] = "skip"
     m_max: float = Field(4.0, ge=1)
     global_beta: float = Field(0.5, ge=0, lt=1)
 

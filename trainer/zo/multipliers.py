@@ -86,13 +86,18 @@ def ema(prev: float, target: float, beta: float) -> float:
 
 def update_group_multipliers(prev: Mapping[K, float], est: Mapping[K, CurvEstimate], *, gamma: float = 0.5,
                              s_max: float = 10.0, beta: float = 0.5, snr_min: float = 2.0,
-                             negative: str = "flat") -> dict[K, float]:
+                             negative: str = "skip") -> dict[K, float]:
     """One refresh: groups whose |SNR| >= snr_min are trusted; their targets `sharpness_multipliers` (over
     trusted groups only) enter the EMA; untrusted groups keep their previous multiplier. Missing previous
     values start at 1. Outputs stay in [1, s_max] (convex combinations of values in [1, s_max]).
 
-    negative: what a trusted *negative* mean curvature means — "flat" (target s_max, as measured on the
-    H200, benchmarks/results/h200/zocurv-fair) or "skip" (left unchanged, like an untrusted group).
+    negative: what a trusted *negative* mean curvature means — "skip" (default: left unchanged, like an
+    untrusted group) or "flat" (target s_max; the first H200 run's rule, benchmarks/results/h200/zocurv-fair).
+    "skip" is the rule the derivation supports: s_G ∝ S_G^(−1/2) equalises the second-order cost
+    ½·lr²·s_G²·n_G·S_G of a sign-like step, which is only a cost (and only bounds s_G) for S_G > 0. A
+    confidently negative S_G says the loss is concave across the probe radius ε_G in that group: the
+    quadratic model does not hold there and gives no step size — least of all "flat, raise to s_max" (on the
+    H200 it drove FFN to ~10× after two such refreshes, and FFN read positive with |SNR| 17–47 in between).
     Raises ValueError for another value.
     """
     if negative not in ("flat", "skip"):
