@@ -20,7 +20,6 @@ finished): `python -m benchmarks.zocurv_fair run --plan h200 --out DIR --jobs 6 
 from __future__ import annotations
 
 import json
-import math
 import subprocess
 import sys
 import time
@@ -28,7 +27,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-ADAMW = "adamw"
+from benchmarks.zocurv_fair_score import ADAMW, report, step_ratio, summarize, variant_key  # noqa: F401 (re-exported)
 
 
 @dataclass(frozen=True)
@@ -41,10 +40,15 @@ class FairRun:
     warmup_frac: float = 0.1
     seed: int = 0
     plan: str = ""  # the plan (device call) that ran it: wall times compare only within one call
+    options: tuple[tuple[str, Any], ...] = ()  # optimizer_options (trainer.methods), as sorted (key, value) pairs
+
+    def __post_init__(self) -> None:  # JSON gives lists: keep the pairs hashable and in one order
+        object.__setattr__(self, "options", tuple(sorted((str(k), v) for k, v in self.options)))
 
     @property
     def name(self) -> str:
-        return f"{self.optimizer}-lr{self.lr:g}-T{self.steps}-wu{round(self.warmup_frac * 100)}-s{self.seed}"
+        opts = "".join(f"-{k}{v}" for k, v in self.options)
+        return f"{self.optimizer}-lr{self.lr:g}-T{self.steps}-wu{round(self.warmup_frac * 100)}-s{self.seed}{opts}"
 
 
 def fair_config(spec: FairRun, *, model: str, corpus: str, batch_size: int, seq_len: int, device: str,
@@ -63,7 +67,7 @@ def fair_config(spec: FairRun, *, model: str, corpus: str, batch_size: int, seq_
                        beta2=0.95, grad_clip=1.0, eval_every=max(1, spec.steps // 4), eval_batches=eval_batches,
                        checkpoint_every=10 * spec.steps, seed=spec.seed, device=device, run_dir=run_dir,
                        curvature_interval=curvature_interval, probe_budget=probe_budget,
-                       probe_batch_size=probe_batch_size, eps=eps)
+                       probe_batch_size=probe_batch_size, eps=eps, optimizer_options=dict(spec.options))
 
 
 # Reduced H200 plan (600 s of device time for the whole call): T_ref = 400 steps of 16×512.
@@ -95,136 +99,32 @@ def cpu_plan() -> list[FairRun]:
             FairRun("zocurv-group", 3e-3, 2)]
 
 
+def final_plan(t_ref: int = 400, lr: float = 6e-4) -> list[FairRun]:
+    """Third call (one H200, ~300 s of runs, all at once): AdamW's third seed at the best setting of the first
+    two (lr 6e-4, warmup 10%, T_ref); zocurv-global at T = 350 (two seeds: the point that decides whether
+    the ratio is below 1) and 300; AdamW at those T (seed 0, paired with zocurv-global's seed 0: same
+    init and batches) for the variant-vs-AdamW gap at equal T and AdamW's own final-vs-T slope;
+    zocurv-group-global at T_ref with the negative-curvature rule fixed ("skip", written out so spec.json
+    records it). Longest first: the deadline would cut the last started."""
+    short = [round(0.875 * t_ref), round(0.75 * t_ref)]
+    return [FairRun("zocurv-group-global", lr, t_ref, options=(("negative", "skip"),)),
+            FairRun(ADAMW, lr, t_ref, seed=2),
+            *[FairRun(o, lr, short[0], seed=sd) for o, sd in (("zocurv-global", 0), ("zocurv-global", 1), (ADAMW, 0))],
+            *[FairRun(o, lr, short[1]) for o in ("zocurv-global", ADAMW)]]
+
+
+def cpu_final_plan() -> list[FairRun]:
+    """`final_plan`'s code paths on gpt2-tiny on CPU (seeds, options, AdamW at several T, both probe kinds)."""
+    return [FairRun(ADAMW, 3e-3, 4), FairRun(ADAMW, 1e-2, 4), FairRun(ADAMW, 3e-3, 4, seed=1),
+            FairRun("zocurv-group-global", 3e-3, 4, options=(("negative", "skip"),)),
+            FairRun("zocurv-global", 3e-3, 3), FairRun("zocurv-global", 3e-3, 3, seed=1), FairRun(ADAMW, 3e-3, 3)]
+
+
+CPU_SETTINGS = {"model": "gpt2-tiny", "corpus": "classics-small", "batch_size": 2, "seq_len": 16, "eval_batches": 2,
+                "curvature_interval": 2, "probe_budget": 11}
 PLANS = {"h200": (h200_plan, H200_SETTINGS), "h200-followup": (h200_followup_plan, H200_SETTINGS),
-         "cpu": (cpu_plan, {"model": "gpt2-tiny", "corpus": "classics-small", "batch_size": 2, "seq_len": 16,
-                            "eval_batches": 2, "curvature_interval": 2, "probe_budget": 11})}
-
-
-# ---- scoring (pure) --------------------------------------------------------------------------------
-def step_ratio(finals: dict[int, float], target: float, t_ref: int) -> dict[str, Any]:
-    """Smallest T of `finals` ({T: final val loss}) with loss <= target, over t_ref; and the linear
-    interpolation in T between the largest T above the target below it and the smallest T reaching it.
-    Returns {"step_ratio", "interp_ratio", "reached_T"} (None where the grid does not reach the target)."""
-    ts = sorted(finals)
-    hit = next((t for t in ts if finals[t] <= target), None)
-    interp = None
-    if hit is not None:
-        below = [t for t in ts if t < hit]
-        if below:
-            t0 = below[-1]
-            l0, l1 = finals[t0], finals[hit]
-            interp = (t0 + (hit - t0) * (l0 - target) / (l0 - l1)) / t_ref if l0 > l1 else hit / t_ref
-        else:
-            interp = hit / t_ref
-    return {"step_ratio": hit / t_ref if hit is not None else None, "interp_ratio": interp, "reached_T": hit}
-
-
-def load_result(run_dir: Path) -> dict[str, Any] | None:
-    """Scores of one run folder (None without metrics): final val loss, val curve, wall and probe times, the
-    logged multipliers; "partial": True when the run was stopped before its end (not scored)."""
-    if not (run_dir / "metrics.jsonl").is_file() or not (run_dir / "spec.json").is_file():
-        return None
-    spec = json.loads((run_dir / "spec.json").read_text())
-    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    val = [(r["step"], r["val_loss"]) for r in recs if "val_loss" in r]
-    steps = [r for r in recs if "elapsed_s" in r]
-    last = steps[-1] if steps else {}
-    probe_s = float(last.get("probe_wall_s", 0.0))
-    wall = float(last.get("elapsed_s", math.nan))
-    mults = [{k: v for k, v in r.items() if k.startswith(("mult_", "snr_", "line_"))} | {"step": r["step"]}
-             for r in steps if any(k.startswith("mult_") for k in r)]
-    if not val or not steps:
-        return None
-    return {**spec, "name": run_dir.name, "partial": not (run_dir / "summary.json").is_file(),
-            "steps_done": int(last.get("step", 0)), "final_val_loss": val[-1][1], "val_curve": val, "wall_s": wall,
-            "probe_gpu_s": probe_s, "trainer_wall_s": wall - probe_s,
-            "probe_forwards": float(last.get("probe_forwards", 0.0)), "multipliers": mults}
-
-
-def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
-    """Best AdamW at T_ref (its longest T), the target, and each variant's finals by T and step ratio."""
-    adam = [r for r in results if r["optimizer"] == ADAMW]
-    if not adam:
-        raise ValueError("no finished AdamW run: nothing to compare against")
-    t_ref = max(r["steps"] for r in adam)
-    at_ref = [r for r in adam if r["steps"] == t_ref]
-    def key(r: dict[str, Any]) -> tuple[float, float]:
-        return r["lr"], r["warmup_frac"]
-
-    settings: dict[tuple, list[float]] = {}
-    for r in at_ref:
-        settings.setdefault(key(r), []).append(r["final_val_loss"])
-    best = min(settings, key=lambda k: sum(settings[k]) / len(settings[k]))
-    target = sum(settings[best]) / len(settings[best])
-    best_run = min((r for r in at_ref if key(r) == best), key=lambda r: r["seed"])
-    out: dict[str, Any] = {"t_ref": t_ref, "target_val_loss": target, "adamw_seeds_at_best": len(settings[best]),
-                           "best_adamw": {"lr": best[0], "warmup_frac": best[1]},
-                           "adamw_grid": [{"lr": k[0], "warmup_frac": k[1], "final_val_loss": sum(v) / len(v),
-                                           "seeds": len(v)} for k, v in sorted(settings.items())],
-                           "adamw_bracketed": best[0] not in (min(k[0] for k in settings), max(k[0] for k in settings)),
-                           "variants": {}}
-    for opt, lr in dict.fromkeys((r["optimizer"], r["lr"]) for r in results if r["optimizer"] != ADAMW):
-        runs = [r for r in results if (r["optimizer"], r["lr"]) == (opt, lr)]
-        finals = {r["steps"]: r["final_val_loss"] for r in runs}
-        ref = next((r for r in runs if r["steps"] == t_ref), None)
-        entry = {"optimizer": opt, "lr": lr, "finals_by_T": finals, **step_ratio(finals, target, t_ref)}
-        if ref is not None:
-            same = [r for r in at_ref if key(r) == best and r.get("plan") == ref.get("plan")]
-            wall_ref = same[0] if same else best_run
-            entry.update({"final_at_T_ref": ref["final_val_loss"], "gap_at_T_ref": ref["final_val_loss"] - target,
-                          "wall_reference": wall_ref["name"],
-                          "wall_ratio_probes_elsewhere": ref["trainer_wall_s"] / wall_ref["wall_s"],
-                          "probe_gpu_s": ref["probe_gpu_s"], "probe_forwards": ref["probe_forwards"],
-                          "last_multipliers": ref["multipliers"][-1] if ref["multipliers"] else {}})
-        out["variants"][f"{opt}@{lr:g}"] = entry
-    return out
-
-
-def plot(results: list[dict[str, Any]], summary: dict[str, Any], path: Path,
-         partial: list[dict[str, Any]] = ()) -> None:
-    """Left: validation curves of the T_ref runs (stopped runs dashed); right: final loss vs T per method, the
-    target dashed."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    t_ref = summary["t_ref"]
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 4.8))
-    for r in sorted([*results, *partial], key=lambda r: r["name"]):
-        if r["steps"] == t_ref and len(r["val_curve"]) > 1:
-            s, v = zip(*r["val_curve"][1:])
-            stop = f" (stopped at {r['steps_done']})" if r.get("partial") else ""
-            a1.plot(s, v, marker=".", ls="--" if stop else "-",
-                    label=f"{r['optimizer']} lr {r['lr']:g} wu {r['warmup_frac']:g} s{r['seed']}{stop}")
-    best = tuple(summary["best_adamw"].values())
-    for opt, lr in dict.fromkeys((r["optimizer"], r["lr"]) for r in results):
-        pts = sorted((r["steps"], r["final_val_loss"]) for r in results if (r["optimizer"], r["lr"]) == (opt, lr)
-                     and (opt != ADAMW or (r["lr"], r["warmup_frac"]) == best))
-        if pts:
-            a2.plot(*zip(*pts), marker="o", label=f"{opt} lr {lr:g}")
-    for ax in (a1, a2):
-        ax.axhline(summary["target_val_loss"], ls="--", c="k", lw=0.8)
-        ax.set_xlabel("optimizer step" if ax is a1 else "schedule length T (steps)")
-        ax.set_ylabel("validation loss (nats/token)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.suptitle(f"issue 17: AdamW vs ZO-Curv, full schedules, target = best AdamW(T={t_ref}) final")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def report(out_dir: Path) -> dict[str, Any]:
-    """Summarise every finished run under out_dir; write fair_summary.json and fair_val_loss.png."""
-    loaded = [r for d in sorted(p for p in out_dir.iterdir() if p.is_dir()) if (r := load_result(d))]
-    results = [r for r in loaded if not r["partial"]]
-    summary = summarize(results)
-    summary["runs"] = results
-    summary["partial_runs"] = [r for r in loaded if r["partial"]]  # stopped by the deadline: curves only
-    (out_dir / "fair_summary.json").write_text(json.dumps(summary, indent=1))
-    plot(results, summary, out_dir / "fair_val_loss.png", summary["partial_runs"])
-    return summary
+         "h200-final": (final_plan, H200_SETTINGS), "cpu": (cpu_plan, CPU_SETTINGS),
+         "cpu-final": (cpu_final_plan, CPU_SETTINGS)}
 
 
 # ---- running -----------------------------------------------------------------------------------------
@@ -271,7 +171,8 @@ def run_plan(plan: str, out_dir: Path, *, jobs: int, device: str, deadline_s: fl
 
 
 def main(argv: list[str]) -> None:
-    """CLI: `run --plan P --out DIR [--jobs J --device D --deadline-s S]`, `report DIR`, `one SPEC PLAN DIR DEV`."""
+    """CLI: `run --plan P --out DIR [--jobs J --device D --deadline-s S]`, `report DIR [DIR…] [--include
+    SUMMARY.json …]`, `one SPEC PLAN DIR DEV`."""
     import argparse
 
     ap = argparse.ArgumentParser(prog="python -m benchmarks.zocurv_fair")
@@ -283,7 +184,10 @@ def main(argv: list[str]) -> None:
     r.add_argument("--device", default="cuda")
     r.add_argument("--deadline-s", type=float, default=400.0)
     rep = sub.add_parser("report")
-    rep.add_argument("out", type=Path)
+    rep.add_argument("out", type=Path, help="writes fair_summary.json and the PNG here; reads its run folders")
+    rep.add_argument("more", type=Path, nargs="*", help="further folders of run folders")
+    rep.add_argument("--include", type=Path, action="append", default=[],
+                     help="an earlier fair_summary.json whose runs join the report (repeatable)")
     one = sub.add_parser("one")
     for a in ("spec", "plan", "out", "device"):
         one.add_argument(a)
@@ -292,8 +196,8 @@ def main(argv: list[str]) -> None:
         left = run_plan(a.plan, a.out, jobs=a.jobs, device=a.device, deadline_s=a.deadline_s)
         print(json.dumps({"unfinished": left}))
     elif a.cmd == "report":
-        s = report(a.out)
-        print(json.dumps({k: v for k, v in s.items() if k != "runs"}, indent=1))
+        s = report(a.out, a.more, a.include)
+        print(json.dumps({k: v for k, v in s.items() if k not in ("runs", "partial_runs")}, indent=1))
     else:
         run_one(FairRun(**json.loads(a.spec)), PLANS[a.plan][1], a.device, Path(a.out))
 
