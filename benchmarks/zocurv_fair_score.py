@@ -73,6 +73,18 @@ def finals_by_t(runs: list[dict[str, Any]]) -> tuple[dict[int, float], dict[int,
     return {t: _mean(v) for t, v in seeds.items()}, seeds
 
 
+def paired_gaps(runs: list[dict[str, Any]], adamw: list[dict[str, Any]]) -> dict[str, Any]:
+    """Variant minus AdamW final val loss for each (T, seed) both ran (same seed: same init and batch order, so
+    seed noise cancels): {"paired_gaps": {T: {seed: gap}}, "paired_gap_mean": mean over pairs (None if none)}."""
+    ref = {(a["steps"], a["seed"]): a["final_val_loss"] for a in adamw}
+    gaps: dict[int, dict[int, float]] = {}
+    for r in sorted(runs, key=lambda r: (r["steps"], r["seed"])):
+        if (r["steps"], r["seed"]) in ref:
+            gaps.setdefault(r["steps"], {})[r["seed"]] = r["final_val_loss"] - ref[(r["steps"], r["seed"])]
+    flat = [g for by_seed in gaps.values() for g in by_seed.values()]
+    return {"paired_gaps": gaps, "paired_gap_mean": _mean(flat) if flat else None}
+
+
 def _per_step(r: dict[str, Any], key: str) -> float:
     return r[key] / max(r["steps"], 1)
 
@@ -80,7 +92,8 @@ def _per_step(r: dict[str, Any], key: str) -> float:
 def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
     """The target (best AdamW setting at T_ref = AdamW's longest T, mean over its seeds), AdamW's finals by T at
     that setting (and its own step ratio: the grid's resolution), and per variant (variant_key): finals by T
-    (means over seeds), step ratio, the gap to AdamW at equal T (same setting), and wall ratios:
+    (means over seeds), step ratio, the gap to AdamW at equal T (same setting; means, and paired by seed:
+    `paired_gaps`), and wall ratios:
     at T_ref, trainer wall (probes elsewhere) over the best-setting AdamW run of the same call; at the
     reached T, step_ratio × (trainer s/step over the s/step of the same call's best-setting AdamW run nearest
     in T) — runs sharing one GPU slow each other, so only same-call runs are compared.
@@ -122,6 +135,7 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
         entry = {"optimizer": runs[0]["optimizer"], "lr": runs[0]["lr"], "options": dict(runs[0].get("options") or ()),
                  "finals_by_T": means, "finals_by_T_seeds": seeds,
                  "gap_vs_adamw_same_T": {t: v - adam_means[t] for t, v in means.items() if t in adam_means},
+                 **paired_gaps(runs, best_runs),
                  **step_ratio(means, target, t_ref)}
         ref = min((r for r in runs if r["steps"] == t_ref), key=lambda r: r["seed"], default=None)
         if ref is not None:
@@ -153,12 +167,13 @@ def plot(results: list[dict[str, Any]], summary: dict[str, Any], path: Path,
 
     t_ref = summary["t_ref"]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 5.2))
-    for r in sorted([*results, *partial], key=lambda r: r["name"]):
-        if r["steps"] == t_ref and len(r["val_curve"]) > 1:
-            s, v = zip(*r["val_curve"][1:])
-            stop = f" (stopped at {r['steps_done']})" if r.get("partial") else ""
-            a1.plot(s, v, marker=".", ls="--" if stop else "-", lw=1,
-                    label=f"{variant_key(r)} wu {r['warmup_frac']:g} s{r['seed']}{stop}")
+    curves = [r for r in sorted([*results, *partial], key=lambda r: r["name"])
+              if r["steps"] == t_ref and len(r["val_curve"]) > 1]
+    for i, r in enumerate(curves):
+        s, v = zip(*r["val_curve"][1:])
+        stop = f" (stopped at {r['steps_done']})" if r.get("partial") else ""
+        a1.plot(s, v, marker=".", ls="--" if stop else "-", lw=1, color=plt.cm.tab20(i % 20),
+                label=f"{variant_key(r)} wu {r['warmup_frac']:g} s{r['seed']}{stop}")
     best = tuple(summary["best_adamw"].values())
     methods = {f"adamw@{best[0]:g} (best)": [r for r in results if r["optimizer"] == ADAMW
                                             and (r["lr"], r["warmup_frac"]) == best]}

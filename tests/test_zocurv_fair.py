@@ -74,6 +74,9 @@ def test_seeds_are_averaged_per_T_and_compared_with_adamw_at_equal_T():
     assert v["finals_by_T_seeds"][300] == [5.11, 5.13]
     assert v["gap_vs_adamw_same_T"] == {300: pytest.approx(-0.08), 400: pytest.approx(-0.12)}
     assert (v["step_ratio"], v["reached_T"]) == (0.75, 300)  # mean 5.12 <= 5.12
+    # paired by seed: T = 300 seed 0 (5.11 − 5.20), T = 400 seed 0 (5.0 − 5.10); seed 1 at 300 has no AdamW pair
+    assert v["paired_gaps"] == {300: {0: pytest.approx(-0.09)}, 400: {0: pytest.approx(-0.10)}}
+    assert v["paired_gap_mean"] == pytest.approx(-0.095)
     # wall at T_ref: (44 − 4) / 40 against the same call's AdamW (seed 2), not call a's seed 0
     assert v["wall_reference"] == "adamw0.00064002" and v["wall_ratio_probes_elsewhere"] == pytest.approx(1.0)
     # at the reached T = 300: 0.75 × ((33 − 3)/300) / (30/300), against the same call's AdamW at T = 300
