@@ -130,6 +130,8 @@ def bench_zo(
                              "A5-3e-05,A6-1e-05,A6-5e-05); empty = all."),
     time_budget: float = typer.Option(300.0, min=1.0, help="regime paper: seconds shared by the arms (each stops "
                                       "at its share or its iteration cap)."),
+    fp32_matmul: str = typer.Option("highest", help="regime paper, CUDA: fp32 arms' matmuls, highest (true fp32) or "
+                                    "high (TF32: ~2x faster, but its rounding swamps h at eps 1e-4)."),
 ) -> None:
     """Run the ZO benchmarks on real data and write lm_summary.json / sentiment_summary.json and PNGs."""
     from benchmarks.zo import (
@@ -145,7 +147,7 @@ def bench_zo(
     if regime not in ("project", "paper"):
         raise typer.BadParameter(f"project or paper, got {regime!r}", param_hint="--regime")
     if regime == "paper":
-        _bench_zo_paper(model, out, device, arms, time_budget, seed)
+        _bench_zo_paper(model, out, device, arms, time_budget, seed, fp32_matmul)
         return
     # Every option is checked before anything runs: with --part all the lm part takes minutes first.
     ms = tuple(m.strip() for m in methods.split(",") if m.strip())
@@ -201,7 +203,8 @@ def bench_zo(
             typer.echo(json.dumps({"1.5spsa_vs_mezo": s["1.5spsa_vs_mezo"]}))
 
 
-def _bench_zo_paper(model: str, out: Path, device: str, arms: str, time_budget: float, seed: int) -> None:
+def _bench_zo_paper(model: str, out: Path, device: str, arms: str, time_budget: float, seed: int,
+                    fp32_matmul: str) -> None:
     """`bench zo --regime paper`: validate, run benchmarks.zo_paper.paper_main, print the arms' table."""
     from benchmarks.zo_paper import paper_arms, paper_main
 
@@ -213,11 +216,13 @@ def _bench_zo_paper(model: str, out: Path, device: str, arms: str, time_budget: 
         raise typer.BadParameter(f"arms are {', '.join(known)}; got {arms!r}", param_hint="--arms")
     if names and "A3w" in names and "A1" not in names:
         raise typer.BadParameter("A3w takes its lr from A1's mean w: name A1 too", param_hint="--arms")
+    if fp32_matmul not in ("highest", "high"):
+        raise typer.BadParameter(f"highest or high, got {fp32_matmul!r}", param_hint="--fp32-matmul")
     import torch
 
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise typer.BadParameter(f"{device!r} is not available here", param_hint="--device")
-    s = paper_main(out, device=device, total_s=time_budget, arms=names, seed=seed)
+    s = paper_main(out, device=device, total_s=time_budget, arms=names, seed=seed, fp32_matmul=fp32_matmul)
     for row in s["table"]:
         typer.echo(json.dumps(row))
     if "drift" in s:

@@ -16,6 +16,7 @@ reported as "best_on_test_peek" (selection on test: it shows how much peeking in
 from __future__ import annotations
 
 import copy
+import gc
 import json
 import math
 import time
@@ -106,13 +107,17 @@ class AccuracyLoss:
         return torch.nn.functional.cross_entropy(logits, labels)
 
 
+def _snapshot(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Copies of the parameters (the candidate weights of the validation selection)."""
+    return [p.detach().clone() for p in model.parameters()]
+
+
 def _finish(arm: dict, data: PaperData, model, best_state, evals: list, t0: float, stop: str) -> dict:
     """Select on validation, score test once on the selected weights, label the test peek."""
-    best = max(evals, key=lambda e: (e["val_acc"], -e["iteration"]))
-    if best_state is not None:
-        with torch.no_grad():
-            for p, s in zip(model.parameters(), best_state):
-                p.copy_(s)
+    best = max(evals, key=lambda e: (e["val_acc"], -e["iteration"]))  # the earliest of equal bests
+    with torch.no_grad():
+        for p, s in zip(model.parameters(), best_state):
+            p.copy_(s)
     test = data.accuracy(model, "test")
     peek = max(evals, key=lambda e: e["test_acc_peek"])
     n_val, n_test = data.size("val"), data.size("test")
@@ -142,7 +147,7 @@ def run_zo_arm(data: PaperData, model: torch.nn.Module, arm: dict, *, seed: int 
     loss_fn, state = AccuracyLoss(), PlateauState()
     bs = arm["batch_size"]
     evals = [_eval_point(data, model, 0, 0, 0.0)]
-    best_state, log, ledger, stop = None, [], [], "max_iters"
+    best_state, log, ledger, stop = _snapshot(model), [], [], "max_iters"
     for it in range(arm["max_iters"]):
         lr, eps = arm["lr"] * state.scale, arm["eps"] * state.scale
         loss_fn.reset()
@@ -159,9 +164,9 @@ def run_zo_arm(data: PaperData, model: torch.nn.Module, arm: dict, *, seed: int 
         out_of_time = time.perf_counter() - t0 > arm["time_s"]
         if (it + 1) % arm["eval_every"] == 0 or out_of_time or it + 1 == arm["max_iters"]:
             e = _eval_point(data, model, it + 1, stepper.forward_passes * bs, time.perf_counter() - t0)
+            if e["val_acc"] > max(x["val_acc"] for x in evals):  # strictly: the earliest best, as _finish picks
+                best_state = _snapshot(model)
             evals.append(e)
-            if e["val_acc"] >= max(x["val_acc"] for x in evals):
-                best_state = [p.detach().clone() for p in model.parameters()]
         if out_of_time:
             stop = "time"
             break
@@ -180,7 +185,7 @@ def run_backprop_arm(data: PaperData, model: torch.nn.Module, arm: dict, *, seed
     opt = torch.optim.AdamW(model.parameters(), lr=arm["lr"], weight_decay=0.0)
     bs = arm["batch_size"]
     evals = [_eval_point(data, model, 0, 0, 0.0)]
-    best_state, log, stop = None, [], "max_iters"
+    best_state, log, stop = _snapshot(model), [], "max_iters"
     for it in range(arm["max_iters"]):
         opt.zero_grad(set_to_none=True)
         loss = classifier_loss(model, data.batch(seed, it, bs))
@@ -189,9 +194,10 @@ def run_backprop_arm(data: PaperData, model: torch.nn.Module, arm: dict, *, seed
         log.append({"iteration": it + 1, "loss": float(loss.detach())})
         out_of_time = time.perf_counter() - t0 > arm["time_s"]
         if (it + 1) % arm["eval_every"] == 0 or out_of_time or it + 1 == arm["max_iters"]:
-            evals.append(_eval_point(data, model, it + 1, (it + 1) * bs, time.perf_counter() - t0))
-            if evals[-1]["val_acc"] >= max(x["val_acc"] for x in evals):
-                best_state = [p.detach().clone() for p in model.parameters()]
+            e = _eval_point(data, model, it + 1, (it + 1) * bs, time.perf_counter() - t0)
+            if e["val_acc"] > max(x["val_acc"] for x in evals):  # strictly: the earliest best, as _finish picks
+                best_state = _snapshot(model)
+            evals.append(e)
         if out_of_time:
             stop = "time"
             break
@@ -347,11 +353,13 @@ def inplace_memory_scan(device: str = "cuda", sizes: tuple[str, ...] = ("gpt-30b
                 st.step(s, (x, x), lm_batch_loss, 1e-6, 1e-3)
             torch.cuda.synchronize(device)
             ok = True
+            del st, x  # the stepper holds the weights: drop it, or the next shape starts with this one resident
         except torch.OutOfMemoryError as exc:
             ok, err = False, str(exc).splitlines()[0][:160]
             n = None
         peak = torch.cuda.max_memory_allocated(device)
-        del model
+        model = st = x = None  # noqa: F841 - release every reference before the next shape
+        gc.collect()
         torch.cuda.empty_cache()
         trials.append({"shape": name, "params": n, "ok": ok, "peak_bytes": peak,
                        "seconds": time.perf_counter() - t0, "error": err})
@@ -365,15 +373,20 @@ def inplace_memory_scan(device: str = "cuda", sizes: tuple[str, ...] = ("gpt-30b
 
 
 def paper_main(out_dir: Path, *, device: str = "cuda", total_s: float = 300.0, arms: tuple[str, ...] | None = None,
-               seed: int = 0) -> dict[str, Any]:
+               seed: int = 0, fp32_matmul: str = "highest") -> dict[str, Any]:
     """`bench zo --model smollm2 --regime paper`: SmolLM2-135M prompt classifier (trainer.prompt_classifier),
-    loaded once and copied fresh for every arm; fp32 arms use TF32 matmuls on CUDA. Raises FetchError /
+    loaded once and copied fresh for every arm. fp32_matmul: torch.set_float32_matmul_precision for the fp32
+    arms on CUDA: "highest" (true fp32, the default) or "high" (TF32, about 2x faster). At ε = 1e-4, h needs
+    the loss to ~1e-8·|h|: TF32 (and bf16) forwards put rounding noise 10-100x larger than h into it
+    (benchmarks/results/h200/zo-paper/RESULTS.md). Raises ValueError for another fp32_matmul; FetchError /
     DataFetchError when weights or data are unavailable."""
+    if fp32_matmul not in ("highest", "high"):
+        raise ValueError(f"fp32_matmul must be 'highest' or 'high', got {fp32_matmul!r}")
     from benchmarks.zo import sentiment_task
     from trainer.prompt_classifier import load_smollm2_prompt_classifier
 
     if device.startswith("cuda"):
-        torch.set_float32_matmul_precision("high")
+        torch.set_float32_matmul_precision(fp32_matmul)
     task = sentiment_task("smollm2", device)
     data = PaperData.from_task(task)
     base, _ = load_smollm2_prompt_classifier(torch.float32)
@@ -381,6 +394,36 @@ def paper_main(out_dir: Path, *, device: str = "cuda", total_s: float = 300.0, a
     def make_model(dtype: torch.dtype) -> torch.nn.Module:
         return copy.deepcopy(base).to(device=device, dtype=dtype).eval()
 
-    meta = {"model": "smollm2", "device": device, "matmul_fp32": "tf32" if device.startswith("cuda") else "fp32",
+    meta = {"model": "smollm2", "device": device, "matmul_fp32": ("tf32" if fp32_matmul == "high" else "fp32") if device.startswith("cuda") else "fp32",
             "gpu": torch.cuda.get_device_name(device) if device.startswith("cuda") else None}
     return paper_comparison(out_dir, make_model, data, total_s=total_s, arms=arms, seed=seed, meta=meta)
+
+
+@torch.no_grad()
+def h_precision_check(model: torch.nn.Module, batch: Split, seeds: list[int], eps_list=(1e-4, 1e-3),
+                      repeats: int = 2) -> dict[str, Any]:
+    """Is h = (L+ + L− − 2 L0)/ε² signal or forward-rounding noise at the paper's ε? For each ε: h of each
+    Rademacher probe in `seeds` (out-of-place perturbation of the model's own dtype), and the spread of L0 over
+    `repeats` identical forwards (its run-to-run noise). Returns {"dtype", "l0": [...], "by_eps": {eps: {"h":
+    [...], "g": [...]}}}; the model is left unchanged."""
+    from kernels import perturb_model
+
+    loss = lambda m: float(classifier_loss(m, batch))
+    blocks = canonical_blocks(model)
+    params, offsets = [b.param.data for b in blocks], [b.offset for b in blocks]
+    clean = [p.clone() for p in params]
+    l0s = [loss(model) for _ in range(repeats)]
+    out: dict[str, Any] = {"dtype": str(params[0].dtype), "l0": l0s, "by_eps": {}}
+    for eps in eps_list:
+        hs, gs = [], []
+        for s in seeds:
+            lpm = []
+            for a in (eps, -eps):
+                perturb_model(clean, offsets, s, a, "rademacher", outs=params)
+                lpm.append(loss(model))
+            for p, c in zip(params, clean):
+                p.copy_(c)
+            hs.append((lpm[0] + lpm[1] - 2 * l0s[0]) / eps ** 2)
+            gs.append((lpm[0] - lpm[1]) / (2 * eps))
+        out["by_eps"][str(eps)] = {"h": hs, "g": gs}
+    return out

@@ -208,6 +208,7 @@ def test_paper_regime_options_are_checked_before_running(tmp_path):
     for args, hint in ((["--regime", "paper", "--model", "minilm"], "--model"),
                        (["--regime", "paper", "--model", "smollm2", "--arms", "A9"], "--arms"),
                        (["--regime", "paper", "--model", "smollm2", "--arms", "A3w"], "--arms"),
+                       (["--regime", "paper", "--model", "smollm2", "--fp32-matmul", "medium"], "--fp32-matmul"),
                        (["--regime", "bogus"], "--regime")):
         res = CliRunner().invoke(app, ["--part", "sentiment", "--out", str(tmp_path / "o"), *args])
         assert res.exit_code == 2, res.output
@@ -230,3 +231,16 @@ def test_paper_comparison_runs_every_arm_and_writes_the_table(tmp_path):
     assert s["arms"]["A2"]["numerics"] == "inplace"
     assert json.loads((tmp_path / "paper_summary.json").read_text())["table"] == s["table"]
     assert (tmp_path / "paper_curves.png").stat().st_size > 0 and (tmp_path / "paper_hw.png").stat().st_size > 0
+
+
+def test_with_lr_zero_the_start_is_selected_and_scored():
+    """No evaluation beats the start: the selection is iteration 0 (earliest of equal bests), scored on the
+    start's weights."""
+    from benchmarks.zo_paper import run_zo_arm
+
+    data = _tiny_data()
+    arm = {"name": "z", "method": "1spsa", "numerics": "master", "lr": 0.0, "eps": 1e-2, "batch_size": 8,
+           "probes": 2, "max_iters": 4, "eval_every": 2, "time_s": 1e9}
+    r = run_zo_arm(data, _Tiny(), arm)
+    assert r["selected_iteration"] == 0
+    assert r["test_acc"] == r["evals"][0]["test_acc_peek"] == r["initial_test_acc"]

@@ -7,9 +7,11 @@
 #          (largest GPT taking a 1.5-SPSA step with 2 bytes per parameter) -> $OUT/inplace_memory.json
 #   part2  carries .h200s2 and .whl (same machine, within its 30 s warm window): rejoins the GGUF, then
 #          `bench zo --model smollm2 --regime paper --time-budget TOTAL` (arms A1..A6) -> $OUT/zo-paper/
-# Usage: bash tools/h200_zo_paper.sh part1|part2 [TOTAL seconds for the arms, default 240]
-# Sizing: part2 takes about TOTAL + 90 s (GGUF conversion, tokenizing, kernel compiles, one iteration of
-# overshoot per arm); TOTAL 240 keeps the call near 330 s, inside the 450 s the issue allows.
+# Usage: [FP32_MATMUL=highest|high] bash tools/h200_zo_paper.sh part1|part2 [TOTAL seconds for the arms, default 240]
+# (the 2026-11-30 run used FP32_MATMUL=high, TF32, then the only choice: see benchmarks/results/h200/zo-paper)
+# Sizing: part2 took 287 s at TOTAL 240 with TF32 (GGUF conversion, tokenizing, kernel compiles, one iteration of
+# overshoot per arm); part1 26 s. Both stay inside the 450 s the issue allows. At TOTAL 240, A1 gets 58 s: 9
+# iterations with TF32 (6.8 s each), fewer with true fp32; the published 38-72 iterations need ~8 min for A1 alone.
 set -uo pipefail
 part=${1:?usage: h200_zo_paper.sh part1|part2 [TOTAL]}
 total=${2:-240}
@@ -54,4 +56,5 @@ fi
 bash tools/h200_smollm2_cache.sh /tmp/zo-cache || exit 1
 export SPARECYCLES_CACHE=/tmp/zo-cache
 sc bench zo --part sentiment --model smollm2 --regime paper --device cuda --time-budget "$total" \
+  --fp32-matmul "${FP32_MATMUL:-highest}" \
   --out "$out/zo-paper" 2>&1 | tee "$out/part2.log"
