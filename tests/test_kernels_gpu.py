@@ -8,11 +8,12 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 @needs_cuda
+@pytest.mark.parametrize("dist", ["gauss8", "rademacher"])
 @pytest.mark.parametrize("scale", [1, 64])
-def test_compiled_parity(scale):
+def test_compiled_parity(scale, dist):
     from kernels.parity import run_parity
 
-    assert run_parity("cuda", scale) == []
+    assert run_parity("cuda", scale, (dist,)) == []
 
 
 @needs_cuda
