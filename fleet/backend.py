@@ -1,7 +1,9 @@
 """`CoordinatorBackend`: the `ProbeBackend` (trainer/zo/backend.py) over the coordinator and its fleet.
 
 - `publish(version)` writes the model's canonical parameters as safetensors shards (content-addressed by
-  sha256), uploads the shards the blob store lacks and registers a `VersionManifest`.
+  sha256), uploads the shards the blob store lacks and registers a `VersionManifest`. With `background=True`
+  (what `train --coordinator` and `up` use) the call only copies the weights into reused (pinned) host buffers
+  and the serialisation, uploads and registrations run in order on one thread (`HostCopies`, `flush`).
 - `submit(round)` uploads the round's batch once (by content hash) and posts a wire `ProbeRound`; the
   coordinator turns it into Celery tasks for the probe workers.
 - `collect(round_id)` reads accepted results from the run's Redis Stream through a consumer group
@@ -21,7 +23,9 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections import Counter
+from collections import Counter, deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -47,22 +51,72 @@ def write_shards(model: torch.nn.Module, shard_bytes: int = 256 << 20,
     deterministic, so equal weights give equal bytes (and sha256). Raises ValueError for `weights` that do not
     match the blocks' count, shapes or dtypes.
     """
-    from safetensors.torch import save
-
     blocks = probes.canonical_blocks(model)
+    _check_weights(blocks, weights)
+    return shard_tensors([(b.name, (b.param if weights is None else weights[i]).detach().cpu().contiguous())
+                          for i, b in enumerate(blocks)], shard_bytes)
+
+
+def _check_weights(blocks, weights: list[torch.Tensor] | None) -> None:
     if weights is not None and (len(weights) != len(blocks) or any(
             w.shape != b.param.shape or w.dtype != b.param.dtype for w, b in zip(weights, blocks))):
         raise ValueError("weights must hold one tensor per canonical block, of its shape and dtype")
+
+
+def shard_tensors(named: list[tuple[str, torch.Tensor]], shard_bytes: int = 256 << 20) -> list[tuple[str, bytes]]:
+    """`write_shards` of (canonical name, CPU tensor) pairs in canonical order (the same bytes)."""
+    from safetensors.torch import save
+
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
-    for i, b in enumerate(blocks):
-        nbytes = b.numel * b.param.element_size()
+    for name, t in named:
+        nbytes = t.numel() * t.element_size()
         if shards[-1] and size + nbytes > shard_bytes:
             shards.append({})
             size = 0
-        shards[-1][b.name] = (b.param if weights is None else weights[i]).detach().cpu().contiguous()
+        shards[-1][name] = t
         size += nbytes
     return [(f"shard-{i:05d}.safetensors", save(s)) for i, s in enumerate(shards)]
+
+
+class HostCopies:
+    """Reusable host buffers for the canonical parameters of one model: `take(blocks)` copies the current
+    weights into a free set (pinned, asynchronous copies for CUDA weights; a CUDA event marks them done) and
+    returns (slot, tensors, event); `give(slot)` frees the set. At most `slots` sets exist (bytes: slots x the
+    model's parameter bytes); `take` raises RuntimeError when none is free (the caller waits for one first)."""
+
+    def __init__(self, slots: int) -> None:
+        if slots < 1:
+            raise ValueError("slots must be >= 1")
+        self.slots = slots
+        self._sets: list[list[torch.Tensor]] = []
+        self._free: list[int] = []
+
+    def free(self) -> int:
+        """Sets free now or still to be allocated."""
+        return len(self._free) + self.slots - len(self._sets)
+
+    def take(self, blocks) -> tuple[int, list[torch.Tensor], torch.cuda.Event | None]:
+        params = [b.param.detach() for b in blocks]
+        cuda = params[0].is_cuda if params else False
+        if self._free:
+            slot = self._free.pop()
+        elif len(self._sets) < self.slots:
+            self._sets.append([torch.empty(p.shape, dtype=p.dtype, pin_memory=cuda) for p in params])
+            slot = len(self._sets) - 1
+        else:
+            raise RuntimeError("no free host buffer set; wait for a pending publish first")
+        dst = self._sets[slot]
+        for d, p in zip(dst, params):
+            d.copy_(p, non_blocking=cuda)
+        event = None
+        if cuda:
+            event = torch.cuda.Event()
+            event.record()
+        return slot, dst, event
+
+    def give(self, slot: int) -> None:
+        self._free.append(slot)
 
 
 def manifest_config(model: torch.nn.Module) -> dict[str, Any]:
@@ -98,6 +152,11 @@ class CoordinatorBackend:
         shard_bytes: target shard size in bytes. timeout_s / attempts: per request timeout, tries.
         history: published versions kept as fp32 snapshots here (>= 2 for along_update rounds, whose
             result `scale` is computed from them).
+        background: publish, ledger and round uploads run in order on one background thread, so the training
+            loop pays only for copying the weights to (reused, pinned) host buffers; at most `max_pending`
+            publishes are in flight (a further one waits for the oldest). An upload's error is raised by the
+            next call (publish, publish_ledger, submit, collect, flush, close). Off: every call returns after
+            its uploads (the previous behaviour).
     Rounds' batches are encoded as the model class's batch kind (fleet.batch_wire.batch_kind_for_model).
     Raises ValueError for a model whose parameters mix dtypes, a model class without a probe loss, or a
     negative history; CoordinatorHTTPError if the run does not exist.
@@ -106,11 +165,14 @@ class CoordinatorBackend:
     def __init__(self, model: torch.nn.Module, *, coordinator_url: str, admin_token: str, redis_url: str,
                  run: RunSpec | str, key_prefix: str = "sc", consumer: str = "trainer-0",
                  round_timeout_s: float = 300.0, claim_idle_ms: int = 60_000, shard_bytes: int = 256 << 20,
-                 timeout_s: float = 30.0, attempts: int = 5, history: int = 2) -> None:
+                 timeout_s: float = 30.0, attempts: int = 5, history: int = 2, background: bool = False,
+                 max_pending: int = 2) -> None:
         from coordinator.stream import ResultStreamReader
 
         if history < 0:
             raise ValueError("history must be >= 0")
+        if max_pending < 1:
+            raise ValueError("max_pending must be >= 1")
         dtypes = {p.dtype for p in model.parameters()}
         if len(dtypes) != 1 or next(iter(dtypes)) not in _DTYPE_NAMES:
             raise ValueError(f"publishable models have one float dtype of {list(_DTYPE_NAMES.values())}")
@@ -139,6 +201,10 @@ class CoordinatorBackend:
         self._scales: dict[str, dict[int, float]] = {}  # along_update round -> block -> step RMS
         self._clean_counted: set[str] = set()
         self._counts: Counter[str] = Counter()  # dropped / retracted since the last collect
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="publish") if background else None
+        self._jobs: deque[Future] = deque()  # background uploads in submission order
+        self._host = HostCopies(max_pending) if background else None
+        self.publish_seconds: list[float] = []  # the training loop's wall time in each publish call
 
     def _upload(self, data: bytes) -> str:
         sha = hashlib.sha256(data).hexdigest()
@@ -147,10 +213,33 @@ class CoordinatorBackend:
             self._uploaded.add(sha)
         return sha
 
+    def _run(self, job: Callable[[], None]) -> None:
+        """Run `job` now, or queue it on the background thread (after every job queued before it)."""
+        if self._io is None:
+            job()
+        else:
+            self._jobs.append(self._io.submit(job))
+
+    def _check(self, wait_for: int | None = None) -> None:
+        """Raise the first failed background job's error; wait until at most `wait_for` jobs are pending
+        (None: do not wait)."""
+        while self._jobs and (self._jobs[0].done() or (wait_for is not None and len(self._jobs) > wait_for)):
+            self._jobs.popleft().result()
+
+    def flush(self) -> None:
+        """Wait for every background upload; raises the first one's error."""
+        self._check(wait_for=0)
+
     def close(self) -> None:
-        """Close the HTTP client and the Redis connection."""
-        self.client.close()
-        self.reader.r.close()
+        """Finish the background uploads, then close the HTTP client and the Redis connection."""
+        try:
+            if self._io is not None:
+                self.flush()
+        finally:
+            if self._io is not None:
+                self._io.shutdown(wait=True)
+            self.client.close()
+            self.reader.r.close()
 
     # ---- ProbeBackend -------------------------------------------------------------------------------
 
@@ -183,14 +272,40 @@ class CoordinatorBackend:
 
         if self.published and version <= self.published[-1]:
             raise ValueError(f"version {version} is not newer than {self.published[-1]}")
-        refs = [ShardRef(name=name, sha256=self._upload(data), bytes=len(data))
-                for name, data in write_shards(self.model, self.shard_bytes, weights)]
-        self.client.post_version(VersionManifest(
-            run=self.run, version=version, parent=self.latest_version, shards=refs,
-            param_order_hash=param_order_hash(self.model), dtype=self.dtype,
-            model_class=type(self.model).__name__, model_config_json=manifest_config(self.model),
-        ))
+        t0 = time.perf_counter()
+        self._check()
+        manifest = {"run": self.run, "version": version, "parent": self.latest_version,
+                    "param_order_hash": param_order_hash(self.model), "dtype": self.dtype,
+                    "model_class": type(self.model).__name__, "model_config_json": manifest_config(self.model)}
+        if self._host is None:
+            refs = [ShardRef(name=name, sha256=self._upload(data), bytes=len(data))
+                    for name, data in write_shards(self.model, self.shard_bytes, weights)]
+            self.client.post_version(VersionManifest(shards=refs, **manifest))
+        else:
+            if weights is not None:  # a copy the caller took: checked now, serialised on the upload thread
+                _check_weights(self.blocks, weights)
+                slot, tensors, event = None, [w.detach() for w in weights], None
+            else:
+                while not self._host.free():  # every host buffer set is in an upload: wait for the oldest
+                    self._jobs.popleft().result()
+                slot, tensors, event = self._host.take(self.blocks)
+            names = [b.name for b in self.blocks]
+
+            def upload() -> None:
+                try:
+                    if event is not None:
+                        event.synchronize()
+                    shards = shard_tensors([(n, t.cpu().contiguous()) for n, t in zip(names, tensors)],
+                                           self.shard_bytes)
+                finally:
+                    if slot is not None:
+                        self._host.give(slot)
+                refs = [ShardRef(name=name, sha256=self._upload(data), bytes=len(data)) for name, data in shards]
+                self.client.post_version(VersionManifest(shards=refs, **manifest))
+
+            self._run(upload)
         self._snapshot(version, weights)
+        self.publish_seconds.append(time.perf_counter() - t0)
 
     def publish_ledger(self, version: int, seeds: list[int], coeffs: list[float], dist: str,
                        scale: float = 1.0, scale_min_dim: int = 0) -> bool:
@@ -206,10 +321,12 @@ class CoordinatorBackend:
         if not self.published or version != self.published[-1] + 1:
             raise ValueError(f"a ledger entry must follow the last published version "
                              f"({self.latest_version if self.published else 'none'}) by exactly one")
-        self.client.post_ledger(SeedLedgerEntry(
+        self._check()
+        entry = SeedLedgerEntry(
             run=self.run, version=version, parent=version - 1, seeds=[int(s) for s in seeds],
             coeffs=[float(c) for c in coeffs], distribution=dist, scale=float(scale),
-            scale_min_dim=int(scale_min_dim)))
+            scale_min_dim=int(scale_min_dim))
+        self._run(lambda: self.client.post_ledger(entry))
         self._snapshot(version)
         return True
 
@@ -222,6 +339,7 @@ class CoordinatorBackend:
         was never published, a group outside the blocks, or a round id the wire format refuses.
         """
         r = probe_round
+        self._check()
         if not self.published or r.version > self.published[-1]:
             self.publish(r.version)
         elif r.version not in self.published:
@@ -236,8 +354,14 @@ class CoordinatorBackend:
             # computed now: the trainer keeps publishing while the fleet answers, pruning these snapshots
             new, base = self.snapshots[r.version], self.snapshots[r.base_version]
             self._scales[r.round_id] = {int(b): probes.update_rms(new[b] - base[b]) for b in r.seeds}
-        wire = wire_round(r, self.run, self._upload(batch_wire.encode_batch(r.batch, self.batch_kind)))
-        self.client.post_round(wire)
+        data = batch_wire.encode_batch(r.batch, self.batch_kind)
+        wire = wire_round(r, self.run, hashlib.sha256(data).hexdigest())
+
+        def post() -> None:
+            self._upload(data)
+            self.client.post_round(wire)
+
+        self._run(post)
         self._waiting[r.round_id] = set(wire.seeds)
 
     def _drain_stream(self, block_ms: int) -> None:
@@ -296,12 +420,14 @@ class CoordinatorBackend:
         seed of the round has arrived or was dropped; otherwise returns what is there now. The counts of
         `stale` and `duplicate` are the run's, from the coordinator's intake (IntakeCounts), since the last collect.
         """
+        self._check()
         self._drain_stream(block_ms=1)
         if round_id is not None and round_id in self._waiting:
             wait = timeout_s or self.round_timeout_s
             deadline = time.monotonic() + wait
             while (self._waiting[round_id] - {s for (r, s) in self._buffer if r == round_id}
                    and time.monotonic() < deadline):
+                self._check()  # a round whose upload failed never completes
                 self._drain_stream(block_ms=200)
         keys = [k for k in self._buffer if round_id is None or k[0] == round_id]
         results = self._hand_out(keys)

@@ -414,3 +414,38 @@ def test_zo_training_through_coordinator_matches_in_process(env):
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(_params(m_fleet), _params(m_ref)))
     assert not torch.equal(_params(m_fleet)[0][1], _params(tiny_model(seed=9))[0][1])  # training moved theta
     be.close()
+
+
+def test_background_publish_uploads_the_weights_of_the_publish_call_and_raises_upload_errors_later(env):
+    model = tiny_model()
+    be = env.backend(model, "bg")
+    bg = CoordinatorBackend(model, coordinator_url=env.server.url, redis_url=REDIS_URL, run="bg",
+                            admin_token=env.settings.admin_token.get_secret_value(), key_prefix=env.prefix,
+                            shard_bytes=4096, background=True, max_pending=1, consumer="bg")
+    be.publish(0)  # the synchronous reference: same weights, same shards
+    want = {0: _params(model)}
+    with torch.no_grad():
+        for v in (1, 2, 3):  # the model moves right after each call, as the next training step would move it
+            bg.publish(v)
+            want[v] = _params(model)
+            for p in model.parameters():
+                p.mul_(1.01)
+    bg.flush()
+    client, _ = env.worker("w0")
+    cache = WeightCache(client, env.tmp / "wc", keep_versions=4, keep_disk_versions=4)
+    # v1 holds v0's weights: the background path writes the synchronous path's bytes
+    assert [s.sha256 for s in cache.get("bg", 1).manifest.shards] == [s.sha256 for s in client.version("bg", 0).shards]
+    for v in (0, 1, 2, 3):
+        got = _params(cache.get("bg", v).model)
+        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(got, want[v])), v
+    assert client.version("bg", 2).parent == 1 and len(bg.publish_seconds) == 3
+
+    def refuse(sha, data):
+        raise RuntimeError("upload refused")
+
+    bg.client.put_blob = refuse
+    bg.publish(4)  # returns; the upload fails on the background thread
+    with pytest.raises(RuntimeError, match="upload refused"):
+        bg.flush()
+    bg.close()
+    be.close()
