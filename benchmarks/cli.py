@@ -76,6 +76,15 @@ def bench_fleet(
     = "redis://127.0.0.1:6379/0",
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object")] = False,
     device: Annotated[str, typer.Option(help="Workers' devices, round-robin: cpu, cuda:0 or cuda:1,cuda:2")] = "cpu",
+    trainer_device: Annotated[str, typer.Option(help="Where the published model lives (cpu or cuda:N): on a GPU, "
+                                                "synchronous and background publishes and the training loop's "
+                                                "cost per version are measured")] = "cpu",
+    compare_seeds: Annotated[int, typer.Option(min=0, help="Compare this many seeds of the timed round with "
+                                               "in-process evaluation on the first worker's device")] = 0,
+    interval: Annotated[int, typer.Option(min=2, help="Training steps per refresh interval (trainer cost)")] = 20,
+    train_batch_size: Annotated[int, typer.Option(min=1, help="Trainer batch (trainer cost; default: batch-size)")] = 0,
+    train_seq_len: Annotated[int, typer.Option(min=0, help="Trainer sequence length (default: seq-len)")] = 0,
+    json_path: Annotated[Path | None, typer.Option("--json-out", help="Also write the JSON here, after each phase")] = None,
 ) -> None:
     """Probes per second with 1, 2, 4 workers (CPU or GPU), and version publish -> every worker ready latency."""
     from benchmarks.fleet import result_dict, run_fleet_bench
@@ -90,8 +99,20 @@ def bench_fleet(
         devs = place_here(worker_devices=device).workers
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--device") from None
+    if trainer_device != "cpu":
+        try:
+            trainer_device = place_here(device=trainer_device).trainer
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--trainer-device") from None
+
+    def save(r) -> None:
+        if json_path is not None:
+            json_path.write_text(json.dumps(result_dict(r), indent=1))
+
     res = run_fleet_bench(redis_url, counts, preset, seeds, seeds_per_task, (batch_size, seq_len), threads,
-                          ready_preset, devs)
+                          ready_preset, devs, trainer_device, compare_seeds, interval,
+                          (train_batch_size or batch_size, train_seq_len or seq_len), save)
+    save(res)
     if json_out:
         typer.echo(json.dumps(result_dict(res)))
         return

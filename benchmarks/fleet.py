@@ -4,7 +4,9 @@ Everything is real: a coordinator process (uvicorn) on Redis, `python -m probe_w
 processes (Celery, solo pool), the trainer side through CoordinatorBackend. Throughput is seeds per
 second over a timed round (each seed is two forward passes) after a warm-up round; publish -> ready is
 the wall time from `CoordinatorBackend.publish` starting until every worker's heartbeat reports the
-version loaded (workers prefetch new versions of the runs they serve).
+version loaded (workers prefetch new versions of the runs they serve; here they heartbeat every 0.1 s and look
+for new versions every 0.2 s). With the trainer on a GPU, benchmarks.fleet_gpu adds background publishes, the
+training loop's cost per published version and the worker's losses against in-process evaluation.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -42,6 +45,15 @@ class FleetBenchResult:
     ready_bytes: int = 0
     publish_s: float = 0.0
     publish_to_ready_s: float = 0.0
+    worker_devices: tuple[str, ...] = ("cpu",)
+    trainer_device: str = "cpu"
+    # with a trainer device (benchmarks.fleet_gpu): per version {call_s, uploaded_s, ready_s}, the training loop's
+    # cost per version, the worker's losses against in-process evaluation; errors of phases that failed
+    publish_ready_sync: list = field(default_factory=list)
+    publish_ready_background: list = field(default_factory=list)
+    trainer: dict = field(default_factory=dict)
+    loss_compare: dict = field(default_factory=dict)
+    errors: dict = field(default_factory=dict)
 
 
 class _Fleet:
@@ -91,7 +103,8 @@ class _Fleet:
                 [sys.executable, "-m", "probe_worker.cli", "--coordinator", self.url, "--token",
                  self.enroll_token, "--name", name, "--threads", str(self.threads), "--device", device,
                  "--cache-dir", str(self.tmp / f"cache-{name}"), "--loglevel", "WARNING",
-                 "--prefetch-interval", "0.2"], env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT))
+                 "--prefetch-interval", "0.2", "--control-interval", "0.1"], env=env, cwd=ROOT, stdout=log,
+                stderr=subprocess.STDOUT))
         self.wait(lambda: all(self.info(nm) and self.info(nm)["last_heartbeat"] > self.info(nm)["registered_at"]
                               for nm in names), "workers to start")
         return names
@@ -121,15 +134,15 @@ class _Fleet:
                 p.kill()
         self.procs = []
 
-    def backend(self, model, run: str, seeds_per_task: int):
+    def backend(self, model, run: str, seeds_per_task: int, background: bool = False):
         from coordinator.messages import RunSpec
         from fleet.backend import CoordinatorBackend
 
         spec = RunSpec(run=run, model_class=type(model).__name__, spot_check_fraction=0.0,
                        seeds_per_task=seeds_per_task)
         return CoordinatorBackend(model, coordinator_url=self.url, redis_url=self.redis_url, run=spec,
-                                  admin_token=self.admin_token,
-                                  key_prefix=self.prefix, round_timeout_s=3600.0, history=0)
+                                  admin_token=self.admin_token, key_prefix=self.prefix, round_timeout_s=3600.0,
+                                  history=0, background=background)
 
     def close(self) -> None:
         self.stop_workers()
@@ -152,16 +165,23 @@ def _batch(b: int, t: int, vocab: int, seed: int) -> tuple[torch.Tensor, torch.T
 def run_fleet_bench(redis_url: str, worker_counts: tuple[int, ...] = (1, 2, 4), preset: str = "gpt2-tiny",
                     seeds: int = 32, seeds_per_task: int = 4, batch: tuple[int, int] = (4, 64),
                     threads: int = 1, ready_preset: str = "gpt2-small",
-                    devices: tuple[str, ...] = ("cpu",)) -> FleetBenchResult:
+                    devices: tuple[str, ...] = ("cpu",), trainer_device: str = "cpu", compare_seeds: int = 0,
+                    interval: int = 20, train_batch: tuple[int, int] | None = None,
+                    save: Callable[[FleetBenchResult], None] = lambda r: None) -> FleetBenchResult:
     """Measure probes/s for each worker count and publish -> ready latency of `ready_preset` weights.
 
-    Worker i runs on devices[i % len(devices)] (e.g. ("cuda:1", "cuda:2")); the publishing side stays on the CPU.
-    Raises RuntimeError if a worker dies or a phase exceeds its (generous) time limit.
+    Worker i runs on devices[i % len(devices)] (e.g. ("cuda:1", "cuda:2")). With the publishing side on the CPU
+    (trainer_device "cpu") publish -> ready is one synchronous publish; on a GPU (benchmarks.fleet_gpu) it is two
+    synchronous and three background publishes of a model on that device, plus the training loop's cost per
+    published version over `interval` steps at `train_batch` (default: batch). compare_seeds > 0 compares the
+    timed round's first seeds with in-process evaluation on the first worker's device. `save(result)` is called
+    after each phase. Raises RuntimeError if a worker dies or a phase exceeds its (generous) time limit.
     """
     from trainer.models import build_model
     from trainer.zo.probes import RoundSpec
 
-    res = FleetBenchResult(preset, seeds, seeds_per_task, batch, threads, os.cpu_count() or 1)
+    res = FleetBenchResult(preset, seeds, seeds_per_task, batch, threads, os.cpu_count() or 1,
+                           worker_devices=tuple(devices), trainer_device=trainer_device)
     with tempfile.TemporaryDirectory(prefix="sparecycles-bench-") as tmp:
         fleet = _Fleet(redis_url, Path(tmp), threads, devices)
         try:
@@ -186,9 +206,23 @@ def run_fleet_bench(redis_url: str, worker_counts: tuple[int, ...] = (1, 2, 4), 
                 res.probes_per_s[n] = seeds / dt
                 res.forward_passes_per_s[n] = 2 * seeds / dt
                 be.close()
+                save(res)
+                if compare_seeds and n == worker_counts[0]:
+                    from benchmarks.fleet_gpu import compare_losses
+                    from fleet.batch_wire import loss_for_kind
+
+                    try:
+                        res.loss_compare = compare_losses(got, model, xb, loss_for_kind("lm"), 1e-3, "rademacher",
+                                                          devices[0], compare_seeds)
+                    except Exception as exc:  # noqa: BLE001 - keep the other figures
+                        res.errors["loss_compare"] = repr(exc)[:2000]
+                    save(res)
                 if n != worker_counts[-1]:
                     fleet.stop_workers()
-            if ready_preset:
+            if ready_preset and trainer_device != "cpu":
+                _gpu_publish_phases(fleet, names, res, ready_preset, build_model(ready_preset, device=trainer_device),
+                                    seeds_per_task, interval, train_batch or batch, save)
+            elif ready_preset:
                 big = build_model(ready_preset)
                 be = fleet.backend(big, "ready", seeds_per_task)
                 t0 = time.perf_counter()
@@ -203,6 +237,31 @@ def run_fleet_bench(redis_url: str, worker_counts: tuple[int, ...] = (1, 2, 4), 
         finally:
             fleet.close()
     return res
+
+
+def _gpu_publish_phases(fleet: _Fleet, names: list[str], res: FleetBenchResult, ready_preset: str, big,
+                        seeds_per_task: int, interval: int, train_batch: tuple[int, int], save) -> None:
+    """publish -> ready (synchronous, then background) and the training loop's cost of a model on a GPU."""
+    from benchmarks.fleet_gpu import publish_ready, trainer_cost
+    from fleet.batch_wire import loss_for_kind
+
+    torch.set_float32_matmul_precision("high")  # the trainer's precision on CUDA (trainer.train)
+    res.ready_preset = ready_preset
+    res.ready_bytes = sum(p.numel() * p.element_size() for p in big.parameters())
+    for background, versions, key in ((False, [1, 2], "publish_ready_sync"), (True, [3, 4, 5], "publish_ready_background")):
+        try:
+            be = fleet.backend(big, "ready-bg" if background else "ready", seeds_per_task, background=background)
+            rows = publish_ready(fleet, names, be, big, versions)
+            setattr(res, key, rows)
+            if not background:
+                res.publish_s, res.publish_to_ready_s = rows[-1]["call_s"], rows[-1]["ready_s"]
+            else:
+                xb = tuple(t.to(res.trainer_device) for t in _batch(*train_batch, big.config.vocab_size, seed=5))
+                res.trainer = trainer_cost(be, big, xb, loss_for_kind("lm"), interval)
+            be.close()
+        except Exception as exc:  # noqa: BLE001 - keep the other figures
+            res.errors[key] = repr(exc)[:2000]
+        save(res)
 
 
 def result_dict(res: FleetBenchResult) -> dict:
