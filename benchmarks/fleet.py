@@ -11,6 +11,7 @@ training loop's cost per published version and the worker's losses against in-pr
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import signal
@@ -182,7 +183,9 @@ def run_fleet_bench(redis_url: str, worker_counts: tuple[int, ...] = (1, 2, 4), 
 
     res = FleetBenchResult(preset, seeds, seeds_per_task, batch, threads, os.cpu_count() or 1,
                            worker_devices=tuple(devices), trainer_device=trainer_device)
-    with tempfile.TemporaryDirectory(prefix="sparecycles-bench-") as tmp:
+    keep = os.environ.get("SPARECYCLES_BENCH_KEEP") == "1"  # keep the coordinator's and workers' logs
+    with (contextlib.nullcontext(tempfile.mkdtemp(prefix="sparecycles-bench-")) if keep
+          else tempfile.TemporaryDirectory(prefix="sparecycles-bench-")) as tmp:
         fleet = _Fleet(redis_url, Path(tmp), threads, devices)
         try:
             model = build_model(preset)
