@@ -82,7 +82,7 @@ def bench_fleet(
     compare_seeds: Annotated[int, typer.Option(min=0, help="Compare this many seeds of the timed round with "
                                                "in-process evaluation on the first worker's device")] = 0,
     interval: Annotated[int, typer.Option(min=2, help="Training steps per refresh interval (trainer cost)")] = 20,
-    train_batch_size: Annotated[int, typer.Option(min=1, help="Trainer batch (trainer cost; default: batch-size)")] = 0,
+    train_batch_size: Annotated[int, typer.Option(min=0, help="Trainer batch (trainer cost; default: batch-size)")] = 0,
     train_seq_len: Annotated[int, typer.Option(min=0, help="Trainer sequence length (default: seq-len)")] = 0,
     json_path: Annotated[Path | None, typer.Option("--json-out", help="Also write the JSON here, after each phase")] = None,
 ) -> None:
