@@ -38,7 +38,8 @@ def publish_ready(fleet, names: list[str], backend, model: torch.nn.Module, vers
     """Publish each of `versions` through `backend` and wait for every worker in `names` to hold it.
 
     Returns one dict per version: call_s (the publish call), uploaded_s (its uploads done; = call_s when
-    synchronous), ready_s (every worker reports it loaded), all from the start of the call."""
+    synchronous), ready_s (every worker reports it loaded), all from the start of the call, plus the backend's
+    `publish_timings` of the version (serialise_s, upload_s, register_s, bytes) when it keeps them."""
     device = next(model.parameters()).device
     out = []
     for v in versions:
@@ -50,7 +51,9 @@ def publish_ready(fleet, names: list[str], backend, model: torch.nn.Module, vers
         backend.flush() if hasattr(backend, "flush") else None
         uploaded = time.perf_counter() - t0
         fleet.wait(lambda v=v: all(fleet.info(nm)["version"] == v for nm in names), f"version {v} on every worker")
-        out.append({"version": v, "call_s": call, "uploaded_s": uploaded, "ready_s": time.perf_counter() - t0})
+        ready = time.perf_counter() - t0
+        out.append({"version": v, "call_s": call, "uploaded_s": uploaded, "ready_s": ready,
+                    **getattr(backend, "publish_timings", {}).get(v, {})})
     return out
 
 

@@ -205,6 +205,9 @@ class CoordinatorBackend:
         self._jobs: deque[Future] = deque()  # background uploads in submission order
         self._host = HostCopies(max_pending) if background else None
         self.publish_seconds: list[float] = []  # the training loop's wall time in each publish call
+        # version -> serialise_s (weights to safetensors bytes, host copy included), upload_s (hash + PUT of the
+        # shards the store lacks), register_s (the manifest), bytes: where a publish's time goes
+        self.publish_timings: dict[int, dict[str, float]] = {}
 
     def _upload(self, data: bytes) -> str:
         sha = hashlib.sha256(data).hexdigest()
@@ -278,9 +281,7 @@ class CoordinatorBackend:
                     "param_order_hash": param_order_hash(self.model), "dtype": self.dtype,
                     "model_class": type(self.model).__name__, "model_config_json": manifest_config(self.model)}
         if self._host is None:
-            refs = [ShardRef(name=name, sha256=self._upload(data), bytes=len(data))
-                    for name, data in write_shards(self.model, self.shard_bytes, weights)]
-            self.client.post_version(VersionManifest(shards=refs, **manifest))
+            self._write_version(version, lambda: write_shards(self.model, self.shard_bytes, weights), manifest)
         else:
             if weights is not None:  # a copy the caller took: checked now, serialised on the upload thread
                 _check_weights(self.blocks, weights)
@@ -291,21 +292,31 @@ class CoordinatorBackend:
                 slot, tensors, event = self._host.take(self.blocks)
             names = [b.name for b in self.blocks]
 
-            def upload() -> None:
+            def shards() -> list[tuple[str, bytes]]:
                 try:
                     if event is not None:
                         event.synchronize()
-                    shards = shard_tensors([(n, t.cpu().contiguous()) for n, t in zip(names, tensors)],
-                                           self.shard_bytes)
+                    return shard_tensors([(n, t.cpu().contiguous()) for n, t in zip(names, tensors)],
+                                         self.shard_bytes)
                 finally:
                     if slot is not None:
                         self._host.give(slot)
-                refs = [ShardRef(name=name, sha256=self._upload(data), bytes=len(data)) for name, data in shards]
-                self.client.post_version(VersionManifest(shards=refs, **manifest))
 
-            self._run(upload)
+            self._run(lambda: self._write_version(version, shards, manifest))
         self._snapshot(version, weights)
         self.publish_seconds.append(time.perf_counter() - t0)
+
+    def _write_version(self, version: int, shards: Callable[[], list[tuple[str, bytes]]], manifest: dict) -> None:
+        """Serialise (`shards()`), upload and register one version; its timings go to `publish_timings`."""
+        t0 = time.perf_counter()
+        data = shards()
+        t1 = time.perf_counter()
+        refs = [ShardRef(name=name, sha256=self._upload(blob), bytes=len(blob)) for name, blob in data]
+        t2 = time.perf_counter()
+        self.client.post_version(VersionManifest(shards=refs, **manifest))
+        self.publish_timings[version] = {"serialise_s": t1 - t0, "upload_s": t2 - t1,
+                                         "register_s": time.perf_counter() - t2,
+                                         "bytes": float(sum(len(b) for _, b in data))}
 
     def publish_ledger(self, version: int, seeds: list[int], coeffs: list[float], dist: str,
                        scale: float = 1.0, scale_min_dim: int = 0) -> bool:

@@ -3,7 +3,8 @@
 # clean/probe timed alternately, pipelined task, GPU kernel time), `sparecycles bench fleet --device cuda:0
 # --trainer-device cuda:0` (GPU worker probes/s, synchronous and background publish -> ready, the training loop's
 # cost per published version, the worker's losses vs in-process evaluation), then `pytest -m gpu` (xdist, 6
-# processes). Each stage has its own time limit; results under $OUT. Needs .dev/whl2 (bash tools/h200_fleet.sh pack).
+# processes). Each stage has its own time limit (the fleet stage needs ~240 s: each synchronous publish of gpt2-small
+# took ~8 s there on 2026-11-30); results under $OUT. Needs .dev/whl2 (bash tools/h200_fleet.sh pack).
 set -uo pipefail
 out=${OUT:-/tmp/s5-out}; mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .dev/whl2/*.whl \
@@ -31,7 +32,7 @@ for _ in range(100):
     except redis.RedisError:
         time.sleep(0.1)
 PY
-SPARECYCLES_BENCH_KEEP=1 timeout "${FLEET_S:-110}" bash -c "$(declare -f sc); sc bench fleet --workers 1 --device cuda:0 --trainer-device cuda:0 \
+SPARECYCLES_BENCH_KEEP=1 timeout "${FLEET_S:-240}" bash -c "$(declare -f sc); sc bench fleet --workers 1 --device cuda:0 --trainer-device cuda:0 \
   --preset gpt2-small --seeds 64 --seeds-per-task 8 --batch-size 16 --seq-len 512 --threads 4 --ready-preset gpt2-small \
   --compare-seeds 8 --interval 20 --redis-url redis://127.0.0.1:6390/0 --json-out $out/fleet.json" > "$out/fleet.log" 2>&1
 echo "fleet rc=$?" | tee -a "$out/stages.txt"; tail -n 8 "$out/fleet.log"
