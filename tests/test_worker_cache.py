@@ -439,6 +439,8 @@ def test_background_publish_uploads_the_weights_of_the_publish_call_and_raises_u
         got = _params(cache.get("bg", v).model)
         assert all(torch.equal(a, b) for (_, a), (_, b) in zip(got, want[v])), v
     assert client.version("bg", 2).parent == 1 and len(bg.publish_seconds) == 3
+    assert sorted(bg.publish_timings) == [1, 2, 3] and sorted(be.publish_timings) == [0]
+    assert {t["bytes"] for t in bg.publish_timings.values()} == {sum(s.bytes for s in client.version("bg", 0).shards)}
 
     def refuse(sha, data):
         raise RuntimeError("upload refused")
