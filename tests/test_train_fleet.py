@@ -165,10 +165,9 @@ def test_train_coordinator_zocurv_global_equals_in_process(coordinator, tmp_path
     assert [f[0] for f in folded] == [3, 5]  # rounds at steps 2 and 4 (0-based), logged with the step they shaped
     assert max(r.get("line_accepted", 0) for r in fleet) == 2 * 3  # 3 seeds per round, all from the worker
     assert [r["publish_version"] for r in fleet if "publish_unix" in r] == [0, 2, 4]  # inline under --fleet-sync
-    # Asynchronous (no --fleet-sync): each refresh's publish and round run on a background thread while the trainer
-    # steps on; a refresh waits for the previous one, so versions 0 and 2 are seen published by steps 2 and 4.
+    # Asynchronous (no --fleet-sync): the trainer publishes at each refresh and steps on; a round is folded at the
+    # first step its results have arrived (or dropped past the staleness bound), so only completion is asserted.
     res = _cli("train", *zo, "--run-dir", str(tmp_path / "global-async"), "--coordinator", url, env=env)
     assert res.returncode == 0, res.stderr[-3000:] + (tmp_path / "worker.log").read_text()[-3000:]
     recs = [json.loads(x) for x in (tmp_path / "global-async" / "metrics.jsonl").read_text().splitlines()]
-    seen = {int(r["publish_version"]): r["step"] for r in recs if "publish_version" in r}
-    assert {0, 2} <= set(seen) <= {0, 2, 4} and seen[0] <= 3 and seen[2] <= 5
+    assert [(r["step"], r["publish_version"]) for r in recs if "publish_version" in r] == [(1, 0), (3, 2), (5, 4)]

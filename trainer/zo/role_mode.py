@@ -11,10 +11,11 @@
   before the step, as before), or the fleet's (fleet.backend.CoordinatorBackend: `sparecycles up`,
   `train --coordinator`), where the round is folded at the first step its results have arrived (at once
   with --fleet-sync, which makes the run equal the in-process one bit for bit). Each refresh publishes θ_t
-  (the next round's base). On an asynchronous fleet backend the publish (a copy of θ_t taken at the refresh,
-  serialised and uploaded: ~0.5 s for gpt2-small) and the round's submission run on a background thread
-  while the trainer steps on (`BackgroundJob`); the record of the step that sees it finished carries
-  `publish_s`, `publish_unix` and `publish_version`.
+  (the next round's base) on the training thread; on a fleet the refresh's record carries `publish_s`,
+  `publish_unix` and `publish_version`. (Publishing from a background thread while training went on was
+  measured on two H200s, issue 21: 7–8 s per gpt2-small version instead of the trainer's step rhythm, each
+  of its 148 device-to-host copies waiting behind queued training kernels, and the trainer's GPU at 32% SM:
+  3.4× AdamW's wall. The fleet then folds a round at the first step its results have arrived.)
 - ``zocurv-group-global``: both.
 - ``zocurv-group-fixed``: the zero-probe ablation, WANG2025_MULTIPLIERS fixed from step 0.
 `eps` is relative for these modes: ε_G = eps·RMS(θ_G). Logged on refresh steps: ``mult_<role>``,
@@ -25,7 +26,6 @@
 from __future__ import annotations
 
 import math
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -61,34 +61,6 @@ def line_fit_losses(res: dict[int, SeedResult]) -> list[float]:
 # Multiplier knobs: trainer.methods.RoleOptions (--optimizer-option KEY=VALUE). Defaults: γ = ½ equalises the
 # second-order cost of a sign-like step across groups (trainer.zo.multipliers); s_max = 10 is the top of
 # Wang et al.'s table; refreshes with |SNR| < 2 leave a group's multiplier as it was.
-
-
-class BackgroundJob:
-    """Run fn() on a daemon thread (a trainer that ends never waits for an upload); `result()` waits for it and
-    returns its value or raises its exception."""
-
-    def __init__(self, fn: Callable[[], Any]) -> None:
-        self._value: Any = None
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(fn,), daemon=True, name="zocurv-publish")
-        self._thread.start()
-
-    def _run(self, fn: Callable[[], Any]) -> None:
-        try:
-            self._value = fn()
-        except BaseException as exc:  # noqa: BLE001 - handed to the training thread by result()
-            self._error = exc
-
-    def done(self) -> bool:
-        """Whether fn has returned or raised."""
-        return not self._thread.is_alive()
-
-    def result(self) -> Any:
-        """Wait for fn; its return value. Raises what fn raised."""
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._value
 
 
 class RoleCurvMode:
@@ -127,9 +99,6 @@ class RoleCurvMode:
         self.own_backend = backend is None
         self.backend = backend or InProcessBackend(model, loss_fn, history=2 if self.line else 0,
                                                    staleness=cfg.staleness)
-        # Publish and submit off the training thread on a fleet that answers asynchronously (not --fleet-sync).
-        self.background = not self.own_backend and not getattr(backend, "synchronous", False)
-        self._job: BackgroundJob | None = None
         self.prev_version: int | None = None  # the version published at the last refresh (zocurv-global)
         self._pending: dict[str, RoundSpec] = {}  # line rounds submitted, not folded yet
         self._arrived: dict[str, dict[int, SeedResult]] = {}
@@ -174,46 +143,23 @@ class RoleCurvMode:
     def _submit_line(self, step: int, batch: Any) -> dict[str, float]:
         """Publish θ_step and submit the line round along θ_step − θ_prev (none at the first refresh, nor after
         a resume on a fleet, whose coordinator run lacks θ_prev); rounds older than `staleness` versions that
-        never completed are dropped. In the background (module docstring) on an asynchronous fleet."""
-        stats = self._finish_job(wait=True)  # versions are published in order; snapshots are then current
-        r = None
+        never completed are dropped. Returns the publish figures on a fleet ({} in process)."""
+        stats: dict[str, float] = {}
+        t0, unix0 = time.perf_counter(), time.time()
+        self.backend.publish(step)
+        if not self.own_backend:
+            stats.update({"publish_s": time.perf_counter() - t0, "publish_unix": unix0, "publish_version": float(step)})
         if self.prev_version is not None and self.prev_version in self.backend.snapshots:
             r = RoundSpec(f"global-{step}", step, batch, LINE_EPS, LINE_SEEDS, want_clean=True, kind=ProbeKind.LINE,
                           base_version=self.prev_version)
             self._pending[r.round_id], self._arrived[r.round_id] = r, {}
-        weights = [p.detach().clone() for p in self.model.parameters()] if self.background else None
-
-        def publish_and_submit() -> dict[str, float]:
-            t0, unix0 = time.perf_counter(), time.time()
-            if weights is None:
-                self.backend.publish(step)
-            else:
-                self.backend.publish(step, weights=weights)
-            out = {"publish_s": time.perf_counter() - t0, "publish_unix": unix0, "publish_version": float(step)}
-            if r is not None:
-                self.backend.submit(r)
-            return out
-
-        if self.background:
-            self._job = BackgroundJob(publish_and_submit)
-        else:
-            published = publish_and_submit()
-            if not self.own_backend:
-                stats.update(published)
+            self.backend.submit(r)
         for rid, old in list(self._pending.items()):
             if step - old.version > self.cfg.staleness:
                 del self._pending[rid], self._arrived[rid]
                 self.line_counts["dropped_rounds"] += 1
         self.prev_version = step
         return stats
-
-    def _finish_job(self, wait: bool) -> dict[str, float]:
-        """The background publish's figures once it finished ({} while it runs and `wait` is False, or without
-        one); raises what it raised."""
-        if self._job is None or not (wait or self._job.done()):
-            return {}
-        job, self._job = self._job, None
-        return job.result()
 
     def _fold(self, got: Collected) -> dict[str, float]:
         """Take collected line results; fold each completed round (in version order) into the global multiplier."""
@@ -256,8 +202,7 @@ class RoleCurvMode:
         stats: dict[str, float] = {}
         if step % self.cfg.curvature_interval == 0:  # the fixed ablation logs its (constant) multipliers too
             stats.update(self.refresh(step, self._probe_batch(batch)))
-        stats.update(self._finish_job(wait=False))
-        if self._pending and self._job is None:  # in process: the round just submitted; fleet: what has arrived
+        if self._pending:  # in process: the round just submitted; on a fleet: whatever has arrived
             t0 = self._clock()
             stats.update(self._fold(self.backend.collect()))
             self.probe_wall_s += self._clock() - t0
