@@ -12,7 +12,8 @@ the median step by the evaluation's time, which is subtracted from every later s
 `train_wall`). The wall-clock ratio is the trainer wall at which the run's validation curve (linear between
 evaluations) first reaches AdamW's final validation loss, over AdamW's trainer wall at its end.
 
-Usage: `python -m benchmarks.x2_report UP_DIR OUT_DIR [--inproc RUN_DIR] [--dmon GPU=PATH ...]`.
+Usage: `python -m benchmarks.x2_report UP_DIR OUT_DIR [--inproc RUN_DIR] [--dmon GPU=PATH ...]`; the PNG again
+from a summary: `python -m benchmarks.x2_report --plot-only OUT_DIR/x2_summary.json OUT_DIR`.
 """
 
 from __future__ import annotations
@@ -163,31 +164,35 @@ def report(up: Path, inproc: Path | None = None, dmon: dict[str, Path] | None = 
 
 
 def plot(res: dict[str, Any], path: Path) -> Path:
-    """PNG of validation loss against trainer wall time (solid) and raw elapsed time (dotted) for every run,
-    AdamW's final loss as a dashed line."""
+    """PNG: left, validation loss against trainer wall time (solid) and raw elapsed time (dotted) for every run;
+    right, the same evaluations against steps, zoomed on the end. AdamW's final loss dashed in both."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 5))
     for (name, rows), color in zip(res["curves"].items(), ("C0", "C3", "C2")):
-        ax.plot([r["train_wall_s"] for r in rows], [r["val_loss"] for r in rows], marker=".", c=color,
-                label=f"{name} (trainer wall)")
-        ax.plot([r["elapsed_s"] for r in rows], [r["val_loss"] for r in rows], ls=":", c=color, lw=0.8,
-                label=f"{name} (with evaluations)")
-    if "target_val_loss" in res:
-        ax.axhline(res["target_val_loss"], ls="--", c="k", lw=0.8, label="AdamW final")
+        loss = [r["val_loss"] for r in rows]
+        ax.plot([r["train_wall_s"] for r in rows], loss, marker=".", c=color, label=f"{name} (trainer wall)")
+        ax.plot([r["elapsed_s"] for r in rows], loss, ls=":", c=color, lw=0.8, label=f"{name} (with evaluations)")
+        ax2.plot([r["step"] for r in rows], loss, marker=".", c=color, label=name)
     finals = [r["val_loss"] for rows in res["curves"].values() for r in rows]
+    for a in (ax, ax2):
+        if "target_val_loss" in res:
+            a.axhline(res["target_val_loss"], ls="--", c="k", lw=0.8, label="AdamW final")
+        a.set_ylabel("validation loss (nats/token)")
+        a.grid(alpha=0.3)
+        a.legend(fontsize=7)
     if finals:
         lo = min(finals)
         ax.set_ylim(lo - 0.1, min(max(finals), lo + 2.5))
+        ax2.set_ylim(lo - 0.05, lo + 0.6)
+        ax2.set_xlim(left=max(0, max(r["step"] for rows in res["curves"].values() for r in rows) // 3))
     ax.set_xlabel("wall time of the training loop (s)")
-    ax.set_ylabel("validation loss (nats/token)")
-    ax.set_title("gpt2-small 16×512 on classics-small: AdamW (GPU 0) vs zocurv-global (GPU 0 + probe worker GPU 1)",
-                 fontsize=9)
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
+    ax2.set_xlabel("step (last two thirds)")
+    fig.suptitle("gpt2-small 16×512 on classics-small: AdamW (GPU 0) vs zocurv-global (GPU 0, probe worker on GPU 1)",
+                 fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -201,7 +206,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("out", type=Path)
     ap.add_argument("--inproc", type=Path)
     ap.add_argument("--dmon", nargs="*", default=[], help="GPU=PATH of an `nvidia-smi dmon -s u -o DT` log")
+    ap.add_argument("--plot-only", action="store_true", help="UP is an x2_summary.json: only draw its PNG")
     a = ap.parse_args(argv)
+    if a.plot_only:
+        a.out.mkdir(parents=True, exist_ok=True)
+        print(plot(json.loads(a.up.read_text()), a.out / "x2_val_loss_vs_wall.png"))
+        return
     dmon = dict(x.split("=", 1) for x in a.dmon)
     res = report(a.up, a.inproc, {k: Path(v) for k, v in dmon.items()})
     a.out.mkdir(parents=True, exist_ok=True)
