@@ -243,8 +243,12 @@ class Fleet:
         lm = getattr(cfg, "task", "lm") != "sentiment"
         # The workers build the model from the manifest (class + config + shards) and pick the loss and batch
         # format from its class, exactly as the backend does here.
+        # A fleet of one worker cannot spot-check: a replica must come from another worker, so the coordinator
+        # re-sends it to the same one until it gives up (issue 21's x2 run: 62 refused re-evaluations for 3
+        # spot-checked seeds, their rounds folded up to 72 steps late). Spot checks start at two workers.
         spec = RunSpec(run=f"{self.run_prefix}-{secrets.token_hex(4)}", model_class=type(model).__name__,
                        model_preset=cfg.model if lm else None, staleness=cfg.staleness,
+                       **({"spot_check_fraction": 0.0} if self.workers < 2 else {}),
                        **({"seeds_per_task": max(1, -(-cfg.probes // max(1, self.workers)))} if pure else {}))
         backend = CoordinatorBackend(model, coordinator_url=self.base, admin_token=self.settings.admin_token
                                      .get_secret_value(), redis_url=self.settings.redis_url, run=spec,

@@ -432,7 +432,7 @@ class CoordinatorBackend:
         `stale` and `duplicate` are the run's, from the coordinator's intake (IntakeCounts), since the last collect.
         """
         self._check()
-        self._drain_stream(block_ms=1)
+        self._drain_stream(block_ms=0)  # what is there now: a training step pays this (fleet.attach, role_mode)
         if round_id is not None and round_id in self._waiting:
             wait = timeout_s or self.round_timeout_s
             deadline = time.monotonic() + wait
