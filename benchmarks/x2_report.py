@@ -76,9 +76,8 @@ def time_to_reach(curve: list[tuple[int, float, float, float]], target: float,
 
 
 def publish_to_ready(records: list[dict[str, Any]], worker_logs: list[Path]) -> list[dict[str, float]]:
-    """Per published version: the trainer's publish time (`publish_s`, `publish_version` of the step record that
-    saw the background publish finish) and publish start -> the first / last worker log line saying it is
-    ready (seconds)."""
+    """Per published version (`publish_version` of a step record): the publish call's time (`publish_s`) and
+    publish start -> the first / last worker log line saying it is ready (seconds)."""
     ready: dict[int, list[float]] = {}
     for p in worker_logs:
         for m in _READY.finditer(p.read_text(errors="replace") if p.is_file() else ""):

@@ -233,12 +233,12 @@ class Fleet:
         from coordinator.messages import RunSpec
         from fleet.backend import CoordinatorBackend
         from fleet.batch_wire import batch_kind_for_model, loss_for_kind
-        from trainer.methods import build_zocurv_mode, get_method
+        from trainer.methods import build_role_mode, build_zocurv_mode, get_method
         from trainer.modes import build_mode
 
-        # Pure-ZO steps wait for every probe: their seeds are spread over the workers. ZOCurvMode publishes inside
-        # its step: its backend serialises and uploads in the background (fleet.backend); RoleCurvMode runs its own
-        # publish thread on an asynchronous fleet, and pure ZO waits for each round anyway.
+        # Pure-ZO steps wait for every probe: their seeds are spread over the workers. ZOCurvMode and RoleCurvMode
+        # (zocurv-global) publish inside their steps: their backend serialises and uploads in the background
+        # (fleet.backend), and pure ZO waits for each round anyway.
         pure = get_method(cfg.optimizer).kind == "pure-zo"
         lm = getattr(cfg, "task", "lm") != "sentiment"
         # The workers build the model from the manifest (class + config + shards) and pick the loss and batch
@@ -253,7 +253,7 @@ class Fleet:
         backend = CoordinatorBackend(model, coordinator_url=self.base, admin_token=self.settings.admin_token
                                      .get_secret_value(), redis_url=self.settings.redis_url, run=spec,
                                      key_prefix=self.settings.key_prefix, history=0 if pure else 2,
-                                     background=get_method(cfg.optimizer).build is build_zocurv_mode)
+                                     background=get_method(cfg.optimizer).build in (build_zocurv_mode, build_role_mode))
         if self.sync_rounds and not pure:  # pure-ZO steps wait for their probes anyway
             backend = SyncRounds(backend)
         loss_fn = loss_for_kind(batch_kind_for_model(type(model).__name__))

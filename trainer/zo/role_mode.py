@@ -11,11 +11,11 @@
   before the step, as before), or the fleet's (fleet.backend.CoordinatorBackend: `sparecycles up`,
   `train --coordinator`), where the round is folded at the first step its results have arrived (at once
   with --fleet-sync, which makes the run equal the in-process one bit for bit). Each refresh publishes θ_t
-  (the next round's base) on the training thread; on a fleet the refresh's record carries `publish_s`,
-  `publish_unix` and `publish_version`. (Publishing from a background thread while training went on was
-  measured on two H200s, issue 21: 7–8 s per gpt2-small version instead of the trainer's step rhythm, each
-  of its 148 device-to-host copies waiting behind queued training kernels, and the trainer's GPU at 32% SM:
-  3.4× AdamW's wall. The fleet then folds a round at the first step its results have arrived.)
+  (the next round's base). On a fleet the record carries `publish_s` (the training thread's share: under
+  `up` / `train --coordinator` the backend is CoordinatorBackend(background=True), whose publish only copies θ_t
+  to pinned host buffers; serialisation, upload and the round follow in order on its upload thread),
+  `publish_unix` and `publish_version`. (A thread of this mode's own that published from per-tensor copies while
+  training went on was measured on two H200s, issue 21: the trainer's GPU at 32% SM, 3.4× AdamW's wall.)
 - ``zocurv-group-global``: both.
 - ``zocurv-group-fixed``: the zero-probe ablation, WANG2025_MULTIPLIERS fixed from step 0.
 `eps` is relative for these modes: ε_G = eps·RMS(θ_G). Logged on refresh steps: ``mult_<role>``,
