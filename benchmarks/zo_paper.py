@@ -161,12 +161,8 @@ def run_zo_arm(data: PaperData, model: torch.nn.Module, arm: dict, *, seed: int 
         if not math.isfinite(st["loss"]):
             stop = "diverged"
             break
-        out_of_time = time.perf_counter() - t0 > arm["time_s"]
-        if (it + 1) % arm["eval_every"] == 0 or out_of_time or it + 1 == arm["max_iters"]:
-            e = _eval_point(data, model, it + 1, stepper.forward_passes * bs, time.perf_counter() - t0)
-            if e["val_acc"] > max(x["val_acc"] for x in evals):  # strictly: the earliest best, as _finish picks
-                best_state = _snapshot(model)
-            evals.append(e)
+        out_of_time, best_state = _after_iteration(data, model, arm, it, stepper.forward_passes * bs, t0, evals,
+                                                   best_state)
         if out_of_time:
             stop = "time"
             break
@@ -176,6 +172,20 @@ def run_zo_arm(data: PaperData, model: torch.nn.Module, arm: dict, *, seed: int 
     if keep_ledger:
         res["ledger"] = ledger
     return res
+
+
+def _after_iteration(data: PaperData, model: torch.nn.Module, arm: dict, it: int, seq_forwards: int, t0: float,
+                     evals: list[dict], best_state: Any) -> tuple[bool, Any]:
+    """After iteration `it` (0-based): evaluate when due (every `eval_every`, the last iteration, or out of
+    `time_s` seconds), appending to `evals`; snapshot the model on a strict validation improvement (the earliest
+    best, as `_finish` picks). Returns (out of time, best state)."""
+    out_of_time = time.perf_counter() - t0 > arm["time_s"]
+    if (it + 1) % arm["eval_every"] == 0 or out_of_time or it + 1 == arm["max_iters"]:
+        e = _eval_point(data, model, it + 1, seq_forwards, time.perf_counter() - t0)
+        if e["val_acc"] > max(x["val_acc"] for x in evals):
+            best_state = _snapshot(model)
+        evals.append(e)
+    return out_of_time, best_state
 
 
 def run_backprop_arm(data: PaperData, model: torch.nn.Module, arm: dict, *, seed: int = 0) -> dict[str, Any]:
@@ -192,12 +202,7 @@ def run_backprop_arm(data: PaperData, model: torch.nn.Module, arm: dict, *, seed
         loss.backward()
         opt.step()
         log.append({"iteration": it + 1, "loss": float(loss.detach())})
-        out_of_time = time.perf_counter() - t0 > arm["time_s"]
-        if (it + 1) % arm["eval_every"] == 0 or out_of_time or it + 1 == arm["max_iters"]:
-            e = _eval_point(data, model, it + 1, (it + 1) * bs, time.perf_counter() - t0)
-            if e["val_acc"] > max(x["val_acc"] for x in evals):  # strictly: the earliest best, as _finish picks
-                best_state = _snapshot(model)
-            evals.append(e)
+        out_of_time, best_state = _after_iteration(data, model, arm, it, (it + 1) * bs, t0, evals, best_state)
         if out_of_time:
             stop = "time"
             break
