@@ -169,42 +169,81 @@ class FleetFiguresMode:
         return {**stats, **{f"fleet_{k}": float(v) for k, v in self.status.snapshot().items()}}
 
 
+ROUND_MODES = ("async", "sync", "next")  # how a fleet's ZO-Curv rounds fold (Fleet.rounds, SyncRounds)
+
+
 class SyncRounds:
-    """A ProbeBackend wrapper that makes curvature rounds synchronous: `collect()` first waits (up to
-    `timeout_s` seconds per round) for every round submitted since the last collect, then hands out
-    everything. A ZO-Curv run over the fleet then folds each round at the same step as in process, so its
-    losses equal the in-process run's bit for bit (the workers' forward passes being bit-identical); the
-    price is that the trainer waits for the fleet once per curvature interval. Everything else delegates.
+    """A ProbeBackend wrapper that fixes at which refresh each curvature round folds, whatever the fleet's timing.
+
+    lag 0 (`sync`, `train --fleet-sync`): `collect()` waits (up to `timeout_s` seconds per round) for every round
+    submitted since the last collect, then hands out everything: each round folds at its own refresh, as in
+    process, so the losses equal the in-process run's bit for bit (the workers' forward passes being
+    bit-identical); the trainer waits for the fleet once per curvature interval.
+
+    lag 1 (`next`, `sparecycles up`): a round folds at the refresh after it. `collect()` hands out the rounds
+    submitted before the newest one and keeps the newest one's results back; before a newer version is published
+    every round in flight is waited for, so no result can arrive stale at the coordinator (its bound S counts
+    versions). The trainer waits only when the fleet is more than an interval behind; when it keeps up this is
+    what an asynchronous run does, made independent of timing.
+
+    Either way a run is reproducible, and an interrupted run resumed (trainer.zo.modes.ZOCurvMode re-issues the
+    round in flight) equals the uninterrupted one. Everything else delegates to the wrapped backend.
+    Raises ValueError for a lag other than 0 or 1.
     """
 
-    def __init__(self, backend, timeout_s: float = 300.0) -> None:
-        self.backend, self.timeout_s = backend, timeout_s
-        self._pending: list[str] = []
+    _OWN = ("backend", "timeout_s", "lag", "_pending", "_held")
+
+    def __init__(self, backend, timeout_s: float = 300.0, lag: int = 0) -> None:
+        if lag not in (0, 1):
+            raise ValueError(f"lag must be 0 or 1, got {lag}")
+        self.backend, self.timeout_s, self.lag = backend, timeout_s, lag
+        self._pending: list[str] = []  # rounds submitted, not yet collected
+        self._held: list = []  # Collected parts waited for, not yet handed out
 
     def __getattr__(self, name: str):
         return getattr(self.backend, name)
 
     def __setattr__(self, name: str, value) -> None:  # forward_passes / snapshots are the backend's state
-        if name in ("backend", "timeout_s", "_pending"):
+        if name in self._OWN:
             object.__setattr__(self, name, value)
         else:
             setattr(self.backend, name, value)
 
+    def _wait(self, rounds: list[str]) -> None:
+        """Collect each of `rounds` (waiting up to timeout_s) into the held results."""
+        for rid in rounds:
+            self._held.append(self.backend.collect(rid, self.timeout_s))
+            self._pending.remove(rid)
+
+    def publish(self, version: int) -> None:
+        """lag 1: wait for the rounds in flight first; then publish on the wrapped backend."""
+        if self.lag:
+            self._wait(list(self._pending))
+        self.backend.publish(version)
+
     def submit(self, probe_round) -> None:
-        """Submit to the wrapped backend and remember the round."""
+        """Submit to the wrapped backend and remember the round (lag 1: a round at a newer version, which
+        publishes it, first waits for the rounds in flight)."""
+        latest = self.backend.latest_version
+        if self.lag and (latest is None or probe_round.version > latest):
+            self._wait(list(self._pending))
         self.backend.submit(probe_round)
         self._pending.append(probe_round.round_id)
 
     def collect(self, round_id: str | None = None, timeout_s: float = 0.0):
-        """With a round id: the wrapped backend's collect. Without: wait for the pending rounds, then hand
-        out every result (trainer.zo.backend.Collected, counts summed over the calls)."""
+        """With a round id: the wrapped backend's collect of that round (no longer waited for here). Without: wait
+        for the rounds due (lag 0: all pending; lag 1: all but the newest), then hand out their results
+        (trainer.zo.backend.Collected, counts summed over the calls; lag 0 also hands out any other result)."""
         from trainer.zo.backend import Collected
 
         if round_id is not None:
+            if round_id in self._pending:
+                self._pending.remove(round_id)
             return self.backend.collect(round_id, timeout_s)
-        parts = [self.backend.collect(r, self.timeout_s) for r in self._pending]
-        self._pending = []
-        parts.append(self.backend.collect())
+        self._wait(self._pending[:-1] if self.lag else list(self._pending))
+        parts, self._held = self._held, []
+        if not self.lag:
+            parts.append(self.backend.collect())
         counts: dict[str, int] = {}
         for c in parts:
             for k, v in c.counts.items():
@@ -222,7 +261,7 @@ class Fleet:
     workers: int
     status: FleetStatus
     run_prefix: str = "train"
-    sync_rounds: bool = False
+    rounds: str = "async"
 
     def mode_factory(self, cfg, model):
         """trainer.train's `mode_factory`: the run's ZO mode (cfg.optimizer) with its probes on the fleet.
@@ -254,8 +293,11 @@ class Fleet:
                                      .get_secret_value(), redis_url=self.settings.redis_url, run=spec,
                                      key_prefix=self.settings.key_prefix, history=0 if pure else 2,
                                      background=get_method(cfg.optimizer).build in (build_zocurv_mode, build_role_mode))
-        if self.sync_rounds and not pure:  # pure-ZO steps wait for their probes anyway
-            backend = SyncRounds(backend)
+        rounds = self.rounds
+        if rounds == "next" and get_method(cfg.optimizer).optimizer is None:
+            rounds = "async"  # zocurv-global (trainer.zo.role_mode) folds its line rounds as they arrive
+        if rounds != "async" and not pure:  # pure-ZO steps wait for their probes anyway
+            backend = SyncRounds(backend, lag=0 if rounds == "sync" else 1)
         loss_fn = loss_for_kind(batch_kind_for_model(type(model).__name__))
         return FleetFiguresMode(build_mode(cfg, model, loss_fn, backend=backend), self.status)
 
@@ -284,17 +326,20 @@ def check_key_prefix(settings: FleetSettings) -> None:
 
 def attach(url: str, *, settings: FleetSettings | None = None, wait_s: float = 120.0, min_workers: int = 1,
            check: Callable[[], None] = lambda: None, log: Callable[[str], None] = lambda m: None,
-           run_prefix: str = "train", sync_rounds: bool = False) -> Fleet:
+           run_prefix: str = "train", rounds: str = "async") -> Fleet:
     """Connect to the coordinator at `url` and wait for `min_workers` active workers (at most `wait_s` s).
 
-    `settings` default to the environment (FleetSettings); `sync_rounds` makes ZO-Curv rounds synchronous
-    (SyncRounds). Raises FleetError when the coordinator does not
+    `settings` default to the environment (FleetSettings); `rounds` (ROUND_MODES) says when ZO-Curv rounds
+    fold: "async" as they arrive, "sync" at their own refresh, "next" at the refresh after (SyncRounds).
+    Raises FleetError when the coordinator does not
     answer /readyz (one bounded retry loop of `wait_s` seconds), refuses the admin token, or has too few
     active workers after `wait_s` seconds; ValueError for a URL that is not http(s).
     """
     from pydantic import ValidationError
 
     base = url.rstrip("/")
+    if rounds not in ROUND_MODES:
+        raise ValueError(f"rounds must be one of {ROUND_MODES}, got {rounds!r}")
     if not base.startswith(("http://", "https://")):
         raise ValueError(f"--coordinator must be an http(s) URL, got {url!r}")
     if settings is None:
@@ -331,4 +376,4 @@ def attach(url: str, *, settings: FleetSettings | None = None, wait_s: float = 1
         raise FleetError(f"the coordinator at {base} stopped answering: {exc}") from None
     workers = wait_for_workers(base, token, min_workers, max(0.0, deadline - time.monotonic()), check=check, log=log)
     check_key_prefix(settings)
-    return Fleet(base, settings, len(workers), FleetStatus(base), run_prefix, sync_rounds)
+    return Fleet(base, settings, len(workers), FleetStatus(base), run_prefix, rounds)

@@ -318,6 +318,17 @@ class CoordinatorBackend:
                                          "register_s": time.perf_counter() - t2,
                                          "bytes": float(sum(len(b) for _, b in data))}
 
+    def publish_weights(self, version: int, blocks: list[torch.Tensor]) -> None:
+        """Publish `blocks` (the canonical blocks in fp32, as `snapshots` holds them) as `version` instead of the
+        model's current weights: a resumed run re-publishes the versions its checkpointed rounds probe, since a
+        new coordinator run holds none. Cast back to the model's dtype the bytes equal those `publish` sent.
+
+        Raises ValueError if `version` is not newer than the last published one or the blocks do not fit.
+        """
+        if len(blocks) != len(self.blocks):
+            raise ValueError(f"publish_weights needs {len(self.blocks)} tensors (one per canonical block)")
+        self.publish(version, [t.to(b.param.dtype) for t, b in zip(blocks, self.blocks)])
+
     def publish_ledger(self, version: int, seeds: list[int], coeffs: list[float], dist: str,
                        scale: float = 1.0, scale_min_dim: int = 0) -> bool:
         """Register pure-ZO version `version` as a seed-ledger entry on the last published version:

@@ -57,7 +57,7 @@ def _attach_fleet(url: str, cfg: Any, wait_s: float, sync: bool = False) -> dict
     if FLEET_ATTACH is None:
         raise RuntimeError("trainer.cli.FLEET_ATTACH is unset: run `train` through the sparecycles CLI")
     try:
-        fleet = FLEET_ATTACH(url, wait_s=wait_s, sync_rounds=sync, log=lambda m: typer.echo(m, err=True))
+        fleet = FLEET_ATTACH(url, wait_s=wait_s, rounds="sync" if sync else "async", log=lambda m: typer.echo(m, err=True))
     except (RuntimeError, ValueError) as exc:
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from exc

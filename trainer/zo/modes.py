@@ -64,6 +64,10 @@ class ZOCurvMode:
         self.backend = backend or InProcessBackend(model, loss_fn, history=2 if self.line else 0,
                                                    staleness=cfg.staleness)
         self.train_forwards = 0
+        # A fleet backend (one that can publish given weights) lets a resume re-issue the rounds in flight: the
+        # weights they probe are held here (references to the backend's snapshots) for the checkpoint.
+        self.reissue = hasattr(self.backend, "publish_weights")
+        self.round_weights: dict[int, list[torch.Tensor]] = {}
 
     def _probe_batch(self, batch: Any) -> Any:
         if isinstance(batch, tuple) and all(isinstance(t, torch.Tensor) for t in batch):
@@ -84,17 +88,27 @@ class ZOCurvMode:
             self.backend.publish(step)
         if due and (not self.line or step - 1 in self.backend.snapshots):
             stats.update(opt.refresh_curvature(self.backend, self._probe_batch(batch), version=step))
+            if self.reissue:
+                self._hold_round_weights()
         loss, gnorm = backprop_step(self.model, opt, self.loss_fn, batch, self.cfg.grad_clip)
         self.train_forwards += 1
         stats.update({"loss": loss, "grad_norm": gnorm, "clipped_frac": opt.last_clipped_frac,
                       "forward_passes": float(self.train_forwards + self.backend.forward_passes)})
         return stats
 
+    def _hold_round_weights(self) -> None:
+        """Keep the published weights (fp32 canonical blocks) of every version a round in flight probes."""
+        need = {v for r in self.optimizer.inflight() for v in (r.version, r.base_version) if v is not None}
+        have = {**self.round_weights, **self.backend.snapshots}
+        self.round_weights = {v: have[v] for v in need if v in have}
+
     def extra_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """Curvature state tensors and JSON (optimizer moments/masters travel in the optimizer state).
+        """Curvature state tensors and JSON (optimizer moments/masters travel in the optimizer state), the
+        rounds in flight (trainer.zo.optimizers: spec, batch, results taken) and the weights they probe.
 
         zocurv-line also keeps its newest published snapshot θ_{v−1}: the first round after a resume
-        probes along θ_v − θ_{v−1} exactly as an uninterrupted run would.
+        probes along θ_v − θ_{v−1} exactly as an uninterrupted run would. Weights as `line_prev/<block>` and
+        `round_weights/<version>/<block>` (fp32).
         """
         tensors, meta = self.optimizer.zo_state()
         meta = {"curvature": meta, "train_forwards": self.train_forwards,
@@ -103,16 +117,42 @@ class ZOCurvMode:
             v = max(self.backend.snapshots)
             tensors.update({f"line_prev/{i}": t for i, t in enumerate(self.backend.snapshots[v])})
             meta["line_prev_version"] = v
+        held = {v: w for v, w in self.round_weights.items() if v != meta.get("line_prev_version")}
+        for v, w in held.items():
+            tensors.update({f"round_weights/{v}/{i}": t for i, t in enumerate(w)})
+        meta["round_weights"] = sorted(held)
         return tensors, meta
 
     def load_extra_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
-        """Restore `extra_state()`."""
+        """Restore `extra_state()`. Over a fleet (a new coordinator run, holding no version), publish the saved
+        weights again and re-issue the rounds that were in flight, waiting for their results (up to the backend's
+        round timeout) without folding them: they fold at the next refresh, as in the uninterrupted run, and no
+        newer version is published before they are in, so none can arrive stale. In process (or a checkpoint
+        without the weights) the rounds in flight are dropped and counted."""
         self.optimizer.load_zo_state(tensors, meta["curvature"])
         self.train_forwards = int(meta.get("train_forwards", 0))
         self.backend.forward_passes = int(meta.get("probe_forwards", 0))
-        if self.line and "line_prev_version" in meta:
-            n = len(self.backend.block_sizes)
-            self.backend.snapshots = {int(meta["line_prev_version"]): [tensors[f"line_prev/{i}"] for i in range(n)]}
+        n = len(self.backend.block_sizes)
+        weights = {int(v): [tensors[f"round_weights/{v}/{i}"] for i in range(n)] for v in meta.get("round_weights", [])}
+        prev = meta.get("line_prev_version")
+        if self.line and prev is not None:
+            weights[int(prev)] = [tensors[f"line_prev/{i}"] for i in range(n)]
+        rounds = self.optimizer.inflight()
+        if not self.reissue or any(v not in weights for r in rounds for v in (r.version, r.base_version)
+                                   if v is not None):
+            self.optimizer.drop_inflight()
+            rounds = []
+        if not self.reissue:
+            if self.line and prev is not None:
+                self.backend.snapshots = {int(prev): weights[int(prev)]}
+            return
+        for v in sorted(weights):
+            self.backend.publish_weights(v, weights[v])
+            for r in (r for r in rounds if r.version == v):
+                self.backend.submit(r)
+                self.optimizer.take_early(self.backend.collect(r.round_id))
+        self.round_weights = weights
+        self._hold_round_weights()
 
 
 class PureZOMode:

@@ -13,6 +13,7 @@ Blocks are parameter tensors in canonical order (`list(model.named_parameters())
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -154,19 +155,66 @@ class _ZOCurvBase(torch.optim.Optimizer):
         return stats
 
     def zo_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """(tensors, JSON) of the curvature state for checkpoints; in-flight rounds are not kept."""
+        """(tensors, JSON) of the curvature state for checkpoints, with the rounds still in flight: each one's
+        spec (JSON; its batch, when a tuple of tensors, as `round/<i>/batch/<j>`) and the results it already
+        took. A resumed run re-issues them (trainer.zo.modes.ZOCurvMode) or forgets them (`drop_inflight`)."""
         sd = self.curv.state_dict()
-        ema = sd.pop("ema")
-        sd["dropped_rounds"] = self.dropped_rounds + len(self._pending)
-        return {"curv_ema": ema}, sd
+        tensors = {"curv_ema": sd.pop("ema")}
+        sd["dropped_rounds"] = self.dropped_rounds
+        rounds = []
+        for i, (rid, r) in enumerate(self._pending.items()):
+            batch = isinstance(r.batch, tuple) and all(isinstance(t, torch.Tensor) for t in r.batch)
+            if batch:
+                tensors.update({f"round/{i}/batch/{j}": t.contiguous() for j, t in enumerate(r.batch)})
+            rounds.append({"round_id": rid, "version": r.version, "eps": r.eps, "seeds": list(r.seeds),
+                           "dist": r.dist, "want_clean": r.want_clean, "kind": ProbeKind(r.kind).value,
+                           "base_version": r.base_version, "group": list(r.group),
+                           "batch_len": len(r.batch) if batch else None,
+                           "arrived": [dataclasses.asdict(x) for x in self._arrived[rid].values()]})
+        sd["inflight"] = rounds
+        return tensors, sd
 
     def load_zo_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
-        """Restore what `zo_state` returned."""
+        """Restore what `zo_state` returned; its rounds in flight are pending again (`inflight`), those whose
+        batch was not saved are dropped. A checkpoint of an older format (no rounds kept) restores none."""
         meta = dict(meta)
         self.dropped_rounds = int(meta.pop("dropped_rounds", 0))
+        rounds = meta.pop("inflight", [])
         self.curv.load_state_dict({**meta, "ema": tensors["curv_ema"]})
         self._pending.clear()
         self._arrived.clear()
+        for i, d in enumerate(rounds):
+            if d["batch_len"] is None:
+                self.dropped_rounds += 1
+                continue
+            batch = tuple(tensors[f"round/{i}/batch/{j}"] for j in range(d["batch_len"]))
+            r = RoundSpec(d["round_id"], int(d["version"]), batch, float(d["eps"]), tuple(d["seeds"]), d["dist"],
+                          want_clean=bool(d["want_clean"]), kind=ProbeKind(d["kind"]),
+                          base_version=d["base_version"], group=tuple(d["group"]))
+            self._pending[r.round_id] = r
+            self._arrived[r.round_id] = {int(x["seed"]): SeedResult(**x) for x in d["arrived"]}
+
+    def inflight(self) -> list[RoundSpec]:
+        """The rounds submitted and not yet folded nor dropped, oldest first."""
+        return list(self._pending.values())
+
+    def drop_inflight(self) -> None:
+        """Forget the rounds in flight, counting each as dropped (a resume that cannot re-issue them)."""
+        self.dropped_rounds += len(self._pending)
+        self._pending.clear()
+        self._arrived.clear()
+
+    def take_early(self, got: Collected) -> None:
+        """Take results of rounds in flight without folding anything (a resume's re-issued round: it folds at the
+        next refresh, as in the uninterrupted run); the backend's counts are added to `curv.counts`."""
+        for k in self.curv.counts:
+            self.curv.counts[k] += got.counts.get(k, 0)
+        for x in got.results:
+            if x.round_id in self._pending:
+                self._arrived[x.round_id][x.seed] = x
+            else:  # as `intake`: a result of a round no longer waited for counts stale
+                self.curv.counts[Outcome.STALE.value] += 1
+                self.curv.counts[Outcome.ACCEPTED.value] -= 1
 
     # ---- AdamW ---------------------------------------------------------------------------------
     def _multipliers(self) -> torch.Tensor:
