@@ -173,6 +173,10 @@ def _prefetch_inputs(cfg, progress: bool) -> None:
         load_corpus(cfg.corpus, progress=progress)
 
 
+UP_ROUNDS = "next"  # fleet.attach.ROUND_MODES: how `up`'s ZO-Curv rounds fold
+ROUNDS_NOTE = ("each curvature round folds at the refresh after it (the trainer waits only if the fleet is a whole "
+               "interval behind): the run does not depend on the fleet's timing, and one interrupted and resumed "
+               "equals the uninterrupted run bit for bit")
 FLEET_PARTS = "fleet_parts.json"  # in the fleet-probed run's folder: one fleet snapshot per part trained
 
 
@@ -199,6 +203,15 @@ def sum_fleet(parts: list[dict]) -> dict:
     out["stale_fraction"] = out.get("results_stale", 0.0) / total if total else 0.0
     out["parts"] = len(parts)
     return out
+
+
+def _rounds_note(optimizer: str) -> str:
+    """How the fleet's probes enter `optimizer`'s steps, for the console and summary.json."""
+    from trainer.methods import get_method
+
+    if get_method(optimizer).kind == "zo-curv":
+        return ROUNDS_NOTE
+    return "every step waits for all its probes: the run does not depend on the fleet's timing"
 
 
 def _train_with_fleet(plan: UpPlan, progress: bool, log: Callable[[str], None],
@@ -245,8 +258,10 @@ def _train_with_fleet(plan: UpPlan, progress: bool, log: Callable[[str], None],
                 sup.start(f"worker-{i}", py + ["worker", "--coordinator", base, "--name", f"local-{i}",
                                                "--device", dev, *extra], worker_env)
             log(f"probe workers on {', '.join(devices)}; forward at the published float32 weights")
+            # Each ZO-Curv round folds at the refresh after it, whatever the fleet's timing (fleet.attach.SyncRounds
+            # lag 1): the run is reproducible and an interrupted one, resumed, is the same run bit for bit.
             fleet = Fleet(base, FleetSettings(admin_token=admin, redis_url=redis_url, key_prefix=settings.key_prefix),
-                          workers, FleetStatus(base), run_prefix="up")
+                          workers, FleetStatus(base), run_prefix="up", rounds=UP_ROUNDS)
             wait_for_workers(base, admin, workers, 120.0, check=sup.check)
             status = fleet.status
             fleet_mode = fleet.mode_factory
@@ -260,6 +275,7 @@ def _train_with_fleet(plan: UpPlan, progress: bool, log: Callable[[str], None],
             # A resumed run's fleet figures add up every part: each interruption records the one it ends.
             parts_path = plan.out / plan.optimizer / FLEET_PARTS
             parts = _read_parts(parts_path) if zo_state == "resume" else []
+            log(f"{plan.optimizer}: {_rounds_note(plan.optimizer)}")
             try:
                 train(plan.zo_cfg, progress=progress, resume=zo_state == "resume", overwrite=True,
                       mode_factory=fleet_mode, status=status, export=export)
@@ -346,6 +362,7 @@ def run_up(plan: UpPlan, *, progress: bool = True, keep_blobs: bool = False, exp
         "trainer_device": plan.zo_cfg.device, "worker_devices": list(plan.worker_devices or ("cpu",) * plan.workers),
         "forward_dtype": "float32 (TF32 matmuls on CUDA)" if any(d.startswith("cuda") for d in plan.worker_devices)
         else "float32",
+        "rounds": _rounds_note(opt),
         "warnings": [*plan.warnings, *([late] if late else [])], "wall_s": time.perf_counter() - t0, "plot": str(png),
         "logs": str(out / "logs"),
     }
