@@ -116,9 +116,10 @@ class _ZOCurvBase(torch.optim.Optimizer):
         if list(backend.block_sizes) != self.block_sizes:
             raise ValueError("backend blocks differ from the optimizer's: build both from the same model")
         r = self._make_round(batch, version)
-        self._pending[r.round_id] = r
-        self._arrived[r.round_id] = {}
-        backend.submit(r)
+        if r.round_id not in self._pending:  # else re-issued from a checkpoint (a step retried after an outage)
+            self._pending[r.round_id] = r
+            self._arrived[r.round_id] = {}
+            backend.submit(r)
         return self.intake(backend.collect())
 
     def intake(self, got: Collected) -> dict[str, float]:
