@@ -10,6 +10,9 @@
 - `Fleet.mode_factory`: a `trainer.train` mode factory that builds the run's ZO mode over a
   `fleet.backend.CoordinatorBackend` (a new coordinator run per attach; a resumed run re-publishes what the
   workers need, see trainer.zo.modes).
+- `SyncRounds` / `ROUND_MODES`: when a ZO-Curv round folds into the steps: "async" (as it arrives), "sync" (at its
+  own refresh: `train --fleet-sync`), "next" (at the refresh after it: `up`); the last two make a run
+  independent of the fleet's timing, so an interrupted and resumed run equals the uninterrupted one.
 - `FleetStatus` / `FleetFiguresMode`: live fleet figures (workers, probes/s, results by outcome) scraped from
   the coordinator's /metrics, shown in the progress line and added to every step's record.
 """

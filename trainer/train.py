@@ -10,7 +10,8 @@
     6. report       loss.png, summary.json and (`export`) the model as a transformers folder
 
 Batches, the learning-rate schedule and all randomness are functions of the step counter, so a resumed
-run continues bit-identically on CPU. The step strategies live in trainer.modes (AdamW) and
+run continues bit-identically on CPU; over a fleet too when its rounds fold at fixed refreshes (the checkpoint
+carries the rounds in flight: trainer.zo.modes.ZOCurvMode, fleet.attach.SyncRounds). The step strategies live in trainer.modes (AdamW) and
 trainer.zo.modes (ZO-Curv, pure ZO); tasks in trainer.tasks; files in trainer.run_dir / trainer.checkpoint.
 """
 
