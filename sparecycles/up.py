@@ -209,8 +209,12 @@ def _rounds_note(optimizer: str) -> str:
     """How the fleet's probes enter `optimizer`'s steps, for the console and summary.json."""
     from trainer.methods import get_method
 
-    if get_method(optimizer).kind == "zo-curv":
+    method = get_method(optimizer)
+    if method.kind == "zo-curv" and method.optimizer is not None:
         return ROUNDS_NOTE
+    if method.kind == "zo-curv":
+        return ("each line round folds as its results arrive: the run depends on the fleet's timing, and a resumed "
+                "run starts its line afresh at the next refresh (the round in flight is lost)")
     return "every step waits for all its probes: the run does not depend on the fleet's timing"
 
 
