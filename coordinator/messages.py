@@ -259,6 +259,21 @@ class Attestation(Message):
     digest: Sha256Hex
 
 
+MAX_LINE_SEED = 64  # a `line` seed j is the step multiple α = ±j·eps along θ_version − θ_base
+MAX_LINE_STEP = 16.0  # j·eps: further than 16 updates along the line is no curvature probe, and overflows
+
+
+def check_line_seeds(kind: str, seeds: list[int], eps: float) -> None:
+    """A `line` round's seeds are step multiples 1 <= j <= MAX_LINE_SEED with j·eps <= MAX_LINE_STEP (a worker
+    would refuse a seed 0 only after dispatch, and a huge j·eps gives non-finite losses)."""
+    if kind != "line":
+        return
+    if min(seeds) < 1 or max(seeds) > MAX_LINE_SEED:
+        raise ValueError(f"line seeds are step multiples 1..{MAX_LINE_SEED}, got {min(seeds)}..{max(seeds)}")
+    if max(seeds) * eps > MAX_LINE_STEP:
+        raise ValueError(f"line probes reach j*eps = {max(seeds) * eps:g} > {MAX_LINE_STEP:g} updates along the line")
+
+
 def _check_kind(kind: str, version: int, base_version: int | None, blocks: list[int] | None,
                 schema_version: int) -> None:
     if kind in BASE_KINDS:
@@ -316,6 +331,7 @@ class ProbeRound(Message, _GroupBlocks):
         if len(set(self.seeds)) != len(self.seeds):
             raise ValueError("seeds of a round must be unique")
         _check_kind(self.kind, self.version, self.base_version, self.blocks, self.schema_version)
+        check_line_seeds(self.kind, self.seeds, self.eps)
         return self
 
 
@@ -357,6 +373,7 @@ class ProbeTask(Message, _GroupBlocks):
     @model_validator(mode="after")
     def _check(self) -> ProbeTask:
         _check_kind(self.kind, self.version, self.base_version, self.blocks, self.schema_version)
+        check_line_seeds(self.kind, self.seeds, self.eps)
         return self
 
 

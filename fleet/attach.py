@@ -171,6 +171,13 @@ class FleetFiguresMode:
         stats = self.mode.step(step, batch, lr)
         return {**stats, **{f"fleet_{k}": float(v) for k, v in self.status.snapshot().items()}}
 
+    def close(self, wait: bool = True) -> None:
+        """Close the mode's CoordinatorBackend (`CoordinatorBackend.close`): its last uploads' errors surface here
+        when `wait`; trainer.train calls this when the run ends, however it ends."""
+        backend = getattr(self.mode, "backend", None)
+        if backend is not None:
+            backend.close(wait=wait)
+
 
 ROUND_MODES = ("async", "sync", "next")  # how a fleet's ZO-Curv rounds fold (Fleet.rounds, SyncRounds)
 

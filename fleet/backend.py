@@ -233,14 +233,16 @@ class CoordinatorBackend:
         """Wait for every background upload; raises the first one's error."""
         self._check(wait_for=0)
 
-    def close(self) -> None:
-        """Finish the background uploads, then close the HTTP client and the Redis connection."""
+    def close(self, wait: bool = True) -> None:
+        """Finish the background uploads (raising the first one's error), then close the HTTP client and the
+        Redis connection. `wait=False` (a run that already failed or was interrupted) cancels the uploads not
+        yet started instead of waiting for them."""
         try:
-            if self._io is not None:
+            if self._io is not None and wait:
                 self.flush()
         finally:
             if self._io is not None:
-                self._io.shutdown(wait=True)
+                self._io.shutdown(wait=wait, cancel_futures=not wait)
             self.client.close()
             self.reader.r.close()
 

@@ -14,6 +14,8 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from coordinator.messages import (
+    MAX_LINE_SEED,
+    MAX_LINE_STEP,
     MAX_SEEDS_PER_TASK,
     ProbeResult,
     ProbeRound,
@@ -192,3 +194,22 @@ def test_api_and_coordinator_do_not_import_torch():
         [sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120
     )
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_line_rounds_and_tasks_bound_their_step_multiples():
+    line = {"run": "r", "round_id": "k", "version": 50, "batch_sha256": SHA, "eps": 0.5, "distribution": "gauss8",
+            "seeds": [1, 2, 3], "kind": "line", "base_version": 0, "want_clean": False}
+    assert ProbeRound.model_validate(line).seeds == [1, 2, 3]
+    assert ProbeTask.model_validate(dict(line, seeds=[MAX_LINE_SEED], eps=MAX_LINE_STEP / MAX_LINE_SEED)).seeds == [64]
+    for bad, why in [({"seeds": [0, 1]}, "step multiples"), ({"seeds": [MAX_LINE_SEED + 1]}, "step multiples"),
+                     ({"seeds": [2], "eps": 10.0}, "j\\*eps = 20")]:
+        for model in (ProbeRound, ProbeTask):
+            with pytest.raises(ValidationError, match=why):
+                model.model_validate(dict(line, **bad))
+    assert ProbeRound.model_validate(dict(line, kind="seeded", base_version=None, seeds=[0], eps=10.0)).seeds == [0]
+    from trainer.zo.probes import RoundSpec  # the trainer refuses what the wire would (torch: imported here)
+
+    fields = {"round_id": "k", "version": 50, "batch": None, "eps": 0.5, "seeds": (0, 1), "kind": "line",
+              "base_version": 0}
+    with pytest.raises(ValueError, match="step multiples"):
+        RoundSpec(**fields)

@@ -79,3 +79,29 @@ def test_modes_train_and_resume_bit_identically(tmp_path, optimizer):
     if optimizer.startswith("zocurv") and optimizer != "zocurv-line":
         refresh = [r for r in steps if "curv_accepted" in r]
         assert [r["step"] for r in refresh] == [1, 3] and refresh[-1]["curv_accepted"] == 4
+
+
+def test_zocurv_line_resumes_after_a_refresh_that_failed_midway(tmp_path, monkeypatch):
+    """A refresh step that fails after its publish (a fleet's bounded retries spent) is checkpointed at that
+    step; the resumed run re-runs the step without re-publishing its version (the first resume used to stop at
+    'version 4 is not newer than 4') and equals the uninterrupted run bit for bit."""
+    from coordinator.errors import Unavailable
+    from trainer.zo.optimizers import ZOCurvLine
+
+    straight = train(_cfg(tmp_path, "zocurv-line", "straight", steps=6), progress=False)
+    cfg = _cfg(tmp_path, "zocurv-line", "resumed", steps=6)
+    real = ZOCurvLine.refresh_curvature
+
+    def outage(self, backend, batch, version):
+        if version == 4:  # after step 4's publish, before its round
+            raise Unavailable("Redis unreachable for 60 s")
+        return real(self, backend, batch, version)
+
+    monkeypatch.setattr(ZOCurvLine, "refresh_curvature", outage)
+    with pytest.raises(RuntimeError, match="checkpointed at step 4"):
+        train(cfg, progress=False)
+    monkeypatch.setattr(ZOCurvLine, "refresh_curvature", real)
+    resumed = train(cfg, resume=True, progress=False)
+    assert resumed.summary["resumed_from_step"] == 4
+    assert_same_checkpoints(straight.run_dir, resumed.run_dir)
+    assert resumed.final_val_loss == straight.final_val_loss

@@ -18,6 +18,7 @@ trainer.zo.modes (ZO-Curv, pure ZO); tasks in trainer.tasks; files in trainer.ru
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import signal
 import threading
@@ -121,6 +122,7 @@ def train(
     done = start  # optimizer steps completed
     with _progress_bar(progress, f"{cfg.optimizer} {task.model_name}", cfg.steps, start, status) as show, \
             _deferred_interrupt() as interrupted:
+        failed = True
         try:
             for step in range(start, cfg.steps):
                 lr = lr_at(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps)
@@ -138,6 +140,7 @@ def train(
                 show(done, f"loss {stats.get('loss', float('nan')):.3f} val {last_val['val_loss']:.3f}")
                 if interrupted():
                     raise KeyboardInterrupt
+            failed = False
         except KeyboardInterrupt:
             ckpt.save(done)  # keep the position reached; `--resume` continues from here
             raise
@@ -150,6 +153,8 @@ def train(
             raise RuntimeError(
                 f"the fleet stayed unreachable ({exc}); checkpointed at step {done}: rerun with --resume"
             ) from exc
+        finally:
+            _close_mode(mode, failed)
     wall = time.perf_counter() - t0
 
     # 6. report (and the model as a transformers folder)
@@ -167,6 +172,22 @@ def train(
 
         export_trained(model, cfg.run_json(), run.path / "export", step=cfg.steps, run_dir=run.path)
     return RunResult(run.path, cfg.steps, initial["val_loss"], last_val["val_loss"], wall, summary)
+
+
+def _close_mode(mode: TrainMode, failed: bool) -> None:
+    """Close a mode that holds connections (the fleet's: `close(wait)` finishes or, after a failure, cancels its
+    background uploads). A finished run raises a last upload's error; a failed one only logs it, so the error
+    that ended the run is the one reported."""
+    close = getattr(mode, "close", None)
+    if not callable(close):
+        return
+    if not failed:
+        close(wait=True)
+        return
+    try:
+        close(wait=False)
+    except Exception as exc:  # noqa: BLE001 - the run's own error is propagating: this one is secondary
+        logging.getLogger(__name__).warning("closing the probe backend after a failed run: %s", exc)
 
 
 def _prepare_device(device: str) -> None:

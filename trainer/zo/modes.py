@@ -68,6 +68,7 @@ class ZOCurvMode:
         # weights they probe are held here (references to the backend's snapshots) for the checkpoint.
         self.reissue = hasattr(self.backend, "publish_weights")
         self.round_weights: dict[int, list[torch.Tensor]] = {}
+        self.next_step: int | None = None  # the step after the last completed one (None before any)
 
     def _probe_batch(self, batch: Any) -> Any:
         if isinstance(batch, tuple) and all(isinstance(t, torch.Tensor) for t in batch):
@@ -84,7 +85,9 @@ class ZOCurvMode:
         due = step % interval == 0
         # zocurv-line probes along theta_v - theta_{v-1}: only the two versions around a refresh step are
         # needed, so publish just those (a fleet backend uploads every published version).
-        if self.line and (due or (step + 1) % interval == 0):
+        # A step retried after a resume may find its version published already (the checkpoint was taken
+        # after that publish, when the step's refresh failed): the weights are the same, publish once.
+        if self.line and (due or (step + 1) % interval == 0) and step not in self.backend.snapshots:
             self.backend.publish(step)
         if due and (not self.line or step - 1 in self.backend.snapshots):
             stats.update(opt.refresh_curvature(self.backend, self._probe_batch(batch), version=step))
@@ -94,6 +97,7 @@ class ZOCurvMode:
         self.train_forwards += 1
         stats.update({"loss": loss, "grad_norm": gnorm, "clipped_frac": opt.last_clipped_frac,
                       "forward_passes": float(self.train_forwards + self.backend.forward_passes)})
+        self.next_step = step + 1
         return stats
 
     def _hold_round_weights(self) -> None:
@@ -113,8 +117,11 @@ class ZOCurvMode:
         tensors, meta = self.optimizer.zo_state()
         meta = {"curvature": meta, "train_forwards": self.train_forwards,
                 "probe_forwards": self.backend.forward_passes}
-        if self.line and self.backend.snapshots:
-            v = max(self.backend.snapshots)
+        # A checkpoint taken after a step that failed midway holds the weights before it: a version that step
+        # published is the retried step's to publish again (its refresh then probes along θ_v − θ_{v−1}).
+        done = [v for v in self.backend.snapshots if self.next_step is None or v < self.next_step]
+        if self.line and done:
+            v = max(done)
             tensors.update({f"line_prev/{i}": t for i, t in enumerate(self.backend.snapshots[v])})
             meta["line_prev_version"] = v
         held = {v: w for v, w in self.round_weights.items() if v != meta.get("line_prev_version")}
@@ -133,10 +140,12 @@ class ZOCurvMode:
         self.train_forwards = int(meta.get("train_forwards", 0))
         self.backend.forward_passes = int(meta.get("probe_forwards", 0))
         n = len(self.backend.block_sizes)
-        weights = {int(v): [tensors[f"round_weights/{v}/{i}"] for i in range(n)] for v in meta.get("round_weights", [])}
+        dev = next(self.model.parameters()).device  # checkpoints load on the CPU; rounds subtract model-side weights
+        weights = {int(v): [tensors[f"round_weights/{v}/{i}"].to(dev) for i in range(n)]
+                   for v in meta.get("round_weights", [])}
         prev = meta.get("line_prev_version")
         if self.line and prev is not None:
-            weights[int(prev)] = [tensors[f"line_prev/{i}"] for i in range(n)]
+            weights[int(prev)] = [tensors[f"line_prev/{i}"].to(dev) for i in range(n)]
         rounds = self.optimizer.inflight()
         if not self.reissue or any(v not in weights for r in rounds for v in (r.version, r.base_version)
                                    if v is not None):

@@ -117,9 +117,9 @@ class _ZOCurvBase(torch.optim.Optimizer):
             raise ValueError("backend blocks differ from the optimizer's: build both from the same model")
         r = self._make_round(batch, version)
         if r.round_id not in self._pending:  # else re-issued from a checkpoint (a step retried after an outage)
+            backend.submit(r)  # pending only once sent: a submit that raised is sent again by the retried step
             self._pending[r.round_id] = r
             self._arrived[r.round_id] = {}
-            backend.submit(r)
         return self.intake(backend.collect())
 
     def intake(self, got: Collected) -> dict[str, float]:

@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from coordinator.messages import check_line_seeds
 from kernels import canonical_offsets, perturb
 from trainer.zo import estimators as est
 
@@ -118,6 +119,7 @@ class RoundSpec:
         if not (self.eps > 0 and math.isfinite(self.eps)):
             raise ValueError(f"eps must be finite and > 0, got {self.eps}")
         check_kind_fields(ProbeKind(self.kind), self.base_version, self.group)
+        check_line_seeds(ProbeKind(self.kind).value, list(self.seeds), self.eps)  # the wire's bound, refused here
 
 
 @dataclass(frozen=True)

@@ -237,5 +237,6 @@ class RoleCurvMode:
         self.prev_version = int(prev) if prev is not None else None
         if meta.get("has_prev") and prev is not None and self.own_backend:
             n = len(list(self.model.parameters()))
-            self.backend.snapshots = {int(prev): [tensors[f"line_prev/{i}"] for i in range(n)]}
+            dev = next(self.model.parameters()).device  # checkpoints load on the CPU
+            self.backend.snapshots = {int(prev): [tensors[f"line_prev/{i}"].to(dev) for i in range(n)]}
         self._apply()
