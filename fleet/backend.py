@@ -203,6 +203,7 @@ class CoordinatorBackend:
         self._counts: Counter[str] = Counter()  # dropped / retracted since the last collect
         self._io = ThreadPoolExecutor(1, thread_name_prefix="publish") if background else None
         self._jobs: deque[Future] = deque()  # background uploads in submission order
+        self._broken: BaseException | None = None  # the first background job's failure
         self._host = HostCopies(max_pending) if background else None
         self.publish_seconds: list[float] = []  # the training loop's wall time in each publish call
         # version -> serialise_s (weights to safetensors bytes, host copy included), upload_s (hash + PUT of the
@@ -217,11 +218,23 @@ class CoordinatorBackend:
         return sha
 
     def _run(self, job: Callable[[], None]) -> None:
-        """Run `job` now, or queue it on the background thread (after every job queued before it)."""
+        """Run `job` now, or queue it on the background thread (after every job queued before it). Once a
+        queued job failed, the jobs after it are not run (a round or ledger entry would name a version that was
+        never registered): each raises RuntimeError from the first failure when `_check` reaches it."""
         if self._io is None:
             job()
-        else:
-            self._jobs.append(self._io.submit(job))
+            return
+
+        def guarded() -> None:
+            if self._broken is not None:
+                raise RuntimeError("not sent: an earlier background upload failed") from self._broken
+            try:
+                job()
+            except BaseException as exc:
+                self._broken = exc
+                raise
+
+        self._jobs.append(self._io.submit(guarded))
 
     def _check(self, wait_for: int | None = None) -> None:
         """Raise the first failed background job's error; wait until at most `wait_for` jobs are pending

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+import threading
 
 import pytest
 import redis
@@ -442,12 +443,26 @@ def test_background_publish_uploads_the_weights_of_the_publish_call_and_raises_u
     assert sorted(bg.publish_timings) == [1, 2, 3] and sorted(be.publish_timings) == [0]
     assert {t["bytes"] for t in bg.publish_timings.values()} == {sum(s.bytes for s in client.version("bg", 0).shards)}
 
+    tried, queued = [], threading.Event()
+
     def refuse(sha, data):
+        tried.append(sha)
+        queued.wait(30)  # fail only once version 5 is queued behind this upload
         raise RuntimeError("upload refused")
 
     bg.client.put_blob = refuse
     bg.publish(4)  # returns; the upload fails on the background thread
+    bg.publish(5, _blocks(bg))  # queued behind 4 (a caller's copy: no host buffer to wait for)
+    queued.set()
     with pytest.raises(RuntimeError, match="upload refused"):
         bg.flush()
+    with pytest.raises(RuntimeError, match="not sent: an earlier background upload failed"):
+        bg.flush()  # version 5 was never tried: it would have followed a version that is not registered
+    assert len(tried) == 1
     bg.close()
     be.close()
+
+
+def _blocks(backend) -> list[torch.Tensor]:
+    """A copy of the backend's canonical blocks (as a training step's pinned copy would be)."""
+    return [b.param.detach().clone() for b in backend.blocks]
