@@ -178,6 +178,11 @@ class CoordinatorBackend:
             raise ValueError(f"publishable models have one float dtype of {list(_DTYPE_NAMES.values())}")
         self.model, self.dtype = model, _DTYPE_NAMES[next(iter(dtypes))]
         self.blocks = probes.canonical_blocks(model)
+        from trainer.models.params import param_order_hash
+
+        # The manifest fields a model keeps for the whole run: computed once, not on every publish.
+        self._model_fields = {"param_order_hash": param_order_hash(model), "dtype": self.dtype,
+                              "model_class": type(model).__name__, "model_config_json": manifest_config(model)}
         self.batch_kind: BatchKind = batch_wire.batch_kind_for_model(type(model).__name__)
         self.round_timeout_s, self.shard_bytes, self.history = round_timeout_s, shard_bytes, history
         self.client = CoordinatorClient(coordinator_url, admin_token, timeout_s=timeout_s, attempts=attempts)
@@ -286,15 +291,11 @@ class CoordinatorBackend:
         Raises ValueError if `version` is not newer than the last published one or `weights` do not fit;
         CoordinatorHTTPError from the coordinator (e.g. 409 when the version exists with other content).
         """
-        from trainer.models.params import param_order_hash
-
         if self.published and version <= self.published[-1]:
             raise ValueError(f"version {version} is not newer than {self.published[-1]}")
         t0 = time.perf_counter()
         self._check()
-        manifest = {"run": self.run, "version": version, "parent": self.latest_version,
-                    "param_order_hash": param_order_hash(self.model), "dtype": self.dtype,
-                    "model_class": type(self.model).__name__, "model_config_json": manifest_config(self.model)}
+        manifest = {"run": self.run, "version": version, "parent": self.latest_version, **self._model_fields}
         if self._host is None:
             self._write_version(version, lambda: write_shards(self.model, self.shard_bytes, weights), manifest)
         else:
