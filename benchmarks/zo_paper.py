@@ -26,11 +26,10 @@ from typing import Any
 
 import torch
 
-from trainer.sentiment import classifier_loss
+from trainer.zo.length_buckets import Buckets, Split, bucket_batch, bucketed_ce
 from trainer.zo.paper import PAPER, PlateauState, ZOParamStepper, batch_rows, numerics_drift, plateau_update
 from trainer.zo.probes import canonical_blocks
 
-Split = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # ids (N, T) int64, mask (N, T) int64, labels (N,) int64
 TRAIN_KEY, VAL_KEY, TEST_KEY = 181, 182, 183  # Philox keys of the fixed subsets (independent of the run seed)
 
 
@@ -46,13 +45,20 @@ class PaperData:
 
     `from_task(task)` takes fixed random subsets (SentimentTask.subset_rows, keys TRAIN/VAL/TEST_KEY) of
     PAPER.n_train training, n_val validation and n_test test sentences (fewer if a split is smaller).
+    Batches and evaluations run length-bucketed (trainer.zo.length_buckets: rows sorted by length into at
+    most `max_chunks` chunks of >= `min_rows` rows, each trimmed to its longest row), which leaves every
+    row's logits unchanged for a right-padded classifier whose logits do not depend on padding
+    (PromptClassifier). `lengths` holds each split's row lengths on the CPU (no device sync per batch).
     """
 
-    def __init__(self, splits: dict[str, Split]) -> None:
+    def __init__(self, splits: dict[str, Split], max_chunks: int = 4, min_rows: int = 64) -> None:
         missing = {"train", "val", "test"} - set(splits)
         if missing:
             raise ValueError(f"splits lack {sorted(missing)}")
         self.splits = splits
+        self.max_chunks, self.min_rows = max_chunks, min_rows
+        self.lengths = {k: v[1].sum(1).cpu() for k, v in splits.items()}
+        self._eval: dict[str, Buckets] = {}
 
     @classmethod
     def from_task(cls, task, n_train: int = PAPER.n_train, n_val: int = PAPER.n_val,
@@ -63,35 +69,36 @@ class PaperData:
             out[name] = tuple(t[rows.to(t.device)] for t in task.splits[name])
         return cls(out)
 
-    @staticmethod
-    def _trim(ids, mask, labels) -> Split:
-        t = int(mask.sum(1).max())
-        return ids[:, :t], mask[:, :t], labels
-
     def size(self, split: str) -> int:
         return int(self.splits[split][2].shape[0])
 
-    def batch(self, seed: int, iteration: int, batch_size: int) -> Split:
-        """Training batch `iteration`: trainer.zo.paper.batch_rows (with replacement), trimmed to its longest row."""
+    def batch(self, seed: int, iteration: int, batch_size: int) -> Buckets:
+        """Training batch `iteration`: the rows trainer.zo.paper.batch_rows (with replacement) draws, as
+        length-bucketed chunks (trainer.zo.length_buckets.bucket_batch; the same rows as one padded batch)."""
         rows = batch_rows(seed, iteration, self.size("train"), batch_size)
         ids, mask, labels = self.splits["train"]
-        rows = rows.to(ids.device)
-        return self._trim(ids[rows], mask[rows], labels[rows])
+        r = rows.to(ids.device)
+        return bucket_batch(ids[r], mask[r], labels[r], self.lengths["train"][rows], self.max_chunks,
+                            self.min_rows)
+
+    def eval_buckets(self, split: str) -> Buckets:
+        """The whole `split` as length-bucketed chunks (computed once, cached)."""
+        if split not in self._eval:
+            self._eval[split] = bucket_batch(*self.splits[split], self.lengths[split], self.max_chunks,
+                                             self.min_rows)
+        return self._eval[split]
 
     @torch.no_grad()
-    def accuracy(self, model, split: str, chunk: int = 512) -> float:
-        """Fraction of `split` classified correctly (argmax of the logits)."""
-        ids, mask, labels = self.splits[split]
-        right = 0
-        for i in range(0, ids.shape[0], chunk):
-            b = self._trim(ids[i:i + chunk], mask[i:i + chunk], labels[i:i + chunk])
-            right += int((model(input_ids=b[0], attention_mask=b[1]).logits.argmax(-1) == b[2]).sum())
-        return right / ids.shape[0]
+    def accuracy(self, model, split: str) -> float:
+        """Fraction of `split` classified correctly (argmax of the logits), over length-bucketed chunks."""
+        return int(bucketed_ce(model, self.eval_buckets(split))[1]) / self.size(split)
 
 
 class AccuracyLoss:
-    """classifier_loss that also keeps the batch accuracy of the first call since `reset()` (the train accuracy
-    of the plateau rule: the clean pass for 1.5-SPSA, θ+εz_1 for 1SPSA/MeZO, which have no clean pass)."""
+    """Mean cross-entropy of a length-bucketed batch (trainer.zo.length_buckets.bucketed_ce: Σ_rows CE / N,
+    the unbucketed batch's mean) that also keeps the batch accuracy of the first call since `reset()` (the
+    train accuracy of the plateau rule: the clean pass for 1.5-SPSA, θ+εz_1 for 1SPSA/MeZO, which have no
+    clean pass). A plain (ids, mask, labels) batch is taken as one chunk."""
 
     def __init__(self) -> None:
         self.first_acc: float | None = None
@@ -99,12 +106,17 @@ class AccuracyLoss:
     def reset(self) -> None:
         self.first_acc = None
 
-    def __call__(self, model, batch: Split) -> torch.Tensor:
-        ids, mask, labels = batch
-        logits = model(input_ids=ids, attention_mask=mask).logits.float()
+    def __call__(self, model, batch: Buckets | Split) -> torch.Tensor:
+        buckets = _as_buckets(batch)
+        loss, right = bucketed_ce(model, buckets)
         if self.first_acc is None:
-            self.first_acc = float((logits.argmax(-1) == labels).float().mean())
-        return torch.nn.functional.cross_entropy(logits, labels)
+            self.first_acc = int(right) / sum(int(b[2].shape[0]) for b in buckets)
+        return loss
+
+
+def _as_buckets(batch: Buckets | Split) -> Buckets:
+    """A Buckets tuple as is; a plain (ids, mask, labels) Split as one chunk."""
+    return (batch,) if isinstance(batch[0], torch.Tensor) else batch
 
 
 def _snapshot(model: torch.nn.Module) -> list[torch.Tensor]:
@@ -198,7 +210,7 @@ def run_backprop_arm(data: PaperData, model: torch.nn.Module, arm: dict, *, seed
     best_state, log, stop = _snapshot(model), [], "max_iters"
     for it in range(arm["max_iters"]):
         opt.zero_grad(set_to_none=True)
-        loss = classifier_loss(model, data.batch(seed, it, bs))
+        loss = bucketed_ce(model, data.batch(seed, it, bs))[0]
         loss.backward()
         opt.step()
         log.append({"iteration": it + 1, "loss": float(loss.detach())})
@@ -404,16 +416,41 @@ def paper_main(out_dir: Path, *, device: str = "cuda", total_s: float = 300.0, a
     return paper_comparison(out_dir, make_model, data, total_s=total_s, arms=arms, seed=seed, meta=meta)
 
 
+def padding_report(data: PaperData | None = None, iterations: int = 75, batch_size: int = PAPER.batch_size,
+                   seed: int = 0) -> dict[str, Any]:
+    """Tokens per forward of the paper's training batches, padded to the longest row vs length-bucketed
+    (data.max_chunks / data.min_rows), averaged over batches 0..iterations-1 (CPU; no model). `data` defaults
+    to the SmolLM2 splits from the cache. Returns {"train_mean_len", "train_max_len", "tokens_per_batch"
+    {"real", "one_chunk", "bucketed"}, "one_chunk_over_real", "bucketed_over_real", "speedup_tokens"}."""
+    from trainer.zo.length_buckets import padded_tokens
+
+    if data is None:
+        from benchmarks.zo import sentiment_task
+
+        data = PaperData.from_task(sentiment_task("smollm2", "cpu"))
+    lens = data.lengths["train"]
+    tot = {"real": 0, "one_chunk": 0, "bucketed": 0}
+    for it in range(iterations):
+        p = padded_tokens(lens[batch_rows(seed, it, lens.numel(), batch_size)], data.max_chunks, data.min_rows)
+        for k in tot:
+            tot[k] += p[k]
+    per = {k: v / iterations for k, v in tot.items()}
+    return {"train_mean_len": float(lens.float().mean()), "train_max_len": int(lens.max()),
+            "tokens_per_batch": per, "one_chunk_over_real": per["one_chunk"] / per["real"],
+            "bucketed_over_real": per["bucketed"] / per["real"], "speedup_tokens": per["one_chunk"] / per["bucketed"]}
+
+
 @torch.no_grad()
-def h_precision_check(model: torch.nn.Module, batch: Split, seeds: list[int], eps_list=(1e-4, 1e-3),
+def h_precision_check(model: torch.nn.Module, batch: Buckets | Split, seeds: list[int], eps_list=(1e-4, 1e-3),
                       repeats: int = 2) -> dict[str, Any]:
-    """Is h = (L+ + L− − 2 L0)/ε² signal or forward-rounding noise at the paper's ε? For each ε: h of each
-    Rademacher probe in `seeds` (out-of-place perturbation of the model's own dtype), and the spread of L0 over
-    `repeats` identical forwards (its run-to-run noise). Returns {"dtype", "l0": [...], "by_eps": {eps: {"h":
-    [...], "g": [...]}}}; the model is left unchanged."""
+    """Is h = (L+ + L− − 2 L0)/ε² signal or forward-rounding noise at the paper's ε (`batch`: PaperData.batch
+    chunks or one (ids, mask, labels))? For each ε: h of each Rademacher probe in `seeds` (out-of-place
+    perturbation of the model's own dtype), and the spread of L0 over `repeats` identical forwards (its
+    run-to-run noise). Returns {"dtype", "l0": [...], "by_eps": {eps: {"h": [...], "g": [...]}}}; the model is
+    left unchanged."""
     from kernels import perturb_model
 
-    loss = lambda m: float(classifier_loss(m, batch))
+    loss = lambda m: float(bucketed_ce(m, _as_buckets(batch))[0])
     blocks = canonical_blocks(model)
     params, offsets = [b.param.data for b in blocks], [b.offset for b in blocks]
     clean = [p.clone() for p in params]
