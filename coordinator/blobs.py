@@ -43,19 +43,22 @@ class BlobStore:
         """Size in bytes. Raises FileNotFoundError if absent."""
         return self.path(sha256).stat().st_size
 
-    def writer(self, expected_sha256: str | None = None) -> BlobWriter:
+    def writer(self, expected_sha256: str | None = None, fsync: bool = True) -> BlobWriter:
         """An incremental writer (for streamed uploads); see `BlobWriter`."""
         if expected_sha256 is not None:
             self.path(expected_sha256)  # validates the format before reading a byte
-        return BlobWriter(self, expected_sha256)
+        return BlobWriter(self, expected_sha256, fsync)
 
-    def put_chunks(self, chunks: Iterable[bytes], expected_sha256: str | None = None) -> tuple[str, int]:
-        """Store a blob from byte chunks; return (sha256, size in bytes).
+    def put_chunks(self, chunks: Iterable[bytes], expected_sha256: str | None = None,
+                   fsync: bool = True) -> tuple[str, int]:
+        """Store a blob from byte chunks (bytes or memoryviews); return (sha256, size in bytes).
 
+        fsync=False skips flushing the file to the disk before the rename: readers on this host see the same
+        bytes at once, but a power loss can lose the blob (for re-creatable data: a trainer's weight versions).
         Raises BlobError if the content hash differs from `expected_sha256` or exceeds `max_bytes`;
         nothing is stored then. Storing existing content again is a no-op.
         """
-        w = self.writer(expected_sha256)
+        w = self.writer(expected_sha256, fsync)
         try:
             for chunk in chunks:
                 w.write(chunk)
@@ -87,8 +90,8 @@ class BlobWriter:
     Always call `abort()` (a no-op after a successful commit) in a `finally`.
     """
 
-    def __init__(self, store: BlobStore, expected_sha256: str | None) -> None:
-        self.store, self.expected = store, expected_sha256
+    def __init__(self, store: BlobStore, expected_sha256: str | None, fsync: bool = True) -> None:
+        self.store, self.expected, self.fsync = store, expected_sha256, fsync
         self.digest = hashlib.sha256()
         self.size = 0
         fd, self.tmp = tempfile.mkstemp(prefix=".incoming-", dir=store.root)
@@ -105,13 +108,15 @@ class BlobWriter:
     def commit(self) -> tuple[str, int]:
         """Verify the hash, fsync and move into place; return (sha256, size in bytes)."""
         self.f.flush()
-        os.fsync(self.f.fileno())
+        if self.fsync:
+            os.fsync(self.f.fileno())
         self.f.close()
         sha = self.digest.hexdigest()
         if self.expected is not None and sha != self.expected:
             raise BlobError(f"content sha256 {sha} does not match the claimed {self.expected}")
         dest = self.store.path(sha)
         dest.parent.mkdir(exist_ok=True)
+        os.chmod(self.tmp, 0o644)  # mkstemp makes 0600; a worker of another uid may read a shared store
         os.replace(self.tmp, dest)
         return sha, self.size
 

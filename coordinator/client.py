@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Self, TypeVar
 
@@ -130,22 +130,27 @@ class CoordinatorClient:
         return {"Authorization": f"Bearer {tok}"} if tok else {}
 
     def request(self, method: str, path: str, *, json: Any = None, token: str | None = None,
-                params: dict[str, Any] | None = None, content: bytes | None = None,
-                content_type: str = "application/octet-stream", accept: tuple[int, ...] = ()) -> httpx.Response:
+                params: dict[str, Any] | None = None, content: bytes | Callable[[], Iterable[Any]] | None = None,
+                content_length: int | None = None, content_type: str = "application/octet-stream",
+                accept: tuple[int, ...] = ()) -> httpx.Response:
         """One request with retries; returns the response, or raises CoordinatorHTTPError/httpx errors.
 
-        `content` sends raw bytes (of `content_type`) instead of `json`; error statuses listed in
-        `accept` (e.g. 409 for "already exists") are returned instead of raised.
+        `content` sends raw bytes (of `content_type`) instead of `json`: a `bytes`, or a callable returning a
+        fresh iterable of byte chunks (memoryviews) per try, whose total `content_length` (bytes) must then be
+        given. Error statuses listed in `accept` (e.g. 409 for "already exists") are returned instead of raised.
+        Raises ValueError for a chunk callable without content_length.
         """
         headers = self._headers(token)
         if content is not None:
+            if callable(content) and content_length is None:
+                raise ValueError("a streamed body needs its content_length")
             headers["Content-Type"] = content_type
-            headers["Content-Length"] = str(len(content))
+            headers["Content-Length"] = str(content_length if callable(content) else len(content))
 
         def once() -> httpx.Response:
             # A fresh chunk iterator per try: handing httpx one large `bytes` makes its socket writer copy the
             # unsent rest after every partial send (quadratic; 200 MiB took 4-5 s on loopback, chunks 0.5 s).
-            body = None if content is None else upload_chunks(content)
+            body = None if content is None else content() if callable(content) else upload_chunks(content)
             r = self._http.request(method, path, json=json, params=params, content=body, headers=headers)
             if r.status_code >= 400 and r.status_code not in accept:
                 raise CoordinatorHTTPError(method, path, r.status_code, r.text)
@@ -204,9 +209,16 @@ class CoordinatorClient:
         """`POST /v1/runs`; True if created, False if a run of that id exists already (409)."""
         return self.request("POST", "/v1/runs", json=spec.model_dump(mode="json"), accept=(409,)).status_code != 409
 
-    def put_blob(self, sha256: str, data: bytes) -> BlobInfo:
-        """`PUT /v1/blobs/{sha256}`: upload `data` under its content address (idempotent)."""
-        return BlobInfo.model_validate_json(self.request("PUT", f"/v1/blobs/{sha256}", content=data).content)
+    def put_blob(self, sha256: str, data: bytes | Callable[[], Iterable[Any]], nbytes: int | None = None) -> BlobInfo:
+        """`PUT /v1/blobs/{sha256}`: upload `data` under its content address (idempotent). `data`: bytes, or a
+        callable giving a fresh iterable of chunks per try (e.g. `fleet.shards.ShardPlan.chunks`) whose total is
+        `nbytes` bytes. Raises CoordinatorHTTPError (e.g. 400 when the content does not hash to `sha256`)."""
+        r = self.request("PUT", f"/v1/blobs/{sha256}", content=data, content_length=nbytes)
+        return BlobInfo.model_validate_json(r.content)
+
+    def has_blob(self, sha256: str) -> bool:
+        """`HEAD /v1/blobs/{sha256}`: True if the coordinator's store holds the blob."""
+        return self.request("HEAD", f"/v1/blobs/{sha256}", accept=(404,)).status_code != 404
 
     def post_version(self, manifest: VersionManifest) -> None:
         """`POST /v1/runs/{run}/versions`: register a weight snapshot whose shards are uploaded."""

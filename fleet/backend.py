@@ -26,14 +26,17 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from coordinator.blobs import BlobStore
 from coordinator.client import CoordinatorClient
 from coordinator.messages import ProbeRound, RunSpec, SeedLedgerEntry, ShardRef, VersionManifest
 from fleet import batch_wire
 from fleet.batch_wire import BatchKind
+from fleet.shards import ShardPlan, plan_shards
 from trainer.zo import probes
 from trainer.zo.backend import COUNT_KEYS, Collected
 from trainer.zo.probes import ProbeKind, RoundSpec, SeedResult
@@ -49,34 +52,25 @@ def write_shards(model: torch.nn.Module, shard_bytes: int = 256 << 20,
     taken earlier: the trainer publishes it while it trains on). Returns [(name, bytes)] with names
     "shard-00000.safetensors", ... in canonical order; a parameter is never split. Serialisation is
     deterministic, so equal weights give equal bytes (and sha256). Raises ValueError for `weights` that do not
-    match the blocks' count, shapes or dtypes.
+    match the blocks' count, shapes or dtypes. (Publishing streams the same bytes without this copy:
+    `plan_model_shards`.)
     """
+    return [(name, plan.to_bytes()) for name, plan in plan_model_shards(model, shard_bytes, weights)]
+
+
+def plan_model_shards(model: torch.nn.Module, shard_bytes: int = 256 << 20,
+                      weights: list[torch.Tensor] | None = None) -> list[tuple[str, ShardPlan]]:
+    """`write_shards` as zero-copy `fleet.shards.ShardPlan`s over the (CPU) tensors: the same bytes, streamed."""
     blocks = probes.canonical_blocks(model)
     _check_weights(blocks, weights)
-    return shard_tensors([(b.name, (b.param if weights is None else weights[i]).detach().cpu().contiguous())
-                          for i, b in enumerate(blocks)], shard_bytes)
+    return plan_shards([(b.name, (b.param if weights is None else weights[i]).detach().cpu().contiguous())
+                        for i, b in enumerate(blocks)], shard_bytes)
 
 
 def _check_weights(blocks, weights: list[torch.Tensor] | None) -> None:
     if weights is not None and (len(weights) != len(blocks) or any(
             w.shape != b.param.shape or w.dtype != b.param.dtype for w, b in zip(weights, blocks))):
         raise ValueError("weights must hold one tensor per canonical block, of its shape and dtype")
-
-
-def shard_tensors(named: list[tuple[str, torch.Tensor]], shard_bytes: int = 256 << 20) -> list[tuple[str, bytes]]:
-    """`write_shards` of (canonical name, CPU tensor) pairs in canonical order (the same bytes)."""
-    from safetensors.torch import save
-
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, t in named:
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t
-        size += nbytes
-    return [(f"shard-{i:05d}.safetensors", save(s)) for i, s in enumerate(shards)]
 
 
 class HostCopies:
@@ -157,6 +151,11 @@ class CoordinatorBackend:
             publishes are in flight (a further one waits for the oldest). An upload's error is raised by the
             next call (publish, publish_ledger, submit, collect, flush, close). Off: every call returns after
             its uploads (the previous behaviour).
+        blob_dir: the coordinator's blob directory when this process shares its file system (`up`, compose's
+            `blobs` volume): shards are then written there (hashed while written, no fsync: versions are
+            re-creatable) instead of sent over HTTP; the first one is confirmed with `HEAD /v1/blobs/{sha}`, and
+            if the coordinator does not see it the backend says so in `blob_dir_note` and uploads over HTTP.
+        upload_threads: shards hashed and written or uploaded at once (each shard streams without a copy).
     Rounds' batches are encoded as the model class's batch kind (fleet.batch_wire.batch_kind_for_model).
     Raises ValueError for a model whose parameters mix dtypes, a model class without a probe loss, or a
     negative history; CoordinatorHTTPError if the run does not exist.
@@ -166,13 +165,13 @@ class CoordinatorBackend:
                  run: RunSpec | str, key_prefix: str = "sc", consumer: str = "trainer-0",
                  round_timeout_s: float = 300.0, claim_idle_ms: int = 60_000, shard_bytes: int = 256 << 20,
                  timeout_s: float = 30.0, attempts: int = 5, history: int = 2, background: bool = False,
-                 max_pending: int = 2) -> None:
+                 max_pending: int = 2, blob_dir: str | Path | None = None, upload_threads: int = 8) -> None:
         from coordinator.stream import ResultStreamReader
 
         if history < 0:
             raise ValueError("history must be >= 0")
-        if max_pending < 1:
-            raise ValueError("max_pending must be >= 1")
+        if max_pending < 1 or upload_threads < 1:
+            raise ValueError("max_pending and upload_threads must be >= 1")
         dtypes = {p.dtype for p in model.parameters()}
         if len(dtypes) != 1 or next(iter(dtypes)) not in _DTYPE_NAMES:
             raise ValueError(f"publishable models have one float dtype of {list(_DTYPE_NAMES.values())}")
@@ -210,15 +209,38 @@ class CoordinatorBackend:
         self._jobs: deque[Future] = deque()  # background uploads in submission order
         self._broken: BaseException | None = None  # the first background job's failure
         self._host = HostCopies(max_pending) if background else None
+        self._shard_pool = ThreadPoolExecutor(upload_threads, thread_name_prefix="shard")
+        self.local_blobs = BlobStore(Path(blob_dir)) if blob_dir else None
+        self._local_confirmed = False
+        self.blob_dir_note = ""  # why a configured blob_dir is not used (empty: used, or none configured)
         self.publish_seconds: list[float] = []  # the training loop's wall time in each publish call
-        # version -> serialise_s (weights to safetensors bytes, host copy included), upload_s (hash + PUT of the
-        # shards the store lacks), register_s (the manifest), bytes: where a publish's time goes
+        # version -> serialise_s (shard plans; waits for the host copy), upload_s (hash + PUT, or hash + write
+        # into the shared blob_dir, of every shard, in parallel), register_s (the manifest), bytes, local
+        # (1.0 when written into blob_dir): where a publish's time goes
         self.publish_timings: dict[int, dict[str, float]] = {}
 
     def _upload(self, data: bytes) -> str:
         sha = hashlib.sha256(data).hexdigest()
         if sha not in self._uploaded:
             self.client.put_blob(sha, data)
+            self._uploaded.add(sha)
+        return sha
+
+    def _store_shard(self, plan: ShardPlan) -> str:
+        """Write one shard into the shared blob_dir (confirmed once with the coordinator), or hash it and PUT it
+        if the coordinator lacks it; returns its sha256. Nothing is copied: the stream reads the tensors."""
+        if self.local_blobs is not None:
+            sha, _ = self.local_blobs.put_chunks(plan.chunks(), fsync=False)
+            if self._local_confirmed or self.client.has_blob(sha):
+                self._local_confirmed = True
+                self._uploaded.add(sha)
+                return sha
+            self.blob_dir_note = (f"blob_dir {self.local_blobs.root} is not the coordinator's blob directory "
+                                  "(it does not see a shard written there); uploading over HTTP")
+            self.local_blobs = None
+        sha = plan.sha256()
+        if sha not in self._uploaded:
+            self.client.put_blob(sha, plan.chunks, plan.nbytes)
             self._uploaded.add(sha)
         return sha
 
@@ -261,6 +283,7 @@ class CoordinatorBackend:
         finally:
             if self._io is not None:
                 self._io.shutdown(wait=wait, cancel_futures=not wait)
+            self._shard_pool.shutdown(wait=wait, cancel_futures=not wait)
             self.client.close()
             self.reader.r.close()
 
@@ -297,9 +320,9 @@ class CoordinatorBackend:
         self._check()
         manifest = {"run": self.run, "version": version, "parent": self.latest_version, **self._model_fields}
         if self._host is None:
-            self._write_version(version, lambda: write_shards(self.model, self.shard_bytes, weights), manifest)
+            self._write_version(version, lambda: plan_model_shards(self.model, self.shard_bytes, weights), manifest)
         else:
-            if weights is not None:  # a copy the caller took: checked now, serialised on the upload thread
+            if weights is not None:  # a copy the caller took: checked now, streamed on the upload thread
                 _check_weights(self.blocks, weights)
                 slot, tensors, event = None, [w.detach() for w in weights], None
             else:
@@ -308,31 +331,35 @@ class CoordinatorBackend:
                 slot, tensors, event = self._host.take(self.blocks)
             names = [b.name for b in self.blocks]
 
-            def shards() -> list[tuple[str, bytes]]:
+            def shards() -> list[tuple[str, ShardPlan]]:
+                if event is not None:
+                    event.synchronize()
+                return plan_shards([(n, t.cpu().contiguous()) for n, t in zip(names, tensors)], self.shard_bytes)
+
+            def job() -> None:
                 try:
-                    if event is not None:
-                        event.synchronize()
-                    return shard_tensors([(n, t.cpu().contiguous()) for n, t in zip(names, tensors)],
-                                         self.shard_bytes)
-                finally:
+                    self._write_version(version, shards, manifest)
+                finally:  # the plans stream the host buffers themselves: free them only once sent
                     if slot is not None:
                         self._host.give(slot)
 
-            self._run(lambda: self._write_version(version, shards, manifest))
+            self._run(job)
         self._snapshot(version, weights)
         self.publish_seconds.append(time.perf_counter() - t0)
 
-    def _write_version(self, version: int, shards: Callable[[], list[tuple[str, bytes]]], manifest: dict) -> None:
-        """Serialise (`shards()`), upload and register one version; its timings go to `publish_timings`."""
+    def _write_version(self, version: int, shards: Callable[[], list[tuple[str, ShardPlan]]], manifest: dict) -> None:
+        """Plan (`shards()`), store (in parallel) and register one version; its timings go to `publish_timings`."""
         t0 = time.perf_counter()
-        data = shards()
+        plans = shards()
         t1 = time.perf_counter()
-        refs = [ShardRef(name=name, sha256=self._upload(blob), bytes=len(blob)) for name, blob in data]
+        shas = list(self._shard_pool.map(self._store_shard, [p for _, p in plans]))
+        refs = [ShardRef(name=name, sha256=sha, bytes=p.nbytes) for (name, p), sha in zip(plans, shas)]
         t2 = time.perf_counter()
         self.client.post_version(VersionManifest(shards=refs, **manifest))
         self.publish_timings[version] = {"serialise_s": t1 - t0, "upload_s": t2 - t1,
                                          "register_s": time.perf_counter() - t2,
-                                         "bytes": float(sum(len(b) for _, b in data))}
+                                         "bytes": float(sum(p.nbytes for _, p in plans)),
+                                         "local": 1.0 if self.local_blobs is not None else 0.0}
 
     def publish_weights(self, version: int, blocks: list[torch.Tensor]) -> None:
         """Publish `blocks` (the canonical blocks in fp32, as `snapshots` holds them) as `version` instead of the

@@ -57,6 +57,15 @@ async def put_blob(request: Request, sha256: ShaP) -> JSONResponse:
     return await _upload(request, sha256)
 
 
+@router.head("/{sha256}", dependencies=[Reader])
+def head_blob(sha256: ShaP, store: StoreD) -> Response:
+    """200 with the blob's Content-Length if it is stored, else 404 (a trainer that wrote a shard into a shared
+    blob directory checks here that the coordinator sees it)."""
+    if not store.blobs.exists(sha256):
+        raise NotFound(f"no blob {sha256}")
+    return Response(status_code=200, headers={"content-length": str(store.blobs.size(sha256)), "etag": f'"{sha256}"'})
+
+
 @router.get("/{sha256}", dependencies=[Reader])
 def get_blob(
     sha256: ShaP, store: StoreD, metrics: MetricsD, if_none_match: Annotated[str | None, Header()] = None
