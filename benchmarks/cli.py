@@ -85,6 +85,9 @@ def bench_fleet(
     train_batch_size: Annotated[int, typer.Option(min=0, help="Trainer batch (trainer cost; default: batch-size)")] = 0,
     train_seq_len: Annotated[int, typer.Option(min=0, help="Trainer sequence length (default: seq-len)")] = 0,
     json_path: Annotated[Path | None, typer.Option("--json-out", help="Also write the JSON here, after each phase")] = None,
+    blob_path: Annotated[str, typer.Option(help="How weight shards reach the workers: shared (one blob directory "
+                                           "on this host, as under `up`) or http (loopback HTTP, as to other "
+                                           "hosts)")] = "shared",
 ) -> None:
     """Probes per second with 1, 2, 4 workers (CPU or GPU), and version publish -> every worker ready latency."""
     from benchmarks.fleet import result_dict, run_fleet_bench
@@ -95,6 +98,8 @@ def bench_fleet(
         raise typer.BadParameter("use comma-separated integers, e.g. 1,2,4", param_hint="--workers") from None
     from fleet.devices import place_here
 
+    if blob_path not in ("shared", "http"):
+        raise typer.BadParameter("use shared or http", param_hint="--blob-path")
     try:
         devs = place_here(worker_devices=device).workers
     except ValueError as exc:
@@ -111,7 +116,7 @@ def bench_fleet(
 
     res = run_fleet_bench(redis_url, counts, preset, seeds, seeds_per_task, (batch_size, seq_len), threads,
                           ready_preset, devs, trainer_device, compare_seeds, interval,
-                          (train_batch_size or batch_size, train_seq_len or seq_len), save)
+                          (train_batch_size or batch_size, train_seq_len or seq_len), save, blob_path)
     save(res)
     if json_out:
         typer.echo(json.dumps(result_dict(res)))
@@ -122,7 +127,7 @@ def bench_fleet(
         typer.echo(f"  {n} worker(s): {rate:8.2f} probes/s ({res.forward_passes_per_s[n]:.2f} forward passes/s)")
     if res.ready_preset:
         typer.echo(f"  publish -> every worker ready, {res.ready_preset} ({res.ready_bytes / 2**20:.0f} MiB): "
-                   f"{res.publish_to_ready_s:.2f} s (publish itself {res.publish_s:.2f} s)")
+                   f"{res.publish_to_ready_s:.2f} s (publish itself {res.publish_s:.2f} s; shards by {res.blob_path})")
 
 
 def bench_zo(

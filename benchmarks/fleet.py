@@ -46,6 +46,8 @@ class FleetBenchResult:
     ready_bytes: int = 0
     publish_s: float = 0.0
     publish_to_ready_s: float = 0.0
+    publish_timings: dict = field(default_factory=dict)  # the synchronous CPU publish's (CoordinatorBackend)
+    blob_path: str = "shared"
     worker_devices: tuple[str, ...] = ("cpu",)
     trainer_device: str = "cpu"
     # with a trainer device (benchmarks.fleet_gpu): per version {call_s, uploaded_s, ready_s}, the training loop's
@@ -58,8 +60,15 @@ class FleetBenchResult:
 
 
 class _Fleet:
-    def __init__(self, redis_url: str, tmp: Path, threads: int, devices: tuple[str, ...] = ("cpu",)) -> None:
+    def __init__(self, redis_url: str, tmp: Path, threads: int, devices: tuple[str, ...] = ("cpu",),
+                 blob_path: str = "shared") -> None:
         from api.server import free_port
+
+        if blob_path not in ("shared", "http"):
+            raise ValueError(f"blob_path must be 'shared' or 'http', got {blob_path!r}")
+        # shared: trainer, coordinator and workers on one host use one blob directory (as `up` does); http: shards
+        # travel over loopback HTTP, as to workers on other hosts
+        self.blob_dir = tmp / "blobs" if blob_path == "shared" else None
 
         self.devices = devices or ("cpu",)
         self.prefix = "bench" + secrets.token_hex(4)
@@ -94,7 +103,11 @@ class _Fleet:
             return False
 
     def start_workers(self, n: int) -> list[str]:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])), "SPARECYCLES_CACHE": str(self.tmp / "cache")}
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+               "SPARECYCLES_CACHE": str(self.tmp / "cache")}
+        env.pop("SPARECYCLES_BLOB_DIR", None)
+        if self.blob_dir is not None:
+            env["SPARECYCLES_BLOB_DIR"] = str(self.blob_dir)
         names = [f"bench-{self.started + i}" for i in range(n)]
         self.started += n
         for i, name in enumerate(names):
@@ -143,7 +156,7 @@ class _Fleet:
                        seeds_per_task=seeds_per_task)
         return CoordinatorBackend(model, coordinator_url=self.url, redis_url=self.redis_url, run=spec,
                                   admin_token=self.admin_token, key_prefix=self.prefix, round_timeout_s=3600.0,
-                                  history=0, background=background)
+                                  history=0, background=background, blob_dir=self.blob_dir)
 
     def close(self) -> None:
         self.stop_workers()
@@ -168,7 +181,8 @@ def run_fleet_bench(redis_url: str, worker_counts: tuple[int, ...] = (1, 2, 4), 
                     threads: int = 1, ready_preset: str = "gpt2-small",
                     devices: tuple[str, ...] = ("cpu",), trainer_device: str = "cpu", compare_seeds: int = 0,
                     interval: int = 20, train_batch: tuple[int, int] | None = None,
-                    save: Callable[[FleetBenchResult], None] = lambda r: None) -> FleetBenchResult:
+                    save: Callable[[FleetBenchResult], None] = lambda r: None,
+                    blob_path: str = "shared") -> FleetBenchResult:
     """Measure probes/s for each worker count and publish -> ready latency of `ready_preset` weights.
 
     Worker i runs on devices[i % len(devices)] (e.g. ("cuda:1", "cuda:2")). With the publishing side on the CPU
@@ -176,7 +190,9 @@ def run_fleet_bench(redis_url: str, worker_counts: tuple[int, ...] = (1, 2, 4), 
     synchronous and two background publishes of a model on that device, plus the training loop's cost per
     published version over `interval` steps at `train_batch` (default: batch). compare_seeds > 0 compares the
     timed round's first seeds with in-process evaluation on the first worker's device. `save(result)` is called
-    after each phase. Raises RuntimeError if a worker dies or a phase exceeds its (generous) time limit.
+    after each phase. blob_path: "shared" (the trainer writes shards into the coordinator's blob directory and
+    the workers read them there, as under `up`) or "http" (over loopback HTTP, as to other hosts).
+    Raises RuntimeError if a worker dies or a phase exceeds its (generous) time limit; ValueError for a bad blob_path.
     """
     from trainer.models import build_model
     from trainer.zo.probes import RoundSpec
@@ -186,7 +202,8 @@ def run_fleet_bench(redis_url: str, worker_counts: tuple[int, ...] = (1, 2, 4), 
     keep = os.environ.get("SPARECYCLES_BENCH_KEEP") == "1"  # keep the coordinator's and workers' logs
     with (contextlib.nullcontext(tempfile.mkdtemp(prefix="sparecycles-bench-")) if keep
           else tempfile.TemporaryDirectory(prefix="sparecycles-bench-")) as tmp:
-        fleet = _Fleet(redis_url, Path(tmp), threads, devices)
+        fleet = _Fleet(redis_url, Path(tmp), threads, devices, blob_path)
+        res.blob_path = blob_path
         try:
             model = build_model(preset)
             xb = _batch(*batch, model.config.vocab_size, seed=0)
@@ -234,6 +251,7 @@ def run_fleet_bench(redis_url: str, worker_counts: tuple[int, ...] = (1, 2, 4), 
                 fleet.wait(lambda names=names: all(fleet.info(nm)["version"] == 4242 for nm in names),
                            "ready on every worker")
                 res.publish_to_ready_s = time.perf_counter() - t0
+                res.publish_timings = be.publish_timings.get(4242, {})
                 res.ready_preset = ready_preset
                 res.ready_bytes = sum(p.numel() * p.element_size() for p in big.parameters())
                 be.close()

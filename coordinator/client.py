@@ -274,6 +274,32 @@ class CoordinatorClient:
 
         return self._retrying(once)
 
+    def download_blob_into(self, sha256: str, out: memoryview) -> None:
+        """Stream `GET /v1/blobs/{sha256}` into `out` (exactly its size in bytes, e.g. a pinned buffer's view),
+        hashing as it arrives: the caller parses the very bytes that were verified, with no file in between.
+
+        Raises CorruptBlobError if the content's sha256 or size differs (`out` then holds garbage); transient
+        HTTP errors are retried.
+        """
+
+        def once() -> None:
+            digest, got = hashlib.sha256(), 0
+            with self._http.stream("GET", f"/v1/blobs/{sha256}", headers=self._headers(None)) as r:
+                if r.status_code >= 400:
+                    r.read()
+                    raise CoordinatorHTTPError("GET", f"/v1/blobs/{sha256}", r.status_code, r.text)
+                for chunk in r.iter_bytes(4 << 20):
+                    n = len(chunk)
+                    if got + n > len(out):
+                        raise CorruptBlobError(f"blob {sha256} is longer than the {len(out)} bytes expected")
+                    out[got:got + n] = chunk
+                    digest.update(chunk)
+                    got += n
+            if got != len(out) or digest.hexdigest() != sha256:
+                raise CorruptBlobError(f"blob {sha256} arrived as {got} bytes with sha256 {digest.hexdigest()}")
+
+        self._retrying(once)
+
     def get_blob(self, sha256: str) -> bytes:
         """Download a (small) blob into memory, verified. Raises CorruptBlobError on a hash mismatch."""
 

@@ -23,6 +23,7 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -40,6 +41,8 @@ class FleetSettings(BaseSettings):
     admin_token: the coordinator's admin token (creates runs, publishes versions and rounds).
     redis_url: the Redis/Valkey holding the coordinator's result streams.
     key_prefix: the coordinator's key prefix (its SPARECYCLES_KEY_PREFIX).
+    blob_dir: the coordinator's blob directory (its SPARECYCLES_BLOB_DIR) when the trainer shares its file
+        system (`up`, compose's `blobs` volume): weight shards are written there instead of uploaded over HTTP.
     Raises pydantic.ValidationError when the token or the Redis URL is missing.
     """
 
@@ -48,6 +51,7 @@ class FleetSettings(BaseSettings):
     admin_token: SecretStr = Field(min_length=1)
     redis_url: str = Field(min_length=1, pattern=r"^(redis|rediss|unix)://")
     key_prefix: str = Field(default="sc", pattern=r"^[A-Za-z0-9_-]{1,32}$")
+    blob_dir: Path | None = None
 
 
 def active_workers(base: str, admin_token: str, timeout_s: float = 5.0) -> list[dict[str, Any]]:
@@ -302,6 +306,7 @@ class Fleet:
         backend = CoordinatorBackend(model, coordinator_url=self.base, admin_token=self.settings.admin_token
                                      .get_secret_value(), redis_url=self.settings.redis_url, run=spec,
                                      key_prefix=self.settings.key_prefix, history=0 if pure else 2,
+                                     blob_dir=self.settings.blob_dir,
                                      background=get_method(cfg.optimizer).build in (build_zocurv_mode, build_role_mode))
         rounds = self.rounds
         if rounds == "next" and get_method(cfg.optimizer).optimizer is None:

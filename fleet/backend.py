@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable
@@ -41,6 +43,7 @@ from trainer.zo import probes
 from trainer.zo.backend import COUNT_KEYS, Collected
 from trainer.zo.probes import ProbeKind, RoundSpec, SeedResult
 
+log = logging.getLogger("sparecycles.fleet")
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -212,6 +215,7 @@ class CoordinatorBackend:
         self._shard_pool = ThreadPoolExecutor(upload_threads, thread_name_prefix="shard")
         self.local_blobs = BlobStore(Path(blob_dir)) if blob_dir else None
         self._local_confirmed = False
+        self._confirm_lock = threading.Lock()
         self.blob_dir_note = ""  # why a configured blob_dir is not used (empty: used, or none configured)
         self.publish_seconds: list[float] = []  # the training loop's wall time in each publish call
         # version -> serialise_s (shard plans; waits for the host copy), upload_s (hash + PUT, or hash + write
@@ -229,15 +233,20 @@ class CoordinatorBackend:
     def _store_shard(self, plan: ShardPlan) -> str:
         """Write one shard into the shared blob_dir (confirmed once with the coordinator), or hash it and PUT it
         if the coordinator lacks it; returns its sha256. Nothing is copied: the stream reads the tensors."""
-        if self.local_blobs is not None:
-            sha, _ = self.local_blobs.put_chunks(plan.chunks(), fsync=False)
-            if self._local_confirmed or self.client.has_blob(sha):
-                self._local_confirmed = True
-                self._uploaded.add(sha)
-                return sha
-            self.blob_dir_note = (f"blob_dir {self.local_blobs.root} is not the coordinator's blob directory "
-                                  "(it does not see a shard written there); uploading over HTTP")
-            self.local_blobs = None
+        local = self.local_blobs
+        if local is not None:
+            sha, _ = local.put_chunks(plan.chunks(), fsync=False)
+            with self._confirm_lock:  # shards are stored in parallel: one HEAD decides for all
+                if not self._local_confirmed and self.local_blobs is not None:
+                    self._local_confirmed = self.client.has_blob(sha)
+                    if not self._local_confirmed:
+                        self.blob_dir_note = (f"blob_dir {local.root} is not the coordinator's blob directory (it "
+                                              "does not see a shard written there); uploading over HTTP")
+                        log.warning(self.blob_dir_note)
+                        self.local_blobs = None
+                if self._local_confirmed:
+                    self._uploaded.add(sha)
+                    return sha
         sha = plan.sha256()
         if sha not in self._uploaded:
             self.client.put_blob(sha, plan.chunks, plan.nbytes)

@@ -140,7 +140,7 @@ def parse_safetensors(buf: bytearray | memoryview | bytes | torch.Tensor) -> dic
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"safetensors header is not JSON: {exc}") from exc
     if not isinstance(meta, dict):
-        raise ValueError("safetensors header is not a JSON object")
+        raise ValueError("safetensors header is not a JSON object")  # noqa: TRY004 - bad file content, not a type
     meta.pop("__metadata__", None)
     data = raw[8 + n:]
     spans, out = [], {}

@@ -1,8 +1,10 @@
 """Weight cache of a probe worker: content-addressed safetensors shards on disk, loaded versions in memory.
 
-Shards live at `root/shards/ab/abcdef...` named by their sha256. Every use re-hashes the bytes it is
-about to parse (the parse reads those same bytes, so nothing unverified is ever loaded); a shard whose
-hash differs is deleted, counted and fetched again. Only shards the worker lacks are downloaded, so a
+Shards live at `root/shards/ab/abcdef...` named by their sha256; a worker sharing the coordinator's file
+system reads them in place from its blob directory instead (`shared_blob_dir`). Every use reads a shard once
+into one buffer (pinned for a GPU), hashes it and parses tensors as views of it (fleet.shards.parse_safetensors),
+so nothing unverified is ever loaded and nothing is copied twice; a shard whose hash differs is deleted,
+counted and fetched again. Only shards the worker lacks are downloaded, so a
 version sharing shards with its parent costs only the changed ones. The newest `keep_versions` models
 stay loaded; shards not referenced by the newest `keep_disk_versions` manifests are pruned from disk.
 
@@ -18,9 +20,11 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +33,7 @@ import torch
 
 from coordinator.client import CoordinatorClient, CoordinatorHTTPError, CorruptBlobError
 from coordinator.messages import ShardRef, VersionManifest
+from fleet.shards import parse_safetensors
 from probe_worker.metrics import WorkerMetrics, default_metrics
 
 log = logging.getLogger("sparecycles.worker")
@@ -143,13 +148,15 @@ class WeightCache:
         keep_versions: loaded models kept in memory (>= 1).
         keep_disk_versions: versions whose shards are kept on disk (>= keep_versions).
         metrics: where hits, misses, bytes, seconds and the current version are counted.
+        shared_blob_dir: the coordinator's blob directory when this worker shares its file system (`up`,
+            compose's `blobs` volume, read-only is enough): shards found there are read in place, not downloaded.
         max_replay: a pure-ZO version further than this many ledger entries from the newest loaded version
             is rebuilt from the newest snapshot instead (DESIGN.md: "fetch a snapshot when too far behind").
     """
 
     def __init__(self, client: CoordinatorClient, root: Path | None = None, device: str = "cpu",
                  keep_versions: int = 2, keep_disk_versions: int = 3, metrics: WorkerMetrics | None = None,
-                 max_replay: int = 1000) -> None:
+                 max_replay: int = 1000, shared_blob_dir: Path | None = None) -> None:
         if keep_versions < 1 or keep_disk_versions < keep_versions:
             raise ValueError("need keep_versions >= 1 and keep_disk_versions >= keep_versions")
         if root is None:
@@ -157,6 +164,8 @@ class WeightCache:
 
             root = cache_dir() / "worker"
         self.client, self.device = client, device
+        self.shared_blob_dir = Path(shared_blob_dir) if shared_blob_dir else None
+        self._pin = torch.device(device).type == "cuda"
         self.shard_dir = Path(root) / "shards"
         self.shard_dir.mkdir(parents=True, exist_ok=True)
         self.keep_versions, self.keep_disk_versions = keep_versions, keep_disk_versions
@@ -174,28 +183,81 @@ class WeightCache:
         """Where the shard named `sha256` is kept."""
         return self.shard_dir / sha256[:2] / sha256
 
-    def shard_bytes(self, ref: ShardRef) -> bytes:
-        """The verified bytes of one shard, fetching it if absent or corrupt.
+    def _read(self, path: Path, size: int) -> torch.Tensor:
+        """The file's bytes in one uint8 buffer (pinned for a CUDA device: its copy to the GPU is a DMA)."""
+        buf = torch.empty(size, dtype=torch.uint8, pin_memory=self._pin)
+        with open(path, "rb", buffering=0) as f:
+            view, got = memoryview(buf.numpy()), 0
+            while got < size:
+                n = f.readinto(view[got:])
+                if not n:
+                    raise CorruptBlobError(f"{path} is shorter than its {size} bytes")
+                got += n
+            if f.read(1):
+                raise CorruptBlobError(f"{path} is longer than its {size} bytes")
+        return buf
 
+    @staticmethod
+    def _sha256(buf: torch.Tensor) -> str:
+        h = hashlib.sha256()
+        view = memoryview(buf.numpy())
+        for start in range(0, len(view), 64 << 20):
+            h.update(view[start:start + (64 << 20)])
+        return h.hexdigest()
+
+    def _keep_on_disk(self, path: Path, buf: torch.Tensor) -> None:
+        """Write a downloaded shard into the cache (atomically; no fsync: a lost file is fetched again)."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".part-{path.name}-{threading.get_ident()}")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(memoryview(buf.numpy()))
+            os.replace(tmp, path)
+        except OSError as exc:  # a full disk costs the cache, not the version
+            log.warning("shard %s not cached on disk: %s", path.name, exc)
+            tmp.unlink(missing_ok=True)
+
+    def shard_buffer(self, ref: ShardRef) -> torch.Tensor:
+        """The verified bytes of one shard as a uint8 tensor (pinned for a CUDA device), read from this worker's
+        cache, else from the shared blob directory (`shared_blob_dir`), else downloaded into the cache.
+
+        Every buffer is hashed after it is read and before it is parsed (the parse reads this buffer, so nothing
+        unverified is ever loaded); a download is hashed as it arrives into the buffer, then kept on disk. A
+        corrupt cached copy is deleted and fetched again; a corrupt shared copy is skipped.
         Raises CorruptBlobError if SHARD_FETCH_TRIES downloads all arrive corrupt.
         """
         path = self.shard_path(ref.sha256)
-        for _ in range(SHARD_FETCH_TRIES):
-            fetched = not path.is_file()
-            if fetched:
-                self.metrics.cache_misses.labels("shard").inc()
-                try:
-                    self.metrics.weight_bytes.inc(self.client.download_blob(ref.sha256, path))
-                except CorruptBlobError:
-                    self.metrics.corrupt.inc()
-                    continue
-            data = path.read_bytes()
-            if fetched or hashlib.sha256(data).hexdigest() == ref.sha256:  # download_blob hashed what it wrote
-                if not fetched:
-                    self.metrics.cache_hits.labels("shard").inc()
-                return data
+        shared = self.shared_blob_dir / ref.sha256[:2] / ref.sha256 if self.shared_blob_dir else None
+        if shared is not None and not path.is_file() and shared.is_file():
+            try:
+                buf = self._read(shared, ref.bytes)
+            except (OSError, CorruptBlobError):
+                buf = None  # pruned or replaced underneath us: fetch it instead
+            if buf is not None and self._sha256(buf) == ref.sha256:
+                self.metrics.cache_hits.labels("shared").inc()
+                return buf
+            self.metrics.corrupt.inc()
+        if path.is_file():
+            try:
+                buf = self._read(path, ref.bytes)
+            except CorruptBlobError:
+                buf = None
+            if buf is not None and self._sha256(buf) == ref.sha256:
+                self.metrics.cache_hits.labels("shard").inc()
+                return buf
             self.metrics.corrupt.inc()
             path.unlink(missing_ok=True)  # never load it; fetch a good copy instead
+        buf = torch.empty(ref.bytes, dtype=torch.uint8, pin_memory=self._pin)
+        for _ in range(SHARD_FETCH_TRIES):
+            self.metrics.cache_misses.labels("shard").inc()
+            try:
+                self.client.download_blob_into(ref.sha256, memoryview(buf.numpy()))
+            except CorruptBlobError:
+                self.metrics.corrupt.inc()
+                continue
+            self.metrics.weight_bytes.inc(ref.bytes)
+            self._keep_on_disk(path, buf)
+            return buf  # hashed as it arrived: these are the verified bytes
         raise CorruptBlobError(f"shard {ref.name} ({ref.sha256}) arrived corrupt {SHARD_FETCH_TRIES} times")
 
     def get(self, run: str, version: int) -> LoadedVersion:
@@ -279,11 +341,14 @@ class WeightCache:
 
     def _load_snapshot(self, run: str, version: int, manifest: VersionManifest) -> LoadedVersion:
         """Fetch (only missing shards), verify and load a snapshot version; prune old shards from disk."""
-        from safetensors.torch import load as load_safetensors
-
         tensors: dict[str, torch.Tensor] = {}
-        for ref in manifest.shards:
-            part = load_safetensors(self.shard_bytes(ref))
+        if len(manifest.shards) > 1:  # read and hash the shards in parallel (hashlib and file reads drop the GIL)
+            with ThreadPoolExecutor(min(8, len(manifest.shards)), thread_name_prefix="shard-read") as pool:
+                bufs = list(pool.map(self.shard_buffer, manifest.shards))
+        else:
+            bufs = [self.shard_buffer(ref) for ref in manifest.shards]
+        for buf in bufs:
+            part = parse_safetensors(buf)  # views of the verified buffer: no second copy
             if set(part) & set(tensors):
                 raise ValueError(f"version {version}: tensor names repeat across shards")
             tensors.update(part)

@@ -23,6 +23,9 @@ def worker(
     metrics_port: Annotated[int | None, typer.Option(help="Serve Prometheus metrics on this port")] = None,
     cache_dir: Annotated[Path | None, typer.Option(help="Weight cache (default: cache root/worker)")] = None,
     keep_versions: Annotated[int, typer.Option(min=1, help="Weight versions kept loaded")] = 2,
+    blob_dir: Annotated[Path | None, typer.Option(envvar="SPARECYCLES_BLOB_DIR", help="The coordinator's blob "
+                                                  "directory, when this worker shares its file system: weight "
+                                                  "shards are read there in place instead of downloaded")] = None,
     control_interval: Annotated[float, typer.Option(min=0.05, help="Seconds between heartbeats/drain checks")] = 0.5,
     soft_shutdown: Annotated[float, typer.Option(min=0.0, help="Seconds SIGTERM waits for the in-flight task")] = 30.0,
     prefetch_interval: Annotated[float, typer.Option(min=0.0, help="Seconds between checks for a new version "
@@ -59,7 +62,7 @@ def worker(
         torch.set_float32_matmul_precision("high")
     opts = WorkerOptions(
         coordinator=coordinator, token=token, device=device, name=name, metrics_port=metrics_port,
-        cache_dir=cache_dir, keep_versions=keep_versions, control_interval_s=control_interval,
+        cache_dir=cache_dir, keep_versions=keep_versions, shared_blob_dir=blob_dir, control_interval_s=control_interval,
         soft_shutdown_s=soft_shutdown, prefetch_interval_s=prefetch_interval, yield_gpu_util_pct=yield_gpu_util,
         probe_path=probe_path, loglevel=loglevel.upper(),
     )

@@ -46,7 +46,7 @@ class WorkerMetrics:
             registry=registry,
         )
         self.cache_hits = Counter(
-            "sparecycles_worker_cache_hits_total", "Cache hits, by kind (shard, version, batch, clean)",
+            "sparecycles_worker_cache_hits_total", "Cache hits, by kind (shard, shared: a shard read from the coordinator's blob directory, version, batch, clean)",
             ["kind"], registry=registry,
         )
         self.cache_misses = Counter(

@@ -56,7 +56,8 @@ class WorkerOptions:
 
     coordinator: base URL; token: enrollment token; device: "cpu" or "cuda:N"; name: shown in
     `GET /v1/workers`; metrics_port: serve Prometheus metrics there (None: off); cache_dir: weight cache
-    root (None: trainer.paths.cache_dir()/worker); keep_versions: models kept loaded;
+    root (None: trainer.paths.cache_dir()/worker); shared_blob_dir: the coordinator's blob directory when the
+    worker shares its file system (shards read in place, WeightCache); keep_versions: models kept loaded;
     control_interval_s: heartbeat and drain-check period (<= 1 s drains within a second);
     soft_shutdown_s: how long SIGTERM waits for the in-flight task; prefetch_interval_s: how often the
     latest version of each consumed run is checked and loaded ahead of its rounds (0: load lazily);
@@ -71,6 +72,7 @@ class WorkerOptions:
     name: str | None = None
     metrics_port: int | None = None
     cache_dir: Path | None = None
+    shared_blob_dir: Path | None = None
     keep_versions: int = 2
     control_interval_s: float = 0.5
     soft_shutdown_s: float = 30.0
@@ -117,7 +119,8 @@ class ProbeWorker:
         self.app.conf.broker_transport_options = transport
         self.drain = DrainState()
         self.cache = WeightCache(self.client, opts.cache_dir, opts.device, keep_versions=opts.keep_versions,
-                                 keep_disk_versions=opts.keep_versions + 1, metrics=self.metrics)
+                                 keep_disk_versions=opts.keep_versions + 1, metrics=self.metrics,
+                                 shared_blob_dir=opts.shared_blob_dir)
         self.runtime = ProbeRuntime(self.client, self.worker_id, self.cache, self.metrics,
                                     probe_path=opts.probe_path)
         register_probe_task(self.app, self.runtime, self.drain, self.metrics)
@@ -177,6 +180,7 @@ class ProbeWorker:
                     if latest > self._prefetched.get(run, -1):  # each version once: no LRU thrash across runs
                         self._prefetched[run] = latest
                         self.runtime.prefetch(run, latest)  # not while a task's probe swaps weights in
+                        self.drain.changed.set()  # heartbeat now: the coordinator (and `up`) see the version
                 except Exception as exc:  # noqa: BLE001 - a ledger-only version or a hiccup: tasks load lazily
                     log.debug("prefetch of run %s skipped: %s", run, exc)
 

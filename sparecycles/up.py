@@ -264,7 +264,10 @@ def _train_with_fleet(plan: UpPlan, progress: bool, log: Callable[[str], None],
             log(f"probe workers on {', '.join(devices)}; forward at the published float32 weights")
             # Each ZO-Curv round folds at the refresh after it, whatever the fleet's timing (fleet.attach.SyncRounds
             # lag 1): the run is reproducible and an interrupted one, resumed, is the same run bit for bit.
-            fleet = Fleet(base, FleetSettings(admin_token=admin, redis_url=redis_url, key_prefix=settings.key_prefix),
+            # One host: the trainer writes weight shards straight into the coordinator's blob directory and the
+            # workers read them there (SPARECYCLES_BLOB_DIR in their environment), no HTTP copies.
+            fleet = Fleet(base, FleetSettings(admin_token=admin, redis_url=redis_url, key_prefix=settings.key_prefix,
+                                              blob_dir=out / "blobs"),
                           workers, FleetStatus(base), run_prefix="up", rounds=UP_ROUNDS)
             wait_for_workers(base, admin, workers, 120.0, check=sup.check)
             status = fleet.status

@@ -15,7 +15,12 @@ router = APIRouter(prefix="/v1/blobs")
 
 
 class _CountingFileResponse(FileResponse):
-    """FileResponse that counts the body bytes actually sent (full file or Range parts)."""
+    """FileResponse that counts the body bytes actually sent (full file or Range parts).
+
+    Sends 4 MiB per ASGI message instead of Starlette's 64 KiB: a 250 MB weight shard is then 60 messages, not
+    4,000 (each costs a Python round trip through the server loop)."""
+
+    chunk_size = 4 << 20
 
     def __init__(self, *args, counter, **kwargs) -> None:
         super().__init__(*args, **kwargs)

@@ -1,0 +1,73 @@
+"""One host, one blob directory: the trainer writes weight shards into the coordinator's store and workers read
+them in place (fleet.backend blob_dir, probe_worker.cache shared_blob_dir); anything else falls back to HTTP."""
+
+from __future__ import annotations
+
+import shutil
+
+import torch
+from prometheus_client import CollectorRegistry
+from test_worker_cache import REDIS_URL, _params, env, tiny_model  # noqa: F401 - env is a fixture
+
+from coordinator.messages import RunSpec
+from fleet.backend import CoordinatorBackend
+from probe_worker.cache import WeightCache
+from probe_worker.metrics import WorkerMetrics
+
+
+def _backend(env, model, run: str, blob_dir) -> CoordinatorBackend:  # noqa: F811
+    return CoordinatorBackend(
+        model, coordinator_url=env.server.url, admin_token=env.settings.admin_token.get_secret_value(),
+        redis_url=REDIS_URL, run=RunSpec(run=run, model_class=type(model).__name__, spot_check_fraction=0.0),
+        key_prefix=env.prefix, shard_bytes=4096, blob_dir=blob_dir)
+
+
+def test_shards_written_in_the_shared_store_load_bit_exact_without_a_download(env):  # noqa: F811
+    model = tiny_model()
+    be = _backend(env, model, "shared", env.settings.blob_dir)
+    be.publish(0)
+    assert be.publish_timings[0]["local"] == 1.0 and be.blob_dir_note == ""
+    client, _ = env.worker("w0")
+    manifest = client.version("shared", 0)
+    assert all(client.has_blob(s.sha256) for s in manifest.shards) and len(manifest.shards) > 3
+    metrics = WorkerMetrics(CollectorRegistry())
+    cache = WeightCache(client, env.tmp / "wc", metrics=metrics, shared_blob_dir=env.settings.blob_dir)
+    loaded = cache.get("shared", 0)
+    assert all(torch.equal(a, b) and a.dtype == b.dtype for (_, a), (_, b) in zip(_params(loaded.model), _params(model)))
+    assert metrics.weight_bytes._value.get() == 0  # nothing downloaded
+    assert metrics.cache_hits.labels("shared")._value.get() == len(manifest.shards)
+    be.close()
+
+
+def test_a_blob_dir_the_coordinator_does_not_see_falls_back_to_http(env, tmp_path):  # noqa: F811
+    model = tiny_model(seed=1)
+    be = _backend(env, model, "elsewhere", tmp_path / "not-the-store")
+    be.publish(0)
+    assert be.publish_timings[0]["local"] == 0.0 and "not the coordinator's blob directory" in be.blob_dir_note
+    client, _ = env.worker("w0")
+    manifest = client.version("elsewhere", 0)
+    assert all(client.has_blob(s.sha256) for s in manifest.shards)  # uploaded over HTTP after all
+    be.close()
+
+
+def test_a_corrupt_shared_copy_is_skipped_and_the_shard_downloaded(env, tmp_path):  # noqa: F811
+    model = tiny_model(seed=2)
+    be = _backend(env, model, "skip", None)
+    be.publish(0)
+    client, _ = env.worker("w0")
+    manifest = client.version("skip", 0)
+    shared = tmp_path / "copy"
+    shutil.copytree(env.settings.blob_dir, shared)
+    bad = manifest.shards[2]
+    path = shared / bad.sha256[:2] / bad.sha256
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x04
+    path.write_bytes(bytes(data))
+    metrics = WorkerMetrics(CollectorRegistry())
+    cache = WeightCache(client, env.tmp / "wc2", metrics=metrics, shared_blob_dir=shared)
+    loaded = cache.get("skip", 0)
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(_params(loaded.model), _params(model)))
+    assert metrics.corrupt._value.get() == 1
+    assert metrics.weight_bytes._value.get() == bad.bytes  # only the corrupt one travelled
+    assert metrics.cache_hits.labels("shared")._value.get() == len(manifest.shards) - 1
+    be.close()
