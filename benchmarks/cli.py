@@ -153,11 +153,17 @@ def bench_zo(
     regime: str = typer.Option("project", help="sentiment: project (the sweep above) or paper (smollm2 only: 1.5-SPSA's "
                                "published regime, arms A1..A6 of issue 18; benchmarks.zo_paper)."),
     arms: str = typer.Option("", help="regime paper: comma-separated arms (A1,A2,A3,A3w,A4-16,A4-128,A5-1e-05,"
-                             "A5-3e-05,A6-1e-05,A6-5e-05); empty = all."),
-    time_budget: float = typer.Option(300.0, min=1.0, help="regime paper: seconds shared by the arms (each stops "
-                                      "at its share or its iteration cap)."),
+                             "A5-3e-05,A6-1e-05,A6-5e-05); empty = all. The time budget is shared by these only."),
+    time_budget: float = typer.Option(300.0, min=1.0, help="regime paper: seconds shared by the arms run now (each "
+                                      "stops at its share or its iteration cap)."),
     fp32_matmul: str = typer.Option("highest", help="regime paper, CUDA: fp32 arms' matmuls, highest (true fp32) or "
-                                    "high (TF32: ~2x faster, but its rounding swamps h at eps 1e-4)."),
+                                    "high (TF32: ~2x faster, but its rounding swamps h at eps 1e-4); per arm: "
+                                    "e.g. high,A1=highest,A3=highest (a bare mode is the default)."),
+    include: Annotated[Path | None, typer.Option(help="regime paper: an earlier call's paper_summary.json to merge: "
+                       "its arms are kept unless re-run; its A1 gives A3w's lr and the drift's ledger.")] = None,
+    drift: bool = typer.Option(True, help="regime paper: measure the bf16 in-place drift on A1's ledger (once per "
+                               "ledger, after the arms; ~10 s on a GPU at 75 iterations)."),
+    iters_cap: int | None = typer.Option(None, min=1, help="regime paper: cap every arm's iterations (smoke tests)."),
 ) -> None:
     """Run the ZO benchmarks on real data and write lm_summary.json / sentiment_summary.json and PNGs."""
     from benchmarks.zo import (
@@ -173,7 +179,7 @@ def bench_zo(
     if regime not in ("project", "paper"):
         raise typer.BadParameter(f"project or paper, got {regime!r}", param_hint="--regime")
     if regime == "paper":
-        _bench_zo_paper(model, out, device, arms, time_budget, seed, fp32_matmul)
+        _bench_zo_paper(model, out, device, arms, time_budget, seed, fp32_matmul, include, drift, iters_cap)
         return
     # Every option is checked before anything runs: with --part all the lm part takes minutes first.
     ms = tuple(m.strip() for m in methods.split(",") if m.strip())
@@ -230,25 +236,38 @@ def bench_zo(
 
 
 def _bench_zo_paper(model: str, out: Path, device: str, arms: str, time_budget: float, seed: int,
-                    fp32_matmul: str) -> None:
+                    fp32_matmul: str, include: Path | None, drift: bool, iters_cap: int | None) -> None:
     """`bench zo --regime paper`: validate, run benchmarks.zo_paper.paper_main, print the arms' table."""
-    from benchmarks.zo_paper import paper_arms, paper_main
+    from benchmarks.zo_paper import paper_main
+    from benchmarks.zo_paper_plan import check_plan, paper_arms, parse_matmul
 
     if model != "smollm2":
         raise typer.BadParameter(f"--regime paper runs on smollm2 only, got {model!r}", param_hint="--model")
     names = tuple(a.strip() for a in arms.split(",") if a.strip()) or None
-    known = [a["name"] for a in paper_arms(time_budget)]
-    if names and any(n not in known for n in names):
-        raise typer.BadParameter(f"arms are {', '.join(known)}; got {arms!r}", param_hint="--arms")
-    if names and "A3w" in names and "A1" not in names:
-        raise typer.BadParameter("A3w takes its lr from A1's mean w: name A1 too", param_hint="--arms")
-    if fp32_matmul not in ("highest", "high"):
-        raise typer.BadParameter(f"highest or high, got {fp32_matmul!r}", param_hint="--fp32-matmul")
+    try:
+        plan = [a["name"] for a in paper_arms(time_budget, names)]
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--arms") from None
+    inc = None
+    if include is not None:
+        try:
+            inc = json.loads(include.read_text())
+        except (OSError, ValueError) as e:
+            raise typer.BadParameter(f"cannot read {include}: {e}", param_hint="--include") from None
+    try:
+        check_plan(plan, inc)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--arms") from None
+    try:
+        matmul = parse_matmul(fp32_matmul, plan)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--fp32-matmul") from None
     import torch
 
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise typer.BadParameter(f"{device!r} is not available here", param_hint="--device")
-    s = paper_main(out, device=device, total_s=time_budget, arms=names, seed=seed, fp32_matmul=fp32_matmul)
+    s = paper_main(out, device=device, total_s=time_budget, arms=names, seed=seed, fp32_matmul=matmul,
+                   include=include, drift=drift, iters_cap=iters_cap)
     for row in s["table"]:
         typer.echo(json.dumps(row))
     if "drift" in s:

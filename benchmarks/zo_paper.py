@@ -7,7 +7,11 @@ Arms (same data, prompt and label words; trainer.zo.paper.PAPER holds the publis
   A4-16 / A4-128   A1 at batch 16 / 128 (A4 at 512 is A1)
   A5-<lr> MeZO at its own recipe: batch 16, ε=1e-3, one Gaussian probe, lr grid
   A6-<lr> backprop AdamW (wd 0), batch 16, two lrs
-Every arm stops at its iteration cap or its share of the time budget, whichever comes first, and says which.
+Every arm stops at its iteration cap or its share of the time budget, whichever comes first, and says which
+(the shares are renormalised over the arms a call runs: benchmarks.zo_paper_plan). The arms can be split over
+several calls (device calls are capped at 600 s): a call names its arms and merges an earlier call's
+paper_summary.json (`include`), whose A1 log and step ledger ("ledger_A1") serve A3w's lr and the drift.
+Forwards run length-bucketed (trainer.zo.length_buckets): the same per-row logits, ~1.8x fewer tokens.
 Selection: the evaluated point with the best validation accuracy (500 sentences); test (1,000) is scored once,
 at the end, on those weights. The test accuracy at every evaluated point is kept too, and its maximum is
 reported as "best_on_test_peek" (selection on test: it shows how much peeking inflates).
@@ -26,6 +30,16 @@ from typing import Any
 
 import torch
 
+from benchmarks.zo_paper_plan import (
+    MATMUL_MODES,
+    a1_mean_w,
+    arm_seconds,
+    canonical_order,
+    check_plan,
+    merge_include,
+    paper_arms,
+    parse_matmul,
+)
 from trainer.zo.length_buckets import Buckets, Split, bucket_batch, bucketed_ce
 from trainer.zo.paper import PAPER, PlateauState, ZOParamStepper, batch_rows, numerics_drift, plateau_update
 from trainer.zo.probes import canonical_blocks
@@ -170,6 +184,11 @@ def run_zo_arm(data: PaperData, model: torch.nn.Module, arm: dict, *, seed: int 
         log.append({"iteration": it + 1, "loss": st["loss"], "train_acc": loss_fn.first_acc, "lr": lr, "eps": eps,
                     **{k: st[k] for k in ("h_mean", "h_std", "w_mean", "frac_weight_floored", "g_abs_mean")
                        if k in st}})
+        if it < 3 or (it + 1) % arm["eval_every"] == 0:  # progress: the pace is known after the first line
+            print(json.dumps({"arm": arm["name"], "iteration": it + 1, "wall_s": round(time.perf_counter() - t0, 2),
+                              "s_per_iteration": round((time.perf_counter() - t0) / (it + 1), 3),
+                              **{k: log[-1][k] for k in ("loss", "train_acc", "h_mean", "w_mean") if k in log[-1]}}),
+                  flush=True)
         if not math.isfinite(st["loss"]):
             stop = "diverged"
             break
@@ -189,9 +208,12 @@ def run_zo_arm(data: PaperData, model: torch.nn.Module, arm: dict, *, seed: int 
 def _after_iteration(data: PaperData, model: torch.nn.Module, arm: dict, it: int, seq_forwards: int, t0: float,
                      evals: list[dict], best_state: Any) -> tuple[bool, Any]:
     """After iteration `it` (0-based): evaluate when due (every `eval_every`, the last iteration, or out of
-    `time_s` seconds), appending to `evals`; snapshot the model on a strict validation improvement (the earliest
-    best, as `_finish` picks). Returns (out of time, best state)."""
-    out_of_time = time.perf_counter() - t0 > arm["time_s"]
+    time), appending to `evals`; snapshot the model on a strict validation improvement (the earliest best, as
+    `_finish` picks). Out of time: another iteration at the mean pace so far (evaluations included) would end
+    past `time_s` seconds from t0, so an arm ends inside its share instead of one iteration after it.
+    Returns (out of time, best state)."""
+    spent = time.perf_counter() - t0
+    out_of_time = spent + spent / (it + 1) > arm["time_s"]
     if (it + 1) % arm["eval_every"] == 0 or out_of_time or it + 1 == arm["max_iters"]:
         e = _eval_point(data, model, it + 1, seq_forwards, time.perf_counter() - t0)
         if e["val_acc"] > max(x["val_acc"] for x in evals):
@@ -223,63 +245,86 @@ def run_backprop_arm(data: PaperData, model: torch.nn.Module, arm: dict, *, seed
     return res
 
 
-def paper_arms(total_s: float, mezo_lrs=(1e-5, 3e-5), adamw_lrs=(1e-5, 5e-5)) -> list[dict]:
-    """The arms A1..A6 with their iteration caps and shares of `total_s` seconds (A3w's lr is filled in from
-    A1's mean w when it runs). Shares: A1 24%, A2 16%, A3 and A3w 11% each, A4-16 5%, A4-128 8%, MeZO and
-    AdamW the rest (5% and 3% per lr)."""
-    zo = {"method": "1.5spsa", "numerics": "master", "lr": PAPER.lr, "eps": PAPER.eps, "batch_size": PAPER.batch_size,
-          "probes": PAPER.probes, "max_iters": 75, "eval_every": 3, "patience": PAPER.patience}
-    arms = [dict(zo, name="A1", time_s=0.24 * total_s),
-            dict(zo, name="A2", numerics="inplace", time_s=0.16 * total_s),
-            dict(zo, name="A3", method="1spsa", time_s=0.11 * total_s),
-            dict(zo, name="A3w", method="1spsa", time_s=0.11 * total_s, lr_from="A1 mean w"),
-            dict(zo, name="A4-16", batch_size=16, max_iters=2000, eval_every=25, time_s=0.05 * total_s),
-            dict(zo, name="A4-128", batch_size=128, max_iters=300, eval_every=6, time_s=0.08 * total_s)]
-    arms += [dict(zo, name=f"A5-{lr:g}", method="mezo", lr=lr, eps=1e-3, batch_size=16, max_iters=20000,
-                  eval_every=250, time_s=0.05 * total_s) for lr in mezo_lrs]
-    arms += [{"name": f"A6-{lr:g}", "kind": "backprop", "lr": lr, "batch_size": 16, "max_iters": 1000,
-              "eval_every": 50, "time_s": 0.03 * total_s} for lr in adamw_lrs]
-    return arms
-
-
 def paper_comparison(out_dir: Path, make_model: Callable[[torch.dtype], torch.nn.Module], data: PaperData, *,
                      total_s: float = 300.0, arms: tuple[str, ...] | None = None, seed: int = 0,
-                     meta: dict | None = None) -> dict[str, Any]:
+                     meta: dict | None = None, include: dict | None = None, matmul: dict[str, str] | None = None,
+                     set_matmul: Callable[[str], None] | None = None, drift: bool = True,
+                     iters_cap: int | None = None) -> dict[str, Any]:
     """Run the arms (all, or those named in `arms`) within ~`total_s` seconds; write `paper_summary.json`,
-    `paper_curves.png` and `paper_hw.png` into `out_dir`. make_model(dtype) returns a fresh model on the
-    device (fp32 for every arm but A2's bf16). The drift of A2's numerics against the fp32-master path is
-    measured by replaying A1's ledger from the bf16-rounded start (numerics_drift)."""
+    `paper_curves.png` and `paper_hw.png` into `out_dir`.
+
+    make_model(dtype) returns a fresh model on the device (fp32 for every arm but A2's bf16). Each arm gets
+    zo_paper_plan.arm_seconds of what is left of `total_s` (shares renormalised over the arms run now) and
+    stops early enough to end inside it. `include`: an earlier call's summary (json.load of its
+    paper_summary.json): its arms are kept unless re-run now, and its A1 (log and step ledger) serves A3w's lr
+    and the drift. `matmul` {arm: "highest" | "high"} is passed to `set_matmul` before each arm (CUDA's fp32
+    matmul precision; None on CPU) and recorded as the arm's "fp32_matmul". drift: measure A2's numerics
+    against the fp32-master path by replaying A1's ledger from the bf16-rounded start (numerics_drift), once
+    per ledger, after the arms. iters_cap caps every arm's iterations (smoke tests).
+    Raises ValueError for unknown arms, or A3w without A1 (now or included)."""
+    t_start = time.perf_counter()
     out_dir.mkdir(parents=True, exist_ok=True)
-    plan = [a for a in paper_arms(total_s) if arms is None or a["name"] in arms]
-    results: dict[str, Any] = {}
-    summary = {"meta": {**(meta or {}), "total_s": total_s, "seed": seed, "regime": PAPER.__dict__,
-                        "n": {s: data.size(s) for s in ("train", "val", "test")}}, "arms": results}
+    plan = paper_arms(total_s, arms)
+    names_now = [a["name"] for a in plan]
+    check_plan(names_now, include)
+    inc = merge_include(include, names_now)
+    results: dict[str, Any] = dict(inc["arms"])
+    call = {"total_s": total_s, "arms": names_now, "fp32_matmul": matmul if set_matmul else "cpu",
+            "included": sorted(inc["arms"]), "iters_cap": iters_cap}
+    summary: dict[str, Any] = {"meta": {**(meta or {}), "total_s": total_s, "seed": seed, "regime": PAPER.__dict__,
+                                        "n": {s: data.size(s) for s in ("train", "val", "test")},
+                                        "calls": [*inc["calls"], call]}, "arms": results}
+    if inc["drift"] is not None:
+        summary["drift"] = inc["drift"]
+    if inc["ledger_A1"] is not None:
+        summary["ledger_A1"] = inc["ledger_A1"]
+    skipped = {}
 
     def save() -> None:
         (out_dir / "paper_summary.json").write_text(json.dumps(summary, indent=2))
 
-    for arm in plan:
+    for i, arm in enumerate(plan):
+        left = total_s - (time.perf_counter() - t_start)
+        arm = dict(arm, time_s=arm_seconds(arm["share"], sum(a["share"] for a in plan[i:]), left))
+        if iters_cap is not None:
+            arm["max_iters"] = min(arm["max_iters"], iters_cap)
+        if left <= 0:
+            skipped[arm["name"]] = "no time left in this call"
+            continue
         if arm.get("lr_from"):
-            ws = [r["w_mean"] for r in results.get("A1", {}).get("log", []) if "w_mean" in r]
-            if not ws:
+            w = a1_mean_w(results)
+            if w is None:
+                skipped[arm["name"]] = "A1 logged no w"
                 continue
-            arm = dict(arm, lr=PAPER.lr * sum(ws) / len(ws))
+            arm = dict(arm, lr=PAPER.lr * w)
+        mode = (matmul or {}).get(arm["name"], "highest")
+        arm["fp32_matmul"] = mode if set_matmul else "cpu"
+        if set_matmul:
+            set_matmul(mode)
         if arm.get("kind") == "backprop":
             r = run_backprop_arm(data, make_model(torch.float32), arm, seed=seed)
         else:
             dtype = torch.bfloat16 if arm["numerics"] == "inplace" else torch.float32
             r = run_zo_arm(data, make_model(dtype), arm, seed=seed, keep_ledger=arm["name"] == "A1")
-        if "ledger" in r:  # A2's numerics vs the fp32 master on A1's own steps, from the bf16-rounded start
-            m = make_model(torch.bfloat16)
-            blocks = canonical_blocks(m)
-            summary["drift"] = numerics_drift([b.param.data for b in blocks], [b.offset for b in blocks],
-                                              r.pop("ledger"))
-            del m
+        if "ledger" in r:  # A1's step ledger, for the drift (now or in a later call)
+            summary["ledger_A1"] = [[list(sd), list(c), e] for sd, c, e in r.pop("ledger")]
+            summary.pop("drift", None)
         results[arm["name"]] = r
         print(json.dumps({k: r[k] for k in ("name", "iterations", "stop", "val_acc", "test_acc", "wall_s")}),
               flush=True)
         save()
-    summary["table"] = summary_table(results)
+    ledger = summary.get("ledger_A1")
+    if drift and ledger and summary.get("drift", {}).get("steps") != len(ledger):
+        t0 = time.perf_counter()
+        m = make_model(torch.bfloat16)  # A2's numerics vs the fp32 master on A1's own steps, from bf16 weights
+        blocks = canonical_blocks(m)
+        summary["drift"] = {**numerics_drift([b.param.data for b in blocks], [b.offset for b in blocks], ledger),
+                            "seconds": time.perf_counter() - t0}
+        del m
+        print(json.dumps({"drift": summary["drift"]}), flush=True)
+    summary["arms"] = {n: results[n] for n in canonical_order(list(results))}
+    summary["meta"]["skipped"] = skipped
+    summary["table"] = summary_table(summary["arms"])
     save()
     plot_paper(summary, out_dir)
     return summary
@@ -288,6 +333,7 @@ def paper_comparison(out_dir: Path, make_model: Callable[[torch.dtype], torch.nn
 def summary_table(results: dict[str, Any]) -> list[dict]:
     """One row per arm: iterations, sequence-forwards, val/test accuracy with standard errors, test peek."""
     return [{"arm": n, "method": r.get("method"), "lr": r.get("lr"), "batch": r.get("batch_size"),
+             "fp32_matmul": r.get("fp32_matmul"),
              "iterations": r["iterations"], "stop": r["stop"], "seq_forwards": r["seq_forwards"],
              "selected_iteration": r["selected_iteration"], "val_acc": r["val_acc"], "val_se": r["val_se"],
              "test_acc": r["test_acc"], "test_se": r["test_se"], "initial_test_acc": r["initial_test_acc"],
@@ -390,20 +436,29 @@ def inplace_memory_scan(device: str = "cuda", sizes: tuple[str, ...] = ("gpt-30b
 
 
 def paper_main(out_dir: Path, *, device: str = "cuda", total_s: float = 300.0, arms: tuple[str, ...] | None = None,
-               seed: int = 0, fp32_matmul: str = "highest") -> dict[str, Any]:
+               seed: int = 0, fp32_matmul: str | dict[str, str] = "highest", include: Path | None = None,
+               drift: bool = True, iters_cap: int | None = None) -> dict[str, Any]:
     """`bench zo --model smollm2 --regime paper`: SmolLM2-135M prompt classifier (trainer.prompt_classifier),
-    loaded once and copied fresh for every arm. fp32_matmul: torch.set_float32_matmul_precision for the fp32
-    arms on CUDA: "highest" (true fp32, the default) or "high" (TF32, about 2x faster). At ε = 1e-4, h needs
-    the loss to ~1e-8·|h|: TF32 (and bf16) forwards put rounding noise 10-100x larger than h into it
-    (benchmarks/results/h200/zo-paper/RESULTS.md). Raises ValueError for another fp32_matmul; FetchError /
-    DataFetchError when weights or data are unavailable."""
-    if fp32_matmul not in ("highest", "high"):
-        raise ValueError(f"fp32_matmul must be 'highest' or 'high', got {fp32_matmul!r}")
+    loaded once and copied fresh for every arm (paper_comparison runs them).
+
+    fp32_matmul: torch.set_float32_matmul_precision for the fp32 arms on CUDA, one mode for every arm or
+    {arm: mode} (zo_paper_plan.parse_matmul): "highest" (true fp32, the default) or "high" (TF32, about 2x
+    faster). At ε = 1e-4, h needs the loss to ~1e-8·|h|: TF32 (and bf16) forwards put rounding noise 10-100x
+    larger than h into it (benchmarks/results/h200/zo-paper/RESULTS.md). include: an earlier call's
+    paper_summary.json to merge (its arms kept unless re-run; its A1 serves A3w and the drift).
+    Raises ValueError for an unknown mode or arm, A3w without A1; FetchError / DataFetchError when weights or
+    data are unavailable; OSError / json.JSONDecodeError for an unreadable include."""
     from benchmarks.zo import sentiment_task
     from trainer.prompt_classifier import load_smollm2_prompt_classifier
 
-    if device.startswith("cuda"):
-        torch.set_float32_matmul_precision(fp32_matmul)
+    names = [a["name"] for a in paper_arms(1.0, arms)]
+    matmul = parse_matmul(fp32_matmul, names) if isinstance(fp32_matmul, str) else \
+        {n: fp32_matmul.get(n, "highest") for n in names}
+    if any(m not in MATMUL_MODES for m in matmul.values()):
+        raise ValueError(f"fp32 matmul modes are {MATMUL_MODES}, got {matmul}")
+    inc = json.loads(Path(include).read_text()) if include is not None else None
+    check_plan(names, inc)
+    cuda = device.startswith("cuda")
     task = sentiment_task("smollm2", device)
     data = PaperData.from_task(task)
     base, _ = load_smollm2_prompt_classifier(torch.float32)
@@ -411,9 +466,11 @@ def paper_main(out_dir: Path, *, device: str = "cuda", total_s: float = 300.0, a
     def make_model(dtype: torch.dtype) -> torch.nn.Module:
         return copy.deepcopy(base).to(device=device, dtype=dtype).eval()
 
-    meta = {"model": "smollm2", "device": device, "matmul_fp32": ("tf32" if fp32_matmul == "high" else "fp32") if device.startswith("cuda") else "fp32",
-            "gpu": torch.cuda.get_device_name(device) if device.startswith("cuda") else None}
-    return paper_comparison(out_dir, make_model, data, total_s=total_s, arms=arms, seed=seed, meta=meta)
+    meta = {"model": "smollm2", "device": device, "gpu": torch.cuda.get_device_name(device) if cuda else None,
+            "include": str(include) if include is not None else None}
+    return paper_comparison(out_dir, make_model, data, total_s=total_s, arms=arms, seed=seed, meta=meta,
+                            include=inc, matmul=matmul, set_matmul=torch.set_float32_matmul_precision if cuda else None,
+                            drift=drift, iters_cap=iters_cap)
 
 
 def padding_report(data: PaperData | None = None, iterations: int = 75, batch_size: int = PAPER.batch_size,

@@ -222,8 +222,9 @@ def test_paper_comparison_runs_every_arm_and_writes_the_table(tmp_path):
     from benchmarks.zo_paper import paper_arms, paper_comparison
 
     data = _tiny_data()
-    s = paper_comparison(tmp_path, lambda dt: _Tiny().to(dt), data, total_s=3.0)
+    s = paper_comparison(tmp_path, lambda dt: _Tiny().to(dt), data, total_s=3600.0, iters_cap=2)
     names = [a["name"] for a in paper_arms(3.0)]
+    assert all(r["iterations"] == 2 and r["stop"] == "max_iters" for r in s["arms"].values())
     assert [r["arm"] for r in s["table"]] == names
     ws = [x["w_mean"] for x in s["arms"]["A1"]["log"]]
     assert s["arms"]["A3w"]["lr"] == pytest.approx(PAPER.lr * sum(ws) / len(ws))
@@ -231,6 +232,9 @@ def test_paper_comparison_runs_every_arm_and_writes_the_table(tmp_path):
     assert s["arms"]["A2"]["numerics"] == "inplace"
     assert json.loads((tmp_path / "paper_summary.json").read_text())["table"] == s["table"]
     assert (tmp_path / "paper_curves.png").stat().st_size > 0 and (tmp_path / "paper_hw.png").stat().st_size > 0
+    # a call whose budget is already spent runs nothing and says so (the device call must end in time)
+    none = paper_comparison(tmp_path / "late", lambda dt: _Tiny().to(dt), data, total_s=1e-9, arms=("A1", "A2"))
+    assert none["table"] == [] and none["meta"]["skipped"] == dict.fromkeys(("A1", "A2"), "no time left in this call")
 
 
 def test_with_lr_zero_the_start_is_selected_and_scored():
