@@ -161,6 +161,11 @@ def bench_zo(
                                     "e.g. high,A1=highest,A3=highest (a bare mode is the default)."),
     include: Annotated[Path | None, typer.Option(help="regime paper: an earlier call's paper_summary.json to merge: "
                        "its arms are kept unless re-run; its A1 gives A3w's lr and the drift's ledger.")] = None,
+    resume: bool = typer.Option(False, help="regime paper: an arm named in --arms that stopped on time in the "
+                                "--include summary continues from its last iteration (its step ledger replayed) "
+                                "instead of restarting; one that finished there is kept."),
+    shares: str = typer.Option("", help="regime paper: share weights overriding the defaults (A1 24, A2 16, A3 11, "
+                               "A3w 11, A4-16 5, A4-128 8, A5-* 5, A6-* 3), e.g. A1=70,A3=24; renormalised."),
     drift: bool = typer.Option(True, help="regime paper: measure the bf16 in-place drift on A1's ledger (once per "
                                "ledger, after the arms; ~10 s on a GPU at 75 iterations)."),
     iters_cap: int | None = typer.Option(None, min=1, help="regime paper: cap every arm's iterations (smoke tests)."),
@@ -179,7 +184,8 @@ def bench_zo(
     if regime not in ("project", "paper"):
         raise typer.BadParameter(f"project or paper, got {regime!r}", param_hint="--regime")
     if regime == "paper":
-        _bench_zo_paper(model, out, device, arms, time_budget, seed, fp32_matmul, include, drift, iters_cap)
+        _bench_zo_paper(model, out, device, arms, time_budget, seed, fp32_matmul, include, drift, iters_cap,
+                        resume, shares)
         return
     # Every option is checked before anything runs: with --part all the lm part takes minutes first.
     ms = tuple(m.strip() for m in methods.split(",") if m.strip())
@@ -236,18 +242,26 @@ def bench_zo(
 
 
 def _bench_zo_paper(model: str, out: Path, device: str, arms: str, time_budget: float, seed: int,
-                    fp32_matmul: str, include: Path | None, drift: bool, iters_cap: int | None) -> None:
+                    fp32_matmul: str, include: Path | None, drift: bool, iters_cap: int | None, resume: bool,
+                    shares: str) -> None:
     """`bench zo --regime paper`: validate, run benchmarks.zo_paper.paper_main, print the arms' table."""
     from benchmarks.zo_paper import paper_main
-    from benchmarks.zo_paper_plan import check_plan, paper_arms, parse_matmul
+    from benchmarks.zo_paper_plan import check_plan, paper_arms, parse_matmul, parse_weights
 
     if model != "smollm2":
         raise typer.BadParameter(f"--regime paper runs on smollm2 only, got {model!r}", param_hint="--model")
     names = tuple(a.strip() for a in arms.split(",") if a.strip()) or None
     try:
+        weights = parse_weights(shares)
+        paper_arms(time_budget, weights=weights)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--shares") from None
+    try:
         plan = [a["name"] for a in paper_arms(time_budget, names)]
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--arms") from None
+    if resume and include is None:
+        raise typer.BadParameter("--resume continues arms of an --include summary: give --include", param_hint="--resume")
     inc = None
     if include is not None:
         try:
@@ -267,7 +281,7 @@ def _bench_zo_paper(model: str, out: Path, device: str, arms: str, time_budget: 
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise typer.BadParameter(f"{device!r} is not available here", param_hint="--device")
     s = paper_main(out, device=device, total_s=time_budget, arms=names, seed=seed, fp32_matmul=matmul,
-                   include=include, drift=drift, iters_cap=iters_cap)
+                   include=include, resume=resume, weights=weights or None, drift=drift, iters_cap=iters_cap)
     for row in s["table"]:
         typer.echo(json.dumps(row))
     if "drift" in s:

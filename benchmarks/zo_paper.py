@@ -10,7 +10,8 @@ Arms (same data, prompt and label words; trainer.zo.paper.PAPER holds the publis
 Every arm stops at its iteration cap or its share of the time budget, whichever comes first, and says which
 (the shares are renormalised over the arms a call runs: benchmarks.zo_paper_plan). The arms can be split over
 several calls (device calls are capped at 600 s): a call names its arms and merges an earlier call's
-paper_summary.json (`include`), whose A1 log and step ledger ("ledger_A1") serve A3w's lr and the drift.
+paper_summary.json (`include`), whose A1 log and step ledger ("ledgers") serve A3w's lr and the drift, and
+an arm that stopped on time there can continue where it stopped (`resume`: its ledger is replayed).
 Forwards run length-bucketed (trainer.zo.length_buckets): the same per-row logits, ~1.8x fewer tokens.
 Selection: the evaluated point with the best validation accuracy (500 sentences); test (1,000) is scored once,
 at the end, on those weights. The test accuracy at every evaluated point is kept too, and its maximum is
@@ -138,8 +139,10 @@ def _snapshot(model: torch.nn.Module) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
-def _finish(arm: dict, data: PaperData, model, best_state, evals: list, t0: float, stop: str) -> dict:
-    """Select on validation, score test once on the selected weights, label the test peek."""
+def _finish(arm: dict, data: PaperData, model, best_state, evals: list, t0: float, stop: str,
+            wall_before: float = 0.0) -> dict:
+    """Select on validation, score test once on the selected weights, label the test peek. wall_s counts this
+    call's seconds plus `wall_before` (a resumed arm's earlier calls)."""
     best = max(evals, key=lambda e: (e["val_acc"], -e["iteration"]))  # the earliest of equal bests
     with torch.no_grad():
         for p, s in zip(model.parameters(), best_state):
@@ -147,7 +150,7 @@ def _finish(arm: dict, data: PaperData, model, best_state, evals: list, t0: floa
     test = data.accuracy(model, "test")
     peek = max(evals, key=lambda e: e["test_acc_peek"])
     n_val, n_test = data.size("val"), data.size("test")
-    return {**arm, "stop": stop, "wall_s": time.perf_counter() - t0, "evals": evals,
+    return {**arm, "stop": stop, "wall_s": wall_before + time.perf_counter() - t0, "evals": evals,
             "selected_iteration": best["iteration"], "val_acc": best["val_acc"],
             "val_se": binomial_se(best["val_acc"], n_val), "test_acc": test, "test_se": binomial_se(test, n_test),
             "initial_test_acc": evals[0]["test_acc_peek"],
@@ -160,62 +163,106 @@ def _eval_point(data: PaperData, model, it: int, seq_fwd: int, wall: float) -> d
             "test_acc_peek": data.accuracy(model, "test")}
 
 
+def _resume_zo(stepper: ZOParamStepper, model: torch.nn.Module, arm: dict, resume: dict) -> dict[str, Any]:
+    """Rebuild a master-numerics ZO arm where an earlier call stopped: replay its step ledger
+    resume["ledger"] [[seeds, coeffs, eps], ...] on the fresh start (ZOParamStepper.apply, bit for bit),
+    snapshot the weights at its selected iteration, rerun the plateau rule over its logged train accuracies
+    and restore its forward count. Returns {"log", "evals", "ledger", "best_state", "state", "wall_before",
+    "fingerprint_ok" (the replayed weights' fingerprint equals the one the earlier call stored; None if it
+    stored none)}. Raises ValueError for inplace numerics or a ledger that does not match the log."""
+    if stepper.numerics != "master":
+        raise ValueError(f"{arm['name']}: only master-numerics arms resume (inplace drift is not replayable)")
+    ledger, log = [list(e) for e in resume["ledger"]], list(resume["log"])
+    if len(ledger) != len(log) or len(ledger) != resume["iterations"]:
+        raise ValueError(f"{arm['name']}: ledger of {len(ledger)} steps for {len(log)} logged iterations")
+    sel = resume["selected_iteration"]
+    best_state = _snapshot(model) if sel == 0 else None
+    for i, (seeds, coeffs, _eps) in enumerate(ledger):
+        stepper.apply(seeds, coeffs)
+        if i + 1 == sel:
+            best_state = _snapshot(model)
+    state = PlateauState()
+    for row in log:
+        state = plateau_update(state, row["train_acc"], arm.get("patience", PAPER.patience))
+    stepper.forward_passes = resume["forward_passes"]
+    fp = resume.get("fingerprint")
+    return {"log": log, "evals": list(resume["evals"]), "ledger": ledger, "best_state": best_state, "state": state,
+            "wall_before": resume["wall_s"], "fingerprint_ok": None if fp is None else stepper.fingerprint() == fp}
+
+
 def run_zo_arm(data: PaperData, model: torch.nn.Module, arm: dict, *, seed: int = 0,
-               keep_ledger: bool = False) -> dict[str, Any]:
+               keep_ledger: bool = False, resume: dict | None = None) -> dict[str, Any]:
     """Train `model` (consumed) with arm {"name", "method", "numerics", "lr", "eps", "batch_size", "probes",
     "max_iters", "time_s", "eval_every", "patience"}; returns the arm with per-iteration "log" (loss,
     train_acc, lr, eps, h_mean, h_std, w_mean, frac_weight_floored, g_abs_mean), "evals", the selection
-    (_finish) and "ledger" [(seeds, coeffs, eps)] when keep_ledger."""
+    (_finish), "fingerprint" (ZOParamStepper.fingerprint of the last weights) and "ledger" [[seeds, coeffs,
+    eps]] when keep_ledger. resume: this arm's result from an earlier call, with its "ledger" (master
+    numerics; `model` must be the same fresh start): the run continues from its last iteration (_resume_zo)
+    to max_iters or this call's time_s, as if never stopped; "resumed" records where it picked up."""
     t0 = time.perf_counter()
     stepper = ZOParamStepper(model, arm["method"], numerics=arm.get("numerics", "master"), run_seed=seed,
                              probes=arm.get("probes", PAPER.probes), alpha=arm.get("alpha", PAPER.alpha),
                              lam=arm.get("lam", PAPER.lam))
     loss_fn, state = AccuracyLoss(), PlateauState()
     bs = arm["batch_size"]
-    evals = [_eval_point(data, model, 0, 0, 0.0)]
-    best_state, log, ledger, stop = _snapshot(model), [], [], "max_iters"
-    for it in range(arm["max_iters"]):
+    resumed, wall_before = None, 0.0
+    if resume is not None:
+        r0 = _resume_zo(stepper, model, arm, resume)
+        log, evals, ledger, best_state, state = r0["log"], r0["evals"], r0["ledger"], r0["best_state"], r0["state"]
+        wall_before = r0["wall_before"]
+        resumed = {"from_iteration": len(log), "fingerprint_ok": r0["fingerprint_ok"],
+                   "replay_s": time.perf_counter() - t0}
+        print(json.dumps({"arm": arm["name"], "resumed": resumed}), flush=True)
+    else:
+        evals = [_eval_point(data, model, 0, 0, 0.0)]
+        best_state, log, ledger = _snapshot(model), [], []
+    start, stop = len(log), "max_iters"
+    for it in range(start, arm["max_iters"]):
         lr, eps = arm["lr"] * state.scale, arm["eps"] * state.scale
         loss_fn.reset()
         st = stepper.step(it, data.batch(seed, it, bs), loss_fn, lr, eps)
         if keep_ledger:
-            ledger.append((st["seeds"], st["coeffs"], eps))
+            ledger.append([st["seeds"], st["coeffs"], eps])
         state = plateau_update(state, loss_fn.first_acc, arm.get("patience", PAPER.patience))
         log.append({"iteration": it + 1, "loss": st["loss"], "train_acc": loss_fn.first_acc, "lr": lr, "eps": eps,
                     **{k: st[k] for k in ("h_mean", "h_std", "w_mean", "frac_weight_floored", "g_abs_mean")
                        if k in st}})
-        if it < 3 or (it + 1) % arm["eval_every"] == 0:  # progress: the pace is known after the first line
+        if it - start < 3 or (it + 1) % arm["eval_every"] == 0:  # progress: the pace is known after the first line
             print(json.dumps({"arm": arm["name"], "iteration": it + 1, "wall_s": round(time.perf_counter() - t0, 2),
-                              "s_per_iteration": round((time.perf_counter() - t0) / (it + 1), 3),
+                              "s_per_iteration": round((time.perf_counter() - t0) / (it + 1 - start), 3),
                               **{k: log[-1][k] for k in ("loss", "train_acc", "h_mean", "w_mean") if k in log[-1]}}),
                   flush=True)
         if not math.isfinite(st["loss"]):
             stop = "diverged"
             break
         out_of_time, best_state = _after_iteration(data, model, arm, it, stepper.forward_passes * bs, t0, evals,
-                                                   best_state)
+                                                   best_state, start, wall_before)
         if out_of_time:
             stop = "time"
             break
-    res = _finish(arm, data, model, best_state, evals, t0, stop)
+    fingerprint = stepper.fingerprint()  # of the last weights, before _finish loads the selected ones
+    res = _finish(arm, data, model, best_state, evals, t0, stop, wall_before)
     res.update(iterations=len(log), forward_passes=stepper.forward_passes,
-               seq_forwards=stepper.forward_passes * bs, log=log)
+               seq_forwards=stepper.forward_passes * bs, log=log, fingerprint=fingerprint)
+    if resumed is not None:
+        res["resumed"] = [*resume.get("resumed", []), resumed]
     if keep_ledger:
         res["ledger"] = ledger
     return res
 
 
 def _after_iteration(data: PaperData, model: torch.nn.Module, arm: dict, it: int, seq_forwards: int, t0: float,
-                     evals: list[dict], best_state: Any) -> tuple[bool, Any]:
-    """After iteration `it` (0-based): evaluate when due (every `eval_every`, the last iteration, or out of
-    time), appending to `evals`; snapshot the model on a strict validation improvement (the earliest best, as
-    `_finish` picks). Out of time: another iteration at the mean pace so far (evaluations included) would end
-    past `time_s` seconds from t0, so an arm ends inside its share instead of one iteration after it.
-    Returns (out of time, best state)."""
+                     evals: list[dict], best_state: Any, start: int = 0, wall_before: float = 0.0) -> tuple[bool, Any]:
+    """After iteration `it` (0-based; this call began at iteration `start`): evaluate when due (every
+    `eval_every`, the last iteration, or out of time), appending to `evals`; snapshot the model on a strict
+    validation improvement (the earliest best, as `_finish` picks). Out of time: another iteration at this
+    call's mean pace (evaluations included) would end past `time_s` seconds from t0, so an arm ends inside its
+    share instead of one iteration after it. Eval wall_s adds `wall_before` (earlier calls). Returns (out of
+    time, best state)."""
     spent = time.perf_counter() - t0
-    out_of_time = spent + spent / (it + 1) > arm["time_s"]
+    out_of_time = spent + spent / (it + 1 - start) > arm["time_s"]
     if (it + 1) % arm["eval_every"] == 0 or out_of_time or it + 1 == arm["max_iters"]:
-        e = _eval_point(data, model, it + 1, seq_forwards, time.perf_counter() - t0)
+        e = _eval_point(data, model, it + 1, seq_forwards, wall_before + time.perf_counter() - t0)
         if e["val_acc"] > max(x["val_acc"] for x in evals):
             best_state = _snapshot(model)
         evals.append(e)
@@ -247,51 +294,59 @@ def run_backprop_arm(data: PaperData, model: torch.nn.Module, arm: dict, *, seed
 
 def paper_comparison(out_dir: Path, make_model: Callable[[torch.dtype], torch.nn.Module], data: PaperData, *,
                      total_s: float = 300.0, arms: tuple[str, ...] | None = None, seed: int = 0,
-                     meta: dict | None = None, include: dict | None = None, matmul: dict[str, str] | None = None,
-                     set_matmul: Callable[[str], None] | None = None, drift: bool = True,
+                     meta: dict | None = None, include: dict | None = None, resume: bool = False,
+                     matmul: dict[str, str] | None = None, set_matmul: Callable[[str], None] | None = None,
+                     weights: dict[str, float] | None = None, drift: bool = True,
                      iters_cap: int | None = None) -> dict[str, Any]:
-    """Run the arms (all, or those named in `arms`) within ~`total_s` seconds; write `paper_summary.json`,
-    `paper_curves.png` and `paper_hw.png` into `out_dir`.
+    """Run the arms (all, or those named in `arms`) within ~`total_s` seconds; write `paper_summary.json`
+    (after every arm), `paper_curves.png` and `paper_hw.png` into `out_dir`.
 
     make_model(dtype) returns a fresh model on the device (fp32 for every arm but A2's bf16). Each arm gets
-    zo_paper_plan.arm_seconds of what is left of `total_s` (shares renormalised over the arms run now) and
-    stops early enough to end inside it. `include`: an earlier call's summary (json.load of its
-    paper_summary.json): its arms are kept unless re-run now, and its A1 (log and step ledger) serves A3w's lr
-    and the drift. `matmul` {arm: "highest" | "high"} is passed to `set_matmul` before each arm (CUDA's fp32
-    matmul precision; None on CPU) and recorded as the arm's "fp32_matmul". drift: measure A2's numerics
-    against the fp32-master path by replaying A1's ledger from the bf16-rounded start (numerics_drift), once
-    per ledger, after the arms. iters_cap caps every arm's iterations (smoke tests).
+    zo_paper_plan.arm_seconds of what is left of `total_s` (shares renormalised over the arms run now;
+    `weights` overrides some, zo_paper_plan.parse_weights) and stops early enough to end inside it; an arm
+    that would start with no time left is skipped (meta.skipped). `include`: an earlier call's summary
+    (json.load of its paper_summary.json), merged by zo_paper_plan.merge_include: its arms are kept unless run
+    now, its A1 (log, step ledger) serves A3w's lr and the drift; with `resume`, an arm run now that stopped
+    on time there continues from its last iteration (run_zo_arm's resume; A1/A3/A3w keep ledgers). `matmul`
+    {arm: "highest" | "high"} is passed to `set_matmul` before each arm (CUDA's fp32 matmul precision; None
+    on CPU) and recorded as the arm's "fp32_matmul". drift: measure A2's numerics against the fp32-master
+    path by replaying A1's ledger from the bf16-rounded start (numerics_drift), once per ledger, after the
+    arms. iters_cap caps every arm's iterations (smoke tests).
     Raises ValueError for unknown arms, or A3w without A1 (now or included)."""
     t_start = time.perf_counter()
     out_dir.mkdir(parents=True, exist_ok=True)
-    plan = paper_arms(total_s, arms)
+    plan = paper_arms(total_s, arms, weights=weights)
     names_now = [a["name"] for a in plan]
     check_plan(names_now, include)
-    inc = merge_include(include, names_now)
+    inc = merge_include(include, names_now, resume)
     results: dict[str, Any] = dict(inc["arms"])
     call = {"total_s": total_s, "arms": names_now, "fp32_matmul": matmul if set_matmul else "cpu",
-            "included": sorted(inc["arms"]), "iters_cap": iters_cap}
+            "included": sorted(inc["arms"]), "resumed": sorted(inc["resume"]), "iters_cap": iters_cap,
+            "weights": weights}
     summary: dict[str, Any] = {"meta": {**(meta or {}), "total_s": total_s, "seed": seed, "regime": PAPER.__dict__,
                                         "n": {s: data.size(s) for s in ("train", "val", "test")},
-                                        "calls": [*inc["calls"], call]}, "arms": results}
+                                        "calls": [*inc["calls"], call]},
+                               "arms": results, "ledgers": dict(inc["ledgers"])}
     if inc["drift"] is not None:
         summary["drift"] = inc["drift"]
-    if inc["ledger_A1"] is not None:
-        summary["ledger_A1"] = inc["ledger_A1"]
-    skipped = {}
+    skipped = dict.fromkeys(inc["done"], "finished in the included summary (kept)")
 
     def save() -> None:
         (out_dir / "paper_summary.json").write_text(json.dumps(summary, indent=2))
 
-    for i, arm in enumerate(plan):
+    todo = [a for a in plan if a["name"] not in inc["done"]]
+    for i, arm in enumerate(todo):
         left = total_s - (time.perf_counter() - t_start)
-        arm = dict(arm, time_s=arm_seconds(arm["share"], sum(a["share"] for a in plan[i:]), left))
+        arm = dict(arm, time_s=arm_seconds(arm["share"], sum(a["share"] for a in todo[i:]), left))
         if iters_cap is not None:
             arm["max_iters"] = min(arm["max_iters"], iters_cap)
         if left <= 0:
             skipped[arm["name"]] = "no time left in this call"
             continue
-        if arm.get("lr_from"):
+        cont = inc["resume"].get(arm["name"])
+        if cont is not None and arm.get("lr_from"):
+            arm["lr"] = cont["lr"]  # a resumed A3w keeps its lr (A1's mean w may have moved since)
+        elif arm.get("lr_from"):
             w = a1_mean_w(results)
             if w is None:
                 skipped[arm["name"]] = "A1 logged no w"
@@ -299,21 +354,26 @@ def paper_comparison(out_dir: Path, make_model: Callable[[torch.dtype], torch.nn
             arm = dict(arm, lr=PAPER.lr * w)
         mode = (matmul or {}).get(arm["name"], "highest")
         arm["fp32_matmul"] = mode if set_matmul else "cpu"
+        if cont is not None and cont.get("fp32_matmul") not in (None, arm["fp32_matmul"]):
+            print(f"warning: {arm['name']} resumes with fp32 matmul {arm['fp32_matmul']} after "
+                  f"{cont['fp32_matmul']}", flush=True)
         if set_matmul:
             set_matmul(mode)
         if arm.get("kind") == "backprop":
             r = run_backprop_arm(data, make_model(torch.float32), arm, seed=seed)
         else:
             dtype = torch.bfloat16 if arm["numerics"] == "inplace" else torch.float32
-            r = run_zo_arm(data, make_model(dtype), arm, seed=seed, keep_ledger=arm["name"] == "A1")
-        if "ledger" in r:  # A1's step ledger, for the drift (now or in a later call)
-            summary["ledger_A1"] = [[list(sd), list(c), e] for sd, c, e in r.pop("ledger")]
-            summary.pop("drift", None)
+            r = run_zo_arm(data, make_model(dtype), arm, seed=seed, keep_ledger=bool(arm.get("keeps_ledger")),
+                           resume=cont)
+        if "ledger" in r:  # the step ledger, for the drift (A1) and for resuming in a later call
+            summary["ledgers"][arm["name"]] = r.pop("ledger")
+            if arm["name"] == "A1":
+                summary.pop("drift", None)
         results[arm["name"]] = r
         print(json.dumps({k: r[k] for k in ("name", "iterations", "stop", "val_acc", "test_acc", "wall_s")}),
               flush=True)
         save()
-    ledger = summary.get("ledger_A1")
+    ledger = summary["ledgers"].get("A1")
     if drift and ledger and summary.get("drift", {}).get("steps") != len(ledger):
         t0 = time.perf_counter()
         m = make_model(torch.bfloat16)  # A2's numerics vs the fp32 master on A1's own steps, from bf16 weights
@@ -437,7 +497,8 @@ def inplace_memory_scan(device: str = "cuda", sizes: tuple[str, ...] = ("gpt-30b
 
 def paper_main(out_dir: Path, *, device: str = "cuda", total_s: float = 300.0, arms: tuple[str, ...] | None = None,
                seed: int = 0, fp32_matmul: str | dict[str, str] = "highest", include: Path | None = None,
-               drift: bool = True, iters_cap: int | None = None) -> dict[str, Any]:
+               resume: bool = False, weights: dict[str, float] | None = None, drift: bool = True,
+               iters_cap: int | None = None) -> dict[str, Any]:
     """`bench zo --model smollm2 --regime paper`: SmolLM2-135M prompt classifier (trainer.prompt_classifier),
     loaded once and copied fresh for every arm (paper_comparison runs them).
 
@@ -445,13 +506,14 @@ def paper_main(out_dir: Path, *, device: str = "cuda", total_s: float = 300.0, a
     {arm: mode} (zo_paper_plan.parse_matmul): "highest" (true fp32, the default) or "high" (TF32, about 2x
     faster). At ε = 1e-4, h needs the loss to ~1e-8·|h|: TF32 (and bf16) forwards put rounding noise 10-100x
     larger than h into it (benchmarks/results/h200/zo-paper/RESULTS.md). include: an earlier call's
-    paper_summary.json to merge (its arms kept unless re-run; its A1 serves A3w and the drift).
+    paper_summary.json to merge (its arms kept unless re-run; its A1 serves A3w and the drift); resume,
+    weights, drift, iters_cap: as paper_comparison.
     Raises ValueError for an unknown mode or arm, A3w without A1; FetchError / DataFetchError when weights or
     data are unavailable; OSError / json.JSONDecodeError for an unreadable include."""
     from benchmarks.zo import sentiment_task
     from trainer.prompt_classifier import load_smollm2_prompt_classifier
 
-    names = [a["name"] for a in paper_arms(1.0, arms)]
+    names = [a["name"] for a in paper_arms(1.0, arms, weights=weights)]
     matmul = parse_matmul(fp32_matmul, names) if isinstance(fp32_matmul, str) else \
         {n: fp32_matmul.get(n, "highest") for n in names}
     if any(m not in MATMUL_MODES for m in matmul.values()):
@@ -469,8 +531,8 @@ def paper_main(out_dir: Path, *, device: str = "cuda", total_s: float = 300.0, a
     meta = {"model": "smollm2", "device": device, "gpu": torch.cuda.get_device_name(device) if cuda else None,
             "include": str(include) if include is not None else None}
     return paper_comparison(out_dir, make_model, data, total_s=total_s, arms=arms, seed=seed, meta=meta,
-                            include=inc, matmul=matmul, set_matmul=torch.set_float32_matmul_precision if cuda else None,
-                            drift=drift, iters_cap=iters_cap)
+                            include=inc, resume=resume, matmul=matmul, weights=weights, drift=drift,
+                            set_matmul=torch.set_float32_matmul_precision if cuda else None, iters_cap=iters_cap)
 
 
 def padding_report(data: PaperData | None = None, iterations: int = 75, batch_size: int = PAPER.batch_size,

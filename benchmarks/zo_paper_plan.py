@@ -14,17 +14,18 @@ MATMUL_MODES = ("highest", "high")  # torch.set_float32_matmul_precision: true f
 
 
 def paper_arms(total_s: float, names: tuple[str, ...] | None = None, mezo_lrs=(1e-5, 3e-5),
-               adamw_lrs=(1e-5, 5e-5)) -> list[dict]:
+               adamw_lrs=(1e-5, 5e-5), weights: dict[str, float] | None = None) -> list[dict]:
     """The arms A1..A6 (all, or those in `names`, in the canonical order) with iteration caps, "share" (the
     fraction of `total_s` seconds) and "time_s" = share · total_s. Weights: A1 24, A2 16, A3 and A3w 11 each,
     A4-16 5, A4-128 8, MeZO 5 and AdamW 3 per lr (91 in all), renormalised over the arms chosen (the shares
-    sum to 1). A3w's lr is filled in from A1's mean w when it runs (`lr_from`).
-    Raises ValueError for an unknown arm name or an empty selection."""
+    sum to 1); `weights` {arm: weight > 0} replaces some (parse_weights). A3w's lr is filled in from A1's mean
+    w when it runs (`lr_from`). A1, A3 and A3w keep their step ledger ("keeps_ledger": the drift, resuming).
+    Raises ValueError for an unknown arm name (in `names` or `weights`) or an empty selection."""
     zo = {"method": "1.5spsa", "numerics": "master", "lr": PAPER.lr, "eps": PAPER.eps, "batch_size": PAPER.batch_size,
           "probes": PAPER.probes, "max_iters": 75, "eval_every": 3, "patience": PAPER.patience}
-    arms = [dict(zo, name="A1", share=0.24), dict(zo, name="A2", numerics="inplace", share=0.16),
-            dict(zo, name="A3", method="1spsa", share=0.11),
-            dict(zo, name="A3w", method="1spsa", lr_from="A1 mean w", share=0.11),
+    arms = [dict(zo, name="A1", share=0.24, keeps_ledger=True), dict(zo, name="A2", numerics="inplace", share=0.16),
+            dict(zo, name="A3", method="1spsa", share=0.11, keeps_ledger=True),
+            dict(zo, name="A3w", method="1spsa", lr_from="A1 mean w", share=0.11, keeps_ledger=True),
             dict(zo, name="A4-16", batch_size=16, max_iters=2000, eval_every=25, share=0.05),
             dict(zo, name="A4-128", batch_size=128, max_iters=300, eval_every=6, share=0.08)]
     arms += [dict(zo, name=f"A5-{lr:g}", method="mezo", lr=lr, eps=1e-3, batch_size=16, max_iters=20000,
@@ -32,6 +33,10 @@ def paper_arms(total_s: float, names: tuple[str, ...] | None = None, mezo_lrs=(1
     arms += [{"name": f"A6-{lr:g}", "kind": "backprop", "lr": lr, "batch_size": 16, "max_iters": 1000,
               "eval_every": 50, "share": 0.03} for lr in adamw_lrs]
     known = [a["name"] for a in arms]
+    bad_w = [n for n in (weights or {}) if n not in known]
+    if bad_w:
+        raise ValueError(f"arms are {', '.join(known)}; weights name {bad_w}")
+    arms = [dict(a, share=(weights or {}).get(a["name"], a["share"])) for a in arms]
     if names is not None:
         bad = [n for n in names if n not in known]
         if bad or not names:
@@ -71,6 +76,24 @@ def parse_matmul(spec: str, names: list[str]) -> dict[str, str]:
     return {n: per.get(n, default or "highest") for n in names}
 
 
+def parse_weights(spec: str) -> dict[str, float]:
+    """{arm: weight} from "A1=70,A3=24" (weights > 0, any scale: paper_arms renormalises). Empty spec: {}.
+    Raises ValueError for a malformed entry or a weight that is not a positive finite number."""
+    out = {}
+    for part in (p.strip() for p in spec.split(",")):
+        if not part:
+            continue
+        arm, _, w = part.partition("=")
+        try:
+            v = float(w)
+        except ValueError:
+            v = float("nan")
+        if not arm or not 0 < v < float("inf"):
+            raise ValueError(f"share weights are ARM=positive number, got {part!r}")
+        out[arm.strip()] = v
+    return out
+
+
 def a1_mean_w(results: dict[str, Any]) -> float | None:
     """Mean of A1's per-iteration mean w (1.5-SPSA's weights) in `results` (run now or included); None when
     A1 is absent or logged no w."""
@@ -84,17 +107,31 @@ def check_plan(names: list[str], include: dict[str, Any] | None) -> None:
         raise ValueError("A3w takes its lr from A1's mean w: run A1 too, or include a summary that has A1")
 
 
-def merge_include(include: dict[str, Any] | None, names_now: list[str]) -> dict[str, Any]:
-    """What an earlier call's summary contributes to this one: {"arms": its arms that are not re-run now,
-    "ledger_A1": A1's step ledger [[seeds, coeffs, eps], ...] unless A1 is re-run, "drift": its drift unless
-    A1 is re-run (the drift is measured on A1's ledger), "calls": its calls}. An empty dict's parts for None."""
+def merge_include(include: dict[str, Any] | None, names_now: list[str], resume: bool = False) -> dict[str, Any]:
+    """What an earlier call's summary contributes to this one: {"arms": its arms not run now, "ledgers": its
+    step ledgers {arm: [[seeds, coeffs, eps], ...]} of the arms not restarted now, "resume": {arm: its result
+    with "ledger"} for the arms run now that stopped on time and can continue (only with `resume`), "drift":
+    its drift unless A1 runs now (the drift is measured on A1's ledger), "calls": its calls}. An arm run now
+    that already finished in the include (stop "max_iters" or "diverged") is kept as it is, not re-run (it is
+    in "arms" and in "done"). Without `resume`, an arm run now restarts from scratch."""
     inc = include or {}
-    a1_now = "A1" in names_now
-    out = {"arms": {n: r for n, r in inc.get("arms", {}).items() if n not in names_now},
-           "ledger_A1": None if a1_now else inc.get("ledger_A1"),
-           "drift": None if a1_now else inc.get("drift"),
-           "calls": list(inc.get("meta", {}).get("calls", []))}
-    return out
+    old_arms, old_ledgers = inc.get("arms", {}), dict(inc.get("ledgers", {}))
+    if "ledger_A1" in inc and "A1" not in old_ledgers:
+        old_ledgers["A1"] = inc["ledger_A1"]
+    cont, done = {}, []
+    for n in names_now:
+        r = old_arms.get(n)
+        if resume and r is not None and n in old_ledgers:
+            if r.get("stop") == "time":
+                cont[n] = dict(r, ledger=old_ledgers[n])
+            else:
+                done.append(n)
+    restart = set(names_now) - set(done) - set(cont)
+    return {"arms": {n: r for n, r in old_arms.items() if n not in restart and n not in cont},
+            "ledgers": {n: l for n, l in old_ledgers.items() if n not in restart},
+            "resume": cont, "done": done,
+            "drift": None if "A1" in names_now and "A1" not in done else inc.get("drift"),
+            "calls": list(inc.get("meta", {}).get("calls", []))}
 
 
 def canonical_order(names: list[str]) -> list[str]:

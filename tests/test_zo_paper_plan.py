@@ -9,7 +9,14 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from benchmarks.zo_paper_plan import arm_seconds, canonical_order, merge_include, paper_arms, parse_matmul
+from benchmarks.zo_paper_plan import (
+    arm_seconds,
+    canonical_order,
+    merge_include,
+    paper_arms,
+    parse_matmul,
+    parse_weights,
+)
 from trainer.zo.paper import PAPER
 
 
@@ -42,14 +49,51 @@ def test_fp32_matmul_per_arm():
 
 
 def test_merge_keeps_included_arms_unless_rerun():
-    inc = {"arms": {"A1": {"x": 1}, "A2": {"x": 2}}, "ledger_A1": [[[1], [0.1], 1e-4]], "drift": {"steps": 1},
-           "meta": {"calls": [{"arms": ["A1", "A2"]}]}}
-    m = merge_include(inc, ["A2", "A3"])
-    assert m["arms"] == {"A1": {"x": 1}} and m["ledger_A1"] == inc["ledger_A1"] and m["drift"] == {"steps": 1}
-    assert m["calls"] == [{"arms": ["A1", "A2"]}]
-    rerun = merge_include(inc, ["A1"])
-    assert set(rerun["arms"]) == {"A2"} and rerun["ledger_A1"] is None and rerun["drift"] is None
-    assert merge_include(None, ["A1"]) == {"arms": {}, "ledger_A1": None, "drift": None, "calls": []}
+    led = [[[1], [0.1], 1e-4]]
+    inc = {"arms": {"A1": {"stop": "time"}, "A2": {"stop": "time"}, "A3": {"stop": "max_iters"}},
+           "ledgers": {"A1": led, "A3": led}, "drift": {"steps": 1}, "meta": {"calls": [{"arms": ["A1", "A2"]}]}}
+    m = merge_include(inc, ["A2", "A5-1e-05"])
+    assert set(m["arms"]) == {"A1", "A3"} and m["ledgers"] == {"A1": led, "A3": led} and m["drift"] == {"steps": 1}
+    assert m["calls"] == [{"arms": ["A1", "A2"]}] and m["resume"] == {} and m["done"] == []
+    rerun = merge_include(inc, ["A1"])  # restarted: its old result, ledger and drift go
+    assert set(rerun["arms"]) == {"A2", "A3"} and "A1" not in rerun["ledgers"] and rerun["drift"] is None
+    # with resume: A1 (stopped on time, has a ledger) continues; A3 (finished) is kept; A2 (no ledger) restarts
+    cont = merge_include(inc, ["A1", "A2", "A3"], resume=True)
+    assert cont["resume"] == {"A1": {"stop": "time", "ledger": led}} and cont["done"] == ["A3"]
+    assert set(cont["arms"]) == {"A3"} and set(cont["ledgers"]) == {"A1", "A3"} and cont["drift"] is None
+    old = merge_include({"arms": {"A1": {"stop": "time"}}, "ledger_A1": led}, ["A2"])  # the first format
+    assert old["ledgers"] == {"A1": led}
+    assert merge_include(None, ["A1"]) == {"arms": {}, "ledgers": {}, "resume": {}, "done": [], "drift": None,
+                                           "calls": []}
+    assert parse_weights("A1=70, A3=24") == {"A1": 70.0, "A3": 24.0} and parse_weights("") == {}
+    for bad in ("A1", "A1=0", "A1=x", "=3"):
+        with pytest.raises(ValueError):
+            parse_weights(bad)
+    w = paper_arms(100.0, ("A1", "A3"), weights={"A1": 3.0})
+    assert [a["time_s"] for a in w] == pytest.approx([100 * 3 / 3.11, 100 * 0.11 / 3.11])
+
+
+def test_resumed_arm_equals_the_uninterrupted_run():
+    """A1 stopped on time after 1 iteration, then resumed from its ledger to 4: the same weights (fingerprint,
+    bit for bit), losses and train accuracies as one run of 4 iterations; the plateau state carries over."""
+    from benchmarks.zo_paper import run_zo_arm
+    from tests.test_zo_paper import _Tiny, _tiny_data
+
+    data = _tiny_data()
+    arm = dict(paper_arms(1e9, ("A1",))[0], probes=6, max_iters=4, patience=1, lr=1e-3, eps=1e-2)
+    full = run_zo_arm(data, _Tiny(), arm, keep_ledger=True)
+    cut = run_zo_arm(data, _Tiny(), dict(arm, time_s=1e-9), keep_ledger=True)
+    assert cut["iterations"] == 1 and cut["stop"] == "time"
+    res = run_zo_arm(data, _Tiny(), arm, keep_ledger=True, resume=dict(cut, ledger=cut["ledger"]))
+    assert res["iterations"] == 4 and res["stop"] == "max_iters"
+    assert res["resumed"][0]["from_iteration"] == 1 and res["resumed"][0]["fingerprint_ok"] is True
+    assert res["fingerprint"] == full["fingerprint"]
+    assert [(x["loss"], x["train_acc"], x["lr"]) for x in res["log"]] == \
+        [(x["loss"], x["train_acc"], x["lr"]) for x in full["log"]]
+    assert res["ledger"] == full["ledger"] and res["forward_passes"] == full["forward_passes"]
+    assert len({x["lr"] for x in full["log"]}) > 1  # patience 1: the plateau rule fired (and replayed)
+    with pytest.raises(ValueError, match="ledger"):
+        run_zo_arm(data, _Tiny(), arm, resume=dict(cut, ledger=[]))
 
 
 def test_two_calls_merge_into_one_summary(tmp_path):
@@ -64,8 +108,8 @@ def test_two_calls_merge_into_one_summary(tmp_path):
     s1 = paper_comparison(tmp_path / "c1", lambda dt: _Tiny().to(dt), data, total_s=60.0, arms=("A1",),
                           drift=False, iters_cap=2, set_matmul=calls.append, matmul={"A1": "highest"})
     assert calls == ["highest"] and s1["arms"]["A1"]["fp32_matmul"] == "highest"
-    assert s1["arms"]["A1"]["iterations"] == 2 and "drift" not in s1 and len(s1["ledger_A1"]) == 2
-    assert all(len(sd) == 40 and len(c) == 40 and e == PAPER.eps for sd, c, e in s1["ledger_A1"])
+    assert s1["arms"]["A1"]["iterations"] == 2 and "drift" not in s1 and len(s1["ledgers"]["A1"]) == 2
+    assert all(len(sd) == 40 and len(c) == 40 and e == PAPER.eps for sd, c, e in s1["ledgers"]["A1"])
     inc = json.loads((tmp_path / "c1" / "paper_summary.json").read_text())
     s2 = paper_comparison(tmp_path / "c2", lambda dt: _Tiny().to(dt), data, total_s=60.0, arms=("A3w", "A2"),
                           include=inc, iters_cap=1, set_matmul=calls.append, matmul={"A2": "high"})
@@ -93,6 +137,8 @@ def test_cli_checks_include_and_per_arm_matmul(tmp_path):
     for args, hint in ((["--arms", "A3w", "--include", str(has_a1)], "--arms"),  # that summary has no A1
                        (["--include", str(tmp_path / "missing.json")], "--include"),
                        (["--fp32-matmul", "high,A1=tf32"], "--fp32-matmul"),
+                       (["--resume"], "--resume"),  # nothing to resume from
+                       (["--shares", "A1=0"], "--shares"),
                        (["--arms", "A1,A9"], "--arms")):
         res = CliRunner().invoke(app, [*base, *args])
         assert res.exit_code == 2, res.output

@@ -160,6 +160,27 @@ class ZOParamStepper:
         return lp, lm
 
     @torch.no_grad()
+    def apply(self, seeds: list[int], coeffs: list[float]) -> None:
+        """The update θ ← θ + Σ_k c_k z(s_k) of one step (what `step` applies after its probes): master
+        numerics replay it on the fp32 masters (kernels.replay_model) and round into the weights; inplace
+        numerics add c_k z_k probe by probe. Replaying a run's (seeds, coeffs) ledger with `apply` from the
+        same start gives the run's weights again (master numerics: bit for bit, the same kernel calls)."""
+        if self.numerics == "master":
+            replay_model(self.masters, self.offsets, list(seeds), list(coeffs), self.dist)
+            for p, m in zip(self.params, self.masters):
+                if p.dtype != torch.float32:
+                    p.copy_(m)  # one rounding from the fp32 master
+        else:
+            for s, ck in zip(seeds, coeffs):
+                inplace_perturb_(self.params, self.offsets, int(s), float(ck), self.dist)
+
+    @torch.no_grad()
+    def fingerprint(self) -> float:
+        """Σ of every trained weight in fp64 (a float): equal for equal weights, so a replayed resume can be
+        checked against the run it continues (one fp32 ulp of one weight moves it in practice)."""
+        return float(sum(p.double().sum() for p in self.params))
+
+    @torch.no_grad()
     def step(self, step: int, batch: Any, loss_fn, lr: float, eps: float) -> dict[str, Any]:
         """One step at step sizes (lr, eps): L0 (1.5-SPSA), K probes, θ ← θ + Σ_k c_k z(s_k).
 
@@ -176,14 +197,7 @@ class ZOParamStepper:
         l0t = None if l0 is None else torch.full((self.k,), l0, dtype=torch.float64)
         c, stats = zo_coefficients(self.method, lp, lm, l0t, eps, lr, self.alpha, self.lam)
         coeffs = [float(x) for x in c]
-        if self.numerics == "master":
-            replay_model(self.masters, self.offsets, seeds, coeffs, self.dist)
-            for p, m in zip(self.params, self.masters):
-                if p.dtype != torch.float32:
-                    p.copy_(m)  # one rounding from the fp32 master
-        else:
-            for s, ck in zip(seeds, coeffs):
-                inplace_perturb_(self.params, self.offsets, s, ck, self.dist)
+        self.apply(seeds, coeffs)
         loss = l0 if l0 is not None else float((lp + lm).mean() / 2)
         return {"loss": loss, "forward_passes": self.forward_passes, "seeds": seeds, "coeffs": coeffs, **stats}
 
