@@ -169,6 +169,8 @@ def bench_zo(
     drift: bool = typer.Option(True, help="regime paper: measure the bf16 in-place drift on A1's ledger (once per "
                                "ledger, after the arms; ~10 s on a GPU at 75 iterations)."),
     iters_cap: int | None = typer.Option(None, min=1, help="regime paper: cap every arm's iterations (smoke tests)."),
+    end_by: float | None = typer.Option(None, help="regime paper: wall-clock deadline (unix seconds, e.g. "
+                                        "$(( $(date +%s) + 540 ))): the arms' budget shrinks so the run ends by then."),
 ) -> None:
     """Run the ZO benchmarks on real data and write lm_summary.json / sentiment_summary.json and PNGs."""
     from benchmarks.zo import (
@@ -185,7 +187,7 @@ def bench_zo(
         raise typer.BadParameter(f"project or paper, got {regime!r}", param_hint="--regime")
     if regime == "paper":
         _bench_zo_paper(model, out, device, arms, time_budget, seed, fp32_matmul, include, drift, iters_cap,
-                        resume, shares)
+                        resume, shares, end_by)
         return
     # Every option is checked before anything runs: with --part all the lm part takes minutes first.
     ms = tuple(m.strip() for m in methods.split(",") if m.strip())
@@ -243,7 +245,7 @@ def bench_zo(
 
 def _bench_zo_paper(model: str, out: Path, device: str, arms: str, time_budget: float, seed: int,
                     fp32_matmul: str, include: Path | None, drift: bool, iters_cap: int | None, resume: bool,
-                    shares: str) -> None:
+                    shares: str, end_by: float | None) -> None:
     """`bench zo --regime paper`: validate, run benchmarks.zo_paper.paper_main, print the arms' table."""
     from benchmarks.zo_paper import paper_main
     from benchmarks.zo_paper_plan import check_plan, paper_arms, parse_matmul, parse_weights
@@ -281,7 +283,8 @@ def _bench_zo_paper(model: str, out: Path, device: str, arms: str, time_budget: 
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise typer.BadParameter(f"{device!r} is not available here", param_hint="--device")
     s = paper_main(out, device=device, total_s=time_budget, arms=names, seed=seed, fp32_matmul=matmul,
-                   include=include, resume=resume, weights=weights or None, drift=drift, iters_cap=iters_cap)
+                   include=include, resume=resume, weights=weights or None, drift=drift, iters_cap=iters_cap,
+                   end_by=end_by)
     for row in s["table"]:
         typer.echo(json.dumps(row))
     if "drift" in s:

@@ -46,6 +46,8 @@ from trainer.zo.paper import PAPER, PlateauState, ZOParamStepper, batch_rows, nu
 from trainer.zo.probes import canonical_blocks
 
 TRAIN_KEY, VAL_KEY, TEST_KEY = 181, 182, 183  # Philox keys of the fixed subsets (independent of the run seed)
+TAIL_S = 8.0  # seconds kept after the arms under a deadline: final JSON, plots
+DRIFT_S_PER_STEP = 0.3  # estimated seconds of numerics_drift per A1 step on an H200 (40 probes of 134.5M weights)
 
 
 def binomial_se(acc: float, n: int) -> float:
@@ -297,7 +299,7 @@ def paper_comparison(out_dir: Path, make_model: Callable[[torch.dtype], torch.nn
                      meta: dict | None = None, include: dict | None = None, resume: bool = False,
                      matmul: dict[str, str] | None = None, set_matmul: Callable[[str], None] | None = None,
                      weights: dict[str, float] | None = None, drift: bool = True,
-                     iters_cap: int | None = None) -> dict[str, Any]:
+                     iters_cap: int | None = None, end_by: float | None = None) -> dict[str, Any]:
     """Run the arms (all, or those named in `arms`) within ~`total_s` seconds; write `paper_summary.json`
     (after every arm), `paper_curves.png` and `paper_hw.png` into `out_dir`.
 
@@ -311,7 +313,10 @@ def paper_comparison(out_dir: Path, make_model: Callable[[torch.dtype], torch.nn
     {arm: "highest" | "high"} is passed to `set_matmul` before each arm (CUDA's fp32 matmul precision; None
     on CPU) and recorded as the arm's "fp32_matmul". drift: measure A2's numerics against the fp32-master
     path by replaying A1's ledger from the bf16-rounded start (numerics_drift), once per ledger, after the
-    arms. iters_cap caps every arm's iterations (smoke tests).
+    arms (before them when A1 does not run in this call). iters_cap caps every arm's iterations (smoke tests).
+    end_by: a wall-clock deadline (time.time() seconds) for the whole call: the arms' budget becomes
+    min(total_s, what is left before end_by minus a tail for the final writes and an after-arms drift at
+    DRIFT_S_PER_STEP per A1 iteration), so a device call ends in time however long loading took.
     Raises ValueError for unknown arms, or A3w without A1 (now or included)."""
     t_start = time.perf_counter()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -319,6 +324,11 @@ def paper_comparison(out_dir: Path, make_model: Callable[[torch.dtype], torch.nn
     names_now = [a["name"] for a in plan]
     check_plan(names_now, include)
     inc = merge_include(include, names_now, resume)
+    a1_moves = "A1" in names_now and "A1" not in inc["done"]
+    if end_by is not None:
+        a1_cap = min([a["max_iters"] for a in plan if a["name"] == "A1"] + [iters_cap or 10**9])
+        tail = TAIL_S + (DRIFT_S_PER_STEP * a1_cap if drift and a1_moves else 0.0)
+        total_s = min(total_s, end_by - time.time() - tail)
     results: dict[str, Any] = dict(inc["arms"])
     call = {"total_s": total_s, "arms": names_now, "fp32_matmul": matmul if set_matmul else "cpu",
             "included": sorted(inc["arms"]), "resumed": sorted(inc["resume"]), "iters_cap": iters_cap,
@@ -333,6 +343,22 @@ def paper_comparison(out_dir: Path, make_model: Callable[[torch.dtype], torch.nn
 
     def save() -> None:
         (out_dir / "paper_summary.json").write_text(json.dumps(summary, indent=2))
+
+    def measure_drift() -> None:
+        ledger = summary["ledgers"].get("A1")
+        if not (drift and ledger and summary.get("drift", {}).get("steps") != len(ledger)):
+            return
+        t0 = time.perf_counter()
+        m = make_model(torch.bfloat16)  # A2's numerics vs the fp32 master on A1's own steps, from bf16 weights
+        blocks = canonical_blocks(m)
+        summary["drift"] = {**numerics_drift([b.param.data for b in blocks], [b.offset for b in blocks], ledger),
+                            "seconds": time.perf_counter() - t0}
+        del m
+        print(json.dumps({"drift": summary["drift"]}), flush=True)
+        save()
+
+    if not a1_moves:  # the ledger is final: measure now, inside the budget the arms share
+        measure_drift()
 
     todo = [a for a in plan if a["name"] not in inc["done"]]
     for i, arm in enumerate(todo):
@@ -373,15 +399,7 @@ def paper_comparison(out_dir: Path, make_model: Callable[[torch.dtype], torch.nn
         print(json.dumps({k: r[k] for k in ("name", "iterations", "stop", "val_acc", "test_acc", "wall_s")}),
               flush=True)
         save()
-    ledger = summary["ledgers"].get("A1")
-    if drift and ledger and summary.get("drift", {}).get("steps") != len(ledger):
-        t0 = time.perf_counter()
-        m = make_model(torch.bfloat16)  # A2's numerics vs the fp32 master on A1's own steps, from bf16 weights
-        blocks = canonical_blocks(m)
-        summary["drift"] = {**numerics_drift([b.param.data for b in blocks], [b.offset for b in blocks], ledger),
-                            "seconds": time.perf_counter() - t0}
-        del m
-        print(json.dumps({"drift": summary["drift"]}), flush=True)
+    measure_drift()
     summary["arms"] = {n: results[n] for n in canonical_order(list(results))}
     summary["meta"]["skipped"] = skipped
     summary["table"] = summary_table(summary["arms"])
@@ -445,17 +463,21 @@ def plot_paper(summary: dict, out_dir: Path) -> None:
     plt.close(fig)
 
 
-def inplace_memory_scan(device: str = "cuda", sizes: tuple[str, ...] = ("gpt-30b", "gpt-55b", "gpt-66b", "gpt-73b"),
+def inplace_memory_scan(device: str = "cuda",
+                        sizes: tuple[str, ...] = ("gpt-55b", "gpt-60b", "gpt-66b", "gpt-70b", "gpt-73b"),
                         seq_len: int = 1024) -> dict[str, Any]:
     """Largest GPT (batch 1 x seq_len) that takes two 1.5-SPSA(K=2) steps with bf16 weights perturbed and
     updated in place (2 bytes per parameter, no fp32 master), trying `sizes` in order until one runs out of
     memory. Returns {"gpu", "gpu_bytes", "trials": [{shape, params, ok, peak_bytes, seconds, error}], "largest"}.
+    The default sizes bracket 8x AdamW's 6.7B on one H200 (53.6B): 55.2B, 60.0B, 65.7B, 69.8B, 73.4B (at the
+    30B trial's 2.07 bytes per parameter, 69.8B needs ~144 GB of the 150 GB). ~10 s per trial.
     Raises RuntimeError without CUDA, ValueError for an unknown shape."""
     from benchmarks.headline import _build_shape
     from trainer.models.losses import lm_batch_loss
 
     shapes = {"gpt-13b": (40, 40, 5120), "gpt-30b": (48, 56, 7168), "gpt-45b": (56, 64, 8192),
-              "gpt-55b": (68, 64, 8192), "gpt-66b": (64, 72, 9216), "gpt-73b": (72, 72, 9216)}
+              "gpt-55b": (68, 64, 8192), "gpt-60b": (74, 64, 8192), "gpt-66b": (64, 72, 9216),
+              "gpt-70b": (68, 72, 9216), "gpt-73b": (72, 72, 9216)}
     if not torch.cuda.is_available():
         raise RuntimeError("the memory scan needs a CUDA GPU")
     bad = [s for s in sizes if s not in shapes]
@@ -498,7 +520,7 @@ def inplace_memory_scan(device: str = "cuda", sizes: tuple[str, ...] = ("gpt-30b
 def paper_main(out_dir: Path, *, device: str = "cuda", total_s: float = 300.0, arms: tuple[str, ...] | None = None,
                seed: int = 0, fp32_matmul: str | dict[str, str] = "highest", include: Path | None = None,
                resume: bool = False, weights: dict[str, float] | None = None, drift: bool = True,
-               iters_cap: int | None = None) -> dict[str, Any]:
+               iters_cap: int | None = None, end_by: float | None = None) -> dict[str, Any]:
     """`bench zo --model smollm2 --regime paper`: SmolLM2-135M prompt classifier (trainer.prompt_classifier),
     loaded once and copied fresh for every arm (paper_comparison runs them).
 
@@ -507,7 +529,7 @@ def paper_main(out_dir: Path, *, device: str = "cuda", total_s: float = 300.0, a
     faster). At ε = 1e-4, h needs the loss to ~1e-8·|h|: TF32 (and bf16) forwards put rounding noise 10-100x
     larger than h into it (benchmarks/results/h200/zo-paper/RESULTS.md). include: an earlier call's
     paper_summary.json to merge (its arms kept unless re-run; its A1 serves A3w and the drift); resume,
-    weights, drift, iters_cap: as paper_comparison.
+    weights, drift, iters_cap, end_by: as paper_comparison.
     Raises ValueError for an unknown mode or arm, A3w without A1; FetchError / DataFetchError when weights or
     data are unavailable; OSError / json.JSONDecodeError for an unreadable include."""
     from benchmarks.zo import sentiment_task
@@ -532,7 +554,8 @@ def paper_main(out_dir: Path, *, device: str = "cuda", total_s: float = 300.0, a
             "include": str(include) if include is not None else None}
     return paper_comparison(out_dir, make_model, data, total_s=total_s, arms=arms, seed=seed, meta=meta,
                             include=inc, resume=resume, matmul=matmul, weights=weights, drift=drift,
-                            set_matmul=torch.set_float32_matmul_precision if cuda else None, iters_cap=iters_cap)
+                            set_matmul=torch.set_float32_matmul_precision if cuda else None, iters_cap=iters_cap,
+                            end_by=end_by)
 
 
 def padding_report(data: PaperData | None = None, iterations: int = 75, batch_size: int = PAPER.batch_size,

@@ -235,6 +235,11 @@ def test_paper_comparison_runs_every_arm_and_writes_the_table(tmp_path):
     # a call whose budget is already spent runs nothing and says so (the device call must end in time)
     none = paper_comparison(tmp_path / "late", lambda dt: _Tiny().to(dt), data, total_s=1e-9, arms=("A1", "A2"))
     assert none["table"] == [] and none["meta"]["skipped"] == dict.fromkeys(("A1", "A2"), "no time left in this call")
+    import time
+
+    late = paper_comparison(tmp_path / "late2", lambda dt: _Tiny().to(dt), data, total_s=3600.0, arms=("A1",),
+                            end_by=time.time() - 1.0)  # a deadline already past: the 3600 s shrink to nothing
+    assert late["table"] == [] and late["meta"]["calls"][-1]["total_s"] <= 0
 
 
 def test_with_lr_zero_the_start_is_selected_and_scored():

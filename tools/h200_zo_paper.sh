@@ -1,60 +1,120 @@
 #!/usr/bin/env bash
 # Issue 18 on one H200: 1.5-SPSA in its published regime vs 1SPSA, MeZO and backprop (benchmarks.zo_paper), in
-# two device calls on one warm machine, because SmolLM2's GGUF (98 MB) travels in two halves (the layout of
-# `tools/h200_pack.sh smollm2`: .h200s1/ and .h200s2/ in the repository root, wheels in .whl/):
-#   part1  carries .h200s1 and .whl: keeps .h200s1 in /root/keep (a later call removes carried folders it does
-#          not name), times a SmolLM2-shaped forward at batch 512, and runs the bf16 in-place memory scan
-#          (largest GPT taking a 1.5-SPSA step with 2 bytes per parameter) -> $OUT/inplace_memory.json
-#   part2  carries .h200s2 and .whl (same machine, within its 30 s warm window): rejoins the GGUF, then
-#          `bench zo --model smollm2 --regime paper --time-budget TOTAL` (arms A1..A6) -> $OUT/zo-paper/
-# Usage: [FP32_MATMUL=highest|high] bash tools/h200_zo_paper.sh part1|part2 [TOTAL seconds for the arms, default 240]
-# (the 2026-11-30 run used FP32_MATMUL=high, TF32, then the only choice: see benchmarks/results/h200/zo-paper)
-# Sizing: part2 took 287 s at TOTAL 240 with TF32 (GGUF conversion, tokenizing, kernel compiles, one iteration of
-# overshoot per arm); part1 26 s. Both stay inside the 450 s the issue allows. At TOTAL 240, A1 gets 58 s: 9
-# iterations with TF32 (6.8 s each), fewer with true fp32; the published 38-72 iterations need ~8 min for A1 alone.
+# three device calls on one warm machine (each <= 600 s; SmolLM2's 98 MB GGUF travels in two halves, the layout
+# of `tools/h200_pack.sh smollm2`: .h200s1/ and .h200s2/ in the repository root, wheels in .whl/):
+#   part1  carries .h200s1 + .whl: keeps .h200s1 in /root/keep (a later call removes carried folders it does not
+#          name); times one SmolLM2-shaped forward of training batch 0 (512 prompts) padded to its longest row
+#          and length-bucketed, in true fp32 / TF32 / bf16, and prints A1's projected seconds per iteration; then
+#          the bf16 in-place memory scan (55B, 60B, 66B, 70B, 73B until one runs out of memory)
+#          -> $OUT/forward_timing.json, $OUT/inplace_memory.json.  ~70-100 s.
+#   part2  carries .h200s2 + .whl: rejoins and converts the GGUF into /tmp/zo-cache (once per machine; keeps
+#          .h200s2 in /root/keep too), then `bench zo --regime paper` on ARMS (default A1) until the call's
+#          deadline; the summary goes to $OUT/zo-paper and /root/keep/zo-paper (the next call includes it).
+#   part3  carries .whl only: reuses /tmp/zo-cache (rebuilt from /root/keep's halves if missing), includes
+#          /root/keep/zo-paper/paper_summary.json with --resume (an arm that stopped on time there continues
+#          where it stopped: its step ledger is replayed), runs ARMS (default A1,A3,A5-3e-05,A6-5e-05 with
+#          SHARES A1=70,A3=24,A5-3e-05=3,A6-5e-05=3), measures the drift on A1's ledger, and leaves the merged
+#          summary in $OUT/zo-paper and /root/keep/zo-paper (a part4 with other ARMS merges it the same way).
+# Usage: [ARMS=..] [SHARES=..] [FP32_MATMUL=highest|high|high,A1=highest,..] [CALL_S=575] [EXTRA="--iters-cap 2"] \
+#          bash tools/h200_zo_paper.sh part1|part2|part3
+# Every call ends by CALL_S seconds after it started (default 575 of the 600 s limit): the bench gets
+# `--end-by` (its arms' budget shrinks to what is left after loading), and `timeout` kills it 15 s after that
+# as a last resort (the summary is written after every arm, so only a killed arm would be lost).
+#
+# Sizing (measured 2026-11-30 with TF32, unbucketed: 512 x 75 forward 98.8 ms; A1 6.8 s per iteration = 81
+# forwards of ~84 ms at the batches' ~32.8k padded tokens; bf16 54.6 ms). SmolLM2-135M: 30 layers, hidden 576,
+# 106.2M non-embedding weights -> ~0.22 GFLOP per token per forward. Length bucketing (trainer.zo.length_buckets)
+# cuts a batch of 512 from 32,795 to 18,651 tokens (1.76x). True fp32 ("highest", no tensor cores, ~50-60
+# TFLOP/s): ~4.1 TFLOP per bucketed forward -> ~70-85 ms of matmuls + ~25 ms of the rest (norms, rotary,
+# attention, from the TF32 run) ~ 0.1-0.11 s per forward -> A1 (81 forwards) ~8-9 s per iteration (+ an
+# evaluation of 1,500 sentences every 3 iterations, ~0.3 s), i.e. ~10.5-11.5 min for 75 iterations: A1 alone
+# needs two calls. TF32 bucketed would be ~3.9 s per iteration but its rounding is noise in h at eps 1e-4.
+# part1 prints the measured projection ("A1 s/iteration"); take it over these estimates.
+# Proposed split (true fp32 everywhere; the batch-16 arms are launch-bound, fp32 costs them nothing):
+#   part2 (~575 s, ~525 s of arms): A1 alone, ~55-60 iterations, stops on time.
+#   part3 (~575 s): A1 resumed to 75 (~15-20 more iterations, ~170 s), then A3 (1SPSA, 80 forwards per
+#          iteration, ~30-35 iterations in its ~300 s: compare with A1 at equal iterations on the curves),
+#          MeZO 3e-5 and AdamW 5e-5 (~15 s each), the drift (~20 s).
+#   A2 (bf16 in place, ~2.2 s per iteration), A3w, A4 and the other lrs need a part4 (ARMS=... bash ... part3).
 set -uo pipefail
-part=${1:?usage: h200_zo_paper.sh part1|part2 [TOTAL]}
-total=${2:-240}
+t_start=$(date +%s)
+part=${1:?usage: h200_zo_paper.sh part1|part2|part3}
+call_s=${CALL_S:-575}
+end_by=$((t_start + call_s))
 out=${OUT:-/tmp/zo-paper-out}
-mkdir -p "$out"
+keep=/root/keep
+cache=/tmp/zo-cache
+mkdir -p "$out" "$keep"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-sc() { python3 -c 'import sys; from sparecycles.cli import app; sys.argv[0] = "sparecycles"; app()' "$@"; }
+left() { echo $((end_by - $(date +%s))); }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 if [ "$part" = part1 ]; then
-  mkdir -p /root/keep && rm -rf /root/keep/.h200s1 && cp -r .h200s1 /root/keep/ || exit 1
-  python3 - "$out" <<'PY' 2>&1 | tee "$out/part1.log"
+  rm -rf "$keep/.h200s1" && cp -r .h200s1 "$keep/" || exit 1
+  timeout -k 5 "$(( $(left) - 5 ))" python3 - "$out" <<'PY' 2>&1 | tee "$out/part1.log"
 import json, sys, time
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from benchmarks.zo_paper import inplace_memory_scan
-torch.set_float32_matmul_precision("high")
-# SmolLM2-135M's shape (random weights): forward time of one batch of 512 prompts of 75 tokens
+from trainer.prompt_classifier import PromptClassifier
+# SmolLM2-135M's shape (random weights); training batch 0 of the paper regime: one chunk 512 x 66, or its
+# length buckets (trainer.zo.length_buckets on the real lengths, computed on CPU)
 cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                   num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)
+layouts = {"one_chunk": [(512, 66)], "bucketed": [(155, 24), (177, 34), (115, 43), (65, 66)]}
+def batch(rows, t):
+    lens = torch.randint(max(1, t - 9), t + 1, (rows,), device="cuda"); lens[0] = t
+    mask = (torch.arange(t, device="cuda")[None] < lens[:, None]).long()
+    return torch.randint(0, 49152, (rows, t), device="cuda") * mask, mask
 timing = {}
-for dt in (torch.float32, torch.bfloat16):
-    m = LlamaForCausalLM(cfg).to("cuda", dt).eval()
-    x = torch.randint(0, 49152, (512, 75), device="cuda")
-    with torch.no_grad():
-        for _ in range(3):
-            m.model(input_ids=x, use_cache=False)
-        torch.cuda.synchronize(); t0 = time.perf_counter()
-        for _ in range(10):
-            m.model(input_ids=x, use_cache=False)
-        torch.cuda.synchronize()
-    timing[str(dt)] = (time.perf_counter() - t0) / 10
+for name, dt, prec in (("fp32_highest", torch.float32, "highest"), ("fp32_tf32", torch.float32, "high"),
+                       ("bf16", torch.bfloat16, "highest")):
+    torch.set_float32_matmul_precision(prec)
+    with torch.device("cuda"):
+        m = PromptClassifier(LlamaForCausalLM(cfg), [0, 1]).to(dt).eval()
+    for lay, shapes in layouts.items():
+        bs = [batch(r, t) for r, t in shapes]
+        with torch.no_grad():
+            for _ in range(2):
+                [m(input_ids=i, attention_mask=k) for i, k in bs]
+            torch.cuda.synchronize(); t0 = time.perf_counter()
+            for _ in range(5):
+                [m(input_ids=i, attention_mask=k) for i, k in bs]
+            torch.cuda.synchronize()
+        timing[f"{name}_{lay}_s"] = (time.perf_counter() - t0) / 5
     del m
-print(json.dumps({"forward_s_batch512_len75": timing}), flush=True)
+torch.set_float32_matmul_precision("highest")
+timing["A1_s_per_iteration_fp32_bucketed"] = 81 * timing["fp32_highest_bucketed_s"] + 0.15
+timing["A1_75_iterations_min"] = 75 * timing["A1_s_per_iteration_fp32_bucketed"] / 60
+print(json.dumps({"forward_timing": timing}), flush=True)
+json.dump(timing, open(f"{sys.argv[1]}/forward_timing.json", "w"), indent=2)
 res = inplace_memory_scan("cuda")
-res["forward_s_batch512_len75"] = timing
 json.dump(res, open(f"{sys.argv[1]}/inplace_memory.json", "w"), indent=2)
 PY
+  echo "part1 wall $(( $(date +%s) - t_start )) s"
   exit 0
 fi
-[ -d .h200s1 ] || cp -r /root/keep/.h200s1 . || { echo "no .h200s1: run part1 first on this warm machine" >&2; exit 1; }
-bash tools/h200_smollm2_cache.sh /tmp/zo-cache || exit 1
-export SPARECYCLES_CACHE=/tmp/zo-cache
-sc bench zo --part sentiment --model smollm2 --regime paper --device cuda --time-budget "$total" \
-  --fp32-matmul "${FP32_MATMUL:-highest}" \
-  --out "$out/zo-paper" 2>&1 | tee "$out/part2.log"
+# part2 / part3: the SmolLM2 cache, once per machine
+if [ ! -f "$cache/models/smollm2-135m/source.json" ] || [ ! -f "$cache/tasks/sentiment/manifest.json" ]; then
+  [ -d .h200s1 ] || cp -r "$keep/.h200s1" . || { echo "no .h200s1: run part1 first on this warm machine" >&2; exit 1; }
+  [ -d .h200s2 ] || cp -r "$keep/.h200s2" . || { echo "no .h200s2: carry it (part2)" >&2; exit 1; }
+  bash tools/h200_smollm2_cache.sh "$cache" || exit 1
+fi
+[ -d .h200s2 ] && { rm -rf "$keep/.h200s2"; cp -r .h200s2 "$keep/"; }
+export SPARECYCLES_CACHE=$cache
+if [ "$part" = part2 ]; then
+  arms=${ARMS:-A1}; inc=(); shares=${SHARES:-}
+else
+  arms=${ARMS:-A1,A3,A5-3e-05,A6-5e-05}; shares=${SHARES:-A1=70,A3=24,A5-3e-05=3,A6-5e-05=3}
+  [ -f "$keep/zo-paper/paper_summary.json" ] || { echo "no $keep/zo-paper/paper_summary.json: run part2 first" >&2; exit 1; }
+  cp "$keep/zo-paper/paper_summary.json" "$keep/paper_summary.included.json"
+  inc=(--include "$keep/paper_summary.included.json" --resume)
+fi
+drift=(--drift); [ "$part" = part2 ] && drift=(--no-drift)  # part3 measures it on the finished A1 ledger
+echo "$part: arms $arms, shares ${shares:-default}, $(left) s left of $call_s"
+timeout -k 5 "$(( $(left) + 15 ))" python3 -c 'import sys; from sparecycles.cli import app; sys.argv[0] = "sparecycles"; app()' \
+  bench zo --part sentiment --model smollm2 --regime paper --device "${DEVICE:-cuda}" --arms "$arms" --shares "$shares" \
+  --time-budget 100000 --end-by "$end_by" --fp32-matmul "${FP32_MATMUL:-highest}" "${drift[@]}" "${inc[@]}" \
+  ${EXTRA:-} --out "$out/zo-paper" 2>&1 | grep --line-buffered -v "it/s]" | tee "$out/$part.log"
+mkdir -p "$keep/zo-paper" && cp "$out/zo-paper/paper_summary.json" "$keep/zo-paper/" 2>/dev/null
+echo "$part wall $(( $(date +%s) - t_start )) s"
