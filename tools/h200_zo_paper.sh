@@ -39,11 +39,12 @@
 set -uo pipefail
 t_start=$(date +%s)
 part=${1:?usage: h200_zo_paper.sh part1|part2|part3}
+case "$part" in part1|part2|part3) ;; *) echo "usage: h200_zo_paper.sh part1|part2|part3" >&2; exit 2 ;; esac
 call_s=${CALL_S:-575}
 end_by=$((t_start + call_s))
 out=${OUT:-/tmp/zo-paper-out}
-keep=/root/keep
-cache=/tmp/zo-cache
+keep=${KEEP:-/root/keep}
+cache=${ZO_CACHE:-/tmp/zo-cache}
 mkdir -p "$out" "$keep"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -114,7 +115,7 @@ drift=(--drift); [ "$part" = part2 ] && drift=(--no-drift)  # part3 measures it 
 echo "$part: arms $arms, shares ${shares:-default}, $(left) s left of $call_s"
 timeout -k 5 "$(( $(left) + 15 ))" python3 -c 'import sys; from sparecycles.cli import app; sys.argv[0] = "sparecycles"; app()' \
   bench zo --part sentiment --model smollm2 --regime paper --device "${DEVICE:-cuda}" --arms "$arms" --shares "$shares" \
-  --time-budget 100000 --end-by "$end_by" --fp32-matmul "${FP32_MATMUL:-highest}" "${drift[@]}" "${inc[@]}" \
+  --time-budget 100000 --end-by "$end_by" --fp32-matmul "${FP32_MATMUL:-highest}" "${drift[@]}" ${inc[@]+"${inc[@]}"} \
   ${EXTRA:-} --out "$out/zo-paper" 2>&1 | grep --line-buffered -v "it/s]" | tee "$out/$part.log"
 mkdir -p "$keep/zo-paper" && cp "$out/zo-paper/paper_summary.json" "$keep/zo-paper/" 2>/dev/null
 echo "$part wall $(( $(date +%s) - t_start )) s"
