@@ -439,7 +439,8 @@ def plot_paper(summary: dict, out_dir: Path) -> None:
         ax.set_xlabel(xl)
         ax.set_ylabel("validation accuracy (500 sentences)")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
     fig.suptitle("SmolLM2-135M sentiment, 1.5-SPSA published regime vs 1SPSA, MeZO, AdamW")
     fig.tight_layout()
     fig.savefig(out_dir / "paper_curves.png", dpi=120)
@@ -457,7 +458,8 @@ def plot_paper(summary: dict, out_dir: Path) -> None:
         ax.set_xlabel("iteration")
         ax.set_ylabel(yl, fontsize=8)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out_dir / "paper_hw.png", dpi=120)
     plt.close(fig)
