@@ -21,21 +21,19 @@
 # `--end-by` (its arms' budget shrinks to what is left after loading), and `timeout` kills it 15 s after that
 # as a last resort (the summary is written after every arm, so only a killed arm would be lost).
 #
-# Sizing (measured 2026-11-30 with TF32, unbucketed: 512 x 75 forward 98.8 ms; A1 6.8 s per iteration = 81
-# forwards of ~84 ms at the batches' ~32.8k padded tokens; bf16 54.6 ms). SmolLM2-135M: 30 layers, hidden 576,
-# 106.2M non-embedding weights -> ~0.22 GFLOP per token per forward. Length bucketing (trainer.zo.length_buckets)
-# cuts a batch of 512 from 32,795 to 18,651 tokens (1.76x). True fp32 ("highest", no tensor cores, ~50-60
-# TFLOP/s): ~4.1 TFLOP per bucketed forward -> ~70-85 ms of matmuls + ~25 ms of the rest (norms, rotary,
-# attention, from the TF32 run) ~ 0.1-0.11 s per forward -> A1 (81 forwards) ~8-9 s per iteration (+ an
-# evaluation of 1,500 sentences every 3 iterations, ~0.3 s), i.e. ~10.5-11.5 min for 75 iterations: A1 alone
-# needs two calls. TF32 bucketed would be ~3.9 s per iteration but its rounding is noise in h at eps 1e-4.
-# part1 prints the measured projection ("A1 s/iteration"); take it over these estimates.
-# Proposed split (true fp32 everywhere; the batch-16 arms are launch-bound, fp32 costs them nothing):
-#   part2 (~575 s, ~525 s of arms): A1 alone, ~55-60 iterations, stops on time.
-#   part3 (~575 s): A1 resumed to 75 (~15-20 more iterations, ~170 s), then A3 (1SPSA, 80 forwards per
-#          iteration, ~30-35 iterations in its ~300 s: compare with A1 at equal iterations on the curves),
-#          MeZO 3e-5 and AdamW 5e-5 (~15 s each), the drift (~20 s).
-#   A2 (bf16 in place, ~2.2 s per iteration), A3w, A4 and the other lrs need a part4 (ARMS=... bash ... part3).
+# Sizing, measured 2026-12-01 (session 6, benchmarks/results/h200/zo-paper-s6/RESULTS.md): true fp32 A1 = 12.1 s
+# per iteration (81 bucketed forwards of ~0.15 s + an evaluation every 3 iterations), so 75 iterations = 15 min;
+# A3 (80 forwards) 11.9 s; A2 (bf16 in place) 7.5 s; MeZO 0.051 s per step. part1's projection (12.6 s) held;
+# the pre-run estimate here (8-9 s, assuming ~50-60 TFLOP/s fp32) was 1.4x too low. Length bucketing pays only
+# in true fp32 (batch-0 forward 0.212 -> 0.154 s, 1.38x for 1.78x fewer tokens); TF32 0.083 -> 0.085 s (none);
+# bf16 0.055 -> 0.130 s (slower, unexplained; A2 ran 7.5 s/iteration bucketed vs 4.9 s unbucketed in session 5).
+# Session 6's split (25.5 min of device time): part1 39 s; part2 A1 42 iterations (560 s); part3
+# ARMS=A3,A5-3e-05,A6-5e-05 SHARES=A3=85,A5-3e-05=7,A6-5e-05=8 (A3 39 iterations, MeZO, AdamW, drift; 570 s);
+# part3 again with ARMS=A2 SHARES=A2=100 CALL_S=370 (A2 46 iterations). Still missing, per call (~20 s of
+# loading each on a warm machine): A1 resumed 42 -> 75 (~400 s), A3 39 -> 75 (~430 s), A2 from scratch to 75
+# (~565 s + loading, at the limit of one call: in-place arms cannot resume), A3w (~890 s, two calls),
+# A4-16/A4-128 (~400 s est.), MeZO/AdamW 1e-5 (~40 s each). part3's default shares (A1=70,...) give a resumed
+# A1 ~390 s, about the ~33 iterations it lacks.
 set -uo pipefail
 t_start=$(date +%s)
 part=${1:?usage: h200_zo_paper.sh part1|part2|part3}
