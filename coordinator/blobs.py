@@ -66,9 +66,9 @@ class BlobStore:
         finally:
             w.abort()
 
-    def put(self, data: bytes, expected_sha256: str | None = None) -> tuple[str, int]:
+    def put(self, data: bytes, expected_sha256: str | None = None, fsync: bool = True) -> tuple[str, int]:
         """Store `data`; see `put_chunks`."""
-        return self.put_chunks([data], expected_sha256)
+        return self.put_chunks([data], expected_sha256, fsync)
 
     def get(self, sha256: str) -> bytes:
         """Read a whole blob, re-verifying its hash. Raises FileNotFoundError or BlobError (corrupt)."""

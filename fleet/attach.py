@@ -46,7 +46,7 @@ class FleetSettings(BaseSettings):
     Raises pydantic.ValidationError when the token or the Redis URL is missing.
     """
 
-    model_config = SettingsConfigDict(env_prefix="SPARECYCLES_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="SPARECYCLES_", extra="ignore", env_ignore_empty=True)
 
     admin_token: SecretStr = Field(min_length=1)
     redis_url: str = Field(min_length=1, pattern=r"^(redis|rediss|unix)://")

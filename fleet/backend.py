@@ -23,11 +23,11 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import threading
+import secrets
 import time
 from collections import Counter, deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -156,8 +156,9 @@ class CoordinatorBackend:
             its uploads (the previous behaviour).
         blob_dir: the coordinator's blob directory when this process shares its file system (`up`, compose's
             `blobs` volume): shards are then written there (hashed while written, no fsync: versions are
-            re-creatable) instead of sent over HTTP; the first one is confirmed with `HEAD /v1/blobs/{sha}`, and
-            if the coordinator does not see it the backend says so in `blob_dir_note` and uploads over HTTP.
+            re-creatable) instead of sent over HTTP. At construction a random probe blob written there must be
+            seen by `HEAD /v1/blobs/{sha}`; if it is not, or the directory cannot be written, the backend says
+            so in `blob_dir_note` (and the log) and uploads over HTTP.
         upload_threads: shards hashed and written or uploaded at once (each shard streams without a copy).
     Rounds' batches are encoded as the model class's batch kind (fleet.batch_wire.batch_kind_for_model).
     Raises ValueError for a model whose parameters mix dtypes, a model class without a probe loss, or a
@@ -213,10 +214,8 @@ class CoordinatorBackend:
         self._broken: BaseException | None = None  # the first background job's failure
         self._host = HostCopies(max_pending) if background else None
         self._shard_pool = ThreadPoolExecutor(upload_threads, thread_name_prefix="shard")
-        self.local_blobs = BlobStore(Path(blob_dir)) if blob_dir else None
-        self._local_confirmed = False
-        self._confirm_lock = threading.Lock()
         self.blob_dir_note = ""  # why a configured blob_dir is not used (empty: used, or none configured)
+        self.local_blobs = self._shared_store(Path(blob_dir)) if blob_dir else None
         self.publish_seconds: list[float] = []  # the training loop's wall time in each publish call
         # version -> serialise_s (shard plans; waits for the host copy), upload_s (hash + PUT, or hash + write
         # into the shared blob_dir, of every shard, in parallel), register_s (the manifest), bytes, local
@@ -230,23 +229,44 @@ class CoordinatorBackend:
             self._uploaded.add(sha)
         return sha
 
+    def _shared_store(self, root: Path) -> BlobStore | None:
+        """The BlobStore at `root` if it is the coordinator's blob directory, else None (and `blob_dir_note` says
+        why). The test: a blob of 32 random bytes written there must be seen by `HEAD /v1/blobs/{sha}`; content the
+        coordinator could hold already (a resumed run's shards) would pass the test without proving anything."""
+        try:
+            store = BlobStore(root)
+            sha, _ = store.put(secrets.token_bytes(32) + b" sparecycles blob_dir probe", fsync=False)
+        except OSError as exc:
+            self._no_shared_store(f"blob_dir {root} cannot be written ({exc})")
+            return None
+        try:
+            seen = self.client.has_blob(sha)
+        finally:
+            store.path(sha).unlink(missing_ok=True)
+        if not seen:
+            self._no_shared_store(f"blob_dir {root} is not the coordinator's blob directory (it does not see a "
+                                  "blob written there)")
+            return None
+        return store
+
+    def _no_shared_store(self, why: str) -> None:
+        self.blob_dir_note = f"{why}; shards go over HTTP"
+        log.warning(self.blob_dir_note)
+        self.local_blobs = None
+
     def _store_shard(self, plan: ShardPlan) -> str:
-        """Write one shard into the shared blob_dir (confirmed once with the coordinator), or hash it and PUT it
-        if the coordinator lacks it; returns its sha256. Nothing is copied: the stream reads the tensors."""
+        """Write one shard into the shared blob_dir, or hash it and PUT it if the coordinator lacks it; returns its
+        sha256. Nothing is copied: the stream reads the tensors. A failed local write (disk full, permissions)
+        stops using blob_dir and sends this shard and the later ones over HTTP."""
         local = self.local_blobs
         if local is not None:
-            sha, _ = local.put_chunks(plan.chunks(), fsync=False)
-            with self._confirm_lock:  # shards are stored in parallel: one HEAD decides for all
-                if not self._local_confirmed and self.local_blobs is not None:
-                    self._local_confirmed = self.client.has_blob(sha)
-                    if not self._local_confirmed:
-                        self.blob_dir_note = (f"blob_dir {local.root} is not the coordinator's blob directory (it "
-                                              "does not see a shard written there); uploading over HTTP")
-                        log.warning(self.blob_dir_note)
-                        self.local_blobs = None
-                if self._local_confirmed:
-                    self._uploaded.add(sha)
-                    return sha
+            try:
+                sha, _ = local.put_chunks(plan.chunks(), fsync=False)
+            except OSError as exc:
+                self._no_shared_store(f"writing a shard into blob_dir {local.root} failed ({exc})")
+            else:
+                self._uploaded.add(sha)
+                return sha
         sha = plan.sha256()
         if sha not in self._uploaded:
             self.client.put_blob(sha, plan.chunks, plan.nbytes)
@@ -361,7 +381,9 @@ class CoordinatorBackend:
         t0 = time.perf_counter()
         plans = shards()
         t1 = time.perf_counter()
-        shas = list(self._shard_pool.map(self._store_shard, [p for _, p in plans]))
+        futures = [self._shard_pool.submit(self._store_shard, p) for _, p in plans]
+        wait(futures)  # every stream has ended before a failure lets the caller reuse the host buffers
+        shas = [f.result() for f in futures]
         refs = [ShardRef(name=name, sha256=sha, bytes=p.nbytes) for (name, p), sha in zip(plans, shas)]
         t2 = time.perf_counter()
         self.client.post_version(VersionManifest(shards=refs, **manifest))

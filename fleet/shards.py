@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import struct
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -30,6 +32,7 @@ _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"
               torch.int64: "I64", torch.int32: "I32", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
 _TORCH_DTYPES = {v: k for k, v in _ST_DTYPES.items()}
 CHUNK_BYTES = 1 << 20  # memoryview chunk of a stream: bounded send/write sizes, no copies
+MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit on the JSON header
 
 
 @dataclass(frozen=True)
@@ -87,7 +90,7 @@ def plan_shard(named: list[tuple[str, torch.Tensor]]) -> ShardPlan:
         size = t.numel() * t.element_size()
         meta[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
         offset += size
-    head = json.dumps(meta, separators=(",", ":")).encode()
+    head = json.dumps(meta, separators=(",", ":"), ensure_ascii=False).encode()  # raw UTF-8, as safetensors
     head += b" " * (-len(head) % 8)
     return ShardPlan(struct.pack("<Q", len(head)) + head, tuple(ordered))
 
@@ -117,13 +120,20 @@ def hash_shards(plans: list[ShardPlan], threads: int = 8) -> list[str]:
         return list(pool.map(ShardPlan.sha256, plans))
 
 
+def _uints(xs: Any) -> bool:
+    """A JSON list of non-negative integers (not bools, floats or strings)."""
+    return isinstance(xs, list) and all(type(x) is int and x >= 0 for x in xs)
+
+
 def parse_safetensors(buf: bytearray | memoryview | bytes | torch.Tensor) -> dict[str, torch.Tensor]:
     """Tensors of a safetensors file held in `buf`, as views of it (no copy; they alias `buf`, which must outlive
     them and stay unchanged; a `bytes` buffer gives read-only views: clone before writing).
 
     `buf`: the whole file (a bytearray, memoryview, bytes, or a uint8 CPU tensor, e.g. a pinned buffer).
-    Raises ValueError for a truncated or malformed header, an unknown dtype, offsets that overlap, leave gaps,
-    or fall outside the buffer, or a shape that does not match its byte range.
+    Raises ValueError for a truncated, oversized (> MAX_HEADER_BYTES) or malformed header (not UTF-8 JSON, an
+    entry whose shape or offsets are not lists of non-negative integers), an unknown dtype, offsets that overlap,
+    leave gaps, fall outside the buffer or are not aligned to the dtype, or a shape that does not match its
+    byte range.
     """
     raw = buf if isinstance(buf, torch.Tensor) else torch.frombuffer(buf, dtype=torch.uint8) if len(buf) else \
         torch.empty(0, dtype=torch.uint8)
@@ -133,37 +143,33 @@ def parse_safetensors(buf: bytearray | memoryview | bytes | torch.Tensor) -> dic
     if total < 8:
         raise ValueError("safetensors file shorter than its 8-byte header length")
     n = struct.unpack("<Q", bytes(raw[:8].numpy()))[0]
-    if n > total - 8:
-        raise ValueError(f"header length {n} exceeds the file ({total} bytes)")
+    if n > min(total - 8, MAX_HEADER_BYTES):
+        raise ValueError(f"header length {n} exceeds the file ({total} bytes) or {MAX_HEADER_BYTES} bytes")
     try:
-        meta = json.loads(bytes(raw[8:8 + n].numpy()))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"safetensors header is not JSON: {exc}") from exc
+        meta = json.loads(bytes(raw[8:8 + n].numpy()).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise ValueError(f"safetensors header is not UTF-8 JSON: {type(exc).__name__}") from exc
     if not isinstance(meta, dict):
         raise ValueError("safetensors header is not a JSON object")  # noqa: TRY004 - bad file content, not a type
     meta.pop("__metadata__", None)
     data = raw[8 + n:]
     spans, out = [], {}
     for name, info in meta.items():
-        try:
-            dtype = _TORCH_DTYPES[info["dtype"]]
-            shape = [int(d) for d in info["shape"]]
-            begin, end = (int(x) for x in info["data_offsets"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"tensor {name!r}: malformed header entry {info!r}") from exc
-        numel = 1
-        for d in shape:
-            if d < 0:
-                raise ValueError(f"tensor {name!r}: negative dimension in {shape}")
-            numel *= d
+        dtype = _TORCH_DTYPES.get(info.get("dtype")) if isinstance(info, dict) else None
+        shape = info.get("shape") if isinstance(info, dict) else None
+        offsets = info.get("data_offsets") if isinstance(info, dict) else None
+        if dtype is None or not _uints(shape) or not _uints(offsets) or len(offsets) != 2:
+            raise ValueError(f"tensor {name!r}: malformed header entry {str(info)[:200]}")
+        begin, end = offsets
+        numel = math.prod(shape)
         width = torch.empty(0, dtype=dtype).element_size()
-        if not 0 <= begin <= end <= data.numel() or end - begin != numel * width:
+        if not begin <= end <= data.numel() or end - begin != numel * width:
             raise ValueError(f"tensor {name!r}: data_offsets {[begin, end]} do not fit {shape} {dtype} "
                              f"in {data.numel()} data bytes")
         spans.append((begin, end))
         try:
             out[name] = data[begin:end].view(dtype).view(shape) if numel else torch.empty(shape, dtype=dtype)
-        except RuntimeError as exc:  # an offset not aligned to the dtype's width
+        except (RuntimeError, TypeError, OverflowError) as exc:  # unaligned offset, absurd empty shape
             raise ValueError(f"tensor {name!r}: {exc}") from exc
     pos = 0
     for begin, end in sorted(spans):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import tempfile
 import threading
 import time
 from collections import OrderedDict
@@ -207,15 +208,17 @@ class WeightCache:
 
     def _keep_on_disk(self, path: Path, buf: torch.Tensor) -> None:
         """Write a downloaded shard into the cache (atomically; no fsync: a lost file is fetched again)."""
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".part-{path.name}-{threading.get_ident()}")
+        tmp = None
         try:
-            with open(tmp, "wb") as f:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=".part-", dir=path.parent)  # unique across worker processes
+            with os.fdopen(fd, "wb") as f:
                 f.write(memoryview(buf.numpy()))
             os.replace(tmp, path)
         except OSError as exc:  # a full disk costs the cache, not the version
             log.warning("shard %s not cached on disk: %s", path.name, exc)
-            tmp.unlink(missing_ok=True)
+            if tmp is not None:
+                Path(tmp).unlink(missing_ok=True)
 
     def shard_buffer(self, ref: ShardRef) -> torch.Tensor:
         """The verified bytes of one shard as a uint8 tensor (pinned for a CUDA device), read from this worker's
@@ -227,22 +230,29 @@ class WeightCache:
         Raises CorruptBlobError if SHARD_FETCH_TRIES downloads all arrive corrupt.
         """
         path = self.shard_path(ref.sha256)
-        shared = self.shared_blob_dir / ref.sha256[:2] / ref.sha256 if self.shared_blob_dir else None
-        if shared is not None and not path.is_file() and shared.is_file():
-            try:
-                buf = self._read(shared, ref.bytes)
-            except (OSError, CorruptBlobError):
-                buf = None  # pruned or replaced underneath us: fetch it instead
-            if buf is not None and self._sha256(buf) == ref.sha256:
-                self.metrics.cache_hits.labels("shared").inc()
-                return buf
-            self.metrics.corrupt.inc()
-        if path.is_file():
-            try:
-                buf = self._read(path, ref.bytes)
-            except CorruptBlobError:
+        if self.shared_blob_dir is not None:
+            try:  # no is_file() first: a pruned file or a directory this worker may not enter is just a miss
+                buf = self._read(self.shared_blob_dir / ref.sha256[:2] / ref.sha256, ref.bytes)
+            except OSError:
                 buf = None
-            if buf is not None and self._sha256(buf) == ref.sha256:
+            except CorruptBlobError:  # another size than the manifest's
+                buf = None
+                self.metrics.corrupt.inc()
+            if buf is not None:
+                if self._sha256(buf) == ref.sha256:
+                    self.metrics.cache_hits.labels("shared").inc()
+                    return buf
+                self.metrics.corrupt.inc()
+        try:
+            buf = self._read(path, ref.bytes)
+        except OSError:  # not cached (or pruned meanwhile by another worker sharing the cache)
+            buf = None
+        except CorruptBlobError:
+            buf = None
+            self.metrics.corrupt.inc()
+            path.unlink(missing_ok=True)
+        if buf is not None:
+            if self._sha256(buf) == ref.sha256:
                 self.metrics.cache_hits.labels("shard").inc()
                 return buf
             self.metrics.corrupt.inc()

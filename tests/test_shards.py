@@ -96,3 +96,38 @@ def test_plan_rejects_mixed_dtypes_and_repeats():
         plan_shard([("a", torch.ones(2)), ("b", torch.ones(2, dtype=torch.bfloat16))])
     with pytest.raises(ValueError, match="repeat"):
         plan_shard([("a", torch.ones(2)), ("a", torch.ones(3))])
+
+
+@pytest.mark.parametrize("entry", [
+    {"dtype": "F32", "shape": [float("inf")], "data_offsets": [0, 8]},
+    {"dtype": "F32", "shape": [2], "data_offsets": [0, float("inf")]},
+    {"dtype": "F32", "shape": "2", "data_offsets": [0, 8]},
+    {"dtype": "F32", "shape": [2], "data_offsets": "08"},
+    {"dtype": "F32", "shape": [2.0], "data_offsets": [0, 8]},
+    {"dtype": "F32", "shape": [True, 2], "data_offsets": [0, 8]},
+    {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]},
+    {"dtype": "F32", "shape": [0, 10**30], "data_offsets": [0, 0]},
+    {"dtype": "F32", "shape": [2], "data_offsets": [0, 8, 9]},
+    "not an entry",
+])
+def test_parse_rejects_ill_typed_entries_with_value_error(entry):
+    import json
+
+    head = json.dumps({"t": entry}).encode()
+    with pytest.raises(ValueError):
+        parse_safetensors(bytearray(struct.pack("<Q", len(head)) + head + b"\0" * 8))
+
+
+def test_parse_rejects_deeply_nested_headers_and_non_utf8():
+    deep = b"[" * 200_000
+    with pytest.raises(ValueError):
+        parse_safetensors(bytearray(struct.pack("<Q", len(deep)) + deep))
+    head = '{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}'.encode("utf-16")
+    with pytest.raises(ValueError):
+        parse_safetensors(bytearray(struct.pack("<Q", len(head)) + head + b"\0" * 4))
+
+
+def test_non_ascii_names_stream_the_same_bytes_as_save():
+    named = [("é.poids", torch.ones(2)), ("a", torch.zeros(1))]
+    assert plan_shard(named).to_bytes() == save(dict(named))
+    assert torch.equal(parse_safetensors(bytearray(save(dict(named))))["é.poids"], torch.ones(2))

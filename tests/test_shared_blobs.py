@@ -71,3 +71,39 @@ def test_a_corrupt_shared_copy_is_skipped_and_the_shard_downloaded(env, tmp_path
     assert metrics.weight_bytes._value.get() == bad.bytes  # only the corrupt one travelled
     assert metrics.cache_hits.labels("shared")._value.get() == len(manifest.shards) - 1
     be.close()
+
+
+def test_a_wrong_blob_dir_is_refused_even_when_the_coordinator_already_holds_the_shards(env, tmp_path):  # noqa: F811
+    """The first run uploads over HTTP; a second run of the same weights with a blob_dir that is not the
+    coordinator's must not take the coordinator's copies of those shards as proof (review of issue 15)."""
+    model = tiny_model(seed=3)
+    first = _backend(env, model, "first", None)
+    first.publish(0)
+    second = _backend(env, model, "second", tmp_path / "not-the-store")
+    assert second.local_blobs is None and "not the coordinator's blob directory" in second.blob_dir_note
+    second.publish(0)
+    with torch.no_grad():
+        model.transformer.ln_f.weight.add_(1.0)
+    second.publish(1)  # new shards go over HTTP: registration finds them
+    assert second.publish_timings[1]["local"] == 0.0
+    assert list((tmp_path / "not-the-store").glob("??/*")) == []  # the probe blob was removed
+    first.close()
+    second.close()
+
+
+def test_an_unwritable_blob_dir_falls_back_to_http(env, tmp_path):  # noqa: F811
+    model = tiny_model(seed=4)
+    (tmp_path / "a-file").write_text("x")
+    be = _backend(env, model, "unwritable", tmp_path / "a-file" / "blobs")  # mkdir under a file: OSError
+    assert be.local_blobs is None and "cannot be written" in be.blob_dir_note
+    be.publish(0)
+    assert be.publish_timings[0]["local"] == 0.0
+    be.close()
+
+
+def test_an_empty_blob_dir_variable_means_none(monkeypatch):
+    from fleet.attach import FleetSettings
+
+    monkeypatch.setenv("SPARECYCLES_BLOB_DIR", "")
+    s = FleetSettings(admin_token="t", redis_url="redis://127.0.0.1:6379/0")
+    assert s.blob_dir is None
