@@ -89,14 +89,15 @@ class PaperData:
     def size(self, split: str) -> int:
         return int(self.splits[split][2].shape[0])
 
-    def batch(self, seed: int, iteration: int, batch_size: int) -> Buckets:
+    def batch(self, seed: int, iteration: int, batch_size: int, max_chunks: int | None = None) -> Buckets:
         """Training batch `iteration`: the rows trainer.zo.paper.batch_rows (with replacement) draws, as
-        length-bucketed chunks (trainer.zo.length_buckets.bucket_batch; the same rows as one padded batch)."""
+        length-bucketed chunks (trainer.zo.length_buckets.bucket_batch; the same rows as one padded batch).
+        max_chunks: this batch's chunk limit (None: the data's; 1: one padded batch)."""
         rows = batch_rows(seed, iteration, self.size("train"), batch_size)
         ids, mask, labels = self.splits["train"]
         r = rows.to(ids.device)
-        return bucket_batch(ids[r], mask[r], labels[r], self.lengths["train"][rows], self.max_chunks,
-                            self.min_rows)
+        return bucket_batch(ids[r], mask[r], labels[r], self.lengths["train"][rows],
+                            self.max_chunks if max_chunks is None else max_chunks, self.min_rows)
 
     def eval_buckets(self, split: str) -> Buckets:
         """The whole `split` as length-bucketed chunks (computed once, cached)."""
@@ -222,7 +223,7 @@ def run_zo_arm(data: PaperData, model: torch.nn.Module, arm: dict, *, seed: int 
     for it in range(start, arm["max_iters"]):
         lr, eps = arm["lr"] * state.scale, arm["eps"] * state.scale
         loss_fn.reset()
-        st = stepper.step(it, data.batch(seed, it, bs), loss_fn, lr, eps)
+        st = stepper.step(it, data.batch(seed, it, bs, arm.get("max_chunks")), loss_fn, lr, eps)
         if keep_ledger:
             ledger.append([st["seeds"], st["coeffs"], eps])
         state = plateau_update(state, loss_fn.first_acc, arm.get("patience", PAPER.patience))

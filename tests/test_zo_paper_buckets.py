@@ -110,6 +110,9 @@ def test_paper_batches_keep_the_drawn_rows_and_the_eval_covers_every_row():
     want = (ids[rows, 0] * 1000 + mask[rows].sum(1)).sort().values
     assert torch.equal(got, want)  # the same multiset of (row id, length): sorting changed only the order
     assert torch.cat([c[2] for c in b]).sum() == splits["train"][2][rows].sum()
+    one = data.batch(0, 3, 128, max_chunks=1)  # A2's setting: one batch padded to its longest drawn row
+    assert len(one) == 1 and one[0][0].shape == (128, int(mask[rows].sum(1).max()))
+    assert torch.equal((one[0][0][:, 0] * 1000 + one[0][1].sum(1)).sort().values, want)
     model = _tiny_prompt_classifier()
     with torch.no_grad():
         v_ids, v_mask, v_lab = splits["val"]
