@@ -76,8 +76,9 @@ def test_merge_keeps_included_arms_unless_rerun():
 def test_resumed_arm_equals_the_uninterrupted_run():
     """A1 stopped on time after 1 iteration, then resumed from its ledger to 4: the same weights (fingerprint,
     bit for bit), losses and train accuracies as one run of 4 iterations; the plateau state carries over."""
-    from benchmarks.zo_paper import run_zo_arm
     from test_zo_paper import _Tiny, _tiny_data
+
+    from benchmarks.zo_paper import run_zo_arm
 
     data = _tiny_data()
     arm = dict(paper_arms(1e9, ("A1",))[0], probes=6, max_iters=4, patience=1, lr=1e-3, eps=1e-2)
@@ -100,8 +101,9 @@ def test_two_calls_merge_into_one_summary(tmp_path):
     """Call 1 runs A1 only (no drift); call 2 runs A2 and A3w, including call 1: A3w's lr comes from the
     included A1's mean w, the drift replays the included ledger, A1 is carried over unchanged, and the table
     lists all three in the canonical order."""
-    from benchmarks.zo_paper import paper_comparison
     from test_zo_paper import _Tiny, _tiny_data
+
+    from benchmarks.zo_paper import paper_comparison
 
     data = _tiny_data()
     calls = []
