@@ -172,9 +172,11 @@ class CoordinatorClient:
         r = self.request("POST", f"/v1/workers/{worker_id}/heartbeat", json=hb.model_dump(mode="json"))
         return HeartbeatReply.model_validate_json(r.content)
 
-    def run_info(self, run: str) -> RunInfo:
-        """`GET /v1/runs/{run}`."""
-        return RunInfo.model_validate_json(self.request("GET", f"/v1/runs/{run}").content)
+    def run_info(self, run: str, newer_than: int | None = None, wait_s: float = 0.0) -> RunInfo:
+        """`GET /v1/runs/{run}`; with `newer_than` and `wait_s` (seconds, <= 10, below this client's timeout) a
+        long poll that answers once the run's latest version exceeds `newer_than`, or after `wait_s`."""
+        params = {"newer_than": newer_than, "wait_s": wait_s} if newer_than is not None and wait_s > 0 else None
+        return RunInfo.model_validate_json(self.request("GET", f"/v1/runs/{run}", params=params).content)
 
     def version(self, run: str, version: int) -> VersionManifest:
         """`GET /v1/runs/{run}/versions/{version}`: a version's manifest."""

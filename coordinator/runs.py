@@ -63,7 +63,8 @@ class RunStore:
         return IntakeCounts(run=run, stale=int(h[1] or 0), duplicate=int(h[2] or 0))
 
     def latest_version(self, run: str) -> int:
-        """Newest version of a run (-1 if none)."""
+        """Newest version of a run (-1 if none): one HGET (the long poll of GET /v1/runs/{run} reads it). Raises
+        NotFound."""
         v = self.r.hget(self.k_run(run, "run"), "latest_version")
         if v is None:
             raise NotFound(f"unknown run {run}")

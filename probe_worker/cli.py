@@ -29,7 +29,8 @@ def worker(
     control_interval: Annotated[float, typer.Option(min=0.05, help="Seconds between heartbeats/drain checks")] = 0.5,
     soft_shutdown: Annotated[float, typer.Option(min=0.0, help="Seconds SIGTERM waits for the in-flight task")] = 30.0,
     prefetch_interval: Annotated[float, typer.Option(min=0.0, help="Seconds between checks for a new version "
-                                                     "to load ahead of its rounds (0: load at the first task)")] = 1.0,
+                                                     "to load ahead of its rounds (with one run: back-to-back 2 s "
+                                                     "long polls instead; 0: load at the first task)")] = 1.0,
     yield_gpu_util: Annotated[float | None, typer.Option(min=1.0, max=100.0, help="Drain while other work keeps "
                                                           "the GPU at least this busy (percent; needs "
                                                           "nvidia-ml-py)")] = None,

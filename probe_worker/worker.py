@@ -19,6 +19,7 @@ import logging
 import signal
 import socket
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +33,7 @@ from probe_worker.metrics import default_metrics, serve_metrics
 from probe_worker.runtime import ProbeRuntime
 from probe_worker.tasks import BusyPolicy, DrainState, gpu_utilization_reader, register_probe_task
 
+LONG_POLL_S = 2.0  # a prefetch long poll's wait (short: a stopping coordinator waits for pending ones)
 log = logging.getLogger("sparecycles.worker")
 IDLE_QUEUE = "sparecycles.idle"  # consumed only while no run queue exists (Celery needs at least one)
 
@@ -169,18 +171,28 @@ class ProbeWorker:
 
     def _prefetch_loop(self) -> None:
         # Load each consumed run's latest published version before its first round arrives, so a new
-        # version is ready on every worker shortly after publishing (not at the first task).
-        while not self._stop.wait(self.opts.prefetch_interval_s):
+        # version is ready on every worker shortly after publishing (not at the first task). With one run
+        # consumed (the usual case) each check is a long poll (GET /v1/runs/{run}?newer_than=&wait_s=): a new
+        # version starts loading within ~50 ms of its registration; with several, each is checked once per
+        # prefetch interval. A coordinator that ignores the long poll answers at once and is polled per interval.
+        wait = 0.0
+        while not self._stop.wait(wait):
+            wait = self.opts.prefetch_interval_s
             if self.drain.draining:
                 continue
-            for q in sorted(self.consumed - {IDLE_QUEUE}):
-                run = q.rsplit(".", 1)[-1]  # queues are "<prefix>.<run>"; run ids contain no dot
+            runs = [q.rsplit(".", 1)[-1] for q in sorted(self.consumed - {IDLE_QUEUE})]  # "<prefix>.<run>"
+            long_poll = LONG_POLL_S if len(runs) == 1 else 0.0
+            for run in runs:
                 try:
-                    latest = self.client.run_info(run).latest_version
-                    if latest > self._prefetched.get(run, -1):  # each version once: no LRU thrash across runs
+                    t0 = time.monotonic()
+                    seen = self._prefetched.get(run, -1)
+                    latest = self.client.run_info(run, newer_than=seen, wait_s=long_poll).latest_version
+                    if latest > seen:  # each version once: no LRU thrash across runs
                         self._prefetched[run] = latest
                         self.runtime.prefetch(run, latest)  # not while a task's probe swaps weights in
                         self.drain.changed.set()  # heartbeat now: the coordinator (and `up`) see the version
+                    if long_poll and (latest > seen or time.monotonic() - t0 >= long_poll / 2):
+                        wait = 0.0  # the long poll did the waiting
                 except Exception as exc:  # noqa: BLE001 - a ledger-only version or a hiccup: tasks load lazily
                     log.debug("prefetch of run %s skipped: %s", run, exc)
 

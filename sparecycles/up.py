@@ -259,9 +259,6 @@ def _train_with_fleet(plan: UpPlan, progress: bool, log: Callable[[str], None],
                 # of an older round while the next two arrive, instead of reloading them from the blob store per task
                 # (measured on H200: 4-5 s per task of 4 seeds with the default 2, GPU idle).
                 extra += ["--keep-versions", "4"]
-                # A few local workers can poll often: a new version starts loading within 0.25 s of its publish
-                # (the default 1 s suits a large fleet; each poll is one GET per worker).
-                extra += ["--prefetch-interval", "0.25"]
                 sup.start(f"worker-{i}", py + ["worker", "--coordinator", base, "--name", f"local-{i}",
                                                "--device", dev, *extra], worker_env)
             log(f"probe workers on {', '.join(devices)}; forward at the published float32 weights")

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 from typing import Annotated
 
 from fastapi import APIRouter, Query
+from fastapi.concurrency import run_in_threadpool
 
 from api.deps import Admin, Reader, RunP, StoreD, VersionP
 from coordinator.errors import Invalid
@@ -18,9 +21,28 @@ def create_run(body: RunSpec, store: StoreD) -> RunInfo:
     return store.create_run(body)
 
 
+MAX_WAIT_S = 10.0  # a long poll's limit: bounds how long a graceful shutdown waits for pending ones
+POLL_S = 0.05  # how often a waiting request re-reads the run's latest version (one HGET)
+
+
 @router.get("/{run}", dependencies=[Reader])
-def get_run(run: RunP, store: StoreD) -> RunInfo:
-    return store.run_info(run)
+async def get_run(run: RunP, store: StoreD,
+                  newer_than: Annotated[int | None, Query(ge=-1, description="Long poll: wait for a version above this")] = None,
+                  wait_s: Annotated[float, Query(ge=0.0, le=MAX_WAIT_S, description="Long poll: seconds to wait at most")] = 0.0,
+                  ) -> RunInfo:
+    """The run's spec, queue, latest version and open rounds. With `newer_than` and `wait_s` a long poll: the
+    reply comes as soon as the latest version exceeds `newer_than` (checked every POLL_S seconds), or after
+    `wait_s` seconds with the run as it is, so a worker learns of a new version within ~50 ms of its
+    registration without polling on a short period. 404 for an unknown run."""
+    info = await run_in_threadpool(store.run_info, run)
+    if newer_than is None or wait_s <= 0 or info.latest_version > newer_than:
+        return info
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        await asyncio.sleep(min(POLL_S, max(0.0, deadline - time.monotonic())))
+        if await run_in_threadpool(store.latest_version, run) > newer_than:
+            break
+    return await run_in_threadpool(store.run_info, run)
 
 
 @router.get("/{run}/intake", dependencies=[Reader])
