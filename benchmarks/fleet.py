@@ -198,12 +198,11 @@ def run_fleet_bench(redis_url: str, worker_counts: tuple[int, ...] = (1, 2, 4), 
     from trainer.zo.probes import RoundSpec
 
     res = FleetBenchResult(preset, seeds, seeds_per_task, batch, threads, os.cpu_count() or 1,
-                           worker_devices=tuple(devices), trainer_device=trainer_device)
+                           worker_devices=tuple(devices), trainer_device=trainer_device, blob_path=blob_path)
     keep = os.environ.get("SPARECYCLES_BENCH_KEEP") == "1"  # keep the coordinator's and workers' logs
     with (contextlib.nullcontext(tempfile.mkdtemp(prefix="sparecycles-bench-")) if keep
           else tempfile.TemporaryDirectory(prefix="sparecycles-bench-")) as tmp:
         fleet = _Fleet(redis_url, Path(tmp), threads, devices, blob_path)
-        res.blob_path = blob_path
         try:
             model = build_model(preset)
             xb = _batch(*batch, model.config.vocab_size, seed=0)

@@ -12,10 +12,7 @@ raised as `CorruptBlobError` (never handed to a loader).
 from __future__ import annotations
 
 import hashlib
-import os
-import tempfile
 from collections.abc import Callable, Iterable, Iterator
-from pathlib import Path
 from typing import Any, Self, TypeVar
 
 import httpx
@@ -242,39 +239,6 @@ class CoordinatorClient:
     def round_info(self, run: str, round_id: str) -> RoundInfo:
         """`GET /v1/runs/{run}/rounds/{round_id}`: a round's progress."""
         return RoundInfo.model_validate_json(self.request("GET", f"/v1/runs/{run}/rounds/{round_id}").content)
-
-    def download_blob(self, sha256: str, dest: Path) -> int:
-        """Stream `GET /v1/blobs/{sha256}` into `dest` (atomically), verifying the hash; return its size.
-
-        Raises CorruptBlobError (nothing written) if the content's sha256 differs (the caller decides
-        whether to fetch again); transient HTTP errors are retried.
-        """
-        dest = Path(dest)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-
-        def once() -> int:
-            fd, tmp = tempfile.mkstemp(prefix=".part-", dir=dest.parent)
-            try:
-                digest, size = hashlib.sha256(), 0
-                with os.fdopen(fd, "wb") as f, self._http.stream(
-                    "GET", f"/v1/blobs/{sha256}", headers=self._headers(None)
-                ) as r:
-                    if r.status_code >= 400:
-                        r.read()
-                        raise CoordinatorHTTPError("GET", f"/v1/blobs/{sha256}", r.status_code, r.text)
-                    for chunk in r.iter_bytes(1 << 20):
-                        digest.update(chunk)
-                        size += len(chunk)
-                        f.write(chunk)
-                if digest.hexdigest() != sha256:
-                    raise CorruptBlobError(f"blob {sha256} arrived with sha256 {digest.hexdigest()}; discarded")
-                os.replace(tmp, dest)
-                return size
-            finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
-
-        return self._retrying(once)
 
     def download_blob_into(self, sha256: str, out: memoryview) -> None:
         """Stream `GET /v1/blobs/{sha256}` into `out` (exactly its size in bytes, e.g. a pinned buffer's view),

@@ -27,7 +27,8 @@ import secrets
 import time
 from collections import Counter, deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_all
 from pathlib import Path
 from typing import Any
 
@@ -223,9 +224,12 @@ class CoordinatorBackend:
         self.publish_timings: dict[int, dict[str, float]] = {}
 
     def _upload(self, data: bytes) -> str:
-        sha = hashlib.sha256(data).hexdigest()
+        return self._put(hashlib.sha256(data).hexdigest(), data)
+
+    def _put(self, sha: str, body, nbytes: int | None = None) -> str:
+        """PUT `body` (bytes, or a chunk callable of `nbytes`) as `sha` unless this backend sent it already."""
         if sha not in self._uploaded:
-            self.client.put_blob(sha, data)
+            self.client.put_blob(sha, body, nbytes)
             self._uploaded.add(sha)
         return sha
 
@@ -267,11 +271,7 @@ class CoordinatorBackend:
             else:
                 self._uploaded.add(sha)
                 return sha
-        sha = plan.sha256()
-        if sha not in self._uploaded:
-            self.client.put_blob(sha, plan.chunks, plan.nbytes)
-            self._uploaded.add(sha)
-        return sha
+        return self._put(plan.sha256(), plan.chunks, plan.nbytes)
 
     def _run(self, job: Callable[[], None]) -> None:
         """Run `job` now, or queue it on the background thread (after every job queued before it). Once a
@@ -382,7 +382,7 @@ class CoordinatorBackend:
         plans = shards()
         t1 = time.perf_counter()
         futures = [self._shard_pool.submit(self._store_shard, p) for _, p in plans]
-        wait(futures)  # every stream has ended before a failure lets the caller reuse the host buffers
+        wait_all(futures)  # every stream has ended before a failure lets the caller reuse the host buffers
         shas = [f.result() for f in futures]
         refs = [ShardRef(name=name, sha256=sha, bytes=p.nbytes) for (name, p), sha in zip(plans, shas)]
         t2 = time.perf_counter()

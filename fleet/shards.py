@@ -22,7 +22,6 @@ import json
 import math
 import struct
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,7 +60,7 @@ class ShardPlan:
     def sha256(self) -> str:
         """Hex sha256 of the shard's bytes (hashlib releases the GIL: shards hash in parallel threads)."""
         h = hashlib.sha256()
-        for c in self.chunks(64 << 20):
+        for c in self.chunks():
             h.update(c)
         return h.hexdigest()
 
@@ -110,14 +109,6 @@ def plan_shards(named: list[tuple[str, torch.Tensor]], shard_bytes: int = 256 <<
         groups[-1].append((name, t))
         size += nbytes
     return [(f"shard-{i:05d}.safetensors", plan_shard(g)) for i, g in enumerate(groups)]
-
-
-def hash_shards(plans: list[ShardPlan], threads: int = 8) -> list[str]:
-    """sha256 of each shard, `threads` at a time (hashlib's update runs without the GIL)."""
-    if len(plans) <= 1 or threads <= 1:
-        return [p.sha256() for p in plans]
-    with ThreadPoolExecutor(min(threads, len(plans)), thread_name_prefix="shard-hash") as pool:
-        return list(pool.map(ShardPlan.sha256, plans))
 
 
 def _uints(xs: Any) -> bool:

@@ -198,13 +198,18 @@ class WeightCache:
                 raise CorruptBlobError(f"{path} is longer than its {size} bytes")
         return buf
 
-    @staticmethod
-    def _sha256(buf: torch.Tensor) -> str:
-        h = hashlib.sha256()
-        view = memoryview(buf.numpy())
-        for start in range(0, len(view), 64 << 20):
-            h.update(view[start:start + (64 << 20)])
-        return h.hexdigest()
+    def _read_verified(self, path: Path, ref: ShardRef) -> tuple[torch.Tensor | None, bool]:
+        """(the file's bytes if they hash to `ref`, else None; whether a file was there but wrong). A missing or
+        unreadable file (pruned meanwhile, a directory this worker may not enter) is a plain miss."""
+        try:
+            buf = self._read(path, ref.bytes)
+        except OSError:
+            return None, False
+        except CorruptBlobError:  # another size than the manifest's
+            return None, True
+        if hashlib.sha256(memoryview(buf.numpy())).hexdigest() != ref.sha256:
+            return None, True
+        return buf, False
 
     def _keep_on_disk(self, path: Path, buf: torch.Tensor) -> None:
         """Write a downloaded shard into the cache (atomically; no fsync: a lost file is fetched again)."""
@@ -221,8 +226,8 @@ class WeightCache:
                 Path(tmp).unlink(missing_ok=True)
 
     def shard_buffer(self, ref: ShardRef) -> torch.Tensor:
-        """The verified bytes of one shard as a uint8 tensor (pinned for a CUDA device), read from this worker's
-        cache, else from the shared blob directory (`shared_blob_dir`), else downloaded into the cache.
+        """The verified bytes of one shard as a uint8 tensor (pinned for a CUDA device), read from the shared blob
+        directory (`shared_blob_dir`), else from this worker's cache, else downloaded into the cache.
 
         Every buffer is hashed after it is read and before it is parsed (the parse reads this buffer, so nothing
         unverified is ever loaded); a download is hashed as it arrives into the buffer, then kept on disk. A
@@ -231,30 +236,17 @@ class WeightCache:
         """
         path = self.shard_path(ref.sha256)
         if self.shared_blob_dir is not None:
-            try:  # no is_file() first: a pruned file or a directory this worker may not enter is just a miss
-                buf = self._read(self.shared_blob_dir / ref.sha256[:2] / ref.sha256, ref.bytes)
-            except OSError:
-                buf = None
-            except CorruptBlobError:  # another size than the manifest's
-                buf = None
-                self.metrics.corrupt.inc()
+            buf, corrupt = self._read_verified(self.shared_blob_dir / ref.sha256[:2] / ref.sha256, ref)
             if buf is not None:
-                if self._sha256(buf) == ref.sha256:
-                    self.metrics.cache_hits.labels("shared").inc()
-                    return buf
-                self.metrics.corrupt.inc()
-        try:
-            buf = self._read(path, ref.bytes)
-        except OSError:  # not cached (or pruned meanwhile by another worker sharing the cache)
-            buf = None
-        except CorruptBlobError:
-            buf = None
-            self.metrics.corrupt.inc()
-            path.unlink(missing_ok=True)
-        if buf is not None:
-            if self._sha256(buf) == ref.sha256:
-                self.metrics.cache_hits.labels("shard").inc()
+                self.metrics.cache_hits.labels("shared").inc()
                 return buf
+            if corrupt:
+                self.metrics.corrupt.inc()
+        buf, corrupt = self._read_verified(path, ref)
+        if buf is not None:
+            self.metrics.cache_hits.labels("shard").inc()
+            return buf
+        if corrupt:
             self.metrics.corrupt.inc()
             path.unlink(missing_ok=True)  # never load it; fetch a good copy instead
         buf = torch.empty(ref.bytes, dtype=torch.uint8, pin_memory=self._pin)
@@ -352,11 +344,9 @@ class WeightCache:
     def _load_snapshot(self, run: str, version: int, manifest: VersionManifest) -> LoadedVersion:
         """Fetch (only missing shards), verify and load a snapshot version; prune old shards from disk."""
         tensors: dict[str, torch.Tensor] = {}
-        if len(manifest.shards) > 1:  # read and hash the shards in parallel (hashlib and file reads drop the GIL)
-            with ThreadPoolExecutor(min(8, len(manifest.shards)), thread_name_prefix="shard-read") as pool:
-                bufs = list(pool.map(self.shard_buffer, manifest.shards))
-        else:
-            bufs = [self.shard_buffer(ref) for ref in manifest.shards]
+        # read and hash the shards in parallel (hashlib and file reads drop the GIL)
+        with ThreadPoolExecutor(max(1, min(8, len(manifest.shards))), thread_name_prefix="shard-read") as pool:
+            bufs = list(pool.map(self.shard_buffer, manifest.shards))
         for buf in bufs:
             part = parse_safetensors(buf)  # views of the verified buffer: no second copy
             if set(part) & set(tensors):
