@@ -287,7 +287,7 @@ def sentiment_comparison(out_dir: Path, *, budget: int = 6000, device: str = "cp
             r = sentiment_run(task, method, lr=lr, budget=budget, probes=probes, eps=eps, alpha=alpha, lam=lam,
                               batch_size=batch_size, seed=seed, device=device, head_init=head_init, evals=evals,
                               model=model,
-                              on_eval=lambda p, t0=t0: (save(dict(p, wall_s=time.perf_counter() - t0)),
+                              on_eval=lambda p, t0=t0, method=method, lr=lr: (save(dict(p, wall_s=time.perf_counter() - t0)),
                                                         print(f"{method} lr {lr:g}: {p['curve'][-1]}", flush=True)))
             r["wall_s"] = time.perf_counter() - t0
             runs.append(r)

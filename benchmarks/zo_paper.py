@@ -595,7 +595,8 @@ def h_precision_check(model: torch.nn.Module, batch: Buckets | Split, seeds: lis
     left unchanged."""
     from kernels import perturb_model
 
-    loss = lambda m: float(bucketed_ce(m, _as_buckets(batch))[0])
+    def loss(m):
+        return float(bucketed_ce(m, _as_buckets(batch))[0])
     blocks = canonical_blocks(model)
     params, offsets = [b.param.data for b in blocks], [b.offset for b in blocks]
     clean = [p.clone() for p in params]

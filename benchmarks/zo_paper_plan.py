@@ -131,7 +131,7 @@ def merge_include(include: dict[str, Any] | None, names_now: list[str], resume: 
                 done.append(n)
     restart = set(names_now) - set(done) - set(cont)
     return {"arms": {n: r for n, r in old_arms.items() if n not in restart and n not in cont},
-            "ledgers": {n: l for n, l in old_ledgers.items() if n not in restart},
+            "ledgers": {n: led for n, led in old_ledgers.items() if n not in restart},
             "resume": cont, "done": done,
             "drift": None if "A1" in names_now and "A1" not in done else inc.get("drift"),
             "calls": list(inc.get("meta", {}).get("calls", []))}

@@ -114,7 +114,7 @@ def up(
         raise typer.Exit(2) from exc
     except KeyboardInterrupt:
         typer.echo("interrupted: every process stopped; rerun the same command to resume", err=True)
-        raise typer.Exit(130)
+        raise typer.Exit(130) from None
     typer.echo(json.dumps(summary, indent=2))
     disk = summary["disk_mb"]
     parts = ", ".join(f"{k} {v:.1f}" for k, v in disk.items() if k != "total" and v >= 0.1)

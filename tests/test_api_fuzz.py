@@ -16,9 +16,9 @@ import pytest
 import schemathesis
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, settings
-from support.coordinator import cleanup, make_settings
 
 from api.app import create_app
+from support.coordinator import cleanup, make_settings
 
 _SETTINGS = make_settings(Path(tempfile.mkdtemp(prefix="sc-fuzz-")))
 _APP = create_app(_SETTINGS)

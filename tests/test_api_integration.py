@@ -7,11 +7,11 @@ import time
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from support.coordinator import Env, result, round_body, running_env
 
 from coordinator.messages import WorkerRegistered
 from coordinator.store import spot_check_selected
 from coordinator.stream import ResultStreamReader
+from support.coordinator import Env, result, round_body, running_env
 
 
 @pytest.fixture
@@ -245,7 +245,8 @@ def test_every_intake_outcome_is_counted(env: Env):
     )
     env.publish_version("c", 0, b"c0")
     assert env.admin.post("/v1/runs/c/rounds", json=dict(rnd, run="c", want_clean=False)).status_code == 201
-    cpost = lambda res: w.post("/v1/runs/c/results", json={"results": res}).json()["outcomes"]
+    def cpost(res):
+        return w.post("/v1/runs/c/results", json={"results": res}).json()["outcomes"]
     outs = cpost([result("c", "r0", 1, wid)])
     assert outs == ["unattested"]
     seen["unattested"] = 1
@@ -291,7 +292,8 @@ def test_spot_check_disagreement_quarantines_the_odd_one_out(env: Env):
     assert [t["kwargs"]["replica"] for t in tasks] == [0, 1] and tasks[1]["kwargs"]["seeds"] == spot
     (ra, a), (rb, b), (rc, c) = env.enroll("honest"), env.enroll("liar"), env.enroll("tiebreak")
     A, B, C = ra["worker_id"], rb["worker_id"], rc["worker_id"]
-    post = lambda cl, res: cl.post(f"/v1/runs/{run}/results", json={"results": res}).json()["outcomes"]
+    def post(cl, res):
+        return cl.post(f"/v1/runs/{run}/results", json={"results": res}).json()["outcomes"]
 
     s0, s1 = spot[0], spot[1]
     # the liar evaluated a plain seed first (accepted, unverified) -> retracted once it is caught
@@ -339,10 +341,9 @@ def test_spot_check_disagreement_quarantines_the_odd_one_out(env: Env):
 def test_coordinator_restart_keeps_state_and_dedupe(tmp_path):
     """A second coordinator process on the same Redis continues the run: tokens, rounds and the dedupe
     record survive, a completed round is timed once, and nothing reaches the stream twice."""
-    from support.coordinator import cleanup, make_settings
-
     from api.app import create_app
     from api.server import ServerThread
+    from support.coordinator import cleanup, make_settings
 
     settings = make_settings(tmp_path)
     try:

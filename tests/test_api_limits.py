@@ -18,9 +18,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from support.coordinator import REDIS_URL, cleanup, make_settings
 
 from api.server import free_port
+from support.coordinator import REDIS_URL, cleanup, make_settings
 
 MIB = 1 << 20
 

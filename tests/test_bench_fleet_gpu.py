@@ -5,10 +5,10 @@ zocurv-line's two versions per interval, in order, and reports the training it t
 from __future__ import annotations
 
 import torch
-from support.models import tiny_gpt2
 
 from benchmarks.fleet_gpu import compare_losses, trainer_cost
 from fleet.batch_wire import loss_for_kind
+from support.models import tiny_gpt2
 from trainer.zo.backend import InProcessBackend
 from trainer.zo.probes import RoundSpec
 

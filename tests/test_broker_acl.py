@@ -14,13 +14,13 @@ import httpx
 import pytest
 import redis
 from kombu import Connection
-from support.valkey import Valkey
 
 from api.app import create_app
 from api.server import ServerThread
 from coordinator.broker_acl import with_credentials, worker_acl_rules
 from coordinator.settings import generate_dev_settings
 from coordinator.store import Store
+from support.valkey import Valkey
 
 
 def test_rules_and_urls_are_pure():
@@ -131,11 +131,10 @@ def test_quarantined_worker_cannot_touch_registry_keys(fleet):
 def test_real_worker_process_runs_rounds_with_its_own_broker_user(tmp_path):
     """A probe-worker process (Celery) evaluates rounds with only its ACL user's rights, also across an
     8 s broker outage with a Redis restart (issue 14 case 5 end to end)."""
-    from support.fleet import Fleet, make_batch
-    from support.models import tiny_gpt2 as tiny_model
-
     from coordinator.messages import RunSpec
     from fleet.backend import CoordinatorBackend
+    from support.fleet import Fleet, make_batch
+    from support.models import tiny_gpt2 as tiny_model
     from trainer.zo.probes import RoundSpec
 
     v = Valkey(tmp_path / "valkey", password=secrets.token_urlsafe(16))

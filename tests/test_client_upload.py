@@ -10,10 +10,10 @@ import hashlib
 import os
 
 import pytest
-from support.coordinator import running_env
 
 from coordinator.blobs import BlobStore
 from coordinator.client import CoordinatorClient, CoordinatorHTTPError, upload_chunks
+from support.coordinator import running_env
 
 
 @pytest.mark.parametrize(("size", "chunk"), [(0, 4), (1, 4), (4, 4), (10, 4), (10, 3), (4096, 1000)])

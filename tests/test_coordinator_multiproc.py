@@ -15,10 +15,10 @@ import httpx
 import pytest
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
-from support.coordinator import cleanup, make_settings
 
 from api.server import free_port, serve_processes
 from coordinator.metrics import CoordinatorMetrics
+from support.coordinator import cleanup, make_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import math
 
 import pytest
-from support.events import expected_scalars, same_scalars, tensorboard_scalars
 
+from support.events import expected_scalars, same_scalars, tensorboard_scalars
 from trainer.config import TrainConfig
 from trainer.events import EVENTS_GLOB, read_events, read_scalars, scalars_of
 from trainer.train import train

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 from safetensors import safe_open
-from support.resume import assert_same_checkpoints
 
 from fleet.attach import Fleet, FleetSettings, FleetStatus
 from sparecycles.up import FLEET_PARTS, plan_up, run_up, sum_fleet
+from support.resume import assert_same_checkpoints
 from trainer.config import TrainConfig
 from trainer.train import train
 from trainer.zo.modes import ZOCurvMode

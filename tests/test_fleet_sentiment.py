@@ -11,10 +11,10 @@ import copy
 
 import pytest
 import torch
-from support.fleet import Fleet
 
 from coordinator.messages import ProbeRound as WireRound
 from fleet.batch_wire import encode_batch
+from support.fleet import Fleet
 from trainer.sentiment import classifier_loss
 from trainer.zo.backend import InProcessBackend
 from trainer.zo.zo_step import ZOStepper

@@ -11,11 +11,11 @@ import json
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from support.coordinator import Env, result, running_env
 
 from coordinator.client import CoordinatorClient
 from coordinator.messages import ProbeResult, ResultBatch, non_finite_result
 from coordinator.stream import ResultStreamReader
+from support.coordinator import Env, result, running_env
 
 
 def metric_samples(env: Env) -> dict[tuple[str, tuple], float]:

@@ -4,9 +4,9 @@ import copy
 
 import pytest
 import torch
-from support.models import tiny_gpt2
 
 from kernels import ProbeEvaluator, canonical_offsets, direction, perturb
+from support.models import tiny_gpt2
 
 
 def _loss(model, batch):

@@ -6,9 +6,14 @@ import threading
 
 import httpx
 import pytest
-from test_worker_cache import env, tiny_model  # noqa: F401 - env is a fixture
 
 from coordinator.client import CoordinatorClient, CoordinatorHTTPError
+from support.worker_env import tiny_model, worker_env
+
+
+@pytest.fixture
+def env(tmp_path):
+    yield from worker_env(tmp_path)
 
 
 def test_long_poll_answers_at_once_when_newer_and_waits_for_a_registration(env):  # noqa: F811

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 from pydantic import ValidationError
-from support.quadratic import QuadraticModel, quad_loss
 
+from support.quadratic import QuadraticModel, quad_loss
 from trainer.cli import OptimizerName
 from trainer.config import TrainConfig, resolve_preset
 from trainer.methods import KINDS, METHODS, Method, build_first_order_mode, get_method, method_names

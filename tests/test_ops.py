@@ -94,9 +94,8 @@ def test_docker_compose_config_validates(tmp_path):
 
 @pytest.mark.skipif(PROMETHEUS is None, reason="prometheus not installed (.ci/run installs Debian's package)")
 def test_prometheus_scrapes_a_live_coordinator(tmp_path):
-    from support.coordinator import running_env
-
     from api.server import free_port
+    from support.coordinator import running_env
 
     gen = running_env(tmp_path)
     env = next(gen)

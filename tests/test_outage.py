@@ -14,7 +14,6 @@ import time
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from support.valkey import Valkey
 
 from api.app import create_app
 from api.server import ServerThread
@@ -23,6 +22,7 @@ from coordinator.errors import Unavailable
 from coordinator.messages import Heartbeat
 from coordinator.settings import generate_dev_settings
 from coordinator.stream import ResultStreamReader
+from support.valkey import Valkey
 
 OUTAGE_S = 8.0
 

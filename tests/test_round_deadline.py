@@ -13,10 +13,10 @@ import time
 import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
-from support.coordinator import Env, result, running_env
 
 from coordinator.deadlines import RoundWatch, quantile
 from coordinator.store import Store
+from support.coordinator import Env, result, running_env
 
 
 def test_quantile_is_linear_interpolation():
@@ -122,7 +122,6 @@ def _unacked_on(r: redis.Redis, queue: str) -> int:
 def test_paused_worker_does_not_stall_the_round(tmp_path):
     from support.fleet import make_batch
     from support.models import tiny_gpt2 as tiny_model
-
     from trainer.zo.probes import RoundSpec
 
     fleet = _PausableFleet.make(tmp_path)
@@ -136,7 +135,8 @@ def test_paused_worker_does_not_stall_the_round(tmp_path):
         be.publish(0)
         batch = make_batch(8, 32, seed=5)
         queue = f"{fleet.prefix}.probe.pause"
-        seeds = lambda k: tuple(range(1000 * k, 1000 * k + 32))
+        def seeds(k):
+            return tuple(range(1000 * k, 1000 * k + 32))
 
         def timed_round(k: int, pause_at: int | None = None) -> tuple[float, bool]:
             rnd = RoundSpec(f"p-{k}", 0, batch, eps=1e-2, seeds=seeds(k), dist="rademacher")

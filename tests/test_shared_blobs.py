@@ -5,14 +5,20 @@ from __future__ import annotations
 
 import shutil
 
+import pytest
 import torch
 from prometheus_client import CollectorRegistry
-from test_worker_cache import REDIS_URL, _params, env, tiny_model  # noqa: F401 - env is a fixture
 
 from coordinator.messages import RunSpec
 from fleet.backend import CoordinatorBackend
 from probe_worker.cache import WeightCache
 from probe_worker.metrics import WorkerMetrics
+from support.worker_env import REDIS_URL, params_of, tiny_model, worker_env
+
+
+@pytest.fixture
+def env(tmp_path):
+    yield from worker_env(tmp_path)
 
 
 def _backend(env, model, run: str, blob_dir) -> CoordinatorBackend:  # noqa: F811
@@ -33,7 +39,7 @@ def test_shards_written_in_the_shared_store_load_bit_exact_without_a_download(en
     metrics = WorkerMetrics(CollectorRegistry())
     cache = WeightCache(client, env.tmp / "wc", metrics=metrics, shared_blob_dir=env.settings.blob_dir)
     loaded = cache.get("shared", 0)
-    assert all(torch.equal(a, b) and a.dtype == b.dtype for (_, a), (_, b) in zip(_params(loaded.model), _params(model)))
+    assert all(torch.equal(a, b) and a.dtype == b.dtype for (_, a), (_, b) in zip(params_of(loaded.model), params_of(model)))
     assert metrics.weight_bytes._value.get() == 0  # nothing downloaded
     assert metrics.cache_hits.labels("shared")._value.get() == len(manifest.shards)
     be.close()
@@ -66,7 +72,7 @@ def test_a_corrupt_shared_copy_is_skipped_and_the_shard_downloaded(env, tmp_path
     metrics = WorkerMetrics(CollectorRegistry())
     cache = WeightCache(client, env.tmp / "wc2", metrics=metrics, shared_blob_dir=shared)
     loaded = cache.get("skip", 0)
-    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(_params(loaded.model), _params(model)))
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(params_of(loaded.model), params_of(model)))
     assert metrics.corrupt._value.get() == 1
     assert metrics.weight_bytes._value.get() == bad.bytes  # only the corrupt one travelled
     assert metrics.cache_hits.labels("shared")._value.get() == len(manifest.shards) - 1

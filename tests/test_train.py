@@ -7,8 +7,8 @@ import math
 
 import pytest
 from pydantic import ValidationError
-from support.resume import assert_same_checkpoints
 
+from support.resume import assert_same_checkpoints
 from trainer.config import TrainConfig, lr_at, resolve_preset
 from trainer.train import train
 

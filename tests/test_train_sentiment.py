@@ -7,8 +7,8 @@ import subprocess
 import sys
 
 import pytest
-from support.resume import assert_same_checkpoints
 
+from support.resume import assert_same_checkpoints
 from trainer.config import TrainConfig
 from trainer.train import train
 

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from support.processes import processes_of, start_up
 
 pytestmark = pytest.mark.slow  # end to end: `sparecycles up` starts Valkey, a coordinator, 2 workers, the trainer

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from support.events import expected_scalars, same_scalars, tensorboard_scalars
 from support.processes import processes_of, start_up
 

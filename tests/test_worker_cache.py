@@ -5,7 +5,6 @@ canary digest, and trainer-restart delivery through CoordinatorBackend."""
 from __future__ import annotations
 
 import hashlib
-import secrets
 import threading
 
 import pytest
@@ -13,14 +12,9 @@ import redis
 import torch
 from celery.exceptions import Reject
 from prometheus_client import CollectorRegistry
-from support.models import tiny_gpt2
-from transformers import GPT2LMHeadModel
 
-from api.app import create_app
-from api.server import ServerThread
-from coordinator.client import CoordinatorClient, CorruptBlobError
-from coordinator.messages import CanarySpec, ProbeTask, RunSpec, WorkerRegistration
-from coordinator.settings import generate_dev_settings
+from coordinator.client import CorruptBlobError
+from coordinator.messages import CanarySpec, ProbeTask
 from fleet.backend import CoordinatorBackend, write_shards
 from fleet.batch_wire import decode_batch, encode_batch
 from kernels import ProbeEvaluator
@@ -29,67 +23,14 @@ from probe_worker.cache import WeightCache
 from probe_worker.metrics import WorkerMetrics
 from probe_worker.runtime import ProbeRuntime, canary_digest
 from probe_worker.tasks import DrainState, run_probe
+from support.worker_env import REDIS_URL, make_batch, params_of, tiny_model, worker_env
 from trainer.train import lm_loss
 from trainer.zo.probes import RoundSpec
-
-REDIS_URL = "redis://127.0.0.1:6379/12"
-
-
-def tiny_model(seed: int = 0) -> GPT2LMHeadModel:
-    return tiny_gpt2(vocab_size=96, n_positions=32, seed=seed)
-
-
-def make_batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, 96, (2, 17), generator=g)
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-
-
-class Env:
-    """Coordinator in a thread + helpers; `backend(run)` is the trainer, `worker()` a registered worker."""
-
-    def __init__(self, tmp_path) -> None:
-        self.prefix = "tc" + secrets.token_hex(4)
-        self.settings = generate_dev_settings(
-            redis_url=REDIS_URL, key_prefix=self.prefix, queue_prefix=f"{self.prefix}.probe",
-            blob_dir=tmp_path / "blobs", reaper_interval_s=0.5,
-        )
-        self.server = ServerThread(create_app(self.settings)).start()
-        self.tmp = tmp_path
-
-    def backend(self, model, run: str, **spec) -> CoordinatorBackend:
-        return CoordinatorBackend(
-            model, coordinator_url=self.server.url, admin_token=self.settings.admin_token.get_secret_value(),
-            redis_url=REDIS_URL, run=RunSpec(run=run, model_class=type(model).__name__,
-                                             spot_check_fraction=0.0, **spec),
-            key_prefix=self.prefix, round_timeout_s=30.0, shard_bytes=4096,
-        )
-
-    def worker(self, name: str) -> tuple[CoordinatorClient, str]:
-        client = CoordinatorClient(self.server.url, timeout_s=10, attempts=2)
-        reg = client.register(WorkerRegistration(name=name), self.settings.enrollment_token.get_secret_value())
-        return client, reg.worker_id
-
-    def close(self) -> None:
-        self.server.stop()
-        r = redis.Redis.from_url(REDIS_URL)
-        for pattern in (f"{self.prefix}*", f"_kombu.binding*.{self.prefix}*"):
-            keys = list(r.scan_iter(pattern, count=1000))
-            if keys:
-                r.delete(*keys)
 
 
 @pytest.fixture
 def env(tmp_path):
-    e = Env(tmp_path)
-    try:
-        yield e
-    finally:
-        e.close()
-
-
-def _params(model):
-    return [(n, p.detach().clone()) for n, p in model.named_parameters()]
+    yield from worker_env(tmp_path)
 
 
 def test_published_version_loads_bit_exact_and_fetches_only_new_shards(env):
@@ -102,7 +43,7 @@ def test_published_version_loads_bit_exact_and_fetches_only_new_shards(env):
     loaded = cache.get("shards", 0)
     n_shards = len(loaded.manifest.shards)
     assert n_shards == len(write_shards(model, 4096)) > 3  # 4 KiB shards: the tiny model spans many
-    got, want = _params(loaded.model), _params(model)
+    got, want = params_of(loaded.model), params_of(model)
     assert [n for n, _ in got] == [n for n, _ in want]
     assert all(torch.equal(a, b) and a.dtype == b.dtype for (_, a), (_, b) in zip(got, want))
     assert loaded.model.lm_head.weight is loaded.model.transformer.wte.weight  # tie survives
@@ -140,7 +81,7 @@ def test_corrupt_cached_shard_is_deleted_and_refetched(env):
     loaded = cache.get("corrupt-cache", 0)
     assert metrics.corrupt._value.get() == 1
     assert hashlib.sha256(path.read_bytes()).hexdigest() == manifest.shards[0].sha256
-    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(_params(loaded.model), _params(model)))
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(params_of(loaded.model), params_of(model)))
     be.close()
 
 
@@ -354,10 +295,10 @@ def test_seed_ledger_versions_replay_bit_exact(env):
     v2 = cache.get("ledger", 2)  # replays entry 1 (onto loaded v0), then entry 2
     fresh = WeightCache(client, env.tmp / "wc2", metrics=WorkerMetrics(CollectorRegistry())).get("ledger", 2)
     for loaded in (v2, fresh):
-        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(_params(loaded.model), _params(model)))
+        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(params_of(loaded.model), params_of(model)))
     assert metrics.replayed._value.get() == 2
     v0 = cache.get("ledger", 0)
-    assert any(not torch.equal(a, b) for (_, a), (_, b) in zip(_params(v2.model), _params(v0.model)))
+    assert any(not torch.equal(a, b) for (_, a), (_, b) in zip(params_of(v2.model), params_of(v0.model)))
     batch = make_batch(9)
     be.submit(RoundSpec("l-0", 2, batch, eps=1e-3, seeds=(5, 6), dist="rademacher", want_clean=True))
     runtime = ProbeRuntime(client, wid, cache, metrics)
@@ -412,8 +353,8 @@ def test_zo_training_through_coordinator_matches_in_process(env):
     assert be.published == [0, 1, 2] and be.forward_passes == 2 * (2 * 4 + 1)
     assert client.versions("zo") == [0]  # versions 1 and 2 travelled as seed-ledger entries, replayed by the worker
     assert metrics.replayed._value.get() == 1  # v1 onto v0 (the last entry, v2, is never probed)
-    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(_params(m_fleet), _params(m_ref)))
-    assert not torch.equal(_params(m_fleet)[0][1], _params(tiny_model(seed=9))[0][1])  # training moved theta
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(params_of(m_fleet), params_of(m_ref)))
+    assert not torch.equal(params_of(m_fleet)[0][1], params_of(tiny_model(seed=9))[0][1])  # training moved theta
     be.close()
 
 
@@ -424,11 +365,11 @@ def test_background_publish_uploads_the_weights_of_the_publish_call_and_raises_u
                             admin_token=env.settings.admin_token.get_secret_value(), key_prefix=env.prefix,
                             shard_bytes=4096, background=True, max_pending=1, consumer="bg")
     be.publish(0)  # the synchronous reference: same weights, same shards
-    want = {0: _params(model)}
+    want = {0: params_of(model)}
     with torch.no_grad():
         for v in (1, 2, 3):  # the model moves right after each call, as the next training step would move it
             bg.publish(v)
-            want[v] = _params(model)
+            want[v] = params_of(model)
             for p in model.parameters():
                 p.mul_(1.01)
     bg.flush()
@@ -437,7 +378,7 @@ def test_background_publish_uploads_the_weights_of_the_publish_call_and_raises_u
     # v1 holds v0's weights: the background path writes the synchronous path's bytes
     assert [s.sha256 for s in cache.get("bg", 1).manifest.shards] == [s.sha256 for s in client.version("bg", 0).shards]
     for v in (0, 1, 2, 3):
-        got = _params(cache.get("bg", v).model)
+        got = params_of(cache.get("bg", v).model)
         assert all(torch.equal(a, b) for (_, a), (_, b) in zip(got, want[v])), v
     assert client.version("bg", 2).parent == 1 and len(bg.publish_seconds) == 3
     assert sorted(bg.publish_timings) == [1, 2, 3] and sorted(be.publish_timings) == [0]

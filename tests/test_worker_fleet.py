@@ -13,10 +13,10 @@ import signal
 import httpx
 import pytest
 import torch
-from support.fleet import make_batch
-from support.models import tiny_gpt2
 
 from kernels import ProbeEvaluator
+from support.fleet import make_batch
+from support.models import tiny_gpt2
 from trainer.train import lm_loss
 from trainer.zo.backend import InProcessBackend
 from trainer.zo.probes import RoundSpec

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.models import tiny_gpt2
 from transformers import GPT2LMHeadModel
 
 from coordinator.messages import ShardRef, VersionManifest
 from fleet.backend import manifest_config
 from kernels import ProbeEvaluator
 from probe_worker.cache import build_from_tensors
+from support.models import tiny_gpt2
 from trainer.models.params import param_order_hash
 from trainer.train import lm_loss
 from trainer.zo import probes

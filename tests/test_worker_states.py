@@ -10,9 +10,9 @@ import time
 
 import httpx
 import pytest
-from support.coordinator import Env, running_env
 
 from coordinator.messages import Heartbeat
+from support.coordinator import Env, running_env
 
 
 @pytest.fixture

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.quadratic import QuadraticModel, quad_loss
 
 from kernels import direction, perturb
+from support.quadratic import QuadraticModel, quad_loss
 from trainer.zo import estimators as est
 from trainer.zo.backend import InProcessBackend, collect_round
 from trainer.zo.probes import ProbeKind, RoundSpec

@@ -106,7 +106,8 @@ def test_rademacher_mixed_difference_exact_and_diag_unbiased():
     u = direction(31, 0, N_SAMPLES * n, "rademacher").double().view(N_SAMPLES, n)
     v = direction(32, 0, N_SAMPLES * n, "rademacher").double().view(N_SAMPLES, n)
     eps = 0.1
-    f = lambda x: _loss(h, b, theta + eps * x)
+    def f(x):
+        return _loss(h, b, theta + eps * x)
     uhv = est.mixed_difference(f(u + v), f(u - v), f(-u + v), f(-u - v), eps)
     torch.testing.assert_close(uhv, torch.einsum("ki,ij,kj->k", u, h, v), rtol=1e-8, atol=1e-8)
     per_probe = uhv[:, None] * u * v

@@ -6,10 +6,10 @@ import json
 
 import pytest
 import torch
-from support.quadratic import QuadraticModel, quad_loss
-from support.resume import assert_same_checkpoints
 
 from kernels import direction
+from support.quadratic import QuadraticModel, quad_loss
+from support.resume import assert_same_checkpoints
 from trainer.config import TrainConfig
 from trainer.train import train
 from trainer.zo import estimators as est
@@ -43,7 +43,8 @@ def test_zo_step_applies_the_formula(method):
 
 def test_decoupled_decay_on_matrices_and_bf16_masters():
     lin = torch.nn.Linear(4, 3).to(torch.bfloat16)
-    loss_fn = lambda m, b: (m(b).float() ** 2).mean()
+    def loss_fn(m, b):
+        return (m(b).float() ** 2).mean()
     batch = torch.linspace(-1, 1, 8).view(2, 4).to(torch.bfloat16)
     stepper = ZOStepper(lin, "1spsa", run_seed=1, probes=2, eps=1e-2, weight_decay=0.5)
     w0 = [p.detach().float().clone() for p in lin.parameters()]

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.quadratic import QuadraticModel, quad_loss
 
 from kernels import direction, dist_moments
+from support.quadratic import QuadraticModel, quad_loss
 from trainer.checkpoint import load_checkpoint, save_checkpoint
 from trainer.zo import estimators as est
 from trainer.zo.backend import InProcessBackend
@@ -127,7 +127,8 @@ def test_line_multiplier_is_clipped_newton_ratio_along_the_step():
         expected.append(1 - float(grad1 @ u) / float(u @ model.h @ u))
     torch.testing.assert_close(opt.curv.estimate, torch.tensor(expected, dtype=torch.float64).clamp(0.1, 10),
                                rtol=2e-3, atol=2e-3)
-    f64 = lambda *x: torch.tensor(x, dtype=torch.float64)
+    def f64(*x):
+        return torch.tensor(x, dtype=torch.float64)
     r = line_ratios(f64(-1.0, 1.0, -1.0, 1.0), f64(1.0, 1.0, -1.0, -1.0), f64(0.5, 0.5, 0.5, 0.0), 0.5, 2.0)
     torch.testing.assert_close(r, torch.tensor([2.0, 0.5, 2.0, 1.0], dtype=torch.float64))
 

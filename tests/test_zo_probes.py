@@ -7,10 +7,10 @@ from typing import get_args
 import pydantic
 import pytest
 import torch
-from support.quadratic import QuadraticModel, quad_loss
 
 from coordinator.messages import ProbeKindName, ProbeRound, ProbeTask
 from kernels import direction
+from support.quadratic import QuadraticModel, quad_loss
 from trainer.zo import probes
 from trainer.zo.backend import InProcessBackend, collect_round
 from trainer.zo.probes import KINDS, ProbeKind, RoundSpec

