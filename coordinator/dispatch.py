@@ -38,6 +38,7 @@ class Dispatch:
             kind=rnd.kind,
             base_version=rnd.base_version,
             blocks=rnd.blocks,
+            eval=rnd.eval,
         )
 
     def tasks_for(self, rnd: ProbeRound, seeds: list[int], replica: int) -> list[ProbeTask]:

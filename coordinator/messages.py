@@ -41,9 +41,10 @@ DType = Literal["float32", "bfloat16", "float16"]
 WorkerState = Literal["active", "draining", "lost", "quarantined"]
 # seeded: z(seed); block_scaled: per-block gauss8 scale times Rademacher signs; along_update: the update
 # theta_version - theta_base restricted to block `seed`; group: z(seed) restricted to the round's `blocks`;
-# line: seed * eps times the whole update theta_version - theta_base (the meaning of each:
+# line: seed * eps times the whole update theta_version - theta_base; eval: no perturbation, the "seed" is the
+# index of a held-out evaluation batch (schema 3, `eval`: EvalSpec) (the meaning of each:
 # trainer.zo.probes.KINDS, which a test keeps equal to this list).
-ProbeKindName = Literal["seeded", "block_scaled", "along_update", "group", "line"]
+ProbeKindName = Literal["seeded", "block_scaled", "along_update", "group", "line", "eval"]
 BASE_KINDS = ("along_update", "line")  # kinds probing along theta_version - theta_base
 MAX_BLOCKS = 1 << 20  # canonical blocks of a model (parameter tensors): far above any real model
 BlockIndex = Annotated[int, Field(ge=0, lt=MAX_BLOCKS)]
@@ -274,6 +275,52 @@ def check_line_seeds(kind: str, seeds: list[int], eps: float) -> None:
         raise ValueError(f"line probes reach j*eps = {max(seeds) * eps:g} > {MAX_LINE_STEP:g} updates along the line")
 
 
+MAX_EVAL_TERMS = 16  # versions in one weight mixture of an evaluation
+MAX_EVAL_BATCHES = 1 << 20  # evaluation batches of one split
+
+
+class WeightTerm(Part):
+    """One term of the weights an evaluation scores: `coeff` times the published version `version`."""
+
+    version: Version
+    coeff: FiniteFloat = Field(ge=-1e3, le=1e3)
+
+
+class EvalSpec(Part):
+    """What an `eval` round scores (schema 3): the weights, as a small mixture of published versions
+    (θ = Σ coeff_i · θ_{version_i}; today a worker evaluates one version with coeff 1.0 and refuses the rest), and
+    the held-out windows, named by `split` (e.g. "classics-small/val": the trainer's selection, uploaded once as the
+    round's batch blob) in batches of `batch_size` rows; the round's seeds are the batch indices it covers.
+
+    Per result (ProbeResult of an eval round): `l_plus` is the batch's loss (causal LM: mean nats/token;
+    classifier: summed nats over the batch's sentences), `l_minus` the sentences classified right (classifier;
+    0.0 for a causal LM), `l0` absent (trainer.evaluation.batch_values, the trainer's own code).
+    """
+
+    split: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_./-]{0,63}$")]
+    batch_size: int = Field(ge=1, le=65_536)
+    weights: list[WeightTerm] = Field(min_length=1, max_length=MAX_EVAL_TERMS)
+
+    @model_validator(mode="after")
+    def _check(self) -> EvalSpec:
+        if len({t.version for t in self.weights}) != len(self.weights):
+            raise ValueError("the versions of a weight mixture must be distinct")
+        return self
+
+
+def _check_eval(kind: str, version: int, seeds: list[int], spec: EvalSpec | None, schema_version: int) -> None:
+    if kind != "eval":
+        if spec is not None:
+            raise ValueError("`eval` is only meaningful for eval rounds")
+        return
+    if schema_version < 3 or spec is None:
+        raise ValueError("an eval round needs schema_version 3 and its `eval` spec")
+    if max(t.version for t in spec.weights) != version:
+        raise ValueError("an eval round's version is the newest version of its weights")
+    if max(seeds) >= MAX_EVAL_BATCHES:
+        raise ValueError(f"eval seeds are batch indices below {MAX_EVAL_BATCHES}")
+
+
 def _check_kind(kind: str, version: int, base_version: int | None, blocks: list[int] | None,
                 schema_version: int) -> None:
     if kind in BASE_KINDS:
@@ -294,14 +341,16 @@ def _check_kind(kind: str, version: int, base_version: int | None, blocks: list[
 
 
 class _GroupBlocks(BaseModel):
-    """Mixin: a schema-1 message serialises without the schema-2 `blocks` field, byte-identical to what
-    workers and trainers of schema 1 send and accept (they forbid unknown fields, even null ones)."""
+    """Mixin: a message serialises without the schema-2 `blocks` and schema-3 `eval` fields when they are absent,
+    byte-identical to what workers and trainers of older schemas send and accept (they forbid unknown fields,
+    even null ones)."""
 
     @model_serializer(mode="wrap")
     def _drop_absent_blocks(self, handler: SerializerFunctionWrapHandler) -> dict:
         out = handler(self)
-        if out.get("blocks", 0) is None:
-            del out["blocks"]
+        for name in ("blocks", "eval"):
+            if out.get(name, 0) is None:
+                del out[name]
         return out
 
 
@@ -310,10 +359,12 @@ class ProbeRound(Message, _GroupBlocks):
 
     `batch_sha256` names a blob already uploaded (the batch travels once). `want_clean` asks for L0.
     Schema version 2 adds `blocks`: the sorted, unique canonical block indices of a `group` round (the
-    worker checks them against its model's block count); version 1 rounds have no group kind.
+    worker checks them against its model's block count); version 1 rounds have no group kind. Schema version 3
+    adds `eval` (EvalSpec) for `eval` rounds: held-out evaluation batches, one per seed (`eps` and `distribution`
+    unused there).
     """
 
-    schema_version: Literal[1, 2] = 1
+    schema_version: Literal[1, 2, 3] = 1
     run: RunId
     round_id: RoundId
     version: Version
@@ -325,12 +376,14 @@ class ProbeRound(Message, _GroupBlocks):
     kind: ProbeKindName = "seeded"
     base_version: Version | None = None
     blocks: list[BlockIndex] | None = Field(default=None, min_length=1, max_length=MAX_BLOCKS)
+    eval: EvalSpec | None = None
 
     @model_validator(mode="after")
     def _unique(self) -> ProbeRound:
         if len(set(self.seeds)) != len(self.seeds):
             raise ValueError("seeds of a round must be unique")
         _check_kind(self.kind, self.version, self.base_version, self.blocks, self.schema_version)
+        _check_eval(self.kind, self.version, self.seeds, self.eval, self.schema_version)
         check_line_seeds(self.kind, self.seeds, self.eps)
         return self
 
@@ -353,10 +406,10 @@ class ProbeTask(Message, _GroupBlocks):
 
     `replica` 0 is the primary evaluation; 1 and 2 are spot-check re-evaluations (must come from other
     workers). Tasks are idempotent: redelivery produces duplicates that intake drops. Schema version 2
-    carries a group round's `blocks` (as ProbeRound).
+    carries a group round's `blocks`, version 3 an eval round's `eval` (as ProbeRound).
     """
 
-    schema_version: Literal[1, 2] = 1
+    schema_version: Literal[1, 2, 3] = 1
     run: RunId
     round_id: RoundId
     version: Version
@@ -369,10 +422,12 @@ class ProbeTask(Message, _GroupBlocks):
     kind: ProbeKindName = "seeded"
     base_version: Version | None = None
     blocks: list[BlockIndex] | None = Field(default=None, min_length=1, max_length=MAX_BLOCKS)
+    eval: EvalSpec | None = None
 
     @model_validator(mode="after")
     def _check(self) -> ProbeTask:
         _check_kind(self.kind, self.version, self.base_version, self.blocks, self.schema_version)
+        _check_eval(self.kind, self.version, self.seeds, self.eval, self.schema_version)
         check_line_seeds(self.kind, self.seeds, self.eps)
         return self
 

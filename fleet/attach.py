@@ -225,9 +225,12 @@ class SyncRounds:
 
     def _wait(self, rounds: list[str]) -> None:
         """Collect each of `rounds` (waiting up to timeout_s) into the held results."""
-        for rid in rounds:
-            self._held.append(self.backend.collect(rid, self.timeout_s))
-            self._pending.remove(rid)
+        from trainer.ledger import phase
+
+        with phase("wait"):
+            for rid in rounds:
+                self._held.append(self.backend.collect(rid, self.timeout_s))
+                self._pending.remove(rid)
 
     def publish(self, version: int) -> None:
         """lag 1: wait for the rounds in flight first; then publish on the wrapped backend."""
@@ -315,6 +318,18 @@ class Fleet:
             backend = SyncRounds(backend, lag=0 if rounds == "sync" else 1)
         loss_fn = loss_for_kind(batch_kind_for_model(type(model).__name__))
         return FleetFiguresMode(build_mode(cfg, model, loss_fn, backend=backend), self.status)
+
+
+    def evaluator_factory(self, deadline_s: float = 120.0, full: bool = True):
+        """trainer.train's `evaluator_factory`: held-out evaluation on this fleet (fleet.evaluation.FleetEvaluator,
+        a coordinator run of its own); `full`: the whole validation split, else the run's `eval_batches` subset;
+        `deadline_s`: seconds without a result before the trainer evaluates a version itself."""
+        def make(task, cfg, model, mode):
+            from fleet.evaluation import FleetEvaluator
+
+            return FleetEvaluator(task, cfg, model, self, deadline_s=deadline_s, full=full)
+
+        return make
 
 
 def check_key_prefix(settings: FleetSettings) -> None:

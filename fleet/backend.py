@@ -40,6 +40,7 @@ from coordinator.messages import ProbeRound, RunSpec, SeedLedgerEntry, ShardRef,
 from fleet import batch_wire
 from fleet.batch_wire import BatchKind
 from fleet.shards import ShardPlan, plan_shards
+from trainer.ledger import phase as ledger_phase
 from trainer.zo import probes
 from trainer.zo.backend import COUNT_KEYS, Collected
 from trainer.zo.probes import ProbeKind, RoundSpec, SeedResult
@@ -345,6 +346,10 @@ class CoordinatorBackend:
         """
         if self.published and version <= self.published[-1]:
             raise ValueError(f"version {version} is not newer than {self.published[-1]}")
+        with ledger_phase("publish"):
+            self._publish(version, weights)
+
+    def _publish(self, version: int, weights: list[torch.Tensor] | None) -> None:
         t0 = time.perf_counter()
         self._check()
         manifest = {"run": self.run, "version": version, "parent": self.latest_version, **self._model_fields}
@@ -422,7 +427,8 @@ class CoordinatorBackend:
             run=self.run, version=version, parent=version - 1, seeds=[int(s) for s in seeds],
             coeffs=[float(c) for c in coeffs], distribution=dist, scale=float(scale),
             scale_min_dim=int(scale_min_dim))
-        self._run(lambda: self.client.post_ledger(entry))
+        with ledger_phase("publish"):
+            self._run(lambda: self.client.post_ledger(entry))
         self._snapshot(version)
         return True
 
@@ -434,7 +440,10 @@ class CoordinatorBackend:
         Raises ValueError for an along_update round without snapshots, a round at an older version that
         was never published, a group outside the blocks, or a round id the wire format refuses.
         """
-        r = probe_round
+        with ledger_phase("publish"):
+            self._submit(probe_round)
+
+    def _submit(self, r: RoundSpec) -> None:
         self._check()
         if not self.published or r.version > self.published[-1]:
             self.publish(r.version)
@@ -459,6 +468,25 @@ class CoordinatorBackend:
 
         self._run(post)
         self._waiting[r.round_id] = set(wire.seeds)
+
+    def submit_wire(self, wire: ProbeRound, blob: bytes) -> None:
+        """Open a round given in wire form (e.g. an `eval` round, fleet.evaluation) whose batch blob is `blob`: the
+        blob is uploaded once per content, the round posted after it (in order with the uploads before), and its
+        results are collected like any round's. Raises ValueError when the round's version was never published
+        here or `blob` is not the round's batch_sha256."""
+        with ledger_phase("publish"):
+            self._check()
+            if wire.version not in self.published:
+                raise ValueError(f"version {wire.version} was never published here")
+            if hashlib.sha256(blob).hexdigest() != wire.batch_sha256:
+                raise ValueError("blob is not the round's batch (sha256 differs)")
+
+            def post() -> None:
+                self._put(wire.batch_sha256, blob)
+                self.client.post_round(wire)
+
+            self._run(post)
+            self._waiting[wire.round_id] = set(wire.seeds)
 
     def _drain_stream(self, block_ms: int) -> None:
         """Buffer the stream's accepted results; apply retractions and drops (the coordinator's decisions)."""
@@ -521,10 +549,11 @@ class CoordinatorBackend:
         if round_id is not None and round_id in self._waiting:
             wait = timeout_s or self.round_timeout_s
             deadline = time.monotonic() + wait
-            while (self._waiting[round_id] - {s for (r, s) in self._buffer if r == round_id}
-                   and time.monotonic() < deadline):
-                self._check()  # a round whose upload failed never completes
-                self._drain_stream(block_ms=200)
+            with ledger_phase("wait"):
+                while (self._waiting[round_id] - {s for (r, s) in self._buffer if r == round_id}
+                       and time.monotonic() < deadline):
+                    self._check()  # a round whose upload failed never completes
+                    self._drain_stream(block_ms=200)
         keys = [k for k in self._buffer if round_id is None or k[0] == round_id]
         results = self._hand_out(keys)
         counts = dict.fromkeys(COUNT_KEYS, 0)

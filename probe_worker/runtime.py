@@ -219,6 +219,8 @@ class ProbeRuntime:
                 kind = batch_kind_for_model(loaded.manifest.model_class)
                 batch = self._batch(task.batch_sha256, kind)
                 check_fits(loaded.model, kind, batch)
+                if task.kind == "eval":
+                    return self._evaluate_batches(task, loaded.model, kind, batch)
                 ev = self._evaluator(loaded.model, loss_for_kind(kind))
                 l0 = None
                 if task.want_clean:
@@ -254,6 +256,31 @@ class ProbeRuntime:
                 return out
             finally:
                 self.busy = False
+
+    def _evaluate_batches(self, task: ProbeTask, model: torch.nn.Module, kind: str, batch: Any) -> list[ProbeResult]:
+        """An eval task (coordinator.messages.EvalSpec): per seed k, batch k of the round's held-out windows scored by
+        trainer.evaluation.batch_values, the trainer's own evaluation code (so the values equal the trainer's).
+        Raises ValueError for a weight mixture (only one version with coefficient 1.0 is evaluated today) and
+        BatchFormatError for a batch index outside the windows."""
+        from fleet.batch_wire import BatchFormatError
+        from trainer.evaluation import batch_of, batch_values
+
+        spec = task.eval
+        if spec is None or [(t.version, t.coeff) for t in spec.weights] != [(task.version, 1.0)]:
+            raise ValueError("this worker evaluates one version with coefficient 1.0, not a weight mixture")
+        out = []
+        for k in task.seeds:
+            try:
+                rows = batch_of(batch, spec.batch_size, k, self.cache.device)
+            except IndexError as exc:
+                raise BatchFormatError(str(exc)) from None
+            t0 = time.perf_counter()
+            value, aux = batch_values(model, kind, rows)  # type: ignore[arg-type]
+            self.metrics.eval_seconds.observe(time.perf_counter() - t0)
+            fields = {"run": task.run, "round_id": task.round_id, "seed": k, "version": task.version,
+                      "worker_id": self.worker_id, "replica": task.replica, "l_plus": value, "l_minus": aux}
+            out.append(ProbeResult(**fields) if math.isfinite(value) else non_finite_result(**fields))
+        return out
 
     def prefetch(self, run: str, version: int) -> None:
         """Load (run, version) into the cache ahead of its tasks, never during a task's evaluation.

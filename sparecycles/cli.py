@@ -116,6 +116,11 @@ def up(
         typer.echo("interrupted: every process stopped; rerun the same command to resume", err=True)
         raise typer.Exit(130) from None
     typer.echo(json.dumps(summary, indent=2))
+    from trainer.ledger import format_ledger
+
+    for name in ("adamw", summary["optimizer"]):
+        if "time_ledger" in summary.get(name, {}):
+            typer.echo("\n".join(format_ledger(summary[name]["time_ledger"], f"{name} time ledger")), err=True)
     disk = summary["disk_mb"]
     parts = ", ".join(f"{k} {v:.1f}" for k, v in disk.items() if k != "total" and v >= 0.1)
     typer.echo(f"{plan.out}: {disk['total']:.1f} MB on disk ({parts}); wall {summary['wall_s']:.0f} s", err=True)

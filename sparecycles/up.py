@@ -152,7 +152,8 @@ def _run_summary(run_dir: Path) -> dict:
     """Initial/final validation figures (loss, and accuracy for classifiers) and test figures of a finished run."""
     s = json.loads((run_dir / "summary.json").read_text())
     keys = [k for k in s if k.startswith(("initial_val_", "final_val_", "test_"))]
-    return {k: s[k] for k in keys}
+    return {**{k: s[k] for k in keys}, **({"time_ledger": s["time_ledger"]} if "time_ledger" in s else {}),
+            **({"evaluations": s["evaluations"]} if "evaluations" in s else {})}
 
 
 def _prefetch_inputs(cfg, progress: bool) -> None:

@@ -21,8 +21,9 @@ import httpx
 import pytest
 
 REDIS_URL = os.environ.get("SPARECYCLES_TEST_REDIS", "redis://127.0.0.1:6379/0")
+# Evaluation stays on the trainer here (--eval-on auto would move it to the fleet: tests/test_fleet_eval.py).
 TINY = ["--preset", "demo", "--batch-size", "4", "--seq-len", "32", "--eval-every", "3", "--no-export",
-        "--no-progress"]
+        "--no-progress", "--eval-on", "trainer"]
 
 
 def _port() -> int:
@@ -88,10 +89,12 @@ def test_train_coordinator_refuses_clearly_without_a_fleet(tmp_path):
     env.pop("SPARECYCLES_COORDINATOR_URL", None)
     base = [*TINY, "--steps", "2", "--run-dir", str(tmp_path / "r")]
     res = _cli("train", *base, "--optimizer", "zocurv-line", "--coordinator", f"http://127.0.0.1:{_port()}",
-               "--fleet-wait", "1", env=env)
+               "--attach-wait", "1", env=env)
     assert res.returncode == 2 and "not reachable" in res.stderr, res.stderr[-2000:]
     res = _cli("train", *base, "--optimizer", "adamw", "--coordinator", "http://127.0.0.1:1", env=env)
     assert res.returncode == 2 and "sends no probes to a fleet" in res.stderr, res.stderr[-2000:]
+    res = _cli("train", *base, "--optimizer", "adamw", "--eval-on", "fleet", env=env)
+    assert res.returncode == 2 and "--eval-on fleet needs --coordinator" in res.stderr, res.stderr[-2000:]
     bare = {k: v for k, v in env.items() if k not in ("SPARECYCLES_ADMIN_TOKEN", "SPARECYCLES_REDIS_URL")}
     res = _cli("train", *base, "--optimizer", "1.5spsa", env={**bare, "SPARECYCLES_COORDINATOR_URL": "http://127.0.0.1:1"})
     assert res.returncode == 2 and "SPARECYCLES_ADMIN_TOKEN" in res.stderr, res.stderr[-2000:]
@@ -107,15 +110,15 @@ def test_train_coordinator_equals_in_process(coordinator, tmp_path):
     url, env, workers = coordinator
     zo = [*TINY, "--optimizer", "zocurv-line", "--steps", "6", "--curvature-interval", "2"]
     # A wrong admin token and an empty fleet: exit 2 with the reason, before anything trains.
-    res = _cli("train", *zo, "--run-dir", str(tmp_path / "bad"), "--coordinator", url, "--fleet-wait", "2",
+    res = _cli("train", *zo, "--run-dir", str(tmp_path / "bad"), "--coordinator", url, "--attach-wait", "2",
                env={**env, "SPARECYCLES_ADMIN_TOKEN": "not-the-token-" + "y" * 16})
     assert res.returncode == 2 and "refused the admin token" in res.stderr, res.stderr[-2000:]
-    res = _cli("train", *zo, "--run-dir", str(tmp_path / "bad"), "--coordinator", url, "--fleet-wait", "2", env=env)
+    res = _cli("train", *zo, "--run-dir", str(tmp_path / "bad"), "--coordinator", url, "--attach-wait", "2", env=env)
     assert res.returncode == 2 and "0 of 1 probe worker(s) active" in res.stderr, res.stderr[-2000:]
 
     workers.append(_start_worker(url, env, tmp_path))
     # A key prefix other than the coordinator's: the trainer would wait on a stream nobody writes. Refused.
-    res = _cli("train", *zo, "--run-dir", str(tmp_path / "bad"), "--coordinator", url, "--fleet-wait", "60",
+    res = _cli("train", *zo, "--run-dir", str(tmp_path / "bad"), "--coordinator", url, "--attach-wait", "60",
                env={**env, "SPARECYCLES_KEY_PREFIX": "not-the-prefix"})
     assert res.returncode == 2 and "no coordinator state under key prefix 'not-the-prefix'" in res.stderr, \
         res.stderr[-2000:]

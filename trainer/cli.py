@@ -44,25 +44,40 @@ def fetch(
 FLEET_ATTACH: Callable[..., Any] | None = None
 
 
-def _attach_fleet(url: str, cfg: Any, wait_s: float, sync: bool = False) -> dict[str, Any]:
-    """`train`'s keyword arguments for a fleet-probed run (mode_factory, status); exits 2 with a clear message
-    for a first-order optimizer, an unreachable coordinator, a refused token or no active worker in time."""
+EVAL_ON = ("trainer", "fleet", "auto")
+# --fleet-wait: when a ZO-Curv round folds, as fleet.attach's round modes (Fleet.rounds, SyncRounds)
+FLEET_WAIT = {"never": "async", "interval": "next", "sync": "sync"}
+
+
+def _attach_fleet(url: str, cfg: Any, wait_s: float, fleet_wait: str = "never", eval_on: str = "auto",
+                  eval_deadline: float = 120.0, eval_windows: str = "full") -> dict[str, Any]:
+    """`train`'s keyword arguments for a run attached to a fleet (mode_factory when its probes go there,
+    evaluator_factory when its evaluation does, status); exits 2 with a clear message for a run that would send
+    the fleet nothing, an unreachable coordinator, a refused token or no active worker in time."""
     from trainer.methods import fleet_method_names
 
     allowed = fleet_method_names(cfg.task)
-    if cfg.optimizer not in allowed:
+    probes = cfg.optimizer in allowed
+    evaluate = eval_on in ("fleet", "auto")
+    if not probes and not evaluate:
         raise typer.BadParameter(f"--optimizer {cfg.optimizer} (the preset's, if you gave none) sends no probes to "
-                                 f"a fleet; --coordinator needs one of {', '.join(allowed)}",
-                                 param_hint="--coordinator")
+                                 f"a fleet and --eval-on trainer keeps the evaluation here; --coordinator needs one "
+                                 f"of {', '.join(allowed)} or --eval-on fleet", param_hint="--coordinator")
     if FLEET_ATTACH is None:
         raise RuntimeError("trainer.cli.FLEET_ATTACH is unset: run `train` through the sparecycles CLI")
     try:
-        fleet = FLEET_ATTACH(url, wait_s=wait_s, rounds="sync" if sync else "async", log=lambda m: typer.echo(m, err=True))
+        fleet = FLEET_ATTACH(url, wait_s=wait_s, rounds=FLEET_WAIT[fleet_wait], log=lambda m: typer.echo(m, err=True))
     except (RuntimeError, ValueError) as exc:
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from exc
-    typer.echo(f"probes from the fleet at {fleet.base}: {fleet.workers} active worker(s)", err=True)
-    return {"mode_factory": fleet.mode_factory, "status": fleet.status}
+    doing = [*(["probes"] if probes else []), *(["evaluation"] if evaluate else [])]
+    typer.echo(f"{' and '.join(doing)} on the fleet at {fleet.base}: {fleet.workers} active worker(s)", err=True)
+    out: dict[str, Any] = {"status": fleet.status}
+    if probes:
+        out["mode_factory"] = fleet.mode_factory
+    if evaluate:
+        out["evaluator_factory"] = fleet.evaluator_factory(deadline_s=eval_deadline, full=eval_windows == "full")
+    return out
 
 
 def train(
@@ -100,10 +115,24 @@ def train(
         None, envvar="SPARECYCLES_COORDINATOR_URL",
         help="Get the probes from this coordinator's fleet (ZO-Curv and pure-ZO optimizers); needs "
              "SPARECYCLES_ADMIN_TOKEN and SPARECYCLES_REDIS_URL in the environment. Default: probe in process."),
-    fleet_wait: float = typer.Option(120.0, min=0.0, help="With --coordinator: seconds to wait for the "
-                                     "coordinator and at least one active probe worker before giving up."),
-    fleet_sync: bool = typer.Option(False, help="With --coordinator: wait for each ZO-Curv round before the next "
-                                    "step (slower; reproduces the in-process run bit for bit)."),
+    attach_wait: float = typer.Option(120.0, min=0.0, help="With --coordinator: seconds to wait for the "
+                                      "coordinator and at least one active probe worker before giving up."),
+    fleet_wait: str = typer.Option(
+        "never", help="With --coordinator, when the trainer waits for a ZO-Curv probe round: never (a round folds at "
+        "the first refresh after it completed; a round still out is not waited for, and one that goes stale is "
+        "skipped and counted: curv_dropped_rounds), interval (each round folds at the refresh after it, waiting "
+        "only when the fleet is a whole interval behind: `up`'s exact-resume mode), sync (each round folds at its "
+        "own refresh: reproduces the in-process run bit for bit)."),
+    fleet_sync: bool = typer.Option(False, hidden=True, help="Same as --fleet-wait sync (kept for old commands)."),
+    eval_on: str = typer.Option(
+        "auto", help="Where held-out evaluation runs: trainer, fleet (the trainer publishes the version and moves "
+        "on; a version no worker answers for within --eval-deadline is evaluated here, and the record says so), "
+        "auto (fleet with --coordinator)."),
+    eval_deadline: float = typer.Option(120.0, min=0.0, help="--eval-on fleet: seconds without a result before "
+                                        "the trainer evaluates a version itself."),
+    eval_windows: str = typer.Option(
+        "full", help="--eval-on fleet: full (the whole validation split: it costs the trainer nothing) or subset "
+        "(the --eval-batches windows the trainer evaluates)."),
 ) -> None:
     """Train a model and write a run folder (metrics.jsonl, TensorBoard event files, checkpoint.safetensors,
     loss.png, summary.json, export/).
@@ -149,9 +178,17 @@ def train(
     warning = no_probe_round_warning(cfg)
     if warning:
         typer.secho(f"warning: {warning}", fg=typer.colors.YELLOW, err=True)
+    for name, value, choices in (("--eval-on", eval_on, EVAL_ON), ("--fleet-wait", fleet_wait, tuple(FLEET_WAIT)),
+                                 ("--eval-windows", eval_windows, ("full", "subset"))):
+        if value not in choices:
+            raise typer.BadParameter(f"{value!r} is not one of {', '.join(choices)}", param_hint=name)
+    if eval_on == "fleet" and not coordinator:
+        raise typer.BadParameter("--eval-on fleet needs --coordinator (or SPARECYCLES_COORDINATOR_URL)",
+                                 param_hint="--eval-on")
     fleet_kw = {}
     if coordinator:
-        fleet_kw = _attach_fleet(coordinator, cfg, fleet_wait, fleet_sync)
+        fleet_kw = _attach_fleet(coordinator, cfg, attach_wait, "sync" if fleet_sync else fleet_wait, eval_on,
+                                 eval_deadline, eval_windows)
     try:
         result = run_train(cfg, resume=resume, progress=progress, overwrite=overwrite, export=export, **fleet_kw)
     except (ValueError, CheckpointError, OSError) as exc:
@@ -160,6 +197,9 @@ def train(
     if warning:  # the summary says it too, for whoever reads the folder later
         path = result.run_dir / "summary.json"
         path.write_text(json.dumps({**json.loads(path.read_text()), "warnings": [warning]}, indent=2))
+    from trainer.ledger import format_ledger
+
+    typer.echo("\n".join(format_ledger(result.summary["time_ledger"])))
     typer.echo(
         f"val loss {result.initial_val_loss:.4f} -> {result.final_val_loss:.4f} after {result.steps} steps "
         f"({result.wall_s:.1f} s); run folder {result.run_dir}"

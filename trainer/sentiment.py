@@ -142,11 +142,20 @@ class SentimentRunTask:
 
     def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
         """{"val_loss": nats, "val_acc": fraction} on the fixed validation subset."""
-        was_training = model.training
-        model.eval()
-        loss, acc = self.data.loss_and_accuracy(model, "val", rows=self.eval_rows, chunk=self.cfg.batch_size)
-        model.train(was_training)
-        return {"val_loss": loss, "val_acc": acc}
+        from trainer.evaluation import evaluate_all
+
+        return evaluate_all(model, self.eval_windows(), self.cfg.device)
+
+    def eval_windows(self, full: bool = False):
+        """trainer.evaluation.EvalWindows of the validation sentences `evaluate` scores (full: all of them), in
+        batches of cfg.batch_size (the chunks loss_and_accuracy used), on the CPU."""
+        from trainer.evaluation import EvalWindows
+
+        ids, mask, labels = (t.cpu() for t in self.data.splits["val"])
+        if not full:
+            rows = self.eval_rows.cpu()
+            ids, mask, labels = ids[rows], mask[rows], labels[rows]
+        return EvalWindows("classifier", "sentiment/val", (ids, mask, labels), self.cfg.batch_size)
 
     def final(self, model: torch.nn.Module) -> dict[str, Any]:
         """{"test_loss", "test_acc", "test_sentences"} on the whole test split, for summary.json."""

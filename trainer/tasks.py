@@ -10,7 +10,8 @@ from typing import Any, Protocol
 import torch
 
 from trainer.config import TrainConfig
-from trainer.models.losses import lm_batch_loss, lm_loss
+from trainer.evaluation import EvalWindows, evaluate_all, lm_windows
+from trainer.models.losses import lm_batch_loss, lm_loss  # noqa: F401  (lm_loss: public here, trainer.train re-exports it)
 
 
 class Task(Protocol):
@@ -36,6 +37,10 @@ class Task(Protocol):
         """Held-out metrics; always includes "val_loss"."""
         ...
 
+    def eval_windows(self, full: bool = False) -> EvalWindows:
+        """The held-out inputs `evaluate` scores (full: the whole validation split instead of the run's subset)."""
+        ...
+
     def final(self, model: torch.nn.Module) -> dict[str, Any]:
         """Extra end-of-run metrics for summary.json (e.g. test accuracy)."""
         ...
@@ -53,6 +58,7 @@ class LMTask:
         self.cfg, self.corpus = cfg, load_corpus(cfg.corpus)
         self.model_name, self.data_name = cfg.model, cfg.corpus
         self.tokens_per_step = cfg.batch_size * cfg.seq_len
+        self._windows: dict[bool, EvalWindows] = {}
 
     loss_fn = staticmethod(lm_batch_loss)
 
@@ -73,7 +79,15 @@ class LMTask:
         return x.to(cfg.device), y.to(cfg.device)
 
     def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
-        return {"val_loss": evaluate(model, self.corpus.val, self.cfg)}
+        return evaluate_all(model, self.eval_windows(), self.cfg.device)
+
+    def eval_windows(self, full: bool = False) -> EvalWindows:
+        key = bool(full)
+        if key not in self._windows:
+            cfg = self.cfg
+            self._windows[key] = lm_windows(self.corpus.val, cfg.batch_size, cfg.seq_len,
+                                            None if full else cfg.eval_batches, split=f"{cfg.corpus}/val")
+        return self._windows[key]
 
     def final(self, model: torch.nn.Module) -> dict[str, Any]:
         return {}
@@ -88,18 +102,7 @@ def build_task(cfg: TrainConfig) -> Task:
     return LMTask(cfg)
 
 
-@torch.no_grad()
 def evaluate(model: torch.nn.Module, tokens, cfg: TrainConfig) -> float:
-    """Mean validation loss over a fixed set of `cfg.eval_batches` windows of the held-out split."""
-    from trainer.data import iter_eval_batches
-
-    was_training = model.training
-    model.eval()
-    losses = [
-        float(lm_loss(model, x.to(cfg.device), y.to(cfg.device)))
-        for x, y in iter_eval_batches(tokens, cfg.batch_size, cfg.seq_len, cfg.eval_batches)
-    ]
-    model.train(was_training)
-    if not losses:
-        raise ValueError("the validation split is shorter than one batch; lower --batch-size/--seq-len")
-    return sum(losses) / len(losses)
+    """Mean validation loss over a fixed set of `cfg.eval_batches` windows of the held-out split
+    (trainer.evaluation: the batch losses' mean, as a fleet worker computes it too)."""
+    return evaluate_all(model, lm_windows(tokens, cfg.batch_size, cfg.seq_len, cfg.eval_batches), cfg.device)["val_loss"]

@@ -34,7 +34,10 @@ from coordinator.client import is_transient
 from trainer import metrics as prom
 from trainer.checkpoint import Checkpointer
 from trainer.config import TrainConfig, lr_at
+from trainer.evaluation import Evaluator, InlineEvaluator
 from trainer.events import EventLog
+from trainer.ledger import TimeLedger
+from trainer.ledger import phase as ledger_phase
 from trainer.modes import AdamWMode, TrainMode, build_mode  # noqa: F401  (AdamWMode: tests patch it here)
 from trainer.report import plot_loss_curves
 from trainer.run_dir import CHECKPOINT_NAME, RunDir, default_run_dir  # noqa: F401  (public here too)
@@ -62,6 +65,7 @@ def train(
     status: Callable[[], str] | None = None,
     overwrite: bool = False,
     export: bool = True,
+    evaluator_factory: Callable[[Task, TrainConfig, torch.nn.Module, TrainMode], Evaluator] | None = None,
 ) -> RunResult:
     """Run (or resume) a training run and write its run folder (trainer.run_dir: config.json, metrics.jsonl,
     checkpoint.safetensors, loss.png, summary.json, TensorBoard event files mirroring metrics.jsonl
@@ -70,7 +74,10 @@ def train(
     `cfg.task` picks the Task (`build_task`): evaluation records hold `val_loss` (and `val_acc` for
     sentiment), the summary adds the task's final metrics. `mode_factory(cfg, model)` replaces `build_mode`
     (e.g. a ZO-Curv or pure-ZO mode whose probes go to a fleet; it must use the task's loss); `status` adds
-    a live line (workers, probes/s) to the progress display.
+    a live line (workers, probes/s) to the progress display. `evaluator_factory(task, cfg, model, mode)` replaces
+    the trainer's own evaluation (trainer.evaluation.InlineEvaluator), e.g. fleet.evaluation.FleetEvaluator: its
+    records may arrive steps later (logged then, at their own step); all of them are in before the report.
+    summary.json's `time_ledger` splits this invocation's wall time into phases (trainer.ledger).
 
     Raises:
         ValueError: unknown model preset or corpus, CUDA asked for but absent, a folder holding a different
@@ -81,10 +88,36 @@ def train(
         KeyboardInterrupt: Ctrl-C or SIGTERM, after checkpointing the position reached.
         RuntimeError: the fleet stayed unreachable past its retries, after checkpointing the position reached.
     """
+    _prepare_device(cfg.device)
+    ledger = TimeLedger(sync=torch.cuda.synchronize if cfg.device.startswith("cuda") else None).start()
+    with ledger.activate():
+        with ledger.phase("startup"):
+            parts = _build(cfg, resume=resume, progress=progress, overwrite=overwrite, mode_factory=mode_factory)
+            evaluator = (evaluator_factory(parts.task, cfg, parts.model, parts.mode) if evaluator_factory
+                         else InlineEvaluator(parts.task))
+        return _run(cfg, parts, ledger, evaluator, progress=progress, status=status, export=export)
+
+
+@dataclass
+class _Parts:
+    """What steps 1-3 built: the run folder, task, model, mode, checkpointer, start step, kept records, events."""
+
+    run: RunDir
+    task: Task
+    model: torch.nn.Module
+    mode: TrainMode
+    ckpt: Checkpointer
+    start: int
+    history: list[dict[str, Any]]
+    events: EventLog
+
+
+def _build(cfg: TrainConfig, *, resume: bool, progress: bool, overwrite: bool,
+           mode_factory: Callable[[TrainConfig, torch.nn.Module], TrainMode] | None) -> _Parts:
+    """Steps 1-3: run folder, task, model, step strategy, position (the ledger's start-up)."""
     from trainer.models import param_order_hash
 
     # 1. run folder
-    _prepare_device(cfg.device)
     run = RunDir.open(cfg, resume=resume, overwrite=overwrite)
     if not progress:  # transformers draws its own bars (weight loading) outside our display
         from transformers.utils import logging as hf_logging
@@ -103,19 +136,33 @@ def train(
     start = ckpt.restore() if resume else 0
     history = run.restart_metrics(start if resume else None)
     events = EventLog(run.path, resume_step=start if resume else None)
+    return _Parts(run, task, model, mode, ckpt, start, history, events)
+
+
+def _run(cfg: TrainConfig, parts: _Parts, ledger: TimeLedger, evaluator: Evaluator, *, progress: bool,
+         status: Callable[[], str] | None, export: bool) -> RunResult:
+    """Steps 4-6: the initial evaluation, the loop, the report."""
+    run, task, model, mode, ckpt, start = parts.run, parts.task, parts.model, parts.mode, parts.ckpt, parts.start
+    vals: dict[int, dict[str, Any]] = {}  # evaluation records by step
 
     def log(record: dict[str, Any]) -> None:  # one record: metrics.jsonl, TensorBoard and Prometheus alike
-        run.log(record)
-        events.write(record)
-        prom.record(cfg.optimizer, record, task.tokens_per_step)
+        with ledger.phase("log"):
+            run.log(record)
+            parts.events.write(record)
+            prom.record(cfg.optimizer, record, task.tokens_per_step)
+
+    def log_vals(records: list[dict[str, Any]]) -> None:  # evaluations, possibly late: each at its own step
+        for r in sorted(records, key=lambda r: r["step"]):
+            vals[r["step"]] = r
+            log(r)
 
     # 4. initial evaluation (step 0), logged once per run
-    initial = next(({k: v for k, v in r.items() if k != "step"} for r in history
-                    if r["step"] == 0 and "val_loss" in r), None)
-    if initial is None:
-        initial = task.evaluate(model)
-        log({"step": 0, **initial})
-    last_val = initial
+    kept = next((r for r in parts.history if r["step"] == 0 and "val_loss" in r), None)
+    if kept is None:
+        with ledger.phase("eval"):
+            log_vals(evaluator.request(0, model))
+    else:
+        vals[0] = kept
 
     # 5. the loop
     t0 = time.perf_counter()
@@ -126,23 +173,33 @@ def train(
         try:
             for step in range(start, cfg.steps):
                 lr = lr_at(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps)
-                stats = mode.step(step, task.batch(step), lr)
+                with ledger.phase("step"):
+                    stats = mode.step(step, task.batch(step), lr)
                 if not math.isfinite(stats.get("loss", 0.0)):
                     raise FloatingPointError(f"loss became non-finite at step {step}; lower --lr")
                 done = step + 1
                 log({"step": done, "lr": lr, "tokens": done * task.tokens_per_step,
                      "elapsed_s": time.perf_counter() - t0, **stats})
-                if done % cfg.eval_every == 0 or done == cfg.steps:
-                    last_val = task.evaluate(model)
-                    log({"step": done, **last_val})
+                with ledger.phase("eval"):
+                    due = done % cfg.eval_every == 0 or done == cfg.steps
+                    got = evaluator.request(done, model) if due else evaluator.poll()
+                    if done == cfg.steps:  # the final evaluation is complete before the run reports
+                        got += evaluator.finish()
+                log_vals(got)
                 if done % cfg.checkpoint_every == 0 or done == cfg.steps:
-                    ckpt.save(done)
-                show(done, f"loss {stats.get('loss', float('nan')):.3f} val {last_val['val_loss']:.3f}")
+                    with ledger.phase("checkpoint"):
+                        ckpt.save(done)
+                with ledger.phase("log"):
+                    last = vals[max(vals)] if vals else {}
+                    show(done, f"loss {stats.get('loss', float('nan')):.3f} val {last.get('val_loss', float('nan')):.3f}")
                 if interrupted():
                     raise KeyboardInterrupt
             failed = False
         except KeyboardInterrupt:
-            ckpt.save(done)  # keep the position reached; `--resume` continues from here
+            with ledger.phase("eval"):
+                log_vals(_finish_quietly(evaluator))
+            with ledger.phase("checkpoint"):
+                ckpt.save(done)  # keep the position reached; `--resume` continues from here
             raise
         except Exception as exc:
             # The fleet stayed unreachable past its bounded retries (Redis or coordinator down): the
@@ -155,17 +212,43 @@ def train(
             ) from exc
         finally:
             _close_mode(mode, failed)
+            _close_mode(evaluator, failed)
     wall = time.perf_counter() - t0
+    return _report(cfg, parts, ledger, vals, wall, export)
 
-    # 6. report (and the model as a transformers folder)
-    plot_loss_curves({cfg.optimizer: run.records()}, run.plot,
-                     title=f"{task.model_name} on {task.data_name} ({cfg.optimizer})")
+
+def _finish_quietly(evaluator: Evaluator) -> list[dict[str, Any]]:
+    """`evaluator.finish()` on the way out of an interrupted run: what it can give, never a second error."""
+    try:
+        return evaluator.finish()
+    except Exception as exc:  # noqa: BLE001 - the interrupt is what ends the run
+        logging.getLogger(__name__).warning("finishing the evaluations of an interrupted run: %s", exc)
+        return []
+
+
+def _report(cfg: TrainConfig, parts: _Parts, ledger: TimeLedger, vals: dict[int, dict[str, Any]], wall: float,
+            export: bool) -> RunResult:
+    """Step 6: loss.png, summary.json (with the time ledger) and the exported model."""
+    run, task, model = parts.run, parts.task, parts.model
+    with ledger.phase("log"):
+        plot_loss_curves({cfg.optimizer: run.records()}, run.plot,
+                         title=f"{task.model_name} on {task.data_name} ({cfg.optimizer})")
+    with ledger.phase("eval"):
+        final = task.final(model)
+    ledger.stop()
+    scalars = ("val_loss", "val_acc")
+    initial = {k: v for k, v in vals[0].items() if k in scalars}
+    last_val = {k: v for k, v in vals[max(vals)].items() if k in scalars}
     summary = {
         "model": task.model_name, "corpus": task.data_name, "optimizer": cfg.optimizer, "steps": cfg.steps,
         **{f"initial_{k}": v for k, v in initial.items()}, **{f"final_{k}": v for k, v in last_val.items()},
-        "wall_s_this_invocation": wall, "tokens": cfg.steps * task.tokens_per_step, "resumed_from_step": start,
-        "run_dir": str(run.path), **task.final(model),
+        "wall_s_this_invocation": wall, "tokens": cfg.steps * task.tokens_per_step, "resumed_from_step": parts.start,
+        "run_dir": str(run.path), **final, "time_ledger": ledger.to_json(),
     }
+    evals_by_fleet = [r for r in vals.values() if r.get("eval_on") is not None]
+    if evals_by_fleet:
+        summary["evaluations"] = {"fleet": sum(r["eval_on"] == "fleet" for r in evals_by_fleet),
+                                  "trainer_fallback": sum(r["eval_on"] != "fleet" for r in evals_by_fleet)}
     run.write_summary(summary)
     if export:
         from trainer.export import export_trained
@@ -182,7 +265,8 @@ def _close_mode(mode: TrainMode, failed: bool) -> None:
     if not callable(close):
         return
     if not failed:
-        close(wait=True)
+        with ledger_phase("publish"):  # its last background uploads: the trainer waits for them
+            close(wait=True)
         return
     try:
         close(wait=False)

@@ -53,6 +53,7 @@ class ProbeKind(str, Enum):
     ALONG_UPDATE = "along_update"
     GROUP = "group"
     LINE = "line"
+    EVAL = "eval"
 
 
 @dataclass(frozen=True)
@@ -255,6 +256,10 @@ class KindRule:
     needs_group: bool = False  # the round names its block group (group)
 
 
+def _eval(site: ProbeSite, k: int, eps: float, dist: str, group: Sequence[int], l0: float | None) -> Losses:
+    raise ValueError("eval rounds perturb nothing: their batches are scored by trainer.evaluation.batch_values")
+
+
 # Adding a kind: a ProbeKind member and one entry here (the wire name in coordinator.messages.ProbeKindName
 # is checked against this table by tests/test_zo_probes.py).
 KINDS: dict[ProbeKind, KindRule] = {
@@ -263,6 +268,7 @@ KINDS: dict[ProbeKind, KindRule] = {
     ProbeKind.ALONG_UPDATE: KindRule(_along_update, needs_base=True),
     ProbeKind.GROUP: KindRule(_group, needs_group=True),
     ProbeKind.LINE: KindRule(_line, needs_base=True),
+    ProbeKind.EVAL: KindRule(_eval),  # held-out evaluation (coordinator.messages.EvalSpec), not a probe
 }
 
 

@@ -1,0 +1,173 @@
+"""Held-out evaluation on the fleet (`--eval-on fleet`): the trainer publishes the version and moves on.
+
+`FleetEvaluator` is a trainer.evaluation.Evaluator. At an evaluation step it copies the weights to the host,
+publishes them as that step's version on a coordinator run of its own (`<prefix>-eval-<hex>`, staleness bound
+out of reach: an old version's evaluation never goes stale) and opens one `eval` round over the run's held-out
+windows (coordinator.messages.EvalSpec: the windows travel once as a batch blob; seed k = batch k). Every
+`poll` (rate-limited: `poll_s`) takes what the workers sent; a completed round becomes the record of its step
+(`eval_on: "fleet"`). A round that gets no result for `deadline_s` seconds is finished by the trainer: it
+evaluates the missing batches itself on the version's host copy (a scratch model) and the record says so
+(`eval_on: "trainer"`, `eval_trainer_batches`). Either way the values come from
+trainer.evaluation.batch_values and combine in batch order, so a record is the same bit for bit whoever
+evaluated which batch. `finish` waits for (or evaluates) everything outstanding: the final evaluation is
+complete before the run reports.
+
+Default windows: the whole validation split (`full=True`); `full=False` scores the trainer's own subset
+(`--eval-batches`), as `--eval-on trainer` does. Intake deduplicates by (round, batch), so a batch evaluated
+twice (a redelivered task, a re-issued one after a worker died) counts once.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from coordinator.messages import EvalSpec, ProbeRound, RunSpec, WeightTerm
+from fleet import batch_wire
+from trainer.evaluation import EvalWindows, batch_values, combine
+from trainer.zo.probes import canonical_blocks
+
+log = logging.getLogger("sparecycles.fleet")
+
+
+@dataclass
+class _Pending:
+    """One evaluation in flight: its round, host weights, batch values so far and when it last progressed."""
+
+    round_id: str
+    weights: list[torch.Tensor]
+    t_request: float
+    t_progress: float
+    values: dict[int, tuple[float, float]] = field(default_factory=dict)
+
+
+class FleetEvaluator:
+    """trainer.evaluation.Evaluator whose evaluations run on a coordinator's probe workers.
+
+    Args:
+        task: the run's Task (its `eval_windows(full)` are scored). cfg: the run's TrainConfig. model: the trained
+            module (its weights at `request` are what is evaluated).
+        fleet: a fleet.attach.Fleet (coordinator URL, credentials, worker count).
+        deadline_s: seconds without any result for a round after which the trainer evaluates its missing batches.
+        full: the whole validation split (default) instead of the run's `eval_batches` subset.
+        poll_s: at most one look at the result stream per this many seconds while evaluations are pending.
+        seeds_per_task: evaluation batches per Celery task.
+    Raises CoordinatorHTTPError when the coordinator refuses the run; ValueError for a model it cannot publish.
+    """
+
+    def __init__(self, task: Any, cfg: Any, model: torch.nn.Module, fleet: Any, *, deadline_s: float = 120.0,
+                 full: bool = True, poll_s: float = 0.25, seeds_per_task: int = 4,
+                 clock=time.monotonic) -> None:
+        from fleet.backend import CoordinatorBackend
+
+        self.cfg, self.model, self.deadline_s, self.poll_s, self.clock = cfg, model, deadline_s, poll_s, clock
+        self.windows: EvalWindows = task.eval_windows(full)
+        self.kind = batch_wire.batch_kind_for_model(type(model).__name__)
+        if self.kind != self.windows.kind:
+            raise ValueError(f"the model's batches are {self.kind!r}, the task's windows {self.windows.kind!r}")
+        self.blob = batch_wire.encode_batch(self.windows.tensors, self.kind)
+        import hashlib
+
+        self.blob_sha = hashlib.sha256(self.blob).hexdigest()
+        lm = getattr(cfg, "task", "lm") != "sentiment"
+        spec = RunSpec(run=f"{fleet.run_prefix}-eval-{secrets.token_hex(4)}", model_class=type(model).__name__,
+                       model_preset=cfg.model if lm else None, staleness=1_000_000, seeds_per_task=seeds_per_task,
+                       **({"spot_check_fraction": 0.0} if fleet.workers < 2 else {}))
+        self.backend = CoordinatorBackend(model, coordinator_url=fleet.base, admin_token=fleet.settings.admin_token
+                                          .get_secret_value(), redis_url=fleet.settings.redis_url, run=spec,
+                                          key_prefix=fleet.settings.key_prefix, history=0, background=True,
+                                          blob_dir=fleet.settings.blob_dir)
+        self.run = spec.run
+        self.pending: dict[int, _Pending] = {}
+        self._rounds: dict[str, int] = {}  # round id -> step
+        self._last_poll = float("-inf")
+        self._scratch: torch.nn.Module | None = None
+
+    # ---- trainer.evaluation.Evaluator ------------------------------------------------------------
+
+    def request(self, step: int, model: torch.nn.Module) -> list[dict[str, Any]]:
+        """Publish the current weights as version `step`, open its eval round and return at once (records of
+        earlier steps that are ready come back)."""
+        blocks = canonical_blocks(model)
+        weights = [b.param.detach().to("cpu", copy=True) for b in blocks]  # the upload's and the fallback's copy
+        self.backend.publish(step, weights=weights)
+        rid = f"eval-{step}"
+        wire = ProbeRound(schema_version=3, run=self.run, round_id=rid, version=step, batch_sha256=self.blob_sha,
+                          eps=1.0, distribution="rademacher", seeds=list(range(self.windows.n_batches)), kind="eval",
+                          eval=EvalSpec(split=self.windows.split, batch_size=self.windows.batch_size,
+                                        weights=[WeightTerm(version=step, coeff=1.0)]))
+        self.backend.submit_wire(wire, self.blob)
+        now = self.clock()
+        self.pending[step] = _Pending(rid, weights, now, now)
+        self._rounds[rid] = step
+        return self.poll()
+
+    def poll(self) -> list[dict[str, Any]]:
+        """Records of the evaluations completed (or past their deadline, then finished here), in step order."""
+        if not self.pending or self.clock() - self._last_poll < self.poll_s:
+            return []
+        return self._take(force=False)
+
+    def finish(self) -> list[dict[str, Any]]:
+        """Every outstanding evaluation's record, waiting for the fleet up to each one's deadline."""
+        out: list[dict[str, Any]] = []
+        while self.pending:
+            out += self._take(force=False)
+            if self.pending:
+                time.sleep(min(0.05, self.poll_s))
+        return out
+
+    def close(self, wait: bool = True) -> None:
+        """Close the backend (its uploads: finished when `wait`, else cancelled)."""
+        self.backend.close(wait=wait)
+
+    # ---- internals ------------------------------------------------------------------------------
+
+    def _take(self, force: bool) -> list[dict[str, Any]]:
+        self._last_poll = now = self.clock()
+        got = self.backend.collect()
+        for r in got.results:
+            step = self._rounds.get(r.round_id)
+            if step is not None and step in self.pending:
+                p = self.pending[step]
+                p.values.setdefault(int(r.seed), (r.l_plus, r.l_minus))
+                p.t_progress = now
+        out = []
+        for step in sorted(self.pending):
+            p = self.pending[step]
+            if len(p.values) == self.windows.n_batches:
+                out.append(self._record(step, p, trainer_batches=0))
+            elif force or now - p.t_progress >= self.deadline_s:
+                missing = [k for k in range(self.windows.n_batches) if k not in p.values]
+                log.warning("evaluation of step %d: %d of %d batches not in after %.0f s without progress; "
+                            "evaluating them on the trainer", step, len(missing), self.windows.n_batches,
+                            now - p.t_progress)
+                p.values.update(self._evaluate_here(p.weights, missing))
+                out.append(self._record(step, p, trainer_batches=len(missing)))
+            else:
+                continue
+            del self.pending[step], self._rounds[p.round_id]
+        return out
+
+    def _record(self, step: int, p: _Pending, trainer_batches: int) -> dict[str, Any]:
+        n = self.windows.n_batches
+        values = [p.values[k] for k in range(n)]
+        return {"step": step, **combine(self.windows.kind, values, self.windows.rows),
+                "eval_on": "trainer" if trainer_batches else "fleet", "eval_fleet_batches": n - trainer_batches,
+                "eval_trainer_batches": trainer_batches, "eval_latency_s": self.clock() - p.t_request}
+
+    def _evaluate_here(self, weights: list[torch.Tensor], batches: list[int]) -> dict[int, tuple[float, float]]:
+        """batch_values of `batches` at the version whose host copy is `weights`, on a scratch copy of the model."""
+        if self._scratch is None:
+            self._scratch = copy.deepcopy(self.model)
+        with torch.no_grad():
+            for b, w in zip(canonical_blocks(self._scratch), weights, strict=True):
+                b.param.copy_(w)
+        dev = self.cfg.device
+        return {k: batch_values(self._scratch, self.windows.kind, self.windows.batch(k, dev)) for k in batches}

@@ -1,0 +1,170 @@
+"""Evaluation on the fleet (fleet.evaluation.FleetEvaluator) with a real coordinator and real worker processes
+(support.fleet.Fleet): the records equal the trainer's own bit for bit; a worker that never answers leaves the
+trainer to evaluate (and say so), nothing missing; a worker killed mid-evaluation gets its batches re-issued and
+each counts once. The wire form of an eval round is strict."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+from pydantic import ValidationError
+
+from coordinator.messages import EvalSpec, ProbeRound, ProbeTask, WeightTerm
+
+SHA = "a" * 64
+
+
+def test_eval_rounds_are_strict_and_old_schemas_serialise_unchanged():
+    spec = EvalSpec(split="classics-small/val", batch_size=4, weights=[WeightTerm(version=7, coeff=1.0)])
+    r = ProbeRound(schema_version=3, run="r", round_id="eval-7", version=7, batch_sha256=SHA, eps=1.0,
+                   distribution="rademacher", seeds=[0, 1, 2], kind="eval", eval=spec)
+    assert ProbeRound.model_validate_json(r.model_dump_json()) == r
+    base = {"run": "r", "round_id": "x", "version": 7, "batch_sha256": SHA, "eps": 1.0, "distribution": "rademacher",
+            "seeds": [0, 1]}
+    for bad in ({**base, "kind": "eval"},  # no spec
+                {**base, "kind": "eval", "schema_version": 2, "eval": spec.model_dump()},  # old schema
+                {**base, "kind": "seeded", "schema_version": 3, "eval": spec.model_dump()},  # spec on a probe round
+                {**base, "kind": "eval", "schema_version": 3, "version": 8, "eval": spec.model_dump()}):  # not its version
+        with pytest.raises(ValidationError):
+            ProbeRound.model_validate(bad)
+    with pytest.raises(ValidationError):  # a mixture names each version once
+        EvalSpec(split="v", batch_size=1, weights=[WeightTerm(version=1, coeff=0.5), WeightTerm(version=1, coeff=0.5)])
+    with pytest.raises(ValidationError):
+        EvalSpec(split="v", batch_size=1, weights=[WeightTerm(version=1, coeff=float("nan"))])
+    old = ProbeTask(run="r", round_id="x", version=1, batch_sha256=SHA, eps=0.1, distribution="rademacher",
+                    seeds=[3], want_clean=False)
+    assert "eval" not in json.loads(old.model_dump_json()) and "blocks" not in old.model_dump(mode="json")
+
+
+# ---- end to end ------------------------------------------------------------------------------------------
+
+
+def _cfg(tmp_path, name: str, **kw):
+    from trainer.config import TrainConfig
+
+    base = dict(model="gpt2-tiny", corpus="classics-small", steps=4, batch_size=2, seq_len=16, warmup_steps=1,
+                eval_every=2, eval_batches=3, checkpoint_every=100, run_dir=tmp_path / name)
+    return TrainConfig(**{**base, **kw})
+
+
+def _records(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _evals(run_dir) -> dict[int, dict]:
+    return {r["step"]: r for r in _records(run_dir) if "val_loss" in r}
+
+
+def _attached(f, workers: int = 1, rounds: str = "async"):
+    from fleet.attach import Fleet, FleetSettings, FleetStatus
+    from support.fleet import REDIS_URL
+
+    settings = FleetSettings(admin_token=f.admin_token, redis_url=REDIS_URL, key_prefix=f.prefix,
+                             blob_dir=f.tmp / "blobs")
+    return Fleet(f.url, settings, workers, FleetStatus(f.url), run_prefix="te", rounds=rounds)
+
+
+@pytest.fixture(scope="module")
+def trainer_run(tmp_path_factory):
+    """The reference: the same run evaluated on the trainer."""
+    from trainer.train import train
+
+    tmp = tmp_path_factory.mktemp("ref")
+    res = train(_cfg(tmp, "trainer"), progress=False, export=False)
+    return res.run_dir
+
+
+@pytest.fixture(scope="module")
+def efleet(tmp_path_factory):
+    """A coordinator process and one worker "a" (more are started by the tests that need them)."""
+    from support.fleet import Fleet
+
+    f = Fleet(tmp_path_factory.mktemp("efleet"))
+    try:
+        f.start_worker("a")
+        f.wait_consuming("a")
+        yield f
+    finally:
+        f.close()
+
+
+@pytest.mark.slow
+def test_fleet_evaluation_equals_the_trainers_bit_for_bit(efleet, trainer_run, tmp_path):
+    from trainer.train import train
+
+    fleet = _attached(efleet)
+    res = train(_cfg(tmp_path, "fleet"), progress=False, export=False,
+                evaluator_factory=fleet.evaluator_factory(deadline_s=120.0, full=False))
+    mine, ref = _evals(res.run_dir), _evals(trainer_run)
+    assert sorted(mine) == sorted(ref) == [0, 2, 4]
+    assert [mine[s]["val_loss"] for s in (0, 2, 4)] == [ref[s]["val_loss"] for s in (0, 2, 4)]  # bits, not approx
+    assert all(mine[s]["eval_on"] == "fleet" and mine[s]["eval_trainer_batches"] == 0 for s in mine)
+    assert all(mine[s]["eval_fleet_batches"] == 3 for s in mine)  # eval_batches 3 (of 2 windows each)
+    summary = json.loads((res.run_dir / "summary.json").read_text())
+    assert summary["final_val_loss"] == ref[4]["val_loss"]
+    assert summary["evaluations"] == {"fleet": 3, "trainer_fallback": 0}
+    losses = [(r["step"], r["loss"]) for r in _records(res.run_dir) if "loss" in r]
+    assert losses == [(r["step"], r["loss"]) for r in _records(trainer_run) if "loss" in r]
+
+
+@pytest.mark.slow
+def test_a_worker_that_never_answers_leaves_the_evaluation_to_the_trainer(efleet, trainer_run, tmp_path):
+    from trainer.train import train
+
+    fleet = _attached(efleet)
+    proc = efleet.workers["a"]
+    os.kill(proc.pid, signal.SIGSTOP)  # alive, holding whatever it took, answering nothing
+    try:
+        res = train(_cfg(tmp_path, "stopped"), progress=False, export=False,
+                    evaluator_factory=fleet.evaluator_factory(deadline_s=1.0, full=False))
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+    mine, ref = _evals(res.run_dir), _evals(trainer_run)
+    assert sorted(mine) == [0, 2, 4]  # nothing missing
+    assert [mine[s]["val_loss"] for s in (0, 2, 4)] == [ref[s]["val_loss"] for s in (0, 2, 4)]
+    assert all(mine[s]["eval_on"] == "trainer" and mine[s]["eval_fleet_batches"] == 0 for s in mine)
+    assert json.loads((res.run_dir / "summary.json").read_text())["evaluations"] == {"fleet": 0, "trainer_fallback": 3}
+
+
+@pytest.mark.slow
+def test_a_worker_killed_mid_evaluation_is_replaced_and_each_batch_counts_once(efleet, tmp_path):
+    from fleet.evaluation import FleetEvaluator
+    from trainer.tasks import LMTask
+    from trainer.train import evaluate
+
+    cfg = _cfg(tmp_path, "killed", eval_batches=120, batch_size=2, seq_len=64)
+    task = LMTask(cfg)
+    model = task.build_model()
+    efleet.start_worker("b")
+    efleet.wait_consuming("b")
+    ev = FleetEvaluator(task, cfg, model, _attached(efleet), deadline_s=300.0, full=False, seeds_per_task=1)
+    n = ev.windows.n_batches
+    assert n == 120
+    victim = efleet.workers["b"]
+    ev.request(0, model)
+    stream = ev.backend.reader
+
+    def progress() -> int:
+        return len(ev.pending[0].values) if 0 in ev.pending else n
+
+    deadline = time.monotonic() + 120
+    while progress() < 3 and time.monotonic() < deadline:  # mid-evaluation: some batches in, most not
+        ev.poll()
+        time.sleep(0.05)
+    assert 3 <= progress() < n, "the worker finished before it could be killed: make the evaluation longer"
+    victim.kill()
+    victim.wait()
+    efleet.start_worker("c")  # its replacement; the dead worker's task returns to the queue, its seeds re-issued
+    records = ev.finish()
+    ev.close()
+    assert [r["step"] for r in records] == [0]
+    rec = records[0]
+    assert rec["eval_on"] == "fleet" and rec["eval_fleet_batches"] == n
+    assert rec["val_loss"] == evaluate(model, task.corpus.val, cfg)  # the trainer's own value, bit for bit
+    info = efleet.admin.get(f"/v1/runs/{ev.run}/rounds/eval-0").json()
+    assert info["done"] == info["n_seeds"] == n  # each batch accepted exactly once
+    assert stream is ev.backend.reader
