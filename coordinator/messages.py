@@ -369,11 +369,13 @@ class _RoundFields(Message):
 
     @model_serializer(mode="wrap")
     def _drop_absent_blocks(self, handler: SerializerFunctionWrapHandler) -> dict:
-        """A schema-1 message serialises without the schema-2 `blocks` field, byte-identical to what workers
-        and trainers of schema 1 send and accept (they forbid unknown fields, even null ones)."""
+        """A message serialises without the schema-2 `blocks` and schema-3 `eval` fields when they are absent,
+        byte-identical to what workers and trainers of older schemas send and accept (they forbid unknown fields,
+        even null ones)."""
         out = handler(self)
-        if out.get("blocks", 0) is None:
-            del out["blocks"]
+        for name in ("blocks", "eval"):
+            if out.get(name, 0) is None:
+                del out[name]
         return out
 
     @model_validator(mode="after")

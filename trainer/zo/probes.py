@@ -98,6 +98,8 @@ class RoundSpec:
         kind: a ProbeKind.
         base_version: θ_base for ``along_update`` (usually version − 1) and ``line`` (an earlier refresh).
         blocks: sorted, distinct canonical block indices perturbed by a ``group`` round (empty otherwise).
+        eval: the coordinator.messages.EvalSpec of an ``eval`` round (held-out batches, fleet.evaluation; the
+            seeds are batch indices), None otherwise.
     The field names are the wire's (coordinator.messages.ProbeRound), so `to_wire` copies none by hand.
     Raises ValueError at construction for an empty or repeated seed list, eps <= 0 or non-finite, and fields
     the kind needs or forbids (`check_kind_fields`).
@@ -113,6 +115,7 @@ class RoundSpec:
     kind: ProbeKind = ProbeKind.SEEDED
     base_version: int | None = None
     blocks: tuple[int, ...] = ()
+    eval: Any = None
 
     def __post_init__(self) -> None:
         if not self.seeds:
@@ -122,16 +125,19 @@ class RoundSpec:
         if not (self.eps > 0 and math.isfinite(self.eps)):
             raise ValueError(f"eps must be finite and > 0, got {self.eps}")
         check_kind_fields(ProbeKind(self.kind), self.base_version, self.blocks)
+        if (ProbeKind(self.kind) is ProbeKind.EVAL) != (self.eval is not None):
+            raise ValueError("an eval round (and only an eval round) carries its EvalSpec")
         check_line_seeds(ProbeKind(self.kind).value, list(self.seeds), self.eps)  # the wire's bound, refused here
 
     def to_wire(self, run: str, batch_sha256: str) -> ProbeRound:
         """This round as the coordinator receives it, its batch uploaded as blob `batch_sha256`: every field
         but `batch` under its own name (JSON types: lists, the kind's wire name), schema 2 only for group
-        rounds (`blocks`). Raises pydantic.ValidationError for what the wire refuses (e.g. a round id)."""
+        rounds (`blocks`), 3 for eval rounds (`eval`). Raises pydantic.ValidationError for what the wire refuses (e.g. a round id)."""
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "batch"}
         fields.update(eps=float(self.eps), distribution=str(self.distribution), seeds=[int(x) for x in self.seeds],
                       kind=ProbeKind(self.kind).value,
-                      blocks=[int(b) for b in self.blocks] or None, schema_version=2 if self.blocks else 1)
+                      blocks=[int(b) for b in self.blocks] or None,
+                      schema_version=3 if self.eval is not None else 2 if self.blocks else 1)
         return ProbeRound(run=run, batch_sha256=batch_sha256, **fields)
 
 
