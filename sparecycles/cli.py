@@ -76,6 +76,16 @@ def up(
                                               "(replaces --workers)."),
     gpus: str | None = typer.Option(None, help="auto: the trainer on the first GPU, a probe worker on each other "
                                     "(one GPU: both share it)."),
+    eval_on: str = typer.Option("auto", help="Where both runs' held-out evaluation runs: trainer, fleet, or auto "
+                                "(= fleet: the trainer publishes the version and moves on)."),
+    eval_windows: str = typer.Option("full", help="Evaluation on the fleet: full (the whole validation split) or "
+                                     "subset (the runs' eval_batches windows)."),
+    eval_deadline: float = typer.Option(120.0, min=0.0, help="Seconds without a result before the trainer "
+                                        "evaluates a version itself."),
+    fleet_wait: str = typer.Option("interval", help="When the ZO run waits for its probe rounds: interval (each "
+                                   "round folds at the refresh after it, waiting only when the fleet is a whole "
+                                   "interval behind: an interrupted run resumes bit for bit), sync, or never (a "
+                                   "late round is skipped and counted)."),
     set_: list[str] | None = typer.Option(None, "--set", help="KEY=VALUE: another training setting of both runs "
                                           "(a TrainConfig field), e.g. --set lr=6e-4 --set warmup_steps=40 "
                                           "--set corpus=classics. Repeatable."),
@@ -105,7 +115,8 @@ def up(
                        run_dir=run_dir, curvature_interval=curvature_interval, task=task, probes=probes,
                        batch_size=batch_size, seq_len=seq_len, overwrite=overwrite,
                        device=None if placement.trainer == "cpu" else placement.trainer,
-                       worker_devices=placement.workers, train_options=tuple(set_ or ()))
+                       worker_devices=placement.workers, train_options=tuple(set_ or ()), eval_on=eval_on,
+                       eval_windows=eval_windows, fleet_wait=fleet_wait, eval_deadline=eval_deadline)
         summary = run_up(plan, progress=progress, keep_blobs=keep_blobs, export=export,
                          log=lambda m: typer.secho(m, fg=typer.colors.YELLOW if m.startswith("warning") else None,
                                                    err=True))

@@ -174,7 +174,8 @@ def _prefetch_inputs(cfg, progress: bool) -> None:
         load_corpus(cfg.corpus, progress=progress)
 
 
-UP_ROUNDS = "next"  # fleet.attach.ROUND_MODES: how `up`'s ZO-Curv rounds fold
+UP_ROUNDS = "next"  # fleet.attach.ROUND_MODES: how `up`'s ZO-Curv rounds fold by default (--fleet-wait interval)
+FLEET_ROUNDS = {"never": "async", "interval": UP_ROUNDS, "sync": "sync"}  # --fleet-wait -> round mode
 ROUNDS_NOTE = ("each curvature round folds at the refresh after it (the trainer waits only if the fleet is a whole "
                "interval behind): the run does not depend on the fleet's timing, and one interrupted and resumed "
                "equals the uninterrupted run bit for bit")
@@ -206,12 +207,19 @@ def sum_fleet(parts: list[dict]) -> dict:
     return out
 
 
-def _rounds_note(optimizer: str) -> str:
-    """How the fleet's probes enter `optimizer`'s steps, for the console and summary.json."""
+def _rounds_note(optimizer: str, fleet_wait: str = "interval") -> str:
+    """How the fleet's probes enter `optimizer`'s steps under `--fleet-wait`, for the console and summary.json."""
     from trainer.methods import get_method
 
     method = get_method(optimizer)
     if method.kind == "zo-curv" and method.optimizer is not None:
+        if fleet_wait == "never":
+            return ("--fleet-wait never: the trainer never waits for a round; each folds at the first refresh after it "
+                    "completed, and a round that goes stale first is skipped and counted (curv_dropped_rounds): the "
+                    "run depends on the fleet's timing")
+        if fleet_wait == "sync":
+            return ("--fleet-wait sync: each round folds at its own refresh, the trainer waiting for it: the run "
+                    "equals the in-process one")
         return ROUNDS_NOTE
     if method.kind == "zo-curv":
         return ("each line round folds as its results arrive: the run depends on the fleet's timing, and a resumed "
@@ -269,24 +277,27 @@ def _train_with_fleet(plan: UpPlan, progress: bool, log: Callable[[str], None],
             # workers read them there (SPARECYCLES_BLOB_DIR in their environment), no HTTP copies.
             fleet = Fleet(base, FleetSettings(admin_token=admin, redis_url=redis_url, key_prefix=settings.key_prefix,
                                               blob_dir=out / "blobs"),
-                          workers, FleetStatus(base), run_prefix="up", rounds=UP_ROUNDS)
+                          workers, FleetStatus(base), run_prefix="up", rounds=FLEET_ROUNDS[plan.fleet_wait])
             wait_for_workers(base, admin, workers, 120.0, check=sup.check)
             status = fleet.status
             fleet_mode = fleet.mode_factory
+            evaluator = (fleet.evaluator_factory(deadline_s=plan.eval_deadline, full=plan.eval_windows == "full")
+                         if plan.eval_on == "fleet" else None)
 
             # Interrupted runs resume from their checkpoints (which hold the ZO state).
             base_state, zo_state = plan.states["adamw"].kind, plan.states[plan.optimizer].kind
             if base_state != "done":
-                train(plan.base_cfg, progress=progress, resume=base_state == "resume", overwrite=True, export=export)
+                train(plan.base_cfg, progress=progress, resume=base_state == "resume", overwrite=True, export=export,
+                      evaluator_factory=evaluator)
             if zo_state == "done":
                 return {}, redis_desc
             # A resumed run's fleet figures add up every part: each interruption records the one it ends.
             parts_path = plan.out / plan.optimizer / FLEET_PARTS
             parts = _read_parts(parts_path) if zo_state == "resume" else []
-            log(f"{plan.optimizer}: {_rounds_note(plan.optimizer)}")
+            log(f"{plan.optimizer}: {_rounds_note(plan.optimizer, plan.fleet_wait)}")
             try:
                 train(plan.zo_cfg, progress=progress, resume=zo_state == "resume", overwrite=True,
-                      mode_factory=fleet_mode, status=status, export=export)
+                      mode_factory=fleet_mode, status=status, export=export, evaluator_factory=evaluator)
             finally:  # the coordinator still answers here: its counters cover this part
                 parts.append(status.snapshot())
                 parts_path.write_text(json.dumps(parts, indent=2))
@@ -370,7 +381,10 @@ def run_up(plan: UpPlan, *, progress: bool = True, keep_blobs: bool = False, exp
         "trainer_device": plan.zo_cfg.device, "worker_devices": list(plan.worker_devices or ("cpu",) * plan.workers),
         "forward_dtype": "float32 (TF32 matmuls on CUDA)" if any(d.startswith("cuda") for d in plan.worker_devices)
         else "float32",
-        "rounds": _rounds_note(opt),
+        "rounds": _rounds_note(opt, plan.fleet_wait), "evaluation": (
+            f"on the fleet ({'the whole validation split' if plan.eval_windows == 'full' else 'the eval_batches subset'}"
+            f"; a version no worker answers for in {plan.eval_deadline:.0f} s is evaluated by the trainer)"
+            if plan.eval_on == "fleet" else "on the trainer"),
         "warnings": [*plan.warnings, *([late] if late else [])], "wall_s": time.perf_counter() - t0, "plot": str(png),
         "logs": str(out / "logs"),
     }

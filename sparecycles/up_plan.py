@@ -38,13 +38,20 @@ class UpPlan:
     clear: bool
     warnings: tuple[str, ...]
     worker_devices: tuple[str, ...] = ()  # one torch device per worker process (fleet.devices); () = cpu
+    eval_on: str = "fleet"  # where held-out evaluation runs: fleet (fleet.evaluation) or trainer
+    eval_windows: str = "full"  # on the fleet: the whole validation split, or the runs' eval_batches subset
+    fleet_wait: str = "interval"  # when the ZO run waits for its rounds (trainer.cli.FLEET_WAIT)
+    eval_deadline: float = 120.0  # seconds without a result before the trainer evaluates a version itself
 
     @property
     def settings(self) -> dict[str, dict]:
-        """Both runs' settings (trainer.preflight.run_settings), as written to `up_settings.json`."""
+        """Both runs' settings (trainer.preflight.run_settings, plus where they are evaluated and the ZO run's wait
+        policy), as written to `up_settings.json`."""
         from trainer.preflight import run_settings
 
-        return {"adamw": run_settings(self.base_cfg), self.optimizer: run_settings(self.zo_cfg)}
+        evaluation = {"eval_on": self.eval_on, "eval_windows": self.eval_windows if self.eval_on == "fleet" else None}
+        return {"adamw": {**run_settings(self.base_cfg), **evaluation},
+                self.optimizer: {**run_settings(self.zo_cfg), **evaluation, "fleet_wait": self.fleet_wait}}
 
 
 def read_json(path: Path) -> dict | None:
@@ -79,14 +86,17 @@ def plan_up(*, preset: str = "demo", optimizer: str | None = None, workers: int 
             run_dir: Path | None = None, curvature_interval: int | None = None, task: str = "lm",
             probes: int | None = None, batch_size: int | None = None, seq_len: int | None = None,
             overwrite: bool = False, device: str | None = None, worker_devices: tuple[str, ...] = (),
-            train_options: tuple[str, ...] = ()) -> UpPlan:
+            train_options: tuple[str, ...] = (), eval_on: str = "auto", eval_windows: str = "full",
+            fleet_wait: str = "interval", eval_deadline: float = 120.0) -> UpPlan:
     """Validate every option of `up` and decide what happens to its run folder; starts and trains nothing.
 
     `device` is the trainer's torch device (both runs), `worker_devices` one device per worker process
     (fleet.devices.place decides both). The folder is `run_dir`, else `runs/up-<preset>-<optimizer>` plus a tag per setting that differs from
     the preset's (`-steps5`, `-k4`, `-b8`, `-t16`, `-ci4`), so runs with other settings get other folders.
     `train_options` ("KEY=VALUE", `up --set`) set any other TrainConfig field of both runs (e.g. lr=6e-4,
-    warmup_steps=40, min_lr=6e-5, corpus=classics, eval_every=25), validated by TrainConfig.
+    warmup_steps=40, min_lr=6e-5, corpus=classics, eval_every=25), validated by TrainConfig. `eval_on`
+    (trainer|fleet|auto; auto = fleet: `up` always has one) and `eval_windows` (full|subset) place both runs'
+    evaluation; `fleet_wait` (never|interval|sync) is the ZO run's wait policy (interval: `up`'s exact-resume mode).
     Raises ValueError (message names the option) for an invalid option, or when the folder holds a run with
     other settings and `overwrite` is not set (the message lists the differences).
     """
@@ -103,6 +113,11 @@ def plan_up(*, preset: str = "demo", optimizer: str | None = None, workers: int 
 
     if task not in ("lm", "sentiment"):
         raise ValueError(f"--task must be lm or sentiment, got {task!r}")
+    for name, value, choices in (("--eval-on", eval_on, ("trainer", "fleet", "auto")),
+                                 ("--eval-windows", eval_windows, ("full", "subset")),
+                                 ("--fleet-wait", fleet_wait, ("never", "interval", "sync"))):
+        if value not in choices:
+            raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
     if not 1 <= workers <= 64:
         raise ValueError(f"--workers must be 1 to 64, got {workers}")
     sentiment = task == "sentiment"
@@ -139,7 +154,9 @@ def plan_up(*, preset: str = "demo", optimizer: str | None = None, workers: int 
     zo_cfg = zo_cfg.model_copy(update={"run_dir": out / optimizer})
     states = {"adamw": folder_state(out / "adamw", base_cfg), optimizer: folder_state(out / optimizer, zo_cfg)}
     plan = UpPlan(task, preset, optimizer, workers, out, base_cfg, zo_cfg, states, False,
-                  tuple(w for w in [no_probe_round_warning(zo_cfg)] if w), tuple(worker_devices))
+                  tuple(w for w in [no_probe_round_warning(zo_cfg)] if w), tuple(worker_devices),
+                  eval_on="trainer" if eval_on == "trainer" else "fleet", eval_windows=eval_windows,
+                  fleet_wait=fleet_wait, eval_deadline=eval_deadline)
     diffs = _folder_diffs(out, plan.settings, states)
     if diffs and not overwrite:
         raise ValueError(f"{out} holds a run with other settings ({'; '.join(diffs)}); nothing was changed. "

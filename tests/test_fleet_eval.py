@@ -168,3 +168,29 @@ def test_a_worker_killed_mid_evaluation_is_replaced_and_each_batch_counts_once(e
     info = efleet.admin.get(f"/v1/runs/{ev.run}/rounds/eval-0").json()
     assert info["done"] == info["n_seeds"] == n  # each batch accepted exactly once
     assert stream is ev.backend.reader
+
+
+@pytest.mark.slow
+def test_fleet_wait_never_with_a_stopped_worker_finishes_and_counts_its_skipped_rounds(efleet, tmp_path):
+    """--fleet-wait never (round mode "async"): the worker answers nothing, the trainer never waits for a round;
+    every step is taken, each round goes stale unfolded and is counted, and the ledger books no waiting."""
+    from trainer.train import train
+
+    fleet = _attached(efleet, rounds="async")
+    cfg = _cfg(tmp_path, "never", optimizer="zocurv-line", steps=8, curvature_interval=2, staleness=2,
+               probe_batch_size=2, eval_every=8)
+    alive = [p for p in efleet.workers.values() if p.poll() is None]
+    for p in alive:
+        os.kill(p.pid, signal.SIGSTOP)
+    try:
+        res = train(cfg, progress=False, export=False, mode_factory=fleet.mode_factory)
+    finally:
+        for p in alive:
+            os.kill(p.pid, signal.SIGCONT)
+    steps = [r["step"] for r in _records(res.run_dir) if "loss" in r]
+    assert steps == list(range(1, 9))  # the same step count as without a fleet
+    summary = json.loads((res.run_dir / "summary.json").read_text())
+    assert summary["rounds_skipped"]["dropped"] >= 1  # rounds at steps 2 and 4 went stale unanswered
+    assert summary["rounds_skipped"]["dropped"] + summary["rounds_skipped"]["pending_at_end"] == 3  # rounds 2, 4, 6
+    assert summary["time_ledger"]["phases_s"]["wait"] == 0.0
+    assert summary["time_ledger"]["phases_s"]["publish"] > 0.0

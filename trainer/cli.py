@@ -95,6 +95,8 @@ def train(
     lr: float | None = typer.Option(None, help="Peak learning rate."),
     warmup_steps: int | None = typer.Option(None, min=0, help="Linear warmup steps."),
     eval_every: int | None = typer.Option(None, min=1, help="Evaluate every N steps."),
+    eval_batches: int | None = typer.Option(None, min=1, help="Held-out batches per evaluation (capped at the "
+                                            "validation split)."),
     checkpoint_every: int | None = typer.Option(None, min=1, help="Checkpoint every N steps."),
     probes: int | None = typer.Option(None, min=1, help="ZO: probes K per step / curvature round."),
     eps: float | None = typer.Option(None, help="ZO: probe step epsilon."),
@@ -150,7 +152,7 @@ def train(
     from trainer.train import train as run_train
 
     overrides = dict(corpus=corpus, optimizer=optimizer and optimizer.value, task=task, steps=steps, batch_size=batch_size,
-                     seq_len=seq_len, lr=lr, warmup_steps=warmup_steps, eval_every=eval_every,
+                     seq_len=seq_len, lr=lr, warmup_steps=warmup_steps, eval_every=eval_every, eval_batches=eval_batches,
                      checkpoint_every=checkpoint_every, probes=probes, eps=eps, alpha=alpha, lam=lam,
                      probe_batch_size=probe_batch_size, curvature_interval=curvature_interval, staleness=staleness,
                      probe_budget=probe_budget, seed=seed, device=device, run_dir=run_dir,

@@ -15,7 +15,8 @@ from typing import Any
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """Read a metrics JSON-lines file; a missing file gives an empty list, a torn last line is skipped."""
+    """Read a metrics JSON-lines file, ordered by step (stable: a step's lines keep their order; an evaluation a
+    fleet returned late is placed at its own step); a missing file gives an empty list, a torn last line is skipped."""
     if not path.is_file():
         return []
     out = []
@@ -24,7 +25,7 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
             out.append(json.loads(line))
         except json.JSONDecodeError:
             continue
-    return out
+    return sorted(out, key=lambda r: r.get("step", 0))
 
 
 def ema_beta(n: int) -> float:

@@ -4,10 +4,17 @@
     2. build        the Task (LM or sentiment), its model, the method's TrainMode (trainer.methods registry)
     3. position     --resume: Checkpointer.restore and cut metrics.jsonl back to the checkpoint; else start at 0
     4. evaluate     step 0 on the held-out split (kept from the first invocation on resume)
-    5. loop         per step: lr schedule -> mode.step -> log -> evaluate every `eval_every` ->
-                    checkpoint every `checkpoint_every`; Ctrl-C / SIGTERM finish the step, checkpoint, stop;
-                    an unreachable fleet checkpoints and stops
-    6. report       loss.png, summary.json and (`export`) the model as a transformers folder
+    5. loop         per step: lr schedule -> mode.step -> log -> evaluate every `eval_every` (the Evaluator:
+                    on the trainer, or handed to a fleet whose records arrive later and are logged at their own
+                    step; all are in before the final checkpoint) -> checkpoint every `checkpoint_every`;
+                    Ctrl-C / SIGTERM finish the step, checkpoint, stop; an unreachable fleet checkpoints and stops
+    6. report       loss.png, summary.json (with the time ledger, trainer.ledger) and (`export`) the model as a
+                    transformers folder
+
+Every phase books its wall time in the run's TimeLedger (start-up, step, publish, wait, eval, checkpoint, log,
+other); summary.json's `time_ledger` and the console's last lines show it. A fleet evaluation still out when a
+periodic checkpoint is written is not in it: a run that crashes then resumes without that record (an interrupted
+one waits for it first).
 
 Batches, the learning-rate schedule and all randomness are functions of the step counter, so a resumed
 run continues bit-identically on CPU; over a fleet too when its rounds fold at fixed refreshes (the checkpoint
@@ -196,7 +203,7 @@ def _run(cfg: TrainConfig, parts: _Parts, ledger: TimeLedger, evaluator: Evaluat
                     raise KeyboardInterrupt
             failed = False
         except KeyboardInterrupt:
-            with ledger.phase("eval"):
+            with contextlib.suppress(KeyboardInterrupt), ledger.phase("eval"):  # a second Ctrl-C skips the wait
                 log_vals(_finish_quietly(evaluator))
             with ledger.phase("checkpoint"):
                 ckpt.save(done)  # keep the position reached; `--resume` continues from here
@@ -215,6 +222,20 @@ def _run(cfg: TrainConfig, parts: _Parts, ledger: TimeLedger, evaluator: Evaluat
             _close_mode(evaluator, failed)
     wall = time.perf_counter() - t0
     return _report(cfg, parts, ledger, vals, wall, export)
+
+
+def _rounds_summary(records: list[dict[str, Any]]) -> dict[str, float]:
+    """The probe rounds a ZO-Curv run never folded, from its step records: `dropped` (gone stale before they
+    completed: skipped, never waited for) and `pending_at_end` (still out when the run ended); {} for a run
+    without rounds."""
+    keys = {"curv_dropped_rounds": "dropped", "line_dropped_rounds": "dropped",
+            "curv_pending_rounds": "pending_at_end", "line_pending_rounds": "pending_at_end"}
+    out: dict[str, float] = {}
+    for r in records:
+        for k, name in keys.items():
+            if k in r:
+                out[name] = r[k]
+    return out
 
 
 def _finish_quietly(evaluator: Evaluator) -> list[dict[str, Any]]:
@@ -245,6 +266,9 @@ def _report(cfg: TrainConfig, parts: _Parts, ledger: TimeLedger, vals: dict[int,
         "wall_s_this_invocation": wall, "tokens": cfg.steps * task.tokens_per_step, "resumed_from_step": parts.start,
         "run_dir": str(run.path), **final, "time_ledger": ledger.to_json(),
     }
+    rounds = _rounds_summary(run.records())
+    if rounds:
+        summary["rounds_skipped"] = rounds
     evals_by_fleet = [r for r in vals.values() if r.get("eval_on") is not None]
     if evals_by_fleet:
         summary["evaluations"] = {"fleet": sum(r["eval_on"] == "fleet" for r in evals_by_fleet),
