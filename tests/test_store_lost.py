@@ -47,7 +47,7 @@ def test_workers_reenroll_after_the_store_is_lost(fleet):
     be = fleet.backend(model, "after-loss")
     be.publish(0)
     seeds = tuple(range(10, 18))
-    be.submit(RoundSpec("after-0", 0, make_batch(2, 8, seed=3), eps=1e-2, seeds=seeds, dist="rademacher"))
+    be.submit(RoundSpec("after-0", 0, make_batch(2, 8, seed=3), eps=1e-2, seeds=seeds, distribution="rademacher"))
     got = be.collect("after-0").results
     assert sorted(r.seed for r in got) == list(seeds)
     assert {r.worker for r in got} <= set(new.values())
