@@ -175,13 +175,13 @@ class InProcessBackend:
                                 lambda s, a, d: self._seeded(r.batch, s, a, d), update)
 
     def _evaluate(self, r: RoundSpec) -> list[SeedResult]:
-        if r.group:
-            probes.check_group(r.group, len(self.blocks))
+        if r.blocks:
+            probes.check_group(r.blocks, len(self.blocks))
         site = self._site(r)
         l0 = self._loss(r.batch) if r.want_clean else None
         out = []
         for s in r.seeds:
-            lp, lm, scale = probes.probe_losses(site, r.kind, s, r.eps, r.dist, r.group, l0)
+            lp, lm, scale = probes.probe_losses(site, r.kind, s, r.eps, r.distribution, r.blocks, l0)
             out.append(SeedResult(r.round_id, s, r.version, lp, lm, l0, scale))
         return out
 
