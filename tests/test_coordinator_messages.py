@@ -213,3 +213,17 @@ def test_line_rounds_and_tasks_bound_their_step_multiples():
               "base_version": 0}
     with pytest.raises(ValueError, match="step multiples"):
         RoundSpec(**fields)
+
+
+@pytest.mark.parametrize("extra", [{}, {"schema_version": 2, "kind": "group", "blocks": [0, 3]},
+                                   {"kind": "line", "base_version": 1, "seeds": [1, 2, 3, 4, 5], "eps": 0.5}])
+def test_tasks_carry_every_field_of_their_round(extra):
+    rnd = ProbeRound.model_validate({"run": "r", "round_id": "k", "version": 7, "batch_sha256": SHA, "eps": 1e-3,
+                                     "distribution": "gauss8", "seeds": [9, 4, 1, 6, 5], "want_clean": True, **extra})
+    tasks = ProbeTask.split(rnd, rnd.seeds, replica=1, per_task=2)
+    assert [t.seeds for t in tasks] == [rnd.seeds[0:2], rnd.seeds[2:4], rnd.seeds[4:]]
+    for t in tasks:
+        assert t.model_dump(exclude={"seeds", "replica"}) == rnd.model_dump(exclude={"seeds"}) and t.replica == 1
+        assert ("blocks" in t.model_dump_json()) == ("blocks" in extra)  # schema 1 stays byte-identical
+    shared = set(ProbeRound.model_fields)
+    assert shared <= set(ProbeTask.model_fields) and set(ProbeTask.model_fields) - shared == {"replica"}

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 import torch
 
+from coordinator.staleness import is_stale, oldest_fresh
 from kernels import ProbeEvaluator
 from trainer.zo import probes
 from trainer.zo.probes import ProbeKind, RoundSpec, SeedResult
@@ -175,13 +176,13 @@ class InProcessBackend:
                                 lambda s, a, d: self._seeded(r.batch, s, a, d), update)
 
     def _evaluate(self, r: RoundSpec) -> list[SeedResult]:
-        if r.group:
-            probes.check_group(r.group, len(self.blocks))
+        if r.blocks:
+            probes.check_group(r.blocks, len(self.blocks))
         site = self._site(r)
         l0 = self._loss(r.batch) if r.want_clean else None
         out = []
         for s in r.seeds:
-            lp, lm, scale = probes.probe_losses(site, r.kind, s, r.eps, r.dist, r.group, l0)
+            lp, lm, scale = probes.probe_losses(site, r.kind, s, r.eps, r.distribution, r.blocks, l0)
             out.append(SeedResult(r.round_id, s, r.version, lp, lm, l0, scale))
         return out
 
@@ -190,8 +191,7 @@ class InProcessBackend:
         delivered before is counted duplicate; neither is handed out."""
         for res in results:
             key = (res.round_id, res.seed)
-            if self.staleness is not None and self._latest is not None and \
-                    self._latest - res.version > self.staleness:
+            if self._latest is not None and is_stale(res.version, self._latest, self.staleness):
                 self._counts["stale"] += 1
             elif key in self._accepted:
                 self._counts["duplicate"] += 1
@@ -199,7 +199,7 @@ class InProcessBackend:
                 self._accepted[key] = res.version
                 self._ready.append(res)
         if self.staleness is not None and self._latest is not None:  # older keys can only be stale now
-            floor = self._latest - self.staleness
+            floor = oldest_fresh(self._latest, self.staleness)
             self._accepted = {k: v for k, v in self._accepted.items() if v >= floor}
 
     def submit(self, probe_round: RoundSpec) -> None:
