@@ -79,6 +79,8 @@ def train(
     seq_len: int | None = typer.Option(None, min=2, help="Tokens per sequence."),
     lr: float | None = typer.Option(None, help="Peak learning rate."),
     warmup_steps: int | None = typer.Option(None, min=0, help="Linear warmup steps."),
+    schedule: str | None = typer.Option(None, help="Decay after warmup: cosine (to the preset's min_lr, default) or "
+                                        "linear (to zero)."),
     eval_every: int | None = typer.Option(None, min=1, help="Evaluate every N steps."),
     checkpoint_every: int | None = typer.Option(None, min=1, help="Checkpoint every N steps."),
     probes: int | None = typer.Option(None, min=1, help="ZO: probes K per step / curvature round."),
@@ -125,7 +127,7 @@ def train(
     from trainer.train import train as run_train
 
     overrides = dict(corpus=corpus, optimizer=optimizer and optimizer.value, task=task, steps=steps, batch_size=batch_size,
-                     seq_len=seq_len, lr=lr, warmup_steps=warmup_steps, eval_every=eval_every,
+                     seq_len=seq_len, lr=lr, warmup_steps=warmup_steps, schedule=schedule, eval_every=eval_every,
                      checkpoint_every=checkpoint_every, probes=probes, eps=eps, alpha=alpha, lam=lam,
                      probe_batch_size=probe_batch_size, curvature_interval=curvature_interval, staleness=staleness,
                      probe_budget=probe_budget, seed=seed, device=device, run_dir=run_dir,
