@@ -86,7 +86,7 @@ class WorkerOptions:
     latest version of each consumed run is checked and loaded ahead of its rounds (0: load lazily);
     yield_gpu_util_pct: drain while the GPU is this busy (percent) with other work (BusyPolicy, NVML;
     None: off); probe_path: the probe evaluator (kernels.fastpath.make_evaluator: "auto", "whole" or
-    "per_unit"); loglevel: Celery's.
+    "per_unit"); loglevel: Celery's; metrics_host: the interface the metrics port binds.
     """
 
     coordinator: str
@@ -94,6 +94,7 @@ class WorkerOptions:
     device: str = "cpu"
     name: str | None = None
     metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
     cache_dir: Path | None = None
     shared_blob_dir: Path | None = None
     keep_versions: int = 2
@@ -335,7 +336,7 @@ class ProbeWorker:
     def run(self) -> None:
         """Start metrics (optional), the Celery worker and the control loop; block until shutdown."""
         if self.opts.metrics_port:
-            serve_metrics(self.opts.metrics_port)
+            serve_metrics(self.opts.metrics_port, self.opts.metrics_host)
         worker_ready.connect(self._on_ready, weak=False)
         argv = [
             "worker", "--pool=solo", "--concurrency=1", "--prefetch-multiplier=1",

@@ -123,7 +123,8 @@ def train(
         failed = True
         try:
             for step in range(start, cfg.steps):
-                lr = lr_at(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps)
+                lr = lr_at(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps,
+                           schedule=cfg.schedule)
                 stats = mode.step(step, task.batch(step), lr)
                 if not math.isfinite(stats.get("loss", 0.0)):
                     raise FloatingPointError(f"loss became non-finite at step {step}; lower --lr")

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 import torch
 
+from coordinator.staleness import is_stale, oldest_fresh
 from kernels import ProbeEvaluator
 from trainer.zo import probes
 from trainer.zo.probes import ProbeKind, RoundSpec, SeedResult
@@ -190,8 +191,7 @@ class InProcessBackend:
         delivered before is counted duplicate; neither is handed out."""
         for res in results:
             key = (res.round_id, res.seed)
-            if self.staleness is not None and self._latest is not None and \
-                    self._latest - res.version > self.staleness:
+            if self._latest is not None and is_stale(res.version, self._latest, self.staleness):
                 self._counts["stale"] += 1
             elif key in self._accepted:
                 self._counts["duplicate"] += 1
@@ -199,7 +199,7 @@ class InProcessBackend:
                 self._accepted[key] = res.version
                 self._ready.append(res)
         if self.staleness is not None and self._latest is not None:  # older keys can only be stale now
-            floor = self._latest - self.staleness
+            floor = oldest_fresh(self._latest, self.staleness)
             self._accepted = {k: v for k, v in self._accepted.items() if v >= floor}
 
     def submit(self, probe_round: RoundSpec) -> None:

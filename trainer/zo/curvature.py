@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from coordinator.staleness import is_stale
+
 
 class Outcome(str, Enum):
     """What the backend's authority decided about one probe result (the keys of `CurvatureState.counts`)."""
@@ -69,7 +71,7 @@ class CurvatureState:
 
     def is_stale(self, version: int) -> bool:
         """True if a round taken at `version` is older than the current version − staleness."""
-        return self.current_version - version > self.staleness
+        return is_stale(version, self.current_version, self.staleness)
 
     def fold(self, contribution: torch.Tensor) -> None:
         """EMA update ema ← β·ema + (1 − β)·contribution, contribution shape (n,), finite.
