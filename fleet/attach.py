@@ -32,6 +32,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from coordinator.settings import secret_problem, url_password_problem
 
+COUNTDOWN_EVERY_S = 10.0  # while waiting for the coordinator, a line saying so every this many seconds
+
 
 class FleetError(RuntimeError):
     """The fleet cannot be used: coordinator unreachable, token refused, or no active worker in time."""
@@ -369,7 +371,8 @@ def attach(url: str, *, settings: FleetSettings | None = None, wait_s: float = 1
     `settings` default to the environment (FleetSettings); `rounds` (ROUND_MODES) says when ZO-Curv rounds
     fold: "async" as they arrive, "sync" at their own refresh, "next" at the refresh after (SyncRounds).
     Raises FleetError when the coordinator does not
-    answer /readyz (one bounded retry loop of `wait_s` seconds), refuses the admin token, or has too few
+    answer /readyz (one bounded retry loop of `wait_s` seconds: `log` says so at the first failure and counts down
+    every COUNTDOWN_EVERY_S seconds), refuses the admin token, or has too few
     active workers after `wait_s` seconds; ValueError for a URL that is not http(s).
     """
     from pydantic import ValidationError
@@ -394,6 +397,7 @@ def attach(url: str, *, settings: FleetSettings | None = None, wait_s: float = 1
                 why.append(f"has an invalid {', '.join(invalid)}")
             raise FleetError(f"a fleet run {'; '.join(why)}") from None
     deadline = time.monotonic() + wait_s
+    said_at: float | None = None
     while True:
         check()
         try:
@@ -403,9 +407,17 @@ def attach(url: str, *, settings: FleetSettings | None = None, wait_s: float = 1
             why = f"/readyz answered {r.status_code}"
         except httpx.HTTPError as exc:
             why = f"{type(exc).__name__}: {exc}"
-        if time.monotonic() >= deadline:
+        left = deadline - time.monotonic()
+        if left <= 0:
             raise FleetError(f"the coordinator at {base} is not reachable or not ready after {wait_s:.0f} s ({why})")
-        time.sleep(0.5)
+        if said_at is None:  # at once, then a countdown
+            log(f"the coordinator at {base} is not reachable or not ready ({why}); retrying for up to {left:.0f} s "
+                "(--fleet-wait)")
+            said_at = time.monotonic()
+        elif time.monotonic() - said_at >= COUNTDOWN_EVERY_S:
+            log(f"  still not reachable; giving up in {left:.0f} s")
+            said_at = time.monotonic()
+        time.sleep(min(0.5, left))
     token = settings.admin_token.get_secret_value()
     try:
         active_workers(base, token)  # token check first: a refused token must not look like an empty fleet

@@ -158,10 +158,9 @@ def _run_summary(run_dir: Path) -> dict:
 
 def _prefetch_inputs(cfg, progress: bool) -> None:
     """Fetch (or verify the cache of) the task's data and weights once, before any child races to do it."""
-    if not progress:
-        from transformers.utils import logging as hf_logging
+    from trainer.train import quiet_hf_bars
 
-        hf_logging.disable_progress_bar()
+    quiet_hf_bars(progress)
     if cfg.task == "sentiment":
         from trainer.data import load_sentiment
         from trainer.models.pretrained import minilm_dir
@@ -279,6 +278,9 @@ def _train_with_fleet(plan: UpPlan, progress: bool, log: Callable[[str], None],
 
             # Interrupted runs resume from their checkpoints (which hold the ZO state).
             base_state, zo_state = plan.states["adamw"].kind, plan.states[plan.optimizer].kind
+            for name, cfg, state in (("adamw", plan.base_cfg, base_state), (plan.optimizer, plan.zo_cfg, zo_state)):
+                if state == "resume":
+                    log(resume_note(name, cfg))
             if base_state != "done":
                 train(plan.base_cfg, progress=progress, resume=base_state == "resume", overwrite=True, export=export)
             if zo_state == "done":
@@ -310,6 +312,16 @@ def _serve_metrics(out: Path, coordinator_port: int, worker_ports: list[int], lo
         "probe-worker": [local(p) for p in worker_ports]})
     log(f"Prometheus: every service's /metrics is listed in {path} (prometheus --config.file={path}; "
         "ops/grafana's dashboard reads it)")
+
+
+def resume_note(name: str, cfg) -> str:
+    """The line `up` prints for an interrupted run it resumes: from which step (its checkpoint's) of how many."""
+    from trainer.checkpoint import checkpoint_step
+    from trainer.run_dir import CHECKPOINT_NAME
+
+    step = checkpoint_step(cfg.run_dir / CHECKPOINT_NAME)
+    where = f"step {step} of {cfg.steps}" if step is not None else "its checkpoint"
+    return f"{name}: resuming the interrupted run at {where} ({cfg.run_dir})"
 
 
 def unfolded_warning(optimizer: str, records: list[dict]) -> str | None:

@@ -120,11 +120,11 @@ def train(
     """
     import json
 
-    from trainer.checkpoint import CheckpointError
+    # Only light modules until every option is checked: torch and transformers (trainer.train) take seconds to
+    # import, and an option error must not wait for them.
     from trainer.config import resolve_preset
     from trainer.preflight import check_options, explain, folder_state, no_probe_round_warning
-    from trainer.train import default_run_dir
-    from trainer.train import train as run_train
+    from trainer.run_dir import default_run_dir
 
     overrides = dict(corpus=corpus, optimizer=optimizer and optimizer.value, task=task, steps=steps, batch_size=batch_size,
                      seq_len=seq_len, lr=lr, warmup_steps=warmup_steps, schedule=schedule, eval_every=eval_every,
@@ -159,6 +159,9 @@ def train(
     fleet_kw = {}
     if coordinator:
         fleet_kw = _attach_fleet(coordinator, cfg, fleet_wait, fleet_sync)
+    from trainer.checkpoint import CheckpointError
+    from trainer.train import train as run_train
+
     try:
         result = run_train(cfg, resume=resume, progress=progress, overwrite=overwrite, export=export, **fleet_kw)
     except (ValueError, CheckpointError, OSError) as exc:

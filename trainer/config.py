@@ -174,7 +174,7 @@ def resolve_preset(preset: str, overrides: dict) -> TrainConfig:
     model, so a typo would otherwise run silently with the LM defaults).
     """
     if preset not in RUN_PRESETS:
-        from trainer.models.gpt2 import PRESETS  # lazy: pulls in transformers
+        from trainer.models.presets import PRESETS
 
         if preset not in PRESETS:
             raise ValueError(f"unknown preset {preset!r}; run presets: {', '.join(RUN_PRESETS)}; "
