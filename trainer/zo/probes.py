@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from coordinator.bounds import ProbeEps, check
 from coordinator.messages import ProbeRound, check_line_seeds
 from kernels import canonical_offsets, perturb
 from trainer.zo import estimators as est
@@ -101,7 +102,7 @@ class RoundSpec:
         eval: the coordinator.messages.EvalSpec of an ``eval`` round (held-out batches, fleet.evaluation; the
             seeds are batch indices), None otherwise.
     The field names are the wire's (coordinator.messages.ProbeRound), so `to_wire` copies none by hand.
-    Raises ValueError at construction for an empty or repeated seed list, eps <= 0 or non-finite, and fields
+    Raises ValueError at construction for an empty or repeated seed list, eps outside ProbeEps, and fields
     the kind needs or forbids (`check_kind_fields`).
     """
 
@@ -122,8 +123,7 @@ class RoundSpec:
             raise ValueError("a probe round needs at least one seed")
         if len(set(self.seeds)) != len(self.seeds):
             raise ValueError("seeds of a round must be distinct (results are deduplicated by (round, seed))")
-        if not (self.eps > 0 and math.isfinite(self.eps)):
-            raise ValueError(f"eps must be finite and > 0, got {self.eps}")
+        check(ProbeEps, self.eps)
         check_kind_fields(ProbeKind(self.kind), self.base_version, self.blocks)
         if (ProbeKind(self.kind) is ProbeKind.EVAL) != (self.eval is not None):
             raise ValueError("an eval round (and only an eval round) carries its EvalSpec")
