@@ -57,12 +57,14 @@ class FleetEvaluator:
         deadline_s: seconds without any result for a round after which the trainer evaluates its missing batches.
         full: the whole validation split (default) instead of the run's `eval_batches` subset.
         poll_s: at most one look at the result stream per this many seconds while evaluations are pending.
-        seeds_per_task: evaluation batches per Celery task.
+        seeds_per_task: evaluation batches per Celery task (default: about four tasks per worker, at most 64
+            batches each: a task's fixed cost, a Celery delivery and an HTTP post, dwarfs a tiny batch's forward, and
+            a task posts its results at once, so it must stay well inside `deadline_s`).
     Raises CoordinatorHTTPError when the coordinator refuses the run; ValueError for a model it cannot publish.
     """
 
     def __init__(self, task: Any, cfg: Any, model: torch.nn.Module, fleet: Any, *, deadline_s: float = 120.0,
-                 full: bool = True, poll_s: float = 0.25, seeds_per_task: int = 4,
+                 full: bool = True, poll_s: float = 0.25, seeds_per_task: int | None = None,
                  clock=time.monotonic) -> None:
         from fleet.backend import CoordinatorBackend
 
@@ -76,6 +78,8 @@ class FleetEvaluator:
 
         self.blob_sha = hashlib.sha256(self.blob).hexdigest()
         lm = getattr(cfg, "task", "lm") != "sentiment"
+        if seeds_per_task is None:
+            seeds_per_task = min(64, max(1, -(-self.windows.n_batches // (4 * max(1, fleet.workers)))))
         spec = RunSpec(run=f"{fleet.run_prefix}-eval-{secrets.token_hex(4)}", model_class=type(model).__name__,
                        model_preset=cfg.model if lm else None, staleness=1_000_000, seeds_per_task=seeds_per_task,
                        **({"spot_check_fraction": 0.0} if fleet.workers < 2 else {}))

@@ -111,7 +111,8 @@ def test_up_interrupted_and_resumed_equals_the_uninterrupted_run(tmp_path, fail_
     a, b = tmp_path / "straight" / "zocurv-line", zo
     assert _losses(a) == _losses(b) and len(_losses(a)) == 10 + 2
     assert_same_checkpoints(a, b)
-    assert resumed["zocurv-line"] == straight["zocurv-line"]
+    untimed = [{k: v for k, v in r["zocurv-line"].items() if k != "time_ledger"} for r in (resumed, straight)]
+    assert untimed[0] == untimed[1]  # the time ledgers differ: wall times
     folded = [(r["step"], r["curv_accepted"], r["curv_median"]) for r in _records(a) if "curv_median" in r]
     assert [s for s, *_ in folded] == [7, 10]  # rounds 3 and 6 fold in steps 6 and 9 (logged as completed steps)
     assert folded == [(r["step"], r["curv_accepted"], r["curv_median"]) for r in _records(b) if "curv_median" in r]

@@ -18,13 +18,14 @@
 # `timeout`, so a slower machine cuts a stage rather than the call. Writes $OUT/ledger_<run>.json (each run's
 # time_ledger + final val loss + evaluations), $OUT/ledgers.json (all) and $OUT/logs.tgz.
 # CPU dry run of the same commands (tiny settings, no packing):
-#   SKIP_INSTALL=1 PRESET=gpt2-tiny BATCH=4 SEQ=32 STEPS=6 EVAL_EVERY=3 CI=2 DEVICE=cpu GPUS= bash tools/h200_ledger.sh all
+#   SKIP_INSTALL=1 PY=.venv/bin/python PRESET=gpt2-tiny BATCH=4 SEQ=32 STEPS=6 EVAL_EVERY=3 CI=2 DEVICE=cpu GPUS= EVAL_WINDOWS=subset bash tools/h200_ledger.sh all
 set -uo pipefail
 cd "$(dirname "$0")/.."
 T0=$(date +%s)
 part=${1:-all}
+PY=${PY:-python3}  # the dry run passes the project venv's python
 STEPS=${STEPS:-500}; PRESET=${PRESET:-gpt2-small}; BATCH=${BATCH:-16}; SEQ=${SEQ:-1024}
-EVAL_EVERY=${EVAL_EVERY:-100}; CI=${CI:-50}; DEVICE=${DEVICE:-cuda:0}; GPUS=${GPUS-auto}
+EVAL_EVERY=${EVAL_EVERY:-100}; CI=${CI:-50}; DEVICE=${DEVICE:-cuda:0}; GPUS=${GPUS-auto}; EVAL_WINDOWS=${EVAL_WINDOWS:-full}
 out=${OUT:-/tmp/ledger-out}; mkdir -p "$out"
 work=${WORK:-/tmp/ledger-runs}; logs=$work/logs; mkdir -p "$logs"
 if [ -z "${SKIP_INSTALL:-}" ]; then
@@ -35,11 +36,11 @@ else
   export PYTHONPATH=$PWD
 fi
 export PYTHONUNBUFFERED=1 SPARECYCLES_RUNS=$work
-python3 -c 'import torch, transformers; print(torch.__version__, transformers.__version__)' | tee -a "$out/gpus.txt"
+"$PY" -c 'import torch, transformers; print(torch.__version__, transformers.__version__)' | tee -a "$out/gpus.txt"
 date -u +%FT%TZ >> "$out/gpus.txt"
 warm=$(( STEPS / 10 ))
 sets=(--set lr=6e-4 --set min_lr=6e-5 --set warmup_steps=$warm --set weight_decay=0.1 --set beta1=0.9 --set beta2=0.95
-      --set grad_clip=1.0 --set eval_every=$EVAL_EVERY --set eval_batches=64 --set checkpoint_every=1000000
+      --set grad_clip=1.0 --set eval_every=$EVAL_EVERY --set eval_batches=${EVAL_BATCHES:-64} --set checkpoint_every=1000000
       --set probe_batch_size=8 --set seed=0)
 opts=(--lr 6e-4 --warmup-steps $warm --eval-every $EVAL_EVERY --checkpoint-every 1000000 --seed 0)
 common=(--preset "$PRESET" --steps "$STEPS" --batch-size "$BATCH" --seq-len "$SEQ")
@@ -50,8 +51,8 @@ if [ "$part" = all ] || [ "$part" = train ]; then
   # train has no --set: min_lr, wd, betas, clip and probe batch are TrainConfig's defaults there (6e-5 aside: the
   # cosine floor differs from B's by 1e-5 of the lr; the ledger, not the loss, is what A is for)
   reserve=10; [ "$part" = all ] && reserve=${UP_RESERVE:-300}  # seconds kept for B+C
-  timeout $(( $(left) - reserve )) python3 -m sparecycles.cli train "${common[@]}" "${opts[@]}" \
-    --optimizer adamw --eval-batches 64 --device "$DEVICE" --run-dir "$work/adamw-trainer" --overwrite --no-progress \
+  timeout $(( $(left) - reserve )) "$PY" -m sparecycles.cli train "${common[@]}" "${opts[@]}" \
+    --optimizer adamw --eval-batches ${EVAL_BATCHES:-64} --device "$DEVICE" --run-dir "$work/adamw-trainer" --overwrite --no-progress \
     --no-export --eval-on trainer > "$logs/adamw_trainer.log" 2>&1
   echo "A rc=$? after $(( $(date +%s) - T0 )) s" | tee -a "$logs/adamw_trainer.log"
   tail -n 12 "$logs/adamw_trainer.log"
@@ -59,13 +60,13 @@ fi
 if [ "$part" = all ] || [ "$part" = up ]; then
   echo "B+C. up: adamw and zocurv-global, evaluation on the worker, --fleet-wait never: $(date -u +%T)"
   place=(--gpus "$GPUS"); [ -z "$GPUS" ] && place=(--workers 1)
-  timeout $(( $(left) - 15 )) python3 -m sparecycles.cli up "${common[@]}" --optimizer zocurv-global --curvature-interval "$CI" \
-    "${sets[@]}" "${place[@]}" --eval-on fleet --fleet-wait never --run-dir "$work/up" --overwrite --no-progress \
+  timeout $(( $(left) - 15 )) "$PY" -m sparecycles.cli up "${common[@]}" --optimizer zocurv-global --curvature-interval "$CI" \
+    "${sets[@]}" "${place[@]}" --eval-on fleet --eval-windows "$EVAL_WINDOWS" --fleet-wait never --run-dir "$work/up" --overwrite --no-progress \
     --no-export > "$logs/up.log" 2>&1
   echo "up rc=$? after $(( $(date +%s) - T0 )) s" | tee -a "$logs/up.log"
   tail -n 30 "$logs/up.log"
 fi
-python3 - "$work" "$out" <<'PY'
+"$PY" - "$work" "$out" <<'PY'
 import json, sys
 from pathlib import Path
 work, out = Path(sys.argv[1]), Path(sys.argv[2])

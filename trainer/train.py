@@ -12,9 +12,8 @@
                     transformers folder
 
 Every phase books its wall time in the run's TimeLedger (start-up, step, publish, wait, eval, checkpoint, log,
-other); summary.json's `time_ledger` and the console's last lines show it. A fleet evaluation still out when a
-periodic checkpoint is written is not in it: a run that crashes then resumes without that record (an interrupted
-one waits for it first).
+other); summary.json's `time_ledger` and the console's last lines show it. A fleet evaluation still out when the
+run is interrupted or crashes is lost: the resumed run goes on without that record (the final one is always in).
 
 Batches, the learning-rate schedule and all randomness are functions of the step counter, so a resumed
 run continues bit-identically on CPU; over a fleet too when its rounds fold at fixed refreshes (the checkpoint
@@ -202,8 +201,8 @@ def _run(cfg: TrainConfig, parts: _Parts, ledger: TimeLedger, evaluator: Evaluat
                     raise KeyboardInterrupt
             failed = False
         except KeyboardInterrupt:
-            with contextlib.suppress(KeyboardInterrupt), ledger.phase("eval"):  # a second Ctrl-C skips the wait
-                log_vals(_finish_quietly(evaluator))
+            with ledger.phase("eval"):  # what the fleet returned so far; Ctrl-C does not wait for the rest
+                log_vals(_poll_quietly(evaluator))
             with ledger.phase("checkpoint"):
                 ckpt.save(done)  # keep the position reached; `--resume` continues from here
             raise
@@ -237,10 +236,10 @@ def _rounds_summary(records: list[dict[str, Any]]) -> dict[str, float]:
     return out
 
 
-def _finish_quietly(evaluator: Evaluator) -> list[dict[str, Any]]:
-    """`evaluator.finish()` on the way out of an interrupted run: what it can give, never a second error."""
+def _poll_quietly(evaluator: Evaluator) -> list[dict[str, Any]]:
+    """`evaluator.poll()` on the way out of an interrupted run: the records ready, never a second error."""
     try:
-        return evaluator.finish()
+        return evaluator.poll()
     except Exception as exc:  # noqa: BLE001 - the interrupt is what ends the run
         logging.getLogger(__name__).warning("finishing the evaluations of an interrupted run: %s", exc)
         return []
