@@ -39,7 +39,8 @@ def _free_port() -> int:
     (["train", "--preset", "nope"], "unknown preset 'nope'"),
     (["train", "--lr", "-1"], "--lr: Input should be greater than 0"),
     (["train", "--seq-len", "300"], "--seq-len 300 exceeds gpt2-tiny's context of 256 tokens"),
-    (["train", "--optimizer", "adamw", "--coordinator", "http://127.0.0.1:1"], "sends no probes to a fleet"),
+    (["train", "--optimizer", "adamw", "--eval-on", "trainer", "--coordinator", "http://127.0.0.1:1"],
+     "sends no probes to a fleet"),
     (["up", "--preset", "nope"], "unknown preset 'nope'"),
     (["up", "--optimizer", "adamw"], "AdamW is the baseline"),
 ])
