@@ -104,15 +104,32 @@ def train(
                                      "coordinator and at least one active probe worker before giving up."),
     fleet_sync: bool = typer.Option(False, help="With --coordinator: wait for each ZO-Curv round before the next "
                                     "step (slower; reproduces the in-process run bit for bit)."),
+    nproc_per_node: int | None = typer.Option(
+        None, min=1, help="Run under torchrun with N processes on this machine (one per GPU with --device cuda): "
+                          "DDP, the global batch split over the ranks. Same as `torchrun --standalone "
+                          "--nproc-per-node N -m sparecycles.cli train ...`."),
+    shard: bool = typer.Option(False, help="Under torchrun: shard parameters, gradients and AdamW state with FSDP2 "
+                               "(first-order optimizers) instead of replicating them (DDP)."),
+    micro_batch_size: int | None = typer.Option(None, min=1, help="Under torchrun (or alone): sequences per "
+                                                "forward/backward on each rank; gradients accumulate over the rank's "
+                                                "shard (first-order optimizers)."),
+    dist_timeout: float = typer.Option(600.0, min=1.0, help="Under torchrun: seconds a collective waits for the other "
+                                       "ranks before the run stops with an error (a rank that died or hangs)."),
 ) -> None:
     """Train a model and write a run folder (metrics.jsonl, TensorBoard event files, checkpoint.safetensors,
     loss.png, summary.json, export/).
 
     Every option is checked before training. A folder holding this run finished (same settings) is reused
     and its summary printed; one holding another run is refused (naming the differences) unless
-    --overwrite; an interrupted one continues with --resume.
+    --overwrite; an interrupted one continues with --resume. Under torchrun (or with --nproc-per-node) every rank
+    runs this command; rank 0 alone writes the run folder and talks to the coordinator (trainer.distributed).
     """
     import json
+
+    from trainer.distributed import DistributedError, launched_by_torchrun, setup
+
+    if nproc_per_node is not None and not launched_by_torchrun():
+        raise typer.Exit(_launch_torchrun(nproc_per_node, device))
 
     from trainer.checkpoint import CheckpointError
     from trainer.config import resolve_preset
@@ -135,6 +152,12 @@ def train(
         check_options(cfg)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
+    try:
+        dist = setup(device=cfg.device, shard=shard, micro_batch_size=micro_batch_size, fleet=bool(coordinator),
+                     timeout_s=dist_timeout)
+    except (ValueError, DistributedError) as exc:
+        typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from exc
     folder = cfg.run_dir or default_run_dir(cfg)
     state = folder_state(folder, cfg)
     if not resume and not overwrite and state.kind in ("done", "other"):
@@ -142,21 +165,36 @@ def train(
             typer.secho(f"error: {folder} holds a run with other settings ({'; '.join(state.diffs)}); pass "
                         "--overwrite to replace it, or another --run-dir", fg=typer.colors.RED, err=True)
             raise typer.Exit(2)
-        typer.echo(f"{folder} already holds this run, finished (same settings): reused, nothing trained "
-                   "(--overwrite trains it again)", err=True)
-        typer.echo((folder / "summary.json").read_text())
+        if dist.is_main:
+            typer.echo(f"{folder} already holds this run, finished (same settings): reused, nothing trained "
+                       "(--overwrite trains it again)", err=True)
+            typer.echo((folder / "summary.json").read_text())
         return
     warning = no_probe_round_warning(cfg)
-    if warning:
+    if warning and dist.is_main:
         typer.secho(f"warning: {warning}", fg=typer.colors.YELLOW, err=True)
     fleet_kw = {}
-    if coordinator:
-        fleet_kw = _attach_fleet(coordinator, cfg, fleet_wait, fleet_sync)
+    if coordinator:  # rank 0 alone attaches; the others learn whether it did
+        attached = False
+        try:
+            if dist.is_main:
+                fleet_kw = _attach_fleet(coordinator, cfg, fleet_wait, fleet_sync)
+            attached = True
+        finally:  # rank 0's own error propagates; the others exit 2 quietly
+            if dist.parallel and not dist.broadcast_object(attached) and not dist.is_main:
+                raise typer.Exit(2)
     try:
-        result = run_train(cfg, resume=resume, progress=progress, overwrite=overwrite, export=export, **fleet_kw)
+        result = run_train(cfg, resume=resume, progress=progress, overwrite=overwrite, export=export, dist=dist,
+                           **fleet_kw)
     except (ValueError, CheckpointError, OSError) as exc:
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from exc
+    finally:
+        from trainer.distributed import teardown
+
+        teardown(dist)
+    if not dist.is_main:
+        return
     if warning:  # the summary says it too, for whoever reads the folder later
         path = result.run_dir / "summary.json"
         path.write_text(json.dumps({**json.loads(path.read_text()), "warnings": [warning]}, indent=2))
@@ -164,6 +202,33 @@ def train(
         f"val loss {result.initial_val_loss:.4f} -> {result.final_val_loss:.4f} after {result.steps} steps "
         f"({result.wall_s:.1f} s); run folder {result.run_dir}"
     )
+
+
+def _launch_torchrun(nproc: int, device: str | None) -> int:
+    """Re-run this `train` command under torchrun (`python -m torch.distributed.run --standalone`) with `nproc`
+    processes; returns its exit status. Refuses (exit 2) more CUDA ranks than this machine has GPUs."""
+    import subprocess
+    import sys
+
+    if device and device.startswith("cuda"):
+        import torch
+
+        have = torch.cuda.device_count()
+        if nproc > have:
+            typer.secho(f"error: --nproc-per-node {nproc} exceeds the {have} CUDA device(s) of this machine: one rank "
+                        "per GPU", fg=typer.colors.RED, err=True)
+            return 2
+    args, skip = [], False
+    for a in sys.argv[1:]:  # this command's own arguments, without --nproc-per-node
+        if skip:
+            skip = False
+        elif a == "--nproc-per-node":
+            skip = True
+        elif not a.startswith("--nproc-per-node="):
+            args.append(a)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "sparecycles.cli", *args]
+    return subprocess.run(cmd, check=False).returncode
 
 
 def _key_values(items: list[str]) -> dict:
