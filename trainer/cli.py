@@ -189,6 +189,15 @@ def train(
     except (ValueError, CheckpointError, OSError) as exc:
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from exc
+    except RuntimeError as exc:
+        if not dist.parallel:
+            raise
+        # A collective failed (a rank died or stopped answering within --dist-timeout) or rank 0's fleet stopped:
+        # every rank stops; the checkpoint folder holds the last complete save (trainer.dist_checkpoint).
+        first = str(exc).strip().splitlines()
+        typer.secho(f"error: rank {dist.rank} stopped: {' '.join(first[:3])[:400]}; the last checkpoint in {folder} is "
+                    "intact: rerun the same command with --resume", fg=typer.colors.RED, err=True)
+        raise typer.Exit(1) from exc
     finally:
         from trainer.distributed import teardown
 
