@@ -79,6 +79,8 @@ def train(
     seq_len: int | None = typer.Option(None, min=2, help="Tokens per sequence."),
     lr: float | None = typer.Option(None, help="Peak learning rate."),
     warmup_steps: int | None = typer.Option(None, min=0, help="Linear warmup steps."),
+    schedule: str | None = typer.Option(None, help="Decay after warmup: cosine (to the preset's min_lr, default) or "
+                                        "linear (to zero)."),
     eval_every: int | None = typer.Option(None, min=1, help="Evaluate every N steps."),
     checkpoint_every: int | None = typer.Option(None, min=1, help="Checkpoint every N steps."),
     probes: int | None = typer.Option(None, min=1, help="ZO: probes K per step / curvature round."),
@@ -115,6 +117,10 @@ def train(
                                                 "shard (first-order optimizers)."),
     dist_timeout: float = typer.Option(600.0, min=1.0, help="Under torchrun: seconds a collective waits for the other "
                                        "ranks before the run stops with an error (a rank that died or hangs)."),
+    metrics_port: int | None = typer.Option(None, min=0, max=65535, help="Serve Prometheus metrics (step, loss, "
+                                            "val loss, tokens) on this port. Default: 9102 with --coordinator, none "
+                                            "without; 0: none."),
+    metrics_host: str = typer.Option("127.0.0.1", help="Interface the metrics port binds (0.0.0.0 in containers)."),
 ) -> None:
     """Train a model and write a run folder (metrics.jsonl, TensorBoard event files, checkpoint.safetensors,
     loss.png, summary.json, export/).
@@ -126,19 +132,16 @@ def train(
     """
     import json
 
-    from trainer.distributed import DistributedError, launched_by_torchrun, setup
-
-    if nproc_per_node is not None and not launched_by_torchrun():
+    # Only light modules until every option is checked: torch and transformers (trainer.train) take seconds to
+    # import, and an option error must not wait for them.
+    if nproc_per_node is not None and not _launched_by_torchrun():
         raise typer.Exit(_launch_torchrun(nproc_per_node, device))
-
-    from trainer.checkpoint import CheckpointError
     from trainer.config import resolve_preset
     from trainer.preflight import check_options, explain, folder_state, no_probe_round_warning
-    from trainer.train import default_run_dir
-    from trainer.train import train as run_train
+    from trainer.run_dir import default_run_dir
 
     overrides = dict(corpus=corpus, optimizer=optimizer and optimizer.value, task=task, steps=steps, batch_size=batch_size,
-                     seq_len=seq_len, lr=lr, warmup_steps=warmup_steps, eval_every=eval_every,
+                     seq_len=seq_len, lr=lr, warmup_steps=warmup_steps, schedule=schedule, eval_every=eval_every,
                      checkpoint_every=checkpoint_every, probes=probes, eps=eps, alpha=alpha, lam=lam,
                      probe_batch_size=probe_batch_size, curvature_interval=curvature_interval, staleness=staleness,
                      probe_budget=probe_budget, seed=seed, device=device, run_dir=run_dir,
@@ -152,6 +155,8 @@ def train(
         check_options(cfg)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
+    from trainer.distributed import DistributedError, setup
+
     try:
         dist = setup(device=cfg.device, shard=shard, micro_batch_size=micro_batch_size, fleet=bool(coordinator),
                      timeout_s=dist_timeout)
@@ -173,6 +178,8 @@ def train(
     warning = no_probe_round_warning(cfg)
     if warning and dist.is_main:
         typer.secho(f"warning: {warning}", fg=typer.colors.YELLOW, err=True)
+    if dist.is_main:  # rank 0 alone reports (one port per host)
+        _serve_metrics(metrics_port, metrics_host, bool(coordinator))
     fleet_kw = {}
     if coordinator:  # rank 0 alone attaches; the others learn whether it did
         attached = False
@@ -183,6 +190,9 @@ def train(
         finally:  # rank 0's own error propagates; the others exit 2 quietly
             if dist.parallel and not dist.broadcast_object(attached) and not dist.is_main:
                 raise typer.Exit(2)
+    from trainer.checkpoint import CheckpointError
+    from trainer.train import train as run_train
+
     try:
         result = run_train(cfg, resume=resume, progress=progress, overwrite=overwrite, export=export, dist=dist,
                            **fleet_kw)
@@ -213,6 +223,13 @@ def train(
     )
 
 
+def _launched_by_torchrun() -> bool:
+    """Whether torchrun started this process (as trainer.distributed.launched_by_torchrun, without importing torch)."""
+    import os
+
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+
+
 def _launch_torchrun(nproc: int, device: str | None) -> int:
     """Re-run this `train` command under torchrun (`python -m torch.distributed.run --standalone`) with `nproc`
     processes; returns its exit status. Refuses (exit 2) more CUDA ranks than this machine has GPUs."""
@@ -238,6 +255,26 @@ def _launch_torchrun(nproc: int, device: str | None) -> int:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "sparecycles.cli", *args]
     return subprocess.run(cmd, check=False).returncode
+
+
+def _serve_metrics(port: int | None, host: str, fleet: bool) -> None:
+    """Start the trainer's /metrics server (trainer.metrics): on `port`, else on 9102 for a fleet run. A port given
+    explicitly that cannot be bound exits 2; the default one, taken (another trainer on this host), is a warning."""
+    from trainer import metrics
+
+    chosen = port if port is not None else metrics.DEFAULT_PORT if fleet else 0
+    if not chosen:
+        return
+    try:
+        bound = metrics.serve(chosen, host)
+    except OSError as exc:
+        if port is not None:
+            typer.secho(f"error: cannot serve metrics on {host}:{port}: {exc}", fg=typer.colors.RED, err=True)
+            raise typer.Exit(2) from exc
+        typer.secho(f"warning: metrics not served: {host}:{chosen} is taken ({exc}); pass --metrics-port N "
+                    "(0: none)", fg=typer.colors.YELLOW, err=True)
+        return
+    typer.echo(f"trainer metrics at http://{host}:{bound}/metrics", err=True)
 
 
 def _key_values(items: list[str]) -> dict:
