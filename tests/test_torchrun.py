@@ -197,3 +197,33 @@ def test_fleet_runs_at_two_ranks_equal_one(tmp_path):
     recs = [json.loads(x) for x in (tmp_path / "global-n2" / "metrics.jsonl").read_text().splitlines()]
     assert max(r.get("line_accepted", 0) for r in recs) > 0  # the worker's line probes were folded
     assert losses(tmp_path / "spsa-n2") == losses(tmp_path / "spsa-n1")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_fsdp2_micro_batches_equal_one_rank_and_its_checkpoint_loads_in_one_process(tmp_path):
+    """--shard (FSDP2) with 2 micro-batches per rank at N=2: the N=1 losses within TOL, a full export gathered on
+    rank 0, and its DCP checkpoint (each rank wrote its parameter and AdamW-state shards) loads into a plain
+    one-process model and optimizer (resharding) holding the N=1 run's weights."""
+    from trainer.dist_checkpoint import DCP_NAME, DistCheckpointer
+    from trainer.models import build_model
+    from trainer.modes import AdamWMode
+
+    _in_process(tmp_path / "n1", "adamw", 3, eval_every=3)
+    proc = launch(2, *[a for a in _args(tmp_path / "n2", "adamw", 3, eval_every=3) if a != "--no-export"],
+                  "--shard", "--micro-batch-size", "2")
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-3000:]
+    assert _close(losses(tmp_path / "n2"), losses(tmp_path / "n1"))
+    assert (tmp_path / "n2" / "export" / "model.safetensors").is_file()
+    cfg = resolve_preset("demo", {**TINY, "optimizer": "adamw", "steps": 3})
+    model = build_model(cfg.model, seed=cfg.seed)
+    mode = AdamWMode(model, cfg)
+    assert DistCheckpointer(tmp_path / "n2" / DCP_NAME, model, mode, {}, DistContext()).restore() == 3
+    assert len(mode.optimizer.state) == len(list(model.parameters()))  # AdamW moments came back too
+    ref = build_model(cfg.model, seed=cfg.seed)
+    from trainer.checkpoint import load_checkpoint
+
+    load_checkpoint(tmp_path / "n1" / "checkpoint.safetensors", model=ref, optimizer=None)
+    for (name, a), (_, b) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
+        assert torch.allclose(a, b, atol=1e-5), name

@@ -121,7 +121,7 @@ class DistContext:
         if self.micro_batch_size is not None and (kind != "first-order" or rows % self.micro_batch_size):
             raise ValueError(f"--micro-batch-size {self.micro_batch_size} must divide the {rows} sequences per rank "
                              "(batch size / N), and accumulates first-order runs only")
-        if kind == "zo-curv" and cfg.probe_batch_size > rows:
+        if kind == "zo-curv" and self.parallel and cfg.probe_batch_size > rows:
             raise ValueError(f"--probe-batch-size {cfg.probe_batch_size} exceeds the {rows} sequences per rank: "
                              "rank 0 probes the first rows of its shard; lower it or --nproc-per-node")
 
@@ -148,7 +148,11 @@ class DistContext:
         from torch.distributed._composable import replicate
 
         # forward_sync_buffers=False: no collective in forward, so ranks may run different numbers of probe forwards.
+        original = type(model)
         replicate(model, forward_sync_buffers=False)
+        # replicate swaps in a subclass named "DDP<class>"; a fleet names the architecture its workers build by the
+        # class name (RunSpec.model_class, the batch kind), so the subclass keeps the transformers class's name.
+        type(model).__name__, type(model).__qualname__ = original.__name__, original.__qualname__
         return model
 
     def full_model(self, model: torch.nn.Module, build: Any) -> torch.nn.Module:
