@@ -13,9 +13,11 @@ renamed over the last one once every rank has written: a rank that dies mid-save
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +64,8 @@ class DistCheckpointer:
         if self.ctx.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
         self.ctx.barrier()
-        dcp.save(state, checkpoint_id=str(tmp), no_dist=not self.ctx.parallel)
+        with self._one_process():
+            dcp.save(state, checkpoint_id=str(tmp), no_dist=not self.ctx.parallel)
         if self.ctx.is_main:
             info = {"format": FORMAT_VERSION, "step": step, "world": self.ctx.world,
                     "meta": {**self.meta, "mode": mode_meta}}
@@ -73,6 +76,14 @@ class DistCheckpointer:
             os.replace(tmp, self.path)
             shutil.rmtree(old, ignore_errors=True)
         self.ctx.barrier()
+
+    @contextlib.contextmanager
+    def _one_process(self):
+        """Without a process group DCP warns that it assumes one process: that is the intent here (a plain resume)."""
+        with warnings.catch_warnings():
+            if not self.ctx.parallel:
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            yield
 
     def _folder(self) -> Path | None:
         old = self.path.with_name(self.path.name + ".old")  # a save that stopped between its two renames
@@ -99,7 +110,8 @@ class DistCheckpointer:
                  for k, m in saved.items() if k.startswith("extra.")}
         state = {**self._state(), "extra": extra}
         try:
-            dcp.load(state, storage_reader=reader, no_dist=not self.ctx.parallel)
+            with self._one_process():
+                dcp.load(state, storage_reader=reader, no_dist=not self.ctx.parallel)
         except Exception as exc:  # noqa: BLE001 - DCP raises plain RuntimeErrors for missing or misshapen keys
             raise CheckpointError(f"checkpoint {folder} does not fit this run's model ({exc})"[:2000]) from exc
         opt = self.mode.optimizer
