@@ -83,6 +83,8 @@ def test_summary_ratio_and_tables():
            _res("zocurv-trust", 2.0, 75, 3.0, seed=1, options=(("start", "one"),))]
     s = summarize(res)
     assert s["target_val_loss"] == pytest.approx(3.02) and s["best_adamw"] == {"lr": 2.0, "schedule": "cosine"}
+    worse_seed = summarize([*res, _res(ADAMW, 2.0, 100, 3.5, seed=2)])  # chosen on seed 0, as the plan chose it
+    assert worse_seed["best_adamw"]["lr"] == 2.0 and worse_seed["target_val_loss"] == pytest.approx(3.18)
     assert s["adamw_bracketed"] and s["adamw_seed_spread"] == pytest.approx(0.04)
     a = s["arms"][arm_key(res[5])]
     assert a["step_ratio"] == 0.75 and a["seeds_at_reached_T"] == 2 and a["seed_spread_at_reached_T"] == pytest.approx(0.01)
