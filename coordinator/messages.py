@@ -3,7 +3,8 @@
 Every message is a strict, frozen, versioned pydantic model: unknown fields, wrong types (no str->int
 coercion), non-finite floats and oversize lists are rejected with a `pydantic.ValidationError`. Ids are
 restricted by regex so they are safe as Redis key parts, Celery queue names and file names.
-Seeds are unsigned 64-bit integers (0 <= s < 2**64), the Philox key of DESIGN.md section 1.
+Seeds are unsigned 64-bit integers (0 <= s < 2**64), the Philox key of DESIGN.md section 1. Each setting's
+one bound (probe step, staleness, seeds) is defined in coordinator.bounds.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from pydantic import (
     model_validator,
 )
 
+from coordinator.bounds import ProbeEps, Seed, Staleness
+
 SCHEMA_VERSION = 1
 MAX_SEEDS_PER_ROUND = 65_536
 MAX_SEEDS_PER_TASK = 256
@@ -33,7 +36,6 @@ RoundId = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,95}$")]
 WorkerId = Annotated[str, Field(pattern=r"^w-[0-9a-f]{16}$")]
 Sha256Hex = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
 ShortText = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[\x20-\x7e]+$")]
-Seed = Annotated[int, Field(ge=0, lt=2**64)]
 Version = Annotated[int, Field(ge=0, lt=2**53)]
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 Distribution = Literal["rademacher", "gauss8"]
@@ -160,7 +162,7 @@ class RunSpec(Message):
     model_config_json: dict[str, JsonValue] = Field(default_factory=dict)
     dtype: DType = "float32"
     distribution: Distribution = "rademacher"
-    staleness: int = Field(default=2, ge=0, le=1_000_000)
+    staleness: Staleness = 2
     spot_check_fraction: FiniteFloat = Field(default=0.05, ge=0.0, le=1.0)
     spot_rtol: FiniteFloat = Field(default=1e-5, ge=0.0, le=1.0)
     spot_atol: FiniteFloat = Field(default=1e-6, ge=0.0, le=1e3)
@@ -310,7 +312,7 @@ class _RoundFields(Message):
     round_id: RoundId
     version: Version
     batch_sha256: Sha256Hex
-    eps: FiniteFloat = Field(gt=0.0, le=1e3)
+    eps: ProbeEps
     distribution: Distribution
     seeds: list[Seed] = Field(min_length=1, max_length=MAX_SEEDS_PER_ROUND)
     want_clean: bool = False

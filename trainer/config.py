@@ -8,6 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from coordinator.bounds import ProbeEps, RunSeed, Staleness
 from trainer.methods import METHODS, get_method, method_names
 
 # Run presets: named bundles of defaults. `--preset demo` picks one of these; any other value of
@@ -89,17 +90,17 @@ class TrainConfig(BaseModel):
     eval_every: int = Field(50, ge=1)
     eval_batches: int = Field(8, ge=1, le=10_000)
     checkpoint_every: int = Field(100, ge=1)
-    seed: int = Field(0, ge=0, lt=2**63)
+    seed: RunSeed = 0
     device: str = "cpu"
     run_dir: Path | None = None
     # Knobs of the ZO modes (ignored by adamw); names follow DESIGN section 2.
     probes: int = Field(8, ge=1, le=100_000, description="K probes per step / per curvature round")
-    eps: float = Field(1e-3, gt=0, le=1.0, description="probe step epsilon")
+    eps: ProbeEps = Field(1e-3, description="probe step epsilon (role variants: relative to a group's RMS)")
     alpha: float = Field(0.1, ge=0, le=2.0, description="1.5-SPSA curvature exponent")
     lam: float = Field(1.0, gt=0, description="1.5-SPSA weight floor lambda")
     probe_batch_size: int = Field(16, ge=1, le=4096)
     curvature_interval: int = Field(10, ge=1)
-    staleness: int = Field(2, ge=0, le=1_000_000, description="staleness bound S, in versions")
+    staleness: Staleness = Field(2, description="staleness bound S, in versions")
     probe_budget: int = Field(41, ge=3, le=1_000_000,
                               description="zocurv-group: forward-equivalents per curvature refresh")
     task: Literal["lm", "sentiment"] = "lm"
@@ -174,7 +175,7 @@ def resolve_preset(preset: str, overrides: dict) -> TrainConfig:
     model, so a typo would otherwise run silently with the LM defaults).
     """
     if preset not in RUN_PRESETS:
-        from trainer.models.gpt2 import PRESETS  # lazy: pulls in transformers
+        from trainer.models.presets import PRESETS
 
         if preset not in PRESETS:
             raise ValueError(f"unknown preset {preset!r}; run presets: {', '.join(RUN_PRESETS)}; "

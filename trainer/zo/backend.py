@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 import torch
 
+from coordinator.bounds import Staleness, check
 from coordinator.staleness import is_stale, oldest_fresh
 from kernels import ProbeEvaluator
 from trainer.zo import probes
@@ -108,8 +109,10 @@ class InProcessBackend:
 
     def __init__(self, model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
                  history: int = 0, delay_rounds: int = 0, staleness: int | None = None) -> None:
-        if history < 0 or delay_rounds < 0 or (staleness is not None and staleness < 0):
-            raise ValueError("history, delay_rounds and staleness must be >= 0")
+        if history < 0 or delay_rounds < 0:
+            raise ValueError("history and delay_rounds must be >= 0")
+        if staleness is not None:
+            check(Staleness, staleness)
         self.model, self.loss_fn = model, loss_fn
         self.history, self.delay_rounds, self.staleness = history, delay_rounds, staleness
         self.blocks = probes.canonical_blocks(model)

@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from coordinator.bounds import ProbeEps, check
 from coordinator.messages import ProbeRound, check_line_seeds
 from kernels import canonical_offsets, perturb
 from trainer.zo import estimators as est
@@ -98,7 +99,7 @@ class RoundSpec:
         base_version: θ_base for ``along_update`` (usually version − 1) and ``line`` (an earlier refresh).
         blocks: sorted, distinct canonical block indices perturbed by a ``group`` round (empty otherwise).
     The field names are the wire's (coordinator.messages.ProbeRound), so `to_wire` copies none by hand.
-    Raises ValueError at construction for an empty or repeated seed list, eps <= 0 or non-finite, and fields
+    Raises ValueError at construction for an empty or repeated seed list, eps outside ProbeEps, and fields
     the kind needs or forbids (`check_kind_fields`).
     """
 
@@ -118,8 +119,7 @@ class RoundSpec:
             raise ValueError("a probe round needs at least one seed")
         if len(set(self.seeds)) != len(self.seeds):
             raise ValueError("seeds of a round must be distinct (results are deduplicated by (round, seed))")
-        if not (self.eps > 0 and math.isfinite(self.eps)):
-            raise ValueError(f"eps must be finite and > 0, got {self.eps}")
+        check(ProbeEps, self.eps)
         check_kind_fields(ProbeKind(self.kind), self.base_version, self.blocks)
         check_line_seeds(ProbeKind(self.kind).value, list(self.seeds), self.eps)  # the wire's bound, refused here
 
