@@ -236,9 +236,13 @@ def run_plan(plan_name: str, out_dir: Path, *, jobs: int, devices: list[str], de
             running[spec.name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         time.sleep(1.0)
     for p in running.values():
-        p.terminate()
+        p.terminate()  # train() checkpoints between steps on SIGTERM; a step or refresh may take a while
     for p in running.values():
-        p.wait(timeout=30)
+        try:
+            p.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
     return [n for n in running if n not in finished(out_dir)]
 
 
