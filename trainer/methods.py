@@ -199,6 +199,34 @@ class RoleOptions(MethodOptions):
     global_beta: float = Field(0.5, ge=0, lt=1)
 
 
+class RegimeOptions(MethodOptions):
+    """zocurv-static / zocurv-trust (trainer.zo.regime_mode; issue 29): `norm` of Wang et al.'s table
+    ("geomean": parameter-weighted geometric mean 1, so the base lr means what AdamW's does; "smallest": the
+    raw table, Norm = 1; trainer.zo.block_table). zocurv-trust only: `start` at the table or at 1, `batches`
+    held-out probe batches per refresh (the SE is measured across them), the rule of
+    trainer.zo.trust_region (log-EMA β, |z| > z_min on `agree` consecutive refreshes, per-refresh ratio in
+    [r_min, r_max], multipliers in [m_min, m_max])."""
+
+    norm: Literal["geomean", "smallest"] = "geomean"
+    start: Literal["table", "one"] = "table"
+    batches: int = Field(6, ge=2, le=1024)
+    beta: float = Field(0.5, ge=0, lt=1)
+    z_min: float = Field(3.0, ge=0)
+    agree: int = Field(3, ge=1, le=1000)
+    r_min: float = Field(0.5, gt=0, le=1)
+    r_max: float = Field(2.0, ge=1)
+    m_min: float = Field(0.05, gt=0, le=1)
+    m_max: float = Field(20.0, ge=1)
+
+
+def build_regime_mode(cfg, model, loss_fn, backend=None):
+    """zocurv-static / zocurv-trust (trainer.zo.regime_mode.BlockRegimeMode). Raises ValueError for a backend:
+    the trust region's group-line probes run in process only."""
+    from trainer.zo.regime_mode import BlockRegimeMode
+
+    return BlockRegimeMode(cfg, model, loss_fn, backend)
+
+
 # ---- the table -----------------------------------------------------------------------------------------
 _LM_AND_SENTIMENT = ("lm", "sentiment")
 
@@ -221,6 +249,11 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            RoleOptions, fleet=False),
     Method("zocurv-group-fixed", "zo-curv", "ablation: Wang et al. 2025's per-role multipliers fixed, no probes",
            build_role_mode, RoleOptions, fleet=False, needs_probes=False),
+    # Issue 29 (trainer.zo.regime_mode): block-type lrs, static (zero probes) or from the calibrated trust region.
+    Method("zocurv-static", "zo-curv", "AdamW with Wang et al. 2025's per-role lr table, normalised, no probes",
+           build_regime_mode, RegimeOptions, fleet=False, needs_probes=False),
+    Method("zocurv-trust", "zo-curv", "AdamW with per-role multipliers from a calibrated block trust region",
+           build_regime_mode, RegimeOptions, fleet=False, probes_along_step=True),
     Method("mezo", "pure-zo", "MeZO: one Gaussian probe pair per step", build_pure_zo_mode,
            tasks=_LM_AND_SENTIMENT, sentiment_lr=1e-4),
     Method("1spsa", "pure-zo", "SPSA with K Rademacher probe pairs per step", build_pure_zo_mode,

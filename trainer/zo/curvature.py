@@ -14,6 +14,9 @@ from typing import Any
 
 import torch
 
+from coordinator.bounds import Staleness, check
+from coordinator.staleness import is_stale
+
 
 class Outcome(str, Enum):
     """What the backend's authority decided about one probe result (the keys of `CurvatureState.counts`)."""
@@ -32,7 +35,7 @@ class CurvatureState:
     Args:
         size: length n of the curvature vector (blocks, or coordinates).
         beta: EMA factor in [0, 1).
-        staleness: bound S >= 0 in versions.
+        staleness: bound S in versions (coordinator.bounds.Staleness).
     Raises ValueError for out-of-range arguments.
     """
 
@@ -41,9 +44,7 @@ class CurvatureState:
             raise ValueError(f"curvature size must be >= 1, got {size}")
         if not 0.0 <= beta < 1.0:
             raise ValueError(f"beta must be in [0, 1), got {beta}")
-        if staleness < 0:
-            raise ValueError(f"staleness bound must be >= 0, got {staleness}")
-        self.size, self.beta, self.staleness = size, beta, staleness
+        self.size, self.beta, self.staleness = size, beta, check(Staleness, staleness)
         self.ema = torch.zeros(size, dtype=torch.float64)
         self.updates = 0
         self.current_version = 0
@@ -69,7 +70,7 @@ class CurvatureState:
 
     def is_stale(self, version: int) -> bool:
         """True if a round taken at `version` is older than the current version − staleness."""
-        return self.current_version - version > self.staleness
+        return is_stale(version, self.current_version, self.staleness)
 
     def fold(self, contribution: torch.Tensor) -> None:
         """EMA update ema ← β·ema + (1 − β)·contribution, contribution shape (n,), finite.

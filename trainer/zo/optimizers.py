@@ -168,8 +168,8 @@ class _ZOCurvBase(torch.optim.Optimizer):
             if batch:
                 tensors.update({f"round/{i}/batch/{j}": t.contiguous() for j, t in enumerate(r.batch)})
             rounds.append({"round_id": rid, "version": r.version, "eps": r.eps, "seeds": list(r.seeds),
-                           "dist": r.dist, "want_clean": r.want_clean, "kind": ProbeKind(r.kind).value,
-                           "base_version": r.base_version, "group": list(r.group),
+                           "distribution": r.distribution, "want_clean": r.want_clean,
+                           "kind": ProbeKind(r.kind).value, "base_version": r.base_version, "blocks": list(r.blocks),
                            "batch_len": len(r.batch) if batch else None,
                            "arrived": [dataclasses.asdict(x) for x in self._arrived[rid].values()]})
         sd["inflight"] = rounds
@@ -189,9 +189,11 @@ class _ZOCurvBase(torch.optim.Optimizer):
                 self.dropped_rounds += 1
                 continue
             batch = tuple(tensors[f"round/{i}/batch/{j}"] for j in range(d["batch_len"]))
-            r = RoundSpec(d["round_id"], int(d["version"]), batch, float(d["eps"]), tuple(d["seeds"]), d["dist"],
-                          want_clean=bool(d["want_clean"]), kind=ProbeKind(d["kind"]),
-                          base_version=d["base_version"], group=tuple(d["group"]))
+            # checkpoints written before the round fields took the wire's names say "dist" and "group"
+            r = RoundSpec(d["round_id"], int(d["version"]), batch, float(d["eps"]), tuple(d["seeds"]),
+                          d.get("distribution", d.get("dist")), want_clean=bool(d["want_clean"]),
+                          kind=ProbeKind(d["kind"]), base_version=d["base_version"],
+                          blocks=tuple(d.get("blocks", d.get("group", ()))))
             self._pending[r.round_id] = r
             self._arrived[r.round_id] = {int(x["seed"]): SeedResult(**x) for x in d["arrived"]}
 
