@@ -19,7 +19,8 @@ data_app = typer.Typer(help="Fetch and build real corpora and labelled tasks (ca
 
 @data_app.command("fetch")
 def fetch(
-    corpus: str | None = typer.Option(None, help="Corpus to build: classics-small or classics."),
+    corpus: str | None = typer.Option(None, help="Corpus to build: classics-small, classics or classics-large "
+                                      "(>= 30M tokens, with a selection split)."),
     task: str | None = typer.Option(None, help="Labelled task to build: sentiment."),
     force: bool = typer.Option(False, help="Rebuild even if the cache verifies."),
 ) -> None:
@@ -37,6 +38,27 @@ def fetch(
     except (ValueError, DataFetchError) as exc:
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from exc
+
+
+@data_app.command("pack")
+def pack(
+    corpus: str = typer.Option("classics-large", help="Corpus to pack (built first if needed)."),
+    out: Path = typer.Option(Path(".data"), help="Folder to write: OUT/cache/corpora/CORPUS/*.bin.xz and the "
+                             "manifest; use it there with SPARECYCLES_CACHE=OUT/cache."),
+) -> None:
+    """Pack a corpus for a machine without registry access: xz-compressed uint16 token arrays + manifest."""
+    from trainer.data.pack import pack_corpus
+    from trainer.data.sources import DataFetchError
+
+    try:
+        info = pack_corpus(corpus, out, progress=True)
+    except (ValueError, DataFetchError) as exc:
+        typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from exc
+    for name, size in info["files"].items():
+        typer.echo(f"{name:32s} {size:>12,d} bytes")
+    typer.echo(f"{info['dir']}: {info['total_bytes']:,} bytes in all; tokens {info['tokens']}; "
+               f"use with SPARECYCLES_CACHE={Path(out) / 'cache'}")
 
 
 # Set by sparecycles.cli (the top layer composes: trainer may not import fleet, which sits above it):
@@ -117,6 +139,14 @@ def train(
                                                 "shard (first-order optimizers)."),
     dist_timeout: float = typer.Option(600.0, min=1.0, help="Under torchrun: seconds a collective waits for the other "
                                        "ranks before the run stops with an error (a rank that died or hangs)."),
+    anytime: bool = typer.Option(False, help="The anytime model: at each evaluation, choose the best mixture of the "
+                                 "last versions on the corpus's selection split (e.g. --corpus classics-large) and "
+                                 "log its validation loss as served_val_loss (RUN_DIR/served.safetensors; "
+                                 "`export --best`)."),
+    anytime_k: int = typer.Option(8, min=2, max=64, help="--anytime: versions kept."),
+    anytime_every: int = typer.Option(10, min=1, help="--anytime: steps between published versions."),
+    pull: bool = typer.Option(False, help="--anytime ablation: move the trainer to the served model when it beats "
+                              "raw by > 3 standard errors on the selection split (optimizer state kept)."),
     metrics_port: int | None = typer.Option(None, min=0, max=65535, help="Serve Prometheus metrics (step, loss, "
                                             "val loss, tokens) on this port. Default: 9102 with --coordinator, none "
                                             "without; 0: none."),
@@ -145,7 +175,8 @@ def train(
                      checkpoint_every=checkpoint_every, probes=probes, eps=eps, alpha=alpha, lam=lam,
                      probe_batch_size=probe_batch_size, curvature_interval=curvature_interval, staleness=staleness,
                      probe_budget=probe_budget, seed=seed, device=device, run_dir=run_dir,
-                     optimizer_options=_key_values(optimizer_option or []) or None)
+                     optimizer_options=_key_values(optimizer_option or []) or None,
+                     anytime=dict(k=anytime_k, publish_every=anytime_every, pull=pull) if anytime or pull else None)
     try:
         cfg = resolve_preset(preset, overrides)
     except ValueError as exc:  # pydantic's ValidationError, or an unknown preset

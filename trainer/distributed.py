@@ -110,6 +110,9 @@ class DistContext:
     # ---- data parallelism ---------------------------------------------------------------------------------
     def check(self, cfg: Any, kind: str) -> None:
         """Refuse settings this job cannot run, before anything is built (ValueError with the fix)."""
+        if self.parallel and getattr(cfg, "anytime", None) is not None:
+            # The anytime model keeps, scores and (--pull) moves to past versions on one process's copy.
+            raise ValueError("--anytime runs in one process: drop it or --nproc-per-node")
         if self.shard and kind != "first-order":
             raise ValueError(f"--shard (FSDP2) runs first-order optimizers only; {cfg.optimizer} is {kind}: run it "
                              "with DDP (drop --shard)")

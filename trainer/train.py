@@ -108,6 +108,8 @@ def train(
     mode = build_rank_mode(cfg, model, task.loss_fn, mode_factory, dist)
     ckpt = make_checkpointer(run.path, run.checkpoint, model, mode, meta, dist, resume)
 
+    anytime = _build_anytime(cfg, task, run.path)
+
     # 3. position: a resume continues from the checkpoint and forgets what was logged after it
     start = ckpt.restore() if resume else 0
     history = run.restart_metrics(start if resume else None) if dist.is_main else []
@@ -143,11 +145,14 @@ def train(
                 if not math.isfinite(stats.get("loss", 0.0)):
                     raise FloatingPointError(f"loss became non-finite at step {step}; lower --lr")
                 done = step + 1
+                if anytime is not None:
+                    anytime.publish(done, model)
                 log({"step": done, "lr": lr, "tokens": done * task.tokens_per_step,
                      "elapsed_s": time.perf_counter() - t0, **stats})
                 if done % cfg.eval_every == 0 or done == cfg.steps:
                     last_val = task.evaluate(model)
-                    log({"step": done, **last_val})
+                    served = anytime.evaluate(done, model, task.evaluate) if anytime is not None else {}
+                    log({"step": done, **last_val, **served})
                 if done % cfg.checkpoint_every == 0 or done == cfg.steps:
                     ckpt.save(done)
                 show(done, f"loss {stats.get('loss', float('nan')):.3f} val {last_val['val_loss']:.3f}")
@@ -183,6 +188,9 @@ def train(
         "wall_s_this_invocation": wall, "tokens": cfg.steps * task.tokens_per_step, "resumed_from_step": start,
         "run_dir": str(run.path), **final,
     }
+    if anytime is not None and anytime.last is not None:
+        served = [r for r in run.records() if "served_val_loss" in r]
+        summary.update(final_served_val_loss=served[-1]["served_val_loss"], final_served=served[-1]["served"])
     run.write_summary(summary)
     if export:
         from trainer.export import export_trained
@@ -206,6 +214,18 @@ def _open_run(cfg: TrainConfig, resume: bool, overwrite: bool, dist: DistContext
     if got[1] is not None:
         raise got[1]
     return run or RunDir(Path(got[0]))
+
+
+def _build_anytime(cfg: TrainConfig, task: Task, run_path: Path):
+    """The run's anytime model (trainer.anytime.serve.Anytime) or None when `cfg.anytime` is off.
+    Raises ValueError when the corpus has no selection split."""
+    if cfg.anytime is None:
+        return None
+    from trainer.anytime.serve import Anytime
+
+    corpus = getattr(task, "corpus", None)
+    return Anytime(cfg.anytime, getattr(corpus, "select", None), batch_size=cfg.batch_size, seq_len=cfg.seq_len,
+                   device=cfg.device, run_path=run_path, loss=lm_loss)
 
 
 def quiet_hf_bars(progress: bool) -> None:
