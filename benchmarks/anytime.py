@@ -13,7 +13,9 @@ state) and decays to f·T. Candidates are scored in this process on the trainer'
 
 Anytime speedup at an evaluation (step s, served loss L): the step at which the main run's raw validation loss
 first reaches L (linear interpolation between evaluations), divided by s; `None` when raw never does (then
-`speedup_lower_bound` = T / s). Usage: `python -m benchmarks.anytime --out DIR [--steps 1500] [--device cuda]`
+`speedup_lower_bound` = T / s). With `--pull` (ablation) the main run moves to the served weights when they beat raw by > 3 paired
+standard errors on the selection batches (optimizer state kept); its final raw loss is then compared with the
+plain WSD run's at the same step. Usage: `python -m benchmarks.anytime --out DIR [--steps 1500] [--device cuda]`
 (CPU dry run: `--preset gpt2-tiny --corpus ... --steps 40 --batch-size 2 --seq-len 32 --device cpu`); then
 `python -m benchmarks.anytime_report DIR/anytime.json --out benchmarks/results/anytime`.
 """
@@ -79,6 +81,9 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--deadline-s", type=float, default=480.0, help="stop and write what ran after this long")
+    p.add_argument("--pull", action="store_true", help="the --pull ablation: the main run moves to the served "
+                   "model when it beats raw by > 3 SE on the selection split (give --ref-fracs '' with it)")
+    p.add_argument("--name", default="anytime", help="output file stem (NAME.json, NAME.png)")
     return p.parse_args(argv)
 
 
@@ -129,7 +134,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:  # noqa: C901 - one f
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
                             lr=a.lr, betas=(0.9, 0.95), fused=a.device.startswith("cuda"))
     settings = AnytimeSettings(k=a.k, publish_every=publish_every, select_batches=a.select_batches,
-                               quad_dim=a.quad_dim, windows=tuple(m for m in (2, 4, 8, 16) if m <= a.k))
+                               quad_dim=a.quad_dim, windows=tuple(m for m in (2, 4, 8, 16) if m <= a.k),
+                               pull=a.pull)
     anytime = Anytime(settings, corpus.select, batch_size=a.batch_size, seq_len=a.seq_len, device=a.device,
                       run_path=a.out, loss=loss_fn)
 
@@ -211,10 +217,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:  # noqa: C901 - one f
         "evals": evals, "references": refs, "stopped_at": stopped, "timing_s": timing,
         "wall_s": time.perf_counter() - t_start,
     }
-    (a.out / "anytime.json").write_text(json.dumps(result, indent=2))
+    (a.out / f"{a.name}.json").write_text(json.dumps(result, indent=2))
     from benchmarks.anytime_report import plot
 
-    plot(result, a.out / "anytime.png")
+    plot(result, a.out / f"{a.name}.png")
     return result
 
 

@@ -93,10 +93,25 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
+def pull_line(plain: dict[str, Any], pulled: dict[str, Any]) -> str:
+    """One sentence: the --pull run's final raw (and served) validation loss against the plain WSD run's at the
+    same step, and how often it pulled."""
+    last = pulled["evals"][-1]
+    ref = next((e for e in plain["evals"] if e["step"] == last["step"]), None)
+    n = sum(1 for e in pulled["evals"] if e.get("pulled"))
+    if ref is None:
+        return f"--pull: final raw {last['raw_val']:.4f} at step {last['step']} ({n} pulls); no plain evaluation there."
+    return (f"--pull ablation: at step {last['step']} raw {last['raw_val']:.4f} (served {last.get('served_val', 0):.4f}) "
+            f"vs the plain WSD run's raw {ref['raw_val']:.4f} (served {ref.get('served_val', 0):.4f}): "
+            f"{last['raw_val'] - ref['raw_val']:+.4f} nats; {n} pulls.")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("json", type=Path)
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/anytime"))
+    p.add_argument("--pull-json", type=Path, default=None, help="the --pull ablation's JSON (tools/h200_anytime.sh "
+                   "STEPS pull), compared with the plain run at its last step")
     a = p.parse_args(argv)
     result = json.loads(a.json.read_text())
     a.out.mkdir(parents=True, exist_ok=True)
@@ -104,6 +119,10 @@ def main(argv: list[str] | None = None) -> None:
         shutil.copyfile(a.json, a.out / "anytime.json")
     plot(result, a.out / "anytime.png")
     md = table(result)
+    if a.pull_json is not None:
+        pulled = json.loads(a.pull_json.read_text())
+        shutil.copyfile(a.pull_json, a.out / "anytime_pull.json")
+        md += "\n\n" + pull_line(result, pulled)
     (a.out / "table.md").write_text(md + "\n")
     print(md)
 

@@ -8,10 +8,11 @@
 #
 # Here (a machine with the registries), once:   bash tools/h200_anytime.sh pack
 #   -> .data/ (classics-large: xz token arrays + manifest) and .whl/ (pydantic & co. for the GPU image's python)
-# On the GPU (device call, carry [".data", ".whl"]):   bash tools/h200_anytime.sh [steps]
+# On the GPU (device call, carry [".data", ".whl"]):   bash tools/h200_anytime.sh [steps] [plain|pull]
 #   steps default 1500 (24.6M tokens, under one epoch of the 31.3M training tokens); ~12 steps/s in bf16
 #   autocast + TF32 -> ~165 s of main-run steps + ~40 s of references + evaluations; stopped at a deadline.
-# Then here: python -m benchmarks.anytime_report OUT/anytime.json --out benchmarks/results/anytime
+# Then here: python -m benchmarks.anytime_report OUT/anytime.json --out benchmarks/results/anytime \
+#   [--pull-json OUT2/anytime_pull.json]   (a second call: bash tools/h200_anytime.sh 1500 pull)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = pack ]; then
@@ -27,13 +28,17 @@ if [ "${1:-}" = pack ]; then
   exit 0
 fi
 steps=${1:-1500}
+arm=${2:-plain}   # "pull": the --pull ablation instead (no references; compare its final raw loss with the plain run's)
 out=${OUT:-/tmp/anytime-out}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 SPARECYCLES_CACHE=$PWD/.data/cache
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
+extra=(); name=anytime
+[ "$arm" = pull ] && extra=(--pull --ref-fracs "") && name=anytime_pull
 timeout "${ANYTIME_TIMEOUT_S:-530}" python3 -m benchmarks.anytime --out "$out" --steps "$steps" --device cuda \
-  --deadline-s "${ANYTIME_DEADLINE_S:-470}" 2>&1 | tee "$out/anytime.log"
+  --deadline-s "${ANYTIME_DEADLINE_S:-470}" --name "$name" "${extra[@]}" 2>&1 | tee "$out/$name.log"
 rm -f "$out/served.safetensors"  # 500 MB of weights: not worth carrying back
-[ -f "$out/anytime.json" ] && python3 -m benchmarks.anytime_report "$out/anytime.json" --out "$out" > /dev/null
+[ "$arm" = plain ] && [ -f "$out/anytime.json" ] && \
+  python3 -m benchmarks.anytime_report "$out/anytime.json" --out "$out" > /dev/null
 tail -30 "$out/table.md" 2>/dev/null
