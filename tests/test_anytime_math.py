@@ -107,3 +107,17 @@ def test_coefs_at_maps_simplex_points_to_coefficients():
     c = coefs_at(torch.tensor([0.5, 0.5, 0.0], dtype=torch.float64), anchors)
     assert torch.allclose(c, torch.tensor([0.125, 0.125, 0.125, 0.625], dtype=torch.float64))
     assert float(c.sum()) == pytest.approx(1.0)
+
+
+def test_build_mixture_sums_in_version_order_whatever_the_term_order():
+    from trainer.anytime.ring import build_mixture
+
+    g = torch.Generator().manual_seed(3)
+    states = {v: {"w": torch.randn(64, generator=g)} for v in (3, 7, 9)}
+    terms = [(9, 0.7), (3, -0.2), (7, 0.5)]
+    a = build_mixture(terms, states.__getitem__)
+    b = build_mixture(list(reversed(terms)), states.__getitem__)
+    assert torch.equal(a["w"], b["w"])
+    assert torch.equal(a["w"], mix_state([states[3], states[7], states[9]], (-0.2, 0.5, 0.7))["w"])
+    with pytest.raises(ValueError):
+        build_mixture([(3, 0.5), (3, 0.5)], states.__getitem__)

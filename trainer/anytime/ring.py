@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Literal
 
 import torch
@@ -41,6 +41,22 @@ class CandidateSpec(BaseModel):
         if abs(math.fsum(self.coefs) - 1.0) > SUM_TOL:
             raise ValueError(f"coefficients must sum to 1, got {math.fsum(self.coefs)!r}")
         return self
+
+
+def build_mixture(terms: Sequence[tuple[int, float]],
+                  state_of: Callable[[int], Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """θ = Σ c · θ_v over `terms` [(version, coefficient)], the states fetched by `state_of(version)` (a ring, or a
+    worker's weight cache), summed in ascending version order by `mix_state` — the one order every process uses,
+    so the result does not depend on the order the terms arrive in.
+
+    Raises:
+        ValueError: no terms, repeated versions, or coefficients not summing to 1 (mix_state).
+        whatever `state_of` raises for a version it cannot supply (KeyError from a VersionRing).
+    """
+    ordered = sorted(terms)
+    if not ordered or len({v for v, _ in ordered}) != len(ordered):
+        raise ValueError(f"need distinct versions, got {[v for v, _ in terms]}")
+    return mix_state([state_of(v) for v, _ in ordered], [c for _, c in ordered])
 
 
 class VersionRing:
@@ -89,4 +105,4 @@ class VersionRing:
         missing = [v for v in spec.versions if v not in self._states]
         if missing:
             raise KeyError(f"versions {missing} are not held (held: {self.versions})")
-        return mix_state([self._states[v] for v in spec.versions], spec.coefs)
+        return build_mixture(list(zip(spec.versions, spec.coefs, strict=True)), self._states.__getitem__)
