@@ -14,7 +14,8 @@
   own refresh: `train --fleet-sync`), "next" (at the refresh after it: `up`); the last two make a run
   independent of the fleet's timing, so an interrupted and resumed run equals the uninterrupted one.
 - `FleetStatus` / `FleetFiguresMode`: live fleet figures (workers, probes/s, results by outcome) scraped from
-  the coordinator's /metrics, shown in the progress line and added to every step's record.
+  the coordinator's /metrics, shown in the progress line and added to every step's record (with
+  `fleet_runs_recreated`: times the coordinator lost the run and the trainer created it again, fleet.recovery).
 """
 
 from __future__ import annotations
@@ -197,7 +198,9 @@ class FleetFiguresMode:
 
     def step(self, step: int, batch, lr: float) -> dict[str, float]:
         stats = self.mode.step(step, batch, lr)
-        return {**stats, **{f"fleet_{k}": float(v) for k, v in self.status.snapshot().items()}}
+        out = {**stats, **{f"fleet_{k}": float(v) for k, v in self.status.snapshot().items()}}
+        recreated = getattr(getattr(self.mode, "backend", None), "recreated", None)  # fleet.recovery
+        return out if recreated is None else {**out, "fleet_runs_recreated": float(recreated)}
 
     def close(self, wait: bool = True) -> None:
         """Close the mode's CoordinatorBackend (`CoordinatorBackend.close`): its last uploads' errors surface here

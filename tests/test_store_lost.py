@@ -52,3 +52,49 @@ def test_workers_reenroll_after_the_store_is_lost(fleet):
     assert sorted(r.seed for r in got) == list(seeds)
     assert {r.worker for r in got} <= set(new.values())
     be.close()
+
+
+def test_training_run_outlives_a_lost_store(fleet, tmp_path):
+    """`sparecycles train --coordinator` (zocurv-line, --fleet-sync: each round awaited) whose coordinator loses its
+    store mid-run, preferably while a round is in flight: the trainer creates its run again (logged, counted in
+    every later step's `fleet_runs_recreated`), the workers re-enroll, and the run finishes all its steps."""
+    import json
+    import subprocess
+    import sys
+    import time
+
+    from support.fleet import ROOT, _free_port
+
+    before = {name: fleet.metric(name, "sparecycles_worker_reenrollments_total") for name in ("a", "b")}
+    run_dir = tmp_path / "r"
+    cmd = [sys.executable, "-m", "sparecycles.cli", "train", "--coordinator", fleet.url, "--optimizer", "zocurv-line",
+           "--preset", "demo", "--steps", "18", "--batch-size", "4", "--seq-len", "32", "--curvature-interval", "3",
+           "--eval-every", "9", "--fleet-sync", "--no-export", "--no-progress", "--metrics-port", str(_free_port()),
+           "--run-dir", str(run_dir)]
+    proc = subprocess.Popen(cmd, env={**fleet.env, "PYTHONUNBUFFERED": "1"}, cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    try:
+        def steps() -> int:
+            lines = (run_dir / "metrics.jsonl").read_text().splitlines() if (run_dir / "metrics.jsonl").exists() else []
+            return max((json.loads(line)["step"] for line in lines), default=0)
+
+        def round_open() -> bool:
+            return any(fleet.r.scard(k) for k in fleet.r.scan_iter(f"{fleet.prefix}:*rounds:open", count=1000))
+
+        fleet.wait(lambda: proc.poll() is None and steps() >= 4 or proc.poll() is not None, "step 4", 600)
+        assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
+        deadline = time.monotonic() + 30  # lose the store with a round in flight if one opens in time
+        while not round_open() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.02)
+        assert steps() < 18 and lose_store(fleet) > 0
+        out = proc.communicate(timeout=600)[0].decode()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-3000:]
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs if "loss" in r] == list(range(1, 19))
+    assert [r for r in recs if "loss" in r][-1]["fleet_runs_recreated"] == 1.0
+    assert out.count("the coordinator lost run") == 1, out[-3000:]
+    fleet.wait(lambda: all(fleet.metric(n, "sparecycles_worker_reenrollments_total") == before[n] + 1
+                           for n in before), "both workers re-enrolled once more")
