@@ -98,3 +98,59 @@ def test_training_run_outlives_a_lost_store(fleet, tmp_path):
     assert out.count("the coordinator lost run") == 1, out[-3000:]
     fleet.wait(lambda: all(fleet.metric(n, "sparecycles_worker_reenrollments_total") == before[n] + 1
                            for n in before), "both workers re-enrolled once more")
+
+
+def test_worker_with_its_own_broker_user_restarts_into_its_new_identity(tmp_path):
+    """With per-worker broker users (SPARECYCLES_BROKER_ACL) a Valkey restarted empty (its files deleted) forgets the
+    worker and its broker user: the worker re-enrolls, restarts its own process with the new broker credentials
+    (same pid, the count carried over) and evaluates the next run's rounds."""
+    import shutil
+    import time
+
+    from support.fleet import Fleet
+    from support.valkey import Valkey
+
+    v = Valkey(tmp_path / "valkey")
+    v.start()
+
+    class AclFleet(Fleet):
+        def start_coordinator(self) -> None:
+            self.env.update(SPARECYCLES_REDIS_URL=v.url, SPARECYCLES_BROKER_ACL="1")
+            super().start_coordinator()
+
+    fleet = AclFleet(tmp_path)
+    try:
+        proc = fleet.start_worker("a")
+        old = fleet.wait_consuming("a")
+        v.stop()
+        shutil.rmtree(v.data)
+        v.data.mkdir()
+        v.start()  # empty: no state, no broker users
+        deadline = time.monotonic() + 120
+        while (fleet.worker_info("a") or {}).get("worker_id") in (None, old):
+            assert time.monotonic() < deadline, (tmp_path / "a.log").read_text()[-3000:]
+            time.sleep(0.2)
+        new = fleet.wait_consuming("a")
+        assert proc.poll() is None  # the same process (exec), still running
+        log = (tmp_path / "a.log").read_text()
+        assert "with new broker credentials; restarting the worker process" in log
+        fleet.wait(lambda: fleet.metric("a", "sparecycles_worker_reenrollments_total") == 1.0, "the count carried over")
+
+        from coordinator.messages import RunSpec
+        from fleet.backend import CoordinatorBackend
+
+        model = tiny_gpt2()
+        be = CoordinatorBackend.connect(model, coordinator_url=fleet.url, admin_token=fleet.admin_token,
+                                        redis_url=v.url, key_prefix=fleet.prefix, round_timeout_s=120.0,
+                                        run=RunSpec(run="acl-after", model_class=type(model).__name__,
+                                                    spot_check_fraction=0.0, seeds_per_task=2))
+        be.publish(0)
+        seeds = tuple(range(30, 34))
+        be.submit(RoundSpec("acl-after-0", 0, make_batch(2, 8, seed=4), eps=1e-2, seeds=seeds,
+                            distribution="rademacher"))
+        got = be.collect("acl-after-0").results
+        assert sorted(r.seed for r in got) == list(seeds) and {r.worker for r in got} == {new}
+        be.close()
+    finally:
+        fleet.close()
+        v.stop()
