@@ -15,7 +15,30 @@ from support.fleet import make_batch
 from support.models import tiny_gpt2
 from trainer.zo.probes import RoundSpec
 
-pytestmark = pytest.mark.slow  # a coordinator process and probe-worker processes
+
+def test_results_stream_reports_a_lost_group_and_reads_on(redis_url):
+    """A results stream whose key is deleted under the reader (its group with it): the next read re-creates the group
+    and raises StreamLost once; reads then go on from the new stream's start."""
+    import secrets
+
+    import redis
+
+    from coordinator.keys import results_stream_key
+    from coordinator.stream import ResultStreamReader, StreamLost
+
+    prefix = "tl" + secrets.token_hex(4)
+    reader = ResultStreamReader(redis_url, "run", key_prefix=prefix)
+    r = redis.Redis.from_url(redis_url)
+    try:
+        assert reader.read(block_ms=0) == []
+        r.delete(results_stream_key(prefix, "run"))
+        with pytest.raises(StreamLost):
+            reader.read(block_ms=0)
+        assert reader.groups_recreated == 1 and reader.read(block_ms=0) == [] and reader.groups_recreated == 1
+    finally:
+        r.delete(results_stream_key(prefix, "run"))
+        reader.r.close()
+        r.close()
 
 
 def lose_store(fleet) -> int:
@@ -28,6 +51,7 @@ def lose_store(fleet) -> int:
     return len(keys)
 
 
+@pytest.mark.slow  # a coordinator process and probe-worker processes
 def test_workers_reenroll_after_the_store_is_lost(fleet):
     """Both workers notice at their next heartbeat, re-enroll under new ids (sparecycles_worker_reenrollments_total
     1 each), log the loss once (not twice a second) and evaluate the next run's rounds."""
@@ -54,6 +78,7 @@ def test_workers_reenroll_after_the_store_is_lost(fleet):
     be.close()
 
 
+@pytest.mark.slow  # a coordinator process and probe-worker processes
 def test_training_run_outlives_a_lost_store(fleet, tmp_path):
     """`sparecycles train --coordinator` (zocurv-line, --fleet-sync: each round awaited) whose coordinator loses its
     store mid-run, preferably while a round is in flight: the trainer creates its run again (logged, counted in
@@ -100,6 +125,7 @@ def test_training_run_outlives_a_lost_store(fleet, tmp_path):
                            for n in before), "both workers re-enrolled once more")
 
 
+@pytest.mark.slow  # a coordinator process and probe-worker processes
 def test_worker_with_its_own_broker_user_restarts_into_its_new_identity(tmp_path):
     """With per-worker broker users (SPARECYCLES_BROKER_ACL) a Valkey restarted empty (its files deleted) forgets the
     worker and its broker user: the worker re-enrolls, restarts its own process with the new broker credentials
