@@ -188,10 +188,11 @@ class FleetFiguresMode:
     """A TrainMode (trainer.train) that adds the fleet's figures to every step's record, so probes/s, active
     workers and results by outcome land in metrics.jsonl and the TensorBoard events: `fleet_<key>` for each key
     of `FleetStatus.snapshot()` (one scrape of the coordinator's /metrics per step). Everything else is the
-    wrapped mode's."""
+    wrapped mode's. `recovery` (fleet.recovery.RecoveringBackend): its count of run re-creations is added as
+    `fleet_runs_recreated`."""
 
-    def __init__(self, mode, status: FleetStatus) -> None:
-        self.mode, self.status = mode, status
+    def __init__(self, mode, status: FleetStatus, recovery=None) -> None:
+        self.mode, self.status, self.recovery = mode, status, recovery
 
     def __getattr__(self, name: str):
         return getattr(self.mode, name)
@@ -199,8 +200,7 @@ class FleetFiguresMode:
     def step(self, step: int, batch, lr: float) -> dict[str, float]:
         stats = self.mode.step(step, batch, lr)
         out = {**stats, **{f"fleet_{k}": float(v) for k, v in self.status.snapshot().items()}}
-        recreated = getattr(getattr(self.mode, "backend", None), "recreated", None)  # fleet.recovery
-        return out if recreated is None else {**out, "fleet_runs_recreated": float(recreated)}
+        return out if self.recovery is None else {**out, "fleet_runs_recreated": float(self.recovery.recreated)}
 
     def close(self, wait: bool = True) -> None:
         """Close the mode's CoordinatorBackend (`CoordinatorBackend.close`): its last uploads' errors surface here
