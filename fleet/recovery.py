@@ -47,21 +47,35 @@ class RecoveringBackend:
     held is dropped). Counted in `recreated` and sparecycles_trainer_runs_recreated_total{run}.
     """
 
-    _OWN = ("backend", "spec", "recreated", "_rounds")
-
     def __init__(self, backend: Any, spec: RunSpec) -> None:
         self.backend, self.spec = backend, spec
         self.recreated = 0
         self._rounds: dict[str, Any] = {}  # round id -> RoundSpec, while the collector awaits seeds of it
 
-    def __getattr__(self, name: str):
-        return getattr(self.backend, name)
+    # ---- what callers read (the wrapped backend's) ---------------------------------------------------------
 
-    def __setattr__(self, name: str, value) -> None:  # forward_passes / snapshots are the backend's state
-        if name in self._OWN:
-            object.__setattr__(self, name, value)
-        else:
-            setattr(self.backend, name, value)
+    @property
+    def block_sizes(self) -> list[int]:
+        return self.backend.block_sizes
+
+    @property
+    def latest_version(self) -> int | None:
+        return self.backend.latest_version
+
+    @property
+    def snapshots(self) -> dict:
+        return self.backend.snapshots
+
+    @property
+    def forward_passes(self) -> int:
+        return self.backend.forward_passes
+
+    @forward_passes.setter
+    def forward_passes(self, value: int) -> None:  # a resumed run restores its count (trainer.zo.modes)
+        self.backend.forward_passes = value
+
+    def close(self, wait: bool = True) -> None:
+        self.backend.close(wait=wait)
 
     def _call(self, fn: Callable[[], T], current: int | None = None) -> T:
         for attempt in range(MAX_RECOVERIES_PER_CALL + 1):

@@ -90,6 +90,8 @@ def test_training_run_outlives_a_lost_store(fleet, tmp_path):
 
     from support.fleet import ROOT, _free_port
 
+    for name in ("a", "b"):
+        fleet.wait_consuming(name)
     before = {name: fleet.metric(name, "sparecycles_worker_reenrollments_total") for name in ("a", "b")}
     run_dir = tmp_path / "r"
     cmd = [sys.executable, "-m", "sparecycles.cli", "train", "--coordinator", fleet.url, "--optimizer", "zocurv-line",
