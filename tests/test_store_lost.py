@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 
+from fleet.backend import CoordinatorBackend
 from support.fleet import make_batch
 from support.models import tiny_gpt2
 from trainer.zo.probes import RoundSpec
@@ -79,6 +80,8 @@ def test_workers_reenroll_after_the_store_is_lost(fleet):
 
 
 @pytest.mark.slow  # a coordinator process and probe-worker processes
+@pytest.mark.skipif(not hasattr(CoordinatorBackend, "connect"),
+                    reason="fleet.recovery hooks into issue 26's composed CoordinatorBackend (wired with it)")
 def test_training_run_outlives_a_lost_store(fleet, tmp_path):
     """`sparecycles train --coordinator` (zocurv-line, --fleet-sync: each round awaited) whose coordinator loses its
     store mid-run, preferably while a round is in flight: the trainer creates its run again (logged, counted in
@@ -165,10 +168,10 @@ def test_worker_with_its_own_broker_user_restarts_into_its_new_identity(tmp_path
         fleet.wait(lambda: fleet.metric("a", "sparecycles_worker_reenrollments_total") == 1.0, "the count carried over")
 
         from coordinator.messages import RunSpec
-        from fleet.backend import CoordinatorBackend
 
         model = tiny_gpt2()
-        be = CoordinatorBackend.connect(model, coordinator_url=fleet.url, admin_token=fleet.admin_token,
+        connect = getattr(CoordinatorBackend, "connect", CoordinatorBackend)  # issue 26 composes the backend
+        be = connect(model, coordinator_url=fleet.url, admin_token=fleet.admin_token,
                                         redis_url=v.url, key_prefix=fleet.prefix, round_timeout_s=120.0,
                                         run=RunSpec(run="acl-after", model_class=type(model).__name__,
                                                     spot_check_fraction=0.0, seeds_per_task=2))
