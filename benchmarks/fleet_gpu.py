@@ -53,7 +53,7 @@ def publish_ready(fleet, names: list[str], backend, model: torch.nn.Module, vers
         fleet.wait(lambda v=v: all(fleet.info(nm)["version"] == v for nm in names), f"version {v} on every worker")
         ready = time.perf_counter() - t0
         out.append({"version": v, "call_s": call, "uploaded_s": uploaded, "ready_s": ready,
-                    **getattr(backend, "publish_timings", {}).get(v, {})})
+                    **(backend.publisher.publish_timings.get(v, {}) if hasattr(backend, "publisher") else {})})
     return out
 
 

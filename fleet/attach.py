@@ -327,7 +327,7 @@ class Fleet:
                        model_preset=cfg.model if lm else None, staleness=cfg.staleness,
                        **({"spot_check_fraction": 0.0} if self.workers < 2 else {}),
                        **({"seeds_per_task": max(1, -(-cfg.probes // max(1, self.workers)))} if pure else {}))
-        backend = CoordinatorBackend(model, coordinator_url=self.base, admin_token=self.settings.admin_token
+        backend = CoordinatorBackend.connect(model, coordinator_url=self.base, admin_token=self.settings.admin_token
                                      .get_secret_value(), redis_url=self.settings.redis_url, run=spec,
                                      key_prefix=self.settings.key_prefix, history=0 if pure else 2,
                                      blob_dir=self.settings.blob_dir,

@@ -155,7 +155,7 @@ def test_real_worker_process_runs_rounds_with_its_own_broker_user(tmp_path):
         run = RunSpec(
             run="aclrun", model_class=type(model).__name__, spot_check_fraction=0.0, seeds_per_task=2
         )
-        be = CoordinatorBackend(
+        be = CoordinatorBackend.connect(
             model,
             coordinator_url=fleet.url,
             admin_token=fleet.admin_token,
