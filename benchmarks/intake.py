@@ -73,13 +73,13 @@ def _quantile(sorted_ms: list[float], q: float) -> float:
 
 def _setup_rounds(store: Store, n_results: int) -> list[tuple[str, list[int]]]:
     """Create the run, version 0, a batch blob and enough rounds for `n_results` seeds (not timed)."""
-    store.create_run(
+    store.runs.create_run(
         RunSpec(
             run=RUN, model_class="GPT2LMHeadModel", spot_check_fraction=0.0, seeds_per_task=256, staleness=4
         )
     )
     shard, size = store.blobs.put(b"bench weights")
-    store.register_version(
+    store.runs.register_version(
         VersionManifest(
             run=RUN,
             version=0,
@@ -94,7 +94,7 @@ def _setup_rounds(store: Store, n_results: int) -> list[tuple[str, list[int]]]:
     while seed <= n_results:
         seeds = list(range(seed, min(n_results, seed + 65_535) + 1))
         rid = f"round-{k}"
-        store.create_round(
+        store.rounds.create_round(
             ProbeRound(
                 run=RUN,
                 round_id=rid,
@@ -184,7 +184,7 @@ def bench_store(settings: CoordinatorSettings, workers: int, n_results: int, bat
     store = Store(settings)
     intake = Intake(store, CoordinatorMetrics())
     rounds = _setup_rounds(store, n_results)
-    wids = [store.register_worker(WorkerRegistration(name=f"sim{i}")).worker_id for i in range(workers)]
+    wids = [store.workers.register_worker(WorkerRegistration(name=f"sim{i}")).worker_id for i in range(workers)]
     jobs = [
         [
             ProbeResult(

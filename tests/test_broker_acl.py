@@ -113,7 +113,7 @@ def test_quarantined_worker_cannot_touch_registry_keys(fleet):
     assert w.llen("sc.probe.acl") == 0  # its queue it may read
 
     # quarantine disables the user: the open connection is closed and a new login refused
-    Store(settings).set_worker_state(wid, "quarantined", ("active", "draining", "lost"), actor="coordinator")
+    Store(settings).workers.set_worker_state(wid, "quarantined", ("active", "draining", "lost"), actor="coordinator")
     with pytest.raises((redis.exceptions.ConnectionError, redis.exceptions.AuthenticationError)):
         w.llen("sc.probe.acl")
     fresh = redis.Redis.from_url(reg["broker_url"])
