@@ -349,21 +349,12 @@ def bench_http(
 ) -> IntakeBenchResult:
     """Coordinator in a uvicorn subprocess (`coordinators` worker processes); `workers` asyncio simulated
     workers in this process."""
-    from api.server import free_port
+    from api.server import free_port, settings_env
 
     port = free_port()
     metrics_dir = settings.blob_dir / "prometheus"
     metrics_dir.mkdir()
-    env = dict(
-        os.environ,
-        REDIS_URL=settings.redis_url,
-        SPARECYCLES_KEY_PREFIX=settings.key_prefix,
-        SPARECYCLES_QUEUE_PREFIX=settings.queue_prefix,
-        SPARECYCLES_BLOB_DIR=str(settings.blob_dir),
-        SPARECYCLES_ADMIN_TOKEN=settings.admin_token.get_secret_value(),
-        SPARECYCLES_ENROLLMENT_TOKEN=settings.enrollment_token.get_secret_value(),
-    )
-    env.pop("SPARECYCLES_REDIS_URL", None)
+    env = settings_env(settings)
     if coordinators > 1:
         env["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
     else:

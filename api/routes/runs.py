@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 from fastapi import APIRouter, Query
 from fastapi.concurrency import run_in_threadpool
@@ -21,6 +21,7 @@ def create_run(body: RunSpec, store: StoreD) -> RunInfo:
     return store.runs.create_run(body)
 
 
+RunBody = TypeVar("RunBody", VersionManifest, SeedLedgerEntry)
 MAX_WAIT_S = 10.0  # a long poll's limit: bounds how long a graceful shutdown waits for pending ones
 POLL_S = 0.05  # how often a waiting request re-reads the run's latest version (one HGET)
 
@@ -50,11 +51,16 @@ def get_intake_counts(run: RunP, store: StoreD) -> IntakeCounts:
     return store.runs.intake_counts(run)
 
 
+def _of_run(body: RunBody, run: str) -> RunBody:
+    """`body` if it names the URL's run; Invalid (422) otherwise."""
+    if body.run != run:
+        raise Invalid(f"{type(body).__name__} run {body.run!r} differs from the URL's run {run!r}")
+    return body
+
+
 @router.post("/{run}/versions", status_code=201, dependencies=[Admin])
 def register_version(run: RunP, body: VersionManifest, store: StoreD) -> VersionManifest:
-    if body.run != run:
-        raise Invalid("manifest run differs from the URL's run")
-    return store.runs.register_version(body)
+    return store.runs.register_version(_of_run(body, run))
 
 
 @router.get("/{run}/versions", dependencies=[Reader])
@@ -69,9 +75,7 @@ def get_version(run: RunP, version: VersionP, store: StoreD) -> VersionManifest:
 
 @router.post("/{run}/ledger", status_code=201, dependencies=[Admin])
 def append_ledger(run: RunP, body: SeedLedgerEntry, store: StoreD) -> SeedLedgerEntry:
-    if body.run != run:
-        raise Invalid("ledger entry run differs from the URL's run")
-    return store.runs.append_ledger(body)
+    return store.runs.append_ledger(_of_run(body, run))
 
 
 @router.get("/{run}/ledger", dependencies=[Reader])
