@@ -104,6 +104,10 @@ class CoordinatorBackend:
         """Fleet forward passes behind the results handed out (2 per seed, +1 per round's clean loss)."""
         return self.results.forward_passes
 
+    @forward_passes.setter
+    def forward_passes(self, value: int) -> None:  # a resumed run restores its count (trainer.zo.modes)
+        self.results.forward_passes = value
+
     # ---- ProbeBackend -----------------------------------------------------------------------------------
 
     def publish(self, version: int, weights: list[torch.Tensor] | None = None) -> None:
