@@ -15,13 +15,13 @@ whatever finished in earlier calls; runs with a summary.json are never rerun):
 Ratio (benchmarks.regime_score) = smallest T whose full schedule reaches AdamW(T_ref)'s n-seed mean, ÷ T_ref.
 
 Plans (`PLANS`): "full" is issue 29's (gpt2-small, 64×1024 tokens per step, T_ref 400, AdamW lr 3e-4…2.4e-3
-× both schedules); "h200" the reduced one-call plan (32×512, T_ref 200, 2 lrs, static and trust-region arms,
-every run started at once: tools/h200_regime.sh); "cpu" a tiny dry run. `--batch-size`/`--seq-len`/`--corpus`
+× both schedules); "h200" the reduced one-call plan (32×512 on classics-large, T_ref 200, 2 lrs, static and trust-region arms,
+arms started with AdamW at a fixed lr: tools/h200_regime.sh); "cpu" a tiny dry run. `--batch-size`/`--seq-len`/`--corpus`
 override a plan's settings (the same command at another regime), `--devices cuda:0,…,cuda:7` spreads runs
 over GPUs round-robin (one process per run; 0.5M tokens per step on one GPU needs gradient accumulation, which
 trainer.train does not do yet).
 
-Usage: `sparecycles bench regime run --plan h200 --out DIR --jobs 9 --deadline-s 440`, then
+Usage: `sparecycles bench regime run --plan h200 --out DIR --jobs 6 --deadline-s 440`, then
 `sparecycles bench regime report DIR` (table, JSON, PNG; benchmarks.regime_score).
 """
 
@@ -87,7 +87,7 @@ ARMS = (("zocurv-static", ()), ("zocurv-trust", (("start", "table"),)), ("zocurv
 FULL = Plan({"model": "gpt2-small", "corpus": "classics-large", "batch_size": 64, "seq_len": 1024,
              "eval_batches": 16, "curvature_interval": 25, "probe_batch_size": 16},
             t_ref=400, adamw_lrs=(3e-4, 6e-4, 1.2e-3, 2.4e-3), arms=ARMS)
-H200 = Plan({"model": "gpt2-small", "corpus": "classics", "batch_size": 32, "seq_len": 512, "eval_batches": 21,
+H200 = Plan({"model": "gpt2-small", "corpus": "classics-large", "batch_size": 32, "seq_len": 512, "eval_batches": 16,
              "curvature_interval": 25, "probe_batch_size": 8},
             t_ref=200, adamw_lrs=(6e-4, 1.2e-3), schedules=("cosine",), arms=ARMS[:3], adamw_seeds=1,
             arm_lr=1.2e-3, arm_schedule="cosine", adaptive=False,

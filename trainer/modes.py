@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from trainer.config import TrainConfig
+from trainer.distributed import backward
 from trainer.methods import get_method
 from trainer.tasks import lm_batch_loss
 
@@ -59,8 +60,7 @@ class AdamWMode:
         for g in self.optimizer.param_groups:
             g["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self.loss_fn(self.model, batch)
-        loss.backward()
+        loss = backward(self.model, self.loss_fn, batch)  # micro-batches under torchrun: gradient accumulation
         gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip or float("inf"))
         self.optimizer.step()
         return {"loss": float(loss.detach()), "grad_norm": float(gnorm)}
