@@ -166,6 +166,8 @@ class CoordinatorBackend:
     negative history; CoordinatorHTTPError if the run does not exist.
     """
 
+    evaluates_published = True  # workers probe published versions: a resume re-publishes and re-issues
+
     def __init__(self, model: torch.nn.Module, *, coordinator_url: str, admin_token: str, redis_url: str,
                  run: RunSpec | str, key_prefix: str = "sc", consumer: str = "trainer-0",
                  round_timeout_s: float = 300.0, claim_idle_ms: int = 60_000, shard_bytes: int = 256 << 20,
@@ -517,7 +519,7 @@ class CoordinatorBackend:
         `stale` and `duplicate` are the run's, from the coordinator's intake (IntakeCounts), since the last collect.
         """
         self._check()
-        self._drain_stream(block_ms=0)  # what is there now: a training step pays this (fleet.attach, role_mode)
+        self._drain_stream(block_ms=0)  # what is there now: a training step pays this (trainer.zo.modes)
         if round_id is not None and round_id in self._waiting:
             wait = timeout_s or self.round_timeout_s
             deadline = time.monotonic() + wait

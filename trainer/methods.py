@@ -7,8 +7,8 @@ the CLIs take their choices from it, `trainer.modes.build_mode` builds through i
 Adding a method (e.g. a new ZO-Curv variant) is one entry in `METHODS` below:
 
     Method("zocurv-foo", "zo-curv", "one line for --help",
-           build=build_zocurv_mode,            # the generic ZO-Curv loop mode (trainer.zo.modes.ZOCurvMode)
-           optimizer=_zocurv_foo,              # (param_groups, blocks, cfg, options) -> torch.optim.Optimizer
+           build=build_zocurv_mode,            # the one ZO-Curv loop mode (trainer.zo.modes.ZOCurvMode)
+           optimizer=_zocurv_foo,              # (param_groups, blocks, cfg, options) -> a CurvRule optimizer
            options=FooOptions)                 # frozen pydantic model of the method's own knobs, with defaults
 
 `options` holds knobs that only this method reads; `TrainConfig.optimizer_options` (CLI:
@@ -32,15 +32,18 @@ if TYPE_CHECKING:
 
     from trainer.config import TrainConfig
     from trainer.zo.backend import ProbeBackend
+    from trainer.zo.probes import Block
 
 Kind = Literal["first-order", "zo-curv", "pure-zo"]
 KINDS: tuple[Kind, ...] = ("first-order", "zo-curv", "pure-zo")
 
-# build(cfg, model, loss_fn, backend) -> a trainer.modes.TrainMode. backend: where probe rounds go (None: in
-# process on `model`); first-order methods ignore it.
-Builder = Callable[["TrainConfig", "torch.nn.Module", Callable[..., Any], "ProbeBackend | None"], Any]
-# optimizer(param_groups, blocks, cfg, options) -> torch.optim.Optimizer with `refresh_curvature` (zo-curv only).
-OptimizerFactory = Callable[[list[dict], list["torch.Tensor"], "TrainConfig", BaseModel], Any]
+# build(cfg, model, loss_fn, backend, timing) -> a trainer.modes.TrainMode. backend: where probe rounds go (None:
+# in process on `model`); timing: when ZO-Curv rounds fold (trainer.zo.rounds.FOLD_TIMINGS). First-order methods
+# ignore both, pure-ZO methods the timing (their steps wait for their rounds).
+Builder = Callable[["TrainConfig", "torch.nn.Module", Callable[..., Any], "ProbeBackend | None", str], Any]
+# optimizer(param_groups, blocks, cfg, options) -> a trainer.zo.optimizers.CurvRule torch optimizer (zo-curv only);
+# blocks: the model's canonical blocks (trainer.zo.probes.Block: name, parameter, offset), in order.
+OptimizerFactory = Callable[[list[dict], list["Block"], "TrainConfig", BaseModel], Any]
 
 
 class MethodOptions(BaseModel):
@@ -58,12 +61,13 @@ class Method:
         kind: "first-order" (backprop only), "zo-curv" (backprop step shaped by curvature from probe
             rounds) or "pure-zo" (forward passes only: every step is a probe round).
         summary: one line for --help and the README.
-        build: (cfg, model, loss_fn, backend) -> TrainMode.
+        build: (cfg, model, loss_fn, backend, timing) -> TrainMode.
         options: pydantic model of the method's own knobs (defaults = the tuned values).
-        optimizer: zo-curv methods built by `build_zocurv_mode` only: (param_groups, blocks, cfg, options) ->
-            the ZO-Curv torch optimizer (methods with their own mode build their optimizer there).
+        optimizer: zo-curv methods: (param_groups, blocks, cfg, options) -> the ZO-Curv torch optimizer, a
+            trainer.zo.optimizers.CurvRule (every zo-curv method runs in trainer.zo.modes.ZOCurvMode).
         tasks: the `--task` values it runs on.
         fleet: whether its probe rounds can go to a fleet backend (`sparecycles up`); False: in process only.
+        no_fleet_why: for a method with probes and fleet=False, why (`train --coordinator` / `up` say it).
         needs_probes: whether it evaluates probe rounds at all (default: kind != "first-order"; False for a
             zero-probe ablation).
         probes_along_step: its rounds probe along θ_s − θ_{s−k}, which needs an earlier version: the first round
@@ -82,6 +86,7 @@ class Method:
     tasks: tuple[str, ...] = ("lm",)
     sentiment_lr: float | None = None
     fleet: bool = True
+    no_fleet_why: str = ""
     needs_probes: bool | None = None
     probes_along_step: bool = False
 
@@ -90,8 +95,10 @@ class Method:
             object.__setattr__(self, "needs_probes", self.kind != "first-order")
         if self.kind not in KINDS:
             raise ValueError(f"method {self.name!r}: kind must be one of {KINDS}, got {self.kind!r}")
-        if self.optimizer is not None and self.kind != "zo-curv":
-            raise ValueError(f"method {self.name!r}: an `optimizer` factory is for zo-curv methods only")
+        if (self.optimizer is not None) != (self.kind == "zo-curv"):
+            raise ValueError(f"method {self.name!r}: zo-curv methods, and only they, have an `optimizer` factory")
+        if self.needs_probes and not self.fleet and not self.no_fleet_why:
+            raise ValueError(f"method {self.name!r}: say why its probes cannot go to a fleet (`no_fleet_why`)")
 
     def parse_options(self, given: dict[str, Any] | None = None) -> MethodOptions:
         """The method's options with `given` overriding the defaults. Raises pydantic.ValidationError."""
@@ -99,31 +106,21 @@ class Method:
 
 
 # ---- builders (lazy imports: this module stays torch-free) --------------------------------------------
-def build_first_order_mode(cfg, model, loss_fn, backend=None):
-    """Backprop AdamW (trainer.modes.AdamWMode); `backend` is unused."""
+def build_first_order_mode(cfg, model, loss_fn, backend=None, timing="async"):
+    """Backprop AdamW (trainer.modes.AdamWMode); `backend` and `timing` are unused."""
     from trainer.modes import AdamWMode
 
     return AdamWMode(model, cfg, loss_fn)
 
 
-def build_zocurv_mode(cfg, model, loss_fn, backend=None):
+def build_zocurv_mode(cfg, model, loss_fn, backend=None, timing="async"):
     """Backprop with a ZO-Curv optimizer (the method's `optimizer` factory) and periodic probe rounds."""
     from trainer.zo.modes import ZOCurvMode
 
-    return ZOCurvMode(cfg, model, loss_fn, backend)
+    return ZOCurvMode(cfg, model, loss_fn, backend, timing)
 
 
-def build_role_mode(cfg, model, loss_fn, backend=None):
-    """Second-generation ZO-Curv (trainer.zo.role_mode.RoleCurvMode: per-role / global multipliers, issue 17).
-    zocurv-global's line rounds go to `backend` (a fleet's, or None: in process). Raises ValueError for a
-    backend with the group variants: their GPT-2 role segments split parameter tensors (c_attn's QK | V
-    columns), which the wire's ``group`` kind (whole blocks) cannot carry, so they probe in process only."""
-    from trainer.zo.role_mode import RoleCurvMode
-
-    return RoleCurvMode(cfg, model, loss_fn, backend)
-
-
-def build_pure_zo_mode(cfg, model, loss_fn, backend=None):
+def build_pure_zo_mode(cfg, model, loss_fn, backend=None, timing="async"):
     """MeZO / 1SPSA / 1.5-SPSA (trainer.zo.modes.PureZOMode), K probes per step."""
     from trainer.zo.modes import PureZOMode
 
@@ -132,7 +129,7 @@ def build_pure_zo_mode(cfg, model, loss_fn, backend=None):
 
 # ---- ZO-Curv variants ----------------------------------------------------------------------------------
 def _zocurv_common(blocks, cfg) -> dict[str, Any]:
-    return {"blocks": blocks, "staleness": cfg.staleness, "probe_eps": cfg.eps, "seed": cfg.seed}
+    return {"blocks": [b.param for b in blocks], "probe_eps": cfg.eps, "seed": cfg.seed}
 
 
 class BlockOptions(MethodOptions):
@@ -184,7 +181,7 @@ def _zocurv_line(groups, blocks, cfg, o: LineOptions):
 
 
 class RoleOptions(MethodOptions):
-    """zocurv-group / -global / -group-global / -group-fixed (trainer.zo.role_mode; issue 17): group multipliers
+    """zocurv-group / -global / -group-global / -group-fixed (trainer.zo.role_rules; issue 17): group multipliers
     s_G = clip((S_max/S_G)^γ, 1, s_max) with EMA `group_beta`, trusted when |SNR| >= snr_min, a trusted
     negative curvature "skip"ped (default: the quadratic rule gives no step there) or read as "flat" (target
     s_max: the first H200 run's rule); global multiplier capped at m_max with EMA `global_beta`
@@ -199,6 +196,19 @@ class RoleOptions(MethodOptions):
     global_beta: float = Field(0.5, ge=0, lt=1)
 
 
+def _zocurv_role(groups, blocks, cfg, o: RoleOptions):
+    from trainer.zo.groups import assign_roles
+    from trainer.zo.role_rules import ZOCurvRoleAdamW
+
+    name = cfg.optimizer
+    return ZOCurvRoleAdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), blocks=[b.param for b in blocks],
+                           gmap=assign_roles([(b.name, b.param) for b in blocks]),
+                           group_probes=name in ("zocurv-group", "zocurv-group-global"),
+                           line=name in ("zocurv-global", "zocurv-group-global"), fixed=name == "zocurv-group-fixed",
+                           options=o, probe_budget=cfg.probe_budget, probe_eps=cfg.eps,
+                           interval=cfg.curvature_interval, seed=cfg.seed)
+
+
 # ---- the table -----------------------------------------------------------------------------------------
 _LM_AND_SENTIMENT = ("lm", "sentiment")
 
@@ -211,16 +221,16 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            build_zocurv_mode, SophiaOptions, _zocurv_sophia),
     Method("zocurv-line", "zo-curv", "AdamW with per-block Newton multipliers along the last update (default)",
            build_zocurv_mode, LineOptions, _zocurv_line, probes_along_step=True),
-    # Second generation (issue 17; trainer.zo.role_mode): knobs in RoleOptions, probe budget per refresh is
+    # Second generation (issue 17; trainer.zo.role_rules): knobs in RoleOptions, probe budget per refresh is
     # TrainConfig.probe_budget.
     Method("zocurv-group", "zo-curv", "AdamW with upward-only per-role multipliers from group curvature probes",
-           build_role_mode, RoleOptions, fleet=False),
+           build_zocurv_mode, RoleOptions, _zocurv_role),
     Method("zocurv-global", "zo-curv", "AdamW with an upward-only global multiplier from a multi-step line fit",
-           build_role_mode, RoleOptions, probes_along_step=True),
-    Method("zocurv-group-global", "zo-curv", "zocurv-group and zocurv-global together", build_role_mode,
-           RoleOptions, fleet=False),
+           build_zocurv_mode, RoleOptions, _zocurv_role, probes_along_step=True),
+    Method("zocurv-group-global", "zo-curv", "zocurv-group and zocurv-global together", build_zocurv_mode,
+           RoleOptions, _zocurv_role),
     Method("zocurv-group-fixed", "zo-curv", "ablation: Wang et al. 2025's per-role multipliers fixed, no probes",
-           build_role_mode, RoleOptions, fleet=False, needs_probes=False),
+           build_zocurv_mode, RoleOptions, _zocurv_role, needs_probes=False),
     Method("mezo", "pure-zo", "MeZO: one Gaussian probe pair per step", build_pure_zo_mode,
            tasks=_LM_AND_SENTIMENT, sentiment_lr=1e-4),
     Method("1spsa", "pure-zo", "SPSA with K Rademacher probe pairs per step", build_pure_zo_mode,

@@ -74,11 +74,12 @@ class AdamWMode:
 
 def build_mode(cfg: TrainConfig, model: torch.nn.Module,
                loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] = lm_batch_loss,
-               backend: ProbeBackend | None = None) -> TrainMode:
+               backend: ProbeBackend | None = None, timing: str = "async") -> TrainMode:
     """The step strategy of `cfg.optimizer` on `loss_fn`, built by its registered builder (trainer.methods).
 
     `backend` evaluates probe rounds (default: in process on `model`; `sparecycles up` passes the fleet's
-    CoordinatorBackend); first-order methods ignore it. The method/task pairing is checked by TrainConfig.
+    CoordinatorBackend); first-order methods ignore it. `timing`: when ZO-Curv rounds fold
+    (trainer.zo.rounds.FOLD_TIMINGS). The method/task pairing is checked by TrainConfig.
     Raises ValueError for an unregistered name.
     """
-    return get_method(cfg.optimizer).build(cfg, model, loss_fn, backend)
+    return get_method(cfg.optimizer).build(cfg, model, loss_fn, backend, timing)
