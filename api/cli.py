@@ -25,7 +25,8 @@ def coordinator(
     ),
 ) -> None:
     """Serve the coordinator API. Settings come from SPARECYCLES_* environment variables (and REDIS_URL);
-    it refuses to start with empty or default secrets unless SPARECYCLES_DEV_MODE=1."""
+    it refuses to start with empty, short, default or placeholder secrets (naming the variable) unless
+    SPARECYCLES_DEV_MODE=1."""
     import contextlib
     import os
     import socket
@@ -46,7 +47,8 @@ def coordinator(
         CoordinatorSettings()  # fail here, once, with a clear message (each worker process re-reads it)
     except ValidationError as exc:
         # Never echo input values: they are secrets.
-        reasons = "; ".join(e["msg"] for e in exc.errors(include_input=False, include_url=False))
+        reasons = "; ".join(e["msg"].removeprefix("Value error, ")
+                            for e in exc.errors(include_input=False, include_url=False))
         typer.echo(f"refusing to start: {reasons}", err=True)
         raise typer.Exit(2) from exc
     with contextlib.ExitStack() as stack:

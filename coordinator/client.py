@@ -4,7 +4,8 @@ Torch-free. Every call has a timeout (connect, read, write, pool) and bounded re
 
 Transient failures (connection errors, timeouts, HTTP 429 and 5xx) are retried with exponential
 backoff (tenacity) up to `attempts` times; other HTTP errors are raised at once as `CoordinatorHTTPError`
-carrying the status code, because repeating a refused request cannot succeed.
+carrying the status code, because repeating a refused request cannot succeed; a refusal saying the coordinator
+no longer knows the caller's worker, run or round (it lost its state) is the subclass `Forgotten`.
 Blobs are streamed to disk while hashed, and a blob whose sha256 differs from its name is deleted and
 raised as `CorruptBlobError` (never handed to a loader).
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Iterable, Iterator
+from json import loads
 from typing import Any, Self, TypeVar
 
 import httpx
@@ -45,6 +47,40 @@ class CoordinatorHTTPError(RuntimeError):
     def __init__(self, method: str, url: str, status: int, detail: str) -> None:
         super().__init__(f"{method} {url} -> HTTP {status}: {detail[:300]}")
         self.status, self.detail = status, detail
+
+
+# What a coordinator that lost its state (Redis restarted empty, a failover to a fresh replica, a flush) no
+# longer knows, by the detail of its refusal: the API says "unknown token" (401) for a worker token whose record
+# is gone and "unknown run|worker|round ..." (404, coordinator.errors.NotFound) for the rest.
+_FORGOTTEN = {"unknown token": "worker", "unknown worker": "worker", "unknown run": "run", "unknown round": "round"}
+
+
+class Forgotten(CoordinatorHTTPError):
+    """The coordinator no longer knows the caller's worker, run or round (`what`: "worker", "run" or "round").
+
+    Raised for HTTP 401 "unknown token" and 404 "unknown worker|run|round": what the coordinator answers once it
+    lost its state or an admin deleted the record. Not transient (repeating cannot succeed): a worker re-enrolls
+    (probe_worker.worker), the trainer re-creates its run (fleet.recovery). Still a CoordinatorHTTPError.
+    """
+
+    def __init__(self, method: str, url: str, status: int, detail: str, what: str) -> None:
+        super().__init__(method, url, status, detail)
+        self.what = what
+
+
+def http_error(method: str, url: str, status: int, body: str) -> CoordinatorHTTPError:
+    """The error for an HTTP error answer: `Forgotten` when it says the coordinator forgot a worker, run or
+    round (401/404 with one of the details above), else `CoordinatorHTTPError`."""
+    if status in (401, 404):
+        try:
+            detail = loads(body).get("detail")
+        except (ValueError, AttributeError):
+            detail = None
+        if isinstance(detail, str):
+            for prefix, what in _FORGOTTEN.items():
+                if detail.startswith(prefix):
+                    return Forgotten(method, url, status, body, what)
+    return CoordinatorHTTPError(method, url, status, body)
 
 
 class CorruptBlobError(ValueError):
@@ -150,7 +186,7 @@ class CoordinatorClient:
             body = None if content is None else content() if callable(content) else upload_chunks(content)
             r = self._http.request(method, path, json=json, params=params, content=body, headers=headers)
             if r.status_code >= 400 and r.status_code not in accept:
-                raise CoordinatorHTTPError(method, path, r.status_code, r.text)
+                raise http_error(method, path, r.status_code, r.text)
             return r
 
         return self._retrying(once)

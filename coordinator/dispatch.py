@@ -21,29 +21,9 @@ class Dispatch:
         """Celery queues of all runs (workers consume these)."""
         return sorted(self.queue_for(run) for run in self.r.smembers(self.k_runs))
 
-    @staticmethod
-    def task_for(rnd: ProbeRound, seeds: list[int], replica: int) -> ProbeTask:
-        """The task evaluating `seeds` of round `rnd` as replica `replica`."""
-        return ProbeTask(
-            schema_version=rnd.schema_version,
-            run=rnd.run,
-            round_id=rnd.round_id,
-            version=rnd.version,
-            batch_sha256=rnd.batch_sha256,
-            eps=rnd.eps,
-            distribution=rnd.distribution,
-            seeds=seeds,
-            want_clean=rnd.want_clean,
-            replica=replica,
-            kind=rnd.kind,
-            base_version=rnd.base_version,
-            blocks=rnd.blocks,
-        )
-
     def tasks_for(self, rnd: ProbeRound, seeds: list[int], replica: int) -> list[ProbeTask]:
         """Tasks of at most the run's `seeds_per_task` seeds covering `seeds` (in order) as `replica`."""
-        k = self.run_spec(rnd.run).seeds_per_task
-        return [self.task_for(rnd, seeds[i : i + k], replica) for i in range(0, len(seeds), k)]
+        return ProbeTask.split(rnd, seeds, replica, self.run_spec(rnd.run).seeds_per_task)
 
     def publish_tasks(self, run: str, tasks: list[ProbeTask]) -> int:
         """Send `tasks` to the run's Celery queue; return how many were sent."""

@@ -33,6 +33,7 @@ from coordinator.keys import results_stream_key
 from coordinator.messages import ProbeResult, ProbeRound, StreamEvent, values_agree
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.rounds import spot_check_selected
+from coordinator.staleness import IS_STALE_LUA
 from coordinator.store import Store
 from coordinator.worker_scripts import INCR_IF_EXISTS
 
@@ -41,11 +42,12 @@ from coordinator.worker_scripts import INCR_IF_EXISTS
 # and streams, "0"/"1"/"2" holds a spot-check replica. Stale and duplicate results are also counted on
 # run hash (n_stale, n_duplicate): the trainer reads them (IntakeCounts) with the results it collects,
 # this intake being the one authority on which results count.
-_INTAKE_LUA = """
+_INTAKE_LUA = IS_STALE_LUA + """
 local state = redis.call('HGET', KEYS[1], 'state')
 if not state then return {'unknown_round'} end
-local age = tonumber(redis.call('HGET', KEYS[5], 'latest_version')) - tonumber(ARGV[2])
-if age > tonumber(redis.call('HGET', KEYS[5], 'staleness')) then
+local latest = tonumber(redis.call('HGET', KEYS[5], 'latest_version'))
+local age = latest - tonumber(ARGV[2])
+if is_stale(tonumber(ARGV[2]), latest, tonumber(redis.call('HGET', KEYS[5], 'staleness'))) then
   redis.call('HINCRBY', KEYS[5], 'n_stale', (#ARGV - 2) / 3)
   return {'stale', age}
 end

@@ -3,7 +3,8 @@
 Every message is a strict, frozen, versioned pydantic model: unknown fields, wrong types (no str->int
 coercion), non-finite floats and oversize lists are rejected with a `pydantic.ValidationError`. Ids are
 restricted by regex so they are safe as Redis key parts, Celery queue names and file names.
-Seeds are unsigned 64-bit integers (0 <= s < 2**64), the Philox key of DESIGN.md section 1.
+Seeds are unsigned 64-bit integers (0 <= s < 2**64), the Philox key of DESIGN.md section 1. Each setting's
+one bound (probe step, staleness, seeds) is defined in coordinator.bounds.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from pydantic import (
     model_validator,
 )
 
+from coordinator.bounds import ProbeEps, Seed, Staleness
+
 SCHEMA_VERSION = 1
 MAX_SEEDS_PER_ROUND = 65_536
 MAX_SEEDS_PER_TASK = 256
@@ -33,7 +36,6 @@ RoundId = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,95}$")]
 WorkerId = Annotated[str, Field(pattern=r"^w-[0-9a-f]{16}$")]
 Sha256Hex = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
 ShortText = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[\x20-\x7e]+$")]
-Seed = Annotated[int, Field(ge=0, lt=2**64)]
 Version = Annotated[int, Field(ge=0, lt=2**53)]
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 Distribution = Literal["rademacher", "gauss8"]
@@ -160,7 +162,7 @@ class RunSpec(Message):
     model_config_json: dict[str, JsonValue] = Field(default_factory=dict)
     dtype: DType = "float32"
     distribution: Distribution = "rademacher"
-    staleness: int = Field(default=2, ge=0, le=1_000_000)
+    staleness: Staleness = 2
     spot_check_fraction: FiniteFloat = Field(default=0.05, ge=0.0, le=1.0)
     spot_rtol: FiniteFloat = Field(default=1e-5, ge=0.0, le=1.0)
     spot_atol: FiniteFloat = Field(default=1e-6, ge=0.0, le=1e3)
@@ -293,24 +295,16 @@ def _check_kind(kind: str, version: int, base_version: int | None, blocks: list[
 # ---- rounds, tasks, results ---------------------------------------------------------------------------
 
 
-class _GroupBlocks(BaseModel):
-    """Mixin: a schema-1 message serialises without the schema-2 `blocks` field, byte-identical to what
-    workers and trainers of schema 1 send and accept (they forbid unknown fields, even null ones)."""
+class _RoundFields(Message):
+    """The fields a probe round and each of its tasks share, under one name each from the trainer
+    (trainer.zo.probes.RoundSpec: the same names, the batch in place of `run`/`batch_sha256`) through the
+    round (`ProbeRound`) to the worker's task (`ProbeTask`, built by `ProbeTask.split`, never field by field).
 
-    @model_serializer(mode="wrap")
-    def _drop_absent_blocks(self, handler: SerializerFunctionWrapHandler) -> dict:
-        out = handler(self)
-        if out.get("blocks", 0) is None:
-            del out["blocks"]
-        return out
-
-
-class ProbeRound(Message, _GroupBlocks):
-    """`POST /v1/runs/{run}/rounds` body: evaluate L(theta_version +- eps z(seed); batch) for each seed.
-
-    `batch_sha256` names a blob already uploaded (the batch travels once). `want_clean` asks for L0.
-    Schema version 2 adds `blocks`: the sorted, unique canonical block indices of a `group` round (the
-    worker checks them against its model's block count); version 1 rounds have no group kind.
+    Evaluate L(theta_version +- eps z(seed); batch) for each seed. `batch_sha256` names a blob already
+    uploaded (the batch travels once). `want_clean` asks for L0. Schema version 2 adds `blocks`: the sorted,
+    unique canonical block indices of a `group` round (the worker checks them against its model's block
+    count); version 1 messages have no group kind. Raises ValidationError for repeated seeds and for fields
+    the kind needs or forbids.
     """
 
     schema_version: Literal[1, 2] = 1
@@ -318,7 +312,7 @@ class ProbeRound(Message, _GroupBlocks):
     round_id: RoundId
     version: Version
     batch_sha256: Sha256Hex
-    eps: FiniteFloat = Field(gt=0.0, le=1e3)
+    eps: ProbeEps
     distribution: Distribution
     seeds: list[Seed] = Field(min_length=1, max_length=MAX_SEEDS_PER_ROUND)
     want_clean: bool = False
@@ -326,13 +320,26 @@ class ProbeRound(Message, _GroupBlocks):
     base_version: Version | None = None
     blocks: list[BlockIndex] | None = Field(default=None, min_length=1, max_length=MAX_BLOCKS)
 
+    @model_serializer(mode="wrap")
+    def _drop_absent_blocks(self, handler: SerializerFunctionWrapHandler) -> dict:
+        """A schema-1 message serialises without the schema-2 `blocks` field, byte-identical to what workers
+        and trainers of schema 1 send and accept (they forbid unknown fields, even null ones)."""
+        out = handler(self)
+        if out.get("blocks", 0) is None:
+            del out["blocks"]
+        return out
+
     @model_validator(mode="after")
-    def _unique(self) -> ProbeRound:
+    def _check(self) -> _RoundFields:
         if len(set(self.seeds)) != len(self.seeds):
             raise ValueError("seeds of a round must be unique")
         _check_kind(self.kind, self.version, self.base_version, self.blocks, self.schema_version)
         check_line_seeds(self.kind, self.seeds, self.eps)
         return self
+
+
+class ProbeRound(_RoundFields):
+    """`POST /v1/runs/{run}/rounds` body: one round of probes (fields: `_RoundFields`)."""
 
 
 class RoundInfo(Message):
@@ -348,33 +355,24 @@ class RoundInfo(Message):
     done: int
 
 
-class ProbeTask(Message, _GroupBlocks):
-    """Celery task kwargs (`sparecycles.probe`): a few seeds of one round.
+class ProbeTask(_RoundFields):
+    """Celery task kwargs (`sparecycles.probe`): a few seeds of one round (the round's fields, `_RoundFields`).
 
     `replica` 0 is the primary evaluation; 1 and 2 are spot-check re-evaluations (must come from other
-    workers). Tasks are idempotent: redelivery produces duplicates that intake drops. Schema version 2
-    carries a group round's `blocks` (as ProbeRound).
+    workers). Tasks are idempotent: redelivery produces duplicates that intake drops.
     """
 
-    schema_version: Literal[1, 2] = 1
-    run: RunId
-    round_id: RoundId
-    version: Version
-    batch_sha256: Sha256Hex
-    eps: FiniteFloat = Field(gt=0.0)
-    distribution: Distribution
     seeds: list[Seed] = Field(min_length=1, max_length=MAX_SEEDS_PER_TASK)
-    want_clean: bool
+    want_clean: bool  # required: a task states it (the dispatcher always does)
     replica: int = Field(default=0, ge=0, le=2)
-    kind: ProbeKindName = "seeded"
-    base_version: Version | None = None
-    blocks: list[BlockIndex] | None = Field(default=None, min_length=1, max_length=MAX_BLOCKS)
 
-    @model_validator(mode="after")
-    def _check(self) -> ProbeTask:
-        _check_kind(self.kind, self.version, self.base_version, self.blocks, self.schema_version)
-        check_line_seeds(self.kind, self.seeds, self.eps)
-        return self
+    @classmethod
+    def split(cls, rnd: ProbeRound, seeds: list[int], replica: int, per_task: int) -> list[ProbeTask]:
+        """Tasks of at most `per_task` of `seeds` (in order) of round `rnd`, as replica `replica`: every other
+        field is the round's (one dump of the round, so a field added to `_RoundFields` travels unasked)."""
+        shared = rnd.model_dump(exclude={"seeds"})
+        return [cls(**shared, seeds=seeds[i : i + per_task], replica=replica)
+                for i in range(0, len(seeds), per_task)]
 
 
 class ProbeResult(Message):

@@ -11,6 +11,7 @@ import time
 
 from coordinator.errors import Conflict, Invalid, NotFound
 from coordinator.messages import IntakeCounts, RunInfo, RunSpec, SeedLedgerEntry, VersionManifest
+from coordinator.staleness import is_stale
 
 
 class RunStore:
@@ -88,7 +89,7 @@ class RunStore:
         latest, staleness = int(h[0]), int(h[1])
         for rid in self.r.smembers(self.k_run(run, "rounds:open")):
             v = self.r.hget(self.k_round(run, rid), "version")
-            if v is not None and latest - int(v) > staleness:
+            if v is not None and is_stale(int(v), latest, staleness):
                 self.r.hset(self.k_round(run, rid), "state", "closed")
                 self.r.srem(self.k_run(run, "rounds:open"), rid)
 

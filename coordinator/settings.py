@@ -1,8 +1,12 @@
 """Coordinator settings from the environment (prefix `SPARECYCLES_`; `REDIS_URL` also accepted).
 
-Secrets are refused when empty, short (< 16 characters) or a well-known default such as "changethis",
-unless `dev_mode` is set explicitly. The embedded `sparecycles up` uses `generate_dev_settings()`,
-which draws fresh random secrets instead.
+Secrets are refused when empty, short (< 16 characters), a well-known default such as "changethis" or a
+placeholder this repository ships (`docker/.env.example`'s "replace-with-a-long-random-string"), and the admin
+and enrollment tokens must differ, unless `dev_mode` is set explicitly (SPARECYCLES_DEV_MODE=1). A password in
+the Redis URL is refused when it is such a placeholder. Every refusal names the variable. `secret_problem` and
+`check_secrets` are the one rule; the worker (`sparecycles worker`) and the trainer (`fleet.attach.FleetSettings`)
+apply it to the secrets they read. The embedded `sparecycles up` uses `generate_dev_settings()`, which draws fresh
+random secrets instead.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import os
 import secrets
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from pydantic import AliasChoices, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -18,7 +23,64 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 WEAK_SECRETS = frozenset(
     {"changethis", "changeme", "change-me", "secret", "password", "admin", "token", "default", "test", "dev"}
 )
+# Words of placeholders (the repository's own, docker/.env.example, and the usual ones). Seven letters or more:
+# a random 43-character token_urlsafe contains one of them with probability ~1e-9.
+PLACEHOLDER_WORDS = ("replace-with", "replace_with", "changethis", "changeme", "change-me", "placeholder", "example",
+                     "your-token", "your-secret", "your-password")
 MIN_SECRET_LEN = 16
+NEW_SECRET_HINT = "python -c 'import secrets; print(secrets.token_urlsafe(32))'"
+
+
+def secret_problem(value: str) -> str | None:
+    """Why `value` cannot serve as a secret ("is empty", "is shorter than 16 characters", "is a placeholder ...");
+    None when it can. Case-insensitive for the well-known defaults and placeholder words."""
+    low = value.lower()
+    if not value:
+        return "is empty"
+    if low in WEAK_SECRETS:
+        return f"is the well-known default {value!r}"
+    word = next((w for w in PLACEHOLDER_WORDS if w in low), None)
+    if word is not None:
+        return f"is a placeholder (contains {word!r}, as docker/.env.example's values do)"
+    if len(value) < MIN_SECRET_LEN:
+        return f"is shorter than {MIN_SECRET_LEN} characters"
+    return None
+
+
+def url_password_problem(url: str) -> str | None:
+    """Why the password in `url` (redis://:PASSWORD@host...) is refused: a placeholder or well-known default.
+    None without a password or for any other password (an external Redis may have a short one)."""
+    try:
+        password = urlsplit(url).password
+    except ValueError:  # a malformed URL is the Redis client's error to report
+        return None
+    if password is None:
+        return None
+    problem = secret_problem(password)
+    if problem is None or problem.startswith("is shorter"):
+        return None
+    return f"has a password that {problem} (docker/compose.yml builds it from SPARECYCLES_REDIS_PASSWORD)"
+
+
+def check_secrets(secrets_by_variable: dict[str, str], urls_by_variable: dict[str, str] | None = None) -> None:
+    """Raise ValueError naming every variable whose secret `secret_problem` refuses, every URL whose password
+    `url_password_problem` refuses, and equal secrets (an enrolled worker must never become admin)."""
+    problems = [f"{var} {why}" for var, value in secrets_by_variable.items() if (why := secret_problem(value))]
+    problems += [f"{var} {why}" for var, url in (urls_by_variable or {}).items() if (why := url_password_problem(url))]
+    values = [v for v in secrets_by_variable.values() if v]
+    if len(set(values)) < len(values):
+        problems.append(f"{' and '.join(secrets_by_variable)} are equal (they must differ)")
+    if problems:
+        raise ValueError("; ".join(problems) + f". Set each to a fresh random value ({NEW_SECRET_HINT}), or "
+                         "SPARECYCLES_DEV_MODE=1 for local experiments only")
+
+
+class DevMode(BaseSettings):
+    """SPARECYCLES_DEV_MODE alone, for programs that check a secret without the coordinator's settings (the
+    worker's enrollment token)."""
+
+    model_config = SettingsConfigDict(env_prefix="SPARECYCLES_", extra="ignore")
+    dev_mode: bool = False
 
 
 def _default_blob_dir() -> Path:
@@ -30,8 +92,9 @@ def _default_blob_dir() -> Path:
 class CoordinatorSettings(BaseSettings):
     """Coordinator configuration. Durations are seconds; sizes are bytes.
 
-    Raises `pydantic.ValidationError` (a ValueError) on weak secrets outside dev mode, or when the admin
-    and enrollment tokens are equal (an enrolled worker must not become admin).
+    Raises `pydantic.ValidationError` (a ValueError) outside dev mode on a token `secret_problem` refuses, a
+    placeholder password in the Redis or broker URL, or equal admin and enrollment tokens (an enrolled worker
+    must not become admin); the message names each variable (`check_secrets`).
     """
 
     model_config = SettingsConfigDict(env_prefix="SPARECYCLES_", extra="ignore")
@@ -85,16 +148,11 @@ class CoordinatorSettings(BaseSettings):
             raise ValueError("heartbeat_interval_s must be shorter than lease_seconds")
         if self.dev_mode:
             return self
-        for name in ("admin_token", "enrollment_token"):
-            value = getattr(self, name).get_secret_value()
-            if len(value) < MIN_SECRET_LEN or value.lower() in WEAK_SECRETS:
-                raise ValueError(
-                    f"{name} is empty, shorter than {MIN_SECRET_LEN} characters or a default; set "
-                    f"SPARECYCLES_{name.upper()} to a random value (python -c 'import secrets; "
-                    "print(secrets.token_urlsafe(32))') or set SPARECYCLES_DEV_MODE=1 for local experiments"
-                )
-        if self.admin_token.get_secret_value() == self.enrollment_token.get_secret_value():
-            raise ValueError("admin_token and enrollment_token must differ")
+        urls = {"SPARECYCLES_REDIS_URL (or REDIS_URL)": self.redis_url}
+        if self.broker_url:
+            urls["SPARECYCLES_BROKER_URL"] = self.broker_url
+        check_secrets({"SPARECYCLES_ADMIN_TOKEN": self.admin_token.get_secret_value(),
+                       "SPARECYCLES_ENROLLMENT_TOKEN": self.enrollment_token.get_secret_value()}, urls)
         return self
 
     @property

@@ -27,8 +27,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from coordinator.settings import secret_problem, url_password_problem
+
+COUNTDOWN_EVERY_S = 10.0  # while waiting for the coordinator, a line saying so every this many seconds
 
 
 class FleetError(RuntimeError):
@@ -43,13 +47,33 @@ class FleetSettings(BaseSettings):
     key_prefix: the coordinator's key prefix (its SPARECYCLES_KEY_PREFIX).
     blob_dir: the coordinator's blob directory (its SPARECYCLES_BLOB_DIR) when the trainer shares its file
         system (`up`, compose's `blobs` volume): weight shards are written there instead of uploaded over HTTP.
-    Raises pydantic.ValidationError when the token or the Redis URL is missing.
+    dev_mode: SPARECYCLES_DEV_MODE, as the coordinator's: accept any token.
+    Raises pydantic.ValidationError when the token or the Redis URL is missing, or (outside dev mode) when the
+    token is empty, short, a default or a placeholder, or the URL's password a placeholder
+    (coordinator.settings.secret_problem).
     """
 
     model_config = SettingsConfigDict(env_prefix="SPARECYCLES_", extra="ignore", env_ignore_empty=True)
 
+    dev_mode: bool = False  # first: the validators below read it
     admin_token: SecretStr = Field(min_length=1)
     redis_url: str = Field(min_length=1, pattern=r"^(redis|rediss|unix)://")
+
+    @field_validator("admin_token")
+    @classmethod
+    def _refuse_weak_token(cls, value: SecretStr, info: ValidationInfo) -> SecretStr:
+        problem = None if info.data.get("dev_mode") else secret_problem(value.get_secret_value())
+        if problem:
+            raise ValueError(f"it {problem}")
+        return value
+
+    @field_validator("redis_url")
+    @classmethod
+    def _refuse_placeholder_password(cls, value: str, info: ValidationInfo) -> str:
+        problem = None if info.data.get("dev_mode") else url_password_problem(value)
+        if problem:
+            raise ValueError(f"it {problem}")
+        return value
     key_prefix: str = Field(default="sc", pattern=r"^[A-Za-z0-9_-]{1,32}$")
     blob_dir: Path | None = None
 
@@ -269,7 +293,8 @@ def attach(url: str, *, settings: FleetSettings | None = None, wait_s: float = 1
     `settings` default to the environment (FleetSettings); `rounds` (ROUND_MODES) says when ZO-Curv rounds
     fold: "async" as they arrive, "sync" at their own refresh, "next" at the refresh after (trainer.zo.rounds.RoundBook).
     Raises FleetError when the coordinator does not
-    answer /readyz (one bounded retry loop of `wait_s` seconds), refuses the admin token, or has too few
+    answer /readyz (one bounded retry loop of `wait_s` seconds: `log` says so at the first failure and counts down
+    every COUNTDOWN_EVERY_S seconds), refuses the admin token, or has too few
     active workers after `wait_s` seconds; ValueError for a URL that is not http(s).
     """
     from pydantic import ValidationError
@@ -284,8 +309,8 @@ def attach(url: str, *, settings: FleetSettings | None = None, wait_s: float = 1
             settings = FleetSettings()
         except ValidationError as exc:
             missing = [f"SPARECYCLES_{str(e['loc'][0]).upper()}" for e in exc.errors() if e["type"] == "missing"]
-            invalid = [f"SPARECYCLES_{str(e['loc'][0]).upper()} ({e['msg']})" for e in exc.errors()
-                       if e["type"] != "missing"]
+            invalid = [f"SPARECYCLES_{str(e['loc'][0]).upper()} ({e['msg'].removeprefix('Value error, ')})"
+                       for e in exc.errors() if e["type"] != "missing"]
             why = []
             if missing:
                 why.append(f"needs {', '.join(missing)} in the environment (the coordinator's admin token and its "
@@ -294,6 +319,7 @@ def attach(url: str, *, settings: FleetSettings | None = None, wait_s: float = 1
                 why.append(f"has an invalid {', '.join(invalid)}")
             raise FleetError(f"a fleet run {'; '.join(why)}") from None
     deadline = time.monotonic() + wait_s
+    said_at: float | None = None
     while True:
         check()
         try:
@@ -303,9 +329,17 @@ def attach(url: str, *, settings: FleetSettings | None = None, wait_s: float = 1
             why = f"/readyz answered {r.status_code}"
         except httpx.HTTPError as exc:
             why = f"{type(exc).__name__}: {exc}"
-        if time.monotonic() >= deadline:
+        left = deadline - time.monotonic()
+        if left <= 0:
             raise FleetError(f"the coordinator at {base} is not reachable or not ready after {wait_s:.0f} s ({why})")
-        time.sleep(0.5)
+        if said_at is None:  # at once, then a countdown
+            log(f"the coordinator at {base} is not reachable or not ready ({why}); retrying for up to {left:.0f} s "
+                "(--fleet-wait)")
+            said_at = time.monotonic()
+        elif time.monotonic() - said_at >= COUNTDOWN_EVERY_S:
+            log(f"  still not reachable; giving up in {left:.0f} s")
+            said_at = time.monotonic()
+        time.sleep(min(0.5, left))
     token = settings.admin_token.get_secret_value()
     try:
         active_workers(base, token)  # token check first: a refused token must not look like an empty fleet

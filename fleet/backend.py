@@ -36,7 +36,7 @@ import torch
 
 from coordinator.blobs import BlobStore
 from coordinator.client import CoordinatorClient
-from coordinator.messages import ProbeRound, RunSpec, SeedLedgerEntry, ShardRef, VersionManifest
+from coordinator.messages import RunSpec, SeedLedgerEntry, ShardRef, VersionManifest
 from fleet import batch_wire
 from fleet.batch_wire import BatchKind
 from fleet.shards import ShardPlan, plan_shards
@@ -122,17 +122,6 @@ def manifest_config(model: torch.nn.Module) -> dict[str, Any]:
     cfg = json.loads(model.config.to_json_string(use_diff=False))
     cfg["attn_implementation"] = model.config._attn_implementation or "sdpa"
     return cfg
-
-
-def wire_round(r: RoundSpec, run: str, batch_sha256: str) -> ProbeRound:
-    """The wire form of a round whose batch is uploaded as `batch_sha256` (schema 2 only for group rounds)."""
-    group = ProbeKind(r.kind) is ProbeKind.GROUP
-    return ProbeRound(
-        schema_version=2 if group else 1, run=run, round_id=r.round_id, version=r.version,
-        batch_sha256=batch_sha256, eps=float(r.eps), distribution=str(r.dist), seeds=[int(s) for s in r.seeds],
-        want_clean=r.want_clean, kind=ProbeKind(r.kind).value, base_version=r.base_version,
-        blocks=[int(b) for b in r.group] if group else None,
-    )
 
 
 class CoordinatorBackend:
@@ -442,8 +431,8 @@ class CoordinatorBackend:
             self.publish(r.version)
         elif r.version not in self.published:
             raise ValueError(f"version {r.version} was never published (last is {self.published[-1]})")
-        if r.group:
-            probes.check_group(r.group, len(self.blocks))
+        if r.blocks:
+            probes.check_group(r.blocks, len(self.blocks))
         if ProbeKind(r.kind) is ProbeKind.ALONG_UPDATE:
             missing = {r.version, r.base_version} - set(self.snapshots)
             if missing:
@@ -453,7 +442,7 @@ class CoordinatorBackend:
             new, base = self.snapshots[r.version], self.snapshots[r.base_version]
             self._scales[r.round_id] = {int(b): probes.update_rms(new[b] - base[b]) for b in r.seeds}
         data = batch_wire.encode_batch(r.batch, self.batch_kind)
-        wire = wire_round(r, self.run, hashlib.sha256(data).hexdigest())
+        wire = r.to_wire(self.run, hashlib.sha256(data).hexdigest())
 
         def post() -> None:
             self._upload(data)

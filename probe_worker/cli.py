@@ -20,7 +20,10 @@ def worker(
                                        help="Enrollment token (from the coordinator's operator)")],
     device: Annotated[str, typer.Option(help="Torch device: cpu or cuda:N (one worker per GPU)")] = "cpu",
     name: Annotated[str | None, typer.Option(help="Name shown in GET /v1/workers")] = None,
-    metrics_port: Annotated[int | None, typer.Option(help="Serve Prometheus metrics on this port")] = None,
+    metrics_port: Annotated[int | None, typer.Option(min=1, max=65535, help="Serve Prometheus metrics on this "
+                                                     "port (default: none)")] = None,
+    metrics_host: Annotated[str, typer.Option(help="Interface the metrics port binds (0.0.0.0 in containers, "
+                                              "where Prometheus scrapes it from another one)")] = "127.0.0.1",
     cache_dir: Annotated[Path | None, typer.Option(help="Weight cache (default: cache root/worker)")] = None,
     keep_versions: Annotated[int, typer.Option(min=1, help="Weight versions kept loaded")] = 2,
     blob_dir: Annotated[Path | None, typer.Option(envvar="SPARECYCLES_BLOB_DIR", help="The coordinator's blob "
@@ -44,6 +47,12 @@ def worker(
         raise typer.BadParameter("use cpu or cuda:N", param_hint="--device")
     if probe_path not in ("auto", "whole", "per_unit"):
         raise typer.BadParameter("use auto, whole or per_unit", param_hint="--probe-path")
+    from coordinator.settings import NEW_SECRET_HINT, DevMode, secret_problem
+
+    if not DevMode().dev_mode and (why := secret_problem(token)):
+        raise typer.BadParameter(f"the enrollment token (SPARECYCLES_ENROLLMENT_TOKEN) {why}; use the coordinator's "
+                                 f"(its operator made it with {NEW_SECRET_HINT}), or SPARECYCLES_DEV_MODE=1 for local "
+                                 "experiments only", param_hint="--token")
     logging.basicConfig(level=loglevel.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))  # one line per heartbeat
     import torch
@@ -63,6 +72,7 @@ def worker(
         torch.set_float32_matmul_precision("high")
     opts = WorkerOptions(
         coordinator=coordinator, token=token, device=device, name=name, metrics_port=metrics_port,
+        metrics_host=metrics_host,
         cache_dir=cache_dir, keep_versions=keep_versions, shared_blob_dir=blob_dir, control_interval_s=control_interval,
         soft_shutdown_s=soft_shutdown, prefetch_interval_s=prefetch_interval, yield_gpu_util_pct=yield_gpu_util,
         probe_path=probe_path, loglevel=loglevel.upper(),

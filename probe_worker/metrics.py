@@ -66,6 +66,10 @@ class WorkerMetrics:
             registry=registry,
         )
         self.version.set(-1)
+        self.reenrollments = Counter(
+            "sparecycles_worker_reenrollments_total", "Times the worker joined again (new id) after the coordinator "
+            "forgot it (its store lost its state, or an admin deleted it)", registry=registry,
+        )
         self.draining = Gauge(
             "sparecycles_worker_draining", "1 while the worker is draining (not taking tasks)", registry=registry
         )

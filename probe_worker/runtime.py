@@ -255,6 +255,12 @@ class ProbeRuntime:
             finally:
                 self.busy = False
 
+    def rebind(self, worker_id: str) -> None:
+        """Evaluate as `worker_id` from now on (the worker re-enrolled after the coordinator forgot it): results
+        carry the new id and every run's canary is attested again (the coordinator lost the attestations)."""
+        self.worker_id = worker_id
+        self._attested.clear()
+
     def prefetch(self, run: str, version: int) -> None:
         """Load (run, version) into the cache ahead of its tasks, never during a task's evaluation.
 

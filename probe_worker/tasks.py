@@ -14,8 +14,9 @@ so redelivery only costs compute. Outcomes, each counted in `sparecycles_worker_
 - `handed_back`: a spot-check replica of seeds this worker already evaluated in another replica ->
   an identical copy is republished and this delivery acknowledged after a short pause, so that an
   idle worker takes the copy (bounded per seed and replica; then it is evaluated here anyway);
-- `requeued`: the worker is draining, or the coordinator/broker stayed unreachable after bounded
-  retries -> rejected with requeue, so another worker (or this one later) evaluates it;
+- `requeued`: the worker is draining, the coordinator no longer knows it (it re-enrolls), or the
+  coordinator/broker stayed unreachable after bounded retries -> rejected with requeue, so another worker
+  (or this one later) evaluates it;
 - `error`: any other failure (a bug, out of memory) -> dropped after logging, the worker lives on.
 """
 
@@ -33,7 +34,7 @@ from celery.exceptions import Reject
 from pydantic import ValidationError
 
 from coordinator.celery_app import PROBE_TASK_NAME
-from coordinator.client import CoordinatorHTTPError, CorruptBlobError, is_transient
+from coordinator.client import CoordinatorHTTPError, CorruptBlobError, Forgotten, is_transient
 from fleet.batch_wire import BatchFormatError
 from probe_worker.cache import VersionUnavailable
 from probe_worker.metrics import WorkerMetrics
@@ -112,6 +113,12 @@ def run_probe(runtime: ProbeRuntime, drain: DrainState, metrics: WorkerMetrics, 
     try:
         reply = runtime.run_task(task)
     except (httpx.TransportError, CoordinatorHTTPError) as exc:
+        if isinstance(exc, Forgotten) and exc.what == "worker":  # the control loop re-enrolls; then it runs
+            outcome("requeued")
+            drain.changed.set()  # heartbeat now: it finds out and re-enrolls
+            log.warning("coordinator no longer knows this worker (round %s); requeued", task.round_id)
+            time.sleep(REQUEUE_PAUSE_S)
+            raise Reject("worker unknown to the coordinator", requeue=True) from None
         if is_transient(exc):
             outcome("requeued")
             log.warning("coordinator unreachable for round %s: %s; requeued", task.round_id, exc)

@@ -11,31 +11,52 @@ the worker should consume: the coordinator's queue list, or nothing while draini
 through Celery's remote control addressed to this worker only; a task delivered before a cancel
 takes effect is handed back (rejected with requeue) unevaluated, and the in-flight task always
 finishes. SIGTERM is Celery's warm shutdown within `soft_shutdown_s`; the worker then deregisters.
+
+A coordinator that no longer knows the worker (heartbeat 401 "unknown token" / 404 "unknown worker": its Redis
+came back empty, a failover, a flush, an admin's DELETE) is joined again with the enrollment token under a new
+id, with bounded backoff (`ProbeWorker._reenroll`; ops/RUNBOOK.md "store-lost").
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
 import signal
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 from celery.signals import worker_ready
+from tenacity import RetryCallState, RetryError, Retrying, stop_when_event_set, wait_exponential, wait_fixed
 
 from coordinator.celery_app import PROBE_TASK_NAME, make_celery
-from coordinator.client import CoordinatorClient, CoordinatorHTTPError
-from coordinator.messages import Heartbeat, WorkerRegistration
+from coordinator.client import CoordinatorClient, CoordinatorHTTPError, Forgotten
+from coordinator.messages import Heartbeat, WorkerRegistered, WorkerRegistration
 from probe_worker.cache import WeightCache
 from probe_worker.metrics import default_metrics, serve_metrics
 from probe_worker.runtime import ProbeRuntime
 from probe_worker.tasks import BusyPolicy, DrainState, gpu_utilization_reader, register_probe_task
 
+REENROLL_MAX_WAIT_S = 30.0  # the longest wait between two re-enrollment attempts (exponential backoff below)
+ADOPT_ENV = "SPARECYCLES_WORKER_ADOPT"  # a registration handed to the restarted process (_restart_as)
+REENROLLED_ENV = "SPARECYCLES_WORKER_REENROLLED"  # re-enrollments before that restart (the metric goes on)
 LONG_POLL_S = 2.0  # a prefetch long poll's wait (short: a stopping coordinator waits for pending ones)
 log = logging.getLogger("sparecycles.worker")
 IDLE_QUEUE = "sparecycles.idle"  # consumed only while no run queue exists (Celery needs at least one)
+
+
+def _adopted_registration() -> tuple[WorkerRegistered | None, int]:
+    """The registration a restarting worker handed to its new process (`ProbeWorker._restart_as`), or None, and
+    the re-enrollments before. Removed from the environment at once, so no child process inherits the token.
+    """
+    body = os.environ.pop(ADOPT_ENV, None)
+    count = os.environ.pop(REENROLLED_ENV, "0")
+    return (WorkerRegistered.model_validate_json(body) if body else None), int(count) if count.isdigit() else 0
 
 
 def warm_up() -> None:
@@ -65,7 +86,7 @@ class WorkerOptions:
     latest version of each consumed run is checked and loaded ahead of its rounds (0: load lazily);
     yield_gpu_util_pct: drain while the GPU is this busy (percent) with other work (BusyPolicy, NVML;
     None: off); probe_path: the probe evaluator (kernels.fastpath.make_evaluator: "auto", "whole" or
-    "per_unit"); loglevel: Celery's.
+    "per_unit"); loglevel: Celery's; metrics_host: the interface the metrics port binds.
     """
 
     coordinator: str
@@ -73,6 +94,7 @@ class WorkerOptions:
     device: str = "cpu"
     name: str | None = None
     metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
     cache_dir: Path | None = None
     shared_blob_dir: Path | None = None
     keep_versions: int = 2
@@ -99,9 +121,12 @@ class ProbeWorker:
         self.name = opts.name or f"{self.host}-{opts.device}"
         self.metrics = default_metrics()
         self.client = CoordinatorClient(opts.coordinator)
-        self.reg = self.client.register(
+        adopted, self.reenrolled = _adopted_registration()
+        self.metrics.reenrollments.inc(self.reenrolled)
+        self.reg = adopted or self.client.register(
             WorkerRegistration(name=self.name[:128], device=opts.device, host=self.host), opts.token
         )
+        self.client.token = self.reg.worker_token
         if self.reg.probe_task_name != PROBE_TASK_NAME:
             raise ValueError(f"coordinator sends task {self.reg.probe_task_name!r}; this worker runs "
                              f"{PROBE_TASK_NAME!r}; upgrade the worker")
@@ -130,6 +155,7 @@ class ProbeWorker:
         self.queues = list(self.reg.queues)
         self.consumed = set(self.queues or [IDLE_QUEUE])
         self._stop = threading.Event()
+        self._hb_state: str | None = None  # the heartbeat's last state, logged when it changes
         self._prefetched: dict[str, int] = {}
         self._gpu_util = gpu_utilization_reader(opts.device) if opts.yield_gpu_util_pct else None
         self._busy_policy = BusyPolicy(opts.yield_gpu_util_pct) if opts.yield_gpu_util_pct else None
@@ -142,18 +168,102 @@ class ProbeWorker:
                        tasks_done=self.runtime.tasks_done)
         try:
             reply = self.hb_client.heartbeat(self.worker_id, hb)
+        except Forgotten as exc:  # the coordinator lost its state, or an admin deleted this worker: join again
+            self._reenroll(exc)
+            return
         except CoordinatorHTTPError as exc:
-            if exc.status in (401, 403, 404):  # deleted or unknown to the coordinator: take no more work
-                log.error("coordinator no longer knows this worker (%s); draining", exc.status)
+            if exc.status in (401, 403, 404):  # refused for another reason: take no more work
+                self._heartbeat_state("refused", f"coordinator refuses this worker's heartbeat ({exc}); draining",
+                                      logging.ERROR)
                 self.drain.set_remote(True)
             else:
-                log.warning("heartbeat failed: %s", exc)
+                self._heartbeat_state(f"http {exc.status}", f"heartbeat failed: {exc}; retrying")
             return
         except Exception as exc:  # noqa: BLE001 - coordinator down: keep working, retry at the next tick
-            log.warning("heartbeat failed: %s", exc)
+            self._heartbeat_state(type(exc).__name__, f"heartbeat failed: {exc}; retrying every "
+                                  f"{self.opts.control_interval_s:g} s")
             return
+        self._heartbeat_state("ok", "heartbeats answered again")
         self.queues = list(reply.queues)
         self.drain.set_remote(reply.state in ("draining", "quarantined"))
+
+    def _heartbeat_state(self, state: str, message: str, level: int = logging.WARNING) -> None:
+        """Log `message` only when the heartbeat's state changes (not twice a second while it persists)."""
+        if state != self._hb_state:
+            if not (state == "ok" and self._hb_state is None):
+                log.log(logging.INFO if state == "ok" else level, message)
+            self._hb_state = state
+
+    # ---- re-enrollment -------------------------------------------------------------------------------
+
+    def _reenroll(self, why: Forgotten) -> None:
+        """Join the fleet again with the enrollment token, as a new worker id, after the coordinator forgot this one
+        (its Redis came back empty, a failover, a flush, or an admin's DELETE).
+
+        Stops consuming first (results under the forgotten identity would be refused), then registers with
+        bounded exponential backoff (`REENROLL_MAX_WAIT_S`, plus a per-name offset so a fleet does not retry in
+        step); one log line per state change. The same broker URL: the identity is swapped in place (loaded weights
+        kept). Other broker credentials (a per-worker ACL user, `SPARECYCLES_BROKER_ACL`): the process restarts
+        itself with the new registration (`_restart_as`). Counted in sparecycles_worker_reenrollments_total.
+        """
+        old = self.worker_id
+        log.warning("coordinator no longer knows this worker %s (%s); re-enrolling with the enrollment token",
+                    old, why.status)
+        self._hb_state = "forgotten"
+        self.drain.set_remote(True)
+        try:
+            self._reconcile()
+        except Exception as exc:  # noqa: BLE001 - the broker may be restarting too; the queues follow later
+            log.debug("queue reconcile before re-enrollment failed: %s", exc)
+        reg = self._register_with_backoff()
+        if reg is None:  # shutting down
+            return
+        self.reenrolled += 1
+        self.metrics.reenrollments.inc()
+        if reg.broker_url != self.reg.broker_url:
+            self._restart_as(reg)
+        self.reg, self.worker_id, self.queues = reg, reg.worker_id, list(reg.queues)
+        self.client.token = self.hb_client.token = reg.worker_token
+        self.runtime.rebind(reg.worker_id)
+        self._prefetched.clear()  # runs re-created by their trainer publish their versions again
+        self.drain.set_remote(False)
+        self._hb_state = "ok"
+        log.warning("re-enrolled as %s (was %s)", reg.worker_id, old)
+
+    def _register_with_backoff(self) -> WorkerRegistered | None:
+        """Register until the coordinator accepts (None if the worker stops meanwhile); see `_reenroll`."""
+        last = [""]
+
+        def note(state: RetryCallState) -> None:
+            exc = state.outcome.exception() if state.outcome else None
+            kind = f"{type(exc).__name__} {getattr(exc, 'status', '')}"
+            if kind != last[0]:  # one line per kind of failure, not one per attempt
+                last[0] = kind
+                log.warning("re-enrollment failed (%s); retrying with backoff (at most %.0f s apart)",
+                            str(exc)[:300], REENROLL_MAX_WAIT_S)
+
+        offset_s = int(hashlib.sha256(self.name.encode()).hexdigest()[:4], 16) / 65536  # [0, 1) s, by name
+        retrying = Retrying(wait=wait_exponential(multiplier=0.5, max=REENROLL_MAX_WAIT_S) + wait_fixed(offset_s),
+                            stop=stop_when_event_set(self._stop), sleep=self._stop.wait, before_sleep=note)
+        registration = WorkerRegistration(name=self.name[:128], device=self.opts.device, host=self.host)
+        try:
+            for attempt in retrying:
+                with attempt, CoordinatorClient(self.opts.coordinator, attempts=1, timeout_s=10.0) as c:
+                    return c.register(registration, self.opts.token)
+        except RetryError:
+            return None
+        return None
+
+    def _restart_as(self, reg: WorkerRegistered) -> NoReturn:
+        """Replace this process by a fresh start of the same command that adopts `reg` (a running Celery worker
+        cannot switch broker credentials): the registration travels in the environment, read once and removed at
+        start (`_adopted_registration`); the re-enrollment count too."""
+        log.warning("re-enrolled as %s with new broker credentials; restarting the worker process", reg.worker_id)
+        os.environ[ADOPT_ENV] = reg.model_dump_json()
+        os.environ[REENROLLED_ENV] = str(self.reenrolled)
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
 
     def _reconcile(self) -> None:
         want = set() if self.drain.draining else set(self.queues)
@@ -226,7 +336,7 @@ class ProbeWorker:
     def run(self) -> None:
         """Start metrics (optional), the Celery worker and the control loop; block until shutdown."""
         if self.opts.metrics_port:
-            serve_metrics(self.opts.metrics_port)
+            serve_metrics(self.opts.metrics_port, self.opts.metrics_host)
         worker_ready.connect(self._on_ready, weak=False)
         argv = [
             "worker", "--pool=solo", "--concurrency=1", "--prefetch-multiplier=1",

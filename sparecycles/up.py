@@ -27,6 +27,7 @@ from pathlib import Path
 import httpx
 
 from fleet.attach import Fleet, FleetFiguresMode, FleetSettings, FleetStatus, wait_for_workers  # noqa: F401 (re-exported)
+from sparecycles.scrape import SCRAPE_CONFIG, write_scrape_config
 from sparecycles.up_plan import UP_SETTINGS, UpPlan, clear_folder, disk_use, plan_up, read_json  # noqa: F401 (plan_up re-exported)
 
 
@@ -157,10 +158,9 @@ def _run_summary(run_dir: Path) -> dict:
 
 def _prefetch_inputs(cfg, progress: bool) -> None:
     """Fetch (or verify the cache of) the task's data and weights once, before any child races to do it."""
-    if not progress:
-        from transformers.utils import logging as hf_logging
+    from trainer.train import quiet_hf_bars
 
-        hf_logging.disable_progress_bar()
+    quiet_hf_bars(progress)
     if cfg.task == "sentiment":
         from trainer.data import load_sentiment
         from trainer.models.pretrained import minilm_dir
@@ -245,8 +245,9 @@ def _train_with_fleet(plan: UpPlan, progress: bool, log: Callable[[str], None],
             py = [sys.executable, "-m", "sparecycles.cli"]
             sup.start("coordinator", py + ["coordinator", "--port", str(port), "--log-level", "warning"], env)
             wait_ready(f"{base}/readyz", sup)
-            log(f"coordinator {base} (Prometheus figures at {base}/metrics while `up` runs); logs in {sup.log_dir}")
+            log(f"coordinator {base}; logs in {sup.log_dir}")
             devices = plan.worker_devices or ("cpu",) * workers
+            metrics_ports = [_free_port() for _ in devices]
             for i, dev in enumerate(devices):
                 # The token travels in the environment (SPARECYCLES_ENROLLMENT_TOKEN), never in argv (ps).
                 # CPU workers take one thread each (two share the cores with the trainer); GPU workers the defaults.
@@ -256,8 +257,10 @@ def _train_with_fleet(plan: UpPlan, progress: bool, log: Callable[[str], None],
                 # (measured on H200: 4-5 s per task of 4 seeds with the default 2, GPU idle).
                 extra += ["--keep-versions", "4"]
                 sup.start(f"worker-{i}", py + ["worker", "--coordinator", base, "--name", f"local-{i}",
-                                               "--device", dev, *extra], worker_env)
+                                               "--device", dev, "--metrics-port", str(metrics_ports[i]), *extra],
+                          worker_env)
             log(f"probe workers on {', '.join(devices)}; forward at the published float32 weights")
+            _serve_metrics(out, port, metrics_ports, log)
             # Each ZO-Curv round folds at the refresh after it, whatever the fleet's timing (trainer.zo.rounds.RoundBook
             # lag 1): the run is reproducible and an interrupted one, resumed, is the same run bit for bit.
             # One host: the trainer writes weight shards straight into the coordinator's blob directory and the
@@ -271,6 +274,9 @@ def _train_with_fleet(plan: UpPlan, progress: bool, log: Callable[[str], None],
 
             # Interrupted runs resume from their checkpoints (which hold the ZO state).
             base_state, zo_state = plan.states["adamw"].kind, plan.states[plan.optimizer].kind
+            for name, cfg, state in (("adamw", plan.base_cfg, base_state), (plan.optimizer, plan.zo_cfg, zo_state)):
+                if state == "resume":
+                    log(resume_note(name, cfg))
             if base_state != "done":
                 train(plan.base_cfg, progress=progress, resume=base_state == "resume", overwrite=True, export=export)
             if zo_state == "done":
@@ -288,6 +294,30 @@ def _train_with_fleet(plan: UpPlan, progress: bool, log: Callable[[str], None],
             return sum_fleet(parts), redis_desc
     finally:
         sup.stop_all()
+        (out / SCRAPE_CONFIG).unlink(missing_ok=True)  # its ports are closed now
+
+
+def _serve_metrics(out: Path, coordinator_port: int, worker_ports: list[int], log: Callable[[str], None]) -> None:
+    """Serve the trainer's metrics (this process trains) on a free port; write `out/prometheus.yml` scraping it,
+    the coordinator and the workers (their `--metrics-port`)."""
+    from trainer import metrics as trainer_metrics
+
+    local = "127.0.0.1:{}".format
+    path = write_scrape_config(out / SCRAPE_CONFIG, {
+        "coordinator": [local(coordinator_port)], "trainer": [local(trainer_metrics.serve(0))],
+        "probe-worker": [local(p) for p in worker_ports]})
+    log(f"Prometheus: every service's /metrics is listed in {path} (prometheus --config.file={path}; "
+        "ops/grafana's dashboard reads it)")
+
+
+def resume_note(name: str, cfg) -> str:
+    """The line `up` prints for an interrupted run it resumes: from which step (its checkpoint's) of how many."""
+    from trainer.checkpoint import checkpoint_step
+    from trainer.run_dir import CHECKPOINT_NAME
+
+    step = checkpoint_step(cfg.run_dir / CHECKPOINT_NAME)
+    where = f"step {step} of {cfg.steps}" if step is not None else "its checkpoint"
+    return f"{name}: resuming the interrupted run at {where} ({cfg.run_dir})"
 
 
 def unfolded_warning(optimizer: str, records: list[dict]) -> str | None:

@@ -166,14 +166,14 @@ def test_real_worker_process_runs_rounds_with_its_own_broker_user(tmp_path):
         )
         be.publish(0)
         seeds = tuple(range(100, 106))
-        be.submit(RoundSpec("acl-0", 0, make_batch(2, 8, seed=1), eps=1e-2, seeds=seeds, dist="rademacher"))
+        be.submit(RoundSpec("acl-0", 0, make_batch(2, 8, seed=1), eps=1e-2, seeds=seeds, distribution="rademacher"))
         got = be.collect("acl-0").results
         assert sorted(r.seed for r in got) == list(seeds) and {r.worker for r in got} == {wid}
 
         # an 8 s broker outage mid-run, Redis restarted (which forgets ACL users created at run time):
         # the coordinator re-creates the worker's user, the worker reconnects, the trainer's round ends
         seeds = tuple(range(200, 212))
-        be.submit(RoundSpec("acl-1", 0, make_batch(2, 8, seed=2), eps=1e-2, seeds=seeds, dist="rademacher"))
+        be.submit(RoundSpec("acl-1", 0, make_batch(2, 8, seed=2), eps=1e-2, seeds=seeds, distribution="rademacher"))
         v.stop()
         time.sleep(8.0)  # the outage lasts this long (not an assertion on timing)
         v.start()

@@ -21,6 +21,7 @@ from coordinator.messages import (
     ProbeRound,
     ProbeTask,
     ResultBatch,
+    RunSpec,
     SeedLedgerEntry,
     StreamEvent,
     VersionManifest,
@@ -202,14 +203,47 @@ def test_line_rounds_and_tasks_bound_their_step_multiples():
     assert ProbeRound.model_validate(line).seeds == [1, 2, 3]
     assert ProbeTask.model_validate(dict(line, seeds=[MAX_LINE_SEED], eps=MAX_LINE_STEP / MAX_LINE_SEED)).seeds == [64]
     for bad, why in [({"seeds": [0, 1]}, "step multiples"), ({"seeds": [MAX_LINE_SEED + 1]}, "step multiples"),
-                     ({"seeds": [2], "eps": 10.0}, "j\\*eps = 20")]:
+                     ({"seeds": [40], "eps": 0.5}, "j\\*eps = 20")]:
         for model in (ProbeRound, ProbeTask):
             with pytest.raises(ValidationError, match=why):
                 model.model_validate(dict(line, **bad))
-    assert ProbeRound.model_validate(dict(line, kind="seeded", base_version=None, seeds=[0], eps=10.0)).seeds == [0]
+    assert ProbeRound.model_validate(dict(line, kind="seeded", base_version=None, seeds=[0], eps=1.0)).seeds == [0]
     from trainer.zo.probes import RoundSpec  # the trainer refuses what the wire would (torch: imported here)
 
     fields = {"round_id": "k", "version": 50, "batch": None, "eps": 0.5, "seeds": (0, 1), "kind": "line",
               "base_version": 0}
     with pytest.raises(ValueError, match="step multiples"):
         RoundSpec(**fields)
+
+
+@pytest.mark.parametrize("extra", [{}, {"schema_version": 2, "kind": "group", "blocks": [0, 3]},
+                                   {"kind": "line", "base_version": 1, "seeds": [1, 2, 3, 4, 5], "eps": 0.5}])
+def test_tasks_carry_every_field_of_their_round(extra):
+    rnd = ProbeRound.model_validate({"run": "r", "round_id": "k", "version": 7, "batch_sha256": SHA, "eps": 1e-3,
+                                     "distribution": "gauss8", "seeds": [9, 4, 1, 6, 5], "want_clean": True, **extra})
+    tasks = ProbeTask.split(rnd, rnd.seeds, replica=1, per_task=2)
+    assert [t.seeds for t in tasks] == [rnd.seeds[0:2], rnd.seeds[2:4], rnd.seeds[4:]]
+    for t in tasks:
+        assert t.model_dump(exclude={"seeds", "replica"}) == rnd.model_dump(exclude={"seeds"}) and t.replica == 1
+        assert ("blocks" in t.model_dump_json()) == ("blocks" in extra)  # schema 1 stays byte-identical
+    shared = set(ProbeRound.model_fields)
+    assert shared <= set(ProbeTask.model_fields) and set(ProbeTask.model_fields) - shared == {"replica"}
+
+
+def test_each_setting_has_one_bound_shared_by_wire_and_trainer_config():
+    from coordinator.bounds import MAX_PROBE_EPS, MAX_STALENESS, RUN_SEED_LIMIT
+
+    rnd = {"run": "r", "round_id": "k", "version": 1, "batch_sha256": SHA, "distribution": "gauss8", "seeds": [1]}
+    spec = {"run": "r", "model_class": "m"}
+    assert ProbeRound.model_validate(dict(rnd, eps=MAX_PROBE_EPS)).eps == MAX_PROBE_EPS
+    assert RunSpec.model_validate(dict(spec, staleness=MAX_STALENESS)).staleness == MAX_STALENESS
+    for model, body in [(ProbeRound, dict(rnd, eps=MAX_PROBE_EPS * 1.01)), (ProbeRound, dict(rnd, eps=math.inf)),
+                        (RunSpec, dict(spec, staleness=MAX_STALENESS + 1)), (RunSpec, dict(spec, staleness=-1))]:
+        with pytest.raises(ValidationError):
+            model.model_validate(body)
+    from trainer.config import TrainConfig  # the same bounds, the trainer's side (torch: imported here)
+
+    assert TrainConfig(eps=MAX_PROBE_EPS, staleness=MAX_STALENESS, seed=RUN_SEED_LIMIT - 1).eps == MAX_PROBE_EPS
+    for bad in [{"eps": MAX_PROBE_EPS * 1.01}, {"staleness": MAX_STALENESS + 1}, {"seed": RUN_SEED_LIMIT}]:
+        with pytest.raises(ValidationError):
+            TrainConfig(**bad)

@@ -176,3 +176,161 @@ def test_compose_passes_only_variables_its_programs_read():
     trainer = " ".join(compose["services"]["trainer"]["command"])
     assert "--coordinator http://coordinator:8000" in trainer  # the compose trainer probes on the fleet
     assert compose["services"]["trainer"]["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
+
+
+PROMTOOL = shutil.which("promtool")
+
+
+@pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed (Debian's prometheus package ships it; .ci/run)")
+def test_promtool_exercises_every_alert_rule():
+    """ops/alerts_test.yml gives each alert of ops/alerts.yml a fixture on which it fires (and a time before which
+    it must not): promtool evaluates the real rules on them."""
+    rules = yaml.safe_load((ROOT / "ops/alerts.yml").read_text())
+    alerts = {r["alert"] for g in rules["groups"] for r in g["rules"]}
+    cases = yaml.safe_load((ROOT / "ops/alerts_test.yml").read_text())["tests"]
+    checks = [c for t in cases for c in t["alert_rule_test"]]
+    assert {c["alertname"] for c in checks if c["exp_alerts"]} == alerts  # each alert fires on a fixture
+    assert {c["alertname"] for c in checks if not c["exp_alerts"]} == alerts  # and is quiet where it must be
+    res = subprocess.run([PROMTOOL, "test", "rules", str(ROOT / "ops/alerts_test.yml")], capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0 and "SUCCESS" in res.stdout, res.stdout + res.stderr
+
+
+def _options(command: list[str]) -> dict[str, str]:
+    """`--name value` pairs of a compose command (a list, or ["sh", "-c", "exec sparecycles ..."])."""
+    words = " ".join(command).split()
+    return {w: words[i + 1] for i, w in enumerate(words[:-1]) if w.startswith("--")}
+
+
+def _image_dirs(dockerfile: str) -> set[str]:
+    """Directories the image creates (mkdir -p) AND hands to uid 10001 (chown -R sparecycles), which it runs as."""
+    text = (ROOT / dockerfile).read_text()
+    assert re.search(r"useradd .*--uid 10001 sparecycles", text) and "\nUSER sparecycles" in text, dockerfile
+    made = {p for m in re.finditer(r"mkdir -p ([^&\n]+)", text) for p in m.group(1).split()}
+    owned = {p for m in re.finditer(r"chown -R sparecycles ([^&\n]+)", text) for p in m.group(1).split()}
+    return made & owned
+
+
+def test_compose_ports_and_volumes_match_what_programs_use():
+    """Every port a service listens on is the one its program binds (its own options), the one Prometheus scrapes,
+    the one others call; every volume is mounted where the program reads or writes (its options and SPARECYCLES_*
+    paths), the shared blob volume is the same directory for all three, and every directory a program writes
+    exists in its image owned by the user it runs as (a named volume starts as a copy of it)."""
+    import typer.main
+
+    from sparecycles.cli import app
+
+    compose = yaml.safe_load((ROOT / "docker/compose.yml").read_text())
+    svcs = compose["services"]
+    prom = {j["job_name"]: j for j in yaml.safe_load((ROOT / "ops/prometheus.yml").read_text())["scrape_configs"]}
+    opts = {name: _options(svcs[name]["command"]) for name in ("coordinator", "trainer", "probe-worker")}
+    cli = typer.main.get_command(app).commands
+    for name, sub in (("coordinator", "coordinator"), ("trainer", "train"), ("probe-worker", "worker")):
+        known = {o for p in cli[sub].params for o in p.opts}
+        assert set(opts[name]) <= known, f"{name} passes options `sparecycles {sub}` lacks: {set(opts[name]) - known}"
+
+    # Ports: the coordinator's, published, health-checked, scraped and called by the others.
+    port = opts["coordinator"]["--port"]
+    assert opts["coordinator"]["--host"] == "0.0.0.0" and svcs["coordinator"]["ports"] == [f"{port}:{port}"]
+    assert f"127.0.0.1:{port}/readyz" in " ".join(svcs["coordinator"]["healthcheck"]["test"])
+    assert prom["coordinator"]["static_configs"][0]["targets"] == [f"coordinator:{port}"]
+    assert opts["trainer"]["--coordinator"] == opts["probe-worker"]["--coordinator"] == f"http://coordinator:{port}"
+    # The trainer's and the workers' /metrics: bound on every interface of the container, on the scraped port.
+    trainer_port, worker_port = opts["trainer"]["--metrics-port"], opts["probe-worker"]["--metrics-port"]
+    assert opts["trainer"]["--metrics-host"] == opts["probe-worker"]["--metrics-host"] == "0.0.0.0"
+    assert prom["trainer"]["static_configs"][0]["targets"] == [f"trainer:{trainer_port}"]
+    assert prom["probe-worker"]["dns_sd_configs"] == [{"names": ["probe-worker"], "type": "A", "port": int(worker_port)}]
+    assert svcs["trainer"]["expose"] == [trainer_port] and svcs["probe-worker"]["expose"] == [worker_port]
+    datasource = yaml.safe_load((ROOT / "ops/grafana/provisioning/datasources/prometheus.yml").read_text())
+    assert datasource["datasources"][0]["url"] == "http://prometheus:9090" and svcs["prometheus"]["ports"] == ["9090:9090"]
+
+    # Volumes: where each program reads and writes.
+    def mounts(name: str) -> dict[str, tuple[str, bool]]:  # target -> (volume or host path, writable)
+        out = {}
+        for spec in svcs[name]["volumes"]:
+            src, target, *mode = spec.split(":")
+            out[target] = (src, mode != ["ro"])
+        return out
+
+    def on_volume(name: str, path: str) -> tuple[str, str, bool] | None:  # (volume, path inside it, writable)
+        for target, (src, rw) in mounts(name).items():
+            if path == target or path.startswith(target + "/"):
+                return src, path[len(target):].lstrip("/"), rw
+        return None
+
+    env = {name: svcs[name]["environment"] for name in ("coordinator", "trainer", "probe-worker")}
+    coordinator_blobs = f"{env['coordinator']['SPARECYCLES_CACHE']}/blobs"  # coordinator.settings._default_blob_dir
+    used = {
+        "coordinator": [coordinator_blobs],
+        "trainer": [env["trainer"]["SPARECYCLES_BLOB_DIR"], opts["trainer"]["--run-dir"]],
+        "probe-worker": [env["probe-worker"]["SPARECYCLES_BLOB_DIR"]],
+    }
+    assert on_volume("coordinator", coordinator_blobs) == ("blobs", "blobs", True)
+    assert on_volume("trainer", env["trainer"]["SPARECYCLES_BLOB_DIR"]) == ("blobs", "blobs", True)  # writes shards
+    assert on_volume("probe-worker", env["probe-worker"]["SPARECYCLES_BLOB_DIR"]) == ("blobs", "blobs", False)
+    assert on_volume("trainer", opts["trainer"]["--run-dir"])[0] == "runs"
+    for name, paths in used.items():
+        dead = [t for t in mounts(name) if not any(p == t or p.startswith(t + "/") for p in paths)]
+        assert not dead, f"{name} mounts {dead}, which its program never uses"
+        image_dirs = _image_dirs(svcs[name].get("build", compose["x-app"]["build"])["dockerfile"])
+        # What it writes off-volume (its cache) and every writable mount point: created and owned in the image.
+        writes = [env[name]["SPARECYCLES_CACHE"]] + [t for t, (_, rw) in mounts(name).items() if rw]
+        missing = [p for p in writes if p not in image_dirs]
+        assert not missing, f"{name}'s image does not create {missing} owned by uid 10001"
+    assert set(compose["volumes"]) >= {src for n in used for src, _ in mounts(n).values()}
+
+
+def test_one_shot_services_do_not_restart_and_gpu_services_are_documented():
+    compose = yaml.safe_load((ROOT / "docker/compose.yml").read_text())
+    svcs = compose["services"]
+    assert svcs["trainer"]["restart"] == "no"  # one-shot: `unless-stopped` would train the finished run again
+    assert all(svcs[n]["restart"] == "unless-stopped" for n in ("redis", "coordinator", "probe-worker", "prometheus"))
+    gpu = sorted(n for n, s in svcs.items() if "devices" in s.get("deploy", {}).get("resources", {}).get("reservations", {}))
+    assert gpu == ["probe-worker", "trainer"]
+    fleet = (ROOT / "README.md").read_text().split("## A fleet", 1)[1].split("\n## ", 1)[0]
+    assert all(f"`{n}`" in fleet for n in gpu) and "NVIDIA" in fleet  # README's fleet section says who takes a GPU
+
+
+def test_train_coordinator_serves_metrics_while_it_waits(tmp_path, monkeypatch, capsys):
+    """`train --coordinator` serves /metrics from the start (here while it waits for an absent coordinator); an
+    explicit port that is taken exits 2, the default one taken is a warning (another trainer on the host)."""
+    import socket
+    import sys
+
+    import typer
+
+    from api.server import free_port
+    from trainer import cli as trainer_cli
+    from trainer import metrics as trainer_metrics
+
+    port = free_port()
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("SPARECYCLES_")},
+           "SPARECYCLES_ADMIN_TOKEN": "x" * 24, "SPARECYCLES_REDIS_URL": "redis://127.0.0.1:6379/0"}
+    proc = subprocess.Popen([sys.executable, "-m", "sparecycles.cli", "train", "--steps", "2", "--no-export",
+                             "--optimizer", "zocurv-line", "--run-dir", str(tmp_path / "r"), "--coordinator",
+                             f"http://127.0.0.1:{free_port()}", "--fleet-wait", "60", "--metrics-port", str(port)],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        text = None
+        while text is None and proc.poll() is None:
+            try:
+                text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        assert text is not None, proc.communicate()[1].decode()[-2000:]
+        assert "# TYPE sparecycles_trainer_step gauge" in text and "sparecycles_trainer_tokens" in text
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        with pytest.raises(typer.Exit) as exc:
+            trainer_cli._serve_metrics(busy, "127.0.0.1", fleet=True)
+        assert exc.value.exit_code == 2
+        assert f"cannot serve metrics on 127.0.0.1:{busy}" in capsys.readouterr().err
+        monkeypatch.setattr(trainer_metrics, "DEFAULT_PORT", busy)
+        trainer_cli._serve_metrics(None, "127.0.0.1", fleet=True)  # a warning, training goes on
+        assert f"warning: metrics not served: 127.0.0.1:{busy} is taken" in capsys.readouterr().err

@@ -139,7 +139,7 @@ def test_paused_worker_does_not_stall_the_round(tmp_path):
             return tuple(range(1000 * k, 1000 * k + 32))
 
         def timed_round(k: int, pause_at: int | None = None) -> tuple[float, bool]:
-            rnd = RoundSpec(f"p-{k}", 0, batch, eps=1e-2, seeds=seeds(k), dist="rademacher")
+            rnd = RoundSpec(f"p-{k}", 0, batch, eps=1e-2, seeds=seeds(k), distribution="rademacher")
             t = time.monotonic()
             be.submit(rnd)
             held = False

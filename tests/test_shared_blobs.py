@@ -111,5 +111,5 @@ def test_an_empty_blob_dir_variable_means_none(monkeypatch):
     from fleet.attach import FleetSettings
 
     monkeypatch.setenv("SPARECYCLES_BLOB_DIR", "")
-    s = FleetSettings(admin_token="t", redis_url="redis://127.0.0.1:6379/0")
+    s = FleetSettings(admin_token="t" * 16, redis_url="redis://127.0.0.1:6379/0")
     assert s.blob_dir is None

@@ -110,7 +110,7 @@ def test_runtime_posts_evaluator_values_once_and_rejects_bad_tasks(env):
     be = env.backend(model, "runtime", distribution="gauss8")
     be.publish(0)
     batch = make_batch(1)
-    be.submit(RoundSpec("rt-0", 0, batch, eps=1e-3, seeds=(7, 8, 9), dist="gauss8", want_clean=True))
+    be.submit(RoundSpec("rt-0", 0, batch, eps=1e-3, seeds=(7, 8, 9), distribution="gauss8", want_clean=True))
     client, wid = env.worker("w0")
     metrics = WorkerMetrics(CollectorRegistry())
     runtime = ProbeRuntime(client, wid, WeightCache(client, env.tmp / "wc", metrics=metrics), metrics)
@@ -158,7 +158,7 @@ def test_canary_attestation_counts_results(env):
                                                         digest=digest))
     be.publish(0)
     batch = make_batch(2)
-    be.submit(RoundSpec("c-0", 0, batch, eps=1e-3, seeds=(1, 2), dist="gauss8"))
+    be.submit(RoundSpec("c-0", 0, batch, eps=1e-3, seeds=(1, 2), distribution="gauss8"))
     client, wid = env.worker("w0")
     metrics = WorkerMetrics(CollectorRegistry())
     runtime = ProbeRuntime(client, wid, WeightCache(client, env.tmp / "wc", metrics=metrics), metrics)
@@ -173,7 +173,7 @@ def test_trainer_restart_receives_undelivered_results(env):
     be = env.backend(model, "restart")
     be.publish(0)
     batch = make_batch(3)
-    be.submit(RoundSpec("rs-0", 0, batch, eps=1e-3, seeds=(1, 2, 3, 4), dist="rademacher"))
+    be.submit(RoundSpec("rs-0", 0, batch, eps=1e-3, seeds=(1, 2, 3, 4), distribution="rademacher"))
     client, wid = env.worker("w0")
     runtime = ProbeRuntime(client, wid, WeightCache(client, env.tmp / "wc"), WorkerMetrics(CollectorRegistry()))
     sha = hashlib.sha256(encode_batch(batch)).hexdigest()
@@ -243,8 +243,8 @@ def test_block_scaled_along_update_and_group_match_in_process(env):
         RoundSpec("k-bs", 1, batch, eps=1e-2, seeds=(11, 12, 13), want_clean=True, kind=ProbeKind.BLOCK_SCALED),
         RoundSpec("k-au", 1, batch, eps=1e-2, seeds=(0, 1, 2, n_blocks - 1), want_clean=True,
                    kind=ProbeKind.ALONG_UPDATE, base_version=0),
-        RoundSpec("k-g", 1, batch, eps=1e-2, seeds=(21, 22), dist="gauss8", want_clean=True, kind=ProbeKind.GROUP,
-                  group=(0, 3, n_blocks - 1)),
+        RoundSpec("k-g", 1, batch, eps=1e-2, seeds=(21, 22), distribution="gauss8", want_clean=True, kind=ProbeKind.GROUP,
+                  blocks=(0, 3, n_blocks - 1)),
     ]
     client, wid = env.worker("w0")
     metrics = WorkerMetrics(CollectorRegistry())
@@ -300,7 +300,7 @@ def test_seed_ledger_versions_replay_bit_exact(env):
     v0 = cache.get("ledger", 0)
     assert any(not torch.equal(a, b) for (_, a), (_, b) in zip(params_of(v2.model), params_of(v0.model)))
     batch = make_batch(9)
-    be.submit(RoundSpec("l-0", 2, batch, eps=1e-3, seeds=(5, 6), dist="rademacher", want_clean=True))
+    be.submit(RoundSpec("l-0", 2, batch, eps=1e-3, seeds=(5, 6), distribution="rademacher", want_clean=True))
     runtime = ProbeRuntime(client, wid, cache, metrics)
     for kwargs in _celery_kwargs(f"{env.prefix}.probe.ledger"):
         assert run_probe(runtime, DrainState(), metrics, kwargs) == "done"

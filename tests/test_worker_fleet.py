@@ -53,7 +53,7 @@ def test_fleet_equals_in_process(fleet):
         be.publish(version)
         ref.publish(version)
         seeds = tuple(range(1000 + 10 * version, 1008 + 10 * version))
-        rnd = RoundSpec(f"eq-{version}", version, batch, eps=1e-2, seeds=seeds, dist=dist, want_clean=True)
+        rnd = RoundSpec(f"eq-{version}", version, batch, eps=1e-2, seeds=seeds, distribution=dist, want_clean=True)
         be.submit(rnd)
         fleet_res = _by_seed(be.collect(rnd.round_id).results)
         ref.submit(rnd)
@@ -85,7 +85,7 @@ def test_elastic_drain_and_join(fleet):
     fleet.start_worker("c")
     id_c = fleet.wait_consuming("c")
     seeds = tuple(range(2000, 2024))
-    be.submit(RoundSpec("el-0", 0, batch, eps=1e-2, seeds=seeds, dist="gauss8"))
+    be.submit(RoundSpec("el-0", 0, batch, eps=1e-2, seeds=seeds, distribution="gauss8"))
     res = _by_seed(be.collect("el-0").results)
     assert set(res) == set(seeds)
     workers = {r.worker for r in res.values()}
@@ -100,7 +100,7 @@ def test_elastic_drain_and_join(fleet):
     for name in ("b", "c"):
         fleet.wait(lambda name=name: fleet.metric(name, "sparecycles_worker_draining") == 1.0, f"worker {name} drained")
     seeds = tuple(range(2100, 2108))
-    be.submit(RoundSpec("el-1", 0, batch, eps=1e-2, seeds=seeds, dist="rademacher"))
+    be.submit(RoundSpec("el-1", 0, batch, eps=1e-2, seeds=seeds, distribution="rademacher"))
     res = _by_seed(be.collect("el-1").results)
     assert set(res) == set(seeds) and {r.worker for r in res.values()} == {id_a}
     for name in ("b", "c"):
@@ -123,7 +123,7 @@ def test_lying_worker_is_quarantined_and_never_used(fleet):
     for name in ids:
         fleet.wait(lambda name=name: fleet.metric(name, "sparecycles_worker_draining") == 1.0, f"{name} draining")
     seeds = (4000, 4001, 4002)
-    rnd = RoundSpec("t-0", 0, batch, eps=1e-2, seeds=seeds, dist="gauss8")
+    rnd = RoundSpec("t-0", 0, batch, eps=1e-2, seeds=seeds, distribution="gauss8")
     be.submit(rnd)
     enroll = httpx.Client(base_url=fleet.url, headers={"Authorization": f"Bearer {fleet.enroll_token}"})
     reg = enroll.post("/v1/workers", json={"name": "liar"}).json()
@@ -158,7 +158,7 @@ def test_sigkill_mid_round_loses_nothing(fleet):
     be.publish(0)
     batch = make_batch(8, 48, seed=3)
     seeds = tuple(range(3000, 3024))
-    be.submit(RoundSpec("k-0", 0, batch, eps=1e-2, seeds=seeds, dist="gauss8", want_clean=True))
+    be.submit(RoundSpec("k-0", 0, batch, eps=1e-2, seeds=seeds, distribution="gauss8", want_clean=True))
     log_b = fleet.tmp / "b.log"
     fleet.wait(lambda: log_b.read_text().count("round k-0 seeds") >= 1, "worker b to finish a task")
     fleet.wait(lambda: log_b.read_text().rsplit("round k-0 seeds", 1)[1].count("] received") >= 1,
@@ -187,7 +187,7 @@ def test_coordinator_restart_mid_round_loses_and_doubles_nothing(fleet):
     be.publish(0)
     batch = make_batch(4, 32, seed=7)
     seeds = tuple(range(5000, 5040))
-    rnd = RoundSpec("rs-0", 0, batch, eps=1e-2, seeds=seeds, dist="rademacher", want_clean=True)
+    rnd = RoundSpec("rs-0", 0, batch, eps=1e-2, seeds=seeds, distribution="rademacher", want_clean=True)
     be.submit(rnd)
     stream_key = f"{fleet.prefix}:{{restart}}:results"
     fleet.wait(lambda: fleet.r.xlen(stream_key) >= 2, "first results")

@@ -68,11 +68,11 @@ def test_worker_probe_path_on_cuda_matches_in_process(dtype):
     rounds = [RoundSpec("s", 1, batch, 1e-2, (3, 4), "gauss8", want_clean=True),
               RoundSpec("b", 1, batch, 1e-2, (5, 6), want_clean=True, kind=ProbeKind.BLOCK_SCALED),
               RoundSpec("a", 1, batch, 1e-2, (0, fc), want_clean=True, kind=ProbeKind.ALONG_UPDATE, base_version=0),
-              RoundSpec("g", 1, batch, 1e-2, (7,), "gauss8", want_clean=True, kind=ProbeKind.GROUP, group=(1, fc))]
+              RoundSpec("g", 1, batch, 1e-2, (7,), "gauss8", want_clean=True, kind=ProbeKind.GROUP, blocks=(1, fc))]
     for rnd in rounds:
         ref.submit(rnd)
         for r in ref.collect(rnd.round_id).results:
-            worker = probes.probe_losses(site, rnd.kind, r.seed, rnd.eps, rnd.dist, rnd.group, ev.clean_loss(batch))
+            worker = probes.probe_losses(site, rnd.kind, r.seed, rnd.eps, rnd.distribution, rnd.blocks, ev.clean_loss(batch))
             assert worker == (r.l_plus, r.l_minus, r.scale)
             assert ev.clean_loss(batch) == r.l0
     moved = probes.probe_losses(site, ProbeKind.ALONG_UPDATE, fc, 1e-2, "rademacher")

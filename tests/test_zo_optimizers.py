@@ -175,7 +175,7 @@ def test_sophia_coordinate_refresh_folds_the_diagonal_estimate():
     opt = ZOCurvSophia(model.parameters(), granularity="coordinate", probes=5, probe_eps=1e-2, seed=4)
     refresh(opt, RoundBook(2), InProcessBackend(model, quad_loss), None, 0)
     r = opt.make_rounds(None, 0, ())[0]
-    assert r.dist == "gauss8"
+    assert r.distribution == "gauss8"
     z = torch.stack([direction(s, 0, 19, "gauss8") for s in r.seeds]).double()
     h = torch.einsum("ki,ij,kj->k", z, model.h, z)
     m2, m4 = dist_moments("gauss8")

@@ -35,7 +35,7 @@ def test_group_probe_measures_the_groups_curvature_on_a_quadratic(dist):
     idx = torch.cat([torch.arange(OFFSETS[b], OFFSETS[b] + SIZES[b]) for b in group])
     seeds = tuple(range(40, 48))
     res, _ = collect_round(be, RoundSpec("g", 0, None, eps, seeds, dist, want_clean=True, kind=ProbeKind.GROUP,
-                                         group=group))
+                                         blocks=group))
     h_sub = model.h[idx][:, idx]
     for r in res:
         z = torch.cat([direction(r.seed, OFFSETS[b], SIZES[b], dist).double() for b in group])
@@ -61,12 +61,12 @@ def test_group_leaves_other_blocks_and_clean_weights_alone():
 def test_group_rounds_are_validated_on_both_sides():
     for bad in [(), (2, 1), (1, 1), (-1, 2)]:
         with pytest.raises(ValueError):
-            RoundSpec("g", 0, None, 1e-2, (1,), kind=ProbeKind.GROUP, group=bad)
+            RoundSpec("g", 0, None, 1e-2, (1,), kind=ProbeKind.GROUP, blocks=bad)
     with pytest.raises(ValueError, match="only meaningful"):
-        RoundSpec("s", 0, None, 1e-2, (1,), group=(0,))
+        RoundSpec("s", 0, None, 1e-2, (1,), blocks=(0,))
     be = InProcessBackend(QuadraticModel(SIZES, seed=4), quad_loss)
     with pytest.raises(ValueError, match="out of range"):
-        be.submit(RoundSpec("g", 0, None, 1e-2, (1,), kind=ProbeKind.GROUP, group=(0, 4)))
+        be.submit(RoundSpec("g", 0, None, 1e-2, (1,), kind=ProbeKind.GROUP, blocks=(0, 4)))
     wire = {"run": "r", "round_id": "g-0", "version": 0, "batch_sha256": "0" * 64, "eps": 1e-2,
             "distribution": "gauss8", "seeds": [1], "kind": "group"}
     ok = ProbeRound(schema_version=2, blocks=[0, 3], **wire)
@@ -81,3 +81,19 @@ def test_group_rounds_are_validated_on_both_sides():
             ProbeRound(**kw, **wire)
     with pytest.raises(pydantic.ValidationError):
         ProbeRound(schema_version=2, blocks=[0], **{**wire, "kind": "seeded"})
+
+
+def test_round_spec_names_its_fields_as_the_wire_does():
+    import dataclasses
+
+    from coordinator.messages import ProbeRound
+
+    spec = RoundSpec("g-1", 3, None, 1e-2, (4, 2), "gauss8", want_clean=True, kind=ProbeKind.GROUP, blocks=(0, 5))
+    wire = spec.to_wire("r", "b" * 64)
+    trainer_only, wire_only = {"batch"}, {"run", "batch_sha256", "schema_version"}
+    names = {f.name for f in dataclasses.fields(RoundSpec)}
+    assert names - trainer_only == set(ProbeRound.model_fields) - wire_only
+    assert {n: getattr(wire, n) for n in names - trainer_only} == {
+        "round_id": "g-1", "version": 3, "eps": 1e-2, "seeds": [4, 2], "distribution": "gauss8", "want_clean": True,
+        "kind": "group", "base_version": None, "blocks": [0, 5]}
+    assert wire.schema_version == 2 and RoundSpec("s", 0, None, 1e-2, (1,)).to_wire("r", "b" * 64).schema_version == 1

@@ -104,8 +104,8 @@ def test_role_rounds_perturb_exactly_their_role():
         blocks = canonical_blocks(m)
         for role in g.roles:
             r = role_round(g, role, round_id="r", version=0, batch=None, eps=0.03, seeds=(11,))
-            moved = group_weights(blocks, r.group, 11, -0.03, "rademacher", r.slices)
-            whole = group_weights(blocks, r.group, 11, -0.03, "rademacher")
+            moved = group_weights(blocks, r.blocks, 11, -0.03, "rademacher", r.slices)
+            whole = group_weights(blocks, r.blocks, 11, -0.03, "rademacher")
             for seg in g.groups[role]:
                 w, mask = blocks[seg.block].param.detach(), seg.mask()
                 if mask is None:

@@ -69,6 +69,16 @@ def save_checkpoint(
     return path
 
 
+def checkpoint_step(path: Path) -> int | None:
+    """The step a checkpoint holds (its metadata only, no tensor read), or None when missing or unreadable."""
+    from trainer.models.io import read_safetensors_metadata
+
+    try:
+        return int(json.loads(read_safetensors_metadata(path)["sparecycles"])["step"])
+    except (OSError, KeyError, ValueError, TypeError):
+        return None
+
+
 def load_checkpoint(
     path: Path,
     *,

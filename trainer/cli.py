@@ -79,6 +79,8 @@ def train(
     seq_len: int | None = typer.Option(None, min=2, help="Tokens per sequence."),
     lr: float | None = typer.Option(None, help="Peak learning rate."),
     warmup_steps: int | None = typer.Option(None, min=0, help="Linear warmup steps."),
+    schedule: str | None = typer.Option(None, help="Decay after warmup: cosine (to the preset's min_lr, default) or "
+                                        "linear (to zero)."),
     eval_every: int | None = typer.Option(None, min=1, help="Evaluate every N steps."),
     checkpoint_every: int | None = typer.Option(None, min=1, help="Checkpoint every N steps."),
     probes: int | None = typer.Option(None, min=1, help="ZO: probes K per step / curvature round."),
@@ -104,6 +106,10 @@ def train(
                                      "coordinator and at least one active probe worker before giving up."),
     fleet_sync: bool = typer.Option(False, help="With --coordinator: wait for each ZO-Curv round before the next "
                                     "step (slower; reproduces the in-process run bit for bit)."),
+    metrics_port: int | None = typer.Option(None, min=0, max=65535, help="Serve Prometheus metrics (step, loss, "
+                                            "val loss, tokens) on this port. Default: 9102 with --coordinator, none "
+                                            "without; 0: none."),
+    metrics_host: str = typer.Option("127.0.0.1", help="Interface the metrics port binds (0.0.0.0 in containers)."),
 ) -> None:
     """Train a model and write a run folder (metrics.jsonl, TensorBoard event files, checkpoint.safetensors,
     loss.png, summary.json, export/).
@@ -114,14 +120,14 @@ def train(
     """
     import json
 
-    from trainer.checkpoint import CheckpointError
+    # Only light modules until every option is checked: torch and transformers (trainer.train) take seconds to
+    # import, and an option error must not wait for them.
     from trainer.config import resolve_preset
     from trainer.preflight import check_options, explain, folder_state, no_probe_round_warning
-    from trainer.train import default_run_dir
-    from trainer.train import train as run_train
+    from trainer.run_dir import default_run_dir
 
     overrides = dict(corpus=corpus, optimizer=optimizer and optimizer.value, task=task, steps=steps, batch_size=batch_size,
-                     seq_len=seq_len, lr=lr, warmup_steps=warmup_steps, eval_every=eval_every,
+                     seq_len=seq_len, lr=lr, warmup_steps=warmup_steps, schedule=schedule, eval_every=eval_every,
                      checkpoint_every=checkpoint_every, probes=probes, eps=eps, alpha=alpha, lam=lam,
                      probe_batch_size=probe_batch_size, curvature_interval=curvature_interval, staleness=staleness,
                      probe_budget=probe_budget, seed=seed, device=device, run_dir=run_dir,
@@ -149,9 +155,13 @@ def train(
     warning = no_probe_round_warning(cfg)
     if warning:
         typer.secho(f"warning: {warning}", fg=typer.colors.YELLOW, err=True)
+    _serve_metrics(metrics_port, metrics_host, bool(coordinator))
     fleet_kw = {}
     if coordinator:
         fleet_kw = _attach_fleet(coordinator, cfg, fleet_wait, fleet_sync)
+    from trainer.checkpoint import CheckpointError
+    from trainer.train import train as run_train
+
     try:
         result = run_train(cfg, resume=resume, progress=progress, overwrite=overwrite, export=export, **fleet_kw)
     except (ValueError, CheckpointError, OSError) as exc:
@@ -164,6 +174,26 @@ def train(
         f"val loss {result.initial_val_loss:.4f} -> {result.final_val_loss:.4f} after {result.steps} steps "
         f"({result.wall_s:.1f} s); run folder {result.run_dir}"
     )
+
+
+def _serve_metrics(port: int | None, host: str, fleet: bool) -> None:
+    """Start the trainer's /metrics server (trainer.metrics): on `port`, else on 9102 for a fleet run. A port given
+    explicitly that cannot be bound exits 2; the default one, taken (another trainer on this host), is a warning."""
+    from trainer import metrics
+
+    chosen = port if port is not None else metrics.DEFAULT_PORT if fleet else 0
+    if not chosen:
+        return
+    try:
+        bound = metrics.serve(chosen, host)
+    except OSError as exc:
+        if port is not None:
+            typer.secho(f"error: cannot serve metrics on {host}:{port}: {exc}", fg=typer.colors.RED, err=True)
+            raise typer.Exit(2) from exc
+        typer.secho(f"warning: metrics not served: {host}:{chosen} is taken ({exc}); pass --metrics-port N "
+                    "(0: none)", fg=typer.colors.YELLOW, err=True)
+        return
+    typer.echo(f"trainer metrics at http://{host}:{bound}/metrics", err=True)
 
 
 def _key_values(items: list[str]) -> dict:

@@ -34,6 +34,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from trainer.run_dir import not_a_run_folder
+
 CHECKPOINT_NAME = "checkpoint.safetensors"
 SENTIMENT_LABELS = {0: "negative", 1: "positive"}  # trainer.data.sentiment: label 1 = positive
 
@@ -199,12 +201,10 @@ def run_status(run_dir: Path) -> tuple[dict[str, Any], int, int | None]:
         ExportError: the folder is missing, holds no config.json, no checkpoint, or an unreadable one.
     """
     run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise ExportError(f"no run folder at {run_dir}")
+    why = not_a_run_folder(run_dir)
+    if why is not None:
+        raise ExportError(why)
     cfg_path, ckpt = run_dir / "config.json", run_dir / CHECKPOINT_NAME
-    if not cfg_path.is_file():
-        raise ExportError(f"{run_dir} is not a run folder (no config.json); pass the folder "
-                          "`sparecycles train` wrote")
     if not ckpt.is_file():
         raise ExportError(f"{run_dir} has no {CHECKPOINT_NAME}: the run stopped before its first checkpoint; "
                           "train it (or --resume it) to the end first")

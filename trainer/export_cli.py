@@ -15,6 +15,12 @@ def export(
 ) -> None:
     """Export a finished run's model for `transformers`: AutoModelForCausalLM (GPT-2 presets) or
     AutoModelForSequenceClassification (the MiniLM sentiment classifier) `.from_pretrained(OUT_DIR)`."""
+    from trainer.run_dir import not_a_run_folder
+
+    why = not_a_run_folder(run_dir)  # before the heavy imports (torch, transformers) of trainer.export
+    if why is not None:
+        typer.secho(f"error: {why}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2)
     from trainer.export import ExportError, export_run
 
     try:

@@ -63,8 +63,8 @@ class Method:
         summary: one line for --help and the README.
         build: (cfg, model, loss_fn, backend, timing) -> TrainMode.
         options: pydantic model of the method's own knobs (defaults = the tuned values).
-        optimizer: zo-curv methods: (param_groups, blocks, cfg, options) -> the ZO-Curv torch optimizer, a
-            trainer.zo.optimizers.CurvRule (every zo-curv method runs in trainer.zo.modes.ZOCurvMode).
+        optimizer: zo-curv methods built by `build_zocurv_mode`: (param_groups, blocks, cfg, options) -> the
+            ZO-Curv torch optimizer, a trainer.zo.optimizers.CurvRule (zocurv-static/-trust: their own mode).
         tasks: the `--task` values it runs on.
         fleet: whether its probe rounds can go to a fleet backend (`sparecycles up`); False: in process only.
         no_fleet_why: for a method with probes and fleet=False, why (`train --coordinator` / `up` say it).
@@ -95,8 +95,8 @@ class Method:
             object.__setattr__(self, "needs_probes", self.kind != "first-order")
         if self.kind not in KINDS:
             raise ValueError(f"method {self.name!r}: kind must be one of {KINDS}, got {self.kind!r}")
-        if (self.optimizer is not None) != (self.kind == "zo-curv"):
-            raise ValueError(f"method {self.name!r}: zo-curv methods, and only they, have an `optimizer` factory")
+        if self.optimizer is not None and self.kind != "zo-curv":
+            raise ValueError(f"method {self.name!r}: an `optimizer` factory is for zo-curv methods only")
         if self.needs_probes and not self.fleet and not self.no_fleet_why:
             raise ValueError(f"method {self.name!r}: say why its probes cannot go to a fleet (`no_fleet_why`)")
 
@@ -207,6 +207,32 @@ def _zocurv_role(groups, blocks, cfg, o: RoleOptions):
                            line=name in ("zocurv-global", "zocurv-group-global"), fixed=name == "zocurv-group-fixed",
                            options=o, probe_budget=cfg.probe_budget, probe_eps=cfg.eps,
                            interval=cfg.curvature_interval, seed=cfg.seed)
+class RegimeOptions(MethodOptions):
+    """zocurv-static / zocurv-trust (trainer.zo.regime_mode; issue 29): `norm` of Wang et al.'s table
+    ("geomean": parameter-weighted geometric mean 1, so the base lr means what AdamW's does; "smallest": the
+    raw table, Norm = 1; trainer.zo.block_table). zocurv-trust only: `start` at the table or at 1, `batches`
+    held-out probe batches per refresh (the SE is measured across them), the rule of
+    trainer.zo.trust_region (log-EMA β, |z| > z_min on `agree` consecutive refreshes, per-refresh ratio in
+    [r_min, r_max], multipliers in [m_min, m_max])."""
+
+    norm: Literal["geomean", "smallest"] = "geomean"
+    start: Literal["table", "one"] = "table"
+    batches: int = Field(6, ge=2, le=1024)
+    beta: float = Field(0.5, ge=0, lt=1)
+    z_min: float = Field(3.0, ge=0)
+    agree: int = Field(3, ge=1, le=1000)
+    r_min: float = Field(0.5, gt=0, le=1)
+    r_max: float = Field(2.0, ge=1)
+    m_min: float = Field(0.05, gt=0, le=1)
+    m_max: float = Field(20.0, ge=1)
+
+
+def build_regime_mode(cfg, model, loss_fn, backend=None, timing="async"):
+    """zocurv-static / zocurv-trust (trainer.zo.regime_mode.BlockRegimeMode). Raises ValueError for a backend:
+    the trust region's group-line probes run in process only."""
+    from trainer.zo.regime_mode import BlockRegimeMode
+
+    return BlockRegimeMode(cfg, model, loss_fn, backend)
 
 
 # ---- the table -----------------------------------------------------------------------------------------
@@ -231,6 +257,12 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            RoleOptions, _zocurv_role),
     Method("zocurv-group-fixed", "zo-curv", "ablation: Wang et al. 2025's per-role multipliers fixed, no probes",
            build_zocurv_mode, RoleOptions, _zocurv_role, needs_probes=False),
+    # Issue 29 (trainer.zo.regime_mode): block-type lrs, static (zero probes) or from the calibrated trust region.
+    Method("zocurv-static", "zo-curv", "AdamW with Wang et al. 2025's per-role lr table, normalised, no probes",
+           build_regime_mode, RegimeOptions, fleet=False, needs_probes=False),
+    Method("zocurv-trust", "zo-curv", "AdamW with per-role multipliers from a calibrated block trust region",
+           build_regime_mode, RegimeOptions, fleet=False, probes_along_step=True,
+           no_fleet_why="its group-line probes (trainer.zo.group_line) run in process only, in its own mode"),
     Method("mezo", "pure-zo", "MeZO: one Gaussian probe pair per step", build_pure_zo_mode,
            tasks=_LM_AND_SENTIMENT, sentiment_lr=1e-4),
     Method("1spsa", "pure-zo", "SPSA with K Rademacher probe pairs per step", build_pure_zo_mode,

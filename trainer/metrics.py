@@ -1,7 +1,9 @@
 """Trainer metrics (prometheus-client, default registry): what the Grafana dashboard plots.
 
-`serve(port)` exposes them over HTTP (the compose trainer and `sparecycles up` do); `record` is called by
-the training loop after every step and evaluation.
+`serve(port)` exposes them over HTTP: `sparecycles up` on a free port of 127.0.0.1 (listed in the run folder's
+prometheus.yml), `train --coordinator` on 127.0.0.1:9102 unless `--metrics-port` says otherwise, the compose trainer
+on 0.0.0.0:9102 (ops/prometheus.yml's target). `record` is called by the training loop after every step and
+evaluation.
 """
 
 from __future__ import annotations
@@ -30,6 +32,13 @@ def record(run: str, rec: dict[str, Any], tokens_per_step: int) -> None:
         CLIPPED.labels(run).set(rec["clipped_frac"])
 
 
-def serve(port: int, addr: str = "127.0.0.1") -> None:
-    """Serve /metrics on addr:port in a daemon thread (prometheus-client's own server)."""
-    start_http_server(port, addr=addr)
+DEFAULT_PORT = 9102  # `train --coordinator`'s port, and ops/prometheus.yml's trainer target
+
+
+def serve(port: int, addr: str = "127.0.0.1") -> int:
+    """Serve /metrics on addr:port in a daemon thread (prometheus-client's own server); port 0: one the OS picks.
+
+    Returns the bound port. Raises OSError when the port is taken or the address is not this host's.
+    """
+    server, _ = start_http_server(port, addr=addr)
+    return server.server_port

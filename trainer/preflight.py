@@ -44,7 +44,7 @@ def check_options(cfg: TrainConfig) -> None:
             raise ValueError(f"--seq-len {cfg.seq_len} exceeds MiniLM-L6's 512 positions")
     else:
         from trainer.data.corpus import CORPORA
-        from trainer.models.gpt2 import get_preset
+        from trainer.models.presets import get_preset
 
         if cfg.corpus not in CORPORA:
             raise ValueError(f"--corpus: unknown corpus {cfg.corpus!r}; valid names: {', '.join(sorted(CORPORA))}")

@@ -20,6 +20,21 @@ from trainer.report import read_metrics
 CHECKPOINT_NAME = "checkpoint.safetensors"
 
 
+def not_a_run_folder(path: Path) -> str | None:
+    """Why `path` is not the folder of one run (None when it holds a config.json), fit for a user: a missing
+    folder, or a folder of runs (`sparecycles up` writes one per run, e.g. adamw/ and zocurv-line/) naming them."""
+    path = Path(path)
+    if not path.is_dir():
+        return f"no run folder at {path}"
+    if (path / "config.json").is_file():
+        return None
+    runs = sorted(p.name for p in path.iterdir() if (p / "config.json").is_file())
+    if runs:
+        return (f"{path} holds {len(runs)} runs ({', '.join(runs)}; a `sparecycles up` folder): export one of them, "
+                f"e.g. `sparecycles export {path / runs[-1]} OUT_DIR`")
+    return f"{path} is not a run folder (no config.json); pass the folder `sparecycles train` wrote"
+
+
 def default_run_dir(cfg: TrainConfig) -> Path:
     """`runs/<model>-<corpus>-<optimizer>-s<seed>` under `trainer.paths.runs_dir()` (sentiment task:
     `runs/minilm-l6-sentiment-<optimizer>-s<seed>`)."""

@@ -21,6 +21,7 @@ import contextlib
 import logging
 import math
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -86,10 +87,7 @@ def train(
     # 1. run folder
     _prepare_device(cfg.device)
     run = RunDir.open(cfg, resume=resume, overwrite=overwrite)
-    if not progress:  # transformers draws its own bars (weight loading) outside our display
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
+    quiet_hf_bars(progress)
 
     # 2. build: task, model, step strategy
     task = build_task(cfg)
@@ -125,7 +123,8 @@ def train(
         failed = True
         try:
             for step in range(start, cfg.steps):
-                lr = lr_at(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps)
+                lr = lr_at(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps,
+                           schedule=cfg.schedule)
                 stats = mode.step(step, task.batch(step), lr)
                 if not math.isfinite(stats.get("loss", 0.0)):
                     raise FloatingPointError(f"loss became non-finite at step {step}; lower --lr")
@@ -174,6 +173,16 @@ def train(
     return RunResult(run.path, cfg.steps, initial["val_loss"], last_val["val_loss"], wall, summary)
 
 
+def quiet_hf_bars(progress: bool) -> None:
+    """Turn transformers' own progress bars ("Loading weights", "Writing model shards") off when `progress` is off
+    or stderr is no terminal (a log file): there each redraw would be a line of `\r`-joined bars. Our display
+    (rich) draws one final line there."""
+    if not progress or not sys.stderr.isatty():
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+
+
 def _close_mode(mode: TrainMode, failed: bool) -> None:
     """Close a mode that holds connections (the fleet's: `close(wait)` finishes or, after a failure, cancels its
     background uploads). A finished run raises a last upload's error; a failed one only logs it, so the error
@@ -199,14 +208,28 @@ def _prepare_device(device: str) -> None:
         torch.set_float32_matmul_precision("high")
 
 
+def status_progress(**kwargs: Any):
+    """A rich Progress over the steps whose status text (loss, val, the fleet's workers and probes/s) has a line of
+    its own under the bar, folded rather than cut at the terminal's width (on one line, 80 columns cut it)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+    from rich.text import Text
+
+    class StatusProgress(Progress):
+        def get_renderables(self):
+            yield self.make_tasks_table(self.tasks)
+            for task in self.tasks:
+                if task.fields.get("status"):
+                    yield Text("  " + task.fields["status"], overflow="fold")
+
+    return StatusProgress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                          TimeRemainingColumn(), **kwargs)
+
+
 @contextlib.contextmanager
 def _progress_bar(enabled: bool, description: str, total: int, completed: int,
                   status: Callable[[], str] | None) -> Iterator[Callable[[int, str], None]]:
     """A rich progress bar over the steps; yields show(done, text), which also appends `status()` if given."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeRemainingColumn(), TextColumn("{task.fields[status]}"), disable=not enabled) as bar:
+    with status_progress(disable=not enabled) as bar:
         bar_id = bar.add_task(description, total=total, completed=completed, status="")
 
         def show(done: int, text: str) -> None:

@@ -12,11 +12,41 @@ Public API:
 
 from __future__ import annotations
 
-from trainer.data.batches import batch_rng, get_batch, iter_eval_batches
-from trainer.data.corpus import CORPORA, Corpus, corpus_dir, fetch_corpus, load_corpus
-from trainer.data.sentiment import SentimentData, fetch_sentiment, load_sentiment
-from trainer.data.sources import ARTIFACTS, Artifact, DataFetchError, fetch_artifact
-from trainer.data.tokenizer import EOT, N_VOCAB, gpt2_encoding
+import importlib
+from typing import Any
+
+# name -> submodule: the package imports a submodule (torch, transformers, tiktoken) only when one of its
+# names is first used, so option checks (trainer.preflight) stay light.
+_EXPORTS = {
+    "batch_rng": "batches",
+    "get_batch": "batches",
+    "iter_eval_batches": "batches",
+    "CORPORA": "corpus",
+    "Corpus": "corpus",
+    "corpus_dir": "corpus",
+    "fetch_corpus": "corpus",
+    "load_corpus": "corpus",
+    "SentimentData": "sentiment",
+    "fetch_sentiment": "sentiment",
+    "load_sentiment": "sentiment",
+    "ARTIFACTS": "sources",
+    "Artifact": "sources",
+    "DataFetchError": "sources",
+    "fetch_artifact": "sources",
+    "EOT": "tokenizer",
+    "N_VOCAB": "tokenizer",
+    "gpt2_encoding": "tokenizer",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """`trainer.data.<name>` for a name of `_EXPORTS`, imported on first use (PEP 562)."""
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"trainer.data.{_EXPORTS[name]}"), name)
+    globals()[name] = value
+    return value
+
 
 TASKS = ("sentiment",)
 
@@ -53,6 +83,9 @@ def fetch_cli(corpus: str | None, task: str | None, force: bool) -> None:
     """
     from rich.console import Console
     from rich.table import Table
+
+    from trainer.data.corpus import CORPORA, corpus_dir, fetch_corpus
+    from trainer.data.sentiment import fetch_sentiment
 
     if corpus is None and task is None:
         raise ValueError(f"give a corpus ({', '.join(sorted(CORPORA))}) and/or a task ({', '.join(TASKS)})")

@@ -3,24 +3,48 @@
 Importing this package is light on I/O: pretrained weights are fetched only when a loader is called.
 """
 
-from trainer.models.fetch import MINILM_WHEEL, SMOLLM2_WHEEL, FetchError, WheelSpec, fetch_wheel
-from trainer.models.gpt2 import PRESETS, GPT2Preset, build_model, get_preset, init_gpt2_weights_
-from trainer.models.io import load_safetensors_into, read_safetensors_metadata, save_safetensors_model
-from trainer.models.params import (
-    canonical_parameters,
-    flatten_params,
-    num_params,
-    param_offsets,
-    param_order_hash,
-    unflatten_into_,
-)
-from trainer.models.pretrained import (
-    load_minilm_classifier,
-    load_smollm2,
-    mean_pool,
-    minilm_dir,
-    smollm2_dir,
-)
+import importlib
+from typing import Any
+
+# name -> submodule: the package imports a submodule (torch, transformers, tiktoken) only when one of its
+# names is first used, so option checks (trainer.preflight) stay light.
+_EXPORTS = {
+    "MINILM_WHEEL": "fetch",
+    "SMOLLM2_WHEEL": "fetch",
+    "FetchError": "fetch",
+    "WheelSpec": "fetch",
+    "fetch_wheel": "fetch",
+    "PRESETS": "presets",
+    "GPT2Preset": "presets",
+    "build_model": "gpt2",
+    "get_preset": "presets",
+    "init_gpt2_weights_": "gpt2",
+    "load_safetensors_into": "io",
+    "read_safetensors_metadata": "io",
+    "save_safetensors_model": "io",
+    "canonical_parameters": "params",
+    "flatten_params": "params",
+    "num_params": "params",
+    "param_offsets": "params",
+    "param_order_hash": "params",
+    "unflatten_into_": "params",
+    "load_minilm_classifier": "pretrained",
+    "load_smollm2": "pretrained",
+    "mean_pool": "pretrained",
+    "minilm_dir": "pretrained",
+    "smollm2_dir": "pretrained",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """`trainer.models.<name>` for a name of `_EXPORTS`, imported on first use (PEP 562)."""
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"trainer.models.{_EXPORTS[name]}"), name)
+    globals()[name] = value
+    return value
+
+
 
 __all__ = [
     "MINILM_WHEEL",

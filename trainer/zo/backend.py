@@ -21,6 +21,8 @@ from typing import Any, Protocol
 
 import torch
 
+from coordinator.bounds import Staleness, check
+from coordinator.staleness import is_stale, oldest_fresh
 from kernels import ProbeEvaluator
 from trainer.zo import probes
 from trainer.zo.probes import ProbeKind, RoundSpec, SeedResult
@@ -117,8 +119,10 @@ class InProcessBackend:
 
     def __init__(self, model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
                  history: int = 0, delay_rounds: int = 0, staleness: int | None = None) -> None:
-        if history < 0 or delay_rounds < 0 or (staleness is not None and staleness < 0):
-            raise ValueError("history, delay_rounds and staleness must be >= 0")
+        if history < 0 or delay_rounds < 0:
+            raise ValueError("history and delay_rounds must be >= 0")
+        if staleness is not None:
+            check(Staleness, staleness)
         self.model, self.loss_fn = model, loss_fn
         self.history, self.delay_rounds, self.staleness = history, delay_rounds, staleness
         self.blocks = probes.canonical_blocks(model)
@@ -189,13 +193,13 @@ class InProcessBackend:
                                 lambda s, a, d: self._seeded(r.batch, s, a, d), update)
 
     def _evaluate(self, r: RoundSpec) -> list[SeedResult]:
-        if r.group:
-            probes.check_group(r.group, len(self.blocks))
+        if r.blocks:
+            probes.check_group(r.blocks, len(self.blocks))
         site = self._site(r)
         l0 = self._loss(r.batch) if r.want_clean else None
         out = []
         for s in r.seeds:
-            lp, lm, scale = probes.probe_losses(site, r.kind, s, r.eps, r.dist, r.group, l0, r.slices)
+            lp, lm, scale = probes.probe_losses(site, r.kind, s, r.eps, r.distribution, r.blocks, l0, r.slices)
             out.append(SeedResult(r.round_id, s, r.version, lp, lm, l0, scale))
         return out
 
@@ -204,8 +208,7 @@ class InProcessBackend:
         delivered before is counted duplicate; neither is handed out."""
         for res in results:
             key = (res.round_id, res.seed)
-            if self.staleness is not None and self._latest is not None and \
-                    self._latest - res.version > self.staleness:
+            if self._latest is not None and is_stale(res.version, self._latest, self.staleness):
                 self._counts["stale"] += 1
             elif key in self._accepted:
                 self._counts["duplicate"] += 1
@@ -213,7 +216,7 @@ class InProcessBackend:
                 self._accepted[key] = res.version
                 self._ready.append(res)
         if self.staleness is not None and self._latest is not None:  # older keys can only be stale now
-            floor = self._latest - self.staleness
+            floor = oldest_fresh(self._latest, self.staleness)
             self._accepted = {k: v for k, v in self._accepted.items() if v >= floor}
 
     def submit(self, probe_round: RoundSpec) -> None:

@@ -5,14 +5,14 @@ Accelerating Language Model Pre-Training" (ICML 2025): embeddings (Emb), attenti
 attention value-output (VO), feed-forward (FFN), normalisation (Norm), plus an untied output head (Head).
 Assignment is by module / parameter *name* and *shape*, never by tensor index, so it holds for any depth:
 
-| role | GPT2LMHeadModel | LlamaForCausalLM (SmolLM2, Mistral, Qwen2 share the names) |
-| --- | --- | --- |
-| embed | transformer.wte, transformer.wpe | model.embed_tokens |
-| qk | attn.c_attn output columns [0, 2D) (weight) / entries [0, 2D) (bias) | self_attn.q_proj, k_proj |
-| vo | attn.c_attn columns [2D, 3D) + attn.c_proj | self_attn.v_proj, o_proj |
-| ffn | mlp.c_fc, mlp.c_proj | mlp.gate_proj, up_proj, down_proj |
-| norm | ln_1, ln_2, ln_f | input_layernorm, post_attention_layernorm, model.norm |
-| head | lm_head when untied (tied: it *is* wte, listed once, role embed) | lm_head when untied |
+| role | GPT2LMHeadModel | LlamaForCausalLM (SmolLM2, Mistral, Qwen2/3 share the names) | OPTForCausalLM |
+| --- | --- | --- | --- |
+| embed | transformer.wte, transformer.wpe | model.embed_tokens | embed_tokens, embed_positions |
+| qk | attn.c_attn output columns [0, 2D) (weight) / entries [0, 2D) (bias) | self_attn.q_proj, k_proj | q_proj, k_proj |
+| vo | attn.c_attn columns [2D, 3D) + attn.c_proj | self_attn.v_proj, o_proj | v_proj, out_proj |
+| ffn | mlp.c_fc, mlp.c_proj | mlp.gate_proj, up_proj, down_proj | fc1, fc2 |
+| norm | ln_1, ln_2, ln_f | input_layernorm, post_attention_layernorm, model.norm (Qwen3: + q_norm, k_norm) | *_layer_norm |
+| head | lm_head when untied (tied: it *is* wte, listed once, role embed) | lm_head when untied | lm_head when untied |
 
 GPT-2's fused `c_attn` is a Conv1D (y = x·W + b, W of shape (D, 3D)): the output features are W's
 *columns*, ordered [q | k | v] (transformers' GPT2Attention splits `c_attn(x)` along the last dim into
@@ -100,10 +100,14 @@ _RULES: tuple[tuple[str, Role], ...] = (
     (r"(^|\.)(wte|wpe|embed_tokens|embed_positions)\.weight$", Role.EMBED),
     (r"(^|\.)lm_head\.weight$", Role.HEAD),
     (r"(^|\.)(q_proj|k_proj)\.(weight|bias)$", Role.QK),
-    (r"(^|\.)(v_proj|o_proj)\.(weight|bias)$", Role.VO),
+    (r"(^|\.)(v_proj|o_proj|out_proj)\.(weight|bias)$", Role.VO),
     (r"(^|\.)attn\.c_proj\.(weight|bias)$", Role.VO),
     (r"(^|\.)mlp\.(c_fc|c_proj|gate_proj|up_proj|down_proj)\.(weight|bias)$", Role.FFN),
-    (r"(^|\.)(ln_\d+|ln_f|input_layernorm|post_attention_layernorm|norm)\.(weight|bias)$", Role.NORM),
+    (r"(^|\.)layers\.\d+\.(fc1|fc2)\.(weight|bias)$", Role.FFN),  # OPT: the MLP sits on the layer itself
+    # q_norm / k_norm (Qwen3, OLMo2) normalise per head before the dot product: Norm, as every norm gain
+    (r"(^|\.)(ln_\d+|ln_f|input_layernorm|post_attention_layernorm|pre_feedforward_layernorm|"
+     r"post_feedforward_layernorm|self_attn_layer_norm|final_layer_norm|q_norm|k_norm|norm)\.(weight|bias)$",
+     Role.NORM),
 )
 _C_ATTN = re.compile(r"(^|\.)attn\.c_attn\.(weight|bias)$")
 
@@ -151,7 +155,7 @@ def assign_roles(named_params: Sequence[tuple[str, torch.Tensor]]) -> GroupMap:
         groups[role].append(Segment(i, name, shape))
     if unknown:
         raise ValueError(f"no role for parameters {unknown[:8]}{' ...' if len(unknown) > 8 else ''}; "
-                         "trainer.zo.groups knows GPT-2 and Llama-family names")
+                         "trainer.zo.groups knows GPT-2, Llama-family (Llama, SmolLM2, Mistral, Qwen2/3) and OPT names")
     return GroupMap({r: tuple(s) for r, s in groups.items() if s},
                     tuple(p.numel() for _, p in named_params))
 

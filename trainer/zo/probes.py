@@ -33,6 +33,7 @@ of kernels.canonical_offsets, the one place offsets are computed.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -42,7 +43,8 @@ from typing import Any
 
 import torch
 
-from coordinator.messages import check_line_seeds
+from coordinator.bounds import ProbeEps, check
+from coordinator.messages import ProbeRound, check_line_seeds
 from kernels import canonical_offsets, perturb
 from trainer.zo import estimators as est
 
@@ -93,14 +95,15 @@ class RoundSpec:
         batch: task batch passed to the loss function as is (in process: tensors).
         eps: probe step ε > 0 (parameter units, for a unit-RMS direction).
         seeds: probe seeds (``along_update``: block indices; ``line``: step multiples j >= 1).
-        dist: "rademacher" or "gauss8" (``seeded`` and ``group``).
+        distribution: "rademacher" or "gauss8" (``seeded`` and ``group``).
         want_clean: also evaluate L0 = L(θ_v).
         kind: a ProbeKind.
         base_version: θ_base for ``along_update`` (usually version − 1) and ``line`` (an earlier refresh).
-        group: sorted, distinct canonical block indices perturbed by a ``group`` round (empty otherwise).
-        slices: (block, dim, start, stop) of the blocks of `group` a ``group`` round perturbs only in part:
-            elements with index in [start, stop) along `dim`; every other block of `group` whole.
-    Raises ValueError at construction for an empty or repeated seed list, eps <= 0 or non-finite, and fields
+        blocks: sorted, distinct canonical block indices perturbed by a ``group`` round (empty otherwise).
+        slices: (block, dim, start, stop) of the blocks of `blocks` a ``group`` round perturbs only in part:
+            elements with index in [start, stop) along `dim`; every other block of `blocks` whole.
+    The field names are the wire's (coordinator.messages.ProbeRound), so `to_wire` copies none by hand.
+    Raises ValueError at construction for an empty or repeated seed list, eps outside ProbeEps, and fields
     the kind needs or forbids (`check_kind_fields`).
     """
 
@@ -109,11 +112,11 @@ class RoundSpec:
     batch: Any
     eps: float
     seeds: tuple[int, ...]
-    dist: str = "rademacher"
+    distribution: str = "rademacher"
     want_clean: bool = False
     kind: ProbeKind = ProbeKind.SEEDED
     base_version: int | None = None
-    group: tuple[int, ...] = ()
+    blocks: tuple[int, ...] = ()
     slices: tuple[BlockSlice, ...] = ()
 
     def __post_init__(self) -> None:
@@ -121,11 +124,20 @@ class RoundSpec:
             raise ValueError("a probe round needs at least one seed")
         if len(set(self.seeds)) != len(self.seeds):
             raise ValueError("seeds of a round must be distinct (results are deduplicated by (round, seed))")
-        if not (self.eps > 0 and math.isfinite(self.eps)):
-            raise ValueError(f"eps must be finite and > 0, got {self.eps}")
-        check_kind_fields(ProbeKind(self.kind), self.base_version, self.group)
-        check_slices(self.slices, self.group)
+        check(ProbeEps, self.eps)
+        check_kind_fields(ProbeKind(self.kind), self.base_version, self.blocks)
+        check_slices(self.slices, self.blocks)
         check_line_seeds(ProbeKind(self.kind).value, list(self.seeds), self.eps)  # the wire's bound, refused here
+
+    def to_wire(self, run: str, batch_sha256: str) -> ProbeRound:
+        """This round as the coordinator receives it, its batch uploaded as blob `batch_sha256`: every field
+        but `batch` under its own name (JSON types: lists, the kind's wire name), schema 2 only for group
+        rounds (`blocks`). Raises pydantic.ValidationError for what the wire refuses (e.g. a round id)."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "batch"}
+        fields.update(eps=float(self.eps), distribution=str(self.distribution), seeds=[int(x) for x in self.seeds],
+                      kind=ProbeKind(self.kind).value,
+                      blocks=[int(b) for b in self.blocks] or None, schema_version=2 if self.blocks else 1)
+        return ProbeRound(run=run, batch_sha256=batch_sha256, **fields)
 
 
 @dataclass(frozen=True)

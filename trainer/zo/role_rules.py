@@ -74,8 +74,8 @@ def role_round(gmap: GroupMap, role: Role, **spec: Any) -> RoundSpec:
     `spec`: the other RoundSpec fields (round_id, version, batch, eps, seeds, want_clean)."""
     segs = gmap.groups[role]
     slices = tuple(sorted((s.block, s.dim, s.start, s.stop) for s in segs if s.dim is not None))
-    return RoundSpec(**spec, dist="rademacher", kind=ProbeKind.GROUP, group=tuple(sorted({s.block for s in segs})),
-                     slices=slices)
+    return RoundSpec(**spec, distribution="rademacher", kind=ProbeKind.GROUP,
+                     blocks=tuple(sorted({s.block for s in segs})), slices=slices)
 
 
 def group_estimates(refresh: Refresh, gmap: GroupMap) -> tuple[dict[Role, CurvEstimate], dict[str, float]]:
@@ -95,35 +95,24 @@ def group_estimates(refresh: Refresh, gmap: GroupMap) -> tuple[dict[Role, CurvEs
     return out, eps
 
 
-class ZOCurvRoleAdamW(ZOCurvOptimizer):
-    """AdamW whose block b steps with lr·global_mult·s_b (module docstring), s_b from the per-role multipliers.
+class ScaledAdamW(ZOCurvOptimizer):
+    """AdamW whose block b steps with lr·global_mult·block_mult[b] (module docstring), fp32 params only.
 
     θ ← θ·(1 − lr_b·wd);  θ ← θ − lr_b·m̂/(√v̂ + eps),  lr_b = lr·g·s_b  (torch.optim.AdamW's op order).
 
-    Args: params/lr/betas/eps/weight_decay as torch.optim.AdamW; blocks: the canonical parameter list; gmap: their
-    roles (trainer.zo.groups.assign_roles); group_probes / line / fixed: which variant (module docstring);
-    options: trainer.methods.RoleOptions; probe_budget, probe_eps (relative ε), interval (curvature_interval), seed.
-    Raises ValueError when `blocks` is not exactly the optimised parameters, TypeError for a non-fp32 parameter.
+    Args: params/lr/betas/eps/weight_decay as torch.optim.AdamW; blocks: the canonical parameter list the
+    multipliers index. Raises ValueError when `blocks` is not exactly the optimised parameters, TypeError for a
+    non-fp32 parameter.
     """
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1,
-                 *, blocks: Sequence[torch.Tensor], gmap: GroupMap, group_probes: bool, line: bool, fixed: bool,
-                 options: Any, probe_budget: int, probe_eps: float, interval: int, seed: int) -> None:
+                 *, blocks: Sequence[torch.Tensor], probe_eps: float = 1e-3, seed: int = 0) -> None:
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}, blocks=blocks,
                          curv_size=None, curv_beta=0.0, probes=1, probe_eps=probe_eps, seed=seed)
         if any(p.dtype != torch.float32 for p in self.blocks):
-            raise TypeError("ZOCurvRoleAdamW keeps no fp32 masters: train fp32 weights")
-        self.gmap, self.opts, self.interval = gmap, options, interval
-        self.group_probes, self.line = group_probes, line
-        self.history = 2 if line else 0
-        self.log_prefix = "group" if group_probes else "line"
-        self.per_role = max(2, (probe_budget - 1) // (2 * len(gmap.roles)))
-        self.mult = {r: WANG2025_MULTIPLIERS[r.value] if fixed else 1.0 for r in gmap.roles}
+            raise TypeError(f"{type(self).__name__} keeps no fp32 masters: train fp32 weights")
+        self.block_mult: list[float | torch.Tensor] = [1.0] * len(self.blocks)
         self.global_mult = 1.0
-        self._apply()
-
-    def _apply(self) -> None:
-        self.block_mult = block_multipliers(self.gmap, self.mult, [p.device for p in self.blocks])
 
     def _multipliers(self) -> list[float | torch.Tensor]:
         return self.block_mult
@@ -135,6 +124,30 @@ class ZOCurvRoleAdamW(ZOCurvOptimizer):
         if isinstance(s[b], torch.Tensor):
             return lr, s[b], s[b]
         return lr * s[b], 1.0, 1.0
+
+
+class ZOCurvRoleAdamW(ScaledAdamW):
+    """ScaledAdamW whose multipliers come from ZO probes: the per-role and global rules (module docstring).
+
+    Args: as ScaledAdamW, plus gmap: the blocks' roles (trainer.zo.groups.assign_roles); group_probes / line /
+    fixed: which variant; options: trainer.methods.RoleOptions; probe_budget, probe_eps (relative ε), interval
+    (curvature_interval), seed.
+    """
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1,
+                 *, blocks: Sequence[torch.Tensor], gmap: GroupMap, group_probes: bool, line: bool, fixed: bool,
+                 options: Any, probe_budget: int, probe_eps: float, interval: int, seed: int) -> None:
+        super().__init__(params, lr, betas, eps, weight_decay, blocks=blocks, probe_eps=probe_eps, seed=seed)
+        self.gmap, self.opts, self.interval = gmap, options, interval
+        self.group_probes, self.line = group_probes, line
+        self.history = 2 if line else 0
+        self.log_prefix = "group" if group_probes else "line"
+        self.per_role = max(2, (probe_budget - 1) // (2 * len(gmap.roles)))
+        self.mult = {r: WANG2025_MULTIPLIERS[r.value] if fixed else 1.0 for r in gmap.roles}
+        self._apply()
+
+    def _apply(self) -> None:
+        self.block_mult = block_multipliers(self.gmap, self.mult, [p.device for p in self.blocks])
 
     # ---- CurvRule ------------------------------------------------------------------------------
     def publishes(self, step: int, interval: int) -> bool:

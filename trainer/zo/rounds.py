@@ -27,14 +27,12 @@ from typing import Any
 
 import torch
 
+from coordinator.bounds import Staleness, check
+from coordinator.staleness import is_stale
 from trainer.zo.backend import COUNT_KEYS, Collected, ProbeBackend
 from trainer.zo.probes import ProbeKind, RoundSpec, SeedResult
 
 FOLD_TIMINGS = ("async", "sync", "next")
-
-
-def is_stale(version: int, latest: int, staleness: int) -> bool:  # TODO: coordinator's one rule once it lands
-    return latest - version > staleness
 _TAKEN = ("accepted", "stale", "duplicate")  # the authority's counts a run logs (COUNT_KEYS' first three)
 
 
@@ -42,20 +40,18 @@ class RoundBook:
     """Rounds issued and not yet folded or dropped (module docstring).
 
     Args:
-        staleness: bound S in versions: a round of version u still incomplete at a refresh of version v is
-            dropped when coordinator.staleness.is_stale(u, v, S).
+        staleness: bound S in versions (coordinator.bounds.Staleness): a round of version u still incomplete at a
+            refresh of version v is dropped when coordinator.staleness.is_stale(u, v, S).
         timing: one of FOLD_TIMINGS.
         timeout_s: the longest `collect` / `before_publish` wait for one round under "sync" and "next" (seconds).
     Attributes: counts ({accepted, stale, duplicate}: the authority's outcomes, summed), dropped (rounds dropped).
-    Raises ValueError for an unknown timing or a negative bound.
+    Raises ValueError for an unknown timing or a bound outside Staleness.
     """
 
     def __init__(self, staleness: int, timing: str = "async", timeout_s: float = 300.0) -> None:
         if timing not in FOLD_TIMINGS:
             raise ValueError(f"timing must be one of {FOLD_TIMINGS}, got {timing!r}")
-        if staleness < 0:
-            raise ValueError(f"staleness bound must be >= 0, got {staleness}")
-        self.staleness, self.timing, self.timeout_s = staleness, timing, timeout_s
+        self.staleness, self.timing, self.timeout_s = check(Staleness, staleness), timing, timeout_s
         self.counts = dict.fromkeys(_TAKEN, 0)
         self.dropped = 0
         self._pending: dict[str, RoundSpec] = {}  # issued, not folded nor dropped (issue order = version order)
@@ -168,8 +164,8 @@ class RoundBook:
             if batch:
                 tensors.update({f"round/{i}/batch/{j}": t.contiguous() for j, t in enumerate(r.batch)})
             rounds.append({"round_id": rid, "version": r.version, "eps": r.eps, "seeds": list(r.seeds),
-                           "dist": r.dist, "want_clean": r.want_clean, "kind": ProbeKind(r.kind).value,
-                           "base_version": r.base_version, "group": list(r.group),
+                           "distribution": r.distribution, "want_clean": r.want_clean,
+                           "kind": ProbeKind(r.kind).value, "base_version": r.base_version, "blocks": list(r.blocks),
                            "slices": [list(s) for s in r.slices],
                            "batch_len": len(r.batch) if batch else None,
                            "arrived": [dataclasses.asdict(x) for x in self._arrived[rid].values()]})
@@ -188,9 +184,12 @@ class RoundBook:
                 self.dropped += 1
                 continue
             batch = tuple(tensors[f"round/{i}/batch/{j}"] for j in range(d["batch_len"]))
-            r = RoundSpec(d["round_id"], int(d["version"]), batch, float(d["eps"]), tuple(d["seeds"]), d["dist"],
-                          want_clean=bool(d["want_clean"]), kind=ProbeKind(d["kind"]), base_version=d["base_version"],
-                          group=tuple(d["group"]), slices=tuple(tuple(s) for s in d.get("slices", [])))
+            # checkpoints written before the round fields took the wire's names say "dist" and "group"
+            r = RoundSpec(d["round_id"], int(d["version"]), batch, float(d["eps"]), tuple(d["seeds"]),
+                          d.get("distribution", d.get("dist")), want_clean=bool(d["want_clean"]),
+                          kind=ProbeKind(d["kind"]), base_version=d["base_version"],
+                          blocks=tuple(d.get("blocks", d.get("group", ()))),
+                          slices=tuple(tuple(s) for s in d.get("slices", [])))
             self._pending[r.round_id] = r
             self._arrived[r.round_id] = {int(x["seed"]): SeedResult(**x) for x in d["arrived"]}
 
