@@ -236,8 +236,7 @@ class Fleet:
         from coordinator.messages import RunSpec
         from fleet.backend import CoordinatorBackend
         from fleet.batch_wire import batch_kind_for_model, loss_for_kind
-        from trainer.methods import fleet_method_names, get_method
-        from trainer.modes import build_mode
+        from trainer.methods import build_mode, fleet_method_names, get_method
 
         method = get_method(cfg.optimizer)
         if cfg.optimizer not in fleet_method_names():

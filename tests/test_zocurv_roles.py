@@ -9,9 +9,9 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from trainer.config import TrainConfig
+from trainer.methods import build_mode
 from trainer.zo.backend import InProcessBackend
 from trainer.zo.groups import Role, assign_roles, block_multipliers, model_roles
-from trainer.zo.modes import ZOCurvMode
 from trainer.zo.multipliers import (
     WANG2025_MULTIPLIERS,
     CurvEstimate,
@@ -349,7 +349,7 @@ def _lm_loss(model, batch):
 def test_role_mode_steps_logs_and_resumes(name):
     cfg = TrainConfig(model="gpt2-tiny", optimizer=name, lr=1e-3, steps=6, warmup_steps=1, curvature_interval=2,
                       probe_budget=21, probe_batch_size=2, eps=1e-2, batch_size=2, seq_len=8)
-    mode = ZOCurvMode(cfg, tiny_gpt2(), _lm_loss)
+    mode = build_mode(cfg, tiny_gpt2(), _lm_loss)
     gen = torch.Generator().manual_seed(0)
     logs = []
     for step in range(5):
@@ -365,7 +365,7 @@ def test_role_mode_steps_logs_and_resumes(name):
         assert "line_snr" in logs[2] and "line_snr" not in logs[0]  # the first refresh has no θ_{t−k}
     assert all(1.0 <= r[k] <= 10.0 for r in logs for k in r if k.startswith("mult_"))
     tensors, meta = mode.extra_state()
-    other = ZOCurvMode(cfg, tiny_gpt2(), _lm_loss)
+    other = build_mode(cfg, tiny_gpt2(), _lm_loss)
     other.load_extra_state(tensors, meta)
     assert other.optimizer.mult == mode.optimizer.mult and other.optimizer.global_mult == mode.optimizer.global_mult
     assert sorted(other.backend.snapshots) == ([4] if 'global' in name else [])  # θ at the last refresh
@@ -375,10 +375,10 @@ def test_role_options_come_from_the_registry():
     from pydantic import ValidationError
 
     cfg = TrainConfig(model="gpt2-tiny", optimizer="zocurv-group", optimizer_options={"s_max": 3.0, "negative": "flat"})
-    opts = ZOCurvMode(cfg, tiny_gpt2(), _lm_loss).optimizer.opts
+    opts = build_mode(cfg, tiny_gpt2(), _lm_loss).optimizer.opts
     assert (opts.s_max, opts.negative, opts.gamma) == (3.0, "flat", 0.5)
     cfg = TrainConfig(model="gpt2-tiny", optimizer="zocurv-group")
-    assert ZOCurvMode(cfg, tiny_gpt2(), _lm_loss).optimizer.opts.negative == "skip"
+    assert build_mode(cfg, tiny_gpt2(), _lm_loss).optimizer.opts.negative == "skip"
     with pytest.raises(ValidationError):
         TrainConfig(model="gpt2-tiny", optimizer="zocurv-global", optimizer_options={"s_maximum": 3.0})
 

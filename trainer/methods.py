@@ -2,7 +2,7 @@
 
 One table (`METHODS`) replaces the name lists that used to be spread over the config, the CLIs, the
 training modes and the benchmarks: `TrainConfig` validates `optimizer`/`optimizer_options` against it,
-the CLIs take their choices from it, `trainer.modes.build_mode` builds through it.
+the CLIs take their choices from it, `build_mode` builds through it.
 
 Adding a method (e.g. a new ZO-Curv variant) is one entry in `METHODS` below:
 
@@ -25,7 +25,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel
+
+from trainer.method_options import (  # noqa: F401  (MethodOptions: public here too)
+    BlockOptions,
+    LineOptions,
+    MethodOptions,
+    RegimeOptions,
+    RoleOptions,
+    SophiaOptions,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -44,12 +53,6 @@ Builder = Callable[["TrainConfig", "torch.nn.Module", Callable[..., Any], "Probe
 # optimizer(param_groups, blocks, cfg, options) -> a trainer.zo.optimizers.CurvRule torch optimizer (zo-curv only);
 # blocks: the model's canonical blocks (trainer.zo.probes.Block: name, parameter, offset), in order.
 OptimizerFactory = Callable[[list[dict], list["Block"], "TrainConfig", BaseModel], Any]
-
-
-class MethodOptions(BaseModel):
-    """Base of a method's own knobs: frozen, unknown keys refused. Methods without knobs use it as is."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 @dataclass(frozen=True)
@@ -105,7 +108,19 @@ class Method:
         return self.options(**(given or {}))
 
 
-# ---- builders (lazy imports: this module stays torch-free) --------------------------------------------
+# ---- builders (lazy imports: this module stays torch-free; the modes import nothing of it) ------------------
+def build_mode(cfg, model, loss_fn=None, backend=None, timing="async"):
+    """The step strategy (a trainer.modes.TrainMode) of `cfg.optimizer` on `loss_fn` (default: the causal-LM
+    loss), built by its registered builder. `backend` evaluates probe rounds (default: in process on `model`;
+    `sparecycles up` passes the fleet's CoordinatorBackend); first-order methods ignore it. `timing`: when ZO-Curv
+    rounds fold (trainer.zo.rounds.FOLD_TIMINGS). The method/task pairing is checked by TrainConfig.
+    Raises ValueError for an unregistered name.
+    """
+    if loss_fn is None:
+        from trainer.models.losses import lm_batch_loss as loss_fn
+    return get_method(cfg.optimizer).build(cfg, model, loss_fn, backend, timing)
+
+
 def build_first_order_mode(cfg, model, loss_fn, backend=None, timing="async"):
     """Backprop AdamW (trainer.modes.AdamWMode); `backend` and `timing` are unused."""
     from trainer.modes import AdamWMode
@@ -113,11 +128,27 @@ def build_first_order_mode(cfg, model, loss_fn, backend=None, timing="async"):
     return AdamWMode(model, cfg, loss_fn)
 
 
+def build_optimizer(cfg, model):
+    """The ZO-Curv optimizer (a trainer.zo.optimizers.CurvRule) of `cfg.optimizer` from its registered factory,
+    weight decay on matrices only (as AdamWMode), blocks in canonical order. Raises ValueError for a method
+    without a factory."""
+    from trainer.zo.probes import canonical_blocks
+
+    method = get_method(cfg.optimizer)
+    if method.optimizer is None:
+        raise ValueError(f"{cfg.optimizer!r} is not a ZO-Curv optimizer (its kind is {method.kind})")
+    canonical = canonical_blocks(model)
+    params = [b.param for b in canonical]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return method.optimizer(groups, canonical, cfg, method.parse_options(cfg.optimizer_options))
+
+
 def build_zocurv_mode(cfg, model, loss_fn, backend=None, timing="async"):
     """Backprop with a ZO-Curv optimizer (the method's `optimizer` factory) and periodic probe rounds."""
     from trainer.zo.modes import ZOCurvMode
 
-    return ZOCurvMode(cfg, model, loss_fn, backend, timing)
+    return ZOCurvMode(cfg, model, build_optimizer(cfg, model), loss_fn, backend, timing)
 
 
 def build_pure_zo_mode(cfg, model, loss_fn, backend=None, timing="async"):
@@ -132,28 +163,11 @@ def _zocurv_common(blocks, cfg) -> dict[str, Any]:
     return {"blocks": [b.param for b in blocks], "probe_eps": cfg.eps, "seed": cfg.seed}
 
 
-class BlockOptions(MethodOptions):
-    """zocurv-block: s_b = clip(ρ/D_b, s_min, s_max) (ρ None: median of the positive D_b); curvature EMA β."""
-
-    rho: float | None = Field(None, gt=0)
-    s_min: float = Field(0.5, gt=0, le=1)
-    s_max: float = Field(2.0, ge=1)
-    curv_beta: float = Field(0.9, ge=0, lt=1)
-
-
 def _zocurv_block(groups, blocks, cfg, o: BlockOptions):
     from trainer.zo.optimizers import ZOCurvBlockAdamW
 
     return ZOCurvBlockAdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), probes=cfg.probes, rho=o.rho,
                             s_min=o.s_min, s_max=o.s_max, curv_beta=o.curv_beta, **_zocurv_common(blocks, cfg))
-
-
-class SophiaOptions(MethodOptions):
-    """zocurv-sophia: curvature per block or per coordinate, Sophia's γ and its curvature EMA β2."""
-
-    granularity: Literal["block", "coordinate"] = "block"
-    gamma: float = Field(0.01, gt=0)
-    beta2: float = Field(0.99, ge=0, lt=1)
 
 
 def _zocurv_sophia(groups, blocks, cfg, o: SophiaOptions):
@@ -163,37 +177,11 @@ def _zocurv_sophia(groups, blocks, cfg, o: SophiaOptions):
                         probes=cfg.probes, **_zocurv_common(blocks, cfg))
 
 
-class LineOptions(MethodOptions):
-    """zocurv-line: multiplier bounds [s_min, s_max], per-round ratio bounds [r_min, r_max], EMA β."""
-
-    s_min: float = Field(0.25, gt=0, le=1)
-    s_max: float = Field(4.0, ge=1)
-    r_min: float = Field(0.5, gt=0, le=1)
-    r_max: float = Field(2.0, ge=1)
-    curv_beta: float = Field(0.5, ge=0, lt=1)
-
-
 def _zocurv_line(groups, blocks, cfg, o: LineOptions):
     from trainer.zo.optimizers import ZOCurvLine
 
     return ZOCurvLine(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), s_min=o.s_min, s_max=o.s_max,
                       r_min=o.r_min, r_max=o.r_max, curv_beta=o.curv_beta, **_zocurv_common(blocks, cfg))
-
-
-class RoleOptions(MethodOptions):
-    """zocurv-group / -global / -group-global / -group-fixed (trainer.zo.role_rules; issue 17): group multipliers
-    s_G = clip((S_max/S_G)^γ, 1, s_max) with EMA `group_beta`, trusted when |SNR| >= snr_min, a trusted
-    negative curvature "skip"ped (default: the quadratic rule gives no step there) or read as "flat" (target
-    s_max: the first H200 run's rule); global multiplier capped at m_max with EMA `global_beta`
-    (trainer.zo.multipliers.update_group_multipliers)."""
-
-    gamma: float = Field(0.5, ge=0)
-    s_max: float = Field(10.0, ge=1)
-    group_beta: float = Field(0.5, ge=0, lt=1)
-    snr_min: float = Field(2.0, ge=0)
-    negative: Literal["flat", "skip"] = "skip"
-    m_max: float = Field(4.0, ge=1)
-    global_beta: float = Field(0.5, ge=0, lt=1)
 
 
 def _zocurv_role(groups, blocks, cfg, o: RoleOptions):
@@ -207,26 +195,6 @@ def _zocurv_role(groups, blocks, cfg, o: RoleOptions):
                            line=name in ("zocurv-global", "zocurv-group-global"), fixed=name == "zocurv-group-fixed",
                            options=o, probe_budget=cfg.probe_budget, probe_eps=cfg.eps,
                            interval=cfg.curvature_interval, seed=cfg.seed)
-class RegimeOptions(MethodOptions):
-    """zocurv-static / zocurv-trust (trainer.zo.regime_mode; issue 29): `norm` of Wang et al.'s table
-    ("geomean": parameter-weighted geometric mean 1, so the base lr means what AdamW's does; "smallest": the
-    raw table, Norm = 1; trainer.zo.block_table). zocurv-trust only: `start` at the table or at 1, `batches`
-    held-out probe batches per refresh (the SE is measured across them), the rule of
-    trainer.zo.trust_region (log-EMA β, |z| > z_min on `agree` consecutive refreshes, per-refresh ratio in
-    [r_min, r_max], multipliers in [m_min, m_max])."""
-
-    norm: Literal["geomean", "smallest"] = "geomean"
-    start: Literal["table", "one"] = "table"
-    batches: int = Field(6, ge=2, le=1024)
-    beta: float = Field(0.5, ge=0, lt=1)
-    z_min: float = Field(3.0, ge=0)
-    agree: int = Field(3, ge=1, le=1000)
-    r_min: float = Field(0.5, gt=0, le=1)
-    r_max: float = Field(2.0, ge=1)
-    m_min: float = Field(0.05, gt=0, le=1)
-    m_max: float = Field(20.0, ge=1)
-
-
 def build_regime_mode(cfg, model, loss_fn, backend=None, timing="async"):
     """zocurv-static / zocurv-trust (trainer.zo.regime_mode.BlockRegimeMode). Raises ValueError for a backend:
     the trust region's group-line probes run in process only."""

@@ -36,7 +36,8 @@ from trainer import metrics as prom
 from trainer.checkpoint import Checkpointer
 from trainer.config import TrainConfig, lr_at
 from trainer.events import EventLog
-from trainer.modes import AdamWMode, TrainMode, build_mode  # noqa: F401  (AdamWMode: tests patch it here)
+from trainer.methods import build_mode
+from trainer.modes import AdamWMode, TrainMode  # noqa: F401  (AdamWMode: tests patch it here)
 from trainer.report import plot_loss_curves
 from trainer.run_dir import CHECKPOINT_NAME, RunDir, default_run_dir  # noqa: F401  (public here too)
 from trainer.tasks import LMTask, Task, build_task, evaluate, lm_batch_loss, lm_loss  # noqa: F401  (likewise)

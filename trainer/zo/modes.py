@@ -2,8 +2,8 @@
 
 - `ZOCurvMode` (kind "zo-curv": every zocurv-* method): backprop on the training batch plus a curvature refresh
   every `curvature_interval` steps on the first `probe_batch_size` sequences of that batch; the optimizer (a
-  trainer.zo.optimizers.CurvRule) comes from the method's `optimizer` factory, the rounds' lifecycle is a
-  trainer.zo.rounds.RoundBook;
+  trainer.zo.optimizers.CurvRule) comes from the method's `optimizer` factory (trainer.methods.build_optimizer),
+  the rounds' lifecycle is a trainer.zo.rounds.RoundBook;
 - `PureZOMode` (kind "pure-zo": mezo, 1spsa, 1.5spsa): no backward, K probes per step on the whole batch.
 Every mode implements trainer.modes.TrainMode (step / extra_state / load_extra_state).
 """
@@ -12,31 +12,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainer.config import TrainConfig
-from trainer.methods import get_method
 from trainer.models.losses import lm_batch_loss
 from trainer.zo.backend import InProcessBackend, ProbeBackend
 from trainer.zo.optimizers import CurvRule
-from trainer.zo.probes import canonical_blocks
 from trainer.zo.rounds import RoundBook
 from trainer.zo.zo_step import ZOStepper
 
-
-def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
-    """The ZO-Curv optimizer of `cfg.optimizer` from its registered factory, weight decay on matrices only (as
-    AdamWMode), blocks in canonical order. Raises ValueError for a method that is not of kind zo-curv."""
-    method = get_method(cfg.optimizer)
-    if method.optimizer is None:
-        raise ValueError(f"{cfg.optimizer!r} is not a ZO-Curv optimizer (its kind is {method.kind})")
-    canonical = canonical_blocks(model)
-    params = [b.param for b in canonical]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    return method.optimizer(groups, canonical, cfg, method.parse_options(cfg.optimizer_options))
+if TYPE_CHECKING:
+    from trainer.config import TrainConfig
 
 
 def backprop_step(model: torch.nn.Module, opt: torch.optim.Optimizer,
@@ -79,15 +66,16 @@ class ZOCurvMode:
     forward_passes (training + probe forwards), probe_forwards, probe_wall_s (seconds in refreshes, cumulative);
     on refresh steps the rule's scalars and the round counters `<log_prefix>_accepted|stale|...`.
 
-    Args: cfg, model, loss_fn(model, batch) -> scalar; backend: where rounds run (None: in process on `model`);
-    timing: when rounds fold (trainer.zo.rounds.FOLD_TIMINGS).
+    Args: cfg, model, optimizer (the method's CurvRule over `model`'s canonical blocks: build through
+    trainer.methods.build_mode), loss_fn(model, batch) -> scalar; backend: where rounds run (None: in process on
+    `model`); timing: when rounds fold (trainer.zo.rounds.FOLD_TIMINGS).
     """
 
-    def __init__(self, cfg: TrainConfig, model: torch.nn.Module,
+    def __init__(self, cfg: TrainConfig, model: torch.nn.Module, optimizer: CurvRule,
                  loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] = lm_batch_loss,
                  backend: ProbeBackend | None = None, timing: str = "async") -> None:
         self.cfg, self.model, self.loss_fn = cfg, model, loss_fn
-        self.optimizer = build_optimizer(cfg, model)
+        self.optimizer = optimizer
         self.backend = backend or InProcessBackend(model, loss_fn, history=self.optimizer.history,
                                                    staleness=cfg.staleness)
         self.rounds = RoundBook(cfg.staleness, timing)

@@ -132,11 +132,12 @@ class RoundSpec:
     def to_wire(self, run: str, batch_sha256: str) -> ProbeRound:
         """This round as the coordinator receives it, its batch uploaded as blob `batch_sha256`: every field
         but `batch` under its own name (JSON types: lists, the kind's wire name), schema 2 only for group
-        rounds (`blocks`). Raises pydantic.ValidationError for what the wire refuses (e.g. a round id)."""
+        rounds (`blocks`, `slices`). Raises pydantic.ValidationError for what the wire refuses (e.g. a round id)."""
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "batch"}
         fields.update(eps=float(self.eps), distribution=str(self.distribution), seeds=[int(x) for x in self.seeds],
                       kind=ProbeKind(self.kind).value,
-                      blocks=[int(b) for b in self.blocks] or None, schema_version=2 if self.blocks else 1)
+                      blocks=[int(b) for b in self.blocks] or None, schema_version=2 if self.blocks else 1,
+                      slices=[[int(x) for x in sl] for sl in self.slices] or None)
         return ProbeRound(run=run, batch_sha256=batch_sha256, **fields)
 
 
