@@ -53,10 +53,12 @@ def _records(run_dir) -> list[dict]:
 
 
 def _values(run_dir) -> list[tuple[int, str, float]]:
-    """Every logged value that does not measure time or the fleet: losses, curvature, multipliers, counters."""
+    """Every logged value that does not measure time or the fleet: losses, curvature, multipliers, accepted
+    results and rounds (a fleet's redeliveries, counted `duplicate` by the coordinator, and its forward passes
+    are its own)."""
     skip = ("elapsed_s", "probe_wall_s", "publish_s", "publish_unix", "forward_passes", "probe_forwards")
     return [(r["step"], k, v) for r in _records(run_dir) for k, v in sorted(r.items())
-            if k != "step" and k not in skip and not k.startswith("fleet_")]
+            if k != "step" and k not in skip and not k.startswith("fleet_") and not k.endswith("_duplicate")]
 
 
 def test_every_probing_zocurv_variant_runs_on_a_fleet():

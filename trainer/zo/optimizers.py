@@ -186,23 +186,29 @@ class ZOCurvOptimizer(torch.optim.Optimizer):
 
         θ ← θ·(1 − lr·wd);  θ ← θ − lr·s_b·m̂/(√v̂ + eps)  (torch.optim.AdamW's op order; s_b = 1 → AdamW).
         """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _closure_loss(closure)
         s = self._multipliers()
-        for g in self.param_groups:
+        for g, p in self._with_grads():
             b1, b2 = g["betas"]
-            for p in g["params"]:
-                if p.grad is None:
-                    continue
-                st, w = self._moments(p, second=True)
-                lr, lr_scale, decay_scale = self._block_lr(g["lr"], self.block_index[id(p)], s)
-                upd.adamw_update_(w, p.grad.float(), st["exp_avg"], st["exp_avg_sq"], step=float(st["step"]),
-                                  lr=lr, beta1=b1, beta2=b2, eps=g["eps"], weight_decay=g["weight_decay"],
-                                  lr_scale=lr_scale, decay_scale=decay_scale)
-                self._write_back(p, w)
+            st, w = self._moments(p, second=True)
+            lr, lr_scale, decay_scale = self._block_lr(g["lr"], self.block_index[id(p)], s)
+            upd.adamw_update_(w, p.grad.float(), st["exp_avg"], st["exp_avg_sq"], step=float(st["step"]),
+                              lr=lr, beta1=b1, beta2=b2, eps=g["eps"], weight_decay=g["weight_decay"],
+                              lr_scale=lr_scale, decay_scale=decay_scale)
+            self._write_back(p, w)
         return loss
+
+    def _with_grads(self):
+        """(param group, parameter) for every parameter with a gradient, in param-group order."""
+        return ((g, p) for g in self.param_groups for p in g["params"] if p.grad is not None)
+
+
+def _closure_loss(closure):
+    """torch.optim's closure convention: re-evaluate the loss with gradients enabled (None without a closure)."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
 
 
 def _h_stats(h: torch.Tensor, l0: torch.Tensor | None, eps: float) -> dict[str, float]:
@@ -299,22 +305,15 @@ class ZOCurvSophia(ZOCurvOptimizer):
     @torch.no_grad()
     def step(self, closure=None):
         """One Sophia step (formula in the class docstring) on fp32 masters."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _closure_loss(closure)
         clipped = total = 0
-        for g in self.param_groups:
-            b1, _ = g["betas"]
-            for p in g["params"]:
-                if p.grad is None:
-                    continue
-                st, w = self._moments(p, second=False)
-                d = self._curvature_of(self.block_index[id(p)], w)
-                clipped += upd.sophia_update_(w, p.grad.float(), st["exp_avg"], d, lr=g["lr"], beta1=b1,
-                                              gamma=g["gamma"], eps=g["eps"], weight_decay=g["weight_decay"])
-                total += w.numel()
-                self._write_back(p, w)
+        for g, p in self._with_grads():
+            st, w = self._moments(p, second=False)
+            d = self._curvature_of(self.block_index[id(p)], w)
+            clipped += upd.sophia_update_(w, p.grad.float(), st["exp_avg"], d, lr=g["lr"], beta1=g["betas"][0],
+                                          gamma=g["gamma"], eps=g["eps"], weight_decay=g["weight_decay"])
+            total += w.numel()
+            self._write_back(p, w)
         self.last_clipped_frac = clipped / max(total, 1)
         return loss
 
