@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from trainer.distributed import backward
 from trainer.models.losses import lm_batch_loss
 
 if TYPE_CHECKING:
@@ -58,8 +59,7 @@ class AdamWMode:
         for g in self.optimizer.param_groups:
             g["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self.loss_fn(self.model, batch)
-        loss.backward()
+        loss = backward(self.model, self.loss_fn, batch)  # micro-batches under torchrun: gradient accumulation
         gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip or float("inf"))
         self.optimizer.step()
         return {"loss": float(loss.detach()), "grad_norm": float(gnorm)}

@@ -33,10 +33,13 @@ import torch
 
 from coordinator.client import is_transient
 from trainer import metrics as prom
-from trainer.checkpoint import Checkpointer
+from trainer.checkpoint import Checkpointer  # noqa: F401  (public here too)
 from trainer.config import TrainConfig, lr_at
+from trainer.dist_backends import build_rank_mode
+from trainer.dist_checkpoint import make_checkpointer
+from trainer.distributed import SINGLE, DistContext
 from trainer.events import EventLog
-from trainer.methods import build_mode
+from trainer.methods import get_method
 from trainer.modes import AdamWMode, TrainMode  # noqa: F401  (AdamWMode: tests patch it here)
 from trainer.report import plot_loss_curves
 from trainer.run_dir import CHECKPOINT_NAME, RunDir, default_run_dir  # noqa: F401  (public here too)
@@ -64,6 +67,7 @@ def train(
     status: Callable[[], str] | None = None,
     overwrite: bool = False,
     export: bool = True,
+    dist: DistContext = SINGLE,
 ) -> RunResult:
     """Run (or resume) a training run and write its run folder (trainer.run_dir: config.json, metrics.jsonl,
     checkpoint.safetensors, loss.png, summary.json, TensorBoard event files mirroring metrics.jsonl
@@ -72,7 +76,8 @@ def train(
     `cfg.task` picks the Task (`build_task`): evaluation records hold `val_loss` (and `val_acc` for
     sentiment), the summary adds the task's final metrics. `mode_factory(cfg, model)` replaces `build_mode`
     (e.g. a ZO-Curv or pure-ZO mode whose probes go to a fleet; it must use the task's loss); `status` adds
-    a live line (workers, probes/s) to the progress display.
+    a live line (workers, probes/s) to the progress display. `dist`: this rank of a torchrun job
+    (trainer.distributed; rank 0 alone writes files and talks to a fleet, checkpoints are DCP folders).
 
     Raises:
         ValueError: unknown model preset or corpus, CUDA asked for but absent, a folder holding a different
@@ -87,30 +92,39 @@ def train(
 
     # 1. run folder
     _prepare_device(cfg.device)
-    run = RunDir.open(cfg, resume=resume, overwrite=overwrite)
+    run = _open_run(cfg, resume, overwrite, dist)
+    progress = progress and dist.is_main
     quiet_hf_bars(progress)
 
     # 2. build: task, model, step strategy
     task = build_task(cfg)
+    kind = get_method(cfg.optimizer).kind
+    dist.check(cfg, kind)
     model = task.build_model()
     model.train()
-    mode = mode_factory(cfg, model) if mode_factory else build_mode(cfg, model, task.loss_fn)
-    ckpt = Checkpointer(run.checkpoint, model, mode,
-                        meta={"config": cfg.run_json(), "param_order_hash": param_order_hash(model)})
+    meta = {"config": cfg.run_json(), "param_order_hash": param_order_hash(model)}
+    dist.prepare_model(model, kind)  # DDP / FSDP2 in place under torchrun
+    # Under torchrun: probes sharded over the ranks, or rank 0's fleet results broadcast to the others.
+    mode = build_rank_mode(cfg, model, task.loss_fn, mode_factory, dist)
+    ckpt = make_checkpointer(run.path, run.checkpoint, model, mode, meta, dist, resume)
+
+    anytime = _build_anytime(cfg, task, run.path)
 
     # 3. position: a resume continues from the checkpoint and forgets what was logged after it
     start = ckpt.restore() if resume else 0
-    history = run.restart_metrics(start if resume else None)
-    events = EventLog(run.path, resume_step=start if resume else None)
+    history = run.restart_metrics(start if resume else None) if dist.is_main else []
+    events = EventLog(run.path, resume_step=start if resume else None) if dist.is_main else None
 
     def log(record: dict[str, Any]) -> None:  # one record: metrics.jsonl, TensorBoard and Prometheus alike
+        if events is None:  # a rank > 0 of a torchrun job: rank 0 writes
+            return
         run.log(record)
         events.write(record)
         prom.record(cfg.optimizer, record, task.tokens_per_step)
 
     # 4. initial evaluation (step 0), logged once per run
-    initial = next(({k: v for k, v in r.items() if k != "step"} for r in history
-                    if r["step"] == 0 and "val_loss" in r), None)
+    initial = dist.broadcast_object(next(({k: v for k, v in r.items() if k != "step"} for r in history
+                                          if r["step"] == 0 and "val_loss" in r), None))
     if initial is None:
         initial = task.evaluate(model)
         log({"step": 0, **initial})
@@ -126,19 +140,23 @@ def train(
             for step in range(start, cfg.steps):
                 lr = lr_at(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps,
                            schedule=cfg.schedule)
-                stats = mode.step(step, task.batch(step), lr)
+                stats = mode.step(step, dist.batch_for(task, step, kind), lr)
+                stats = dist.mean_over_ranks(stats) if kind != "pure-zo" else stats
                 if not math.isfinite(stats.get("loss", 0.0)):
                     raise FloatingPointError(f"loss became non-finite at step {step}; lower --lr")
                 done = step + 1
+                if anytime is not None:
+                    anytime.publish(done, model)
                 log({"step": done, "lr": lr, "tokens": done * task.tokens_per_step,
                      "elapsed_s": time.perf_counter() - t0, **stats})
                 if done % cfg.eval_every == 0 or done == cfg.steps:
                     last_val = task.evaluate(model)
-                    log({"step": done, **last_val})
+                    served = anytime.evaluate(done, model, task.evaluate) if anytime is not None else {}
+                    log({"step": done, **last_val, **served})
                 if done % cfg.checkpoint_every == 0 or done == cfg.steps:
                     ckpt.save(done)
                 show(done, f"loss {stats.get('loss', float('nan')):.3f} val {last_val['val_loss']:.3f}")
-                if interrupted():
+                if dist.any(interrupted()):  # every rank stops after the same step
                     raise KeyboardInterrupt
             failed = False
         except KeyboardInterrupt:
@@ -157,21 +175,57 @@ def train(
             _close_mode(mode, failed)
     wall = time.perf_counter() - t0
 
-    # 6. report (and the model as a transformers folder)
+    # 6. report (and the model as a transformers folder), by rank 0
+    final = task.final(model)  # every rank: a sharded model's forward is collective
+    full = dist.full_model(model, task.build_model) if export else model  # FSDP2: gathered on rank 0
+    if not dist.is_main:
+        return RunResult(run.path, cfg.steps, initial["val_loss"], last_val["val_loss"], wall, {})
     plot_loss_curves({cfg.optimizer: run.records()}, run.plot,
                      title=f"{task.model_name} on {task.data_name} ({cfg.optimizer})")
     summary = {
         "model": task.model_name, "corpus": task.data_name, "optimizer": cfg.optimizer, "steps": cfg.steps,
         **{f"initial_{k}": v for k, v in initial.items()}, **{f"final_{k}": v for k, v in last_val.items()},
         "wall_s_this_invocation": wall, "tokens": cfg.steps * task.tokens_per_step, "resumed_from_step": start,
-        "run_dir": str(run.path), **task.final(model),
+        "run_dir": str(run.path), **final,
     }
+    if anytime is not None and anytime.last is not None:
+        served = [r for r in run.records() if "served_val_loss" in r]
+        summary.update(final_served_val_loss=served[-1]["served_val_loss"], final_served=served[-1]["served"])
     run.write_summary(summary)
     if export:
         from trainer.export import export_trained
 
-        export_trained(model, cfg.run_json(), run.path / "export", step=cfg.steps, run_dir=run.path)
+        export_trained(full, cfg.run_json(), run.path / "export", step=cfg.steps, run_dir=run.path)
     return RunResult(run.path, cfg.steps, initial["val_loss"], last_val["val_loss"], wall, summary)
+
+
+def _open_run(cfg: TrainConfig, resume: bool, overwrite: bool, dist: DistContext) -> RunDir:
+    """RunDir.open on rank 0; the other ranks of a torchrun job wait for it and get the same folder (writing nothing),
+    or raise rank 0's error."""
+    if not dist.parallel:
+        return RunDir.open(cfg, resume=resume, overwrite=overwrite)
+    run, error = None, None
+    if dist.is_main:
+        try:
+            run = RunDir.open(cfg, resume=resume, overwrite=overwrite)
+        except (ValueError, FileExistsError) as exc:
+            error = exc
+    got = dist.broadcast_object((str(run.path) if run else None, error))
+    if got[1] is not None:
+        raise got[1]
+    return run or RunDir(Path(got[0]))
+
+
+def _build_anytime(cfg: TrainConfig, task: Task, run_path: Path):
+    """The run's anytime model (trainer.anytime.serve.Anytime) or None when `cfg.anytime` is off.
+    Raises ValueError when the corpus has no selection split."""
+    if cfg.anytime is None:
+        return None
+    from trainer.anytime.serve import Anytime
+
+    corpus = getattr(task, "corpus", None)
+    return Anytime(cfg.anytime, getattr(corpus, "select", None), batch_size=cfg.batch_size, seq_len=cfg.seq_len,
+                   device=cfg.device, run_path=run_path, loss=lm_loss)
 
 
 def quiet_hf_bars(progress: bool) -> None:

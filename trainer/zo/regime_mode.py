@@ -10,8 +10,8 @@
   "longer steps" is what every fit would say). Probes run in process on the trainer's model.
 
 Held-out probe batches: random windows (seed stream TAG_PROBE, one index per refresh and batch) of the
-corpus's `selection` split when it has one (the split that chooses, never the one reported: issue 31's
-corpus), else of its validation split; the reported validation loss reads a fixed evenly spaced subset of
+corpus's selection split when it has one (`Corpus.select`: the split that chooses, never the one reported;
+classics-large has it), else of its validation split; the reported validation loss reads a fixed evenly spaced subset of
 the same split, so on a corpus without a selection split the fits may see some of those windows (they choose
 R ≈ 5 scalars per refresh).
 Logged on refresh steps: mult_<role>; when fitted also tr_r_<role> (exp of the mean log-ratio), tr_z_<role>,
@@ -83,8 +83,7 @@ class BlockRegimeMode:
         from trainer.data import get_batch, load_corpus
 
         corpus = load_corpus(self.cfg.corpus)
-        tokens = getattr(corpus, "selection", None)
-        tokens = corpus.val if tokens is None else tokens
+        tokens = corpus.val if corpus.select is None else corpus.select
         cfg = self.cfg
 
         def source(refresh: int, b: int) -> Any:
