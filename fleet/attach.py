@@ -254,7 +254,7 @@ class Fleet:
                        **({"seeds_per_task": max(1, -(-cfg.probes // max(1, self.workers)))} if pure else {}))
         # ZO-Curv steps publish inside their steps: their backend serialises and uploads in the background
         # (fleet.backend); pure-ZO steps wait for each round anyway.
-        backend = CoordinatorBackend(model, coordinator_url=self.base, admin_token=self.settings.admin_token
+        backend = CoordinatorBackend.connect(model, coordinator_url=self.base, admin_token=self.settings.admin_token
                                      .get_secret_value(), redis_url=self.settings.redis_url, run=spec,
                                      key_prefix=self.settings.key_prefix, history=0 if pure else 2,
                                      blob_dir=self.settings.blob_dir, background=not pure)
