@@ -10,11 +10,12 @@
 - `Fleet.mode_factory`: a `trainer.train` mode factory that builds the run's ZO mode over a
   `fleet.backend.CoordinatorBackend` (a new coordinator run per attach; a resumed run re-publishes what the
   workers need, see trainer.zo.modes).
-- `SyncRounds` / `ROUND_MODES`: when a ZO-Curv round folds into the steps: "async" (as it arrives), "sync" (at its
+- `ROUND_MODES` (fleet.sync_rounds.SyncRounds): when a ZO-Curv round folds into the steps: "async" (as it arrives), "sync" (at its
   own refresh: `train --fleet-sync`), "next" (at the refresh after it: `up`); the last two make a run
   independent of the fleet's timing, so an interrupted and resumed run equals the uninterrupted one.
 - `FleetStatus` / `FleetFiguresMode`: live fleet figures (workers, probes/s, results by outcome) scraped from
-  the coordinator's /metrics, shown in the progress line and added to every step's record.
+  the coordinator's /metrics, shown in the progress line and added to every step's record (with
+  `fleet_runs_recreated`: times the coordinator lost the run and the trainer created it again, fleet.recovery).
 """
 
 from __future__ import annotations
@@ -187,17 +188,19 @@ class FleetFiguresMode:
     """A TrainMode (trainer.train) that adds the fleet's figures to every step's record, so probes/s, active
     workers and results by outcome land in metrics.jsonl and the TensorBoard events: `fleet_<key>` for each key
     of `FleetStatus.snapshot()` (one scrape of the coordinator's /metrics per step). Everything else is the
-    wrapped mode's."""
+    wrapped mode's. `recovery` (fleet.recovery.RecoveringBackend): its count of run re-creations is added as
+    `fleet_runs_recreated`."""
 
-    def __init__(self, mode, status: FleetStatus) -> None:
-        self.mode, self.status = mode, status
+    def __init__(self, mode, status: FleetStatus, recovery=None) -> None:
+        self.mode, self.status, self.recovery = mode, status, recovery
 
     def __getattr__(self, name: str):
         return getattr(self.mode, name)
 
     def step(self, step: int, batch, lr: float) -> dict[str, float]:
         stats = self.mode.step(step, batch, lr)
-        return {**stats, **{f"fleet_{k}": float(v) for k, v in self.status.snapshot().items()}}
+        out = {**stats, **{f"fleet_{k}": float(v) for k, v in self.status.snapshot().items()}}
+        return out if self.recovery is None else {**out, "fleet_runs_recreated": float(self.recovery.recreated)}
 
     def close(self, wait: bool = True) -> None:
         """Close the mode's CoordinatorBackend (`CoordinatorBackend.close`): its last uploads' errors surface here
@@ -208,85 +211,6 @@ class FleetFiguresMode:
 
 
 ROUND_MODES = ("async", "sync", "next")  # how a fleet's ZO-Curv rounds fold (Fleet.rounds, SyncRounds)
-
-
-class SyncRounds:
-    """A ProbeBackend wrapper that fixes at which refresh each curvature round folds, whatever the fleet's timing.
-
-    lag 0 (`sync`, `train --fleet-sync`): `collect()` waits (up to `timeout_s` seconds per round) for every round
-    submitted since the last collect, then hands out everything: each round folds at its own refresh, as in
-    process, so the losses equal the in-process run's bit for bit (the workers' forward passes being
-    bit-identical); the trainer waits for the fleet once per curvature interval.
-
-    lag 1 (`next`, `sparecycles up`): a round folds at the refresh after it. `collect()` hands out the rounds
-    submitted before the newest one and keeps the newest one's results back; before a newer version is published
-    every round in flight is waited for, so no result can arrive stale at the coordinator (its bound S counts
-    versions). The trainer waits only when the fleet is more than an interval behind; when it keeps up this is
-    what an asynchronous run does, made independent of timing.
-
-    Either way a run is reproducible, and an interrupted run resumed (trainer.zo.modes.ZOCurvMode re-issues the
-    round in flight) equals the uninterrupted one. Everything else delegates to the wrapped backend.
-    Raises ValueError for a lag other than 0 or 1.
-    """
-
-    _OWN = ("backend", "timeout_s", "lag", "_pending", "_held")
-
-    def __init__(self, backend, timeout_s: float = 300.0, lag: int = 0) -> None:
-        if lag not in (0, 1):
-            raise ValueError(f"lag must be 0 or 1, got {lag}")
-        self.backend, self.timeout_s, self.lag = backend, timeout_s, lag
-        self._pending: list[str] = []  # rounds submitted, not yet collected
-        self._held: list = []  # Collected parts waited for, not yet handed out
-
-    def __getattr__(self, name: str):
-        return getattr(self.backend, name)
-
-    def __setattr__(self, name: str, value) -> None:  # forward_passes / snapshots are the backend's state
-        if name in self._OWN:
-            object.__setattr__(self, name, value)
-        else:
-            setattr(self.backend, name, value)
-
-    def _wait(self, rounds: list[str]) -> None:
-        """Collect each of `rounds` (waiting up to timeout_s) into the held results."""
-        for rid in rounds:
-            self._held.append(self.backend.collect(rid, self.timeout_s))
-            self._pending.remove(rid)
-
-    def publish(self, version: int) -> None:
-        """lag 1: wait for the rounds in flight first; then publish on the wrapped backend."""
-        if self.lag:
-            self._wait(list(self._pending))
-        self.backend.publish(version)
-
-    def submit(self, probe_round) -> None:
-        """Submit to the wrapped backend and remember the round (lag 1: a round at a newer version, which
-        publishes it, first waits for the rounds in flight)."""
-        latest = self.backend.latest_version
-        if self.lag and (latest is None or probe_round.version > latest):
-            self._wait(list(self._pending))
-        self.backend.submit(probe_round)
-        self._pending.append(probe_round.round_id)
-
-    def collect(self, round_id: str | None = None, timeout_s: float = 0.0):
-        """With a round id: the wrapped backend's collect of that round (no longer waited for here). Without: wait
-        for the rounds due (lag 0: all pending; lag 1: all but the newest), then hand out their results
-        (trainer.zo.backend.Collected, counts summed over the calls; lag 0 also hands out any other result)."""
-        from trainer.zo.backend import Collected
-
-        if round_id is not None:
-            if round_id in self._pending:
-                self._pending.remove(round_id)
-            return self.backend.collect(round_id, timeout_s)
-        self._wait(self._pending[:-1] if self.lag else list(self._pending))
-        parts, self._held = self._held, []
-        if not self.lag:
-            parts.append(self.backend.collect())
-        counts: dict[str, int] = {}
-        for c in parts:
-            for k, v in c.counts.items():
-                counts[k] = counts.get(k, 0) + v
-        return Collected([r for c in parts for r in c.results], counts)
 
 
 @dataclass
@@ -310,6 +234,7 @@ class Fleet:
         from coordinator.messages import RunSpec
         from fleet.backend import CoordinatorBackend
         from fleet.batch_wire import batch_kind_for_model, loss_for_kind
+        from fleet.sync_rounds import SyncRounds
         from trainer.methods import build_role_mode, build_zocurv_mode, get_method
         from trainer.modes import build_mode
 
@@ -327,7 +252,7 @@ class Fleet:
                        model_preset=cfg.model if lm else None, staleness=cfg.staleness,
                        **({"spot_check_fraction": 0.0} if self.workers < 2 else {}),
                        **({"seeds_per_task": max(1, -(-cfg.probes // max(1, self.workers)))} if pure else {}))
-        backend = CoordinatorBackend(model, coordinator_url=self.base, admin_token=self.settings.admin_token
+        backend = CoordinatorBackend.connect(model, coordinator_url=self.base, admin_token=self.settings.admin_token
                                      .get_secret_value(), redis_url=self.settings.redis_url, run=spec,
                                      key_prefix=self.settings.key_prefix, history=0 if pure else 2,
                                      blob_dir=self.settings.blob_dir,

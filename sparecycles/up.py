@@ -265,7 +265,7 @@ def _train_with_fleet(plan: UpPlan, progress: bool, log: Callable[[str], None],
                           worker_env)
             log(f"probe workers on {', '.join(devices)}; forward at the published float32 weights")
             _serve_metrics(out, port, metrics_ports, log)
-            # Each ZO-Curv round folds at the refresh after it, whatever the fleet's timing (fleet.attach.SyncRounds
+            # Each ZO-Curv round folds at the refresh after it, whatever the fleet's timing (fleet.sync_rounds.SyncRounds
             # lag 1): the run is reproducible and an interrupted one, resumed, is the same run bit for bit.
             # One host: the trainer writes weight shards straight into the coordinator's blob directory and the
             # workers read them there (SPARECYCLES_BLOB_DIR in their environment), no HTTP copies.

@@ -4,7 +4,7 @@ same update (ZO-Curv multipliers and curvature state, a pure-ZO step replayed fr
 - `ShardedBackend` (in process): each rank evaluates its share of a round's seeds (seeds[r::N]) on rank 0's probe
   batch and all-gathers the scalars (L±, L0): K probes cost K/N forward pairs per rank.
 - `LeaderBackend` (rank 0 with a fleet): wraps the fleet's backend (fleet.backend.CoordinatorBackend, possibly
-  under fleet.attach.SyncRounds) and broadcasts what each `collect` handed out, or the error it raised.
+  under fleet.sync_rounds.SyncRounds) and broadcasts what each `collect` handed out, or the error it raised.
 - `FollowerBackend` (ranks > 0 with a fleet): talks to nobody; keeps the same version snapshots as the leader's and
   receives each `collect` from rank 0.
 

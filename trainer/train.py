@@ -11,7 +11,7 @@
 
 Batches, the learning-rate schedule and all randomness are functions of the step counter, so a resumed
 run continues bit-identically on CPU; over a fleet too when its rounds fold at fixed refreshes (the checkpoint
-carries the rounds in flight: trainer.zo.modes.ZOCurvMode, fleet.attach.SyncRounds). The step strategies live in trainer.modes (AdamW) and
+carries the rounds in flight: trainer.zo.modes.ZOCurvMode, fleet.sync_rounds.SyncRounds). The step strategies live in trainer.modes (AdamW) and
 trainer.zo.modes (ZO-Curv, pure ZO); tasks in trainer.tasks; files in trainer.run_dir / trainer.checkpoint.
 """
 

@@ -129,7 +129,7 @@ class Fleet:
     def backend(self, model, run: str, **spec) -> CoordinatorBackend:
         """A CoordinatorBackend on a fresh run `run` (no spot checks unless given)."""
         spec = {"spot_check_fraction": 0.0, "seeds_per_task": 2, **spec}
-        return CoordinatorBackend(
+        return CoordinatorBackend.connect(
             model, coordinator_url=self.url, admin_token=self.admin_token, redis_url=REDIS_URL,
             run=RunSpec(run=run, model_class=type(model).__name__, **spec), key_prefix=self.prefix,
             round_timeout_s=120.0,
