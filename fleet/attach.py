@@ -14,7 +14,8 @@
   "sync" (at its own refresh: `train --fleet-sync`), "next" (at the refresh after it: `up`); the last two make a
   run independent of the fleet's timing, so an interrupted and resumed run equals the uninterrupted one.
 - `FleetStatus` / `FleetFiguresMode`: live fleet figures (workers, probes/s, results by outcome) scraped from
-  the coordinator's /metrics, shown in the progress line and added to every step's record.
+  the coordinator's /metrics, shown in the progress line and added to every step's record (with
+  `fleet_runs_recreated`: times the coordinator lost the run and the trainer created it again, fleet.recovery).
 """
 
 from __future__ import annotations
@@ -187,10 +188,11 @@ class FleetFiguresMode:
     """A TrainMode (trainer.train) that adds the fleet's figures to every step's record, so probes/s, active
     workers and results by outcome land in metrics.jsonl and the TensorBoard events: `fleet_<key>` for each key
     of `FleetStatus.snapshot()` (one scrape of the coordinator's /metrics per step). Everything else is the
-    wrapped mode's."""
+    wrapped mode's. `recovery` (fleet.recovery.RecoveringBackend): its count of run re-creations is added as
+    `fleet_runs_recreated`."""
 
-    def __init__(self, mode, status: FleetStatus) -> None:
-        self.mode, self.status = mode, status
+    def __init__(self, mode, status: FleetStatus, recovery=None) -> None:
+        self.mode, self.status, self.recovery = mode, status, recovery
         self.optimizer = mode.optimizer
 
     def extra_state(self):
@@ -203,7 +205,8 @@ class FleetFiguresMode:
 
     def step(self, step: int, batch, lr: float) -> dict[str, float]:
         stats = self.mode.step(step, batch, lr)
-        return {**stats, **{f"fleet_{k}": float(v) for k, v in self.status.snapshot().items()}}
+        out = {**stats, **{f"fleet_{k}": float(v) for k, v in self.status.snapshot().items()}}
+        return out if self.recovery is None else {**out, "fleet_runs_recreated": float(self.recovery.recreated)}
 
     def close(self, wait: bool = True) -> None:
         """Close the mode's CoordinatorBackend (`CoordinatorBackend.close`): its last uploads' errors surface here
