@@ -8,7 +8,7 @@ import itertools
 
 import redis
 
-from coordinator.intake import _INTAKE_LUA
+from coordinator.intake_scripts import INTAKE
 from coordinator.staleness import IS_STALE_LUA, is_stale, oldest_fresh
 
 BIG = 2**53 - 1  # the largest Version: Lua's doubles must still subtract it exactly
@@ -26,7 +26,7 @@ return out""")
     lua = script(args=[x for row in GRID for x in row])
     assert [bool(x) for x in lua] == [is_stale(v, latest, s) for v, latest, s in GRID]
     assert sum(lua) > 0 and sum(lua) < len(GRID)  # the grid has both sides of the rule
-    assert _INTAKE_LUA.startswith(IS_STALE_LUA) and "is_stale(" in _INTAKE_LUA[len(IS_STALE_LUA):]
+    assert INTAKE.startswith(IS_STALE_LUA) and "is_stale(" in INTAKE[len(IS_STALE_LUA):]
 
 
 def test_rule_and_its_floor():
