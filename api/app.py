@@ -106,20 +106,20 @@ def create_app(
     """Build the API. `store`/`metrics` may be injected (tests, in-process benches); otherwise created."""
     store = store or Store(settings)
     metrics = metrics or CoordinatorMetrics()
-    metrics.attach_live(store.worker_state_counts, store.queue_depths, store.outstanding_seeds)
+    metrics.attach_live(store.workers.worker_state_counts, store.dispatch.queue_depths, store.dispatch.outstanding_seeds)
     intake = Intake(store, metrics)
     watch = RoundWatch(store)
 
     redis_run_id: list[str] = []
 
     def reap_and_watch() -> None:
-        if store.broker_acl is not None:
+        if store.workers.broker_acl is not None:
             # A restarted broker forgot the workers' ACL users (created at run time, not in its AOF).
-            run_id = store.broker_acl.server_run_id()
+            run_id = store.workers.broker_acl.server_run_id()
             if redis_run_id and run_id != redis_run_id[0]:
-                log.warning("the broker restarted: %d broker users re-created", store.restore_broker_users())
+                log.warning("the broker restarted: %d broker users re-created", store.workers.restore_broker_users())
             redis_run_id[:] = [run_id]
-        lost = store.reap_expired()
+        lost = store.workers.reap_expired()
         metrics.lost.inc(len(lost))
         if lost:
             watch.worker_lost()
@@ -150,7 +150,7 @@ def create_app(
         # Serving starts at once; until Redis answers, /readyz is 503 and state calls 503 with Retry-After.
         tasks = [
             asyncio.create_task(
-                _wait_for_redis(aredis(), WARM_REDIS_CONNECTIONS, store.restore_broker_users)
+                _wait_for_redis(aredis(), WARM_REDIS_CONNECTIONS, store.workers.restore_broker_users)
             ),
             asyncio.create_task(reaper()),
         ]

@@ -63,7 +63,7 @@ async def principal(request: Request) -> Principal:
     if hit is not None and hit[1] > time.monotonic():
         return Principal("worker", hit[0])
     wid = parse_worker_token(token)
-    key = request.app.state.store.k_worker(wid) if wid is not None else None
+    key = request.app.state.store.keys.k_worker(wid) if wid is not None else None
     stored = None if key is None else await request.app.state.aredis().hget(key, "token_sha256")
     if stored is None or not hmac.compare_digest(stored, digest):
         raise _reject(request, 401, "unauthenticated", "unknown token")

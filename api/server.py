@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing
 import multiprocessing.connection
+import os
 import signal
 import socket
 import threading
@@ -13,6 +14,26 @@ from typing import Any, Self
 
 import uvicorn
 from fastapi import FastAPI
+
+from coordinator.settings import CoordinatorSettings
+
+
+def settings_env(settings: CoordinatorSettings, **extra: str) -> dict[str, str]:
+    """os.environ plus the variables from which a coordinator process started with it reads `settings` back
+    (state Redis, key and queue prefixes, blob directory, admin and enrollment tokens), and `extra`;
+    SPARECYCLES_REDIS_URL is dropped so that REDIS_URL is the one read."""
+    env = dict(
+        os.environ,
+        REDIS_URL=settings.redis_url,
+        SPARECYCLES_KEY_PREFIX=settings.key_prefix,
+        SPARECYCLES_QUEUE_PREFIX=settings.queue_prefix,
+        SPARECYCLES_BLOB_DIR=str(settings.blob_dir),
+        SPARECYCLES_ADMIN_TOKEN=settings.admin_token.get_secret_value(),
+        SPARECYCLES_ENROLLMENT_TOKEN=settings.enrollment_token.get_secret_value(),
+        **extra,
+    )
+    env.pop("SPARECYCLES_REDIS_URL", None)
+    return env
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -343,6 +343,15 @@ def memory(
         json_out.write_text(json.dumps(res, indent=2))
 
 
+def bench_regime(ctx: typer.Context) -> None:
+    """Issue 29's comparison (benchmarks.regime): `run --plan full|h200|cpu --out DIR [--jobs J --devices
+    cuda:0,cuda:1 --deadline-s S --batch-size B --seq-len T --corpus C]` runs the resumable plan, `report DIR`
+    writes regime_summary.json, regime.png and regime_tables.md."""
+    from benchmarks.regime import main
+
+    main(list(ctx.args))
+
+
 # short_help: the one-line summaries `sparecycles bench --help` lists, whole at 80 columns.
 bench_app.command("kernels", short_help="Fused perturb/replay kernels vs copy bandwidth.")(
     kernels_cli.bench_kernels)
@@ -350,6 +359,9 @@ bench_app.command("probe", short_help="One probe worker's speed on one GPU.")(ke
 bench_app.command("intake", short_help="Coordinator intake: results/s and latency.")(bench_intake)
 bench_app.command("fleet", short_help="Fleet probes/s with 1, 2, 4 workers; publish time.")(bench_fleet)
 bench_app.command("zo", short_help="ZO-Curv and pure-ZO benchmarks on real data.")(bench_zo)
+bench_app.command("regime", short_help="Block-type lrs vs AdamW at large batch (issue 29).",
+                  context_settings={"allow_extra_args": True, "ignore_unknown_options": True,
+                                    "help_option_names": []})(bench_regime)
 bench_app.add_typer(headline_app, name="headline",
                     short_help="Headline benchmarks: pretraining report, memory scan.")
 

@@ -154,7 +154,7 @@ class _Fleet:
 
         spec = RunSpec(run=run, model_class=type(model).__name__, spot_check_fraction=0.0,
                        seeds_per_task=seeds_per_task)
-        return CoordinatorBackend(model, coordinator_url=self.url, redis_url=self.redis_url, run=spec,
+        return CoordinatorBackend.connect(model, coordinator_url=self.url, redis_url=self.redis_url, run=spec,
                                   admin_token=self.admin_token, key_prefix=self.prefix, round_timeout_s=3600.0,
                                   history=0, background=background, blob_dir=self.blob_dir)
 
@@ -250,7 +250,7 @@ def run_fleet_bench(redis_url: str, worker_counts: tuple[int, ...] = (1, 2, 4), 
                 fleet.wait(lambda names=names: all(fleet.info(nm)["version"] == 4242 for nm in names),
                            "ready on every worker")
                 res.publish_to_ready_s = time.perf_counter() - t0
-                res.publish_timings = be.publish_timings.get(4242, {})
+                res.publish_timings = be.publisher.publish_timings.get(4242, {})
                 res.ready_preset = ready_preset
                 res.ready_bytes = sum(p.numel() * p.element_size() for p in big.parameters())
                 be.close()

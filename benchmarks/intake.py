@@ -73,13 +73,13 @@ def _quantile(sorted_ms: list[float], q: float) -> float:
 
 def _setup_rounds(store: Store, n_results: int) -> list[tuple[str, list[int]]]:
     """Create the run, version 0, a batch blob and enough rounds for `n_results` seeds (not timed)."""
-    store.create_run(
+    store.runs.create_run(
         RunSpec(
             run=RUN, model_class="GPT2LMHeadModel", spot_check_fraction=0.0, seeds_per_task=256, staleness=4
         )
     )
     shard, size = store.blobs.put(b"bench weights")
-    store.register_version(
+    store.runs.register_version(
         VersionManifest(
             run=RUN,
             version=0,
@@ -94,7 +94,7 @@ def _setup_rounds(store: Store, n_results: int) -> list[tuple[str, list[int]]]:
     while seed <= n_results:
         seeds = list(range(seed, min(n_results, seed + 65_535) + 1))
         rid = f"round-{k}"
-        store.create_round(
+        store.rounds.create_round(
             ProbeRound(
                 run=RUN,
                 round_id=rid,
@@ -184,7 +184,7 @@ def bench_store(settings: CoordinatorSettings, workers: int, n_results: int, bat
     store = Store(settings)
     intake = Intake(store, CoordinatorMetrics())
     rounds = _setup_rounds(store, n_results)
-    wids = [store.register_worker(WorkerRegistration(name=f"sim{i}")).worker_id for i in range(workers)]
+    wids = [store.workers.register_worker(WorkerRegistration(name=f"sim{i}")).worker_id for i in range(workers)]
     jobs = [
         [
             ProbeResult(
@@ -349,21 +349,12 @@ def bench_http(
 ) -> IntakeBenchResult:
     """Coordinator in a uvicorn subprocess (`coordinators` worker processes); `workers` asyncio simulated
     workers in this process."""
-    from api.server import free_port
+    from api.server import free_port, settings_env
 
     port = free_port()
     metrics_dir = settings.blob_dir / "prometheus"
     metrics_dir.mkdir()
-    env = dict(
-        os.environ,
-        REDIS_URL=settings.redis_url,
-        SPARECYCLES_KEY_PREFIX=settings.key_prefix,
-        SPARECYCLES_QUEUE_PREFIX=settings.queue_prefix,
-        SPARECYCLES_BLOB_DIR=str(settings.blob_dir),
-        SPARECYCLES_ADMIN_TOKEN=settings.admin_token.get_secret_value(),
-        SPARECYCLES_ENROLLMENT_TOKEN=settings.enrollment_token.get_secret_value(),
-    )
-    env.pop("SPARECYCLES_REDIS_URL", None)
+    env = settings_env(settings)
     if coordinators > 1:
         env["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
     else:

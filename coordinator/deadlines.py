@@ -71,13 +71,13 @@ class RoundWatch:
         st, lost, self._lost_since_tick = self.store, self._lost_since_tick, False
         reissued = []
         alive = set()
-        for run in st.r.smembers(st.k_runs):
-            rids = sorted(st.r.smembers(st.k_run(run, "rounds:open")))
+        for run in st.r.smembers(st.keys.k_runs):
+            rids = sorted(st.r.smembers(st.keys.k_run(run, "rounds:open")))
             if not rids:
                 continue
             pipe = st.r.pipeline(transaction=False)
             for rid in rids:
-                pipe.hmget(st.k_round(run, rid), ["done", "n_seeds", "created_at", "state"])
+                pipe.hmget(st.keys.k_round(run, rid), ["done", "n_seeds", "created_at", "state"])
             can_reissue = None
             for rid, (done, n_seeds, created, state) in zip(rids, pipe.execute()):
                 if done is None or state != "open":
@@ -93,7 +93,7 @@ class RoundWatch:
                 if done >= int(n_seeds) or (not lost and now - prev[1] <= self.deadline(run)):
                     continue
                 if can_reissue is None:
-                    can_reissue = st.broker_queue_length(run) == 0 and st.idle_workers() > 0
+                    can_reissue = st.dispatch.broker_queue_length(run) == 0 and st.workers.idle_workers() > 0
                 if can_reissue:
                     n = self._reissue(run, rid)
                     if n:
@@ -105,15 +105,15 @@ class RoundWatch:
 
     def _reissue(self, run: str, rid: str) -> int:
         st = self.store
-        if st.r.incr(st.k_round(run, rid, "speculated")) > self.s.speculate_max:
+        if st.r.incr(st.keys.k_round(run, rid, "speculated")) > self.s.speculate_max:
             return 0
-        st.r.expire(st.k_round(run, rid, "speculated"), 7 * 86400)
-        rnd: ProbeRound = st.get_round(run, rid)
-        pending = st.outstanding(run, rid)
+        st.r.expire(st.keys.k_round(run, rid, "speculated"), 7 * 86400)
+        rnd: ProbeRound = st.rounds.get_round(run, rid)
+        pending = st.dispatch.outstanding(run, rid)
         tasks = []
         for replica, seeds in pending.items():
             if seeds:
-                tasks += st.tasks_for(rnd, seeds, replica)
+                tasks += st.dispatch.tasks_for(rnd, seeds, replica)
         if tasks:
-            st.publish_tasks(run, tasks)
+            st.dispatch.publish_tasks(run, tasks)
         return len(tasks)

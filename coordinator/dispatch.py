@@ -1,5 +1,5 @@
-"""Task dispatch: building probe tasks, publishing them on a run's Celery queue, queue depths (a mixin
-of `coordinator.store.Store`).
+"""Task dispatch: building probe tasks, publishing them on a run's Celery queue, queue depths (a part of
+`coordinator.store.Store`, built with the state Redis client, the key layout, the runs and the Celery app).
 
 Tasks are sent by name (`coordinator.celery_app.send_probe_tasks`); the broker may be another Redis than
 the state store (`settings.broker_url`).
@@ -8,35 +8,37 @@ the state store (`settings.broker_url`).
 from __future__ import annotations
 
 import redis
+from celery import Celery
 
 from coordinator.celery_app import send_probe_tasks
-from coordinator.keys import redis_client_kwargs
+from coordinator.keys import Keys, redis_client_kwargs
 from coordinator.messages import ProbeRound, ProbeTask
+from coordinator.runs import RunStore
 
 
 class Dispatch:
-    """Task building and publishing (mixed into `Store`)."""
+    """Task building and publishing; `broker_url` None means the broker is the state Redis `r`."""
 
-    def queues(self) -> list[str]:
-        """Celery queues of all runs (workers consume these)."""
-        return sorted(self.queue_for(run) for run in self.r.smembers(self.k_runs))
+    def __init__(self, r: redis.Redis, keys: Keys, runs: RunStore, celery: Celery, broker_url: str | None) -> None:
+        self.r, self.keys, self.runs, self.celery, self.broker_url = r, keys, runs, celery, broker_url
+        self._broker: redis.Redis | None = None
 
     def tasks_for(self, rnd: ProbeRound, seeds: list[int], replica: int) -> list[ProbeTask]:
         """Tasks of at most the run's `seeds_per_task` seeds covering `seeds` (in order) as `replica`."""
-        return ProbeTask.split(rnd, seeds, replica, self.run_spec(rnd.run).seeds_per_task)
+        return ProbeTask.split(rnd, seeds, replica, self.runs.run_spec(rnd.run).seeds_per_task)
 
     def publish_tasks(self, run: str, tasks: list[ProbeTask]) -> int:
         """Send `tasks` to the run's Celery queue; return how many were sent."""
-        return send_probe_tasks(self.celery, self.queue_for(run), [t.model_dump(mode="json") for t in tasks])
+        return send_probe_tasks(self.celery, self.keys.queue_for(run), [t.model_dump(mode="json") for t in tasks])
 
     def broker_queue_length(self, run: str) -> int:
         """Messages waiting in `run`'s Celery queue (not yet taken by a worker)."""
-        return int(self._broker_client().llen(self.queue_for(run)))
+        return int(self._broker_client().llen(self.keys.queue_for(run)))
 
     def _broker_client(self) -> redis.Redis:
-        if self.settings.broker_url and not hasattr(self, "_broker"):
-            self._broker = redis.Redis.from_url(self.settings.broker_url, **redis_client_kwargs())
-        return self._broker if self.settings.broker_url else self.r
+        if self.broker_url and self._broker is None:
+            self._broker = redis.Redis.from_url(self.broker_url, **redis_client_kwargs())
+        return self._broker if self.broker_url else self.r
 
     def outstanding(self, run: str, rid: str) -> dict[int, list[int]]:
         """Seeds of an open round still without a value, by the replica that is missing: replica 0 for
@@ -45,12 +47,12 @@ class Dispatch:
         from coordinator.rounds import spot_check_selected
 
         pipe = self.r.pipeline(transaction=False)
-        pipe.smembers(self.k_round(run, rid, "seeds"))
-        pipe.hkeys(self.k_round(run, rid, "acc"))
-        pipe.hgetall(self.k_round(run, rid, "dec"))
-        pipe.hkeys(self.k_round(run, rid, "spot"))
+        pipe.smembers(self.keys.k_round(run, rid, "seeds"))
+        pipe.hkeys(self.keys.k_round(run, rid, "acc"))
+        pipe.hgetall(self.keys.k_round(run, rid, "dec"))
+        pipe.hkeys(self.keys.k_round(run, rid, "spot"))
         seeds, acc, dec, held = pipe.execute()
-        fraction = self.run_spec(run).spot_check_fraction
+        fraction = self.runs.run_spec(run).spot_check_fraction
         resolved = set(acc) | {k for k, v in dec.items() if ":" not in k and v != "agree"}
         held = set(held)
         out: dict[int, list[int]] = {0: [], 1: []}
@@ -66,19 +68,19 @@ class Dispatch:
     def outstanding_seeds(self) -> dict[str, int]:
         """Seeds of open rounds not yet delivered, per run (`n_seeds - done` summed over open rounds)."""
         out = {}
-        for run in sorted(self.r.smembers(self.k_runs)):
-            rids = list(self.r.smembers(self.k_run(run, "rounds:open")))
+        for run in sorted(self.r.smembers(self.keys.k_runs)):
+            rids = list(self.r.smembers(self.keys.k_run(run, "rounds:open")))
             pipe = self.r.pipeline(transaction=False)
             for rid in rids:
-                pipe.hmget(self.k_round(run, rid), ["n_seeds", "done"])
+                pipe.hmget(self.keys.k_round(run, rid), ["n_seeds", "done"])
             out[run] = sum(int(n) - int(d) for n, d in pipe.execute() if n is not None and d is not None)
         return out
 
     def queue_depths(self) -> dict[str, int]:
         """Messages waiting in each run's Celery queue (kombu's Redis transport keeps a list per queue)."""
         broker = self._broker_client()
-        runs = sorted(self.r.smembers(self.k_runs))
+        runs = sorted(self.r.smembers(self.keys.k_runs))
         pipe = broker.pipeline()
         for run in runs:
-            pipe.llen(self.queue_for(run))
+            pipe.llen(self.keys.queue_for(run))
         return dict(zip(runs, pipe.execute()))

@@ -29,87 +29,13 @@ from functools import lru_cache
 from redis.asyncio import Redis as AsyncRedis
 
 from coordinator.errors import Conflict, NotFound
+from coordinator.intake_scripts import INTAKE, PUBLISH, RETRACT
 from coordinator.keys import results_stream_key
 from coordinator.messages import ProbeResult, ProbeRound, StreamEvent, values_agree
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.rounds import spot_check_selected
-from coordinator.staleness import IS_STALE_LUA
 from coordinator.store import Store
 from coordinator.worker_scripts import INCR_IF_EXISTS
-
-# KEYS: 1 round hash, 2 seeds set, 3 accepted hash, 4 stream, 5 run hash, 6 worker hash, 7 attested set,
-# 8 spot hash. ARGV: 1 worker id, 2 round version, then triples (seed, mode, payload); mode "a" accepts
-# and streams, "0"/"1"/"2" holds a spot-check replica. Stale and duplicate results are also counted on
-# run hash (n_stale, n_duplicate): the trainer reads them (IntakeCounts) with the results it collects,
-# this intake being the one authority on which results count.
-_INTAKE_LUA = IS_STALE_LUA + """
-local state = redis.call('HGET', KEYS[1], 'state')
-if not state then return {'unknown_round'} end
-local latest = tonumber(redis.call('HGET', KEYS[5], 'latest_version'))
-local age = latest - tonumber(ARGV[2])
-if is_stale(tonumber(ARGV[2]), latest, tonumber(redis.call('HGET', KEYS[5], 'staleness'))) then
-  redis.call('HINCRBY', KEYS[5], 'n_stale', (#ARGV - 2) / 3)
-  return {'stale', age}
-end
-if state ~= 'open' then return {'closed_round'} end
-if redis.call('HGET', KEYS[6], 'state') == 'quarantined' then return {'quarantined'} end
-if redis.call('HGET', KEYS[5], 'canary') == '1' and redis.call('SISMEMBER', KEYS[7], ARGV[1]) == 0 then
-  return {'unattested'}
-end
-local out = {'ok', age, 0, 0, 0}
-local accepted = 0
-for i = 3, #ARGV, 3 do
-  local seed, mode, payload = ARGV[i], ARGV[i + 1], ARGV[i + 2]
-  if redis.call('SISMEMBER', KEYS[2], seed) == 0 then out[#out + 1] = 'unknown_seed'
-  elseif mode == 'a' then
-    if redis.call('HSETNX', KEYS[3], seed, payload) == 0 then
-      redis.call('HINCRBY', KEYS[5], 'n_duplicate', 1)
-      out[#out + 1] = 'duplicate'
-    else
-      redis.call('XADD', KEYS[4], '*', 'e', payload)
-      accepted = accepted + 1
-      out[#out + 1] = 'accepted'
-    end
-  else
-    local field = seed .. ':' .. mode
-    local same = false
-    for r = 0, 2 do
-      if tostring(r) ~= mode and redis.call('HGET', KEYS[8], seed .. ':' .. r .. ':w') == ARGV[1] then same = true end
-    end
-    if redis.call('HEXISTS', KEYS[8], field) == 1 then
-      redis.call('HINCRBY', KEYS[5], 'n_duplicate', 1)
-      out[#out + 1] = 'duplicate'
-    elseif same then out[#out + 1] = 'same_worker'
-    else
-      redis.call('HSET', KEYS[8], field, payload, field .. ':w', ARGV[1])
-      out[#out + 1] = 'held'
-    end
-  end
-end
-if accepted > 0 then
-  out[3] = redis.call('HINCRBY', KEYS[1], 'done', accepted)
-  out[4] = tonumber(redis.call('HGET', KEYS[1], 'n_seeds'))
-  out[5] = redis.call('HGET', KEYS[1], 'created_at')
-  if redis.call('HEXISTS', KEYS[6], 'token_sha256') == 1 then redis.call('HINCRBY', KEYS[6], 'accepted', accepted) end
-end
-return out
-"""
-
-# KEYS: 1 round hash, 2 accepted hash, 3 stream. ARGV: seed, event. Returns the new `done` or -1.
-_PUBLISH_LUA = """
-if redis.call('HSETNX', KEYS[2], ARGV[1], ARGV[2]) == 0 then return -1 end
-redis.call('XADD', KEYS[3], '*', 'e', ARGV[2])
-return redis.call('HINCRBY', KEYS[1], 'done', 1)
-"""
-
-# KEYS: 1 round hash, 2 accepted hash, 3 stream. ARGV: seed, expected event, retraction event.
-_RETRACT_LUA = """
-if redis.call('HGET', KEYS[2], ARGV[1]) ~= ARGV[2] then return 0 end
-redis.call('HDEL', KEYS[2], ARGV[1])
-redis.call('HINCRBY', KEYS[1], 'done', -1)
-redis.call('XADD', KEYS[3], '*', 'e', ARGV[3])
-return 1
-"""
 
 _REJECTED = ("quarantined", "unattested")
 
@@ -120,20 +46,20 @@ class Intake:
     def __init__(self, store: Store, metrics: CoordinatorMetrics) -> None:
         self.store = store
         self.metrics = metrics
-        self._intake = store.r.register_script(_INTAKE_LUA)
-        self._publish = store.r.register_script(_PUBLISH_LUA)
-        self._retract = store.r.register_script(_RETRACT_LUA)
+        self._intake = store.r.register_script(INTAKE)
+        self._publish = store.r.register_script(PUBLISH)
+        self._retract = store.r.register_script(RETRACT)
         self._round = lru_cache(maxsize=4096)(self._load_round)
         self._async_scripts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def stream_key(self, run: str) -> str:
         """Redis Stream of the run's accepted-result events (field `e`: a `StreamEvent` JSON)."""
-        return results_stream_key(self.store.p, run)
+        return results_stream_key(self.store.keys.p, run)
 
     def _load_round(self, run: str, rid: str) -> tuple[ProbeRound, frozenset[int], float, float, float]:
         # Immutable round facts (the round document never changes once written), cached per process.
-        rnd = self.store.get_round(run, rid)
-        spec = self.store.run_spec(run)
+        rnd = self.store.rounds.get_round(run, rid)
+        spec = self.store.runs.run_spec(run)
         fraction = spec.spot_check_fraction
         # Skipped without spot checks: a hash per seed of a large round stalls the event loop (~10 ms per 30k).
         spot = (
@@ -156,7 +82,7 @@ class Intake:
             f()
         rejected = self._tally(outcomes)
         if rejected:
-            self.store.count_on_worker(worker_id, "rejected", rejected)
+            self.store.workers.count_on_worker(worker_id, "rejected", rejected)
         return outcomes
 
     async def submit_async(
@@ -167,7 +93,7 @@ class Intake:
         outcomes, calls = self._plan(worker_id, run, results)
         script = self._async_scripts.get(aredis)
         if script is None:  # one AsyncScript per client (it caches the SHA; EVALSHA then, EVAL on NOSCRIPT)
-            script = self._async_scripts[aredis] = aredis.register_script(_INTAKE_LUA)
+            script = self._async_scripts[aredis] = aredis.register_script(INTAKE)
         followups: list[Callable[[], None]] = []
         for rnd, keys, argv, sent in calls:
             followups += self._apply(rnd, sent, await script(keys=keys, args=argv), outcomes)
@@ -175,7 +101,7 @@ class Intake:
             await asyncio.to_thread(lambda: [f() for f in followups])
         rejected = self._tally(outcomes)
         if rejected:
-            await aredis.eval(INCR_IF_EXISTS, 1, self.store.k_worker(worker_id), "rejected", rejected)
+            await aredis.eval(INCR_IF_EXISTS, 1, self.store.keys.k_worker(worker_id), "rejected", rejected)
         return outcomes
 
     async def submit_entries_async(
@@ -205,7 +131,7 @@ class Intake:
             await asyncio.to_thread(self._redispatch_reported, run, retry)
         rejected = self._tally([outcomes[i] for i in bad])
         if rejected:
-            await aredis.eval(INCR_IF_EXISTS, 1, self.store.k_worker(worker_id), "rejected", rejected)
+            await aredis.eval(INCR_IF_EXISTS, 1, self.store.keys.k_worker(worker_id), "rejected", rejected)
         return outcomes
 
     def _redispatch_reported(self, run: str, pairs_by_round: dict[str, list[tuple[int, int]]]) -> None:
@@ -254,7 +180,7 @@ class Intake:
                     continue
                 if (
                     mode == "2"
-                    and self.store.r.hget(self.store.k_round(run, rid, "dec"), f"{res.seed}:pair")
+                    and self.store.r.hget(self.store.keys.k_round(run, rid, "dec"), f"{res.seed}:pair")
                     != "disagree"
                 ):
                     outcomes[i] = "invalid"  # a third evaluation is only legitimate after a disagreement
@@ -265,14 +191,14 @@ class Intake:
             if sent:
                 s = self.store
                 keys = [
-                    s.k_round(run, rid),
-                    s.k_round(run, rid, "seeds"),
-                    s.k_round(run, rid, "acc"),
+                    s.keys.k_round(run, rid),
+                    s.keys.k_round(run, rid, "seeds"),
+                    s.keys.k_round(run, rid, "acc"),
                     self.stream_key(run),
-                    s.k_run(run, "run"),
-                    s.k_worker(wid),
-                    s.k_run(run, "attested"),
-                    s.k_round(run, rid, "spot"),
+                    s.keys.k_run(run, "run"),
+                    s.keys.k_worker(wid),
+                    s.keys.k_run(run, "attested"),
+                    s.keys.k_round(run, rid, "spot"),
                 ]
                 calls.append((rnd, keys, argv, sent))
         return outcomes, calls
@@ -309,9 +235,9 @@ class Intake:
     def _resolve(self, rnd: ProbeRound, seed: int) -> None:
         s, run, rid = self.store, rnd.run, rnd.round_id
         _, _, _, rtol, atol = self._round(run, rid)
-        vals = s.r.hmget(s.k_round(run, rid, "spot"), [f"{seed}:{r}" for r in range(3)])
+        vals = s.r.hmget(s.keys.k_round(run, rid, "spot"), [f"{seed}:{r}" for r in range(3)])
         r0, r1, r2 = (None if v is None else ProbeResult.model_validate_json(v) for v in vals)
-        dec = s.k_round(run, rid, "dec")
+        dec = s.keys.k_round(run, rid, "dec")
         if r0 is None or r1 is None:
             return
         if r2 is None:
@@ -344,20 +270,20 @@ class Intake:
         event = StreamEvent(
             kind="accepted", run=run, round_id=rid, seed=res.seed, result=res, verified=verified
         )
-        keys = [s.k_round(run, rid), s.k_round(run, rid, "acc"), self.stream_key(run)]
+        keys = [s.keys.k_round(run, rid), s.keys.k_round(run, rid, "acc"), self.stream_key(run)]
         done = int(self._publish(keys=keys, args=[res.seed, event.model_dump_json()]))
         if done >= 0:
-            self.metrics.result_age.observe(max(0, s.latest_version(run) - rnd.version))
-            h = s.r.hmget(s.k_round(run, rid), ["n_seeds", "created_at"])
+            self.metrics.result_age.observe(max(0, s.runs.latest_version(run) - rnd.version))
+            h = s.r.hmget(s.keys.k_round(run, rid), ["n_seeds", "created_at"])
             if done == int(h[0]):
                 self.metrics.round_latency.observe(max(0.0, time.time() - float(h[1])))
 
     def _redispatch_seeds(self, rnd: ProbeRound, seed_replicas: list[tuple[int, int]], reason: str) -> None:
         """Re-send seeds whose evaluation was refused, at most `max_redispatch` times per (seed, replica)."""
         s = self.store
-        if s.r.hget(s.k_round(rnd.run, rnd.round_id), "state") != "open":
+        if s.r.hget(s.keys.k_round(rnd.run, rnd.round_id), "state") != "open":
             return
-        key = s.k_round(rnd.run, rnd.round_id, "redispatch")
+        key = s.keys.k_round(rnd.run, rnd.round_id, "redispatch")
         by_replica: dict[int, list[int]] = {}
         for seed, replica in seed_replicas:
             if s.r.hincrby(key, f"{seed}:{replica}", 1) <= s.settings.max_redispatch:
@@ -373,11 +299,11 @@ class Intake:
         # No distinct worker could be found for a replica. One value alone is streamed unverified (no
         # evidence against it); values that already disagree are dropped: either may be the liar's.
         s = self.store
-        if not s.r.hsetnx(s.k_round(rnd.run, rnd.round_id, "dec"), str(seed), "skipped"):
+        if not s.r.hsetnx(s.keys.k_round(rnd.run, rnd.round_id, "dec"), str(seed), "skipped"):
             return
-        stored = s.r.hmget(s.k_round(rnd.run, rnd.round_id, "spot"), [f"{seed}:{r}" for r in range(3)])
+        stored = s.r.hmget(s.keys.k_round(rnd.run, rnd.round_id, "spot"), [f"{seed}:{r}" for r in range(3)])
         values = [ProbeResult.model_validate_json(v) for v in stored if v is not None]
-        spec = s.run_spec(rnd.run)
+        spec = s.runs.run_spec(rnd.run)
         agree = all(values_agree(values[0], v, spec.spot_rtol, spec.spot_atol) for v in values[1:])
         if values and agree:
             self.metrics.spot_checks.labels("skipped").inc()
@@ -391,14 +317,14 @@ class Intake:
         # Every evaluation of the seed was non-finite: the round is told (a `dropped` event, once) rather
         # than left waiting for a value that will not come.
         s = self.store
-        if s.r.hexists(s.k_round(rnd.run, rnd.round_id, "acc"), str(seed)):
+        if s.r.hexists(s.keys.k_round(rnd.run, rnd.round_id, "acc"), str(seed)):
             return
-        if s.r.hsetnx(s.k_round(rnd.run, rnd.round_id, "dec"), str(seed), "non_finite"):
+        if s.r.hsetnx(s.keys.k_round(rnd.run, rnd.round_id, "dec"), str(seed), "non_finite"):
             event = StreamEvent(kind="dropped", run=rnd.run, round_id=rnd.round_id, seed=seed)
             s.r.xadd(self.stream_key(rnd.run), {"e": event.model_dump_json()})
 
     def _send(self, rnd: ProbeRound, seeds: list[int], replica: int, reason: str) -> None:
-        sent = self.store.publish_tasks(rnd.run, self.store.tasks_for(rnd, seeds, replica))
+        sent = self.store.dispatch.publish_tasks(rnd.run, self.store.dispatch.tasks_for(rnd, seeds, replica))
         self.metrics.redispatched.labels(reason).inc(sent)
         self.metrics.tasks_published.inc(sent)
 
@@ -407,15 +333,15 @@ class Intake:
         """Quarantine a worker; retract its unverified accepted results in `run`'s open rounds and re-send them."""
         s = self.store
         try:
-            s.set_worker_state(wid, "quarantined", ("active", "draining", "lost"), actor="coordinator")
+            s.workers.set_worker_state(wid, "quarantined", ("active", "draining", "lost"), actor="coordinator")
         except (NotFound, Conflict):  # unknown, or quarantined already
             return
         self.metrics.quarantined.inc()
-        for rid in s.r.smembers(s.k_run(run, "rounds:open")):
+        for rid in s.r.smembers(s.keys.k_run(run, "rounds:open")):
             rnd, spot = self._round(run, rid)[:2]
-            keys = [s.k_round(run, rid), s.k_round(run, rid, "acc"), self.stream_key(run)]
+            keys = [s.keys.k_round(run, rid), s.keys.k_round(run, rid, "acc"), self.stream_key(run)]
             seeds = []
-            for seed, body in s.r.hgetall(s.k_round(run, rid, "acc")).items():
+            for seed, body in s.r.hgetall(s.keys.k_round(run, rid, "acc")).items():
                 ev = json.loads(body)
                 if ev["verified"] or int(seed) in spot or ev["result"]["worker_id"] != wid:
                     continue
@@ -428,8 +354,8 @@ class Intake:
 
     def attest(self, run: str, wid: str, digest: str) -> bool:
         """Record a worker's canary digest for `run`; True if it matches the run's canary (or none is set)."""
-        spec = self.store.run_spec(run)
+        spec = self.store.runs.run_spec(run)
         if spec.canary is None or spec.canary.digest == digest:
-            self.store.r.sadd(self.store.k_run(run, "attested"), wid)
+            self.store.r.sadd(self.store.keys.k_run(run, "attested"), wid)
             return True
         return False

@@ -67,3 +67,12 @@ class Keys:
     def k_leases(self) -> str:
         """Sorted set worker id -> lease expiry (unix seconds)."""
         return f"{self.p}:leases"
+
+    def k_enrolled(self, token_id: str) -> str:
+        """Set of the workers enrolled with the enrollment token `token_id` (sha256 prefix)."""
+        return f"{self.p}:enrolled:{token_id}"
+
+    @property
+    def k_expiry(self) -> str:
+        """Sorted set of lost workers -> unix time at which the reaper deletes them."""
+        return f"{self.p}:expiry"

@@ -1,8 +1,8 @@
 """Worker registry: registration (capped and rate-limited per enrollment token), hashed tokens, leases
 renewed by heartbeats, drain/resume, loss and expiry.
 
-A mixin of `coordinator.store.Store` (it uses the store's Redis client `r`, `settings`, key helpers and
-`queues()`). Keys: `{prefix}:workers` (set of ids), `{prefix}:w:{id}` (hash), `{prefix}:leases`
+A part of `coordinator.store.Store`, built with what it uses: the state Redis client, the key layout, the
+settings and the runs (`RunStore.queues()` for the queue list workers consume). Keys: `{prefix}:workers` (set of ids), `{prefix}:w:{id}` (hash), `{prefix}:leases`
 (sorted set id -> lease expiry, unix seconds), `{prefix}:expiry` (lost workers -> when they are
 deleted), `{prefix}:enrolled:{token id}` (workers enrolled with one enrollment token),
 `{prefix}:enroll_rate:{token id}` (registrations in the current window).
@@ -33,10 +33,13 @@ import hmac
 import secrets
 import time
 
+import redis
+
 from coordinator import worker_scripts
 from coordinator.broker_acl import BrokerAcl
 from coordinator.celery_app import PROBE_TASK_NAME
 from coordinator.errors import Conflict, NotFound, TooMany
+from coordinator.keys import Keys
 from coordinator.messages import (
     Heartbeat,
     HeartbeatReply,
@@ -45,6 +48,8 @@ from coordinator.messages import (
     WorkerRegistered,
     WorkerRegistration,
 )
+from coordinator.runs import RunStore
+from coordinator.settings import CoordinatorSettings
 
 RATE_WINDOW_S = 60
 
@@ -63,7 +68,10 @@ def parse_worker_token(token: str) -> str | None:
 
 
 class WorkerRegistry:
-    """Worker records and leases on Redis (mixed into `Store`); transitions as in the module table."""
+    """Worker records and leases on Redis; transitions as in the module table."""
+
+    def __init__(self, r: redis.Redis, keys: Keys, settings: CoordinatorSettings, runs: RunStore) -> None:
+        self.r, self.keys, self.settings, self.runs = r, keys, settings, runs
 
     @functools.cached_property
     def _scripts(self) -> dict:
@@ -83,16 +91,12 @@ class WorkerRegistry:
         A no-op without `settings.broker_acl`."""
         if self.broker_acl is None:
             return 0
-        wids = sorted(self.r.smembers(self.k_workers))
+        wids = sorted(self.r.smembers(self.keys.k_workers))
         pipe = self.r.pipeline(transaction=False)
         for wid in wids:
-            pipe.hget(self.k_worker(wid), "state")
+            pipe.hget(self.keys.k_worker(wid), "state")
         keep = [w for w, st in zip(wids, pipe.execute()) if st is not None and st != "quarantined"]
         return self.broker_acl.restore(keep)
-
-    def k_enrolled(self, token_id: str) -> str:
-        """Set of the workers enrolled with the enrollment token `token_id` (sha256 prefix)."""
-        return f"{self.p}:enrolled:{token_id}"
 
     def register_worker(
         self, reg: WorkerRegistration, now: float | None = None, enrolled_by: str = "default"
@@ -124,11 +128,11 @@ class WorkerRegistry:
         }
         s = self.settings
         keys = [
-            self.k_worker(wid),
-            self.k_workers,
-            self.k_leases,
-            self.k_enrolled(enrolled_by),
-            f"{self.p}:enroll_rate:{enrolled_by}",
+            self.keys.k_worker(wid),
+            self.keys.k_workers,
+            self.keys.k_leases,
+            self.keys.k_enrolled(enrolled_by),
+            f"{self.keys.p}:enroll_rate:{enrolled_by}",
         ]
         argv = [wid, expires, s.max_workers_per_enrollment, s.registrations_per_minute, RATE_WINDOW_S]
         argv += [x for kv in fields.items() for x in kv]
@@ -152,7 +156,7 @@ class WorkerRegistry:
             worker_id=wid,
             worker_token=token,
             broker_url=acl.create(wid) if acl is not None else self.settings.worker_broker_url,
-            queues=self.queues(),
+            queues=self.runs.queues(),
             heartbeat_interval_s=self.settings.heartbeat_interval_s,
             lease_seconds=self.settings.lease_seconds,
             visibility_timeout_s=self.settings.visibility_timeout_s,
@@ -164,7 +168,7 @@ class WorkerRegistry:
         wid = parse_worker_token(token)
         if wid is None:
             return None
-        stored = self.r.hget(self.k_worker(wid), "token_sha256")
+        stored = self.r.hget(self.keys.k_worker(wid), "token_sha256")
         if stored is None or not hmac.compare_digest(stored, token_digest(token)):
             return None
         return wid
@@ -173,18 +177,13 @@ class WorkerRegistry:
         """Renew the lease (one script); a lost worker comes back. Raises NotFound for an unknown worker."""
         now = time.time() if now is None else now
         expires = now + self.settings.lease_seconds
-        keys = [self.k_worker(wid), self.k_leases, self.k_expiry]
+        keys = [self.keys.k_worker(wid), self.keys.k_leases, self.keys.k_expiry]
         version = -1 if hb.version is None else hb.version
         state = self._scripts["HEARTBEAT"](keys=keys, args=[wid, now, expires, int(hb.busy), version])
         if state is None:
             raise NotFound(f"unknown worker {wid}")
         lease = Lease(worker_id=wid, expires_at=expires, lease_seconds=self.settings.lease_seconds)
-        return HeartbeatReply(lease=lease, state=state, queues=self.queues())
-
-    @property
-    def k_expiry(self) -> str:
-        """Sorted set of lost workers -> unix time at which the reaper deletes them."""
-        return f"{self.p}:expiry"
+        return HeartbeatReply(lease=lease, state=state, queues=self.runs.queues())
 
     def reap_expired(self, now: float | None = None) -> list[str]:
         """Mark workers whose lease ended before `now` as lost, and delete workers lost for
@@ -197,13 +196,13 @@ class WorkerRegistry:
         now = time.time() if now is None else now
         expire_at = now + self.settings.lost_expiry_leases * self.settings.lease_seconds
         lost = []
-        for wid in self.r.zrangebyscore(self.k_leases, "-inf", now, start=0, num=1000):
-            keys = [self.k_worker(wid), self.k_leases, self.k_expiry]
+        for wid in self.r.zrangebyscore(self.keys.k_leases, "-inf", now, start=0, num=1000):
+            keys = [self.keys.k_worker(wid), self.keys.k_leases, self.keys.k_expiry]
             if self._scripts["MARK_LOST"](keys=keys, args=[wid, now, expire_at]):
                 lost.append(wid)
-        for wid in self.r.zrangebyscore(self.k_expiry, "-inf", now, start=0, num=1000):
+        for wid in self.r.zrangebyscore(self.keys.k_expiry, "-inf", now, start=0, num=1000):
             self._delete(wid, required_state="lost")
-            self.r.zrem(self.k_expiry, wid)  # a worker that came back is no longer due
+            self.r.zrem(self.keys.k_expiry, wid)  # a worker that came back is no longer due
         return lost
 
     def set_worker_state(
@@ -213,7 +212,7 @@ class WorkerRegistry:
         admin, worker (the worker itself) or coordinator. Raises NotFound, or Conflict for a disallowed
         transition (a worker resuming an admin's drain included). Returns the new state."""
         reply = self._scripts["TRANSITION"](
-            keys=[self.k_worker(wid)], args=[state, actor, ",".join(allowed_from)]
+            keys=[self.keys.k_worker(wid)], args=[state, actor, ",".join(allowed_from)]
         )
         if reply[0] == "missing":
             raise NotFound(f"unknown worker {wid}")
@@ -227,11 +226,11 @@ class WorkerRegistry:
 
     def count_on_worker(self, wid: str, field: str, n: int) -> None:
         """Add `n` to a counter of an existing worker record (never creates a record)."""
-        self._scripts["INCR_IF_EXISTS"](keys=[self.k_worker(wid)], args=[field, n])
+        self._scripts["INCR_IF_EXISTS"](keys=[self.keys.k_worker(wid)], args=[field, n])
 
     def _delete(self, wid: str, required_state: str = "") -> bool:
-        keys = [self.k_worker(wid), self.k_workers, self.k_leases, self.k_expiry]
-        args = [wid, required_state, f"{self.p}:enrolled:"]
+        keys = [self.keys.k_worker(wid), self.keys.k_workers, self.keys.k_leases, self.keys.k_expiry]
+        args = [wid, required_state, f"{self.keys.p}:enrolled:"]
         deleted = self._scripts["DELETE"](keys=keys, args=args) is not None
         if deleted and self.broker_acl is not None:
             self.broker_acl.delete(wid)
@@ -244,7 +243,7 @@ class WorkerRegistry:
 
     def worker_info(self, wid: str) -> WorkerInfo:
         """One worker's record. Raises NotFound, also for an incomplete record (see worker_scripts)."""
-        return self._worker_info(wid, self.r.hgetall(self.k_worker(wid)))
+        return self._worker_info(wid, self.r.hgetall(self.keys.k_worker(wid)))
 
     @staticmethod
     def _worker_info(wid: str, h: dict) -> WorkerInfo:
@@ -270,11 +269,11 @@ class WorkerRegistry:
     def list_workers(self, after: str = "", limit: int = 100) -> tuple[list[WorkerInfo], str | None]:
         """Up to `limit` workers with id > `after`, sorted by id; returns (page, cursor of the next page or
         None). The id set is bounded by the enrollment cap, so sorting it per page is cheap."""
-        ids = sorted(self.r.smembers(self.k_workers))
+        ids = sorted(self.r.smembers(self.keys.k_workers))
         page = ids[bisect.bisect_right(ids, after) :][:limit] if after else ids[:limit]
         pipe = self.r.pipeline(transaction=False)
         for wid in page:
-            pipe.hgetall(self.k_worker(wid))
+            pipe.hgetall(self.keys.k_worker(wid))
         out = []
         for wid, h in zip(page, pipe.execute()):
             try:
@@ -286,18 +285,18 @@ class WorkerRegistry:
 
     def idle_workers(self) -> int:
         """Active workers whose last heartbeat said they were not busy."""
-        wids = list(self.r.smembers(self.k_workers))
+        wids = list(self.r.smembers(self.keys.k_workers))
         pipe = self.r.pipeline(transaction=False)
         for wid in wids:
-            pipe.hmget(self.k_worker(wid), ["state", "busy"])
+            pipe.hmget(self.keys.k_worker(wid), ["state", "busy"])
         return sum(1 for state, busy in pipe.execute() if state == "active" and busy == "0")
 
     def worker_state_counts(self) -> dict[str, int]:
         """Number of workers per state (for the `sparecycles_workers` gauge)."""
         counts = {"active": 0, "draining": 0, "lost": 0, "quarantined": 0}
         pipe = self.r.pipeline()
-        for wid in self.r.smembers(self.k_workers):
-            pipe.hget(self.k_worker(wid), "state")
+        for wid in self.r.smembers(self.keys.k_workers):
+            pipe.hget(self.keys.k_worker(wid), "state")
         for state in pipe.execute():
             if state in counts:
                 counts[state] += 1

@@ -1,5 +1,6 @@
-"""Probe rounds: opening (recording seeds, publishing tasks), progress and closing (a mixin of
-`coordinator.store.Store`).
+"""Probe rounds: opening (recording seeds, publishing tasks), progress and closing (a part of
+`coordinator.store.Store`, built with the state Redis client, the key layout, the runs, the task dispatch
+and the blob store batches are checked in).
 
 Keys: `{p}:{run}:rd:{rid}` (hash: round document, state, version, n_seeds, n_spot, done, tasks,
 created_at, published), `{p}:{run}:rd:{rid}:seeds` (set), `{p}:{run}:rounds` and `:rounds:open` (sets).
@@ -10,8 +11,14 @@ from __future__ import annotations
 import hashlib
 import time
 
+import redis
+
+from coordinator.blobs import BlobStore
+from coordinator.dispatch import Dispatch
 from coordinator.errors import Conflict, Invalid, NotFound
+from coordinator.keys import Keys
 from coordinator.messages import ProbeRound, RoundInfo
+from coordinator.runs import RunStore
 
 
 def spot_check_selected(run: str, round_id: str, seed: int, fraction: float) -> bool:
@@ -26,7 +33,10 @@ def spot_check_selected(run: str, round_id: str, seed: int, fraction: float) -> 
 
 
 class RoundStore:
-    """Round records on Redis (mixed into `Store`; publishing goes through `Dispatch`)."""
+    """Round records on Redis (publishing goes through `Dispatch`)."""
+
+    def __init__(self, r: redis.Redis, keys: Keys, runs: RunStore, dispatch: Dispatch, blobs: BlobStore) -> None:
+        self.r, self.keys, self.runs, self.dispatch, self.blobs = r, keys, runs, dispatch, blobs
 
     def create_round(self, rnd: ProbeRound, now: float | None = None) -> tuple[RoundInfo, int]:
         """Open a round and publish its Celery tasks (primaries, then spot-check replicas).
@@ -35,15 +45,15 @@ class RoundStore:
         first attempt died before publishing). Raises NotFound (run), Invalid (unknown version, missing
         batch blob), Conflict (round id reused with other content). Returns (info, tasks sent by this call).
         """
-        spec = self.run_spec(rnd.run)
-        latest = self.latest_version(rnd.run)
+        spec = self.runs.run_spec(rnd.run)
+        latest = self.runs.latest_version(rnd.run)
         if rnd.version > latest:
             raise Invalid(f"version {rnd.version} is not published (latest is {latest})")
         if not self.blobs.exists(rnd.batch_sha256):
             raise Invalid(f"batch blob {rnd.batch_sha256} is not in the blob store; upload it first")
         if rnd.base_version is not None and rnd.base_version > latest:
             raise Invalid(f"base_version {rnd.base_version} is not published (latest is {latest})")
-        key = self.k_round(rnd.run, rnd.round_id)
+        key = self.keys.k_round(rnd.run, rnd.round_id)
         if not self.r.hsetnx(key, "round", rnd.model_dump_json()):
             if self.r.hget(key, "round") != rnd.model_dump_json():
                 raise Conflict(f"round {rnd.round_id} exists with other content")
@@ -53,11 +63,11 @@ class RoundStore:
         spot = [
             s for s in rnd.seeds if spot_check_selected(rnd.run, rnd.round_id, s, spec.spot_check_fraction)
         ]
-        tasks = self.tasks_for(rnd, rnd.seeds, 0) + self.tasks_for(rnd, spot, 1)
+        tasks = self.dispatch.tasks_for(rnd, rnd.seeds, 0) + self.dispatch.tasks_for(rnd, spot, 1)
         pipe = self.r.pipeline()
         for i in range(0, len(rnd.seeds), 8192):
             pipe.sadd(
-                self.k_round(rnd.run, rnd.round_id, "seeds"), *[str(s) for s in rnd.seeds[i : i + 8192]]
+                self.keys.k_round(rnd.run, rnd.round_id, "seeds"), *[str(s) for s in rnd.seeds[i : i + 8192]]
             )
         pipe.hset(
             key,
@@ -71,23 +81,23 @@ class RoundStore:
                 "created_at": time.time() if now is None else now,
             },
         )
-        pipe.sadd(self.k_run(rnd.run, "rounds:open"), rnd.round_id)
-        pipe.sadd(self.k_run(rnd.run, "rounds"), rnd.round_id)
+        pipe.sadd(self.keys.k_run(rnd.run, "rounds:open"), rnd.round_id)
+        pipe.sadd(self.keys.k_run(rnd.run, "rounds"), rnd.round_id)
         pipe.execute()
-        self.publish_tasks(rnd.run, tasks)
+        self.dispatch.publish_tasks(rnd.run, tasks)
         self.r.hset(key, "published", 1)
         return self.round_info(rnd.run, rnd.round_id), len(tasks)
 
     def get_round(self, run: str, rid: str) -> ProbeRound:
         """The round request as posted; raises NotFound."""
-        body = self.r.hget(self.k_round(run, rid), "round")
+        body = self.r.hget(self.keys.k_round(run, rid), "round")
         if body is None:
             raise NotFound(f"unknown round {rid} of run {run}")
         return ProbeRound.model_validate_json(body)
 
     def round_info(self, run: str, rid: str) -> RoundInfo:
         """Progress of a round: `done` counts seeds whose value reached the stream."""
-        h = self.r.hgetall(self.k_round(run, rid))
+        h = self.r.hgetall(self.keys.k_round(run, rid))
         if "state" not in h:
             raise NotFound(f"unknown round {rid} of run {run}")
         return RoundInfo(
@@ -104,6 +114,6 @@ class RoundStore:
     def close_round(self, run: str, rid: str) -> RoundInfo:
         """Close a round: later results are counted `closed_round` and dropped."""
         self.get_round(run, rid)
-        self.r.hset(self.k_round(run, rid), "state", "closed")
-        self.r.srem(self.k_run(run, "rounds:open"), rid)
+        self.r.hset(self.keys.k_round(run, rid), "state", "closed")
+        self.r.srem(self.keys.k_run(run, "rounds:open"), rid)
         return self.round_info(run, rid)

@@ -1,6 +1,5 @@
-"""Runs, snapshot versions and the pure-ZO seed ledger (a mixin of `coordinator.store.Store`).
-
-Uses the store's Redis client `r`, `blobs`, `settings` and key helpers (`coordinator.keys.Keys`).
+"""Runs, snapshot versions and the pure-ZO seed ledger (a part of `coordinator.store.Store`, built with the
+state Redis client, the key layout and the blob store it checks shards in).
 Keys: `{p}:{run}:run` (hash: spec, latest_version, staleness, canary, created_at), `{p}:{run}:versions`
 (hash version -> manifest), `{p}:{run}:ledger` (hash version -> entry), `{p}:runs` (set).
 """
@@ -9,17 +8,28 @@ from __future__ import annotations
 
 import time
 
+import redis
+
+from coordinator.blobs import BlobStore
 from coordinator.errors import Conflict, Invalid, NotFound
+from coordinator.keys import Keys
 from coordinator.messages import IntakeCounts, RunInfo, RunSpec, SeedLedgerEntry, VersionManifest
 from coordinator.staleness import is_stale
 
 
 class RunStore:
-    """Run records, versions and ledger on Redis (mixed into `Store`)."""
+    """Run records, versions and ledger on Redis."""
+
+    def __init__(self, r: redis.Redis, keys: Keys, blobs: BlobStore) -> None:
+        self.r, self.keys, self.blobs = r, keys, blobs
+
+    def queues(self) -> list[str]:
+        """Celery queues of all runs (workers consume these)."""
+        return sorted(self.keys.queue_for(run) for run in self.r.smembers(self.keys.k_runs))
 
     def create_run(self, spec: RunSpec, now: float | None = None) -> RunInfo:
         """Create a run; re-posting the identical spec is a no-op, a different one raises Conflict."""
-        key = self.k_run(spec.run, "run")
+        key = self.keys.k_run(spec.run, "run")
         body = spec.model_dump_json()
         created = self.r.hsetnx(key, "spec", body)
         if not created and self.r.hget(key, "spec") != body:
@@ -34,12 +44,12 @@ class RunStore:
                     "canary": int(spec.canary is not None),
                 },
             )
-            self.r.sadd(self.k_runs, spec.run)
+            self.r.sadd(self.keys.k_runs, spec.run)
         return self.run_info(spec.run)
 
     def run_spec(self, run: str) -> RunSpec:
         """The spec of `run`; raises NotFound."""
-        body = self.r.hget(self.k_run(run, "run"), "spec")
+        body = self.r.hget(self.keys.k_run(run, "run"), "spec")
         if body is None:
             raise NotFound(f"unknown run {run}")
         return RunSpec.model_validate_json(body)
@@ -47,18 +57,18 @@ class RunStore:
     def run_info(self, run: str) -> RunInfo:
         """Spec, queue, latest version and open rounds of `run`."""
         spec = self.run_spec(run)
-        h = self.r.hgetall(self.k_run(run, "run"))
+        h = self.r.hgetall(self.keys.k_run(run, "run"))
         return RunInfo(
             spec=spec,
-            queue=self.queue_for(run),
+            queue=self.keys.queue_for(run),
             latest_version=int(h["latest_version"]),
-            open_rounds=sorted(self.r.smembers(self.k_run(run, "rounds:open"))),
+            open_rounds=sorted(self.r.smembers(self.keys.k_run(run, "rounds:open"))),
             created_at=float(h["created_at"]),
         )
 
     def intake_counts(self, run: str) -> IntakeCounts:
         """Results of `run` intake refused as stale or duplicate so far (counted by the intake script)."""
-        h = self.r.hmget(self.k_run(run, "run"), ["spec", "n_stale", "n_duplicate"])
+        h = self.r.hmget(self.keys.k_run(run, "run"), ["spec", "n_stale", "n_duplicate"])
         if h[0] is None:
             raise NotFound(f"unknown run {run}")
         return IntakeCounts(run=run, stale=int(h[1] or 0), duplicate=int(h[2] or 0))
@@ -66,7 +76,7 @@ class RunStore:
     def latest_version(self, run: str) -> int:
         """Newest version of a run (-1 if none): one HGET (the long poll of GET /v1/runs/{run} reads it). Raises
         NotFound."""
-        v = self.r.hget(self.k_run(run, "run"), "latest_version")
+        v = self.r.hget(self.keys.k_run(run, "run"), "latest_version")
         if v is None:
             raise NotFound(f"unknown run {run}")
         return int(v)
@@ -77,7 +87,7 @@ class RunStore:
             "local c = tonumber(redis.call('HGET', KEYS[1], 'latest_version'))"
             " if tonumber(ARGV[1]) > c then redis.call('HSET', KEYS[1], 'latest_version', ARGV[1]) end",
             1,
-            self.k_run(run, "run"),
+            self.keys.k_run(run, "run"),
             version,
         )
         self._close_stale_rounds(run)
@@ -85,13 +95,13 @@ class RunStore:
     def _close_stale_rounds(self, run: str) -> None:
         # Rounds older than the staleness bound can accept nothing more: closing them keeps the open set
         # (scanned by quarantine, listed in RunInfo) bounded over a long run.
-        h = self.r.hmget(self.k_run(run, "run"), ["latest_version", "staleness"])
+        h = self.r.hmget(self.keys.k_run(run, "run"), ["latest_version", "staleness"])
         latest, staleness = int(h[0]), int(h[1])
-        for rid in self.r.smembers(self.k_run(run, "rounds:open")):
-            v = self.r.hget(self.k_round(run, rid), "version")
+        for rid in self.r.smembers(self.keys.k_run(run, "rounds:open")):
+            v = self.r.hget(self.keys.k_round(run, rid), "version")
             if v is not None and is_stale(int(v), latest, staleness):
-                self.r.hset(self.k_round(run, rid), "state", "closed")
-                self.r.srem(self.k_run(run, "rounds:open"), rid)
+                self.r.hset(self.keys.k_round(run, rid), "state", "closed")
+                self.r.srem(self.keys.k_run(run, "rounds:open"), rid)
 
     def register_version(self, manifest: VersionManifest) -> VersionManifest:
         """Register a snapshot whose shards are all in the blob store with the stated sizes.
@@ -110,7 +120,7 @@ class RunStore:
                     f"shard {shard.name} is {self.blobs.size(shard.sha256)} bytes, not {shard.bytes}"
                 )
         body = manifest.model_dump_json()
-        key = self.k_run(manifest.run, "versions")
+        key = self.keys.k_run(manifest.run, "versions")
         if (
             not self.r.hsetnx(key, str(manifest.version), body)
             and self.r.hget(key, str(manifest.version)) != body
@@ -121,7 +131,7 @@ class RunStore:
 
     def get_version(self, run: str, version: int) -> VersionManifest:
         """The manifest of a snapshot version; raises NotFound."""
-        body = self.r.hget(self.k_run(run, "versions"), str(version))
+        body = self.r.hget(self.keys.k_run(run, "versions"), str(version))
         if body is None:
             raise NotFound(f"run {run} has no snapshot for version {version}")
         return VersionManifest.model_validate_json(body)
@@ -129,12 +139,12 @@ class RunStore:
     def list_versions(self, run: str) -> list[int]:
         """Snapshot versions of a run, ascending."""
         self.run_spec(run)
-        return sorted(int(v) for v in self.r.hkeys(self.k_run(run, "versions")))
+        return sorted(int(v) for v in self.r.hkeys(self.keys.k_run(run, "versions")))
 
     def append_ledger(self, entry: SeedLedgerEntry) -> SeedLedgerEntry:
         """Append a pure-ZO step; `entry.parent` must be the run's latest version (linear history)."""
         self.run_spec(entry.run)
-        key = self.k_run(entry.run, "ledger")
+        key = self.keys.k_run(entry.run, "ledger")
         body = entry.model_dump_json()
         existing = self.r.hget(key, str(entry.version))
         if existing is not None:
@@ -152,7 +162,7 @@ class RunStore:
     def ledger(self, run: str, since: int = -1, limit: int = 1000) -> list[SeedLedgerEntry]:
         """Ledger entries with version > `since`, ascending, at most `limit`."""
         self.run_spec(run)
-        key = self.k_run(run, "ledger")
+        key = self.keys.k_run(run, "ledger")
         versions = sorted(int(v) for v in self.r.hkeys(key) if int(v) > since)[:limit]
         bodies = self.r.hmget(key, [str(v) for v in versions]) if versions else []
         return [SeedLedgerEntry.model_validate_json(b) for b in bodies]

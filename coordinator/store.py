@@ -1,14 +1,15 @@
-"""Redis-backed coordinator state, split by concern into mixins composed here:
+"""Redis-backed coordinator state: `Store` composes one part per concern, each built with what it uses.
 
-| module | concern |
-|---|---|
-| `coordinator.keys` | key layout (`Keys`), Redis client options |
-| `coordinator.registry` | workers: registration, hashed tokens, leases, states |
-| `coordinator.runs` | runs, snapshot versions, seed ledger |
-| `coordinator.rounds` | probe rounds: open, progress, close; spot-check selection |
-| `coordinator.dispatch` | probe tasks: building, publishing on Celery, queue depths |
-| `coordinator.blobs` | content-addressed shard store on disk (`BlobStore`, held as `blobs`) |
+| part | module | concern | built with |
+|---|---|---|---|
+| `keys` | `coordinator.keys` | key layout (`Keys`), Redis client options | prefixes |
+| `blobs` | `coordinator.blobs` | content-addressed shard store on disk (`BlobStore`) | directory, size cap |
+| `runs` | `coordinator.runs` | runs, snapshot versions, seed ledger, the runs' queues | r, keys, blobs |
+| `dispatch` | `coordinator.dispatch` | probe tasks: building, publishing on Celery, queue depths | r, keys, runs, celery, broker URL |
+| `rounds` | `coordinator.rounds` | probe rounds: open, progress, close; spot-check selection | r, keys, runs, dispatch, blobs |
+| `workers` | `coordinator.registry` | workers: registration, hashed tokens, leases, states | r, keys, settings, runs |
 
+Callers name the part: `store.runs.create_run(spec)`, `store.workers.heartbeat(...)`, `store.keys.k_round(...)`.
 Intake (results, spot checks) lives in `coordinator.intake`. Errors are the `CoordinatorError` family
 (coordinator.errors); the API maps them to HTTP statuses. Worker tokens are stored only as sha256 digests.
 """
@@ -30,19 +31,27 @@ from coordinator.settings import CoordinatorSettings
 __all__ = ["Store", "redis_client_kwargs", "results_stream_key", "spot_check_selected"]
 
 
-class Store(Keys, WorkerRegistry, RunStore, RoundStore, Dispatch):
-    """Coordinator state on Redis. `settings.redis_url` holds state; the broker may be another URL."""
+class Store:
+    """Coordinator state on Redis. `settings.redis_url` holds state; the broker may be another URL.
+
+    Attributes: settings, r (the state Redis client, decoded responses), celery, and the parts of the module
+    table: keys, blobs, runs, dispatch, rounds, workers.
+    """
 
     def __init__(self, settings: CoordinatorSettings, celery_app: Celery | None = None) -> None:
-        Keys.__init__(self, settings.key_prefix, settings.queue_prefix)
         self.settings = settings
         self.r = redis.Redis.from_url(
             settings.redis_url, decode_responses=True, health_check_interval=30, **redis_client_kwargs()
         )
-        self.blobs = BlobStore(settings.blob_dir, settings.max_blob_bytes)
         self.celery = celery_app or make_celery(
             settings.worker_broker_url, visibility_timeout_s=settings.visibility_timeout_s
         )
+        self.keys = Keys(settings.key_prefix, settings.queue_prefix)
+        self.blobs = BlobStore(settings.blob_dir, settings.max_blob_bytes)
+        self.runs = RunStore(self.r, self.keys, self.blobs)
+        self.dispatch = Dispatch(self.r, self.keys, self.runs, self.celery, settings.broker_url)
+        self.rounds = RoundStore(self.r, self.keys, self.runs, self.dispatch, self.blobs)
+        self.workers = WorkerRegistry(self.r, self.keys, settings, self.runs)
 
     def ping(self) -> bool:
         """True if Redis answers."""

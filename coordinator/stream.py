@@ -4,7 +4,8 @@ Intake appends `StreamEvent`s to `{prefix}:{run}:results`. The trainer reads the
 group with explicit acknowledgement, so a trainer restart loses nothing: on start the reader first
 re-reads its own pending (delivered, unacked) entries, then claims entries abandoned by other
 consumers for longer than `claim_idle_ms` (XAUTOCLAIM), then reads new ones. Reads and acks retry through
-a Redis outage of up to `outage_s` seconds.
+a Redis outage of up to `outage_s` seconds; a stream or group that is gone (Redis came back empty) is re-created
+and reported as `StreamLost`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,11 @@ from coordinator.keys import results_stream_key
 from coordinator.messages import StreamEvent
 
 log = logging.getLogger("sparecycles.stream")
+
+
+class StreamLost(RuntimeError):
+    """The run's results stream or its consumer group was gone (Redis came back empty, a failover, a flush): the
+    group is re-created, but what the coordinator knew of the run is lost (fleet.recovery re-creates the run)."""
 
 
 class ResultStreamReader:
@@ -47,11 +53,32 @@ class ResultStreamReader:
         self.group, self.consumer, self.claim_idle_ms = group, consumer, claim_idle_ms
         self.outage_s = outage_s
         self._own_pending_done = False
+        self.groups_recreated = 0  # times the stream or its group was gone (the store lost its state) and re-created
+        self.ensure_group()
+
+    def ensure_group(self) -> None:
+        """Create the stream (empty) and the consumer group reading it from its start, unless they exist."""
         try:
-            self.r.xgroup_create(self.key, group, id="0", mkstream=True)
+            self.r.xgroup_create(self.key, self.group, id="0", mkstream=True)
         except redis.ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
+
+    def _regrouping(self, fn):
+        """`fn()`; when Redis says the stream's group is gone (NOGROUP: Redis came back empty, a failover, a flush),
+        re-create it (reading from the stream's start, where intake appends the re-created run's results) and raise
+        StreamLost: what was pending is gone, and the caller's run with it (fleet.recovery re-creates it)."""
+        try:
+            return self._retrying(fn)
+        except redis.ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            lost = exc
+        log.warning("results stream %s: its consumer group is gone (the store lost its state); re-created", self.key)
+        self.groups_recreated += 1
+        self._own_pending_done = False
+        self._retrying(self.ensure_group)
+        raise StreamLost(f"the results stream {self.key} and its consumer group were gone (re-created)") from lost
 
     @staticmethod
     def _parse(entries: list) -> list[tuple[str, StreamEvent]]:
@@ -81,9 +108,9 @@ class ResultStreamReader:
         there now; a blocking read of even 1 ms returns only at the server's timer tick, ~30 ms on Redis 7 here).
 
         Retries through a Redis outage of up to `outage_s` seconds; raises `coordinator.errors.Unavailable`
-        (a ConnectionError) past that.
+        (a ConnectionError) past that, StreamLost when the stream's group was gone (then re-created).
         """
-        return self._retrying(lambda: self._read(count, block_ms))
+        return self._regrouping(lambda: self._read(count, block_ms))
 
     def _read(self, count: int, block_ms: int) -> list[tuple[str, StreamEvent]]:
         if not self._own_pending_done:
@@ -103,7 +130,7 @@ class ResultStreamReader:
 
     def ack(self, ids: list[str]) -> int:
         """Acknowledge entries; returns how many were pending (retried through an outage as `read`)."""
-        return int(self._retrying(lambda: self.r.xack(self.key, self.group, *ids))) if ids else 0
+        return int(self._regrouping(lambda: self.r.xack(self.key, self.group, *ids))) if ids else 0
 
     def pending(self) -> int:
         """Entries delivered to the group but not yet acknowledged."""

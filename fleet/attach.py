@@ -10,11 +10,12 @@
 - `Fleet.mode_factory`: a `trainer.train` mode factory that builds the run's ZO mode over a
   `fleet.backend.CoordinatorBackend` (a new coordinator run per attach; a resumed run re-publishes what the
   workers need, see trainer.zo.modes).
-- `SyncRounds` / `ROUND_MODES`: when a ZO-Curv round folds into the steps: "async" (as it arrives), "sync" (at its
-  own refresh: `train --fleet-sync`), "next" (at the refresh after it: `up`); the last two make a run
-  independent of the fleet's timing, so an interrupted and resumed run equals the uninterrupted one.
+- `ROUND_MODES`: when a ZO-Curv round folds into the steps (trainer.zo.rounds.RoundBook): "async" (as it arrives),
+  "sync" (at its own refresh: `train --fleet-sync`), "next" (at the refresh after it: `up`); the last two make a
+  run independent of the fleet's timing, so an interrupted and resumed run equals the uninterrupted one.
 - `FleetStatus` / `FleetFiguresMode`: live fleet figures (workers, probes/s, results by outcome) scraped from
-  the coordinator's /metrics, shown in the progress line and added to every step's record.
+  the coordinator's /metrics, shown in the progress line and added to every step's record (with
+  `fleet_runs_recreated`: times the coordinator lost the run and the trainer created it again, fleet.recovery).
 """
 
 from __future__ import annotations
@@ -187,109 +188,33 @@ class FleetFiguresMode:
     """A TrainMode (trainer.train) that adds the fleet's figures to every step's record, so probes/s, active
     workers and results by outcome land in metrics.jsonl and the TensorBoard events: `fleet_<key>` for each key
     of `FleetStatus.snapshot()` (one scrape of the coordinator's /metrics per step). Everything else is the
-    wrapped mode's."""
+    wrapped mode's. `recovery` (fleet.recovery.RecoveringBackend): its count of run re-creations is added as
+    `fleet_runs_recreated`."""
 
-    def __init__(self, mode, status: FleetStatus) -> None:
-        self.mode, self.status = mode, status
+    def __init__(self, mode, status: FleetStatus, recovery=None) -> None:
+        self.mode, self.status, self.recovery = mode, status, recovery
+        self.optimizer = mode.optimizer
 
-    def __getattr__(self, name: str):
-        return getattr(self.mode, name)
+    def extra_state(self):
+        """The wrapped mode's."""
+        return self.mode.extra_state()
+
+    def load_extra_state(self, tensors, meta) -> None:
+        """The wrapped mode's."""
+        self.mode.load_extra_state(tensors, meta)
 
     def step(self, step: int, batch, lr: float) -> dict[str, float]:
         stats = self.mode.step(step, batch, lr)
-        return {**stats, **{f"fleet_{k}": float(v) for k, v in self.status.snapshot().items()}}
+        out = {**stats, **{f"fleet_{k}": float(v) for k, v in self.status.snapshot().items()}}
+        return out if self.recovery is None else {**out, "fleet_runs_recreated": float(self.recovery.recreated)}
 
     def close(self, wait: bool = True) -> None:
         """Close the mode's CoordinatorBackend (`CoordinatorBackend.close`): its last uploads' errors surface here
         when `wait`; trainer.train calls this when the run ends, however it ends."""
-        backend = getattr(self.mode, "backend", None)
-        if backend is not None:
-            backend.close(wait=wait)
+        self.mode.backend.close(wait=wait)
 
 
-ROUND_MODES = ("async", "sync", "next")  # how a fleet's ZO-Curv rounds fold (Fleet.rounds, SyncRounds)
-
-
-class SyncRounds:
-    """A ProbeBackend wrapper that fixes at which refresh each curvature round folds, whatever the fleet's timing.
-
-    lag 0 (`sync`, `train --fleet-sync`): `collect()` waits (up to `timeout_s` seconds per round) for every round
-    submitted since the last collect, then hands out everything: each round folds at its own refresh, as in
-    process, so the losses equal the in-process run's bit for bit (the workers' forward passes being
-    bit-identical); the trainer waits for the fleet once per curvature interval.
-
-    lag 1 (`next`, `sparecycles up`): a round folds at the refresh after it. `collect()` hands out the rounds
-    submitted before the newest one and keeps the newest one's results back; before a newer version is published
-    every round in flight is waited for, so no result can arrive stale at the coordinator (its bound S counts
-    versions). The trainer waits only when the fleet is more than an interval behind; when it keeps up this is
-    what an asynchronous run does, made independent of timing.
-
-    Either way a run is reproducible, and an interrupted run resumed (trainer.zo.modes.ZOCurvMode re-issues the
-    round in flight) equals the uninterrupted one. Everything else delegates to the wrapped backend.
-    Raises ValueError for a lag other than 0 or 1.
-    """
-
-    _OWN = ("backend", "timeout_s", "lag", "_pending", "_held")
-
-    def __init__(self, backend, timeout_s: float = 300.0, lag: int = 0) -> None:
-        if lag not in (0, 1):
-            raise ValueError(f"lag must be 0 or 1, got {lag}")
-        self.backend, self.timeout_s, self.lag = backend, timeout_s, lag
-        self._pending: list[str] = []  # rounds submitted, not yet collected
-        self._held: list = []  # Collected parts waited for, not yet handed out
-
-    def __getattr__(self, name: str):
-        return getattr(self.backend, name)
-
-    def __setattr__(self, name: str, value) -> None:  # forward_passes / snapshots are the backend's state
-        if name in self._OWN:
-            object.__setattr__(self, name, value)
-        else:
-            setattr(self.backend, name, value)
-
-    def _wait(self, rounds: list[str]) -> None:
-        """Collect each of `rounds` (waiting up to timeout_s) into the held results."""
-        from trainer.ledger import phase
-
-        with phase("wait"):
-            for rid in rounds:
-                self._held.append(self.backend.collect(rid, self.timeout_s))
-                self._pending.remove(rid)
-
-    def publish(self, version: int) -> None:
-        """lag 1: wait for the rounds in flight first; then publish on the wrapped backend."""
-        if self.lag:
-            self._wait(list(self._pending))
-        self.backend.publish(version)
-
-    def submit(self, probe_round) -> None:
-        """Submit to the wrapped backend and remember the round (lag 1: a round at a newer version, which
-        publishes it, first waits for the rounds in flight)."""
-        latest = self.backend.latest_version
-        if self.lag and (latest is None or probe_round.version > latest):
-            self._wait(list(self._pending))
-        self.backend.submit(probe_round)
-        self._pending.append(probe_round.round_id)
-
-    def collect(self, round_id: str | None = None, timeout_s: float = 0.0):
-        """With a round id: the wrapped backend's collect of that round (no longer waited for here). Without: wait
-        for the rounds due (lag 0: all pending; lag 1: all but the newest), then hand out their results
-        (trainer.zo.backend.Collected, counts summed over the calls; lag 0 also hands out any other result)."""
-        from trainer.zo.backend import Collected
-
-        if round_id is not None:
-            if round_id in self._pending:
-                self._pending.remove(round_id)
-            return self.backend.collect(round_id, timeout_s)
-        self._wait(self._pending[:-1] if self.lag else list(self._pending))
-        parts, self._held = self._held, []
-        if not self.lag:
-            parts.append(self.backend.collect())
-        counts: dict[str, int] = {}
-        for c in parts:
-            for k, v in c.counts.items():
-                counts[k] = counts.get(k, 0) + v
-        return Collected([r for c in parts for r in c.results], counts)
+ROUND_MODES = ("async", "sync", "next")  # when a fleet's ZO-Curv rounds fold: trainer.zo.rounds.FOLD_TIMINGS
 
 
 @dataclass
@@ -305,21 +230,21 @@ class Fleet:
     rounds: str = "async"
 
     def mode_factory(self, cfg, model):
-        """trainer.train's `mode_factory`: the run's ZO mode (cfg.optimizer) with its probes on the fleet.
+        """trainer.train's `mode_factory`: the run's ZO mode (cfg.optimizer) with its probes on the fleet, its
+        ZO-Curv rounds folding as `rounds` says (trainer.zo.rounds.RoundBook; pure-ZO steps wait for theirs).
 
-        Raises ValueError for a first-order optimizer (nothing to probe) and CoordinatorHTTPError when the
-        coordinator refuses the run.
+        Raises ValueError for a method whose probes cannot go to a fleet (trainer.methods: none, or its
+        `no_fleet_why`) and CoordinatorHTTPError when the coordinator refuses the run.
         """
         from coordinator.messages import RunSpec
         from fleet.backend import CoordinatorBackend
         from fleet.batch_wire import batch_kind_for_model, loss_for_kind
-        from trainer.methods import build_role_mode, build_zocurv_mode, get_method
-        from trainer.modes import build_mode
+        from trainer.methods import build_mode, fleet_method_names, get_method
 
-        # Pure-ZO steps wait for every probe: their seeds are spread over the workers. ZOCurvMode and RoleCurvMode
-        # (zocurv-global) publish inside their steps: their backend serialises and uploads in the background
-        # (fleet.backend), and pure ZO waits for each round anyway.
-        pure = get_method(cfg.optimizer).kind == "pure-zo"
+        method = get_method(cfg.optimizer)
+        if cfg.optimizer not in fleet_method_names():
+            raise ValueError(f"{cfg.optimizer} sends no probes to a fleet {method.no_fleet_why}".rstrip())
+        pure = method.kind == "pure-zo"
         lm = getattr(cfg, "task", "lm") != "sentiment"
         # The workers build the model from the manifest (class + config + shards) and pick the loss and batch
         # format from its class, exactly as the backend does here.
@@ -330,18 +255,14 @@ class Fleet:
                        model_preset=cfg.model if lm else None, staleness=cfg.staleness,
                        **({"spot_check_fraction": 0.0} if self.workers < 2 else {}),
                        **({"seeds_per_task": max(1, -(-cfg.probes // max(1, self.workers)))} if pure else {}))
-        backend = CoordinatorBackend(model, coordinator_url=self.base, admin_token=self.settings.admin_token
+        # ZO-Curv steps publish inside their steps: their backend serialises and uploads in the background
+        # (fleet.backend); pure-ZO steps wait for each round anyway.
+        backend = CoordinatorBackend.connect(model, coordinator_url=self.base, admin_token=self.settings.admin_token
                                      .get_secret_value(), redis_url=self.settings.redis_url, run=spec,
                                      key_prefix=self.settings.key_prefix, history=0 if pure else 2,
-                                     blob_dir=self.settings.blob_dir,
-                                     background=get_method(cfg.optimizer).build in (build_zocurv_mode, build_role_mode))
-        rounds = self.rounds
-        if rounds == "next" and get_method(cfg.optimizer).optimizer is None:
-            rounds = "async"  # zocurv-global (trainer.zo.role_mode) folds its line rounds as they arrive
-        if rounds != "async" and not pure:  # pure-ZO steps wait for their probes anyway
-            backend = SyncRounds(backend, lag=0 if rounds == "sync" else 1)
+                                     blob_dir=self.settings.blob_dir, background=not pure)
         loss_fn = loss_for_kind(batch_kind_for_model(type(model).__name__))
-        return FleetFiguresMode(build_mode(cfg, model, loss_fn, backend=backend), self.status)
+        return FleetFiguresMode(build_mode(cfg, model, loss_fn, backend=backend, timing=self.rounds), self.status)
 
 
     def evaluator_factory(self, deadline_s: float = 120.0, full: bool = True):
@@ -384,7 +305,7 @@ def attach(url: str, *, settings: FleetSettings | None = None, wait_s: float = 1
     """Connect to the coordinator at `url` and wait for `min_workers` active workers (at most `wait_s` s).
 
     `settings` default to the environment (FleetSettings); `rounds` (ROUND_MODES) says when ZO-Curv rounds
-    fold: "async" as they arrive, "sync" at their own refresh, "next" at the refresh after (SyncRounds).
+    fold: "async" as they arrive, "sync" at their own refresh, "next" at the refresh after (trainer.zo.rounds.RoundBook).
     Raises FleetError when the coordinator does not
     answer /readyz (one bounded retry loop of `wait_s` seconds: `log` says so at the first failure and counts down
     every COUNTDOWN_EVERY_S seconds), refuses the admin token, or has too few

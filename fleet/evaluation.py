@@ -83,10 +83,10 @@ class FleetEvaluator:
         spec = RunSpec(run=f"{fleet.run_prefix}-eval-{secrets.token_hex(4)}", model_class=type(model).__name__,
                        model_preset=cfg.model if lm else None, staleness=1_000_000, seeds_per_task=seeds_per_task,
                        **({"spot_check_fraction": 0.0} if fleet.workers < 2 else {}))
-        self.backend = CoordinatorBackend(model, coordinator_url=fleet.base, admin_token=fleet.settings.admin_token
-                                          .get_secret_value(), redis_url=fleet.settings.redis_url, run=spec,
-                                          key_prefix=fleet.settings.key_prefix, history=0, background=True,
-                                          blob_dir=fleet.settings.blob_dir)
+        self.backend = CoordinatorBackend.connect(model, coordinator_url=fleet.base, admin_token=fleet.settings.admin_token
+                                                  .get_secret_value(), redis_url=fleet.settings.redis_url,
+                                                  run=spec, key_prefix=fleet.settings.key_prefix, history=0,
+                                                  background=True, blob_dir=fleet.settings.blob_dir)
         self.run = spec.run
         self.pending: dict[int, _Pending] = {}
         self._rounds: dict[str, int] = {}  # round id -> step

@@ -12,7 +12,7 @@ A version the coordinator has no snapshot for (404) is a pure-ZO seed-ledger ver
 replaying ledger entries on the newest loaded version below it (or the newest snapshot when none is
 loaded or it is more than `max_replay` entries behind), in fp32 with the kernels' replay.
 
-Shard layout (written by `fleet.backend.write_shards`): each shard holds some canonical
+Shard layout (written by `fleet.publisher.write_shards`): each shard holds some canonical
 parameters (`model.named_parameters()` names, tied weights once); together they cover all of them.
 """
 

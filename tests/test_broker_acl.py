@@ -113,7 +113,7 @@ def test_quarantined_worker_cannot_touch_registry_keys(fleet):
     assert w.llen("sc.probe.acl") == 0  # its queue it may read
 
     # quarantine disables the user: the open connection is closed and a new login refused
-    Store(settings).set_worker_state(wid, "quarantined", ("active", "draining", "lost"), actor="coordinator")
+    Store(settings).workers.set_worker_state(wid, "quarantined", ("active", "draining", "lost"), actor="coordinator")
     with pytest.raises((redis.exceptions.ConnectionError, redis.exceptions.AuthenticationError)):
         w.llen("sc.probe.acl")
     fresh = redis.Redis.from_url(reg["broker_url"])
@@ -155,7 +155,7 @@ def test_real_worker_process_runs_rounds_with_its_own_broker_user(tmp_path):
         run = RunSpec(
             run="aclrun", model_class=type(model).__name__, spot_check_fraction=0.0, seeds_per_task=2
         )
-        be = CoordinatorBackend(
+        be = CoordinatorBackend.connect(
             model,
             coordinator_url=fleet.url,
             admin_token=fleet.admin_token,

@@ -16,7 +16,7 @@ import pytest
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
-from api.server import free_port, serve_processes
+from api.server import free_port, serve_processes, settings_env
 from coordinator.metrics import CoordinatorMetrics
 from support.coordinator import cleanup, make_settings
 
@@ -82,17 +82,7 @@ def test_coordinator_with_two_workers_reports_the_sum_over_processes(tmp_path):
     mp_dir.mkdir()
     (mp_dir / "counter_1.db").write_bytes(b"stale values of an earlier run")  # cleared at start
     port = free_port()
-    env = dict(
-        os.environ,
-        REDIS_URL=settings.redis_url,
-        SPARECYCLES_KEY_PREFIX=settings.key_prefix,
-        SPARECYCLES_QUEUE_PREFIX=settings.queue_prefix,
-        SPARECYCLES_BLOB_DIR=str(settings.blob_dir),
-        SPARECYCLES_ADMIN_TOKEN=settings.admin_token.get_secret_value(),
-        SPARECYCLES_ENROLLMENT_TOKEN=settings.enrollment_token.get_secret_value(),
-        PROMETHEUS_MULTIPROC_DIR=str(mp_dir),
-    )
-    env.pop("SPARECYCLES_REDIS_URL", None)
+    env = settings_env(settings, PROMETHEUS_MULTIPROC_DIR=str(mp_dir))
     cmd = [sys.executable, "-m", "api.cli", "--port", str(port), "--log-level", "warning", "--workers", "2"]
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT)
     url = f"http://127.0.0.1:{port}"

@@ -139,7 +139,7 @@ def test_corrupted_bin_is_rebuilt_identically(tmp_cache):
 
 
 def test_unknown_corpus_lists_valid_names():
-    with pytest.raises(ValueError, match="classics, classics-small"):
+    with pytest.raises(ValueError, match="classics, classics-large, classics-small"):
         fetch_corpus("wikipedia")
     with pytest.raises(ValueError, match="valid names"):
         load_corpus("")
@@ -254,7 +254,7 @@ def test_fetch_cli_prints_counts(real_small, capsys):
     assert f"{m['splits']['train']['tokens']:,}" in out and "8,482" in out
     with pytest.raises(ValueError, match="unknown task"):
         fetch_cli(None, "sst2", False)
-    assert sorted(CORPORA) == ["classics", "classics-small"]
+    assert sorted(CORPORA) == ["classics", "classics-large", "classics-small"]
 
 
 def test_concurrent_builds_share_one_result(tmp_cache):

@@ -146,7 +146,6 @@ def test_a_worker_killed_mid_evaluation_is_replaced_and_each_batch_counts_once(e
     assert n == 120
     victim = efleet.workers["b"]
     ev.request(0, model)
-    stream = ev.backend.reader
 
     def progress() -> int:
         return len(ev.pending[0].values) if 0 in ev.pending else n
@@ -167,7 +166,6 @@ def test_a_worker_killed_mid_evaluation_is_replaced_and_each_batch_counts_once(e
     assert rec["val_loss"] == evaluate(model, task.corpus.val, cfg)  # the trainer's own value, bit for bit
     info = efleet.admin.get(f"/v1/runs/{ev.run}/rounds/eval-0").json()
     assert info["done"] == info["n_seeds"] == n  # each batch accepted exactly once
-    assert stream is ev.backend.reader
 
 
 @pytest.mark.slow

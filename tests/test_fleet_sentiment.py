@@ -100,7 +100,7 @@ def test_malformed_batches_are_rejected_counted_and_survived(fleet, minilm):
     before = sum(_tasks(fleet, n, "invalid") for n in ("a", "b"))
     errors = sum(_tasks(fleet, n, "error") for n in ("a", "b"))
     for i, data in enumerate(bad):
-        wire = WireRound(run="senti-bad", round_id=f"bad-{i}", version=0, batch_sha256=be._upload(data), eps=1e-3,
+        wire = WireRound(run="senti-bad", round_id=f"bad-{i}", version=0, batch_sha256=be.publisher.blobs.upload(data), eps=1e-3,
                          distribution="rademacher", seeds=[100 + i], want_clean=True)
         be.client.post_round(wire)
     fleet.wait(lambda: sum(_tasks(fleet, n, "invalid") for n in ("a", "b")) == before + len(bad), "3 rejections")

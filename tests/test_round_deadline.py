@@ -56,7 +56,7 @@ def test_quiet_round_is_reissued(env: Env):
     assert env.admin.post("/v1/runs/d/rounds", json=rnd).status_code == 201
     store = Store(env.settings)
     watch = RoundWatch(store)
-    t0 = float(env.r.hget(store.k_round("d", "r0"), "created_at"))  # progress is timed from here
+    t0 = float(env.r.hget(store.keys.k_round("d", "r0"), "created_at"))  # progress is timed from here
     assert watch.tick(t0) == [] and watch.deadline("d") == env.settings.speculate_initial_s
     queue = env.settings.queue_prefix + ".d"
     assert env.r.llen(queue) == 3 and _gauge(env, "sparecycles_outstanding_seeds", "d") == 6

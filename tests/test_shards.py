@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load, save
 
-from fleet.backend import write_shards
+from fleet.publisher import write_shards
 from fleet.shards import parse_safetensors, plan_shard, plan_shards
 from trainer.models.gpt2 import build_model
 

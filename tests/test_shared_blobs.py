@@ -1,5 +1,5 @@
 """One host, one blob directory: the trainer writes weight shards into the coordinator's store and workers read
-them in place (fleet.backend blob_dir, probe_worker.cache shared_blob_dir); anything else falls back to HTTP."""
+them in place (fleet.uploads.BlobSender blob_dir, probe_worker.cache shared_blob_dir); anything else falls back to HTTP."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def env(tmp_path):
 
 
 def _backend(env, model, run: str, blob_dir) -> CoordinatorBackend:  # noqa: F811
-    return CoordinatorBackend(
+    return CoordinatorBackend.connect(
         model, coordinator_url=env.server.url, admin_token=env.settings.admin_token.get_secret_value(),
         redis_url=REDIS_URL, run=RunSpec(run=run, model_class=type(model).__name__, spot_check_fraction=0.0),
         key_prefix=env.prefix, shard_bytes=4096, blob_dir=blob_dir)
@@ -32,7 +32,7 @@ def test_shards_written_in_the_shared_store_load_bit_exact_without_a_download(en
     model = tiny_model()
     be = _backend(env, model, "shared", env.settings.blob_dir)
     be.publish(0)
-    assert be.publish_timings[0]["local"] == 1.0 and be.blob_dir_note == ""
+    assert be.publisher.publish_timings[0]["local"] == 1.0 and be.publisher.blobs.note == ""
     client, _ = env.worker("w0")
     manifest = client.version("shared", 0)
     assert all(client.has_blob(s.sha256) for s in manifest.shards) and len(manifest.shards) > 3
@@ -49,7 +49,7 @@ def test_a_blob_dir_the_coordinator_does_not_see_falls_back_to_http(env, tmp_pat
     model = tiny_model(seed=1)
     be = _backend(env, model, "elsewhere", tmp_path / "not-the-store")
     be.publish(0)
-    assert be.publish_timings[0]["local"] == 0.0 and "not the coordinator's blob directory" in be.blob_dir_note
+    assert be.publisher.publish_timings[0]["local"] == 0.0 and "not the coordinator's blob directory" in be.publisher.blobs.note
     client, _ = env.worker("w0")
     manifest = client.version("elsewhere", 0)
     assert all(client.has_blob(s.sha256) for s in manifest.shards)  # uploaded over HTTP after all
@@ -86,12 +86,12 @@ def test_a_wrong_blob_dir_is_refused_even_when_the_coordinator_already_holds_the
     first = _backend(env, model, "first", None)
     first.publish(0)
     second = _backend(env, model, "second", tmp_path / "not-the-store")
-    assert second.local_blobs is None and "not the coordinator's blob directory" in second.blob_dir_note
+    assert second.publisher.blobs.local is None and "not the coordinator's blob directory" in second.publisher.blobs.note
     second.publish(0)
     with torch.no_grad():
         model.transformer.ln_f.weight.add_(1.0)
     second.publish(1)  # new shards go over HTTP: registration finds them
-    assert second.publish_timings[1]["local"] == 0.0
+    assert second.publisher.publish_timings[1]["local"] == 0.0
     assert list((tmp_path / "not-the-store").glob("??/*")) == []  # the probe blob was removed
     first.close()
     second.close()
@@ -101,9 +101,9 @@ def test_an_unwritable_blob_dir_falls_back_to_http(env, tmp_path):  # noqa: F811
     model = tiny_model(seed=4)
     (tmp_path / "a-file").write_text("x")
     be = _backend(env, model, "unwritable", tmp_path / "a-file" / "blobs")  # mkdir under a file: OSError
-    assert be.local_blobs is None and "cannot be written" in be.blob_dir_note
+    assert be.publisher.blobs.local is None and "cannot be written" in be.publisher.blobs.note
     be.publish(0)
-    assert be.publish_timings[0]["local"] == 0.0
+    assert be.publisher.publish_timings[0]["local"] == 0.0
     be.close()
 
 

@@ -15,8 +15,9 @@ from prometheus_client import CollectorRegistry
 
 from coordinator.client import CorruptBlobError
 from coordinator.messages import CanarySpec, ProbeTask
-from fleet.backend import CoordinatorBackend, write_shards
+from fleet.backend import CoordinatorBackend
 from fleet.batch_wire import decode_batch, encode_batch
+from fleet.publisher import write_shards
 from kernels import ProbeEvaluator
 from kernels.reference import direction_ref
 from probe_worker.cache import WeightCache
@@ -65,19 +66,29 @@ def test_published_version_loads_bit_exact_and_fetches_only_new_shards(env):
     be.close()
 
 
-def test_corrupt_cached_shard_is_deleted_and_refetched(env):
+def _flip_bit(path, byte: int, bit: int) -> None:
+    """Corrupt the file at `path`: flip bit `bit` of byte `byte` (negative: from the end)."""
+    data = bytearray(path.read_bytes())
+    data[byte] ^= 1 << bit
+    path.write_bytes(bytes(data))
+
+
+def _published(env, run: str):
+    """(model, backend, worker client, manifest) of version 0 of a tiny model published as `run`."""
     model = tiny_model()
-    be = env.backend(model, "corrupt-cache")
+    be = env.backend(model, run)
     be.publish(0)
     client, _ = env.worker("w0")
+    return model, be, client, client.version(run, 0)
+
+
+def test_corrupt_cached_shard_is_deleted_and_refetched(env):
+    model, be, client, manifest = _published(env, "corrupt-cache")
     WeightCache(client, env.tmp / "wc", metrics=WorkerMetrics(CollectorRegistry())).get("corrupt-cache", 0)
     metrics = WorkerMetrics(CollectorRegistry())
     cache = WeightCache(client, env.tmp / "wc", metrics=metrics)  # a restarted worker: disk cache only
-    manifest = client.version("corrupt-cache", 0)
     path = cache.shard_path(manifest.shards[0].sha256)
-    data = bytearray(path.read_bytes())
-    data[-1] ^= 0x01  # flip one bit in the tensor data
-    path.write_bytes(bytes(data))
+    _flip_bit(path, -1, 0)  # one bit in the tensor data
     loaded = cache.get("corrupt-cache", 0)
     assert metrics.corrupt._value.get() == 1
     assert hashlib.sha256(path.read_bytes()).hexdigest() == manifest.shards[0].sha256
@@ -86,15 +97,9 @@ def test_corrupt_cached_shard_is_deleted_and_refetched(env):
 
 
 def test_corrupt_blob_from_coordinator_is_never_loaded(env):
-    model = tiny_model()
-    be = env.backend(model, "corrupt-blob")
-    be.publish(0)
-    client, _ = env.worker("w0")
-    manifest = client.version("corrupt-blob", 0)
+    _, be, client, manifest = _published(env, "corrupt-blob")
     blob = env.settings.blob_dir / manifest.shards[1].sha256[:2] / manifest.shards[1].sha256
-    data = bytearray(blob.read_bytes())
-    data[len(data) // 2] ^= 0x80
-    blob.write_bytes(bytes(data))
+    _flip_bit(blob, blob.stat().st_size // 2, 7)
     metrics = WorkerMetrics(CollectorRegistry())
     cache = WeightCache(client, env.tmp / "wc", metrics=metrics)
     with pytest.raises(CorruptBlobError):
@@ -115,7 +120,7 @@ def test_runtime_posts_evaluator_values_once_and_rejects_bad_tasks(env):
     metrics = WorkerMetrics(CollectorRegistry())
     runtime = ProbeRuntime(client, wid, WeightCache(client, env.tmp / "wc", metrics=metrics), metrics)
     drain = DrainState()
-    kwargs = ProbeTask(run="runtime", round_id="rt-0", version=0, batch_sha256=be._upload(encode_batch(batch)),
+    kwargs = ProbeTask(run="runtime", round_id="rt-0", version=0, batch_sha256=be.publisher.blobs.upload(encode_batch(batch)),
                        eps=1e-3, distribution="gauss8", seeds=[7, 8, 9], want_clean=True).model_dump(mode="json")
     assert run_probe(runtime, drain, metrics, kwargs) == "done"
     assert run_probe(runtime, drain, metrics, kwargs) == "done"  # a redelivery: identical values, deduped
@@ -162,7 +167,7 @@ def test_canary_attestation_counts_results(env):
     client, wid = env.worker("w0")
     metrics = WorkerMetrics(CollectorRegistry())
     runtime = ProbeRuntime(client, wid, WeightCache(client, env.tmp / "wc", metrics=metrics), metrics)
-    task = ProbeTask(run="canary", round_id="c-0", version=0, batch_sha256=be._upload(encode_batch(batch)),
+    task = ProbeTask(run="canary", round_id="c-0", version=0, batch_sha256=be.publisher.blobs.upload(encode_batch(batch)),
                      eps=1e-3, distribution="gauss8", seeds=[1, 2], want_clean=False)
     assert runtime.run_task(task).outcomes == ["accepted", "accepted"]
     be.close()
@@ -180,13 +185,13 @@ def test_trainer_restart_receives_undelivered_results(env):
     for seeds in ([1, 2], [3, 4]):
         runtime.run_task(ProbeTask(run="restart", round_id="rs-0", version=0, batch_sha256=sha, eps=1e-3,
                                    distribution="rademacher", seeds=seeds, want_clean=False))
-    be._drain_stream(block_ms=1)  # read into memory, never handed out: then the trainer "crashes"
-    assert len(be._buffer) == 4
+    be.results.drain(block_ms=1)  # read into memory, never handed out: then the trainer "crashes"
+    assert len(be.results.buffered) == 4
     be.close()
-    be2 = CoordinatorBackend(model, coordinator_url=env.server.url, redis_url=REDIS_URL, run="restart",
+    be2 = CoordinatorBackend.connect(model, coordinator_url=env.server.url, redis_url=REDIS_URL, run="restart",
                              admin_token=env.settings.admin_token.get_secret_value(), key_prefix=env.prefix)
     got = be2.collect().results
-    assert sorted(r.seed for r in got) == [1, 2, 3, 4] and be2.reader.pending() == 0
+    assert sorted(r.seed for r in got) == [1, 2, 3, 4] and be2.results.reader.pending() == 0
     assert be2.collect().results == []
     be2.close()
 
@@ -361,7 +366,7 @@ def test_zo_training_through_coordinator_matches_in_process(env):
 def test_background_publish_uploads_the_weights_of_the_publish_call_and_raises_upload_errors_later(env):
     model = tiny_model()
     be = env.backend(model, "bg")
-    bg = CoordinatorBackend(model, coordinator_url=env.server.url, redis_url=REDIS_URL, run="bg",
+    bg = CoordinatorBackend.connect(model, coordinator_url=env.server.url, redis_url=REDIS_URL, run="bg",
                             admin_token=env.settings.admin_token.get_secret_value(), key_prefix=env.prefix,
                             shard_bytes=4096, background=True, max_pending=1, consumer="bg")
     be.publish(0)  # the synchronous reference: same weights, same shards
@@ -380,9 +385,9 @@ def test_background_publish_uploads_the_weights_of_the_publish_call_and_raises_u
     for v in (0, 1, 2, 3):
         got = params_of(cache.get("bg", v).model)
         assert all(torch.equal(a, b) for (_, a), (_, b) in zip(got, want[v])), v
-    assert client.version("bg", 2).parent == 1 and len(bg.publish_seconds) == 3
-    assert sorted(bg.publish_timings) == [1, 2, 3] and sorted(be.publish_timings) == [0]
-    assert {t["bytes"] for t in bg.publish_timings.values()} == {sum(s.bytes for s in client.version("bg", 0).shards)}
+    assert client.version("bg", 2).parent == 1 and len(bg.publisher.publish_seconds) == 3
+    assert sorted(bg.publisher.publish_timings) == [1, 2, 3] and sorted(be.publisher.publish_timings) == [0]
+    assert {t["bytes"] for t in bg.publisher.publish_timings.values()} == {sum(s.bytes for s in client.version("bg", 0).shards)}
 
     tried, queued = [], threading.Event()
 
@@ -400,7 +405,7 @@ def test_background_publish_uploads_the_weights_of_the_publish_call_and_raises_u
     with pytest.raises(RuntimeError, match="not sent: an earlier background upload failed"):
         bg.flush()  # version 5 was never tried: it would have followed a version that is not registered
     # version 4's changed shards, each once (in parallel); version 5 (the same weights) would repeat them
-    assert 0 < len(tried) == len(set(tried)) <= len(write_shards(bg.model, bg.shard_bytes))
+    assert 0 < len(tried) == len(set(tried)) <= len(write_shards(bg.publisher.model, bg.publisher.shard_bytes))
     bg.close()
     be.close()
 

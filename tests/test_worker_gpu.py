@@ -9,7 +9,7 @@ import torch
 from transformers import GPT2LMHeadModel
 
 from coordinator.messages import ShardRef, VersionManifest
-from fleet.backend import manifest_config
+from fleet.publisher import manifest_config
 from kernels import ProbeEvaluator
 from probe_worker.cache import build_from_tensors
 from support.models import tiny_gpt2

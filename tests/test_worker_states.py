@@ -46,7 +46,7 @@ def test_concurrent_heartbeat_and_delete_never_500_nor_resurrect(env: Env):
         def direct(wid=wid, stop=stop) -> None:  # the store itself, without HTTP: the tightest race
             while not stop.is_set():
                 try:
-                    store.heartbeat(wid, Heartbeat())
+                    store.workers.heartbeat(wid, Heartbeat())
                 except LookupError:
                     pass
 
@@ -61,13 +61,13 @@ def test_concurrent_heartbeat_and_delete_never_500_nor_resurrect(env: Env):
         for t in threads:
             t.join(30)
         w.close()
-        assert not env.r.exists(store.k_worker(wid)), "a heartbeat recreated a deleted worker"
-        assert env.r.zscore(store.k_leases, wid) is None and not env.r.sismember(store.k_workers, wid)
+        assert not env.r.exists(store.keys.k_worker(wid)), "a heartbeat recreated a deleted worker"
+        assert env.r.zscore(store.keys.k_leases, wid) is None and not env.r.sismember(store.keys.k_workers, wid)
     assert set(statuses) <= {200, 204, 401, 404}, sorted(set(statuses))
     assert 500 not in statuses and statuses.count(204) == 4
     # a partial record (not written by a registry script) reads as absent, never as a 500
-    env.r.hset(store.k_worker("w-00000000000000ff"), "accepted", 3)
-    env.r.sadd(store.k_workers, "w-00000000000000ff")
+    env.r.hset(store.keys.k_worker("w-00000000000000ff"), "accepted", 3)
+    env.r.sadd(store.keys.k_workers, "w-00000000000000ff")
     assert env.admin.get("/v1/workers/w-00000000000000ff").status_code == 404
     assert env.admin.get("/v1/workers").status_code == 200
 
@@ -86,12 +86,12 @@ def test_admin_drain_and_quarantine_are_sticky(env: Env):
     assert refused.status_code == 409 and "admin" in refused.json()["detail"]
     assert w.post(f"/v1/workers/{wid}/heartbeat", json={}).json()["state"] == "draining"
     # ...nor by being lost and coming back: it comes back draining
-    assert store.reap_expired(now=time.time() + env.settings.lease_seconds + 1) == [wid]
+    assert store.workers.reap_expired(now=time.time() + env.settings.lease_seconds + 1) == [wid]
     assert env.admin.get(f"/v1/workers/{wid}").json()["state"] == "lost"
     assert w.post(f"/v1/workers/{wid}/heartbeat", json={}).json()["state"] == "draining"
     assert env.admin.post(f"/v1/workers/{wid}/resume").json()["state"] == "active"
     # quarantine (intake's transition) is left only by deletion
-    store.set_worker_state(wid, "quarantined", ("active", "draining", "lost"), actor="coordinator")
+    store.workers.set_worker_state(wid, "quarantined", ("active", "draining", "lost"), actor="coordinator")
     for path in ("resume", "drain"):
         assert w.post(f"/v1/workers/{wid}/{path}").status_code == 409
         assert env.admin.post(f"/v1/workers/{wid}/{path}").status_code == 409
@@ -123,14 +123,14 @@ def test_registration_cap_rate_expiry_and_pagination(env: Env):
     # lost workers expire after lost_expiry_leases leases, which frees the token's cap
     lease = env.settings.lease_seconds
     for wid in ids[:3]:
-        env.r.zadd(store.k_leases, {wid: time.time() - 1})  # as if they stopped heartbeating
+        env.r.zadd(store.keys.k_leases, {wid: time.time() - 1})  # as if they stopped heartbeating
     t0 = time.time()
-    store.reap_expired(now=t0)  # (or the app's own reaper, whichever runs first)
+    store.workers.reap_expired(now=t0)  # (or the app's own reaper, whichever runs first)
     states = {x["worker_id"]: x["state"] for x in env.admin.get("/v1/workers").json()}
     assert states == {**dict.fromkeys(ids[:3], "lost"), **dict.fromkeys(ids[3:], "active")}
-    store.reap_expired(now=t0 + 2 * lease - 5)  # before their expiry: kept
+    store.workers.reap_expired(now=t0 + 2 * lease - 5)  # before their expiry: kept
     assert len(env.admin.get("/v1/workers").json()) == 5
-    store.reap_expired(now=t0 + 2 * lease + 5)
+    store.workers.reap_expired(now=t0 + 2 * lease + 5)
     assert [x["worker_id"] for x in env.admin.get("/v1/workers").json()] == ids[3:]
     assert env.admin.get(f"/v1/workers/{ids[0]}").status_code == 404
 

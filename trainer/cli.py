@@ -19,7 +19,8 @@ data_app = typer.Typer(help="Fetch and build real corpora and labelled tasks (ca
 
 @data_app.command("fetch")
 def fetch(
-    corpus: str | None = typer.Option(None, help="Corpus to build: classics-small or classics."),
+    corpus: str | None = typer.Option(None, help="Corpus to build: classics-small, classics or classics-large "
+                                      "(>= 30M tokens, with a selection split)."),
     task: str | None = typer.Option(None, help="Labelled task to build: sentiment."),
     force: bool = typer.Option(False, help="Rebuild even if the cache verifies."),
 ) -> None:
@@ -39,13 +40,34 @@ def fetch(
         raise typer.Exit(2) from exc
 
 
+@data_app.command("pack")
+def pack(
+    corpus: str = typer.Option("classics-large", help="Corpus to pack (built first if needed)."),
+    out: Path = typer.Option(Path(".data"), help="Folder to write: OUT/cache/corpora/CORPUS/*.bin.xz and the "
+                             "manifest; use it there with SPARECYCLES_CACHE=OUT/cache."),
+) -> None:
+    """Pack a corpus for a machine without registry access: xz-compressed uint16 token arrays + manifest."""
+    from trainer.data.pack import pack_corpus
+    from trainer.data.sources import DataFetchError
+
+    try:
+        info = pack_corpus(corpus, out, progress=True)
+    except (ValueError, DataFetchError) as exc:
+        typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from exc
+    for name, size in info["files"].items():
+        typer.echo(f"{name:32s} {size:>12,d} bytes")
+    typer.echo(f"{info['dir']}: {info['total_bytes']:,} bytes in all; tokens {info['tokens']}; "
+               f"use with SPARECYCLES_CACHE={Path(out) / 'cache'}")
+
+
 # Set by sparecycles.cli (the top layer composes: trainer may not import fleet, which sits above it):
 # attach(url, wait_s=..., log=...) -> fleet.attach.Fleet, raising fleet.attach.FleetError (a RuntimeError).
 FLEET_ATTACH: Callable[..., Any] | None = None
 
 
 EVAL_ON = ("trainer", "fleet", "auto")
-# --fleet-wait: when a ZO-Curv round folds, as fleet.attach's round modes (Fleet.rounds, SyncRounds)
+# --fleet-wait: when a ZO-Curv round folds, as a round mode of fleet.attach (Fleet.rounds: trainer.zo.rounds.RoundBook)
 FLEET_WAIT = {"never": "async", "interval": "next", "sync": "sync"}
 
 
@@ -137,6 +159,25 @@ def train(
     eval_windows: str = typer.Option(
         "full", help="--eval-on fleet: full (the whole validation split: it costs the trainer nothing) or subset "
         "(the --eval-batches windows the trainer evaluates)."),
+    nproc_per_node: int | None = typer.Option(
+        None, min=1, help="Run under torchrun with N processes on this machine (one per GPU with --device cuda): "
+                          "DDP, the global batch split over the ranks. Same as `torchrun --standalone "
+                          "--nproc-per-node N -m sparecycles.cli train ...`."),
+    shard: bool = typer.Option(False, help="Under torchrun: shard parameters, gradients and AdamW state with FSDP2 "
+                               "(first-order optimizers) instead of replicating them (DDP)."),
+    micro_batch_size: int | None = typer.Option(None, min=1, help="Under torchrun (or alone): sequences per "
+                                                "forward/backward on each rank; gradients accumulate over the rank's "
+                                                "shard (first-order optimizers)."),
+    dist_timeout: float = typer.Option(600.0, min=1.0, help="Under torchrun: seconds a collective waits for the other "
+                                       "ranks before the run stops with an error (a rank that died or hangs)."),
+    anytime: bool = typer.Option(False, help="The anytime model: at each evaluation, choose the best mixture of the "
+                                 "last versions on the corpus's selection split (e.g. --corpus classics-large) and "
+                                 "log its validation loss as served_val_loss (RUN_DIR/served.safetensors; "
+                                 "`export --best`)."),
+    anytime_k: int = typer.Option(8, min=2, max=64, help="--anytime: versions kept."),
+    anytime_every: int = typer.Option(10, min=1, help="--anytime: steps between published versions."),
+    pull: bool = typer.Option(False, help="--anytime ablation: move the trainer to the served model when it beats "
+                              "raw by > 3 standard errors on the selection split (optimizer state kept)."),
     metrics_port: int | None = typer.Option(None, min=0, max=65535, help="Serve Prometheus metrics (step, loss, "
                                             "val loss, tokens) on this port. Default: 9102 with --coordinator, none "
                                             "without; 0: none."),
@@ -147,12 +188,15 @@ def train(
 
     Every option is checked before training. A folder holding this run finished (same settings) is reused
     and its summary printed; one holding another run is refused (naming the differences) unless
-    --overwrite; an interrupted one continues with --resume.
+    --overwrite; an interrupted one continues with --resume. Under torchrun (or with --nproc-per-node) every rank
+    runs this command; rank 0 alone writes the run folder and talks to the coordinator (trainer.distributed).
     """
     import json
 
     # Only light modules until every option is checked: torch and transformers (trainer.train) take seconds to
     # import, and an option error must not wait for them.
+    if nproc_per_node is not None and not _launched_by_torchrun():
+        raise typer.Exit(_launch_torchrun(nproc_per_node, device))
     from trainer.config import resolve_preset
     from trainer.preflight import check_options, explain, folder_state, no_probe_round_warning
     from trainer.run_dir import default_run_dir
@@ -163,7 +207,8 @@ def train(
                      checkpoint_every=checkpoint_every, probes=probes, eps=eps, alpha=alpha, lam=lam,
                      probe_batch_size=probe_batch_size, curvature_interval=curvature_interval, staleness=staleness,
                      probe_budget=probe_budget, seed=seed, device=device, run_dir=run_dir,
-                     optimizer_options=_key_values(optimizer_option or []) or None)
+                     optimizer_options=_key_values(optimizer_option or []) or None,
+                     anytime=dict(k=anytime_k, publish_every=anytime_every, pull=pull) if anytime or pull else None)
     try:
         cfg = resolve_preset(preset, overrides)
     except ValueError as exc:  # pydantic's ValidationError, or an unknown preset
@@ -173,20 +218,6 @@ def train(
         check_options(cfg)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
-    folder = cfg.run_dir or default_run_dir(cfg)
-    state = folder_state(folder, cfg)
-    if not resume and not overwrite and state.kind in ("done", "other"):
-        if state.kind == "other":
-            typer.secho(f"error: {folder} holds a run with other settings ({'; '.join(state.diffs)}); pass "
-                        "--overwrite to replace it, or another --run-dir", fg=typer.colors.RED, err=True)
-            raise typer.Exit(2)
-        typer.echo(f"{folder} already holds this run, finished (same settings): reused, nothing trained "
-                   "(--overwrite trains it again)", err=True)
-        typer.echo((folder / "summary.json").read_text())
-        return
-    warning = no_probe_round_warning(cfg)
-    if warning:
-        typer.secho(f"warning: {warning}", fg=typer.colors.YELLOW, err=True)
     for name, value, choices in (("--eval-on", eval_on, EVAL_ON), ("--fleet-wait", fleet_wait, tuple(FLEET_WAIT)),
                                  ("--eval-windows", eval_windows, ("full", "subset"))):
         if value not in choices:
@@ -194,19 +225,66 @@ def train(
     if eval_on == "fleet" and not coordinator:
         raise typer.BadParameter("--eval-on fleet needs --coordinator (or SPARECYCLES_COORDINATOR_URL)",
                                  param_hint="--eval-on")
-    _serve_metrics(metrics_port, metrics_host, bool(coordinator))
+    from trainer.distributed import DistributedError, setup
+
+    try:
+        dist = setup(device=cfg.device, shard=shard, micro_batch_size=micro_batch_size, fleet=bool(coordinator),
+                     timeout_s=dist_timeout, fleet_rounds=FLEET_WAIT["sync" if fleet_sync else fleet_wait])
+    except (ValueError, DistributedError) as exc:
+        typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from exc
+    folder = cfg.run_dir or default_run_dir(cfg)
+    state = folder_state(folder, cfg)
+    if not resume and not overwrite and state.kind in ("done", "other"):
+        if state.kind == "other":
+            typer.secho(f"error: {folder} holds a run with other settings ({'; '.join(state.diffs)}); pass "
+                        "--overwrite to replace it, or another --run-dir", fg=typer.colors.RED, err=True)
+            raise typer.Exit(2)
+        if dist.is_main:
+            typer.echo(f"{folder} already holds this run, finished (same settings): reused, nothing trained "
+                       "(--overwrite trains it again)", err=True)
+            typer.echo((folder / "summary.json").read_text())
+        return
+    warning = no_probe_round_warning(cfg)
+    if warning and dist.is_main:
+        typer.secho(f"warning: {warning}", fg=typer.colors.YELLOW, err=True)
+    if dist.is_main:  # rank 0 alone reports (one port per host)
+        _serve_metrics(metrics_port, metrics_host, bool(coordinator))
     fleet_kw = {}
-    if coordinator:
-        fleet_kw = _attach_fleet(coordinator, cfg, attach_wait, "sync" if fleet_sync else fleet_wait, eval_on,
-                                 eval_deadline, eval_windows)
+    if coordinator:  # rank 0 alone attaches; the others learn whether it did
+        attached = False
+        try:
+            if dist.is_main:
+                fleet_kw = _attach_fleet(coordinator, cfg, attach_wait, "sync" if fleet_sync else fleet_wait, eval_on,
+                                         eval_deadline, eval_windows)
+            attached = True
+        finally:  # rank 0's own error propagates; the others exit 2 quietly
+            if dist.parallel and not dist.broadcast_object(attached) and not dist.is_main:
+                raise typer.Exit(2)
     from trainer.checkpoint import CheckpointError
     from trainer.train import train as run_train
 
     try:
-        result = run_train(cfg, resume=resume, progress=progress, overwrite=overwrite, export=export, **fleet_kw)
+        result = run_train(cfg, resume=resume, progress=progress, overwrite=overwrite, export=export, dist=dist,
+                           **fleet_kw)
     except (ValueError, CheckpointError, OSError) as exc:
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from exc
+    except RuntimeError as exc:
+        if not dist.parallel:
+            raise
+        # A collective failed (a rank died or stopped answering within --dist-timeout) or rank 0's fleet stopped:
+        # every rank stops; the checkpoint folder holds the last complete save (trainer.dist_checkpoint).
+        first = str(exc).strip().splitlines()
+        typer.secho(f"error: rank {dist.rank} stopped: {' '.join(first[:3])[:400]}; the last checkpoint in {folder} is "
+                    "intact: rerun the same command with --resume", fg=typer.colors.RED, err=True)
+        raise typer.Exit(1) from exc
+    finally:
+        from trainer.distributed import teardown
+
+        teardown(dist)
+    if not dist.is_main:
+        return
     if warning:  # the summary says it too, for whoever reads the folder later
         path = result.run_dir / "summary.json"
         path.write_text(json.dumps({**json.loads(path.read_text()), "warnings": [warning]}, indent=2))
@@ -217,6 +295,40 @@ def train(
         f"val loss {result.initial_val_loss:.4f} -> {result.final_val_loss:.4f} after {result.steps} steps "
         f"({result.wall_s:.1f} s); run folder {result.run_dir}"
     )
+
+
+def _launched_by_torchrun() -> bool:
+    """Whether torchrun started this process (as trainer.distributed.launched_by_torchrun, without importing torch)."""
+    import os
+
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+
+
+def _launch_torchrun(nproc: int, device: str | None) -> int:
+    """Re-run this `train` command under torchrun (`python -m torch.distributed.run --standalone`) with `nproc`
+    processes; returns its exit status. Refuses (exit 2) more CUDA ranks than this machine has GPUs."""
+    import subprocess
+    import sys
+
+    if device and device.startswith("cuda"):
+        import torch
+
+        have = torch.cuda.device_count()
+        if nproc > have:
+            typer.secho(f"error: --nproc-per-node {nproc} exceeds the {have} CUDA device(s) of this machine: one rank "
+                        "per GPU", fg=typer.colors.RED, err=True)
+            return 2
+    args, skip = [], False
+    for a in sys.argv[1:]:  # this command's own arguments, without --nproc-per-node
+        if skip:
+            skip = False
+        elif a == "--nproc-per-node":
+            skip = True
+        elif not a.startswith("--nproc-per-node="):
+            args.append(a)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "sparecycles.cli", *args]
+    return subprocess.run(cmd, check=False).returncode
 
 
 def _serve_metrics(port: int | None, host: str, fleet: bool) -> None:

@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from coordinator.bounds import ProbeEps, RunSeed, Staleness
+from trainer.anytime.settings import AnytimeSettings
 from trainer.methods import METHODS, get_method, method_names
 
 # Run presets: named bundles of defaults. `--preset demo` picks one of these; any other value of
@@ -106,6 +107,9 @@ class TrainConfig(BaseModel):
     task: Literal["lm", "sentiment"] = "lm"
     # The method's own knobs (trainer.methods.Method.options), validated against it; {} keeps its defaults.
     optimizer_options: dict[str, float | int | str | bool | None] = Field(default_factory=dict)
+    # The anytime model (trainer.anytime, issue 31): None = off. LM task only; needs a corpus with a
+    # selection split (checked when the corpus is loaded).
+    anytime: AnytimeSettings | None = None
 
     @field_validator("optimizer")
     @classmethod
@@ -121,6 +125,8 @@ class TrainConfig(BaseModel):
             raise ValueError(f"warmup_steps ({self.warmup_steps}) must be smaller than steps ({self.steps})")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.anytime is not None and self.task != "lm":
+            raise ValueError("the anytime model (--anytime) runs on the LM task (--task lm)")
         method = get_method(self.optimizer)
         if self.task not in method.tasks:
             # ZO-Curv estimates curvature for pretraining-scale backprop runs (DESIGN section 2); the
@@ -138,10 +144,11 @@ class TrainConfig(BaseModel):
 
     def run_json(self) -> dict:
         """The run's identity as written to config.json and compared on --resume: every field but `run_dir`
-        and `steps` (a run may be extended), `optimizer_options` only when set and `schedule` only when not
-        "cosine" (folders from before those fields existed still resume)."""
+        and `steps` (a run may be extended), `optimizer_options` / `anytime` only when set and `schedule` only
+        when not "cosine" (folders from before those fields existed still resume)."""
         exclude = {"run_dir", "steps"} | (set() if self.optimizer_options else {"optimizer_options"})
         exclude |= set() if self.schedule != "cosine" else {"schedule"}
+        exclude |= set() if self.anytime is not None else {"anytime"}
         return self.model_dump(mode="json", exclude=exclude)
 
 

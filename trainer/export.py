@@ -262,13 +262,17 @@ def build_run_model(cfg_json: dict[str, Any]) -> torch.nn.Module:
     return model
 
 
-def export_run(run_dir: Path, out_dir: Path, *, partial: bool = False, overwrite: bool = False) -> Path:
+def export_run(run_dir: Path, out_dir: Path, *, partial: bool = False, overwrite: bool = False,
+               best: bool = False) -> Path:
     """Export a run folder's checkpointed model as a transformers folder at `out_dir`; return `out_dir`.
 
     Args:
         run_dir: a folder `sparecycles train` (or `sparecycles up`) wrote.
         out_dir: destination (created; must be empty unless `overwrite`).
         partial: export the checkpoint of an unfinished (interrupted) run instead of refusing.
+        best: export the served anytime model (`served.safetensors`, trainer.anytime.serve: the candidate
+            chosen at the last evaluation) instead of the trained weights; `sparecycles.json` gets "served"
+            (step, candidate, versions, coefficients, its validation loss).
 
     Raises:
         ExportError: no run folder, no config.json, no or unreadable checkpoint, an unfinished run without
@@ -282,6 +286,18 @@ def export_run(run_dir: Path, out_dir: Path, *, partial: bool = False, overwrite
                           f"`sparecycles train ... --resume`, or pass --partial to export the step-{step} "
                           "weights")
     model = build_run_model(cfg_json)
+    if best:
+        served = Path(run_dir) / "served.safetensors"
+        if not served.is_file():
+            raise ExportError(f"{run_dir} has no served.safetensors: train it with --anytime to serve a model")
+        _load_model_tensors(served, model)
+        with safe_open(str(served), framework="pt") as f:
+            meta = json.loads(f.metadata()["sparecycles"])
+        model.eval()
+        out = export_trained(model, cfg_json, out_dir, step=int(meta["step"]), run_dir=None, overwrite=overwrite)
+        info = json.loads((out / "sparecycles.json").read_text())
+        (out / "sparecycles.json").write_text(json.dumps({**info, "run_dir": str(run_dir), "served": meta}, indent=2))
+        return out
     _load_model_tensors(Path(run_dir) / CHECKPOINT_NAME, model)
     model.eval()
     return export_trained(model, cfg_json, out_dir, step=step, run_dir=Path(run_dir), overwrite=overwrite)

@@ -12,6 +12,8 @@ def export(
     out_dir: Path = typer.Argument(..., help="Output folder (config.json, model.safetensors, tokenizer)."),
     partial: bool = typer.Option(False, help="Export the checkpoint of an unfinished (interrupted) run."),
     overwrite: bool = typer.Option(False, help="Replace a non-empty OUT_DIR."),
+    best: bool = typer.Option(False, help="Export the served anytime model (RUN_DIR/served.safetensors, a run "
+                              "trained with --anytime) instead of the trained weights."),
 ) -> None:
     """Export a finished run's model for `transformers`: AutoModelForCausalLM (GPT-2 presets) or
     AutoModelForSequenceClassification (the MiniLM sentiment classifier) `.from_pretrained(OUT_DIR)`."""
@@ -24,7 +26,7 @@ def export(
     from trainer.export import ExportError, export_run
 
     try:
-        out = export_run(run_dir, out_dir, partial=partial, overwrite=overwrite)
+        out = export_run(run_dir, out_dir, partial=partial, overwrite=overwrite, best=best)
     except (ExportError, FileExistsError) as exc:
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from exc

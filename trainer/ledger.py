@@ -6,7 +6,7 @@ Phases (seconds of the training process's main thread, exclusive of nested phase
 - `step`: the optimizer steps (forward, backward, update, in-process probes), less what is booked below;
 - `publish`: sending weight versions, seed-ledger entries and probe rounds to a fleet (on the training
   thread: with background uploads only the host copy and the hand-off);
-- `wait`: waiting for a fleet's probe rounds (a round collected with a deadline, `SyncRounds`, pure-ZO steps);
+- `wait`: waiting for a fleet's probe rounds (a round collected with a deadline: trainer.zo.rounds.RoundBook under sync and next, pure-ZO steps);
 - `eval`: held-out evaluation (in process; on a fleet the hand-off, the results' intake and any fallback);
 - `checkpoint`: writing checkpoints;
 - `log`: metrics.jsonl, TensorBoard, Prometheus, the progress line, the plot;

@@ -75,6 +75,11 @@ def _plot_losses(ax, recs: list[dict[str, Any]], color: str, label: str) -> list
     if vs:
         ax.plot(vs, vv, color=color, marker="o", ms=5, lw=1.8, label=f"{label} validation (final {vv[-1]:.3f})")
         drawn.append((vs, vv))
+    ss, sv = _series(recs, "served_val_loss")  # the anytime model (trainer.anytime), where the run has one
+    if ss:
+        ax.plot(ss, sv, color=color, marker="s", ms=4, lw=1.4, ls="--",
+                label=f"{label} served (anytime; final {sv[-1]:.3f})")
+        drawn.append((ss, sv))
     return drawn
 
 

@@ -17,7 +17,7 @@ run is interrupted or crashes is lost: the resumed run goes on without that reco
 
 Batches, the learning-rate schedule and all randomness are functions of the step counter, so a resumed
 run continues bit-identically on CPU; over a fleet too when its rounds fold at fixed refreshes (the checkpoint
-carries the rounds in flight: trainer.zo.modes.ZOCurvMode, fleet.attach.SyncRounds). The step strategies live in trainer.modes (AdamW) and
+carries the rounds in flight: trainer.zo.modes.ZOCurvMode, trainer.zo.rounds.RoundBook). The step strategies live in trainer.modes (AdamW) and
 trainer.zo.modes (ZO-Curv, pure ZO); tasks in trainer.tasks; files in trainer.run_dir / trainer.checkpoint.
 """
 
@@ -39,13 +39,17 @@ import torch
 
 from coordinator.client import is_transient
 from trainer import metrics as prom
-from trainer.checkpoint import Checkpointer
+from trainer.checkpoint import Checkpointer  # noqa: F401  (public here too)
 from trainer.config import TrainConfig, lr_at
+from trainer.dist_backends import build_rank_mode
+from trainer.dist_checkpoint import make_checkpointer
+from trainer.distributed import SINGLE, DistContext
 from trainer.evaluation import Evaluator, InlineEvaluator
 from trainer.events import EventLog
 from trainer.ledger import TimeLedger
 from trainer.ledger import phase as ledger_phase
-from trainer.modes import AdamWMode, TrainMode, build_mode  # noqa: F401  (AdamWMode: tests patch it here)
+from trainer.methods import get_method
+from trainer.modes import AdamWMode, TrainMode  # noqa: F401  (AdamWMode: tests patch it here)
 from trainer.report import plot_loss_curves
 from trainer.run_dir import CHECKPOINT_NAME, RunDir, default_run_dir  # noqa: F401  (public here too)
 from trainer.tasks import LMTask, Task, build_task, evaluate, lm_batch_loss, lm_loss  # noqa: F401  (likewise)
@@ -72,6 +76,7 @@ def train(
     status: Callable[[], str] | None = None,
     overwrite: bool = False,
     export: bool = True,
+    dist: DistContext = SINGLE,
     evaluator_factory: Callable[[Task, TrainConfig, torch.nn.Module, TrainMode], Evaluator] | None = None,
 ) -> RunResult:
     """Run (or resume) a training run and write its run folder (trainer.run_dir: config.json, metrics.jsonl,
@@ -81,10 +86,13 @@ def train(
     `cfg.task` picks the Task (`build_task`): evaluation records hold `val_loss` (and `val_acc` for
     sentiment), the summary adds the task's final metrics. `mode_factory(cfg, model)` replaces `build_mode`
     (e.g. a ZO-Curv or pure-ZO mode whose probes go to a fleet; it must use the task's loss); `status` adds
-    a live line (workers, probes/s) to the progress display. `evaluator_factory(task, cfg, model, mode)` replaces
-    the trainer's own evaluation (trainer.evaluation.InlineEvaluator), e.g. fleet.evaluation.FleetEvaluator: its
-    records may arrive steps later (logged then, at their own step); all of them are in before the report.
-    summary.json's `time_ledger` splits this invocation's wall time into phases (trainer.ledger).
+    a live line (workers, probes/s) to the progress display. `dist`: this rank of a torchrun job
+    (trainer.distributed; rank 0 alone writes files and talks to a fleet, checkpoints are DCP folders).
+    `evaluator_factory(task, cfg, model, mode)` replaces the trainer's own evaluation
+    (trainer.evaluation.InlineEvaluator), e.g. fleet.evaluation.FleetEvaluator: its records may arrive steps later
+    (logged then, at their own step); all of them are in before the report (one process only: a torchrun job
+    evaluates on its ranks). summary.json's `time_ledger` splits this invocation's wall time into phases
+    (trainer.ledger).
 
     Raises:
         ValueError: unknown model preset or corpus, CUDA asked for but absent, a folder holding a different
@@ -98,70 +106,72 @@ def train(
     _prepare_device(cfg.device)
     ledger = TimeLedger(sync=torch.cuda.synchronize if cfg.device.startswith("cuda") else None).start()
     with ledger.activate():
-        with ledger.phase("startup"):
-            parts = _build(cfg, resume=resume, progress=progress, overwrite=overwrite, mode_factory=mode_factory)
-            evaluator = (evaluator_factory(parts.task, cfg, parts.model, parts.mode) if evaluator_factory
-                         else InlineEvaluator(parts.task))
-        return _run(cfg, parts, ledger, evaluator, progress=progress, status=status, export=export)
+        return _train(cfg, ledger, resume=resume, progress=progress, mode_factory=mode_factory, status=status,
+                      overwrite=overwrite, export=export, dist=dist, evaluator_factory=evaluator_factory)
 
 
-@dataclass
-class _Parts:
-    """What steps 1-3 built: the run folder, task, model, mode, checkpointer, start step, kept records, events."""
-
-    run: RunDir
-    task: Task
-    model: torch.nn.Module
-    mode: TrainMode
-    ckpt: Checkpointer
-    start: int
-    history: list[dict[str, Any]]
-    events: EventLog
-
-
-def _build(cfg: TrainConfig, *, resume: bool, progress: bool, overwrite: bool,
-           mode_factory: Callable[[TrainConfig, torch.nn.Module], TrainMode] | None) -> _Parts:
-    """Steps 1-3: run folder, task, model, step strategy, position (the ledger's start-up)."""
+def _train(cfg: TrainConfig, ledger: TimeLedger, *, resume: bool, progress: bool,
+           mode_factory: Callable[[TrainConfig, torch.nn.Module], TrainMode] | None,
+           status: Callable[[], str] | None, overwrite: bool, export: bool, dist: DistContext,
+           evaluator_factory: Callable[[Task, TrainConfig, torch.nn.Module, TrainMode], Evaluator] | None,
+           ) -> RunResult:
+    """`train` with its time ledger active (the phases booked as the loop reaches them)."""
+    startup = ledger.phase("startup")
+    startup.__enter__()  # steps 1-3 (closed before the initial evaluation)
     from trainer.models import param_order_hash
 
     # 1. run folder
-    run = RunDir.open(cfg, resume=resume, overwrite=overwrite)
+    run = _open_run(cfg, resume, overwrite, dist)
+    progress = progress and dist.is_main
     quiet_hf_bars(progress)
 
     # 2. build: task, model, step strategy
     task = build_task(cfg)
+    kind = get_method(cfg.optimizer).kind
+    dist.check(cfg, kind)
     model = task.build_model()
     model.train()
-    mode = mode_factory(cfg, model) if mode_factory else build_mode(cfg, model, task.loss_fn)
-    ckpt = Checkpointer(run.checkpoint, model, mode,
-                        meta={"config": cfg.run_json(), "param_order_hash": param_order_hash(model)})
+    meta = {"config": cfg.run_json(), "param_order_hash": param_order_hash(model)}
+    dist.prepare_model(model, kind)  # DDP / FSDP2 in place under torchrun
+    # Under torchrun: probes sharded over the ranks, or rank 0's fleet results broadcast to the others.
+    mode = build_rank_mode(cfg, model, task.loss_fn, mode_factory, dist)
+    ckpt = make_checkpointer(run.path, run.checkpoint, model, mode, meta, dist, resume)
+
+    anytime = _build_anytime(cfg, task, run.path)
 
     # 3. position: a resume continues from the checkpoint and forgets what was logged after it
     start = ckpt.restore() if resume else 0
-    history = run.restart_metrics(start if resume else None)
-    events = EventLog(run.path, resume_step=start if resume else None)
-    return _Parts(run, task, model, mode, ckpt, start, history, events)
-
-
-def _run(cfg: TrainConfig, parts: _Parts, ledger: TimeLedger, evaluator: Evaluator, *, progress: bool,
-         status: Callable[[], str] | None, export: bool) -> RunResult:
-    """Steps 4-6: the initial evaluation, the loop, the report."""
-    run, task, model, mode, ckpt, start = parts.run, parts.task, parts.model, parts.mode, parts.ckpt, parts.start
+    history = run.restart_metrics(start if resume else None) if dist.is_main else []
+    events = EventLog(run.path, resume_step=start if resume else None) if dist.is_main else None
+    if evaluator_factory is not None and dist.parallel:  # a sharded forward is collective: every rank evaluates
+        logging.getLogger(__name__).warning("a torchrun job evaluates on its ranks, not on the fleet")
+        evaluator_factory = None
+    evaluator = evaluator_factory(task, cfg, model, mode) if evaluator_factory else InlineEvaluator(task)
+    startup.__exit__(None, None, None)
     vals: dict[int, dict[str, Any]] = {}  # evaluation records by step
 
     def log(record: dict[str, Any]) -> None:  # one record: metrics.jsonl, TensorBoard and Prometheus alike
+        if events is None:  # a rank > 0 of a torchrun job: rank 0 writes
+            return
         with ledger.phase("log"):
             run.log(record)
-            parts.events.write(record)
+            events.write(record)
             prom.record(cfg.optimizer, record, task.tokens_per_step)
 
-    def log_vals(records: list[dict[str, Any]]) -> None:  # evaluations, possibly late: each at its own step
+    def log_vals(records: list[dict[str, Any]], served: dict[str, Any] | None = None) -> None:
+        """Evaluation records, possibly late: each logged at its own step (`served`: the anytime model's figures of
+        the step just evaluated, in its record when that is among them, else a record of their own)."""
         for r in sorted(records, key=lambda r: r["step"]):
+            if served and r["step"] == done:
+                r, served = {**r, **served}, None
             vals[r["step"]] = r
             log(r)
+        if served:
+            log({"step": done, **served})
 
     # 4. initial evaluation (step 0), logged once per run
-    kept = next((r for r in parts.history if r["step"] == 0 and "val_loss" in r), None)
+    kept = dist.broadcast_object(next((r for r in history if r["step"] == 0 and "val_loss" in r), None))
+    done = start  # optimizer steps completed
     if kept is None:
         with ledger.phase("eval"):
             log_vals(evaluator.request(0, model))
@@ -170,7 +180,6 @@ def _run(cfg: TrainConfig, parts: _Parts, ledger: TimeLedger, evaluator: Evaluat
 
     # 5. the loop
     t0 = time.perf_counter()
-    done = start  # optimizer steps completed
     with _progress_bar(progress, f"{cfg.optimizer} {task.model_name}", cfg.steps, start, status) as show, \
             _deferred_interrupt() as interrupted:
         failed = True
@@ -179,25 +188,29 @@ def _run(cfg: TrainConfig, parts: _Parts, ledger: TimeLedger, evaluator: Evaluat
                 lr = lr_at(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps,
                            schedule=cfg.schedule)
                 with ledger.phase("step"):
-                    stats = mode.step(step, task.batch(step), lr)
+                    stats = mode.step(step, dist.batch_for(task, step, kind), lr)
+                stats = dist.mean_over_ranks(stats) if kind != "pure-zo" else stats
                 if not math.isfinite(stats.get("loss", 0.0)):
                     raise FloatingPointError(f"loss became non-finite at step {step}; lower --lr")
                 done = step + 1
+                if anytime is not None:
+                    anytime.publish(done, model)
                 log({"step": done, "lr": lr, "tokens": done * task.tokens_per_step,
                      "elapsed_s": time.perf_counter() - t0, **stats})
                 with ledger.phase("eval"):
                     due = done % cfg.eval_every == 0 or done == cfg.steps
                     got = evaluator.request(done, model) if due else evaluator.poll()
+                    served = anytime.evaluate(done, model, task.evaluate) if due and anytime is not None else None
                     if done == cfg.steps:  # the final evaluation is complete before the run reports
                         got += evaluator.finish()
-                log_vals(got)
+                log_vals(got, served)
                 if done % cfg.checkpoint_every == 0 or done == cfg.steps:
                     with ledger.phase("checkpoint"):
                         ckpt.save(done)
                 with ledger.phase("log"):
                     last = vals[max(vals)] if vals else {}
                     show(done, f"loss {stats.get('loss', float('nan')):.3f} val {last.get('val_loss', float('nan')):.3f}")
-                if interrupted():
+                if dist.any(interrupted()):  # every rank stops after the same step
                     raise KeyboardInterrupt
             failed = False
         except KeyboardInterrupt:
@@ -219,7 +232,42 @@ def _run(cfg: TrainConfig, parts: _Parts, ledger: TimeLedger, evaluator: Evaluat
             _close_mode(mode, failed)
             _close_mode(evaluator, failed)
     wall = time.perf_counter() - t0
-    return _report(cfg, parts, ledger, vals, wall, export)
+    scalars = ("val_loss", "val_acc")
+    initial = {k: v for k, v in vals[0].items() if k in scalars}
+    last_val = {k: v for k, v in vals[max(vals)].items() if k in scalars}
+
+    # 6. report (and the model as a transformers folder), by rank 0
+    with ledger.phase("eval"):
+        final = task.final(model)  # every rank: a sharded model's forward is collective
+    full = dist.full_model(model, task.build_model) if export else model  # FSDP2: gathered on rank 0
+    if not dist.is_main:
+        return RunResult(run.path, cfg.steps, initial["val_loss"], last_val["val_loss"], wall, {})
+    with ledger.phase("log"):
+        plot_loss_curves({cfg.optimizer: run.records()}, run.plot,
+                         title=f"{task.model_name} on {task.data_name} ({cfg.optimizer})")
+    ledger.stop()
+    summary = {
+        "model": task.model_name, "corpus": task.data_name, "optimizer": cfg.optimizer, "steps": cfg.steps,
+        **{f"initial_{k}": v for k, v in initial.items()}, **{f"final_{k}": v for k, v in last_val.items()},
+        "wall_s_this_invocation": wall, "tokens": cfg.steps * task.tokens_per_step, "resumed_from_step": start,
+        "run_dir": str(run.path), **final, "time_ledger": ledger.to_json(),
+    }
+    rounds = _rounds_summary(run.records())
+    if rounds:
+        summary["rounds_skipped"] = rounds
+    evals_by_fleet = [r for r in vals.values() if r.get("eval_on") is not None]
+    if evals_by_fleet:
+        summary["evaluations"] = {"fleet": sum(r["eval_on"] == "fleet" for r in evals_by_fleet),
+                                  "trainer_fallback": sum(r["eval_on"] != "fleet" for r in evals_by_fleet)}
+    if anytime is not None and anytime.last is not None:
+        served = [r for r in run.records() if "served_val_loss" in r]
+        summary.update(final_served_val_loss=served[-1]["served_val_loss"], final_served=served[-1]["served"])
+    run.write_summary(summary)
+    if export:
+        from trainer.export import export_trained
+
+        export_trained(full, cfg.run_json(), run.path / "export", step=cfg.steps, run_dir=run.path)
+    return RunResult(run.path, cfg.steps, initial["val_loss"], last_val["val_loss"], wall, summary)
 
 
 def _rounds_summary(records: list[dict[str, Any]]) -> dict[str, float]:
@@ -241,42 +289,37 @@ def _poll_quietly(evaluator: Evaluator) -> list[dict[str, Any]]:
     try:
         return evaluator.poll()
     except Exception as exc:  # noqa: BLE001 - the interrupt is what ends the run
-        logging.getLogger(__name__).warning("finishing the evaluations of an interrupted run: %s", exc)
+        logging.getLogger(__name__).warning("taking the evaluations of an interrupted run: %s", exc)
         return []
 
 
-def _report(cfg: TrainConfig, parts: _Parts, ledger: TimeLedger, vals: dict[int, dict[str, Any]], wall: float,
-            export: bool) -> RunResult:
-    """Step 6: loss.png, summary.json (with the time ledger) and the exported model."""
-    run, task, model = parts.run, parts.task, parts.model
-    with ledger.phase("log"):
-        plot_loss_curves({cfg.optimizer: run.records()}, run.plot,
-                         title=f"{task.model_name} on {task.data_name} ({cfg.optimizer})")
-    with ledger.phase("eval"):
-        final = task.final(model)
-    ledger.stop()
-    scalars = ("val_loss", "val_acc")
-    initial = {k: v for k, v in vals[0].items() if k in scalars}
-    last_val = {k: v for k, v in vals[max(vals)].items() if k in scalars}
-    summary = {
-        "model": task.model_name, "corpus": task.data_name, "optimizer": cfg.optimizer, "steps": cfg.steps,
-        **{f"initial_{k}": v for k, v in initial.items()}, **{f"final_{k}": v for k, v in last_val.items()},
-        "wall_s_this_invocation": wall, "tokens": cfg.steps * task.tokens_per_step, "resumed_from_step": parts.start,
-        "run_dir": str(run.path), **final, "time_ledger": ledger.to_json(),
-    }
-    rounds = _rounds_summary(run.records())
-    if rounds:
-        summary["rounds_skipped"] = rounds
-    evals_by_fleet = [r for r in vals.values() if r.get("eval_on") is not None]
-    if evals_by_fleet:
-        summary["evaluations"] = {"fleet": sum(r["eval_on"] == "fleet" for r in evals_by_fleet),
-                                  "trainer_fallback": sum(r["eval_on"] != "fleet" for r in evals_by_fleet)}
-    run.write_summary(summary)
-    if export:
-        from trainer.export import export_trained
+def _open_run(cfg: TrainConfig, resume: bool, overwrite: bool, dist: DistContext) -> RunDir:
+    """RunDir.open on rank 0; the other ranks of a torchrun job wait for it and get the same folder (writing nothing),
+    or raise rank 0's error."""
+    if not dist.parallel:
+        return RunDir.open(cfg, resume=resume, overwrite=overwrite)
+    run, error = None, None
+    if dist.is_main:
+        try:
+            run = RunDir.open(cfg, resume=resume, overwrite=overwrite)
+        except (ValueError, FileExistsError) as exc:
+            error = exc
+    got = dist.broadcast_object((str(run.path) if run else None, error))
+    if got[1] is not None:
+        raise got[1]
+    return run or RunDir(Path(got[0]))
 
-        export_trained(model, cfg.run_json(), run.path / "export", step=cfg.steps, run_dir=run.path)
-    return RunResult(run.path, cfg.steps, initial["val_loss"], last_val["val_loss"], wall, summary)
+
+def _build_anytime(cfg: TrainConfig, task: Task, run_path: Path):
+    """The run's anytime model (trainer.anytime.serve.Anytime) or None when `cfg.anytime` is off.
+    Raises ValueError when the corpus has no selection split."""
+    if cfg.anytime is None:
+        return None
+    from trainer.anytime.serve import Anytime
+
+    corpus = getattr(task, "corpus", None)
+    return Anytime(cfg.anytime, getattr(corpus, "select", None), batch_size=cfg.batch_size, seq_len=cfg.seq_len,
+                   device=cfg.device, run_path=run_path, loss=lm_loss)
 
 
 def quiet_hf_bars(progress: bool) -> None:

@@ -16,7 +16,7 @@ router = APIRouter(prefix="/v1/runs/{run}")
 def create_round(run: RunP, body: ProbeRound, store: StoreD, metrics: MetricsD) -> RoundInfo:
     if body.run != run:
         raise Invalid("round run differs from the URL's run")
-    info, sent = store.create_round(body)
+    info, sent = store.rounds.create_round(body)
     if sent:
         metrics.rounds_opened.inc()
         metrics.tasks_published.inc(sent)
@@ -25,12 +25,12 @@ def create_round(run: RunP, body: ProbeRound, store: StoreD, metrics: MetricsD) 
 
 @router.get("/rounds/{round_id}", dependencies=[Reader])
 def get_round(run: RunP, round_id: RoundP, store: StoreD) -> RoundInfo:
-    return store.round_info(run, round_id)
+    return store.rounds.round_info(run, round_id)
 
 
 @router.post("/rounds/{round_id}/close", dependencies=[Admin])
 def close_round(run: RunP, round_id: RoundP, store: StoreD) -> RoundInfo:
-    return store.close_round(run, round_id)
+    return store.rounds.close_round(run, round_id)
 
 
 @router.post("/attest")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 from fastapi import APIRouter, Query
 from fastapi.concurrency import run_in_threadpool
@@ -18,9 +18,10 @@ router = APIRouter(prefix="/v1/runs")
 
 @router.post("", status_code=201, dependencies=[Admin])
 def create_run(body: RunSpec, store: StoreD) -> RunInfo:
-    return store.create_run(body)
+    return store.runs.create_run(body)
 
 
+RunBody = TypeVar("RunBody", VersionManifest, SeedLedgerEntry)
 MAX_WAIT_S = 10.0  # a long poll's limit: bounds how long a graceful shutdown waits for pending ones
 POLL_S = 0.05  # how often a waiting request re-reads the run's latest version (one HGET)
 
@@ -34,44 +35,47 @@ async def get_run(run: RunP, store: StoreD,
     reply comes as soon as the latest version exceeds `newer_than` (checked every POLL_S seconds), or after
     `wait_s` seconds with the run as it is, so a worker learns of a new version within ~50 ms of its
     registration without polling on a short period. 404 for an unknown run."""
-    info = await run_in_threadpool(store.run_info, run)
+    info = await run_in_threadpool(store.runs.run_info, run)
     if newer_than is None or wait_s <= 0 or info.latest_version > newer_than:
         return info
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         await asyncio.sleep(min(POLL_S, max(0.0, deadline - time.monotonic())))
-        if await run_in_threadpool(store.latest_version, run) > newer_than:
+        if await run_in_threadpool(store.runs.latest_version, run) > newer_than:
             break
-    return await run_in_threadpool(store.run_info, run)
+    return await run_in_threadpool(store.runs.run_info, run)
 
 
 @router.get("/{run}/intake", dependencies=[Reader])
 def get_intake_counts(run: RunP, store: StoreD) -> IntakeCounts:
-    return store.intake_counts(run)
+    return store.runs.intake_counts(run)
+
+
+def _of_run(body: RunBody, run: str) -> RunBody:
+    """`body` if it names the URL's run; Invalid (422) otherwise."""
+    if body.run != run:
+        raise Invalid(f"{type(body).__name__} run {body.run!r} differs from the URL's run {run!r}")
+    return body
 
 
 @router.post("/{run}/versions", status_code=201, dependencies=[Admin])
 def register_version(run: RunP, body: VersionManifest, store: StoreD) -> VersionManifest:
-    if body.run != run:
-        raise Invalid("manifest run differs from the URL's run")
-    return store.register_version(body)
+    return store.runs.register_version(_of_run(body, run))
 
 
 @router.get("/{run}/versions", dependencies=[Reader])
 def list_versions(run: RunP, store: StoreD) -> list[int]:
-    return store.list_versions(run)
+    return store.runs.list_versions(run)
 
 
 @router.get("/{run}/versions/{version}", dependencies=[Reader])
 def get_version(run: RunP, version: VersionP, store: StoreD) -> VersionManifest:
-    return store.get_version(run, version)
+    return store.runs.get_version(run, version)
 
 
 @router.post("/{run}/ledger", status_code=201, dependencies=[Admin])
 def append_ledger(run: RunP, body: SeedLedgerEntry, store: StoreD) -> SeedLedgerEntry:
-    if body.run != run:
-        raise Invalid("ledger entry run differs from the URL's run")
-    return store.append_ledger(body)
+    return store.runs.append_ledger(_of_run(body, run))
 
 
 @router.get("/{run}/ledger", dependencies=[Reader])
@@ -81,4 +85,4 @@ def get_ledger(
     since: Annotated[int, Query(ge=-1, lt=2**53)] = -1,
     limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
 ) -> list[SeedLedgerEntry]:
-    return store.ledger(run, since, limit)
+    return store.runs.ledger(run, since, limit)

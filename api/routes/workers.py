@@ -16,7 +16,7 @@ router = APIRouter(prefix="/v1/workers")
 @router.post("", status_code=201)
 def register_worker(body: WorkerRegistration, store: StoreD, who: Principal = Enroll) -> WorkerRegistered:
     """Join the fleet; 429 past the enrollment token's cap or registration rate."""
-    return store.register_worker(body, enrolled_by=who.token_id or "default")
+    return store.workers.register_worker(body, enrolled_by=who.token_id or "default")
 
 
 @router.get("", dependencies=[Admin])
@@ -28,7 +28,7 @@ def list_workers(
 ) -> list[WorkerInfo]:
     """Workers sorted by id, `limit` per page from the id after `after`; header `X-Next-After` holds the
     cursor of the next page when there is one."""
-    page, cursor = store.list_workers(after, limit)
+    page, cursor = store.workers.list_workers(after, limit)
     if cursor is not None:
         response.headers["X-Next-After"] = cursor
     return page
@@ -36,31 +36,31 @@ def list_workers(
 
 @router.get("/{worker_id}", dependencies=[AdminOrSelf])
 def get_worker(worker_id: WorkerP, store: StoreD) -> WorkerInfo:
-    return store.worker_info(worker_id)
+    return store.workers.worker_info(worker_id)
 
 
 @router.post("/{worker_id}/heartbeat", dependencies=[SelfWorker])
 def heartbeat(worker_id: WorkerP, body: Heartbeat, store: StoreD) -> HeartbeatReply:
-    return store.heartbeat(worker_id, body)
+    return store.workers.heartbeat(worker_id, body)
 
 
 @router.post("/{worker_id}/drain")
 def drain(worker_id: WorkerP, store: StoreD, who: Principal = AdminOrSelf) -> WorkerInfo:
     """Stop giving the worker tasks; an admin's drain is sticky (the worker cannot resume it)."""
-    store.set_worker_state(worker_id, "draining", ("active", "draining", "lost"), actor=who.role)
-    return store.worker_info(worker_id)
+    store.workers.set_worker_state(worker_id, "draining", ("active", "draining", "lost"), actor=who.role)
+    return store.workers.worker_info(worker_id)
 
 
 @router.post("/{worker_id}/resume")
 def resume(worker_id: WorkerP, store: StoreD, who: Principal = AdminOrSelf) -> WorkerInfo:
     """Back to active; 409 for a quarantined worker, or for a worker resuming an admin's drain."""
-    store.set_worker_state(worker_id, "active", ("active", "draining"), actor=who.role)
-    return store.worker_info(worker_id)
+    store.workers.set_worker_state(worker_id, "active", ("active", "draining"), actor=who.role)
+    return store.workers.worker_info(worker_id)
 
 
 @router.delete("/{worker_id}", status_code=204, dependencies=[AdminOrSelf])
 def delete_worker(worker_id: WorkerP, store: StoreD, request: Request) -> Response:
-    store.delete_worker(worker_id)
+    store.workers.delete_worker(worker_id)
     cache = request.app.state.token_cache
     for digest, (wid, _) in list(cache.items()):
         if wid == worker_id:

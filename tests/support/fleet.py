@@ -24,7 +24,7 @@ from fleet.backend import CoordinatorBackend
 REDIS_URL = "redis://127.0.0.1:6379/12"
 ROOT = Path(__file__).resolve().parents[2]
 VISIBILITY_S = 5
-START_TIMEOUT_S = 60.0
+START_TIMEOUT_S = 180.0  # a liveness bound only: a worker process starts in ~10 s, far slower on a loaded 2-core CI
 
 
 def make_batch(b: int, t: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,7 +129,7 @@ class Fleet:
     def backend(self, model, run: str, **spec) -> CoordinatorBackend:
         """A CoordinatorBackend on a fresh run `run` (no spot checks unless given)."""
         spec = {"spot_check_fraction": 0.0, "seeds_per_task": 2, **spec}
-        return CoordinatorBackend(
+        return CoordinatorBackend.connect(
             model, coordinator_url=self.url, admin_token=self.admin_token, redis_url=REDIS_URL,
             run=RunSpec(run=run, model_class=type(model).__name__, **spec), key_prefix=self.prefix,
             round_timeout_s=120.0,

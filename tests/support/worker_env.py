@@ -44,7 +44,7 @@ class Env:
         self.tmp = tmp_path
 
     def backend(self, model, run: str, **spec) -> CoordinatorBackend:
-        return CoordinatorBackend(
+        return CoordinatorBackend.connect(
             model, coordinator_url=self.server.url, admin_token=self.settings.admin_token.get_secret_value(),
             redis_url=REDIS_URL, run=RunSpec(run=run, model_class=type(model).__name__,
                                              spot_check_fraction=0.0, **spec),

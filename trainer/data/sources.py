@@ -81,6 +81,14 @@ ARTIFACTS: dict[str, Artifact] = {
                  "1b2afb4e3853af422a232a678bd57ef30a57b4e0af5cc9a396f7c8d2f1532afd", 39_400_844),
         Artifact("fortunes", "apt", "fortunes", "1:1.99.1-7.3", "fortunes_1%3a1.99.1-7.3_all.deb",
                  "41d0551dc0ff52f875a2ecef7c39da2f672ab468c37e170119f7e0245a9d63c5", 848_988),
+        # classics-large (issue 31): Debian bookworm main, pinned 2026-12-01 (apt-get download).
+        Artifact("dict-gcide", "apt", "dict-gcide", "0.48.5+nmu2", "dict-gcide_0.48.5+nmu2_all.deb",
+                 "7b0af5cfde3cbdef5e9d6e78f92ec335ced7c2790f37a40f49bebc6f7347ac0f", 14_800_692),
+        Artifact("python3.11-doc", "apt", "python3.11-doc", "3.11.2-6+deb12u8",
+                 "python3.11-doc_3.11.2-6+deb12u8_all.deb",
+                 "50eb63e7f636c4281e9ce1b8f10386f1def42159eddce34fc1f41c46261df71b", 12_642_400),
+        Artifact("linux-doc-6.1", "apt", "linux-doc-6.1", "6.1.176-1", "linux-doc-6.1_6.1.176-1_all.deb",
+                 "0d843674607703b9ef8c1db5e715c38ed52ff23574feabfe0d961d552126859f", 37_222_656),
     )
 }
 

@@ -1,0 +1,135 @@
+"""`ResultCollector`: a run's accepted probe results, read from its Redis Stream, each (round, seed) handed out
+once (DESIGN.md §3, "Results").
+
+The stream is read through the consumer group "trainer" (coordinator.stream.ResultStreamReader); entries are
+acknowledged only when handed out, so a trainer restart loses nothing, and an entry re-read after a restart
+or a claim is recognised and acknowledged, never handed out twice. Retractions (a quarantined worker's value)
+and drops (spot checks with no majority) are the coordinator's decisions and are applied here. Stale and
+duplicate results never reach the stream: intake decides them, and its counts (IntakeCounts) are reported
+with the results.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable
+
+from coordinator.client import CoordinatorClient
+from trainer.zo.backend import COUNT_KEYS, Collected
+from trainer.zo.probes import SeedResult
+
+RoundSeed = tuple[str, int]
+
+
+class ResultCollector:
+    """Hands out the accepted results of one run; a part of fleet.backend.CoordinatorBackend.
+
+    Args:
+        client: the coordinator's HTTP client (the run's intake counts).
+        run: the run's id. redis_url / key_prefix: the coordinator's state store and key prefix.
+        consumer: this trainer's consumer name in the stream's group "trainer".
+        claim_idle_ms: entries idle this long in another consumer are claimed (a crashed trainer's).
+        round_timeout_s: default wait of `collect(round_id)` for a round to complete, seconds.
+    """
+
+    def __init__(self, client: CoordinatorClient, run: str, *, redis_url: str, key_prefix: str = "sc",
+                 consumer: str = "trainer-0", claim_idle_ms: int = 60_000, round_timeout_s: float = 300.0) -> None:
+        from coordinator.stream import ResultStreamReader
+
+        self.client, self.run, self.round_timeout_s = client, run, round_timeout_s
+        self.reader = ResultStreamReader(redis_url, run, consumer=consumer, key_prefix=key_prefix,
+                                         claim_idle_ms=claim_idle_ms)
+        seen = client.intake_counts(run)
+        self._intake_seen = (seen.stale, seen.duplicate)  # the coordinator's counts already reported
+        self.forward_passes = 0  # fleet forward passes behind the results handed out (2 per seed, +1 L0/round)
+        self.waiting: dict[str, set[int]] = {}  # round -> seeds not yet handed out (nor dropped)
+        self.buffered: dict[RoundSeed, tuple[str, SeedResult]] = {}  # (round, seed) -> (entry id, result)
+        self._delivered: set[RoundSeed] = set()
+        self._scales: dict[str, dict[int, float]] = {}  # along_update round -> block -> step RMS
+        self._clean_counted: set[str] = set()
+        self._counts: Counter[str] = Counter()  # dropped / retracted since the last collect
+
+    def expect(self, round_id: str, seeds: list[int], scales: dict[int, float] | None = None) -> None:
+        """A round was sent: `collect(round_id)` waits for `seeds`; results carry `scales[seed]` (along_update)."""
+        if scales is not None:
+            self._scales[round_id] = scales
+        self.waiting[round_id] = set(seeds)
+
+    def drain(self, block_ms: int) -> None:
+        """Buffer the stream's accepted results (waiting up to `block_ms` for the first); apply retractions and
+        drops (the coordinator's decisions)."""
+        acks = []
+        for entry_id, ev in self.reader.read(count=1000, block_ms=block_ms):
+            key = (ev.round_id, ev.seed)
+            if ev.kind == "accepted":
+                if key in self.buffered and self.buffered[key][0] == entry_id:
+                    continue  # our own pending entry re-read (claimed back after idling): still buffered
+                if key in self.buffered or key in self._delivered:
+                    acks.append(entry_id)  # an entry handed out before, re-read after a restart or claim
+                    continue
+                r = ev.result
+                scale = self._scales.get(r.round_id, {}).get(r.seed)
+                self.buffered[key] = (entry_id, SeedResult(r.round_id, r.seed, r.version, r.l_plus, r.l_minus, r.l0,
+                                                           scale, r.worker_id))
+                continue
+            acks.append(entry_id)
+            if ev.kind == "retracted":
+                self._counts["retracted"] += 1
+                if self.buffered.pop(key, None) is None and key in self._delivered:
+                    self._delivered.discard(key)  # already used; a fresh value follows
+                    self.waiting.setdefault(ev.round_id, set()).add(ev.seed)
+            else:
+                self._counts["dropped"] += 1
+                self.waiting.get(ev.round_id, set()).discard(ev.seed)
+        self.reader.ack(acks)
+
+    def _hand_out(self, keys: list[RoundSeed]) -> list[SeedResult]:
+        out, acks = [], []
+        for key in keys:
+            entry_id, res = self.buffered.pop(key)
+            self._delivered.add(key)
+            self.forward_passes += 2
+            if res.l0 is not None and key[0] not in self._clean_counted:
+                self._clean_counted.add(key[0])
+                self.forward_passes += 1
+            self.waiting.get(key[0], set()).discard(key[1])
+            out.append(res)
+            acks.append(entry_id)
+        self.reader.ack(acks)
+        return out
+
+    def _intake_counts(self) -> dict[str, int]:
+        """Growth of the coordinator's stale/duplicate counts of this run since they were last reported."""
+        info = self.client.intake_counts(self.run)
+        stale, dup = self._intake_seen
+        self._intake_seen = (info.stale, info.duplicate)
+        return {"stale": info.stale - stale, "duplicate": info.duplicate - dup}
+
+    def collect(self, round_id: str | None = None, timeout_s: float = 0.0,
+                poll: Callable[[], None] = lambda: None) -> Collected:
+        """Accepted results not handed out before (only `round_id`'s if given), each (round, seed) once, with
+        the coordinator's counts since the last collect (keys COUNT_KEYS).
+
+        With a `round_id` that was `expect`ed, waits up to `timeout_s` (0: round_timeout_s) until every seed
+        of the round has arrived or was dropped, calling `poll()` between reads (it raises to stop waiting,
+        e.g. when the round's upload failed); otherwise returns what is there now.
+        """
+        self.drain(block_ms=0)  # what is there now: a training step pays this (fleet.attach)
+        if round_id is not None and round_id in self.waiting:
+            deadline = time.monotonic() + (timeout_s or self.round_timeout_s)
+            while (self.waiting[round_id] - {s for (r, s) in self.buffered if r == round_id}
+                   and time.monotonic() < deadline):
+                poll()
+                self.drain(block_ms=200)
+        results = self._hand_out([k for k in self.buffered if round_id is None or k[0] == round_id])
+        counts = dict.fromkeys(COUNT_KEYS, 0)
+        counts.update(self._intake_counts())
+        counts.update(self._counts)
+        counts["accepted"] = len(results)
+        self._counts.clear()
+        return Collected(results, counts)
+
+    def close(self) -> None:
+        """Close the Redis connection."""
+        self.reader.r.close()

@@ -1,0 +1,167 @@
+"""A fleet run that outlives its coordinator's store: when Redis comes back empty (a restart without persistence, a
+failover to a fresh replica, an operator's flush) the coordinator no longer knows the trainer's run, its versions or
+its rounds; `RecoveringBackend` creates the run again, re-publishes what the workers need and re-issues the rounds
+in flight, then repeats the call that found out. ops/RUNBOOK.md "store-lost".
+
+How the loss shows, by kind (`lost_run`): an HTTP 404 "unknown run" / "unknown round" (coordinator.client.Forgotten)
+on any call, also raised later from a background upload, or the results stream's consumer group being gone
+(coordinator.stream.StreamLost).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from coordinator.client import Forgotten
+from coordinator.messages import RunSpec
+from coordinator.stream import StreamLost
+from trainer import metrics as prom
+
+log = logging.getLogger("sparecycles.fleet")
+T = TypeVar("T")
+MAX_RECOVERIES_PER_CALL = 3  # a store lost again while recovering is tried again; past this, the error stands
+
+
+def lost_run(exc: BaseException | None) -> bool:
+    """True when `exc`, or an error it was raised from, says the coordinator lost the run: Forgotten for a run or a
+    round (404), or StreamLost."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, StreamLost) or (isinstance(exc, Forgotten) and exc.what in ("run", "round")):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+class RecoveringBackend:
+    """Wraps a fleet.backend.CoordinatorBackend (composed of publisher, rounds, results, uploads) for run `spec`.
+
+    Every ProbeBackend call goes through; one that finds the run lost (`lost_run`) triggers `recreate` and is made
+    again. `recreate`: the upload queue's failed jobs are dropped, the run is created again (same id and spec), the
+    versions the publisher still holds are published again (its fp32 snapshots; pure ZO, which keeps none: the
+    model's current weights as the latest version, which they are between calls), and every round still awaited
+    is submitted again at its version (only its seeds not yet handed out are awaited; a round at a version no longer
+    held is dropped). Counted in `recreated` and sparecycles_trainer_runs_recreated_total{run}.
+    """
+
+    evaluates_published = True  # a ProbeBackend attribute (trainer.zo.backend): as the wrapped fleet backend
+
+    def __init__(self, backend: Any, spec: RunSpec) -> None:
+        self.backend, self.spec = backend, spec
+        self.recreated = 0
+        self._rounds: dict[str, Any] = {}  # round id -> RoundSpec, while the collector awaits seeds of it
+
+    # ---- what callers read (the wrapped backend's) ---------------------------------------------------------
+
+    @property
+    def block_sizes(self) -> list[int]:
+        return self.backend.block_sizes
+
+    @property
+    def latest_version(self) -> int | None:
+        return self.backend.latest_version
+
+    @property
+    def snapshots(self) -> dict:
+        return self.backend.snapshots
+
+    @property
+    def forward_passes(self) -> int:
+        return self.backend.forward_passes
+
+    @forward_passes.setter
+    def forward_passes(self, value: int) -> None:  # a resumed run restores its count (trainer.zo.modes)
+        self.backend.forward_passes = value
+
+    def close(self, wait: bool = True) -> None:
+        self.backend.close(wait=wait)
+
+    def _call(self, fn: Callable[[], T], current: int | None = None) -> T:
+        for attempt in range(MAX_RECOVERIES_PER_CALL + 1):
+            try:
+                return fn()
+            except Exception as exc:
+                if attempt == MAX_RECOVERIES_PER_CALL or not lost_run(exc):
+                    raise
+                self.recreate(exc, current)
+        raise AssertionError("unreachable")
+
+    # ---- ProbeBackend ---------------------------------------------------------------------------------------
+
+    def publish(self, version: int, weights=None) -> None:
+        self._call(lambda: self.backend.publish(version, weights))
+
+    def publish_weights(self, version: int, blocks) -> None:
+        self._call(lambda: self.backend.publish_weights(version, blocks))
+
+    def publish_ledger(self, version: int, seeds, coeffs, dist: str, scale: float = 1.0,
+                       scale_min_dim: int = 0) -> bool:
+        """As the backend's; when the run is found lost by this very call the model already holds `version`'s
+        weights: they are re-published as a snapshot of `version`, which replaces the entry."""
+        before = self.backend.latest_version
+
+        def once() -> bool:
+            if self.backend.latest_version is not None and self.backend.latest_version >= version:
+                return True  # re-published by the recovery itself
+            return self.backend.publish_ledger(version, seeds, coeffs, dist, scale, scale_min_dim)
+
+        return self._call(once, current=version if before is not None and before < version else None)
+
+    def submit(self, probe_round) -> None:
+        self._call(lambda: self.backend.submit(probe_round))
+        self._rounds[probe_round.round_id] = probe_round
+
+    def collect(self, round_id: str | None = None, timeout_s: float = 0.0):
+        out = self._call(lambda: self.backend.collect(round_id, timeout_s))
+        waiting = self.backend.results.waiting
+        for rid in [r for r in self._rounds if not waiting.get(r)]:
+            del self._rounds[rid]
+        return out
+
+    def flush(self) -> None:
+        self._call(self.backend.flush)
+
+    # ---- recovery ---------------------------------------------------------------------------------------------
+
+    def recreate(self, why: BaseException, current: int | None = None) -> None:
+        """Create the run again on the coordinator and give it what the trainer still needs (class docstring).
+        `current`: the version the model's weights are at when it is newer than the last one published (a ledger
+        entry whose registration found the run lost). Raises what the coordinator's calls raise."""
+        b, run = self.backend, self.spec.run
+        log.warning("the coordinator lost run %s (%s); creating it again", run, str(why)[:200])
+        b.uploads.recover()
+        b.client.create_run(self.spec)
+        b.results.reader.ensure_group()
+        b.results.restart_counts()
+        pub = b.publisher
+        held = dict(pub.snapshots)
+        latest = current if current is not None else pub.latest_version
+        pub.published.clear()
+        pub.snapshots.clear()
+        if held:
+            for v in sorted(held):
+                pub.publish_weights(v, held[v])
+        elif latest is not None:
+            pub.publish(latest)  # pure ZO: the model's current weights are `latest`'s
+        reissued, dropped = [], []
+        for rid, spec in list(self._rounds.items()):
+            left = set(b.results.waiting.get(rid, ()))
+            if not left:
+                del self._rounds[rid]
+            elif spec.version in pub.published and (spec.base_version is None or spec.base_version in pub.published):
+                b.rounds.submit(spec)
+                b.results.waiting[rid] = left  # seeds handed out already are not awaited (nor used) again
+                reissued.append(rid)
+            else:
+                b.results.waiting.pop(rid, None)
+                del self._rounds[rid]
+                dropped.append(rid)
+        b.uploads.flush()
+        self.recreated += 1
+        prom.RUNS_RECREATED.labels(run).inc()
+        log.warning("run %s created again: versions %s re-published, %d round(s) in flight re-issued%s", run,
+                    pub.published, len(reissued),
+                    f", {len(dropped)} dropped (their versions are no longer held)" if dropped else "")
