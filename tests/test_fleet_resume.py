@@ -94,7 +94,8 @@ def test_up_interrupted_and_resumed_equals_the_uninterrupted_run(tmp_path, fail_
     at step 9 as in the uninterrupted run. The fleet figures add up both parts."""
     monkeypatch.delenv("REDIS_URL", raising=False)  # up's own Valkey
     monkeypatch.setenv("SPARECYCLES_UP_RUN", "")  # run_up sets it for its children; restored afterwards
-    opts = dict(steps=10, curvature_interval=3, batch_size=4, seq_len=32, workers=2)
+    # evaluation on the fleet over the eval_batches windows (the whole split at 4x32 would be 1,361 batches per evaluation)
+    opts = dict(steps=10, curvature_interval=3, batch_size=4, seq_len=32, workers=2, eval_windows="subset")
 
     def up(name: str) -> dict:
         return run_up(plan_up(run_dir=tmp_path / name, **opts), progress=False, export=False, log=lambda m: None)

@@ -22,7 +22,7 @@ def _files(run_dir: Path) -> dict[str, bytes]:
 @pytest.mark.timeout(1800)  # three invocations of `up`; the first trains both runs
 def test_up_runs_both_curves_and_leaves_no_process(tmp_path):
     run_dir = tmp_path / "up"
-    proc = start_up(run_dir, "--steps", "12", "--curvature-interval", "4", "--no-export")
+    proc = start_up(run_dir, "--steps", "12", "--curvature-interval", "4", "--no-export", "--eval-windows", "subset")
     out, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, out.decode()[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -51,7 +51,7 @@ def test_up_runs_both_curves_and_leaves_no_process(tmp_path):
 
     # The same command again: both finished runs reused, no service started, every file of both runs kept.
     files, log_size = _files(run_dir), (run_dir / "logs" / "coordinator.log").stat().st_size
-    proc = start_up(run_dir, "--steps", "12", "--curvature-interval", "4")
+    proc = start_up(run_dir, "--steps", "12", "--curvature-interval", "4", "--eval-windows", "subset")
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out.decode()[-3000:]
     again = json.loads((run_dir / "summary.json").read_text())
@@ -60,7 +60,7 @@ def test_up_runs_both_curves_and_leaves_no_process(tmp_path):
     assert _files(run_dir) == files and (run_dir / "logs" / "coordinator.log").stat().st_size == log_size
 
     # Other --steps into the same folder: refused before anything starts, naming the difference.
-    proc = start_up(run_dir, "--steps", "13", "--curvature-interval", "4")
+    proc = start_up(run_dir, "--steps", "13", "--curvature-interval", "4", "--eval-windows", "subset")
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 2 and "steps: 12 -> 13" in out.decode() and "--overwrite" in out.decode(), out.decode()
     assert _files(run_dir) == files and json.loads((run_dir / "summary.json").read_text()) == again

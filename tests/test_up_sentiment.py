@@ -21,7 +21,7 @@ def _records(path):
 
 def test_up_sentiment_runs_both_runs_through_the_fleet_and_leaves_no_process(tmp_path):
     run_dir = tmp_path / "up-sentiment"
-    proc = start_up(run_dir, "--task", "sentiment", "--optimizer", "1.5spsa", "--steps", "2", "--probes", "2",
+    proc = start_up(run_dir, "--eval-windows", "subset", "--task", "sentiment", "--optimizer", "1.5spsa", "--steps", "2", "--probes", "2",
                "--batch-size", "8", "--seq-len", "16")
     out, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, out.decode()[-3000:]
