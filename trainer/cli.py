@@ -71,20 +71,26 @@ EVAL_ON = ("trainer", "fleet", "auto")
 FLEET_WAIT = {"never": "async", "interval": "next", "sync": "sync"}
 
 
+def _fleet_use(cfg: Any, eval_on: str) -> tuple[bool, bool]:
+    """(probes, evaluation) a run attached to a fleet sends there; raises typer.BadParameter when it sends neither
+    (a first-order optimizer with --eval-on trainer). Torch-free: checked before anything heavy is imported."""
+    from trainer.methods import fleet_method_names
+
+    allowed = fleet_method_names(cfg.task)
+    probes, evaluate = cfg.optimizer in allowed, eval_on in ("fleet", "auto")
+    if not probes and not evaluate:
+        raise typer.BadParameter(f"--optimizer {cfg.optimizer} (the preset's, if you gave none) sends no probes to "
+                                 f"a fleet and --eval-on trainer keeps the evaluation here; --coordinator needs one "
+                                 f"of {', '.join(allowed)} or --eval-on fleet", param_hint="--coordinator")
+    return probes, evaluate
+
+
 def _attach_fleet(url: str, cfg: Any, wait_s: float, fleet_wait: str = "never", eval_on: str = "auto",
                   eval_deadline: float = 120.0, eval_windows: str = "full") -> dict[str, Any]:
     """`train`'s keyword arguments for a run attached to a fleet (mode_factory when its probes go there,
     evaluator_factory when its evaluation does, status); exits 2 with a clear message for a run that would send
     the fleet nothing, an unreachable coordinator, a refused token or no active worker in time."""
-    from trainer.methods import fleet_method_names
-
-    allowed = fleet_method_names(cfg.task)
-    probes = cfg.optimizer in allowed
-    evaluate = eval_on in ("fleet", "auto")
-    if not probes and not evaluate:
-        raise typer.BadParameter(f"--optimizer {cfg.optimizer} (the preset's, if you gave none) sends no probes to "
-                                 f"a fleet and --eval-on trainer keeps the evaluation here; --coordinator needs one "
-                                 f"of {', '.join(allowed)} or --eval-on fleet", param_hint="--coordinator")
+    probes, evaluate = _fleet_use(cfg, eval_on)
     if FLEET_ATTACH is None:
         raise RuntimeError("trainer.cli.FLEET_ATTACH is unset: run `train` through the sparecycles CLI")
     try:
@@ -225,6 +231,8 @@ def train(
     if eval_on == "fleet" and not coordinator:
         raise typer.BadParameter("--eval-on fleet needs --coordinator (or SPARECYCLES_COORDINATOR_URL)",
                                  param_hint="--eval-on")
+    if coordinator:
+        _fleet_use(cfg, eval_on)
     from trainer.distributed import DistributedError, setup
 
     try:
