@@ -234,6 +234,7 @@ class Fleet:
         from coordinator.messages import RunSpec
         from fleet.backend import CoordinatorBackend
         from fleet.batch_wire import batch_kind_for_model, loss_for_kind
+        from fleet.recovery import RecoveringBackend
         from fleet.sync_rounds import SyncRounds
         from trainer.methods import build_role_mode, build_zocurv_mode, get_method
         from trainer.modes import build_mode
@@ -257,13 +258,14 @@ class Fleet:
                                      key_prefix=self.settings.key_prefix, history=0 if pure else 2,
                                      blob_dir=self.settings.blob_dir,
                                      background=get_method(cfg.optimizer).build in (build_zocurv_mode, build_role_mode))
+        backend = recovery = RecoveringBackend(backend, spec)  # outlives a coordinator whose store comes back empty
         rounds = self.rounds
         if rounds == "next" and get_method(cfg.optimizer).optimizer is None:
             rounds = "async"  # zocurv-global (trainer.zo.role_mode) folds its line rounds as they arrive
         if rounds != "async" and not pure:  # pure-ZO steps wait for their probes anyway
             backend = SyncRounds(backend, lag=0 if rounds == "sync" else 1)
         loss_fn = loss_for_kind(batch_kind_for_model(type(model).__name__))
-        return FleetFiguresMode(build_mode(cfg, model, loss_fn, backend=backend), self.status)
+        return FleetFiguresMode(build_mode(cfg, model, loss_fn, backend=backend), self.status, recovery)
 
 
 def check_key_prefix(settings: FleetSettings) -> None:
