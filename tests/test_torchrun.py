@@ -237,9 +237,9 @@ def test_zo_runs_interrupted_at_two_ranks_resume_at_one(tmp_path):
     zocurv-global within TOL)."""
     import json
 
-    steps = 12
+    steps = 8
     for opt, kw, exact in (("1.5spsa", {"probes": 4}, True), ("zocurv-global", {"curvature_interval": 2}, False)):
-        kw = {**kw, "eval_every": 6, "checkpoint_every": 2}
+        kw = {**kw, "eval_every": 4, "checkpoint_every": 2}
         ref, run = tmp_path / f"{opt}-n1", tmp_path / f"{opt}-n2"
         _in_process(ref, opt, steps, **kw)
         proc = launch(2, *_args(run, opt, steps, **kw))

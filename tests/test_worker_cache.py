@@ -66,19 +66,29 @@ def test_published_version_loads_bit_exact_and_fetches_only_new_shards(env):
     be.close()
 
 
-def test_corrupt_cached_shard_is_deleted_and_refetched(env):
+def _flip_bit(path, byte: int, bit: int) -> None:
+    """Corrupt the file at `path`: flip bit `bit` of byte `byte` (negative: from the end)."""
+    data = bytearray(path.read_bytes())
+    data[byte] ^= 1 << bit
+    path.write_bytes(bytes(data))
+
+
+def _published(env, run: str):
+    """(model, backend, worker client, manifest) of version 0 of a tiny model published as `run`."""
     model = tiny_model()
-    be = env.backend(model, "corrupt-cache")
+    be = env.backend(model, run)
     be.publish(0)
     client, _ = env.worker("w0")
+    return model, be, client, client.version(run, 0)
+
+
+def test_corrupt_cached_shard_is_deleted_and_refetched(env):
+    model, be, client, manifest = _published(env, "corrupt-cache")
     WeightCache(client, env.tmp / "wc", metrics=WorkerMetrics(CollectorRegistry())).get("corrupt-cache", 0)
     metrics = WorkerMetrics(CollectorRegistry())
     cache = WeightCache(client, env.tmp / "wc", metrics=metrics)  # a restarted worker: disk cache only
-    manifest = client.version("corrupt-cache", 0)
     path = cache.shard_path(manifest.shards[0].sha256)
-    data = bytearray(path.read_bytes())
-    data[-1] ^= 0x01  # flip one bit in the tensor data
-    path.write_bytes(bytes(data))
+    _flip_bit(path, -1, 0)  # one bit in the tensor data
     loaded = cache.get("corrupt-cache", 0)
     assert metrics.corrupt._value.get() == 1
     assert hashlib.sha256(path.read_bytes()).hexdigest() == manifest.shards[0].sha256
@@ -87,15 +97,9 @@ def test_corrupt_cached_shard_is_deleted_and_refetched(env):
 
 
 def test_corrupt_blob_from_coordinator_is_never_loaded(env):
-    model = tiny_model()
-    be = env.backend(model, "corrupt-blob")
-    be.publish(0)
-    client, _ = env.worker("w0")
-    manifest = client.version("corrupt-blob", 0)
+    _, be, client, manifest = _published(env, "corrupt-blob")
     blob = env.settings.blob_dir / manifest.shards[1].sha256[:2] / manifest.shards[1].sha256
-    data = bytearray(blob.read_bytes())
-    data[len(data) // 2] ^= 0x80
-    blob.write_bytes(bytes(data))
+    _flip_bit(blob, blob.stat().st_size // 2, 7)
     metrics = WorkerMetrics(CollectorRegistry())
     cache = WeightCache(client, env.tmp / "wc", metrics=metrics)
     with pytest.raises(CorruptBlobError):
