@@ -239,6 +239,7 @@ class Fleet:
         from coordinator.messages import RunSpec
         from fleet.backend import CoordinatorBackend
         from fleet.batch_wire import batch_kind_for_model, loss_for_kind
+        from fleet.recovery import RecoveringBackend
         from trainer.methods import build_mode, fleet_method_names, get_method
 
         method = get_method(cfg.optimizer)
@@ -261,8 +262,10 @@ class Fleet:
                                      .get_secret_value(), redis_url=self.settings.redis_url, run=spec,
                                      key_prefix=self.settings.key_prefix, history=0 if pure else 2,
                                      blob_dir=self.settings.blob_dir, background=not pure)
+        backend = RecoveringBackend(backend, spec)  # outlives a coordinator whose store comes back empty
         loss_fn = loss_for_kind(batch_kind_for_model(type(model).__name__))
-        return FleetFiguresMode(build_mode(cfg, model, loss_fn, backend=backend, timing=self.rounds), self.status)
+        mode = build_mode(cfg, model, loss_fn, backend=backend, timing=self.rounds)
+        return FleetFiguresMode(mode, self.status, backend)
 
 
     def evaluator_factory(self, deadline_s: float = 120.0, full: bool = True):

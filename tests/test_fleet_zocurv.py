@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from fleet.attach import Fleet, FleetSettings, FleetStatus
+from fleet.attach import Fleet, FleetStatus
 from trainer.config import TrainConfig
 from trainer.methods import METHODS, fleet_method_names
 from trainer.train import train
@@ -27,16 +27,10 @@ VARIANTS = {"zocurv-block": {}, "zocurv-sophia": {"granularity": "coordinate"}, 
 
 @pytest.fixture(scope="module")
 def one_worker(tmp_path_factory):
-    from support.fleet import REDIS_URL
-    from support.fleet import Fleet as Processes
+    from support.fleet import one_worker as fleet_of_one
 
-    procs = Processes(tmp_path_factory.mktemp("fleet_zocurv"))
-    procs.start_worker("a")
-    procs.wait_consuming("a")
-    try:
-        yield procs, FleetSettings(admin_token=procs.admin_token, redis_url=REDIS_URL, key_prefix=procs.prefix)
-    finally:
-        procs.close()
+    with fleet_of_one(tmp_path_factory.mktemp("fleet_zocurv")) as got:
+        yield got
 
 
 def _cfg(tmp_path, name: str, optimizer: str) -> TrainConfig:
