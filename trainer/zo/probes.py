@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from coordinator.bounds import ProbeEps, check
-from coordinator.messages import ProbeRound, check_line_seeds
+from coordinator.round_messages import ProbeRound, check_line_seeds
 from kernels import canonical_offsets, perturb
 from trainer.zo import estimators as est
 
@@ -85,7 +85,7 @@ def block_sizes(blocks: Sequence[Block]) -> list[int]:
 class RoundSpec:
     """One round of probes sharing a batch and a clean loss (common random numbers), as the trainer holds it.
 
-    The wire form the coordinator receives is coordinator.messages.ProbeRound (batch by content hash).
+    The wire form the coordinator receives is coordinator.round_messages.ProbeRound (batch by content hash).
 
     Attributes:
         round_id: unique name of the round.
@@ -98,7 +98,7 @@ class RoundSpec:
         kind: a ProbeKind.
         base_version: θ_base for ``along_update`` (usually version − 1) and ``line`` (an earlier refresh).
         blocks: sorted, distinct canonical block indices perturbed by a ``group`` round (empty otherwise).
-    The field names are the wire's (coordinator.messages.ProbeRound), so `to_wire` copies none by hand.
+    The field names are the wire's (coordinator.round_messages.ProbeRound), so `to_wire` copies none by hand.
     Raises ValueError at construction for an empty or repeated seed list, eps outside ProbeEps, and fields
     the kind needs or forbids (`check_kind_fields`).
     """
