@@ -1,6 +1,6 @@
 """1.5-SPSA in its published regime, side by side with MeZO and backprop (issue 18; `bench zo --regime paper`).
 
-Arms (same data, prompt and label words; trainer.zo.paper.PAPER holds the published numbers):
+Arms (same data, prompt and label words; benchmarks.zo_paper_steps.PAPER holds the published numbers):
   A1      1.5-SPSA, K=40, batch 512 with replacement, lr=ε=1e-4, plateau halving, fp32 weights (project path)
   A2      A1 with bf16 weights perturbed in place (+ε, −2ε, +ε) and updated in place (the public code's numerics)
   A3      1SPSA(40) at lr 1e-4;  A3w: 1SPSA at 1e-4 × mean(w) of A1 (same step length as A1 on average)
@@ -12,7 +12,7 @@ Every arm stops at its iteration cap or its share of the time budget, whichever 
 several calls (device calls are capped at 600 s): a call names its arms and merges an earlier call's
 paper_summary.json (`include`), whose A1 log and step ledger ("ledgers") serve A3w's lr and the drift, and
 an arm that stopped on time there can continue where it stopped (`resume`: its ledger is replayed).
-Forwards run length-bucketed (trainer.zo.length_buckets): the same per-row logits, ~1.8x fewer tokens.
+Forwards run length-bucketed (benchmarks.length_buckets): the same per-row logits, ~1.8x fewer tokens.
 Selection: the evaluated point with the best validation accuracy (500 sentences); test (1,000) is scored once,
 at the end, on those weights. The test accuracy at every evaluated point is kept too, and its maximum is
 reported as "best_on_test_peek" (selection on test: it shows how much peeking inflates).
@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.length_buckets import Buckets, Split, bucket_batch, bucketed_ce
 from benchmarks.zo_paper_plan import (
     MATMUL_MODES,
     a1_mean_w,
@@ -41,8 +42,14 @@ from benchmarks.zo_paper_plan import (
     paper_arms,
     parse_matmul,
 )
-from trainer.zo.length_buckets import Buckets, Split, bucket_batch, bucketed_ce
-from trainer.zo.paper import PAPER, PlateauState, ZOParamStepper, batch_rows, numerics_drift, plateau_update
+from benchmarks.zo_paper_steps import (
+    PAPER,
+    PlateauState,
+    ZOParamStepper,
+    batch_rows,
+    numerics_drift,
+    plateau_update,
+)
 from trainer.zo.probes import canonical_blocks
 
 TRAIN_KEY, VAL_KEY, TEST_KEY = 181, 182, 183  # Philox keys of the fixed subsets (independent of the run seed)
@@ -62,7 +69,7 @@ class PaperData:
 
     `from_task(task)` takes fixed random subsets (SentimentTask.subset_rows, keys TRAIN/VAL/TEST_KEY) of
     PAPER.n_train training, n_val validation and n_test test sentences (fewer if a split is smaller).
-    Batches and evaluations run length-bucketed (trainer.zo.length_buckets: rows sorted by length into at
+    Batches and evaluations run length-bucketed (benchmarks.length_buckets: rows sorted by length into at
     most `max_chunks` chunks of >= `min_rows` rows, each trimmed to its longest row), which leaves every
     row's logits unchanged for a right-padded classifier whose logits do not depend on padding
     (PromptClassifier). `lengths` holds each split's row lengths on the CPU (no device sync per batch).
@@ -90,8 +97,8 @@ class PaperData:
         return int(self.splits[split][2].shape[0])
 
     def batch(self, seed: int, iteration: int, batch_size: int, max_chunks: int | None = None) -> Buckets:
-        """Training batch `iteration`: the rows trainer.zo.paper.batch_rows (with replacement) draws, as
-        length-bucketed chunks (trainer.zo.length_buckets.bucket_batch; the same rows as one padded batch).
+        """Training batch `iteration`: the rows benchmarks.zo_paper_steps.batch_rows (with replacement) draws, as
+        length-bucketed chunks (benchmarks.length_buckets.bucket_batch; the same rows as one padded batch).
         max_chunks: this batch's chunk limit (None: the data's; 1: one padded batch)."""
         rows = batch_rows(seed, iteration, self.size("train"), batch_size)
         ids, mask, labels = self.splits["train"]
@@ -113,7 +120,7 @@ class PaperData:
 
 
 class AccuracyLoss:
-    """Mean cross-entropy of a length-bucketed batch (trainer.zo.length_buckets.bucketed_ce: Σ_rows CE / N,
+    """Mean cross-entropy of a length-bucketed batch (benchmarks.length_buckets.bucketed_ce: Σ_rows CE / N,
     the unbucketed batch's mean) that also keeps the batch accuracy of the first call since `reset()` (the
     train accuracy of the plateau rule: the clean pass for 1.5-SPSA, θ+εz_1 for 1SPSA/MeZO, which have no
     clean pass). A plain (ids, mask, labels) batch is taken as one chunk."""
@@ -567,7 +574,7 @@ def padding_report(data: PaperData | None = None, iterations: int = 75, batch_si
     (data.max_chunks / data.min_rows), averaged over batches 0..iterations-1 (CPU; no model). `data` defaults
     to the SmolLM2 splits from the cache. Returns {"train_mean_len", "train_max_len", "tokens_per_batch"
     {"real", "one_chunk", "bucketed"}, "one_chunk_over_real", "bucketed_over_real", "speedup_tokens"}."""
-    from trainer.zo.length_buckets import padded_tokens
+    from benchmarks.length_buckets import padded_tokens
 
     if data is None:
         from benchmarks.zo import sentiment_task

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from trainer.zo.paper import PAPER
+from benchmarks.zo_paper_steps import PAPER
 
 MATMUL_MODES = ("highest", "high")  # torch.set_float32_matmul_precision: true fp32, or TF32
 

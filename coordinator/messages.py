@@ -46,6 +46,9 @@ ProbeKindName = Literal["seeded", "block_scaled", "along_update", "group", "line
 BASE_KINDS = ("along_update", "line")  # kinds probing along theta_version - theta_base
 MAX_BLOCKS = 1 << 20  # canonical blocks of a model (parameter tensors): far above any real model
 BlockIndex = Annotated[int, Field(ge=0, lt=MAX_BLOCKS)]
+# A group round's block slice [block, dim, start, stop]: only elements with index in [start, stop) along `dim` of
+# that block move (GPT-2's fused c_attn holds two roles' columns; trainer.zo.probes.group_weights).
+BlockSlice = Annotated[list[Annotated[int, Field(ge=0, lt=2**31)]], Field(min_length=4, max_length=4)]
 
 
 class Message(BaseModel):

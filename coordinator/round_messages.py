@@ -28,6 +28,7 @@ from coordinator.messages import (
     MAX_SEEDS_PER_ROUND,
     MAX_SEEDS_PER_TASK,
     BlockIndex,
+    BlockSlice,
     Distribution,
     FiniteFloat,
     Message,
@@ -70,6 +71,16 @@ def _check_kind(kind: str, version: int, base_version: int | None, blocks: list[
         raise ValueError("`blocks` is only meaningful for group rounds")
 
 
+def _check_slices(slices: list[list[int]] | None, blocks: list[int] | None) -> None:
+    if slices is None:
+        return
+    named = [sl[0] for sl in slices]
+    if blocks is None or len(set(named)) != len(named) or not set(named) <= set(blocks):
+        raise ValueError("`slices` name distinct blocks of a group round's `blocks`")
+    if any(sl[1] >= 8 or sl[2] >= sl[3] for sl in slices):
+        raise ValueError("a slice is [block, dim < 8, start, stop > start]")
+
+
 # ---- rounds, tasks, results ---------------------------------------------------------------------------
 
 
@@ -81,7 +92,8 @@ class _RoundFields(Message):
     Evaluate L(theta_version +- eps z(seed); batch) for each seed. `batch_sha256` names a blob already
     uploaded (the batch travels once). `want_clean` asks for L0. Schema version 2 adds `blocks`: the sorted,
     unique canonical block indices of a `group` round (the worker checks them against its model's block
-    count); version 1 messages have no group kind. Raises ValidationError for repeated seeds and for fields
+    count), and `slices`: those of its blocks that move only in part (BlockSlice); version 1 messages have no
+    group kind. Raises ValidationError for repeated seeds and for fields
     the kind needs or forbids.
     """
 
@@ -97,14 +109,16 @@ class _RoundFields(Message):
     kind: ProbeKindName = "seeded"
     base_version: Version | None = None
     blocks: list[BlockIndex] | None = Field(default=None, min_length=1, max_length=MAX_BLOCKS)
+    slices: list[BlockSlice] | None = Field(default=None, min_length=1, max_length=MAX_BLOCKS)
 
     @model_serializer(mode="wrap")
     def _drop_absent_blocks(self, handler: SerializerFunctionWrapHandler) -> dict:
-        """A schema-1 message serialises without the schema-2 `blocks` field, byte-identical to what workers
-        and trainers of schema 1 send and accept (they forbid unknown fields, even null ones)."""
+        """A schema-1 message serialises without the schema-2 `blocks` and `slices` fields, byte-identical to
+        what workers and trainers of schema 1 send and accept (they forbid unknown fields, even null ones)."""
         out = handler(self)
-        if out.get("blocks", 0) is None:
-            del out["blocks"]
+        for key in ("blocks", "slices"):
+            if out.get(key, 0) is None:
+                del out[key]
         return out
 
     @model_validator(mode="after")
@@ -112,6 +126,7 @@ class _RoundFields(Message):
         if len(set(self.seeds)) != len(self.seeds):
             raise ValueError("seeds of a round must be unique")
         _check_kind(self.kind, self.version, self.base_version, self.blocks, self.schema_version)
+        _check_slices(self.slices, self.blocks)
         check_line_seeds(self.kind, self.seeds, self.eps)
         return self
 

@@ -1,7 +1,7 @@
 """The staleness rule, once (DESIGN.md §3): a result or round taken at `version` is stale when it is older
 than latest − S, i.e. latest − version > S, for the bound S >= 0 in versions (RunSpec.staleness).
 
-Pure and torch-free, so the trainer (trainer.zo.curvature, trainer.zo.backend, trainer.zo.role_mode) and the
+Pure and torch-free, so the trainer (trainer.zo.rounds, trainer.zo.backend) and the
 coordinator (coordinator.runs) call the same function. The coordinator's intake decides inside a Redis Lua
 script; `IS_STALE_LUA` is this rule's Lua twin, prepended to that script (coordinator.intake_scripts) and tested against `is_stale` over
 a grid of (version, latest, S) by tests/test_staleness.py. Versions are < 2**53 (messages.Version), so Lua's

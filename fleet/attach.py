@@ -10,9 +10,9 @@
 - `Fleet.mode_factory`: a `trainer.train` mode factory that builds the run's ZO mode over a
   `fleet.backend.CoordinatorBackend` (a new coordinator run per attach; a resumed run re-publishes what the
   workers need, see trainer.zo.modes).
-- `ROUND_MODES` (fleet.sync_rounds.SyncRounds): when a ZO-Curv round folds into the steps: "async" (as it arrives), "sync" (at its
-  own refresh: `train --fleet-sync`), "next" (at the refresh after it: `up`); the last two make a run
-  independent of the fleet's timing, so an interrupted and resumed run equals the uninterrupted one.
+- `ROUND_MODES`: when a ZO-Curv round folds into the steps (trainer.zo.rounds.RoundBook): "async" (as it arrives),
+  "sync" (at its own refresh: `train --fleet-sync`), "next" (at the refresh after it: `up`); the last two make a
+  run independent of the fleet's timing, so an interrupted and resumed run equals the uninterrupted one.
 - `FleetStatus` / `FleetFiguresMode`: live fleet figures (workers, probes/s, results by outcome) scraped from
   the coordinator's /metrics, shown in the progress line and added to every step's record (with
   `fleet_runs_recreated`: times the coordinator lost the run and the trainer created it again, fleet.recovery).
@@ -193,9 +193,15 @@ class FleetFiguresMode:
 
     def __init__(self, mode, status: FleetStatus, recovery=None) -> None:
         self.mode, self.status, self.recovery = mode, status, recovery
+        self.optimizer = mode.optimizer
 
-    def __getattr__(self, name: str):
-        return getattr(self.mode, name)
+    def extra_state(self):
+        """The wrapped mode's."""
+        return self.mode.extra_state()
+
+    def load_extra_state(self, tensors, meta) -> None:
+        """The wrapped mode's."""
+        self.mode.load_extra_state(tensors, meta)
 
     def step(self, step: int, batch, lr: float) -> dict[str, float]:
         stats = self.mode.step(step, batch, lr)
@@ -205,12 +211,10 @@ class FleetFiguresMode:
     def close(self, wait: bool = True) -> None:
         """Close the mode's CoordinatorBackend (`CoordinatorBackend.close`): its last uploads' errors surface here
         when `wait`; trainer.train calls this when the run ends, however it ends."""
-        backend = getattr(self.mode, "backend", None)
-        if backend is not None:
-            backend.close(wait=wait)
+        self.mode.backend.close(wait=wait)
 
 
-ROUND_MODES = ("async", "sync", "next")  # how a fleet's ZO-Curv rounds fold (Fleet.rounds, SyncRounds)
+ROUND_MODES = ("async", "sync", "next")  # when a fleet's ZO-Curv rounds fold: trainer.zo.rounds.FOLD_TIMINGS
 
 
 @dataclass
@@ -226,22 +230,22 @@ class Fleet:
     rounds: str = "async"
 
     def mode_factory(self, cfg, model):
-        """trainer.train's `mode_factory`: the run's ZO mode (cfg.optimizer) with its probes on the fleet.
+        """trainer.train's `mode_factory`: the run's ZO mode (cfg.optimizer) with its probes on the fleet, its
+        ZO-Curv rounds folding as `rounds` says (trainer.zo.rounds.RoundBook; pure-ZO steps wait for theirs).
 
-        Raises ValueError for a first-order optimizer (nothing to probe) and CoordinatorHTTPError when the
-        coordinator refuses the run.
+        Raises ValueError for a method whose probes cannot go to a fleet (trainer.methods: none, or its
+        `no_fleet_why`) and CoordinatorHTTPError when the coordinator refuses the run.
         """
         from coordinator.messages import RunSpec
         from fleet.backend import CoordinatorBackend
         from fleet.batch_wire import batch_kind_for_model, loss_for_kind
-        from fleet.sync_rounds import SyncRounds
-        from trainer.methods import build_role_mode, build_zocurv_mode, get_method
-        from trainer.modes import build_mode
+        from fleet.recovery import RecoveringBackend
+        from trainer.methods import build_mode, fleet_method_names, get_method
 
-        # Pure-ZO steps wait for every probe: their seeds are spread over the workers. ZOCurvMode and RoleCurvMode
-        # (zocurv-global) publish inside their steps: their backend serialises and uploads in the background
-        # (fleet.backend), and pure ZO waits for each round anyway.
-        pure = get_method(cfg.optimizer).kind == "pure-zo"
+        method = get_method(cfg.optimizer)
+        if cfg.optimizer not in fleet_method_names():
+            raise ValueError(f"{cfg.optimizer} sends no probes to a fleet {method.no_fleet_why}".rstrip())
+        pure = method.kind == "pure-zo"
         lm = getattr(cfg, "task", "lm") != "sentiment"
         # The workers build the model from the manifest (class + config + shards) and pick the loss and batch
         # format from its class, exactly as the backend does here.
@@ -252,18 +256,16 @@ class Fleet:
                        model_preset=cfg.model if lm else None, staleness=cfg.staleness,
                        **({"spot_check_fraction": 0.0} if self.workers < 2 else {}),
                        **({"seeds_per_task": max(1, -(-cfg.probes // max(1, self.workers)))} if pure else {}))
+        # ZO-Curv steps publish inside their steps: their backend serialises and uploads in the background
+        # (fleet.backend); pure-ZO steps wait for each round anyway.
         backend = CoordinatorBackend.connect(model, coordinator_url=self.base, admin_token=self.settings.admin_token
                                      .get_secret_value(), redis_url=self.settings.redis_url, run=spec,
                                      key_prefix=self.settings.key_prefix, history=0 if pure else 2,
-                                     blob_dir=self.settings.blob_dir,
-                                     background=get_method(cfg.optimizer).build in (build_zocurv_mode, build_role_mode))
-        rounds = self.rounds
-        if rounds == "next" and get_method(cfg.optimizer).optimizer is None:
-            rounds = "async"  # zocurv-global (trainer.zo.role_mode) folds its line rounds as they arrive
-        if rounds != "async" and not pure:  # pure-ZO steps wait for their probes anyway
-            backend = SyncRounds(backend, lag=0 if rounds == "sync" else 1)
+                                     blob_dir=self.settings.blob_dir, background=not pure)
+        backend = RecoveringBackend(backend, spec)  # outlives a coordinator whose store comes back empty
         loss_fn = loss_for_kind(batch_kind_for_model(type(model).__name__))
-        return FleetFiguresMode(build_mode(cfg, model, loss_fn, backend=backend), self.status)
+        mode = build_mode(cfg, model, loss_fn, backend=backend, timing=self.rounds)
+        return FleetFiguresMode(mode, self.status, backend)
 
 
 def check_key_prefix(settings: FleetSettings) -> None:
@@ -294,7 +296,7 @@ def attach(url: str, *, settings: FleetSettings | None = None, wait_s: float = 1
     """Connect to the coordinator at `url` and wait for `min_workers` active workers (at most `wait_s` s).
 
     `settings` default to the environment (FleetSettings); `rounds` (ROUND_MODES) says when ZO-Curv rounds
-    fold: "async" as they arrive, "sync" at their own refresh, "next" at the refresh after (SyncRounds).
+    fold: "async" as they arrive, "sync" at their own refresh, "next" at the refresh after (trainer.zo.rounds.RoundBook).
     Raises FleetError when the coordinator does not
     answer /readyz (one bounded retry loop of `wait_s` seconds: `log` says so at the first failure and counts down
     every COUNTDOWN_EVERY_S seconds), refuses the admin token, or has too few

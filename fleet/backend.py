@@ -36,6 +36,8 @@ class CoordinatorBackend:
     `results` composed (module docstring). Build one with `connect`; the parts are public for callers that
     need one of them (timings, the blob sender, the stream)."""
 
+    evaluates_published = True  # workers probe published versions: a resume re-publishes and re-issues
+
     def __init__(self, client: CoordinatorClient, uploads: UploadQueue, publisher: VersionPublisher,
                  rounds: RoundSender, results: ResultCollector) -> None:
         self.client, self.uploads, self.publisher, self.rounds, self.results = client, uploads, publisher, rounds, results

@@ -99,6 +99,10 @@ class ResultCollector:
         self.reader.ack(acks)
         return out
 
+    def restart_counts(self) -> None:
+        """The run was created again on an empty store (fleet.recovery): its intake counts start again at 0."""
+        self._intake_seen = (0, 0)
+
     def _intake_counts(self) -> dict[str, int]:
         """Growth of the coordinator's stale/duplicate counts of this run since they were last reported."""
         info = self.client.intake_counts(self.run)

@@ -47,6 +47,8 @@ class RecoveringBackend:
     held is dropped). Counted in `recreated` and sparecycles_trainer_runs_recreated_total{run}.
     """
 
+    evaluates_published = True  # a ProbeBackend attribute (trainer.zo.backend): as the wrapped fleet backend
+
     def __init__(self, backend: Any, spec: RunSpec) -> None:
         self.backend, self.spec = backend, spec
         self.recreated = 0

@@ -138,6 +138,17 @@ class UploadQueue:
             raise RuntimeError("no queued upload to wait for")
         self._jobs.popleft().result()
 
+    def recover(self) -> list[BaseException]:
+        """Wait for every queued job and forget their failures (returned, oldest first): what they sent is sent
+        again by the caller (fleet.recovery, after the coordinator lost the run). Later jobs run again."""
+        errors = []
+        while self._jobs:
+            exc = self._jobs.popleft().exception()
+            if exc is not None:
+                errors.append(exc)
+        self._broken = None
+        return errors
+
     def flush(self) -> None:
         """Wait for every queued job; raises the first one's error."""
         self.check(wait_for=0)

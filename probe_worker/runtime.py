@@ -233,7 +233,7 @@ class ProbeRuntime:
                 out = []
                 for seed in task.seeds:
                     lp, lm, _ = probes.probe_losses(site, task.kind, seed, task.eps, task.distribution,
-                                                    task.blocks or (), l0)
+                                                    task.blocks or (), l0, [tuple(sl) for sl in task.slices or ()])
                     self.metrics.probes.inc()
                     fields = {
                         "run": task.run, "round_id": task.round_id, "seed": seed, "version": task.version,

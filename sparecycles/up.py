@@ -209,12 +209,8 @@ def _rounds_note(optimizer: str) -> str:
     """How the fleet's probes enter `optimizer`'s steps, for the console and summary.json."""
     from trainer.methods import get_method
 
-    method = get_method(optimizer)
-    if method.kind == "zo-curv" and method.optimizer is not None:
+    if get_method(optimizer).kind == "zo-curv":
         return ROUNDS_NOTE
-    if method.kind == "zo-curv":
-        return ("each line round folds as its results arrive: the run depends on the fleet's timing, and a resumed "
-                "run starts its line afresh at the next refresh (the round in flight is lost)")
     return "every step waits for all its probes: the run does not depend on the fleet's timing"
 
 
@@ -265,7 +261,7 @@ def _train_with_fleet(plan: UpPlan, progress: bool, log: Callable[[str], None],
                           worker_env)
             log(f"probe workers on {', '.join(devices)}; forward at the published float32 weights")
             _serve_metrics(out, port, metrics_ports, log)
-            # Each ZO-Curv round folds at the refresh after it, whatever the fleet's timing (fleet.sync_rounds.SyncRounds
+            # Each ZO-Curv round folds at the refresh after it, whatever the fleet's timing (trainer.zo.rounds.RoundBook
             # lag 1): the run is reproducible and an interrupted one, resumed, is the same run bit for bit.
             # One host: the trainer writes weight shards straight into the coordinator's blob directory and the
             # workers read them there (SPARECYCLES_BLOB_DIR in their environment), no HTTP copies.

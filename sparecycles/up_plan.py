@@ -110,8 +110,11 @@ def plan_up(*, preset: str = "demo", optimizer: str | None = None, workers: int 
     allowed = fleet_method_names(task)
     if optimizer not in allowed:
         why = {"adamw": "AdamW is the baseline `up` always runs; "}.get(optimizer, "")
-        if optimizer in METHODS and not METHODS[optimizer].fleet:
-            why = "its probes run in process only (`sparecycles train`), not on a fleet; "
+        method = METHODS.get(optimizer)
+        if method is not None and method.kind != "first-order" and not method.needs_probes:
+            why = "it sends no probes (train it in process with `sparecycles train`); "
+        elif method is not None and not method.fleet:
+            why = f"its probes run in process only (`sparecycles train`), not on a fleet: {method.no_fleet_why}; "
         raise ValueError(f"--optimizer {optimizer!r}: {why}the fleet-probed optimizer for --task {task} is one of "
                          f"{', '.join(allowed)}")
     preset = "sentiment-demo" if sentiment and preset == "demo" else preset

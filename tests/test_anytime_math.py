@@ -121,3 +121,24 @@ def test_build_mixture_sums_in_version_order_whatever_the_term_order():
     assert torch.equal(a["w"], mix_state([states[3], states[7], states[9]], (-0.2, 0.5, 0.7))["w"])
     with pytest.raises(ValueError):
         build_mixture([(3, 0.5), (3, 0.5)], states.__getitem__)
+
+
+def test_selection_scores_each_distinct_mixture_once_and_finds_the_quadratic_minimum():
+    from trainer.anytime.select import select_candidate
+    from trainer.anytime.settings import AnytimeSettings
+
+    k = 4
+    target = torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float64)
+    calls = []
+
+    def score(cands):  # a loss exactly quadratic in c, minimal at `target` (inside the averages' hull)
+        calls.extend(cands)
+        return [torch.full((3,), 1.0 + float(((torch.tensor(c, dtype=torch.float64) - target) ** 2).sum()),
+                           dtype=torch.float64) for _, c in cands]
+
+    sel = select_candidate(k, AnytimeSettings(k=k, half_lives=(1.0, 2.0), windows=(2, 4)), score)
+    coefs = [tuple(round(x, 12) for x in c) for _, c in calls]
+    assert len(coefs) == len(set(coefs))  # nothing measured twice
+    assert sel.fit is not None and sel.fit.ok and sel.fit.residual_rms < 1e-12
+    assert sel.quad_meas == pytest.approx(sel.quad_pred, abs=1e-12)  # predicted = measured on a quadratic
+    assert sel.winner.mean <= min(s.mean for s in sel.scored) and sel.winner.mean <= sel.raw.mean

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from fleet.attach import Fleet, FleetSettings, FleetStatus
+from fleet.attach import Fleet, FleetStatus
 from sparecycles.up import FLEET_PARTS, plan_up, run_up, sum_fleet
 from support.resume import assert_same_checkpoints
 from trainer.config import TrainConfig
@@ -26,16 +26,10 @@ pytestmark = pytest.mark.slow  # coordinators and worker processes, short fleet-
 
 @pytest.fixture(scope="module")
 def one_worker(tmp_path_factory):
-    from support.fleet import REDIS_URL
-    from support.fleet import Fleet as Processes
+    from support.fleet import one_worker as fleet_of_one
 
-    procs = Processes(tmp_path_factory.mktemp("fleet_resume"))
-    procs.start_worker("a")
-    procs.wait_consuming("a")
-    try:
-        yield procs, FleetSettings(admin_token=procs.admin_token, redis_url=REDIS_URL, key_prefix=procs.prefix)
-    finally:
-        procs.close()
+    with fleet_of_one(tmp_path_factory.mktemp("fleet_resume")) as got:
+        yield got
 
 
 def _cfg(tmp_path, name: str) -> TrainConfig:

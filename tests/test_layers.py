@@ -17,3 +17,15 @@ def test_import_contracts_are_kept():
     out = subprocess.run([str(exe), "--no-cache"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-2000:]
     assert "0 broken" in out.stdout
+
+
+def test_no_import_circle_in_trainer():
+    """No module of trainer/ imports (directly or through others, function-level imports included) a module that
+    imports it back: the registry (trainer.methods) builds the modes, which import neither it nor the config at
+    run time. Imports under `if TYPE_CHECKING:` are annotations only and do not count."""
+    import grimp
+
+    graph = grimp.build_graph("trainer", exclude_type_checking_imports=True, cache_dir=None)
+    circles = sorted((m, x) for m in graph.modules for x in graph.find_modules_directly_imported_by(m)
+                     if x.startswith("trainer") and x != m and graph.chain_exists(importer=x, imported=m))
+    assert circles == [], circles

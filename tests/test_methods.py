@@ -10,8 +10,16 @@ from pydantic import ValidationError
 from support.quadratic import QuadraticModel, quad_loss
 from trainer.cli import OptimizerName
 from trainer.config import TrainConfig, resolve_preset
-from trainer.methods import KINDS, METHODS, Method, build_first_order_mode, get_method, method_names
-from trainer.modes import AdamWMode, build_mode
+from trainer.methods import (
+    KINDS,
+    METHODS,
+    Method,
+    build_first_order_mode,
+    build_mode,
+    get_method,
+    method_names,
+)
+from trainer.modes import AdamWMode
 from trainer.zo.modes import PureZOMode, ZOCurvMode
 from trainer.zo.optimizers import ZOCurvBlockAdamW, ZOCurvLine, ZOCurvSophia
 

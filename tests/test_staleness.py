@@ -38,10 +38,18 @@ def test_rule_and_its_floor():
 
 
 def test_trainer_callers_use_the_rule():
-    from trainer.zo.curvature import CurvatureState
+    """The round book drops an incomplete round exactly when the rule calls it stale."""
+    from trainer.zo.probes import RoundSpec
+    from trainer.zo.rounds import RoundBook
 
-    st = CurvatureState(3, staleness=2)
+    class Hold:  # a backend that keeps every round in flight
+        latest_version = None
+
+        def submit(self, probe_round) -> None:
+            pass
+
     for v, latest, _ in GRID:
-        if 0 <= latest < 10**6:
-            st.current_version = latest
-            assert st.is_stale(v) == is_stale(v, latest, 2)
+        if 0 <= v < 2**53 and 0 <= latest < 10**6:
+            book = RoundBook(2)
+            book.issue(Hold(), [RoundSpec("r", v, None, 1e-2, (1,))])
+            assert book.due(latest) == [] and (book.dropped == 1) == is_stale(v, latest, 2)

@@ -91,17 +91,17 @@ def test_zocurv_line_resumes_after_a_refresh_that_failed_midway(tmp_path, monkey
 
     straight = train(_cfg(tmp_path, "zocurv-line", "straight", steps=6), progress=False)
     cfg = _cfg(tmp_path, "zocurv-line", "resumed", steps=6)
-    real = ZOCurvLine.refresh_curvature
+    real = ZOCurvLine.make_rounds
 
-    def outage(self, backend, batch, version):
+    def outage(self, batch, version, published):
         if version == 4:  # after step 4's publish, before its round
             raise Unavailable("Redis unreachable for 60 s")
-        return real(self, backend, batch, version)
+        return real(self, batch, version, published)
 
-    monkeypatch.setattr(ZOCurvLine, "refresh_curvature", outage)
+    monkeypatch.setattr(ZOCurvLine, "make_rounds", outage)
     with pytest.raises(RuntimeError, match="checkpointed at step 4"):
         train(cfg, progress=False)
-    monkeypatch.setattr(ZOCurvLine, "refresh_curvature", real)
+    monkeypatch.setattr(ZOCurvLine, "make_rounds", real)
     resumed = train(cfg, resume=True, progress=False)
     assert resumed.summary["resumed_from_step"] == 4
     assert_same_checkpoints(straight.run_dir, resumed.run_dir)

@@ -10,7 +10,10 @@ from support.quadratic import QuadraticModel, quad_loss
 from trainer.checkpoint import load_checkpoint, save_checkpoint
 from trainer.zo import estimators as est
 from trainer.zo.backend import InProcessBackend
-from trainer.zo.optimizers import ZOCurvBlockAdamW, ZOCurvLine, ZOCurvSophia, block_multipliers, line_ratios
+from trainer.zo.modes import refresh
+from trainer.zo.optimizers import ZOCurvBlockAdamW, ZOCurvLine, ZOCurvSophia
+from trainer.zo.rounds import RoundBook
+from trainer.zo.updates import block_multipliers, line_ratios
 
 SIZES = [6, 10, 3]
 BOUNDS = [0, 6, 16, 19]
@@ -79,8 +82,8 @@ def test_block_refresh_folds_the_block_trace_estimate_of_exact_probe_curvatures(
     model = QuadraticModel(SIZES, seed=4)
     be = InProcessBackend(model, quad_loss)
     opt = ZOCurvBlockAdamW(model.parameters(), probes=6, probe_eps=1e-2, seed=9, curv_beta=0.5)
-    stats = opt.refresh_curvature(be, None, version=0)
-    r = opt._make_round(None, 0)
+    stats = refresh(opt, RoundBook(2), be, None, 0)
+    r = opt.make_rounds(None, 0, ())[0]
     z = torch.stack([est.block_scaled_direction(s, BOUNDS[:-1], SIZES) for s in r.seeds]).double()
     h = torch.einsum("ki,ij,kj->k", z, model.h, z)  # exact zᵀHz
     a = torch.stack([est.block_scales(s, 3) for s in r.seeds])
@@ -94,15 +97,15 @@ def test_block_refresh_folds_the_block_trace_estimate_of_exact_probe_curvatures(
 def test_stale_rounds_dropped_and_counted_end_to_end():
     model = QuadraticModel(SIZES, seed=5)
     late = InProcessBackend(model, quad_loss, delay_rounds=2, staleness=1)  # results arrive two versions late
-    opt = ZOCurvBlockAdamW(model.parameters(), probes=2, staleness=1)
+    opt, book = ZOCurvBlockAdamW(model.parameters(), probes=2), RoundBook(staleness=1)
     for v in range(5):
-        stats = opt.refresh_curvature(late, None, version=v)
+        stats = refresh(opt, book, late, None, v)
     assert not opt.curv.ready
     assert stats["curv_stale"] == 6 and stats["curv_accepted"] == 0  # rounds 0..2 delivered, all stale
     assert stats["curv_dropped_rounds"] == 3
-    ok = ZOCurvBlockAdamW(model.parameters(), probes=2, staleness=2)
+    ok, book = ZOCurvBlockAdamW(model.parameters(), probes=2), RoundBook(staleness=2)
     for v in range(5):
-        stats = ok.refresh_curvature(InProcessBackend(model, quad_loss), None, version=v)
+        stats = refresh(ok, book, InProcessBackend(model, quad_loss), None, v)
     assert ok.curv.updates == 5 and stats["curv_stale"] == 0
 
 
@@ -117,7 +120,7 @@ def test_line_multiplier_is_clipped_newton_ratio_along_the_step():
     opt.step()
     be.publish(1)
     theta1 = model.theta()
-    opt.refresh_curvature(be, None, version=1)
+    refresh(opt, RoundBook(2), be, None, 1)
     grad1 = model.grad_at(theta1)
     expected = []
     for i in range(3):
@@ -170,8 +173,8 @@ def test_bf16_masters_stay_fp32_through_checkpoint(tmp_path):
 def test_sophia_coordinate_refresh_folds_the_diagonal_estimate():
     model = QuadraticModel(SIZES, seed=9)
     opt = ZOCurvSophia(model.parameters(), granularity="coordinate", probes=5, probe_eps=1e-2, seed=4)
-    opt.refresh_curvature(InProcessBackend(model, quad_loss), None, version=0)
-    r = opt._make_round(None, 0)
+    refresh(opt, RoundBook(2), InProcessBackend(model, quad_loss), None, 0)
+    r = opt.make_rounds(None, 0, ())[0]
     assert r.distribution == "gauss8"
     z = torch.stack([direction(s, 0, 19, "gauss8") for s in r.seeds]).double()
     h = torch.einsum("ki,ij,kj->k", z, model.h, z)

@@ -12,8 +12,7 @@ import torch
 import typer
 from typer.testing import CliRunner
 
-from kernels.reference import direction_ref
-from trainer.zo.paper import (
+from benchmarks.zo_paper_steps import (
     PAPER,
     PlateauState,
     ZOParamStepper,
@@ -22,6 +21,7 @@ from trainer.zo.paper import (
     numerics_drift,
     plateau_update,
 )
+from kernels.reference import direction_ref
 
 
 def _bf16_rne(x: np.ndarray) -> np.ndarray:

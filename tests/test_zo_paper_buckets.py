@@ -1,4 +1,4 @@
-"""Length-bucketed forwards (trainer.zo.length_buckets): the optimal split on known lengths, and bucketed
+"""Length-bucketed forwards (benchmarks.length_buckets): the optimal split on known lengths, and bucketed
 loss / accuracy equal to one padded forward on a tiny random Llama prompt classifier."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from benchmarks.length_buckets import bucket_batch, bucketed_ce, length_buckets, padded_tokens
 from trainer.prompt_classifier import PromptClassifier
-from trainer.zo.length_buckets import bucket_batch, bucketed_ce, length_buckets, padded_tokens
 
 
 def test_known_lengths_merge_the_cheapest_neighbours():
@@ -94,7 +94,7 @@ def test_bucketed_loss_and_accuracy_equal_one_padded_forward():
 
 def test_paper_batches_keep_the_drawn_rows_and_the_eval_covers_every_row():
     from benchmarks.zo_paper import PaperData
-    from trainer.zo.paper import batch_rows
+    from benchmarks.zo_paper_steps import batch_rows
 
     splits = {s: _right_padded(n, 20, seed=i) for i, (s, n) in enumerate((("train", 200), ("val", 90),
                                                                           ("test", 130)))}

@@ -17,7 +17,7 @@ from benchmarks.zo_paper_plan import (
     parse_matmul,
     parse_weights,
 )
-from trainer.zo.paper import PAPER
+from benchmarks.zo_paper_steps import PAPER
 
 
 def test_shares_renormalise_over_the_arms_run_now():

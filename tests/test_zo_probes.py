@@ -96,5 +96,12 @@ def test_round_spec_names_its_fields_as_the_wire_does():
     assert names - trainer_only == set(ProbeRound.model_fields) - wire_only
     assert {n: getattr(wire, n) for n in names - trainer_only} == {
         "round_id": "g-1", "version": 3, "eps": 1e-2, "seeds": [4, 2], "distribution": "gauss8", "want_clean": True,
-        "kind": "group", "base_version": None, "blocks": [0, 5]}
+        "kind": "group", "base_version": None, "blocks": [0, 5], "slices": None}
+    sliced = RoundSpec("g-2", 3, None, 1e-2, (4,), kind=ProbeKind.GROUP, blocks=(0, 5), slices=((5, 1, 0, 8),))
+    assert sliced.to_wire("r", "b" * 64).slices == [[5, 1, 0, 8]]
+    with pytest.raises(ValueError, match="slices"):  # a slice of a block outside the group
+        RoundSpec("g-3", 3, None, 1e-2, (4,), kind=ProbeKind.GROUP, blocks=(0,), slices=((5, 1, 0, 8),))
+    with pytest.raises(pydantic.ValidationError):
+        sliced.to_wire("r", "b" * 64).model_copy(update={}).model_validate(
+            {**sliced.to_wire("r", "b" * 64).model_dump(), "slices": [[5, 1, 8, 8]]})  # empty slice
     assert wire.schema_version == 2 and RoundSpec("s", 0, None, 1e-2, (1,)).to_wire("r", "b" * 64).schema_version == 1

@@ -1,4 +1,4 @@
-"""ZO-Curv second generation (issue 17): role groups, multipliers, quadratic fits, RoleAdamW, the mode."""
+"""ZO-Curv second generation (issue 17): role groups, multipliers, quadratic fits, ZOCurvRoleAdamW, the mode."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from trainer.config import TrainConfig
+from trainer.methods import build_mode
+from trainer.zo.backend import InProcessBackend
 from trainer.zo.groups import Role, assign_roles, block_multipliers, model_roles
 from trainer.zo.multipliers import (
     WANG2025_MULTIPLIERS,
@@ -20,8 +22,9 @@ from trainer.zo.multipliers import (
     update_global_multiplier,
     update_group_multipliers,
 )
-from trainer.zo.role_adamw import RoleAdamW, group_curvatures, line_losses
-from trainer.zo.role_mode import RoleCurvMode
+from trainer.zo.probes import canonical_blocks, group_weights, swapped_loss
+from trainer.zo.role_rules import ZOCurvRoleAdamW, group_estimates
+from trainer.zo.rounds import RoundBook
 
 D, L = 8, 2
 
@@ -91,20 +94,40 @@ def test_llama_roles(tied):
     assert sum(g.size(r) for r in g.roles) == sum(p.numel() for p in m.parameters())
 
 
-def test_whole_block_roles_are_the_group_probe_kind():
-    """A Llama role is a set of whole blocks: its probe is bit-identical to trainer.zo.probes' group kind."""
-    from trainer.zo.probes import canonical_blocks, group_weights
-    from trainer.zo.role_adamw import group_perturbed
+def test_role_rounds_perturb_exactly_their_role():
+    """A role's ``group`` round moves exactly the role's elements: a Llama role is whole blocks (the plain group
+    kind); GPT-2's c_attn is split by column slices, its other columns bit-identical to θ."""
+    from trainer.zo.role_rules import role_round
 
-    m = tiny_llama(tied=False)
-    g = model_roles(m)
-    params = list(m.parameters())
-    blocks = canonical_blocks(m)
-    for role in g.roles:
-        ours = group_perturbed(params, [b.offset for b in blocks], g, role, seed=11, alpha=-0.03)
-        theirs = group_weights(blocks, sorted(s.block for s in g.groups[role]), 11, -0.03, "rademacher")
-        assert ours.keys() == theirs.keys()
-        assert all(torch.equal(ours[i], theirs[i]) for i in ours)
+    for m in (tiny_llama(tied=False), tiny_gpt2()):
+        g = model_roles(m)
+        blocks = canonical_blocks(m)
+        for role in g.roles:
+            r = role_round(g, role, round_id="r", version=0, batch=None, eps=0.03, seeds=(11,))
+            moved = group_weights(blocks, r.blocks, 11, -0.03, "rademacher", r.slices)
+            whole = group_weights(blocks, r.blocks, 11, -0.03, "rademacher")
+            for seg in g.groups[role]:
+                w, mask = blocks[seg.block].param.detach(), seg.mask()
+                if mask is None:
+                    assert torch.equal(moved[seg.block], whole[seg.block])
+                else:
+                    assert torch.equal(moved[seg.block][mask], whole[seg.block][mask])
+                    assert torch.equal(moved[seg.block][~mask], w[~mask])
+            assert sum(int((moved[b] != blocks[b].param.detach()).sum()) for b in moved) == g.size(role)
+
+
+def _group_refresh(m, quad, g, *, probes=3, eps_rel=2.0**-4, seed=7):
+    """One refresh of zocurv-group's rounds on `m` through InProcessBackend: (estimates, eps stats, forwards)."""
+    blocks = [b.param for b in canonical_blocks(m)]
+    opt = ZOCurvRoleAdamW([{"params": blocks}], blocks=blocks, gmap=g, group_probes=True, line=False, fixed=False,
+                          options=None, probe_budget=1 + 2 * probes * len(g.roles), probe_eps=eps_rel, interval=1,
+                          seed=seed)
+    be, book = InProcessBackend(m, quad), RoundBook(2)
+    book.issue(be, opt.make_rounds(None, 0, ()))
+    book.collect(be)
+    (done,) = book.due(0)
+    est, eps = group_estimates(done, g)
+    return est, eps, be.forward_passes
 
 
 def test_unknown_names_and_bad_c_attn_raise():
@@ -157,7 +180,7 @@ def _role_quadratic(means):
 def test_multipliers_from_exact_curvature_of_a_quadratic_with_known_block_spectra():
     means = {Role.EMBED: 0.01, Role.QK: 0.5, Role.VO: 2.0, Role.FFN: 1.0, Role.NORM: 50.0}
     m, g, quad, exact = _role_quadratic(means)
-    est, _, fwd = group_curvatures(m, quad, None, g, probes=3, eps_rel=2.0**-4, seed=7, refresh=0)
+    est, _, fwd = _group_refresh(m, quad, g)
     assert fwd == 1 + 2 * 3 * len(g.roles)
     for role in g.roles:
         assert est[role].mean == pytest.approx(exact[role], rel=1e-9)
@@ -177,7 +200,7 @@ def test_a_concave_group_keeps_its_multiplier_and_never_rises_to_s_max():
     means = {Role.EMBED: 0.01, Role.QK: 0.5, Role.VO: 2.0, Role.FFN: -1.0, Role.NORM: 50.0}
     m, g, quad, exact = _role_quadratic(means)
     assert exact[Role.FFN] < 0
-    est, _, _ = group_curvatures(m, quad, None, g, probes=3, eps_rel=2.0**-4, seed=7, refresh=0)
+    est, _, _ = _group_refresh(m, quad, g)
     assert est[Role.FFN].mean == pytest.approx(exact[Role.FFN], rel=1e-9)
     assert est[Role.FFN].snr < -1e6  # trusted: confidently negative
     top = exact[Role.NORM]
@@ -257,6 +280,19 @@ def test_quadratic_fit_is_exact_on_quadratics(c, b, a):
         quadratic_fit([0.0, 0.0, 1.0], [1.0, 1.0, 2.0])
 
 
+@torch.no_grad()
+def line_losses(model, loss_fn, batch, prev, alphas):
+    """Reference: L(θ_t + α·(θ_t − θ_prev)) for each α, each block rounded once to its dtype, swapped in for the
+    forward (α = 0: the clean weights); prev: fp32 copies of the canonical blocks at θ_{t−k}."""
+    blocks = canonical_blocks(model)
+    out = []
+    for a in alphas:
+        new = {i: (b.param.detach().float() + a * (b.param.detach().float() - q)).to(b.param.dtype)
+               for i, (b, q) in enumerate(zip(blocks, prev))} if a else {}
+        out.append(swapped_loss(model, blocks, loss_fn, batch, new))
+    return out
+
+
 def test_line_losses_trace_the_displacement():
     m = tiny_gpt2()
     prev = [p.detach().float().clone() for p in m.parameters()]
@@ -272,7 +308,7 @@ def test_line_losses_trace_the_displacement():
     assert got == pytest.approx(ref, rel=1e-6)
 
 
-# ---- RoleAdamW ------------------------------------------------------------------------------------
+# ---- ZOCurvRoleAdamW -------------------------------------------------------------------------------
 def _grads(model, seed):
     gen = torch.Generator().manual_seed(seed)
     for p in model.parameters():
@@ -283,7 +319,9 @@ def test_role_adamw_matches_torch_adamw_with_per_group_lrs():
     a, b = tiny_gpt2(), tiny_gpt2()
     names = [n for n, _ in a.named_parameters()]
     blocks = list(a.parameters())
-    opt = RoleAdamW([{"params": blocks, "weight_decay": 0.1}], lr=1e-2, blocks=blocks)
+    opt = ZOCurvRoleAdamW([{"params": blocks, "weight_decay": 0.1}], lr=1e-2, blocks=blocks, gmap=model_roles(a),
+                          group_probes=False, line=False, fixed=False, options=None, probe_budget=3, probe_eps=1e-3,
+                          interval=1, seed=0)
     mult = [1.0] * len(blocks)
     for i, n in enumerate(names):
         mult[i] = 3.0 if "mlp" in n else 1.0
@@ -311,7 +349,7 @@ def _lm_loss(model, batch):
 def test_role_mode_steps_logs_and_resumes(name):
     cfg = TrainConfig(model="gpt2-tiny", optimizer=name, lr=1e-3, steps=6, warmup_steps=1, curvature_interval=2,
                       probe_budget=21, probe_batch_size=2, eps=1e-2, batch_size=2, seq_len=8)
-    mode = RoleCurvMode(cfg, tiny_gpt2(), _lm_loss)
+    mode = build_mode(cfg, tiny_gpt2(), _lm_loss)
     gen = torch.Generator().manual_seed(0)
     logs = []
     for step in range(5):
@@ -321,37 +359,36 @@ def test_role_mode_steps_logs_and_resumes(name):
     if name == "zocurv-group-fixed":
         assert logs[0]["mult_qk"] == 8.0 and logs[-1]["probe_forwards"] == 0
     if name in ("zocurv-group", "zocurv-group-global"):
-        assert mode.per_role == 2 and logs[0]["probe_forwards"] == 1 + 2 * 2 * 5
+        assert mode.optimizer.per_role == 2 and logs[0]["probe_forwards"] == 1 + 2 * 2 * 5
         assert {"snr_qk", "curv_norm", "mult_ffn"} <= set(logs[2])
     if "global" in name:
         assert "line_snr" in logs[2] and "line_snr" not in logs[0]  # the first refresh has no θ_{t−k}
     assert all(1.0 <= r[k] <= 10.0 for r in logs for k in r if k.startswith("mult_"))
     tensors, meta = mode.extra_state()
-    other = RoleCurvMode(cfg, tiny_gpt2(), _lm_loss)
+    other = build_mode(cfg, tiny_gpt2(), _lm_loss)
     other.load_extra_state(tensors, meta)
-    assert other.mult == mode.mult and other.optimizer.global_mult == mode.optimizer.global_mult
-    assert other.prev_version == mode.prev_version
-    assert sorted(other.backend.snapshots) == ([mode.prev_version] if 'global' in name else [])
+    assert other.optimizer.mult == mode.optimizer.mult and other.optimizer.global_mult == mode.optimizer.global_mult
+    assert sorted(other.backend.snapshots) == ([4] if 'global' in name else [])  # θ at the last refresh
 
 
 def test_role_options_come_from_the_registry():
     from pydantic import ValidationError
 
     cfg = TrainConfig(model="gpt2-tiny", optimizer="zocurv-group", optimizer_options={"s_max": 3.0, "negative": "flat"})
-    mode = RoleCurvMode(cfg, tiny_gpt2(), _lm_loss)
-    assert (mode.opts.s_max, mode.opts.negative, mode.opts.gamma) == (3.0, "flat", 0.5)
-    assert RoleCurvMode(TrainConfig(model="gpt2-tiny", optimizer="zocurv-group"), tiny_gpt2(), _lm_loss).opts.negative == "skip"
+    opts = build_mode(cfg, tiny_gpt2(), _lm_loss).optimizer.opts
+    assert (opts.s_max, opts.negative, opts.gamma) == (3.0, "flat", 0.5)
+    cfg = TrainConfig(model="gpt2-tiny", optimizer="zocurv-group")
+    assert build_mode(cfg, tiny_gpt2(), _lm_loss).optimizer.opts.negative == "skip"
     with pytest.raises(ValidationError):
         TrainConfig(model="gpt2-tiny", optimizer="zocurv-global", optimizer_options={"s_maximum": 3.0})
 
 
 def test_line_round_gives_line_losses_bit_for_bit():
     """zocurv-global's ``line`` probe round (seeds 1, 2, 3 at ε = ½ with L0), the one fleet workers evaluate, gives
-    the losses of `line_losses` at LINE_ALPHAS exactly: the in-process run kept its numbers when its probes moved
-    to a ProbeBackend."""
-    from trainer.zo.backend import InProcessBackend, collect_round
+    the losses of `line_losses` (the reference: θ_t + α·d loaded and evaluated) at LINE_ALPHAS exactly."""
+    from trainer.zo.backend import collect_round
     from trainer.zo.probes import ProbeKind, RoundSpec
-    from trainer.zo.role_mode import LINE_ALPHAS, LINE_EPS, LINE_SEEDS, line_fit_losses
+    from trainer.zo.role_rules import LINE_ALPHAS, LINE_EPS, LINE_SEEDS, line_fit_losses
 
     m = tiny_gpt2()
     gen = torch.Generator().manual_seed(3)

@@ -57,7 +57,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from benchmarks.zo_paper import inplace_memory_scan
 from trainer.prompt_classifier import PromptClassifier
 # SmolLM2-135M's shape (random weights); training batch 0 of the paper regime: one chunk 512 x 66, or its
-# length buckets (trainer.zo.length_buckets on the real lengths, computed on CPU)
+# length buckets (benchmarks.length_buckets on the real lengths, computed on CPU)
 cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                   num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)
 layouts = {"one_chunk": [(512, 66)], "bucketed": [(155, 24), (177, 34), (115, 43), (65, 66)]}

@@ -190,7 +190,7 @@ def train(
 
     try:
         dist = setup(device=cfg.device, shard=shard, micro_batch_size=micro_batch_size, fleet=bool(coordinator),
-                     timeout_s=dist_timeout)
+                     timeout_s=dist_timeout, fleet_rounds="sync" if fleet_sync else "async")
     except (ValueError, DistributedError) as exc:
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from exc

@@ -3,8 +3,9 @@ same update (ZO-Curv multipliers and curvature state, a pure-ZO step replayed fr
 
 - `ShardedBackend` (in process): each rank evaluates its share of a round's seeds (seeds[r::N]) on rank 0's probe
   batch and all-gathers the scalars (L±, L0): K probes cost K/N forward pairs per rank.
-- `LeaderBackend` (rank 0 with a fleet): wraps the fleet's backend (fleet.backend.CoordinatorBackend, possibly
-  under fleet.sync_rounds.SyncRounds) and broadcasts what each `collect` handed out, or the error it raised.
+- `LeaderBackend` (rank 0 with a fleet): wraps the fleet's backend (fleet.backend.CoordinatorBackend) and
+  broadcasts what each `collect` handed out, or the error it raised (every rank's trainer.zo.rounds.RoundBook
+  has the fleet's timing, DistContext.fleet_rounds, so each makes the same collects).
 - `FollowerBackend` (ranks > 0 with a fleet): talks to nobody; keeps the same version snapshots as the leader's and
   receives each `collect` from rank 0.
 
@@ -79,6 +80,8 @@ class FollowerBackend(InProcessBackend):
     """A rank > 0's backend in a fleet run: publishing keeps snapshots as the leader's backend does (so the mode
     takes the same branches) but uploads nothing; `submit` evaluates nothing; `collect` receives rank 0's."""
 
+    evaluates_published = True  # as the leader's fleet backend: a resume re-publishes and re-issues alike
+
     def __init__(self, model: torch.nn.Module, loss_fn: Any, ctx: DistContext, history: int) -> None:
         super().__init__(model, loss_fn, history=history)
         self.ctx = ctx
@@ -146,15 +149,15 @@ def adapt_mode(mode: Any, ctx: DistContext) -> Any:
 
 
 def build_rank_mode(cfg: Any, model: torch.nn.Module, loss_fn: Any, mode_factory: Any, ctx: DistContext) -> Any:
-    """This rank's TrainMode: `mode_factory(cfg, model)` (rank 0's fleet mode) or trainer.modes.build_mode, then
+    """This rank's TrainMode: `mode_factory(cfg, model)` (rank 0's fleet mode) or trainer.methods.build_mode, then
     `adapt_mode`. A rank > 0 of a fleet run builds its mode on a FollowerBackend (history as the fleet's: 0 for
     pure ZO, else 2) and never sees the fleet. One process: exactly the mode a plain run builds."""
-    from trainer.methods import get_method
-    from trainer.modes import build_mode
+    from trainer.methods import build_mode, get_method
 
     if ctx.parallel and ctx.fleet and not ctx.is_main:
         pure = get_method(cfg.optimizer).kind == "pure-zo"
-        mode = build_mode(cfg, model, loss_fn, backend=FollowerBackend(model, loss_fn, ctx, history=0 if pure else 2))
+        mode = build_mode(cfg, model, loss_fn, backend=FollowerBackend(model, loss_fn, ctx, history=0 if pure else 2),
+                          timing=ctx.fleet_rounds)
     else:
         mode = mode_factory(cfg, model) if mode_factory else build_mode(cfg, model, loss_fn)
     return adapt_mode(mode, ctx)

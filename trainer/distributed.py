@@ -44,6 +44,8 @@ class DistContext:
         shard: FSDP2 (`fully_shard`) instead of DDP.
         micro_batch_size: sequences per forward/backward on each rank (None: the whole shard, no accumulation).
         fleet: a fleet's coordinator probes this run (rank 0 talks to it, the others follow).
+        fleet_rounds: when its ZO-Curv rounds fold (trainer.zo.rounds.FOLD_TIMINGS): every rank's round book
+            follows the same timing, so the followers receive exactly the collects rank 0 makes.
     """
 
     rank: int = 0
@@ -53,6 +55,7 @@ class DistContext:
     shard: bool = False
     micro_batch_size: int | None = None
     fleet: bool = False
+    fleet_rounds: str = "async"
 
     @property
     def is_main(self) -> bool:
@@ -236,7 +239,7 @@ def launched_by_torchrun() -> bool:
 
 
 def setup(*, device: str, shard: bool = False, micro_batch_size: int | None = None, fleet: bool = False,
-          timeout_s: float = 600.0) -> DistContext:
+          timeout_s: float = 600.0, fleet_rounds: str = "async") -> DistContext:
     """The job's DistContext; under torchrun also join the process group (gloo on CPU, NCCL on CUDA, collectives
     failing after `timeout_s` so a rank that stops answering ends the run instead of hanging it) and pin CUDA
     rank r to cuda:LOCAL_RANK. Outside torchrun: `SINGLE` (or its options, for accumulation on one process).
@@ -248,7 +251,7 @@ def setup(*, device: str, shard: bool = False, micro_batch_size: int | None = No
     if not launched_by_torchrun():
         if shard:
             raise ValueError("--shard needs torchrun: pass --nproc-per-node N")
-        return DistContext(micro_batch_size=micro_batch_size, fleet=fleet)
+        return DistContext(micro_batch_size=micro_batch_size, fleet=fleet, fleet_rounds=fleet_rounds)
     rank, world, local = (int(os.environ[k]) for k in LAUNCH_ENV)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     cuda = device.startswith("cuda")
@@ -270,7 +273,7 @@ def setup(*, device: str, shard: bool = False, micro_batch_size: int | None = No
         except Exception as exc:  # noqa: BLE001 - any failure to form the group is reported the same way
             raise DistributedError(f"rank {rank}: the process group of {world} ranks did not form ({exc})") from exc
     return DistContext(rank=rank, world=world, local_rank=local, launched=True, shard=shard,
-                       micro_batch_size=micro_batch_size, fleet=fleet)
+                       micro_batch_size=micro_batch_size, fleet=fleet, fleet_rounds=fleet_rounds)
 
 
 def _fsdp2_available() -> bool:

@@ -2,13 +2,13 @@
 
 One table (`METHODS`) replaces the name lists that used to be spread over the config, the CLIs, the
 training modes and the benchmarks: `TrainConfig` validates `optimizer`/`optimizer_options` against it,
-the CLIs take their choices from it, `trainer.modes.build_mode` builds through it.
+the CLIs take their choices from it, `build_mode` builds through it.
 
 Adding a method (e.g. a new ZO-Curv variant) is one entry in `METHODS` below:
 
     Method("zocurv-foo", "zo-curv", "one line for --help",
-           build=build_zocurv_mode,            # the generic ZO-Curv loop mode (trainer.zo.modes.ZOCurvMode)
-           optimizer=_zocurv_foo,              # (param_groups, blocks, cfg, options) -> torch.optim.Optimizer
+           build=build_zocurv_mode,            # the one ZO-Curv loop mode (trainer.zo.modes.ZOCurvMode)
+           optimizer=_zocurv_foo,              # (param_groups, blocks, cfg, options) -> a CurvRule optimizer
            options=FooOptions)                 # frozen pydantic model of the method's own knobs, with defaults
 
 `options` holds knobs that only this method reads; `TrainConfig.optimizer_options` (CLI:
@@ -25,28 +25,34 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel
+
+from trainer.method_options import (  # noqa: F401  (MethodOptions: public here too)
+    BlockOptions,
+    LineOptions,
+    MethodOptions,
+    RegimeOptions,
+    RoleOptions,
+    SophiaOptions,
+)
 
 if TYPE_CHECKING:
     import torch
 
     from trainer.config import TrainConfig
     from trainer.zo.backend import ProbeBackend
+    from trainer.zo.probes import Block
 
 Kind = Literal["first-order", "zo-curv", "pure-zo"]
 KINDS: tuple[Kind, ...] = ("first-order", "zo-curv", "pure-zo")
 
-# build(cfg, model, loss_fn, backend) -> a trainer.modes.TrainMode. backend: where probe rounds go (None: in
-# process on `model`); first-order methods ignore it.
-Builder = Callable[["TrainConfig", "torch.nn.Module", Callable[..., Any], "ProbeBackend | None"], Any]
-# optimizer(param_groups, blocks, cfg, options) -> torch.optim.Optimizer with `refresh_curvature` (zo-curv only).
-OptimizerFactory = Callable[[list[dict], list["torch.Tensor"], "TrainConfig", BaseModel], Any]
-
-
-class MethodOptions(BaseModel):
-    """Base of a method's own knobs: frozen, unknown keys refused. Methods without knobs use it as is."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+# build(cfg, model, loss_fn, backend, timing) -> a trainer.modes.TrainMode. backend: where probe rounds go (None:
+# in process on `model`); timing: when ZO-Curv rounds fold (trainer.zo.rounds.FOLD_TIMINGS). First-order methods
+# ignore both, pure-ZO methods the timing (their steps wait for their rounds).
+Builder = Callable[["TrainConfig", "torch.nn.Module", Callable[..., Any], "ProbeBackend | None", str], Any]
+# optimizer(param_groups, blocks, cfg, options) -> a trainer.zo.optimizers.CurvRule torch optimizer (zo-curv only);
+# blocks: the model's canonical blocks (trainer.zo.probes.Block: name, parameter, offset), in order.
+OptimizerFactory = Callable[[list[dict], list["Block"], "TrainConfig", BaseModel], Any]
 
 
 @dataclass(frozen=True)
@@ -58,12 +64,13 @@ class Method:
         kind: "first-order" (backprop only), "zo-curv" (backprop step shaped by curvature from probe
             rounds) or "pure-zo" (forward passes only: every step is a probe round).
         summary: one line for --help and the README.
-        build: (cfg, model, loss_fn, backend) -> TrainMode.
+        build: (cfg, model, loss_fn, backend, timing) -> TrainMode.
         options: pydantic model of the method's own knobs (defaults = the tuned values).
-        optimizer: zo-curv methods built by `build_zocurv_mode` only: (param_groups, blocks, cfg, options) ->
-            the ZO-Curv torch optimizer (methods with their own mode build their optimizer there).
+        optimizer: zo-curv methods built by `build_zocurv_mode`: (param_groups, blocks, cfg, options) -> the
+            ZO-Curv torch optimizer, a trainer.zo.optimizers.CurvRule (zocurv-static/-trust: their own mode).
         tasks: the `--task` values it runs on.
         fleet: whether its probe rounds can go to a fleet backend (`sparecycles up`); False: in process only.
+        no_fleet_why: for a method with probes and fleet=False, why (`train --coordinator` / `up` say it).
         needs_probes: whether it evaluates probe rounds at all (default: kind != "first-order"; False for a
             zero-probe ablation).
         probes_along_step: its rounds probe along θ_s − θ_{s−k}, which needs an earlier version: the first round
@@ -82,6 +89,7 @@ class Method:
     tasks: tuple[str, ...] = ("lm",)
     sentiment_lr: float | None = None
     fleet: bool = True
+    no_fleet_why: str = ""
     needs_probes: bool | None = None
     probes_along_step: bool = False
 
@@ -92,38 +100,58 @@ class Method:
             raise ValueError(f"method {self.name!r}: kind must be one of {KINDS}, got {self.kind!r}")
         if self.optimizer is not None and self.kind != "zo-curv":
             raise ValueError(f"method {self.name!r}: an `optimizer` factory is for zo-curv methods only")
+        if self.needs_probes and not self.fleet and not self.no_fleet_why:
+            raise ValueError(f"method {self.name!r}: say why its probes cannot go to a fleet (`no_fleet_why`)")
 
     def parse_options(self, given: dict[str, Any] | None = None) -> MethodOptions:
         """The method's options with `given` overriding the defaults. Raises pydantic.ValidationError."""
         return self.options(**(given or {}))
 
 
-# ---- builders (lazy imports: this module stays torch-free) --------------------------------------------
-def build_first_order_mode(cfg, model, loss_fn, backend=None):
-    """Backprop AdamW (trainer.modes.AdamWMode); `backend` is unused."""
+# ---- builders (lazy imports: this module stays torch-free; the modes import nothing of it) ------------------
+def build_mode(cfg, model, loss_fn=None, backend=None, timing="async"):
+    """The step strategy (a trainer.modes.TrainMode) of `cfg.optimizer` on `loss_fn` (default: the causal-LM
+    loss), built by its registered builder. `backend` evaluates probe rounds (default: in process on `model`;
+    `sparecycles up` passes the fleet's CoordinatorBackend); first-order methods ignore it. `timing`: when ZO-Curv
+    rounds fold (trainer.zo.rounds.FOLD_TIMINGS). The method/task pairing is checked by TrainConfig.
+    Raises ValueError for an unregistered name.
+    """
+    if loss_fn is None:
+        from trainer.models.losses import lm_batch_loss as loss_fn
+    return get_method(cfg.optimizer).build(cfg, model, loss_fn, backend, timing)
+
+
+def build_first_order_mode(cfg, model, loss_fn, backend=None, timing="async"):
+    """Backprop AdamW (trainer.modes.AdamWMode); `backend` and `timing` are unused."""
     from trainer.modes import AdamWMode
 
     return AdamWMode(model, cfg, loss_fn)
 
 
-def build_zocurv_mode(cfg, model, loss_fn, backend=None):
+def build_optimizer(cfg, model):
+    """The ZO-Curv optimizer (a trainer.zo.optimizers.CurvRule) of `cfg.optimizer` from its registered factory,
+    weight decay on matrices only (as AdamWMode), blocks in canonical order. Raises ValueError for a method
+    without a factory."""
+    from trainer.zo.probes import canonical_blocks
+
+    method = get_method(cfg.optimizer)
+    if method.optimizer is None:
+        raise ValueError(f"{cfg.optimizer!r} is not a ZO-Curv optimizer (its kind is {method.kind})")
+    canonical = canonical_blocks(model)
+    params = [b.param for b in canonical]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return method.optimizer(groups, canonical, cfg, method.parse_options(cfg.optimizer_options))
+
+
+def build_zocurv_mode(cfg, model, loss_fn, backend=None, timing="async"):
     """Backprop with a ZO-Curv optimizer (the method's `optimizer` factory) and periodic probe rounds."""
     from trainer.zo.modes import ZOCurvMode
 
-    return ZOCurvMode(cfg, model, loss_fn, backend)
+    return ZOCurvMode(cfg, model, build_optimizer(cfg, model), loss_fn, backend, timing)
 
 
-def build_role_mode(cfg, model, loss_fn, backend=None):
-    """Second-generation ZO-Curv (trainer.zo.role_mode.RoleCurvMode: per-role / global multipliers, issue 17).
-    zocurv-global's line rounds go to `backend` (a fleet's, or None: in process). Raises ValueError for a
-    backend with the group variants: their GPT-2 role segments split parameter tensors (c_attn's QK | V
-    columns), which the wire's ``group`` kind (whole blocks) cannot carry, so they probe in process only."""
-    from trainer.zo.role_mode import RoleCurvMode
-
-    return RoleCurvMode(cfg, model, loss_fn, backend)
-
-
-def build_pure_zo_mode(cfg, model, loss_fn, backend=None):
+def build_pure_zo_mode(cfg, model, loss_fn, backend=None, timing="async"):
     """MeZO / 1SPSA / 1.5-SPSA (trainer.zo.modes.PureZOMode), K probes per step."""
     from trainer.zo.modes import PureZOMode
 
@@ -132,16 +160,7 @@ def build_pure_zo_mode(cfg, model, loss_fn, backend=None):
 
 # ---- ZO-Curv variants ----------------------------------------------------------------------------------
 def _zocurv_common(blocks, cfg) -> dict[str, Any]:
-    return {"blocks": blocks, "staleness": cfg.staleness, "probe_eps": cfg.eps, "seed": cfg.seed}
-
-
-class BlockOptions(MethodOptions):
-    """zocurv-block: s_b = clip(ρ/D_b, s_min, s_max) (ρ None: median of the positive D_b); curvature EMA β."""
-
-    rho: float | None = Field(None, gt=0)
-    s_min: float = Field(0.5, gt=0, le=1)
-    s_max: float = Field(2.0, ge=1)
-    curv_beta: float = Field(0.9, ge=0, lt=1)
+    return {"blocks": [b.param for b in blocks], "probe_eps": cfg.eps, "seed": cfg.seed}
 
 
 def _zocurv_block(groups, blocks, cfg, o: BlockOptions):
@@ -151,29 +170,11 @@ def _zocurv_block(groups, blocks, cfg, o: BlockOptions):
                             s_min=o.s_min, s_max=o.s_max, curv_beta=o.curv_beta, **_zocurv_common(blocks, cfg))
 
 
-class SophiaOptions(MethodOptions):
-    """zocurv-sophia: curvature per block or per coordinate, Sophia's γ and its curvature EMA β2."""
-
-    granularity: Literal["block", "coordinate"] = "block"
-    gamma: float = Field(0.01, gt=0)
-    beta2: float = Field(0.99, ge=0, lt=1)
-
-
 def _zocurv_sophia(groups, blocks, cfg, o: SophiaOptions):
     from trainer.zo.optimizers import ZOCurvSophia
 
     return ZOCurvSophia(groups, lr=cfg.lr, betas=(cfg.beta1, o.beta2), gamma=o.gamma, granularity=o.granularity,
                         probes=cfg.probes, **_zocurv_common(blocks, cfg))
-
-
-class LineOptions(MethodOptions):
-    """zocurv-line: multiplier bounds [s_min, s_max], per-round ratio bounds [r_min, r_max], EMA β."""
-
-    s_min: float = Field(0.25, gt=0, le=1)
-    s_max: float = Field(4.0, ge=1)
-    r_min: float = Field(0.5, gt=0, le=1)
-    r_max: float = Field(2.0, ge=1)
-    curv_beta: float = Field(0.5, ge=0, lt=1)
 
 
 def _zocurv_line(groups, blocks, cfg, o: LineOptions):
@@ -183,43 +184,18 @@ def _zocurv_line(groups, blocks, cfg, o: LineOptions):
                       r_min=o.r_min, r_max=o.r_max, curv_beta=o.curv_beta, **_zocurv_common(blocks, cfg))
 
 
-class RoleOptions(MethodOptions):
-    """zocurv-group / -global / -group-global / -group-fixed (trainer.zo.role_mode; issue 17): group multipliers
-    s_G = clip((S_max/S_G)^γ, 1, s_max) with EMA `group_beta`, trusted when |SNR| >= snr_min, a trusted
-    negative curvature "skip"ped (default: the quadratic rule gives no step there) or read as "flat" (target
-    s_max: the first H200 run's rule); global multiplier capped at m_max with EMA `global_beta`
-    (trainer.zo.multipliers.update_group_multipliers)."""
+def _zocurv_role(groups, blocks, cfg, o: RoleOptions):
+    from trainer.zo.groups import assign_roles
+    from trainer.zo.role_rules import ZOCurvRoleAdamW
 
-    gamma: float = Field(0.5, ge=0)
-    s_max: float = Field(10.0, ge=1)
-    group_beta: float = Field(0.5, ge=0, lt=1)
-    snr_min: float = Field(2.0, ge=0)
-    negative: Literal["flat", "skip"] = "skip"
-    m_max: float = Field(4.0, ge=1)
-    global_beta: float = Field(0.5, ge=0, lt=1)
-
-
-class RegimeOptions(MethodOptions):
-    """zocurv-static / zocurv-trust (trainer.zo.regime_mode; issue 29): `norm` of Wang et al.'s table
-    ("geomean": parameter-weighted geometric mean 1, so the base lr means what AdamW's does; "smallest": the
-    raw table, Norm = 1; trainer.zo.block_table). zocurv-trust only: `start` at the table or at 1, `batches`
-    held-out probe batches per refresh (the SE is measured across them), the rule of
-    trainer.zo.trust_region (log-EMA β, |z| > z_min on `agree` consecutive refreshes, per-refresh ratio in
-    [r_min, r_max], multipliers in [m_min, m_max])."""
-
-    norm: Literal["geomean", "smallest"] = "geomean"
-    start: Literal["table", "one"] = "table"
-    batches: int = Field(6, ge=2, le=1024)
-    beta: float = Field(0.5, ge=0, lt=1)
-    z_min: float = Field(3.0, ge=0)
-    agree: int = Field(3, ge=1, le=1000)
-    r_min: float = Field(0.5, gt=0, le=1)
-    r_max: float = Field(2.0, ge=1)
-    m_min: float = Field(0.05, gt=0, le=1)
-    m_max: float = Field(20.0, ge=1)
-
-
-def build_regime_mode(cfg, model, loss_fn, backend=None):
+    name = cfg.optimizer
+    return ZOCurvRoleAdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), blocks=[b.param for b in blocks],
+                           gmap=assign_roles([(b.name, b.param) for b in blocks]),
+                           group_probes=name in ("zocurv-group", "zocurv-group-global"),
+                           line=name in ("zocurv-global", "zocurv-group-global"), fixed=name == "zocurv-group-fixed",
+                           options=o, probe_budget=cfg.probe_budget, probe_eps=cfg.eps,
+                           interval=cfg.curvature_interval, seed=cfg.seed)
+def build_regime_mode(cfg, model, loss_fn, backend=None, timing="async"):
     """zocurv-static / zocurv-trust (trainer.zo.regime_mode.BlockRegimeMode). Raises ValueError for a backend:
     the trust region's group-line probes run in process only."""
     from trainer.zo.regime_mode import BlockRegimeMode
@@ -239,21 +215,22 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            build_zocurv_mode, SophiaOptions, _zocurv_sophia),
     Method("zocurv-line", "zo-curv", "AdamW with per-block Newton multipliers along the last update (default)",
            build_zocurv_mode, LineOptions, _zocurv_line, probes_along_step=True),
-    # Second generation (issue 17; trainer.zo.role_mode): knobs in RoleOptions, probe budget per refresh is
+    # Second generation (issue 17; trainer.zo.role_rules): knobs in RoleOptions, probe budget per refresh is
     # TrainConfig.probe_budget.
     Method("zocurv-group", "zo-curv", "AdamW with upward-only per-role multipliers from group curvature probes",
-           build_role_mode, RoleOptions, fleet=False),
+           build_zocurv_mode, RoleOptions, _zocurv_role),
     Method("zocurv-global", "zo-curv", "AdamW with an upward-only global multiplier from a multi-step line fit",
-           build_role_mode, RoleOptions, probes_along_step=True),
-    Method("zocurv-group-global", "zo-curv", "zocurv-group and zocurv-global together", build_role_mode,
-           RoleOptions, fleet=False),
+           build_zocurv_mode, RoleOptions, _zocurv_role, probes_along_step=True),
+    Method("zocurv-group-global", "zo-curv", "zocurv-group and zocurv-global together", build_zocurv_mode,
+           RoleOptions, _zocurv_role),
     Method("zocurv-group-fixed", "zo-curv", "ablation: Wang et al. 2025's per-role multipliers fixed, no probes",
-           build_role_mode, RoleOptions, fleet=False, needs_probes=False),
+           build_zocurv_mode, RoleOptions, _zocurv_role, needs_probes=False),
     # Issue 29 (trainer.zo.regime_mode): block-type lrs, static (zero probes) or from the calibrated trust region.
     Method("zocurv-static", "zo-curv", "AdamW with Wang et al. 2025's per-role lr table, normalised, no probes",
            build_regime_mode, RegimeOptions, fleet=False, needs_probes=False),
     Method("zocurv-trust", "zo-curv", "AdamW with per-role multipliers from a calibrated block trust region",
-           build_regime_mode, RegimeOptions, fleet=False, probes_along_step=True),
+           build_regime_mode, RegimeOptions, fleet=False, probes_along_step=True,
+           no_fleet_why="its group-line probes (trainer.zo.group_line) run in process only, in its own mode"),
     Method("mezo", "pure-zo", "MeZO: one Gaussian probe pair per step", build_pure_zo_mode,
            tasks=_LM_AND_SENTIMENT, sentiment_lr=1e-4),
     Method("1spsa", "pure-zo", "SPSA with K Rademacher probe pairs per step", build_pure_zo_mode,

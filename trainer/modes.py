@@ -1,7 +1,8 @@
-"""How one optimizer step is taken: the `TrainMode` protocol the loop drives, backprop AdamW, and `build_mode`.
+"""How one optimizer step is taken: the `TrainMode` protocol the loop drives, and backprop AdamW.
 
 The ZO modes (ZO-Curv, pure ZO) live in trainer.zo.modes; which mode a `--optimizer` name gets is the
-registry's business (trainer.methods).
+registry's business (trainer.methods.build_mode). Modes import neither the registry nor the config at run
+time (the registry builds them: no import circle, tests/test_layers.py).
 """
 
 from __future__ import annotations
@@ -11,13 +12,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from trainer.config import TrainConfig
 from trainer.distributed import backward
-from trainer.methods import get_method
-from trainer.tasks import lm_batch_loss
+from trainer.models.losses import lm_batch_loss
 
 if TYPE_CHECKING:
-    from trainer.zo.backend import ProbeBackend
+    from trainer.config import TrainConfig
 
 
 class TrainMode(Protocol):
@@ -70,15 +69,3 @@ class AdamWMode:
 
     def load_extra_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
         return None
-
-
-def build_mode(cfg: TrainConfig, model: torch.nn.Module,
-               loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] = lm_batch_loss,
-               backend: ProbeBackend | None = None) -> TrainMode:
-    """The step strategy of `cfg.optimizer` on `loss_fn`, built by its registered builder (trainer.methods).
-
-    `backend` evaluates probe rounds (default: in process on `model`; `sparecycles up` passes the fleet's
-    CoordinatorBackend); first-order methods ignore it. The method/task pairing is checked by TrainConfig.
-    Raises ValueError for an unregistered name.
-    """
-    return get_method(cfg.optimizer).build(cfg, model, loss_fn, backend)

@@ -65,8 +65,7 @@ def probe_rounds(cfg: TrainConfig) -> int | None:
     """Curvature probe rounds a ZO-Curv run of `cfg.steps` steps runs; None for optimizers without rounds
     (AdamW, pure ZO, the zero-probe ablation zocurv-group-fixed).
 
-    A round is due at 0-based steps s with s % curvature_interval == 0 (trainer.zo.modes.ZOCurvMode,
-    trainer.zo.role_mode.RoleCurvMode). zocurv-line (along θ_s − θ_{s−1}) and zocurv-global (along
+    A round is due at 0-based steps s with s % curvature_interval == 0 (trainer.zo.modes.ZOCurvMode). zocurv-line (along θ_s − θ_{s−1}) and zocurv-global (along
     θ_s − θ_{s−k}) need an earlier version, so they skip s = 0: (steps − 1) // interval rounds. The others
     also probe at s = 0: one more.
     """

@@ -11,7 +11,7 @@
 
 Batches, the learning-rate schedule and all randomness are functions of the step counter, so a resumed
 run continues bit-identically on CPU; over a fleet too when its rounds fold at fixed refreshes (the checkpoint
-carries the rounds in flight: trainer.zo.modes.ZOCurvMode, fleet.sync_rounds.SyncRounds). The step strategies live in trainer.modes (AdamW) and
+carries the rounds in flight: trainer.zo.modes.ZOCurvMode, trainer.zo.rounds.RoundBook). The step strategies live in trainer.modes (AdamW) and
 trainer.zo.modes (ZO-Curv, pure ZO); tasks in trainer.tasks; files in trainer.run_dir / trainer.checkpoint.
 """
 
@@ -40,7 +40,7 @@ from trainer.dist_checkpoint import make_checkpointer
 from trainer.distributed import SINGLE, DistContext
 from trainer.events import EventLog
 from trainer.methods import get_method
-from trainer.modes import AdamWMode, TrainMode, build_mode  # noqa: F401  (AdamWMode: tests patch it here)
+from trainer.modes import AdamWMode, TrainMode  # noqa: F401  (AdamWMode: tests patch it here)
 from trainer.report import plot_loss_curves
 from trainer.run_dir import CHECKPOINT_NAME, RunDir, default_run_dir  # noqa: F401  (public here too)
 from trainer.tasks import LMTask, Task, build_task, evaluate, lm_batch_loss, lm_loss  # noqa: F401  (likewise)

@@ -4,6 +4,7 @@ with the trainer side through `CoordinatorBackend`. conftest.py's `fleet` fixtur
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import signal
@@ -24,7 +25,7 @@ from fleet.backend import CoordinatorBackend
 REDIS_URL = "redis://127.0.0.1:6379/12"
 ROOT = Path(__file__).resolve().parents[2]
 VISIBILITY_S = 5
-START_TIMEOUT_S = 60.0
+START_TIMEOUT_S = 180.0  # a liveness bound only: a worker process starts in ~10 s, far slower on a loaded 2-core CI
 
 
 def make_batch(b: int, t: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,3 +154,18 @@ class Fleet:
             keys = list(self.r.scan_iter(pattern, count=1000))
             if keys:
                 self.r.delete(*keys)
+
+
+@contextlib.contextmanager
+def one_worker(tmp: Path):
+    """A Fleet in `tmp` with one consuming worker "a"; yields (fleet, fleet.attach.FleetSettings a trainer attaches
+    with) and closes the fleet afterwards."""
+    from fleet.attach import FleetSettings
+
+    procs = Fleet(tmp)
+    try:
+        procs.start_worker("a")
+        procs.wait_consuming("a")
+        yield procs, FleetSettings(admin_token=procs.admin_token, redis_url=REDIS_URL, key_prefix=procs.prefix)
+    finally:
+        procs.close()

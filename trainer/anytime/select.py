@@ -79,6 +79,7 @@ def select_candidate(k_held: int, settings: AnytimeSettings, score: Score) -> Se
     """
     if k_held < 1:
         raise ValueError("no versions held yet")
+    score = _Memo(score)
     named = named_candidates(k_held, settings.half_lives, settings.windows)
     scored = _score(score, list(named.items()))
     raw = scored[0]
@@ -111,6 +112,24 @@ def select_candidate(k_held: int, settings: AnytimeSettings, score: Score) -> Se
             scored.append(best)
     winner = min(scored, key=lambda s: (s.mean, s.name != "raw"))  # ties go to raw
     return Selection(winner, raw, scored, fit, quad_pred, quad_meas, anchors)
+
+
+class _Memo:
+    """A Score that measures each distinct coefficient vector once per selection (with few versions held, EMAs
+    and window averages coincide; the fit's vertices are the anchors already scored)."""
+
+    def __init__(self, score: Score) -> None:
+        self.score, self.seen = score, {}
+
+    def __call__(self, cands: Sequence[tuple[str, tuple[float, ...]]]) -> list[torch.Tensor]:
+        key = [tuple(round(c, 12) for c in coefs) for _, coefs in cands]
+        todo = {k: c for k, c in zip(key, cands, strict=True) if k not in self.seen}
+        if todo:
+            got = self.score(list(todo.values()))
+            if len(got) != len(todo):
+                raise ValueError(f"score returned {len(got)} results for {len(todo)} candidates")
+            self.seen.update(zip(todo, got, strict=True))
+        return [self.seen[k] for k in key]
 
 
 def _score(score: Score, cands: list[tuple[str, tuple[float, ...]]]) -> list[Scored]:

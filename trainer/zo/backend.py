@@ -49,11 +49,14 @@ class ProbeBackend(Protocol):
 
     Attributes every backend has: `forward_passes` (forward passes behind the results handed out),
     `snapshots` ({version: fp32 copies of the canonical blocks} of the newest published versions, as
-    many as the backend's `history`).
+    many as the backend's `history`), `evaluates_published` (True when rounds are evaluated on the published
+    versions, elsewhere: a resume then publishes saved weights again (`publish_weights`) and re-issues the rounds
+    in flight; False when they are evaluated on the live model, in process).
     """
 
     forward_passes: int
     snapshots: dict[int, list[torch.Tensor]]
+    evaluates_published: bool
 
     @property
     def block_sizes(self) -> list[int]:
@@ -74,6 +77,11 @@ class ProbeBackend(Protocol):
         """Record `version` as a seed-ledger entry on `latest_version` (theta_version = scale * theta_parent
         + sum_k coeffs[k] z(seeds[k]), `scale` on tensors with >= scale_min_dim dims); True if recorded,
         False when the backend keeps no ledger (the next round then publishes a snapshot)."""
+        ...
+
+    def publish_weights(self, version: int, blocks: list[torch.Tensor]) -> None:
+        """Publish `blocks` (fp32 canonical blocks, as `snapshots` holds them) as `version` (backends with
+        `evaluates_published` only)."""
         ...
 
     def submit(self, probe_round: RoundSpec) -> None:
@@ -106,6 +114,8 @@ class InProcessBackend:
         staleness: bound S in versions (None: no bound), as a run's RunSpec.staleness on the coordinator.
     Raises ValueError for negative arguments.
     """
+
+    evaluates_published = False  # rounds run on the live model: a resume cannot re-issue older rounds
 
     def __init__(self, model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
                  history: int = 0, delay_rounds: int = 0, staleness: int | None = None) -> None:
@@ -152,6 +162,10 @@ class InProcessBackend:
         for v in sorted(self.snapshots)[: -self.history]:
             del self.snapshots[v]
 
+    def publish_weights(self, version: int, blocks: list[torch.Tensor]) -> None:
+        """Not available in process (rounds run on the live model). Raises NotImplementedError."""
+        raise NotImplementedError("InProcessBackend evaluates the live model; it cannot publish given weights")
+
     def publish_ledger(self, version: int, seeds: list[int], coeffs: list[float], dist: str,
                        scale: float = 1.0, scale_min_dim: int = 0) -> bool:
         """In process the weights are the model's own: nothing to record; returns False."""
@@ -185,7 +199,7 @@ class InProcessBackend:
         l0 = self._loss(r.batch) if r.want_clean else None
         out = []
         for s in r.seeds:
-            lp, lm, scale = probes.probe_losses(site, r.kind, s, r.eps, r.distribution, r.blocks, l0)
+            lp, lm, scale = probes.probe_losses(site, r.kind, s, r.eps, r.distribution, r.blocks, l0, r.slices)
             out.append(SeedResult(r.round_id, s, r.version, lp, lm, l0, scale))
         return out
 

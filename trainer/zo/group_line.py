@@ -4,7 +4,7 @@ For role G (trainer.zo.groups: segments of canonical blocks) and d = θ_t − θ
 G's elements: block b becomes w_b + α·d_b on G's segments of b (fp32 math, rounded once to the block's dtype)
 and stays w_b elsewhere (GPT-2's c_attn: the QK columns move, the V columns do not, or the reverse). The
 weights are built out of place and swapped in for one forward pass; the model's storages are never written
-(trainer.zo.role_adamw.swapped). This is the evaluation the calibrated trust region (trainer.zo.trust_region)
+(trainer.zo.probes.swapped_loss). This is the evaluation the calibrated trust region (trainer.zo.trust_region)
 fits; it runs in process (a fleet probe kind carrying segments is not built yet: trainer.zo.probes' ``group``
 kind moves whole blocks along a seeded z, ``line`` every block along d).
 
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from trainer.zo.groups import GroupMap, Role
-from trainer.zo.role_adamw import swapped
+from trainer.zo.probes import canonical_blocks, swapped_loss
 
 
 def group_line_weights(params: Sequence[torch.Tensor], prev: Sequence[torch.Tensor], gmap: GroupMap, role: Role,
@@ -52,6 +52,7 @@ def group_line_losses(model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module
     tensor per canonical block (model.parameters(), tied once) of the same shape.
     """
     params = list(model.parameters())
+    blocks = canonical_blocks(model)
     if len(prev) != len(params):
         raise ValueError(f"prev holds {len(prev)} tensors, the model {len(params)} canonical blocks")
     out = {r: torch.empty(len(batches), len(alphas), dtype=torch.float64) for r in gmap.roles}
@@ -64,7 +65,7 @@ def group_line_losses(model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module
                 if a == 0:
                     out[role][b, j] = l0
                     continue
-                with swapped(params, group_line_weights(params, prev, gmap, role, a)):
-                    out[role][b, j] = float(loss_fn(model, batch))
+                out[role][b, j] = swapped_loss(model, blocks, loss_fn, batch,
+                                               group_line_weights(params, prev, gmap, role, a))
                 fwd += 1
     return out, fwd

@@ -1,38 +1,29 @@
 """Training-loop modes for the ZO methods, built through the registry (trainer.methods):
 
-- `ZOCurvMode` (kind "zo-curv": zocurv-block, zocurv-sophia, zocurv-line, ...): backprop on the training
-  batch plus a curvature probe round every `curvature_interval` steps on the first `probe_batch_size`
-  sequences of that batch; the optimizer comes from the method's `optimizer` factory;
+- `ZOCurvMode` (kind "zo-curv": every zocurv-* method): backprop on the training batch plus a curvature refresh
+  every `curvature_interval` steps on the first `probe_batch_size` sequences of that batch; the optimizer (a
+  trainer.zo.optimizers.CurvRule) comes from the method's `optimizer` factory (trainer.methods.build_optimizer),
+  the rounds' lifecycle is a trainer.zo.rounds.RoundBook;
 - `PureZOMode` (kind "pure-zo": mezo, 1spsa, 1.5spsa): no backward, K probes per step on the whole batch.
 Every mode implements trainer.modes.TrainMode (step / extra_state / load_extra_state).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainer.config import TrainConfig
-from trainer.methods import get_method
-from trainer.tasks import lm_batch_loss
+from trainer.models.losses import lm_batch_loss
 from trainer.zo.backend import InProcessBackend, ProbeBackend
-from trainer.zo.probes import ProbeKind, canonical_blocks
+from trainer.zo.optimizers import CurvRule
+from trainer.zo.rounds import RoundBook
 from trainer.zo.zo_step import ZOStepper
 
-
-def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
-    """The ZO-Curv optimizer of `cfg.optimizer` from its registered factory, weight decay on matrices only (as
-    AdamWMode), blocks in canonical order. Raises ValueError for a method that is not of kind zo-curv."""
-    method = get_method(cfg.optimizer)
-    if method.optimizer is None:
-        raise ValueError(f"{cfg.optimizer!r} is not a ZO-Curv optimizer (its kind is {method.kind})")
-    canonical = [b.param for b in canonical_blocks(model)]
-    groups = [{"params": [p for p in canonical if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-              {"params": [p for p in canonical if p.dim() < 2], "weight_decay": 0.0}]
-    return method.optimizer(groups, canonical, cfg, method.parse_options(cfg.optimizer_options))
-
+if TYPE_CHECKING:
+    from trainer.config import TrainConfig
 
 
 def backprop_step(model: torch.nn.Module, opt: torch.optim.Optimizer,
@@ -47,26 +38,51 @@ def backprop_step(model: torch.nn.Module, opt: torch.optim.Optimizer,
     opt.step()
     return loss.item(), float(gnorm)
 
-class ZOCurvMode:
-    """Backprop step with a ZO-Curv optimizer; a probe round every `curvature_interval` steps.
 
-    Logged per step: loss, grad_norm, clipped_frac, forward_passes (training + probe forwards); on
-    refresh steps also h mean/std/rounding noise, curvature spread and accepted/stale/duplicate counts.
+def refresh(rule: CurvRule, book: RoundBook, backend: ProbeBackend, batch: Any, version: int) -> dict[str, float]:
+    """One curvature refresh at `version` on `batch`: the rule's rounds issued, what is due collected and folded
+    (trainer.zo.rounds), the rule's refresh scalars and (when rounds were issued or are pending) the book's
+    counters. Raises ValueError when the backend's blocks differ from the rule's."""
+    if list(backend.block_sizes) != list(rule.block_sizes):
+        raise ValueError("backend blocks differ from the optimizer's: build both from the same model")
+    rounds = rule.make_rounds(batch, version, backend.snapshots)
+    stats: dict[str, float] = {}
+    if rounds or book.inflight():
+        book.issue(backend, rounds)
+        book.collect(backend)
+        for done in book.due(version):
+            stats.update(rule.fold(done))
+        stats.update(book.stats(rule.log_prefix))
+    stats.update(rule.refresh_stats())
+    return stats
+
+
+class ZOCurvMode:
+    """Backprop step with a ZO-Curv optimizer; a curvature refresh every `curvature_interval` steps.
+
+    Per step: publish θ_step when the rule's rounds probe it (`CurvRule.publishes`; figures `publish_s`,
+    `publish_unix`, `publish_version`: on a fleet the trainer's share, the upload following in the background),
+    refresh on refresh steps (`refresh`), then the backprop step. Logged per step: loss, grad_norm, clipped_frac,
+    forward_passes (training + probe forwards), probe_forwards, probe_wall_s (seconds in refreshes, cumulative);
+    on refresh steps the rule's scalars and the round counters `<log_prefix>_accepted|stale|...`.
+
+    Args: cfg, model, optimizer (the method's CurvRule over `model`'s canonical blocks: build through
+    trainer.methods.build_mode), loss_fn(model, batch) -> scalar; backend: where rounds run (None: in process on
+    `model`); timing: when rounds fold (trainer.zo.rounds.FOLD_TIMINGS).
     """
 
-    def __init__(self, cfg: TrainConfig, model: torch.nn.Module,
+    def __init__(self, cfg: TrainConfig, model: torch.nn.Module, optimizer: CurvRule,
                  loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] = lm_batch_loss,
-                 backend: ProbeBackend | None = None) -> None:
+                 backend: ProbeBackend | None = None, timing: str = "async") -> None:
         self.cfg, self.model, self.loss_fn = cfg, model, loss_fn
-        self.optimizer = build_optimizer(cfg, model)
-        # Probes along the last update need the two weight versions around each refresh (zocurv-line).
-        self.line = self.optimizer.kind is ProbeKind.ALONG_UPDATE
-        self.backend = backend or InProcessBackend(model, loss_fn, history=2 if self.line else 0,
+        self.optimizer = optimizer
+        self.backend = backend or InProcessBackend(model, loss_fn, history=self.optimizer.history,
                                                    staleness=cfg.staleness)
+        self.rounds = RoundBook(cfg.staleness, timing)
         self.train_forwards = 0
-        # A fleet backend (one that can publish given weights) lets a resume re-issue the rounds in flight: the
+        self.probe_wall_s = 0.0
+        # Over a fleet (a backend evaluating published versions) a resume re-issues the rounds in flight: the
         # weights they probe are held here (references to the backend's snapshots) for the checkpoint.
-        self.reissue = hasattr(self.backend, "publish_weights")
         self.round_weights: dict[int, list[torch.Tensor]] = {}
         self.next_step: int | None = None  # the step after the last completed one (None before any)
 
@@ -81,46 +97,61 @@ class ZOCurvMode:
         for g in opt.param_groups:
             g["lr"] = lr
         stats: dict[str, float] = {}
-        interval = self.cfg.curvature_interval
-        due = step % interval == 0
-        # zocurv-line probes along theta_v - theta_{v-1}: only the two versions around a refresh step are
-        # needed, so publish just those (a fleet backend uploads every published version).
-        # A step retried after a resume may find its version published already (the checkpoint was taken
-        # after that publish, when the step's refresh failed): the weights are the same, publish once.
-        if self.line and (due or (step + 1) % interval == 0) and step not in self.backend.snapshots:
-            self.backend.publish(step)
-        if due and (not self.line or step - 1 in self.backend.snapshots):
-            stats.update(opt.refresh_curvature(self.backend, self._probe_batch(batch), version=step))
-            if self.reissue:
+        # A step retried after a resume may find its version published already (the checkpoint was taken after
+        # that publish, when the step's refresh failed): the weights are the same, publish once.
+        if opt.publishes(step, self.cfg.curvature_interval) and step not in self.backend.snapshots:
+            stats.update(self._publish(step))
+        if step % self.cfg.curvature_interval == 0:
+            t0 = self._clock()
+            stats.update(refresh(opt, self.rounds, self.backend, self._probe_batch(batch), step))
+            if self.backend.evaluates_published:
                 self._hold_round_weights()
+            self.probe_wall_s += self._clock() - t0
         loss, gnorm = backprop_step(self.model, opt, self.loss_fn, batch, self.cfg.grad_clip)
         self.train_forwards += 1
+        probe_forwards = self.backend.forward_passes
         stats.update({"loss": loss, "grad_norm": gnorm, "clipped_frac": opt.last_clipped_frac,
-                      "forward_passes": float(self.train_forwards + self.backend.forward_passes)})
+                      "forward_passes": float(self.train_forwards + probe_forwards),
+                      "probe_forwards": float(probe_forwards), "probe_wall_s": self.probe_wall_s})
         self.next_step = step + 1
         return stats
 
+    def _publish(self, version: int) -> dict[str, float]:
+        self.rounds.before_publish(self.backend, version)
+        t0, unix0 = time.perf_counter(), time.time()
+        self.backend.publish(version)
+        return {"publish_s": time.perf_counter() - t0, "publish_unix": unix0, "publish_version": float(version)}
+
+    def _clock(self) -> float:
+        """Seconds, after the device's queued work finished (probe time is GPU time on CUDA)."""
+        dev = next(self.model.parameters()).device
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        return time.perf_counter()
+
     def _hold_round_weights(self) -> None:
         """Keep the published weights (fp32 canonical blocks) of every version a round in flight probes."""
-        need = {v for r in self.optimizer.inflight() for v in (r.version, r.base_version) if v is not None}
+        need = {v for r in self.rounds.inflight() for v in (r.version, r.base_version) if v is not None}
         have = {**self.round_weights, **self.backend.snapshots}
         self.round_weights = {v: have[v] for v in need if v in have}
 
     def extra_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """Curvature state tensors and JSON (optimizer moments/masters travel in the optimizer state), the
-        rounds in flight (trainer.zo.optimizers: spec, batch, results taken) and the weights they probe.
+        """The rule's state and the round book's (trainer.zo.rounds: counters, rounds in flight with their batches
+        and results taken) as `curvature`, the forward counts, and the weights the rounds probe.
 
-        zocurv-line also keeps its newest published snapshot θ_{v−1}: the first round after a resume
-        probes along θ_v − θ_{v−1} exactly as an uninterrupted run would. Weights as `line_prev/<block>` and
-        `round_weights/<version>/<block>` (fp32).
+        A rule whose rounds probe along θ_v − θ_base (`history` > 0) also keeps its newest published snapshot:
+        the first round after a resume probes exactly as an uninterrupted run would. Weights as
+        `line_prev/<block>` and `round_weights/<version>/<block>` (fp32).
         """
         tensors, meta = self.optimizer.zo_state()
-        meta = {"curvature": meta, "train_forwards": self.train_forwards,
+        book_tensors, book_meta = self.rounds.state()
+        tensors.update(book_tensors)
+        meta = {"curvature": {**meta, **book_meta}, "train_forwards": self.train_forwards,
                 "probe_forwards": self.backend.forward_passes}
         # A checkpoint taken after a step that failed midway holds the weights before it: a version that step
-        # published is the retried step's to publish again (its refresh then probes along θ_v − θ_{v−1}).
+        # published is the retried step's to publish again (its refresh then probes along θ_v − θ_base).
         done = [v for v in self.backend.snapshots if self.next_step is None or v < self.next_step]
-        if self.line and done:
+        if self.optimizer.history and done:
             v = max(done)
             tensors.update({f"line_prev/{i}": t for i, t in enumerate(self.backend.snapshots[v])})
             meta["line_prev_version"] = v
@@ -137,6 +168,7 @@ class ZOCurvMode:
         newer version is published before they are in, so none can arrive stale. In process (or a checkpoint
         without the weights) the rounds in flight are dropped and counted."""
         self.optimizer.load_zo_state(tensors, meta["curvature"])
+        self.rounds.load_state(tensors, meta["curvature"])
         self.train_forwards = int(meta.get("train_forwards", 0))
         self.backend.forward_passes = int(meta.get("probe_forwards", 0))
         n = len(self.backend.block_sizes)
@@ -144,22 +176,21 @@ class ZOCurvMode:
         weights = {int(v): [tensors[f"round_weights/{v}/{i}"].to(dev) for i in range(n)]
                    for v in meta.get("round_weights", [])}
         prev = meta.get("line_prev_version")
-        if self.line and prev is not None:
+        if self.optimizer.history and prev is not None:
             weights[int(prev)] = [tensors[f"line_prev/{i}"].to(dev) for i in range(n)]
-        rounds = self.optimizer.inflight()
-        if not self.reissue or any(v not in weights for r in rounds for v in (r.version, r.base_version)
-                                   if v is not None):
-            self.optimizer.drop_inflight()
+        rounds = self.rounds.inflight()
+        fleet = self.backend.evaluates_published
+        if not fleet or any(v not in weights for r in rounds for v in (r.version, r.base_version) if v is not None):
+            self.rounds.drop_inflight()
             rounds = []
-        if not self.reissue:
-            if self.line and prev is not None:
+        if not fleet:
+            if prev is not None and self.optimizer.history:
                 self.backend.snapshots = {int(prev): weights[int(prev)]}
             return
         for v in sorted(weights):
             self.backend.publish_weights(v, weights[v])
             for r in (r for r in rounds if r.version == v):
-                self.backend.submit(r)
-                self.optimizer.take_early(self.backend.collect(r.round_id))
+                self.rounds.take_early(self.backend, r)
         self.round_weights = weights
         self._hold_round_weights()
 

@@ -16,11 +16,13 @@ results bit-identical to in-process ones.
 - ``group``: z(seed) of `dist` restricted to the canonical blocks G of the round (`group`, sorted block
   indices), every other block unperturbed: block b ∈ G becomes kernels.perturb(w_b, seed, offset_b, ±ε,
   dist). For a quadratic, h = (L+ + L− − 2L0)/ε² = z_Gᵀ H_GG z_G, so E[h] = tr(H_GG) for a unit-variance z
-  and tr(H_GG)/n_G estimates the group's mean curvature (ZO-Curv by parameter group).
+  and tr(H_GG)/n_G estimates the group's mean curvature (ZO-Curv by parameter group). A round's `slices`
+  restrict some of its blocks further to a slice along one dimension (block, dim, start, stop): z is zero
+  outside it, e.g. GPT-2's fused c_attn whose QK and V columns belong to different roles (trainer.zo.groups).
 - ``line``: the seed j >= 1 is a step multiple along the whole multi-step update d = θ_v − θ_base (every
   block at once, fp32, not normalised): L± = L(θ_v ± j·ε·d), each block (w_b ± (j·ε)·d_b) rounded once to
   its dtype. With ε = ½ and seeds (1, 2, 3) a round gives the losses at α ∈ {±½, ±1, ±1½} along d that
-  zocurv-global's quadratic line fit takes (trainer.zo.role_mode; α = −1 is θ_base itself up to rounding).
+  zocurv-global's quadratic line fit takes (trainer.zo.role_rules; α = −1 is θ_base itself up to rounding).
 
 Non-seeded kinds build perturbed blocks out of place (fp32 math, one rounding to the parameter dtype) and
 swap them in (`param.data = new`) for one forward pass only; the clean storages are never written.
@@ -98,6 +100,8 @@ class RoundSpec:
         kind: a ProbeKind.
         base_version: θ_base for ``along_update`` (usually version − 1) and ``line`` (an earlier refresh).
         blocks: sorted, distinct canonical block indices perturbed by a ``group`` round (empty otherwise).
+        slices: (block, dim, start, stop) of the blocks of `blocks` a ``group`` round perturbs only in part:
+            elements with index in [start, stop) along `dim`; every other block of `blocks` whole.
     The field names are the wire's (coordinator.round_messages.ProbeRound), so `to_wire` copies none by hand.
     Raises ValueError at construction for an empty or repeated seed list, eps outside ProbeEps, and fields
     the kind needs or forbids (`check_kind_fields`).
@@ -113,6 +117,7 @@ class RoundSpec:
     kind: ProbeKind = ProbeKind.SEEDED
     base_version: int | None = None
     blocks: tuple[int, ...] = ()
+    slices: tuple[BlockSlice, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.seeds:
@@ -121,16 +126,18 @@ class RoundSpec:
             raise ValueError("seeds of a round must be distinct (results are deduplicated by (round, seed))")
         check(ProbeEps, self.eps)
         check_kind_fields(ProbeKind(self.kind), self.base_version, self.blocks)
+        check_slices(self.slices, self.blocks)
         check_line_seeds(ProbeKind(self.kind).value, list(self.seeds), self.eps)  # the wire's bound, refused here
 
     def to_wire(self, run: str, batch_sha256: str) -> ProbeRound:
         """This round as the coordinator receives it, its batch uploaded as blob `batch_sha256`: every field
         but `batch` under its own name (JSON types: lists, the kind's wire name), schema 2 only for group
-        rounds (`blocks`). Raises pydantic.ValidationError for what the wire refuses (e.g. a round id)."""
+        rounds (`blocks`, `slices`). Raises pydantic.ValidationError for what the wire refuses (e.g. a round id)."""
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "batch"}
         fields.update(eps=float(self.eps), distribution=str(self.distribution), seeds=[int(x) for x in self.seeds],
                       kind=ProbeKind(self.kind).value,
-                      blocks=[int(b) for b in self.blocks] or None, schema_version=2 if self.blocks else 1)
+                      blocks=[int(b) for b in self.blocks] or None, schema_version=2 if self.blocks else 1,
+                      slices=[[int(x) for x in sl] for sl in self.slices] or None)
         return ProbeRound(run=run, batch_sha256=batch_sha256, **fields)
 
 
@@ -174,9 +181,12 @@ class ProbeSite:
 
 
 Losses = tuple[float, float, float | None]  # (L+, L−, scale or None)
+BlockSlice = tuple[int, int, int, int]  # (block, dim, start, stop): elements [start, stop) along dim of a block
+Slices = Sequence[BlockSlice]
 
 
-def _seeded(site: ProbeSite, seed: int, eps: float, dist: str, group: Sequence[int], l0: float | None) -> Losses:
+def _seeded(site: ProbeSite, seed: int, eps: float, dist: str, group: Sequence[int], l0: float | None,
+            slices: Slices = ()) -> Losses:
     return site.seeded_loss(seed, eps, dist), site.seeded_loss(seed, -eps, dist), None
 
 
@@ -189,7 +199,7 @@ def block_scaled_weights(blocks: Sequence[Block], seed: int, alpha: float) -> di
 
 
 def _block_scaled(site: ProbeSite, seed: int, eps: float, dist: str, group: Sequence[int],
-                  l0: float | None) -> Losses:
+                  l0: float | None, slices: Slices = ()) -> Losses:
     return (site.loss(block_scaled_weights(site.blocks, seed, eps)),
             site.loss(block_scaled_weights(site.blocks, seed, -eps)), None)
 
@@ -199,7 +209,8 @@ def update_rms(u: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(u.double())) / math.sqrt(u.numel())
 
 
-def _along_update(site: ProbeSite, b: int, eps: float, dist: str, group: Sequence[int], l0: float | None) -> Losses:
+def _along_update(site: ProbeSite, b: int, eps: float, dist: str, group: Sequence[int], l0: float | None,
+            slices: Slices = ()) -> Losses:
     if site.update is None:
         raise ValueError("along_update probes need the base version's weights (ProbeSite.update)")
     if not 0 <= b < len(site.blocks):
@@ -218,19 +229,38 @@ def _along_update(site: ProbeSite, b: int, eps: float, dist: str, group: Sequenc
     return lp, lm, scale
 
 
-def group_weights(blocks: Sequence[Block], group: Sequence[int], seed: int, alpha: float,
-                  dist: str) -> dict[int, torch.Tensor]:
-    """Blocks `group` of θ + alpha·z(seed) (z of `dist` at each block's global offset), out of place.
+def slice_mask(shape: Sequence[int], dim: int, start: int, stop: int, device=None) -> torch.Tensor:
+    """Bool tensor of `shape`, True on the elements with index in [start, stop) along `dim`."""
+    m = torch.zeros(tuple(shape), dtype=torch.bool, device=device)
+    idx = [slice(None)] * len(shape)
+    idx[dim] = slice(start, stop)
+    m[tuple(idx)] = True
+    return m
 
-    Raises ValueError unless `group` is a non-empty, sorted, duplicate-free list of block indices.
+
+def group_weights(blocks: Sequence[Block], group: Sequence[int], seed: int, alpha: float, dist: str,
+                  slices: Slices = ()) -> dict[int, torch.Tensor]:
+    """Blocks `group` of θ + alpha·z(seed) (z of `dist` at each block's global offset), out of place; a block with
+    a slice (block, dim, start, stop) in `slices` moves only there (z is zero elsewhere, the rest bit-identical).
+
+    Raises ValueError unless `group` is a non-empty, sorted, duplicate-free list of block indices and every slice
+    names a block of `group` once, within its shape.
     """
     check_group(group, len(blocks))
-    return {i: perturb(blocks[i].param.detach(), seed, blocks[i].offset, alpha, dist) for i in group}
+    check_slices(slices, group)
+    out = {i: perturb(blocks[i].param.detach(), seed, blocks[i].offset, alpha, dist) for i in group}
+    for b, dim, start, stop in slices:
+        w = blocks[b].param.detach()
+        if not (0 <= dim < w.dim() and stop <= w.shape[dim]):
+            raise ValueError(f"slice ({b}, {dim}, {start}, {stop}) outside block {b} of shape {tuple(w.shape)}")
+        out[b] = torch.where(slice_mask(w.shape, dim, start, stop, w.device), out[b], w)
+    return out
 
 
-def _group(site: ProbeSite, seed: int, eps: float, dist: str, group: Sequence[int], l0: float | None) -> Losses:
-    return (site.loss(group_weights(site.blocks, group, seed, eps, dist)),
-            site.loss(group_weights(site.blocks, group, seed, -eps, dist)), None)
+def _group(site: ProbeSite, seed: int, eps: float, dist: str, group: Sequence[int], l0: float | None,
+           slices: Slices = ()) -> Losses:
+    return (site.loss(group_weights(site.blocks, group, seed, eps, dist, slices)),
+            site.loss(group_weights(site.blocks, group, seed, -eps, dist, slices)), None)
 
 
 def line_weights(site: ProbeSite, alpha: float) -> dict[int, torch.Tensor]:
@@ -248,7 +278,8 @@ def line_weights(site: ProbeSite, alpha: float) -> dict[int, torch.Tensor]:
     return out
 
 
-def _line(site: ProbeSite, j: int, eps: float, dist: str, group: Sequence[int], l0: float | None) -> Losses:
+def _line(site: ProbeSite, j: int, eps: float, dist: str, group: Sequence[int], l0: float | None,
+            slices: Slices = ()) -> Losses:
     if j < 1:
         raise ValueError(f"line seeds are step multiples j >= 1, got {j}")
     a = j * eps
@@ -259,10 +290,10 @@ def _line(site: ProbeSite, j: int, eps: float, dist: str, group: Sequence[int], 
 class KindRule:
     """One probe kind: how a seed is evaluated and which round fields it needs.
 
-    evaluate(site, seed, eps, dist, group, l0) -> (L+, L−, scale or None).
+    evaluate(site, seed, eps, dist, group, l0, slices) -> (L+, L−, scale or None).
     """
 
-    evaluate: Callable[[ProbeSite, int, float, str, Sequence[int], float | None], Losses]
+    evaluate: Callable[[ProbeSite, int, float, str, Sequence[int], float | None, Slices], Losses]
     needs_base: bool = False  # the round names base_version (along_update)
     needs_group: bool = False  # the round names its block group (group)
 
@@ -288,6 +319,16 @@ def check_group(group: Sequence[int], n_blocks: int | None = None) -> None:
         raise ValueError(f"group block index {group[-1]} out of range [0, {n_blocks})")
 
 
+def check_slices(slices: Slices, group: Sequence[int]) -> None:
+    """Raise ValueError unless every slice (block, dim, start, stop) names a distinct block of `group`, with
+    dim >= 0 and 0 <= start < stop."""
+    named = [s[0] for s in slices]
+    if len(set(named)) != len(named) or not set(named) <= set(group):
+        raise ValueError(f"slices must name distinct blocks of the round's group, got {named[:16]}")
+    if any(len(s) != 4 or s[1] < 0 or not 0 <= s[2] < s[3] for s in slices):
+        raise ValueError("a slice is (block, dim >= 0, start >= 0, stop > start)")
+
+
 def check_kind_fields(kind: ProbeKind, base_version: int | None, group: Sequence[int]) -> None:
     """Raise ValueError when a round lacks a field its kind needs (KINDS) or carries one it does not use."""
     rule = KINDS[kind]
@@ -302,12 +343,12 @@ def check_kind_fields(kind: ProbeKind, base_version: int | None, group: Sequence
 
 
 def probe_losses(site: ProbeSite, kind: ProbeKind | str, seed: int, eps: float, dist: str,
-                 group: Sequence[int] = (), l0: float | None = None) -> Losses:
+                 group: Sequence[int] = (), l0: float | None = None, slices: Slices = ()) -> Losses:
     """(L+, L−, scale or None) of one seed of a round of `kind` at `site` (the table `KINDS`).
 
     Raises ValueError for an unknown kind, a block index out of range, or missing base weights.
     """
-    return KINDS[ProbeKind(kind)].evaluate(site, int(seed), float(eps), str(dist), group, l0)
+    return KINDS[ProbeKind(kind)].evaluate(site, int(seed), float(eps), str(dist), group, l0, slices)
 
 
 # ---- swapping blocks in for one forward pass ----------------------------------------------------------------

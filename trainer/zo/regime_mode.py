@@ -1,4 +1,4 @@
-"""Training-loop mode of the block-type lr methods of issue 29: AdamW (RoleAdamW) at per-role multipliers.
+"""Training-loop mode of the block-type lr methods of issue 29: AdamW (ScaledAdamW) at per-role multipliers.
 
 - ``zocurv-static``: Wang et al.'s table, fixed, no probes (trainer.zo.block_table; normalised by its
   parameter-weighted geometric mean by default, so the base lr means what AdamW's does).
@@ -23,18 +23,21 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainer.config import TrainConfig
+from trainer.method_options import RegimeOptions
 from trainer.zo import estimators as est
 from trainer.zo.block_table import table_multipliers
 from trainer.zo.group_line import group_line_losses
 from trainer.zo.groups import Role, block_multipliers, model_roles
 from trainer.zo.modes import backprop_step
-from trainer.zo.role_adamw import RoleAdamW
+from trainer.zo.role_rules import ScaledAdamW
 from trainer.zo.trust_region import DESIGN_ALPHAS, TrustRegion, TrustRegionRule, fit_role
+
+if TYPE_CHECKING:
+    from trainer.config import TrainConfig
 
 REGIME_METHODS = ("zocurv-static", "zocurv-trust")
 TAG_PROBE = 0x7E61  # seed stream of the held-out probe batches
@@ -56,15 +59,13 @@ class BlockRegimeMode:
             raise ValueError(f"{cfg.optimizer!r} is not one of {REGIME_METHODS}")
         if backend is not None:
             raise ValueError(f"{cfg.optimizer} probes in process only (no fleet probe kind carries role segments)")
-        from trainer.methods import get_method
-
         self.cfg, self.model, self.loss_fn = cfg, model, loss_fn
-        self.opts = get_method(cfg.optimizer).parse_options(cfg.optimizer_options)
+        self.opts = RegimeOptions(**cfg.optimizer_options)  # the registry's parse_options (trainer.methods)
         self.gmap = model_roles(model)
         canonical = [p for _, p in model.named_parameters()]
         groups = [{"params": [p for p in canonical if p.dim() >= 2], "weight_decay": cfg.weight_decay},
                   {"params": [p for p in canonical if p.dim() < 2], "weight_decay": 0.0}]
-        self.optimizer = RoleAdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), blocks=canonical)
+        self.optimizer = ScaledAdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), blocks=canonical)
         self.table = table_multipliers(self.gmap, norm=self.opts.norm)
         start = self.table if cfg.optimizer == "zocurv-static" or self.opts.start == "table" else {
             r: 1.0 for r in self.gmap.roles}

@@ -32,26 +32,32 @@ ZOMethod = Literal["mezo", "1spsa", "1.5spsa"]
 # ---- AdamW ---------------------------------------------------------------------------------------------
 def adamw_update_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
                   step: float, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-                  lr_scale: float = 1.0) -> None:
+                  lr_scale: float | torch.Tensor = 1.0, decay_scale: float | torch.Tensor = 1.0) -> None:
     """One AdamW step on one tensor, in place: `param`, `exp_avg` and `exp_avg_sq` are updated.
 
-    θ ← θ·(1 − lr·wd);  m ← β1·m + (1 − β1)·g;  v ← β2·v + (1 − β2)·g²;
+    θ ← θ·(1 − lr·wd·d);  m ← β1·m + (1 − β1)·g;  v ← β2·v + (1 − β2)·g²;
     θ ← θ − (lr·s/(1 − β1^t))·m / (√v/√(1 − β2^t) + eps)
     (Loshchilov & Hutter 2019, Algorithm 2). The operations and their order are torch.optim.AdamW's
-    single-tensor path (torch 2.x `_single_tensor_adamw`), so with lr_scale s = 1 the result equals
-    torch.optim.AdamW(foreach=False) bit for bit; s only scales the step size (ZO-Curv multipliers).
+    single-tensor path (torch 2.x `_single_tensor_adamw`), so with s = d = 1 the result equals
+    torch.optim.AdamW(foreach=False) bit for bit. s scales the step size only (ZO-Curv (a)-(c) multipliers); a
+    multiplier of the whole per-element lr, decay included (separate AdamW lrs, ZO-Curv (d)), is s = d, or for a
+    float simply lr·s with s = d = 1.
 
     Args:
         param, grad, exp_avg, exp_avg_sq: same shape and float dtype (fp32 masters and moments here).
         step: 1-based step count t of this tensor's moments (after incrementing; int or float, as torch keeps it).
         lr: learning rate; beta1, beta2 in [0, 1); eps > 0; weight_decay >= 0 (decoupled).
-        lr_scale: step-size multiplier s (not applied to the decay).
+        lr_scale: step-size multiplier s, a float or a float32 tensor broadcastable to `param` (per column).
+        decay_scale: decay multiplier d, a float or such a tensor.
     """
-    param.mul_(1 - lr * weight_decay)
+    param.mul_(1 - lr * weight_decay * decay_scale)
     exp_avg.lerp_(grad, 1 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
     denom = (exp_avg_sq.sqrt() / (1 - beta2**step) ** 0.5).add_(eps)
-    param.addcdiv_(exp_avg, denom, value=-lr / (1 - beta1**step) * lr_scale)
+    if isinstance(lr_scale, torch.Tensor):
+        param.addcdiv_(exp_avg * lr_scale, denom, value=-lr / (1 - beta1**step))
+    else:
+        param.addcdiv_(exp_avg, denom, value=-lr / (1 - beta1**step) * lr_scale)
 
 
 # ---- Sophia --------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ mean cross-entropy Σ_rows CE / N and its number of correct rows, exactly the un
 (up to floating summation order).
 
 Measured on the real training split (SmolLM2 tokenizer, 1,000 sentences: mean prompt 30.6 tokens, longest 66;
-batches 0..74 of trainer.zo.paper.batch_rows(0, it, 1000, 512)), mean tokens per forward of a batch of 512:
+batches 0..74 of benchmarks.zo_paper_steps.batch_rows(0, it, 1000, 512)), mean tokens per forward of a batch of 512:
   real tokens 15,665; padded to the batch's longest row 32,795 (2.09x the real ones);
   bucketed (<= 4 chunks of >= 64 rows, the default) 18,651 (1.19x real): 1.76x fewer tokens than one padded
   chunk (<= 8 chunks of >= 64 rows: 17,534, 1.87x; <= 2 chunks: 1.47x). Evaluation splits (whole split,
