@@ -34,8 +34,8 @@ from coordinator.deadlines import RoundWatch
 from coordinator.errors import Conflict, CoordinatorError, Invalid, NotFound, TooMany
 from coordinator.intake import Intake
 from coordinator.keys import redis_client_kwargs
-from coordinator.messages import ResultBatch
 from coordinator.metrics import CoordinatorMetrics
+from coordinator.round_messages import ResultBatch
 from coordinator.settings import CoordinatorSettings
 from coordinator.store import Store
 

@@ -30,15 +30,9 @@ import httpx
 import redis
 
 from coordinator.intake import Intake
-from coordinator.messages import (
-    ProbeResult,
-    ProbeRound,
-    RunSpec,
-    ShardRef,
-    VersionManifest,
-    WorkerRegistration,
-)
+from coordinator.messages import RunSpec, ShardRef, VersionManifest, WorkerRegistration
 from coordinator.metrics import CoordinatorMetrics
+from coordinator.round_messages import ProbeResult, ProbeRound
 from coordinator.settings import CoordinatorSettings, generate_dev_settings
 from coordinator.store import Store, results_stream_key
 

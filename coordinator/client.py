@@ -26,10 +26,6 @@ from coordinator.messages import (
     Heartbeat,
     HeartbeatReply,
     IntakeCounts,
-    IntakeReply,
-    ProbeRound,
-    ResultBatch,
-    RoundInfo,
     RunInfo,
     RunSpec,
     SeedLedgerEntry,
@@ -37,6 +33,7 @@ from coordinator.messages import (
     WorkerRegistered,
     WorkerRegistration,
 )
+from coordinator.round_messages import IntakeReply, ProbeRound, ResultBatch, RoundInfo
 
 T = TypeVar("T")
 

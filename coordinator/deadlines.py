@@ -24,7 +24,7 @@ from __future__ import annotations
 import collections
 import time
 
-from coordinator.messages import ProbeRound
+from coordinator.round_messages import ProbeRound
 from coordinator.store import Store
 
 GAP_WINDOW = 256

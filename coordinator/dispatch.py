@@ -12,7 +12,7 @@ from celery import Celery
 
 from coordinator.celery_app import send_probe_tasks
 from coordinator.keys import Keys, redis_client_kwargs
-from coordinator.messages import ProbeRound, ProbeTask
+from coordinator.round_messages import ProbeRound, ProbeTask
 from coordinator.runs import RunStore
 
 

@@ -17,7 +17,7 @@ from coordinator.blobs import BlobStore
 from coordinator.dispatch import Dispatch
 from coordinator.errors import Conflict, Invalid, NotFound
 from coordinator.keys import Keys
-from coordinator.messages import ProbeRound, RoundInfo
+from coordinator.round_messages import ProbeRound, RoundInfo
 from coordinator.runs import RunStore
 
 

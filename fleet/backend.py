@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 
 from coordinator.client import CoordinatorClient
-from coordinator.messages import ProbeRound, RunSpec
+from coordinator.messages import RunSpec
+from coordinator.round_messages import ProbeRound
 from fleet.collector import ResultCollector
 from fleet.publisher import VersionPublisher
 from fleet.round_sender import RoundSender

@@ -28,7 +28,8 @@ from typing import Any
 
 import torch
 
-from coordinator.messages import EvalSpec, ProbeRound, RunSpec, WeightTerm
+from coordinator.messages import RunSpec
+from coordinator.round_messages import EvalSpec, ProbeRound, WeightTerm
 from fleet import batch_wire
 from trainer.evaluation import EvalWindows, batch_values, combine
 from trainer.zo.probes import canonical_blocks

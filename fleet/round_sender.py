@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 
 from coordinator.client import CoordinatorClient
-from coordinator.messages import ProbeRound
+from coordinator.round_messages import ProbeRound
 from fleet import batch_wire
 from fleet.collector import ResultCollector
 from fleet.publisher import VersionPublisher

@@ -29,14 +29,8 @@ from typing import Any
 import torch
 
 from coordinator.client import CoordinatorClient
-from coordinator.messages import (
-    Attestation,
-    IntakeReply,
-    ProbeResult,
-    ProbeTask,
-    ResultBatch,
-    non_finite_result,
-)
+from coordinator.messages import Attestation
+from coordinator.round_messages import IntakeReply, ProbeResult, ProbeTask, ResultBatch, non_finite_result
 from probe_worker.cache import WeightCache
 from probe_worker.metrics import WorkerMetrics, default_metrics
 from trainer.zo import probes

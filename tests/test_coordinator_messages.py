@@ -13,18 +13,15 @@ from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from coordinator.messages import (
+from coordinator.messages import MAX_SEEDS_PER_TASK, RunSpec, SeedLedgerEntry, VersionManifest
+from coordinator.round_messages import (
     MAX_LINE_SEED,
     MAX_LINE_STEP,
-    MAX_SEEDS_PER_TASK,
     ProbeResult,
     ProbeRound,
     ProbeTask,
     ResultBatch,
-    RunSpec,
-    SeedLedgerEntry,
     StreamEvent,
-    VersionManifest,
     values_agree,
 )
 from coordinator.settings import CoordinatorSettings, generate_dev_settings

@@ -13,7 +13,7 @@ import time
 import pytest
 from pydantic import ValidationError
 
-from coordinator.messages import EvalSpec, ProbeRound, ProbeTask, WeightTerm
+from coordinator.round_messages import EvalSpec, ProbeRound, ProbeTask, WeightTerm
 
 SHA = "a" * 64
 

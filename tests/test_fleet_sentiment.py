@@ -12,7 +12,7 @@ import copy
 import pytest
 import torch
 
-from coordinator.messages import ProbeRound as WireRound
+from coordinator.round_messages import ProbeRound as WireRound
 from fleet.batch_wire import encode_batch
 from support.fleet import Fleet
 from trainer.sentiment import classifier_loss

@@ -14,7 +14,8 @@ from celery.exceptions import Reject
 from prometheus_client import CollectorRegistry
 
 from coordinator.client import CorruptBlobError
-from coordinator.messages import CanarySpec, ProbeTask
+from coordinator.messages import CanarySpec
+from coordinator.round_messages import ProbeTask
 from fleet.backend import CoordinatorBackend
 from fleet.batch_wire import decode_batch, encode_batch
 from fleet.publisher import write_shards

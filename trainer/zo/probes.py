@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from coordinator.bounds import ProbeEps, check
-from coordinator.messages import ProbeRound, check_line_seeds
+from coordinator.round_messages import ProbeRound, check_line_seeds
 from kernels import canonical_offsets, perturb
 from trainer.zo import estimators as est
 
@@ -88,7 +88,7 @@ def block_sizes(blocks: Sequence[Block]) -> list[int]:
 class RoundSpec:
     """One round of probes sharing a batch and a clean loss (common random numbers), as the trainer holds it.
 
-    The wire form the coordinator receives is coordinator.messages.ProbeRound (batch by content hash).
+    The wire form the coordinator receives is coordinator.round_messages.ProbeRound (batch by content hash).
 
     Attributes:
         round_id: unique name of the round.
@@ -103,9 +103,9 @@ class RoundSpec:
         blocks: sorted, distinct canonical block indices perturbed by a ``group`` round (empty otherwise).
         slices: (block, dim, start, stop) of the blocks of `blocks` a ``group`` round perturbs only in part:
             elements with index in [start, stop) along `dim`; every other block of `blocks` whole.
-        eval: the coordinator.messages.EvalSpec of an ``eval`` round (held-out batches, fleet.evaluation; the
+        eval: the coordinator.round_messages.EvalSpec of an ``eval`` round (held-out batches, fleet.evaluation; the
             seeds are batch indices), None otherwise.
-    The field names are the wire's (coordinator.messages.ProbeRound), so `to_wire` copies none by hand.
+    The field names are the wire's (coordinator.round_messages.ProbeRound), so `to_wire` copies none by hand.
     Raises ValueError at construction for an empty or repeated seed list, eps outside ProbeEps, and fields
     the kind needs or forbids (`check_kind_fields`).
     """
