@@ -35,7 +35,9 @@ def plot(result: dict[str, Any], path: Path) -> Path:
         ax.plot([r["steps"] for r in refs], [r["val"] for r in refs], "k*", ms=11,
                 label="AdamW annealed there (own WSD schedule)")
     lo = min([v for _, v in raw] + [e["served_val"] for e in evals] + [r["val"] for r in refs] or [0.0])
-    hi = sorted(v for _, v in raw)[len(raw) // 4] if raw else 1.0
+    # Top of the axis: everything but the first evaluation (the initial loss would flatten every curve), and every
+    # annealed reference, so each star is on the plot.
+    hi = max([v for _, v in raw[1:]] + [r["val"] for r in refs] or [1.0])
     ax.set_ylim(lo - 0.05 * (hi - lo + 1e-9), hi)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("validation loss (nats/token)")

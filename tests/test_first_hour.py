@@ -41,6 +41,7 @@ def _free_port() -> int:
     (["train", "--seq-len", "300"], "--seq-len 300 exceeds gpt2-tiny's context of 256 tokens"),
     (["train", "--optimizer", "adamw", "--eval-on", "trainer", "--coordinator", "http://127.0.0.1:1"],
      "sends no probes to a fleet"),
+    (["train", "--optimizer", "mezo", "--nproc-per-node", "2", "--shard"], "--shard (FSDP2) runs first-order"),
     (["up", "--preset", "nope"], "unknown preset 'nope'"),
     (["up", "--optimizer", "adamw"], "AdamW is the baseline"),
 ])

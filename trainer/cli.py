@@ -201,8 +201,6 @@ def train(
 
     # Only light modules until every option is checked: torch and transformers (trainer.train) take seconds to
     # import, and an option error must not wait for them.
-    if nproc_per_node is not None and not _launched_by_torchrun():
-        raise typer.Exit(_launch_torchrun(nproc_per_node, device))
     from trainer.config import resolve_preset
     from trainer.preflight import check_options, explain, folder_state, no_probe_round_warning
     from trainer.run_dir import default_run_dir
@@ -233,6 +231,9 @@ def train(
                                  param_hint="--eval-on")
     if coordinator:
         _fleet_use(cfg, eval_on)
+    if nproc_per_node is not None and not _launched_by_torchrun():
+        _check_launch(cfg, shard, nproc_per_node)  # the ranks would refuse these only after torchrun started them
+        raise typer.Exit(_launch_torchrun(nproc_per_node, device))
     from trainer.distributed import DistributedError, setup
 
     try:
@@ -303,6 +304,19 @@ def train(
         f"val loss {result.initial_val_loss:.4f} -> {result.final_val_loss:.4f} after {result.steps} steps "
         f"({result.wall_s:.1f} s); run folder {result.run_dir}"
     )
+
+
+def _check_launch(cfg, shard: bool, nproc: int) -> None:
+    """What trainer.distributed.DistContext.check refuses on every rank, said before torchrun starts any
+    (typer.BadParameter, exit 2): --shard with a method that is not first-order, --anytime on more than one rank."""
+    from trainer.methods import get_method
+
+    kind = get_method(cfg.optimizer).kind
+    if shard and kind != "first-order":
+        raise typer.BadParameter(f"--shard (FSDP2) runs first-order optimizers only; {cfg.optimizer} is {kind}: "
+                                 "run it with DDP (drop --shard)", param_hint="--shard")
+    if nproc > 1 and getattr(cfg, "anytime", None) is not None:
+        raise typer.BadParameter("--anytime runs in one process: drop it or --nproc-per-node", param_hint="--anytime")
 
 
 def _launched_by_torchrun() -> bool:
