@@ -97,6 +97,7 @@ class ProbeRuntime:
         self.tasks_done = 0
         self.busy = False
         self.current_version: int | None = None
+        self._mix_scratch: torch.nn.Module | None = None  # where weight mixtures of eval rounds are built
 
     # ---- cached inputs ------------------------------------------------------------------------------
 
@@ -254,14 +255,21 @@ class ProbeRuntime:
     def _evaluate_batches(self, task: ProbeTask, model: torch.nn.Module, kind: str, batch: Any) -> list[ProbeResult]:
         """An eval task (coordinator.messages.EvalSpec): per seed k, batch k of the round's held-out windows scored by
         trainer.evaluation.batch_values, the trainer's own evaluation code (so the values equal the trainer's).
-        Raises ValueError for a weight mixture (only one version with coefficient 1.0 is evaluated today) and
+        A weight mixture θ = Σ coeff·θ_version (the anytime model's candidates) is built from this worker's cache by
+        trainer.anytime.ring.build_mixture, the trainer's own code and summation order, into a scratch copy of the
+        model, so it equals the trainer's in-process build bit for bit; versions not loaded are fetched (keep
+        `--keep-versions` >= the ring's k to avoid refetching). Raises ValueError for a task without its spec or a
+        mixture whose coefficients do not sum to 1, the cache's errors for a version it cannot get, and
         BatchFormatError for a batch index outside the windows."""
         from fleet.batch_wire import BatchFormatError
         from trainer.evaluation import batch_of, batch_values
 
         spec = task.eval
-        if spec is None or [(t.version, t.coeff) for t in spec.weights] != [(task.version, 1.0)]:
-            raise ValueError("this worker evaluates one version with coefficient 1.0, not a weight mixture")
+        if spec is None:
+            raise ValueError("an eval task needs its eval spec")
+        terms = [(t.version, t.coeff) for t in spec.weights]
+        if terms != [(task.version, 1.0)]:
+            model = self._mixture(task.run, terms, model)
         out = []
         for k in task.seeds:
             try:
@@ -275,6 +283,19 @@ class ProbeRuntime:
                       "worker_id": self.worker_id, "replica": task.replica, "l_plus": value, "l_minus": aux}
             out.append(ProbeResult(**fields) if math.isfinite(value) else non_finite_result(**fields))
         return out
+
+    @torch.no_grad()
+    def _mixture(self, run: str, terms: list[tuple[int, float]], model: torch.nn.Module) -> torch.nn.Module:
+        """A scratch copy of `model` holding Σ coeff·θ_version over `terms` (trainer.anytime.ring.build_mixture)."""
+        import copy
+
+        from trainer.anytime.ring import build_mixture
+
+        weights = build_mixture(terms, lambda v: self.cache.get(run, v).model.state_dict())
+        if self._mix_scratch is None or type(self._mix_scratch) is not type(model):
+            self._mix_scratch = copy.deepcopy(model).eval()
+        self._mix_scratch.load_state_dict(weights)
+        return self._mix_scratch
 
     def rebind(self, worker_id: str) -> None:
         """Evaluate as `worker_id` from now on (the worker re-enrolled after the coordinator forgot it): results

@@ -192,3 +192,53 @@ def test_fleet_wait_never_with_a_stopped_worker_finishes_and_counts_its_skipped_
     assert summary["rounds_skipped"]["dropped"] + summary["rounds_skipped"]["pending_at_end"] == 3  # rounds 2, 4, 6
     assert summary["time_ledger"]["phases_s"]["wait"] == 0.0
     assert summary["time_ledger"]["phases_s"]["publish"] > 0.0
+
+
+@pytest.mark.slow
+def test_a_weight_mixture_is_built_on_the_worker_bit_for_bit_as_in_process(efleet, tmp_path):
+    """An eval round whose weights are Σ c·θ_v over three published versions (an anytime candidate): the worker
+    builds the mixture from its cache with trainer.anytime.ring.build_mixture, so each batch's loss equals the
+    in-process build's, bit for bit, whatever order the terms arrive in."""
+    import copy
+
+    import torch
+
+    from coordinator.round_messages import ProbeRound
+    from fleet.evaluation import FleetEvaluator
+    from trainer.anytime.ring import build_mixture
+    from trainer.evaluation import batch_values
+    from trainer.tasks import LMTask
+    from trainer.zo.probes import canonical_blocks
+
+    cfg = _cfg(tmp_path, "mix", eval_batches=3)
+    task = LMTask(cfg)
+    model = task.build_model()
+    ev = FleetEvaluator(task, cfg, model, _attached(efleet), full=False)
+    gen = torch.Generator().manual_seed(31)
+    states = {}
+    with torch.no_grad():
+        for v in (1, 2, 3):  # three versions: the model nudged by seeded noise between them
+            for b in canonical_blocks(model):
+                b.param.add_(torch.randn(b.param.shape, generator=gen) * 0.02)
+            ev.backend.publish(v, weights=[b.param.detach().to("cpu", copy=True) for b in canonical_blocks(model)])
+            states[v] = {n: t.detach().clone() for n, t in model.state_dict().items()}
+    terms = [(3, 0.5), (1, 0.125), (2, 0.375)]  # out of order on purpose: the sum is in ascending version order
+    n = ev.windows.n_batches
+    wire = ProbeRound(schema_version=3, run=ev.run, round_id="mix-1", version=3, batch_sha256=ev.blob_sha, eps=1.0,
+                      distribution="rademacher", seeds=list(range(n)), kind="eval",
+                      eval=EvalSpec(split=ev.windows.split, batch_size=ev.windows.batch_size,
+                                    weights=[WeightTerm(version=v, coeff=c) for v, c in terms]))
+    ev.backend.submit_wire(wire, ev.blob)
+    got: dict[int, float] = {}
+    deadline = time.monotonic() + 240
+    while len(got) < n and time.monotonic() < deadline:
+        for r in ev.backend.collect().results:
+            if r.round_id == "mix-1":
+                got.setdefault(int(r.seed), r.l_plus)
+        time.sleep(0.05)
+    ev.close()
+    scratch = copy.deepcopy(model)
+    scratch.load_state_dict(build_mixture(terms, states.__getitem__))
+    ref = [batch_values(scratch, ev.windows.kind, ev.windows.batch(k, "cpu"))[0] for k in range(n)]
+    assert [got.get(k) for k in range(n)] == ref  # bits, not approx
+    assert ref != [batch_values(model, ev.windows.kind, ev.windows.batch(k, "cpu"))[0] for k in range(n)]
