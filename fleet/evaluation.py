@@ -88,7 +88,7 @@ class FleetEvaluator:
                                                   .get_secret_value(), redis_url=fleet.settings.redis_url,
                                                   run=spec, key_prefix=fleet.settings.key_prefix, history=0,
                                                   background=True, blob_dir=fleet.settings.blob_dir)
-        self.run = spec.run
+        self.run, self.fleet, self.scorer = spec.run, fleet, None
         self.pending: dict[int, _Pending] = {}
         self._rounds: dict[str, int] = {}  # round id -> step
         self._last_poll = float("-inf")
@@ -129,8 +129,25 @@ class FleetEvaluator:
         return out
 
     def close(self, wait: bool = True) -> None:
-        """Close the backend (its uploads: finished when `wait`, else cancelled)."""
+        """Close the backend (its uploads: finished when `wait`, else cancelled), and the anytime scorer's."""
         self.backend.close(wait=wait)
+        if self.scorer is not None:
+            self.scorer.close(wait=wait)
+
+    def anytime_scorer(self, anytime: Any) -> Any:
+        """A fleet.anytime.FleetScorer for `anytime` (trainer.anytime.serve.Anytime): its candidates scored on this
+        fleet over the selection split (closed with this evaluator). Raises ValueError with `pull` (a pull rewrites
+        a version the coordinator already holds) or a ring larger than an eval round's mixture."""
+        from fleet.anytime import FleetScorer
+
+        if anytime.settings.pull:
+            raise ValueError("--pull is in-process only: a pull republishes a version the fleet already holds")
+        cfg = self.cfg
+        self.scorer = FleetScorer(anytime.ring, self.model, anytime.select_tokens, batch_size=cfg.batch_size,
+                                  seq_len=cfg.seq_len, n_batches=anytime.settings.select_batches, fleet=self.fleet,
+                                  model_preset=cfg.model, split=f"{cfg.corpus}/select", deadline_s=self.deadline_s,
+                                  device=cfg.device)
+        return self.scorer
 
     # ---- internals ------------------------------------------------------------------------------
 

@@ -242,3 +242,44 @@ def test_a_weight_mixture_is_built_on_the_worker_bit_for_bit_as_in_process(eflee
     ref = [batch_values(scratch, ev.windows.kind, ev.windows.batch(k, "cpu"))[0] for k in range(n)]
     assert [got.get(k) for k in range(n)] == ref  # bits, not approx
     assert ref != [batch_values(model, ev.windows.kind, ev.windows.batch(k, "cpu"))[0] for k in range(n)]
+
+
+@pytest.mark.slow
+def test_anytime_candidates_scored_on_the_fleet_choose_as_in_process_bit_for_bit(efleet, tmp_path, monkeypatch):
+    """`train --anytime` with a fleet evaluator: every candidate is an eval round of a weight mixture scored by the
+    worker (fleet.anytime.FleetScorer); the selection losses, the served choice and its losses equal the
+    in-process run's bit for bit (one selection code path, two scorers)."""
+    import trainer.data.corpus as corpus_mod
+    from trainer.anytime.serve import InProcessScorer
+    from trainer.anytime.settings import AnytimeSettings
+    from trainer.train import train
+
+    corpus = "test-milton-select"  # as tests/test_anytime_train.py: milton with a selection split
+    monkeypatch.setitem(corpus_mod.CORPORA, corpus, ("milton",))
+    monkeypatch.setattr(corpus_mod, "SELECT_CORPORA", corpus_mod.SELECT_CORPORA | {corpus})
+    anytime = AnytimeSettings(k=4, publish_every=2, select_batches=2, half_lives=(1.0, 2.0), windows=(2, 4))
+
+    def cfg(name):
+        return _cfg(tmp_path, name, corpus=corpus, steps=8, batch_size=2, seq_len=16, lr=3e-3, eval_every=4,
+                    eval_batches=2, anytime=anytime)
+
+    ref = train(cfg("inproc"), progress=False, export=False)
+
+    def refuse(*a, **kw):
+        raise AssertionError("a fleet run scored a candidate in process")
+
+    monkeypatch.setattr(InProcessScorer, "__call__", refuse)  # the fleet run must score on the worker
+    res = train(cfg("fleet-any"), progress=False, export=False,
+                evaluator_factory=_attached(efleet).evaluator_factory(deadline_s=240.0, full=False))
+    keys = ("served", "served_versions", "served_coefs", "served_sel_loss", "raw_sel_loss", "served_val_loss",
+            "served_z", "candidates", "quad_ok", "quad_resid", "quad_pred", "quad_meas")
+
+    def served(run_dir):  # a fleet's evaluation record may come later than the served figures: a record of their own
+        return {r["step"]: {k: r.get(k) for k in keys} for r in _records(run_dir) if "served" in r}
+
+    mine, theirs = served(res.run_dir), served(ref.run_dir)
+    assert sorted(mine) == [4, 8] and mine == theirs  # bits, not approx
+    assert all(mine[s]["candidates"] >= 4 for s in mine)
+    evals = _evals(res.run_dir)
+    assert {s: r["val_loss"] for s, r in evals.items()} == {s: r["val_loss"] for s, r in _evals(ref.run_dir).items()}
+    assert all(r["eval_on"] == "fleet" for r in evals.values())

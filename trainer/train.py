@@ -147,6 +147,8 @@ def _train(cfg: TrainConfig, ledger: TimeLedger, *, resume: bool, progress: bool
         logging.getLogger(__name__).warning("a torchrun job evaluates on its ranks, not on the fleet")
         evaluator_factory = None
     evaluator = evaluator_factory(task, cfg, model, mode) if evaluator_factory else InlineEvaluator(task)
+    if anytime is not None and hasattr(evaluator, "anytime_scorer"):  # a fleet evaluates: it scores candidates too
+        anytime.score_with(evaluator.anytime_scorer(anytime))
     startup.__exit__(None, None, None)
     vals: dict[int, dict[str, Any]] = {}  # evaluation records by step
 

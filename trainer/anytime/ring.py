@@ -92,6 +92,10 @@ class VersionRing:
     def __len__(self) -> int:
         return len(self._states)
 
+    def state(self, version: int) -> dict[str, torch.Tensor]:
+        """The weights kept as `version` (not copied: do not modify). Raises KeyError when it is not held."""
+        return self._states[version]
+
     def spec(self, name: str, coefs: tuple[float, ...] | list[float]) -> CandidateSpec:
         """The spec of `coefs` over the versions held (oldest first). Raises ValueError on a length mismatch."""
         return CandidateSpec(name=name, versions=self.versions, coefs=tuple(float(c) for c in coefs))

@@ -3,8 +3,9 @@
 `Anytime` is the training loop's one handle (trainer.train): `publish(step, model)` after each step,
 `evaluate(step, model, evaluate_fn)` at each evaluation. Candidates are scored by a `Score` callback: the
 default, `InProcessScorer`, builds θ(c) from the ring into a scratch copy of the model and evaluates it on
-the selection split here; a fleet passes its own (the same `CandidateSpec`s, built on the workers from
-their own rings by the same `VersionRing.build`). The served weights go to `RUN_DIR/served.safetensors`
+the selection split here; with a fleet, fleet.anytime.FleetScorer sends the same candidates as eval rounds
+whose weights are the mixture, built on the workers from their weight caches by the same
+`trainer.anytime.ring.build_mixture` and scored by the same loss code, so the choice is the same bit for bit. The served weights go to `RUN_DIR/served.safetensors`
 (`sparecycles export RUN_DIR OUT --best` writes them as a transformers folder).
 """
 
@@ -83,13 +84,17 @@ class Anytime:
         if select_tokens is None:
             raise ValueError("the anytime model needs a corpus with a selection split (e.g. --corpus "
                              "classics-large): choosing on the validation split would bias what it reports")
-        self.settings = settings
+        self.settings, self.select_tokens = settings, select_tokens
         self.ring = VersionRing(settings.k)
         self.batches = [(x.to(device), y.to(device))
                         for x, y in iter_eval_batches(select_tokens, batch_size, seq_len, settings.select_batches)]
         self.run_path, self.loss, self._score = Path(run_path), loss, score
         self.scratch: torch.nn.Module | None = None
         self.last: Selection | None = None
+
+    def score_with(self, score: Score) -> None:
+        """Score candidates with `score` from now on (a fleet's: fleet.anytime.FleetScorer) instead of in process."""
+        self._score = score
 
     def publish(self, step: int, model: torch.nn.Module) -> None:
         """Keep the weights after `step` optimizer steps as a version when step % publish_every == 0."""
