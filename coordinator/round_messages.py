@@ -69,7 +69,7 @@ class WeightTerm(Part):
 
 class EvalSpec(Part):
     """What an `eval` round scores (schema 3): the weights, as a small mixture of published versions
-    (θ = Σ coeff_i · θ_{version_i}; today a worker evaluates one version with coeff 1.0 and refuses the rest), and
+    (θ = Σ coeff_i · θ_{version_i}, built by the worker with trainer.anytime.ring.build_mixture; coefficients sum to 1), and
     the held-out windows, named by `split` (e.g. "classics-small/val": the trainer's selection, uploaded once as the
     round's batch blob) in batches of `batch_size` rows; the round's seeds are the batch indices it covers.
 
