@@ -219,11 +219,16 @@ def run_plan(plan_name: str, out_dir: Path, *, jobs: int, devices: list[str], de
     out_dir.mkdir(parents=True, exist_ok=True)
     t_end = time.monotonic() + deadline_s
     running: dict[str, subprocess.Popen] = {}
+    failed: set[str] = set()
     started = 0
     while True:
         done = finished(out_dir)
+        for n, p in list(running.items()):
+            if p.poll() is not None and n not in done:
+                failed.add(n)  # exited without a summary: not started again (its log says why)
         running = {n: p for n, p in running.items() if p.poll() is None}
-        pending = [r for r in next_runs(plan, done) if r.name not in done and r.name not in running]
+        pending = [r for r in next_runs(plan, done)
+                   if r.name not in done and r.name not in running and r.name not in failed]
         if (not pending and not running) or time.monotonic() >= t_end:
             break
         while pending and len(running) < jobs:
@@ -243,7 +248,9 @@ def run_plan(plan_name: str, out_dir: Path, *, jobs: int, devices: list[str], de
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
-    return [n for n in running if n not in finished(out_dir)]
+    for n in sorted(failed):
+        print(f"{n}: exited without finishing; see {out_dir / (n + '.log')}", file=sys.stderr)
+    return [n for n in [*running, *sorted(failed)] if n not in finished(out_dir)]
 
 
 def main(argv: list[str]) -> None:

@@ -70,6 +70,11 @@ class WorkerMetrics:
             "sparecycles_worker_reenrollments_total", "Times the worker joined again (new id) after the coordinator "
             "forgot it (its store lost its state, or an admin deleted it)", registry=registry,
         )
+        self.rejected_messages = Counter(
+            "sparecycles_worker_rejected_messages_total", "Broker queue items dropped before Celery saw them, by "
+            "reason (undecodable: not UTF-8 JSON; not_envelope: JSON that is not a kombu message)", ["reason"],
+            registry=registry,
+        )
         self.draining = Gauge(
             "sparecycles_worker_draining", "1 while the worker is draining (not taking tasks)", registry=registry
         )

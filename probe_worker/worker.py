@@ -37,6 +37,7 @@ from tenacity import RetryCallState, RetryError, Retrying, stop_when_event_set, 
 from coordinator.celery_app import PROBE_TASK_NAME, make_celery
 from coordinator.client import CoordinatorClient, CoordinatorHTTPError, Forgotten
 from coordinator.messages import Heartbeat, WorkerRegistered, WorkerRegistration
+from probe_worker.broker import use_guarded_transport
 from probe_worker.cache import WeightCache
 from probe_worker.metrics import default_metrics, serve_metrics
 from probe_worker.runtime import ProbeRuntime
@@ -144,6 +145,7 @@ class ProbeWorker:
         transport["unacked_restore_interval"] = max(1.0, min(10.0, self.reg.visibility_timeout_s / 5))
         transport["unacked_restore_throttle"] = 1
         self.app.conf.broker_transport_options = transport
+        use_guarded_transport(self.app, self.reg.broker_url)  # a bad queue item is dropped, not fatal
         self.drain = DrainState()
         self.cache = WeightCache(self.client, opts.cache_dir, opts.device, keep_versions=opts.keep_versions,
                                  keep_disk_versions=opts.keep_versions + 1, metrics=self.metrics,

@@ -91,3 +91,17 @@ def test_summary_ratio_and_tables():
     assert a["wall_ratio_probes_elsewhere"] == pytest.approx(8.0 / 10.0) and a["probe_gpu_s"] == 4.0
     md = tables(s)
     assert "| zocurv-trust[start=one]@2/cosine | 100: 2.9000, 75: 3.0050 | 0.750 |" in md
+
+
+def test_a_run_that_fails_is_reported_once_not_restarted(tmp_path):
+    """A run whose process exits without a summary (here: an unknown corpus) is not started again every second
+    (that truncated its log and hid the error); it comes back among the unfinished, its log holding the reason."""
+    from benchmarks.regime import run_plan
+
+    left = run_plan("cpu", tmp_path, jobs=2, devices=["cpu"], deadline_s=240.0,
+                    settings={**CPU.settings, "corpus": "no-such-corpus"})
+    first = [r.name for r in next_runs(CPU, {})]
+    assert sorted(left) == sorted(first)
+    for name in first:
+        log = (tmp_path / f"{name}.log").read_text()
+        assert "no-such-corpus" in log, log[-2000:]

@@ -21,7 +21,7 @@ if [ "${1:-}" = pack ]; then
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
     pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 tenacity==9.2.1 \
-    pydantic-settings==2.16.3 python-dotenv==1.2.4
+    pydantic-settings==2.16.3 python-dotenv==1.2.4 tensorboardX==2.6.5  # trainer.events (regime's runs)
   du -sb .data .whl
   echo "carry .data + .whl + tracked files: $(( ($(du -sb .data .whl | awk '{s += $1} END {print s}') \
     + $(git ls-files -z | xargs -0 du -cb | tail -1 | cut -f1)) / 1048576 )) MiB of 64"
