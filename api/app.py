@@ -16,7 +16,7 @@ import gc
 import inspect
 import logging
 import weakref
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 
 import redis
 from fastapi import FastAPI, Request
@@ -108,8 +108,37 @@ def create_app(
     metrics = metrics or CoordinatorMetrics()
     metrics.attach_live(store.workers.worker_state_counts, store.dispatch.queue_depths, store.dispatch.outstanding_seeds)
     intake = Intake(store, metrics)
-    watch = RoundWatch(store)
+    reaper = _reaper(settings, store, metrics, RoundWatch(store))
+    clients: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+    aredis = _async_redis_per_loop(settings, clients)
+    lifespan = _lifespan(store, reaper, aredis, clients)
 
+    app = FastAPI(title="sparecycles coordinator", version="1", lifespan=lifespan, **_fastapi_options())
+    app.state.settings, app.state.store, app.state.metrics, app.state.intake = (
+        settings,
+        store,
+        metrics,
+        intake,
+    )
+    app.state.aredis = aredis
+    app.add_middleware(BodyGuard)
+    _document_body_schemas(app)
+    app.state.token_cache = {}
+    _add_exception_handlers(app, metrics)
+
+    # The hot path first: routes are matched in registration order.
+    for router in (results.router, health.router, workers.router, runs.router, blobs.router, rounds.router):
+        app.include_router(router)
+    return app
+
+
+def _reaper(
+    settings: CoordinatorSettings, store: Store, metrics: CoordinatorMetrics, watch: RoundWatch
+) -> Callable[[], Coroutine[None, None, None]]:
+    """The lease reaper, a coroutine function run beside the server: every `settings.reaper_interval_s` seconds it
+    re-creates the broker users a restarted broker forgot, marks workers whose lease expired as lost and
+    re-issues the seeds of rounds past their deadline (`coordinator.deadlines`). A Redis outage logs one line
+    and is retried; it never ends the task."""
     redis_run_id: list[str] = []
 
     def reap_and_watch() -> None:
@@ -145,6 +174,35 @@ def create_app(
                 failing = True
             await asyncio.sleep(settings.reaper_interval_s)
 
+    return reaper
+
+
+def _async_redis_per_loop(
+    settings: CoordinatorSettings, clients: weakref.WeakKeyDictionary
+) -> Callable[[], AsyncRedis]:
+    """`aredis()`: the asyncio Redis client of the running event loop, created on first use and kept in
+    `clients` (connections belong to the loop that opened them)."""
+
+    def aredis() -> AsyncRedis:
+        loop = asyncio.get_running_loop()
+        if loop not in clients:
+            clients[loop] = AsyncRedis.from_url(
+                settings.redis_url, decode_responses=True, **redis_client_kwargs()
+            )
+        return clients[loop]
+
+    return aredis
+
+
+def _lifespan(
+    store: Store,
+    reaper: Callable[[], Coroutine[None, None, None]],
+    aredis: Callable[[], AsyncRedis],
+    clients: weakref.WeakKeyDictionary,
+) -> Callable[[FastAPI], contextlib.AbstractAsyncContextManager[None]]:
+    """The app's lifespan: starts waiting for Redis (then warming its pool) and the reaper beside the server;
+    on shutdown cancels both and closes this loop's Redis client."""
+
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         # Serving starts at once; until Redis answers, /readyz is 503 and state calls 503 with Retry-After.
@@ -166,26 +224,11 @@ def create_app(
             if client is not None:
                 await client.aclose()
 
-    app = FastAPI(title="sparecycles coordinator", version="1", lifespan=lifespan, **_fastapi_options())
-    app.state.settings, app.state.store, app.state.metrics, app.state.intake = (
-        settings,
-        store,
-        metrics,
-        intake,
-    )
-    clients: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+    return lifespan
 
-    def aredis() -> AsyncRedis:
-        # One asyncio Redis client per event loop (connections belong to the loop that opened them).
-        loop = asyncio.get_running_loop()
-        if loop not in clients:
-            clients[loop] = AsyncRedis.from_url(
-                settings.redis_url, decode_responses=True, **redis_client_kwargs()
-            )
-        return clients[loop]
 
-    app.state.aredis = aredis
-    app.add_middleware(BodyGuard)
+def _document_body_schemas(app: FastAPI) -> None:
+    """Make the app's OpenAPI document (built once, on first request) include the ResultBatch body schema."""
 
     def openapi() -> dict:
         if app.openapi_schema is None:
@@ -193,7 +236,11 @@ def create_app(
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
-    app.state.token_cache = {}
+
+
+def _add_exception_handlers(app: FastAPI, metrics: CoordinatorMetrics) -> None:
+    """Map store errors to 404/409/422/429 (else 400), BlobError and validation errors to 422 and a Redis outage
+    to 503 with Retry-After; each refusal counted in `rejected_requests` by reason."""
 
     @app.exception_handler(CoordinatorError)
     async def _coordinator_error(request: Request, exc: CoordinatorError) -> JSONResponse:
@@ -219,11 +266,6 @@ def create_app(
         return JSONResponse(
             {"detail": "state store unavailable; retry"}, status_code=503, headers={"Retry-After": "1"}
         )
-
-    # The hot path first: routes are matched in registration order.
-    for router in (results.router, health.router, workers.router, runs.router, blobs.router, rounds.router):
-        app.include_router(router)
-    return app
 
 
 def app_from_env() -> FastAPI:

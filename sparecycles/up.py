@@ -240,15 +240,7 @@ def _train_with_fleet(plan: UpPlan, progress: bool, log: Callable[[str], None],
             settings = generate_dev_settings(redis_url=redis_url, blob_dir=out / "blobs",
                                              key_prefix=f"up{secrets.token_hex(4)}")
             admin = settings.admin_token.get_secret_value()
-            enroll = settings.enrollment_token.get_secret_value()
-            env = {**os.environ, "SPARECYCLES_REDIS_URL": redis_url, "SPARECYCLES_ADMIN_TOKEN": admin,
-                   "SPARECYCLES_ENROLLMENT_TOKEN": enroll, "SPARECYCLES_BLOB_DIR": str(out / "blobs"),
-                   "SPARECYCLES_KEY_PREFIX": settings.key_prefix, "PYTHONUNBUFFERED": "1"}
-            if redis_desc.startswith("embedded"):  # our own Valkey: each worker gets its own broker user
-                env["SPARECYCLES_BROKER_ACL"] = "1"
-            # Workers get the enrollment token only: their broker URL comes from registration.
-            worker_env = {k: v for k, v in env.items()
-                          if k not in ("SPARECYCLES_REDIS_URL", "REDIS_URL", "SPARECYCLES_ADMIN_TOKEN")}
+            env, worker_env = _fleet_env(settings, redis_url, redis_desc, out)
             port = _free_port()
             base = f"http://127.0.0.1:{port}"
             py = [sys.executable, "-m", "sparecycles.cli"]
@@ -257,17 +249,7 @@ def _train_with_fleet(plan: UpPlan, progress: bool, log: Callable[[str], None],
             log(f"coordinator {base}; logs in {sup.log_dir}")
             devices = plan.worker_devices or ("cpu",) * workers
             metrics_ports = [_free_port() for _ in devices]
-            for i, dev in enumerate(devices):
-                # The token travels in the environment (SPARECYCLES_ENROLLMENT_TOKEN), never in argv (ps).
-                # CPU workers take one thread each (two share the cores with the trainer); GPU workers the defaults.
-                extra = ["--threads", "1"] if dev == "cpu" else []
-                # zocurv-line probes along theta_v - theta_{v-1}: a worker that runs behind still holds both versions
-                # of an older round while the next two arrive, instead of reloading them from the blob store per task
-                # (measured on H200: 4-5 s per task of 4 seeds with the default 2, GPU idle).
-                extra += ["--keep-versions", "4"]
-                sup.start(f"worker-{i}", py + ["worker", "--coordinator", base, "--name", f"local-{i}",
-                                               "--device", dev, "--metrics-port", str(metrics_ports[i]), *extra],
-                          worker_env)
+            _start_workers(sup, py, base, devices, metrics_ports, worker_env)
             log(f"probe workers on {', '.join(devices)}; forward at the published float32 weights")
             _serve_metrics(out, port, metrics_ports, log)
             # Each ZO-Curv round folds at the refresh after it, whatever the fleet's timing (trainer.zo.rounds.RoundBook
@@ -308,6 +290,39 @@ def _train_with_fleet(plan: UpPlan, progress: bool, log: Callable[[str], None],
         sup.stop_all()
         (out / SCRAPE_CONFIG).unlink(missing_ok=True)  # its ports are closed now
 
+
+def _fleet_env(settings, redis_url: str, redis_desc: str, out: Path) -> tuple[dict[str, str], dict[str, str]]:
+    """The environments of the coordinator (Redis URL, admin and enrollment tokens, blob folder, key prefix; its
+    own broker user per worker with our embedded Valkey) and of the workers (the same less the Redis URL and the
+    admin token: their broker URL comes from registration). `settings`: coordinator.settings.CoordinatorSettings."""
+    admin = settings.admin_token.get_secret_value()
+    enroll = settings.enrollment_token.get_secret_value()
+    env = {**os.environ, "SPARECYCLES_REDIS_URL": redis_url, "SPARECYCLES_ADMIN_TOKEN": admin,
+           "SPARECYCLES_ENROLLMENT_TOKEN": enroll, "SPARECYCLES_BLOB_DIR": str(out / "blobs"),
+           "SPARECYCLES_KEY_PREFIX": settings.key_prefix, "PYTHONUNBUFFERED": "1"}
+    if redis_desc.startswith("embedded"):  # our own Valkey: each worker gets its own broker user
+        env["SPARECYCLES_BROKER_ACL"] = "1"
+    # Workers get the enrollment token only: their broker URL comes from registration.
+    worker_env = {k: v for k, v in env.items()
+                  if k not in ("SPARECYCLES_REDIS_URL", "REDIS_URL", "SPARECYCLES_ADMIN_TOKEN")}
+    return env, worker_env
+
+
+def _start_workers(sup: Supervisor, py: list[str], base: str, devices: tuple[str, ...], metrics_ports: list[int],
+                   worker_env: dict[str, str]) -> None:
+    """Start one probe worker process per device (`worker-<i>`, named `local-<i>`) against the coordinator at
+    `base`, each serving its metrics on its port of `metrics_ports`."""
+    for i, dev in enumerate(devices):
+        # The token travels in the environment (SPARECYCLES_ENROLLMENT_TOKEN), never in argv (ps).
+        # CPU workers take one thread each (two share the cores with the trainer); GPU workers the defaults.
+        extra = ["--threads", "1"] if dev == "cpu" else []
+        # zocurv-line probes along theta_v - theta_{v-1}: a worker that runs behind still holds both versions
+        # of an older round while the next two arrive, instead of reloading them from the blob store per task
+        # (measured on H200: 4-5 s per task of 4 seeds with the default 2, GPU idle).
+        extra += ["--keep-versions", "4"]
+        sup.start(f"worker-{i}", py + ["worker", "--coordinator", base, "--name", f"local-{i}",
+                                       "--device", dev, "--metrics-port", str(metrics_ports[i]), *extra],
+                  worker_env)
 
 def _serve_metrics(out: Path, coordinator_port: int, worker_ports: list[int], log: Callable[[str], None]) -> None:
     """Serve the trainer's metrics (this process trains) on a free port; write `out/prometheus.yml` scraping it,

@@ -101,7 +101,6 @@ def plan_up(*, preset: str = "demo", optimizer: str | None = None, workers: int 
     other settings and `overwrite` is not set (the message lists the differences).
     """
     from trainer.config import resolve_preset
-    from trainer.methods import METHODS, fleet_method_names
     from trainer.paths import runs_dir
     from trainer.preflight import (
         FolderState,
@@ -111,27 +110,10 @@ def plan_up(*, preset: str = "demo", optimizer: str | None = None, workers: int 
         no_probe_round_warning,
     )
 
-    if task not in ("lm", "sentiment"):
-        raise ValueError(f"--task must be lm or sentiment, got {task!r}")
-    for name, value, choices in (("--eval-on", eval_on, ("trainer", "fleet", "auto")),
-                                 ("--eval-windows", eval_windows, ("full", "subset")),
-                                 ("--fleet-wait", fleet_wait, ("never", "interval", "sync"))):
-        if value not in choices:
-            raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
-    if not 1 <= workers <= 64:
-        raise ValueError(f"--workers must be 1 to 64, got {workers}")
+    _check_choices(task=task, eval_on=eval_on, eval_windows=eval_windows, fleet_wait=fleet_wait, workers=workers)
     sentiment = task == "sentiment"
     optimizer = optimizer or ("1.5spsa" if sentiment else "zocurv-line")
-    allowed = fleet_method_names(task)
-    if optimizer not in allowed:
-        why = {"adamw": "AdamW is the baseline `up` always runs; "}.get(optimizer, "")
-        method = METHODS.get(optimizer)
-        if method is not None and method.kind != "first-order" and not method.needs_probes:
-            why = "it sends no probes (train it in process with `sparecycles train`); "
-        elif method is not None and not method.fleet:
-            why = f"its probes run in process only (`sparecycles train`), not on a fleet: {method.no_fleet_why}; "
-        raise ValueError(f"--optimizer {optimizer!r}: {why}the fleet-probed optimizer for --task {task} is one of "
-                         f"{', '.join(allowed)}")
+    _check_fleet_optimizer(optimizer, task)
     preset = "sentiment-demo" if sentiment and preset == "demo" else preset
     over = {"steps": steps, "curvature_interval": curvature_interval, "task": task, "probes": probes,
             "batch_size": batch_size, "seq_len": seq_len, "device": device}
@@ -174,6 +156,37 @@ def plan_up(*, preset: str = "demo", optimizer: str | None = None, workers: int 
     if overwrite:
         plan = replace(plan, clear=True, states={k: FolderState("empty") for k in states})
     return plan
+
+
+def _check_choices(*, task: str, eval_on: str, eval_windows: str, fleet_wait: str, workers: int) -> None:
+    """Raise ValueError (naming the option) for a --task, --eval-on, --eval-windows or --fleet-wait outside its
+    choices, or --workers outside 1 to 64."""
+    if task not in ("lm", "sentiment"):
+        raise ValueError(f"--task must be lm or sentiment, got {task!r}")
+    for name, value, choices in (("--eval-on", eval_on, ("trainer", "fleet", "auto")),
+                                 ("--eval-windows", eval_windows, ("full", "subset")),
+                                 ("--fleet-wait", fleet_wait, ("never", "interval", "sync"))):
+        if value not in choices:
+            raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+    if not 1 <= workers <= 64:
+        raise ValueError(f"--workers must be 1 to 64, got {workers}")
+
+
+def _check_fleet_optimizer(optimizer: str, task: str) -> None:
+    """Raise ValueError, saying why, when `optimizer` is not a fleet-probed optimizer of `task`
+    (trainer.methods.fleet_method_names)."""
+    from trainer.methods import METHODS, fleet_method_names
+
+    allowed = fleet_method_names(task)
+    if optimizer not in allowed:
+        why = {"adamw": "AdamW is the baseline `up` always runs; "}.get(optimizer, "")
+        method = METHODS.get(optimizer)
+        if method is not None and method.kind != "first-order" and not method.needs_probes:
+            why = "it sends no probes (train it in process with `sparecycles train`); "
+        elif method is not None and not method.fleet:
+            why = f"its probes run in process only (`sparecycles train`), not on a fleet: {method.no_fleet_why}; "
+        raise ValueError(f"--optimizer {optimizer!r}: {why}the fleet-probed optimizer for --task {task} is one of "
+                         f"{', '.join(allowed)}")
 
 
 # `up --set` may not set what `up` decides itself (the runs' optimizers, folders, devices and task).

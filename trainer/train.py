@@ -1,4 +1,4 @@
-"""The training loop: one flat `train()` whose phases read top to bottom (nanoGPT's train.py).
+"""The training loop: `train()` runs its phases top to bottom, one function each (after nanoGPT's train.py).
 
     1. run folder   RunDir.open: create it, check --resume against its config.json, write config.json
     2. build        the Task (LM or sentiment), its model, the method's TrainMode (trainer.methods registry)
@@ -110,14 +110,76 @@ def train(
                       overwrite=overwrite, export=export, dist=dist, evaluator_factory=evaluator_factory)
 
 
+@dataclass
+class _Setup:
+    """What steps 1-3 built: the run folder, task, model, step strategy, checkpointer, anytime model, the step to
+    start at, the metrics kept from an earlier invocation and the evaluator."""
+
+    run: RunDir
+    progress: bool
+    task: Task
+    kind: str
+    model: torch.nn.Module
+    mode: TrainMode
+    ckpt: Any
+    anytime: Any
+    start: int
+    history: list[dict[str, Any]]
+    events: EventLog | None
+    evaluator: Evaluator
+
+
+class _RunLog:
+    """The run's records: each written to metrics.jsonl, TensorBoard and Prometheus alike (by rank 0 only), and
+    the evaluation records kept by step (`vals`) for the progress line and the summary."""
+
+    def __init__(self, cfg: TrainConfig, s: _Setup, ledger: TimeLedger) -> None:
+        self.cfg, self.s, self.ledger = cfg, s, ledger
+        self.vals: dict[int, dict[str, Any]] = {}  # evaluation records by step
+
+    def log(self, record: dict[str, Any]) -> None:
+        """One record: metrics.jsonl, TensorBoard and Prometheus alike."""
+        if self.s.events is None:  # a rank > 0 of a torchrun job: rank 0 writes
+            return
+        with self.ledger.phase("log"):
+            self.s.run.log(record)
+            self.s.events.write(record)
+            prom.record(self.cfg.optimizer, record, self.s.task.tokens_per_step)
+
+    def log_vals(self, records: list[dict[str, Any]], done: int, served: dict[str, Any] | None = None) -> None:
+        """Evaluation records, possibly late: each logged at its own step (`served`: the anytime model's figures of
+        step `done`, the step just evaluated, in its record when that is among them, else a record of their own)."""
+        for r in sorted(records, key=lambda r: r["step"]):
+            if served and r["step"] == done:
+                r, served = {**r, **served}, None
+            self.vals[r["step"]] = r
+            self.log(r)
+        if served:
+            self.log({"step": done, **served})
+
+
 def _train(cfg: TrainConfig, ledger: TimeLedger, *, resume: bool, progress: bool,
            mode_factory: Callable[[TrainConfig, torch.nn.Module], TrainMode] | None,
            status: Callable[[], str] | None, overwrite: bool, export: bool, dist: DistContext,
            evaluator_factory: Callable[[Task, TrainConfig, torch.nn.Module, TrainMode], Evaluator] | None,
            ) -> RunResult:
     """`train` with its time ledger active (the phases booked as the loop reaches them)."""
-    startup = ledger.phase("startup")
-    startup.__enter__()  # steps 1-3 (closed before the initial evaluation)
+    with ledger.phase("startup"):  # steps 1-3 (closed before the initial evaluation)
+        s = _set_up(cfg, resume=resume, progress=progress, mode_factory=mode_factory, overwrite=overwrite,
+                    dist=dist, evaluator_factory=evaluator_factory)
+    book = _RunLog(cfg, s, ledger)
+    _initial_evaluation(s, book, ledger, dist)
+    wall = _step_loop(cfg, s, book, ledger, dist, status)
+    return _report(cfg, s, book, ledger, dist, export, wall)
+
+
+def _set_up(cfg: TrainConfig, *, resume: bool, progress: bool,
+            mode_factory: Callable[[TrainConfig, torch.nn.Module], TrainMode] | None, overwrite: bool,
+            dist: DistContext,
+            evaluator_factory: Callable[[Task, TrainConfig, torch.nn.Module, TrainMode], Evaluator] | None,
+            ) -> _Setup:
+    """Steps 1-3: open the run folder, build the task, model and step strategy, and find the position (a resume
+    continues from the checkpoint and forgets what was logged after it). Raises as `train` does."""
     from trainer.models import param_order_hash
 
     # 1. run folder
@@ -147,44 +209,33 @@ def _train(cfg: TrainConfig, ledger: TimeLedger, *, resume: bool, progress: bool
         logging.getLogger(__name__).warning("a torchrun job evaluates on its ranks, not on the fleet")
         evaluator_factory = None
     evaluator = evaluator_factory(task, cfg, model, mode) if evaluator_factory else InlineEvaluator(task)
-    startup.__exit__(None, None, None)
-    vals: dict[int, dict[str, Any]] = {}  # evaluation records by step
+    return _Setup(run, progress, task, kind, model, mode, ckpt, anytime, start, history, events, evaluator)
 
-    def log(record: dict[str, Any]) -> None:  # one record: metrics.jsonl, TensorBoard and Prometheus alike
-        if events is None:  # a rank > 0 of a torchrun job: rank 0 writes
-            return
-        with ledger.phase("log"):
-            run.log(record)
-            events.write(record)
-            prom.record(cfg.optimizer, record, task.tokens_per_step)
 
-    def log_vals(records: list[dict[str, Any]], served: dict[str, Any] | None = None) -> None:
-        """Evaluation records, possibly late: each logged at its own step (`served`: the anytime model's figures of
-        the step just evaluated, in its record when that is among them, else a record of their own)."""
-        for r in sorted(records, key=lambda r: r["step"]):
-            if served and r["step"] == done:
-                r, served = {**r, **served}, None
-            vals[r["step"]] = r
-            log(r)
-        if served:
-            log({"step": done, **served})
-
-    # 4. initial evaluation (step 0), logged once per run
-    kept = dist.broadcast_object(next((r for r in history if r["step"] == 0 and "val_loss" in r), None))
-    done = start  # optimizer steps completed
+def _initial_evaluation(s: _Setup, book: _RunLog, ledger: TimeLedger, dist: DistContext) -> None:
+    """Step 4: the step-0 evaluation on the held-out split, logged once per run (a resume keeps the first
+    invocation's record)."""
+    kept = dist.broadcast_object(next((r for r in s.history if r["step"] == 0 and "val_loss" in r), None))
     if kept is None:
         with ledger.phase("eval"):
-            log_vals(evaluator.request(0, model))
+            book.log_vals(s.evaluator.request(0, s.model), s.start)
     else:
-        vals[0] = kept
+        book.vals[0] = kept
 
-    # 5. the loop
+
+def _step_loop(cfg: TrainConfig, s: _Setup, book: _RunLog, ledger: TimeLedger, dist: DistContext,
+               status: Callable[[], str] | None) -> float:
+    """Step 5: the optimizer steps from `s.start` to `cfg.steps` (log, evaluate, checkpoint); returns the loop's
+    wall time in seconds. Raises FloatingPointError, KeyboardInterrupt, RuntimeError as `train` does (after
+    checkpointing the position reached, where it says so)."""
+    task, model, mode, ckpt, anytime, evaluator, kind = s.task, s.model, s.mode, s.ckpt, s.anytime, s.evaluator, s.kind
+    done = s.start  # optimizer steps completed
     t0 = time.perf_counter()
-    with _progress_bar(progress, f"{cfg.optimizer} {task.model_name}", cfg.steps, start, status) as show, \
+    with _progress_bar(s.progress, f"{cfg.optimizer} {task.model_name}", cfg.steps, s.start, status) as show, \
             _deferred_interrupt() as interrupted:
         failed = True
         try:
-            for step in range(start, cfg.steps):
+            for step in range(s.start, cfg.steps):
                 lr = lr_at(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps,
                            schedule=cfg.schedule)
                 with ledger.phase("step"):
@@ -195,19 +246,20 @@ def _train(cfg: TrainConfig, ledger: TimeLedger, *, resume: bool, progress: bool
                 done = step + 1
                 if anytime is not None:
                     anytime.publish(done, model)
-                log({"step": done, "lr": lr, "tokens": done * task.tokens_per_step,
-                     "elapsed_s": time.perf_counter() - t0, **stats})
+                book.log({"step": done, "lr": lr, "tokens": done * task.tokens_per_step,
+                          "elapsed_s": time.perf_counter() - t0, **stats})
                 with ledger.phase("eval"):
                     due = done % cfg.eval_every == 0 or done == cfg.steps
                     got = evaluator.request(done, model) if due else evaluator.poll()
                     served = anytime.evaluate(done, model, task.evaluate) if due and anytime is not None else None
                     if done == cfg.steps:  # the final evaluation is complete before the run reports
                         got += evaluator.finish()
-                log_vals(got, served)
+                book.log_vals(got, done, served)
                 if done % cfg.checkpoint_every == 0 or done == cfg.steps:
                     with ledger.phase("checkpoint"):
                         ckpt.save(done)
                 with ledger.phase("log"):
+                    vals = book.vals
                     last = vals[max(vals)] if vals else {}
                     show(done, f"loss {stats.get('loss', float('nan')):.3f} val {last.get('val_loss', float('nan')):.3f}")
                 if dist.any(interrupted()):  # every rank stops after the same step
@@ -215,7 +267,7 @@ def _train(cfg: TrainConfig, ledger: TimeLedger, *, resume: bool, progress: bool
             failed = False
         except KeyboardInterrupt:
             with ledger.phase("eval"):  # what the fleet returned so far; Ctrl-C does not wait for the rest
-                log_vals(_poll_quietly(evaluator))
+                book.log_vals(_poll_quietly(evaluator), done)
             with ledger.phase("checkpoint"):
                 ckpt.save(done)  # keep the position reached; `--resume` continues from here
             raise
@@ -231,12 +283,18 @@ def _train(cfg: TrainConfig, ledger: TimeLedger, *, resume: bool, progress: bool
         finally:
             _close_mode(mode, failed)
             _close_mode(evaluator, failed)
-    wall = time.perf_counter() - t0
+    return time.perf_counter() - t0
+
+
+def _report(cfg: TrainConfig, s: _Setup, book: _RunLog, ledger: TimeLedger, dist: DistContext, export: bool,
+            wall: float) -> RunResult:
+    """Step 6: the task's final metrics (every rank), then by rank 0 loss.png, summary.json and (`export`) the
+    model as a transformers folder."""
+    task, model, run, vals = s.task, s.model, s.run, book.vals
     scalars = ("val_loss", "val_acc")
     initial = {k: v for k, v in vals[0].items() if k in scalars}
     last_val = {k: v for k, v in vals[max(vals)].items() if k in scalars}
 
-    # 6. report (and the model as a transformers folder), by rank 0
     with ledger.phase("eval"):
         final = task.final(model)  # every rank: a sharded model's forward is collective
     full = dist.full_model(model, task.build_model) if export else model  # FSDP2: gathered on rank 0
@@ -249,7 +307,7 @@ def _train(cfg: TrainConfig, ledger: TimeLedger, *, resume: bool, progress: bool
     summary = {
         "model": task.model_name, "corpus": task.data_name, "optimizer": cfg.optimizer, "steps": cfg.steps,
         **{f"initial_{k}": v for k, v in initial.items()}, **{f"final_{k}": v for k, v in last_val.items()},
-        "wall_s_this_invocation": wall, "tokens": cfg.steps * task.tokens_per_step, "resumed_from_step": start,
+        "wall_s_this_invocation": wall, "tokens": cfg.steps * task.tokens_per_step, "resumed_from_step": s.start,
         "run_dir": str(run.path), **final, "time_ledger": ledger.to_json(),
     }
     rounds = _rounds_summary(run.records())
@@ -259,7 +317,7 @@ def _train(cfg: TrainConfig, ledger: TimeLedger, *, resume: bool, progress: bool
     if evals_by_fleet:
         summary["evaluations"] = {"fleet": sum(r["eval_on"] == "fleet" for r in evals_by_fleet),
                                   "trainer_fallback": sum(r["eval_on"] != "fleet" for r in evals_by_fleet)}
-    if anytime is not None and anytime.last is not None:
+    if s.anytime is not None and s.anytime.last is not None:
         served = [r for r in run.records() if "served_val_loss" in r]
         summary.update(final_served_val_loss=served[-1]["served_val_loss"], final_served=served[-1]["served"])
     run.write_summary(summary)

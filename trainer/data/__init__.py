@@ -12,8 +12,7 @@ Public API:
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from trainer.lazy import lazy_getattr
 
 # name -> submodule: the package imports a submodule (torch, transformers, tiktoken) only when one of its
 # names is first used, so option checks (trainer.preflight) stay light.
@@ -39,13 +38,7 @@ _EXPORTS = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    """`trainer.data.<name>` for a name of `_EXPORTS`, imported on first use (PEP 562)."""
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"trainer.data.{_EXPORTS[name]}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _EXPORTS, globals())
 
 
 TASKS = ("sentiment",)

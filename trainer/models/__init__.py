@@ -3,8 +3,7 @@
 Importing this package is light on I/O: pretrained weights are fetched only when a loader is called.
 """
 
-import importlib
-from typing import Any
+from trainer.lazy import lazy_getattr
 
 # name -> submodule: the package imports a submodule (torch, transformers, tiktoken) only when one of its
 # names is first used, so option checks (trainer.preflight) stay light.
@@ -36,13 +35,7 @@ _EXPORTS = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    """`trainer.models.<name>` for a name of `_EXPORTS`, imported on first use (PEP 562)."""
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"trainer.models.{_EXPORTS[name]}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _EXPORTS, globals())
 
 
 
