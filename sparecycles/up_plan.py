@@ -142,6 +142,12 @@ def plan_up(*, preset: str = "demo", optimizer: str | None = None, workers: int 
                   tuple(w for w in [no_probe_round_warning(zo_cfg)] if w), tuple(worker_devices),
                   eval_on="trainer" if eval_on == "trainer" else "fleet", eval_windows=eval_windows,
                   fleet_wait=fleet_wait, eval_deadline=eval_deadline)
+    if not overwrite:  # a corrupt checkpoint fails here, in one line, before any fleet process starts
+        from trainer.checkpoint import checkpoint_problem
+
+        for name, state in states.items():
+            if state.kind == "resume" and (problem := checkpoint_problem(out / name / "checkpoint.safetensors")):
+                raise ValueError(problem)
     diffs = _folder_diffs(out, plan.settings, states)
     if diffs and not overwrite:
         raise ValueError(f"{out} holds a run with other settings ({'; '.join(diffs)}); nothing was changed. "

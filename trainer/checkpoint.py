@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 FORMAT_VERSION = 1
@@ -75,8 +75,31 @@ def checkpoint_step(path: Path) -> int | None:
 
     try:
         return int(json.loads(read_safetensors_metadata(path)["sparecycles"])["step"])
-    except (OSError, KeyError, ValueError, TypeError):
+    except (OSError, KeyError, ValueError, TypeError, SafetensorError):
         return None
+
+
+def unreadable_message(path: Path, exc: BaseException) -> str:
+    """One line naming a checkpoint that cannot be read, why, and what to do."""
+    why = " ".join(str(exc).split())[:300] or type(exc).__name__
+    return (f"checkpoint {path} is corrupt or truncated ({type(exc).__name__}: {why}); rerun with --overwrite "
+            "to start the run again, or restore a good copy of the file")
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """`unreadable_message` for a checkpoint file whose safetensors header or length is bad, else None.
+
+    Reads the header only (safetensors checks that the data section covers every tensor's offsets, so a
+    truncated file is caught); a missing file is no problem here (None).
+    """
+    if not path.is_file():
+        return None
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            json.loads(f.metadata()["sparecycles"])
+    except (OSError, KeyError, ValueError, TypeError, SafetensorError) as exc:
+        return unreadable_message(path, exc)
+    return None
 
 
 def load_checkpoint(
@@ -99,8 +122,8 @@ def load_checkpoint(
         with safe_open(str(path), framework="pt") as f:
             header = json.loads(f.metadata()["sparecycles"])
             tensors = {k: f.get_tensor(k) for k in f.keys()}
-    except (OSError, KeyError, ValueError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"checkpoint {path} is unreadable ({exc}); delete it or restore a copy") from exc
+    except (OSError, KeyError, ValueError, SafetensorError) as exc:  # SafetensorError: truncated or not safetensors
+        raise CheckpointError(unreadable_message(path, exc)) from exc
     if header.get("format") != FORMAT_VERSION:
         raise CheckpointError(f"checkpoint {path} has format {header.get('format')}, expected {FORMAT_VERSION}")
     params = dict(model.named_parameters())

@@ -201,8 +201,7 @@ def train(
 
     # Only light modules until every option is checked: torch and transformers (trainer.train) take seconds to
     # import, and an option error must not wait for them.
-    from trainer.config import resolve_preset
-    from trainer.preflight import check_options, explain, folder_state, no_probe_round_warning
+    from trainer.preflight import folder_state, no_probe_round_warning
     from trainer.run_dir import default_run_dir
 
     overrides = dict(corpus=corpus, optimizer=optimizer and optimizer.value, task=task, steps=steps, batch_size=batch_size,
@@ -213,6 +212,63 @@ def train(
                      probe_budget=probe_budget, seed=seed, device=device, run_dir=run_dir,
                      optimizer_options=_key_values(optimizer_option or []) or None,
                      anytime=dict(k=anytime_k, publish_every=anytime_every, pull=pull) if anytime or pull else None)
+    cfg = _resolve_checked(preset, overrides, eval_on=eval_on, fleet_wait=fleet_wait, eval_windows=eval_windows,
+                           coordinator=coordinator)
+    if nproc_per_node is not None and not _launched_by_torchrun():
+        _check_launch(cfg, shard, nproc_per_node)  # the ranks would refuse these only after torchrun started them
+        raise typer.Exit(_launch_torchrun(nproc_per_node, device))
+    from trainer.distributed import DistributedError, setup
+
+    try:
+        dist = setup(device=cfg.device, shard=shard, micro_batch_size=micro_batch_size, fleet=bool(coordinator),
+                     timeout_s=dist_timeout, fleet_rounds=FLEET_WAIT["sync" if fleet_sync else fleet_wait])
+    except (ValueError, DistributedError) as exc:
+        typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from exc
+    folder = cfg.run_dir or default_run_dir(cfg)
+    state = folder_state(folder, cfg)
+    if not resume and not overwrite and state.kind in ("done", "other"):
+        _refuse_or_reuse(folder, state, dist.is_main)
+        return
+    warning = no_probe_round_warning(cfg)
+    if warning and dist.is_main:
+        typer.secho(f"warning: {warning}", fg=typer.colors.YELLOW, err=True)
+    if dist.is_main:  # rank 0 alone reports (one port per host)
+        _serve_metrics(metrics_port, metrics_host, bool(coordinator))
+    fleet_kw = {}
+    if coordinator:  # rank 0 alone attaches; the others learn whether it did
+        attached = False
+        try:
+            if dist.is_main:
+                fleet_kw = _attach_fleet(coordinator, cfg, attach_wait, "sync" if fleet_sync else fleet_wait, eval_on,
+                                         eval_deadline, eval_windows)
+            attached = True
+        finally:  # rank 0's own error propagates; the others exit 2 quietly
+            if dist.parallel and not dist.broadcast_object(attached) and not dist.is_main:
+                raise typer.Exit(2)
+    result = _run_train(cfg, dist, folder, resume=resume, progress=progress, overwrite=overwrite, export=export,
+                        fleet_kw=fleet_kw)
+    if not dist.is_main:
+        return
+    if warning:  # the summary says it too, for whoever reads the folder later
+        path = result.run_dir / "summary.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), "warnings": [warning]}, indent=2))
+    from trainer.ledger import format_ledger
+
+    typer.echo("\n".join(format_ledger(result.summary["time_ledger"])))
+    typer.echo(
+        f"val loss {result.initial_val_loss:.4f} -> {result.final_val_loss:.4f} after {result.steps} steps "
+        f"({result.wall_s:.1f} s); run folder {result.run_dir}"
+    )
+
+
+def _resolve_checked(preset: str, overrides: dict[str, Any], *, eval_on: str, fleet_wait: str, eval_windows: str,
+                     coordinator: str | None) -> Any:
+    """The run's TrainConfig (trainer.config.resolve_preset) with every option checked: raises typer.BadParameter
+    (naming the option) for an invalid one, or a method that cannot use the fleet it is given."""
+    from trainer.config import resolve_preset
+    from trainer.preflight import check_options, explain
+
     try:
         cfg = resolve_preset(preset, overrides)
     except ValueError as exc:  # pydantic's ValidationError, or an unknown preset
@@ -231,45 +287,26 @@ def train(
                                  param_hint="--eval-on")
     if coordinator:
         _fleet_use(cfg, eval_on)
-    if nproc_per_node is not None and not _launched_by_torchrun():
-        _check_launch(cfg, shard, nproc_per_node)  # the ranks would refuse these only after torchrun started them
-        raise typer.Exit(_launch_torchrun(nproc_per_node, device))
-    from trainer.distributed import DistributedError, setup
+    return cfg
 
-    try:
-        dist = setup(device=cfg.device, shard=shard, micro_batch_size=micro_batch_size, fleet=bool(coordinator),
-                     timeout_s=dist_timeout, fleet_rounds=FLEET_WAIT["sync" if fleet_sync else fleet_wait])
-    except (ValueError, DistributedError) as exc:
-        typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
-        raise typer.Exit(2) from exc
-    folder = cfg.run_dir or default_run_dir(cfg)
-    state = folder_state(folder, cfg)
-    if not resume and not overwrite and state.kind in ("done", "other"):
-        if state.kind == "other":
-            typer.secho(f"error: {folder} holds a run with other settings ({'; '.join(state.diffs)}); pass "
-                        "--overwrite to replace it, or another --run-dir", fg=typer.colors.RED, err=True)
-            raise typer.Exit(2)
-        if dist.is_main:
-            typer.echo(f"{folder} already holds this run, finished (same settings): reused, nothing trained "
-                       "(--overwrite trains it again)", err=True)
-            typer.echo((folder / "summary.json").read_text())
-        return
-    warning = no_probe_round_warning(cfg)
-    if warning and dist.is_main:
-        typer.secho(f"warning: {warning}", fg=typer.colors.YELLOW, err=True)
-    if dist.is_main:  # rank 0 alone reports (one port per host)
-        _serve_metrics(metrics_port, metrics_host, bool(coordinator))
-    fleet_kw = {}
-    if coordinator:  # rank 0 alone attaches; the others learn whether it did
-        attached = False
-        try:
-            if dist.is_main:
-                fleet_kw = _attach_fleet(coordinator, cfg, attach_wait, "sync" if fleet_sync else fleet_wait, eval_on,
-                                         eval_deadline, eval_windows)
-            attached = True
-        finally:  # rank 0's own error propagates; the others exit 2 quietly
-            if dist.parallel and not dist.broadcast_object(attached) and not dist.is_main:
-                raise typer.Exit(2)
+
+def _refuse_or_reuse(folder: Path, state: Any, is_main: bool) -> None:
+    """A folder already holding a run without --resume or --overwrite: one with other settings is refused
+    (typer.Exit(2), naming the differences); this run, finished, is reused (rank 0 prints its summary)."""
+    if state.kind == "other":
+        typer.secho(f"error: {folder} holds a run with other settings ({'; '.join(state.diffs)}); pass "
+                    "--overwrite to replace it, or another --run-dir", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2)
+    if is_main:
+        typer.echo(f"{folder} already holds this run, finished (same settings): reused, nothing trained "
+                   "(--overwrite trains it again)", err=True)
+        typer.echo((folder / "summary.json").read_text())
+
+
+def _run_train(cfg: Any, dist: Any, folder: Path, *, resume: bool, progress: bool, overwrite: bool, export: bool,
+               fleet_kw: dict[str, Any]) -> Any:
+    """trainer.train.train on this rank, then the torchrun teardown; returns its RunResult. A run error is
+    printed and exits 2 (typer.Exit); under torchrun a failed collective exits 1, saying how to resume."""
     from trainer.checkpoint import CheckpointError
     from trainer.train import train as run_train
 
@@ -292,18 +329,7 @@ def train(
         from trainer.distributed import teardown
 
         teardown(dist)
-    if not dist.is_main:
-        return
-    if warning:  # the summary says it too, for whoever reads the folder later
-        path = result.run_dir / "summary.json"
-        path.write_text(json.dumps({**json.loads(path.read_text()), "warnings": [warning]}, indent=2))
-    from trainer.ledger import format_ledger
-
-    typer.echo("\n".join(format_ledger(result.summary["time_ledger"])))
-    typer.echo(
-        f"val loss {result.initial_val_loss:.4f} -> {result.final_val_loss:.4f} after {result.steps} steps "
-        f"({result.wall_s:.1f} s); run folder {result.run_dir}"
-    )
+    return result
 
 
 def _check_launch(cfg, shard: bool, nproc: int) -> None:

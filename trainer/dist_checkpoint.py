@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from trainer.checkpoint import Checkpointer, CheckpointError
+from trainer.checkpoint import Checkpointer, CheckpointError, unreadable_message
 from trainer.distributed import DistContext
 
 DCP_NAME = "checkpoint.dcp"
@@ -101,11 +101,15 @@ class DistCheckpointer:
         found = self.ctx.broadcast_object(folder is not None)
         if not found:
             return self._restore_legacy()
-        info = json.loads((folder / INFO_NAME).read_text())
-        if info.get("format") != FORMAT_VERSION:
-            raise CheckpointError(f"checkpoint {folder} has format {info.get('format')}, expected {FORMAT_VERSION}")
-        reader = dcp.FileSystemReader(str(folder))
-        saved = reader.read_metadata().state_dict_metadata
+        try:
+            info = json.loads((folder / INFO_NAME).read_text())
+            reader = dcp.FileSystemReader(str(folder))
+            saved = reader.read_metadata().state_dict_metadata
+        except Exception as exc:  # noqa: BLE001 - a truncated file: JSON, pickle (EOF, unpickling) or OS errors
+            raise CheckpointError(unreadable_message(folder, exc)) from exc
+        if not isinstance(info, dict) or info.get("format") != FORMAT_VERSION:
+            raise CheckpointError(f"checkpoint {folder} has format {info.get('format') if isinstance(info, dict) else None}"
+                                  f", expected {FORMAT_VERSION}")
         extra = {k.split(".", 1)[1]: torch.empty(m.size, dtype=m.properties.dtype)
                  for k, m in saved.items() if k.startswith("extra.")}
         state = {**self._state(), "extra": extra}
