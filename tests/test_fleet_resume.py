@@ -44,7 +44,9 @@ def _records(run_dir) -> list[dict]:
 
 
 def _losses(run_dir) -> list[tuple[int, str, float]]:
-    return [(r["step"], k, r[k]) for r in _records(run_dir) for k in ("loss", "val_loss") if k in r]
+    """(step, "loss" | "val_loss", value) in step order: a fleet evaluation's record lands when its result
+    arrives (after later steps' losses, by the fleet's timing), so file order is not compared, the values are."""
+    return sorted((r["step"], k, r[k]) for r in _records(run_dir) for k in ("loss", "val_loss") if k in r)
 
 
 def _inflight(run_dir: Path) -> list[dict]:
