@@ -159,7 +159,7 @@ def _run_summary(run_dir: Path) -> dict:
 
 def _prefetch_inputs(cfg, progress: bool) -> None:
     """Fetch (or verify the cache of) the task's data and weights once, before any child races to do it."""
-    from trainer.train import quiet_hf_bars
+    from trainer.console import quiet_hf_bars
 
     quiet_hf_bars(progress)
     if cfg.task == "sentiment":

@@ -95,7 +95,7 @@ def test_status_line_is_not_cut_at_80_columns():
     """The live line of `up` (loss, val, workers, probes/s, stale) stays whole on an 80-column terminal."""
     from rich.console import Console
 
-    from trainer.train import status_progress
+    from trainer.console import status_progress
 
     status = "loss 10.754 val 10.649 | workers 2 | probes/s 123.4 | stale 0.0%"
     console = Console(record=True, width=80, force_terminal=True)

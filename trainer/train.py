@@ -23,14 +23,10 @@ trainer.zo.modes (ZO-Curv, pure ZO); tasks in trainer.tasks; files in trainer.ru
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
-import signal
-import sys
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,6 +37,7 @@ from coordinator.client import is_transient
 from trainer import metrics as prom
 from trainer.checkpoint import Checkpointer  # noqa: F401  (public here too)
 from trainer.config import TrainConfig, lr_at
+from trainer.console import deferred_interrupt, progress_bar, quiet_hf_bars
 from trainer.dist_backends import build_rank_mode
 from trainer.dist_checkpoint import make_checkpointer
 from trainer.distributed import SINGLE, DistContext
@@ -233,8 +230,8 @@ def _step_loop(cfg: TrainConfig, s: _Setup, book: _RunLog, ledger: TimeLedger, d
     task, model, mode, ckpt, anytime, evaluator, kind = s.task, s.model, s.mode, s.ckpt, s.anytime, s.evaluator, s.kind
     done = s.start  # optimizer steps completed
     t0 = time.perf_counter()
-    with _progress_bar(s.progress, f"{cfg.optimizer} {task.model_name}", cfg.steps, s.start, status) as show, \
-            _deferred_interrupt() as interrupted:
+    with progress_bar(s.progress, f"{cfg.optimizer} {task.model_name}", cfg.steps, s.start, status) as show, \
+            deferred_interrupt() as interrupted:
         failed = True
         try:
             for step in range(s.start, cfg.steps):
@@ -382,16 +379,6 @@ def _build_anytime(cfg: TrainConfig, task: Task, run_path: Path):
                    device=cfg.device, run_path=run_path, loss=lm_loss)
 
 
-def quiet_hf_bars(progress: bool) -> None:
-    """Turn transformers' own progress bars ("Loading weights", "Writing model shards") off when `progress` is off
-    or stderr is no terminal (a log file): there each redraw would be a line of `\r`-joined bars. Our display
-    (rich) draws one final line there."""
-    if not progress or not sys.stderr.isatty():
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
-
-
 def _close_mode(mode: TrainMode, failed: bool) -> None:
     """Close a mode that holds connections (the fleet's: `close(wait)` finishes or, after a failure, cancels its
     background uploads). A finished run raises a last upload's error; a failed one only logs it, so the error
@@ -416,57 +403,3 @@ def _prepare_device(device: str) -> None:
         raise ValueError(f"--device {device}: CUDA is not available on this machine; use --device cpu")
     if device.startswith("cuda"):
         torch.set_float32_matmul_precision("high")
-
-
-def status_progress(**kwargs: Any):
-    """A rich Progress over the steps whose status text (loss, val, the fleet's workers and probes/s) has a line of
-    its own under the bar, folded rather than cut at the terminal's width (on one line, 80 columns cut it)."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-    from rich.text import Text
-
-    class StatusProgress(Progress):
-        def get_renderables(self):
-            yield self.make_tasks_table(self.tasks)
-            for task in self.tasks:
-                if task.fields.get("status"):
-                    yield Text("  " + task.fields["status"], overflow="fold")
-
-    return StatusProgress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                          TimeRemainingColumn(), **kwargs)
-
-
-@contextlib.contextmanager
-def _progress_bar(enabled: bool, description: str, total: int, completed: int,
-                  status: Callable[[], str] | None) -> Iterator[Callable[[int, str], None]]:
-    """A rich progress bar over the steps; yields show(done, text), which also appends `status()` if given."""
-    with status_progress(disable=not enabled) as bar:
-        bar_id = bar.add_task(description, total=total, completed=completed, status="")
-
-        def show(done: int, text: str) -> None:
-            bar.update(bar_id, completed=done, status=f"{text} | {status()}" if status else text)
-
-        yield show
-
-
-@contextlib.contextmanager
-def _deferred_interrupt() -> Iterator[Callable[[], bool]]:
-    """Turn the first Ctrl-C (SIGINT) or SIGTERM into a flag checked between steps (a step is never cut in
-    half); the run then checkpoints and raises KeyboardInterrupt. A second signal interrupts at once.
-    Outside the main thread signals cannot be caught: no-op.
-    """
-    hit = {"n": 0}
-    if threading.current_thread() is not threading.main_thread():
-        yield lambda: False
-        return
-
-    def handler(signum, frame):
-        hit["n"] += 1
-        if hit["n"] > 1:
-            raise KeyboardInterrupt
-
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield lambda: hit["n"] > 0
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
