@@ -121,7 +121,10 @@ class ZOCurvOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore like torch, but keep fp32 masters/moments fp32 (torch would cast them to the param dtype)."""
-        saved = {int(k): dict(v) for k, v in state_dict["state"].items()}
+        # Keys are param indices (torch's own state_dict) or FQNs (torch.distributed.checkpoint's set_state_dict):
+        # either way a key's position in the saved param groups is its param, as in torch's own load_state_dict.
+        order = {k: i for i, k in enumerate(k for g in state_dict["param_groups"] for k in g["params"])}
+        saved = {order[k]: dict(v) for k, v in state_dict["state"].items()}
         super().load_state_dict(state_dict)
         flat = [p for g in self.param_groups for p in g["params"]]
         for idx, st in saved.items():
