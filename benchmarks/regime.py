@@ -93,10 +93,15 @@ H200 = Plan({"model": "gpt2-small", "corpus": "classics-large", "batch_size": 32
             arm_lr=1.2e-3, arm_schedule="cosine", adaptive=False,
             extra=(RegimeRun(ADAMW, 1.2e-3, 200, "linear"), RegimeRun("zocurv-static", 6e-4, 200),
                    RegimeRun("zocurv-trust", 1.2e-3, 150, options=(("start", "table"),))))
+# "h200b": the second call of the one-GPU plan, resuming from the first call's run folders (same settings): adaptive,
+# the arms at the best AdamW lr and at shorter T while they reach AdamW(T_ref), the first call's lr-1.2e-3 runs first.
+H200B = replace(H200, arms=ARMS[:2], arm_lr=None, arm_schedule=None, adaptive=True, fracs=(0.75, 0.5),
+                extra=(RegimeRun(ADAMW, 1.2e-3, 200, "linear"), RegimeRun("zocurv-static", 1.2e-3, 200),
+                       RegimeRun("zocurv-trust", 1.2e-3, 200, options=(("start", "one"),))))
 CPU = Plan({"model": "gpt2-tiny", "corpus": "classics-small", "batch_size": 2, "seq_len": 16, "eval_batches": 2,
             "curvature_interval": 2, "probe_batch_size": 2},
            t_ref=4, adamw_lrs=(3e-3, 1e-2), arms=ARMS, fracs=(0.75, 0.5), adamw_seeds=2)
-PLANS = {"full": FULL, "h200": H200, "cpu": CPU}
+PLANS = {"full": FULL, "h200": H200, "h200b": H200B, "cpu": CPU}
 
 
 # ---- the adaptive plan (pure) --------------------------------------------------------------------------------
