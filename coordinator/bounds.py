@@ -7,8 +7,9 @@
   `eps` on the wire and in trainer.zo.probes.RoundSpec, TrainConfig.eps of the pure-ZO and ZO-Curv methods.
 - `RelativeProbeEps`: a step relative to a parameter group's weight RMS, ε_G = eps_rel·RMS(θ_G) (the role
   variants of ZO-Curv read TrainConfig.eps this way).
-- the `line` kind's step unit: a line round probes α = ±j·ε along θ_v − θ_base; the step is a ProbeEps and
-  the product j·ε is bounded by MAX_LINE_SEED and MAX_LINE_STEP (coordinator.round_messages.check_line_seeds).
+- the `line` kind's step unit: a line round probes α = ±j·ε along θ_v − θ_base (a `group_line` round one α = k·ε
+  per seed, k signed, along a role's share of it); the step is a ProbeEps and the product |j|·ε is bounded by
+  MAX_LINE_SEED and MAX_LINE_STEP (coordinator.round_messages.check_line_seeds).
 - Adam's ε: the denominator floor of Adam-family updates (torch.optim.AdamW's `eps`), never a probe step.
 
 Seeds: a probe `Seed` is a Philox key, an unsigned 64-bit integer (DESIGN.md §1); a `RunSeed` is the base of

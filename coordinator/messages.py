@@ -40,15 +40,17 @@ DType = Literal["float32", "bfloat16", "float16"]
 WorkerState = Literal["active", "draining", "lost", "quarantined"]
 # seeded: z(seed); block_scaled: per-block gauss8 scale times Rademacher signs; along_update: the update
 # theta_version - theta_base restricted to block `seed`; group: z(seed) restricted to the round's `blocks`;
-# line: seed * eps times the whole update theta_version - theta_base; eval: no perturbation, the "seed" is the
-# index of a held-out evaluation batch (schema 3, `eval`: EvalSpec) (the meaning of each:
-# trainer.zo.probes.KINDS, which a test keeps equal to this list).
-ProbeKindName = Literal["seeded", "block_scaled", "along_update", "group", "line", "eval"]
-BASE_KINDS = ("along_update", "line")  # kinds probing along theta_version - theta_base
+# line: seed * eps times the whole update theta_version - theta_base; group_line: one point along the update restricted
+# to the round's `blocks` (and `slices`), the seed a zigzag-coded signed step multiple k (coordinator.round_messages.
+# line_multiple), alpha = k * eps; eval: no perturbation, the "seed" is the index of a held-out evaluation batch
+# (schema 3, `eval`: EvalSpec) (the meaning of each: trainer.zo.probes.KINDS, which a test keeps equal to this list).
+ProbeKindName = Literal["seeded", "block_scaled", "along_update", "group", "line", "group_line", "eval"]
+BASE_KINDS = ("along_update", "line", "group_line")  # kinds probing along theta_version - theta_base
+GROUP_KINDS = ("group", "group_line")  # kinds moving only the round's `blocks` (schema 2), some of them in `slices`
 MAX_BLOCKS = 1 << 20  # canonical blocks of a model (parameter tensors): far above any real model
 BlockIndex = Annotated[int, Field(ge=0, lt=MAX_BLOCKS)]
-# A group round's block slice [block, dim, start, stop]: only elements with index in [start, stop) along `dim` of
-# that block move (GPT-2's fused c_attn holds two roles' columns; trainer.zo.probes.group_weights).
+# A group (or group_line) round's block slice [block, dim, start, stop]: only elements with index in [start, stop)
+# along `dim` of that block move (GPT-2's fused c_attn holds two roles' columns; trainer.zo.probes.group_weights).
 BlockSlice = Annotated[list[Annotated[int, Field(ge=0, lt=2**31)]], Field(min_length=4, max_length=4)]
 
 

@@ -23,6 +23,7 @@ from pydantic import (
 from coordinator.bounds import ProbeEps, Seed
 from coordinator.messages import (
     BASE_KINDS,
+    GROUP_KINDS,
     MAX_BLOCKS,
     MAX_RESULTS_PER_BATCH,
     MAX_SEEDS_PER_ROUND,
@@ -41,13 +42,39 @@ from coordinator.messages import (
     WorkerId,
 )
 
-MAX_LINE_SEED = 64  # a `line` seed j is the step multiple α = ±j·eps along θ_version − θ_base
+MAX_LINE_SEED = 64  # a `line` seed j is the step multiple α = ±j·eps along θ_version − θ_base (|k| of `group_line`)
 MAX_LINE_STEP = 16.0  # j·eps: further than 16 updates along the line is no curvature probe, and overflows
+
+
+def line_multiple(seed: int) -> int:
+    """The signed step multiple k a `group_line` seed names, zigzag-coded (seed 2k for k > 0, 2|k| − 1 for k < 0:
+    seeds 1, 2, 3, 4 are k = −1, +1, −2, +2); the probe is at α = k·eps. Seed 0 (k = 0, θ_version itself) is no
+    probe: the clean loss is the round's `want_clean`. Pure; raises ValueError for a negative seed."""
+    if seed < 0:
+        raise ValueError(f"a group_line seed is >= 0, got {seed}")
+    return seed // 2 if seed % 2 == 0 else -(seed + 1) // 2
+
+
+def line_seed(k: int) -> int:
+    """The `group_line` seed of signed step multiple k (the inverse of `line_multiple`). Pure."""
+    return 2 * k if k >= 0 else -2 * k - 1
 
 
 def check_line_seeds(kind: str, seeds: list[int], eps: float) -> None:
     """A `line` round's seeds are step multiples 1 <= j <= MAX_LINE_SEED with j·eps <= MAX_LINE_STEP (a worker
-    would refuse a seed 0 only after dispatch, and a huge j·eps gives non-finite losses)."""
+    would refuse a seed 0 only after dispatch, and a huge j·eps gives non-finite losses); a `group_line` round's
+    seeds name signed multiples k (`line_multiple`) with 1 <= |k| <= MAX_LINE_SEED under the same bound on |k|·eps.
+    Other kinds pass. Raises ValueError naming the bound."""
+    if kind == "group_line":
+        ks = [abs(line_multiple(s)) for s in seeds]
+        if min(ks) < 1 or max(ks) > MAX_LINE_SEED:
+            raise ValueError(f"group_line seeds name signed step multiples 1 <= |k| <= {MAX_LINE_SEED} (zigzag: "
+                             f"seeds 1..{line_seed(MAX_LINE_SEED)}; seed 0 is the clean loss, want_clean), got "
+                             f"{min(seeds)}..{max(seeds)}")
+        if max(ks) * eps > MAX_LINE_STEP:
+            raise ValueError(f"group_line probes reach |k|*eps = {max(ks) * eps:g} > {MAX_LINE_STEP:g} updates "
+                             "along the line")
+        return
     if kind != "line":
         return
     if min(seeds) < 1 or max(seeds) > MAX_LINE_SEED:
@@ -108,14 +135,14 @@ def _check_kind(kind: str, version: int, base_version: int | None, blocks: list[
         if base_version is None or base_version >= version:
             raise ValueError(f"{kind} rounds need base_version < version")
     elif base_version is not None:
-        raise ValueError("base_version is only meaningful for along_update and line rounds")
-    if kind == "group":
+        raise ValueError(f"base_version is only meaningful for {', '.join(BASE_KINDS)} rounds, not {kind}")
+    if kind in GROUP_KINDS:
         if schema_version < 2 or not blocks:
-            raise ValueError("a group round needs schema_version 2 and a non-empty `blocks` list")
+            raise ValueError(f"a {kind} round needs schema_version 2 and a non-empty `blocks` list")
         if any(a >= b for a, b in itertools.pairwise(blocks)):
-            raise ValueError("group blocks must be sorted and unique")
+            raise ValueError(f"{kind} blocks must be sorted and unique")
     elif blocks is not None:
-        raise ValueError("`blocks` is only meaningful for group rounds")
+        raise ValueError(f"`blocks` is only meaningful for {' and '.join(GROUP_KINDS)} rounds, not {kind}")
 
 
 def _check_slices(slices: list[list[int]] | None, blocks: list[int] | None) -> None:
@@ -123,7 +150,7 @@ def _check_slices(slices: list[list[int]] | None, blocks: list[int] | None) -> N
         return
     named = [sl[0] for sl in slices]
     if blocks is None or len(set(named)) != len(named) or not set(named) <= set(blocks):
-        raise ValueError("`slices` name distinct blocks of a group round's `blocks`")
+        raise ValueError("`slices` name distinct blocks of a group or group_line round's `blocks`")
     if any(sl[1] >= 8 or sl[2] >= sl[3] for sl in slices):
         raise ValueError("a slice is [block, dim < 8, start, stop > start]")
 
@@ -138,9 +165,11 @@ class _RoundFields(Message):
 
     Evaluate L(theta_version +- eps z(seed); batch) for each seed. `batch_sha256` names a blob already
     uploaded (the batch travels once). `want_clean` asks for L0. Schema version 2 adds `blocks`: the sorted,
-    unique canonical block indices of a `group` round (the worker checks them against its model's block
-    count), and `slices`: those of its blocks that move only in part (BlockSlice); version 1 messages have no
-    group kind. Schema version 3 adds `eval` (EvalSpec) for `eval` rounds: held-out evaluation batches, one per
+    unique canonical block indices of a `group` or `group_line` round (the worker checks them against its model's
+    block count), and `slices`: those of its blocks that move only in part (BlockSlice); version 1 messages have
+    no group kinds. A `group_line` round (a parameter role's share of θ_version − θ_base, e.g. GPT-2's QK columns
+    of c_attn) names its role by these segments, so the worker needs no role table; its seeds are one designed
+    point each (`line_multiple`). Schema version 3 adds `eval` (EvalSpec) for `eval` rounds: held-out evaluation batches, one per
     seed (`eps` and `distribution` unused there). Raises ValidationError for repeated seeds and for fields
     the kind needs or forbids.
     """

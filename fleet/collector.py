@@ -42,18 +42,24 @@ class ResultCollector:
                                          claim_idle_ms=claim_idle_ms)
         seen = client.intake_counts(run)
         self._intake_seen = (seen.stale, seen.duplicate)  # the coordinator's counts already reported
-        self.forward_passes = 0  # fleet forward passes behind the results handed out (2 per seed, +1 L0/round)
+        self.forward_passes = 0  # fleet forward passes behind the results handed out (2 per seed or the kind's
+        # KindRule.forwards, +1 L0/round)
         self.waiting: dict[str, set[int]] = {}  # round -> seeds not yet handed out (nor dropped)
         self.buffered: dict[RoundSeed, tuple[str, SeedResult]] = {}  # (round, seed) -> (entry id, result)
         self._delivered: set[RoundSeed] = set()
         self._scales: dict[str, dict[int, float]] = {}  # along_update round -> block -> step RMS
         self._clean_counted: set[str] = set()
+        self._forwards: dict[str, int] = {}  # round -> forward passes per seed, where not 2 (group_line: 1)
         self._counts: Counter[str] = Counter()  # dropped / retracted since the last collect
 
-    def expect(self, round_id: str, seeds: list[int], scales: dict[int, float] | None = None) -> None:
-        """A round was sent: `collect(round_id)` waits for `seeds`; results carry `scales[seed]` (along_update)."""
+    def expect(self, round_id: str, seeds: list[int], scales: dict[int, float] | None = None,
+               forwards: int = 2) -> None:
+        """A round was sent: `collect(round_id)` waits for `seeds`; results carry `scales[seed]` (along_update);
+        each seed's result stands for `forwards` forward passes (trainer.zo.probes.KindRule.forwards)."""
         if scales is not None:
             self._scales[round_id] = scales
+        if forwards != 2:
+            self._forwards[round_id] = forwards
         self.waiting[round_id] = set(seeds)
 
     def drain(self, block_ms: int) -> None:
@@ -89,7 +95,7 @@ class ResultCollector:
         for key in keys:
             entry_id, res = self.buffered.pop(key)
             self._delivered.add(key)
-            self.forward_passes += 2
+            self.forward_passes += self._forwards.get(key[0], 2)
             if res.l0 is not None and key[0] not in self._clean_counted:
                 self._clean_counted.add(key[0])
                 self.forward_passes += 1

@@ -42,7 +42,8 @@ class RoundSender:
         Like InProcessBackend, a round probes the model's current weights: a round whose version is newer
         than the last published one publishes the current weights as that version first.
         Raises ValueError for an along_update round without snapshots, a round at an older version that
-        was never published, a group outside the blocks, or a round id the wire format refuses.
+        was never published, a group or slice outside the blocks (trainer.zo.probes.ProbeFitError), or a round id
+        the wire format refuses.
         """
         pub = self.publisher
         self.uploads.check()
@@ -51,7 +52,7 @@ class RoundSender:
         elif r.version not in pub.published:
             raise ValueError(f"version {r.version} was never published (last is {pub.published[-1]})")
         if r.blocks:
-            probes.check_group(r.blocks, len(pub.blocks))
+            probes.check_fits(pub.blocks, r.blocks, r.slices)
         scales = self._along_update_scales(r) if ProbeKind(r.kind) is ProbeKind.ALONG_UPDATE else None
         data = batch_wire.encode_batch(r.batch, self.batch_kind)
         wire = r.to_wire(pub.run, hashlib.sha256(data).hexdigest())
@@ -61,7 +62,7 @@ class RoundSender:
             self.client.post_round(wire)
 
         self.uploads.run(post)
-        self.results.expect(r.round_id, wire.seeds, scales)
+        self.results.expect(r.round_id, wire.seeds, scales, probes.KINDS[ProbeKind(r.kind)].forwards)
 
     def submit_wire(self, wire: ProbeRound, blob: bytes) -> None:
         """Open a round given in wire form (e.g. an `eval` round, fleet.evaluation) whose batch blob is `blob`: the

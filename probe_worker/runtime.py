@@ -229,8 +229,9 @@ class ProbeRuntime:
                         self.metrics.clean.inc()
                         while len(self._clean) > self.keep_rounds:
                             self._clean.popitem(last=False)
-                if task.blocks is not None:
-                    probes.check_group(task.blocks, len(probes.canonical_blocks(loaded.model)))
+                if task.blocks is not None:  # ProbeFitError: the task is invalid for this model (probe_worker.tasks)
+                    probes.check_fits(probes.canonical_blocks(loaded.model), task.blocks,
+                                      [tuple(sl) for sl in task.slices or ()])
                 done = self._seeded_all(task, ev, batch) if task.kind == "seeded" else None
                 site = self._site(task, loaded.model, ev, batch, done)
                 out = []

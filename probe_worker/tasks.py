@@ -5,9 +5,10 @@ redelivered; the task is idempotent (evaluation is deterministic and intake dedu
 so redelivery only costs compute. Outcomes, each counted in `sparecycles_worker_tasks_total{outcome}`:
 
 - `done`: evaluated and posted (whatever the per-result intake outcomes were);
-- `invalid`: kwargs are not a valid ProbeTask, or the round's batch blob is malformed or does not fit the
-  version's model (fleet.batch_wire.BatchFormatError) -> rejected without requeue, never retried (another
-  worker would refuse the same bytes);
+- `invalid`: kwargs are not a valid ProbeTask, the round's batch blob is malformed or does not fit the
+  version's model (fleet.batch_wire.BatchFormatError), or its blocks or slices do not (a group or group_line
+  round naming a block the model lacks or a slice outside a block: trainer.zo.probes.ProbeFitError) ->
+  rejected without requeue, never retried (another worker would refuse the same bytes);
 - `refused`: the coordinator refused a call with a 4xx, or the version is neither a snapshot nor reachable
   by the seed ledger -> dropped;
 - `corrupt`: a shard kept arriving corrupt -> dropped (the coordinator re-dispatches what it misses);
@@ -39,6 +40,7 @@ from fleet.batch_wire import BatchFormatError
 from probe_worker.cache import VersionUnavailable
 from probe_worker.metrics import WorkerMetrics
 from probe_worker.runtime import ProbeRuntime, parse_task
+from trainer.zo.probes import ProbeFitError
 
 log = logging.getLogger("sparecycles.worker")
 
@@ -135,6 +137,10 @@ def run_probe(runtime: ProbeRuntime, drain: DrainState, metrics: WorkerMetrics, 
         outcome("invalid")
         log.warning("rejected round %s: its batch %s", task.round_id, str(exc)[:500])
         raise Reject(f"invalid batch: {str(exc)[:200]}", requeue=False) from None
+    except ProbeFitError as exc:
+        outcome("invalid")
+        log.warning("rejected round %s: it does not fit the model: %s", task.round_id, str(exc)[:500])
+        raise Reject(f"round does not fit the model: {str(exc)[:200]}", requeue=False) from None
     except Exception:
         log.exception("probe task of round %s failed", task.round_id)
         return outcome("error")

@@ -22,6 +22,8 @@ from coordinator.round_messages import (
     ProbeTask,
     ResultBatch,
     StreamEvent,
+    line_multiple,
+    line_seed,
     values_agree,
 )
 from coordinator.settings import CoordinatorSettings, generate_dev_settings
@@ -213,7 +215,37 @@ def test_line_rounds_and_tasks_bound_their_step_multiples():
         RoundSpec(**fields)
 
 
+def test_group_line_rounds_name_their_segments_and_one_point_per_seed():
+    """A group_line round: a role's segments as blocks + slices (schema 2), θ_base, one signed step multiple per
+    seed (zigzag); the wire refuses what a worker could not evaluate, naming why, and so does the trainer."""
+    assert [line_multiple(s) for s in (1, 2, 3, 4)] == [-1, 1, -2, 2]
+    assert all(line_multiple(line_seed(k)) == k for k in range(-70, 71))
+    gl = {"schema_version": 2, "run": "r", "round_id": "k", "version": 6, "batch_sha256": SHA, "eps": 0.5,
+          "distribution": "rademacher", "seeds": [1, 2, 4], "kind": "group_line", "base_version": 3, "want_clean": True,
+          "blocks": [1, 4], "slices": [[4, 1, 0, 64]]}
+    rnd = ProbeRound.model_validate(gl)
+    (task,) = ProbeTask.split(rnd, rnd.seeds, replica=0, per_task=8)
+    assert (task.blocks, task.slices, task.base_version) == ([1, 4], [[4, 1, 0, 64]], 3)
+    for bad, why in [({"seeds": [0, 1]}, "seed 0 is the clean loss"), ({"seeds": [line_seed(65)]}, "<= 64"),
+                     ({"seeds": [line_seed(-40)]}, "\\|k\\|\\*eps = 20"), ({"base_version": None}, "need base_version"),
+                     ({"base_version": 6}, "base_version < version"), ({"blocks": None, "slices": None}, "`blocks`"),
+                     ({"schema_version": 1}, "schema_version 2"), ({"slices": [[2, 1, 0, 64]]}, "distinct blocks")]:
+        for model in (ProbeRound, ProbeTask):
+            with pytest.raises(ValidationError, match=why):
+                model.model_validate(dict(gl, **bad))
+    from trainer.zo.probes import ProbeKind, RoundSpec  # the trainer refuses what the wire would
+
+    with pytest.raises(ValueError, match="seed 0 is the clean loss"):
+        RoundSpec("k", 6, None, 0.5, (0, 1), kind=ProbeKind.GROUP_LINE, base_version=3, blocks=(1,))
+    with pytest.raises(ValueError, match="needs at least one block index"):
+        RoundSpec("k", 6, None, 0.5, (1,), kind=ProbeKind.GROUP_LINE, base_version=3)
+    assert RoundSpec("k", 6, None, 0.5, (1, 2, 4), want_clean=True, kind=ProbeKind.GROUP_LINE, base_version=3, blocks=(1, 4),
+                     slices=((4, 1, 0, 64),)).to_wire("r", SHA) == rnd
+
+
 @pytest.mark.parametrize("extra", [{}, {"schema_version": 2, "kind": "group", "blocks": [0, 3]},
+                                   {"schema_version": 2, "kind": "group_line", "blocks": [0, 3], "base_version": 1,
+                                    "slices": [[3, 0, 0, 2]], "seeds": [1, 2, 4, 3, 6], "eps": 0.5},
                                    {"kind": "line", "base_version": 1, "seeds": [1, 2, 3, 4, 5], "eps": 0.5}])
 def test_tasks_carry_every_field_of_their_round(extra):
     rnd = ProbeRound.model_validate({"run": "r", "round_id": "k", "version": 7, "batch_sha256": SHA, "eps": 1e-3,

@@ -194,7 +194,7 @@ class InProcessBackend:
 
     def _evaluate(self, r: RoundSpec) -> list[SeedResult]:
         if r.blocks:
-            probes.check_group(r.blocks, len(self.blocks))
+            probes.check_fits(self.blocks, r.blocks, r.slices)
         site = self._site(r)
         l0 = self._loss(r.batch) if r.want_clean else None
         out = []

@@ -94,6 +94,20 @@ class GroupMap:
         """Number of parameter elements n_G of `role` (0 when absent)."""
         return sum(s.numel for s in self.groups.get(role, ()))
 
+    def probe_fields(self, role: Role) -> tuple[tuple[int, ...], tuple[tuple[int, int, int, int], ...]]:
+        """`role`'s elements as a probe round names them (trainer.zo.probes: ``group`` and ``group_line`` rounds):
+        (sorted canonical block indices, (block, dim, start, stop) of each block the role holds only in part).
+
+        Raises KeyError for a role the model lacks, ValueError when the role holds two segments of one block (a
+        round carries one slice per block; no layout of this module's table does).
+        """
+        segs = self.groups[role]
+        blocks = [s.block for s in segs]
+        if len(set(blocks)) != len(blocks):
+            raise ValueError(f"role {role.value} holds two segments of one block; a probe round names one slice per block")
+        slices = tuple(sorted((s.block, s.dim, s.start, s.stop) for s in segs if s.dim is not None))
+        return tuple(sorted(blocks)), slices
+
 
 # (regex on the parameter name, role); first match wins. Fused GPT-2 c_attn is handled before these.
 _RULES: tuple[tuple[str, Role], ...] = (

@@ -23,6 +23,13 @@ results bit-identical to in-process ones.
   block at once, fp32, not normalised): L± = L(θ_v ± j·ε·d), each block (w_b ± (j·ε)·d_b) rounded once to
   its dtype. With ε = ½ and seeds (1, 2, 3) a round gives the losses at α ∈ {±½, ±1, ±1½} along d that
   zocurv-global's quadratic line fit takes (trainer.zo.role_rules; α = −1 is θ_base itself up to rounding).
+- ``group_line``: one designed point per seed along a parameter role's share of d = θ_v − θ_base: the seed names a
+  signed step multiple k ≠ 0 (zigzag, coordinator.round_messages.line_multiple), α = k·ε, and only the round's
+  blocks G move, those with a slice only there: block b ∈ G becomes (w_b + α·d_b) in fp32, rounded once to its
+  dtype, where its slice (if any) says, w_b elsewhere (`group_line_weights`). L+ = L− = L(θ_v + α·d_G) (the point
+  has no mirror; the pair keeps the result's shape). The role's segments travel as the round's `blocks` and
+  `slices` (trainer.zo.groups.GroupMap.probe_fields), so a worker needs no role table. With ε = ½, seeds
+  (1, 2, 4) and L0 a round gives α ∈ {−½, 0, ½, 1}, the calibrated trust region's design (trainer.zo.group_line).
 
 Non-seeded kinds build perturbed blocks out of place (fp32 math, one rounding to the parameter dtype) and
 swap them in (`param.data = new`) for one forward pass only; the clean storages are never written.
@@ -44,9 +51,16 @@ from typing import Any
 import torch
 
 from coordinator.bounds import ProbeEps, check
-from coordinator.round_messages import ProbeRound, check_line_seeds
+from coordinator.round_messages import ProbeRound, check_line_seeds, line_multiple
 from kernels import canonical_offsets, perturb
 from trainer.zo import estimators as est
+
+
+class ProbeFitError(ValueError):
+    """A well-formed round that does not fit the model it probes: a block index out of range, a slice outside its
+    block's shape, or a block whose shape differs between the two versions of an update. The wire cannot see it
+    (the coordinator holds no model); a worker rejects such a task as `invalid` (counted, never retried:
+    probe_worker.tasks), the trainer refuses such a round at submit."""
 
 
 class ProbeKind(str, Enum):
@@ -57,6 +71,7 @@ class ProbeKind(str, Enum):
     ALONG_UPDATE = "along_update"
     GROUP = "group"
     LINE = "line"
+    GROUP_LINE = "group_line"
     EVAL = "eval"
 
 
@@ -95,13 +110,16 @@ class RoundSpec:
         version: weight version θ_v the probes are taken at.
         batch: task batch passed to the loss function as is (in process: tensors).
         eps: probe step ε > 0 (parameter units, for a unit-RMS direction).
-        seeds: probe seeds (``along_update``: block indices; ``line``: step multiples j >= 1).
+        seeds: probe seeds (``along_update``: block indices; ``line``: step multiples j >= 1; ``group_line``: signed
+            step multiples, zigzag-coded).
         distribution: "rademacher" or "gauss8" (``seeded`` and ``group``).
         want_clean: also evaluate L0 = L(θ_v).
         kind: a ProbeKind.
-        base_version: θ_base for ``along_update`` (usually version − 1) and ``line`` (an earlier refresh).
-        blocks: sorted, distinct canonical block indices perturbed by a ``group`` round (empty otherwise).
-        slices: (block, dim, start, stop) of the blocks of `blocks` a ``group`` round perturbs only in part:
+        base_version: θ_base for ``along_update`` (usually version − 1), ``line`` and ``group_line`` (an earlier
+            refresh).
+        blocks: sorted, distinct canonical block indices perturbed by a ``group`` or ``group_line`` round (empty
+            otherwise).
+        slices: (block, dim, start, stop) of the blocks of `blocks` such a round perturbs only in part:
             elements with index in [start, stop) along `dim`; every other block of `blocks` whole.
         eval: the coordinator.round_messages.EvalSpec of an ``eval`` round (held-out batches, fleet.evaluation; the
             seeds are batch indices), None otherwise.
@@ -138,7 +156,7 @@ class RoundSpec:
     def to_wire(self, run: str, batch_sha256: str) -> ProbeRound:
         """This round as the coordinator receives it, its batch uploaded as blob `batch_sha256`: every field
         but `batch` under its own name (JSON types: lists, the kind's wire name), schema 2 only for group
-        rounds (`blocks`, `slices`), 3 for eval rounds (`eval`). Raises pydantic.ValidationError for what the wire
+        rounds (`blocks`, `slices`: group and group_line), 3 for eval rounds (`eval`). Raises pydantic.ValidationError for what the wire
         refuses (e.g. a round id)."""
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "batch"}
         fields.update(eps=float(self.eps), distribution=str(self.distribution), seeds=[int(x) for x in self.seeds],
@@ -177,8 +195,8 @@ class ProbeSite:
         blocks: canonical blocks of the model holding θ_v.
         loss: loss(new) -> L (nats) with blocks `new` {index: tensor} swapped in; None or {} = clean.
         seeded_loss: seeded_loss(seed, alpha, dist) -> L(θ_v + alpha·z(seed)) (kernels.ProbeEvaluator).
-        update: update(b) -> u_b = θ_v[b] − θ_base[b], fp32 of block b's shape (along_update
-            and line rounds only).
+        update: update(b) -> u_b = θ_v[b] − θ_base[b], fp32 of block b's shape (along_update, line and
+            group_line rounds only).
     """
 
     blocks: Sequence[Block]
@@ -221,11 +239,11 @@ def _along_update(site: ProbeSite, b: int, eps: float, dist: str, group: Sequenc
     if site.update is None:
         raise ValueError("along_update probes need the base version's weights (ProbeSite.update)")
     if not 0 <= b < len(site.blocks):
-        raise ValueError(f"block index {b} out of range [0, {len(site.blocks)})")
+        raise ProbeFitError(f"block index {b} out of range [0, {len(site.blocks)})")
     w = site.blocks[b].param.detach()
     u = site.update(b)
     if u.shape != w.shape:
-        raise ValueError(f"block {b} has shape {tuple(w.shape)} in one version, {tuple(u.shape)} in the other")
+        raise ProbeFitError(f"block {b} has shape {tuple(w.shape)} in one version, {tuple(u.shape)} in the other")
     scale = update_rms(u)
     if scale == 0.0:
         base = l0 if l0 is not None else site.loss(None)
@@ -259,7 +277,7 @@ def group_weights(blocks: Sequence[Block], group: Sequence[int], seed: int, alph
     for b, dim, start, stop in slices:
         w = blocks[b].param.detach()
         if not (0 <= dim < w.dim() and stop <= w.shape[dim]):
-            raise ValueError(f"slice ({b}, {dim}, {start}, {stop}) outside block {b} of shape {tuple(w.shape)}")
+            raise ProbeFitError(f"slice ({b}, {dim}, {start}, {stop}) outside block {b} of shape {tuple(w.shape)}")
         out[b] = torch.where(slice_mask(w.shape, dim, start, stop, w.device), out[b], w)
     return out
 
@@ -270,19 +288,21 @@ def _group(site: ProbeSite, seed: int, eps: float, dist: str, group: Sequence[in
             site.loss(group_weights(site.blocks, group, seed, -eps, dist, slices)), None)
 
 
+def _moved(site: ProbeSite, b: int, alpha: float, kind: str) -> torch.Tensor:
+    """Block b of θ_v + alpha·d (d = site.update(b), fp32): (w_b + alpha·d_b) in fp32, rounded once to its dtype."""
+    if site.update is None:
+        raise ValueError(f"{kind} probes need the base version's weights (ProbeSite.update)")
+    w = site.blocks[b].param.detach()
+    d = site.update(b)
+    if d.shape != w.shape:
+        raise ProbeFitError(f"block {b} has shape {tuple(w.shape)} in one version, {tuple(d.shape)} in the other")
+    return (w.float() + alpha * d).to(w.dtype)
+
+
 def line_weights(site: ProbeSite, alpha: float) -> dict[int, torch.Tensor]:
     """Every block of θ_v + alpha·d, d = θ_v − θ_base (site.update), out of place: (w_b + alpha·d_b) in fp32,
     rounded once to the block's dtype. Raises ValueError without base weights or for a block of another shape."""
-    if site.update is None:
-        raise ValueError("line probes need the base version's weights (ProbeSite.update)")
-    out = {}
-    for b, blk in enumerate(site.blocks):
-        w = blk.param.detach()
-        d = site.update(b)
-        if d.shape != w.shape:
-            raise ValueError(f"block {b} has shape {tuple(w.shape)} in one version, {tuple(d.shape)} in the other")
-        out[b] = (w.float() + alpha * d).to(w.dtype)
-    return out
+    return {b: _moved(site, b, alpha, "line") for b in range(len(site.blocks))}
 
 
 def _line(site: ProbeSite, j: int, eps: float, dist: str, group: Sequence[int], l0: float | None,
@@ -293,6 +313,34 @@ def _line(site: ProbeSite, j: int, eps: float, dist: str, group: Sequence[int], 
     return site.loss(line_weights(site, a)), site.loss(line_weights(site, -a)), None
 
 
+def group_line_weights(site: ProbeSite, group: Sequence[int], slices: Slices, alpha: float) -> dict[int, torch.Tensor]:
+    """Blocks `group` of θ_v + alpha·d (d = θ_v − θ_base, site.update), out of place: (w_b + alpha·d_b) in fp32,
+    rounded once to the block's dtype; a block with a slice (block, dim, start, stop) moves only there (the rest of
+    it bit-identical to w_b). Every block outside `group` stays clean (not in the result).
+
+    Raises ValueError without base weights, for a group or slices `check_group` / `check_slices` refuse, a block of
+    another shape in the two versions, or a slice outside its block's shape.
+    """
+    check_group(group, len(site.blocks))
+    check_slices(slices, group)
+    out = {b: _moved(site, b, alpha, "group_line") for b in group}
+    for b, dim, start, stop in slices:
+        w = site.blocks[b].param.detach()
+        if not (0 <= dim < w.dim() and stop <= w.shape[dim]):
+            raise ProbeFitError(f"slice ({b}, {dim}, {start}, {stop}) outside block {b} of shape {tuple(w.shape)}")
+        out[b] = torch.where(slice_mask(w.shape, dim, start, stop, w.device), out[b], w)
+    return out
+
+
+def _group_line(site: ProbeSite, seed: int, eps: float, dist: str, group: Sequence[int], l0: float | None,
+                slices: Slices = ()) -> Losses:
+    k = line_multiple(seed)
+    if k == 0:
+        raise ValueError("group_line seed 0 names θ_v itself: ask for the clean loss (want_clean) instead")
+    value = site.loss(group_line_weights(site, group, slices, k * eps))
+    return value, value, None
+
+
 @dataclass(frozen=True)
 class KindRule:
     """One probe kind: how a seed is evaluated and which round fields it needs.
@@ -301,8 +349,9 @@ class KindRule:
     """
 
     evaluate: Callable[[ProbeSite, int, float, str, Sequence[int], float | None, Slices], Losses]
-    needs_base: bool = False  # the round names base_version (along_update)
-    needs_group: bool = False  # the round names its block group (group)
+    needs_base: bool = False  # the round names base_version (along_update, line, group_line)
+    needs_group: bool = False  # the round names its block group (group, group_line)
+    forwards: int = 2  # forward passes per seed (L+ and L−; group_line: its one point)
 
 
 def _eval(site: ProbeSite, k: int, eps: float, dist: str, group: Sequence[int], l0: float | None) -> Losses:
@@ -317,18 +366,31 @@ KINDS: dict[ProbeKind, KindRule] = {
     ProbeKind.ALONG_UPDATE: KindRule(_along_update, needs_base=True),
     ProbeKind.GROUP: KindRule(_group, needs_group=True),
     ProbeKind.LINE: KindRule(_line, needs_base=True),
+    ProbeKind.GROUP_LINE: KindRule(_group_line, needs_base=True, needs_group=True, forwards=1),
     ProbeKind.EVAL: KindRule(_eval),  # held-out evaluation (coordinator.messages.EvalSpec), not a probe
 }
 
 
 def check_group(group: Sequence[int], n_blocks: int | None = None) -> None:
-    """Raise ValueError unless `group` is non-empty, strictly increasing and (given n_blocks) in range."""
+    """Raise ValueError unless `group` is non-empty and strictly increasing; ProbeFitError (a ValueError) when, given
+    n_blocks, an index is out of range."""
     if not group:
-        raise ValueError("a group round needs at least one block index")
+        raise ValueError("a group or group_line round needs at least one block index")
     if any(b < 0 for b in group) or any(x >= y for x, y in itertools.pairwise(group)):
         raise ValueError(f"group block indices must be sorted, distinct and >= 0, got {list(group)[:16]}")
     if n_blocks is not None and group[-1] >= n_blocks:
-        raise ValueError(f"group block index {group[-1]} out of range [0, {n_blocks})")
+        raise ProbeFitError(f"group block index {group[-1]} out of range [0, {n_blocks})")
+
+
+def check_fits(blocks: Sequence[Block], group: Sequence[int], slices: Slices = ()) -> None:
+    """Raise ProbeFitError unless every index of `group` names one of `blocks` and every slice (block, dim, start,
+    stop) lies within its block's shape (ValueError for a group or slices malformed in themselves)."""
+    check_group(group, len(blocks))
+    check_slices(slices, group)
+    for b, dim, start, stop in slices:
+        shape = tuple(blocks[b].param.shape)
+        if not (dim < len(shape) and stop <= shape[dim]):
+            raise ProbeFitError(f"slice ({b}, {dim}, {start}, {stop}) outside block {b} of shape {shape}")
 
 
 def check_slices(slices: Slices, group: Sequence[int]) -> None:
@@ -347,11 +409,12 @@ def check_kind_fields(kind: ProbeKind, base_version: int | None, group: Sequence
     if rule.needs_base and base_version is None:
         raise ValueError(f"{kind.value} rounds need base_version (the version the update started from)")
     if not rule.needs_base and base_version is not None:
-        raise ValueError(f"base_version is only meaningful for along_update and line rounds, not {kind.value}")
+        raise ValueError(f"base_version is only meaningful for along_update, line and group_line rounds, not "
+                         f"{kind.value}")
     if rule.needs_group:
         check_group(group)
     elif group:
-        raise ValueError(f"a block group is only meaningful for group rounds, not {kind.value}")
+        raise ValueError(f"a block group is only meaningful for group and group_line rounds, not {kind.value}")
 
 
 def probe_losses(site: ProbeSite, kind: ProbeKind | str, seed: int, eps: float, dist: str,

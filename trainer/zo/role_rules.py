@@ -72,10 +72,8 @@ def group_rms(params: Sequence[torch.Tensor], gmap: GroupMap, role: Role) -> flo
 def role_round(gmap: GroupMap, role: Role, **spec: Any) -> RoundSpec:
     """The ``group`` round perturbing exactly `role`'s elements: its blocks, with a slice per partial segment.
     `spec`: the other RoundSpec fields (round_id, version, batch, eps, seeds, want_clean)."""
-    segs = gmap.groups[role]
-    slices = tuple(sorted((s.block, s.dim, s.start, s.stop) for s in segs if s.dim is not None))
-    return RoundSpec(**spec, distribution="rademacher", kind=ProbeKind.GROUP,
-                     blocks=tuple(sorted({s.block for s in segs})), slices=slices)
+    blocks, slices = gmap.probe_fields(role)
+    return RoundSpec(**spec, distribution="rademacher", kind=ProbeKind.GROUP, blocks=blocks, slices=slices)
 
 
 def group_estimates(refresh: Refresh, gmap: GroupMap) -> tuple[dict[Role, CurvEstimate], dict[str, float]]:

@@ -1,0 +1,126 @@
+"""The ``group_line`` probe kind on a real fleet: a coordinator process on real Redis and one probe-worker process
+(support.fleet), the trainer side through CoordinatorBackend. A refresh's rounds (one per held-out batch and role,
+GPT-2's QK/V columns of c_attn as slices) give, bit for bit, the losses `group_line_losses` computes in process, and
+the in-process backend's; rounds that do not fit the model or the wire are refused and counted where they arrive."""
+
+from __future__ import annotations
+
+import hashlib
+
+import httpx
+import pytest
+import torch
+
+from coordinator.round_messages import line_seed
+from fleet import batch_wire
+from support.fleet import make_batch
+from support.models import tiny_gpt2
+from trainer.models.losses import lm_batch_loss
+from trainer.zo.backend import InProcessBackend
+from trainer.zo.group_line import DESIGN_EPS, group_line_losses, group_line_rounds, group_line_table
+from trainer.zo.groups import model_roles
+from trainer.zo.probes import ProbeFitError, ProbeKind, RoundSpec
+from trainer.zo.trust_region import DESIGN_ALPHAS
+
+pytestmark = pytest.mark.slow  # a coordinator process and a probe-worker process
+
+
+@pytest.fixture(scope="module")
+def one_worker(tmp_path_factory):
+    from support.fleet import one_worker as fleet_of_one
+
+    with fleet_of_one(tmp_path_factory.mktemp("fleet_group_line")) as got:
+        yield got
+
+
+def _displace(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Move every weight by a deterministic step (half its mean magnitude: big enough that QK moves the loss at
+    GPT-2 init); return θ_prev (fp32 copies from before)."""
+    prev = [p.detach().float().clone() for p in model.parameters()]
+    with torch.no_grad():
+        for i, p in enumerate(model.parameters()):
+            g = torch.Generator().manual_seed(100 + i)
+            p.add_(0.5 * torch.randn(p.shape, generator=g) * (p.detach().abs().mean() + 1e-3))
+    return prev
+
+
+def _run(backend, rounds: list[RoundSpec]) -> list:
+    for r in rounds:
+        backend.submit(r)
+    out = []
+    for r in rounds:
+        got = {x.seed: x for x in backend.collect(r.round_id, timeout_s=120.0).results}
+        assert set(got) == set(r.seeds), r.round_id
+        out.append((r, [got[s] for s in r.seeds]))
+    return out
+
+
+def test_fleet_group_line_losses_equal_in_process(one_worker):
+    procs, _ = one_worker
+    model = tiny_gpt2()
+    gmap = model_roles(model)
+    be = procs.backend(model, "gline")
+    local = InProcessBackend(model, lm_batch_loss, history=2)
+    be.publish(0)
+    local.publish(0)
+    prev = _displace(model)
+    be.publish(1)
+    local.publish(1)
+    batches = [make_batch(2, 16, seed=b) for b in range(3)]
+    rounds = group_line_rounds(gmap, batches, 1, 0, DESIGN_ALPHAS)
+    assert len(rounds) == 3 * len(gmap.roles) and rounds[0].seeds == (line_seed(-1), line_seed(1), line_seed(2))
+    qk = next(r for r in rounds if r.round_id.endswith("-qk"))
+    assert qk.slices and all(sl[1:] == (1, 0, 64) or sl[1:] == (0, 0, 64) for sl in qk.slices)  # c_attn [0, 2D)
+
+    fleet_table = group_line_table(_run(be, rounds), DESIGN_ALPHAS)
+    local_table = group_line_table(_run(local, rounds), DESIGN_ALPHAS)
+    want, fwd = group_line_losses(model, lm_batch_loss, batches, gmap, prev, DESIGN_ALPHAS)
+    assert fwd == 3 * (1 + len(gmap.roles) * (len(DESIGN_ALPHAS) - 1))
+    assert set(fleet_table) == set(want) == set(gmap.roles)
+    for role in gmap.roles:
+        assert fleet_table[role].shape == (3, len(DESIGN_ALPHAS))
+        assert torch.equal(fleet_table[role], want[role]), role  # bit for bit
+        assert torch.equal(local_table[role], want[role]), role
+        assert len(set(want[role][0].tolist())) == len(DESIGN_ALPHAS), role  # every point really moved the loss
+    assert be.collect().results == []  # nothing delivered twice
+    be.close()
+
+
+def test_rounds_that_do_not_fit_are_refused_and_counted(one_worker):
+    procs, _ = one_worker
+    model = tiny_gpt2()
+    be = procs.backend(model, "gline-bad")
+    be.publish(0)
+    _displace(model)
+    be.publish(1)
+    batch = make_batch(2, 16, seed=7)
+    # c_attn.weight is (32, 96): a slice to column 200 is well-formed on the wire but outside the block
+    c_attn = [i for i, (n, _) in enumerate(model.named_parameters()) if n.endswith("0.attn.c_attn.weight")][0]
+    bad = RoundSpec("gl-bad", 1, batch, DESIGN_EPS, (line_seed(1),), kind=ProbeKind.GROUP_LINE, base_version=0,
+                    blocks=(c_attn,), slices=((c_attn, 1, 0, 200),))
+    with pytest.raises(ProbeFitError, match="outside block"):
+        be.submit(bad)  # the trainer refuses it first
+    blob = batch_wire.encode_batch(batch, "lm")
+    invalid0 = _tasks(procs, "invalid")
+    be.submit_wire(bad.to_wire(be.run, hashlib.sha256(blob).hexdigest()), blob)  # a trainer that did not check
+    procs.wait(lambda: _tasks(procs, "invalid") > invalid0, "the worker's invalid count")
+    # the coordinator refuses what the wire forbids, naming it, and counts it
+    body = bad.to_wire(be.run, hashlib.sha256(blob).hexdigest()).model_dump(mode="json")
+    for change, why in [({"seeds": [0]}, "seed 0 is the clean loss"), ({"base_version": None}, "need base_version"),
+                        ({"blocks": None, "slices": None}, "non-empty `blocks`")]:
+        r = procs.admin.post(f"/v1/runs/{be.run}/rounds", json={**body, "round_id": "gl-wire", **change})
+        assert r.status_code == 422 and why in r.text, r.text
+    assert _coordinator_metric(procs, 'sparecycles_rejected_requests_total{reason="validation"}') >= 3
+    be.close()
+
+
+def _tasks(procs, outcome: str) -> float:
+    try:
+        return procs.metric("a", f'sparecycles_worker_tasks_total{{outcome="{outcome}"}}')
+    except AssertionError:  # not exported before the first task of that outcome
+        return 0.0
+
+
+def _coordinator_metric(procs, line: str) -> float:
+    text = httpx.get(f"{procs.url}/metrics", timeout=10).text
+    return sum(float(x.split()[-1]) for x in text.splitlines() if x.startswith(line))
