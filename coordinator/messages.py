@@ -40,10 +40,11 @@ DType = Literal["float32", "bfloat16", "float16"]
 WorkerState = Literal["active", "draining", "lost", "quarantined"]
 # seeded: z(seed); block_scaled: per-block gauss8 scale times Rademacher signs; along_update: the update
 # theta_version - theta_base restricted to block `seed`; group: z(seed) restricted to the round's `blocks`;
-# line: seed * eps times the whole update theta_version - theta_base; group_line: one point along the update restricted
-# to the round's `blocks` (and `slices`), the seed a zigzag-coded signed step multiple k (coordinator.round_messages.
-# line_multiple), alpha = k * eps; eval: no perturbation, the "seed" is the index of a held-out evaluation batch
-# (schema 3, `eval`: EvalSpec) (the meaning of each: trainer.zo.probes.KINDS, which a test keeps equal to this list).
+# line: seed * eps times the whole update theta_version - theta_base; group_line: one point along the update
+# restricted to the round's `blocks` (and `slices`), the seed a zigzag-coded signed step multiple k
+# (coordinator.round_messages.line_multiple), alpha = k * eps; eval: no perturbation, the "seed" is the index of a
+# held-out evaluation batch (schema 3, `eval`: EvalSpec) (the meaning of each: trainer.zo.probes.KINDS, which a test
+# keeps equal to this list).
 ProbeKindName = Literal["seeded", "block_scaled", "along_update", "group", "line", "group_line", "eval"]
 BASE_KINDS = ("along_update", "line", "group_line")  # kinds probing along theta_version - theta_base
 GROUP_KINDS = ("group", "group_line")  # kinds moving only the round's `blocks` (schema 2), some of them in `slices`

@@ -169,7 +169,8 @@ class _RoundFields(Message):
     block count), and `slices`: those of its blocks that move only in part (BlockSlice); version 1 messages have
     no group kinds. A `group_line` round (a parameter role's share of θ_version − θ_base, e.g. GPT-2's QK columns
     of c_attn) names its role by these segments, so the worker needs no role table; its seeds are one designed
-    point each (`line_multiple`). Schema version 3 adds `eval` (EvalSpec) for `eval` rounds: held-out evaluation batches, one per
+    point each (`line_multiple`).
+    Schema version 3 adds `eval` (EvalSpec) for `eval` rounds: held-out evaluation batches, one per
     seed (`eps` and `distribution` unused there). Raises ValidationError for repeated seeds and for fields
     the kind needs or forbids.
     """

@@ -106,7 +106,8 @@ class CoordinatorBackend:
 
     @property
     def forward_passes(self) -> int:
-        """Fleet forward passes behind the results handed out (2 per seed, +1 per round's clean loss)."""
+        """Fleet forward passes behind the results handed out (2 per seed, 1 for a group_line seed, +1 per round's
+        clean loss)."""
         return self.results.forward_passes
 
     @forward_passes.setter

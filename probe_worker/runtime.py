@@ -166,7 +166,7 @@ class ProbeRuntime:
     def _site(self, task: ProbeTask, model: torch.nn.Module, ev, batch: Any,
               done: dict[tuple[int, float, str], float] | None = None) -> probes.ProbeSite:
         """Where the task's probes run (trainer.zo.probes gives every kind its meaning): the loaded version's
-        blocks, timed losses (seeded ones from `done` when there), and for along_update and line rounds
+        blocks, timed losses (seeded ones from `done` when there), and for along_update, line and group_line rounds
         u_b = theta_v[b] - theta_base[b] in fp32."""
         blocks = probes.canonical_blocks(model)
 
@@ -178,7 +178,7 @@ class ProbeRuntime:
             return value
 
         update = None
-        if probes.KINDS[probes.ProbeKind(task.kind)].needs_base:  # along_update, line
+        if probes.KINDS[probes.ProbeKind(task.kind)].needs_base:  # along_update, line, group_line
             base = probes.canonical_blocks(self.cache.get(task.run, task.base_version).model)
             if len(base) != len(blocks):
                 raise ValueError(f"versions {task.base_version} and {task.version} differ in blocks")

@@ -239,8 +239,8 @@ def test_group_line_rounds_name_their_segments_and_one_point_per_seed():
         RoundSpec("k", 6, None, 0.5, (0, 1), kind=ProbeKind.GROUP_LINE, base_version=3, blocks=(1,))
     with pytest.raises(ValueError, match="needs at least one block index"):
         RoundSpec("k", 6, None, 0.5, (1,), kind=ProbeKind.GROUP_LINE, base_version=3)
-    assert RoundSpec("k", 6, None, 0.5, (1, 2, 4), want_clean=True, kind=ProbeKind.GROUP_LINE, base_version=3, blocks=(1, 4),
-                     slices=((4, 1, 0, 64),)).to_wire("r", SHA) == rnd
+    assert RoundSpec("k", 6, None, 0.5, (1, 2, 4), want_clean=True, kind=ProbeKind.GROUP_LINE, base_version=3,
+                     blocks=(1, 4), slices=((4, 1, 0, 64),)).to_wire("r", SHA) == rnd
 
 
 @pytest.mark.parametrize("extra", [{}, {"schema_version": 2, "kind": "group", "blocks": [0, 3]},

@@ -1,24 +1,32 @@
 """The ``group_line`` probe kind on a real fleet: a coordinator process on real Redis and one probe-worker process
 (support.fleet), the trainer side through CoordinatorBackend. A refresh's rounds (one per held-out batch and role,
 GPT-2's QK/V columns of c_attn as slices) give, bit for bit, the losses `group_line_losses` computes in process, and
-the in-process backend's; rounds that do not fit the model or the wire are refused and counted where they arrive."""
+the in-process backend's; rounds that do not fit the model or the wire are refused and counted where they arrive;
+zocurv-trust trained on the fleet at `up`'s timing folds each refresh at the next and resumes bit for bit."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 
 import httpx
 import pytest
 import torch
+from safetensors import safe_open
 
 from coordinator.round_messages import line_seed
 from fleet import batch_wire
+from fleet.attach import Fleet, FleetStatus
 from support.fleet import make_batch
 from support.models import tiny_gpt2
+from support.resume import assert_same_checkpoints
+from trainer.config import TrainConfig
 from trainer.models.losses import lm_batch_loss
+from trainer.train import train
 from trainer.zo.backend import InProcessBackend
 from trainer.zo.group_line import DESIGN_EPS, group_line_losses, group_line_rounds, group_line_table
 from trainer.zo.groups import model_roles
+from trainer.zo.modes import ZOCurvMode
 from trainer.zo.probes import ProbeFitError, ProbeKind, RoundSpec
 from trainer.zo.trust_region import DESIGN_ALPHAS
 
@@ -124,3 +132,47 @@ def _tasks(procs, outcome: str) -> float:
 def _coordinator_metric(procs, line: str) -> float:
     text = httpx.get(f"{procs.url}/metrics", timeout=10).text
     return sum(float(x.split()[-1]) for x in text.splitlines() if x.startswith(line))
+
+
+def _cfg(tmp_path, name: str) -> TrainConfig:
+    # zocurv-trust, refreshes every 2 steps from warmup (1) on: versions 0, 2, 4, 6 published, rounds at 2, 4, 6
+    # (base 0, 2, 4), 2 held-out batches x 5 roles = 10 group_line rounds each
+    return TrainConfig(model="gpt2-tiny", corpus="classics-small", optimizer="zocurv-trust", steps=8, batch_size=2,
+                       seq_len=16, lr=3e-3, warmup_steps=1, eval_every=8, eval_batches=1, checkpoint_every=100,
+                       probe_batch_size=1, curvature_interval=2, run_dir=tmp_path / name,
+                       optimizer_options={"batches": 2, "start": "one", "agree": 1, "z_min": 0.1})
+
+
+def _records(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_trust_on_a_fleet_folds_at_the_next_refresh_and_resumes(one_worker, tmp_path, fail_at_step):
+    """`up`'s timing ("next"): each refresh's rounds fold at the refresh after (the trainer waits for them only
+    before publishing the version after that); Ctrl-C with a refresh's 10 rounds in flight, resume on a new
+    coordinator run: the checkpoint carries them (each held-out batch once) and θ_t, θ_prev; they are re-issued
+    and fold at the same step, and the run equals the uninterrupted one bit for bit."""
+    procs, settings = one_worker
+
+    def attach() -> Fleet:
+        return Fleet(procs.url, settings, 1, FleetStatus(procs.url), run_prefix="trust", rounds="next")
+
+    straight = train(_cfg(tmp_path, "straight"), progress=False, export=False, mode_factory=attach().mode_factory)
+    folded = [(r["step"], r["tr_version"]) for r in _records(straight.run_dir) if "tr_version" in r]
+    assert folded == [(5, 2.0), (7, 4.0)]  # logged steps count from 1: refresh 2 folds at 4, 4 at 6, 6 never
+    undo = fail_at_step(ZOCurvMode, 5)  # checkpointed after step 4: refresh 4's rounds in flight
+    with pytest.raises(KeyboardInterrupt):
+        train(_cfg(tmp_path, "resumed"), progress=False, export=False, mode_factory=attach().mode_factory)
+    undo()
+    with safe_open(str(tmp_path / "resumed" / "checkpoint.safetensors"), framework="pt") as f:
+        inflight = json.loads(f.metadata()["sparecycles"])["meta"]["mode"]["curvature"]["inflight"]
+        held = [k for k in f.keys() if k.startswith("extra/round/")]  # noqa: SIM118 (safe_open has no __iter__)
+    assert len(inflight) == 10 and {d["version"] for d in inflight} == {4} and len(held) == 2 * 2  # 2 batches (x, y)
+    resumed = train(_cfg(tmp_path, "resumed"), resume=True, progress=False, export=False,
+                    mode_factory=attach().mode_factory)
+    assert resumed.summary["resumed_from_step"] == 5
+    keys = ("loss", "val_loss", "tr_version", "mult_embed", "mult_qk", "tr_z_ffn")
+    after = [(r["step"], k, r[k]) for r in _records(resumed.run_dir) for k in keys if k in r and r["step"] > 5]
+    assert after and after == [(r["step"], k, r[k]) for r in _records(straight.run_dir) for k in keys
+                               if k in r and r["step"] > 5]  # floats compared exactly
+    assert_same_checkpoints(straight.run_dir, resumed.run_dir)

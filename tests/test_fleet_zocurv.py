@@ -3,8 +3,9 @@
 One module-scoped fleet (support.fleet: a coordinator process on real Redis, its own key prefix, one probe-worker
 process); the trainer runs in this process attached as `sparecycles train --coordinator --fleet-sync` attaches it
 (fleet.attach.Fleet, rounds "sync": each round folds at its own refresh). Every variant's rounds are ordinary probe
-kinds (block_scaled, seeded, along_update, group with column slices, line), so the worker evaluates exactly what
-InProcessBackend does. The zero-probe and in-process-only variants are refused before anything starts.
+kinds (block_scaled, seeded, along_update, group with column slices, line, group_line: zocurv-trust's held-out
+role lines), so the worker evaluates exactly what InProcessBackend does. The zero-probe variants are refused before
+anything starts.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ pytestmark = pytest.mark.slow  # a coordinator and a worker process, two short r
 
 # name -> optimizer_options; every zo-curv method with probes that a fleet takes
 VARIANTS = {"zocurv-block": {}, "zocurv-sophia": {"granularity": "coordinate"}, "zocurv-line": {},
-            "zocurv-group": {}, "zocurv-global": {}, "zocurv-group-global": {}}
+            "zocurv-group": {}, "zocurv-global": {}, "zocurv-group-global": {},
+            "zocurv-trust": {"batches": 2, "start": "one", "agree": 1, "z_min": 0.1}}
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +36,8 @@ def one_worker(tmp_path_factory):
 
 
 def _cfg(tmp_path, name: str, optimizer: str) -> TrainConfig:
-    # refreshes at steps 0 and 2 (zocurv-line, -global: at 2, along θ_2 − θ_1 / θ_2 − θ_0); probe budget 21 gives
-    # zocurv-group 2 probes per role
+    # refreshes at steps 0 and 2 (zocurv-line, -global, -trust: at 2, along θ_2 − θ_1 / θ_2 − θ_0); probe budget 21
+    # gives zocurv-group 2 probes per role
     return TrainConfig(model="gpt2-tiny", corpus="classics-small", optimizer=optimizer, steps=4, batch_size=2,
                        seq_len=16, lr=3e-3, warmup_steps=1, eval_every=4, eval_batches=1, checkpoint_every=100,
                        probes=2, probe_batch_size=1, curvature_interval=2, probe_budget=21, eps=1e-2,
@@ -77,7 +79,7 @@ def test_fleet_sync_equals_in_process(one_worker, tmp_path, optimizer):
     assert max(r.get("fleet_results_accepted", 0) for r in _records(on_fleet.run_dir)) > 0
 
 
-@pytest.mark.parametrize("optimizer", ["zocurv-group-fixed", "zocurv-static", "zocurv-trust", "adamw"])
+@pytest.mark.parametrize("optimizer", ["zocurv-group-fixed", "zocurv-static", "adamw"])
 def test_methods_without_fleet_probes_are_refused(one_worker, tmp_path, optimizer):
     procs, settings = one_worker
     fleet = Fleet(procs.url, settings, 1, FleetStatus(procs.url), run_prefix="zc", rounds="sync")

@@ -32,13 +32,20 @@ def test_probe_rounds_closed_form():
     assert probe_rounds(line.model_copy(update={"optimizer": "zocurv-global"})) == 0
     assert probe_rounds(line.model_copy(update={"optimizer": "zocurv-group"})) == 1
     assert probe_rounds(line.model_copy(update={"optimizer": "zocurv-group-fixed"})) is None  # probes by design never
+    # zocurv-trust: along θ_s − θ_{s−k} and only from warmup on: refreshes 20 and 25 of steps 0..29 (warmup 17)
+    trust = line.model_copy(update={"optimizer": "zocurv-trust", "steps": 30, "curvature_interval": 5,
+                                    "warmup_steps": 17})
+    assert probe_rounds(trust) == 2 and probe_rounds(trust.model_copy(update={"warmup_steps": 0})) == 5
+    from trainer.preflight import no_probe_round_warning
+
+    assert "first round is at step 20" in no_probe_round_warning(trust.model_copy(update={"steps": 20}))
 
 
 def test_preflight_knows_every_optimizer():
     from trainer.methods import METHODS
 
     # Every registered method gets an answer; those with probe rounds get a count (trainer.methods is the one list).
-    base = TrainConfig(steps=31, curvature_interval=10)
+    base = TrainConfig(steps=31, curvature_interval=10, warmup_steps=0)  # zocurv-trust probes from warmup on
     for name, m in METHODS.items():
         rounds = probe_rounds(base.model_copy(update={"optimizer": name}))
         assert (rounds is None) == (m.kind != "zo-curv" or not m.needs_probes), name

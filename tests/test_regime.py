@@ -207,20 +207,50 @@ def test_group_line_losses_clean_point_and_forward_count():
     assert all(torch.equal(p.detach().float() * 0.99, q) for p, q in zip(m.parameters(), prev))  # untouched
 
 
+def test_the_role_table_names_every_element_once():
+    """GroupMap.probe_fields: the blocks and slices a round carries cover each role, and roles never overlap."""
+    model = _tiny_gpt2()
+    gmap = model_roles(model)
+    seen = {i: torch.zeros(p.shape, dtype=torch.int64) for i, p in enumerate(model.parameters())}
+    for role in gmap.roles:
+        blocks, slices = gmap.probe_fields(role)
+        cut = {s[0]: s for s in slices}
+        for b in blocks:
+            if b in cut:
+                _, dim, start, stop = cut[b]
+                seen[b].narrow(dim, start, stop - start).add_(1)
+            else:
+                seen[b].add_(1)
+    assert all(bool((t == 1).all()) for t in seen.values())
+    assert gmap.probe_fields(Role.QK)[1]  # c_attn's QK columns are slices
+
+
 # ---- the mode -------------------------------------------------------------------------------------------
-def _mode(name: str, model, interval: int = 2, **opts):
-    from trainer.zo.regime_mode import BlockRegimeMode
+def _loss_fn(model, batch):
+    """LM loss of a (B, T) token tensor, or of a 1-tuple of one (the held-out batches: tuples checkpoint)."""
+    x = batch[0] if isinstance(batch, tuple) else batch
+    return model(input_ids=x, labels=x).loss
+
+
+def _mode(name: str, model, interval: int = 2, backend=None, timing: str = "async", **opts):
+    """trainer.zo.modes.ZOCurvMode driving the method's rule (trainer.zo.regime_mode), held-out batches from
+    `_counting`; `backend`: where the rounds run (None: in process)."""
+    from trainer.methods import get_method
+    from trainer.zo.modes import ZOCurvMode
+    from trainer.zo.probes import canonical_blocks
+    from trainer.zo.regime_mode import build_regime_rule
 
     cfg = TrainConfig(optimizer=name, steps=12, warmup_steps=1, curvature_interval=interval, lr=3e-3, probe_batch_size=2,
                       optimizer_options=opts)
 
-    def loss_fn(model, x):
-        return model(input_ids=x, labels=x).loss
-
     def source(refresh, b):
-        return _counting(2, 1000 * refresh + b)
+        return (_counting(2, 1000 * refresh + b),)
 
-    return BlockRegimeMode(cfg, model, loss_fn, probe_source=source)
+    blocks = canonical_blocks(model)
+    groups = [{"params": [b.param for b in blocks if b.param.dim() >= 2], "weight_decay": cfg.weight_decay},
+              {"params": [b.param for b in blocks if b.param.dim() < 2], "weight_decay": 0.0}]
+    rule = build_regime_rule(groups, blocks, cfg, get_method(name).parse_options(opts), source)
+    return ZOCurvMode(cfg, model, rule, _loss_fn, backend, timing)
 
 
 def _counting(rows: int, seed: int) -> torch.Tensor:
@@ -235,9 +265,9 @@ def _batch(step):
 
 def test_static_mode_runs_at_the_table():
     mode = _mode("zocurv-static", _tiny_gpt2())
-    assert mode.mult == table_multipliers(mode.gmap)
+    assert mode.optimizer.mult == table_multipliers(mode.optimizer.gmap)
     stats = mode.step(0, _batch(0), 1e-3)
-    assert stats["probe_forwards"] == 0 and stats["mult_embed"] == pytest.approx(mode.mult[Role.EMBED])
+    assert stats["probe_forwards"] == 0 and stats["mult_embed"] == pytest.approx(mode.optimizer.mult[Role.EMBED])
 
 
 def test_trust_mode_resumes_bit_for_bit():
@@ -257,12 +287,44 @@ def test_trust_mode_resumes_bit_for_bit():
     c.load_extra_state(tensors, meta)
     for s in range(3, 7):
         c.step(s, _batch(s), 3e-3)
-    assert a.mult == c.mult and a.mult != {r: 1.0 for r in a.gmap.roles}  # it moved
+    assert a.optimizer.mult == c.optimizer.mult and a.optimizer.mult != {r: 1.0 for r in a.optimizer.gmap.roles}
     assert all(torch.equal(p, q) for p, q in zip(a.model.parameters(), c.model.parameters()))
-    with pytest.raises(ValueError, match="in process"):
-        from trainer.zo.regime_mode import BlockRegimeMode
 
-        BlockRegimeMode(a.cfg, _tiny_gpt2(), a.loss_fn, backend=object())
+
+def test_trust_rounds_fold_late_without_waiting_and_checkpoint_each_batch_once():
+    """A backend that answers a refresh's rounds one refresh late (InProcessBackend.delay_rounds: a fleet's async
+    timing): no step waits, the refresh's B·R group_line rounds fold whole at the next refresh with the fits an
+    at-once backend makes at their own; rounds in flight checkpoint each held-out batch once (safetensors refuses
+    tensors sharing memory) and restore sharing it."""
+    from safetensors.torch import save
+
+    from trainer.zo.backend import InProcessBackend
+    from trainer.zo.rounds import RoundBook
+
+    opts = {"start": "one", "agree": 1, "z_min": 0.1, "batches": 2}
+    now = _mode("zocurv-trust", _tiny_gpt2(), **opts)
+    model = _tiny_gpt2()
+    rounds_per_refresh = 2 * len(now.optimizer.gmap.roles)
+    late = _mode("zocurv-trust", model, backend=InProcessBackend(model, _loss_fn, history=2,
+                                                                  delay_rounds=rounds_per_refresh), **opts)
+    logs_now = [now.step(s, _batch(s), 3e-3) for s in range(5)]
+    logs_late = []
+    for s in range(5):
+        logs_late.append(late.step(s, _batch(s), 3e-3))
+        if s == 2:  # refresh 2's rounds are in flight
+            assert "tr_version" not in logs_late[2] and logs_late[2]["trust_pending_rounds"] == rounds_per_refresh
+            tensors, meta = late.extra_state()
+            held = sorted(k for k in tensors if k.startswith("round/"))
+            assert len(held) == 2 and len(meta["curvature"]["inflight"]) == rounds_per_refresh  # 2 batches, once
+            save(tensors)
+            book = RoundBook(0)
+            book.load_state(tensors, meta["curvature"])
+            assert len({id(r.batch) for r in book.inflight()}) == 2
+    assert logs_now[2]["tr_version"] == 2.0 and logs_late[4]["tr_version"] == 2.0  # folded one refresh late
+    fitted = [k for k in logs_now[2] if k.startswith("tr_")]
+    assert len(fitted) == 1 + 3 * len(now.optimizer.gmap.roles)
+    assert {k: logs_late[4][k] for k in fitted if not k.startswith("tr_streak")} == {
+        k: logs_now[2][k] for k in fitted if not k.startswith("tr_streak")}  # the same fits, folded late
 
 
 # ---- the schedule ----------------------------------------------------------------------------------------

@@ -37,6 +37,31 @@ def test_each_timing_folds_at_its_refresh(timing, folded):
     assert [r.round_id for r in book.inflight()] == ([] if timing != "next" else ["r-2"])
 
 
+def test_next_leaves_every_round_of_the_newest_refresh_to_the_next():
+    """Under "next" a refresh of several rounds (zocurv-group, -trust) is not waited for at its own refresh, not even
+    in part: with a backend that holds results until asked (delay) none of them is taken there; all fold at the
+    next refresh, after `before_publish` waited for them."""
+    be = InProcessBackend(QuadraticModel(SIZES, seed=4), quad_loss, delay_rounds=3)
+    book = RoundBook(2, "next", timeout_s=0.0)
+    waited = []
+    collect = be.collect
+
+    def spy(round_id=None, timeout_s=0.0):
+        waited.append(round_id)
+        return collect(round_id, timeout_s)
+
+    be.collect = spy
+    rounds = [RoundSpec(f"r-0-{i}", 0, None, 1e-2, (1, 2), want_clean=True, kind=ProbeKind.BLOCK_SCALED)
+              for i in range(3)]
+    book.issue(be, rounds)
+    book.collect(be)
+    assert waited == [] and book.due(0) == [] and len(book.inflight()) == 3
+    be.flush()  # the held results arrive (the fleet answering meanwhile)
+    book.before_publish(be, 1)
+    assert waited == ["r-0-0", "r-0-1", "r-0-2"]
+    assert [r.round_id for done in book.due(1) for r, _ in done] == ["r-0-0", "r-0-1", "r-0-2"]
+
+
 def test_a_round_stale_before_completing_is_dropped_and_its_late_results_counted_stale():
     """Results arrive two refreshes late; with S = 1 every round is older than latest − S when its results come:
     the backend's authority refuses them (stale) and the book drops each round once it is stale (3 of 5 by v = 4;

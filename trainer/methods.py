@@ -67,7 +67,7 @@ class Method:
         build: (cfg, model, loss_fn, backend, timing) -> TrainMode.
         options: pydantic model of the method's own knobs (defaults = the tuned values).
         optimizer: zo-curv methods built by `build_zocurv_mode`: (param_groups, blocks, cfg, options) -> the
-            ZO-Curv torch optimizer, a trainer.zo.optimizers.CurvRule (zocurv-static/-trust: their own mode).
+            ZO-Curv torch optimizer, a trainer.zo.optimizers.CurvRule.
         tasks: the `--task` values it runs on.
         fleet: whether its probe rounds can go to a fleet backend (`sparecycles up`); False: in process only.
         no_fleet_why: for a method with probes and fleet=False, why (`train --coordinator` / `up` say it).
@@ -75,6 +75,8 @@ class Method:
             zero-probe ablation).
         probes_along_step: its rounds probe along θ_s − θ_{s−k}, which needs an earlier version: the first round
             is at step k = curvature_interval, not 0 (trainer.preflight.probe_rounds).
+        probes_after_warmup: it sends no round before step warmup_steps (zocurv-trust: fits during warmup would all
+            ask for longer steps).
         sentiment_lr: default lr on the sentiment task when the user gives none (picked on validation
             accuracy: trainer/zo/results/sentiment_summary.json); None: the preset's lr.
     Raises ValueError (at definition) for an unknown kind or an `optimizer` on a non-zo-curv method.
@@ -92,6 +94,7 @@ class Method:
     no_fleet_why: str = ""
     needs_probes: bool | None = None
     probes_along_step: bool = False
+    probes_after_warmup: bool = False
 
     def __post_init__(self) -> None:
         if self.needs_probes is None:  # default: every kind but first-order sends probe rounds
@@ -195,12 +198,12 @@ def _zocurv_role(groups, blocks, cfg, o: RoleOptions):
                            line=name in ("zocurv-global", "zocurv-group-global"), fixed=name == "zocurv-group-fixed",
                            options=o, probe_budget=cfg.probe_budget, probe_eps=cfg.eps,
                            interval=cfg.curvature_interval, seed=cfg.seed)
-def build_regime_mode(cfg, model, loss_fn, backend=None, timing="async"):
-    """zocurv-static / zocurv-trust (trainer.zo.regime_mode.BlockRegimeMode). Raises ValueError for a backend:
-    the trust region's group-line probes run in process only."""
-    from trainer.zo.regime_mode import BlockRegimeMode
 
-    return BlockRegimeMode(cfg, model, loss_fn, backend)
+
+def _zocurv_regime(groups, blocks, cfg, o: RegimeOptions):
+    from trainer.zo.regime_mode import build_regime_rule
+
+    return build_regime_rule(groups, blocks, cfg, o)
 
 
 # ---- the table -----------------------------------------------------------------------------------------
@@ -227,10 +230,9 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            build_zocurv_mode, RoleOptions, _zocurv_role, needs_probes=False),
     # Issue 29 (trainer.zo.regime_mode): block-type lrs, static (zero probes) or from the calibrated trust region.
     Method("zocurv-static", "zo-curv", "AdamW with Wang et al. 2025's per-role lr table, normalised, no probes",
-           build_regime_mode, RegimeOptions, fleet=False, needs_probes=False),
+           build_zocurv_mode, RegimeOptions, _zocurv_regime, needs_probes=False),
     Method("zocurv-trust", "zo-curv", "AdamW with per-role multipliers from a calibrated block trust region",
-           build_regime_mode, RegimeOptions, fleet=False, probes_along_step=True,
-           no_fleet_why="its group-line probes (trainer.zo.group_line) run in process only, in its own mode"),
+           build_zocurv_mode, RegimeOptions, _zocurv_regime, probes_along_step=True, probes_after_warmup=True),
     Method("mezo", "pure-zo", "MeZO: one Gaussian probe pair per step", build_pure_zo_mode,
            tasks=_LM_AND_SENTIMENT, sentiment_lr=1e-4),
     Method("1spsa", "pure-zo", "SPSA with K Rademacher probe pairs per step", build_pure_zo_mode,

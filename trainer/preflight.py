@@ -67,23 +67,34 @@ def probe_rounds(cfg: TrainConfig) -> int | None:
 
     A round is due at 0-based steps s with s % curvature_interval == 0 (trainer.zo.modes.ZOCurvMode). zocurv-line (along θ_s − θ_{s−1}) and zocurv-global (along
     θ_s − θ_{s−k}) need an earlier version, so they skip s = 0: (steps − 1) // interval rounds. The others
-    also probe at s = 0: one more.
+    also probe at s = 0: one more. zocurv-trust (`Method.probes_after_warmup`) probes only at s >= warmup_steps.
+    A "round" here is a refresh's rounds (zocurv-trust sends B·R per refresh).
     """
+    first = first_probe_step(cfg)
+    if first is None:
+        return None
+    return 0 if first > cfg.steps - 1 else (cfg.steps - 1 - first) // cfg.curvature_interval + 1
+
+
+def first_probe_step(cfg: TrainConfig) -> int | None:
+    """The 0-based step of a ZO-Curv run's first round (`probe_rounds`), None for optimizers without rounds."""
     method = get_method(cfg.optimizer)
     if method.kind != "zo-curv" or not method.needs_probes:
         return None
-    rounds = (cfg.steps - 1) // cfg.curvature_interval
-    return rounds if method.probes_along_step else rounds + 1
+    k = cfg.curvature_interval
+    first = k if method.probes_along_step else 0
+    return max(first, -(-cfg.warmup_steps // k) * k) if method.probes_after_warmup else first
 
 
 def no_probe_round_warning(cfg: TrainConfig) -> str | None:
     """The warning for a ZO-Curv run that probes no curvature at all (it is then AdamW), else None."""
     if probe_rounds(cfg) != 0:
         return None
-    k = cfg.curvature_interval
-    return (f"{cfg.optimizer} runs no curvature probe round in {cfg.steps} steps: its first round is at step {k} "
-            f"(--curvature-interval {k}; it probes along the steps before), so this run equals AdamW. "
-            f"Use --steps {k + 1} or more, or a smaller --curvature-interval.")
+    k, first = cfg.curvature_interval, first_probe_step(cfg)
+    why = "it probes along the steps before" + (", from the end of warmup" if first > k else "")
+    return (f"{cfg.optimizer} runs no curvature probe round in {cfg.steps} steps: its first round is at step {first} "
+            f"(--curvature-interval {k}; {why}), so this run equals AdamW. "
+            f"Use --steps {first + 1} or more, or a smaller --curvature-interval.")
 
 
 def run_settings(cfg: TrainConfig) -> dict[str, Any]:

@@ -181,7 +181,7 @@ class InProcessBackend:
 
     def _site(self, r: RoundSpec) -> probes.ProbeSite:
         update = None
-        if probes.KINDS[ProbeKind(r.kind)].needs_base:  # along_update, line: θ_v − θ_base from the snapshots
+        if probes.KINDS[ProbeKind(r.kind)].needs_base:  # along_update, line, group_line: θ_v − θ_base
             if r.base_version not in self.snapshots or r.version not in self.snapshots:
                 raise ValueError(f"{ProbeKind(r.kind).value} needs published versions {r.base_version} and "
                                  f"{r.version}; have {sorted(self.snapshots)} (construct the backend with history >= 2)")
@@ -222,7 +222,8 @@ class InProcessBackend:
     def submit(self, probe_round: RoundSpec) -> None:
         """Evaluate the round now; its results become visible after `delay_rounds` further submits.
 
-        Raises ValueError for an along_update or line round without both snapshots, or a group outside the blocks.
+        Raises ValueError for a round along θ_v − θ_base without both snapshots, ProbeFitError (a ValueError) for
+        a group or slice outside the blocks.
         """
         self._advance(probe_round.version)
         self._held.append(self._evaluate(probe_round))

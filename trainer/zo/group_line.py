@@ -51,16 +51,18 @@ def design_seeds(alphas: Sequence[float], eps: float) -> dict[float, int]:
 
 
 def round_id(prefix: str, version: int, batch: int, role: Role) -> str:
-    """The id of the group-line round of (version, held-out batch index, role): "<prefix>-<version>-<batch>-<role>"."""
+    """The id of the group-line round of (version, held-out batch index, role): "<prefix>-<version>-<batch>-<role>"
+    (`group_line_table` reads the batch and the role back from it)."""
     return f"{prefix}-{version}-{batch}-{role.value}"
 
 
 def group_line_rounds(gmap: GroupMap, batches: Sequence[Any], version: int, base_version: int,
                       alphas: Sequence[float], eps: float = DESIGN_EPS, prefix: str = "trust") -> list[RoundSpec]:
-    """The ``group_line`` rounds of one refresh: per batch b (in order), per role of `gmap` (GroupMap.roles order), one
-    round at `version` along θ_version − θ_base_version restricted to the role, seeds `design_seeds(alphas, eps)`
-    (in `alphas` order), the clean loss asked of each batch's first round. B·R rounds of J − 1 seeds (J − 1 with
-    α = 0 among `alphas`). Raises ValueError as design_seeds and RoundSpec do (e.g. base_version missing)."""
+    """The ``group_line`` rounds of one refresh: per batch b (in order), per role of `gmap` (GroupMap.roles
+    order), one round at `version` along θ_version − θ_base_version restricted to the role (its segments:
+    GroupMap.probe_fields), seeds `design_seeds(alphas, eps)` (in `alphas` order), the clean loss asked of each
+    batch's first round. B·R rounds of J − 1 seeds (α = 0 among the J `alphas`). Raises ValueError as design_seeds
+    and RoundSpec do (e.g. base_version not below version)."""
     seeds = tuple(design_seeds(alphas, eps).values())
     out = []
     for b, batch in enumerate(batches):

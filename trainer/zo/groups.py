@@ -104,7 +104,8 @@ class GroupMap:
         segs = self.groups[role]
         blocks = [s.block for s in segs]
         if len(set(blocks)) != len(blocks):
-            raise ValueError(f"role {role.value} holds two segments of one block; a probe round names one slice per block")
+            raise ValueError(f"role {role.value} holds two segments of one block; a probe round names one slice per "
+                             "block")
         slices = tuple(sorted((s.block, s.dim, s.start, s.stop) for s in segs if s.dim is not None))
         return tuple(sorted(blocks)), slices
 

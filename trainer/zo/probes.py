@@ -155,9 +155,9 @@ class RoundSpec:
 
     def to_wire(self, run: str, batch_sha256: str) -> ProbeRound:
         """This round as the coordinator receives it, its batch uploaded as blob `batch_sha256`: every field
-        but `batch` under its own name (JSON types: lists, the kind's wire name), schema 2 only for group
-        rounds (`blocks`, `slices`: group and group_line), 3 for eval rounds (`eval`). Raises pydantic.ValidationError for what the wire
-        refuses (e.g. a round id)."""
+        but `batch` under its own name (JSON types: lists, the kind's wire name), schema 2 only for rounds with
+        `blocks` (and `slices`: group and group_line), 3 for eval rounds (`eval`). Raises pydantic.ValidationError
+        for what the wire refuses (e.g. a round id)."""
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "batch"}
         fields.update(eps=float(self.eps), distribution=str(self.distribution), seeds=[int(x) for x in self.seeds],
                       kind=ProbeKind(self.kind).value, blocks=[int(b) for b in self.blocks] or None,
@@ -313,7 +313,8 @@ def _line(site: ProbeSite, j: int, eps: float, dist: str, group: Sequence[int], 
     return site.loss(line_weights(site, a)), site.loss(line_weights(site, -a)), None
 
 
-def group_line_weights(site: ProbeSite, group: Sequence[int], slices: Slices, alpha: float) -> dict[int, torch.Tensor]:
+def group_line_weights(site: ProbeSite, group: Sequence[int], slices: Slices,
+                       alpha: float) -> dict[int, torch.Tensor]:
     """Blocks `group` of θ_v + alpha·d (d = θ_v − θ_base, site.update), out of place: (w_b + alpha·d_b) in fp32,
     rounded once to the block's dtype; a block with a slice (block, dim, start, stop) moves only there (the rest of
     it bit-identical to w_b). Every block outside `group` stays clean (not in the result).

@@ -1,28 +1,33 @@
-"""Training-loop mode of the block-type lr methods of issue 29: AdamW (ScaledAdamW) at per-role multipliers.
+"""The block-type lr methods of issue 29: AdamW (ScaledAdamW) at per-role multipliers, as ZO-Curv update rules
+(trainer.zo.optimizers.CurvRule) that trainer.zo.modes.ZOCurvMode drives like every ZO-Curv method, so their probe
+rounds run in process or on a fleet alike (the mode's backend and trainer.zo.rounds.RoundBook's fold timing).
 
-- ``zocurv-static``: Wang et al.'s table, fixed, no probes (trainer.zo.block_table; normalised by its
-  parameter-weighted geometric mean by default, so the base lr means what AdamW's does).
-- ``zocurv-trust``: the calibrated block trust region (trainer.zo.trust_region): every `curvature_interval`
-  steps, per role, the loss along that role's share of θ_t − θ_prev (trainer.zo.group_line) at
-  DESIGN_ALPHAS on `batches` held-out batches of `probe_batch_size` sequences; the multipliers start at the
-  static table (option start="table") or at 1 (start="one") and move only after `agree` consecutive
-  refreshes with |z| > `z_min` of one sign. Folding starts after warmup (the lr still rises there, so
-  "longer steps" is what every fit would say). Probes run in process on the trainer's model.
+- ``zocurv-static`` (`BlockTableAdamW`): Wang et al.'s table, fixed, no probes (trainer.zo.block_table; normalised
+  by its parameter-weighted geometric mean by default, so the base lr means what AdamW's does).
+- ``zocurv-trust`` (`TrustRegionAdamW`): the calibrated block trust region (trainer.zo.trust_region): every
+  `curvature_interval` steps t (after warmup), per role, the loss along that role's share of θ_t − θ_prev
+  (θ_prev: the previous refresh's weights) at DESIGN_ALPHAS on `batches` held-out batches of `probe_batch_size`
+  sequences: B·R ``group_line`` rounds (trainer.zo.group_line; θ_t and θ_prev published as versions t and
+  t − curvature_interval). The multipliers start at the static table (option start="table") or at 1
+  (start="one") and move only after `agree` consecutive refreshes with |z| > `z_min` of one sign. Folding starts
+  after warmup (the lr still rises there, so "longer steps" is what every fit would say). In process the rounds
+  fold at their own refresh; on a fleet (`train --coordinator`, `up`) when the mode's timing says (async: at the
+  first refresh after all of a refresh's results arrived, the trainer never waiting for them).
 
 Held-out probe batches: random windows (seed stream TAG_PROBE, one index per refresh and batch) of the
 corpus's selection split when it has one (`Corpus.select`: the split that chooses, never the one reported;
 classics-large has it), else of its validation split; the reported validation loss reads a fixed evenly spaced subset of
 the same split, so on a corpus without a selection split the fits may see some of those windows (they choose
 R ≈ 5 scalars per refresh).
-Logged on refresh steps: mult_<role>; when fitted also tr_r_<role> (exp of the mean log-ratio), tr_z_<role>,
-tr_streak_<role>; every step probe_forwards, probe_wall_s.
+Logged on refresh steps: mult_<role>; when a refresh folds also tr_r_<role> (exp of the mean log-ratio),
+tr_z_<role>, tr_streak_<role>, tr_version (the refresh folded); the mode adds probe_forwards, probe_wall_s and the
+round counters trust_accepted|stale|duplicate|dropped_rounds|pending_rounds.
 """
 
 from __future__ import annotations
 
 import math
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,9 +35,10 @@ import torch
 from trainer.method_options import RegimeOptions
 from trainer.zo import estimators as est
 from trainer.zo.block_table import table_multipliers
-from trainer.zo.group_line import group_line_losses
-from trainer.zo.groups import Role, block_multipliers, model_roles
-from trainer.zo.modes import backprop_step
+from trainer.zo.group_line import DESIGN_EPS, group_line_rounds, group_line_table
+from trainer.zo.groups import GroupMap, Role, block_multipliers
+from trainer.zo.optimizers import Refresh
+from trainer.zo.probes import RoundSpec
 from trainer.zo.role_rules import ScaledAdamW
 from trainer.zo.trust_region import DESIGN_ALPHAS, TrustRegion, TrustRegionRule, fit_role
 
@@ -41,57 +47,44 @@ if TYPE_CHECKING:
 
 REGIME_METHODS = ("zocurv-static", "zocurv-trust")
 TAG_PROBE = 0x7E61  # seed stream of the held-out probe batches
+ProbeSource = Callable[[int, int], Any]  # (refresh index, batch index) -> a held-out batch for the loss function
 
 
-class BlockRegimeMode:
-    """Backprop AdamW with per-role lr multipliers, static or from the trust region (module docstring).
+def held_out_source(cfg: TrainConfig) -> ProbeSource:
+    """source(refresh, b) -> (x, y) int64 (probe_batch_size, seq_len) on cfg.device: window index
+    refresh·batches + b of the corpus's selection split (validation without one), seed stream TAG_PROBE. The corpus
+    loads on the first call."""
+    from trainer.data import get_batch, load_corpus
 
-    Args: cfg (optimizer one of REGIME_METHODS), model (fp32), loss_fn(model, batch) -> scalar; backend: must be
-    None (probes run in process). probe_source(refresh, b) -> batch: the held-out batches (default: the
-    corpus's selection or validation split, module docstring). Raises ValueError for another optimizer, a
-    backend, or a model trainer.zo.groups cannot assign.
+    batches = RegimeOptions(**cfg.optimizer_options).batches
+    tokens: list[Any] = []
+
+    def source(refresh: int, b: int) -> Any:
+        if not tokens:
+            corpus = load_corpus(cfg.corpus)
+            tokens.append(corpus.val if corpus.select is None else corpus.select)
+        x, y = get_batch(tokens[0], cfg.probe_batch_size, cfg.seq_len, est.derive_seed(cfg.seed, TAG_PROBE),
+                         refresh * batches + b)
+        return x.to(cfg.device), y.to(cfg.device)
+
+    return source
+
+
+class BlockTableAdamW(ScaledAdamW):
+    """ScaledAdamW at fixed per-role multipliers `mult` (``zocurv-static``): a CurvRule without rounds.
+
+    Args: as ScaledAdamW, plus gmap (the blocks' roles, trainer.zo.groups) and mult ({role: multiplier}; roles
+    missing get 1). Raises what ScaledAdamW raises.
     """
 
-    def __init__(self, cfg: TrainConfig, model: torch.nn.Module,
-                 loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor], backend: Any = None,
-                 probe_source: Callable[[int, int], Any] | None = None) -> None:
-        if cfg.optimizer not in REGIME_METHODS:
-            raise ValueError(f"{cfg.optimizer!r} is not one of {REGIME_METHODS}")
-        if backend is not None:
-            raise ValueError(f"{cfg.optimizer} probes in process only (no fleet probe kind carries role segments)")
-        self.cfg, self.model, self.loss_fn = cfg, model, loss_fn
-        self.opts = RegimeOptions(**cfg.optimizer_options)  # the registry's parse_options (trainer.methods)
-        self.gmap = model_roles(model)
-        canonical = [p for _, p in model.named_parameters()]
-        groups = [{"params": [p for p in canonical if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-                  {"params": [p for p in canonical if p.dim() < 2], "weight_decay": 0.0}]
-        self.optimizer = ScaledAdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), blocks=canonical)
-        self.table = table_multipliers(self.gmap, norm=self.opts.norm)
-        start = self.table if cfg.optimizer == "zocurv-static" or self.opts.start == "table" else {
-            r: 1.0 for r in self.gmap.roles}
-        o = self.opts
-        self.trust = cfg.optimizer == "zocurv-trust"
-        self.region: TrustRegion[Role] = TrustRegion(dict(start), TrustRegionRule(
-            beta=o.beta, z_min=o.z_min, agree=o.agree, r_min=o.r_min, r_max=o.r_max, m_min=o.m_min, m_max=o.m_max))
-        self.probe_source = probe_source or (self._held_out_source() if self.trust else None)
-        self.prev: list[torch.Tensor] | None = None  # fp32 θ at the last refresh (zocurv-trust)
-        self.train_forwards = self.probe_forwards = 0
-        self.probe_wall_s = 0.0
+    log_prefix = "static"
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1,
+                 *, blocks: Sequence[torch.Tensor], gmap: GroupMap, mult: dict[Role, float]) -> None:
+        super().__init__(params, lr, betas, eps, weight_decay, blocks=blocks)
+        self.gmap = gmap
+        self.region: TrustRegion[Role] = TrustRegion(dict(mult))
         self._apply()
-
-    def _held_out_source(self) -> Callable[[int, int], Any]:
-        from trainer.data import get_batch, load_corpus
-
-        corpus = load_corpus(self.cfg.corpus)
-        tokens = corpus.val if corpus.select is None else corpus.select
-        cfg = self.cfg
-
-        def source(refresh: int, b: int) -> Any:
-            x, y = get_batch(tokens, cfg.probe_batch_size, cfg.seq_len, est.derive_seed(cfg.seed, TAG_PROBE),
-                             refresh * self.opts.batches + b)
-            return x.to(cfg.device), y.to(cfg.device)
-
-        return source
 
     @property
     def mult(self) -> dict[Role, float]:
@@ -99,65 +92,99 @@ class BlockRegimeMode:
         return self.region.mult
 
     def _apply(self) -> None:
-        devices = [p.device for p in self.model.parameters()]
-        self.optimizer.block_mult = block_multipliers(self.gmap, self.region.mult, devices)
+        self.block_mult = block_multipliers(self.gmap, self.region.mult, [p.device for p in self.blocks])
 
-    def _clock(self) -> float:
-        dev = next(self.model.parameters()).device
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        return time.perf_counter()
+    # ---- CurvRule -----------------------------------------------------------------------------------
+    def make_rounds(self, batch: Any, version: int, published: Collection[int]) -> list[RoundSpec]:
+        """None: the table is fixed."""
+        return []
 
-    def refresh(self, step: int) -> dict[str, float]:
-        """At a refresh step: fit and fold (after warmup, given θ_prev), then keep θ_step as the next θ_prev."""
-        stats: dict[str, float] = {}
-        if self.prev is not None and step >= self.cfg.warmup_steps:
-            t0 = self._clock()
-            refresh = step // self.cfg.curvature_interval
-            batches = [self.probe_source(refresh, b) for b in range(self.opts.batches)]
-            losses, fwd = group_line_losses(self.model, self.loss_fn, batches, self.gmap, self.prev, DESIGN_ALPHAS)
-            self.probe_forwards += fwd
-            fits = {r: fit_role(DESIGN_ALPHAS, v, r_min=self.opts.r_min, r_max=self.opts.r_max)
-                    for r, v in losses.items()}
-            self.region.update(fits)
-            self._apply()
-            for r, f in fits.items():
-                stats.update({f"tr_r_{r.value}": math.exp(f.log_ratio), f"tr_z_{r.value}": max(min(f.z, 1e12), -1e12),
-                              f"tr_streak_{r.value}": float(self.region.streak.get(r, 0))})
-            self.probe_wall_s += self._clock() - t0
-        self.prev = [p.detach().float().clone() for p in self.model.parameters()]
-        return stats
+    def fold(self, refresh: Refresh) -> dict[str, float]:
+        """Nothing to fold (no rounds)."""
+        return {}
 
-    def step(self, step: int, batch: Any, lr: float) -> dict[str, float]:
-        """Optimizer step `step` on `batch` at base lr `lr`; a refresh first every `curvature_interval` steps."""
-        for g in self.optimizer.param_groups:
-            g["lr"] = lr
-        stats: dict[str, float] = {}
-        if step % self.cfg.curvature_interval == 0:
-            if self.trust:
-                stats.update(self.refresh(step))
-            stats.update({f"mult_{r.value}": float(v) for r, v in self.region.mult.items()})
-        loss, gnorm = backprop_step(self.model, self.optimizer, self.loss_fn, batch, self.cfg.grad_clip)
-        self.train_forwards += 1
-        stats.update({"loss": loss, "grad_norm": gnorm, "clipped_frac": 0.0,
-                      "forward_passes": float(self.train_forwards + self.probe_forwards),
-                      "probe_forwards": float(self.probe_forwards), "probe_wall_s": self.probe_wall_s})
-        return stats
+    def refresh_stats(self) -> dict[str, float]:
+        """The multipliers in force, ``mult_<role>``."""
+        return {f"mult_{r.value}": float(v) for r, v in self.region.mult.items()}
 
-    def extra_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """Multipliers, streaks and counters (JSON); θ_prev (tensors) when held."""
-        tensors = {f"tr_prev/{i}": t for i, t in enumerate(self.prev or [])}
-        meta = {**self.region.state(), "train_forwards": self.train_forwards, "probe_forwards": self.probe_forwards,
-                "probe_wall_s": self.probe_wall_s, "has_prev": self.prev is not None}
-        return tensors, meta
+    def zo_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """Multipliers and streaks (JSON)."""
+        return {}, self.region.state()
 
-    def load_extra_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
-        """Restore `extra_state()`: the resumed run refreshes exactly as an uninterrupted one would."""
+    def load_zo_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        """Restore `zo_state()`."""
         self.region.mult = {Role(k): float(v) for k, v in meta["mult"].items()}
         self.region.streak = {Role(k): int(v) for k, v in meta["streak"].items()}
-        self.train_forwards, self.probe_forwards = int(meta["train_forwards"]), int(meta["probe_forwards"])
-        self.probe_wall_s = float(meta.get("probe_wall_s", 0.0))
-        if meta.get("has_prev"):
-            dev = next(self.model.parameters()).device  # checkpoints load on the CPU
-            self.prev = [tensors[f"tr_prev/{i}"].to(dev) for i in range(len(list(self.model.parameters())))]
         self._apply()
+
+
+class TrustRegionAdamW(BlockTableAdamW):
+    """``zocurv-trust``: BlockTableAdamW whose multipliers the calibrated trust region moves (module docstring).
+
+    Args: as BlockTableAdamW (mult: the start), plus rule (trainer.zo.trust_region.TrustRegionRule), batches (held-out
+    batches per refresh, >= 2 for an across-batch SE), interval (curvature_interval), warmup (warmup_steps: no
+    rounds before), source(refresh, b) -> held-out batch (`held_out_source`). Raises ValueError for batches < 2 or
+    interval < 1.
+    """
+
+    history = 2  # θ_t and θ_prev published
+    log_prefix = "trust"
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1,
+                 *, blocks: Sequence[torch.Tensor], gmap: GroupMap, mult: dict[Role, float], rule: TrustRegionRule,
+                 batches: int, interval: int, warmup: int, source: ProbeSource) -> None:
+        if batches < 2 or interval < 1:
+            raise ValueError(f"need batches >= 2 and interval >= 1, got {batches}, {interval}")
+        super().__init__(params, lr, betas, eps, weight_decay, blocks=blocks, gmap=gmap, mult=mult)
+        self.region.rule = rule
+        self.batches, self.interval, self.warmup, self.source = batches, interval, warmup, source
+
+    def publishes(self, step: int, interval: int) -> bool:
+        """θ_t at each refresh t whose weights a round probes, as θ_t or as the next refresh's θ_prev."""
+        return step % interval == 0 and step + interval >= self.warmup
+
+    def make_rounds(self, batch: Any, version: int, published: Collection[int]) -> list[RoundSpec]:
+        """The refresh's B·R ``group_line`` rounds at `version` along θ_version − θ_{version − interval} on held-out
+        batches (`batch`, the training batch, is not used); none before warmup or while either is not published."""
+        base = version - self.interval
+        if version < self.warmup or base not in published or version not in published:
+            return []
+        refresh = version // self.interval
+        held = [self.source(refresh, b) for b in range(self.batches)]
+        return group_line_rounds(self.gmap, held, version, base, DESIGN_ALPHAS, DESIGN_EPS, prefix="trust")
+
+    def fold(self, refresh: Refresh) -> dict[str, float]:
+        """One refresh's rounds -> per-role fits (trainer.zo.trust_region.fit_role) -> the region's update."""
+        o = self.region.rule
+        table = group_line_table(refresh, DESIGN_ALPHAS, DESIGN_EPS)
+        fits = {r: fit_role(DESIGN_ALPHAS, v, r_min=o.r_min, r_max=o.r_max) for r, v in table.items()}
+        self.region.update(fits)
+        self._apply()
+        stats = {"tr_version": float(refresh[0][0].version)}
+        for r, f in fits.items():
+            stats.update({f"tr_r_{r.value}": math.exp(f.log_ratio), f"tr_z_{r.value}": max(min(f.z, 1e12), -1e12),
+                          f"tr_streak_{r.value}": float(self.region.streak.get(r, 0))})
+        return stats
+
+
+def build_regime_rule(groups: list[dict], blocks: list[Any], cfg: TrainConfig, o: RegimeOptions,
+                      source: ProbeSource | None = None) -> BlockTableAdamW:
+    """The rule of `cfg.optimizer` (one of REGIME_METHODS) over canonical `blocks` (trainer.zo.probes.Block) with
+    param `groups`: the table normalised by `o.norm`; for zocurv-trust the region starting at it (o.start "table")
+    or at 1, probing `source` (default: held_out_source(cfg)). Raises ValueError for another optimizer or a model
+    trainer.zo.groups cannot assign, TypeError for non-fp32 weights."""
+    from trainer.zo.groups import assign_roles
+
+    if cfg.optimizer not in REGIME_METHODS:
+        raise ValueError(f"{cfg.optimizer!r} is not one of {REGIME_METHODS}")
+    gmap = assign_roles([(b.name, b.param) for b in blocks])
+    params = [b.param for b in blocks]
+    table = table_multipliers(gmap, norm=o.norm)
+    common = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "blocks": params, "gmap": gmap}
+    if cfg.optimizer == "zocurv-static":
+        return BlockTableAdamW(groups, mult=table, **common)
+    rule = TrustRegionRule(beta=o.beta, z_min=o.z_min, agree=o.agree, r_min=o.r_min, r_max=o.r_max, m_min=o.m_min,
+                           m_max=o.m_max)
+    start = table if o.start == "table" else {r: 1.0 for r in gmap.roles}
+    return TrustRegionAdamW(groups, mult=start, rule=rule, batches=o.batches, interval=cfg.curvature_interval,
+                            warmup=cfg.warmup_steps, source=source or held_out_source(cfg), **common)

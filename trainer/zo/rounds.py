@@ -10,7 +10,7 @@ When a round folds is the book's `timing` (FOLD_TIMINGS), whatever the fleet's t
 - "async": at the first refresh after all its results arrived (in process: its own refresh);
 - "sync" (`train --fleet-wait sync`): `collect` waits (up to `timeout_s` per round) for every round issued, so each
   folds at its own refresh and a fleet run equals the in-process one bit for bit;
-- "next" (`up`): `collect` waits for every round but the newest, and `before_publish` waits for all of them
+- "next" (`up`): `collect` waits for every round but the newest refresh's, and `before_publish` waits for all of them
   before a newer version is published (so none can arrive stale): a round folds at the refresh after it.
 
 Interface (what the mode calls, in order, at a refresh of version v): `before_publish(backend, v)` before each
@@ -80,11 +80,17 @@ class RoundBook:
             self._wait(backend, list(self._waiting))
 
     def collect(self, backend: ProbeBackend) -> None:
-        """Take what the backend has for the rounds due under `timing` (module docstring)."""
+        """Take what the backend has for the rounds due under `timing` (module docstring). Under "next" that is every
+        round of a version older than the newest issued: a refresh's rounds (several for zocurv-group, -trust) are
+        all left to the next refresh, so the trainer never waits for the refresh it is in."""
         if self.timing == "async":
             self.take(backend.collect())
             return
-        self._wait(backend, self._waiting[:-1] if self.timing == "next" else list(self._waiting))
+        if self.timing == "next":
+            newest = max((self._pending[rid].version for rid in self._waiting), default=None)
+            self._wait(backend, [rid for rid in self._waiting if self._pending[rid].version != newest])
+            return
+        self._wait(backend, list(self._waiting))
         if self.timing == "sync":
             self.take(backend.collect())
 
@@ -156,18 +162,28 @@ class RoundBook:
 
     def state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """(tensors, JSON): counts, dropped rounds and the rounds in flight, each one's spec (its batch, when a tuple
-        of tensors, as tensors `round/<i>/batch/<j>`) and the results it already took."""
+        of tensors, as tensors `round/<i>/batch/<j>`, once: a round sharing an earlier round's batch object, as a
+        refresh's rounds do, names it as `batch_of` <that round's i>) and the results it already took."""
         tensors: dict[str, torch.Tensor] = {}
         rounds = []
+        first: dict[int, int] = {}  # id(batch) -> index of the round whose tensors hold it
+        storages: set[int] = set()
         for i, (rid, r) in enumerate(self._pending.items()):
             batch = isinstance(r.batch, tuple) and all(isinstance(t, torch.Tensor) for t in r.batch)
-            if batch:
-                tensors.update({f"round/{i}/batch/{j}": t.contiguous() for j, t in enumerate(r.batch)})
+            batch_of = first.get(id(r.batch)) if batch else None
+            if batch and batch_of is None:
+                first[id(r.batch)] = i
+                for j, t in enumerate(r.batch):
+                    t = t.contiguous()
+                    if t.untyped_storage().data_ptr() in storages:  # views of one window (x, y): safetensors
+                        t = t.clone()  # refuses tensors sharing memory, so this one gets its own
+                    storages.add(t.untyped_storage().data_ptr())
+                    tensors[f"round/{i}/batch/{j}"] = t
             rounds.append({"round_id": rid, "version": r.version, "eps": r.eps, "seeds": list(r.seeds),
                            "distribution": r.distribution, "want_clean": r.want_clean,
                            "kind": ProbeKind(r.kind).value, "base_version": r.base_version, "blocks": list(r.blocks),
                            "slices": [list(s) for s in r.slices],
-                           "batch_len": len(r.batch) if batch else None,
+                           "batch_len": len(r.batch) if batch else None, "batch_of": batch_of,
                            "arrived": [dataclasses.asdict(x) for x in self._arrived[rid].values()]})
         return tensors, {"counts": dict(self.counts), "dropped_rounds": self.dropped, "inflight": rounds}
 
@@ -179,11 +195,15 @@ class RoundBook:
         self._pending.clear()
         self._arrived.clear()
         self._waiting.clear()
+        batches: dict[int, tuple[torch.Tensor, ...]] = {}  # rounds that shared a batch share it again
         for i, d in enumerate(meta.get("inflight", [])):
             if d["batch_len"] is None:
                 self.dropped += 1
                 continue
-            batch = tuple(tensors[f"round/{i}/batch/{j}"] for j in range(d["batch_len"]))
+            at = i if d.get("batch_of") is None else int(d["batch_of"])  # older checkpoints: every round its own
+            if at not in batches:
+                batches[at] = tuple(tensors[f"round/{at}/batch/{j}"] for j in range(d["batch_len"]))
+            batch = batches[at]
             # checkpoints written before the round fields took the wire's names say "dist" and "group"
             r = RoundSpec(d["round_id"], int(d["version"]), batch, float(d["eps"]), tuple(d["seeds"]),
                           d.get("distribution", d.get("dist")), want_clean=bool(d["want_clean"]),
