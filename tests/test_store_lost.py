@@ -123,18 +123,19 @@ def test_an_evaluation_in_flight_when_the_store_is_lost_is_reissued(fleet, tmp_p
             ev.poll()
             time.sleep(0.05)
         had = len(ev.pending[0].values)
-        assert 3 <= had < n, "the evaluation finished before the store could be lost: make it longer"
+        assert 3 <= had < n, f"{had} of {n} batches in: lose the store mid-evaluation (make it longer or wait more)"
         assert lose_store(fleet) > 0
         records = ev.finish()
     finally:
         ev.close()
     assert [r["step"] for r in records] == [0]
     rec = records[0]
-    assert rec["eval_on"] == "fleet" and rec["eval_fleet_batches"] == n and rec["eval_trainer_batches"] == 0
-    assert rec["val_loss"] == evaluate(model, task.corpus.val, cfg)  # bits, not approx
-    assert ev.backend.recreated == 1 and _recreated(ev.run) == 1.0
     info = fleet.admin.get(f"/v1/runs/{ev.run}/rounds/eval-0").json()  # the round re-issued on the new store
-    assert info["n_seeds"] == n - had and info["done"] == info["n_seeds"]  # only the batches not yet in
+    why = f"{rec} {info} had {had}"
+    assert rec["eval_on"] == "fleet" and rec["eval_fleet_batches"] == n and rec["eval_trainer_batches"] == 0, why
+    assert rec["val_loss"] == evaluate(model, task.corpus.val, cfg), why  # bits, not approx
+    assert ev.backend.recreated == 1 and _recreated(ev.run) == 1.0, why
+    assert info["n_seeds"] == n - had and info["done"] == info["n_seeds"], why  # only the batches not yet in
 
 
 @pytest.mark.slow  # a coordinator process and probe-worker processes
