@@ -123,11 +123,14 @@ class RecoveringBackend:
     # ---- ProbeBackend ---------------------------------------------------------------------------------------
 
     def publish(self, version: int, weights=None) -> None:
-        """As the backend's; a version the recovery itself published again (an owner's `republish` of the version
-        being published) is not published twice."""
+        """As the backend's; a version that a recovery made during this call published again itself (an owner's
+        `republish` of the version being published) is not published twice."""
+        start = self.recreated
+
         def once() -> None:
-            if version not in self.backend.publisher.published:
-                self.backend.publish(version, weights)
+            if self.recreated != start and version in self.backend.publisher.published:
+                return
+            self.backend.publish(version, weights)
 
         self._call(once)
 
