@@ -23,7 +23,7 @@ override a plan's settings (the same command at another regime), `--devices cuda
 over GPUs round-robin (one process per run; 0.5M tokens per step on one GPU needs gradient accumulation, which
 trainer.train does not do yet).
 
-Usage: `sparecycles bench regime run --plan h200 --out DIR --jobs 6 --deadline-s 440`, then
+Usage: `sparecycles bench regime run --plan h200 --out DIR --jobs 4 --deadline-s 440`, then
 `sparecycles bench regime report DIR` (table, JSON, PNG; benchmarks.regime_score).
 """
 
