@@ -173,7 +173,8 @@ def train(
                                "(first-order optimizers) instead of replicating them (DDP)."),
     micro_batch_size: int | None = typer.Option(None, min=1, help="Under torchrun (or alone): sequences per "
                                                 "forward/backward on each rank; gradients accumulate over the rank's "
-                                                "shard (first-order optimizers)."),
+                                                "shard (first-order and ZO-Curv optimizers; ZO-Curv probes the "
+                                                "shard's first rows as without it)."),
     dist_timeout: float = typer.Option(600.0, min=1.0, help="Under torchrun: seconds a collective waits for the other "
                                        "ranks before the run stops with an error (a rank that died or hangs)."),
     anytime: bool = typer.Option(False, help="The anytime model: at each evaluation, choose the best mixture of the "
