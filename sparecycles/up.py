@@ -235,9 +235,11 @@ def _serve_metrics(out: Path, coordinator_port: int, worker_ports: list[int], lo
 def resume_note(name: str, cfg) -> str:
     """The line `up` prints for an interrupted run it resumes: from which step (its checkpoint's) of how many."""
     from trainer.checkpoint import checkpoint_step
+    from trainer.dist_checkpoint import DCP_NAME, dcp_step
     from trainer.run_dir import CHECKPOINT_NAME
 
-    step = checkpoint_step(cfg.run_dir / CHECKPOINT_NAME)
+    steps = [checkpoint_step(cfg.run_dir / CHECKPOINT_NAME), dcp_step(cfg.run_dir / DCP_NAME)]  # the newest resumes
+    step = max((s for s in steps if s is not None), default=None)
     where = f"step {step} of {cfg.steps}" if step is not None else "its checkpoint"
     return f"{name}: resuming the interrupted run at {where} ({cfg.run_dir})"
 

@@ -141,6 +141,28 @@ def test_zocurv_two_ranks_with_micro_batches_equal_one_rank(tmp_path):
     assert _mults(tmp_path / "n2") == _mults(tmp_path / "n1")
 
 
+def test_a_run_resumed_at_another_n_continues_from_its_newest_checkpoint(tmp_path, fail_at_step):
+    """Stopped at step 3 in one process (checkpoint.safetensors), resumed by a torchrun job of one rank (launched:
+    its DCP folder) and stopped at step 5, resumed in one process again: it continues from step 5, not from the
+    older file, and ends as the uninterrupted run; `up` sees the folder as an interrupted run in between."""
+    from trainer.modes import AdamWMode
+    from trainer.preflight import folder_state
+    from trainer.train import train
+
+    kw = {"eval_every": 3, "eval_batches": 2, "checkpoint_every": 2}
+    _in_process(tmp_path / "straight", "adamw", 6, **kw)
+    cfg = resolve_preset("demo", {**TINY, "optimizer": "adamw", "steps": 6, "run_dir": tmp_path / "mixed", **kw})
+    for at, resume, dist in ((3, False, DistContext()), (5, True, DistContext(launched=True))):
+        undo = fail_at_step(AdamWMode, at)
+        with pytest.raises(KeyboardInterrupt):
+            train(cfg, progress=False, export=False, resume=resume, dist=dist)
+        undo()
+    assert (tmp_path / "mixed" / "checkpoint.safetensors").is_file() and folder_state(cfg.run_dir, cfg).kind == "resume"
+    result = train(cfg, progress=False, export=False, resume=True)
+    assert result.summary["resumed_from_step"] == 5
+    assert losses(tmp_path / "mixed") == losses(tmp_path / "straight")
+
+
 @pytest.mark.timeout(900)
 def test_adamw_two_ranks_equal_one_resume_at_one_and_a_killed_rank_ends_the_run(tmp_path):
     """AdamW at N=2 logs the losses of N=1 (TOL); rank 1 killed after a checkpoint: torchrun stops rank 0 with a

@@ -102,3 +102,35 @@ def test_up_with_two_ranks_equals_up_in_process(tmp_path, monkeypatch):
     assert two["fleet"]["results_accepted"] > 0 and two["fleet"]["workers"] == 1
     assert (tmp_path / "n2" / "logs" / "zocurv-global.config.json").is_file()
     assert processes_of(tmp_path / "n2") == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_ctrl_c_stops_the_ranks_and_every_service(tmp_path):
+    """Ctrl-C to `up --nproc-per-node 2` while its ranks train: torchrun (in a session of its own) gets one SIGTERM,
+    the ranks checkpoint and stop, then every service stops; nothing of the run is left running, and the same
+    command would resume from the ranks' checkpoint."""
+    import signal
+    import time
+
+    from support.processes import start_up
+
+    run_dir = tmp_path / "up-int"
+    proc = start_up(run_dir, "--nproc-per-node", "2", "--steps", "500", "--batch-size", "8", "--seq-len", "32",
+                    "--workers", "1")
+    try:
+        metrics, deadline = run_dir / "adamw" / "metrics.jsonl", time.monotonic() + 600
+        # a step's record: the ranks are in their step loop, where a signal stops them after a step, checkpointed
+        while time.monotonic() < deadline and not (metrics.is_file() and '"loss"' in metrics.read_text()):
+            assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
+            time.sleep(0.5)
+        ranks = [c for c in processes_of(run_dir) if "train --config" in c and "torch.distributed.run" not in c]
+        assert len(ranks) == 2, processes_of(run_dir)
+    finally:
+        proc.send_signal(signal.SIGINT)  # also on failure: never leave a fleet behind
+        out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 130, out.decode()[-3000:]
+    assert processes_of(run_dir) == []
+    assert (run_dir / "adamw" / "checkpoint.dcp" / "sparecycles.json").is_file()  # the ranks' collective save
+    again = plan_up(run_dir=run_dir, steps=500, batch_size=8, seq_len=32, workers=1, nproc_per_node=2)
+    assert again.states["adamw"].kind == "resume"  # the same command continues from there

@@ -386,28 +386,39 @@ def launch_torchrun(nproc: int, args: list[str], *, env: dict[str, str] | None =
     `up --nproc-per-node`. `env`: the ranks' environment (default: this one); `preexec_fn`: runs in torchrun's
     process before it starts (`up`: die with its parent).
 
-    torchrun starts in a session of its own (a terminal's Ctrl-C reaches this process only): a KeyboardInterrupt
-    here (Ctrl-C, or a SIGTERM turned into one) sends torchrun one SIGTERM, which it passes to every rank (they
-    stop after the same step and checkpoint: trainer.console.deferred_interrupt), waits up to `stop_grace_s`
-    seconds for it (then kills it) and raises the KeyboardInterrupt again.
+    torchrun starts in a session of its own (a terminal's Ctrl-C reaches this process only): Ctrl-C here, or a
+    SIGTERM while it waits, sends torchrun one SIGTERM, which it passes to every rank (they stop after the same step
+    and checkpoint: trainer.console.deferred_interrupt); this waits up to `stop_grace_s` seconds for it (then kills
+    it) and raises KeyboardInterrupt.
     """
     import signal
     import subprocess
     import sys
+    import threading
+
+    def _interrupt(signum, frame):
+        raise KeyboardInterrupt
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "sparecycles.cli", *args]
-    proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=preexec_fn)
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _interrupt) if main else None
     try:
-        return proc.wait()
-    except KeyboardInterrupt:
-        proc.send_signal(signal.SIGTERM)
+        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
+                                preexec_fn=preexec_fn)
         try:
-            proc.wait(timeout=stop_grace_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        raise
+            return proc.wait()
+        except KeyboardInterrupt:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=stop_grace_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            raise
+    finally:
+        if main and previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _relaunch(nproc: int, device: str | None) -> int:
