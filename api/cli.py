@@ -36,7 +36,7 @@ def coordinator(
     import uvicorn
     from pydantic import ValidationError
 
-    from coordinator.settings import CoordinatorSettings
+    from coordinator.settings import CoordinatorSettings, settings_problems
 
     if log_level.lower() not in ("critical", "error", "warning", "info", "debug", "trace"):
         raise typer.BadParameter(f"one of critical, error, warning, info, debug, trace; got {log_level!r}",
@@ -46,10 +46,8 @@ def coordinator(
     try:
         CoordinatorSettings()  # fail here, once, with a clear message (each worker process re-reads it)
     except ValidationError as exc:
-        # Never echo input values: they are secrets.
-        reasons = "; ".join(e["msg"].removeprefix("Value error, ")
-                            for e in exc.errors(include_input=False, include_url=False))
-        typer.echo(f"refusing to start: {reasons}", err=True)
+        # Each reason names its environment variable; never the input values: they are secrets.
+        typer.echo(f"refusing to start: {'; '.join(settings_problems(exc, CoordinatorSettings))}", err=True)
         raise typer.Exit(2) from exc
     with contextlib.ExitStack() as stack:
         if workers > 1:

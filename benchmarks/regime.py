@@ -16,7 +16,9 @@ Ratio (benchmarks.regime_score) = smallest T whose full schedule reaches AdamW(T
 
 Plans (`PLANS`): "full" is issue 29's (gpt2-small, 64×1024 tokens per step, T_ref 400, AdamW lr 3e-4…2.4e-3
 × both schedules); "h200" the reduced one-call plan (32×512 on classics-large, T_ref 200, 2 lrs, static and trust-region arms,
-arms started with AdamW at a fixed lr: tools/h200_regime.sh); "cpu" a tiny dry run. `--batch-size`/`--seq-len`/`--corpus`
+arms started with AdamW at a fixed lr: tools/h200_regime.sh) and its follow-up calls "h200b" (adaptive: bracket closed,
+arms at the best lr, shorter T), "h200c" and "h200d" (explicit runs around what the earlier calls found; the
+2026-12-02 result in benchmarks/results/h200/regime/); "cpu" a tiny dry run. `--batch-size`/`--seq-len`/`--corpus`
 override a plan's settings (the same command at another regime), `--devices cuda:0,…,cuda:7` spreads runs
 over GPUs round-robin (one process per run; 0.5M tokens per step on one GPU needs gradient accumulation, which
 trainer.train does not do yet).
@@ -93,10 +95,28 @@ H200 = Plan({"model": "gpt2-small", "corpus": "classics-large", "batch_size": 32
             arm_lr=1.2e-3, arm_schedule="cosine", adaptive=False,
             extra=(RegimeRun(ADAMW, 1.2e-3, 200, "linear"), RegimeRun("zocurv-static", 6e-4, 200),
                    RegimeRun("zocurv-trust", 1.2e-3, 150, options=(("start", "table"),))))
+# "h200b": the second call of the one-GPU plan, resuming from the first call's run folders (same settings): adaptive,
+# the arms at the best AdamW lr and at shorter T while they reach AdamW(T_ref), the first call's lr-1.2e-3 runs first.
+H200B = replace(H200, arms=ARMS[:2], arm_lr=None, arm_schedule=None, adaptive=True, fracs=(0.75, 0.5),
+                extra=(RegimeRun(ADAMW, 1.2e-3, 200, "linear"), RegimeRun("zocurv-static", 1.2e-3, 200),
+                       RegimeRun("zocurv-trust", 1.2e-3, 200, options=(("start", "one"),))))
+# "h200c": the third call: 3 seeds at the best AdamW lr (3e-4, found by h200b) and explicit arm runs around what
+# h200b found (the arms at 3e-4 and 6e-4, shorter T, a second seed, zocurv-global), in priority order.
+_S, _TR, _T1 = "zocurv-static", (("start", "table"),), (("start", "one"),)
+H200C = replace(H200, arms=(), adamw_seeds=3, arm_lr=3e-4, adaptive=False, extra=(
+    RegimeRun(_S, 6e-4, 150), RegimeRun("zocurv-trust", 6e-4, 200, options=_TR),
+    RegimeRun("zocurv-global", 3e-4, 200), RegimeRun(_S, 6e-4, 175), RegimeRun("zocurv-trust", 3e-4, 175, options=_TR),
+    RegimeRun("zocurv-trust", 6e-4, 150, options=_TR), RegimeRun(ADAMW, 3e-4, 200, "linear"),
+    RegimeRun("zocurv-trust", 3e-4, 200, options=_T1), RegimeRun(_S, 6e-4, 200, seed=1),
+    RegimeRun("zocurv-trust", 3e-4, 200, seed=1, options=_TR)))
+# "h200d": the fourth call, one wave: second seeds at the shortest T that reached the target, the trust region at 6e-4.
+H200D = replace(H200C, extra=(
+    RegimeRun(_S, 6e-4, 175, seed=1), RegimeRun("zocurv-trust", 3e-4, 175, seed=1, options=_TR),
+    RegimeRun("zocurv-trust", 6e-4, 175, options=_TR), RegimeRun("zocurv-trust", 6e-4, 200, options=_T1)))
 CPU = Plan({"model": "gpt2-tiny", "corpus": "classics-small", "batch_size": 2, "seq_len": 16, "eval_batches": 2,
             "curvature_interval": 2, "probe_batch_size": 2},
            t_ref=4, adamw_lrs=(3e-3, 1e-2), arms=ARMS, fracs=(0.75, 0.5), adamw_seeds=2)
-PLANS = {"full": FULL, "h200": H200, "cpu": CPU}
+PLANS = {"full": FULL, "h200": H200, "h200b": H200B, "h200c": H200C, "h200d": H200D, "cpu": CPU}
 
 
 # ---- the adaptive plan (pure) --------------------------------------------------------------------------------

@@ -166,9 +166,10 @@ class Intake:
         for rid, idx in groups.items():
             try:
                 rnd, spot, _, _, _ = self._round(run, rid)
-            except NotFound:
+            except NotFound:  # the run itself gone (e.g. its store was lost) is told apart from a stray round
+                why = "unknown_round" if self.store.r.exists(self.store.keys.k_run(run, "run")) else "unknown_run"
                 for i in idx:
-                    outcomes[i] = "unknown_round"
+                    outcomes[i] = why
                 continue
             argv: list[str | int] = [wid, rnd.version]
             sent: list[tuple[int, ProbeResult]] = []

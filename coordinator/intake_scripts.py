@@ -15,7 +15,10 @@ from coordinator.staleness import IS_STALE_LUA
 # this intake being the one authority on which results count.
 INTAKE = IS_STALE_LUA + """
 local state = redis.call('HGET', KEYS[1], 'state')
-if not state then return {'unknown_round'} end
+if not state then
+  if redis.call('EXISTS', KEYS[5]) == 0 then return {'unknown_run'} end
+  return {'unknown_round'}
+end
 local latest = tonumber(redis.call('HGET', KEYS[5], 'latest_version'))
 local age = latest - tonumber(ARGV[2])
 if is_stale(tonumber(ARGV[2]), latest, tonumber(redis.call('HGET', KEYS[5], 'staleness'))) then

@@ -292,6 +292,7 @@ IntakeOutcome = Literal[
     "stale",
     "invalid",
     "unknown_round",
+    "unknown_run",
     "closed_round",
     "unknown_seed",
     "quarantined",

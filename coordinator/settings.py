@@ -6,7 +6,7 @@ and enrollment tokens must differ, unless `dev_mode` is set explicitly (SPARECYC
 the Redis URL is refused when it is such a placeholder. Every refusal names the variable. `secret_problem` and
 `check_secrets` are the one rule; the worker (`sparecycles worker`) and the trainer (`fleet.attach.FleetSettings`)
 apply it to the secrets they read. The embedded `sparecycles up` uses `generate_dev_settings()`, which draws fresh
-random secrets instead.
+random secrets instead. `settings_problems` says what a settings class refused, by environment variable.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from pydantic import AliasChoices, Field, SecretStr, model_validator
+from pydantic import AliasChoices, Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 WEAK_SECRETS = frozenset(
@@ -73,6 +73,35 @@ def check_secrets(secrets_by_variable: dict[str, str], urls_by_variable: dict[st
     if problems:
         raise ValueError("; ".join(problems) + f". Set each to a fresh random value ({NEW_SECRET_HINT}), or "
                          "SPARECYCLES_DEV_MODE=1 for local experiments only")
+
+
+def env_var_of(settings_cls: type[BaseSettings], field: str) -> str:
+    """The environment variable a pydantic-settings field is read from: its first validation alias when it has
+    one (SPARECYCLES_REDIS_URL), else the class's env prefix plus the field's name in upper case."""
+    info = settings_cls.model_fields.get(field)
+    alias = info.validation_alias if info is not None else None
+    if isinstance(alias, AliasChoices) and isinstance(alias.choices[0], str):
+        return alias.choices[0]
+    if isinstance(alias, str):
+        return alias
+    return f"{settings_cls.model_config.get('env_prefix', '')}{field}".upper()
+
+
+def settings_problems(exc: ValidationError, settings_cls: type[BaseSettings]) -> list[str]:
+    """One line per error of `exc` (a ValidationError of `settings_cls`) naming the environment variable it came
+    from, e.g. "SPARECYCLES_KEY_PREFIX: String should match pattern ..." or "SPARECYCLES_ADMIN_TOKEN is missing";
+    an error of the whole model (check_secrets) names its variables itself. Input values are never shown (they
+    may be secrets)."""
+    out = []
+    for e in exc.errors(include_input=False, include_url=False):
+        msg = e["msg"].removeprefix("Value error, ")
+        if not e["loc"]:
+            out.append(msg)
+        elif e["type"] == "missing":
+            out.append(f"{env_var_of(settings_cls, str(e['loc'][0]))} is missing")
+        else:
+            out.append(f"{env_var_of(settings_cls, str(e['loc'][0]))}: {msg}")
+    return out
 
 
 class DevMode(BaseSettings):

@@ -31,7 +31,7 @@ import httpx
 from pydantic import Field, SecretStr, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from coordinator.settings import secret_problem, url_password_problem
+from coordinator.settings import env_var_of, secret_problem, url_password_problem
 
 COUNTDOWN_EVERY_S = 10.0  # while waiting for the coordinator, a line saying so every this many seconds
 
@@ -77,6 +77,27 @@ class FleetSettings(BaseSettings):
         return value
     key_prefix: str = Field(default="sc", pattern=r"^[A-Za-z0-9_-]{1,32}$")
     blob_dir: Path | None = None
+
+
+def load_settings() -> FleetSettings:
+    """FleetSettings from the environment. Raises FleetError naming every variable missing or refused (never its
+    value): `train --coordinator` calls it with its option checks, before anything starts."""
+    from pydantic import ValidationError
+
+    try:
+        return FleetSettings()
+    except ValidationError as exc:
+        errors = exc.errors(include_input=False, include_url=False)
+        missing = [env_var_of(FleetSettings, str(e["loc"][0])) for e in errors if e["type"] == "missing"]
+        invalid = [f"{env_var_of(FleetSettings, str(e['loc'][0]))} ({e['msg'].removeprefix('Value error, ')})"
+                   for e in errors if e["type"] != "missing"]
+    why = []
+    if missing:
+        why.append(f"needs {', '.join(missing)} in the environment (the coordinator's admin token and its Redis "
+                   "URL; never on the command line)")
+    if invalid:
+        why.append(f"has an invalid {', '.join(invalid)}")
+    raise FleetError(f"a fleet run {'; '.join(why)}")
 
 
 def active_workers(base: str, admin_token: str, timeout_s: float = 5.0) -> list[dict[str, Any]]:
@@ -314,27 +335,13 @@ def attach(url: str, *, settings: FleetSettings | None = None, wait_s: float = 1
     every COUNTDOWN_EVERY_S seconds), refuses the admin token, or has too few
     active workers after `wait_s` seconds; ValueError for a URL that is not http(s).
     """
-    from pydantic import ValidationError
-
     base = url.rstrip("/")
     if rounds not in ROUND_MODES:
         raise ValueError(f"rounds must be one of {ROUND_MODES}, got {rounds!r}")
     if not base.startswith(("http://", "https://")):
         raise ValueError(f"--coordinator must be an http(s) URL, got {url!r}")
     if settings is None:
-        try:
-            settings = FleetSettings()
-        except ValidationError as exc:
-            missing = [f"SPARECYCLES_{str(e['loc'][0]).upper()}" for e in exc.errors() if e["type"] == "missing"]
-            invalid = [f"SPARECYCLES_{str(e['loc'][0]).upper()} ({e['msg'].removeprefix('Value error, ')})"
-                       for e in exc.errors() if e["type"] != "missing"]
-            why = []
-            if missing:
-                why.append(f"needs {', '.join(missing)} in the environment (the coordinator's admin token and its "
-                           "Redis URL; never on the command line)")
-            if invalid:
-                why.append(f"has an invalid {', '.join(invalid)}")
-            raise FleetError(f"a fleet run {'; '.join(why)}") from None
+        settings = load_settings()
     deadline = time.monotonic() + wait_s
     said_at: float | None = None
     while True:

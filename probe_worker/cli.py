@@ -20,8 +20,8 @@ def worker(
                                        help="Enrollment token (from the coordinator's operator)")],
     device: Annotated[str, typer.Option(help="Torch device: cpu or cuda:N (one worker per GPU)")] = "cpu",
     name: Annotated[str | None, typer.Option(help="Name shown in GET /v1/workers")] = None,
-    metrics_port: Annotated[int | None, typer.Option(min=1, max=65535, help="Serve Prometheus metrics on this "
-                                                     "port (default: none)")] = None,
+    metrics_port: Annotated[int | None, typer.Option(min=0, max=65535, help="Serve Prometheus metrics on this "
+                                                     "port (default: none; 0: none, as `train`'s)")] = None,
     metrics_host: Annotated[str, typer.Option(help="Interface the metrics port binds (0.0.0.0 in containers, "
                                               "where Prometheus scrapes it from another one)")] = "127.0.0.1",
     cache_dir: Annotated[Path | None, typer.Option(help="Weight cache (default: cache root/worker)")] = None,
@@ -43,6 +43,9 @@ def worker(
     loglevel: Annotated[str, typer.Option(help="Log level (DEBUG, INFO, WARNING)")] = "INFO",
 ) -> None:
     """Register with the coordinator and evaluate probe tasks until SIGTERM (SIGUSR1 drains, SIGUSR2 resumes)."""
+    if not coordinator.startswith(("http://", "https://")):
+        raise typer.BadParameter(f"the coordinator's base URL must be http(s)://..., got {coordinator!r}",
+                                 param_hint="--coordinator")
     if not device.startswith(("cpu", "cuda")):
         raise typer.BadParameter("use cpu or cuda:N", param_hint="--device")
     if probe_path not in ("auto", "whole", "per_unit"):

@@ -79,7 +79,7 @@ class WorkerOptions:
     """Settings of one worker process. Durations in seconds.
 
     coordinator: base URL; token: enrollment token; device: "cpu" or "cuda:N"; name: shown in
-    `GET /v1/workers`; metrics_port: serve Prometheus metrics there (None: off); cache_dir: weight cache
+    `GET /v1/workers`; metrics_port: serve Prometheus metrics there (None or 0: off); cache_dir: weight cache
     root (None: trainer.paths.cache_dir()/worker); shared_blob_dir: the coordinator's blob directory when the
     worker shares its file system (shards read in place, WeightCache); keep_versions: models kept loaded;
     control_interval_s: heartbeat and drain-check period (<= 1 s drains within a second);

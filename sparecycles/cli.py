@@ -41,7 +41,14 @@ def _attach(url: str, **kw):
     return attach(url, **kw)
 
 
+def _fleet_settings():
+    from fleet.attach import load_settings
+
+    return load_settings()
+
+
 trainer_cli.FLEET_ATTACH = _attach  # `train --coordinator`: the top layer hands the trainer its fleet
+trainer_cli.FLEET_SETTINGS = _fleet_settings  # ... and the check of its environment, made with the option checks
 app.add_typer(trainer_cli.data_app, name="data")
 app.command("train", short_help="Train one model in this process; write its run folder.")(trainer_cli.train)
 app.command("export", short_help="Export a finished run's model as a transformers folder.")(

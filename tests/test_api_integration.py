@@ -213,6 +213,9 @@ def test_every_intake_outcome_is_counted(env: Env):
     assert post([result("a", "r0", 3, wid, l0=1.0, replica=1)]) == ["invalid"]  # not a spot-check seed
     assert post([result("a", "r0", 3, "w-0123456789abcdef", l0=1.0)]) == ["invalid"]  # another worker's id
     assert post([result("a", "nope", 3, wid, l0=1.0)]) == ["unknown_round"]
+    gone = w.post("/v1/runs/gone/results", json={"results": [result("gone", "r0", 3, wid, l0=1.0)]})
+    assert gone.status_code == 200 and gone.json()["outcomes"] == ["unknown_run"]  # a run it never had (or lost)
+    seen["unknown_run"] = 1
     # a non-finite loss is that result's outcome (issue 14 case 4), not the batch's: see test_intake_partial
     nan = w.post(
         "/v1/runs/a/results",
@@ -275,6 +278,36 @@ def test_every_intake_outcome_is_counted(env: Env):
     restarted.ack([i for i, _ in again])
     assert restarted.read(count=100, block_ms=10) == [] and restarted.pending() == 0
     assert restarted.trim() == 3
+
+
+def test_results_of_a_run_the_store_lost_count_as_unknown_run(env: Env):
+    """A run whose keys vanish (its store lost) while intake still caches its round: the result is refused by the
+    intake script as `unknown_run`, counted under its own label, not as `unknown_round`."""
+    env.create_run("l", staleness=4, spot_check_fraction=0.0, seeds_per_task=4)
+    env.publish_version("l", 0, b"v0")
+    rnd = round_body("l", "r0", env.upload(b"batch"), [1, 2, 3, 4])
+    assert env.admin.post("/v1/runs/l/rounds", json=rnd).status_code == 201
+    reg, w = env.enroll("gpu0")
+    wid = reg["worker_id"]
+
+    def post(seed: int) -> list[str]:
+        resp = w.post("/v1/runs/l/results", json={"results": [result("l", "r0", seed, wid)]})
+        assert resp.status_code == 200, resp.text
+        return resp.json()["outcomes"]
+
+    before = metric_samples(env)
+    assert post(1) == ["accepted"]  # intake now holds the round in its cache
+    keys = [k for k in env.r.scan_iter(f"{env.settings.key_prefix}:*", count=1000) if "{l}" in str(k)]
+    assert keys
+    env.r.delete(*keys)  # the run's whole state gone, the worker's kept
+    assert post(2) == ["unknown_run"]
+    m = metric_samples(env)
+
+    def grew(outcome: str) -> float:
+        key = ("sparecycles_intake_results_total", (("outcome", outcome),))
+        return m[key] - before.get(key, 0.0)
+
+    assert (grew("unknown_run"), grew("unknown_round"), grew("accepted")) == (1.0, 0.0, 1.0)
 
 
 def test_spot_check_disagreement_quarantines_the_odd_one_out(env: Env):

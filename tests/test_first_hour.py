@@ -15,10 +15,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _cli(*args: str, env: dict[str, str] | None = None, importtime: bool = False,
-         timeout: float = 300) -> subprocess.CompletedProcess:
+         timeout: float = 300, unset: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     flags = ["-X", "importtime"] if importtime else []
     env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
-    env.pop("SPARECYCLES_COORDINATOR_URL", None)
+    for name in ("SPARECYCLES_COORDINATOR_URL", *unset):
+        env.pop(name, None)
     return subprocess.run([sys.executable, *flags, "-m", "sparecycles.cli", *args], env=env, capture_output=True,
                           text=True, timeout=timeout, cwd=ROOT)
 
@@ -42,6 +43,8 @@ def _free_port() -> int:
     (["train", "--optimizer", "adamw", "--eval-on", "trainer", "--coordinator", "http://127.0.0.1:1"],
      "sends no probes to a fleet"),
     (["train", "--optimizer", "mezo", "--nproc-per-node", "2", "--shard"], "--shard (FSDP2) runs first-order"),
+    (["train", "--fleet-wait", "sync"], "--fleet-wait (and --fleet-sync) say when the trainer waits for a fleet's "
+     "probe rounds: they need --coordinator"),
     (["up", "--preset", "nope"], "unknown preset 'nope'"),
     (["up", "--optimizer", "adamw"], "AdamW is the baseline"),
 ])
@@ -63,6 +66,43 @@ def test_export_of_an_up_folder_names_its_runs(tmp_path):
     assert "holds 2 runs (adamw, zocurv-line; a `sparecycles up` folder)" in res.stderr
     assert f"sparecycles export {tmp_path / 'up' / 'zocurv-line'} OUT_DIR" in res.stderr
     assert not _imported(res.stderr) & {"torch", "transformers"} and not (tmp_path / "out").exists()
+
+
+def test_train_checks_its_fleet_environment_before_it_starts_anything(tmp_path):
+    """`train --coordinator` without SPARECYCLES_REDIS_URL (or with a refused SPARECYCLES_KEY_PREFIX) exits 2 naming
+    the variable, with the option checks: no metrics server started, neither torch nor transformers imported."""
+    url = f"http://127.0.0.1:{_free_port()}"
+    res = _cli("train", "--coordinator", url, "--run-dir", str(tmp_path / "r"), importtime=True,
+               env={"SPARECYCLES_ADMIN_TOKEN": "x" * 24}, unset=("SPARECYCLES_REDIS_URL", "REDIS_URL"))
+    assert res.returncode == 2 and "a fleet run needs SPARECYCLES_REDIS_URL in the environment" in res.stderr, \
+        res.stderr[-3000:]
+    assert "trainer metrics at" not in res.stderr and not _imported(res.stderr) & {"torch", "transformers"}
+    res = _cli("train", "--coordinator", url, "--run-dir", str(tmp_path / "r"),
+               env={"SPARECYCLES_ADMIN_TOKEN": "x" * 24, "SPARECYCLES_REDIS_URL": "redis://127.0.0.1:6379/0",
+                    "SPARECYCLES_KEY_PREFIX": "bad prefix"})
+    assert res.returncode == 2 and "has an invalid SPARECYCLES_KEY_PREFIX (String should match pattern" in res.stderr
+    assert "trainer metrics at" not in res.stderr and not (tmp_path / "r").exists()
+
+
+def test_coordinator_names_the_variable_it_refuses():
+    """`sparecycles coordinator` with a bad SPARECYCLES_KEY_PREFIX (or SPARECYCLES_LEASE_SECONDS) names each one."""
+    env = {"SPARECYCLES_ADMIN_TOKEN": "a" * 24, "SPARECYCLES_ENROLLMENT_TOKEN": "e" * 24,
+           "SPARECYCLES_KEY_PREFIX": "bad prefix", "SPARECYCLES_LEASE_SECONDS": "-1"}
+    res = _cli("coordinator", "--port", str(_free_port()), env=env, timeout=60)
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert res.stderr.startswith("refusing to start: SPARECYCLES_KEY_PREFIX: String should match pattern")
+    assert "; SPARECYCLES_LEASE_SECONDS: Input should be greater than 0" in res.stderr
+
+
+def test_metrics_port_0_means_none_for_worker_and_train():
+    """`--metrics-port 0` is "no metrics server" for `worker` as for `train`, and both --help texts say so."""
+    res = _cli("worker", "--metrics-port", "0", "--coordinator", "http://127.0.0.1:1", "--token", "changeme",
+               env={"SPARECYCLES_DEV_MODE": "0"}, timeout=60)
+    assert res.returncode == 2 and "--metrics-port" not in res.stderr, res.stderr[-3000:]
+    assert "the enrollment token (SPARECYCLES_ENROLLMENT_TOKEN) is the well-known default" in res.stderr
+    for cmd in ("worker", "train"):
+        text = " ".join(_cli(cmd, "--help", env={"COLUMNS": "200"}, timeout=60).stdout.split())
+        assert "0: none" in text, text
 
 
 def test_unreachable_coordinator_is_reported_at_once():

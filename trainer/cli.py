@@ -64,6 +64,8 @@ def pack(
 # Set by sparecycles.cli (the top layer composes: trainer may not import fleet, which sits above it):
 # attach(url, wait_s=..., log=...) -> fleet.attach.Fleet, raising fleet.attach.FleetError (a RuntimeError).
 FLEET_ATTACH: Callable[..., Any] | None = None
+# load_settings() -> fleet.attach.FleetSettings from the environment, raising FleetError naming each variable.
+FLEET_SETTINGS: Callable[[], Any] | None = None
 
 
 EVAL_ON = ("trainer", "fleet", "auto")
@@ -85,16 +87,31 @@ def _fleet_use(cfg: Any, eval_on: str) -> tuple[bool, bool]:
     return probes, evaluate
 
 
+def _fleet_settings() -> Any:
+    """The fleet's settings from the environment (FLEET_SETTINGS), read with the option checks: a missing or refused
+    SPARECYCLES_ADMIN_TOKEN / SPARECYCLES_REDIS_URL / SPARECYCLES_KEY_PREFIX exits 2 naming it, before anything
+    heavy is imported or started (the metrics server, torchrun)."""
+    if FLEET_SETTINGS is None:
+        raise RuntimeError("trainer.cli.FLEET_SETTINGS is unset: run `train` through the sparecycles CLI")
+    try:
+        return FLEET_SETTINGS()
+    except RuntimeError as exc:  # fleet.attach.FleetError
+        typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from exc
+
+
 def _attach_fleet(url: str, cfg: Any, wait_s: float, fleet_wait: str = "never", eval_on: str = "auto",
-                  eval_deadline: float = 120.0, eval_windows: str = "full") -> dict[str, Any]:
+                  eval_deadline: float = 120.0, eval_windows: str = "full", settings: Any = None) -> dict[str, Any]:
     """`train`'s keyword arguments for a run attached to a fleet (mode_factory when its probes go there,
     evaluator_factory when its evaluation does, status); exits 2 with a clear message for a run that would send
-    the fleet nothing, an unreachable coordinator, a refused token or no active worker in time."""
+    the fleet nothing, an unreachable coordinator, a refused token or no active worker in time. `settings`: the
+    fleet's (fleet.attach.FleetSettings; None: read from the environment by the attach)."""
     probes, evaluate = _fleet_use(cfg, eval_on)
     if FLEET_ATTACH is None:
         raise RuntimeError("trainer.cli.FLEET_ATTACH is unset: run `train` through the sparecycles CLI")
     try:
-        fleet = FLEET_ATTACH(url, wait_s=wait_s, rounds=FLEET_WAIT[fleet_wait], log=lambda m: typer.echo(m, err=True))
+        fleet = FLEET_ATTACH(url, wait_s=wait_s, rounds=FLEET_WAIT[fleet_wait], log=lambda m: typer.echo(m, err=True),
+                             settings=settings)
     except (RuntimeError, ValueError) as exc:
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from exc
@@ -149,9 +166,10 @@ def train(
              "SPARECYCLES_ADMIN_TOKEN and SPARECYCLES_REDIS_URL in the environment. Default: probe in process."),
     attach_wait: float = typer.Option(120.0, min=0.0, help="With --coordinator: seconds to wait for the "
                                       "coordinator and at least one active probe worker before giving up."),
-    fleet_wait: str = typer.Option(
-        "never", help="With --coordinator, when the trainer waits for a ZO-Curv probe round: never (a round folds at "
-        "the first refresh after it completed; a round still out is not waited for, and one that goes stale is "
+    fleet_wait: str | None = typer.Option(
+        None, help="With --coordinator (refused without it), when the trainer waits for a ZO-Curv probe round: "
+        "never (the default: a round folds at the first refresh after it completed; a round still out is not waited "
+        "for, and one that goes stale is "
         "skipped and counted: curv_dropped_rounds), interval (each round folds at the refresh after it, waiting "
         "only when the fleet is a whole interval behind: `up`'s exact-resume mode), sync (each round folds at its "
         "own refresh: reproduces the in-process run bit for bit)."),
@@ -215,8 +233,14 @@ def train(
                      probe_budget=probe_budget, seed=seed, device=device, run_dir=run_dir,
                      optimizer_options=_key_values(optimizer_option or []) or None,
                      anytime=dict(k=anytime_k, publish_every=anytime_every, pull=pull) if anytime or pull else None)
+    if (fleet_wait is not None or fleet_sync) and not coordinator:
+        raise typer.BadParameter("--fleet-wait (and --fleet-sync) say when the trainer waits for a fleet's probe "
+                                 "rounds: they need --coordinator (or SPARECYCLES_COORDINATOR_URL)",
+                                 param_hint="--fleet-wait")
+    fleet_wait = fleet_wait or "never"
     cfg = _resolve_checked(preset, overrides, eval_on=eval_on, fleet_wait=fleet_wait, eval_windows=eval_windows,
                            coordinator=coordinator, config=config)
+    fleet_settings = _fleet_settings() if coordinator else None
     if nproc_per_node is not None and not _launched_by_torchrun():
         _check_launch(cfg, shard, nproc_per_node)  # the ranks would refuse these only after torchrun started them
         raise typer.Exit(_relaunch(nproc_per_node, cfg.device))
@@ -244,7 +268,7 @@ def train(
         try:
             if dist.is_main:
                 fleet_kw = _attach_fleet(coordinator, cfg, attach_wait, "sync" if fleet_sync else fleet_wait, eval_on,
-                                         eval_deadline, eval_windows)
+                                         eval_deadline, eval_windows, settings=fleet_settings)
             attached = True
         finally:  # rank 0's own error propagates; the others exit 2 quietly
             if dist.parallel and not dist.broadcast_object(attached) and not dist.is_main:
