@@ -7,7 +7,9 @@ returns each one's per-batch selection losses. It publishes the ring's versions 
 (coordinator.round_messages.EvalSpec, Σ coeff·θ_version) over the selection split's windows; the workers build
 θ(c) with trainer.anytime.ring.build_mixture and score batch k with trainer.evaluation.batch_values, the code
 the in-process scorer runs, so the losses — and the candidate chosen — are the same bit for bit. A round that
-gets no result for `deadline_s` seconds is finished here (the missing batches scored on a scratch model).
+gets no result for `deadline_s` seconds is finished here (the missing batches scored on a scratch model). A
+coordinator that loses the run (its store came back empty) gets it again, with the ring and the candidates in
+flight (fleet.recovery.RecoveringBackend).
 Selection, fitting and serving stay in trainer.anytime (one selection code path, two scorers).
 """
 
@@ -18,7 +20,7 @@ import hashlib
 import logging
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -26,6 +28,7 @@ import torch
 from coordinator.messages import RunSpec
 from coordinator.round_messages import MAX_EVAL_TERMS, EvalSpec, ProbeRound, WeightTerm
 from fleet import batch_wire
+from fleet.recovery import RecoveringBackend
 from trainer.anytime.ring import VersionRing
 from trainer.evaluation import EvalWindows, batch_values, lm_windows
 from trainer.zo.probes import canonical_blocks
@@ -64,24 +67,34 @@ class FleetScorer:
         spec = RunSpec(run=f"{fleet.run_prefix}-any-{secrets.token_hex(4)}", model_class=type(model).__name__,
                        model_preset=model_preset, staleness=1_000_000, seeds_per_task=per_task,
                        **({"spot_check_fraction": 0.0} if fleet.workers < 2 else {}))
-        self.backend = CoordinatorBackend.connect(
+        backend = CoordinatorBackend.connect(
             self.scratch, coordinator_url=fleet.base, admin_token=fleet.settings.admin_token.get_secret_value(),
             redis_url=fleet.settings.redis_url, run=spec, key_prefix=fleet.settings.key_prefix, history=0,
             background=True, blob_dir=fleet.settings.blob_dir)
+        # Outlives a coordinator whose store comes back empty: the run is created again, the ring published again
+        # and the candidates in flight re-issued (fleet.recovery).
+        self.backend = RecoveringBackend(backend, spec, republish=self._republish)
         self.run = spec.run
         self.published: set[int] = set()
         self.rounds = 0
         self.fallback_batches = 0  # batches scored here after a deadline (0 when the fleet answered everything)
 
     @torch.no_grad()
-    def _publish_ring(self) -> None:
-        """Publish the ring's versions the coordinator has not seen (fp32 canonical blocks of each)."""
+    def _publish_ring(self, publish: Callable[..., None] | None = None) -> None:
+        """Publish the ring's versions the coordinator has not seen (fp32 canonical blocks of each) with `publish`
+        (default: the backend's)."""
         for v in self.ring.versions:
             if v not in self.published:
                 self.scratch.load_state_dict(self.ring.state(v))
-                self.backend.publish(v, weights=[b.param.detach().to("cpu", copy=True)
-                                                 for b in canonical_blocks(self.scratch)])
+                (publish or self.backend.publish)(v, weights=[b.param.detach().to("cpu", copy=True)
+                                                              for b in canonical_blocks(self.scratch)])
                 self.published.add(v)
+
+    def _republish(self, publisher: Any) -> None:
+        """fleet.recovery's `republish`: the coordinator lost this run; publish the ring again (the candidates in
+        flight mix its versions: they are re-issued after)."""
+        self.published.clear()
+        self._publish_ring(publisher.publish)
 
     def __call__(self, cands: Sequence[tuple[str, tuple[float, ...]]]) -> list[torch.Tensor]:
         """Per-batch selection losses of each candidate, (n_batches,) float64 each, in `cands` order."""
@@ -107,18 +120,23 @@ class FleetScorer:
                             len(missing), n)
                 values[rid].update(self._score_here(self.ring.spec(name, coefs), missing))
                 self.fallback_batches += len(missing)
+            self.backend.forget(rid)  # done: never re-issued after a later loss of the store
         return [torch.tensor([values[rid][k] for k in range(n)], dtype=torch.float64) for rid in ids]
 
     def _collect(self, ids: list[str]) -> dict[str, dict[int, float]]:
-        """The rounds' batch losses as they arrive, until all are in or none arrives for `deadline_s`."""
+        """The rounds' batch losses as they arrive, until all are in or none arrives for `deadline_s` (a recovery of
+        the run, fleet.recovery, restarts the wait: its rounds were re-issued)."""
         values: dict[str, dict[int, float]] = {rid: {} for rid in ids}
         want = len(ids) * self.windows.n_batches
         last = time.monotonic()
         while sum(map(len, values.values())) < want and time.monotonic() - last < self.deadline_s:
+            recreated = self.backend.recreated
             for r in self.backend.collect().results:
                 if r.round_id in values:
                     values[r.round_id].setdefault(int(r.seed), r.l_plus)
                     last = time.monotonic()
+            if self.backend.recreated != recreated:
+                last = time.monotonic()
             time.sleep(self.poll_s)
         return values
 

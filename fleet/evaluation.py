@@ -10,7 +10,9 @@ evaluates the missing batches itself on the version's host copy (a scratch model
 (`eval_on: "trainer"`, `eval_trainer_batches`). Either way the values come from
 trainer.evaluation.batch_values and combine in batch order, so a record is the same bit for bit whoever
 evaluated which batch. `finish` waits for (or evaluates) everything outstanding: the final evaluation is
-complete before the run reports.
+complete before the run reports. A coordinator that loses the run (its store came back empty) gets it again: the
+pending versions are published again from their host copies and their rounds re-issued, the batches already in
+kept (fleet.recovery.RecoveringBackend; never dropped).
 
 Default windows: the whole validation split (`full=True`); `full=False` scores the trainer's own subset
 (`--eval-batches`), as `--eval-on trainer` does. Intake deduplicates by (round, batch), so a batch evaluated
@@ -31,6 +33,7 @@ import torch
 from coordinator.messages import RunSpec
 from coordinator.round_messages import EvalSpec, ProbeRound, WeightTerm
 from fleet import batch_wire
+from fleet.recovery import RecoveringBackend
 from trainer.evaluation import EvalWindows, batch_values, combine
 from trainer.zo.probes import canonical_blocks
 
@@ -84,10 +87,13 @@ class FleetEvaluator:
         spec = RunSpec(run=f"{fleet.run_prefix}-eval-{secrets.token_hex(4)}", model_class=type(model).__name__,
                        model_preset=cfg.model if lm else None, staleness=1_000_000, seeds_per_task=seeds_per_task,
                        **({"spot_check_fraction": 0.0} if fleet.workers < 2 else {}))
-        self.backend = CoordinatorBackend.connect(model, coordinator_url=fleet.base, admin_token=fleet.settings.admin_token
-                                                  .get_secret_value(), redis_url=fleet.settings.redis_url,
-                                                  run=spec, key_prefix=fleet.settings.key_prefix, history=0,
-                                                  background=True, blob_dir=fleet.settings.blob_dir)
+        backend = CoordinatorBackend.connect(model, coordinator_url=fleet.base, admin_token=fleet.settings.admin_token
+                                             .get_secret_value(), redis_url=fleet.settings.redis_url, run=spec,
+                                             key_prefix=fleet.settings.key_prefix, history=0, background=True,
+                                             blob_dir=fleet.settings.blob_dir)
+        # Outlives a coordinator whose store comes back empty: the run is created again, the pending versions
+        # published again and their rounds re-issued (fleet.recovery).
+        self.backend = RecoveringBackend(backend, spec, republish=self._republish)
         self.run, self.fleet, self.scorer = spec.run, fleet, None
         self.pending: dict[int, _Pending] = {}
         self._rounds: dict[str, int] = {}  # round id -> step
@@ -101,16 +107,16 @@ class FleetEvaluator:
         earlier steps that are ready come back)."""
         blocks = canonical_blocks(model)
         weights = [b.param.detach().to("cpu", copy=True) for b in blocks]  # the upload's and the fallback's copy
-        self.backend.publish(step, weights=weights)
         rid = f"eval-{step}"
+        now = self.clock()
+        self.pending[step] = _Pending(rid, weights, now, now)  # pending first: a recovery re-publishes it too
+        self._rounds[rid] = step
+        self.backend.publish(step, weights=weights)
         wire = ProbeRound(schema_version=3, run=self.run, round_id=rid, version=step, batch_sha256=self.blob_sha,
                           eps=1.0, distribution="rademacher", seeds=list(range(self.windows.n_batches)), kind="eval",
                           eval=EvalSpec(split=self.windows.split, batch_size=self.windows.batch_size,
                                         weights=[WeightTerm(version=step, coeff=1.0)]))
         self.backend.submit_wire(wire, self.blob)
-        now = self.clock()
-        self.pending[step] = _Pending(rid, weights, now, now)
-        self._rounds[rid] = step
         return self.poll()
 
     def poll(self) -> list[dict[str, Any]]:
@@ -175,7 +181,17 @@ class FleetEvaluator:
             else:
                 continue
             del self.pending[step], self._rounds[p.round_id]
+            self.backend.forget(p.round_id)
         return out
+
+    def _republish(self, publisher: Any) -> None:
+        """fleet.recovery's `republish`: the coordinator lost this run; publish every pending evaluation's version
+        again from its host copy (their rounds are re-issued after), and restart their deadlines."""
+        now = self.clock()
+        for step in sorted(self.pending):
+            p = self.pending[step]
+            publisher.publish(step, weights=p.weights)
+            p.t_progress = now
 
     def _record(self, step: int, p: _Pending, trainer_batches: int) -> dict[str, Any]:
         n = self.windows.n_batches

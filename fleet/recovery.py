@@ -3,6 +3,11 @@ failover to a fresh replica, an operator's flush) the coordinator no longer know
 its rounds; `RecoveringBackend` creates the run again, re-publishes what the workers need and re-issues the rounds
 in flight, then repeats the call that found out. ops/RUNBOOK.md "store-lost".
 
+Every coordinator run the trainer owns goes through it: the probe run (fleet.attach), the fleet evaluation's
+(fleet.evaluation.FleetEvaluator) and the anytime scorer's (fleet.anytime.FleetScorer). What differs is only which
+versions are published again: the probe run's own (the publisher's fp32 snapshots, or the model's current weights),
+or the owner's (`republish`: the evaluator's pending versions, the scorer's ring).
+
 How the loss shows, by kind (`lost_run`): an HTTP 404 "unknown run" / "unknown round" (coordinator.client.Forgotten)
 on any call, also raised later from a background upload, or the results stream's consumer group being gone
 (coordinator.stream.StreamLost).
@@ -12,10 +17,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from coordinator.client import Forgotten
 from coordinator.messages import RunSpec
+from coordinator.round_messages import ProbeRound
 from coordinator.stream import StreamLost
 from trainer import metrics as prom
 
@@ -36,25 +43,49 @@ def lost_run(exc: BaseException | None) -> bool:
     return False
 
 
+@dataclass(frozen=True)
+class _WireRound:
+    """A round sent in wire form (`submit_wire`: an eval round) and its batch blob, kept to be re-issued."""
+
+    wire: ProbeRound
+    blob: bytes
+
+    @property
+    def versions(self) -> set[int]:
+        """The versions the round reads: its own and its weight mixture's."""
+        return {self.wire.version, *(t.version for t in (self.wire.eval.weights if self.wire.eval else ()))}
+
+
 class RecoveringBackend:
     """Wraps a fleet.backend.CoordinatorBackend (composed of publisher, rounds, results, uploads) for run `spec`.
 
-    Every ProbeBackend call goes through; one that finds the run lost (`lost_run`) triggers `recreate` and is made
-    again. `recreate`: the upload queue's failed jobs are dropped, the run is created again (same id and spec), the
-    versions the publisher still holds are published again (its fp32 snapshots; pure ZO, which keeps none: the
-    model's current weights as the latest version, which they are between calls), and every round still awaited
-    is submitted again at its version (only its seeds not yet handed out are awaited; a round at a version no longer
-    held is dropped). Counted in `recreated` and sparecycles_trainer_runs_recreated_total{run}.
+    Every ProbeBackend call (and `submit_wire`) goes through; one that finds the run lost (`lost_run`) triggers
+    `recreate` and is made again. `recreate`: the upload queue's failed jobs are dropped, the run is created again
+    (same id and spec), versions are published again, and every round still awaited is submitted again (only its
+    seeds not yet handed out are awaited; a wire round is re-sent with those seeds alone; a round reading a version
+    no longer published is dropped, logged). Which versions: `republish(publisher)` when given (the owner publishes
+    what its rounds in flight read, in ascending order, through fleet.publisher.VersionPublisher), else the
+    publisher's fp32 snapshots, or for pure ZO, which keeps none, the model's current weights as the latest version
+    (which they are between calls). Counted in `recreated` and sparecycles_trainer_runs_recreated_total{run}.
+
+    Args:
+        backend: the CoordinatorBackend of run `spec`. spec: the RunSpec it was created with.
+        republish: the owner's re-publication (above); None for the probe run.
     """
 
     evaluates_published = True  # a ProbeBackend attribute (trainer.zo.backend): as the wrapped fleet backend
 
-    def __init__(self, backend: Any, spec: RunSpec) -> None:
-        self.backend, self.spec = backend, spec
+    def __init__(self, backend: Any, spec: RunSpec, republish: Callable[[Any], None] | None = None) -> None:
+        self.backend, self.spec, self.republish = backend, spec, republish
         self.recreated = 0
-        self._rounds: dict[str, Any] = {}  # round id -> RoundSpec, while the collector awaits seeds of it
+        self._rounds: dict[str, Any] = {}  # round id -> RoundSpec or _WireRound, while the collector awaits seeds
 
     # ---- what callers read (the wrapped backend's) ---------------------------------------------------------
+
+    @property
+    def run(self) -> str:
+        """The coordinator run's id."""
+        return self.spec.run
 
     @property
     def block_sizes(self) -> list[int]:
@@ -92,7 +123,16 @@ class RecoveringBackend:
     # ---- ProbeBackend ---------------------------------------------------------------------------------------
 
     def publish(self, version: int, weights=None) -> None:
-        self._call(lambda: self.backend.publish(version, weights))
+        """As the backend's; a version that a recovery made during this call published again itself (an owner's
+        `republish` of the version being published) is not published twice."""
+        start = self.recreated
+
+        def once() -> None:
+            if self.recreated != start and version in self.backend.publisher.published:
+                return
+            self.backend.publish(version, weights)
+
+        self._call(once)
 
     def publish_weights(self, version: int, blocks) -> None:
         self._call(lambda: self.backend.publish_weights(version, blocks))
@@ -113,6 +153,17 @@ class RecoveringBackend:
     def submit(self, probe_round) -> None:
         self._call(lambda: self.backend.submit(probe_round))
         self._rounds[probe_round.round_id] = probe_round
+
+    def submit_wire(self, wire: ProbeRound, blob: bytes) -> None:
+        """CoordinatorBackend.submit_wire (an eval round), re-issued like any round after a loss."""
+        self._call(lambda: self.backend.submit_wire(wire, blob))
+        self._rounds[wire.round_id] = _WireRound(wire, blob)
+
+    def forget(self, round_id: str) -> None:
+        """The owner no longer wants `round_id`'s results (e.g. it evaluated them itself): neither awaited nor
+        re-issued after a loss."""
+        self._rounds.pop(round_id, None)
+        self.backend.results.waiting.pop(round_id, None)
 
     def collect(self, round_id: str | None = None, timeout_s: float = 0.0):
         out = self._call(lambda: self.backend.collect(round_id, timeout_s))
@@ -141,7 +192,9 @@ class RecoveringBackend:
         latest = current if current is not None else pub.latest_version
         pub.published.clear()
         pub.snapshots.clear()
-        if held:
+        if self.republish is not None:
+            self.republish(pub)
+        elif held:
             for v in sorted(held):
                 pub.publish_weights(v, held[v])
         elif latest is not None:
@@ -149,10 +202,17 @@ class RecoveringBackend:
         reissued, dropped = [], []
         for rid, spec in list(self._rounds.items()):
             left = set(b.results.waiting.get(rid, ()))
+            if isinstance(spec, _WireRound):
+                versions = spec.versions
+            else:
+                versions = {spec.version} | ({spec.base_version} if spec.base_version is not None else set())
             if not left:
                 del self._rounds[rid]
-            elif spec.version in pub.published and (spec.base_version is None or spec.base_version in pub.published):
-                b.rounds.submit(spec)
+            elif versions <= set(pub.published):
+                if isinstance(spec, _WireRound):  # only the seeds still missing travel again
+                    b.rounds.submit_wire(spec.wire.model_copy(update={"seeds": sorted(left)}), spec.blob)
+                else:
+                    b.rounds.submit(spec)
                 b.results.waiting[rid] = left  # seeds handed out already are not awaited (nor used) again
                 reissued.append(rid)
             else:

@@ -79,15 +79,117 @@ def test_workers_reenroll_after_the_store_is_lost(fleet):
     be.close()
 
 
+def _attached(fleet, run_prefix: str):
+    """fleet.attach.Fleet for the test fleet `fleet` (what `train --coordinator` attaches to), two workers."""
+    from fleet.attach import Fleet, FleetSettings, FleetStatus
+    from support.fleet import REDIS_URL
+
+    settings = FleetSettings(admin_token=fleet.admin_token, redis_url=REDIS_URL, key_prefix=fleet.prefix,
+                             blob_dir=fleet.tmp / "blobs")
+    return Fleet(fleet.url, settings, 2, FleetStatus(fleet.url), run_prefix=run_prefix)
+
+
+def _recreated(run: str) -> float:
+    """sparecycles_trainer_runs_recreated_total{run} of this process (0 when never counted)."""
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value("sparecycles_trainer_runs_recreated_total", {"run": run}) or 0.0
+
+
+@pytest.mark.slow  # a coordinator process and probe-worker processes
+def test_an_evaluation_in_flight_when_the_store_is_lost_is_reissued(fleet, tmp_path):
+    """fleet.evaluation.FleetEvaluator (a coordinator run of its own) with an evaluation in flight when the store is
+    lost: the run is created again (counted), the version published again from its host copy and only the batches
+    not yet in re-issued; the record comes from the fleet, equal to the trainer's own value bit for bit."""
+    import time
+
+    from fleet.evaluation import FleetEvaluator
+    from trainer.config import TrainConfig
+    from trainer.tasks import LMTask
+    from trainer.train import evaluate
+
+    for name in ("a", "b"):
+        fleet.wait_consuming(name)
+    cfg = TrainConfig(model="gpt2-tiny", corpus="classics-small", steps=4, batch_size=2, seq_len=64, warmup_steps=1,
+                      eval_every=2, eval_batches=120, checkpoint_every=100, run_dir=tmp_path / "ev")
+    task = LMTask(cfg)
+    model = task.build_model()
+    ev = FleetEvaluator(task, cfg, model, _attached(fleet, "tl"), deadline_s=300.0, full=False, seeds_per_task=1)
+    n = ev.windows.n_batches
+    try:
+        ev.request(0, model)
+        deadline = time.monotonic() + 120
+        while len(ev.pending[0].values) < 3 and time.monotonic() < deadline:  # some batches in, most not
+            ev.poll()
+            time.sleep(0.05)
+        had = len(ev.pending[0].values)
+        assert 3 <= had < n, f"{had} of {n} batches in: lose the store mid-evaluation (make it longer or wait more)"
+        assert lose_store(fleet) > 0
+        records = ev.finish()
+    finally:
+        ev.close()
+    assert [r["step"] for r in records] == [0]
+    rec = records[0]
+    info = fleet.admin.get(f"/v1/runs/{ev.run}/rounds/eval-0").json()  # the round re-issued on the new store
+    why = f"{rec} {info} had {had}"
+    assert rec["eval_on"] == "fleet" and rec["eval_fleet_batches"] == n and rec["eval_trainer_batches"] == 0, why
+    assert rec["val_loss"] == evaluate(model, task.corpus.val, cfg), why  # bits, not approx
+    assert ev.backend.recreated == 1 and _recreated(ev.run) == 1.0, why
+    assert info["n_seeds"] == n - had and info["done"] == info["n_seeds"], why  # only the batches not yet in
+
+
+@pytest.mark.slow  # a coordinator process and probe-worker processes
+def test_anytime_candidates_are_scored_after_the_store_is_lost(fleet, tmp_path):
+    """fleet.anytime.FleetScorer (a coordinator run of its own): after the store is lost between two selections,
+    the second one's candidates are scored by the workers all the same (the ring published again, the candidates
+    re-issued), bit for bit as the trainer scores them, and the run's re-creation is counted."""
+    import copy
+
+    import numpy as np
+    import torch
+
+    from fleet.anytime import FleetScorer
+    from trainer.anytime.ring import VersionRing
+    from trainer.zo.probes import canonical_blocks
+
+    for name in ("a", "b"):
+        fleet.wait_consuming(name)
+    model = tiny_gpt2()
+    ring = VersionRing(3)
+    gen = torch.Generator().manual_seed(5)
+    scratch = copy.deepcopy(model)
+    with torch.no_grad():
+        for v in (2, 4, 6):  # three versions: seeded noise between them
+            for b in canonical_blocks(scratch):
+                b.param.add_(torch.randn(b.param.shape, generator=gen) * 0.02)
+            ring.publish(v, scratch.state_dict())
+    tokens = np.random.default_rng(5).integers(0, 128, 2000).astype(np.uint16)  # the selection split, (N,)
+    scorer = FleetScorer(ring, model, tokens, batch_size=2, seq_len=8, n_batches=3, fleet=_attached(fleet, "ta"),
+                         model_preset=None, split="test/select", deadline_s=300.0)
+    cands = [("raw", (0.0, 0.0, 1.0)), ("mix", (0.25, 0.25, 0.5))]
+    try:
+        first = scorer(cands)
+        assert lose_store(fleet) > 0
+        second = scorer(cands)
+    finally:
+        scorer.close()
+    here = [torch.tensor([scorer._score_here(ring.spec(name, c), [k])[k] for k in range(3)], dtype=torch.float64)
+            for name, c in cands]
+    assert scorer.fallback_batches == 0  # every batch of both selections scored by the workers
+    assert all(torch.equal(a, b) and torch.equal(a, h) for a, b, h in zip(first, second, here, strict=True))
+    assert scorer.backend.recreated == 1 and _recreated(scorer.run) == 1.0
+
+
 @pytest.mark.slow  # a coordinator process and probe-worker processes
 @pytest.mark.skipif(not hasattr(CoordinatorBackend, "connect"),
                     reason="fleet.recovery hooks into issue 26's composed CoordinatorBackend (wired with it)")
-@pytest.mark.xfail(reason="known gap: the fleet evaluation run (train-eval-*, issue 27) is not re-created after a store loss; only the probe run is (fleet/recovery.py)", strict=False)
 def test_training_run_outlives_a_lost_store(fleet, tmp_path):
     """`sparecycles train --coordinator` (zocurv-line, --fleet-sync: each round awaited) whose coordinator loses its
     store mid-run, preferably while a round is in flight: the trainer creates its run again (logged, counted in
-    every later step's `fleet_runs_recreated`), the workers re-enroll, and the run finishes all its steps."""
+    every later step's `fleet_runs_recreated`), and its fleet evaluation's run too (fleet.evaluation, found lost at
+    its next evaluation); the workers re-enroll, and the run finishes all its steps and evaluations."""
     import json
+    import re
     import subprocess
     import sys
     import time
@@ -100,8 +202,10 @@ def test_training_run_outlives_a_lost_store(fleet, tmp_path):
     run_dir = tmp_path / "r"
     cmd = [sys.executable, "-m", "sparecycles.cli", "train", "--coordinator", fleet.url, "--optimizer", "zocurv-line",
            "--preset", "demo", "--steps", "18", "--batch-size", "4", "--seq-len", "32", "--curvature-interval", "3",
-           "--eval-every", "9", "--fleet-sync", "--no-export", "--no-progress", "--metrics-port", str(_free_port()),
-           "--run-dir", str(run_dir)]
+           "--eval-every", "9", "--eval-windows", "subset", "--eval-batches", "8", "--fleet-sync", "--no-export",
+           "--no-progress", "--metrics-port", str(_free_port()), "--run-dir", str(run_dir)]
+    # --eval-windows subset: the whole validation split's tasks (64 batches each) would outlast this fleet's 5 s
+    # visibility timeout on a loaded 2-core machine and be redelivered while they run.
     proc = subprocess.Popen(cmd, env={**fleet.env, "PYTHONUNBUFFERED": "1"}, cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT)
     try:
@@ -126,7 +230,9 @@ def test_training_run_outlives_a_lost_store(fleet, tmp_path):
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs if "loss" in r] == list(range(1, 19))
     assert [r for r in recs if "loss" in r][-1]["fleet_runs_recreated"] == 1.0
-    assert out.count("the coordinator lost run") == 1, out[-3000:]
+    lost = re.findall(r"the coordinator lost run (train-(?:eval-)?[0-9a-f]{8}) ", out)
+    assert len(lost) == 2 and sorted(r.startswith("train-eval-") for r in lost) == [False, True], out[-3000:]
+    assert sorted(r["step"] for r in recs if "val_loss" in r) == [0, 9, 18]  # no evaluation lost
     fleet.wait(lambda: all(fleet.metric(n, "sparecycles_worker_reenrollments_total") == before[n] + 1
                            for n in before), "both workers re-enrolled once more")
 

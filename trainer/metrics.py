@@ -16,8 +16,9 @@ STEP = Gauge("sparecycles_trainer_step", "Optimizer steps completed.", ["run"])
 LOSS = Gauge("sparecycles_trainer_loss", "Training loss of the last step (nats/token).", ["run"])
 VAL_LOSS = Gauge("sparecycles_trainer_val_loss", "Last validation loss (nats/token).", ["run"])
 TOKENS = Counter("sparecycles_trainer_tokens", "Training tokens consumed.", ["run"])
-RUNS_RECREATED = Counter("sparecycles_trainer_runs_recreated", "Times the coordinator lost the fleet run (its store came "
-                         "back empty) and the trainer created it again (fleet.recovery).", ["run"])
+RUNS_RECREATED = Counter("sparecycles_trainer_runs_recreated", "Times the coordinator lost a fleet run of the trainer "
+                         "(probes, evaluation or anytime scoring; its store came back empty) and the trainer created it "
+                         "again (fleet.recovery).", ["run"])
 CLIPPED = Gauge("sparecycles_trainer_clipped_fraction", "ZO-Curv: fraction of blocks whose multiplier was clipped.",
                 ["run"])
 
