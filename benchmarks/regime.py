@@ -23,7 +23,7 @@ override a plan's settings (the same command at another regime), `--devices cuda
 over GPUs round-robin (one process per run; 0.5M tokens per step on one GPU needs gradient accumulation, which
 trainer.train does not do yet).
 
-Usage: `sparecycles bench regime run --plan h200 --out DIR --jobs 6 --deadline-s 440`, then
+Usage: `sparecycles bench regime run --plan h200 --out DIR --jobs 4 --deadline-s 440`, then
 `sparecycles bench regime report DIR` (table, JSON, PNG; benchmarks.regime_score).
 """
 
@@ -37,11 +37,13 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from benchmarks.run_spec import OptionsRun, train_into
+
 ADAMW = "adamw"
 
 
 @dataclass(frozen=True)
-class RegimeRun:
+class RegimeRun(OptionsRun):
     """One full-schedule run (name = its folder)."""
 
     optimizer: str
@@ -53,13 +55,9 @@ class RegimeRun:
     plan: str = ""
     options: tuple[tuple[str, Any], ...] = ()
 
-    def __post_init__(self) -> None:  # JSON gives lists: keep the pairs hashable and in one order
-        object.__setattr__(self, "options", tuple(sorted((str(k), v) for k, v in self.options)))
-
     @property
     def name(self) -> str:
-        opts = "".join(f"-{k}{v}" for k, v in self.options)
-        return f"{self.optimizer}-lr{self.lr:g}-{self.schedule}-T{self.steps}-s{self.seed}{opts}"
+        return f"{self.optimizer}-lr{self.lr:g}-{self.schedule}-T{self.steps}-s{self.seed}{self.options_suffix}"
 
     @property
     def arm(self) -> str:
@@ -209,14 +207,8 @@ def run_config(spec: RegimeRun, settings: dict[str, Any], device: str, run_dir: 
 
 
 def run_one(spec: RegimeRun, settings: dict[str, Any], device: str, out_dir: Path) -> None:
-    """Train one spec into out_dir/spec.name (spec.json beside the run's files; the checkpoint removed)."""
-    from trainer.train import train
-
-    run_dir = out_dir / spec.name
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "spec.json").write_text(json.dumps(asdict(spec)))
-    train(run_config(spec, settings, device, run_dir), progress=False, overwrite=True, export=False)
-    (run_dir / "checkpoint.safetensors").unlink(missing_ok=True)
+    """Train one spec into out_dir/spec.name (benchmarks.run_spec.train_into)."""
+    train_into(spec, out_dir, lambda run_dir: run_config(spec, settings, device, run_dir))
 
 
 def finished(out_dir: Path) -> dict[str, float]:
