@@ -30,14 +30,20 @@ class OptionsRun:
         return "".join(f"-{k}{v}" for k, v in self.options)
 
 
-def train_into(spec: OptionsRun, out_dir: Path, config: Callable[[Path], Any]) -> None:
+def train_into(spec: OptionsRun, out_dir: Path, config: Callable[[Path], Any],
+               micro_batch_size: int | None = None) -> None:
     """Train `spec` into out_dir/spec.name: spec.json (the dataclass as JSON) beside the run's files, the
     TrainConfig from `config(run_dir)`, overwriting an earlier partial run; the checkpoint removed afterwards
-    (the comparison reads only summary.json and metrics.jsonl)."""
+    (the comparison reads only summary.json and metrics.jsonl). `micro_batch_size`: sequences per
+    forward/backward, each step's gradients accumulated over the batch (trainer.distributed: the same global batch
+    in less activation memory); None: the whole batch at once. Raises ValueError when it does not divide the batch."""
+    from trainer.distributed import setup
     from trainer.train import train
 
     run_dir = out_dir / spec.name
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "spec.json").write_text(json.dumps(asdict(spec)))
-    train(config(run_dir), progress=False, overwrite=True, export=False)
+    cfg = config(run_dir)
+    dist = setup(device=cfg.device, micro_batch_size=micro_batch_size)
+    train(cfg, progress=False, overwrite=True, export=False, dist=dist)
     (run_dir / "checkpoint.safetensors").unlink(missing_ok=True)
