@@ -27,6 +27,8 @@ import contextlib
 import copy
 import json
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -87,22 +89,59 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:  # noqa: C901 - one flat benchmark, read top to bottom
-    """Run the benchmark and write OUT/anytime.json and OUT/anytime.png; returns the JSON dict."""
-    from trainer.anytime.serve import Anytime
-    from trainer.anytime.settings import AnytimeSettings
-    from trainer.data import get_batch, iter_eval_batches, load_corpus
-    from trainer.models import build_model
+@dataclass
+class _Bench:
+    """The benchmark's fixed parts: the arguments, the corpus, the loss (bf16 autocast on CUDA with --bf16), the
+    held-out batches on the device and the counts derived from --steps."""
+
+    a: argparse.Namespace
+    corpus: Any
+    loss_fn: Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+    val: list[tuple[torch.Tensor, torch.Tensor]]
+    warmup: int
+    eval_every: int
+    publish_every: int
+    fracs: list[float]
+
+    @torch.no_grad()
+    def evaluate(self, m: torch.nn.Module) -> dict[str, float]:
+        """{"val_loss": mean loss over the held-out batches}, in eval mode (the model's mode restored)."""
+        was = m.training
+        m.eval()
+        out = sum(float(self.loss_fn(m, x, y)) for x, y in self.val) / len(self.val)
+        m.train(was)
+        return {"val_loss": out}
+
+    def adamw(self, m: torch.nn.Module) -> torch.optim.AdamW:
+        """AdamW of the protocol: β (0.9, 0.95), weight decay 0.1 on matrices only, fused on CUDA."""
+        a = self.a
+        return torch.optim.AdamW([{"params": [p for p in m.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+                                  {"params": [p for p in m.parameters() if p.dim() < 2], "weight_decay": 0.0}],
+                                 lr=a.lr, betas=(0.9, 0.95), fused=a.device.startswith("cuda"))
+
+    def train_step(self, m: torch.nn.Module, o: torch.optim.Optimizer, step: int, total: int) -> float:
+        """One AdamW step at 0-based `step` of a `total`-step WSD schedule (clip 1.0); returns the step's lr."""
+        from trainer.data import get_batch
+
+        a = self.a
+        lr = wsd_lr(step, lr=a.lr, warmup=self.warmup, total=total, decay_frac=a.decay_frac)
+        for g in o.param_groups:
+            g["lr"] = lr
+        x, y = get_batch(self.corpus.train, a.batch_size, a.seq_len, a.seed, step)
+        o.zero_grad(set_to_none=True)
+        loss = self.loss_fn(m, x.to(a.device), y.to(a.device))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+        o.step()
+        return lr
+
+
+def _setup(a: argparse.Namespace) -> _Bench:
+    """TF32 on CUDA, the corpus (a warning when the run reads more than one epoch), the loss and held-out batches."""
+    from trainer.data import iter_eval_batches, load_corpus
     from trainer.models.losses import lm_loss
 
-    a = _args(argv)
-    t_start = time.perf_counter()
-    a.out.mkdir(parents=True, exist_ok=True)
     T = a.steps
-    warmup = a.warmup or max(1, T // 20)
-    eval_every = a.eval_every or max(1, T // 20)
-    publish_every = a.publish_every or max(1, T // 50)
-    fracs = [float(f) for f in a.ref_fracs.split(",") if f]
     if a.device.startswith("cuda"):
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
@@ -119,98 +158,121 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:  # noqa: C901 - one f
 
     val = [(x.to(a.device), y.to(a.device)) for x, y in
            iter_eval_batches(corpus.val, a.batch_size, a.seq_len, a.eval_batches)]
+    return _Bench(a, corpus, loss_fn, val, warmup=a.warmup or max(1, T // 20),
+                  eval_every=a.eval_every or max(1, T // 20), publish_every=a.publish_every or max(1, T // 50),
+                  fracs=[float(f) for f in a.ref_fracs.split(",") if f])
 
-    @torch.no_grad()
-    def evaluate(m) -> dict[str, float]:
-        was = m.training
-        m.eval()
-        out = sum(float(loss_fn(m, x, y)) for x, y in val) / len(val)
-        m.train(was)
-        return {"val_loss": out}
 
-    model = build_model(a.preset, seed=a.seed, device=a.device)
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    rest = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
-                            lr=a.lr, betas=(0.9, 0.95), fused=a.device.startswith("cuda"))
-    settings = AnytimeSettings(k=a.k, publish_every=publish_every, select_batches=a.select_batches,
-                               quad_dim=a.quad_dim, windows=tuple(m for m in (2, 4, 8, 16) if m <= a.k),
-                               pull=a.pull)
-    anytime = Anytime(settings, corpus.select, batch_size=a.batch_size, seq_len=a.seq_len, device=a.device,
-                      run_path=a.out, loss=loss_fn)
+def _eval_point(b: _Bench, anytime, model: torch.nn.Module, done: int, lr: float,
+                timing: dict[str, float]) -> dict[str, Any]:
+    """The record of an evaluation after `done` steps: raw validation loss, the served model's (Anytime.evaluate)
+    and the selection's losses per candidate; their seconds added to `timing`; printed as a JSON line."""
+    t0 = time.perf_counter()
+    rec: dict[str, Any] = {"step": done, "lr": lr, "raw_val": b.evaluate(model)["val_loss"]}
+    timing["eval_raw_s"] += time.perf_counter() - t0
+    t0 = time.perf_counter()
+    served = anytime.evaluate(done, model, b.evaluate)
+    timing["anytime_s"] += time.perf_counter() - t0
+    sel = anytime.last
+    rec.update(served_val=served["served_val_loss"], **{k: v for k, v in served.items()
+                                                       if k != "served_val_loss"})
+    rec["sel_losses"] = {s.name: s.mean for s in sel.scored} if sel else {}
+    print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in rec.items()
+                      if k not in ("sel_losses", "served_coefs")}), flush=True)
+    return rec
 
-    def train_step(m, o, step: int, total: int) -> float:
-        lr = wsd_lr(step, lr=a.lr, warmup=warmup, total=total, decay_frac=a.decay_frac)
-        for g in o.param_groups:
-            g["lr"] = lr
-        x, y = get_batch(corpus.train, a.batch_size, a.seq_len, a.seed, step)
-        o.zero_grad(set_to_none=True)
-        loss = loss_fn(m, x.to(a.device), y.to(a.device))
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
-        o.step()
-        return lr
 
-    branch_at = {f: int(round(f * T)) - max(1, round(a.decay_frac * round(f * T))) for f in fracs}
+def _main_run(b: _Bench, model: torch.nn.Module, opt: torch.optim.Optimizer, anytime, branch_at: dict[float, int],
+              t_start: float, timing: dict[str, float]):
+    """The main WSD run of T steps, publishing to `anytime` after every step and evaluating every eval_every;
+    snapshots (model, optimizer state) at each reference's branch step. Stops when 70% of the deadline is spent
+    (the rest is the references'). Returns (evals, snapshots {frac: (model state, optimizer state)}, the step it
+    stopped at or None)."""
+    a, T = b.a, b.a.steps
     snapshots: dict[float, tuple[dict, dict]] = {}
-    evals: list[dict[str, Any]] = [{"step": 0, "raw_val": evaluate(model)["val_loss"]}]
-    timing = {"train_s": 0.0, "eval_raw_s": 0.0, "anytime_s": 0.0, "refs_s": 0.0}
+    evals: list[dict[str, Any]] = [{"step": 0, "raw_val": b.evaluate(model)["val_loss"]}]
     stopped = None
     for step in range(T):
         for f, at in branch_at.items():
             if step == at:
                 snapshots[f] = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))
         t0 = time.perf_counter()
-        lr = train_step(model, opt, step, T)
+        lr = b.train_step(model, opt, step, T)
         done = step + 1
         anytime.publish(done, model)
         timing["train_s"] += time.perf_counter() - t0
-        if done % eval_every == 0 or done == T:
-            t0 = time.perf_counter()
-            rec: dict[str, Any] = {"step": done, "lr": lr, "raw_val": evaluate(model)["val_loss"]}
-            timing["eval_raw_s"] += time.perf_counter() - t0
-            t0 = time.perf_counter()
-            served = anytime.evaluate(done, model, evaluate)
-            timing["anytime_s"] += time.perf_counter() - t0
-            sel = anytime.last
-            rec.update(served_val=served["served_val_loss"], **{k: v for k, v in served.items()
-                                                               if k != "served_val_loss"})
-            rec["sel_losses"] = {s.name: s.mean for s in sel.scored} if sel else {}
-            evals.append(rec)
-            print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in rec.items()
-                              if k not in ("sel_losses", "served_coefs")}), flush=True)
+        if done % b.eval_every == 0 or done == T:
+            evals.append(_eval_point(b, anytime, model, done, lr, timing))
         if time.perf_counter() - t_start > a.deadline_s * (T - 0.3 * T) / T:
             stopped = done
             print(f"deadline: main run stopped at step {done}", flush=True)
             break
+    return evals, snapshots, stopped
+
+
+def _references(b: _Bench, model: torch.nn.Module, snapshots: dict[float, tuple[dict, dict]],
+                branch_at: dict[float, int], t_start: float) -> list[dict[str, Any]]:
+    """Each reference run of f·T steps: from the main run's snapshot at its branch step, its own WSD decay to the
+    end; skipped without a snapshot or past the deadline. Returns [{"frac", "steps", "decay_start", "val"}]."""
     refs = []
-    t0 = time.perf_counter()
-    for f in fracs:
-        if f not in snapshots or time.perf_counter() - t_start > a.deadline_s:
+    for f in b.fracs:
+        if f not in snapshots or time.perf_counter() - t_start > b.a.deadline_s:
             continue
-        total = int(round(f * T))
+        total = int(round(f * b.a.steps))
         m = copy.deepcopy(model)
         m.load_state_dict(snapshots[f][0])
-        o = torch.optim.AdamW([{"params": [p for p in m.parameters() if p.dim() >= 2], "weight_decay": 0.1},
-                               {"params": [p for p in m.parameters() if p.dim() < 2], "weight_decay": 0.0}],
-                              lr=a.lr, betas=(0.9, 0.95), fused=a.device.startswith("cuda"))
+        o = b.adamw(m)
         o.load_state_dict(snapshots[f][1])
         for step in range(branch_at[f], total):
-            train_step(m, o, step, total)
-        refs.append({"frac": f, "steps": total, "decay_start": branch_at[f], "val": evaluate(m)["val_loss"]})
+            b.train_step(m, o, step, total)
+        refs.append({"frac": f, "steps": total, "decay_start": branch_at[f], "val": b.evaluate(m)["val_loss"]})
         print(json.dumps(refs[-1]), flush=True)
         del m, o
-    timing["refs_s"] = time.perf_counter() - t0
+    return refs
+
+
+def _add_speedups(evals: list[dict[str, Any]], stopped: int | None, steps: int) -> None:
+    """Each served evaluation's anytime speedup against the raw curve (`speedup`), or, when raw never reaches
+    it, the lower bound (last raw step) / step."""
     raw_curve = [(e["step"], e["raw_val"]) for e in evals]
     for e in evals:
         if "served_val" in e:
             e["speedup"] = speedup(raw_curve, e["step"], e["served_val"])
-            e["speedup_lower_bound"] = None if e["speedup"] is not None else (stopped or T) / e["step"]
+            e["speedup_lower_bound"] = None if e["speedup"] is not None else (stopped or steps) / e["step"]
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the benchmark and write OUT/anytime.json and OUT/anytime.png; returns the JSON dict."""
+    from trainer.anytime.serve import Anytime
+    from trainer.anytime.settings import AnytimeSettings
+    from trainer.models import build_model
+
+    a = _args(argv)
+    t_start = time.perf_counter()
+    a.out.mkdir(parents=True, exist_ok=True)
+    T = a.steps
+    b = _setup(a)
+    model = build_model(a.preset, seed=a.seed, device=a.device)
+    opt = b.adamw(model)
+    settings = AnytimeSettings(k=a.k, publish_every=b.publish_every, select_batches=a.select_batches,
+                               quad_dim=a.quad_dim, windows=tuple(m for m in (2, 4, 8, 16) if m <= a.k),
+                               pull=a.pull)
+    anytime = Anytime(settings, b.corpus.select, batch_size=a.batch_size, seq_len=a.seq_len, device=a.device,
+                      run_path=a.out, loss=b.loss_fn)
+    branch_at = {f: int(round(f * T)) - max(1, round(a.decay_frac * round(f * T))) for f in b.fracs}
+    timing = {"train_s": 0.0, "eval_raw_s": 0.0, "anytime_s": 0.0, "refs_s": 0.0}
+    evals, snapshots, stopped = _main_run(b, model, opt, anytime, branch_at, t_start, timing)
+    t0 = time.perf_counter()
+    refs = _references(b, model, snapshots, branch_at, t_start)
+    timing["refs_s"] = time.perf_counter() - t0
+    _add_speedups(evals, stopped, T)
+    corpus = b.corpus
     result = {
         "benchmark": "anytime", "date": time.strftime("%Y-%m-%d", time.gmtime()),
         "device": torch.cuda.get_device_name(0) if a.device.startswith("cuda") else "cpu",
-        "settings": {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()}, "warmup": warmup,
-                     "eval_every": eval_every, "publish_every": publish_every, "anytime": settings.model_dump()},
+        "settings": {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()}, "warmup": b.warmup,
+                     "eval_every": b.eval_every, "publish_every": b.publish_every,
+                     "anytime": settings.model_dump()},
         "corpus_tokens": {"train": int(corpus.train.size), "val": int(corpus.val.size),
                           "select": int(corpus.select.size)},
         "scoring": f"in the trainer process on its device ({a.device}; InProcessScorer)",

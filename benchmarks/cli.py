@@ -173,13 +173,7 @@ def bench_zo(
                                         "$(( $(date +%s) + 540 ))): the arms' budget shrinks so the run ends by then."),
 ) -> None:
     """Run the ZO benchmarks on real data and write lm_summary.json / sentiment_summary.json and PNGs."""
-    from benchmarks.zo import (
-        check_sentiment_folder,
-        forwards_per_step,
-        lm_comparison,
-        resolve_head_init,
-        sentiment_comparison,
-    )
+    from benchmarks.zo import lm_comparison, sentiment_comparison
 
     if part not in ("lm", "sentiment", "all"):
         raise typer.BadParameter(f"part must be lm, sentiment or all, got {part!r}")
@@ -190,9 +184,28 @@ def bench_zo(
                         resume, shares, end_by)
         return
     # Every option is checked before anything runs: with --part all the lm part takes minutes first.
-    ms = tuple(m.strip() for m in methods.split(",") if m.strip())
+    ms, head_init, grid = _check_zo_project(part, out, device, methods, model, head_init, lrs, budget, k)
+    if part in ("lm", "all"):
+        s = lm_comparison(out, steps=steps, device=device, probes=probes, seed=seed)
+        typer.echo(json.dumps({k: {"final_val_loss": v["final_val_loss"], "steps_to_adamw_final":
+                                   v["steps_to_adamw_final"]} for k, v in s["runs"].items()}))
+    if part in ("sentiment", "all"):
+        s = sentiment_comparison(out, budget=budget, device=device, probes=k, lrs=grid, seed=seed, methods=ms,
+                                 head_init=head_init, evals=evals, backprop_steps=backprop_steps, model=model,
+                                 backprop_lr=backprop_lr)
+        typer.echo(json.dumps({m: {k2: v for k2, v in b.items() if k2 != "curve"} for m, b in s["best"].items()}))
+        if "1.5spsa_vs_mezo" in s:
+            typer.echo(json.dumps({"1.5spsa_vs_mezo": s["1.5spsa_vs_mezo"]}))
+
+
+def _check_zo_project(part: str, out: Path, device: str, methods: str, model: str, head_init: str | None, lrs: str,
+                      budget: int, k: int) -> tuple[tuple[str, ...], str | None, tuple[float, ...]]:
+    """`bench zo --regime project`'s options checked before anything runs; returns (methods, the resolved
+    head init, the lr grid). Raises typer.BadParameter naming the option at fault."""
+    from benchmarks.zo import check_sentiment_folder, forwards_per_step, resolve_head_init
     from trainer.methods import method_names
 
+    ms = tuple(m.strip() for m in methods.split(",") if m.strip())
     pure_zo = method_names(kind="pure-zo", task="sentiment")
     bad = [m for m in ms if m not in pure_zo]
     if bad or not ms:
@@ -230,17 +243,7 @@ def bench_zo(
             check_sentiment_folder(out, model)
         except ValueError as e:
             raise typer.BadParameter(str(e), param_hint="--out") from None
-    if part in ("lm", "all"):
-        s = lm_comparison(out, steps=steps, device=device, probes=probes, seed=seed)
-        typer.echo(json.dumps({k: {"final_val_loss": v["final_val_loss"], "steps_to_adamw_final":
-                                   v["steps_to_adamw_final"]} for k, v in s["runs"].items()}))
-    if part in ("sentiment", "all"):
-        s = sentiment_comparison(out, budget=budget, device=device, probes=k, lrs=grid, seed=seed, methods=ms,
-                                 head_init=head_init, evals=evals, backprop_steps=backprop_steps, model=model,
-                                 backprop_lr=backprop_lr)
-        typer.echo(json.dumps({m: {k2: v for k2, v in b.items() if k2 != "curve"} for m, b in s["best"].items()}))
-        if "1.5spsa_vs_mezo" in s:
-            typer.echo(json.dumps({"1.5spsa_vs_mezo": s["1.5spsa_vs_mezo"]}))
+    return ms, head_init, grid
 
 
 def _bench_zo_paper(model: str, out: Path, device: str, arms: str, time_budget: float, seed: int,

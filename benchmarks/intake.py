@@ -8,13 +8,13 @@ Two modes, both with real Redis and the real intake code (Lua dedupe + XADD to t
   stream by then); it excludes compute by construction.
 - `store`: N threads call `Intake.submit` in-process (no HTTP), isolating the Redis/Lua cost.
 Afterwards the stream length is checked against the number of accepted results.
+The simulated workers' client and loop live in benchmarks.intake_load.
 """
 
 from __future__ import annotations
 
 import asyncio
 import gc
-import json
 import os
 import secrets
 import subprocess
@@ -29,6 +29,7 @@ from pathlib import Path
 import httpx
 import redis
 
+from benchmarks.intake_load import loop_factory, post_results
 from coordinator.intake import Intake
 from coordinator.messages import RunSpec, ShardRef, VersionManifest, WorkerRegistration
 from coordinator.metrics import CoordinatorMetrics
@@ -210,110 +211,6 @@ def bench_store(settings: CoordinatorSettings, workers: int, n_results: int, bat
     return res
 
 
-class _KeepAliveClient:
-    """A minimal HTTP/1.1 keep-alive client for the load generator (one connection, one request at a time).
-
-    The simulated workers share the bench machine's cores with the coordinator; httpx costs more CPU per
-    request than the server does, so a lean client keeps the measurement about the server. Raises
-    RuntimeError on a non-2xx status or a response without Content-Length.
-    """
-
-    def __init__(self, host: str, port: int, token: str) -> None:
-        self.host, self.port = host, port
-        self.auth = f"Authorization: Bearer {token}\r\n".encode()
-        self.reader: asyncio.StreamReader | None = None
-        self.writer: asyncio.StreamWriter | None = None
-
-    async def connect(self) -> None:
-        self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
-
-    async def post_json(self, path: str, body: bytes) -> bytes:
-        head = (
-            f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n"
-        ).encode()
-        self.writer.write(head + self.auth + b"\r\n" + body)
-        status_line = await self.reader.readline()
-        length = None
-        while (line := await self.reader.readline()) not in (b"\r\n", b""):
-            name, _, value = line.partition(b":")
-            if name.strip().lower() == b"content-length":
-                length = int(value)
-        if length is None:
-            raise RuntimeError(f"response without Content-Length: {status_line!r}")
-        payload = await self.reader.readexactly(length)
-        if not status_line.split()[1].startswith(b"2"):
-            raise RuntimeError(f"{status_line!r}: {payload[:200]!r}")
-        return payload
-
-    async def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-            await self.writer.wait_closed()
-
-
-async def _http_clients(
-    url: str, tokens: list[tuple[str, str]], jobs: list[tuple[str, list[int]]], rate: float
-):
-    """Closed loop (rate 0: each worker posts as soon as its previous post returns) or open loop at `rate`
-    results/s in total. Open-loop latency counts from the scheduled send time, so a server falling
-    behind shows up in the figures (no coordinated omission)."""
-    queue: asyncio.Queue = asyncio.Queue()
-    for job in jobs:
-        queue.put_nowait(job)
-    lat: list[float] = []
-    accepted = 0
-    interval = len(tokens) * len(jobs[0][1]) / rate if rate > 0 else 0.0
-    host, port = httpx.URL(url).host, httpx.URL(url).port
-    clients = [_KeepAliveClient(host, port, t) for _, t in tokens]
-    await asyncio.gather(*(c.connect() for c in clients))  # connected before the clock starts
-    start = time.perf_counter() + 0.05
-
-    async def worker(k: int, wid: str, c: _KeepAliveClient) -> None:
-        nonlocal accepted
-        n = 0
-        while not queue.empty():
-            rid, seeds = queue.get_nowait()
-            results = [
-                {
-                    "run": RUN,
-                    "round_id": rid,
-                    "seed": s,
-                    "version": 0,
-                    "worker_id": wid,
-                    "l_plus": 1.0,
-                    "l_minus": 2.0,
-                }
-                for s in seeds
-            ]
-            t0 = time.perf_counter()
-            if interval:
-                t0 = start + (n + k / len(tokens)) * interval  # staggered, evenly spaced sends
-                n += 1
-                await asyncio.sleep(max(0.0, t0 - time.perf_counter()))
-            reply = await c.post_json(f"/v1/runs/{RUN}/results", json.dumps({"results": results}).encode())
-            dt = (time.perf_counter() - t0) * 1e3
-            accepted += json.loads(reply)["outcomes"].count("accepted")
-            lat.extend([dt] * len(seeds))
-
-    t0 = time.perf_counter()
-    try:
-        await asyncio.gather(*(worker(k, w, c) for k, ((w, _), c) in enumerate(zip(tokens, clients))))
-    finally:
-        await asyncio.gather(*(c.close() for c in clients))
-    return accepted, time.perf_counter() - t0, lat
-
-
-def _loop_factory():
-    """uvloop's event loop for the simulated workers if installed (uvicorn[standard] brings it): less
-    client CPU taken from the cores the coordinator and Redis run on."""
-    try:
-        import uvloop
-    except ImportError:
-        return None
-    return uvloop.new_event_loop
-
-
 def _wait_ready(url: str, proc: subprocess.Popen, coordinators: int, metrics_dir: Path) -> None:
     """Wait for /readyz and, with several coordinator processes, for each to have built its app (its
     metric files appear in `metrics_dir`) and a moment more for its start-up to finish."""
@@ -372,8 +269,8 @@ def bench_http(
         gc.freeze()
         r0, s0, c0 = _redis_cpu(settings.redis_url), _tree_cpu(proc.pid), time.process_time()
         try:
-            with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-                accepted, seconds, lat = runner.run(_http_clients(url, tokens, jobs, rate))
+            with asyncio.Runner(loop_factory=loop_factory()) as runner:
+                accepted, seconds, lat = runner.run(post_results(url, RUN, tokens, jobs, rate))
         finally:
             gc.unfreeze()
         cpu = (_tree_cpu(proc.pid) - s0, time.process_time() - c0, _redis_cpu(settings.redis_url) - r0)

@@ -20,8 +20,9 @@ arms started with AdamW at a fixed lr: tools/h200_regime.sh) and its follow-up c
 arms at the best lr, shorter T), "h200c" and "h200d" (explicit runs around what the earlier calls found; the
 2026-12-02 result in benchmarks/results/h200/regime/); "cpu" a tiny dry run. `--batch-size`/`--seq-len`/`--corpus`
 override a plan's settings (the same command at another regime), `--devices cuda:0,…,cuda:7` spreads runs
-over GPUs round-robin (one process per run; 0.5M tokens per step on one GPU needs gradient accumulation, which
-trainer.train does not do yet).
+over GPUs round-robin (one process per run), `--micro-batch-size M` accumulates each step's gradients over
+batch/M forward/backward passes: 0.5M tokens per step per GPU is `--plan full --batch-size 512 --seq-len 1024
+--micro-batch-size 32 --devices cuda:0,…,cuda:7 --jobs 8` (8 runs at a time, one per GPU).
 
 Usage: `sparecycles bench regime run --plan h200 --out DIR --jobs 4 --deadline-s 440`, then
 `sparecycles bench regime report DIR` (table, JSON, PNG; benchmarks.regime_score).
@@ -37,11 +38,13 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from benchmarks.run_spec import OptionsRun, train_into
+
 ADAMW = "adamw"
 
 
 @dataclass(frozen=True)
-class RegimeRun:
+class RegimeRun(OptionsRun):
     """One full-schedule run (name = its folder)."""
 
     optimizer: str
@@ -53,13 +56,9 @@ class RegimeRun:
     plan: str = ""
     options: tuple[tuple[str, Any], ...] = ()
 
-    def __post_init__(self) -> None:  # JSON gives lists: keep the pairs hashable and in one order
-        object.__setattr__(self, "options", tuple(sorted((str(k), v) for k, v in self.options)))
-
     @property
     def name(self) -> str:
-        opts = "".join(f"-{k}{v}" for k, v in self.options)
-        return f"{self.optimizer}-lr{self.lr:g}-{self.schedule}-T{self.steps}-s{self.seed}{opts}"
+        return f"{self.optimizer}-lr{self.lr:g}-{self.schedule}-T{self.steps}-s{self.seed}{self.options_suffix}"
 
     @property
     def arm(self) -> str:
@@ -209,14 +208,11 @@ def run_config(spec: RegimeRun, settings: dict[str, Any], device: str, run_dir: 
 
 
 def run_one(spec: RegimeRun, settings: dict[str, Any], device: str, out_dir: Path) -> None:
-    """Train one spec into out_dir/spec.name (spec.json beside the run's files; the checkpoint removed)."""
-    from trainer.train import train
-
-    run_dir = out_dir / spec.name
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "spec.json").write_text(json.dumps(asdict(spec)))
-    train(run_config(spec, settings, device, run_dir), progress=False, overwrite=True, export=False)
-    (run_dir / "checkpoint.safetensors").unlink(missing_ok=True)
+    """Train one spec into out_dir/spec.name (benchmarks.run_spec.train_into); settings["micro_batch_size"], when
+    given, accumulates each step's gradients over micro-batches of that many sequences."""
+    settings = dict(settings)
+    micro = settings.pop("micro_batch_size", None)
+    train_into(spec, out_dir, lambda run_dir: run_config(spec, settings, device, run_dir), micro_batch_size=micro)
 
 
 def finished(out_dir: Path) -> dict[str, float]:
@@ -285,7 +281,7 @@ def main(argv: list[str]) -> None:
     r.add_argument("--jobs", type=int, default=4)
     r.add_argument("--devices", default="cuda", help="comma-separated, runs spread round-robin")
     r.add_argument("--deadline-s", type=float, default=440.0)
-    for k, t in (("batch-size", int), ("seq-len", int), ("corpus", str), ("model", str)):
+    for k, t in (("batch-size", int), ("seq-len", int), ("corpus", str), ("model", str), ("micro-batch-size", int)):
         r.add_argument(f"--{k}", type=t, default=None)
     rep = sub.add_parser("report")
     rep.add_argument("out", type=Path)
@@ -296,7 +292,7 @@ def main(argv: list[str]) -> None:
     a = ap.parse_args(argv)
     if a.cmd == "run":
         over = {k: v for k, v in (("batch_size", a.batch_size), ("seq_len", a.seq_len), ("corpus", a.corpus),
-                                  ("model", a.model)) if v is not None}
+                                  ("model", a.model), ("micro_batch_size", a.micro_batch_size)) if v is not None}
         left = run_plan(a.plan, a.out, jobs=a.jobs, devices=a.devices.split(","), deadline_s=a.deadline_s,
                         settings={**PLANS[a.plan].settings, **over})
         print(json.dumps({"unfinished": left, "finished": len(finished(a.out))}))

@@ -16,14 +16,17 @@ Forwards run length-bucketed (benchmarks.length_buckets): the same per-row logit
 Selection: the evaluated point with the best validation accuracy (500 sentences); test (1,000) is scored once,
 at the end, on those weights. The test accuracy at every evaluated point is kept too, and its maximum is
 reported as "best_on_test_peek" (selection on test: it shows how much peeking inflates).
+
+This module runs the comparison (`paper_comparison`, `paper_main`) and tabulates and plots it; the parts live
+beside it: zo_paper_data (the splits and the loss), zo_paper_arms (one arm), zo_paper_plan (arms, shares,
+merging calls), zo_paper_steps (the steppers) and zo_paper_checks (side measurements). Their public names are
+importable from here as before.
 """
 
 from __future__ import annotations
 
 import copy
-import gc
 import json
-import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -31,7 +34,9 @@ from typing import Any
 
 import torch
 
-from benchmarks.length_buckets import Buckets, Split, bucket_batch, bucketed_ce
+from benchmarks.zo_paper_arms import run_backprop_arm, run_zo_arm
+from benchmarks.zo_paper_checks import h_precision_check, inplace_memory_scan, padding_report  # noqa: F401 (re-exported)
+from benchmarks.zo_paper_data import AccuracyLoss, PaperData, binomial_se  # noqa: F401 (re-exported)
 from benchmarks.zo_paper_plan import (
     MATMUL_MODES,
     a1_mean_w,
@@ -42,264 +47,11 @@ from benchmarks.zo_paper_plan import (
     paper_arms,
     parse_matmul,
 )
-from benchmarks.zo_paper_steps import (
-    PAPER,
-    PlateauState,
-    ZOParamStepper,
-    batch_rows,
-    numerics_drift,
-    plateau_update,
-)
+from benchmarks.zo_paper_steps import PAPER, numerics_drift
 from trainer.zo.probes import canonical_blocks
 
-TRAIN_KEY, VAL_KEY, TEST_KEY = 181, 182, 183  # Philox keys of the fixed subsets (independent of the run seed)
 TAIL_S = 8.0  # seconds kept after the arms under a deadline: final JSON, plots
 DRIFT_S_PER_STEP = 0.3  # estimated seconds of numerics_drift per A1 step on an H200 (40 probes of 134.5M weights)
-
-
-def binomial_se(acc: float, n: int) -> float:
-    """Standard error sqrt(p(1−p)/n) of an accuracy p measured on n sentences. Raises ValueError for n < 1."""
-    if n < 1:
-        raise ValueError(f"n must be >= 1, got {n}")
-    return math.sqrt(max(acc * (1.0 - acc), 0.0) / n)
-
-
-class PaperData:
-    """The paper's splits: `splits` {"train", "val", "test"} of (ids, mask, labels), rows already chosen.
-
-    `from_task(task)` takes fixed random subsets (SentimentTask.subset_rows, keys TRAIN/VAL/TEST_KEY) of
-    PAPER.n_train training, n_val validation and n_test test sentences (fewer if a split is smaller).
-    Batches and evaluations run length-bucketed (benchmarks.length_buckets: rows sorted by length into at
-    most `max_chunks` chunks of >= `min_rows` rows, each trimmed to its longest row), which leaves every
-    row's logits unchanged for a right-padded classifier whose logits do not depend on padding
-    (PromptClassifier). `lengths` holds each split's row lengths on the CPU (no device sync per batch).
-    """
-
-    def __init__(self, splits: dict[str, Split], max_chunks: int = 4, min_rows: int = 64) -> None:
-        missing = {"train", "val", "test"} - set(splits)
-        if missing:
-            raise ValueError(f"splits lack {sorted(missing)}")
-        self.splits = splits
-        self.max_chunks, self.min_rows = max_chunks, min_rows
-        self.lengths = {k: v[1].sum(1).cpu() for k, v in splits.items()}
-        self._eval: dict[str, Buckets] = {}
-
-    @classmethod
-    def from_task(cls, task, n_train: int = PAPER.n_train, n_val: int = PAPER.n_val,
-                  n_test: int = PAPER.n_test) -> PaperData:
-        out = {}
-        for name, n, key in (("train", n_train, TRAIN_KEY), ("val", n_val, VAL_KEY), ("test", n_test, TEST_KEY)):
-            rows = task.subset_rows(name, n, key=key)
-            out[name] = tuple(t[rows.to(t.device)] for t in task.splits[name])
-        return cls(out)
-
-    def size(self, split: str) -> int:
-        return int(self.splits[split][2].shape[0])
-
-    def batch(self, seed: int, iteration: int, batch_size: int, max_chunks: int | None = None) -> Buckets:
-        """Training batch `iteration`: the rows benchmarks.zo_paper_steps.batch_rows (with replacement) draws, as
-        length-bucketed chunks (benchmarks.length_buckets.bucket_batch; the same rows as one padded batch).
-        max_chunks: this batch's chunk limit (None: the data's; 1: one padded batch)."""
-        rows = batch_rows(seed, iteration, self.size("train"), batch_size)
-        ids, mask, labels = self.splits["train"]
-        r = rows.to(ids.device)
-        return bucket_batch(ids[r], mask[r], labels[r], self.lengths["train"][rows],
-                            self.max_chunks if max_chunks is None else max_chunks, self.min_rows)
-
-    def eval_buckets(self, split: str) -> Buckets:
-        """The whole `split` as length-bucketed chunks (computed once, cached)."""
-        if split not in self._eval:
-            self._eval[split] = bucket_batch(*self.splits[split], self.lengths[split], self.max_chunks,
-                                             self.min_rows)
-        return self._eval[split]
-
-    @torch.no_grad()
-    def accuracy(self, model, split: str) -> float:
-        """Fraction of `split` classified correctly (argmax of the logits), over length-bucketed chunks."""
-        return int(bucketed_ce(model, self.eval_buckets(split))[1]) / self.size(split)
-
-
-class AccuracyLoss:
-    """Mean cross-entropy of a length-bucketed batch (benchmarks.length_buckets.bucketed_ce: Σ_rows CE / N,
-    the unbucketed batch's mean) that also keeps the batch accuracy of the first call since `reset()` (the
-    train accuracy of the plateau rule: the clean pass for 1.5-SPSA, θ+εz_1 for 1SPSA/MeZO, which have no
-    clean pass). A plain (ids, mask, labels) batch is taken as one chunk."""
-
-    def __init__(self) -> None:
-        self.first_acc: float | None = None
-
-    def reset(self) -> None:
-        self.first_acc = None
-
-    def __call__(self, model, batch: Buckets | Split) -> torch.Tensor:
-        buckets = _as_buckets(batch)
-        loss, right = bucketed_ce(model, buckets)
-        if self.first_acc is None:
-            self.first_acc = int(right) / sum(int(b[2].shape[0]) for b in buckets)
-        return loss
-
-
-def _as_buckets(batch: Buckets | Split) -> Buckets:
-    """A Buckets tuple as is; a plain (ids, mask, labels) Split as one chunk."""
-    return (batch,) if isinstance(batch[0], torch.Tensor) else batch
-
-
-def _snapshot(model: torch.nn.Module) -> list[torch.Tensor]:
-    """Copies of the parameters (the candidate weights of the validation selection)."""
-    return [p.detach().clone() for p in model.parameters()]
-
-
-def _finish(arm: dict, data: PaperData, model, best_state, evals: list, t0: float, stop: str,
-            wall_before: float = 0.0) -> dict:
-    """Select on validation, score test once on the selected weights, label the test peek. wall_s counts this
-    call's seconds plus `wall_before` (a resumed arm's earlier calls)."""
-    best = max(evals, key=lambda e: (e["val_acc"], -e["iteration"]))  # the earliest of equal bests
-    with torch.no_grad():
-        for p, s in zip(model.parameters(), best_state):
-            p.copy_(s)
-    test = data.accuracy(model, "test")
-    peek = max(evals, key=lambda e: e["test_acc_peek"])
-    n_val, n_test = data.size("val"), data.size("test")
-    return {**arm, "stop": stop, "wall_s": wall_before + time.perf_counter() - t0, "evals": evals,
-            "selected_iteration": best["iteration"], "val_acc": best["val_acc"],
-            "val_se": binomial_se(best["val_acc"], n_val), "test_acc": test, "test_se": binomial_se(test, n_test),
-            "initial_test_acc": evals[0]["test_acc_peek"],
-            "best_on_test_peek": {"iteration": peek["iteration"], "test_acc": peek["test_acc_peek"],
-                                  "label": "selected on TEST (peeking): an inflated upper bound"}}
-
-
-def _eval_point(data: PaperData, model, it: int, seq_fwd: int, wall: float) -> dict:
-    return {"iteration": it, "seq_forwards": seq_fwd, "wall_s": wall, "val_acc": data.accuracy(model, "val"),
-            "test_acc_peek": data.accuracy(model, "test")}
-
-
-def _resume_zo(stepper: ZOParamStepper, model: torch.nn.Module, arm: dict, resume: dict) -> dict[str, Any]:
-    """Rebuild a master-numerics ZO arm where an earlier call stopped: replay its step ledger
-    resume["ledger"] [[seeds, coeffs, eps], ...] on the fresh start (ZOParamStepper.apply, bit for bit),
-    snapshot the weights at its selected iteration, rerun the plateau rule over its logged train accuracies
-    and restore its forward count. Returns {"log", "evals", "ledger", "best_state", "state", "wall_before",
-    "fingerprint_ok" (the replayed weights' fingerprint equals the one the earlier call stored; None if it
-    stored none)}. Raises ValueError for inplace numerics or a ledger that does not match the log."""
-    if stepper.numerics != "master":
-        raise ValueError(f"{arm['name']}: only master-numerics arms resume (inplace drift is not replayable)")
-    ledger, log = [list(e) for e in resume["ledger"]], list(resume["log"])
-    if len(ledger) != len(log) or len(ledger) != resume["iterations"]:
-        raise ValueError(f"{arm['name']}: ledger of {len(ledger)} steps for {len(log)} logged iterations")
-    sel = resume["selected_iteration"]
-    best_state = _snapshot(model) if sel == 0 else None
-    for i, (seeds, coeffs, _eps) in enumerate(ledger):
-        stepper.apply(seeds, coeffs)
-        if i + 1 == sel:
-            best_state = _snapshot(model)
-    state = PlateauState()
-    for row in log:
-        state = plateau_update(state, row["train_acc"], arm.get("patience", PAPER.patience))
-    stepper.forward_passes = resume["forward_passes"]
-    fp = resume.get("fingerprint")
-    return {"log": log, "evals": list(resume["evals"]), "ledger": ledger, "best_state": best_state, "state": state,
-            "wall_before": resume["wall_s"], "fingerprint_ok": None if fp is None else stepper.fingerprint() == fp}
-
-
-def run_zo_arm(data: PaperData, model: torch.nn.Module, arm: dict, *, seed: int = 0,
-               keep_ledger: bool = False, resume: dict | None = None) -> dict[str, Any]:
-    """Train `model` (consumed) with arm {"name", "method", "numerics", "lr", "eps", "batch_size", "probes",
-    "max_iters", "time_s", "eval_every", "patience"}; returns the arm with per-iteration "log" (loss,
-    train_acc, lr, eps, h_mean, h_std, w_mean, frac_weight_floored, g_abs_mean), "evals", the selection
-    (_finish), "fingerprint" (ZOParamStepper.fingerprint of the last weights) and "ledger" [[seeds, coeffs,
-    eps]] when keep_ledger. resume: this arm's result from an earlier call, with its "ledger" (master
-    numerics; `model` must be the same fresh start): the run continues from its last iteration (_resume_zo)
-    to max_iters or this call's time_s, as if never stopped; "resumed" records where it picked up."""
-    t0 = time.perf_counter()
-    stepper = ZOParamStepper(model, arm["method"], numerics=arm.get("numerics", "master"), run_seed=seed,
-                             probes=arm.get("probes", PAPER.probes), alpha=arm.get("alpha", PAPER.alpha),
-                             lam=arm.get("lam", PAPER.lam))
-    loss_fn, state = AccuracyLoss(), PlateauState()
-    bs = arm["batch_size"]
-    resumed, wall_before = None, 0.0
-    if resume is not None:
-        r0 = _resume_zo(stepper, model, arm, resume)
-        log, evals, ledger, best_state, state = r0["log"], r0["evals"], r0["ledger"], r0["best_state"], r0["state"]
-        wall_before = r0["wall_before"]
-        resumed = {"from_iteration": len(log), "fingerprint_ok": r0["fingerprint_ok"],
-                   "replay_s": time.perf_counter() - t0}
-        print(json.dumps({"arm": arm["name"], "resumed": resumed}), flush=True)
-    else:
-        evals = [_eval_point(data, model, 0, 0, 0.0)]
-        best_state, log, ledger = _snapshot(model), [], []
-    start, stop = len(log), "max_iters"
-    for it in range(start, arm["max_iters"]):
-        lr, eps = arm["lr"] * state.scale, arm["eps"] * state.scale
-        loss_fn.reset()
-        st = stepper.step(it, data.batch(seed, it, bs, arm.get("max_chunks")), loss_fn, lr, eps)
-        if keep_ledger:
-            ledger.append([st["seeds"], st["coeffs"], eps])
-        state = plateau_update(state, loss_fn.first_acc, arm.get("patience", PAPER.patience))
-        log.append({"iteration": it + 1, "loss": st["loss"], "train_acc": loss_fn.first_acc, "lr": lr, "eps": eps,
-                    **{k: st[k] for k in ("h_mean", "h_std", "w_mean", "frac_weight_floored", "g_abs_mean")
-                       if k in st}})
-        if it - start < 3 or (it + 1) % arm["eval_every"] == 0:  # progress: the pace is known after the first line
-            print(json.dumps({"arm": arm["name"], "iteration": it + 1, "wall_s": round(time.perf_counter() - t0, 2),
-                              "s_per_iteration": round((time.perf_counter() - t0) / (it + 1 - start), 3),
-                              **{k: log[-1][k] for k in ("loss", "train_acc", "h_mean", "w_mean") if k in log[-1]}}),
-                  flush=True)
-        if not math.isfinite(st["loss"]):
-            stop = "diverged"
-            break
-        out_of_time, best_state = _after_iteration(data, model, arm, it, stepper.forward_passes * bs, t0, evals,
-                                                   best_state, start, wall_before)
-        if out_of_time:
-            stop = "time"
-            break
-    fingerprint = stepper.fingerprint()  # of the last weights, before _finish loads the selected ones
-    res = _finish(arm, data, model, best_state, evals, t0, stop, wall_before)
-    res.update(iterations=len(log), forward_passes=stepper.forward_passes,
-               seq_forwards=stepper.forward_passes * bs, log=log, fingerprint=fingerprint)
-    if resumed is not None:
-        res["resumed"] = [*resume.get("resumed", []), resumed]
-    if keep_ledger:
-        res["ledger"] = ledger
-    return res
-
-
-def _after_iteration(data: PaperData, model: torch.nn.Module, arm: dict, it: int, seq_forwards: int, t0: float,
-                     evals: list[dict], best_state: Any, start: int = 0, wall_before: float = 0.0) -> tuple[bool, Any]:
-    """After iteration `it` (0-based; this call began at iteration `start`): evaluate when due (every
-    `eval_every`, the last iteration, or out of time), appending to `evals`; snapshot the model on a strict
-    validation improvement (the earliest best, as `_finish` picks). Out of time: another iteration at this
-    call's mean pace (evaluations included) would end past `time_s` seconds from t0, so an arm ends inside its
-    share instead of one iteration after it. Eval wall_s adds `wall_before` (earlier calls). Returns (out of
-    time, best state)."""
-    spent = time.perf_counter() - t0
-    out_of_time = spent + spent / (it + 1 - start) > arm["time_s"]
-    if (it + 1) % arm["eval_every"] == 0 or out_of_time or it + 1 == arm["max_iters"]:
-        e = _eval_point(data, model, it + 1, seq_forwards, wall_before + time.perf_counter() - t0)
-        if e["val_acc"] > max(x["val_acc"] for x in evals):
-            best_state = _snapshot(model)
-        evals.append(e)
-    return out_of_time, best_state
-
-
-def run_backprop_arm(data: PaperData, model: torch.nn.Module, arm: dict, *, seed: int = 0) -> dict[str, Any]:
-    """AdamW (wd 0) on `model` (consumed) with arm {"name", "lr", "batch_size", "max_iters", "time_s",
-    "eval_every"}; batches as the ZO arms' (with replacement). Each step is one forward and one backward."""
-    t0 = time.perf_counter()
-    opt = torch.optim.AdamW(model.parameters(), lr=arm["lr"], weight_decay=0.0)
-    bs = arm["batch_size"]
-    evals = [_eval_point(data, model, 0, 0, 0.0)]
-    best_state, log, stop = _snapshot(model), [], "max_iters"
-    for it in range(arm["max_iters"]):
-        opt.zero_grad(set_to_none=True)
-        loss = bucketed_ce(model, data.batch(seed, it, bs))[0]
-        loss.backward()
-        opt.step()
-        log.append({"iteration": it + 1, "loss": float(loss.detach())})
-        out_of_time, best_state = _after_iteration(data, model, arm, it, (it + 1) * bs, t0, evals, best_state)
-        if out_of_time:
-            stop = "time"
-            break
-    res = _finish({**arm, "method": "adamw-backprop"}, data, model, best_state, evals, t0, stop)
-    res.update(iterations=len(log), seq_forwards=len(log) * bs, seq_backwards=len(log) * bs, log=log)
-    return res
 
 
 def paper_comparison(out_dir: Path, make_model: Callable[[torch.dtype], torch.nn.Module], data: PaperData, *,
@@ -334,9 +86,7 @@ def paper_comparison(out_dir: Path, make_model: Callable[[torch.dtype], torch.nn
     inc = merge_include(include, names_now, resume)
     a1_moves = "A1" in names_now and "A1" not in inc["done"]
     if end_by is not None:
-        a1_cap = min([a["max_iters"] for a in plan if a["name"] == "A1"] + [iters_cap or 10**9])
-        tail = TAIL_S + (DRIFT_S_PER_STEP * a1_cap if drift and a1_moves else 0.0)
-        total_s = min(total_s, end_by - time.time() - tail)
+        total_s = _deadline_budget(total_s, plan, end_by, iters_cap, drift and a1_moves)
     results: dict[str, Any] = dict(inc["arms"])
     call = {"total_s": total_s, "arms": names_now, "fp32_matmul": matmul if set_matmul else "cpu",
             "included": sorted(inc["arms"]), "resumed": sorted(inc["resume"]), "iters_cap": iters_cap,
@@ -352,21 +102,8 @@ def paper_comparison(out_dir: Path, make_model: Callable[[torch.dtype], torch.nn
     def save() -> None:
         (out_dir / "paper_summary.json").write_text(json.dumps(summary, indent=2))
 
-    def measure_drift() -> None:
-        ledger = summary["ledgers"].get("A1")
-        if not (drift and ledger and summary.get("drift", {}).get("steps") != len(ledger)):
-            return
-        t0 = time.perf_counter()
-        m = make_model(torch.bfloat16)  # A2's numerics vs the fp32 master on A1's own steps, from bf16 weights
-        blocks = canonical_blocks(m)
-        summary["drift"] = {**numerics_drift([b.param.data for b in blocks], [b.offset for b in blocks], ledger),
-                            "seconds": time.perf_counter() - t0}
-        del m
-        print(json.dumps({"drift": summary["drift"]}), flush=True)
-        save()
-
-    if not a1_moves:  # the ledger is final: measure now, inside the budget the arms share
-        measure_drift()
+    if not a1_moves and drift:  # the ledger is final: measure now, inside the budget the arms share
+        _measure_drift(summary, make_model, save)
 
     todo = [a for a in plan if a["name"] not in inc["done"]]
     for i, arm in enumerate(todo):
@@ -378,27 +115,12 @@ def paper_comparison(out_dir: Path, make_model: Callable[[torch.dtype], torch.nn
             skipped[arm["name"]] = "no time left in this call"
             continue
         cont = inc["resume"].get(arm["name"])
-        if cont is not None and arm.get("lr_from"):
-            arm["lr"] = cont["lr"]  # a resumed A3w keeps its lr (A1's mean w may have moved since)
-        elif arm.get("lr_from"):
-            w = a1_mean_w(results)
-            if w is None:
-                skipped[arm["name"]] = "A1 logged no w"
-                continue
-            arm = dict(arm, lr=PAPER.lr * w)
-        mode = (matmul or {}).get(arm["name"], "highest")
-        arm["fp32_matmul"] = mode if set_matmul else "cpu"
-        if cont is not None and cont.get("fp32_matmul") not in (None, arm["fp32_matmul"]):
-            print(f"warning: {arm['name']} resumes with fp32 matmul {arm['fp32_matmul']} after "
-                  f"{cont['fp32_matmul']}", flush=True)
-        if set_matmul:
-            set_matmul(mode)
-        if arm.get("kind") == "backprop":
-            r = run_backprop_arm(data, make_model(torch.float32), arm, seed=seed)
-        else:
-            dtype = torch.bfloat16 if arm["numerics"] == "inplace" else torch.float32
-            r = run_zo_arm(data, make_model(dtype), arm, seed=seed, keep_ledger=bool(arm.get("keeps_ledger")),
-                           resume=cont)
+        arm = _arm_lr(arm, cont, results)
+        if arm is None:
+            skipped[todo[i]["name"]] = "A1 logged no w"
+            continue
+        _set_arm_matmul(arm, cont, matmul, set_matmul)
+        r = _run_arm(data, make_model, arm, seed, cont)
         if "ledger" in r:  # the step ledger, for the drift (A1) and for resuming in a later call
             summary["ledgers"][arm["name"]] = r.pop("ledger")
             if arm["name"] == "A1":
@@ -407,13 +129,78 @@ def paper_comparison(out_dir: Path, make_model: Callable[[torch.dtype], torch.nn
         print(json.dumps({k: r[k] for k in ("name", "iterations", "stop", "val_acc", "test_acc", "wall_s")}),
               flush=True)
         save()
-    measure_drift()
+    if drift:
+        _measure_drift(summary, make_model, save)
     summary["arms"] = {n: results[n] for n in canonical_order(list(results))}
     summary["meta"]["skipped"] = skipped
     summary["table"] = summary_table(summary["arms"])
     save()
     plot_paper(summary, out_dir)
     return summary
+
+
+def _deadline_budget(total_s: float, plan: list[dict], end_by: float, iters_cap: int | None,
+                     drift_after: bool) -> float:
+    """The arms' seconds under a wall-clock deadline `end_by` (time.time() seconds): min(total_s, what is left
+    before end_by minus TAIL_S and, when the drift runs after the arms (`drift_after`), DRIFT_S_PER_STEP per A1
+    iteration)."""
+    a1_cap = min([a["max_iters"] for a in plan if a["name"] == "A1"] + [iters_cap or 10**9])
+    tail = TAIL_S + (DRIFT_S_PER_STEP * a1_cap if drift_after else 0.0)
+    return min(total_s, end_by - time.time() - tail)
+
+
+def _measure_drift(summary: dict[str, Any], make_model: Callable[[torch.dtype], torch.nn.Module],
+                   save: Callable[[], None]) -> None:
+    """A2's numerics vs the fp32 master on A1's own steps (numerics_drift over summary["ledgers"]["A1"], from
+    bf16 weights) into summary["drift"], then `save()`; nothing when there is no A1 ledger or its drift (same
+    number of steps) is already there."""
+    ledger = summary["ledgers"].get("A1")
+    if not (ledger and summary.get("drift", {}).get("steps") != len(ledger)):
+        return
+    t0 = time.perf_counter()
+    m = make_model(torch.bfloat16)
+    blocks = canonical_blocks(m)
+    summary["drift"] = {**numerics_drift([b.param.data for b in blocks], [b.offset for b in blocks], ledger),
+                        "seconds": time.perf_counter() - t0}
+    del m
+    print(json.dumps({"drift": summary["drift"]}), flush=True)
+    save()
+
+
+def _arm_lr(arm: dict, cont: dict | None, results: dict[str, Any]) -> dict | None:
+    """`arm` with the lr of an arm that takes it from A1 ("lr_from": PAPER.lr × A1's mean w; a resumed one keeps
+    its earlier lr, `cont`, as A1's mean w may have moved since); None when A1 logged no w."""
+    if cont is not None and arm.get("lr_from"):
+        arm["lr"] = cont["lr"]
+    elif arm.get("lr_from"):
+        w = a1_mean_w(results)
+        if w is None:
+            return None
+        arm = dict(arm, lr=PAPER.lr * w)
+    return arm
+
+
+def _set_arm_matmul(arm: dict, cont: dict | None, matmul: dict[str, str] | None,
+                    set_matmul: Callable[[str], None] | None) -> None:
+    """Record the arm's fp32 matmul mode in arm["fp32_matmul"] ("cpu" without `set_matmul`) and set it; warn when a
+    resumed arm (`cont`) ran under another mode."""
+    mode = (matmul or {}).get(arm["name"], "highest")
+    arm["fp32_matmul"] = mode if set_matmul else "cpu"
+    if cont is not None and cont.get("fp32_matmul") not in (None, arm["fp32_matmul"]):
+        print(f"warning: {arm['name']} resumes with fp32 matmul {arm['fp32_matmul']} after "
+              f"{cont['fp32_matmul']}", flush=True)
+    if set_matmul:
+        set_matmul(mode)
+
+
+def _run_arm(data: PaperData, make_model: Callable[[torch.dtype], torch.nn.Module], arm: dict, seed: int,
+             cont: dict | None) -> dict[str, Any]:
+    """Run one arm on a fresh model: backprop, or ZO in bf16 (inplace numerics) or fp32, resuming from `cont`."""
+    if arm.get("kind") == "backprop":
+        return run_backprop_arm(data, make_model(torch.float32), arm, seed=seed)
+    dtype = torch.bfloat16 if arm["numerics"] == "inplace" else torch.float32
+    return run_zo_arm(data, make_model(dtype), arm, seed=seed, keep_ledger=bool(arm.get("keeps_ledger")),
+                      resume=cont)
 
 
 def summary_table(results: dict[str, Any]) -> list[dict]:
@@ -473,60 +260,6 @@ def plot_paper(summary: dict, out_dir: Path) -> None:
     plt.close(fig)
 
 
-def inplace_memory_scan(device: str = "cuda",
-                        sizes: tuple[str, ...] = ("gpt-55b", "gpt-60b", "gpt-66b", "gpt-70b", "gpt-73b"),
-                        seq_len: int = 1024) -> dict[str, Any]:
-    """Largest GPT (batch 1 x seq_len) that takes two 1.5-SPSA(K=2) steps with bf16 weights perturbed and
-    updated in place (2 bytes per parameter, no fp32 master), trying `sizes` in order until one runs out of
-    memory. Returns {"gpu", "gpu_bytes", "trials": [{shape, params, ok, peak_bytes, seconds, error}], "largest"}.
-    The default sizes bracket 8x AdamW's 6.7B on one H200 (53.6B): 55.2B, 60.0B, 65.7B, 69.8B, 73.4B (at the
-    30B trial's 2.07 bytes per parameter, 69.8B needs ~144 GB of the 150 GB). ~10 s per trial.
-    Raises RuntimeError without CUDA, ValueError for an unknown shape."""
-    from benchmarks.headline import _build_shape
-    from trainer.models.losses import lm_batch_loss
-
-    shapes = {"gpt-13b": (40, 40, 5120), "gpt-30b": (48, 56, 7168), "gpt-45b": (56, 64, 8192),
-              "gpt-55b": (68, 64, 8192), "gpt-60b": (74, 64, 8192), "gpt-66b": (64, 72, 9216),
-              "gpt-70b": (68, 72, 9216), "gpt-73b": (72, 72, 9216)}
-    if not torch.cuda.is_available():
-        raise RuntimeError("the memory scan needs a CUDA GPU")
-    bad = [s for s in sizes if s not in shapes]
-    if bad:
-        raise ValueError(f"unknown shapes {bad}; choose from {sorted(shapes)}")
-    torch.zeros(1, device=device)
-    trials, largest = [], None
-    for name in sizes:
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-        t0, model, err = time.perf_counter(), None, None
-        try:
-            model = _build_shape(*shapes[name], torch.bfloat16, device, seed=0)
-            n = sum(p.numel() for p in model.parameters())
-            x = torch.randint(0, 50257, (1, seq_len), device=device)
-            st = ZOParamStepper(model, "1.5spsa", numerics="inplace", probes=2)
-            for s in range(2):
-                st.step(s, (x, x), lm_batch_loss, 1e-6, 1e-3)
-            torch.cuda.synchronize(device)
-            ok = True
-            del st, x  # the stepper holds the weights: drop it, or the next shape starts with this one resident
-        except torch.OutOfMemoryError as exc:
-            ok, err = False, str(exc).splitlines()[0][:160]
-            n = None
-        peak = torch.cuda.max_memory_allocated(device)
-        model = st = x = None  # noqa: F841 - release every reference before the next shape
-        gc.collect()
-        torch.cuda.empty_cache()
-        trials.append({"shape": name, "params": n, "ok": ok, "peak_bytes": peak,
-                       "seconds": time.perf_counter() - t0, "error": err})
-        print(json.dumps(trials[-1]), flush=True)
-        if not ok:
-            break
-        largest = name
-    props = torch.cuda.get_device_properties(device)
-    return {"gpu": props.name, "gpu_bytes": props.total_memory, "batch": 1, "seq_len": seq_len,
-            "trials": trials, "largest": largest}
-
-
 def paper_main(out_dir: Path, *, device: str = "cuda", total_s: float = 300.0, arms: tuple[str, ...] | None = None,
                seed: int = 0, fp32_matmul: str | dict[str, str] = "highest", include: Path | None = None,
                resume: bool = False, weights: dict[str, float] | None = None, drift: bool = True,
@@ -566,59 +299,3 @@ def paper_main(out_dir: Path, *, device: str = "cuda", total_s: float = 300.0, a
                             include=inc, resume=resume, matmul=matmul, weights=weights, drift=drift,
                             set_matmul=torch.set_float32_matmul_precision if cuda else None, iters_cap=iters_cap,
                             end_by=end_by)
-
-
-def padding_report(data: PaperData | None = None, iterations: int = 75, batch_size: int = PAPER.batch_size,
-                   seed: int = 0) -> dict[str, Any]:
-    """Tokens per forward of the paper's training batches, padded to the longest row vs length-bucketed
-    (data.max_chunks / data.min_rows), averaged over batches 0..iterations-1 (CPU; no model). `data` defaults
-    to the SmolLM2 splits from the cache. Returns {"train_mean_len", "train_max_len", "tokens_per_batch"
-    {"real", "one_chunk", "bucketed"}, "one_chunk_over_real", "bucketed_over_real", "speedup_tokens"}."""
-    from benchmarks.length_buckets import padded_tokens
-
-    if data is None:
-        from benchmarks.zo import sentiment_task
-
-        data = PaperData.from_task(sentiment_task("smollm2", "cpu"))
-    lens = data.lengths["train"]
-    tot = {"real": 0, "one_chunk": 0, "bucketed": 0}
-    for it in range(iterations):
-        p = padded_tokens(lens[batch_rows(seed, it, lens.numel(), batch_size)], data.max_chunks, data.min_rows)
-        for k in tot:
-            tot[k] += p[k]
-    per = {k: v / iterations for k, v in tot.items()}
-    return {"train_mean_len": float(lens.float().mean()), "train_max_len": int(lens.max()),
-            "tokens_per_batch": per, "one_chunk_over_real": per["one_chunk"] / per["real"],
-            "bucketed_over_real": per["bucketed"] / per["real"], "speedup_tokens": per["one_chunk"] / per["bucketed"]}
-
-
-@torch.no_grad()
-def h_precision_check(model: torch.nn.Module, batch: Buckets | Split, seeds: list[int], eps_list=(1e-4, 1e-3),
-                      repeats: int = 2) -> dict[str, Any]:
-    """Is h = (L+ + L− − 2 L0)/ε² signal or forward-rounding noise at the paper's ε (`batch`: PaperData.batch
-    chunks or one (ids, mask, labels))? For each ε: h of each Rademacher probe in `seeds` (out-of-place
-    perturbation of the model's own dtype), and the spread of L0 over `repeats` identical forwards (its
-    run-to-run noise). Returns {"dtype", "l0": [...], "by_eps": {eps: {"h": [...], "g": [...]}}}; the model is
-    left unchanged."""
-    from kernels import perturb_model
-
-    def loss(m):
-        return float(bucketed_ce(m, _as_buckets(batch))[0])
-    blocks = canonical_blocks(model)
-    params, offsets = [b.param.data for b in blocks], [b.offset for b in blocks]
-    clean = [p.clone() for p in params]
-    l0s = [loss(model) for _ in range(repeats)]
-    out: dict[str, Any] = {"dtype": str(params[0].dtype), "l0": l0s, "by_eps": {}}
-    for eps in eps_list:
-        hs, gs = [], []
-        for s in seeds:
-            lpm = []
-            for a in (eps, -eps):
-                perturb_model(clean, offsets, s, a, "rademacher", outs=params)
-                lpm.append(loss(model))
-            for p, c in zip(params, clean):
-                p.copy_(c)
-            hs.append((lpm[0] + lpm[1] - 2 * l0s[0]) / eps ** 2)
-            gs.append((lpm[0] - lpm[1]) / (2 * eps))
-        out["by_eps"][str(eps)] = {"h": hs, "g": gs}
-    return out

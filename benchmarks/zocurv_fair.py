@@ -27,11 +27,12 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from benchmarks.run_spec import OptionsRun, train_into
 from benchmarks.zocurv_fair_score import ADAMW, report, step_ratio, summarize, variant_key  # noqa: F401 (re-exported)
 
 
 @dataclass(frozen=True)
-class FairRun:
+class FairRun(OptionsRun):
     """One full-schedule run of the comparison (name = its folder)."""
 
     optimizer: str
@@ -42,13 +43,10 @@ class FairRun:
     plan: str = ""  # the plan (device call) that ran it: wall times compare only within one call
     options: tuple[tuple[str, Any], ...] = ()  # optimizer_options (trainer.methods), as sorted (key, value) pairs
 
-    def __post_init__(self) -> None:  # JSON gives lists: keep the pairs hashable and in one order
-        object.__setattr__(self, "options", tuple(sorted((str(k), v) for k, v in self.options)))
-
     @property
     def name(self) -> str:
-        opts = "".join(f"-{k}{v}" for k, v in self.options)
-        return f"{self.optimizer}-lr{self.lr:g}-T{self.steps}-wu{round(self.warmup_frac * 100)}-s{self.seed}{opts}"
+        wu = round(self.warmup_frac * 100)
+        return f"{self.optimizer}-lr{self.lr:g}-T{self.steps}-wu{wu}-s{self.seed}{self.options_suffix}"
 
 
 def fair_config(spec: FairRun, *, model: str, corpus: str, batch_size: int, seq_len: int, device: str,
@@ -129,15 +127,8 @@ PLANS = {"h200": (h200_plan, H200_SETTINGS), "h200-followup": (h200_followup_pla
 
 # ---- running -----------------------------------------------------------------------------------------
 def run_one(spec: FairRun, settings: dict[str, Any], device: str, out_dir: Path) -> None:
-    """Train one spec into out_dir/spec.name (spec.json beside the run's files)."""
-    from trainer.train import train
-
-    run_dir = out_dir / spec.name
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "spec.json").write_text(json.dumps(asdict(spec)))
-    cfg = fair_config(spec, device=device, run_dir=run_dir, **settings)
-    train(cfg, progress=False, overwrite=True, export=False)
-    (run_dir / "checkpoint.safetensors").unlink(missing_ok=True)
+    """Train one spec into out_dir/spec.name (benchmarks.run_spec.train_into)."""
+    train_into(spec, out_dir, lambda run_dir: fair_config(spec, device=device, run_dir=run_dir, **settings))
 
 
 def run_plan(plan: str, out_dir: Path, *, jobs: int, device: str, deadline_s: float) -> list[str]:

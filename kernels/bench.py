@@ -35,6 +35,17 @@ def preset_sizes(name: str) -> list[int]:
     return [p.numel() for _, p in model.named_parameters()]
 
 
+
+def preset_tensors(sizes: list[int], dev: torch.device, gen: torch.Generator):
+    """The list kernels' benchmark inputs over parameter `sizes` (numel each), drawn from `gen` in this order:
+    (offs, w16, out16, w32) = start offsets (each tensor's first element in the flat Philox stream), bf16
+    weights (randn), empty bf16 outputs beside them, fp32 weights (randn); each a list of 1-D tensors on `dev`."""
+    offs = [sum(sizes[:i]) for i in range(len(sizes))]
+    w16 = [torch.randn(s, device=dev, generator=gen).to(torch.bfloat16) for s in sizes]
+    out16 = [torch.empty_like(w) for w in w16]
+    w32 = [torch.randn(s, device=dev, generator=gen) for s in sizes]
+    return offs, w16, out16, w32
+
 def _ms(fn, rep: int = 200) -> float:
     from triton.testing import do_bench
 
@@ -52,11 +63,8 @@ def bench_preset(name: str, dist: ProbeDist, k: int) -> dict:
     dev = torch.device("cuda")
     sizes = preset_sizes(name)
     n = sum(sizes)
-    offs = [sum(sizes[:i]) for i in range(len(sizes))]
     gen = torch.Generator(device=dev).manual_seed(0)
-    w16 = [torch.randn(s, device=dev, generator=gen).to(torch.bfloat16) for s in sizes]
-    out16 = [torch.empty_like(w) for w in w16]
-    w32 = [torch.randn(s, device=dev, generator=gen) for s in sizes]
+    offs, w16, out16, w32 = preset_tensors(sizes, dev, gen)
     src16, dst16 = torch.randn(n, device=dev, generator=gen).to(torch.bfloat16), torch.empty(n, device=dev,
                                                                                            dtype=torch.bfloat16)
     src32, dst32 = torch.randn(n, device=dev, generator=gen), torch.empty(n, device=dev)

@@ -11,7 +11,7 @@ import argparse
 import torch
 
 from kernels import triton_kernels as tk
-from kernels.bench import _ms, preset_sizes
+from kernels.bench import _ms, preset_sizes, preset_tensors
 from kernels.dist import ProbeDist
 from kernels.ops import ModelPlan
 
@@ -24,11 +24,7 @@ def tune(preset: str = "gpt2-small", k: int = 40, apply: bool = True) -> dict[tu
     and, if `apply`, stores them there."""
     dev = torch.device("cuda")
     sizes = preset_sizes(preset)
-    offs = [sum(sizes[:i]) for i in range(len(sizes))]
-    gen = torch.Generator(device=dev).manual_seed(0)
-    w16 = [torch.randn(s, device=dev, generator=gen).to(torch.bfloat16) for s in sizes]
-    o16 = [torch.empty_like(w) for w in w16]
-    w32 = [torch.randn(s, device=dev, generator=gen) for s in sizes]
+    offs, w16, o16, w32 = preset_tensors(sizes, dev, torch.Generator(device=dev).manual_seed(0))
     seeds = torch.arange(1, k + 1, dtype=torch.int64, device=dev) * 7919
     coeffs = torch.full((k,), 1e-6, device=dev)
     def case(ws, outs, op):  # the plan is built outside the timing: it prepares its launch table once

@@ -93,6 +93,10 @@ def up(
                                    "round folds at the refresh after it, waiting only when the fleet is a whole "
                                    "interval behind: an interrupted run resumes bit for bit), sync, or never (a "
                                    "late round is skipped and counted)."),
+    nproc_per_node: int | None = typer.Option(
+        None, min=1, help="Train each run under torchrun with N processes (DDP, the global batch split over the "
+        "ranks; rank 0 talks to the coordinator), as `train --nproc-per-node`: one rank per GPU with a CUDA "
+        "trainer (cuda:0..N-1), gloo on the CPU; with N > 1 evaluation runs on the ranks. Default: in this process."),
     set_: list[str] | None = typer.Option(None, "--set", help="KEY=VALUE: another training setting of both runs "
                                           "(a TrainConfig field), e.g. --set lr=6e-4 --set warmup_steps=40 "
                                           "--set corpus=classics. Repeatable."),
@@ -123,7 +127,8 @@ def up(
                        batch_size=batch_size, seq_len=seq_len, overwrite=overwrite,
                        device=None if placement.trainer == "cpu" else placement.trainer,
                        worker_devices=placement.workers, train_options=tuple(set_ or ()), eval_on=eval_on,
-                       eval_windows=eval_windows, fleet_wait=fleet_wait, eval_deadline=eval_deadline)
+                       eval_windows=eval_windows, fleet_wait=fleet_wait, eval_deadline=eval_deadline,
+                       nproc_per_node=nproc_per_node)
         summary = run_up(plan, progress=progress, keep_blobs=keep_blobs, export=export,
                          log=lambda m: typer.secho(m, fg=typer.colors.YELLOW if m.startswith("warning") else None,
                                                    err=True))

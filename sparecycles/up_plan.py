@@ -42,6 +42,7 @@ class UpPlan:
     eval_windows: str = "full"  # on the fleet: the whole validation split, or the runs' eval_batches subset
     fleet_wait: str = "interval"  # when the ZO run waits for its rounds (trainer.cli.FLEET_WAIT)
     eval_deadline: float = 120.0  # seconds without a result before the trainer evaluates a version itself
+    nproc: int | None = None  # the trainer's ranks under torchrun (`--nproc-per-node`); None: in `up`'s process
 
     @property
     def settings(self) -> dict[str, dict]:
@@ -87,7 +88,7 @@ def plan_up(*, preset: str = "demo", optimizer: str | None = None, workers: int 
             probes: int | None = None, batch_size: int | None = None, seq_len: int | None = None,
             overwrite: bool = False, device: str | None = None, worker_devices: tuple[str, ...] = (),
             train_options: tuple[str, ...] = (), eval_on: str = "auto", eval_windows: str = "full",
-            fleet_wait: str = "interval", eval_deadline: float = 120.0) -> UpPlan:
+            fleet_wait: str = "interval", eval_deadline: float = 120.0, nproc_per_node: int | None = None) -> UpPlan:
     """Validate every option of `up` and decide what happens to its run folder; starts and trains nothing.
 
     `device` is the trainer's torch device (both runs), `worker_devices` one device per worker process
@@ -97,8 +98,12 @@ def plan_up(*, preset: str = "demo", optimizer: str | None = None, workers: int 
     warmup_steps=40, min_lr=6e-5, corpus=classics, eval_every=25), validated by TrainConfig. `eval_on`
     (trainer|fleet|auto; auto = fleet: `up` always has one) and `eval_windows` (full|subset) place both runs'
     evaluation; `fleet_wait` (never|interval|sync) is the ZO run's wait policy (interval: `up`'s exact-resume mode).
-    Raises ValueError (message names the option) for an invalid option, or when the folder holds a run with
-    other settings and `overwrite` is not set (the message lists the differences).
+    `nproc_per_node`: train each run under torchrun with that many ranks (sparecycles.up_ranks; None: in this
+    process); with more than one, a CUDA trainer takes cuda:0..N-1 (device "cuda") and evaluation runs on the
+    ranks (`eval_on` auto means trainer there).
+    Raises ValueError (message names the option) for an invalid option (more ranks than CUDA devices, a batch
+    the ranks cannot split, --eval-on fleet with N > 1 included), or when the folder holds a run with other
+    settings and `overwrite` is not set (the message lists the differences).
     """
     from trainer.config import resolve_preset
     from trainer.paths import runs_dir
@@ -115,6 +120,8 @@ def plan_up(*, preset: str = "demo", optimizer: str | None = None, workers: int 
     optimizer = optimizer or ("1.5spsa" if sentiment else "zocurv-line")
     _check_fleet_optimizer(optimizer, task)
     preset = "sentiment-demo" if sentiment and preset == "demo" else preset
+    if nproc_per_node is not None:
+        device, eval_on = _rank_placement(nproc_per_node, device, eval_on)
     over = {"steps": steps, "curvature_interval": curvature_interval, "task": task, "probes": probes,
             "batch_size": batch_size, "seq_len": seq_len, "device": device}
     extra = parse_train_options(train_options)
@@ -131,6 +138,8 @@ def plan_up(*, preset: str = "demo", optimizer: str | None = None, workers: int 
         raise ValueError(explain(exc)) from None
     check_options(zo_cfg)
     check_options(base_cfg)
+    if nproc_per_node is not None:
+        _check_ranks(nproc_per_node, (base_cfg, zo_cfg))
     tags = [f"{tag}{getattr(zo_cfg, f)}" for f, tag in _NAME_TAGS.items() if getattr(zo_cfg, f) != getattr(default, f)]
     out = (Path(run_dir) if run_dir else runs_dir() / "-".join(["up", preset, optimizer, *tags])).resolve()
     if out.exists() and not out.is_dir():
@@ -141,7 +150,7 @@ def plan_up(*, preset: str = "demo", optimizer: str | None = None, workers: int 
     plan = UpPlan(task, preset, optimizer, workers, out, base_cfg, zo_cfg, states, False,
                   tuple(w for w in [no_probe_round_warning(zo_cfg)] if w), tuple(worker_devices),
                   eval_on="trainer" if eval_on == "trainer" else "fleet", eval_windows=eval_windows,
-                  fleet_wait=fleet_wait, eval_deadline=eval_deadline)
+                  fleet_wait=fleet_wait, eval_deadline=eval_deadline, nproc=nproc_per_node)
     if not overwrite:  # a corrupt checkpoint fails here, in one line, before any fleet process starts
         from trainer.checkpoint import checkpoint_problem
 
@@ -156,6 +165,33 @@ def plan_up(*, preset: str = "demo", optimizer: str | None = None, workers: int 
     if overwrite:
         plan = replace(plan, clear=True, states={k: FolderState("empty") for k in states})
     return plan
+
+
+def _rank_placement(nproc: int, device: str | None, eval_on: str) -> tuple[str | None, str]:
+    """(device, eval_on) of a trainer of `nproc` ranks under torchrun: more than one CUDA rank takes device "cuda"
+    (rank r on cuda:r) and evaluation runs on the ranks (a sharded forward is collective). Raises ValueError for
+    more ranks than CUDA devices, CUDA where none is visible (trainer.cli.launch_backend), or --eval-on fleet with
+    more than one rank."""
+    from trainer.cli import launch_backend
+
+    launch_backend(nproc, device)
+    if nproc == 1:
+        return device, eval_on
+    if eval_on == "fleet":
+        raise ValueError(f"--eval-on fleet: a trainer of {nproc} ranks evaluates on its ranks (their forward is "
+                         "collective); drop --eval-on fleet or --nproc-per-node")
+    return ("cuda" if device and device.startswith("cuda") else device), "trainer"
+
+
+def _check_ranks(nproc: int, cfgs: tuple[Any, ...]) -> None:
+    """What every rank would refuse (trainer.distributed.DistContext.check: a batch the ranks cannot split, a
+    ZO-Curv probe batch larger than a rank's shard), said before any service starts. Raises ValueError."""
+    from trainer.distributed import DistContext
+    from trainer.methods import get_method
+
+    ranks = DistContext(world=nproc, launched=True)
+    for cfg in cfgs:
+        ranks.check(cfg, get_method(cfg.optimizer).kind)
 
 
 def _check_choices(*, task: str, eval_on: str, eval_windows: str, fleet_wait: str, workers: int) -> None:

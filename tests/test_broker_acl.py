@@ -133,19 +133,14 @@ def test_real_worker_process_runs_rounds_with_its_own_broker_user(tmp_path):
     8 s broker outage with a Redis restart (issue 14 case 5 end to end)."""
     from coordinator.messages import RunSpec
     from fleet.backend import CoordinatorBackend
-    from support.fleet import Fleet, make_batch
+    from support.fleet import AclFleet, make_batch
     from support.models import tiny_gpt2 as tiny_model
     from trainer.zo.probes import RoundSpec
 
     v = Valkey(tmp_path / "valkey", password=secrets.token_urlsafe(16))
     v.start()
 
-    class AclFleet(Fleet):
-        def start_coordinator(self) -> None:
-            self.env.update(SPARECYCLES_REDIS_URL=v.url, SPARECYCLES_BROKER_ACL="1")
-            super().start_coordinator()
-
-    fleet = AclFleet(tmp_path)
+    fleet = AclFleet(tmp_path, v.url)
     try:
         fleet.start_worker("a")
         wid = fleet.wait_consuming("a")

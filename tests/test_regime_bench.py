@@ -105,3 +105,26 @@ def test_a_run_that_fails_is_reported_once_not_restarted(tmp_path):
     for name in first:
         log = (tmp_path / f"{name}.log").read_text()
         assert "no-such-corpus" in log, log[-2000:]
+
+
+def test_micro_batches_give_the_run_of_the_whole_batch(tmp_path):
+    """`--micro-batch-size` (settings["micro_batch_size"]) accumulates each step's gradients over micro-batches:
+    the static-table run of the cpu plan at micro-batch 1 (2 passes per step) ends where the one-pass run does
+    (its gradient is the mean of two half-batch gradients: the same up to fp32 summation order, 1e-4 allowed), and a
+    micro-batch that does not divide the batch is refused with the fix."""
+    import json
+
+    from benchmarks.regime import run_one
+
+    spec = RegimeRun("zocurv-static", 3e-3, 3)
+    losses = {}
+    for micro in (None, 1):
+        out = tmp_path / f"mb{micro}"
+        settings = {**CPU.settings, **({"micro_batch_size": micro} if micro else {})}
+        run_one(spec, settings, "cpu", out)
+        rows = [json.loads(x) for x in (out / spec.name / "metrics.jsonl").read_text().splitlines()]
+        losses[micro] = [r["loss"] for r in rows if "loss" in r] + [r["val_loss"] for r in rows if "val_loss" in r]
+    assert len(losses[None]) == len(losses[1]) >= 4
+    assert losses[1] == pytest.approx(losses[None], abs=1e-4, rel=0)
+    with pytest.raises(ValueError, match="micro-batch-size 3"):
+        run_one(spec, {**CPU.settings, "micro_batch_size": 3}, "cpu", tmp_path / "bad")

@@ -245,18 +245,13 @@ def test_worker_with_its_own_broker_user_restarts_into_its_new_identity(tmp_path
     import shutil
     import time
 
-    from support.fleet import Fleet
+    from support.fleet import AclFleet
     from support.valkey import Valkey
 
     v = Valkey(tmp_path / "valkey")
     v.start()
 
-    class AclFleet(Fleet):
-        def start_coordinator(self) -> None:
-            self.env.update(SPARECYCLES_REDIS_URL=v.url, SPARECYCLES_BROKER_ACL="1")
-            super().start_coordinator()
-
-    fleet = AclFleet(tmp_path)
+    fleet = AclFleet(tmp_path, v.url)
     try:
         proc = fleet.start_worker("a")
         old = fleet.wait_consuming("a")

@@ -102,6 +102,67 @@ def test_micro_batches_accumulate_to_the_whole_batch(tmp_path):
     assert _close(whole, micro, 1e-5) and whole != micro  # summed in another order: close, not equal
 
 
+def _mults(run_dir: Path) -> list[tuple[int, float]]:
+    """(step, mult_global) of a zocurv-global run's refresh records: where its line fits moved the step size."""
+    import json
+
+    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["mult_global"]) for r in recs if "mult_global" in r]
+
+
+ZO_MICRO = {"curvature_interval": 2, "eval_every": 3}  # zocurv-global: line rounds at steps 2 and 4 fold
+
+
+def test_zocurv_micro_batches_accumulate_to_the_whole_batch(tmp_path):
+    """zocurv-global (probes in process), the batch of 8 in micro-batches of 2 on one process: the run without
+    accumulation within TOL (measured: 1.4e-6 nats), the same multipliers (its line fits, on the same probe rows,
+    moved mult_global to 1.5 then 2.25: the probes shape the steps compared)."""
+    _in_process(tmp_path / "whole", "zocurv-global", 6, **ZO_MICRO)
+    from trainer.train import train
+
+    cfg = resolve_preset("demo", {**TINY, "optimizer": "zocurv-global", "steps": 6, **ZO_MICRO,
+                                  "run_dir": tmp_path / "micro"})
+    train(cfg, progress=False, export=False, dist=DistContext(micro_batch_size=2))
+    whole, micro = losses(tmp_path / "whole"), losses(tmp_path / "micro")
+    assert _close(whole, micro) and whole != micro  # summed in another order: close, not equal
+    assert _mults(tmp_path / "micro") == _mults(tmp_path / "whole") and _mults(tmp_path / "whole")[-1][1] > 1.0
+
+
+@pytest.mark.timeout(900)
+def test_zocurv_two_ranks_with_micro_batches_equal_one_rank(tmp_path):
+    """zocurv-global at N=2 under gloo, each rank's shard of 4 in micro-batches of 2 (the global batch still 8),
+    probes sharded over the ranks on rank 0's first rows: the one-process run without accumulation within TOL
+    (measured: 1.4e-6 nats), the same multipliers."""
+    _in_process(tmp_path / "n1", "zocurv-global", 6, **ZO_MICRO)
+    proc = launch(2, *_args(tmp_path / "n2", "zocurv-global", 6, **ZO_MICRO), "--micro-batch-size", "2")
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-3000:]
+    assert _close(losses(tmp_path / "n2"), losses(tmp_path / "n1"))
+    assert _mults(tmp_path / "n2") == _mults(tmp_path / "n1")
+
+
+def test_a_run_resumed_at_another_n_continues_from_its_newest_checkpoint(tmp_path, fail_at_step):
+    """Stopped at step 3 in one process (checkpoint.safetensors), resumed by a torchrun job of one rank (launched:
+    its DCP folder) and stopped at step 5, resumed in one process again: it continues from step 5, not from the
+    older file, and ends as the uninterrupted run; `up` sees the folder as an interrupted run in between."""
+    from trainer.modes import AdamWMode
+    from trainer.preflight import folder_state
+    from trainer.train import train
+
+    kw = {"eval_every": 3, "eval_batches": 2, "checkpoint_every": 2}
+    _in_process(tmp_path / "straight", "adamw", 6, **kw)
+    cfg = resolve_preset("demo", {**TINY, "optimizer": "adamw", "steps": 6, "run_dir": tmp_path / "mixed", **kw})
+    for at, resume, dist in ((3, False, DistContext()), (5, True, DistContext(launched=True))):
+        undo = fail_at_step(AdamWMode, at)
+        with pytest.raises(KeyboardInterrupt):
+            train(cfg, progress=False, export=False, resume=resume, dist=dist)
+        undo()
+    assert (tmp_path / "mixed" / "checkpoint.safetensors").is_file() and folder_state(cfg.run_dir, cfg).kind == "resume"
+    result = train(cfg, progress=False, export=False, resume=True)
+    assert result.summary["resumed_from_step"] == 5
+    assert losses(tmp_path / "mixed") == losses(tmp_path / "straight")
+
+
 @pytest.mark.timeout(900)
 def test_adamw_two_ranks_equal_one_resume_at_one_and_a_killed_rank_ends_the_run(tmp_path):
     """AdamW at N=2 logs the losses of N=1 (TOL); rank 1 killed after a checkpoint: torchrun stops rank 0 with a

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import redis
 
-from sparecycles.up import Supervisor, redis_url_or_embedded
+from sparecycles.services import Supervisor, redis_url_or_embedded
 
 
 def test_embedded_valkey_starts_from_a_relative_data_dir(tmp_path, monkeypatch):

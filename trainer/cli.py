@@ -191,7 +191,8 @@ def train(
                                "(first-order optimizers) instead of replicating them (DDP)."),
     micro_batch_size: int | None = typer.Option(None, min=1, help="Under torchrun (or alone): sequences per "
                                                 "forward/backward on each rank; gradients accumulate over the rank's "
-                                                "shard (first-order optimizers)."),
+                                                "shard (first-order and ZO-Curv optimizers; ZO-Curv probes the "
+                                                "shard's first rows as without it)."),
     dist_timeout: float = typer.Option(600.0, min=1.0, help="Under torchrun: seconds a collective waits for the other "
                                        "ranks before the run stops with an error (a rank that died or hangs)."),
     anytime: bool = typer.Option(False, help="The anytime model: at each evaluation, choose the best mixture of the "
@@ -206,6 +207,8 @@ def train(
                                             "val loss, tokens) on this port. Default: 9102 with --coordinator, none "
                                             "without; 0: none."),
     metrics_host: str = typer.Option("127.0.0.1", help="Interface the metrics port binds (0.0.0.0 in containers)."),
+    config: Path | None = typer.Option(None, hidden=True, help="A whole TrainConfig as JSON (what `up "
+                                       "--nproc-per-node` hands its ranks): replaces --preset and the run's settings."),
 ) -> None:
     """Train a model and write a run folder (metrics.jsonl, TensorBoard event files, checkpoint.safetensors,
     loss.png, summary.json, export/).
@@ -236,11 +239,11 @@ def train(
                                  param_hint="--fleet-wait")
     fleet_wait = fleet_wait or "never"
     cfg = _resolve_checked(preset, overrides, eval_on=eval_on, fleet_wait=fleet_wait, eval_windows=eval_windows,
-                           coordinator=coordinator)
+                           coordinator=coordinator, config=config)
     fleet_settings = _fleet_settings() if coordinator else None
     if nproc_per_node is not None and not _launched_by_torchrun():
         _check_launch(cfg, shard, nproc_per_node)  # the ranks would refuse these only after torchrun started them
-        raise typer.Exit(_launch_torchrun(nproc_per_node, device))
+        raise typer.Exit(_relaunch(nproc_per_node, cfg.device))
     from trainer.distributed import DistributedError, setup
 
     try:
@@ -287,16 +290,19 @@ def train(
 
 
 def _resolve_checked(preset: str, overrides: dict[str, Any], *, eval_on: str, fleet_wait: str, eval_windows: str,
-                     coordinator: str | None) -> Any:
-    """The run's TrainConfig (trainer.config.resolve_preset) with every option checked: raises typer.BadParameter
-    (naming the option) for an invalid one, or a method that cannot use the fleet it is given."""
-    from trainer.config import resolve_preset
+                     coordinator: str | None, config: Path | None = None) -> Any:
+    """The run's TrainConfig (trainer.config.resolve_preset, or read whole from `config`, a JSON file) with every
+    option checked: raises typer.BadParameter (naming the option) for an invalid one, or a method that cannot use
+    the fleet it is given."""
+    from trainer.config import TrainConfig, resolve_preset
     from trainer.preflight import check_options, explain
 
     try:
-        cfg = resolve_preset(preset, overrides)
+        cfg = TrainConfig.model_validate_json(config.read_text()) if config else resolve_preset(preset, overrides)
+    except OSError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--config") from exc
     except ValueError as exc:  # pydantic's ValidationError, or an unknown preset
-        hint = None if hasattr(exc, "errors") else "--preset"
+        hint = "--config" if config else None if hasattr(exc, "errors") else "--preset"
         raise typer.BadParameter(explain(exc), param_hint=hint) from exc
     try:
         check_options(cfg)
@@ -376,20 +382,79 @@ def _launched_by_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
 
 
-def _launch_torchrun(nproc: int, device: str | None) -> int:
-    """Re-run this `train` command under torchrun (`python -m torch.distributed.run --standalone`) with `nproc`
-    processes; returns its exit status. Refuses (exit 2) more CUDA ranks than this machine has GPUs."""
+def launch_backend(nproc: int, device: str | None) -> str:
+    """The process-group backend `nproc` ranks on this machine use on `device`: "gloo" on the CPU, "nccl" on CUDA
+    (one rank per GPU, rank r on cuda:r). Said before torchrun starts any rank (`train`/`up --nproc-per-node`); the
+    ranks check it again (trainer.distributed.setup). Imports torch only for CUDA.
+
+    Raises:
+        ValueError: CUDA asked for where torch sees none, or more ranks than CUDA devices.
+    """
+    if not (device or "cpu").startswith("cuda"):
+        return "gloo"
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: CUDA is not available on this machine; use --device cpu")
+    have = torch.cuda.device_count()
+    if nproc > have:
+        raise ValueError(f"--nproc-per-node {nproc} exceeds the {have} CUDA device(s) of this machine: one rank "
+                         "per GPU")
+    return "nccl"
+
+
+def launch_torchrun(nproc: int, args: list[str], *, env: dict[str, str] | None = None,
+                    preexec_fn: Callable[[], None] | None = None, stop_grace_s: float = 120.0) -> int:
+    """Run `sparecycles ARGS` under torchrun (`python -m torch.distributed.run --standalone`) with `nproc`
+    processes on this machine and return its exit status: the one launcher of `train --nproc-per-node` and
+    `up --nproc-per-node`. `env`: the ranks' environment (default: this one); `preexec_fn`: runs in torchrun's
+    process before it starts (`up`: die with its parent).
+
+    torchrun starts in a session of its own (a terminal's Ctrl-C reaches this process only): Ctrl-C here, or a
+    SIGTERM while it waits, sends torchrun one SIGTERM, which it passes to every rank (they stop after the same step
+    and checkpoint: trainer.console.deferred_interrupt); this waits up to `stop_grace_s` seconds for it (then kills
+    it) and raises KeyboardInterrupt.
+    """
+    import signal
     import subprocess
     import sys
+    import threading
 
-    if device and device.startswith("cuda"):
-        import torch
+    def _interrupt(signum, frame):
+        raise KeyboardInterrupt
 
-        have = torch.cuda.device_count()
-        if nproc > have:
-            typer.secho(f"error: --nproc-per-node {nproc} exceeds the {have} CUDA device(s) of this machine: one rank "
-                        "per GPU", fg=typer.colors.RED, err=True)
-            return 2
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "sparecycles.cli", *args]
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _interrupt) if main else None
+    try:
+        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
+                                preexec_fn=preexec_fn)
+        try:
+            return proc.wait()
+        except KeyboardInterrupt:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=stop_grace_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            raise
+    finally:
+        if main and previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _relaunch(nproc: int, device: str | None) -> int:
+    """Re-run this `train` command (its own arguments, less --nproc-per-node) under torchrun with `nproc` processes
+    (`launch_torchrun`); returns its exit status. Refuses (exit 2) more CUDA ranks than this machine has GPUs."""
+    import sys
+
+    try:
+        launch_backend(nproc, device)
+    except ValueError as exc:
+        typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
+        return 2
     args, skip = [], False
     for a in sys.argv[1:]:  # this command's own arguments, without --nproc-per-node
         if skip:
@@ -398,9 +463,7 @@ def _launch_torchrun(nproc: int, device: str | None) -> int:
             skip = True
         elif not a.startswith("--nproc-per-node="):
             args.append(a)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "sparecycles.cli", *args]
-    return subprocess.run(cmd, check=False).returncode
+    return launch_torchrun(nproc, args)
 
 
 def _serve_metrics(port: int | None, host: str, fleet: bool) -> None:

@@ -98,7 +98,9 @@ class DistCheckpointer:
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
         folder = self._folder()
-        found = self.ctx.broadcast_object(folder is not None)
+        # Newest wins: a plain process may have saved the single-process file after this folder (or before it).
+        legacy_newer = folder is not None and _newer(self.legacy, folder)
+        found = self.ctx.broadcast_object(folder is not None and not legacy_newer)
         if not found:
             return self._restore_legacy()
         try:
@@ -134,11 +136,31 @@ class DistCheckpointer:
         return Checkpointer(self.legacy, self.model, self.mode, self.meta).restore()
 
 
+def dcp_step(path: Path) -> int | None:
+    """The step of the DCP checkpoint folder `path` (or of the save that stopped between its renames), from its
+    JSON alone; None when there is none or it is unreadable."""
+    for folder in (path, path.with_name(path.name + ".old")):
+        try:
+            return int(json.loads((folder / INFO_NAME).read_text())["step"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return None
+
+
+def _newer(legacy: Path | None, folder: Path) -> bool:
+    """Whether the single-process checkpoint `legacy` holds a later step than the DCP folder `folder`."""
+    from trainer.checkpoint import checkpoint_step
+
+    step = checkpoint_step(legacy) if legacy is not None else None
+    return step is not None and step > (dcp_step(folder) or -1)
+
+
 def make_checkpointer(run_dir: Path, legacy: Path, model: torch.nn.Module, mode: Any, meta: dict[str, Any],
                       ctx: DistContext, resume: bool) -> Checkpointer | DistCheckpointer:
-    """The checkpointer of this run: DCP under torchrun, or when resuming a folder a torchrun job saved; else the
-    single-process safetensors file (trainer.checkpoint.Checkpointer), unchanged."""
+    """The checkpointer of this run: DCP under torchrun, or when resuming a folder whose newest checkpoint a torchrun
+    job saved; else the single-process safetensors file (trainer.checkpoint.Checkpointer), unchanged. A folder that
+    holds both (a run resumed at another N) resumes from the later step, whichever kind holds it."""
     dcp_dir = run_dir / DCP_NAME
-    if ctx.launched or (resume and dcp_dir.exists() and not legacy.exists()):
+    if ctx.launched or (resume and dcp_step(dcp_dir) is not None and not _newer(legacy, dcp_dir)):
         return DistCheckpointer(dcp_dir, model, mode, meta, ctx, legacy=legacy)
     return Checkpointer(legacy, model, mode, meta)

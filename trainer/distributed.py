@@ -7,8 +7,9 @@ which launches exactly that) runs one copy of trainer.train.train per rank. Ever
   DDP (the composable `replicate`, which keeps the module and its parameter names) or, with `--shard`, shards
   it with FSDP2 (`torch.distributed.fsdp.fully_shard`, first-order only);
 - reads its shard of the step's global batch (`batch_for`: rows [r·B/N, (r+1)·B/N) of `task.batch(step)`, a pure
-  function of step and rank), optionally as micro-batches (gradient accumulation), so the global batch is the
-  same whatever N is; pure-ZO runs read the whole batch and shard their probes instead (trainer.dist_backends);
+  function of step and rank), optionally as micro-batches (gradient accumulation of first-order and ZO-Curv
+  runs; ZO-Curv probes the shard's first rows, joined from them: `whole`), so the global batch is the same
+  whatever N and the micro-batch size are; pure-ZO runs read the whole batch and shard their probes instead (trainer.dist_backends);
 - logs the global-batch loss (`mean_over_ranks`), evaluates, and checkpoints collectively
   (trainer.dist_checkpoint, torch.distributed.checkpoint).
 
@@ -124,9 +125,9 @@ class DistContext:
                 raise ValueError("--micro-batch-size: pure-ZO runs shard their probes, not the batch; drop it")
             return
         rows = self.rows(cfg.batch_size)
-        if self.micro_batch_size is not None and (kind != "first-order" or rows % self.micro_batch_size):
+        if self.micro_batch_size is not None and rows % self.micro_batch_size:
             raise ValueError(f"--micro-batch-size {self.micro_batch_size} must divide the {rows} sequences per rank "
-                             "(batch size / N), and accumulates first-order runs only")
+                             "(batch size / N)")
         if kind == "zo-curv" and self.parallel and cfg.probe_batch_size > rows:
             raise ValueError(f"--probe-batch-size {cfg.probe_batch_size} exceeds the {rows} sequences per rank: "
                              "rank 0 probes the first rows of its shard; lower it or --nproc-per-node")
@@ -195,6 +196,24 @@ SINGLE = DistContext()
 
 class MicroBatches(list):
     """A rank's shard split into equal micro-batches: one forward/backward each, gradients summed (accumulation)."""
+
+
+def whole(batch: Any) -> Any:
+    """A rank's shard as one batch: `batch` itself, or the parts of `MicroBatches` joined row-wise in order (the
+    same rows, the same values: ZO-Curv probes the first rows of it whatever the micro-batch size)."""
+    if not isinstance(batch, MicroBatches):
+        return batch
+    return _join_rows(list(batch))
+
+
+def _join_rows(parts: list[Any]) -> Any:
+    """Row-wise concatenation of batches of one structure (tensors, or tuples/lists/dicts of tensors)."""
+    first = parts[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(parts)
+    if isinstance(first, dict):
+        return {k: _join_rows([p[k] for p in parts]) for k in first}
+    return type(first)(_join_rows(list(col)) for col in zip(*parts, strict=True))
 
 
 def backward(model: torch.nn.Module, loss_fn: Any, batch: Any) -> torch.Tensor:

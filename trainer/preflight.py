@@ -152,6 +152,8 @@ def folder_state(run_dir: Path, cfg: TrainConfig) -> FolderState:
         return FolderState("other", tuple(diffs))
     if summary is not None and summary.get("steps") == cfg.steps:
         return FolderState("done")
-    if (run_dir / "checkpoint.safetensors").is_file():
+    # a single process's checkpoint, or a torchrun job's (trainer.dist_checkpoint: its JSON written last)
+    if (run_dir / "checkpoint.safetensors").is_file() or any(
+            (run_dir / d / "sparecycles.json").is_file() for d in ("checkpoint.dcp", "checkpoint.dcp.old")):
         return FolderState("resume")
     return FolderState("empty")  # same settings, nothing past the first checkpoint: restarting loses nothing

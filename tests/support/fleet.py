@@ -156,6 +156,20 @@ class Fleet:
                 self.r.delete(*keys)
 
 
+
+class AclFleet(Fleet):
+    """A Fleet whose coordinator uses the store at `redis_url` (a private `support.valkey.Valkey`, whose restart a
+    test controls) with per-worker broker users (SPARECYCLES_BROKER_ACL=1)."""
+
+    def __init__(self, tmp: Path, redis_url: str) -> None:
+        self.redis_url = redis_url
+        super().__init__(tmp)
+
+    def start_coordinator(self) -> None:
+        self.env.update(SPARECYCLES_REDIS_URL=self.redis_url, SPARECYCLES_BROKER_ACL="1")
+        super().start_coordinator()
+
+
 @contextlib.contextmanager
 def one_worker(tmp: Path):
     """A Fleet in `tmp` with one consuming worker "a"; yields (fleet, fleet.attach.FleetSettings a trainer attaches

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from trainer.distributed import backward, whole
 from trainer.models.losses import lm_batch_loss
 from trainer.zo.backend import InProcessBackend, ProbeBackend
 from trainer.zo.optimizers import CurvRule
@@ -30,13 +31,16 @@ def backprop_step(model: torch.nn.Module, opt: torch.optim.Optimizer,
                   loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor], batch: Any,
                   grad_clip: float) -> tuple[float, float]:
     """The first-order half of a ZO-Curv step: zero the grads, backprop loss_fn(model, batch), clip the global
-    gradient norm to `grad_clip` (0: no clipping), step `opt`. Returns (loss in nats, pre-clip gradient norm)."""
+    gradient norm to `grad_clip` (0: no clipping), step `opt`. Returns (loss in nats, pre-clip gradient norm).
+
+    `batch` may be trainer.distributed.MicroBatches (`--micro-batch-size`): the gradient then accumulates over
+    its parts (trainer.distributed.backward) and the loss is their mean, as AdamW's: the step sees the gradient
+    of the whole batch, whatever the micro-batch size."""
     opt.zero_grad(set_to_none=True)
-    loss = loss_fn(model, batch)
-    loss.backward()
+    loss = backward(model, loss_fn, batch)
     gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float("inf"))
     opt.step()
-    return loss.item(), float(gnorm)
+    return float(loss), float(gnorm)
 
 
 def refresh(rule: CurvRule, book: RoundBook, backend: ProbeBackend, batch: Any, version: int) -> dict[str, float]:
@@ -87,6 +91,9 @@ class ZOCurvMode:
         self.next_step: int | None = None  # the step after the last completed one (None before any)
 
     def _probe_batch(self, batch: Any) -> Any:
+        """The refresh's probe batch: the first `probe_batch_size` sequences of the step's batch (of this rank's
+        shard under torchrun; micro-batches joined first, so accumulation probes the same rows)."""
+        batch = whole(batch)
         if isinstance(batch, tuple) and all(isinstance(t, torch.Tensor) for t in batch):
             return tuple(t[: self.cfg.probe_batch_size] for t in batch)
         return batch

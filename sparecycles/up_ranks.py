@@ -1,0 +1,64 @@
+"""`up --nproc-per-node N`: each of `up`'s runs trained under torchrun with N ranks, rank 0 on `up`'s fleet.
+
+The run's TrainConfig, as `plan_up` decided it, goes whole to the ranks as JSON (`logs/<run>.config.json`, read
+by the hidden `train --config`); trainer.cli.launch_torchrun, the launcher of `train --nproc-per-node`, starts
+`sparecycles train` on every rank. Rank 0 attaches to `up`'s coordinator as `train --coordinator` does (admin
+token, Redis URL, key prefix and blob folder in the environment, never on a command line) and broadcasts the
+rounds' results to the others (trainer.dist_backends); the runs' rounds fold as `up`'s do (`--fleet-wait`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+def launch_note(plan: Any) -> str:
+    """The line `up` prints about its trainer when `plan.nproc` is set: ranks, devices, process-group backend."""
+    cuda = plan.zo_cfg.device.startswith("cuda")
+    where = (f"cuda:0..{plan.nproc - 1}" if plan.nproc > 1 else plan.zo_cfg.device) if cuda else "the CPU"
+    backend = "nccl" if cuda else "gloo (torch.distributed's CPU backend)"
+    evaluation = "; evaluation on the ranks" if plan.nproc > 1 else ""
+    return (f"trainer: {plan.nproc} rank(s) under torchrun on {where}, process group {backend}; rank 0 talks to "
+            f"the coordinator{evaluation}")
+
+
+def rank_args(cfg: Any, *, config_path: Path, resume: bool, progress: bool, export: bool, coordinator: str | None,
+              fleet_wait: str, eval_on: str, eval_windows: str, eval_deadline: float, metrics_port: int) -> list[str]:
+    """`sparecycles train` arguments of one of `up`'s runs (writes `cfg` to `config_path`): the whole config, the
+    run folder taken over as `up`'s in-process runs take it (`--overwrite`; `--resume` for an interrupted run), the
+    fleet when the run sends it probes or evaluations (`coordinator`), and the trainer's metrics port."""
+    config_path.parent.mkdir(parents=True, exist_ok=True)
+    config_path.write_text(cfg.model_dump_json(indent=2))
+    args = ["train", "--config", str(config_path), "--overwrite", "--export" if export else "--no-export",
+            "--progress" if progress else "--no-progress", "--metrics-port", str(metrics_port)]
+    args += ["--resume"] if resume else []
+    if coordinator is None:
+        return [*args, "--eval-on", "trainer"]
+    return [*args, "--coordinator", coordinator, "--fleet-wait", fleet_wait, "--eval-on", eval_on,
+            "--eval-windows", eval_windows, "--eval-deadline", str(eval_deadline)]
+
+
+def train_ranks(plan: Any, name: str, cfg: Any, *, resume: bool, progress: bool, export: bool, coordinator: str,
+                env: dict[str, str], metrics_port: int, preexec_fn: Callable[[], None] | None = None) -> None:
+    """Train `up`'s run `name` (config `cfg`) under torchrun with `plan.nproc` ranks; returns when they finished.
+    `coordinator`: `up`'s coordinator URL, handed to rank 0 when the run probes or evaluates there; `env`: the
+    ranks' environment (the fleet's credentials).
+
+    Raises:
+        RuntimeError: the ranks exited with an error (their output went to this console).
+        KeyboardInterrupt: Ctrl-C or SIGTERM, passed on to the ranks (they checkpoint), raised once they stopped.
+    """
+    from trainer.cli import launch_torchrun
+
+    probes = name != "adamw"
+    fleet = probes or plan.eval_on == "fleet"
+    args = rank_args(cfg, config_path=plan.out / "logs" / f"{name}.config.json", resume=resume, progress=progress,
+                     export=export, coordinator=coordinator if fleet else None, fleet_wait=plan.fleet_wait,
+                     eval_on=plan.eval_on, eval_windows=plan.eval_windows, eval_deadline=plan.eval_deadline,
+                     metrics_port=metrics_port)
+    code = launch_torchrun(plan.nproc, args, env=env, preexec_fn=preexec_fn)
+    if code:
+        raise RuntimeError(f"{name}: the trainer's {plan.nproc} rank(s) under torchrun exited with code {code} "
+                           "(their output is above); rerun the same command to resume")
