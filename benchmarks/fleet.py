@@ -195,7 +195,6 @@ def run_fleet_bench(redis_url: str, worker_counts: tuple[int, ...] = (1, 2, 4), 
     Raises RuntimeError if a worker dies or a phase exceeds its (generous) time limit; ValueError for a bad blob_path.
     """
     from trainer.models import build_model
-    from trainer.zo.probes import RoundSpec
 
     res = FleetBenchResult(preset, seeds, seeds_per_task, batch, threads, os.cpu_count() or 1,
                            worker_devices=tuple(devices), trainer_device=trainer_device, blob_path=blob_path)
@@ -208,55 +207,82 @@ def run_fleet_bench(redis_url: str, worker_counts: tuple[int, ...] = (1, 2, 4), 
             xb = _batch(*batch, model.config.vocab_size, seed=0)
             for n in worker_counts:
                 names = fleet.start_workers(n)
-                be = fleet.backend(model, f"fleet-{n}", seeds_per_task)
-                be.publish(0)
-                fleet.wait(lambda names=names: all(fleet.info(nm)["version"] == 0 for nm in names),
-                           "weights on every worker")
-                warm = RoundSpec("warm", 0, xb, 1e-3, tuple(range(n * seeds_per_task * 2)), "rademacher")
-                be.submit(warm)
-                be.collect("warm")
-                rnd = RoundSpec("timed", 0, xb, 1e-3, tuple(range(10_000, 10_000 + seeds)), "rademacher")
-                t0 = time.perf_counter()
-                be.submit(rnd)
-                got = be.collect("timed").results
-                dt = time.perf_counter() - t0
-                if len(got) != seeds:
-                    raise RuntimeError(f"timed round returned {len(got)} of {seeds} seeds")
-                res.probes_per_s[n] = seeds / dt
-                res.forward_passes_per_s[n] = 2 * seeds / dt
-                be.close()
-                save(res)
+                got = _throughput_phase(fleet, names, res, model, xb, seeds, seeds_per_task, save)
                 if compare_seeds and n == worker_counts[0]:
-                    from benchmarks.fleet_gpu import compare_losses
-                    from fleet.batch_wire import loss_for_kind
-
-                    try:
-                        res.loss_compare = compare_losses(got, model, xb, loss_for_kind("lm"), 1e-3, "rademacher",
-                                                          devices[0], compare_seeds)
-                    except Exception as exc:  # noqa: BLE001 - keep the other figures
-                        res.errors["loss_compare"] = repr(exc)[:2000]
-                    save(res)
+                    _compare_phase(res, got, model, xb, devices[0], compare_seeds, save)
                 if n != worker_counts[-1]:
                     fleet.stop_workers()
             if ready_preset and trainer_device != "cpu":
                 _gpu_publish_phases(fleet, names, res, ready_preset, build_model(ready_preset, device=trainer_device),
                                     seeds_per_task, interval, train_batch or batch, save)
             elif ready_preset:
-                big = build_model(ready_preset)
-                be = fleet.backend(big, "ready", seeds_per_task)
-                t0 = time.perf_counter()
-                be.publish(4242)
-                res.publish_s = time.perf_counter() - t0
-                fleet.wait(lambda names=names: all(fleet.info(nm)["version"] == 4242 for nm in names),
-                           "ready on every worker")
-                res.publish_to_ready_s = time.perf_counter() - t0
-                res.publish_timings = be.publisher.publish_timings.get(4242, {})
-                res.ready_preset = ready_preset
-                res.ready_bytes = sum(p.numel() * p.element_size() for p in big.parameters())
-                be.close()
+                _cpu_publish_phase(fleet, names, res, ready_preset, build_model(ready_preset), seeds_per_task)
         finally:
             fleet.close()
     return res
+
+
+def _throughput_phase(fleet: _Fleet, names: list[str], res: FleetBenchResult, model, xb, seeds: int,
+                      seeds_per_task: int, save: Callable[[FleetBenchResult], None]) -> list:
+    """With the workers `names` consuming: publish version 0, wait for it on every worker, run a warm-up round,
+    then time one round of `seeds` seeds (submit -> every result collected) into res.probes_per_s and
+    res.forward_passes_per_s under the worker count; save. Returns the timed round's SeedResults. Raises
+    RuntimeError when the round returns fewer seeds."""
+    from trainer.zo.probes import RoundSpec
+
+    n = len(names)
+    be = fleet.backend(model, f"fleet-{n}", seeds_per_task)
+    be.publish(0)
+    fleet.wait(lambda names=names: all(fleet.info(nm)["version"] == 0 for nm in names),
+               "weights on every worker")
+    warm = RoundSpec("warm", 0, xb, 1e-3, tuple(range(n * seeds_per_task * 2)), "rademacher")
+    be.submit(warm)
+    be.collect("warm")
+    rnd = RoundSpec("timed", 0, xb, 1e-3, tuple(range(10_000, 10_000 + seeds)), "rademacher")
+    t0 = time.perf_counter()
+    be.submit(rnd)
+    got = be.collect("timed").results
+    dt = time.perf_counter() - t0
+    if len(got) != seeds:
+        raise RuntimeError(f"timed round returned {len(got)} of {seeds} seeds")
+    res.probes_per_s[n] = seeds / dt
+    res.forward_passes_per_s[n] = 2 * seeds / dt
+    be.close()
+    save(res)
+    return got
+
+
+def _compare_phase(res: FleetBenchResult, got: list, model, xb, device: str, compare_seeds: int,
+                   save: Callable[[FleetBenchResult], None]) -> None:
+    """The timed round's first `compare_seeds` results against in-process evaluation on `device`
+    (benchmarks.fleet_gpu.compare_losses) into res.loss_compare; an error is kept in res.errors instead; save."""
+    from benchmarks.fleet_gpu import compare_losses
+    from fleet.batch_wire import loss_for_kind
+
+    try:
+        res.loss_compare = compare_losses(got, model, xb, loss_for_kind("lm"), 1e-3, "rademacher",
+                                          device, compare_seeds)
+    except Exception as exc:  # noqa: BLE001 - keep the other figures
+        res.errors["loss_compare"] = repr(exc)[:2000]
+    save(res)
+
+
+def _cpu_publish_phase(fleet: _Fleet, names: list[str], res: FleetBenchResult, ready_preset: str, big,
+                       seeds_per_task: int) -> None:
+    """Publish -> ready from the CPU: one synchronous publish of `big` (the `ready_preset` model) as version 4242,
+    timed until every worker in `names` reports it; into res.publish_s, publish_to_ready_s, publish_timings,
+    ready_preset and ready_bytes."""
+    be = fleet.backend(big, "ready", seeds_per_task)
+    t0 = time.perf_counter()
+    be.publish(4242)
+    res.publish_s = time.perf_counter() - t0
+    fleet.wait(lambda names=names: all(fleet.info(nm)["version"] == 4242 for nm in names),
+               "ready on every worker")
+    res.publish_to_ready_s = time.perf_counter() - t0
+    res.publish_timings = be.publisher.publish_timings.get(4242, {})
+    res.ready_preset = ready_preset
+    res.ready_bytes = sum(p.numel() * p.element_size() for p in big.parameters())
+    be.close()
 
 
 def _gpu_publish_phases(fleet: _Fleet, names: list[str], res: FleetBenchResult, ready_preset: str, big,

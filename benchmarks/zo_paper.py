@@ -87,16 +87,11 @@ def paper_comparison(out_dir: Path, make_model: Callable[[torch.dtype], torch.nn
     a1_moves = "A1" in names_now and "A1" not in inc["done"]
     if end_by is not None:
         total_s = _deadline_budget(total_s, plan, end_by, iters_cap, drift and a1_moves)
-    results: dict[str, Any] = dict(inc["arms"])
     call = {"total_s": total_s, "arms": names_now, "fp32_matmul": matmul if set_matmul else "cpu",
             "included": sorted(inc["arms"]), "resumed": sorted(inc["resume"]), "iters_cap": iters_cap,
             "weights": weights}
-    summary: dict[str, Any] = {"meta": {**(meta or {}), "total_s": total_s, "seed": seed, "regime": PAPER.__dict__,
-                                        "n": {s: data.size(s) for s in ("train", "val", "test")},
-                                        "calls": [*inc["calls"], call]},
-                               "arms": results, "ledgers": dict(inc["ledgers"])}
-    if inc["drift"] is not None:
-        summary["drift"] = inc["drift"]
+    summary = _new_summary(data, inc, call, meta, total_s, seed)
+    results: dict[str, Any] = summary["arms"]
     skipped = dict.fromkeys(inc["done"], "finished in the included summary (kept)")
 
     def save() -> None:
@@ -138,6 +133,19 @@ def paper_comparison(out_dir: Path, make_model: Callable[[torch.dtype], torch.nn
     plot_paper(summary, out_dir)
     return summary
 
+
+def _new_summary(data: PaperData, inc: dict[str, Any], call: dict[str, Any], meta: dict | None, total_s: float,
+                 seed: int) -> dict[str, Any]:
+    """The summary this call starts from: meta (the caller's, the budget, seed, regime, split sizes, the calls so
+    far plus this `call`), the included arms (a dict the arms run now are added to), ledgers and drift (`inc`:
+    zo_paper_plan.merge_include)."""
+    summary: dict[str, Any] = {"meta": {**(meta or {}), "total_s": total_s, "seed": seed, "regime": PAPER.__dict__,
+                                        "n": {s: data.size(s) for s in ("train", "val", "test")},
+                                        "calls": [*inc["calls"], call]},
+                               "arms": dict(inc["arms"]), "ledgers": dict(inc["ledgers"])}
+    if inc["drift"] is not None:
+        summary["drift"] = inc["drift"]
+    return summary
 
 def _deadline_budget(total_s: float, plan: list[dict], end_by: float, iters_cap: int | None,
                      drift_after: bool) -> float:
