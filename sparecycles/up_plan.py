@@ -170,9 +170,9 @@ def plan_up(*, preset: str = "demo", optimizer: str | None = None, workers: int 
 def _rank_placement(nproc: int, device: str | None, eval_on: str) -> tuple[str | None, str]:
     """(device, eval_on) of a trainer of `nproc` ranks under torchrun: more than one CUDA rank takes device "cuda"
     (rank r on cuda:r) and evaluation runs on the ranks (a sharded forward is collective). Raises ValueError for
-    more ranks than CUDA devices, CUDA where none is visible (trainer.cli.launch_backend), or --eval-on fleet with
+    more ranks than CUDA devices, CUDA where none is visible (trainer.launch.launch_backend), or --eval-on fleet with
     more than one rank."""
-    from trainer.cli import launch_backend
+    from trainer.launch import launch_backend
 
     launch_backend(nproc, device)
     if nproc == 1:

@@ -1,7 +1,7 @@
 """`up --nproc-per-node N`: each of `up`'s runs trained under torchrun with N ranks, rank 0 on `up`'s fleet.
 
 The run's TrainConfig, as `plan_up` decided it, goes whole to the ranks as JSON (`logs/<run>.config.json`, read
-by the hidden `train --config`); trainer.cli.launch_torchrun, the launcher of `train --nproc-per-node`, starts
+by the hidden `train --config`); trainer.launch.launch_torchrun, the launcher of `train --nproc-per-node`, starts
 `sparecycles train` on every rank. Rank 0 attaches to `up`'s coordinator as `train --coordinator` does (admin
 token, Redis URL, key prefix and blob folder in the environment, never on a command line) and broadcasts the
 rounds' results to the others (trainer.dist_backends); the runs' rounds fold as `up`'s do (`--fleet-wait`).
@@ -50,7 +50,7 @@ def train_ranks(plan: Any, name: str, cfg: Any, *, resume: bool, progress: bool,
         RuntimeError: the ranks exited with an error (their output went to this console).
         KeyboardInterrupt: Ctrl-C or SIGTERM, passed on to the ranks (they checkpoint), raised once they stopped.
     """
-    from trainer.cli import launch_torchrun
+    from trainer.launch import launch_torchrun
 
     probes = name != "adamw"
     fleet = probes or plan.eval_on == "fleet"

@@ -9,6 +9,7 @@ from typing import Any
 
 import typer
 
+from trainer import launch
 from trainer.methods import METHODS
 
 # --optimizer's choices: the registered method names (typer shows and checks an Enum's values).
@@ -241,9 +242,9 @@ def train(
     cfg = _resolve_checked(preset, overrides, eval_on=eval_on, fleet_wait=fleet_wait, eval_windows=eval_windows,
                            coordinator=coordinator, config=config)
     fleet_settings = _fleet_settings() if coordinator else None
-    if nproc_per_node is not None and not _launched_by_torchrun():
-        _check_launch(cfg, shard, nproc_per_node)  # the ranks would refuse these only after torchrun started them
-        raise typer.Exit(_relaunch(nproc_per_node, cfg.device))
+    if nproc_per_node is not None and not launch.launched_by_torchrun():
+        launch.check_launch(cfg, shard, nproc_per_node)  # the ranks would refuse these only after torchrun started them
+        raise typer.Exit(launch.relaunch(nproc_per_node, cfg.device))
     from trainer.distributed import DistributedError, setup
 
     try:
@@ -360,110 +361,6 @@ def _run_train(cfg: Any, dist: Any, folder: Path, *, resume: bool, progress: boo
 
         teardown(dist)
     return result
-
-
-def _check_launch(cfg, shard: bool, nproc: int) -> None:
-    """What trainer.distributed.DistContext.check refuses on every rank, said before torchrun starts any
-    (typer.BadParameter, exit 2): --shard with a method that is not first-order, --anytime on more than one rank."""
-    from trainer.methods import get_method
-
-    kind = get_method(cfg.optimizer).kind
-    if shard and kind != "first-order":
-        raise typer.BadParameter(f"--shard (FSDP2) runs first-order optimizers only; {cfg.optimizer} is {kind}: "
-                                 "run it with DDP (drop --shard)", param_hint="--shard")
-    if nproc > 1 and getattr(cfg, "anytime", None) is not None:
-        raise typer.BadParameter("--anytime runs in one process: drop it or --nproc-per-node", param_hint="--anytime")
-
-
-def _launched_by_torchrun() -> bool:
-    """Whether torchrun started this process (as trainer.distributed.launched_by_torchrun, without importing torch)."""
-    import os
-
-    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
-
-
-def launch_backend(nproc: int, device: str | None) -> str:
-    """The process-group backend `nproc` ranks on this machine use on `device`: "gloo" on the CPU, "nccl" on CUDA
-    (one rank per GPU, rank r on cuda:r). Said before torchrun starts any rank (`train`/`up --nproc-per-node`); the
-    ranks check it again (trainer.distributed.setup). Imports torch only for CUDA.
-
-    Raises:
-        ValueError: CUDA asked for where torch sees none, or more ranks than CUDA devices.
-    """
-    if not (device or "cpu").startswith("cuda"):
-        return "gloo"
-    import torch
-
-    if not torch.cuda.is_available():
-        raise ValueError(f"--device {device}: CUDA is not available on this machine; use --device cpu")
-    have = torch.cuda.device_count()
-    if nproc > have:
-        raise ValueError(f"--nproc-per-node {nproc} exceeds the {have} CUDA device(s) of this machine: one rank "
-                         "per GPU")
-    return "nccl"
-
-
-def launch_torchrun(nproc: int, args: list[str], *, env: dict[str, str] | None = None,
-                    preexec_fn: Callable[[], None] | None = None, stop_grace_s: float = 120.0) -> int:
-    """Run `sparecycles ARGS` under torchrun (`python -m torch.distributed.run --standalone`) with `nproc`
-    processes on this machine and return its exit status: the one launcher of `train --nproc-per-node` and
-    `up --nproc-per-node`. `env`: the ranks' environment (default: this one); `preexec_fn`: runs in torchrun's
-    process before it starts (`up`: die with its parent).
-
-    torchrun starts in a session of its own (a terminal's Ctrl-C reaches this process only): Ctrl-C here, or a
-    SIGTERM while it waits, sends torchrun one SIGTERM, which it passes to every rank (they stop after the same step
-    and checkpoint: trainer.console.deferred_interrupt); this waits up to `stop_grace_s` seconds for it (then kills
-    it) and raises KeyboardInterrupt.
-    """
-    import signal
-    import subprocess
-    import sys
-    import threading
-
-    def _interrupt(signum, frame):
-        raise KeyboardInterrupt
-
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "sparecycles.cli", *args]
-    main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _interrupt) if main else None
-    try:
-        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
-                                preexec_fn=preexec_fn)
-        try:
-            return proc.wait()
-        except KeyboardInterrupt:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=stop_grace_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            raise
-    finally:
-        if main and previous is not None:
-            signal.signal(signal.SIGTERM, previous)
-
-
-def _relaunch(nproc: int, device: str | None) -> int:
-    """Re-run this `train` command (its own arguments, less --nproc-per-node) under torchrun with `nproc` processes
-    (`launch_torchrun`); returns its exit status. Refuses (exit 2) more CUDA ranks than this machine has GPUs."""
-    import sys
-
-    try:
-        launch_backend(nproc, device)
-    except ValueError as exc:
-        typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
-        return 2
-    args, skip = [], False
-    for a in sys.argv[1:]:  # this command's own arguments, without --nproc-per-node
-        if skip:
-            skip = False
-        elif a == "--nproc-per-node":
-            skip = True
-        elif not a.startswith("--nproc-per-node="):
-            args.append(a)
-    return launch_torchrun(nproc, args)
 
 
 def _serve_metrics(port: int | None, host: str, fleet: bool) -> None:
