@@ -279,7 +279,8 @@ def main(argv: list[str]) -> None:
     r.add_argument("--plan", choices=sorted(PLANS), required=True)
     r.add_argument("--out", type=Path, required=True)
     r.add_argument("--jobs", type=int, default=4)
-    r.add_argument("--devices", default="cuda", help="comma-separated, runs spread round-robin")
+    r.add_argument("--devices", default="auto", help="comma-separated, runs spread round-robin; auto: cuda when "
+                   "torch sees a GPU, else cpu")
     r.add_argument("--deadline-s", type=float, default=440.0)
     for k, t in (("batch-size", int), ("seq-len", int), ("corpus", str), ("model", str), ("micro-batch-size", int)):
         r.add_argument(f"--{k}", type=t, default=None)
@@ -293,13 +294,24 @@ def main(argv: list[str]) -> None:
     if a.cmd == "run":
         over = {k: v for k, v in (("batch_size", a.batch_size), ("seq_len", a.seq_len), ("corpus", a.corpus),
                                   ("model", a.model), ("micro_batch_size", a.micro_batch_size)) if v is not None}
-        left = run_plan(a.plan, a.out, jobs=a.jobs, devices=a.devices.split(","), deadline_s=a.deadline_s,
+        devices = a.devices
+        if devices == "auto":
+            import torch
+
+            devices = "cuda" if torch.cuda.is_available() else "cpu"
+        left = run_plan(a.plan, a.out, jobs=a.jobs, devices=devices.split(","), deadline_s=a.deadline_s,
                         settings={**PLANS[a.plan].settings, **over})
-        print(json.dumps({"unfinished": left, "finished": len(finished(a.out))}))
+        n_done = len(finished(a.out))
+        print(json.dumps({"unfinished": left, "finished": n_done}))
+        if left and not n_done:
+            sys.exit(f"no run finished; the logs under {a.out} say why")
     elif a.cmd == "report":
         from benchmarks.regime_score import report
 
-        s = report(a.out, a.more)
+        try:
+            s = report(a.out, a.more)
+        except ValueError as exc:  # e.g. no finished AdamW run to compare against
+            sys.exit(f"error: {exc}")
         print(json.dumps({k: v for k, v in s.items() if k != "runs"}, indent=1))
     else:
         spec = json.loads(a.spec)

@@ -106,6 +106,7 @@ def plan_up(*, preset: str = "demo", optimizer: str | None = None, workers: int 
     settings and `overwrite` is not set (the message lists the differences).
     """
     from trainer.config import resolve_preset
+    from trainer.launch import check_ranks
     from trainer.paths import runs_dir
     from trainer.preflight import (
         FolderState,
@@ -139,7 +140,7 @@ def plan_up(*, preset: str = "demo", optimizer: str | None = None, workers: int 
     check_options(zo_cfg)
     check_options(base_cfg)
     if nproc_per_node is not None:
-        _check_ranks(nproc_per_node, (base_cfg, zo_cfg))
+        check_ranks(nproc_per_node, (base_cfg, zo_cfg))
     tags = [f"{tag}{getattr(zo_cfg, f)}" for f, tag in _NAME_TAGS.items() if getattr(zo_cfg, f) != getattr(default, f)]
     out = (Path(run_dir) if run_dir else runs_dir() / "-".join(["up", preset, optimizer, *tags])).resolve()
     if out.exists() and not out.is_dir():
@@ -181,17 +182,6 @@ def _rank_placement(nproc: int, device: str | None, eval_on: str) -> tuple[str |
         raise ValueError(f"--eval-on fleet: a trainer of {nproc} ranks evaluates on its ranks (their forward is "
                          "collective); drop --eval-on fleet or --nproc-per-node")
     return ("cuda" if device and device.startswith("cuda") else device), "trainer"
-
-
-def _check_ranks(nproc: int, cfgs: tuple[Any, ...]) -> None:
-    """What every rank would refuse (trainer.distributed.DistContext.check: a batch the ranks cannot split, a
-    ZO-Curv probe batch larger than a rank's shard), said before any service starts. Raises ValueError."""
-    from trainer.distributed import DistContext
-    from trainer.methods import get_method
-
-    ranks = DistContext(world=nproc, launched=True)
-    for cfg in cfgs:
-        ranks.check(cfg, get_method(cfg.optimizer).kind)
 
 
 def _check_choices(*, task: str, eval_on: str, eval_windows: str, fleet_wait: str, workers: int) -> None:

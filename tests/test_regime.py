@@ -339,3 +339,16 @@ def test_linear_schedule_decays_to_zero_and_cosine_is_unchanged():
         lr_at(0, **kw, schedule="step")
     assert "schedule" not in TrainConfig().run_json()  # folders from before the field resume
     assert TrainConfig(schedule="linear").run_json()["schedule"] == "linear"
+
+
+def test_a_runs_summary_counts_every_round_books_skipped_rounds():
+    """summary.json's rounds_skipped reads every round book's counters (trainer.zo.rounds: <prefix>_dropped_rounds,
+    <prefix>_pending_rounds), the trust region's `trust_` as zocurv-line's `line_` and the others' `curv_`: the last
+    record that carries them wins; a run without rounds has none."""
+    from trainer.train import _rounds_summary
+
+    recs = [{"step": 1, "trust_dropped_rounds": 3.0, "trust_pending_rounds": 5.0, "loss": 2.0},
+            {"step": 2, "loss": 1.9}, {"step": 3, "trust_dropped_rounds": 90.0, "trust_pending_rounds": 0.0}]
+    assert _rounds_summary(recs) == {"dropped": 90.0, "pending_at_end": 0.0}
+    assert _rounds_summary([{"step": 1, "line_dropped_rounds": 2.0}]) == {"dropped": 2.0}
+    assert _rounds_summary([{"step": 1, "loss": 2.0}]) == {}

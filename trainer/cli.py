@@ -243,7 +243,7 @@ def train(
                            coordinator=coordinator, config=config)
     fleet_settings = _fleet_settings() if coordinator else None
     if nproc_per_node is not None and not launch.launched_by_torchrun():
-        launch.check_launch(cfg, shard, nproc_per_node)  # the ranks would refuse these only after torchrun started them
+        launch.check_launch(cfg, shard, nproc_per_node, micro_batch_size)  # the ranks would refuse these only after torchrun started them
         raise typer.Exit(launch.relaunch(nproc_per_node, cfg.device))
     from trainer.distributed import DistributedError, setup
 

@@ -9,9 +9,10 @@ from collections.abc import Callable
 import typer
 
 
-def check_launch(cfg, shard: bool, nproc: int) -> None:
+def check_launch(cfg, shard: bool, nproc: int, micro_batch_size: int | None = None) -> None:
     """What trainer.distributed.DistContext.check refuses on every rank, said before torchrun starts any
-    (typer.BadParameter, exit 2): --shard with a method that is not first-order, --anytime on more than one rank."""
+    (typer.BadParameter, exit 2): --shard with a method that is not first-order, --anytime on more than one rank,
+    and `check_ranks`' batch splits."""
     from trainer.methods import get_method
 
     kind = get_method(cfg.optimizer).kind
@@ -20,6 +21,22 @@ def check_launch(cfg, shard: bool, nproc: int) -> None:
                                  "run it with DDP (drop --shard)", param_hint="--shard")
     if nproc > 1 and getattr(cfg, "anytime", None) is not None:
         raise typer.BadParameter("--anytime runs in one process: drop it or --nproc-per-node", param_hint="--anytime")
+    try:
+        check_ranks(nproc, (cfg,), micro_batch_size)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--nproc-per-node") from None
+
+
+def check_ranks(nproc: int, cfgs: tuple, micro_batch_size: int | None = None) -> None:
+    """What every one of `nproc` ranks would refuse for each run config (trainer.distributed.DistContext.check: a
+    batch the ranks cannot split, a micro-batch that does not divide a rank's shard, a ZO-Curv probe batch larger
+    than a rank's shard), said before torchrun starts any. Raises ValueError naming the option."""
+    from trainer.distributed import DistContext
+    from trainer.methods import get_method
+
+    ranks = DistContext(world=nproc, launched=True, micro_batch_size=micro_batch_size)
+    for cfg in cfgs:
+        ranks.check(cfg, get_method(cfg.optimizer).kind)
 
 
 def launched_by_torchrun() -> bool:

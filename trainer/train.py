@@ -331,13 +331,13 @@ def _rounds_summary(records: list[dict[str, Any]]) -> dict[str, float]:
     """The probe rounds a ZO-Curv run never folded, from its step records: `dropped` (gone stale before they
     completed: skipped, never waited for) and `pending_at_end` (still out when the run ended); {} for a run
     without rounds."""
-    keys = {"curv_dropped_rounds": "dropped", "line_dropped_rounds": "dropped",
-            "curv_pending_rounds": "pending_at_end", "line_pending_rounds": "pending_at_end"}
     out: dict[str, float] = {}
-    for r in records:
-        for k, name in keys.items():
-            if k in r:
-                out[name] = r[k]
+    for r in records:  # every round book's counters: <prefix>_dropped_rounds|pending_rounds (trainer.zo.rounds)
+        for k, v in r.items():
+            if k.endswith("_dropped_rounds"):
+                out["dropped"] = v
+            elif k.endswith("_pending_rounds"):
+                out["pending_at_end"] = v
     return out
 
 
