@@ -100,6 +100,9 @@ def up(
     set_: list[str] | None = typer.Option(None, "--set", help="KEY=VALUE: another training setting of both runs "
                                           "(a TrainConfig field), e.g. --set lr=6e-4 --set warmup_steps=40 "
                                           "--set corpus=classics. Repeatable."),
+    optimizer_option: list[str] | None = typer.Option(
+        None, metavar="KEY=VALUE", help="KEY=VALUE: a knob of the fleet-probed run's optimizer (repeatable), e.g. "
+        "start=one for zocurv-trust, s_max=8 for zocurv-line; the folder name gets -KEY-VALUE."),
 ) -> None:
     """Run everything on this machine: Valkey, coordinator, probe workers, trainer.
 
@@ -113,6 +116,7 @@ def up(
 
     from fleet.devices import place_here
     from sparecycles.up import plan_up, run_up
+    from trainer.cli import _key_values
 
     def _terminate(signum, frame):  # `kill`/`timeout` get Ctrl-C's clean shutdown of every child
         raise KeyboardInterrupt
@@ -128,7 +132,7 @@ def up(
                        device=None if placement.trainer == "cpu" else placement.trainer,
                        worker_devices=placement.workers, train_options=tuple(set_ or ()), eval_on=eval_on,
                        eval_windows=eval_windows, fleet_wait=fleet_wait, eval_deadline=eval_deadline,
-                       nproc_per_node=nproc_per_node)
+                       nproc_per_node=nproc_per_node, optimizer_options=_key_values(optimizer_option or []))
         summary = run_up(plan, progress=progress, keep_blobs=keep_blobs, export=export,
                          log=lambda m: typer.secho(m, fg=typer.colors.YELLOW if m.startswith("warning") else None,
                                                    err=True))

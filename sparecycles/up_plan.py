@@ -88,7 +88,8 @@ def plan_up(*, preset: str = "demo", optimizer: str | None = None, workers: int 
             probes: int | None = None, batch_size: int | None = None, seq_len: int | None = None,
             overwrite: bool = False, device: str | None = None, worker_devices: tuple[str, ...] = (),
             train_options: tuple[str, ...] = (), eval_on: str = "auto", eval_windows: str = "full",
-            fleet_wait: str = "interval", eval_deadline: float = 120.0, nproc_per_node: int | None = None) -> UpPlan:
+            fleet_wait: str = "interval", eval_deadline: float = 120.0, nproc_per_node: int | None = None,
+            optimizer_options: dict | None = None) -> UpPlan:
     """Validate every option of `up` and decide what happens to its run folder; starts and trains nothing.
 
     `device` is the trainer's torch device (both runs), `worker_devices` one device per worker process
@@ -100,7 +101,8 @@ def plan_up(*, preset: str = "demo", optimizer: str | None = None, workers: int 
     evaluation; `fleet_wait` (never|interval|sync) is the ZO run's wait policy (interval: `up`'s exact-resume mode).
     `nproc_per_node`: train each run under torchrun with that many ranks (sparecycles.up_ranks; None: in this
     process); with more than one, a CUDA trainer takes cuda:0..N-1 (device "cuda") and evaluation runs on the
-    ranks (`eval_on` auto means trainer there).
+    ranks (`eval_on` auto means trainer there). `optimizer_options`: the fleet-probed run's optimizer knobs
+    (`up --optimizer-option`, validated by TrainConfig against the method); each adds -KEY-VALUE to the folder name.
     Raises ValueError (message names the option) for an invalid option (more ranks than CUDA devices, a batch
     the ranks cannot split, --eval-on fleet with N > 1 included), or when the folder holds a run with other
     settings and `overwrite` is not set (the message lists the differences).
@@ -132,7 +134,8 @@ def plan_up(*, preset: str = "demo", optimizer: str | None = None, workers: int 
             # bound must cover the rounds' round trip: two curvature intervals.
             over["staleness"] = 2 * resolve_preset(preset, over).curvature_interval
         over.update(extra)
-        zo_cfg = resolve_preset(preset, {**over, "optimizer": optimizer})
+        zo_cfg = resolve_preset(preset, {**over, "optimizer": optimizer,
+                                         **({"optimizer_options": optimizer_options} if optimizer_options else {})})
         base_cfg = resolve_preset(preset, {**over, "optimizer": "adamw"})
         default = resolve_preset(preset, {"task": task, "optimizer": optimizer})
     except ValueError as exc:  # pydantic's ValidationError is one; so is an unknown preset
@@ -142,6 +145,7 @@ def plan_up(*, preset: str = "demo", optimizer: str | None = None, workers: int 
     if nproc_per_node is not None:
         check_ranks(nproc_per_node, (base_cfg, zo_cfg))
     tags = [f"{tag}{getattr(zo_cfg, f)}" for f, tag in _NAME_TAGS.items() if getattr(zo_cfg, f) != getattr(default, f)]
+    tags += [f"{k}-{v}" for k, v in sorted((optimizer_options or {}).items())]
     out = (Path(run_dir) if run_dir else runs_dir() / "-".join(["up", preset, optimizer, *tags])).resolve()
     if out.exists() and not out.is_dir():
         raise ValueError(f"--run-dir {out} exists and is not a folder")

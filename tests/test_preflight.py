@@ -172,3 +172,14 @@ def test_a_zocurv_run_whose_rounds_never_completed_is_flagged():
     folded = slow + [{"step": 13, "loss": 7.0, **sent, "curv_median": 0.1}]
     assert unfolded_warning("zocurv-line", folded) is None
     assert unfolded_warning("1.5spsa", [{"step": 1, "loss": 0.69}]) is None
+
+
+def test_up_optimizer_options_reach_the_probed_run_and_name_its_folder(tmp_path, monkeypatch):
+    """`up --optimizer-option start=one`: the fleet-probed run's optimizer_options (the AdamW baseline's stay
+    empty), a folder of its own (-start-one), and a knob the method does not have refused, naming it."""
+    monkeypatch.setenv("SPARECYCLES_RUNS", str(tmp_path))
+    plan = plan_up(optimizer="zocurv-trust", optimizer_options={"start": "one"})
+    assert plan.out.name == "up-demo-zocurv-trust-start-one"
+    assert dict(plan.zo_cfg.optimizer_options) == {"start": "one"} and not plan.base_cfg.optimizer_options
+    with pytest.raises(ValueError, match="start"):
+        plan_up(optimizer="zocurv-trust", optimizer_options={"start": "bogus"})
