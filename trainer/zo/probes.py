@@ -273,13 +273,19 @@ def group_weights(blocks: Sequence[Block], group: Sequence[int], seed: int, alph
     """
     check_group(group, len(blocks))
     check_slices(slices, group)
-    out = {i: perturb(blocks[i].param.detach(), seed, blocks[i].offset, alpha, dist) for i in group}
+    return _keep_slices({i: perturb(blocks[i].param.detach(), seed, blocks[i].offset, alpha, dist) for i in group},
+                        blocks, slices)
+
+
+def _keep_slices(moved: dict[int, torch.Tensor], blocks: Sequence[Block], slices: Slices) -> dict[int, torch.Tensor]:
+    """`moved` with each sliced block moved only inside its slice (the rest of it the block's own weights, bit for
+    bit). Raises ProbeFitError for a slice outside its block's shape."""
     for b, dim, start, stop in slices:
         w = blocks[b].param.detach()
         if not (0 <= dim < w.dim() and stop <= w.shape[dim]):
             raise ProbeFitError(f"slice ({b}, {dim}, {start}, {stop}) outside block {b} of shape {tuple(w.shape)}")
-        out[b] = torch.where(slice_mask(w.shape, dim, start, stop, w.device), out[b], w)
-    return out
+        moved[b] = torch.where(slice_mask(w.shape, dim, start, stop, w.device), moved[b], w)
+    return moved
 
 
 def _group(site: ProbeSite, seed: int, eps: float, dist: str, group: Sequence[int], l0: float | None,
@@ -324,13 +330,7 @@ def group_line_weights(site: ProbeSite, group: Sequence[int], slices: Slices,
     """
     check_group(group, len(site.blocks))
     check_slices(slices, group)
-    out = {b: _moved(site, b, alpha, "group_line") for b in group}
-    for b, dim, start, stop in slices:
-        w = site.blocks[b].param.detach()
-        if not (0 <= dim < w.dim() and stop <= w.shape[dim]):
-            raise ProbeFitError(f"slice ({b}, {dim}, {start}, {stop}) outside block {b} of shape {tuple(w.shape)}")
-        out[b] = torch.where(slice_mask(w.shape, dim, start, stop, w.device), out[b], w)
-    return out
+    return _keep_slices({b: _moved(site, b, alpha, "group_line") for b in group}, site.blocks, slices)
 
 
 def _group_line(site: ProbeSite, seed: int, eps: float, dist: str, group: Sequence[int], l0: float | None,
