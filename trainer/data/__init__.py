@@ -6,6 +6,7 @@ Public API:
     get_batch(tokens, B, T, seed, index)   -> (x, y) int64 (B, T), pure in (seed, index)
     iter_eval_batches(tokens, B, T, max_batches) -> fixed non-overlapping eval windows
     gpt2_encoding() -> tiktoken.Encoding   GPT-2 BPE, n_vocab 50257, EOT 50256
+    tokenizer_for(model) -> ModelTokenizer  a preset's GPT-2 BPE or a transformers folder's own tokenizer
     fetch_sentiment(force=) / load_sentiment() -> SentimentData
     fetch_cli(corpus, task, force)         what `sparecycles data fetch` runs
 """
@@ -32,6 +33,10 @@ _EXPORTS = {
     "Artifact": "sources",
     "DataFetchError": "sources",
     "fetch_artifact": "sources",
+    "ModelTokenizer": "model_tokenizer",
+    "TokenizerError": "model_tokenizer",
+    "token_dtype": "model_tokenizer",
+    "tokenizer_for": "model_tokenizer",
     "EOT": "tokenizer",
     "N_VOCAB": "tokenizer",
     "gpt2_encoding": "tokenizer",
@@ -52,7 +57,9 @@ __all__ = [
     "Artifact",
     "Corpus",
     "DataFetchError",
+    "ModelTokenizer",
     "SentimentData",
+    "TokenizerError",
     "batch_rng",
     "corpus_dir",
     "fetch_artifact",
@@ -64,6 +71,8 @@ __all__ = [
     "iter_eval_batches",
     "load_corpus",
     "load_sentiment",
+    "token_dtype",
+    "tokenizer_for",
 ]
 
 
