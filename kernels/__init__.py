@@ -13,13 +13,14 @@ _EXPORTS = {
     "dist_moments": "kernels.dist", "gauss8_moments": "kernels.dist",
     "ProbeEvaluator": "kernels.evaluator", "canonical_offsets": "kernels.evaluator",
     "WholeModelEvaluator": "kernels.fastpath", "make_evaluator": "kernels.fastpath",
+    "FastForward": "kernels.fastpath", "lm_logits": "kernels.fastpath",
     "ModelPlan": "kernels.ops", "axpy_": "kernels.ops", "direction": "kernels.ops", "perturb": "kernels.ops", "perturb_model": "kernels.ops",
     "replay_": "kernels.ops", "replay_model": "kernels.ops", "seeds_tensor": "kernels.ops",
     "triton_available": "kernels.ops", "uses_triton": "kernels.ops",
 }
 __all__ = [  # noqa: RUF022 - grouped by module like _EXPORTS
     "GAUSS8_TABLE", "KAPPA", "ProbeDist", "dist_moments", "gauss8_moments", "ProbeEvaluator", "canonical_offsets",
-    "WholeModelEvaluator", "make_evaluator", "ModelPlan", "axpy_", "direction", "perturb", "perturb_model", "replay_", "replay_model", "seeds_tensor",
+    "WholeModelEvaluator", "make_evaluator", "FastForward", "lm_logits", "ModelPlan", "axpy_", "direction", "perturb", "perturb_model", "replay_", "replay_model", "seeds_tensor",
     "triton_available", "uses_triton",
 ]
 

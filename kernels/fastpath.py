@@ -138,44 +138,50 @@ def _pad_output_head(shadow: torch.nn.Module, multiple: int = 64) -> bool:
     return True
 
 
-class WholeModelEvaluator:
-    """L(theta + alpha z(seed); batch) through one perturbed scratch copy of the whole model.
+class FastForward:
+    """fn(copy, batch) on a private copy of a model (cast to `dtype`), compiled on CUDA: the fast path's forward.
 
-    model: any torch.nn.Module (left untouched: the clean weights are only read); loss_fn(model, batch) ->
-    scalar tensor. compile: torch.compile the shadow's forward (default: on CUDA). cuda_graphs: compile in
-    mode "reduce-overhead" (CUDA graphs; default: off). Same methods as ProbeEvaluator (loss, clean_loss,
-    losses, loss_swapped, close). Raises TypeError/ValueError for a bad model or loss_fn.
+    One code path for every fast forward of the project: the probe evaluator (`WholeModelEvaluator`: its copy
+    is the perturbation scratch), the worker's evaluation rounds and teacher targets (bf16, nothing perturbed).
+    The copy is made once per architecture; `load(model)` copies another model's weights of the same
+    architecture into it (cast to the copy's dtype), keeping the compiled code and any CUDA graphs.
+
+    Args:
+        model: the module to copy (left untouched). fn(copy, batch) -> tensor or tuple of tensors (e.g.
+            trainer.models.losses.lm_batch_loss -> 0-dim loss; `lm_logits` -> (B, T, V) logits in `dtype`).
+        dtype: the copy's floating dtype (torch.bfloat16 for the bf16 fast path; None keeps the model's).
+        compile: torch.compile fn (default: on CUDA; static shapes, Inductor's deterministic mode). A model the
+            compiler cannot handle is run eagerly (logged) at the first call.
+        cuda_graphs: compile in mode "reduce-overhead" (CUDA graphs: for static shapes; outputs cloned).
+        pad_head / eager_masks: the compiled copy's GPT-2 fixes (`_pad_output_head`, `_masks_outside_graph`;
+            default: when compiled). Uncompiled, the copy runs the model's exact code: with dtype None the
+            outputs equal fn(model, batch) bit for bit.
+    Raises TypeError for a model without parameters.
     """
 
-    mode = "whole"
-
-    def __init__(self, model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, object], torch.Tensor],
-                 compile: bool | None = None, cuda_graphs: bool = False, pad_head: bool | None = None,
-                 eager_masks: bool | None = None):
-        rows = checked_rows(model, loss_fn)
-        self.model, self.loss_fn = model, loss_fn
-        device = next(model.parameters()).device
+    def __init__(self, model: torch.nn.Module, fn: Callable[[torch.nn.Module, object], object],
+                 dtype: torch.dtype | None = None, compile: bool | None = None, cuda_graphs: bool = False,
+                 pad_head: bool | None = None, eager_masks: bool | None = None):
+        params = list(model.parameters())
+        if not params:
+            raise TypeError(f"{type(model).__name__} has no parameters")
+        self.model, self.fn = model, fn
+        device = params[0].device
         self.compiled = bool(device.type == "cuda" if compile is None else compile)
+        self.dtype = dtype
         with torch.no_grad():
             self.shadow = copy.deepcopy(model).eval()
+            if dtype is not None:
+                self.shadow.to(dtype)
             for p in self.shadow.parameters():
                 if not p.data.is_contiguous():
                     p.data = p.data.contiguous()
             # compiled only: uncompiled, the copy runs the reference's exact code (bit-identical losses)
             self.padded_head = _pad_output_head(self.shadow) if (self.compiled if pad_head is None else pad_head) else False
         self.eager_masks = _masks_outside_graph(model) if (self.compiled if eager_masks is None else eager_masks) else 0
-        shadow_rows = canonical_offsets(self.shadow)
-        if [(n, o) for n, _, o in rows] != [(n, o) for n, _, o in shadow_rows]:
-            raise ValueError("the model's copy has another parameter order (a module with custom __deepcopy__?)")
-        self.clean = [p.detach() if p.is_contiguous() else p.detach().contiguous() for _, p, _ in rows]
-        self.scratch = [p.detach() for _, p, _ in shadow_rows]
-        self.offsets = [o for _, _, o in rows]
-        self.numel = sum(t.numel() for t in self.clean)
-        self._plans: dict[ProbeDist, ModelPlan] = {}
-        self._state: object = None  # what the scratch holds: "clean", (seed, alpha, dist), or None (unknown)
         self.cuda_graphs = bool(cuda_graphs and self.compiled and device.type == "cuda")
         self.inductor_deterministic = _configure_inductor() if self.compiled else False
-        shadow, fn = self.shadow, loss_fn
+        shadow = self.shadow
 
         def forward(batch):
             return fn(shadow, batch)
@@ -186,25 +192,132 @@ class WholeModelEvaluator:
             self._forward = torch.compile(forward, dynamic=False,
                                           mode="reduce-overhead" if self.cuda_graphs else None)
         self.compile_seconds: float | None = None
+        self.device = device
+
+    def same_architecture(self, model: torch.nn.Module) -> bool:
+        """True if `model` has the copy's class and its parameter names and shapes (any dtype, same device)."""
+        if type(model) is not type(self.model) or self.shadow is None:
+            return False
+        rows, old = canonical_offsets(model), canonical_offsets(self.model)
+        return len(rows) == len(old) and all(
+            n == m and o == k and p.shape == q.shape and p.device == q.device
+            for (n, p, o), (m, q, k) in zip(rows, old))
+
+    @torch.no_grad()
+    def load(self, model: torch.nn.Module) -> bool:
+        """Copy `model`'s parameters and buffers into the copy (cast to its dtype), keeping the compiled forward:
+        True if `model` has the same architecture (`same_architecture`), else False and nothing changes."""
+        if not self.same_architecture(model):
+            return False
+        bufs, sbufs = dict(model.named_buffers()), dict(self.shadow.named_buffers())
+        if any(k not in sbufs or bufs[k].shape != sbufs[k].shape for k in bufs):
+            return False
+        src = [p.detach() for _, p, _ in canonical_offsets(model)]
+        dst = [p.detach() for _, p, _ in canonical_offsets(self.shadow)]
+        for d, s in zip(dst, src):
+            d.copy_(s)
+        for k, b in bufs.items():
+            sbufs[k].copy_(b)
+        self.model = model
+        return True
+
+    def launch(self, batch):
+        """fn(copy, batch), not waited for (detached; cloned under CUDA graphs, whose outputs the next replay
+        overwrites). The first call compiles and is timed (`compile_seconds`)."""
+        if self.compile_seconds is None and self.compiled:
+            t0 = time.perf_counter()
+            try:
+                out = self._run(batch)
+            except Exception:  # a model the compiler cannot handle is still evaluated (eagerly)
+                log.exception("torch.compile failed for %s; evaluating eagerly", type(self.model).__name__)
+                self._forward, self.compiled, self.cuda_graphs = self._eager, False, False
+                out = self._run(batch)
+            if self.compiled and self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.compile_seconds = time.perf_counter() - t0
+            return out
+        return self._run(batch)
+
+    def _run(self, batch):
+        if self.cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+            return _detach(self._forward(batch), clone=True)
+        return _detach(self._forward(batch), clone=False)
+
+    @torch.no_grad()
+    def __call__(self, batch):
+        """fn(copy, batch) (see `launch`), under torch.no_grad."""
+        return self.launch(batch)
+
+    def close(self) -> None:
+        """Free the copy and the compiled forward."""
+        self._forward, self._eager, self.shadow = None, None, None
+
+
+def _detach(out, clone: bool):
+    if isinstance(out, torch.Tensor):
+        return out.detach().clone() if clone else out.detach()
+    return type(out)(_detach(o, clone) for o in out)
+
+
+def lm_logits(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A causal LM's logits: x int64 (B, T) -> (B, T, V) in the model's dtype (FastForward's `fn` for teacher
+    targets: `FastForward(model, lm_logits, dtype=torch.bfloat16)(x)`)."""
+    return model(input_ids=x).logits
+
+
+class WholeModelEvaluator:
+    """L(theta + alpha z(seed); batch) through one perturbed scratch copy of the whole model.
+
+    model: any torch.nn.Module (left untouched: the clean weights are only read); loss_fn(model, batch) ->
+    scalar tensor. The copy and its forward are a `FastForward` (compile: torch.compile it, default on CUDA;
+    cuda_graphs: mode "reduce-overhead", default off). Same methods as ProbeEvaluator (loss, clean_loss,
+    losses, loss_swapped, close). Raises TypeError/ValueError for a bad model or loss_fn.
+    """
+
+    mode = "whole"
+
+    def __init__(self, model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, object], torch.Tensor],
+                 compile: bool | None = None, cuda_graphs: bool = False, pad_head: bool | None = None,
+                 eager_masks: bool | None = None):
+        rows = checked_rows(model, loss_fn)
+        self.model, self.loss_fn = model, loss_fn
+        self.fwd = FastForward(model, loss_fn, compile=compile, cuda_graphs=cuda_graphs, pad_head=pad_head,
+                               eager_masks=eager_masks)
+        self.shadow = self.fwd.shadow
+        shadow_rows = canonical_offsets(self.shadow)
+        if [(n, o) for n, _, o in rows] != [(n, o) for n, _, o in shadow_rows]:
+            raise ValueError("the model's copy has another parameter order (a module with custom __deepcopy__?)")
+        self.clean = [p.detach() if p.is_contiguous() else p.detach().contiguous() for _, p, _ in rows]
+        self.scratch = [p.detach() for _, p, _ in shadow_rows]
+        self.offsets = [o for _, _, o in rows]
+        self.numel = sum(t.numel() for t in self.clean)
+        self._plans: dict[ProbeDist, ModelPlan] = {}
+        self._state: object = None  # what the scratch holds: "clean", (seed, alpha, dist), or None (unknown)
+
+    compiled = property(lambda self: self.fwd.compiled)
+    cuda_graphs = property(lambda self: self.fwd.cuda_graphs)
+    compile_seconds = property(lambda self: self.fwd.compile_seconds)
+    padded_head = property(lambda self: self.fwd.padded_head)
+    eager_masks = property(lambda self: self.fwd.eager_masks)
+    inductor_deterministic = property(lambda self: self.fwd.inductor_deterministic)
 
     def rebind(self, model: torch.nn.Module) -> bool:
         """Evaluate `model` (e.g. the next weight version) through this copy, keeping its compiled forward and
         CUDA graphs: True if `model` has the same class, parameter names, shapes, dtypes and device (its
         buffers are copied in), else False and nothing changes."""
-        if type(model) is not type(self.model) or self.shadow is None:
+        if self.shadow is None or not self.fwd.same_architecture(model):
             return False
         rows = canonical_offsets(model)
-        old = canonical_offsets(self.model)
-        same = len(rows) == len(old) and all(
-            n == m and o == k and p.shape == q.shape and p.dtype == q.dtype and p.device == q.device
-            for (n, p, o), (m, q, k) in zip(rows, old))
+        if any(p.dtype != q.dtype for (_, p, _), q in zip(rows, self.clean)):
+            return False
         bufs, sbufs = dict(model.named_buffers()), dict(self.shadow.named_buffers())
-        if not same or any(k not in sbufs or bufs[k].shape != sbufs[k].shape for k in bufs):
+        if any(k not in sbufs or bufs[k].shape != sbufs[k].shape for k in bufs):
             return False
         with torch.no_grad():
             for k, b in bufs.items():
                 sbufs[k].copy_(b)
-        self.model = model
+        self.model = self.fwd.model = model
         self.clean = [p.detach() if p.is_contiguous() else p.detach().contiguous() for _, p, _ in rows]
         self._plans.clear()
         self._state = None
@@ -224,29 +337,11 @@ class WholeModelEvaluator:
     @torch.no_grad()
     def forward_loss(self, batch) -> float:
         """The loss of whatever the scratch holds now (the timed forward of `sparecycles bench probe`)."""
-        if self.compile_seconds is None and self.compiled:
-            t0 = time.perf_counter()
-            try:
-                value = self._call(batch)
-            except Exception:  # a model the compiler cannot handle is still evaluated (eagerly)
-                log.exception("torch.compile failed for %s; evaluating eagerly", type(self.model).__name__)
-                self._forward, self.compiled, self.cuda_graphs = self._eager, False, False
-                value = self._call(batch)
-            if self.compiled and self.clean[0].device.type == "cuda":
-                torch.cuda.synchronize()
-            self.compile_seconds = time.perf_counter() - t0
-            return value
-        return self._call(batch)
-
-    def _call(self, batch) -> float:
-        return float(self._launch(batch))
+        return float(self.fwd.launch(batch))
 
     def _launch(self, batch) -> torch.Tensor:
         """The loss as a 0-dim tensor, not waited for (a CUDA-graph output is cloned before the next replay)."""
-        if self.cuda_graphs:
-            torch.compiler.cudagraph_mark_step_begin()
-            return self._forward(batch).detach().clone()
-        return self._forward(batch).detach()
+        return self.fwd.launch(batch)
 
     @torch.no_grad()
     def loss(self, batch, seed: int | None = None, alpha: float = 0.0,
@@ -317,7 +412,8 @@ class WholeModelEvaluator:
     def close(self) -> None:
         """Free the scratch copy and the compiled forward."""
         self._plans.clear()
-        self.scratch, self._forward, self._eager = [], None, None
+        self.scratch = []
+        self.fwd.close()
         self.shadow = None
 
 
