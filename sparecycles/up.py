@@ -45,6 +45,11 @@ def _prefetch_inputs(cfg, progress: bool) -> None:
 
         load_sentiment()
         minilm_dir()
+    elif cfg.data is not None:
+        from trainer.data.user import load_user_corpus
+
+        load_user_corpus(cfg.data, cfg.model, text_field=cfg.text_field, encoding_errors=cfg.encoding_errors,
+                         progress=progress)
     else:
         from trainer.data import load_corpus
 

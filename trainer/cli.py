@@ -43,23 +43,41 @@ def fetch(
 
 @data_app.command("pack")
 def pack(
-    corpus: str = typer.Option("classics-large", help="Corpus to pack (built first if needed)."),
+    corpus: str = typer.Option("classics-large", help="Corpus to pack (built first if needed); ignored with --data."),
+    data: str | None = typer.Option(None, help="Your text instead: a file, folder or glob of .txt, .jsonl/.json, "
+                                    ".parquet or a datasets save_to_disk folder; packed as OUT/user-KEY/."),
+    model: str = typer.Option("gpt2-tiny", help="With --data: the model preset or transformers folder whose "
+                              "tokenizer packs it (the run there must use the same --model)."),
+    text_field: str = typer.Option("text", help="With --data: the JSON field / parquet or datasets column."),
+    encoding_errors: str = typer.Option("strict", help="With --data: strict refuses invalid UTF-8, replace reads "
+                                        "it as U+FFFD."),
     out: Path = typer.Option(Path(".data"), help="Folder to write: OUT/cache/corpora/CORPUS/*.bin.xz and the "
-                             "manifest; use it there with SPARECYCLES_CACHE=OUT/cache."),
+                             "manifest (use it there with SPARECYCLES_CACHE=OUT/cache); with --data, OUT/user-KEY/ "
+                             "(use it there with --data OUT/user-KEY)."),
 ) -> None:
-    """Pack a corpus for a machine without registry access: xz-compressed uint16 token arrays + manifest."""
-    from trainer.data.pack import pack_corpus
+    """Pack a corpus, or your --data, for a machine without registry access or without your files: xz-compressed
+    token arrays (uint16, uint32 for vocabularies above 65,536) + manifest."""
     from trainer.data.sources import DataFetchError
 
     try:
-        info = pack_corpus(corpus, out, progress=True)
+        if data is not None:
+            from trainer.data.user import pack_user_data
+
+            if encoding_errors not in ("strict", "replace"):
+                raise ValueError(f"--encoding-errors must be strict or replace, got {encoding_errors!r}")
+            info = pack_user_data(data, model, out, text_field=text_field, encoding_errors=encoding_errors)  # type: ignore[arg-type]
+        else:
+            from trainer.data.pack import pack_corpus
+
+            info = pack_corpus(corpus, out, progress=True)
     except (ValueError, DataFetchError) as exc:
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from exc
     for name, size in info["files"].items():
         typer.echo(f"{name:32s} {size:>12,d} bytes")
-    typer.echo(f"{info['dir']}: {info['total_bytes']:,} bytes in all; tokens {info['tokens']}; "
-               f"use with SPARECYCLES_CACHE={Path(out) / 'cache'}")
+    use = (f"use with --data {info['dir']} --model {model}" if data is not None
+           else f"use with SPARECYCLES_CACHE={Path(out) / 'cache'}")
+    typer.echo(f"{info['dir']}: {info['total_bytes']:,} bytes in all; tokens {info['tokens']}; {use}")
 
 
 # Set by sparecycles.cli (the top layer composes: trainer may not import fleet, which sits above it):

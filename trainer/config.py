@@ -62,7 +62,8 @@ class TrainConfig(BaseModel):
     straight line from `lr` to 0 at `steps` (`min_lr` unused; `lr_at`). Weights and optimizer state are fp32; on
     CUDA, matmuls run as TF32 (trainer.train.train).
 
-    `task` picks what is trained: "lm" pretrains `model` on `corpus`; "sentiment" fine-tunes the
+    `task` picks what is trained: "lm" pretrains `model` on `corpus`, or on the user's text `data` when set
+    (trainer.data.user: tokenized with the model's tokenizer, `text_field` and `encoding_errors` apply); "sentiment" fine-tunes the
     pretrained MiniLM-L6 encoder with a 2-way head (trainer.sentiment) and ignores `model` and
     `corpus`; there `seq_len` is the max tokens per sentence and evaluation uses a fixed random subset of
     `eval_batches * batch_size` validation sentences. ZO-Curv optimizers are LM-only; the pure-ZO ones run
@@ -76,6 +77,13 @@ class TrainConfig(BaseModel):
 
     model: str = "gpt2-tiny"
     corpus: str = "classics-small"
+    # The user's own text (trainer.data.user): set, the LM task trains on it instead of `corpus`.
+    data: str | None = Field(None, min_length=1, description=(
+        "your text instead of --corpus: a file, folder or glob of .txt, .jsonl/.json, .parquet or a datasets "
+        "save_to_disk folder (or a folder `sparecycles data pack` wrote), tokenized with the model's tokenizer"))
+    text_field: str = Field("text", min_length=1, description="--data: the JSON field / parquet column of the text")
+    encoding_errors: Literal["strict", "replace"] = Field(
+        "strict", description="--data: invalid UTF-8 is refused (strict) or read as U+FFFD (replace)")
     optimizer: str = Field("adamw", description="a registered method (trainer.methods.METHODS)")
     steps: int = Field(300, ge=1, le=10_000_000)
     batch_size: int = Field(16, ge=1, le=4096)
@@ -125,6 +133,8 @@ class TrainConfig(BaseModel):
             raise ValueError(f"warmup_steps ({self.warmup_steps}) must be smaller than steps ({self.steps})")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.data is not None and self.task != "lm":
+            raise ValueError("--data (your text) is for the LM task (--task lm)")
         if self.anytime is not None and self.task != "lm":
             raise ValueError("the anytime model (--anytime) runs on the LM task (--task lm)")
         method = get_method(self.optimizer)
@@ -144,11 +154,13 @@ class TrainConfig(BaseModel):
 
     def run_json(self) -> dict:
         """The run's identity as written to config.json and compared on --resume: every field but `run_dir`
-        and `steps` (a run may be extended), `optimizer_options` / `anytime` only when set and `schedule` only
-        when not "cosine" (folders from before those fields existed still resume)."""
+        and `steps` (a run may be extended), `optimizer_options` / `anytime` only when set, `schedule` only
+        when not "cosine" and `data`/`text_field`/`encoding_errors` only with `data` (folders from before those
+        fields existed still resume)."""
         exclude = {"run_dir", "steps"} | (set() if self.optimizer_options else {"optimizer_options"})
         exclude |= set() if self.schedule != "cosine" else {"schedule"}
         exclude |= set() if self.anytime is not None else {"anytime"}
+        exclude |= set() if self.data is not None else {"data", "text_field", "encoding_errors"}
         return self.model_dump(mode="json", exclude=exclude)
 
 

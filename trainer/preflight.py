@@ -46,7 +46,12 @@ def check_options(cfg: TrainConfig) -> None:
         from trainer.data.corpus import CORPORA
         from trainer.models.presets import get_preset
 
-        if cfg.corpus not in CORPORA:
+        if cfg.data is not None:
+            from trainer.data.user_read import find_inputs, is_packed
+
+            if not is_packed(Path(cfg.data).expanduser()):
+                find_inputs(cfg.data)  # DataInputError naming the path: nothing there, no text files
+        elif cfg.corpus not in CORPORA:
             raise ValueError(f"--corpus: unknown corpus {cfg.corpus!r}; valid names: {', '.join(sorted(CORPORA))}")
         ctx = get_preset(cfg.model).n_positions  # ValueError for an unknown model preset
         if cfg.seq_len > ctx:

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +38,11 @@ def not_a_run_folder(path: Path) -> str | None:
 
 def default_run_dir(cfg: TrainConfig) -> Path:
     """`runs/<model>-<corpus>-<optimizer>-s<seed>` under `trainer.paths.runs_dir()` (sentiment task:
-    `runs/minilm-l6-sentiment-<optimizer>-s<seed>`)."""
+    `runs/minilm-l6-sentiment-<optimizer>-s<seed>`; with `--data PATH`, PATH's file or folder name stands for
+    the corpus)."""
     model, data = ("minilm-l6", "sentiment") if cfg.task == "sentiment" else (cfg.model, cfg.corpus)
+    if cfg.data is not None and cfg.task != "sentiment":  # the user's text: the name of its file/folder
+        data = re.sub(r"[^A-Za-z0-9._-]+", "-", Path(cfg.data.rstrip("/")).stem).strip("-.") or "data"
     return runs_dir() / f"{model}-{data}-{cfg.optimizer}-s{cfg.seed}"
 
 

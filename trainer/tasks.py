@@ -47,16 +47,26 @@ class Task(Protocol):
 
 
 class LMTask:
-    """Causal-LM pretraining of a `cfg.model` preset on `cfg.corpus` (GPT-2 token windows).
+    """Causal-LM pretraining of `cfg.model` on `cfg.corpus`, or on the user's text `cfg.data` (trainer.data.user:
+    packed with the model's tokenizer, cached by content) when set.
 
-    Raises ValueError for an unknown corpus (here) or model preset (in build_model).
+    Raises ValueError for an unknown corpus, bad `--data` input or a split smaller than one batch (here) or an
+    unknown model preset (in build_model).
     """
 
     def __init__(self, cfg: TrainConfig) -> None:
-        from trainer.data import load_corpus
+        if cfg.data is None:
+            from trainer.data import load_corpus
 
-        self.cfg, self.corpus = cfg, load_corpus(cfg.corpus)
-        self.model_name, self.data_name = cfg.model, cfg.corpus
+            self.corpus, self.data_name = load_corpus(cfg.corpus), cfg.corpus
+        else:
+            from trainer.data.user import check_fits, load_user_corpus
+
+            self.corpus = load_user_corpus(cfg.data, cfg.model, text_field=cfg.text_field,
+                                           encoding_errors=cfg.encoding_errors)
+            check_fits(self.corpus, cfg.data, cfg.batch_size, cfg.seq_len)
+            self.data_name = self.corpus.name
+        self.cfg, self.model_name = cfg, cfg.model
         self.tokens_per_step = cfg.batch_size * cfg.seq_len
         self._windows: dict[bool, EvalWindows] = {}
 
@@ -86,7 +96,7 @@ class LMTask:
         if key not in self._windows:
             cfg = self.cfg
             self._windows[key] = lm_windows(self.corpus.val, cfg.batch_size, cfg.seq_len,
-                                            None if full else cfg.eval_batches, split=f"{cfg.corpus}/val")
+                                            None if full else cfg.eval_batches, split=f"{self.data_name}/val")
         return self._windows[key]
 
     def final(self, model: torch.nn.Module) -> dict[str, Any]:

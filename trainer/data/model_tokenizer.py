@@ -96,14 +96,14 @@ def _gpt2() -> ModelTokenizer:
 
     from trainer.data.tokenizer import EOT, GPT2_PATTERN, N_VOCAB, RANKS_SHA256, gpt2_encoding
 
-    enc = gpt2_encoding()
     definition = json.dumps({"ranks_sha256": RANKS_SHA256, "pattern": GPT2_PATTERN,
                              "special": {"<|endoftext|>": EOT}, "n_vocab": N_VOCAB}, sort_keys=True)
     threads = max(1, len(os.sched_getaffinity(0)))
 
     def encode(texts: list[str]) -> list[list[int]]:
-        # tiktoken encodes in Rust with the GIL released, one text per thread.
-        return enc.encode_ordinary_batch(texts, num_threads=threads)
+        # The rank file is read on first use (a packed corpus checks the hash without it). tiktoken encodes
+        # in Rust with the GIL released, one text per thread.
+        return gpt2_encoding().encode_ordinary_batch(texts, num_threads=threads)
 
     return ModelTokenizer(name="gpt2", vocab_size=N_VOCAB, eos_id=EOT,
                           sha256=hashlib.sha256(definition.encode()).hexdigest(), _encode=encode,
