@@ -355,12 +355,35 @@ def bench_regime(ctx: typer.Context) -> None:
     main(list(ctx.args))
 
 
+def bench_data_pack(
+    size_mb: float = typer.Option(100.0, min=0.1, help="Size of the text folder to pack, in MB (10^6 bytes)."),
+    model: str = typer.Option("gpt2-tiny", help="Model preset or transformers folder whose tokenizer packs it."),
+    workdir: Path | None = typer.Option(None, help="Where the temporary folder and cache go (default: $TMPDIR)."),
+    out: Path = typer.Option(Path("benchmarks/results/data_pack.json"), help="Result JSON to write."),
+) -> None:
+    """Tokenization throughput (tokens/s, 1 thread and every core) and the time to pack a folder of real text
+    with --data (cold, then a cache hit), written to OUT (benchmarks.data_pack)."""
+    from benchmarks.data_pack import run
+
+    res = run(size_mb, model, workdir, out)
+    tp, cold = res["tokenize_throughput"], res["pack_cold"]
+    for k, v in tp.items():
+        if k.startswith("threads_"):
+            typer.echo(f"tokenize {k.replace('_', ' ')}: {v['tokens_per_s']:,} tokens/s ({v['tokens']:,} tokens)")
+    typer.echo(f"pack {res['folder']['bytes'] / 1e6:.1f} MB in {res['folder']['files']} files: {cold['total_s']:.1f} s "
+               f"cold ({cold['tokens']:,} tokens; tokenize {cold['tokenize_s']:.1f} s), "
+               f"{res['pack_warm_cache_hit']['total_s']:.1f} s cache hit; load {res['machine']['load_avg_1m_before']} "
+               f"-> {res['machine']['load_avg_1m_after']} on {res['machine']['cpus']} CPUs; wrote {out}")
+
+
 # short_help: the one-line summaries `sparecycles bench --help` lists, whole at 80 columns.
 bench_app.command("kernels", short_help="Fused perturb/replay kernels vs copy bandwidth.")(
     kernels_cli.bench_kernels)
 bench_app.command("probe", short_help="One probe worker's speed on one GPU.")(kernels_cli.bench_probe)
 bench_app.command("intake", short_help="Coordinator intake: results/s and latency.")(bench_intake)
 bench_app.command("fleet", short_help="Fleet probes/s with 1, 2, 4 workers; publish time.")(bench_fleet)
+bench_app.command("data-pack", short_help="Tokens/s and the time to pack a 100 MB --data folder.")(
+    bench_data_pack)
 bench_app.command("zo", short_help="ZO-Curv and pure-ZO benchmarks on real data.")(bench_zo)
 bench_app.command("regime", short_help="Block-type lrs vs AdamW at large batch (issue 29).",
                   context_settings={"allow_extra_args": True, "ignore_unknown_options": True,

@@ -203,8 +203,11 @@ def _tokenize_into(units: list[Unit], which: dict[str, str], tok: ModelTokenizer
 
 
 def _build(d: Path, key: str, root: Path, inputs, hashes: list[dict[str, Any]], tok: ModelTokenizer,
-           text_field: str, encoding_errors: EncodingErrors, label: str, progress: bool) -> dict[str, Any]:
+           text_field: str, encoding_errors: EncodingErrors, label: str, progress: bool,
+           timings: dict[str, float]) -> dict[str, Any]:
+    t0 = time.perf_counter()
     docs, per_input, dupes = _read_all(inputs, text_field, encoding_errors, progress)
+    timings["read_s"] = time.perf_counter() - t0
     units, size = _units(docs)
     if len(units) < 3:
         raise DataInputError(f"--data {root}: {len(docs)} document(s) in {sum(len(t) for t in docs):,} characters "
@@ -215,7 +218,8 @@ def _build(d: Path, key: str, root: Path, inputs, hashes: list[dict[str, Any]], 
     d.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=d.parent, prefix=f".{d.name}-"))
     try:
-        splits, seconds = _tokenize_into(units, which, tok, tmp, progress)
+        timings["split_s"] = time.perf_counter() - t0 - timings["read_s"]
+        splits, timings["tokenize_s"] = _tokenize_into(units, which, tok, tmp, progress)
         manifest = {
             "format": FORMAT, "format_version": FORMAT_VERSION, "name": d.name, "label": label, "key": key,
             "dtype": token_dtype(tok.vocab_size),
@@ -235,7 +239,9 @@ def _build(d: Path, key: str, root: Path, inputs, hashes: list[dict[str, Any]], 
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     tokens = sum(s["tokens"] for s in splits.values())
-    log.info("packed %s: %d tokens in %.1f s (%.0f tokens/s)", d.name, tokens, seconds, tokens / max(seconds, 1e-9))
+    timings["build_s"] = time.perf_counter() - t0
+    log.info("packed %s: %d tokens, tokenized in %.1f s (%.0f tokens/s)", d.name, tokens, timings["tokenize_s"],
+             tokens / max(timings["tokenize_s"], 1e-9))
     return manifest
 
 
@@ -294,7 +300,7 @@ def _install(src: Path, tok: ModelTokenizer, model: str) -> Corpus:
 
 
 def load_user_corpus(data: str, model: str, *, text_field: str = "text", encoding_errors: EncodingErrors = "strict",
-                     progress: bool = True, force: bool = False) -> Corpus:
+                     progress: bool = True, force: bool = False, timings: dict[str, float] | None = None) -> Corpus:
     """The user's corpus for a run on `model`: built on first use (or when an input, the tokenizer or a setting
     changed), else opened from the cache.
 
@@ -304,6 +310,8 @@ def load_user_corpus(data: str, model: str, *, text_field: str = "text", encodin
         text_field: the JSON field / parquet or datasets column holding the text.
         encoding_errors: "strict" refuses invalid UTF-8; "replace" reads it as U+FFFD (counted in the manifest).
         progress: show a progress bar (stderr). force: rebuild even when the cached build verifies.
+        timings: a dict filled with wall seconds per phase (hash_s, and on a build read_s, split_s,
+            tokenize_s (its progress bar included), build_s) and "built" (1.0 when built, 0.0 on a cache hit).
 
     Returns:
         Corpus with `train`, `val`, `select`: read-only memmaps (N,) of `manifest["dtype"]` (uint16/uint32) token
@@ -320,7 +328,10 @@ def load_user_corpus(data: str, model: str, *, text_field: str = "text", encodin
     if is_packed(path):
         return _install(path.resolve(), tok, model)
     root, inputs = find_inputs(data)
+    timings = {} if timings is None else timings
+    t0 = time.perf_counter()
     hashes = _hash_inputs(root, inputs, progress)
+    timings["hash_s"], timings["built"] = time.perf_counter() - t0, 0.0
     key = corpus_key(hashes, tok, text_field, encoding_errors)
     d = cache_dir() / "corpora" / f"user-{key[:16]}"
     with cache_lock(d.name):
@@ -328,7 +339,9 @@ def load_user_corpus(data: str, model: str, *, text_field: str = "text", encodin
         if why is not None:
             if d.exists():
                 log.warning("user corpus %s: rebuilding: %s", d.name, why)
-            _build(d, key, root, inputs, hashes, tok, text_field, encoding_errors, path.name or str(path), progress)
+            _build(d, key, root, inputs, hashes, tok, text_field, encoding_errors, path.name or str(path), progress,
+                   timings)
+            timings["built"] = 1.0
         return _open(d)
 
 
