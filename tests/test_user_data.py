@@ -196,6 +196,8 @@ def test_refusals_name_the_file_line_and_field(tmp_path: Path, cache: Path) -> N
     _refusal(cache, str(tmp_path / "nofield.jsonl"), r"nofield.jsonl:1: no field 'content'", text_field="content")
     (tmp_path / "num.jsonl").write_text(json.dumps({"text": 3}))
     _refusal(cache, str(tmp_path / "num.jsonl"), r"num.jsonl:1: field 'text' is a JSON int, not a string")
+    (tmp_path / "sur.jsonl").write_text('{"text": "ok"}\n{"text": "a\\ud800b"}\n')
+    _refusal(cache, str(tmp_path / "sur.jsonl"), r"sur.jsonl:2: field 'text' holds an unpaired surrogate escape")
     import pyarrow as pa
     import pyarrow.parquet as pq
 

@@ -88,7 +88,7 @@ def _units(docs: list[str]) -> tuple[list[Unit], int]:
     size = piece_chars(sum(map(len, docs)))
     units: list[Unit] = []
     for text in docs:
-        uid = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+        uid = hashlib.sha256(text.encode("utf-8")).hexdigest()[:32]
         pieces = cut_pieces(text, size)
         units += [Unit(uid if len(pieces) == 1 else f"{uid}/{k}", p, k == len(pieces) - 1)
                   for k, p in enumerate(pieces)]
@@ -153,7 +153,7 @@ def _read_all(inputs, text_field: str, encoding_errors: EncodingErrors,
             status.update(f"reading {inp.rel}")
             stats = ReadStats()
             for text in read_documents(inp, text_field, encoding_errors, stats):
-                h = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+                h = hashlib.blake2b(text.encode("utf-8"), digest_size=16).digest()
                 if h in seen:
                     dupes += 1
                     continue

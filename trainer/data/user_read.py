@@ -165,11 +165,16 @@ def _field(obj: object, field: str, where: str) -> str:
     value = obj[field]
     if not isinstance(value, str):
         raise DataInputError(f"{where}: field {field!r} is a JSON {type(value).__name__}, not a string")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:  # a lone "\ud800"-style escape: no UTF-8 text a tokenizer can take
+        raise DataInputError(f"{where}: field {field!r} holds an unpaired surrogate escape at character "
+                             f"{e.start}") from None
     return value
 
 
 def _json_lines(text: str, where: str, field: str) -> Iterator[str]:
-    for n, line in enumerate(text.splitlines(), start=1):
+    for n, line in enumerate(text.split("\n"), start=1):  # not splitlines: U+2028 may sit inside a JSON string
         if not line.strip():
             continue
         try:
