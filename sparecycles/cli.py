@@ -14,8 +14,10 @@ import typer
 from api import cli as api_cli
 from benchmarks.cli import bench_app
 from probe_worker import cli as worker_cli
+from sparecycles.up_plan import NOT_SETTABLE
 from trainer import cli as trainer_cli
 from trainer import export_cli
+from trainer.cli_settings import SettingsCommand, with_settings
 from trainer.methods import fleet_method_names
 
 
@@ -50,7 +52,8 @@ def _fleet_settings():
 trainer_cli.FLEET_ATTACH = _attach  # `train --coordinator`: the top layer hands the trainer its fleet
 trainer_cli.FLEET_SETTINGS = _fleet_settings  # ... and the check of its environment, made with the option checks
 app.add_typer(trainer_cli.data_app, name="data")
-app.command("train", short_help="Train one model in this process; write its run folder.")(trainer_cli.train)
+app.command("train", cls=SettingsCommand, short_help="Train one model in this process; write its run folder.")(
+    trainer_cli.train)
 app.command("export", short_help="Export a finished run's model as a transformers folder.")(
     export_cli.export)
 app.add_typer(bench_app, name="bench")
@@ -58,20 +61,17 @@ app.command("coordinator")(api_cli.coordinator)
 app.command("worker", short_help="Join a coordinator and evaluate its probe tasks.")(worker_cli.worker)
 
 
-@app.command("up", short_help="Everything on this machine: AdamW vs a fleet-probed run.")
+@app.command("up", cls=SettingsCommand, short_help="Everything on this machine: AdamW vs a fleet-probed run.")
+@with_settings(exclude=NOT_SETTABLE)
 def up(
+    settings: dict,
     preset: str = typer.Option("demo", help="Run preset (demo; with --task sentiment: sentiment-demo) or a "
-                               "model preset."),
+                               "model preset: the defaults that the training settings below override."),
     task: str = typer.Option("lm", help="lm (pretraining, ZO-Curv) or sentiment (MiniLM-L6, pure ZO)."),
     optimizer: str | None = typer.Option(None, help="The fleet-probed optimizer (AdamW always runs as the "
                                          f"baseline). lm: zocurv-line (default), {', '.join(_fleet_methods('lm'))}; "
                                          f"sentiment: 1.5spsa (default), {', '.join(_fleet_methods('sentiment'))}."),
     workers: int = typer.Option(2, min=1, max=64, help="Local probe worker processes."),
-    steps: int | None = typer.Option(None, min=1, help="Optimizer steps (default: the preset's)."),
-    probes: int | None = typer.Option(None, min=1, help="ZO probes K per step or curvature round."),
-    batch_size: int | None = typer.Option(None, min=1, help="Sequences (sentences) per step."),
-    seq_len: int | None = typer.Option(None, min=2, help="Tokens per sequence (sentence)."),
-    curvature_interval: int | None = typer.Option(None, min=1, help="Steps between curvature rounds."),
     run_dir: Path | None = typer.Option(None, help="Run folder. Default: runs/up-<preset>-<optimizer>, plus "
                                         "the settings that differ from the preset's (e.g. -steps5)."),
     overwrite: bool = typer.Option(False, help="Replace a run folder that holds a run with other settings."),
@@ -97,8 +97,8 @@ def up(
         None, min=1, help="Train each run under torchrun with N processes (DDP, the global batch split over the "
         "ranks; rank 0 talks to the coordinator), as `train --nproc-per-node`: one rank per GPU with a CUDA "
         "trainer (cuda:0..N-1), gloo on the CPU; with N > 1 evaluation runs on the ranks. Default: in this process."),
-    set_: list[str] | None = typer.Option(None, "--set", help="KEY=VALUE: another training setting of both runs "
-                                          "(a TrainConfig field), e.g. --set lr=6e-4 --set warmup_steps=40 "
+    set_: list[str] | None = typer.Option(None, "--set", help="KEY=VALUE: a training setting of both runs, by the "
+                                          "name of its option below, e.g. --set lr=6e-4 --set warmup_steps=40 "
                                           "--set corpus=classics. Repeatable."),
     optimizer_option: list[str] | None = typer.Option(
         None, metavar="KEY=VALUE", help="KEY=VALUE: a knob of the fleet-probed run's optimizer (repeatable), e.g. "
@@ -109,14 +109,14 @@ def up(
     Trains an AdamW baseline and the fleet-probed run at equal steps; writes curves (PNG) and summary.json
     to the run folder. Every option is checked before anything starts. A finished run with the same
     settings is reused, an interrupted one resumed; a folder holding other settings is refused without
-    --overwrite. Ctrl-C stops every process it started. Defaults: options left unset take the preset's
+    --overwrite. Ctrl-C stops every process it started. Defaults: settings left unset take the preset's
     values (demo: 150 steps, batch 16 x 64 tokens, curvature every 15 steps).
     """
     import signal
 
     from fleet.devices import place_here
     from sparecycles.up import plan_up, run_up
-    from trainer.cli import _key_values
+    from trainer.cli_settings import key_values
 
     def _terminate(signum, frame):  # `kill`/`timeout` get Ctrl-C's clean shutdown of every child
         raise KeyboardInterrupt
@@ -126,13 +126,12 @@ def up(
         placement = place_here(device=device, worker_devices=worker_devices, gpus=gpus, workers=workers)
         if placement.note:
             typer.echo(placement.note, err=True)
-        plan = plan_up(preset=preset, optimizer=optimizer, workers=len(placement.workers), steps=steps,
-                       run_dir=run_dir, curvature_interval=curvature_interval, task=task, probes=probes,
-                       batch_size=batch_size, seq_len=seq_len, overwrite=overwrite,
+        plan = plan_up(preset=preset, optimizer=optimizer, workers=len(placement.workers), settings=settings,
+                       run_dir=run_dir, task=task, overwrite=overwrite,
                        device=None if placement.trainer == "cpu" else placement.trainer,
                        worker_devices=placement.workers, train_options=tuple(set_ or ()), eval_on=eval_on,
                        eval_windows=eval_windows, fleet_wait=fleet_wait, eval_deadline=eval_deadline,
-                       nproc_per_node=nproc_per_node, optimizer_options=_key_values(optimizer_option or []))
+                       nproc_per_node=nproc_per_node, optimizer_options=key_values(optimizer_option or []))
         summary = run_up(plan, progress=progress, keep_blobs=keep_blobs, export=export,
                          log=lambda m: typer.secho(m, fg=typer.colors.YELLOW if m.startswith("warning") else None,
                                                    err=True))

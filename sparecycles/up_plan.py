@@ -89,7 +89,7 @@ def plan_up(*, preset: str = "demo", optimizer: str | None = None, workers: int 
             overwrite: bool = False, device: str | None = None, worker_devices: tuple[str, ...] = (),
             train_options: tuple[str, ...] = (), eval_on: str = "auto", eval_windows: str = "full",
             fleet_wait: str = "interval", eval_deadline: float = 120.0, nproc_per_node: int | None = None,
-            optimizer_options: dict | None = None) -> UpPlan:
+            optimizer_options: dict | None = None, settings: dict | None = None) -> UpPlan:
     """Validate every option of `up` and decide what happens to its run folder; starts and trains nothing.
 
     `device` is the trainer's torch device (both runs), `worker_devices` one device per worker process
@@ -103,6 +103,8 @@ def plan_up(*, preset: str = "demo", optimizer: str | None = None, workers: int 
     process); with more than one, a CUDA trainer takes cuda:0..N-1 (device "cuda") and evaluation runs on the
     ranks (`eval_on` auto means trainer there). `optimizer_options`: the fleet-probed run's optimizer knobs
     (`up --optimizer-option`, validated by TrainConfig against the method); each adds -KEY-VALUE to the folder name.
+    `settings`: more TrainConfig overrides of both runs (`up`'s generated options, trainer.cli_settings), besides
+    `train_options`; a setting in both is refused.
     Raises ValueError (message names the option) for an invalid option (more ranks than CUDA devices, a batch
     the ranks cannot split, --eval-on fleet with N > 1 included), or when the folder holds a run with other
     settings and `overwrite` is not set (the message lists the differences).
@@ -125,15 +127,18 @@ def plan_up(*, preset: str = "demo", optimizer: str | None = None, workers: int 
     preset = "sentiment-demo" if sentiment and preset == "demo" else preset
     if nproc_per_node is not None:
         device, eval_on = _rank_placement(nproc_per_node, device, eval_on)
-    over = {"steps": steps, "curvature_interval": curvature_interval, "task": task, "probes": probes,
-            "batch_size": batch_size, "seq_len": seq_len, "device": device}
-    extra = parse_train_options(train_options)
+    given = {k: v for k, v in dict(steps=steps, curvature_interval=curvature_interval, probes=probes,
+                                   batch_size=batch_size, seq_len=seq_len).items() if v is not None}
+    both = set(given) & set(settings or {})
+    if both:
+        raise ValueError(f"{', '.join(sorted(both))} given twice")
+    over = {"task": task, "device": device,
+            **parse_train_options(train_options, {**given, **(settings or {})})}
     try:
-        if not sentiment and "staleness" not in extra:
+        if not sentiment and "staleness" not in over:
             # A fleet answers a round while the trainer moves on; versions advance with steps, so the staleness
             # bound must cover the rounds' round trip: two curvature intervals.
             over["staleness"] = 2 * resolve_preset(preset, over).curvature_interval
-        over.update(extra)
         zo_cfg = resolve_preset(preset, {**over, "optimizer": optimizer,
                                          **({"optimizer_options": optimizer_options} if optimizer_options else {})})
         base_cfg = resolve_preset(preset, {**over, "optimizer": "adamw"})
@@ -219,34 +224,26 @@ def _check_fleet_optimizer(optimizer: str, task: str) -> None:
                          f"{', '.join(allowed)}")
 
 
-# `up --set` may not set what `up` decides itself (the runs' optimizers, folders, devices and task).
-_NOT_SETTABLE = ("optimizer", "optimizer_options", "run_dir", "device", "task")
+# `up --set` may not set what `up` decides itself (the runs' optimizers, folders, devices and task): `up` has
+# options of its own for them.
+NOT_SETTABLE = ("optimizer", "optimizer_options", "run_dir", "device", "task")
 
 
-def parse_train_options(items: tuple[str, ...] | list[str]) -> dict[str, str]:
-    """{field: value} from "KEY=VALUE" strings (`up --set`); TrainConfig converts and validates the values.
+def parse_train_options(items: tuple[str, ...] | list[str], settings: dict | None = None) -> dict[str, Any]:
+    """TrainConfig overrides of both runs from "KEY=VALUE" strings (`up --set`, trainer.cli_settings.parse_set:
+    the names of `train`'s generated options) merged with `settings` (the same, from `up`'s generated options).
 
-    Raises ValueError for an item without "=", an unknown TrainConfig field, one of _NOT_SETTABLE (or one of
-    `up`'s own options: use the option), or a key given twice.
+    Raises ValueError for an item without "=", an unknown TrainConfig setting, one of NOT_SETTABLE (use `up`'s own
+    option), a key given twice (in --set, or both as an option and in --set), or a value the field refuses.
     """
-    from trainer.config import TrainConfig
+    from trainer.cli_settings import collect, parse_set
 
-    own = ("steps", "curvature_interval", "probes", "batch_size", "seq_len")
-    out: dict[str, str] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        key = key.strip().replace("-", "_")
-        if not sep or not key:
-            raise ValueError(f"--set {item!r}: use KEY=VALUE, e.g. --set lr=6e-4")
-        if key not in TrainConfig.model_fields or key in _NOT_SETTABLE:
-            raise ValueError(f"--set {key}: not a setting of both runs; settable: "
-                             f"{', '.join(k for k in TrainConfig.model_fields if k not in _NOT_SETTABLE + own)}")
-        if key in own:
-            raise ValueError(f"--set {key}: use --{key.replace('_', '-')}")
-        if key in out:
-            raise ValueError(f"--set {key} given twice")
-        out[key] = value.strip()
-    return out
+    extra = collect(parse_set(items, exclude=NOT_SETTABLE))
+    for key, value in (settings or {}).items():
+        if key in extra:
+            raise ValueError(f"{key} given twice: as --{key.replace('_', '-')} and as --set {key}")
+        extra[key] = value
+    return extra
 
 
 def clear_folder(out: Path) -> None:

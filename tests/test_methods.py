@@ -8,7 +8,7 @@ import torch
 from pydantic import ValidationError
 
 from support.quadratic import QuadraticModel, quad_loss
-from trainer.cli import OptimizerName
+from trainer.cli_settings import BY_NAME
 from trainer.config import TrainConfig, resolve_preset
 from trainer.methods import (
     KINDS,
@@ -25,7 +25,10 @@ from trainer.zo.optimizers import ZOCurvBlockAdamW, ZOCurvLine, ZOCurvSophia
 
 
 def test_every_registered_name_is_a_valid_config_and_a_cli_choice():
-    assert [m.value for m in OptimizerName] == list(METHODS)
+    option = BY_NAME["optimizer"]  # `train --optimizer`: the field's own validation, its help lists the names
+    assert all(option.parse(name) == name for name in METHODS) and ", ".join(METHODS) in option.info.description
+    with pytest.raises(ValidationError, match="use one of adamw"):
+        option.parse("adam")
     for name, m in METHODS.items():
         assert m.name == name and m.kind in KINDS
         for task in m.tasks:

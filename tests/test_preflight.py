@@ -102,10 +102,13 @@ def test_up_set_gives_both_runs_the_settings_and_refuses_what_up_decides(tmp_pat
         assert (cfg.lr, cfg.warmup_steps, cfg.min_lr, cfg.staleness) == (6e-4, 4, 6e-5, 30)
     assert (plan.base_cfg.optimizer, plan.zo_cfg.optimizer) == ("adamw", "zocurv-global")
     assert plan_up(train_options=("staleness=7",)).zo_cfg.staleness == 7
+    assert plan_up(train_options=("steps=3", "seq-len=16")).zo_cfg.steps == 3  # `train`'s option names
     for bad, msg in (("lr", "KEY=VALUE"), ("optimizer=mezo", "not a setting of both runs"),
-                     ("steps=3", "use --steps"), ("lr=-1", "lr")):
+                     ("lr=-1", "lr=-1: .*greater than 0"), ("eps=2", "eps=2: .*less than or equal to 1")):
         with pytest.raises(ValueError, match=msg):
             plan_up(train_options=(bad,))
+    with pytest.raises(ValueError, match="steps given twice"):  # as --steps and as --set steps
+        plan_up(steps=5, train_options=("steps=3",))
     with pytest.raises(ValueError, match="given twice"):
         plan_up(train_options=("lr=1e-3", "lr=2e-3"))
     with pytest.raises(ValueError, match="sends no probes"):  # every zocurv variant with probes runs on a fleet

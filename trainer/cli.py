@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import typer
 
 from trainer import launch
-from trainer.methods import METHODS
-
-# --optimizer's choices: the registered method names (typer shows and checks an Enum's values).
-OptimizerName = enum.Enum("OptimizerName", {name: name for name in METHODS}, type=str)
+from trainer.cli_settings import with_settings
 
 data_app = typer.Typer(help="Fetch and build real corpora and labelled tasks (cached).", no_args_is_help=True)
 
@@ -144,91 +140,61 @@ def _attach_fleet(url: str, cfg: Any, wait_s: float, fleet_wait: str = "never", 
     return out
 
 
-def train(
-    preset: str = typer.Option("demo", help="Run preset (demo) or model preset (gpt2-tiny, gpt2-small, ...)."),
-    corpus: str | None = typer.Option(None, help="Corpus: classics-small or classics."),
-    optimizer: OptimizerName | None = typer.Option(
-        None, metavar="METHOD",
-        help=f"Training method (trainer/methods.py): {', '.join(METHODS)}."),
-    optimizer_option: list[str] | None = typer.Option(
-        None, metavar="KEY=VALUE", help="KEY=VALUE: a knob of the chosen optimizer (repeatable), e.g. s_max=8 for zocurv-line."),
-    task: str | None = typer.Option(None, help="lm (pretraining on the corpus) or sentiment."),
-    steps: int | None = typer.Option(None, min=1, help="Optimizer steps."),
-    batch_size: int | None = typer.Option(None, min=1, help="Sequences per step."),
-    seq_len: int | None = typer.Option(None, min=2, help="Tokens per sequence."),
-    lr: float | None = typer.Option(None, help="Peak learning rate."),
-    warmup_steps: int | None = typer.Option(None, min=0, help="Linear warmup steps."),
-    schedule: str | None = typer.Option(None, help="Decay after warmup: cosine (to the preset's min_lr, default) or "
-                                        "linear (to zero)."),
-    eval_every: int | None = typer.Option(None, min=1, help="Evaluate every N steps."),
-    eval_batches: int | None = typer.Option(None, min=1, help="Held-out batches per evaluation (capped at the "
-                                            "validation split)."),
-    checkpoint_every: int | None = typer.Option(None, min=1, help="Checkpoint every N steps."),
-    probes: int | None = typer.Option(None, min=1, help="ZO: probes K per step / curvature round."),
-    eps: float | None = typer.Option(None, help="ZO: probe step epsilon."),
-    alpha: float | None = typer.Option(None, help="1.5-SPSA: curvature exponent alpha."),
-    lam: float | None = typer.Option(None, help="1.5-SPSA: weight floor lambda."),
-    probe_batch_size: int | None = typer.Option(None, min=1, help="ZO: sequences per probe batch."),
-    curvature_interval: int | None = typer.Option(None, min=1, help="ZO-Curv: steps between curvature rounds."),
-    staleness: int | None = typer.Option(None, min=0, help="ZO-Curv: staleness bound S in versions."),
-    probe_budget: int | None = typer.Option(None, min=3, help="zocurv-group: forward passes per curvature refresh."),
-    seed: int | None = typer.Option(None, min=0, help="Run seed (init, batches, probe seeds)."),
-    device: str | None = typer.Option(None, help="cpu or cuda[:N]."),
-    run_dir: Path | None = typer.Option(None, help="Run folder (default runs/<model>-<corpus>-<optimizer>-s<seed>)."),
-    resume: bool = typer.Option(False, help="Continue from the run folder's checkpoint."),
-    overwrite: bool = typer.Option(False, help="Start afresh in a run folder that already holds a run."),
-    progress: bool = typer.Option(True, help="Show a progress bar."),
-    export: bool = typer.Option(True, help="At the end, export the model as a transformers folder RUN_DIR/export."),
-    coordinator: str | None = typer.Option(
-        None, envvar="SPARECYCLES_COORDINATOR_URL",
-        help="Get the probes from this coordinator's fleet (ZO-Curv and pure-ZO optimizers); needs "
-             "SPARECYCLES_ADMIN_TOKEN and SPARECYCLES_REDIS_URL in the environment. Default: probe in process."),
-    attach_wait: float = typer.Option(120.0, min=0.0, help="With --coordinator: seconds to wait for the "
-                                      "coordinator and at least one active probe worker before giving up."),
-    fleet_wait: str | None = typer.Option(
-        None, help="With --coordinator (refused without it), when the trainer waits for a ZO-Curv probe round: "
-        "never (the default: a round folds at the first refresh after it completed; a round still out is not waited "
-        "for, and one that goes stale is "
-        "skipped and counted: curv_dropped_rounds), interval (each round folds at the refresh after it, waiting "
-        "only when the fleet is a whole interval behind: `up`'s exact-resume mode), sync (each round folds at its "
-        "own refresh: reproduces the in-process run bit for bit)."),
-    fleet_sync: bool = typer.Option(False, hidden=True, help="Same as --fleet-wait sync (kept for old commands)."),
-    eval_on: str = typer.Option(
-        "auto", help="Where held-out evaluation runs: trainer, fleet (the trainer publishes the version and moves "
-        "on; a version no worker answers for within --eval-deadline is evaluated here, and the record says so), "
-        "auto (fleet with --coordinator)."),
-    eval_deadline: float = typer.Option(120.0, min=0.0, help="--eval-on fleet: seconds without a result before "
-                                        "the trainer evaluates a version itself."),
-    eval_windows: str = typer.Option(
-        "full", help="--eval-on fleet: full (the whole validation split: it costs the trainer nothing) or subset "
-        "(the --eval-batches windows the trainer evaluates)."),
-    nproc_per_node: int | None = typer.Option(
-        None, min=1, help="Run under torchrun with N processes on this machine (one per GPU with --device cuda): "
-                          "DDP, the global batch split over the ranks. Same as `torchrun --standalone "
-                          "--nproc-per-node N -m sparecycles.cli train ...`."),
-    shard: bool = typer.Option(False, help="Under torchrun: shard parameters, gradients and AdamW state with FSDP2 "
-                               "(first-order optimizers) instead of replicating them (DDP)."),
-    micro_batch_size: int | None = typer.Option(None, min=1, help="Under torchrun (or alone): sequences per "
-                                                "forward/backward on each rank; gradients accumulate over the rank's "
-                                                "shard (first-order and ZO-Curv optimizers; ZO-Curv probes the "
-                                                "shard's first rows as without it)."),
-    dist_timeout: float = typer.Option(600.0, min=1.0, help="Under torchrun: seconds a collective waits for the other "
-                                       "ranks before the run stops with an error (a rank that died or hangs)."),
-    anytime: bool = typer.Option(False, help="The anytime model: at each evaluation, choose the best mixture of the "
-                                 "last versions on the corpus's selection split (e.g. --corpus classics-large) and "
-                                 "log its validation loss as served_val_loss (RUN_DIR/served.safetensors; "
-                                 "`export --best`)."),
-    anytime_k: int = typer.Option(8, min=2, max=64, help="--anytime: versions kept."),
-    anytime_every: int = typer.Option(10, min=1, help="--anytime: steps between published versions."),
-    pull: bool = typer.Option(False, help="--anytime ablation: move the trainer to the served model when it beats "
-                              "raw by > 3 standard errors on the selection split (optimizer state kept)."),
-    metrics_port: int | None = typer.Option(None, min=0, max=65535, help="Serve Prometheus metrics (step, loss, "
-                                            "val loss, tokens) on this port. Default: 9102 with --coordinator, none "
-                                            "without; 0: none."),
-    metrics_host: str = typer.Option("127.0.0.1", help="Interface the metrics port binds (0.0.0.0 in containers)."),
-    config: Path | None = typer.Option(None, hidden=True, help="A whole TrainConfig as JSON (what `up "
-                                       "--nproc-per-node` hands its ranks): replaces --preset and the run's settings."),
-) -> None:
+# `train`'s own options: how the process runs (the run's settings are TrainConfig's, generated by cli_settings).
+_O = typer.Option
+Preset = Annotated[str, _O(help="Run preset (demo) or model preset (gpt2-tiny, gpt2-small, ...): the defaults "
+                           "that the training settings below override.")]
+Resume = Annotated[bool, _O(help="Continue from the run folder's checkpoint.")]
+Overwrite = Annotated[bool, _O(help="Start afresh in a run folder that already holds a run.")]
+Progress = Annotated[bool, _O(help="Show a progress bar.")]
+Export = Annotated[bool, _O(help="At the end, export the model as a transformers folder RUN_DIR/export.")]
+Coordinator = Annotated[str | None, _O(
+    envvar="SPARECYCLES_COORDINATOR_URL",
+    help="Get the probes from this coordinator's fleet (ZO-Curv and pure-ZO optimizers); needs "
+         "SPARECYCLES_ADMIN_TOKEN and SPARECYCLES_REDIS_URL in the environment. Default: probe in process.")]
+AttachWait = Annotated[float, _O(min=0.0, help="With --coordinator: seconds to wait for the coordinator and at "
+                                 "least one active probe worker before giving up.")]
+FleetWait = Annotated[str | None, _O(
+    help="With --coordinator (refused without it), when the trainer waits for a ZO-Curv probe round: never (the "
+    "default: a round folds at the first refresh after it completed; a round still out is not waited for, and one "
+    "that goes stale is skipped and counted: curv_dropped_rounds), interval (each round folds at the refresh after "
+    "it, waiting only when the fleet is a whole interval behind: `up`'s exact-resume mode), sync (each round folds at "
+    "its own refresh: reproduces the in-process run bit for bit).")]
+FleetSync = Annotated[bool, _O(hidden=True, help="Same as --fleet-wait sync (kept for old commands).")]
+EvalOn = Annotated[str, _O(
+    help="Where held-out evaluation runs: trainer, fleet (the trainer publishes the version and moves on; a version "
+    "no worker answers for within --eval-deadline is evaluated here, and the record says so), auto (fleet with "
+    "--coordinator).")]
+EvalDeadline = Annotated[float, _O(min=0.0, help="--eval-on fleet: seconds without a result before the trainer "
+                                   "evaluates a version itself.")]
+EvalWindows = Annotated[str, _O(help="--eval-on fleet: full (the whole validation split: it costs the trainer "
+                                "nothing) or subset (the --eval-batches windows the trainer evaluates).")]
+Nproc = Annotated[int | None, _O(
+    min=1, help="Run under torchrun with N processes on this machine (one per GPU with --device cuda): DDP, the "
+    "global batch split over the ranks. Same as `torchrun --standalone --nproc-per-node N -m sparecycles.cli train "
+    "...`.")]
+Shard = Annotated[bool, _O(help="Under torchrun: shard parameters, gradients and AdamW state with FSDP2 "
+                           "(first-order optimizers) instead of replicating them (DDP).")]
+MicroBatch = Annotated[int | None, _O(
+    min=1, help="Under torchrun (or alone): sequences per forward/backward on each rank; gradients accumulate over "
+    "the rank's shard (first-order and ZO-Curv optimizers; ZO-Curv probes the shard's first rows as without it).")]
+DistTimeout = Annotated[float, _O(min=1.0, help="Under torchrun: seconds a collective waits for the other ranks "
+                                  "before the run stops with an error (a rank that died or hangs).")]
+MetricsPort = Annotated[int | None, _O(min=0, max=65535, help="Serve Prometheus metrics (step, loss, val loss, "
+                                       "tokens) on this port. Default: 9102 with --coordinator, none without; 0: none.")]
+MetricsHost = Annotated[str, _O(help="Interface the metrics port binds (0.0.0.0 in containers).")]
+ConfigFile = Annotated[Path | None, _O(hidden=True, help="A whole TrainConfig as JSON (what `up --nproc-per-node` "
+                                       "hands its ranks): replaces --preset and the run's settings.")]
+
+
+@with_settings()
+def train(settings: dict, preset: Preset = "demo", resume: Resume = False, overwrite: Overwrite = False,
+          progress: Progress = True, export: Export = True, coordinator: Coordinator = None,
+          attach_wait: AttachWait = 120.0, fleet_wait: FleetWait = None, fleet_sync: FleetSync = False,
+          eval_on: EvalOn = "auto", eval_deadline: EvalDeadline = 120.0, eval_windows: EvalWindows = "full",
+          nproc_per_node: Nproc = None, shard: Shard = False, micro_batch_size: MicroBatch = None,
+          dist_timeout: DistTimeout = 600.0, metrics_port: MetricsPort = None, metrics_host: MetricsHost = "127.0.0.1",
+          config: ConfigFile = None) -> None:
     """Train a model and write a run folder (metrics.jsonl, TensorBoard event files, checkpoint.safetensors,
     loss.png, summary.json, export/).
 
@@ -237,65 +203,75 @@ def train(
     --overwrite; an interrupted one continues with --resume. Under torchrun (or with --nproc-per-node) every rank
     runs this command; rank 0 alone writes the run folder and talks to the coordinator (trainer.distributed).
     """
-    import json
-
     # Only light modules until every option is checked: torch and transformers (trainer.train) take seconds to
     # import, and an option error must not wait for them.
     from trainer.preflight import folder_state, no_probe_round_warning
     from trainer.run_dir import default_run_dir
 
-    overrides = dict(corpus=corpus, optimizer=optimizer and optimizer.value, task=task, steps=steps, batch_size=batch_size,
-                     seq_len=seq_len, lr=lr, warmup_steps=warmup_steps, schedule=schedule, eval_every=eval_every,
-                     eval_batches=eval_batches,
-                     checkpoint_every=checkpoint_every, probes=probes, eps=eps, alpha=alpha, lam=lam,
-                     probe_batch_size=probe_batch_size, curvature_interval=curvature_interval, staleness=staleness,
-                     probe_budget=probe_budget, seed=seed, device=device, run_dir=run_dir,
-                     optimizer_options=_key_values(optimizer_option or []) or None,
-                     anytime=dict(k=anytime_k, publish_every=anytime_every, pull=pull) if anytime or pull else None)
     if (fleet_wait is not None or fleet_sync) and not coordinator:
         raise typer.BadParameter("--fleet-wait (and --fleet-sync) say when the trainer waits for a fleet's probe "
                                  "rounds: they need --coordinator (or SPARECYCLES_COORDINATOR_URL)",
                                  param_hint="--fleet-wait")
-    fleet_wait = fleet_wait or "never"
-    cfg = _resolve_checked(preset, overrides, eval_on=eval_on, fleet_wait=fleet_wait, eval_windows=eval_windows,
+    fleet_wait = "sync" if fleet_sync else fleet_wait or "never"
+    cfg = _resolve_checked(preset, settings, eval_on=eval_on, fleet_wait=fleet_wait, eval_windows=eval_windows,
                            coordinator=coordinator, config=config)
     fleet_settings = _fleet_settings() if coordinator else None
     if nproc_per_node is not None and not launch.launched_by_torchrun():
         launch.check_launch(cfg, shard, nproc_per_node, micro_batch_size)  # the ranks would refuse these only after torchrun started them
         raise typer.Exit(launch.relaunch(nproc_per_node, cfg.device))
-    from trainer.distributed import DistributedError, setup
-
-    try:
-        dist = setup(device=cfg.device, shard=shard, micro_batch_size=micro_batch_size, fleet=bool(coordinator),
-                     timeout_s=dist_timeout, fleet_rounds=FLEET_WAIT["sync" if fleet_sync else fleet_wait])
-    except (ValueError, DistributedError) as exc:
-        typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
-        raise typer.Exit(2) from exc
+    dist = _setup_dist(cfg, shard=shard, micro_batch_size=micro_batch_size, fleet=bool(coordinator),
+                       timeout_s=dist_timeout, fleet_wait=fleet_wait)
     folder = cfg.run_dir or default_run_dir(cfg)
     state = folder_state(folder, cfg)
     if not resume and not overwrite and state.kind in ("done", "other"):
-        _refuse_or_reuse(folder, state, dist.is_main)
-        return
+        return _refuse_or_reuse(folder, state, dist.is_main)
     warning = no_probe_round_warning(cfg)
     if warning and dist.is_main:
         typer.secho(f"warning: {warning}", fg=typer.colors.YELLOW, err=True)
     if dist.is_main:  # rank 0 alone reports (one port per host)
         _serve_metrics(metrics_port, metrics_host, bool(coordinator))
-    fleet_kw = {}
-    if coordinator:  # rank 0 alone attaches; the others learn whether it did
-        attached = False
-        try:
-            if dist.is_main:
-                fleet_kw = _attach_fleet(coordinator, cfg, attach_wait, "sync" if fleet_sync else fleet_wait, eval_on,
-                                         eval_deadline, eval_windows, settings=fleet_settings)
-            attached = True
-        finally:  # rank 0's own error propagates; the others exit 2 quietly
-            if dist.parallel and not dist.broadcast_object(attached) and not dist.is_main:
-                raise typer.Exit(2)
+    fleet_kw = _attach_ranks(dist, coordinator, cfg, attach_wait, fleet_wait, eval_on, eval_deadline, eval_windows,
+                             fleet_settings) if coordinator else {}
     result = _run_train(cfg, dist, folder, resume=resume, progress=progress, overwrite=overwrite, export=export,
                         fleet_kw=fleet_kw)
-    if not dist.is_main:
-        return
+    if dist.is_main:
+        _report(result, warning)
+
+
+def _setup_dist(cfg: Any, *, shard: bool, micro_batch_size: int | None, fleet: bool, timeout_s: float,
+                fleet_wait: str) -> Any:
+    """trainer.distributed.setup for this process (a world of one outside torchrun); a refused combination exits 2."""
+    from trainer.distributed import DistributedError, setup
+
+    try:
+        return setup(device=cfg.device, shard=shard, micro_batch_size=micro_batch_size, fleet=fleet,
+                     timeout_s=timeout_s, fleet_rounds=FLEET_WAIT[fleet_wait])
+    except (ValueError, DistributedError) as exc:
+        typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from exc
+
+
+def _attach_ranks(dist: Any, coordinator: str, cfg: Any, attach_wait: float, fleet_wait: str, eval_on: str,
+                  eval_deadline: float, eval_windows: str, fleet_settings: Any) -> dict[str, Any]:
+    """Rank 0 attaches to the fleet (`_attach_fleet`); the other ranks learn whether it did and exit 2 quietly when
+    it did not. Returns rank 0's `train` keyword arguments ({} on the others)."""
+    fleet_kw: dict[str, Any] = {}
+    attached = False
+    try:
+        if dist.is_main:
+            fleet_kw = _attach_fleet(coordinator, cfg, attach_wait, fleet_wait, eval_on, eval_deadline, eval_windows,
+                                     settings=fleet_settings)
+        attached = True
+    finally:  # rank 0's own error propagates; the others exit 2 quietly
+        if dist.parallel and not dist.broadcast_object(attached) and not dist.is_main:
+            raise typer.Exit(2)
+    return fleet_kw
+
+
+def _report(result: Any, warning: str | None) -> None:
+    """Rank 0's end of `train`: the warning into summary.json, the time ledger and the loss line on the console."""
+    import json
+
     if warning:  # the summary says it too, for whoever reads the folder later
         path = result.run_dir / "summary.json"
         path.write_text(json.dumps({**json.loads(path.read_text()), "warnings": [warning]}, indent=2))
@@ -401,18 +377,4 @@ def _serve_metrics(port: int | None, host: str, fleet: bool) -> None:
     typer.echo(f"trainer metrics at http://{host}:{bound}/metrics", err=True)
 
 
-def _key_values(items: list[str]) -> dict:
-    """--optimizer-option KEY=VALUE pairs as a dict; VALUE is read as JSON (8, 0.5, true, null) or else kept as
-    text (block). TrainConfig validates them against the method. Raises typer.BadParameter without '='."""
-    import json
 
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise typer.BadParameter(f"expected KEY=VALUE, got {item!r}", param_hint="--optimizer-option")
-        try:
-            out[key.strip()] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key.strip()] = value.strip()
-    return out

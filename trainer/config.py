@@ -4,13 +4,23 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from coordinator.bounds import ProbeEps, RunSeed, Staleness
 from trainer.anytime.settings import AnytimeSettings
 from trainer.methods import METHODS, get_method, method_names
+
+
+def _registered(name: str) -> str:
+    get_method(name)  # ValueError listing the registered names
+    return name
+
+
+# A registered training method's name (trainer.methods.METHODS), checked wherever the field is validated (the CLI's
+# --optimizer included: trainer.cli_settings).
+MethodName = Annotated[str, AfterValidator(_registered)]
 
 # Run presets: named bundles of defaults. `--preset demo` picks one of these; any other value of
 # `--preset` names a model preset (trainer.models.PRESETS) and keeps the defaults below.
@@ -75,8 +85,10 @@ class TrainConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
-    model: str = "gpt2-tiny"
-    corpus: str = "classics-small"
+    model: str = Field("gpt2-tiny", min_length=1, description="model preset (trainer.models.PRESETS) or a local "
+                       "transformers folder")
+    corpus: str = Field("classics-small", min_length=1, description="corpus: classics-small, classics or "
+                        "classics-large (with a selection split)")
     # The user's own text (trainer.data.user): set, the LM task trains on it instead of `corpus`.
     data: str | None = Field(None, min_length=1, description=(
         "your text instead of --corpus: a file, folder or glob of .txt, .jsonl/.json, .parquet or a datasets "
@@ -84,46 +96,46 @@ class TrainConfig(BaseModel):
     text_field: str = Field("text", min_length=1, description="--data: the JSON field / parquet column of the text")
     encoding_errors: Literal["strict", "replace"] = Field(
         "strict", description="--data: invalid UTF-8 is refused (strict) or read as U+FFFD (replace)")
-    optimizer: str = Field("adamw", description="a registered method (trainer.methods.METHODS)")
-    steps: int = Field(300, ge=1, le=10_000_000)
-    batch_size: int = Field(16, ge=1, le=4096)
-    seq_len: int = Field(128, ge=2, le=8192)
-    lr: float = Field(3e-3, gt=0, le=1.0)
-    min_lr: float = Field(1e-5, ge=0, le=1.0)
-    warmup_steps: int = Field(30, ge=0)
-    schedule: Literal["cosine", "linear"] = Field("cosine", description="decay after warmup (lr_at)")
-    weight_decay: float = Field(0.1, ge=0, le=10.0)
-    beta1: float = Field(0.9, ge=0, lt=1)
-    beta2: float = Field(0.95, ge=0, lt=1)
-    grad_clip: float = Field(1.0, ge=0)
-    eval_every: int = Field(50, ge=1)
-    eval_batches: int = Field(8, ge=1, le=10_000)
-    checkpoint_every: int = Field(100, ge=1)
-    seed: RunSeed = 0
-    device: str = "cpu"
-    run_dir: Path | None = None
+    optimizer: MethodName = Field("adamw", description=f"training method (trainer/methods.py): {', '.join(METHODS)}")
+    steps: int = Field(300, ge=1, le=10_000_000, description="optimizer steps")
+    batch_size: int = Field(16, ge=1, le=4096, description="sequences per step")
+    seq_len: int = Field(128, ge=2, le=8192, description="tokens per sequence")
+    lr: float = Field(3e-3, gt=0, le=1.0, description="peak learning rate")
+    min_lr: float = Field(1e-5, ge=0, le=1.0, description="cosine schedule: the final learning rate")
+    warmup_steps: int = Field(30, ge=0, description="linear warmup steps (a preset's scales down with a "
+                              "shorter --steps)")
+    schedule: Literal["cosine", "linear"] = Field("cosine", description="decay after warmup: cosine (to min_lr) "
+                                                  "or linear (to zero)")
+    weight_decay: float = Field(0.1, ge=0, le=10.0, description="AdamW weight decay")
+    beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1")
+    beta2: float = Field(0.95, ge=0, lt=1, description="AdamW beta2")
+    grad_clip: float = Field(1.0, ge=0, description="gradient norm clip (0: none)")
+    eval_every: int = Field(50, ge=1, description="evaluate every N steps")
+    eval_batches: int = Field(8, ge=1, le=10_000, description="held-out batches per evaluation (capped at "
+                              "the validation split)")
+    checkpoint_every: int = Field(100, ge=1, description="checkpoint every N steps")
+    seed: RunSeed = Field(0, description="run seed (init, batches, probe seeds)")
+    device: str = Field("cpu", description="cpu or cuda[:N]")
+    run_dir: Path | None = Field(None, description="run folder (default runs/<model>-<corpus>-<optimizer>-s<seed>)")
     # Knobs of the ZO modes (ignored by adamw); names follow DESIGN section 2.
-    probes: int = Field(8, ge=1, le=100_000, description="K probes per step / per curvature round")
-    eps: ProbeEps = Field(1e-3, description="probe step epsilon (role variants: relative to a group's RMS)")
+    probes: int = Field(8, ge=1, le=100_000, description="ZO: K probes per step / per curvature round")
+    eps: ProbeEps = Field(1e-3, description="ZO: probe step epsilon (role variants: relative to a group's RMS)")
     alpha: float = Field(0.1, ge=0, le=2.0, description="1.5-SPSA curvature exponent")
     lam: float = Field(1.0, gt=0, description="1.5-SPSA weight floor lambda")
-    probe_batch_size: int = Field(16, ge=1, le=4096)
-    curvature_interval: int = Field(10, ge=1)
-    staleness: Staleness = Field(2, description="staleness bound S, in versions")
+    probe_batch_size: int = Field(16, ge=1, le=4096, description="ZO: sequences per probe batch")
+    curvature_interval: int = Field(10, ge=1, description="ZO-Curv: steps between curvature rounds")
+    staleness: Staleness = Field(2, description="ZO-Curv: staleness bound S, in versions")
     probe_budget: int = Field(41, ge=3, le=1_000_000,
                               description="zocurv-group: forward-equivalents per curvature refresh")
-    task: Literal["lm", "sentiment"] = "lm"
+    task: Literal["lm", "sentiment"] = Field("lm", description="lm (pretraining on the corpus or --data) or "
+                                             "sentiment (MiniLM-L6 fine-tuning)")
     # The method's own knobs (trainer.methods.Method.options), validated against it; {} keeps its defaults.
-    optimizer_options: dict[str, float | int | str | bool | None] = Field(default_factory=dict)
+    optimizer_options: dict[str, float | int | str | bool | None] = Field(
+        default_factory=dict, description="a knob of the chosen optimizer, e.g. s_max=8 for zocurv-line")
     # The anytime model (trainer.anytime, issue 31): None = off. LM task only; needs a corpus with a
     # selection split (checked when the corpus is loaded).
-    anytime: AnytimeSettings | None = None
-
-    @field_validator("optimizer")
-    @classmethod
-    def _registered(cls, name: str) -> str:
-        get_method(name)  # ValueError listing the registered names
-        return name
+    anytime: AnytimeSettings | None = Field(None, description="the anytime model (served_val_loss, "
+                                            "RUN_DIR/served.safetensors, `export --best`)")
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainConfig:

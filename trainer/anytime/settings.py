@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class AnytimeSettings(BaseModel):
@@ -26,25 +28,12 @@ class AnytimeSettings(BaseModel):
 
     k: int = Field(8, ge=2, le=64, description="versions kept")
     publish_every: int = Field(10, ge=1, description="optimizer steps between published versions")
-    half_lives: tuple[float, ...] = Field((1.0, 2.0, 4.0), description="EMA half-lives, in versions")
-    windows: tuple[int, ...] = Field((2, 4, 8), description="uniform averages over the m newest versions")
+    half_lives: tuple[Annotated[float, Field(gt=0)], ...] = Field((1.0, 2.0, 4.0), description="EMA half-lives, in versions")
+    windows: tuple[Annotated[int, Field(ge=1)], ...] = Field((2, 4, 8), description="uniform averages over the m newest versions")
     select_batches: int = Field(8, ge=1, le=10_000, description="batches of the selection split per candidate")
     quad_dim: int = Field(2, ge=0, le=4, description="anchors besides raw for the quadratic fit (0 = no fit)")
     quad_n: int = Field(3, ge=2, le=6, description="lattice divisions of the design")
     quad_rel_tol: float = Field(0.05, gt=0, le=1.0, description="refuse a fit with residual RMS > tol x std")
-    pull: bool = False
-    pull_z: float = Field(3.0, gt=0)
-
-    @field_validator("half_lives")
-    @classmethod
-    def _positive(cls, v: tuple[float, ...]) -> tuple[float, ...]:
-        if any(h <= 0 for h in v):
-            raise ValueError(f"half-lives must be > 0, got {v}")
-        return v
-
-    @field_validator("windows")
-    @classmethod
-    def _windows(cls, v: tuple[int, ...]) -> tuple[int, ...]:
-        if any(m < 1 for m in v):
-            raise ValueError(f"windows must be >= 1, got {v}")
-        return v
+    pull: bool = Field(False, description="ablation: move the trainer to the served model when it beats raw by > "
+                       "pull_z standard errors on the selection split (optimizer state kept)")
+    pull_z: float = Field(3.0, gt=0, description="--anytime-pull: standard errors of the margin")

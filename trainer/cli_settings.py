@@ -1,0 +1,273 @@
+"""TrainConfig's fields as command-line options: one config, one place.
+
+`SETTINGS` lists one `Setting` per option: every TrainConfig field, and for a nested model field (`anytime`) a flag
+that turns it on plus one option per sub-field (`--anytime-k`). Each option's name, help (the field's description),
+bound and default come from the field itself; its value is validated by a pydantic TypeAdapter over the field's own
+annotation and constraints (so `--eps` refuses what `ProbeEps` refuses, with the same message). `with_settings`
+adds them to a typer command as generated parameters (a signature built from SETTINGS), and `parse_set` reads
+`up --set KEY=VALUE` with the same names and the same validation. A new TrainConfig field becomes an option of
+`train` (and `up`) with no other edit.
+
+Torch-free: imported when the CLI is built.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
+
+import annotated_types as at
+import typer
+from pydantic import BaseModel, TypeAdapter
+from pydantic.fields import FieldInfo
+from typer.core import TyperCommand
+
+from trainer.config import RUN_PRESETS, TrainConfig
+
+# The section of --help that lists them (the command's own options come first, under "Options").
+SECTION = "Training settings (TrainConfig; `up --set KEY=VALUE` takes the same names)"
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One generated option. `path` is where its value goes in TrainConfig's keyword arguments: ("lr",), or
+    ("anytime", "k") for a sub-field; ("anytime",) with `flag` set is the switch that turns a nested model on with
+    its defaults. `info` is the pydantic FieldInfo it is generated from."""
+
+    name: str
+    path: tuple[str, ...]
+    info: FieldInfo
+    flag: bool = False
+
+    @property
+    def option(self) -> str:
+        """The option's flag, e.g. "--seq-len" (a dict field `X_options` is the repeatable "--X-option")."""
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def is_dict(self) -> bool:
+        return _is_dict(self.info)
+
+    @functools.cached_property
+    def adapter(self) -> TypeAdapter:
+        """Validates one value exactly as TrainConfig does (the field's annotation and constraints)."""
+        meta = tuple(self.info.metadata)
+        return TypeAdapter(Annotated[(self.info.annotation, *meta)] if meta else self.info.annotation)
+
+    def parse(self, text: Any) -> Any:
+        """The option's value from its command-line text (or an already typed value). A tuple field takes a comma
+        list ("1,2,4"), a bool "true"/"false". Raises ValueError (pydantic's ValidationError) as TrainConfig would."""
+        if self.flag:
+            return TypeAdapter(bool).validate_python(text)
+        if isinstance(text, str) and get_origin(_bare(self.info.annotation)) is tuple:
+            text = [t.strip() for t in text.split(",") if t.strip()]
+        return self.adapter.validate_python(text)
+
+
+def _bare(annotation: Any) -> Any:
+    """`annotation` without `| None`."""
+    if get_origin(annotation) in (Union, getattr(__import__("types"), "UnionType", Union)):
+        args = [a for a in get_args(annotation) if a is not type(None)]
+        return args[0] if len(args) == 1 else annotation
+    return annotation
+
+
+def _nested(annotation: Any) -> type[BaseModel] | None:
+    bare = _bare(annotation)
+    return bare if isinstance(bare, type) and issubclass(bare, BaseModel) else None
+
+
+def _settings(model: type[BaseModel] = TrainConfig) -> tuple[Setting, ...]:
+    out: list[Setting] = []
+    for name, info in model.model_fields.items():
+        sub = _nested(info.annotation)
+        if sub is None:
+            out.append(Setting(name.removesuffix("s") if _is_dict(info) else name, (name,), info))
+            continue
+        out.append(Setting(name, (name,), info, flag=True))
+        out += [Setting(f"{name}_{k}", (name, k), v) for k, v in sub.model_fields.items()]
+    return tuple(out)
+
+
+def _is_dict(info: FieldInfo) -> bool:
+    return get_origin(_bare(info.annotation)) is dict
+
+
+SETTINGS: tuple[Setting, ...] = _settings()
+BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}
+
+
+def bounds(info: FieldInfo) -> dict[str, float]:
+    """The numeric bounds a field declares ({"gt": 0.0, "le": 1.0}, ...), read from its pydantic metadata."""
+    out: dict[str, float] = {}
+    for m in info.metadata:
+        if isinstance(m, (at.Gt, at.Ge, at.Lt, at.Le, at.Interval)):
+            out.update({k: getattr(m, k) for k in ("gt", "ge", "lt", "le") if getattr(m, k, None) is not None})
+    return out
+
+
+def _bound_text(info: FieldInfo) -> str:
+    b = {k: f"{v:,}" if isinstance(v, int) and abs(v) >= 10_000 else f"{v:g}" for k, v in bounds(info).items()}
+    lo = f"{b['gt']}<" if "gt" in b else f"{b['ge']}<=" if "ge" in b else ""
+    hi = f"<{b['lt']}" if "lt" in b else f"<={b['le']}" if "le" in b else ""
+    return f"{lo}x{hi}" if lo or hi else ""
+
+
+def _metavar(s: Setting) -> str:
+    ann = _bare(s.info.annotation)
+    if s.is_dict:
+        return "KEY=VALUE"
+    if get_origin(ann) is Literal:
+        return "[" + "|".join(map(str, get_args(ann))) + "]"
+    if get_origin(ann) is tuple:
+        return "A,B,..."
+    name = getattr(ann, "__name__", "TEXT")
+    return {"int": "INTEGER", "float": "FLOAT", "str": "TEXT", "Path": "PATH"}.get(name, "TEXT")
+
+
+def _preset_default(s: Setting) -> str:
+    """The default shown in --help: TrainConfig's, and the demo run preset's when it sets another."""
+    if s.flag:
+        return "off"
+    default = s.info.get_default(call_default_factory=True)
+    shown = ("on" if default else "off") if isinstance(default, bool) else "none" if default is None or default == {} else ",".join(map(str, default)) if isinstance(
+        default, tuple) else str(default)
+    demo = RUN_PRESETS["demo"].get(s.path[0]) if len(s.path) == 1 else None
+    return f"{shown}; demo preset: {demo}" if demo is not None and demo != default else shown
+
+
+def _help(s: Setting) -> str:
+    if s.flag:
+        return (f"Turn on {s.info.description or s.name} with its defaults (any --{s.name.replace('_', '-')}-* "
+                "option turns it on too).")
+    text = s.info.description or s.name.replace("_", " ")
+    if s.is_dict:
+        text += " (repeatable; VALUE read as JSON, else text)"
+    bound = _bound_text(s.info)
+    return f"{text}{'.' if not text.endswith('.') else ''}{f' Bound: {bound}.' if bound else ''}"
+
+
+def _parameter(s: Setting) -> inspect.Parameter:
+    """The typer parameter of one setting: default None (the preset's / TrainConfig's value), its value parsed
+    and validated by `Setting.parse` (a dict field: KEY=VALUE pairs, repeatable)."""
+    ann = _bare(s.info.annotation)
+    common = dict(help=_help(s), show_default=_preset_default(s))
+    if s.flag or ann is bool:
+        return inspect.Parameter(s.name, inspect.Parameter.KEYWORD_ONLY, annotation=bool | None,
+                                 default=typer.Option(None, f"{s.option}/--no-{s.option[2:]}", **common))
+    if s.is_dict:
+        return inspect.Parameter(s.name, inspect.Parameter.KEYWORD_ONLY, annotation=list[str] | None,
+                                 default=typer.Option(None, s.option, metavar="KEY=VALUE", **common))
+    return inspect.Parameter(s.name, inspect.Parameter.KEYWORD_ONLY, annotation=Any,
+                             default=typer.Option(None, s.option, metavar=_metavar(s), parser=s.parse, **common))
+
+
+def key_values(items: list[str], option: str = "--optimizer-option") -> dict:
+    """KEY=VALUE pairs as a dict; VALUE is read as JSON (8, 0.5, true, null) or else kept as text (block). The
+    model validates them. Raises typer.BadParameter (naming `option`) for an item without '='."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise typer.BadParameter(f"expected KEY=VALUE, got {item!r}", param_hint=option)
+        try:
+            out[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key.strip()] = value.strip()
+    return out
+
+
+def collect(values: dict[str, Any]) -> dict[str, Any]:
+    """TrainConfig keyword overrides from generated options' values {setting name: value}; None (unset) is left
+    out; a nested model's sub-fields (or its flag) build its dict ({"anytime": {"k": 4}})."""
+    out: dict[str, Any] = {}
+    for name, value in values.items():
+        s = BY_NAME[name]
+        if value is None or (s.is_dict and not value) or (s.flag and not value):
+            continue
+        if s.is_dict:
+            value = key_values(list(value), s.option) if isinstance(value, (list, tuple)) else dict(value)
+        if len(s.path) == 1:
+            if s.flag:
+                out.setdefault(s.path[0], {})
+            else:
+                out[s.path[0]] = value
+        else:
+            out.setdefault(s.path[0], {})[s.path[1]] = value
+    return out
+
+
+def parse_set(items: tuple[str, ...] | list[str], *, exclude: tuple[str, ...] = ()) -> dict[str, Any]:
+    """{setting name: typed value} from "KEY=VALUE" strings (`up --set`): KEY is an option's name (dashes or
+    underscores: lr, seq-len, anytime_k, optimizer_option), VALUE validated as that option's. Raises ValueError for an
+    item without "=", an unknown or excluded KEY, a KEY given twice, or a value the field refuses (naming it)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or not key:
+            raise ValueError(f"--set {item!r}: use KEY=VALUE, e.g. --set lr=6e-4")
+        s = BY_NAME.get(key)
+        if s is None or key in exclude or s.path[0] in exclude:
+            raise ValueError(f"--set {key}: not a setting of both runs; settable: "
+                             f"{', '.join(n for n, x in BY_NAME.items() if n not in exclude and x.path[0] not in exclude)}")
+        if key in out and not s.is_dict:
+            raise ValueError(f"--set {key} given twice")
+        try:
+            if s.is_dict:
+                out.setdefault(key, []).append(value.strip())
+            else:
+                out[key] = s.parse(value.strip())
+        except ValueError as exc:
+            from trainer.preflight import explain
+
+            raise ValueError(f"--set {key}={value.strip()}: {explain(exc)}") from None
+    return out
+
+
+class SettingsCommand(TyperCommand):
+    """A typer command whose --help lists the generated TrainConfig options in their own section, after the
+    command's own options."""
+
+    def format_options(self, ctx: Any, formatter: Any) -> None:
+        names = set(getattr(self.callback, "settings_names", ()))
+        own, generated = [], []
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is not None:
+                (generated if param.name in names else own).append(record)
+        for title, rows in (("Options", own), (SECTION, generated)):
+            if rows:
+                with formatter.section(title):
+                    formatter.write_dl(rows)
+
+
+def with_settings(*, exclude: tuple[str, ...] = ()) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorate a typer command `func(settings, **own_options)`: the command gets one option per Setting (those of
+    fields in `exclude`, and those whose name `func` declares itself, left out) after its own, and `func` receives
+    `settings`, the TrainConfig overrides given (`collect`). Register the result with `cls=SettingsCommand`."""
+
+    def wrap(func: Callable[..., Any]) -> Callable[..., Any]:
+        sig = inspect.signature(func, eval_str=True)
+        own = [p for name, p in sig.parameters.items() if name != "settings"]
+        taken = {p.name for p in own}
+        names = [s.name for s in SETTINGS if s.name not in taken and s.path[0] not in exclude]
+        generated = [_parameter(BY_NAME[n]) for n in names]
+
+        @functools.wraps(func)
+        def command(**kwargs: Any) -> Any:
+            values = {n: kwargs.pop(n) for n in names}
+            return func(settings=collect(values), **kwargs)
+
+        params = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own] + generated
+        command.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
+        command.__annotations__ = {p.name: p.annotation for p in params}
+        del command.__wrapped__  # typer reads the generated signature, not func's
+        command.settings_names = tuple(names)  # type: ignore[attr-defined]  # SettingsCommand's --help section
+        return command
+
+    return wrap
