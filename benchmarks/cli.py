@@ -376,6 +376,29 @@ def bench_data_pack(
                f"-> {res['machine']['load_avg_1m_after']} on {res['machine']['cpus']} CPUs; wrote {out}")
 
 
+def bench_precision(
+    preset: Annotated[str, typer.Option(help="Model preset")] = "gpt2-small",
+    batch_size: Annotated[int, typer.Option(min=1)] = 16,
+    seq_len: Annotated[int, typer.Option(min=2)] = 512,
+    steps: Annotated[int, typer.Option(min=21, help="AdamW steps on real text before measuring")] = 60,
+    seeds: Annotated[int, typer.Option(min=1, help="Seeds per perturbing kind and batch")] = 8,
+    batches: Annotated[int, typer.Option(min=1, help="Validation batches scored")] = 2,
+    corpus: Annotated[str, typer.Option(help="Corpus (train split trains, validation split is scored)")] = "classics-small",
+    device: Annotated[str, typer.Option(help="Torch device (cuda:N; cpu runs every column eagerly)")] = "cuda:0",
+    json_path: Annotated[Path | None, typer.Option("--json-out", help="Write the result JSON here")] = None,
+) -> None:
+    """Per round kind, the signal-to-noise of TF32 and bf16 forwards against fp32 (benchmarks.precision)."""
+    from benchmarks.precision import measure, precisions, table
+
+    res = measure(preset, (batch_size, seq_len), steps, seeds, batches, corpus, device,
+                  progress=lambda m: typer.echo(m, err=True))
+    res["measured_precision"] = precisions(res)
+    if json_path is not None:
+        json_path.write_text(json.dumps(res, indent=1))
+    typer.echo(table(res))
+    typer.echo(f"bound: bf16 SNR >= {res['snr_bound']:g}; from this measurement: {res['measured_precision']}")
+
+
 # short_help: the one-line summaries `sparecycles bench --help` lists, whole at 80 columns.
 bench_app.command("kernels", short_help="Fused perturb/replay kernels vs copy bandwidth.")(
     kernels_cli.bench_kernels)
@@ -384,6 +407,7 @@ bench_app.command("intake", short_help="Coordinator intake: results/s and latenc
 bench_app.command("fleet", short_help="Fleet probes/s with 1, 2, 4 workers; publish time.")(bench_fleet)
 bench_app.command("data-pack", short_help="Tokens/s and the time to pack a 100 MB --data folder.")(
     bench_data_pack)
+bench_app.command("precision", short_help="bf16 vs TF32 signal-to-noise per round kind.")(bench_precision)
 bench_app.command("zo", short_help="ZO-Curv and pure-ZO benchmarks on real data.")(bench_zo)
 bench_app.command("regime", short_help="Block-type lrs vs AdamW at large batch (issue 29).",
                   context_settings={"allow_extra_args": True, "ignore_unknown_options": True,

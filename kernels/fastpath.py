@@ -79,6 +79,11 @@ def _configure_inductor() -> bool:
         import torch._inductor.config as icfg
     except ImportError:
         return False
+    import torch._dynamo.config as dcfg
+
+    for name in ("cache_size_limit", "recompile_limit"):  # a worker compiles one code object per copy and shape
+        if hasattr(dcfg, name):
+            setattr(dcfg, name, max(64, getattr(dcfg, name)))
     if hasattr(icfg, "deterministic"):
         icfg.deterministic = True
         return True

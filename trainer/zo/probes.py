@@ -46,7 +46,7 @@ import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -353,6 +353,10 @@ class KindRule:
     needs_base: bool = False  # the round names base_version (along_update, line, group_line)
     needs_group: bool = False  # the round names its block group (group, group_line)
     forwards: int = 2  # forward passes per seed (L+ and L−; group_line: its one point)
+    # The forward's precision on a GPU worker, declared from measurement (`sparecycles bench precision`, the table
+    # in docs/RESULTS.md): "bf16" (the bf16 compiled fast path, kernels.FastForward) only where the bf16 forward's
+    # signal-to-noise at the kind's ε clears SNR_BOUND; else "tf32" (fp32 weights, TF32 matmuls).
+    precision: Literal["bf16", "tf32"] = "tf32"
 
 
 def _eval(site: ProbeSite, k: int, eps: float, dist: str, group: Sequence[int], l0: float | None) -> Losses:
@@ -368,8 +372,21 @@ KINDS: dict[ProbeKind, KindRule] = {
     ProbeKind.GROUP: KindRule(_group, needs_group=True),
     ProbeKind.LINE: KindRule(_line, needs_base=True),
     ProbeKind.GROUP_LINE: KindRule(_group_line, needs_base=True, needs_group=True, forwards=1),
-    ProbeKind.EVAL: KindRule(_eval),  # held-out evaluation (coordinator.messages.EvalSpec), not a probe
+    ProbeKind.EVAL: KindRule(_eval, precision="bf16"),  # held-out evaluation (coordinator.messages.EvalSpec), not a probe
 }
+
+# A kind runs its forward in bf16 only when the bf16 forward's loss-difference signal-to-noise ratio (rms of the
+# fp32 reference's signal over the rms of bf16's deviation from it, benchmarks.precision) is at least this: bf16
+# then moves the quantity the round measures by at most a tenth of its typical size.
+SNR_BOUND = 10.0
+
+
+def forward_dtype(kind: ProbeKind | str, device: str | torch.device) -> torch.dtype | None:
+    """The dtype a worker's forward for `kind` runs in on `device`: torch.bfloat16 for a kind declared "bf16"
+    (KINDS) on CUDA, None (the version's own dtype, fp32 with TF32 matmuls on CUDA) otherwise; on CPU always
+    None, so a CPU worker's values equal the trainer's bit for bit. Raises ValueError for an unknown kind."""
+    rule = KINDS[ProbeKind(kind)]
+    return torch.bfloat16 if rule.precision == "bf16" and torch.device(device).type == "cuda" else None
 
 
 def check_group(group: Sequence[int], n_blocks: int | None = None) -> None:
