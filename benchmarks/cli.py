@@ -88,6 +88,12 @@ def bench_fleet(
     blob_path: Annotated[str, typer.Option(help="How weight shards reach the workers: shared (one blob directory "
                                            "on this host, as under `up`) or http (loopback HTTP, as to other "
                                            "hosts)")] = "shared",
+    kind: Annotated[str, typer.Option(help="Timed rounds: seeded (probe rounds, fp32/TF32 on a GPU) or eval "
+                                      "(held-out batches, one forward each: bf16 compiled on a GPU)")] = "seeded",
+    worker_cuda_graphs: Annotated[bool, typer.Option(help="Workers replay their compiled forwards as CUDA "
+                                                     "graphs (sparecycles worker --cuda-graphs)")] = False,
+    tf32_attention: Annotated[str, typer.Option(help="Workers' attention in fp32/TF32 forwards: fp32 or bf16 "
+                                                "(sparecycles worker --tf32-attention)")] = "fp32",
 ) -> None:
     """Probes per second with 1, 2, 4 workers (CPU or GPU), and version publish -> every worker ready latency."""
     from benchmarks.fleet import result_dict, run_fleet_bench
@@ -100,6 +106,11 @@ def bench_fleet(
 
     if blob_path not in ("shared", "http"):
         raise typer.BadParameter("use shared or http", param_hint="--blob-path")
+    if kind not in ("seeded", "eval"):
+        raise typer.BadParameter("use seeded or eval", param_hint="--kind")
+    if tf32_attention not in ("fp32", "bf16"):
+        raise typer.BadParameter("use fp32 or bf16", param_hint="--tf32-attention")
+    wargs = ("--cuda-graphs",) * worker_cuda_graphs + ("--tf32-attention", tf32_attention)
     try:
         devs = place_here(worker_devices=device).workers
     except ValueError as exc:
@@ -116,15 +127,16 @@ def bench_fleet(
 
     res = run_fleet_bench(redis_url, counts, preset, seeds, seeds_per_task, (batch_size, seq_len), threads,
                           ready_preset, devs, trainer_device, compare_seeds, interval,
-                          (train_batch_size or batch_size, train_seq_len or seq_len), save, blob_path)
+                          (train_batch_size or batch_size, train_seq_len or seq_len), save, blob_path, kind, wargs)
     save(res)
     if json_out:
         typer.echo(json.dumps(result_dict(res)))
         return
-    typer.echo(f"{preset}, batch {batch_size}x{seq_len}, {seeds} seeds in tasks of {seeds_per_task}, "
+    typer.echo(f"{preset}, {kind} rounds, batch {batch_size}x{seq_len}, {seeds} seeds in tasks of {seeds_per_task}, "
                f"{threads} thread(s)/worker, {os.cpu_count()} CPUs")
     for n, rate in res.probes_per_s.items():
-        typer.echo(f"  {n} worker(s): {rate:8.2f} probes/s ({res.forward_passes_per_s[n]:.2f} forward passes/s)")
+        typer.echo(f"  {n} worker(s): {rate:8.2f} results/s ({res.forward_passes_per_s[n]:.2f} forward passes/s, "
+                   f"{res.tokens_per_s[n] / 1e6:.3f}M tokens/s)")
     if res.ready_preset:
         typer.echo(f"  publish -> every worker ready, {res.ready_preset} ({res.ready_bytes / 2**20:.0f} MiB): "
                    f"{res.publish_to_ready_s:.2f} s (publish itself {res.publish_s:.2f} s; shards by {res.blob_path})")

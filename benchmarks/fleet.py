@@ -42,6 +42,9 @@ class FleetBenchResult:
     cpus: int
     probes_per_s: dict[int, float] = field(default_factory=dict)
     forward_passes_per_s: dict[int, float] = field(default_factory=dict)
+    worker_args: tuple[str, ...] = ()
+    kind: str = "seeded"  # the timed rounds' kind: seeded (probes, TF32) or eval (held-out batches, bf16 on CUDA)
+    tokens_per_s: dict[int, float] = field(default_factory=dict)  # forward passes/s x batch rows x sequence length
     ready_preset: str = ""
     ready_bytes: int = 0
     publish_s: float = 0.0
@@ -61,7 +64,7 @@ class FleetBenchResult:
 
 class _Fleet:
     def __init__(self, redis_url: str, tmp: Path, threads: int, devices: tuple[str, ...] = ("cpu",),
-                 blob_path: str = "shared") -> None:
+                 blob_path: str = "shared", worker_args: tuple[str, ...] = ()) -> None:
         from api.server import free_port
 
         if blob_path not in ("shared", "http"):
@@ -71,6 +74,7 @@ class _Fleet:
         self.blob_dir = tmp / "blobs" if blob_path == "shared" else None
 
         self.devices = devices or ("cpu",)
+        self.worker_args = tuple(worker_args)
         self.prefix = "bench" + secrets.token_hex(4)
         self.redis_url, self.tmp, self.threads = redis_url, tmp, threads
         self.admin_token, self.enroll_token = secrets.token_urlsafe(32), secrets.token_urlsafe(32)
@@ -117,7 +121,7 @@ class _Fleet:
                 [sys.executable, "-m", "probe_worker.cli", "--coordinator", self.url, "--token",
                  self.enroll_token, "--name", name, "--threads", str(self.threads), "--device", device,
                  "--cache-dir", str(self.tmp / f"cache-{name}"), "--loglevel", "WARNING",
-                 "--prefetch-interval", "0.2", "--control-interval", "0.1"], env=env, cwd=ROOT, stdout=log,
+                 "--prefetch-interval", "0.2", "--control-interval", "0.1", *self.worker_args], env=env, cwd=ROOT, stdout=log,
                 stderr=subprocess.STDOUT))
         self.wait(lambda: all(self.info(nm) and self.info(nm)["last_heartbeat"] > self.info(nm)["registered_at"]
                               for nm in names), "workers to start")
@@ -182,7 +186,8 @@ def run_fleet_bench(redis_url: str, worker_counts: tuple[int, ...] = (1, 2, 4), 
                     devices: tuple[str, ...] = ("cpu",), trainer_device: str = "cpu", compare_seeds: int = 0,
                     interval: int = 20, train_batch: tuple[int, int] | None = None,
                     save: Callable[[FleetBenchResult], None] = lambda r: None,
-                    blob_path: str = "shared") -> FleetBenchResult:
+                    blob_path: str = "shared", kind: str = "seeded",
+                    worker_args: tuple[str, ...] = ()) -> FleetBenchResult:
     """Measure probes/s for each worker count and publish -> ready latency of `ready_preset` weights.
 
     Worker i runs on devices[i % len(devices)] (e.g. ("cuda:1", "cuda:2")). With the publishing side on the CPU
@@ -192,23 +197,33 @@ def run_fleet_bench(redis_url: str, worker_counts: tuple[int, ...] = (1, 2, 4), 
     timed round's first seeds with in-process evaluation on the first worker's device. `save(result)` is called
     after each phase. blob_path: "shared" (the trainer writes shards into the coordinator's blob directory and
     the workers read them there, as under `up`) or "http" (over loopback HTTP, as to other hosts).
-    Raises RuntimeError if a worker dies or a phase exceeds its (generous) time limit; ValueError for a bad blob_path.
+    kind: the timed rounds' kind, "seeded" (probe rounds: two forwards per seed) or "eval" (an eval round, one
+    held-out batch of `batch` rows per seed, one forward each: bf16 on a CUDA worker, trainer.zo.probes.forward_dtype).
+    Raises RuntimeError if a worker dies or a phase exceeds its (generous) time limit; ValueError for a bad blob_path
+    or kind. worker_args: extra `sparecycles worker` options (e.g. ("--cuda-graphs", "--tf32-attention", "bf16")).
     """
+    if kind not in ("seeded", "eval"):
+        raise ValueError(f"kind must be 'seeded' or 'eval', got {kind!r}")
     from trainer.models import build_model
 
     res = FleetBenchResult(preset, seeds, seeds_per_task, batch, threads, os.cpu_count() or 1,
-                           worker_devices=tuple(devices), trainer_device=trainer_device, blob_path=blob_path)
+                           worker_devices=tuple(devices), trainer_device=trainer_device, blob_path=blob_path, kind=kind,
+                           worker_args=tuple(worker_args))
     keep = os.environ.get("SPARECYCLES_BENCH_KEEP") == "1"  # keep the coordinator's and workers' logs
     with (contextlib.nullcontext(tempfile.mkdtemp(prefix="sparecycles-bench-")) if keep
           else tempfile.TemporaryDirectory(prefix="sparecycles-bench-")) as tmp:
-        fleet = _Fleet(redis_url, Path(tmp), threads, devices, blob_path)
+        fleet = _Fleet(redis_url, Path(tmp), threads, devices, blob_path, worker_args)
         try:
             model = build_model(preset)
             xb = _batch(*batch, model.config.vocab_size, seed=0)
             for n in worker_counts:
                 names = fleet.start_workers(n)
-                got = _throughput_phase(fleet, names, res, model, xb, seeds, seeds_per_task, save)
-                if compare_seeds and n == worker_counts[0]:
+                if kind == "eval":
+                    _eval_phase(fleet, names, res, model, seeds, seeds_per_task, save)
+                    got = []
+                else:
+                    got = _throughput_phase(fleet, names, res, model, xb, seeds, seeds_per_task, save)
+                if compare_seeds and n == worker_counts[0] and got:
                     _compare_phase(res, got, model, xb, devices[0], compare_seeds, save)
                 if n != worker_counts[-1]:
                     fleet.stop_workers()
@@ -247,9 +262,48 @@ def _throughput_phase(fleet: _Fleet, names: list[str], res: FleetBenchResult, mo
         raise RuntimeError(f"timed round returned {len(got)} of {seeds} seeds")
     res.probes_per_s[n] = seeds / dt
     res.forward_passes_per_s[n] = 2 * seeds / dt
+    res.tokens_per_s[n] = 2 * seeds * xb[0].numel() / dt
     be.close()
     save(res)
     return got
+
+
+def _eval_phase(fleet: _Fleet, names: list[str], res: FleetBenchResult, model, seeds: int, seeds_per_task: int,
+                save: Callable[[FleetBenchResult], None]) -> None:
+    """As `_throughput_phase` with eval rounds (fleet.evaluation's wire form): `seeds` held-out batches of res.batch
+    (random tokens), one forward each; a warm-up round (compiles), then one timed round into res.forward_passes_per_s
+    (= probes_per_s: results/s) and res.tokens_per_s; save. Raises RuntimeError when the round returns fewer."""
+    import hashlib
+
+    from coordinator.round_messages import EvalSpec, ProbeRound, WeightTerm
+    from fleet import batch_wire
+
+    n = len(names)
+    b, t = res.batch
+    be = fleet.backend(model, f"fleet-eval-{n}", seeds_per_task)
+    be.publish(0)
+    fleet.wait(lambda names=names: all(fleet.info(nm)["version"] == 0 for nm in names), "weights on every worker")
+    x, y = _batch(seeds * b, t, model.config.vocab_size, seed=3)
+    blob = batch_wire.encode_batch((x, y), "lm")
+
+    def wire(rid: str, count: int):
+        return ProbeRound(schema_version=3, run=be.run, round_id=rid, version=0,
+                          batch_sha256=hashlib.sha256(blob).hexdigest(), eps=1.0, distribution="rademacher",
+                          seeds=list(range(count)), kind="eval",
+                          eval=EvalSpec(split="bench", batch_size=b, weights=[WeightTerm(version=0, coeff=1.0)]))
+
+    be.submit_wire(wire("warm", min(seeds, n * seeds_per_task * 2)), blob)
+    be.collect("warm")
+    t0 = time.perf_counter()
+    be.submit_wire(wire("timed", seeds), blob)
+    got = be.collect("timed").results
+    dt = time.perf_counter() - t0
+    if len(got) != seeds:
+        raise RuntimeError(f"timed eval round returned {len(got)} of {seeds} batches")
+    res.probes_per_s[n] = res.forward_passes_per_s[n] = seeds / dt
+    res.tokens_per_s[n] = seeds * b * t / dt
+    be.close()
+    save(res)
 
 
 def _compare_phase(res: FleetBenchResult, got: list, model, xb, device: str, compare_seeds: int,

@@ -115,7 +115,7 @@ def measure(preset: str = "gpt2-small", batch: tuple[int, int] = (16, 512), step
     """The kind × precision table (module docstring) as a JSON-ready dict: {"rows": {kind: {precision: snr(...)}},
     "settings": ..., "train_loss": [...], "seconds": ...}. compile: the TF32 and bf16 columns' torch.compile (default:
     on CUDA). Raises what the corpus and model loaders raise."""
-    from kernels import FastForward, WholeModelEvaluator
+    from kernels import FastForward, WholeModelEvaluator, lm_logits
     from trainer.data.batches import get_batch
     from trainer.data.corpus import load_corpus
     from trainer.models import build_model
@@ -159,34 +159,32 @@ def measure(preset: str = "gpt2-small", batch: tuple[int, int] = (16, 512), step
         student_logits = [student(input_ids=bt[0]).logits.float() for bt in batches]
     del student
     sig: dict[str, dict[str, list[float]]] = {}
-    for prec in ("tf32", "bf16", "ref"):
+    for prec in ("tf32", "tf32_bf16attn", "bf16", "ref"):
         t0 = time.perf_counter()
         torch.set_float32_matmul_precision("highest" if prec == "ref" else "high")
         dtype = torch.bfloat16 if prec == "bf16" else None
         compiled = prec != "ref" and (torch.device(device).type == "cuda" if compile is None else compile)
         v, prev, far = holding(snaps[steps], dtype), holding(snaps[steps - 1], dtype), holding(snaps[steps - 20], dtype)
-        ev = WholeModelEvaluator(v, lm_batch_loss, compile=compiled)
+        ev = WholeModelEvaluator(v, lm_batch_loss, compile=compiled,
+                                 attn_dtype=torch.bfloat16 if prec == "tf32_bf16attn" else None)
         got = _kind_signals(v, prev, far, ev, batches, seeds, group)
-        ev.close()
-        ff = FastForward(v, lm_batch_loss, dtype=dtype, compile=compiled)
-        scratch = holding(snaps[steps])
 
-        def fwd(sd, bt, ff=ff, scratch=scratch):
-            scratch.load_state_dict(sd)
-            ff.load(scratch)
-            return float(ff(bt))
+        def fwd(sd, bt, ev=ev, dtype=dtype):  # the same FastForward, holding another version (as a worker's)
+            if not ev.rebind(holding(sd, dtype)):
+                raise RuntimeError("rebind refused a version of the same model")
+            return ev.clean_loss(bt)
         got.update(_eval_signals(fwd, versions, mixtures, batches))
-        ff.close()
-        from kernels import lm_logits
-
-        teacher = FastForward(v, lm_logits, dtype=dtype, compile=compiled)
+        ev.close()
+        # teacher logits eagerly in every column (one compile per column less; the dtype is what differs)
+        teacher = FastForward(v, lm_logits, dtype=None, compile=False,
+                              attn_dtype=torch.bfloat16 if prec == "tf32_bf16attn" else None)
         got["teacher"] = [_kl(teacher(bt[0]), sl) for bt, sl in zip(batches, student_logits)]
         teacher.close()
         sig[prec] = got
-        progress(f"{prec}: {time.perf_counter() - t0:.1f} s")
-        del v, prev, far, scratch
+        progress(f"{prec}: {time.perf_counter() - t0:.1f} s (compile {ev.compile_seconds})")
+        del v, prev, far
         torch.cuda.empty_cache() if torch.device(device).type == "cuda" else None
-    rows = {k: {p: snr(sig["ref"][k], sig[p][k]) for p in ("tf32", "bf16")} for k in sig["ref"]}
+    rows = {k: {p: snr(sig["ref"][k], sig[p][k]) for p in ("tf32", "tf32_bf16attn", "bf16")} for k in sig["ref"]}
     declared = {k.value: r.precision for k, r in probes.KINDS.items()}
     return {"preset": preset, "batch": list(batch), "steps": steps, "seeds": seeds, "n_batches": n_batches,
             "corpus": corpus, "device": torch.cuda.get_device_name(device) if "cuda" in device else "cpu",
@@ -212,8 +210,10 @@ def precisions(res: dict) -> dict[str, str]:
 
 def table(res: dict) -> str:
     """The markdown table of a `measure` result: kind, rms signal, TF32 SNR, bf16 SNR, the declared precision."""
-    lines = ["| kind | rms signal (nats) | TF32 SNR | bf16 SNR | bf16 clears the bound? |", "| --- | --- | --- | --- | --- |"]
+    lines = ["| kind | rms signal (nats) | TF32 SNR | TF32 + bf16 attention SNR | bf16 SNR | bf16 clears the bound? |",
+             "| --- | --- | --- | --- | --- | --- |"]
     for k, r in res["rows"].items():
         ok = "yes" if r["bf16"]["snr"] >= res["snr_bound"] else "no"
-        lines.append(f"| {k} | {r['tf32']['rms_signal']:.3g} | {r['tf32']['snr']:.3g} | {r['bf16']['snr']:.3g} | {ok} |")
+        mid = r.get("tf32_bf16attn", {}).get("snr", float("nan"))
+        lines.append(f"| {k} | {r['tf32']['rms_signal']:.3g} | {r['tf32']['snr']:.3g} | {mid:.3g} | {r['bf16']['snr']:.3g} | {ok} |")
     return "\n".join(lines)

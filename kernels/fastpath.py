@@ -112,6 +112,45 @@ def _masks_outside_graph(model: torch.nn.Module) -> int:
     return n
 
 
+def _sdpa_in_dtype(fn):
+    """transformers' sdpa attention function, wrapped: a module carrying `_sc_attn_dtype` (set on a FastForward's
+    copy only) gets query, key and value cast to that dtype (bf16: the flash kernel) and its output cast back;
+    every other module calls `fn` unchanged."""
+
+    def attention(module, query, key, value, attention_mask, *args, **kwargs):
+        dtype = getattr(module, "_sc_attn_dtype", None)
+        if dtype is None or query.dtype == dtype:
+            return fn(module, query, key, value, attention_mask, *args, **kwargs)
+        if attention_mask is not None and attention_mask.is_floating_point():
+            attention_mask = attention_mask.to(dtype)
+        out, weights = fn(module, query.to(dtype), key.to(dtype), value.to(dtype), attention_mask, *args, **kwargs)
+        return out.to(query.dtype), weights
+
+    attention._sc_wrapped = True
+    return attention
+
+
+def _attention_in(shadow: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Run the copy's sdpa attention in `dtype` (activations only: no weight is cast); returns how many attention
+    modules it marked. Installs `_sdpa_in_dtype` over transformers' "sdpa" entry once per process (a no-op for
+    every unmarked module). 0 (nothing changed) when transformers has no attention registry."""
+    try:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    except ImportError:
+        return 0
+    fn = ALL_ATTENTION_FUNCTIONS.get("sdpa") if hasattr(ALL_ATTENTION_FUNCTIONS, "get") else None
+    if fn is None:
+        return 0
+    if not getattr(fn, "_sc_wrapped", False):
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = _sdpa_in_dtype(fn)
+    n = 0
+    for m in shadow.modules():
+        if type(m).__name__.endswith("Attention"):
+            m._sc_attn_dtype = dtype
+            n += 1
+    return n
+
+
 class _PaddedHead(torch.nn.Module):
     """An output projection whose weight is the first `out_features` rows of a zero-padded (rows a multiple of
     64) buffer: the matmul writes 16-byte aligned rows (GPT-2's 50,257 columns are not), the logits are the
@@ -159,14 +198,15 @@ class FastForward:
             compiler cannot handle is run eagerly (logged) at the first call.
         cuda_graphs: compile in mode "reduce-overhead" (CUDA graphs: for static shapes; outputs cloned).
         pad_head / eager_masks: the compiled copy's GPT-2 fixes (`_pad_output_head`, `_masks_outside_graph`;
-            default: when compiled). Uncompiled, the copy runs the model's exact code: with dtype None the
+            default: when compiled). attn_dtype: run the copy's sdpa attention in this dtype (activations only, the
+            weights keep `dtype`; e.g. bf16 attention on fp32 weights: the flash kernel; `_attention_in`). Uncompiled, the copy runs the model's exact code: with dtype None the
             outputs equal fn(model, batch) bit for bit.
     Raises TypeError for a model without parameters.
     """
 
     def __init__(self, model: torch.nn.Module, fn: Callable[[torch.nn.Module, object], object],
                  dtype: torch.dtype | None = None, compile: bool | None = None, cuda_graphs: bool = False,
-                 pad_head: bool | None = None, eager_masks: bool | None = None):
+                 pad_head: bool | None = None, eager_masks: bool | None = None, attn_dtype: torch.dtype | None = None):
         params = list(model.parameters())
         if not params:
             raise TypeError(f"{type(model).__name__} has no parameters")
@@ -184,6 +224,7 @@ class FastForward:
             # compiled only: uncompiled, the copy runs the reference's exact code (bit-identical losses)
             self.padded_head = _pad_output_head(self.shadow) if (self.compiled if pad_head is None else pad_head) else False
         self.eager_masks = _masks_outside_graph(model) if (self.compiled if eager_masks is None else eager_masks) else 0
+        self.attn_dtype = attn_dtype if attn_dtype is not None and _attention_in(self.shadow, attn_dtype) else None
         self.cuda_graphs = bool(cuda_graphs and self.compiled and device.type == "cuda")
         self.inductor_deterministic = _configure_inductor() if self.compiled else False
         shadow = self.shadow
@@ -284,11 +325,11 @@ class WholeModelEvaluator:
 
     def __init__(self, model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, object], torch.Tensor],
                  compile: bool | None = None, cuda_graphs: bool = False, pad_head: bool | None = None,
-                 eager_masks: bool | None = None):
+                 eager_masks: bool | None = None, attn_dtype: torch.dtype | None = None):
         rows = checked_rows(model, loss_fn)
         self.model, self.loss_fn = model, loss_fn
         self.fwd = FastForward(model, loss_fn, compile=compile, cuda_graphs=cuda_graphs, pad_head=pad_head,
-                               eager_masks=eager_masks)
+                               eager_masks=eager_masks, attn_dtype=attn_dtype)
         self.shadow = self.fwd.shadow
         shadow_rows = canonical_offsets(self.shadow)
         if [(n, o) for n, _, o in rows] != [(n, o) for n, _, o in shadow_rows]:
@@ -424,11 +465,11 @@ class WholeModelEvaluator:
 
 def make_evaluator(model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, object], torch.Tensor],
                    mode: str = "auto", compile: bool | None = None, cuda_graphs: bool = False,
-                   reserve: int | None = None):
+                   reserve: int | None = None, attn_dtype: torch.dtype | None = None):
     """The probe evaluator for `model`: WholeModelEvaluator ("whole") or ProbeEvaluator ("per_unit").
 
     mode "auto" chooses from free memory (`choose_mode`, `reserve` bytes kept for activations) and logs the
-    choice with its numbers at INFO. compile/cuda_graphs go to WholeModelEvaluator. Raises ValueError for an
+    choice with its numbers at INFO. compile/cuda_graphs/attn_dtype go to WholeModelEvaluator. Raises ValueError for an
     unknown mode.
     """
     if mode not in MODES:
@@ -445,5 +486,5 @@ def make_evaluator(model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, o
     else:
         log.info("probe path: %s (set explicitly; one model copy is %.2f GB)", chosen, need / 1e9)
     if chosen == "whole":
-        return WholeModelEvaluator(model, loss_fn, compile=compile, cuda_graphs=cuda_graphs)
+        return WholeModelEvaluator(model, loss_fn, compile=compile, cuda_graphs=cuda_graphs, attn_dtype=attn_dtype)
     return ProbeEvaluator(model, loss_fn)

@@ -40,6 +40,11 @@ def worker(
     threads: Annotated[int | None, typer.Option(min=1, help="torch CPU threads (default: torch's)")] = None,
     probe_path: Annotated[str, typer.Option(help="auto (a whole-model scratch copy when it fits in free memory, "
                                             "else per-unit), whole or per_unit")] = "auto",
+    cuda_graphs: Annotated[bool, typer.Option(help="Replay the compiled forwards as CUDA graphs (shapes are "
+                                              "static per round)")] = False,
+    tf32_attention: Annotated[str, typer.Option(help="Attention of the fp32/TF32 kinds' forwards: fp32, or bf16 "
+                                                "(activations only; the weights and their perturbation stay "
+                                                "fp32; docs/RESULTS.md has its signal-to-noise)")] = "fp32",
     loglevel: Annotated[str, typer.Option(help="Log level (DEBUG, INFO, WARNING)")] = "INFO",
 ) -> None:
     """Register with the coordinator and evaluate probe tasks until SIGTERM (SIGUSR1 drains, SIGUSR2 resumes)."""
@@ -48,6 +53,8 @@ def worker(
                                  param_hint="--coordinator")
     if not device.startswith(("cpu", "cuda")):
         raise typer.BadParameter("use cpu or cuda:N", param_hint="--device")
+    if tf32_attention not in ("fp32", "bf16"):
+        raise typer.BadParameter("use fp32 or bf16", param_hint="--tf32-attention")
     if probe_path not in ("auto", "whole", "per_unit"):
         raise typer.BadParameter("use auto, whole or per_unit", param_hint="--probe-path")
     from coordinator.settings import NEW_SECRET_HINT, DevMode, secret_problem
@@ -78,7 +85,7 @@ def worker(
         metrics_host=metrics_host,
         cache_dir=cache_dir, keep_versions=keep_versions, shared_blob_dir=blob_dir, control_interval_s=control_interval,
         soft_shutdown_s=soft_shutdown, prefetch_interval_s=prefetch_interval, yield_gpu_util_pct=yield_gpu_util,
-        probe_path=probe_path, loglevel=loglevel.upper(),
+        probe_path=probe_path, cuda_graphs=cuda_graphs, tf32_attention=tf32_attention, loglevel=loglevel.upper(),
     )
     import httpx
 

@@ -71,13 +71,15 @@ class ProbeRuntime:
         keep_rounds: clean losses remembered (per (run, version, batch hash)).
         probe_path: "auto" (whole-model copy when it fits in free memory, else per-unit), "whole" or
             "per_unit" (kernels.fastpath.make_evaluator); compile: torch.compile the whole-model forward
-            (None: on CUDA); cuda_graphs: replay it as CUDA graphs.
+            (None: on CUDA); cuda_graphs: replay it as CUDA graphs; attn_dtype: the attention dtype of the
+            perturbing kinds' fp32 forwards (None: theirs; bf16: kernels.FastForward's attn_dtype).
     Raises ValueError for an unknown probe_path.
     """
 
     def __init__(self, client: CoordinatorClient, worker_id: str, cache: WeightCache,
                  metrics: WorkerMetrics | None = None, keep_rounds: int = 64, probe_path: str = "auto",
-                 compile: bool | None = None, cuda_graphs: bool = False) -> None:
+                 compile: bool | None = None, cuda_graphs: bool = False,
+                 attn_dtype: torch.dtype | None = None) -> None:
         from kernels.fastpath import MODES
 
         if probe_path not in MODES:
@@ -86,6 +88,7 @@ class ProbeRuntime:
         self.metrics = metrics or default_metrics()
         self.keep_rounds = keep_rounds
         self.probe_path, self.compile, self.cuda_graphs = probe_path, compile, cuda_graphs
+        self.attn_dtype = attn_dtype
         self._clean: OrderedDict[tuple[str, int, str], float] = OrderedDict()
         self._batches: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._attested: set[str] = set()
@@ -135,7 +138,8 @@ class ProbeRuntime:
             for old in self._evaluators.values():
                 old.close()
             self._evaluators = {}  # the old scratch copy is freed before the new one is sized
-            ev = make_evaluator(model, loss_fn, self.probe_path, self.compile, self.cuda_graphs)
+            ev = make_evaluator(model, loss_fn, self.probe_path, self.compile, self.cuda_graphs,
+                                attn_dtype=self.attn_dtype)
             self._evaluators = {id(model): ev}
         return ev
 

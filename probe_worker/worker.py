@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
 
+import torch
 from celery.signals import worker_ready
 from tenacity import RetryCallState, RetryError, Retrying, stop_when_event_set, wait_exponential, wait_fixed
 
@@ -87,7 +88,9 @@ class WorkerOptions:
     latest version of each consumed run is checked and loaded ahead of its rounds (0: load lazily);
     yield_gpu_util_pct: drain while the GPU is this busy (percent) with other work (BusyPolicy, NVML;
     None: off); probe_path: the probe evaluator (kernels.fastpath.make_evaluator: "auto", "whole" or
-    "per_unit"); loglevel: Celery's; metrics_host: the interface the metrics port binds.
+    "per_unit"); cuda_graphs: replay the compiled forwards as CUDA graphs (static shapes); tf32_attention:
+    "bf16" runs the attention of fp32 (TF32-kind) forwards in bf16 (activations only, kernels.FastForward's
+    attn_dtype) or "fp32"; loglevel: Celery's; metrics_host: the interface the metrics port binds.
     """
 
     coordinator: str
@@ -104,6 +107,8 @@ class WorkerOptions:
     prefetch_interval_s: float = 1.0
     yield_gpu_util_pct: float | None = None
     probe_path: str = "auto"
+    cuda_graphs: bool = False
+    tf32_attention: str = "fp32"
     loglevel: str = "INFO"
 
 
@@ -151,7 +156,8 @@ class ProbeWorker:
                                  keep_disk_versions=opts.keep_versions + 1, metrics=self.metrics,
                                  shared_blob_dir=opts.shared_blob_dir)
         self.runtime = ProbeRuntime(self.client, self.worker_id, self.cache, self.metrics,
-                                    probe_path=opts.probe_path)
+                                    probe_path=opts.probe_path, cuda_graphs=opts.cuda_graphs,
+                                    attn_dtype=torch.bfloat16 if opts.tf32_attention == "bf16" else None)
         register_probe_task(self.app, self.runtime, self.drain, self.metrics)
         warm_up()
         self.queues = list(self.reg.queues)

@@ -4,6 +4,8 @@ kernels/NOTES.md on 100 seeds and is deterministic (same seed -> same bits, also
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
@@ -75,3 +77,40 @@ def test_cuda_graphs_path_matches_compiled():
     got = [graphs.loss(b, s, 1e-2) for s in range(10)]
     assert max(abs(x - y) for x, y in zip(want, got)) <= RTOL[torch.bfloat16] * abs(want[0])
     assert [graphs.loss(b, s, 1e-2) for s in range(10)] == got
+
+
+def test_bf16_fast_forward_compiled_on_cuda_within_tolerance_of_a_bf16_copy():
+    """The worker's eval / teacher forward (kernels.FastForward, bf16 copy of fp32 weights, compiled): within the
+    bf16 compiled tolerance of the eager bf16 copy, deterministic, and `load` moves it to another version."""
+    from kernels import FastForward, lm_logits
+
+    model, b = setup(torch.float32)
+    ff = FastForward(model, lm_loss, dtype=torch.bfloat16)
+    assert ff.compiled and ff.dtype == torch.bfloat16
+    eager = WholeModelEvaluator(copy.deepcopy(model).to(torch.bfloat16), lm_loss, compile=False)
+    want = eager.clean_loss(b)
+    got = float(ff(b))
+    assert abs(got - want) <= RTOL[torch.bfloat16] * abs(want)
+    assert float(ff(b)) == got  # same bits again
+    other, _ = setup(torch.float32)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.mul_(1.01)
+    assert ff.load(other)
+    moved = float(ff(b))
+    assert moved != got
+    logits = FastForward(model, lm_logits, dtype=torch.bfloat16)(b[0])
+    assert logits.dtype == torch.bfloat16 and logits.shape == (*b[0].shape, 512)
+
+
+def test_bf16_attention_on_fp32_weights_within_tolerance():
+    """fp32 weights with bf16 attention (attn_dtype): the weights and the perturbation stay fp32; the loss is within
+    the bf16 tolerance of the fp32 one, and the copy's perturbed losses keep their seed dependence."""
+    model, b = setup(torch.float32)
+    ref = WholeModelEvaluator(model, lm_loss)
+    mixed = WholeModelEvaluator(model, lm_loss, attn_dtype=torch.bfloat16)
+    assert mixed.fwd.attn_dtype == torch.bfloat16 and all(p.dtype == torch.float32 for p in mixed.shadow.parameters())
+    for s in range(4):
+        r, m = ref.loss(b, s, 1e-2), mixed.loss(b, s, 1e-2)
+        assert abs(r - m) <= RTOL[torch.bfloat16] * abs(r), (s, r, m)
+    assert ref.clean_loss(b) == WholeModelEvaluator(model, lm_loss).clean_loss(b)  # unmarked copies unchanged
