@@ -93,7 +93,7 @@ def bench_fleet(
     worker_cuda_graphs: Annotated[bool, typer.Option(help="Workers replay their compiled forwards as CUDA "
                                                      "graphs (sparecycles worker --cuda-graphs)")] = False,
     tf32_attention: Annotated[str, typer.Option(help="Workers' attention in fp32/TF32 forwards: fp32 or bf16 "
-                                                "(sparecycles worker --tf32-attention)")] = "fp32",
+                                                "(sparecycles worker --tf32-attention)")] = "bf16",
 ) -> None:
     """Probes per second with 1, 2, 4 workers (CPU or GPU), and version publish -> every worker ready latency."""
     from benchmarks.fleet import result_dict, run_fleet_bench

@@ -44,7 +44,7 @@ def worker(
                                               "static per round)")] = False,
     tf32_attention: Annotated[str, typer.Option(help="Attention of the fp32/TF32 kinds' forwards: fp32, or bf16 "
                                                 "(activations only; the weights and their perturbation stay "
-                                                "fp32; docs/RESULTS.md has its signal-to-noise)")] = "fp32",
+                                                "fp32; docs/RESULTS.md has its signal-to-noise)")] = "bf16",
     loglevel: Annotated[str, typer.Option(help="Log level (DEBUG, INFO, WARNING)")] = "INFO",
 ) -> None:
     """Register with the coordinator and evaluate probe tasks until SIGTERM (SIGUSR1 drains, SIGUSR2 resumes)."""

@@ -95,7 +95,8 @@ class ProbeRuntime:
         # (run, round, seed) -> replicas this worker posted; (run, round, seed, replica) -> hand-backs
         self._posted: OrderedDict[tuple[str, str, int], set[int]] = OrderedDict()
         self._handed_back: OrderedDict[tuple[str, str, int, int], int] = OrderedDict()
-        self._evaluators: dict[int, Any] = {}
+        self._evaluators: dict[torch.dtype, Any] = {}  # weight dtype -> probe evaluator
+        self._cast_of: tuple[int, torch.nn.Module, torch.nn.Module] | None = None  # (id, model, its bf16 copy)
         self._lock = threading.Lock()
         self.tasks_done = 0
         self.busy = False
@@ -127,21 +128,36 @@ class ProbeRuntime:
         return batch
 
     def _evaluator(self, model: torch.nn.Module, loss_fn):
+        """The probe evaluator of `model` (kernels.make_evaluator): one per weight dtype (a worker serving fp32 and
+        bf16 kinds keeps both copies); a new version of the same architecture rebinds it (compiled code kept)."""
         from kernels import make_evaluator
 
-        ev = self._evaluators.get(id(model))
-        if ev is None or ev.model is not model or ev.loss_fn is not loss_fn:
-            for old in self._evaluators.values():  # a new version: keep the copy and its compiled forward
-                if old.loss_fn is loss_fn and hasattr(old, "rebind") and old.rebind(model):
-                    self._evaluators = {id(model): old}
-                    return old
-            for old in self._evaluators.values():
-                old.close()
-            self._evaluators = {}  # the old scratch copy is freed before the new one is sized
-            ev = make_evaluator(model, loss_fn, self.probe_path, self.compile, self.cuda_graphs,
-                                attn_dtype=self.attn_dtype)
-            self._evaluators = {id(model): ev}
+        slot = next(model.parameters()).dtype
+        ev = self._evaluators.get(slot)
+        if ev is not None and ev.model is model and ev.loss_fn is loss_fn:
+            return ev
+        if ev is not None and ev.loss_fn is loss_fn and hasattr(ev, "rebind") and ev.rebind(model):
+            return ev  # a new version: keep the copy and its compiled forward
+        if ev is not None:
+            ev.close()
+            del self._evaluators[slot]  # the old scratch copy is freed before the new one is sized
+        ev = self._evaluators[slot] = make_evaluator(model, loss_fn, self.probe_path, self.compile, self.cuda_graphs,
+                                                     attn_dtype=self.attn_dtype if slot == torch.float32 else None)
         return ev
+
+    @torch.no_grad()
+    def _cast(self, model: torch.nn.Module, dtype: torch.dtype | None) -> torch.nn.Module:
+        """`model` itself (dtype None or its own), else a copy of it in `dtype` (one kept: the latest version's)."""
+        if dtype is None or next(model.parameters()).dtype == dtype:
+            return model
+        if self._cast_of is not None and self._cast_of[0] == id(model) and self._cast_of[1] is model:
+            return self._cast_of[2]
+        import copy
+
+        self._cast_of = None  # the previous copy is freed first
+        cast = copy.deepcopy(model).to(dtype).eval()
+        self._cast_of = (id(model), model, cast)
+        return cast
 
     def _attest(self, run: str) -> None:
         if run in self._attested:
@@ -173,11 +189,14 @@ class ProbeRuntime:
         return out
 
     def _site(self, task: ProbeTask, model: torch.nn.Module, ev, batch: Any,
-              done: dict[tuple[int, float, str], float] | None = None) -> probes.ProbeSite:
+              done: dict[tuple[int, float, str], float] | None = None,
+              loaded: torch.nn.Module | None = None) -> probes.ProbeSite:
         """Where the task's probes run (trainer.zo.probes gives every kind its meaning): the loaded version's
         blocks, timed losses (seeded ones from `done` when there), and for along_update, line and group_line rounds
-        u_b = theta_v[b] - theta_base[b] in fp32."""
+        u_b = theta_v[b] - theta_base[b] in fp32, from the loaded versions (`loaded`: theta_v as loaded, when `model` is
+        its copy in the kind's forward dtype)."""
         blocks = probes.canonical_blocks(model)
+        exact = probes.canonical_blocks(loaded) if loaded is not None and loaded is not model else blocks
 
         def loss(new: Mapping[int, torch.Tensor] | None) -> float:
             # through the evaluator's own forward (the one L0 and the seeded probes take)
@@ -193,7 +212,7 @@ class ProbeRuntime:
                 raise ValueError(f"versions {task.base_version} and {task.version} differ in blocks")
 
             def update(b: int) -> torch.Tensor:
-                return blocks[b].param.detach().float() - base[b].param.detach().float()
+                return exact[b].param.detach().float() - base[b].param.detach().float()
         done = done or {}
 
         def seeded(s: int, a: float, d: str) -> float:
@@ -225,10 +244,13 @@ class ProbeRuntime:
                 check_fits(loaded.model, kind, batch)
                 if task.kind == "eval":
                     return self._evaluate_batches(task, loaded.model, kind, batch)
-                ev = self._evaluator(loaded.model, loss_for_kind(kind))
+                # the kind's forward precision (trainer.zo.probes.KINDS[kind].precision): bf16 kinds probe a bf16 copy
+                dtype = probes.forward_dtype(task.kind, self.cache.device) if kind == "lm" else None
+                model = self._cast(loaded.model, dtype)
+                ev = self._evaluator(model, loss_for_kind(kind))
                 l0 = None
                 if task.want_clean:
-                    key = (task.run, task.version, task.batch_sha256)  # rounds may share a batch
+                    key = (task.run, task.version, task.batch_sha256, str(dtype))  # rounds may share a batch
                     if key in self._clean:
                         self.metrics.cache_hits.labels("clean").inc()
                         l0 = self._clean[key]
@@ -242,7 +264,7 @@ class ProbeRuntime:
                     probes.check_fits(probes.canonical_blocks(loaded.model), task.blocks,
                                       [tuple(sl) for sl in task.slices or ()])
                 done = self._seeded_all(task, ev, batch) if task.kind == "seeded" else None
-                site = self._site(task, loaded.model, ev, batch, done)
+                site = self._site(task, model, ev, batch, done, loaded.model)
                 out = []
                 for seed in task.seeds:
                     lp, lm, _ = probes.probe_losses(site, task.kind, seed, task.eps, task.distribution,

@@ -108,7 +108,7 @@ class WorkerOptions:
     yield_gpu_util_pct: float | None = None
     probe_path: str = "auto"
     cuda_graphs: bool = False
-    tf32_attention: str = "fp32"
+    tf32_attention: str = "bf16"
     loglevel: str = "INFO"
 
 

@@ -370,8 +370,8 @@ KINDS: dict[ProbeKind, KindRule] = {
     ProbeKind.BLOCK_SCALED: KindRule(_block_scaled),
     ProbeKind.ALONG_UPDATE: KindRule(_along_update, needs_base=True),
     ProbeKind.GROUP: KindRule(_group, needs_group=True),
-    ProbeKind.LINE: KindRule(_line, needs_base=True),
-    ProbeKind.GROUP_LINE: KindRule(_group_line, needs_base=True, needs_group=True, forwards=1),
+    ProbeKind.LINE: KindRule(_line, needs_base=True, precision="bf16"),
+    ProbeKind.GROUP_LINE: KindRule(_group_line, needs_base=True, needs_group=True, forwards=1, precision="bf16"),
     ProbeKind.EVAL: KindRule(_eval, precision="bf16"),  # held-out evaluation (coordinator.messages.EvalSpec), not a probe
 }
 
