@@ -77,8 +77,8 @@ def worker(
         raise typer.BadParameter(f"{device} requested but CUDA is not available", param_hint="--device")
     if device.startswith("cuda"):
         # fp32 weights (the trainer's published master values) are evaluated with TF32 matmuls, the precision
-        # the trainer itself trains at on CUDA (trainer.train); bf16 shards would round a one-step displacement
-        # (zocurv-line's probe direction) away. docs: README "A GPU fleet".
+        # the trainer itself trains at on CUDA (trainer.train), for the kinds declared "tf32"; the kinds declared
+        # "bf16" (trainer.zo.probes.KINDS, from `bench precision`: docs/RESULTS.md) run a bf16 compiled copy.
         torch.set_float32_matmul_precision("high")
     opts = WorkerOptions(
         coordinator=coordinator, token=token, device=device, name=name, metrics_port=metrics_port,
