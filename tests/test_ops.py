@@ -287,8 +287,8 @@ def test_one_shot_services_do_not_restart_and_gpu_services_are_documented():
     assert all(svcs[n]["restart"] == "unless-stopped" for n in ("redis", "coordinator", "probe-worker", "prometheus"))
     gpu = sorted(n for n, s in svcs.items() if "devices" in s.get("deploy", {}).get("resources", {}).get("reservations", {}))
     assert gpu == ["probe-worker", "trainer"]
-    fleet = (ROOT / "README.md").read_text().split("## A fleet", 1)[1].split("\n## ", 1)[0]
-    assert all(f"`{n}`" in fleet for n in gpu) and "NVIDIA" in fleet  # README's fleet section says who takes a GPU
+    fleet = (ROOT / "README.md").read_text().split("## Deployment", 1)[1].split("\n## ", 1)[0]
+    assert all(f"`{n}`" in fleet for n in gpu) and "NVIDIA" in fleet  # README's Deployment section says who takes a GPU
 
 
 def test_train_coordinator_serves_metrics_while_it_waits(tmp_path, monkeypatch, capsys):
