@@ -35,9 +35,9 @@ from coordinator.errors import Conflict, CoordinatorError, Invalid, NotFound, To
 from coordinator.intake import Intake
 from coordinator.keys import redis_client_kwargs
 from coordinator.metrics import CoordinatorMetrics
-from coordinator.round_messages import ResultBatch
 from coordinator.settings import CoordinatorSettings
 from coordinator.store import Store
+from wire.round_messages import ResultBatch
 
 log = logging.getLogger("sparecycles.api")
 

@@ -153,8 +153,8 @@ class _Fleet:
         self.procs = []
 
     def backend(self, model, run: str, seeds_per_task: int, background: bool = False):
-        from coordinator.messages import RunSpec
         from fleet.backend import CoordinatorBackend
+        from wire.messages import RunSpec
 
         spec = RunSpec(run=run, model_class=type(model).__name__, spot_check_fraction=0.0,
                        seeds_per_task=seeds_per_task)
@@ -275,8 +275,8 @@ def _eval_phase(fleet: _Fleet, names: list[str], res: FleetBenchResult, model, s
     (= probes_per_s: results/s) and res.tokens_per_s; save. Raises RuntimeError when the round returns fewer."""
     import hashlib
 
-    from coordinator.round_messages import EvalSpec, ProbeRound, WeightTerm
-    from fleet import batch_wire
+    from wire import batch as batch_wire
+    from wire.round_messages import EvalSpec, ProbeRound, WeightTerm
 
     n = len(names)
     b, t = res.batch
@@ -311,7 +311,7 @@ def _compare_phase(res: FleetBenchResult, got: list, model, xb, device: str, com
     """The timed round's first `compare_seeds` results against in-process evaluation on `device`
     (benchmarks.fleet_gpu.compare_losses) into res.loss_compare; an error is kept in res.errors instead; save."""
     from benchmarks.fleet_gpu import compare_losses
-    from fleet.batch_wire import loss_for_kind
+    from trainer.batch_losses import loss_for_kind
 
     try:
         res.loss_compare = compare_losses(got, model, xb, loss_for_kind("lm"), 1e-3, "rademacher",
@@ -343,7 +343,7 @@ def _gpu_publish_phases(fleet: _Fleet, names: list[str], res: FleetBenchResult, 
                         seeds_per_task: int, interval: int, train_batch: tuple[int, int], save) -> None:
     """publish -> ready (synchronous, then background) and the training loop's cost of a model on a GPU."""
     from benchmarks.fleet_gpu import publish_ready, trainer_cost
-    from fleet.batch_wire import loss_for_kind
+    from trainer.batch_losses import loss_for_kind
 
     torch.set_float32_matmul_precision("high")  # the trainer's precision on CUDA (trainer.train)
     res.ready_preset = ready_preset

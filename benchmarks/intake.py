@@ -31,11 +31,11 @@ import redis
 
 from benchmarks.intake_load import loop_factory, post_results
 from coordinator.intake import Intake
-from coordinator.messages import RunSpec, ShardRef, VersionManifest, WorkerRegistration
 from coordinator.metrics import CoordinatorMetrics
-from coordinator.round_messages import ProbeResult, ProbeRound
 from coordinator.settings import CoordinatorSettings, generate_dev_settings
 from coordinator.store import Store, results_stream_key
+from wire.messages import RunSpec, ShardRef, VersionManifest, WorkerRegistration
+from wire.round_messages import ProbeResult, ProbeRound
 
 RUN = "bench"
 

@@ -20,7 +20,7 @@ from typing import Any, Self, TypeVar
 import httpx
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential
 
-from coordinator.messages import (
+from wire.messages import (
     Attestation,
     BlobInfo,
     Heartbeat,
@@ -33,7 +33,7 @@ from coordinator.messages import (
     WorkerRegistered,
     WorkerRegistration,
 )
-from coordinator.round_messages import IntakeReply, ProbeRound, ResultBatch, RoundInfo
+from wire.round_messages import IntakeReply, ProbeRound, ResultBatch, RoundInfo
 
 T = TypeVar("T")
 
@@ -243,7 +243,7 @@ class CoordinatorClient:
 
     def put_blob(self, sha256: str, data: bytes | Callable[[], Iterable[Any]], nbytes: int | None = None) -> BlobInfo:
         """`PUT /v1/blobs/{sha256}`: upload `data` under its content address (idempotent). `data`: bytes, or a
-        callable giving a fresh iterable of chunks per try (e.g. `fleet.shards.ShardPlan.chunks`) whose total is
+        callable giving a fresh iterable of chunks per try (e.g. `wire.shards.ShardPlan.chunks`) whose total is
         `nbytes` bytes. Raises CoordinatorHTTPError (e.g. 400 when the content does not hash to `sha256`)."""
         r = self.request("PUT", f"/v1/blobs/{sha256}", content=data, content_length=nbytes)
         return BlobInfo.model_validate_json(r.content)

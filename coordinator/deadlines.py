@@ -24,8 +24,8 @@ from __future__ import annotations
 import collections
 import time
 
-from coordinator.round_messages import ProbeRound
 from coordinator.store import Store
+from wire.round_messages import ProbeRound
 
 GAP_WINDOW = 256
 

@@ -12,8 +12,8 @@ from celery import Celery
 
 from coordinator.celery_app import send_probe_tasks
 from coordinator.keys import Keys, redis_client_kwargs
-from coordinator.round_messages import ProbeRound, ProbeTask
 from coordinator.runs import RunStore
+from wire.round_messages import ProbeRound, ProbeTask
 
 
 class Dispatch:

@@ -1,12 +1,12 @@
 """Lua scripts of result intake (coordinator.intake): each batch's checks that depend on mutable state, its
 dedupe (`HSETNX`) and its `XADD` to the run's stream run as one script, so a crash can never record a result
 without streaming it or the reverse (Redis runs a script atomically). The staleness check is
-coordinator.staleness's Lua twin `is_stale`, prepended to `INTAKE`.
+wire.staleness's Lua twin `is_stale`, prepended to `INTAKE`.
 """
 
 from __future__ import annotations
 
-from coordinator.staleness import IS_STALE_LUA
+from wire.staleness import IS_STALE_LUA
 
 # KEYS: 1 round hash, 2 seeds set, 3 accepted hash, 4 stream, 5 run hash, 6 worker hash, 7 attested set,
 # 8 spot hash. ARGV: 1 worker id, 2 round version, then triples (seed, mode, payload); mode "a" accepts

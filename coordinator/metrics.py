@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessColl
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from coordinator.round_messages import INTAKE_OUTCOMES
+from wire.round_messages import INTAKE_OUTCOMES
 
 SPOT_OUTCOMES = ("agree", "disagree", "resolved", "unresolved", "skipped")
 

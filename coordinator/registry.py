@@ -40,7 +40,9 @@ from coordinator.broker_acl import BrokerAcl
 from coordinator.celery_app import PROBE_TASK_NAME
 from coordinator.errors import Conflict, NotFound, TooMany
 from coordinator.keys import Keys
-from coordinator.messages import (
+from coordinator.runs import RunStore
+from coordinator.settings import CoordinatorSettings
+from wire.messages import (
     Heartbeat,
     HeartbeatReply,
     Lease,
@@ -48,8 +50,6 @@ from coordinator.messages import (
     WorkerRegistered,
     WorkerRegistration,
 )
-from coordinator.runs import RunStore
-from coordinator.settings import CoordinatorSettings
 
 RATE_WINDOW_S = 60
 

@@ -17,8 +17,8 @@ from coordinator.blobs import BlobStore
 from coordinator.dispatch import Dispatch
 from coordinator.errors import Conflict, Invalid, NotFound
 from coordinator.keys import Keys
-from coordinator.round_messages import ProbeRound, RoundInfo
 from coordinator.runs import RunStore
+from wire.round_messages import ProbeRound, RoundInfo
 
 
 def spot_check_selected(run: str, round_id: str, seed: int, fraction: float) -> bool:

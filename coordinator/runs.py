@@ -13,8 +13,8 @@ import redis
 from coordinator.blobs import BlobStore
 from coordinator.errors import Conflict, Invalid, NotFound
 from coordinator.keys import Keys
-from coordinator.messages import IntakeCounts, RunInfo, RunSpec, SeedLedgerEntry, VersionManifest
-from coordinator.staleness import is_stale
+from wire.messages import IntakeCounts, RunInfo, RunSpec, SeedLedgerEntry, VersionManifest
+from wire.staleness import is_stale
 
 
 class RunStore:

@@ -17,7 +17,7 @@ from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_e
 
 from coordinator.errors import Unavailable
 from coordinator.keys import results_stream_key
-from coordinator.round_messages import StreamEvent
+from wire.round_messages import StreamEvent
 
 log = logging.getLogger("sparecycles.stream")
 

@@ -6,9 +6,9 @@
   fleet.round_sender (`RoundSender`: probe rounds and their batches) and
   fleet.collector (`ResultCollector`: the result stream's consumer group, dedupe, retractions, drops);
   fleet.uploads holds what they send bytes with (`BlobSender`, `UploadQueue`);
-- fleet.batch_wire: the versioned safetensors batch format shared with probe_worker;
+- wire.batch: the versioned safetensors batch format shared with probe_worker;
 - fleet.attach: a training run attached to a coordinator (`train --coordinator`, `up`).
 
 Layer: above trainer (models, data, ZO math) and coordinator (messages, client); below probe_worker,
-which decodes batches with fleet.batch_wire, and the CLI (sparecycles), which builds the backend.
+which decodes batches with wire.batch, and the CLI (sparecycles), which builds the backend.
 """

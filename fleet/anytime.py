@@ -4,7 +4,7 @@
 (trainer.anytime.serve.InProcessScorer): given candidates [(name, coefficients over the ring's versions)] it
 returns each one's per-batch selection losses. It publishes the ring's versions on a coordinator run of its own
 (`<prefix>-any-<hex>`) and opens one `eval` round per candidate whose weights are the mixture
-(coordinator.round_messages.EvalSpec, Σ coeff·θ_version) over the selection split's windows; the workers build
+(wire.round_messages.EvalSpec, Σ coeff·θ_version) over the selection split's windows; the workers build
 θ(c) with trainer.anytime.ring.build_mixture and score batch k with trainer.evaluation.batch_values, the code
 the in-process scorer runs, so the losses — and the candidate chosen — are the same bit for bit. A round that
 gets no result for `deadline_s` seconds is finished here (the missing batches scored on a scratch model). A
@@ -25,13 +25,14 @@ from typing import Any
 
 import torch
 
-from coordinator.messages import RunSpec
-from coordinator.round_messages import MAX_EVAL_TERMS, EvalSpec, ProbeRound, WeightTerm
-from fleet import batch_wire
 from fleet.recovery import RecoveringBackend
 from trainer.anytime.ring import VersionRing
 from trainer.evaluation import EvalWindows, batch_values, lm_windows
 from trainer.zo.probes import canonical_blocks
+from wire import batch as batch_wire
+from wire.bounds import MAX_STALENESS  # an eval run's results never go stale: every version's score is wanted
+from wire.messages import RunSpec
+from wire.round_messages import MAX_EVAL_TERMS, EvalSpec, ProbeRound, WeightTerm
 
 log = logging.getLogger("sparecycles.fleet")
 
@@ -40,7 +41,7 @@ class FleetScorer:
     """trainer.anytime.select.Score on a coordinator's probe workers.
 
     Args:
-        ring: the trainer's VersionRing (k <= coordinator.round_messages.MAX_EVAL_TERMS: every version is a term).
+        ring: the trainer's VersionRing (k <= wire.round_messages.MAX_EVAL_TERMS: every version is a term).
         model: the trained module (its architecture; a scratch copy is made for publishing and fallbacks).
         select_tokens: the selection split, (N,) token ids; windows as trainer.anytime.serve.Anytime takes them
             (trainer.data.iter_eval_batches with `batch_size`, `seq_len`, `n_batches`).
@@ -65,7 +66,7 @@ class FleetScorer:
         self.scratch = copy.deepcopy(model).eval()
         per_task = min(64, max(1, -(-self.windows.n_batches // (4 * max(1, fleet.workers)))))
         spec = RunSpec(run=f"{fleet.run_prefix}-any-{secrets.token_hex(4)}", model_class=type(model).__name__,
-                       model_preset=model_preset, staleness=1_000_000, seeds_per_task=per_task,
+                       model_preset=model_preset, staleness=MAX_STALENESS, seeds_per_task=per_task,
                        **({"spot_check_fraction": 0.0} if fleet.workers < 2 else {}))
         backend = CoordinatorBackend.connect(
             self.scratch, coordinator_url=fleet.base, admin_token=fleet.settings.admin_token.get_secret_value(),

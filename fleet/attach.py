@@ -257,11 +257,12 @@ class Fleet:
         Raises ValueError for a method whose probes cannot go to a fleet (trainer.methods: none, or its
         `no_fleet_why`) and CoordinatorHTTPError when the coordinator refuses the run.
         """
-        from coordinator.messages import RunSpec
         from fleet.backend import CoordinatorBackend
-        from fleet.batch_wire import batch_kind_for_model, loss_for_kind
         from fleet.recovery import RecoveringBackend
+        from trainer.batch_losses import loss_for_kind
         from trainer.methods import build_mode, fleet_method_names, get_method
+        from wire.batch import batch_kind_for_model
+        from wire.messages import RunSpec
 
         method = get_method(cfg.optimizer)
         if cfg.optimizer not in fleet_method_names():

@@ -22,8 +22,6 @@ from pathlib import Path
 import torch
 
 from coordinator.client import CoordinatorClient
-from coordinator.messages import RunSpec
-from coordinator.round_messages import ProbeRound
 from fleet.collector import ResultCollector
 from fleet.publisher import VersionPublisher
 from fleet.round_sender import RoundSender
@@ -32,6 +30,8 @@ from trainer.ledger import phase as ledger_phase
 from trainer.zo import probes
 from trainer.zo.backend import Collected
 from trainer.zo.probes import RoundSpec
+from wire.messages import RunSpec
+from wire.round_messages import ProbeRound
 
 
 class CoordinatorBackend:

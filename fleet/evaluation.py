@@ -3,7 +3,7 @@
 `FleetEvaluator` is a trainer.evaluation.Evaluator. At an evaluation step it copies the weights to the host,
 publishes them as that step's version on a coordinator run of its own (`<prefix>-eval-<hex>`, staleness bound
 out of reach: an old version's evaluation never goes stale) and opens one `eval` round over the run's held-out
-windows (coordinator.messages.EvalSpec: the windows travel once as a batch blob; seed k = batch k). Every
+windows (wire.messages.EvalSpec: the windows travel once as a batch blob; seed k = batch k). Every
 `poll` (rate-limited: `poll_s`) takes what the workers sent; a completed round becomes the record of its step
 (`eval_on: "fleet"`). A round that gets no result for `deadline_s` seconds is finished by the trainer: it
 evaluates the missing batches itself on the version's host copy (a scratch model) and the record says so
@@ -30,12 +30,13 @@ from typing import Any
 
 import torch
 
-from coordinator.messages import RunSpec
-from coordinator.round_messages import EvalSpec, ProbeRound, WeightTerm
-from fleet import batch_wire
 from fleet.recovery import RecoveringBackend
 from trainer.evaluation import EvalWindows, batch_values, combine
 from trainer.zo.probes import canonical_blocks
+from wire import batch as batch_wire
+from wire.bounds import MAX_STALENESS  # an eval run's results never go stale: every version's score is wanted
+from wire.messages import RunSpec
+from wire.round_messages import EvalSpec, ProbeRound, WeightTerm
 
 log = logging.getLogger("sparecycles.fleet")
 
@@ -85,7 +86,7 @@ class FleetEvaluator:
         if seeds_per_task is None:
             seeds_per_task = min(64, max(1, -(-self.windows.n_batches // (4 * max(1, fleet.workers)))))
         spec = RunSpec(run=f"{fleet.run_prefix}-eval-{secrets.token_hex(4)}", model_class=type(model).__name__,
-                       model_preset=cfg.model if lm else None, staleness=1_000_000, seeds_per_task=seeds_per_task,
+                       model_preset=cfg.model if lm else None, staleness=MAX_STALENESS, seeds_per_task=seeds_per_task,
                        **({"spot_check_fraction": 0.0} if fleet.workers < 2 else {}))
         backend = CoordinatorBackend.connect(model, coordinator_url=fleet.base, admin_token=fleet.settings.admin_token
                                              .get_secret_value(), redis_url=fleet.settings.redis_url, run=spec,

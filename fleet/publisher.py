@@ -21,10 +21,10 @@ from typing import Any
 import torch
 
 from coordinator.client import CoordinatorClient
-from coordinator.messages import SeedLedgerEntry, ShardRef, VersionManifest
-from fleet.shards import ShardPlan, plan_shards
 from fleet.uploads import BlobSender, UploadQueue
 from trainer.zo import probes
+from wire.messages import SeedLedgerEntry, ShardRef, VersionManifest
+from wire.shards import ShardPlan, plan_shards
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -45,7 +45,7 @@ def write_shards(model: torch.nn.Module, shard_bytes: int = 256 << 20,
 
 def plan_model_shards(model: torch.nn.Module, shard_bytes: int = 256 << 20,
                       weights: list[torch.Tensor] | None = None) -> list[tuple[str, ShardPlan]]:
-    """`write_shards` as zero-copy `fleet.shards.ShardPlan`s over the (CPU) tensors: the same bytes, streamed."""
+    """`write_shards` as zero-copy `wire.shards.ShardPlan`s over the (CPU) tensors: the same bytes, streamed."""
     blocks = probes.canonical_blocks(model)
     _check_weights(blocks, weights)
     return plan_shards([(b.name, (b.param if weights is None else weights[i]).detach().cpu().contiguous())

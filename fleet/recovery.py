@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from coordinator.client import Forgotten
-from coordinator.messages import RunSpec
-from coordinator.round_messages import ProbeRound
 from coordinator.stream import StreamLost
 from trainer import metrics as prom
+from wire.messages import RunSpec
+from wire.round_messages import ProbeRound
 
 log = logging.getLogger("sparecycles.fleet")
 T = TypeVar("T")

@@ -2,7 +2,7 @@
 
 A round (trainer.zo.probes.RoundSpec) travels as its wire form (`RoundSpec.to_wire` → ProbeRound, the same
 field names) with its batch uploaded once by content hash, encoded as the model class's batch kind
-(fleet.batch_wire). The coordinator turns the round into Celery tasks (ProbeTask.split). The `scale` of
+(wire.batch). The coordinator turns the round into Celery tasks (ProbeTask.split). The `scale` of
 along_update results is computed here from the publisher's fp32 snapshots (the wire ProbeResult has none)
 and handed to the result collector with the round's seeds.
 """
@@ -12,13 +12,13 @@ from __future__ import annotations
 import hashlib
 
 from coordinator.client import CoordinatorClient
-from coordinator.round_messages import ProbeRound
-from fleet import batch_wire
 from fleet.collector import ResultCollector
 from fleet.publisher import VersionPublisher
 from fleet.uploads import BlobSender, UploadQueue
 from trainer.zo import probes
 from trainer.zo.probes import ProbeKind, RoundSpec
+from wire import batch as batch_wire
+from wire.round_messages import ProbeRound
 
 
 class RoundSender:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from coordinator.blobs import BlobStore
 from coordinator.client import CoordinatorClient
-from fleet.shards import ShardPlan
+from wire.shards import ShardPlan
 
 log = logging.getLogger("sparecycles.fleet")
 

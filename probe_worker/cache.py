@@ -2,7 +2,7 @@
 
 Shards live at `root/shards/ab/abcdef...` named by their sha256; a worker sharing the coordinator's file
 system reads them in place from its blob directory instead (`shared_blob_dir`). Every use reads a shard once
-into one buffer (pinned for a GPU), hashes it and parses tensors as views of it (fleet.shards.parse_safetensors),
+into one buffer (pinned for a GPU), hashes it and parses tensors as views of it (wire.shards.parse_safetensors),
 so nothing unverified is ever loaded and nothing is copied twice; a shard whose hash differs is deleted,
 counted and fetched again. Only shards the worker lacks are downloaded, so a
 version sharing shards with its parent costs only the changed ones. The newest `keep_versions` models
@@ -33,9 +33,9 @@ from typing import Any
 import torch
 
 from coordinator.client import CoordinatorClient, CoordinatorHTTPError, CorruptBlobError
-from coordinator.messages import ShardRef, VersionManifest
-from fleet.shards import parse_safetensors
 from probe_worker.metrics import WorkerMetrics, default_metrics
+from wire.messages import ShardRef, VersionManifest
+from wire.shards import parse_safetensors
 
 log = logging.getLogger("sparecycles.worker")
 

@@ -7,7 +7,7 @@ probe kind's rule in trainer.zo.probes (the same code the trainer's in-process b
 the task's results in one `ResultBatch`. Every loss of a task, L0 included, runs through one evaluator
 that `kernels.make_evaluator` picks from free memory and logs (a whole-model scratch copy with a compiled
 forward on CUDA, else per-unit hooks), so L+ + L- - 2 L0 compares like with like. The loss and the batch format follow from the version manifest's
-model class (fleet.batch_wire): causal LMs take `lm/1` batches and trainer.models.losses.lm_loss, sequence
+model class (wire.batch): causal LMs take `lm/1` batches and trainer.models.losses.lm_loss, sequence
 classifiers `classifier/1` batches and trainer.sentiment.classifier_loss; a batch that is malformed, of the
 other kind, or outside the model's vocabulary/positions/labels raises BatchFormatError before any forward
 pass. Evaluation is a pure function of (weights, batch, seed, eps, distribution), so re-running a
@@ -29,11 +29,11 @@ from typing import Any
 import torch
 
 from coordinator.client import CoordinatorClient
-from coordinator.messages import Attestation
-from coordinator.round_messages import IntakeReply, ProbeResult, ProbeTask, ResultBatch, non_finite_result
 from probe_worker.cache import WeightCache
 from probe_worker.metrics import WorkerMetrics, default_metrics
 from trainer.zo import probes
+from wire.messages import Attestation
+from wire.round_messages import IntakeReply, ProbeResult, ProbeTask, ResultBatch, non_finite_result
 
 log = logging.getLogger("sparecycles.worker")
 
@@ -109,7 +109,7 @@ class ProbeRuntime:
 
     def _batch(self, sha256: str, kind: str) -> Any:
         """The decoded batch blob `sha256` of `kind` on the cache's device (BatchFormatError if malformed)."""
-        from fleet.batch_wire import decode_batch
+        from wire.batch import decode_batch
 
         key = (sha256, kind)
         if key in self._batches:
@@ -231,7 +231,8 @@ class ProbeRuntime:
         batch that is malformed or does not fit the version's model, ValueError for a model class without a
         probe loss.
         """
-        from fleet.batch_wire import batch_kind_for_model, check_fits, loss_for_kind
+        from trainer.batch_losses import loss_for_kind
+        from wire.batch import batch_kind_for_model, check_fits
 
         with self._lock:
             self.busy = True
@@ -285,7 +286,7 @@ class ProbeRuntime:
                 self.busy = False
 
     def _evaluate_batches(self, task: ProbeTask, model: torch.nn.Module, kind: str, batch: Any) -> list[ProbeResult]:
-        """An eval task (coordinator.messages.EvalSpec): per seed k, batch k of the round's held-out windows scored by
+        """An eval task (wire.messages.EvalSpec): per seed k, batch k of the round's held-out windows scored by
         trainer.evaluation.batch_values, the trainer's own evaluation code (so the values equal the trainer's).
         A weight mixture θ = Σ coeff·θ_version (the anytime model's candidates) is built from this worker's cache by
         trainer.anytime.ring.build_mixture, the trainer's own code and summation order, into a scratch copy of the
@@ -293,8 +294,8 @@ class ProbeRuntime:
         `--keep-versions` >= the ring's k to avoid refetching). Raises ValueError for a task without its spec or a
         mixture whose coefficients do not sum to 1, the cache's errors for a version it cannot get, and
         BatchFormatError for a batch index outside the windows."""
-        from fleet.batch_wire import BatchFormatError
         from trainer.evaluation import batch_of, batch_values
+        from wire.batch import BatchFormatError
 
         spec = task.eval
         if spec is None:

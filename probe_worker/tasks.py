@@ -6,7 +6,7 @@ so redelivery only costs compute. Outcomes, each counted in `sparecycles_worker_
 
 - `done`: evaluated and posted (whatever the per-result intake outcomes were);
 - `invalid`: kwargs are not a valid ProbeTask, the round's batch blob is malformed or does not fit the
-  version's model (fleet.batch_wire.BatchFormatError), or its blocks or slices do not (a group or group_line
+  version's model (wire.batch.BatchFormatError), or its blocks or slices do not (a group or group_line
   round naming a block the model lacks or a slice outside a block: trainer.zo.probes.ProbeFitError) ->
   rejected without requeue, never retried (another worker would refuse the same bytes);
 - `refused`: the coordinator refused a call with a 4xx, or the version is neither a snapshot nor reachable
@@ -36,11 +36,11 @@ from pydantic import ValidationError
 
 from coordinator.celery_app import PROBE_TASK_NAME
 from coordinator.client import CoordinatorHTTPError, CorruptBlobError, Forgotten, is_transient
-from fleet.batch_wire import BatchFormatError
 from probe_worker.cache import VersionUnavailable
 from probe_worker.metrics import WorkerMetrics
 from probe_worker.runtime import ProbeRuntime, parse_task
 from trainer.zo.probes import ProbeFitError
+from wire.batch import BatchFormatError
 
 log = logging.getLogger("sparecycles.worker")
 

@@ -37,12 +37,12 @@ from tenacity import RetryCallState, RetryError, Retrying, stop_when_event_set, 
 
 from coordinator.celery_app import PROBE_TASK_NAME, make_celery
 from coordinator.client import CoordinatorClient, CoordinatorHTTPError, Forgotten
-from coordinator.messages import Heartbeat, WorkerRegistered, WorkerRegistration
 from probe_worker.broker import use_guarded_transport
 from probe_worker.cache import WeightCache
 from probe_worker.metrics import default_metrics, serve_metrics
 from probe_worker.runtime import ProbeRuntime
 from probe_worker.tasks import BusyPolicy, DrainState, gpu_utilization_reader, register_probe_task
+from wire.messages import Heartbeat, WorkerRegistered, WorkerRegistration
 
 REENROLL_MAX_WAIT_S = 30.0  # the longest wait between two re-enrollment attempts (exponential backoff below)
 ADOPT_ENV = "SPARECYCLES_WORKER_ADOPT"  # a registration handed to the restarted process (_restart_as)
@@ -70,7 +70,7 @@ def warm_up() -> None:
     import transformers.modeling_utils  # noqa: F401
 
     import kernels  # noqa: F401
-    from fleet.batch_wire import loss_for_kind
+    from trainer.batch_losses import loss_for_kind
 
     loss_for_kind("lm"), loss_for_kind("classifier")  # both probe losses' modules
 

@@ -8,10 +8,10 @@ import time
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from coordinator.messages import WorkerRegistered
 from coordinator.store import spot_check_selected
 from coordinator.stream import ResultStreamReader
 from support.coordinator import Env, result, round_body, running_env
+from wire.messages import WorkerRegistered
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The batch wire format (fleet.batch_wire): round trips, deterministic bytes, and strict rejection of every
+"""The batch wire format (wire.batch): round trips, deterministic bytes, and strict rejection of every
 malformed `lm/1` / `classifier/1` blob, plus the model-class -> kind -> loss mapping and the fit check."""
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ import torch
 from safetensors.torch import save
 from transformers import BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel
 
-from fleet.batch_wire import (
+from trainer.batch_losses import loss_for_kind
+from wire.batch import (
     FORMAT_KEY,
     BatchFormatError,
     batch_kind_for_model,
     check_fits,
     decode_batch,
     encode_batch,
-    loss_for_kind,
 )
 
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 
 from benchmarks.fleet_gpu import compare_losses, trainer_cost
-from fleet.batch_wire import loss_for_kind
 from support.models import tiny_gpt2
+from trainer.batch_losses import loss_for_kind
 from trainer.zo.backend import InProcessBackend
 from trainer.zo.probes import RoundSpec
 

@@ -131,11 +131,11 @@ def test_quarantined_worker_cannot_touch_registry_keys(fleet):
 def test_real_worker_process_runs_rounds_with_its_own_broker_user(tmp_path):
     """A probe-worker process (Celery) evaluates rounds with only its ACL user's rights, also across an
     8 s broker outage with a Redis restart (issue 14 case 5 end to end)."""
-    from coordinator.messages import RunSpec
     from fleet.backend import CoordinatorBackend
     from support.fleet import AclFleet, make_batch
     from support.models import tiny_gpt2 as tiny_model
     from trainer.zo.probes import RoundSpec
+    from wire.messages import RunSpec
 
     v = Valkey(tmp_path / "valkey", password=secrets.token_urlsafe(16))
     v.start()

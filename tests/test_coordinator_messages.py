@@ -13,8 +13,10 @@ from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from coordinator.messages import MAX_SEEDS_PER_TASK, RunSpec, SeedLedgerEntry, VersionManifest
-from coordinator.round_messages import (
+from coordinator.settings import CoordinatorSettings, generate_dev_settings
+from coordinator.store import spot_check_selected
+from wire.messages import MAX_SEEDS_PER_TASK, RunSpec, SeedLedgerEntry, VersionManifest
+from wire.round_messages import (
     MAX_LINE_SEED,
     MAX_LINE_STEP,
     ProbeResult,
@@ -26,8 +28,6 @@ from coordinator.round_messages import (
     line_seed,
     values_agree,
 )
-from coordinator.settings import CoordinatorSettings, generate_dev_settings
-from coordinator.store import spot_check_selected
 
 WID = "w-0123456789abcdef"
 SHA = "a" * 64
@@ -260,7 +260,7 @@ def test_tasks_carry_every_field_of_their_round(extra):
 
 
 def test_each_setting_has_one_bound_shared_by_wire_and_trainer_config():
-    from coordinator.bounds import MAX_PROBE_EPS, MAX_STALENESS, RUN_SEED_LIMIT
+    from wire.bounds import MAX_PROBE_EPS, MAX_STALENESS, RUN_SEED_LIMIT
 
     rnd = {"run": "r", "round_id": "k", "version": 1, "batch_sha256": SHA, "distribution": "gauss8", "seeds": [1]}
     spec = {"run": "r", "model_class": "m"}

@@ -13,7 +13,7 @@ import time
 import pytest
 from pydantic import ValidationError
 
-from coordinator.round_messages import EvalSpec, ProbeRound, ProbeTask, WeightTerm
+from wire.round_messages import EvalSpec, ProbeRound, ProbeTask, WeightTerm
 
 SHA = "a" * 64
 
@@ -203,12 +203,12 @@ def test_a_weight_mixture_is_built_on_the_worker_bit_for_bit_as_in_process(eflee
 
     import torch
 
-    from coordinator.round_messages import ProbeRound
     from fleet.evaluation import FleetEvaluator
     from trainer.anytime.ring import build_mixture
     from trainer.evaluation import batch_values
     from trainer.tasks import LMTask
     from trainer.zo.probes import canonical_blocks
+    from wire.round_messages import ProbeRound
 
     cfg = _cfg(tmp_path, "mix", eval_batches=3)
     task = LMTask(cfg)

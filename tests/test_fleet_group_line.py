@@ -14,8 +14,6 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from coordinator.round_messages import line_seed
-from fleet import batch_wire
 from fleet.attach import Fleet, FleetStatus
 from support.fleet import make_batch
 from support.models import tiny_gpt2
@@ -29,6 +27,8 @@ from trainer.zo.groups import model_roles
 from trainer.zo.modes import ZOCurvMode
 from trainer.zo.probes import ProbeFitError, ProbeKind, RoundSpec
 from trainer.zo.trust_region import DESIGN_ALPHAS
+from wire import batch as batch_wire
+from wire.round_messages import line_seed
 
 pytestmark = pytest.mark.slow  # a coordinator process and a probe-worker process
 

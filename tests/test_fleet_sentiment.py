@@ -12,12 +12,12 @@ import copy
 import pytest
 import torch
 
-from coordinator.round_messages import ProbeRound as WireRound
-from fleet.batch_wire import encode_batch
 from support.fleet import Fleet
 from trainer.sentiment import classifier_loss
 from trainer.zo.backend import InProcessBackend
 from trainer.zo.zo_step import ZOStepper
+from wire.batch import encode_batch
+from wire.round_messages import ProbeRound as WireRound
 
 SENTENCES = ["a gripping, beautifully acted film", "dull, lifeless and far too long",
              "not bad at all, really", "an utter mess from start to finish"]

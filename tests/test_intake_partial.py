@@ -13,9 +13,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from coordinator.client import CoordinatorClient
-from coordinator.round_messages import ProbeResult, ResultBatch, non_finite_result
 from coordinator.stream import ResultStreamReader
 from support.coordinator import Env, result, running_env
+from wire.round_messages import ProbeResult, ResultBatch, non_finite_result
 
 
 def metric_samples(env: Env) -> dict[tuple[str, tuple], float]:

@@ -19,10 +19,10 @@ from api.app import create_app
 from api.server import ServerThread
 from coordinator.client import CoordinatorClient
 from coordinator.errors import Unavailable
-from coordinator.messages import Heartbeat
 from coordinator.settings import generate_dev_settings
 from coordinator.stream import ResultStreamReader
 from support.valkey import Valkey
+from wire.messages import Heartbeat
 
 OUTAGE_S = 8.0
 

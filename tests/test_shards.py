@@ -1,4 +1,4 @@
-"""fleet.shards: zero-copy shard streams are byte-identical to safetensors.torch.save; the parse is its inverse."""
+"""wire.shards: zero-copy shard streams are byte-identical to safetensors.torch.save; the parse is its inverse."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load, save
 
 from fleet.publisher import write_shards
-from fleet.shards import parse_safetensors, plan_shard, plan_shards
 from trainer.models.gpt2 import build_model
+from wire.shards import parse_safetensors, plan_shard, plan_shards
 
 
 def _named(dtype=torch.float32):

@@ -9,11 +9,11 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from coordinator.messages import RunSpec
 from fleet.backend import CoordinatorBackend
 from probe_worker.cache import WeightCache
 from probe_worker.metrics import WorkerMetrics
 from support.worker_env import REDIS_URL, params_of, tiny_model, worker_env
+from wire.messages import RunSpec
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The staleness rule once (coordinator.staleness): its Lua twin, which the intake script runs, agrees with
+"""The staleness rule once (wire.staleness): its Lua twin, which the intake script runs, agrees with
 `is_stale` on every (version, latest, S) of a grid, and the Python callers (curvature state, in-process
 backend) decide as it does."""
 
@@ -9,7 +9,7 @@ import itertools
 import redis
 
 from coordinator.intake_scripts import INTAKE
-from coordinator.staleness import IS_STALE_LUA, is_stale, oldest_fresh
+from wire.staleness import IS_STALE_LUA, is_stale, oldest_fresh
 
 BIG = 2**53 - 1  # the largest Version: Lua's doubles must still subtract it exactly
 GRID = list(itertools.product([0, 1, 2, 5, 9, 10, BIG - 3, BIG], [-1, 0, 1, 3, 9, 10, 12, BIG], [0, 1, 2, 7, 1_000_000]))

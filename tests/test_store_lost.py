@@ -269,7 +269,7 @@ def test_worker_with_its_own_broker_user_restarts_into_its_new_identity(tmp_path
         assert "with new broker credentials; restarting the worker process" in log
         fleet.wait(lambda: fleet.metric("a", "sparecycles_worker_reenrollments_total") == 1.0, "the count carried over")
 
-        from coordinator.messages import RunSpec
+        from wire.messages import RunSpec
 
         model = tiny_gpt2()
         connect = getattr(CoordinatorBackend, "connect", CoordinatorBackend)  # issue 26 composes the backend

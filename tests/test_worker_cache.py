@@ -14,10 +14,7 @@ from celery.exceptions import Reject
 from prometheus_client import CollectorRegistry
 
 from coordinator.client import CorruptBlobError
-from coordinator.messages import CanarySpec
-from coordinator.round_messages import ProbeTask
 from fleet.backend import CoordinatorBackend
-from fleet.batch_wire import decode_batch, encode_batch
 from fleet.publisher import write_shards
 from kernels import ProbeEvaluator
 from kernels.reference import direction_ref
@@ -28,6 +25,9 @@ from probe_worker.tasks import DrainState, run_probe
 from support.worker_env import REDIS_URL, make_batch, params_of, tiny_model, worker_env
 from trainer.train import lm_loss
 from trainer.zo.probes import RoundSpec
+from wire.batch import decode_batch, encode_batch
+from wire.messages import CanarySpec
+from wire.round_messages import ProbeTask
 
 
 @pytest.fixture

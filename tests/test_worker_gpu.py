@@ -8,7 +8,6 @@ import pytest
 import torch
 from transformers import GPT2LMHeadModel
 
-from coordinator.messages import ShardRef, VersionManifest
 from fleet.publisher import manifest_config
 from kernels import ProbeEvaluator
 from probe_worker.cache import build_from_tensors
@@ -18,6 +17,7 @@ from trainer.train import lm_loss
 from trainer.zo import probes
 from trainer.zo.backend import InProcessBackend
 from trainer.zo.probes import ProbeKind, RoundSpec
+from wire.messages import ShardRef, VersionManifest
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

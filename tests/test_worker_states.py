@@ -11,8 +11,8 @@ import time
 import httpx
 import pytest
 
-from coordinator.messages import Heartbeat
 from support.coordinator import Env, running_env
+from wire.messages import Heartbeat
 
 
 @pytest.fixture

@@ -8,13 +8,13 @@ import pydantic
 import pytest
 import torch
 
-from coordinator.messages import ProbeKindName
-from coordinator.round_messages import ProbeRound, ProbeTask
 from kernels import direction
 from support.quadratic import QuadraticModel, quad_loss
 from trainer.zo import probes
 from trainer.zo.backend import InProcessBackend, collect_round
 from trainer.zo.probes import KINDS, ProbeKind, RoundSpec
+from wire.messages import ProbeKindName
+from wire.round_messages import ProbeRound, ProbeTask
 
 SIZES = [6, 10, 4, 5]
 OFFSETS = [0, 6, 16, 20]
@@ -87,7 +87,7 @@ def test_group_rounds_are_validated_on_both_sides():
 def test_round_spec_names_its_fields_as_the_wire_does():
     import dataclasses
 
-    from coordinator.round_messages import ProbeRound
+    from wire.round_messages import ProbeRound
 
     spec = RoundSpec("g-1", 3, None, 1e-2, (4, 2), "gauss8", want_clean=True, kind=ProbeKind.GROUP, blocks=(0, 5))
     wire = spec.to_wire("r", "b" * 64)

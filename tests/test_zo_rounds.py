@@ -65,7 +65,7 @@ def test_next_leaves_every_round_of_the_newest_refresh_to_the_next():
 def test_a_round_stale_before_completing_is_dropped_and_its_late_results_counted_stale():
     """Results arrive two refreshes late; with S = 1 every round is older than latest − S when its results come:
     the backend's authority refuses them (stale) and the book drops each round once it is stale (3 of 5 by v = 4;
-    coordinator.staleness.is_stale, the rule the coordinator's intake applies)."""
+    wire.staleness.is_stale, the rule the coordinator's intake applies)."""
     be = InProcessBackend(QuadraticModel(SIZES, seed=2), quad_loss, delay_rounds=2, staleness=1)
     book = RoundBook(1)
     assert [_refresh(book, be, v) for v in range(5)] == [[]] * 5

@@ -8,9 +8,9 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from coordinator.bounds import ProbeEps, RunSeed, Staleness
 from trainer.anytime.settings import AnytimeSettings
 from trainer.methods import METHODS, get_method, method_names
+from wire.bounds import ProbeEps, RunSeed, Staleness
 
 
 def _registered(name: str) -> str:

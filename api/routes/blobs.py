@@ -9,7 +9,7 @@ from fastapi.responses import FileResponse, JSONResponse
 
 from api.deps import Admin, MetricsD, Reader, ShaP, StoreD
 from coordinator.errors import NotFound
-from coordinator.messages import BlobInfo
+from wire.messages import BlobInfo
 
 router = APIRouter(prefix="/v1/blobs")
 

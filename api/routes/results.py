@@ -10,7 +10,7 @@ from pydantic import BaseModel, ValidationError
 
 from api.auth import require
 from api.deps import RunP
-from coordinator.round_messages import IntakeReply, ResultBatch, ResultEnvelope, parse_result
+from wire.round_messages import IntakeReply, ResultBatch, ResultEnvelope, parse_result
 
 router = APIRouter()
 _worker_only = require("worker")

@@ -7,8 +7,8 @@ from fastapi import APIRouter, HTTPException
 from api.auth import Principal
 from api.deps import Admin, IntakeD, MetricsD, Reader, RoundP, RunP, StoreD, WorkerOnly
 from coordinator.errors import Invalid
-from coordinator.messages import Attestation
-from coordinator.round_messages import ProbeRound, RoundInfo
+from wire.messages import Attestation
+from wire.round_messages import ProbeRound, RoundInfo
 
 router = APIRouter(prefix="/v1/runs/{run}")
 

@@ -11,7 +11,7 @@ from fastapi.concurrency import run_in_threadpool
 
 from api.deps import Admin, Reader, RunP, StoreD, VersionP
 from coordinator.errors import Invalid
-from coordinator.messages import IntakeCounts, RunInfo, RunSpec, SeedLedgerEntry, VersionManifest
+from wire.messages import IntakeCounts, RunInfo, RunSpec, SeedLedgerEntry, VersionManifest
 
 router = APIRouter(prefix="/v1/runs")
 

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Query, Request, Response
 
 from api.auth import Principal
 from api.deps import Admin, AdminOrSelf, Enroll, SelfWorker, StoreD, WorkerP
-from coordinator.messages import Heartbeat, HeartbeatReply, WorkerInfo, WorkerRegistered, WorkerRegistration
+from wire.messages import Heartbeat, HeartbeatReply, WorkerInfo, WorkerRegistered, WorkerRegistration
 
 router = APIRouter(prefix="/v1/workers")
 

@@ -19,8 +19,8 @@ import pytest
 import redis
 import torch
 
-from coordinator.messages import RunSpec
 from fleet.backend import CoordinatorBackend
+from wire.messages import RunSpec
 
 REDIS_URL = "redis://127.0.0.1:6379/12"
 ROOT = Path(__file__).resolve().parents[2]

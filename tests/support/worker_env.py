@@ -13,10 +13,10 @@ from transformers import GPT2LMHeadModel
 from api.app import create_app
 from api.server import ServerThread
 from coordinator.client import CoordinatorClient
-from coordinator.messages import RunSpec, WorkerRegistration
 from coordinator.settings import generate_dev_settings
 from fleet.backend import CoordinatorBackend
 from support.models import tiny_gpt2
+from wire.messages import RunSpec, WorkerRegistration
 
 REDIS_URL = "redis://127.0.0.1:6379/12"
 

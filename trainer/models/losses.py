@@ -1,5 +1,5 @@
 """Training losses of the model families, shared by the loop (trainer.tasks) and the probe workers
-(fleet.batch_wire picks one per batch kind): model code, not the loop."""
+(trainer.batch_losses picks one per wire batch kind): model code, not the loop."""
 
 from __future__ import annotations
 

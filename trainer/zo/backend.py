@@ -21,11 +21,11 @@ from typing import Any, Protocol
 
 import torch
 
-from coordinator.bounds import Staleness, check
-from coordinator.staleness import is_stale, oldest_fresh
 from kernels import ProbeEvaluator
 from trainer.zo import probes
 from trainer.zo.probes import ProbeKind, RoundSpec, SeedResult
+from wire.bounds import Staleness, check
+from wire.staleness import is_stale, oldest_fresh
 
 COUNT_KEYS = ("accepted", "stale", "duplicate", "dropped", "retracted")
 

@@ -8,7 +8,7 @@ This is the evaluation the calibrated trust region (trainer.zo.trust_region) fit
 
 Its one meaning is the ``group_line`` probe kind (trainer.zo.probes): a round per (held-out batch, role) names the
 role by its segments (`blocks`, `slices`: GroupMap.probe_fields), θ_prev as `base_version`, and one designed point
-α = k·ε per seed (signed step multiple k, zigzag-coded: coordinator.round_messages.line_seed); α = 0 is the round's
+α = k·ε per seed (signed step multiple k, zigzag-coded: wire.round_messages.line_seed); α = 0 is the round's
 clean loss, asked of the first role's round of each batch only. So a refresh is `group_line_rounds` (any backend:
 trainer.zo.backend.InProcessBackend, or fleet.backend.CoordinatorBackend's workers), its results become the
 (B, J) loss table of each role with `group_line_table`, and `group_line_losses` evaluates the same rounds in
@@ -25,10 +25,10 @@ from typing import Any
 
 import torch
 
-from coordinator.round_messages import line_seed
 from trainer.zo import probes
 from trainer.zo.groups import GroupMap, Role
 from trainer.zo.probes import ProbeKind, RoundSpec, SeedResult, canonical_blocks, swapped_loss
+from wire.round_messages import line_seed
 
 DESIGN_EPS = 0.5  # the step unit of trainer.zo.trust_region.DESIGN_ALPHAS: every designed α is a multiple of it
 

@@ -24,7 +24,7 @@ results bit-identical to in-process ones.
   its dtype. With ε = ½ and seeds (1, 2, 3) a round gives the losses at α ∈ {±½, ±1, ±1½} along d that
   zocurv-global's quadratic line fit takes (trainer.zo.role_rules; α = −1 is θ_base itself up to rounding).
 - ``group_line``: one designed point per seed along a parameter role's share of d = θ_v − θ_base: the seed names a
-  signed step multiple k ≠ 0 (zigzag, coordinator.round_messages.line_multiple), α = k·ε, and only the round's
+  signed step multiple k ≠ 0 (zigzag, wire.round_messages.line_multiple), α = k·ε, and only the round's
   blocks G move, those with a slice only there: block b ∈ G becomes (w_b + α·d_b) in fp32, rounded once to its
   dtype, where its slice (if any) says, w_b elsewhere (`group_line_weights`). L+ = L− = L(θ_v + α·d_G) (the point
   has no mirror; the pair keeps the result's shape). The role's segments travel as the round's `blocks` and
@@ -50,10 +50,10 @@ from typing import Any, Literal
 
 import torch
 
-from coordinator.bounds import ProbeEps, check
-from coordinator.round_messages import ProbeRound, check_line_seeds, line_multiple
 from kernels import canonical_offsets, perturb
 from trainer.zo import estimators as est
+from wire.bounds import ProbeEps, check
+from wire.round_messages import ProbeRound, check_line_seeds, line_multiple
 
 
 class ProbeFitError(ValueError):
@@ -103,7 +103,7 @@ def block_sizes(blocks: Sequence[Block]) -> list[int]:
 class RoundSpec:
     """One round of probes sharing a batch and a clean loss (common random numbers), as the trainer holds it.
 
-    The wire form the coordinator receives is coordinator.round_messages.ProbeRound (batch by content hash).
+    The wire form the coordinator receives is wire.round_messages.ProbeRound (batch by content hash).
 
     Attributes:
         round_id: unique name of the round.
@@ -121,9 +121,9 @@ class RoundSpec:
             otherwise).
         slices: (block, dim, start, stop) of the blocks of `blocks` such a round perturbs only in part:
             elements with index in [start, stop) along `dim`; every other block of `blocks` whole.
-        eval: the coordinator.round_messages.EvalSpec of an ``eval`` round (held-out batches, fleet.evaluation; the
+        eval: the wire.round_messages.EvalSpec of an ``eval`` round (held-out batches, fleet.evaluation; the
             seeds are batch indices), None otherwise.
-    The field names are the wire's (coordinator.round_messages.ProbeRound), so `to_wire` copies none by hand.
+    The field names are the wire's (wire.round_messages.ProbeRound), so `to_wire` copies none by hand.
     Raises ValueError at construction for an empty or repeated seed list, eps outside ProbeEps, and fields
     the kind needs or forbids (`check_kind_fields`).
     """
@@ -363,7 +363,7 @@ def _eval(site: ProbeSite, k: int, eps: float, dist: str, group: Sequence[int], 
     raise ValueError("eval rounds perturb nothing: their batches are scored by trainer.evaluation.batch_values")
 
 
-# Adding a kind: a ProbeKind member and one entry here (the wire name in coordinator.messages.ProbeKindName
+# Adding a kind: a ProbeKind member and one entry here (the wire name in wire.messages.ProbeKindName
 # is checked against this table by tests/test_zo_probes.py).
 KINDS: dict[ProbeKind, KindRule] = {
     ProbeKind.SEEDED: KindRule(_seeded),
@@ -372,7 +372,7 @@ KINDS: dict[ProbeKind, KindRule] = {
     ProbeKind.GROUP: KindRule(_group, needs_group=True),
     ProbeKind.LINE: KindRule(_line, needs_base=True, precision="bf16"),
     ProbeKind.GROUP_LINE: KindRule(_group_line, needs_base=True, needs_group=True, forwards=1, precision="bf16"),
-    ProbeKind.EVAL: KindRule(_eval, precision="bf16"),  # held-out evaluation (coordinator.messages.EvalSpec), not a probe
+    ProbeKind.EVAL: KindRule(_eval, precision="bf16"),  # held-out evaluation (wire.messages.EvalSpec), not a probe
 }
 
 # A kind runs its forward in bf16 only when the bf16 forward's loss-difference signal-to-noise ratio (rms of the

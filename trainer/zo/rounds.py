@@ -27,10 +27,10 @@ from typing import Any
 
 import torch
 
-from coordinator.bounds import Staleness, check
-from coordinator.staleness import is_stale
 from trainer.zo.backend import COUNT_KEYS, Collected, ProbeBackend
 from trainer.zo.probes import ProbeKind, RoundSpec, SeedResult
+from wire.bounds import Staleness, check
+from wire.staleness import is_stale
 
 FOLD_TIMINGS = ("async", "sync", "next")
 _TAKEN = ("accepted", "stale", "duplicate")  # the authority's counts a run logs (COUNT_KEYS' first three)
@@ -40,8 +40,8 @@ class RoundBook:
     """Rounds issued and not yet folded or dropped (module docstring).
 
     Args:
-        staleness: bound S in versions (coordinator.bounds.Staleness): a round of version u still incomplete at a
-            refresh of version v is dropped when coordinator.staleness.is_stale(u, v, S).
+        staleness: bound S in versions (wire.bounds.Staleness): a round of version u still incomplete at a
+            refresh of version v is dropped when wire.staleness.is_stale(u, v, S).
         timing: one of FOLD_TIMINGS.
         timeout_s: the longest `collect` / `before_publish` wait for one round under "sync" and "next" (seconds).
     Attributes: counts ({accepted, stale, duplicate}: the authority's outcomes, summed), dropped (rounds dropped).

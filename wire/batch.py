@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Literal
 
 import torch
@@ -56,17 +56,6 @@ def batch_kind_for_model(model_class: str) -> BatchKind:
                      "(GPT2LMHeadModel, *ForCausalLM) and sequence classifiers (*ForSequenceClassification)")
 
 
-def loss_for_kind(kind: BatchKind) -> Callable[[torch.nn.Module, tuple[torch.Tensor, ...]], torch.Tensor]:
-    """loss_fn(model, batch) -> scalar tensor (nats) for batches of `kind` (the table in the module docstring)."""
-    if kind == "lm":
-        from trainer.models.losses import lm_batch_loss
-
-        return lm_batch_loss
-    if kind == "classifier":
-        from trainer.sentiment import classifier_loss
-
-        return classifier_loss
-    raise ValueError(f"unknown batch kind {kind!r}; use one of {sorted(FIELDS)}")
 
 
 def _problem(kind: str, ts: Sequence[torch.Tensor]) -> str | None:

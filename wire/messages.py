@@ -4,8 +4,8 @@ Every message is a strict, frozen, versioned pydantic model: unknown fields, wro
 coercion), non-finite floats and oversize lists are rejected with a `pydantic.ValidationError`. Ids are
 restricted by regex so they are safe as Redis key parts, Celery queue names and file names.
 Seeds are unsigned 64-bit integers (0 <= s < 2**64), the Philox key of DESIGN.md section 1. Each setting's
-one bound (probe step, staleness, seeds) is defined in coordinator.bounds. This module holds the base, worker
-and run messages; a probe round's family (round, task, result, stream event) is coordinator.round_messages.
+one bound (probe step, staleness, seeds) is defined in wire.bounds. This module holds the base, worker
+and run messages; a probe round's family (round, task, result, stream event) is wire.round_messages.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pydantic import (
     model_validator,
 )
 
-from coordinator.bounds import Seed, Staleness
+from wire.bounds import Seed, Staleness
 
 SCHEMA_VERSION = 1
 MAX_SEEDS_PER_ROUND = 65_536
@@ -42,7 +42,7 @@ WorkerState = Literal["active", "draining", "lost", "quarantined"]
 # theta_version - theta_base restricted to block `seed`; group: z(seed) restricted to the round's `blocks`;
 # line: seed * eps times the whole update theta_version - theta_base; group_line: one point along the update
 # restricted to the round's `blocks` (and `slices`), the seed a zigzag-coded signed step multiple k
-# (coordinator.round_messages.line_multiple), alpha = k * eps; eval: no perturbation, the "seed" is the index of a
+# (wire.round_messages.line_multiple), alpha = k * eps; eval: no perturbation, the "seed" is the index of a
 # held-out evaluation batch (schema 3, `eval`: EvalSpec) (the meaning of each: trainer.zo.probes.KINDS, which a test
 # keeps equal to this list).
 ProbeKindName = Literal["seeded", "block_scaled", "along_update", "group", "line", "group_line", "eval"]

@@ -1,20 +1,20 @@
 """Each setting's one bound, defined once: annotated pydantic types that the wire messages
-(coordinator.messages), the trainer's config (trainer.config.TrainConfig) and trainer-side constructors
+(wire.messages), the trainer's config (trainer.config.TrainConfig) and trainer-side constructors
 (through `check`) validate with. Torch-free, so every layer may import it.
 
 ε has four meanings, each with its own name (only the first two are settings; the others are fixed):
 - `ProbeEps`: the absolute probe step ε of L(θ ± ε·z), parameter units for a unit-RMS direction z: a round's
   `eps` on the wire and in trainer.zo.probes.RoundSpec, TrainConfig.eps of the pure-ZO and ZO-Curv methods.
-- `RelativeProbeEps`: a step relative to a parameter group's weight RMS, ε_G = eps_rel·RMS(θ_G) (the role
-  variants of ZO-Curv read TrainConfig.eps this way).
+- a step relative to a parameter group's weight RMS, ε_G = eps·RMS(θ_G): the role variants of ZO-Curv read
+  TrainConfig.eps (a ProbeEps) this way; it has no type of its own.
 - the `line` kind's step unit: a line round probes α = ±j·ε along θ_v − θ_base (a `group_line` round one α = k·ε
   per seed, k signed, along a role's share of it); the step is a ProbeEps and the product |j|·ε is bounded by
-  MAX_LINE_SEED and MAX_LINE_STEP (coordinator.round_messages.check_line_seeds).
+  MAX_LINE_SEED and MAX_LINE_STEP (wire.round_messages.check_line_seeds).
 - Adam's ε: the denominator floor of Adam-family updates (torch.optim.AdamW's `eps`), never a probe step.
 
 Seeds: a probe `Seed` is a Philox key, an unsigned 64-bit integer (DESIGN.md §1); a `RunSeed` is the base of
 a run's derived seeds (trainer.zo.estimators.derive_seed), kept below 2**63 so every tensor library carries
-it as a non-negative int64. `Staleness` S counts versions (the rule itself: coordinator.staleness).
+it as a non-negative int64. `Staleness` S counts versions (the rule itself: wire.staleness).
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ SEED_LIMIT = 1 << 64  # probe seeds: [0, 2**64), the Philox key (kernels.philox.
 RUN_SEED_LIMIT = 1 << 63  # run seeds: [0, 2**63), a non-negative int64
 
 ProbeEps = Annotated[float, Field(gt=0.0, le=MAX_PROBE_EPS, allow_inf_nan=False)]
-RelativeProbeEps = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
 Staleness = Annotated[int, Field(ge=0, le=MAX_STALENESS)]
 Seed = Annotated[int, Field(ge=0, lt=SEED_LIMIT)]
 RunSeed = Annotated[int, Field(ge=0, lt=RUN_SEED_LIMIT)]

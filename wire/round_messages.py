@@ -1,7 +1,7 @@
 """The probe round's message family (DESIGN.md section 3): `ProbeRound` (trainer -> coordinator), its
 `ProbeTask`s (coordinator -> worker, `ProbeTask.split`), `ProbeResult`s in `ResultBatch`es (worker ->
 coordinator), the intake's `IntakeReply` and the results stream's `StreamEvent` (coordinator -> trainer).
-Strict, frozen, versioned pydantic models on coordinator.messages' base; one field name end to end (the
+Strict, frozen, versioned pydantic models on wire.messages' base; one field name end to end (the
 trainer's trainer.zo.probes.RoundSpec uses the same names).
 """
 
@@ -20,8 +20,8 @@ from pydantic import (
     model_validator,
 )
 
-from coordinator.bounds import ProbeEps, Seed
-from coordinator.messages import (
+from wire.bounds import ProbeEps, Seed
+from wire.messages import (
     BASE_KINDS,
     GROUP_KINDS,
     MAX_BLOCKS,
