@@ -7,6 +7,8 @@ the state store (`settings.broker_url`).
 
 from __future__ import annotations
 
+import hashlib
+
 import redis
 from celery import Celery
 
@@ -14,6 +16,17 @@ from coordinator.celery_app import send_probe_tasks
 from coordinator.keys import Keys, redis_client_kwargs
 from coordinator.runs import RunStore
 from wire.round_messages import ProbeRound, ProbeTask
+
+
+def spot_check_selected(run: str, round_id: str, seed: int, fraction: float) -> bool:
+    """Deterministic spot-check choice: sha256("run/round/seed")[:8] / 2**64 < fraction.
+
+    A pure function of its arguments (counter-based hashing, no RNG state), so intake can recompute it.
+    """
+    if fraction <= 0.0:
+        return False
+    h = int.from_bytes(hashlib.sha256(f"{run}/{round_id}/{seed}".encode()).digest()[:8], "big")
+    return h < fraction * 2.0**64
 
 
 class Dispatch:
@@ -44,8 +57,6 @@ class Dispatch:
         """Seeds of an open round still without a value, by the replica that is missing: replica 0 for
         plain seeds; replicas 0 and 1 of spot-checked seeds whose value is not held yet. Seeds streamed,
         dropped or given up (the round's `dec` hash) are not outstanding."""
-        from coordinator.rounds import spot_check_selected
-
         pipe = self.r.pipeline(transaction=False)
         pipe.smembers(self.keys.k_round(run, rid, "seeds"))
         pipe.hkeys(self.keys.k_round(run, rid, "acc"))

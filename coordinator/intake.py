@@ -28,11 +28,11 @@ from functools import lru_cache
 
 from redis.asyncio import Redis as AsyncRedis
 
+from coordinator.dispatch import spot_check_selected
 from coordinator.errors import Conflict, NotFound
 from coordinator.intake_scripts import INTAKE, PUBLISH, RETRACT
 from coordinator.keys import results_stream_key
 from coordinator.metrics import CoordinatorMetrics
-from coordinator.rounds import spot_check_selected
 from coordinator.store import Store
 from coordinator.worker_scripts import INCR_IF_EXISTS
 from wire.round_messages import ProbeResult, ProbeRound, StreamEvent, values_agree

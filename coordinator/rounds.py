@@ -8,28 +8,16 @@ created_at, published), `{p}:{run}:rd:{rid}:seeds` (set), `{p}:{run}:rounds` and
 
 from __future__ import annotations
 
-import hashlib
 import time
 
 import redis
 
 from coordinator.blobs import BlobStore
-from coordinator.dispatch import Dispatch
+from coordinator.dispatch import Dispatch, spot_check_selected
 from coordinator.errors import Conflict, Invalid, NotFound
 from coordinator.keys import Keys
 from coordinator.runs import RunStore
 from wire.round_messages import ProbeRound, RoundInfo
-
-
-def spot_check_selected(run: str, round_id: str, seed: int, fraction: float) -> bool:
-    """Deterministic spot-check choice: sha256("run/round/seed")[:8] / 2**64 < fraction.
-
-    A pure function of its arguments (counter-based hashing, no RNG state), so intake can recompute it.
-    """
-    if fraction <= 0.0:
-        return False
-    h = int.from_bytes(hashlib.sha256(f"{run}/{round_id}/{seed}".encode()).digest()[:8], "big")
-    return h < fraction * 2.0**64
 
 
 class RoundStore:

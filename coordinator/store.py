@@ -21,10 +21,10 @@ from celery import Celery
 
 from coordinator.blobs import BlobStore
 from coordinator.celery_app import make_celery
-from coordinator.dispatch import Dispatch
+from coordinator.dispatch import Dispatch, spot_check_selected
 from coordinator.keys import Keys, redis_client_kwargs, results_stream_key
 from coordinator.registry import WorkerRegistry
-from coordinator.rounds import RoundStore, spot_check_selected
+from coordinator.rounds import RoundStore
 from coordinator.runs import RunStore
 from coordinator.settings import CoordinatorSettings
 
