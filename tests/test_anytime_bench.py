@@ -37,8 +37,15 @@ def test_cpu_dry_run_writes_json_png_and_table(tmp_path, monkeypatch, capsys):
     assert [e["step"] for e in res["evals"]] == [0, 4, 8]
     assert [r["steps"] for r in res["references"]] == [4]
     assert res["references"][0]["decay_start"] == 3  # 20% of a 4-step run, rounded: the last step decays
-    for e in res["evals"][1:]:
-        assert e["served_sel_loss"] <= e["raw_sel_loss"] and "speedup" in e
+    raw = [(e["step"], e["raw_val"]) for e in res["evals"]]
+    for e in res["evals"][1:]:  # the speedup is where the raw curve (linear between evaluations) meets served_val
+        if e["speedup"] is None:
+            assert all(v > e["served_val"] for _, v in raw) and e["speedup_lower_bound"] == 8 / e["step"]
+        else:
+            at = e["speedup"] * e["step"]
+            (s0, v0), (s1, v1) = next((a, b) for a, b in zip([raw[0], *raw], raw) if a[0] <= at <= b[0])
+            v_at = v0 if s1 == s0 else v0 + (v1 - v0) * (at - s0) / (s1 - s0)
+            assert v_at == pytest.approx(e["served_val"], abs=1e-9) or (s1 == s0 and v1 <= e["served_val"])
     assert (tmp_path / "anytime.png").stat().st_size > 0
     report_main([str(tmp_path / "anytime.json"), "--out", str(tmp_path / "results")])
     table = (tmp_path / "results" / "table.md").read_text()

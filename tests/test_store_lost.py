@@ -181,8 +181,6 @@ def test_anytime_candidates_are_scored_after_the_store_is_lost(fleet, tmp_path):
 
 
 @pytest.mark.slow  # a coordinator process and probe-worker processes
-@pytest.mark.skipif(not hasattr(CoordinatorBackend, "connect"),
-                    reason="fleet.recovery hooks into issue 26's composed CoordinatorBackend (wired with it)")
 def test_training_run_outlives_a_lost_store(fleet, tmp_path):
     """`sparecycles train --coordinator` (zocurv-line, --fleet-sync: each round awaited) whose coordinator loses its
     store mid-run, preferably while a round is in flight: the trainer creates its run again (logged, counted in
@@ -272,8 +270,7 @@ def test_worker_with_its_own_broker_user_restarts_into_its_new_identity(tmp_path
         from wire.messages import RunSpec
 
         model = tiny_gpt2()
-        connect = getattr(CoordinatorBackend, "connect", CoordinatorBackend)  # issue 26 composes the backend
-        be = connect(model, coordinator_url=fleet.url, admin_token=fleet.admin_token,
+        be = CoordinatorBackend.connect(model, coordinator_url=fleet.url, admin_token=fleet.admin_token,
                                         redis_url=v.url, key_prefix=fleet.prefix, round_timeout_s=120.0,
                                         run=RunSpec(run="acl-after", model_class=type(model).__name__,
                                                     spot_check_fraction=0.0, seeds_per_task=2))
