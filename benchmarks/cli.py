@@ -371,7 +371,7 @@ def bench_data_pack(
     size_mb: float = typer.Option(100.0, min=0.1, help="Size of the text folder to pack, in MB (10^6 bytes)."),
     model: str = typer.Option("gpt2-tiny", help="Model preset or transformers folder whose tokenizer packs it."),
     workdir: Path | None = typer.Option(None, help="Where the temporary folder and cache go (default: $TMPDIR)."),
-    out: Path = typer.Option(Path("benchmarks/results/data_pack.json"), help="Result JSON to write."),
+    out: Path = typer.Option(Path("benchmarks/results/cpu/data_pack.json"), help="Result JSON to write."),
 ) -> None:
     """Tokenization throughput (tokens/s, 1 thread and every core) and the time to pack a folder of real text
     with --data (cold, then a cache hit), written to OUT (benchmarks.data_pack)."""
