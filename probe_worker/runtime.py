@@ -29,9 +29,16 @@ from typing import Any
 import torch
 
 from coordinator.client import CoordinatorClient
+from kernels import FastForward, direction, make_evaluator
+from kernels.fastpath import MODES
 from probe_worker.cache import WeightCache
 from probe_worker.metrics import WorkerMetrics, default_metrics
+from trainer.anytime.ring import build_mixture
+from trainer.batch_losses import loss_for_kind
+from trainer.evaluation import batch_of, batch_values
+from trainer.models.losses import lm_batch_loss
 from trainer.zo import probes
+from wire.batch import BatchFormatError, batch_kind_for_model, check_fits, decode_batch
 from wire.messages import Attestation
 from wire.round_messages import IntakeReply, ProbeResult, ProbeTask, ResultBatch, non_finite_result
 
@@ -43,8 +50,6 @@ def canary_digest(seed: int, numel: int, distribution: str) -> str:
 
     z comes from `kernels.direction` on the CPU (bit-identical on every device by construction).
     """
-    from kernels import direction
-
     z = direction(seed, 0, numel, distribution, device="cpu").to(torch.float32).contiguous()
     return hashlib.sha256(z.numpy().astype("<f4", copy=False).tobytes()).hexdigest()
 
@@ -80,8 +85,6 @@ class ProbeRuntime:
                  metrics: WorkerMetrics | None = None, keep_rounds: int = 64, probe_path: str = "auto",
                  compile: bool | None = None, cuda_graphs: bool = False,
                  attn_dtype: torch.dtype | None = None) -> None:
-        from kernels.fastpath import MODES
-
         if probe_path not in MODES:
             raise ValueError(f"probe_path must be one of {MODES}, got {probe_path!r}")
         self.client, self.worker_id, self.cache = client, worker_id, cache
@@ -109,8 +112,6 @@ class ProbeRuntime:
 
     def _batch(self, sha256: str, kind: str) -> Any:
         """The decoded batch blob `sha256` of `kind` on the cache's device (BatchFormatError if malformed)."""
-        from wire.batch import decode_batch
-
         key = (sha256, kind)
         if key in self._batches:
             self.metrics.cache_hits.labels("batch").inc()
@@ -130,8 +131,6 @@ class ProbeRuntime:
     def _evaluator(self, model: torch.nn.Module, loss_fn):
         """The probe evaluator of `model` (kernels.make_evaluator): one per weight dtype (a worker serving fp32 and
         bf16 kinds keeps both copies); a new version of the same architecture rebinds it (compiled code kept)."""
-        from kernels import make_evaluator
-
         slot = next(model.parameters()).dtype
         ev = self._evaluators.get(slot)
         if ev is not None and ev.model is model and ev.loss_fn is loss_fn:
@@ -231,8 +230,6 @@ class ProbeRuntime:
         batch that is malformed or does not fit the version's model, ValueError for a model class without a
         probe loss.
         """
-        from trainer.batch_losses import loss_for_kind
-        from wire.batch import batch_kind_for_model, check_fits
 
         with self._lock:
             self.busy = True
@@ -294,8 +291,6 @@ class ProbeRuntime:
         `--keep-versions` >= the ring's k to avoid refetching). Raises ValueError for a task without its spec or a
         mixture whose coefficients do not sum to 1, the cache's errors for a version it cannot get, and
         BatchFormatError for a batch index outside the windows."""
-        from trainer.evaluation import batch_of, batch_values
-        from wire.batch import BatchFormatError
 
         spec = task.eval
         if spec is None:
@@ -328,8 +323,6 @@ class ProbeRuntime:
         """The `dtype` compiled forward (kernels.FastForward of lm_batch_loss) holding `model`'s weights: one per
         architecture, reloaded (cast) only when `holds` (run, weight terms) changes; a new architecture replaces
         it."""
-        from kernels import FastForward
-        from trainer.models.losses import lm_batch_loss
 
         ff = self._ff
         if ff is not None and ff.dtype == dtype and self._ff_holds == holds:
@@ -347,8 +340,6 @@ class ProbeRuntime:
     def _mixture(self, run: str, terms: list[tuple[int, float]], model: torch.nn.Module) -> torch.nn.Module:
         """A scratch copy of `model` holding Σ coeff·θ_version over `terms` (trainer.anytime.ring.build_mixture)."""
         import copy
-
-        from trainer.anytime.ring import build_mixture
 
         weights = build_mixture(terms, lambda v: self.cache.get(run, v).model.state_dict())
         if self._mix_scratch is None or type(self._mix_scratch) is not type(model):
