@@ -137,7 +137,8 @@ def plan_up(*, preset: str = "demo", optimizer: str | None = None, workers: int 
     try:
         if not sentiment and "staleness" not in over:
             # A fleet answers a round while the trainer moves on; versions advance with steps, so the staleness
-            # bound must cover the rounds' round trip: two curvature intervals.
+            # bound must cover the rounds' round trip: two curvature intervals. The one place this default is
+            # set; TrainConfig.staleness's description (train/up --help) and README "Defaults" say it.
             over["staleness"] = 2 * resolve_preset(preset, over).curvature_interval
         zo_cfg = resolve_preset(preset, {**over, "optimizer": optimizer,
                                          **({"optimizer_options": optimizer_options} if optimizer_options else {})})

@@ -124,7 +124,8 @@ class TrainConfig(BaseModel):
     lam: float = Field(1.0, gt=0, description="1.5-SPSA weight floor lambda")
     probe_batch_size: int = Field(16, ge=1, le=4096, description="ZO: sequences per probe batch")
     curvature_interval: int = Field(10, ge=1, description="ZO-Curv: steps between curvature rounds")
-    staleness: Staleness = Field(2, description="ZO-Curv: staleness bound S, in versions")
+    staleness: Staleness = Field(2, description="ZO-Curv: staleness bound S, in versions (`up` sets 2 x "
+                             "curvature-interval unless given: a fleet round's round trip)")
     probe_budget: int = Field(41, ge=3, le=1_000_000,
                               description="zocurv-group: forward-equivalents per curvature refresh")
     task: Literal["lm", "sentiment"] = Field("lm", description="lm (pretraining on the corpus or --data) or "
