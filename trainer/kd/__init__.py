@@ -1,0 +1,1 @@
+"""Knowledge distillation from a teacher's sparse targets (issue 36): estimators, target sampling, config."""
