@@ -108,3 +108,62 @@ def test_intake_rejects_shape_vocab_and_garbage():
         decode(encode(tg), batch_shape=(1, 2), vocab=301)
     with pytest.raises(TargetFormatError):
         decode(b"\x00" * 5, batch_shape=(1, 2), vocab=300)
+
+
+def _llama_dir(folder, vocab: int, seed: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                         tie_word_embeddings=True, eos_token_id=0, bos_token_id=None)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+def test_kd_loss_fn_mixes_ce_and_the_estimator_with_seeded_targets(tmp_path):
+    """KDLoss on two tiny Llamas equals (1 - a) CE + a sparse_ce of make_targets(seed, call 0, rank), by hand."""
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
+
+    from trainer.kd.teacher import KDLoss, load_teacher
+
+    student = AutoModelForCausalLM.from_pretrained(_llama_dir(tmp_path / "s", 400, 0))
+    teacher = load_teacher(str(_llama_dir(tmp_path / "t", 400, 1)), "cpu")
+    x = torch.randint(0, 400, (2, 8), generator=torch.Generator().manual_seed(0))
+    y = torch.roll(x, -1, 1)
+    loss_fn = KDLoss(teacher, alpha=0.3, estimator="sampled", k=4, temperature=2.0, seed=5, rank=1)
+    got = loss_fn(student, (x, y))
+    logits = student(input_ids=x).logits
+    with torch.no_grad():
+        tg = make_targets(teacher(input_ids=x).logits, kind="sampled", k=4, temperature=2.0, seed=5, step=0,
+                          rank=1)
+    ref = 0.7 * F.cross_entropy(logits.reshape(-1, 400), y.reshape(-1)) + 0.3 * sparse_ce(logits, tg)
+    assert got.item() == pytest.approx(ref.item(), rel=1e-6) and loss_fn.calls == 1
+
+
+def test_a_teacher_with_another_tokenizer_is_refused_before_the_run_starts(tmp_path):
+    """gpt2-tiny (tiktoken GPT-2) taught by a folder with its own 400-id tokenizer: refused naming both, before
+    the run folder exists; a folder without weights is refused naming the folder."""
+    from support.user_data import hf_tokenizer_dir
+    from trainer.config import TrainConfig
+    from trainer.kd.teacher import TeacherMismatchError
+    from trainer.train import train
+
+    other = _llama_dir(hf_tokenizer_dir(tmp_path / "other", vocab_size=400), 400, 2)
+    cfg = TrainConfig(teacher=str(other), steps=3, warmup_steps=0, run_dir=tmp_path / "run")
+    with pytest.raises(TeacherMismatchError, match=r"vocab 400\) differs from the student's .*vocab 50257"):
+        train(cfg, progress=False)
+    assert not (tmp_path / "run").exists()
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "config.json").write_text("{}")
+    with pytest.raises(TeacherMismatchError, match="holds no weights"):
+        train(cfg.model_copy(update={"teacher": str(tmp_path / "empty")}), progress=False)
+
+
+def test_kd_fields_only_in_run_json_with_a_teacher():
+    from trainer.config import TrainConfig
+
+    assert not {"teacher", "kd_alpha", "kd_k"} & set(TrainConfig().run_json())
+    assert TrainConfig(teacher="smollm2-135m").run_json()["kd_estimator"] == "sampled"

@@ -138,6 +138,15 @@ class TrainConfig(BaseModel):
     anytime: AnytimeSettings | None = Field(None, description="the anytime model (served_val_loss, "
                                             "RUN_DIR/served.safetensors, `export --best`)")
 
+    # Distillation (trainer.kd, issue 36): None = off. In process for now (the teacher on the trainer's device).
+    teacher: str | None = Field(None, min_length=1, description="distillation teacher: smollm2-135m or a "
+                                "transformers folder with the student's tokenizer (loss (1-a) CE + a KD)")
+    kd_alpha: float = Field(0.5, ge=0, le=1.0, description="--teacher: KD weight a in (1-a) CE + a KD")
+    kd_estimator: Literal["full", "sampled", "topk"] = Field(
+        "sampled", description="--teacher: full-vocabulary KL, S ids sampled from the teacher, or its top-k")
+    kd_k: int = Field(16, ge=1, le=1024, description="--teacher: S (sampled) or k (topk) ids per position")
+    kd_temperature: float = Field(1.0, gt=0, le=100.0, description="--teacher: distillation temperature")
+
     @model_validator(mode="after")
     def _consistent(self) -> TrainConfig:
         if self.min_lr > self.lr:
@@ -168,12 +177,14 @@ class TrainConfig(BaseModel):
     def run_json(self) -> dict:
         """The run's identity as written to config.json and compared on --resume: every field but `run_dir`
         and `steps` (a run may be extended), `optimizer_options` / `anytime` only when set, `schedule` only
-        when not "cosine" and `data`/`text_field`/`encoding_errors` only with `data` (folders from before those
-        fields existed still resume)."""
+        when not "cosine", `data`/`text_field`/`encoding_errors` only with `data` and the kd_* fields only with
+        `teacher` (folders from before those fields existed still resume)."""
         exclude = {"run_dir", "steps"} | (set() if self.optimizer_options else {"optimizer_options"})
         exclude |= set() if self.schedule != "cosine" else {"schedule"}
         exclude |= set() if self.anytime is not None else {"anytime"}
         exclude |= set() if self.data is not None else {"data", "text_field", "encoding_errors"}
+        exclude |= set() if self.teacher is not None else {"teacher", "kd_alpha", "kd_estimator", "kd_k",
+                                                           "kd_temperature"}
         return self.model_dump(mode="json", exclude=exclude)
 
 

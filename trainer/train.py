@@ -179,6 +179,14 @@ def _set_up(cfg: TrainConfig, *, resume: bool, progress: bool,
     continues from the checkpoint and forgets what was logged after it). Raises as `train` does."""
     from trainer.models import param_order_hash
 
+    if cfg.teacher is not None:  # refused before the run folder exists: task, then tokenizers (naming both)
+        from trainer.kd.teacher import TeacherMismatchError, check_tokenizers
+
+        if cfg.task != "lm" or dist.fleet:
+            raise TeacherMismatchError(f"--teacher needs the lm task in process (task {cfg.task!r}, fleet "
+                                       f"{dist.fleet}): teacher rounds on the fleet are not built yet")
+        check_tokenizers(cfg.model, cfg.teacher)
+
     # 1. run folder
     run = _open_run(cfg, resume, overwrite, dist)
     progress = progress and dist.is_main
@@ -193,7 +201,7 @@ def _set_up(cfg: TrainConfig, *, resume: bool, progress: bool,
     meta = {"config": cfg.run_json(), "param_order_hash": param_order_hash(model)}
     dist.prepare_model(model, kind)  # DDP / FSDP2 in place under torchrun
     # Under torchrun: probes sharded over the ranks, or rank 0's fleet results broadcast to the others.
-    mode = build_rank_mode(cfg, model, task.loss_fn, mode_factory, dist)
+    mode = build_rank_mode(cfg, model, _loss_fn(cfg, task, dist), mode_factory, dist)
     ckpt = make_checkpointer(run.path, run.checkpoint, model, mode, meta, dist, resume)
 
     anytime = _build_anytime(cfg, task, run.path)
@@ -365,6 +373,16 @@ def _open_run(cfg: TrainConfig, resume: bool, overwrite: bool, dist: DistContext
     if got[1] is not None:
         raise got[1]
     return run or RunDir(Path(got[0]))
+
+
+def _loss_fn(cfg: TrainConfig, task: Task, dist: DistContext):
+    """The task's loss, or with --teacher the distillation loss (trainer.kd.teacher.KDLoss) in process."""
+    if cfg.teacher is None:
+        return task.loss_fn
+    from trainer.kd.teacher import KDLoss, load_teacher
+
+    return KDLoss(load_teacher(cfg.teacher, cfg.device), alpha=cfg.kd_alpha, estimator=cfg.kd_estimator,
+                  k=cfg.kd_k, temperature=cfg.kd_temperature, seed=cfg.seed, rank=dist.rank)
 
 
 def _build_anytime(cfg: TrainConfig, task: Task, run_path: Path):

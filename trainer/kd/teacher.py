@@ -1,0 +1,93 @@
+"""An in-process teacher: a frozen causal LM whose targets make the student's loss (1 - alpha) CE + alpha KD.
+
+`KDLoss(model, batch)` is a drop-in `loss_fn` (trainer.modes): it runs the teacher on x under no_grad, turns its
+logits into targets (`full`: the logits themselves; `sampled` / `topk`: trainer.kd.targets.make_targets, seeded by
+(seed, call index, rank)) and mixes trainer.kd.estimators' KD term with the student's CE. The fleet path (issue 36,
+teacher rounds on workers) is not built yet; this is the same math in one process.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from trainer.kd.estimators import full_kl, kd_loss, sparse_ce
+from trainer.kd.targets import make_targets
+
+Estimator = Literal["full", "sampled", "topk"]
+TEACHER_PRESETS = ("smollm2-135m",)
+
+
+class TeacherMismatchError(ValueError):
+    """Teacher and student do not share a tokenizer (or the teacher folder cannot be a teacher)."""
+
+
+def teacher_folder(teacher: str) -> Path:
+    """The transformers folder of `teacher`: the preset 'smollm2-135m' (trainer.models.pretrained.smollm2_dir)
+    or a local folder holding config.json and weights. Raises TeacherMismatchError otherwise."""
+    if teacher in TEACHER_PRESETS:
+        from trainer.models.pretrained import smollm2_dir
+
+        return smollm2_dir()
+    path = Path(teacher).expanduser()
+    if not (path / "config.json").is_file():
+        raise TeacherMismatchError(f"--teacher {teacher!r}: neither a preset ({', '.join(TEACHER_PRESETS)}) nor "
+                                   "a transformers folder with config.json")
+    if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
+        raise TeacherMismatchError(f"--teacher {teacher!r}: the folder holds no weights (*.safetensors / *.bin)")
+    return path.resolve()
+
+
+def check_tokenizers(student: str, teacher: str) -> None:
+    """Refuse a teacher whose tokenizer differs from the student's (trainer.data.tokenizer_for's sha256 and
+    vocabulary size), naming both. Raises TeacherMismatchError."""
+    from trainer.data.model_tokenizer import tokenizer_for
+
+    s, t = tokenizer_for(student), tokenizer_for(str(teacher_folder(teacher)))
+    if (s.sha256, s.vocab_size) != (t.sha256, t.vocab_size):
+        raise TeacherMismatchError(f"teacher tokenizer {t.name} (vocab {t.vocab_size}) differs from the student's "
+                                   f"{s.name} (vocab {s.vocab_size}): distillation needs the same tokenizer")
+
+
+def load_teacher(teacher: str, device: str) -> torch.nn.Module:
+    """The teacher, frozen, in eval mode: bf16 on CUDA, fp32 on CPU (AutoModelForCausalLM, local files only)."""
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(teacher_folder(teacher), dtype=dtype, local_files_only=True)
+    return model.to(device).eval().requires_grad_(False)
+
+
+class KDLoss:
+    """loss_fn(model, (x, y)) -> (1 - alpha) * CE + alpha * KD, x, y int64 (B, T); a float32 scalar (nats/token).
+
+    Holds the teacher and a call counter (the target seed's counter); `last` keeps the latest (ce, kd) floats
+    for metrics. Teacher and student must share the vocabulary (checked per call: ValueError naming both).
+    """
+
+    def __init__(self, teacher: torch.nn.Module, *, alpha: float, estimator: Estimator, k: int,
+                 temperature: float, seed: int, rank: int = 0) -> None:
+        self.teacher, self.alpha, self.estimator, self.k = teacher, alpha, estimator, k
+        self.temperature, self.seed, self.rank, self.calls = temperature, seed, rank, 0
+        self.last: tuple[float, float] = (float("nan"), float("nan"))
+
+    def __call__(self, model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        logits = model(input_ids=x).logits  # (B, T, V)
+        ce = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
+        with torch.no_grad():
+            z = self.teacher(input_ids=x).logits
+        if z.shape[-1] != logits.shape[-1]:
+            raise ValueError(f"teacher vocabulary {z.shape[-1]} != student vocabulary {logits.shape[-1]}")
+        if self.estimator == "full":
+            kd = full_kl(logits, z, self.temperature)
+        else:
+            tg = make_targets(z, kind=self.estimator, k=self.k, temperature=self.temperature,
+                              seed=self.seed, step=self.calls, rank=self.rank)
+            kd = sparse_ce(logits, tg)
+        self.calls += 1
+        self.last = (float(ce.detach()), float(kd.detach()))
+        return kd_loss(ce, kd, self.alpha)
