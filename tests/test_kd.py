@@ -167,3 +167,19 @@ def test_kd_fields_only_in_run_json_with_a_teacher():
 
     assert not {"teacher", "kd_alpha", "kd_k"} & set(TrainConfig().run_json())
     assert TrainConfig(teacher="smollm2-135m").run_json()["kd_estimator"] == "sampled"
+
+
+def test_intake_counts_rejections_and_falls_back_to_ce():
+    from trainer.kd.intake import accept
+    from trainer.metrics import KD_REJECTED
+
+    good = encode(KDTargets("sampled", torch.tensor([[[3, 4]]]), torch.tensor([[[-1.0, -2.0]]]), 300, 1.0))
+    bad = encode(KDTargets("sampled", torch.tensor([[[3, 300]]]), torch.tensor([[[-1.0, -2.0]]]), 300, 1.0))
+    before = KD_REJECTED.labels("kd-test")._value.get()
+    tg, why = accept(good, batch_shape=(1, 1), vocab=300, run="kd-test")
+    assert tg is not None and why == ""
+    tg, why = accept(bad, batch_shape=(1, 1), vocab=300, run="kd-test")
+    assert tg is None and "out of range" in why
+    assert KD_REJECTED.labels("kd-test")._value.get() == before + 1
+    ce = torch.tensor(2.5)
+    assert kd_loss(ce, None, 0.5) is ce

@@ -22,6 +22,11 @@ RUNS_RECREATED = Counter("sparecycles_trainer_runs_recreated", "Times the coordi
 CLIPPED = Gauge("sparecycles_trainer_clipped_fraction", "ZO-Curv: fraction of blocks whose multiplier was clipped.",
                 ["run"])
 
+KD_LOSS = Gauge("sparecycles_trainer_kd_loss", "--teacher: the KD term of the last step (nats/token, x tau^2).",
+                ["run"])
+KD_REJECTED = Counter("sparecycles_trainer_kd_rejected", "--teacher: target blobs rejected at intake "
+                      "(wire.kd_targets: shape, id range, non-finite); the step trained on CE alone.", ["run"])
+
 
 def record(run: str, rec: dict[str, Any], tokens_per_step: int) -> None:
     """Fold one metrics record (a step or an evaluation) into the gauges."""
@@ -31,6 +36,8 @@ def record(run: str, rec: dict[str, Any], tokens_per_step: int) -> None:
     STEP.labels(run).set(rec["step"])
     LOSS.labels(run).set(rec.get("loss", float("nan")))
     TOKENS.labels(run).inc(tokens_per_step)
+    if "kd_loss" in rec:
+        KD_LOSS.labels(run).set(rec["kd_loss"])
     if "clipped_frac" in rec:
         CLIPPED.labels(run).set(rec["clipped_frac"])
 

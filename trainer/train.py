@@ -253,8 +253,10 @@ def _step_loop(cfg: TrainConfig, s: _Setup, book: _RunLog, ledger: TimeLedger, d
                 done = step + 1
                 if anytime is not None:
                     anytime.publish(done, model)
+                kd = getattr(mode, "loss_fn", None)  # --teacher: this rank's last CE and KD terms
+                kd_stats = dict(zip(("ce_loss", "kd_loss"), kd.last, strict=True)) if hasattr(kd, "last") else {}
                 book.log({"step": done, "lr": lr, "tokens": done * task.tokens_per_step,
-                          "elapsed_s": time.perf_counter() - t0, **stats})
+                          "elapsed_s": time.perf_counter() - t0, **stats, **kd_stats})
                 with ledger.phase("eval"):
                     due = done % cfg.eval_every == 0 or done == cfg.steps
                     got = evaluator.request(done, model) if due else evaluator.poll()
