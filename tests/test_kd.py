@@ -123,11 +123,11 @@ def _llama_dir(folder, vocab: int, seed: int):
 
 
 def test_kd_loss_fn_mixes_ce_and_the_estimator_with_seeded_targets(tmp_path):
-    """KDLoss on two tiny Llamas equals (1 - a) CE + a sparse_ce of make_targets(seed, call 0, rank), by hand."""
+    """KDLoss on two tiny Llamas equals (1 - a) CE + a sparse_ce of make_targets(seed, batch_key, rank), by hand."""
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM
 
-    from trainer.kd.teacher import KDLoss, load_teacher
+    from trainer.kd.teacher import KDLoss, batch_key, load_teacher
 
     student = AutoModelForCausalLM.from_pretrained(_llama_dir(tmp_path / "s", 400, 0))
     teacher = load_teacher(str(_llama_dir(tmp_path / "t", 400, 1)), "cpu")
@@ -137,10 +137,11 @@ def test_kd_loss_fn_mixes_ce_and_the_estimator_with_seeded_targets(tmp_path):
     got = loss_fn(student, (x, y))
     logits = student(input_ids=x).logits
     with torch.no_grad():
-        tg = make_targets(teacher(input_ids=x).logits, kind="sampled", k=4, temperature=2.0, seed=5, step=0,
-                          rank=1)
+        tg = make_targets(teacher(input_ids=x).logits, kind="sampled", k=4, temperature=2.0, seed=5,
+                          step=batch_key(x), rank=1)
     ref = 0.7 * F.cross_entropy(logits.reshape(-1, 400), y.reshape(-1)) + 0.3 * sparse_ce(logits, tg)
     assert got.item() == pytest.approx(ref.item(), rel=1e-6) and loss_fn.calls == 1
+    assert loss_fn(student, (x, y)).item() == got.item()  # the same batch (a ZO +/- pair): the same targets
 
 
 def test_a_teacher_with_another_tokenizer_is_refused_before_the_run_starts(tmp_path):

@@ -2,12 +2,13 @@
 
 `KDLoss(model, batch)` is a drop-in `loss_fn` (trainer.modes): it runs the teacher on x under no_grad, turns its
 logits into targets (`full`: the logits themselves; `sampled` / `topk`: trainer.kd.targets.make_targets, seeded by
-(seed, call index, rank)) and mixes trainer.kd.estimators' KD term with the student's CE. The fleet path (issue 36,
-teacher rounds on workers) is not built yet; this is the same math in one process.
+(seed, batch_key(x), rank): the same batch, the same ids) and mixes trainer.kd.estimators' KD term with the
+student's CE. The fleet path (issue 36, teacher rounds on workers) is not built yet: this is the math in process.
 """
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Literal
 
@@ -61,10 +62,17 @@ def load_teacher(teacher: str, device: str) -> torch.nn.Module:
     return model.to(device).eval().requires_grad_(False)
 
 
+def batch_key(x: torch.Tensor) -> int:
+    """The target counter of a batch: the first 8 bytes of sha256 over its int64 token ids (B, T), so the same
+    batch always gets the same sampled ids (a ZO method's +/- probes of one step see one target set) and
+    micro-batches get their own."""
+    return int.from_bytes(hashlib.sha256(x.detach().to(torch.int64).cpu().numpy().tobytes()).digest()[:8], "little")
+
+
 class KDLoss:
     """loss_fn(model, (x, y)) -> (1 - alpha) * CE + alpha * KD, x, y int64 (B, T); a float32 scalar (nats/token).
 
-    Holds the teacher and a call counter (the target seed's counter); `last` keeps the latest (ce, kd) floats
+    Holds the teacher and a call counter; `last` keeps the latest (ce, kd) floats
     for metrics. Teacher and student must share the vocabulary (checked per call: ValueError naming both).
     """
 
@@ -86,7 +94,7 @@ class KDLoss:
             kd = full_kl(logits, z, self.temperature)
         else:
             tg = make_targets(z, kind=self.estimator, k=self.k, temperature=self.temperature,
-                              seed=self.seed, step=self.calls, rank=self.rank)
+                              seed=self.seed, step=batch_key(x), rank=self.rank)
             kd = sparse_ce(logits, tg)
         self.calls += 1
         self.last = (float(ce.detach()), float(kd.detach()))
