@@ -290,9 +290,10 @@ class Fleet:
         return FleetFiguresMode(mode, self.status, backend)
 
 
-    def evaluator_factory(self, deadline_s: float = 120.0, full: bool = True):
+    def evaluator_factory(self, deadline_s: float = 120.0, full: bool = False):
         """trainer.train's `evaluator_factory`: held-out evaluation on this fleet (fleet.evaluation.FleetEvaluator,
-        a coordinator run of its own); `full`: the whole validation split, else the run's `eval_batches` subset;
+        a coordinator run of its own); `full`: the whole validation split, else (default) the run's `eval_batches`
+        subset, the windows the trainer evaluates;
         `deadline_s`: seconds without a result before the trainer evaluates a version itself."""
         def make(task, cfg, model, mode):
             from fleet.evaluation import FleetEvaluator

@@ -14,8 +14,9 @@ complete before the run reports. A coordinator that loses the run (its store cam
 pending versions are published again from their host copies and their rounds re-issued, the batches already in
 kept (fleet.recovery.RecoveringBackend; never dropped).
 
-Default windows: the whole validation split (`full=True`); `full=False` scores the trainer's own subset
-(`--eval-batches`), as `--eval-on trainer` does. Intake deduplicates by (round, batch), so a batch evaluated
+Default windows: the trainer's own subset (`--eval-batches`), as `--eval-on trainer` scores, so both places score
+the same windows by default and a tiny run's evaluation takes seconds; `full=True` (`--eval-windows full`) scores
+the whole validation split. Intake deduplicates by (round, batch), so a batch evaluated
 twice (a redelivered task, a re-issued one after a worker died) counts once.
 """
 
@@ -60,7 +61,7 @@ class FleetEvaluator:
             module (its weights at `request` are what is evaluated).
         fleet: a fleet.attach.Fleet (coordinator URL, credentials, worker count).
         deadline_s: seconds without any result for a round after which the trainer evaluates its missing batches.
-        full: the whole validation split (default) instead of the run's `eval_batches` subset.
+        full: the whole validation split instead of the run's `eval_batches` subset (default).
         poll_s: at most one look at the result stream per this many seconds while evaluations are pending.
         seeds_per_task: evaluation batches per Celery task (default: about four tasks per worker, at most 64
             batches each: a task's fixed cost, a Celery delivery and an HTTP post, dwarfs a tiny batch's forward, and
@@ -69,7 +70,7 @@ class FleetEvaluator:
     """
 
     def __init__(self, task: Any, cfg: Any, model: torch.nn.Module, fleet: Any, *, deadline_s: float = 120.0,
-                 full: bool = True, poll_s: float = 0.25, seeds_per_task: int | None = None,
+                 full: bool = False, poll_s: float = 0.25, seeds_per_task: int | None = None,
                  clock=time.monotonic) -> None:
         from fleet.backend import CoordinatorBackend
 

@@ -18,6 +18,7 @@ from sparecycles.up_plan import NOT_SETTABLE
 from trainer import cli as trainer_cli
 from trainer import export_cli
 from trainer.cli_settings import SettingsCommand, with_settings
+from trainer.console import stops_cleanly
 from trainer.methods import fleet_method_names
 
 
@@ -53,7 +54,7 @@ trainer_cli.FLEET_ATTACH = _attach  # `train --coordinator`: the top layer hands
 trainer_cli.FLEET_SETTINGS = _fleet_settings  # ... and the check of its environment, made with the option checks
 app.add_typer(trainer_cli.data_app, name="data")
 app.command("train", cls=SettingsCommand, short_help="Train one model in this process; write its run folder.")(
-    trainer_cli.train)
+    stops_cleanly(trainer_cli.train))
 app.command("export", short_help="Export a finished run's model as a transformers folder.")(
     export_cli.export)
 app.add_typer(bench_app, name="bench")
@@ -62,6 +63,7 @@ app.command("worker", short_help="Join a coordinator and evaluate its probe task
 
 
 @app.command("up", cls=SettingsCommand, short_help="Everything on this machine: AdamW vs a fleet-probed run.")
+@stops_cleanly  # SIGINT/SIGTERM from the first instruction: `kill`/`timeout` get Ctrl-C's clean shutdown of every child
 @with_settings(exclude=NOT_SETTABLE)
 def up(
     settings: dict,
@@ -112,16 +114,11 @@ def up(
     --overwrite. Ctrl-C stops every process it started. Defaults: settings left unset take the preset's
     values (demo: 150 steps, batch 16 x 64 tokens, curvature every 15 steps).
     """
-    import signal
-
     from fleet.devices import place_here
-    from sparecycles.up import plan_up, run_up
+    from sparecycles.up import plan_up, run_up, stopped_note
     from trainer.cli_settings import key_values
 
-    def _terminate(signum, frame):  # `kill`/`timeout` get Ctrl-C's clean shutdown of every child
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, _terminate)
+    plan = None
     try:
         placement = place_here(device=device, worker_devices=worker_devices, gpus=gpus, workers=workers)
         if placement.note:
@@ -139,7 +136,7 @@ def up(
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from exc
     except KeyboardInterrupt:
-        typer.echo("interrupted: every process stopped; rerun the same command to resume", err=True)
+        typer.echo(f"interrupted: every process stopped; {stopped_note(plan)}", err=True)
         raise typer.Exit(130) from None
     typer.echo(json.dumps(summary, indent=2))
     from trainer.ledger import format_ledger

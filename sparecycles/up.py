@@ -237,14 +237,34 @@ def _serve_metrics(out: Path, coordinator_port: int, worker_ports: list[int], lo
     return trainer_port
 
 
-def resume_note(name: str, cfg) -> str:
-    """The line `up` prints for an interrupted run it resumes: from which step (its checkpoint's) of how many."""
+def _checkpoint_step(cfg) -> int | None:
+    """The step of a run folder's newest checkpoint (a single process's file or a torchrun job's DCP folder)."""
     from trainer.checkpoint import checkpoint_step
     from trainer.dist_checkpoint import DCP_NAME, dcp_step
     from trainer.run_dir import CHECKPOINT_NAME
 
-    steps = [checkpoint_step(cfg.run_dir / CHECKPOINT_NAME), dcp_step(cfg.run_dir / DCP_NAME)]  # the newest resumes
-    step = max((s for s in steps if s is not None), default=None)
+    steps = [checkpoint_step(cfg.run_dir / CHECKPOINT_NAME), dcp_step(cfg.run_dir / DCP_NAME)]
+    return max((s for s in steps if s is not None), default=None)
+
+
+def stopped_note(plan: UpPlan | None) -> str:
+    """What an interrupted `up` says after every process stopped: each run's checkpointed step and the command that
+    resumes (the same one). `plan` None: stopped before its options were checked."""
+    import shlex
+
+    again = shlex.join(["sparecycles", *sys.argv[1:]]) if sys.argv[1:2] == ["up"] else "the same command"
+    if plan is None:
+        return f"stopped before anything started; rerun {again}"
+    done = []
+    for name, cfg in (("adamw", plan.base_cfg), (plan.optimizer, plan.zo_cfg)):
+        step = _checkpoint_step(cfg)
+        done.append(f"{name} checkpointed at step {step} of {cfg.steps}" if step is not None else f"{name}: no checkpoint")
+    return f"{'; '.join(done)}; resume with: {again}"
+
+
+def resume_note(name: str, cfg) -> str:
+    """The line `up` prints for an interrupted run it resumes: from which step (its checkpoint's) of how many."""
+    step = _checkpoint_step(cfg)  # the newest resumes
     where = f"step {step} of {cfg.steps}" if step is not None else "its checkpoint"
     return f"{name}: resuming the interrupted run at {where} ({cfg.run_dir})"
 

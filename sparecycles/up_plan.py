@@ -39,7 +39,7 @@ class UpPlan:
     warnings: tuple[str, ...]
     worker_devices: tuple[str, ...] = ()  # one torch device per worker process (fleet.devices); () = cpu
     eval_on: str = "fleet"  # where held-out evaluation runs: fleet (fleet.evaluation) or trainer
-    eval_windows: str = "full"  # on the fleet: the whole validation split, or the runs' eval_batches subset
+    eval_windows: str = "subset"  # on the fleet: the runs' eval_batches windows (as on the trainer), or the whole split
     fleet_wait: str = "interval"  # when the ZO run waits for its rounds (trainer.cli.FLEET_WAIT)
     eval_deadline: float = 120.0  # seconds without a result before the trainer evaluates a version itself
     nproc: int | None = None  # the trainer's ranks under torchrun (`--nproc-per-node`); None: in `up`'s process
@@ -87,7 +87,7 @@ def plan_up(*, preset: str = "demo", optimizer: str | None = None, workers: int 
             run_dir: Path | None = None, curvature_interval: int | None = None, task: str = "lm",
             probes: int | None = None, batch_size: int | None = None, seq_len: int | None = None,
             overwrite: bool = False, device: str | None = None, worker_devices: tuple[str, ...] = (),
-            train_options: tuple[str, ...] = (), eval_on: str = "auto", eval_windows: str = "full",
+            train_options: tuple[str, ...] = (), eval_on: str = "auto", eval_windows: str = "subset",
             fleet_wait: str = "interval", eval_deadline: float = 120.0, nproc_per_node: int | None = None,
             optimizer_options: dict | None = None, settings: dict | None = None) -> UpPlan:
     """Validate every option of `up` and decide what happens to its run folder; starts and trains nothing.

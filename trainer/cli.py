@@ -116,7 +116,7 @@ def _fleet_settings() -> Any:
 
 
 def _attach_fleet(url: str, cfg: Any, wait_s: float, fleet_wait: str = "never", eval_on: str = "auto",
-                  eval_deadline: float = 120.0, eval_windows: str = "full", settings: Any = None) -> dict[str, Any]:
+                  eval_deadline: float = 120.0, eval_windows: str = "subset", settings: Any = None) -> dict[str, Any]:
     """`train`'s keyword arguments for a run attached to a fleet (mode_factory when its probes go there,
     evaluator_factory when its evaluation does, status); exits 2 with a clear message for a run that would send
     the fleet nothing, an unreachable coordinator, a refused token or no active worker in time. `settings`: the
@@ -167,8 +167,8 @@ EvalOn = Annotated[str, _O(
     "--coordinator).")]
 EvalDeadline = Annotated[float, _O(min=0.0, help="--eval-on fleet: seconds without a result before the trainer "
                                    "evaluates a version itself.")]
-EvalWindows = Annotated[str, _O(help="--eval-on fleet: full (the whole validation split: it costs the trainer "
-                                "nothing) or subset (the --eval-batches windows the trainer evaluates).")]
+EvalWindows = Annotated[str, _O(help="--eval-on fleet: subset (the default: the --eval-batches windows, the same "
+                                "the trainer evaluates; seconds for a tiny run) or full (the whole validation split).")]
 Nproc = Annotated[int | None, _O(
     min=1, help="Run under torchrun with N processes on this machine (one per GPU with --device cuda): DDP, the "
     "global batch split over the ranks. Same as `torchrun --standalone --nproc-per-node N -m sparecycles.cli train "
@@ -191,7 +191,7 @@ ConfigFile = Annotated[Path | None, _O(hidden=True, help="A whole TrainConfig as
 def train(settings: dict, preset: Preset = "demo", resume: Resume = False, overwrite: Overwrite = False,
           progress: Progress = True, export: Export = True, coordinator: Coordinator = None,
           attach_wait: AttachWait = 120.0, fleet_wait: FleetWait = None, fleet_sync: FleetSync = False,
-          eval_on: EvalOn = "auto", eval_deadline: EvalDeadline = 120.0, eval_windows: EvalWindows = "full",
+          eval_on: EvalOn = "auto", eval_deadline: EvalDeadline = 120.0, eval_windows: EvalWindows = "subset",
           nproc_per_node: Nproc = None, shard: Shard = False, micro_batch_size: MicroBatch = None,
           dist_timeout: DistTimeout = 600.0, metrics_port: MetricsPort = None, metrics_host: MetricsHost = "127.0.0.1",
           config: ConfigFile = None) -> None:

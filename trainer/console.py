@@ -51,6 +51,39 @@ def progress_bar(enabled: bool, description: str, total: int, completed: int,
         yield show
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM ended a run after its step loop checkpointed: `step` (optimizer steps done, the checkpoint's
+    position) and `run_dir` (the folder that holds it) are what the console's stop line names."""
+
+    def __init__(self, step: int, run_dir: Any) -> None:
+        super().__init__(f"interrupted at step {step}")
+        self.step, self.run_dir = step, run_dir
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def stop_signals() -> Iterator[None]:
+    """SIGINT and SIGTERM raise KeyboardInterrupt from here on (the first instruction of `up` and `train`, so start-up
+    is covered too); the previous handlers come back on exit. SIGINT gets Python's own handler even when this process
+    inherited SIGINT *ignored*: a process started in the background by a non-interactive shell (`cmd &` in a script,
+    a CI job) does, Python then installs no handler, and a Ctrl-C / `kill -INT` was dropped until the step loop's own
+    handler (deferred_interrupt) took over: it then looked as if the first signal was ignored and a second one
+    needed. Outside the main thread signals cannot be caught: no-op."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler),
+                signal.SIGTERM: signal.signal(signal.SIGTERM, _raise_interrupt)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
 @contextlib.contextmanager
 def deferred_interrupt() -> Iterator[Callable[[], bool]]:
     """Turn the first Ctrl-C (SIGINT) or SIGTERM into a flag checked between steps (a step is never cut in
@@ -73,3 +106,51 @@ def deferred_interrupt() -> Iterator[Callable[[], bool]]:
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
+
+
+def resume_command(argv: list[str]) -> str:
+    """The `sparecycles` command that continues the run `argv` (this process's arguments after the program) began:
+    the same arguments, `--overwrite` dropped (it would start afresh) and `--resume` added."""
+    import shlex
+
+    args = [a for a in argv if a not in ("--overwrite", "--resume", "--no-resume")]
+    return shlex.join(["sparecycles", *args, "--resume"])
+
+
+def stop_line(exc: BaseException, argv: list[str], rank: int | None = None) -> str | None:
+    """The one line `train` prints when Ctrl-C or SIGTERM stopped it: the step checkpointed (a
+    trainer.console.Interrupted from the step loop) and the command that resumes; before the first step, that
+    nothing was trained. `rank`: this process's rank under torchrun (rank 0 says its step, the others nothing: the
+    launching `train` prints the resume command). None: print nothing."""
+    step = getattr(exc, "step", None)
+    if rank is not None:
+        return f"stopped after step {step}: checkpointed in {exc.run_dir}" if rank == 0 and step is not None else None
+    if step is not None:
+        return f"stopped after step {step}, checkpointed in {exc.run_dir}; resume with: {resume_command(argv)}"
+    if any(a == "--nproc-per-node" or a.startswith("--nproc-per-node=") for a in argv):
+        return f"stopped: the ranks checkpointed where they stopped (their line above); resume with: {resume_command(argv)}"
+    return "stopped before training began: nothing new was checkpointed; rerun the same command"
+
+
+def stops_cleanly(command: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap a typer command (`train`) so that SIGINT and SIGTERM are handled from its first instruction
+    (stop_signals) and a stop ends with stop_line and exit status 130, no traceback."""
+    import functools
+    import os
+
+    @functools.wraps(command)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        import typer
+
+        with stop_signals():
+            try:
+                return command(*args, **kwargs)
+            except KeyboardInterrupt as exc:
+                ranked = all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))  # launched by torchrun
+                rank = int(os.environ["RANK"]) if ranked else None
+                line = stop_line(exc, sys.argv[1:], rank)
+                if line:
+                    typer.echo(line, err=True)
+                raise typer.Exit(130) from None
+
+    return wrapper

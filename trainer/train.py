@@ -37,7 +37,7 @@ from coordinator.client import is_transient
 from trainer import metrics as prom
 from trainer.checkpoint import Checkpointer  # noqa: F401  (public here too)
 from trainer.config import TrainConfig, lr_at
-from trainer.console import deferred_interrupt, progress_bar, quiet_hf_bars
+from trainer.console import Interrupted, deferred_interrupt, progress_bar, quiet_hf_bars
 from trainer.dist_backends import build_rank_mode
 from trainer.dist_checkpoint import make_checkpointer
 from trainer.distributed import SINGLE, DistContext
@@ -97,7 +97,8 @@ def train(
         trainer.checkpoint.CheckpointError: `resume` with no usable checkpoint.
         FileExistsError: the folder already holds a run and neither `resume` nor `overwrite` is set.
         FloatingPointError: the training loss became non-finite.
-        KeyboardInterrupt: Ctrl-C or SIGTERM, after checkpointing the position reached.
+        KeyboardInterrupt: Ctrl-C or SIGTERM; from the step loop trainer.console.Interrupted (its `step` and
+            `run_dir`), after checkpointing the position reached.
         RuntimeError: the fleet stayed unreachable past its retries, after checkpointing the position reached.
     """
     _prepare_device(cfg.device)
@@ -274,12 +275,12 @@ def _step_loop(cfg: TrainConfig, s: _Setup, book: _RunLog, ledger: TimeLedger, d
                 if dist.any(interrupted()):  # every rank stops after the same step
                     raise KeyboardInterrupt
             failed = False
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as exc:
             with ledger.phase("eval"):  # what the fleet returned so far; Ctrl-C does not wait for the rest
                 book.log_vals(_poll_quietly(evaluator), done)
             with ledger.phase("checkpoint"):
                 ckpt.save(done)  # keep the position reached; `--resume` continues from here
-            raise
+            raise Interrupted(done, s.run.path) from exc
         except Exception as exc:
             # The fleet stayed unreachable past its bounded retries (Redis or coordinator down): the
             # failed step applied nothing, so the position reached is kept for `--resume`.
@@ -307,6 +308,7 @@ def _report(cfg: TrainConfig, s: _Setup, book: _RunLog, ledger: TimeLedger, dist
     with ledger.phase("eval"):
         final = task.final(model)  # every rank: a sharded model's forward is collective
     full = dist.full_model(model, task.build_model) if export else model  # FSDP2: gathered on rank 0
+    ranks = _ranks_summary(model, dist)  # a collective: every rank
     if not dist.is_main:
         return RunResult(run.path, cfg.steps, initial["val_loss"], last_val["val_loss"], wall, {})
     with ledger.phase("log"):
@@ -317,7 +319,7 @@ def _report(cfg: TrainConfig, s: _Setup, book: _RunLog, ledger: TimeLedger, dist
         "model": task.model_name, "corpus": task.data_name, "optimizer": cfg.optimizer, "steps": cfg.steps,
         **{f"initial_{k}": v for k, v in initial.items()}, **{f"final_{k}": v for k, v in last_val.items()},
         "wall_s_this_invocation": wall, "tokens": cfg.steps * task.tokens_per_step, "resumed_from_step": s.start,
-        "run_dir": str(run.path), **final, "time_ledger": ledger.to_json(),
+        "run_dir": str(run.path), **final, **ranks, "time_ledger": ledger.to_json(),
     }
     rounds = _rounds_summary(run.records())
     if rounds:
@@ -335,6 +337,14 @@ def _report(cfg: TrainConfig, s: _Setup, book: _RunLog, ledger: TimeLedger, dist
 
         export_trained(full, cfg.run_json(), run.path / "export", step=cfg.steps, run_dir=run.path)
     return RunResult(run.path, cfg.steps, initial["val_loss"], last_val["val_loss"], wall, summary)
+
+
+def _ranks_summary(model: torch.nn.Module, dist: DistContext) -> dict[str, Any]:
+    """Who trained the run: `world_size` (processes), `rank_devices` (each rank's device, by rank) and `launcher`
+    ("torchrun" when torchrun started the processes, even one; else "in process"). Every rank calls it."""
+    device = str(next(model.parameters()).device)
+    return {"world_size": dist.world, "rank_devices": dist.all_gather_object(device),
+            "launcher": "torchrun" if dist.launched else "in process"}
 
 
 def _rounds_summary(records: list[dict[str, Any]]) -> dict[str, float]:
