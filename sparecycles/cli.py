@@ -87,8 +87,8 @@ def up(
                                     "(one GPU: both share it)."),
     eval_on: str = typer.Option("auto", help="Where both runs' held-out evaluation runs: trainer, fleet, or auto "
                                 "(= fleet: the trainer publishes the version and moves on)."),
-    eval_windows: str = typer.Option("full", help="Evaluation on the fleet: full (the whole validation split) or "
-                                     "subset (the runs' eval_batches windows)."),
+    eval_windows: str = typer.Option("subset", help="Evaluation on the fleet: subset (the runs' eval_batches windows, "
+                                     "as the trainer evaluates) or full (the whole validation split)."),
     eval_deadline: float = typer.Option(120.0, min=0.0, help="Seconds without a result before the trainer "
                                         "evaluates a version itself."),
     fleet_wait: str = typer.Option("interval", help="When the ZO run waits for its probe rounds: interval (each "
