@@ -76,7 +76,9 @@ def test_splits_are_by_document_and_deterministic(tmp_path: Path, cache: Path, m
     enc = gpt2_encoding()
     texts = {s: enc.decode(np.asarray(a, dtype=np.int64).tolist()) for s, a in _arrays(c).items()}
     size = m["settings"]["piece_chars"]
-    short = [d for d in DOCS[:40] if len(d) <= size]
+    # (a document that also occurs inside another one, e.g. the architecture diagram README.md and DESIGN.md both
+    # hold, can be found in two splits: left out)
+    short = [d for d in DOCS[:40] if len(d) <= size and sum(d in e for e in DOCS) == 1]
     assert len(long_doc) > 4 * size and len(short) >= 30
     for d in short:  # a document up to the piece size lies whole in exactly one split
         assert sum(d in t for t in texts.values()) == 1
