@@ -92,8 +92,8 @@ def bench_fleet(
                                       "(held-out batches, one forward each: bf16 compiled on a GPU)")] = "seeded",
     worker_cuda_graphs: Annotated[bool, typer.Option(help="Workers replay their compiled forwards as CUDA "
                                                      "graphs (sparecycles worker --cuda-graphs)")] = False,
-    tf32_attention: Annotated[str, typer.Option(help="Workers' attention in fp32/TF32 forwards: fp32 or bf16 "
-                                                "(sparecycles worker --tf32-attention)")] = "bf16",
+    tf32_attention: Annotated[str, typer.Option(help="Workers' attention in fp32/TF32 forwards: auto, fp32 or "
+                                                "bf16 (sparecycles worker --tf32-attention)")] = "auto",
 ) -> None:
     """Probes per second with 1, 2, 4 workers (CPU or GPU), and version publish -> every worker ready latency."""
     from benchmarks.fleet import result_dict, run_fleet_bench
@@ -108,8 +108,8 @@ def bench_fleet(
         raise typer.BadParameter("use shared or http", param_hint="--blob-path")
     if kind not in ("seeded", "eval"):
         raise typer.BadParameter("use seeded or eval", param_hint="--kind")
-    if tf32_attention not in ("fp32", "bf16"):
-        raise typer.BadParameter("use fp32 or bf16", param_hint="--tf32-attention")
+    if tf32_attention not in ("auto", "fp32", "bf16"):
+        raise typer.BadParameter("use auto, fp32 or bf16", param_hint="--tf32-attention")
     wargs = ("--cuda-graphs",) * worker_cuda_graphs + ("--tf32-attention", tf32_attention)
     try:
         devs = place_here(worker_devices=device).workers

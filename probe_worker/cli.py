@@ -42,9 +42,10 @@ def worker(
                                             "else per-unit), whole or per_unit")] = "auto",
     cuda_graphs: Annotated[bool, typer.Option(help="Replay the compiled forwards as CUDA graphs (shapes are "
                                               "static per round)")] = False,
-    tf32_attention: Annotated[str, typer.Option(help="Attention of the fp32/TF32 kinds' forwards: fp32, or bf16 "
-                                                "(activations only; the weights and their perturbation stay "
-                                                "fp32; docs/RESULTS.md has its signal-to-noise)")] = "bf16",
+    tf32_attention: Annotated[str, typer.Option(help="Attention of the fp32/TF32 kinds' forwards: auto (bf16 on "
+                                                "CUDA, fp32 on CPU), fp32, or bf16 (activations only; the weights "
+                                                "and their perturbation stay fp32; docs/RESULTS.md has its "
+                                                "signal-to-noise)")] = "auto",
     loglevel: Annotated[str, typer.Option(help="Log level (DEBUG, INFO, WARNING)")] = "INFO",
 ) -> None:
     """Register with the coordinator and evaluate probe tasks until SIGTERM (SIGUSR1 drains, SIGUSR2 resumes)."""
@@ -53,8 +54,8 @@ def worker(
                                  param_hint="--coordinator")
     if not device.startswith(("cpu", "cuda")):
         raise typer.BadParameter("use cpu or cuda:N", param_hint="--device")
-    if tf32_attention not in ("fp32", "bf16"):
-        raise typer.BadParameter("use fp32 or bf16", param_hint="--tf32-attention")
+    if tf32_attention not in ("auto", "fp32", "bf16"):
+        raise typer.BadParameter("use auto, fp32 or bf16", param_hint="--tf32-attention")
     if probe_path not in ("auto", "whole", "per_unit"):
         raise typer.BadParameter("use auto, whole or per_unit", param_hint="--probe-path")
     from coordinator.settings import NEW_SECRET_HINT, DevMode, secret_problem

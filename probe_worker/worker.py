@@ -75,6 +75,18 @@ def warm_up() -> None:
     loss_for_kind("lm"), loss_for_kind("classifier")  # both probe losses' modules
 
 
+def attention_dtype(option: str, device: str) -> torch.dtype | None:
+    """The attention dtype of a worker's fp32 (TF32-kind) forwards for `--tf32-attention option` on `device`:
+    torch.bfloat16 for "bf16", None (fp32) for "fp32"; "auto" is bf16 on CUDA (measured SNR: docs/RESULTS.md) and
+    fp32 on CPU, where a worker's losses equal the trainer's bit for bit (trainer.zo.probes.forward_dtype's rule).
+    Raises ValueError for any other option."""
+    if option not in ("auto", "fp32", "bf16"):
+        raise ValueError(f"tf32_attention must be auto, fp32 or bf16, got {option!r}")
+    if option == "auto":
+        option = "bf16" if torch.device(device).type == "cuda" else "fp32"
+    return torch.bfloat16 if option == "bf16" else None
+
+
 @dataclass(frozen=True)
 class WorkerOptions:
     """Settings of one worker process. Durations in seconds.
@@ -90,7 +102,7 @@ class WorkerOptions:
     None: off); probe_path: the probe evaluator (kernels.fastpath.make_evaluator: "auto", "whole" or
     "per_unit"); cuda_graphs: replay the compiled forwards as CUDA graphs (static shapes); tf32_attention:
     "bf16" runs the attention of fp32 (TF32-kind) forwards in bf16 (activations only, kernels.FastForward's
-    attn_dtype) or "fp32"; loglevel: Celery's; metrics_host: the interface the metrics port binds.
+    attn_dtype), "fp32", or "auto" (bf16 on CUDA, fp32 on CPU: attention_dtype); loglevel: Celery's; metrics_host: the interface the metrics port binds.
     """
 
     coordinator: str
@@ -108,7 +120,7 @@ class WorkerOptions:
     yield_gpu_util_pct: float | None = None
     probe_path: str = "auto"
     cuda_graphs: bool = False
-    tf32_attention: str = "bf16"
+    tf32_attention: str = "auto"
     loglevel: str = "INFO"
 
 
@@ -157,7 +169,7 @@ class ProbeWorker:
                                  shared_blob_dir=opts.shared_blob_dir)
         self.runtime = ProbeRuntime(self.client, self.worker_id, self.cache, self.metrics,
                                     probe_path=opts.probe_path, cuda_graphs=opts.cuda_graphs,
-                                    attn_dtype=torch.bfloat16 if opts.tf32_attention == "bf16" else None)
+                                    attn_dtype=attention_dtype(opts.tf32_attention, opts.device))
         register_probe_task(self.app, self.runtime, self.drain, self.metrics)
         warm_up()
         self.queues = list(self.reg.queues)

@@ -53,3 +53,19 @@ def test_eval_fast_forward_reloads_only_on_new_weights():
     assert rt._fast_forward(v1, ("r", ((0, 1.0),), id(v1)), torch.bfloat16) is ff
     again = rt._fast_forward(v2, ("r", ((1, 1.0),), id(v2)), torch.bfloat16)
     assert again is ff and float(ff(b)) == float(lm_batch_loss(tiny(1).to(torch.bfloat16), b))
+
+
+def test_attention_dtype_auto_is_fp32_on_cpu_and_bf16_on_cuda():
+    """--tf32-attention auto keeps a CPU worker's attention fp32 (its losses equal the trainer's bit for bit) and
+    runs bf16 attention on CUDA; fp32/bf16 are taken as given; anything else is refused."""
+    import pytest
+    import torch
+
+    from probe_worker.worker import attention_dtype
+
+    assert attention_dtype("auto", "cpu") is None
+    assert attention_dtype("auto", "cuda:0") is torch.bfloat16
+    assert attention_dtype("fp32", "cuda:0") is None
+    assert attention_dtype("bf16", "cpu") is torch.bfloat16
+    with pytest.raises(ValueError, match="auto, fp32 or bf16"):
+        attention_dtype("fp16", "cpu")
