@@ -44,30 +44,10 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def model_config(model_config_json: dict[str, Any]):
-    """The `transformers` config a manifest names.
+    """The `transformers` config a manifest names: trainer.models.causal_lm.manifest_model_config (one place)."""
+    from trainer.models.causal_lm import manifest_model_config
 
-    `{"preset": "gpt2-tiny"}` selects a `trainer.models` GPT-2 preset; any other dict is a Hugging Face
-    config dict (`config.to_dict()`, with `model_type`) built by `AutoConfig.for_model`. An optional
-    `attn_implementation` key ("sdpa" by default, "eager") picks the attention kernel, which must match
-    the trainer's for bit-identical losses. Raises ValueError for an unknown preset or a dict without
-    `model_type`.
-    """
-    cfg = dict(model_config_json)
-    attn = cfg.pop("attn_implementation", "sdpa")
-    if "preset" in cfg:
-        from trainer.models.gpt2 import get_preset
-
-        if set(cfg) != {"preset"}:
-            raise ValueError(f"a preset config holds only 'preset' (and 'attn_implementation'), got {sorted(cfg)}")
-        config = get_preset(str(cfg["preset"])).config()
-    else:
-        from transformers import AutoConfig
-
-        if "model_type" not in cfg:
-            raise ValueError("model_config_json needs 'preset' or a Hugging Face config dict with 'model_type'")
-        config = AutoConfig.for_model(**cfg)
-    config._attn_implementation = attn
-    return config
+    return manifest_model_config(model_config_json)
 
 
 def model_class(name: str) -> type[torch.nn.Module]:

@@ -1,4 +1,4 @@
-"""Models: GPT-2 presets, the canonical parameter order, safetensors I/O, pretrained loaders.
+"""Models: GPT-2 presets, transformers folders (build_causal_lm), the canonical parameter order, safetensors I/O, pretrained loaders.
 
 Importing this package is light on I/O: pretrained weights are fetched only when a loader is called.
 """
@@ -16,6 +16,12 @@ _EXPORTS = {
     "PRESETS": "presets",
     "GPT2Preset": "presets",
     "build_model": "gpt2",
+    "CausalLMInfo": "causal_lm",
+    "ModelFolderError": "causal_lm",
+    "build_causal_lm": "causal_lm",
+    "build_from_manifest": "causal_lm",
+    "is_preset": "causal_lm",
+    "model_label": "causal_lm",
     "get_preset": "presets",
     "init_gpt2_weights_": "gpt2",
     "load_safetensors_into": "io",
@@ -40,6 +46,12 @@ __getattr__ = lazy_getattr(__name__, _EXPORTS, globals())
 
 
 __all__ = [
+    "CausalLMInfo",
+    "ModelFolderError",
+    "build_causal_lm",
+    "build_from_manifest",
+    "is_preset",
+    "model_label",
     "MINILM_WHEEL",
     "PRESETS",
     "SMOLLM2_WHEEL",
