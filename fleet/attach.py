@@ -210,11 +210,18 @@ class FleetFiguresMode:
     workers and results by outcome land in metrics.jsonl and the TensorBoard events: `fleet_<key>` for each key
     of `FleetStatus.snapshot()` (one scrape of the coordinator's /metrics per step). Everything else is the
     wrapped mode's. `recovery` (fleet.recovery.RecoveringBackend): its count of run re-creations is added as
-    `fleet_runs_recreated`."""
+    `fleet_runs_recreated`. It reports to the run's health (trainer.health): the run is fleet-probed, and active
+    workers falling below the most seen this run are `workers_lost` (one warning per fall, counting the workers)."""
 
     def __init__(self, mode, status: FleetStatus, recovery=None) -> None:
+        from trainer import health
+
         self.mode, self.status, self.recovery = mode, status, recovery
         self.optimizer = mode.optimizer
+        self.peak_workers = 0.0  # the most active workers seen this run
+        self._low: float | None = None  # the fewest seen since the peak (workers_lost already reported down to it)
+        if (h := health.current()) is not None:
+            h.fleet_probes = True
 
     def extra_state(self):
         """The wrapped mode's."""
@@ -226,8 +233,25 @@ class FleetFiguresMode:
 
     def step(self, step: int, batch, lr: float) -> dict[str, float]:
         stats = self.mode.step(step, batch, lr)
-        out = {**stats, **{f"fleet_{k}": float(v) for k, v in self.status.snapshot().items()}}
+        snap = self.status.snapshot()
+        if "workers" in snap:
+            self._watch_workers(step + 1, snap["workers"])
+        out = {**stats, **{f"fleet_{k}": float(v) for k, v in snap.items()}}
         return out if self.recovery is None else {**out, "fleet_runs_recreated": float(self.recovery.recreated)}
+
+    def _watch_workers(self, step: int, workers: float) -> None:
+        """Report `workers_lost` when the active workers (the coordinator's count: a killed worker leaves it when its
+        lease expires) fall below the peak and below the last count reported."""
+        from trainer import health
+
+        if workers >= self.peak_workers:
+            self.peak_workers, self._low = workers, None
+            return
+        floor = self.peak_workers if self._low is None else self._low
+        if workers < floor:
+            health.warn("workers_lost", f"active probe workers fell from {self.peak_workers:.0f} to {workers:.0f} "
+                        f"at step {step}", step=step, count=int(floor - workers))
+            self._low = workers
 
     def close(self, wait: bool = True) -> None:
         """Close the mode's CoordinatorBackend (`CoordinatorBackend.close`): its last uploads' errors surface here

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from fleet.recovery import RecoveringBackend
+from trainer import health as run_health
 from trainer.evaluation import EvalWindows, batch_values, combine
 from trainer.zo.probes import canonical_blocks
 from wire import batch as batch_wire
@@ -178,6 +179,9 @@ class FleetEvaluator:
                 log.warning("evaluation of step %d: %d of %d batches not in after %.0f s without progress; "
                             "evaluating them on the trainer", step, len(missing), self.windows.n_batches,
                             now - p.t_progress)
+                run_health.warn("eval_fallback", f"evaluation of step {step}: {len(missing)} of "
+                                f"{self.windows.n_batches} batches not in from the fleet after {now - p.t_progress:.0f} s "
+                                "(--eval-deadline); evaluated on the trainer", step=step)
                 p.values.update(self._evaluate_here(p.weights, missing))
                 out.append(self._record(step, p, trainer_batches=len(missing)))
             else:

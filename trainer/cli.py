@@ -183,6 +183,8 @@ DistTimeout = Annotated[float, _O(min=1.0, help="Under torchrun: seconds a colle
 MetricsPort = Annotated[int | None, _O(min=0, max=65535, help="Serve Prometheus metrics (step, loss, val loss, "
                                        "tokens) on this port. Default: 9102 with --coordinator, none without; 0: none.")]
 MetricsHost = Annotated[str, _O(help="Interface the metrics port binds (0.0.0.0 in containers).")]
+RequireFleet = Annotated[bool, _O(help="With --coordinator: a run in which no probe round from the fleet was ever "
+                                   "applied (it equals AdamW) ends with an error (exit 1) instead of a warning.")]
 ConfigFile = Annotated[Path | None, _O(hidden=True, help="A whole TrainConfig as JSON (what `up --nproc-per-node` "
                                        "hands its ranks): replaces --preset and the run's settings.")]
 
@@ -194,7 +196,7 @@ def train(settings: dict, preset: Preset = "demo", resume: Resume = False, overw
           eval_on: EvalOn = "auto", eval_deadline: EvalDeadline = 120.0, eval_windows: EvalWindows = "subset",
           nproc_per_node: Nproc = None, shard: Shard = False, micro_batch_size: MicroBatch = None,
           dist_timeout: DistTimeout = 600.0, metrics_port: MetricsPort = None, metrics_host: MetricsHost = "127.0.0.1",
-          config: ConfigFile = None) -> None:
+          config: ConfigFile = None, require_fleet: RequireFleet = False) -> None:
     """Train a model and write a run folder (metrics.jsonl, TensorBoard event files, checkpoint.safetensors,
     loss.png, summary.json, export/).
 
@@ -235,7 +237,7 @@ def train(settings: dict, preset: Preset = "demo", resume: Resume = False, overw
     result = _run_train(cfg, dist, folder, resume=resume, progress=progress, overwrite=overwrite, export=export,
                         fleet_kw=fleet_kw)
     if dist.is_main:
-        _report(result, warning)
+        _report(result, warning, require_fleet)
 
 
 def _setup_dist(cfg: Any, *, shard: bool, micro_batch_size: int | None, fleet: bool, timeout_s: float,
@@ -268,13 +270,16 @@ def _attach_ranks(dist: Any, coordinator: str, cfg: Any, attach_wait: float, fle
     return fleet_kw
 
 
-def _report(result: Any, warning: str | None) -> None:
-    """Rank 0's end of `train`: the warning into summary.json, the time ledger and the loss line on the console."""
+def _report(result: Any, warning: str | None, require_fleet: bool = False) -> None:
+    """Rank 0's end of `train`: the warning into summary.json, the time ledger, the loss line and the run's health
+    warnings (trainer.health) on the console. A fleet-probed run in which no probe round was ever applied says so in
+    one line; with `require_fleet` that exits 1 (typer.Exit), after everything is written."""
     import json
 
+    warnings = [*([warning] if warning else []), *result.summary.get("warnings", [])]
     if warning:  # the summary says it too, for whoever reads the folder later
         path = result.run_dir / "summary.json"
-        path.write_text(json.dumps({**json.loads(path.read_text()), "warnings": [warning]}, indent=2))
+        path.write_text(json.dumps({**json.loads(path.read_text()), "warnings": warnings}, indent=2))
     from trainer.ledger import format_ledger
 
     typer.echo("\n".join(format_ledger(result.summary["time_ledger"])))
@@ -282,6 +287,15 @@ def _report(result: Any, warning: str | None) -> None:
         f"val loss {result.initial_val_loss:.4f} -> {result.final_val_loss:.4f} after {result.steps} steps "
         f"({result.wall_s:.1f} s); run folder {result.run_dir}"
     )
+    for line in result.summary.get("warnings", []):
+        typer.secho(f"warning: {line}", fg=typer.colors.YELLOW, err=True)
+    never = next((w for w in result.summary.get("warnings", []) if w.startswith("rounds_never_applied")), None)
+    if never:
+        typer.secho("no probe round was ever applied: the fleet gave this run nothing, it equals AdamW"
+                    + ("" if require_fleet else " (--require-fleet makes this an error)"),
+                    fg=typer.colors.RED if require_fleet else typer.colors.YELLOW, err=True)
+        if require_fleet:
+            raise typer.Exit(1)
 
 
 def _resolve_checked(preset: str, overrides: dict[str, Any], *, eval_on: str, fleet_wait: str, eval_windows: str,

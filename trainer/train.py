@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from coordinator.client import is_transient
+from trainer import health as run_health
 from trainer import metrics as prom
 from trainer.checkpoint import Checkpointer  # noqa: F401  (public here too)
 from trainer.config import TrainConfig, lr_at
@@ -103,7 +104,7 @@ def train(
     """
     _prepare_device(cfg.device)
     ledger = TimeLedger(sync=torch.cuda.synchronize if cfg.device.startswith("cuda") else None).start()
-    with ledger.activate():
+    with ledger.activate(), run_health.activate(run_health.Health(cfg.optimizer)):
         return _train(cfg, ledger, resume=resume, progress=progress, mode_factory=mode_factory, status=status,
                       overwrite=overwrite, export=export, dist=dist, evaluator_factory=evaluator_factory)
 
@@ -331,6 +332,10 @@ def _report(cfg: TrainConfig, s: _Setup, book: _RunLog, ledger: TimeLedger, dist
     if s.anytime is not None and s.anytime.last is not None:
         served = [r for r in run.records() if "served_val_loss" in r]
         summary.update(final_served_val_loss=served[-1]["served_val_loss"], final_served=served[-1]["served"])
+    health = run_health.current()
+    if health is not None:  # the run's warnings (trainer.health): what degraded, said in the summary too
+        health.finish(run.records())
+        summary.update(warnings=health.lines(), warning_counts=health.counts())
     run.write_summary(summary)
     if export:
         from trainer.export import export_trained

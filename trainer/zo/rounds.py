@@ -44,7 +44,9 @@ class RoundBook:
             refresh of version v is dropped when wire.staleness.is_stale(u, v, S).
         timing: one of FOLD_TIMINGS.
         timeout_s: the longest `collect` / `before_publish` wait for one round under "sync" and "next" (seconds).
-    Attributes: counts ({accepted, stale, duplicate}: the authority's outcomes, summed), dropped (rounds dropped).
+    Attributes: counts ({accepted, stale, duplicate}: the authority's outcomes, summed), dropped (rounds dropped),
+    folded (rounds folded into the update rule), refreshes (refreshes that had rounds issued or pending) and
+    refreshes_folded (those of them at which at least one round folded: a refresh "with data"; trainer.health).
     Raises ValueError for an unknown timing or a bound outside Staleness.
     """
 
@@ -54,6 +56,7 @@ class RoundBook:
         self.staleness, self.timing, self.timeout_s = check(Staleness, staleness), timing, timeout_s
         self.counts = dict.fromkeys(_TAKEN, 0)
         self.dropped = 0
+        self.folded = self.refreshes = self.refreshes_folded = 0
         self._pending: dict[str, RoundSpec] = {}  # issued, not folded nor dropped (issue order = version order)
         self._arrived: dict[str, dict[int, SeedResult]] = {}
         self._waiting: list[str] = []  # "sync"/"next": issued, not yet waited for
@@ -128,6 +131,9 @@ class RoundBook:
                 continue
             for r in rounds:
                 self._forget(r.round_id)
+        self.refreshes += 1
+        self.refreshes_folded += bool(out)
+        self.folded += sum(len(rounds) for rounds in out)
         return out
 
     def _forget(self, rid: str) -> None:
@@ -136,9 +142,13 @@ class RoundBook:
             self._waiting.remove(rid)
 
     def stats(self, prefix: str) -> dict[str, float]:
-        """`<prefix>_accepted|stale|duplicate|dropped_rounds|pending_rounds` as floats."""
+        """`<prefix>_accepted|stale|duplicate|dropped_rounds|pending_rounds|folded_rounds|refreshes|
+        refreshes_with_data` as floats (the last three cumulative: trainer.health reads them)."""
         out = {f"{prefix}_{k}": float(v) for k, v in self.counts.items()}
         out[f"{prefix}_dropped_rounds"] = float(self.dropped)
+        out[f"{prefix}_folded_rounds"] = float(self.folded)
+        out[f"{prefix}_refreshes"] = float(self.refreshes)
+        out[f"{prefix}_refreshes_with_data"] = float(self.refreshes_folded)
         out[f"{prefix}_pending_rounds"] = float(len(self._pending))
         return out
 
@@ -185,13 +195,17 @@ class RoundBook:
                            "slices": [list(s) for s in r.slices],
                            "batch_len": len(r.batch) if batch else None, "batch_of": batch_of,
                            "arrived": [dataclasses.asdict(x) for x in self._arrived[rid].values()]})
-        return tensors, {"counts": dict(self.counts), "dropped_rounds": self.dropped, "inflight": rounds}
+        return tensors, {"counts": dict(self.counts), "dropped_rounds": self.dropped, "folded_rounds": self.folded,
+                         "refreshes": self.refreshes, "refreshes_folded": self.refreshes_folded, "inflight": rounds}
 
     def load_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
         """Restore `state()`; its rounds in flight are pending again, those whose batch was not saved are dropped.
         A checkpoint of an older format (no rounds kept) restores none."""
         self.counts = {k: int(meta.get("counts", {}).get(k, 0)) for k in _TAKEN}
         self.dropped = int(meta.get("dropped_rounds", 0))
+        self.folded = int(meta.get("folded_rounds", 0))
+        self.refreshes = int(meta.get("refreshes", 0))
+        self.refreshes_folded = int(meta.get("refreshes_folded", 0))
         self._pending.clear()
         self._arrived.clear()
         self._waiting.clear()

@@ -1,0 +1,123 @@
+"""A run that degrades says so (issue 39): trainer.health's collector on the console, in summary.json's `warnings`
+and in the Prometheus counter sparecycles_trainer_warnings_total{run, kind}.
+
+The must-show run: `train --coordinator` (zocurv-line) on a real coordinator with two real worker processes, one
+SIGKILLed mid-run: the run prints `workers_lost`, records it in summary.json and counts it in the metric. The
+round-derived warnings (dropped, never applied with the share of refreshes that had data, `--require-fleet`) are
+checked on the round book's own counters.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import typer
+from prometheus_client import REGISTRY
+
+from trainer import health
+from trainer.zo.rounds import RoundBook
+
+
+def _metric(run: str, kind: str) -> float:
+    return REGISTRY.get_sample_value("sparecycles_trainer_warnings_total", {"run": run, "kind": kind}) or 0.0
+
+
+def test_warn_goes_to_the_active_run_once_per_kind_on_the_console(caplog):
+    h = health.Health("t-health-a")
+    with health.activate(h), caplog.at_level("WARNING", logger="sparecycles.health"):
+        health.warn("teacher_missing", "targets of step 3 missing", step=3)
+        health.warn("teacher_missing", "targets of step 5 missing", step=5, count=2)
+    assert [r.getMessage() for r in caplog.records] == ["targets of step 3 missing"]  # said once
+    assert h.counts() == {"teacher_missing": 3} and _metric("t-health-a", "teacher_missing") == 3.0
+    assert h.lines() == ["teacher_missing x3: targets of step 3 missing (first at step 3); last: targets of step 5 "
+                         "missing"]
+    assert health.current() is None
+    with pytest.raises(ValueError, match="unknown health warning kind 'nope'"):
+        health.warn("nope", "x")
+
+
+def _records(book: RoundBook) -> list[dict]:
+    return [{"step": 1, **book.stats("curv")}]
+
+
+def test_round_warnings_from_the_round_book_counters():
+    from trainer.zo.probes import RoundSpec
+
+    book = RoundBook(staleness=1)
+    # Three refreshes of a fleet that never answers: the first round is dropped once stale, none ever folds.
+    for v in (0, 2, 4):
+        r = RoundSpec(f"r{v}", v, None, 1e-3, (1, 2))
+        book._pending[r.round_id], book._arrived[r.round_id] = r, {}
+        assert book.due(v) == []
+    assert (book.refreshes, book.refreshes_folded, book.folded, book.dropped) == (3, 0, 0, 2)
+    h = health.Health("t-health-b")
+    h.fleet_probes = True
+    h.finish(_records(book))
+    assert h.counts() == {"rounds_dropped": 2, "rounds_never_applied": 1}
+    assert "0 of 3 refreshes had data" in h.never_applied() and "equals AdamW" in h.never_applied()
+    # In process (not fleet-probed) a run without folds is not "never applied"; one that folded is not either.
+    h2 = health.Health("t-health-c")
+    h2.finish(_records(book))
+    assert h2.never_applied() is None
+
+
+def test_require_fleet_makes_never_applied_an_error(tmp_path, capsys):
+    from trainer.cli import _report
+    from trainer.train import RunResult
+
+    line = "rounds_never_applied x1: no probe round was ever applied (0 of 3 refreshes had data)"
+    (tmp_path / "summary.json").write_text("{}")
+    result = RunResult(tmp_path, 6, 5.0, 4.0, 1.0, {"time_ledger": {}, "warnings": [line]})
+    _report(result, None)
+    err = capsys.readouterr().err
+    assert f"warning: {line}" in err and "--require-fleet makes this an error" in err
+    with pytest.raises(typer.Exit) as exc:
+        _report(result, None, require_fleet=True)
+    assert exc.value.exit_code == 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_killed_worker_run_warns_on_console_summary_and_metric(fleet, tmp_path, monkeypatch):
+    """2 CPU workers, one SIGKILLed at step 2 of a zocurv-line run: `workers_lost` said, recorded and counted."""
+    from typer.testing import CliRunner
+
+    from sparecycles.cli import app
+
+    fleet.wait_consuming("a")
+    fleet.wait_consuming("b")
+    for k in ("SPARECYCLES_ADMIN_TOKEN", "SPARECYCLES_REDIS_URL", "SPARECYCLES_KEY_PREFIX"):
+        monkeypatch.setenv(k, fleet.env[k])
+    run_dir = tmp_path / "run"
+    before = _metric("zocurv-line", "workers_lost")
+
+    def kill_b_at_step_2() -> None:
+        path = run_dir / "metrics.jsonl"
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if path.exists() and any(json.loads(x).get("step", 0) >= 2 for x in path.read_text().splitlines()
+                                     if x.strip().endswith("}")):
+                fleet.workers["b"].kill()
+                return
+            time.sleep(0.05)
+
+    killer = threading.Thread(target=kill_b_at_step_2, daemon=True)
+    killer.start()
+    res = CliRunner().invoke(app, [
+        "train", "--preset", "demo", "--optimizer", "zocurv-line", "--steps", "60", "--curvature-interval", "2",
+        "--batch-size", "4", "--seq-len", "32", "--eval-every", "20", "--eval-on", "trainer", "--no-export",
+        "--no-progress", "--coordinator", fleet.url, "--metrics-port", "0",
+        "--run-dir", str(run_dir)])
+    killer.join(timeout=5)
+    assert res.exit_code == 0, res.output[-3000:]
+    assert fleet.workers["b"].poll() is not None  # it was killed mid-run
+    summary = json.loads((Path(run_dir) / "summary.json").read_text())
+    lost = [w for w in summary["warnings"] if w.startswith("workers_lost")]
+    assert lost and "fell from 2 to 1" in lost[0], summary["warnings"]
+    assert summary["warning_counts"]["workers_lost"] == 1
+    assert "warning: workers_lost x1: active probe workers fell from 2 to 1" in res.output
+    assert _metric("zocurv-line", "workers_lost") == before + 1
