@@ -26,6 +26,10 @@ KD_LOSS = Gauge("sparecycles_trainer_kd_loss", "--teacher: the KD term of the la
                 ["run"])
 KD_REJECTED = Counter("sparecycles_trainer_kd_rejected", "--teacher: target blobs rejected at intake "
                       "(wire.kd_targets: shape, id range, non-finite); the step trained on CE alone.", ["run"])
+KD_MISSING = Counter("sparecycles_trainer_kd_missing_steps", "--teacher on the fleet: steps trained on CE alone "
+                     "because their targets had not arrived (or were rejected).", ["run"])
+KD_AHEAD = Gauge("sparecycles_trainer_kd_steps_ahead", "--teacher on the fleet: steps of targets answered ahead of "
+                 "the trainer.", ["run"])
 
 
 def record(run: str, rec: dict[str, Any], tokens_per_step: int) -> None:

@@ -3,7 +3,7 @@
 `KDLoss(model, batch)` is a drop-in `loss_fn` (trainer.modes): it runs the teacher on x under no_grad, turns its
 logits into targets (`full`: the logits themselves; `sampled` / `topk`: trainer.kd.targets.make_targets, seeded by
 (seed, batch_key(x), rank): the same batch, the same ids) and mixes trainer.kd.estimators' KD term with the
-student's CE. The fleet path (issue 36, teacher rounds on workers) is not built yet: this is the math in process.
+student's CE. The fleet path (teacher rounds on workers: fleet/teacher.py, probe_worker/teacher.py) uses the same counter.
 """
 
 from __future__ import annotations
@@ -60,6 +60,20 @@ def load_teacher(teacher: str, device: str) -> torch.nn.Module:
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     model = AutoModelForCausalLM.from_pretrained(teacher_folder(teacher), dtype=dtype, local_files_only=True)
     return model.to(device).eval().requires_grad_(False)
+
+
+def teacher_sha256(teacher: str) -> str:
+    """sha256 (hex) of the teacher folder's config.json and weight files (*.safetensors, *.bin), in name order,
+    each as its name, its byte length and its bytes: the identity a fleet teacher round names and a worker checks
+    before it loads the folder. Raises TeacherMismatchError as teacher_folder does."""
+    folder = teacher_folder(teacher)
+    h = hashlib.sha256()
+    for f in sorted([folder / "config.json", *folder.glob("*.safetensors"), *folder.glob("*.bin")]):
+        h.update(f"{f.name}\0{f.stat().st_size}\0".encode())
+        with f.open("rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 22), b""):
+                h.update(chunk)
+    return h.hexdigest()
 
 
 def batch_key(x: torch.Tensor) -> int:

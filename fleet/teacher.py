@@ -1,0 +1,134 @@
+"""Teacher rounds from the trainer's side (issue 36): a window of steps ahead sent to teacher workers
+(probe_worker/teacher.py), their target blobs taken at intake, and `FleetKDLoss`, the loss_fn that uses them.
+
+The trainer's batches are a pure function of the step (trainer.tasks.Task.batch), so the window sends the
+batches of steps [s, s + window) before the trainer reaches them; each answer lands in Redis under
+wire.teacher_messages.target_key(run, rank, batch_key(x)). A step whose targets have not arrived trains on CE
+alone and is counted in `sparecycles_trainer_kd_missing_steps` (a rejected blob also: trainer.kd.intake counts
+it in `..._kd_rejected`); `strict=True` waits for them up to `strict_timeout_s`, then counts the step missing.
+Each blob is read with GETDEL: taken once, so a redelivered answer is never counted twice.
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+from collections.abc import Callable
+
+import redis
+import torch
+import torch.nn.functional as F
+from celery import Celery
+from tenacity import RetryError, Retrying, retry_if_result, stop_after_delay, wait_fixed
+
+from trainer.kd.estimators import kd_loss, sparse_ce
+from trainer.kd.intake import accept
+from trainer.kd.teacher import batch_key, teacher_folder, teacher_sha256
+from trainer.metrics import KD_AHEAD, KD_MISSING
+from wire.kd_targets import KDTargets
+from wire.teacher_messages import TEACHER_TASK_NAME, TeacherTask, target_key
+
+
+def teacher_queue(run: str) -> str:
+    """The Celery queue of `run`'s teacher rounds."""
+    return f"sparecycles.teacher.{run}"
+
+
+class FleetTeacher:
+    """The window of teacher rounds ahead of one rank's trainer.
+
+    batch_fn(step) -> (x, y), x int64 (B, T): the trainer's own batches. `advance(step)` sends the rounds of
+    steps [step, step + window) not yet sent; `take(x)` -> KDTargets or None (missing or rejected, counted).
+    Raises ValueError for window < 1 or strict_timeout_s <= 0. Network calls carry the Redis client's timeouts.
+    """
+
+    def __init__(self, app: Celery, store: redis.Redis, *, run: str, teacher: str, batch_fn: Callable,
+                 vocab: int, kind: str, k: int, temperature: float, seed: int, rank: int = 0, window: int = 8,
+                 strict: bool = False, strict_timeout_s: float = 120.0) -> None:
+        if window < 1 or not strict_timeout_s > 0:
+            raise ValueError(f"teacher window {window} (>= 1) and strict timeout {strict_timeout_s} s (> 0)")
+        self.app, self.store, self.run, self.batch_fn, self.vocab = app, store, run, batch_fn, vocab
+        self.teacher_dir, self.sha = str(teacher_folder(teacher)), teacher_sha256(teacher)
+        self.kind, self.k, self.temperature, self.seed, self.rank = kind, k, temperature, seed, rank
+        self.window, self.strict, self.strict_timeout_s = window, strict, strict_timeout_s
+        self.sent: dict[int, int] = {}  # batch key -> step, for steps sent and not yet taken
+        self.next_step = 0
+        self.missing = self.taken = 0
+        self.bytes_up = self.bytes_down = 0
+
+    def task_for(self, step: int) -> TeacherTask:
+        """The teacher round of `step`: its batch's ids, the teacher and the target recipe."""
+        x = self.batch_fn(step)[0]
+        ids = x.detach().cpu().numpy().astype("<u4")
+        return TeacherTask(run=self.run, teacher_dir=self.teacher_dir, teacher_sha256=self.sha, rank=self.rank,
+                           step=step, key=batch_key(x), batch=int(x.shape[0]), seq_len=int(x.shape[1]),
+                           ids_b64=base64.b64encode(ids.tobytes()).decode(), kind=self.kind, k=self.k,
+                           temperature=self.temperature, seed=self.seed)
+
+    def advance(self, step: int) -> int:
+        """Send the rounds of steps [max(step, next unsent), step + window); returns how many were sent."""
+        start, stop = max(step, self.next_step), step + self.window
+        with self.app.producer_or_acquire() as producer:
+            for s in range(start, stop):
+                task = self.task_for(s)
+                self.app.send_task(TEACHER_TASK_NAME, kwargs=task.model_dump(mode="json"),
+                                   queue=teacher_queue(self.run), producer=producer, ignore_result=True)
+                self.sent[task.key] = s
+                self.bytes_up += len(task.ids_b64)
+        self.next_step = max(self.next_step, stop)
+        answered = sum(int(self.store.exists(target_key(self.run, self.rank, key))) for key in self.sent)
+        KD_AHEAD.labels(self.run).set(answered)
+        return max(0, stop - start)
+
+    def _get(self, key: int) -> bytes | None:
+        return self.store.getdel(target_key(self.run, self.rank, key))
+
+    def take(self, x: torch.Tensor) -> KDTargets | None:
+        """The targets of batch x (B, T) int64, taken once; None when missing or rejected (counted). Advances
+        the window past this step."""
+        key = batch_key(x)
+        step = self.sent.pop(key, None)
+        blob = self._get(key)
+        if blob is None and self.strict:
+            try:
+                blob = Retrying(stop=stop_after_delay(self.strict_timeout_s), wait=wait_fixed(0.05),
+                                retry=retry_if_result(lambda b: b is None))(self._get, key)
+            except RetryError:
+                blob = None
+        self.advance((step if step is not None else self.next_step - self.window) + 1)
+        targets = None
+        if blob is not None:
+            self.bytes_down += len(blob)
+            targets, _ = accept(blob, batch_shape=(int(x.shape[0]), int(x.shape[1])), vocab=self.vocab,
+                                run=self.run)
+        if targets is None:
+            self.missing += 1
+            KD_MISSING.labels(self.run).inc()
+        else:
+            self.taken += 1
+        return targets
+
+
+class FleetKDLoss:
+    """loss_fn(model, (x, y)) -> (1 - alpha) * CE + alpha * KD with the fleet's sparse targets (float32 scalar,
+    nats/token); CE alone on a step without targets. Repeated calls on one batch (a ZO method's +/- probes)
+    reuse its targets. `last` keeps (ce, kd) floats (kd NaN on a missing step)."""
+
+    def __init__(self, fleet: FleetTeacher, *, alpha: float) -> None:
+        self.fleet, self.alpha = fleet, alpha
+        self._cached: tuple[int, KDTargets | None] | None = None
+        self.last: tuple[float, float] = (float("nan"), float("nan"))
+        fleet.advance(0)
+        self.started = time.perf_counter()
+
+    def __call__(self, model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        key = batch_key(x)
+        if self._cached is None or self._cached[0] != key:
+            self._cached = (key, self.fleet.take(x))
+        targets = self._cached[1]
+        logits = model(input_ids=x).logits  # (B, T, V)
+        ce = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
+        kd = sparse_ce(logits, targets) if targets is not None else None
+        self.last = (float(ce.detach()), float(kd.detach()) if kd is not None else float("nan"))
+        return kd_loss(ce, kd, self.alpha)

@@ -1,0 +1,171 @@
+"""Teacher rounds on a worker (issue 36): the Celery task `sparecycles.teacher` (a wire.teacher_messages
+.TeacherTask in, a wire.kd_targets blob out under its Redis key) and `python -m probe_worker.teacher`.
+
+The teacher is loaded once per sha256 (trainer.kd.teacher.load_teacher: bf16 on CUDA, compiled; fp32 on CPU)
+after its folder's sha256 is checked against the task's. Targets are trainer.kd.targets.make_targets of the
+teacher's logits, seeded by (seed, key, rank) as the in-process KDLoss seeds them. Delivery: late ack and
+reject-on-worker-lost (coordinator.celery_app), so a killed worker's task is redelivered; the answer is a
+SET NX, so a redelivered task writes nothing twice. Outcomes, counted in
+`sparecycles_worker_teacher_tasks_total{outcome}`: done, duplicate (the key was already answered),
+invalid (not a TeacherTask, or ids outside the teacher's vocabulary: rejected without requeue),
+refused (the folder's sha256 differs from the task's), error (anything else; the worker lives on).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+import redis
+import torch
+from celery import Celery, Task
+from celery.exceptions import Reject
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
+from pydantic import ValidationError
+
+from trainer.kd.targets import make_targets
+from trainer.kd.teacher import load_teacher, teacher_sha256
+from wire.kd_targets import encode
+from wire.teacher_messages import TARGET_TTL_S, TEACHER_TASK_NAME, TeacherTask, target_key
+
+log = logging.getLogger("sparecycles.worker.teacher")
+
+
+class TeacherMetrics:
+    """The teacher worker's metrics: tasks by outcome, tokens/s of the last batch, target bytes written."""
+
+    def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
+        self.tasks = Counter("sparecycles_worker_teacher_tasks_total", "Teacher rounds handled, by outcome",
+                             ["outcome"], registry=registry)
+        self.tokens_per_s = Gauge("sparecycles_worker_teacher_tokens_per_second", "Teacher forward + targets "
+                                  "of the last batch (tokens/s, this worker)", registry=registry)
+        self.bytes = Counter("sparecycles_worker_teacher_target_bytes_total", "Target blob bytes written",
+                             registry=registry)
+
+
+class TeacherRuntime:
+    """One loaded teacher on `device` and the Redis client its answers go to.
+
+    `answer(task)` -> outcome name; raises ValueError for ids outside the teacher's vocabulary and
+    TeacherRefused for a folder whose sha256 is not the task's.
+    """
+
+    def __init__(self, device: str, store: redis.Redis, pause_s: float = 0.0) -> None:
+        self.device, self.store, self.pause_s = device, store, pause_s
+        self.sha: str | None = None
+        self.model: torch.nn.Module | None = None
+        self.forward: Any = None
+
+    def _load(self, task: TeacherTask) -> None:
+        if self.sha == task.teacher_sha256:
+            return
+        found = teacher_sha256(task.teacher_dir)
+        if found != task.teacher_sha256:
+            raise TeacherRefused(f"teacher folder {task.teacher_dir} has sha256 {found[:12]}, the round names "
+                                 f"{task.teacher_sha256[:12]}")
+        self.model = load_teacher(task.teacher_dir, self.device)
+        self.forward = torch.compile(self.model) if self.device.startswith("cuda") else self.model
+        self.sha = task.teacher_sha256
+        log.info("teacher %s loaded on %s", task.teacher_sha256[:12], self.device)
+
+    def answer(self, task: TeacherTask) -> str:
+        """Compute and store the targets of one batch; 'duplicate' when its key is already answered."""
+        key = target_key(task.run, task.rank, task.key)
+        if self.store.exists(key):
+            return "duplicate"
+        self._load(task)
+        time.sleep(self.pause_s)  # 0 unless --pause-s: holds a round so a redelivery test can kill the worker
+        ids = np.frombuffer(task.ids_raw(), dtype="<u4").astype(np.int64).reshape(task.batch, task.seq_len)
+        vocab = int(self.model.get_output_embeddings().weight.shape[0])
+        if int(ids.max()) >= vocab:
+            raise ValueError(f"token id {int(ids.max())} outside the teacher's vocabulary of {vocab}")
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            z = self.forward(input_ids=torch.from_numpy(ids).to(self.device)).logits
+        targets = make_targets(z, kind=task.kind, k=task.k, temperature=task.temperature, seed=task.seed,
+                               step=task.key, rank=task.rank)
+        blob = encode(targets)
+        self.last_tokens_per_s = ids.size / (time.perf_counter() - t0)
+        written = self.store.set(key, blob, nx=True, ex=TARGET_TTL_S)
+        return "done" if written else "duplicate"
+
+
+class TeacherRefused(RuntimeError):
+    """The task's teacher is not the folder this worker can read (its sha256 differs)."""
+
+
+def run_teacher(runtime: TeacherRuntime, metrics: TeacherMetrics, kwargs: Any) -> str:
+    """Handle one delivery of a teacher task; returns the outcome (module docstring). Raises Reject (no
+    requeue) for an invalid task; every other failure is logged and counted, never raised."""
+    def outcome(name: str) -> str:
+        metrics.tasks.labels(name).inc()
+        return name
+
+    try:
+        task = TeacherTask.model_validate(kwargs)
+    except (ValidationError, ValueError, TypeError) as exc:
+        outcome("invalid")
+        log.warning("rejected an invalid teacher task: %s", str(exc)[:300])
+        raise Reject(f"invalid teacher task: {str(exc)[:200]}", requeue=False) from None
+    try:
+        name = runtime.answer(task)
+    except ValueError as exc:
+        outcome("invalid")
+        log.warning("rejected teacher round %s/%d step %d: %s", task.run, task.rank, task.step, exc)
+        raise Reject(str(exc)[:200], requeue=False) from None
+    except TeacherRefused as exc:
+        log.warning("%s", exc)
+        return outcome("refused")
+    except Exception:
+        log.exception("teacher round %s step %d failed", task.run, task.step)
+        return outcome("error")
+    if name == "done":
+        metrics.tokens_per_s.set(runtime.last_tokens_per_s)
+    return outcome(name)
+
+
+def register_teacher_task(app: Celery, runtime: TeacherRuntime, metrics: TeacherMetrics) -> Task:
+    """Register `sparecycles.teacher` on `app` (JSON, acks_late, reject_on_worker_lost, no result)."""
+
+    @app.task(name=TEACHER_TASK_NAME, acks_late=True, reject_on_worker_lost=True, ignore_result=True,
+              serializer="json", typing=False)
+    def teacher(**kwargs: Any) -> str:
+        return run_teacher(runtime, metrics, kwargs)
+
+    return teacher
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m probe_worker.teacher --broker redis://... --queue Q [--device cpu] [--metrics-port N]`:
+    answer teacher rounds from queue Q until SIGTERM (one task at a time, prefork pool of one)."""
+    import argparse
+
+    from coordinator.celery_app import make_celery
+
+    p = argparse.ArgumentParser(prog="python -m probe_worker.teacher", description=main.__doc__)
+    p.add_argument("--broker", required=True, help="redis:// URL (the targets are stored in the same Redis)")
+    p.add_argument("--queue", required=True, help="the teacher round queue (fleet.teacher.teacher_queue(run))")
+    p.add_argument("--device", default="cpu", help="cpu or cuda:N")
+    p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics here (0: none)")
+    p.add_argument("--visibility-timeout", type=int, default=60, help="seconds before a lost task returns")
+    p.add_argument("--pause-s", type=float, default=0.0, help="sleep this long before each round (seconds; "
+                   "for redelivery tests: a worker killed while it holds a round)")
+    a = p.parse_args(argv)
+    if not a.broker.startswith(("redis://", "rediss://")) or not a.device.startswith(("cpu", "cuda")):
+        p.error("--broker must be redis://... and --device cpu or cuda:N")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if a.metrics_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(a.metrics_port, addr="127.0.0.1")
+    app = make_celery(a.broker, visibility_timeout_s=a.visibility_timeout, soft_shutdown_s=5.0)
+    store = redis.Redis.from_url(a.broker, socket_timeout=10, socket_connect_timeout=5)
+    register_teacher_task(app, TeacherRuntime(a.device, store, max(0.0, a.pause_s)), TeacherMetrics())
+    app.worker_main(["worker", "-Q", a.queue, "-c", "1", "-P", "prefork", "--without-gossip", "--without-mingle",
+                     "-n", f"teacher-{a.queue}@%h", "--loglevel", "INFO"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""Teacher rounds on the fleet (issue 36): a real Celery teacher worker process on the test Redis answers the
+trainer's window; its targets equal the in-process teacher's bit for bit; a killed worker's round is redelivered
+and taken once; bad blobs are rejected and counted; missing steps train on CE and are counted."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis
+import torch
+
+from coordinator.celery_app import make_celery
+from fleet.teacher import FleetKDLoss, FleetTeacher, teacher_queue
+from trainer.data import get_batch
+from trainer.kd.targets import make_targets
+from trainer.kd.teacher import batch_key, load_teacher
+from trainer.metrics import KD_MISSING, KD_REJECTED
+from trainer.models import build_model
+from wire.kd_targets import KDTargets, decode, encode
+from wire.teacher_messages import TeacherTask, target_key
+
+B, T, K, SEED = 2, 16, 4, 7
+TOKENS = np.random.default_rng(0).integers(0, 50257, 4096).astype(np.int64)  # the seeded data of these tests
+
+
+def batch_fn(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return get_batch(TOKENS, B, T, SEED, step)
+
+
+@pytest.fixture(scope="module")
+def teacher_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A gpt2-tiny teacher of another seed than the student's (seed 0): same tokenizer, other weights."""
+    path = tmp_path_factory.mktemp("teacher")
+    build_model("gpt2-tiny", seed=123).save_pretrained(path)
+    return path
+
+
+def _fleet(redis_url: str, teacher_dir: Path, run: str, **kw) -> FleetTeacher:
+    return FleetTeacher(make_celery(redis_url), redis.Redis.from_url(redis_url, socket_timeout=10), run=run,
+                        teacher=str(teacher_dir), batch_fn=batch_fn, vocab=50257, kind="sampled", k=K,
+                        temperature=1.0, seed=SEED, **kw)
+
+
+def _start_worker(redis_url: str, run: str, pause_s: float = 0.0) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "probe_worker.teacher", "--broker", redis_url, "--queue",
+                             teacher_queue(run), "--visibility-timeout", "5", "--pause-s", str(pause_s)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+def _reference(teacher_dir: Path, x: torch.Tensor) -> KDTargets:
+    """The in-process teacher's targets of batch x through the same wire format (fp16 log-probs)."""
+    with torch.no_grad():
+        z = load_teacher(str(teacher_dir), "cpu")(input_ids=x).logits
+    t = make_targets(z, kind="sampled", k=K, temperature=1.0, seed=SEED, step=batch_key(x), rank=0)
+    return decode(encode(t), batch_shape=(B, T), vocab=50257)
+
+
+def test_fleet_targets_equal_in_process_and_train(redis_url: str, teacher_dir: Path) -> None:
+    run = f"kd-{uuid.uuid4().hex[:8]}"
+    proc = _start_worker(redis_url, run)
+    try:
+        fleet = _fleet(redis_url, teacher_dir, run, window=3, strict=True, strict_timeout_s=90)
+        loss_fn = FleetKDLoss(fleet, alpha=0.5)
+        student = build_model("gpt2-tiny", seed=0)
+        for step in range(4):
+            x, y = batch_fn(step)
+            loss = loss_fn(student, (x, y))
+            got, want = loss_fn._cached[1], _reference(teacher_dir, x)
+            assert got is not None and torch.equal(got.ids, want.ids) and torch.equal(got.logp, want.logp)
+            ce, kd = loss_fn.last
+            assert float(loss.detach()) == pytest.approx(0.5 * ce + 0.5 * kd, rel=1e-6) and kd > 0
+        assert fleet.missing == 0 and fleet.taken == 4 and fleet.next_step == 3 + 4  # window 3 past step 3
+        assert fleet.bytes_up == 7 * len(fleet.task_for(0).ids_b64)  # 7 rounds sent, each its batch's ids
+    finally:
+        _stop(proc)
+
+
+def test_missing_and_rejected_counted_and_ce_alone(redis_url: str, teacher_dir: Path) -> None:
+    run = f"kd-{uuid.uuid4().hex[:8]}"
+    fleet = _fleet(redis_url, teacher_dir, run, window=2)  # no worker: nothing ever arrives
+    missing0, rejected0 = KD_MISSING.labels(run)._value.get(), KD_REJECTED.labels(run)._value.get()
+    x, y = batch_fn(0)
+    loss_fn = FleetKDLoss(fleet, alpha=0.5)
+    student = build_model("gpt2-tiny", seed=0)
+    loss = loss_fn(student, (x, y))
+    assert float(loss.detach()) == loss_fn.last[0] and np.isnan(loss_fn.last[1])  # CE alone
+    assert KD_MISSING.labels(run)._value.get() == missing0 + 1
+    # an out-of-range id in an answer: rejected at intake, counted, CE alone
+    x1 = batch_fn(1)[0]
+    bad = KDTargets(kind="sampled", ids=torch.full((B, T, K), 50257), logp=torch.full((B, T, K), -1.0),
+                    vocab=50257, temperature=1.0)
+    fleet.store.set(target_key(run, 0, batch_key(x1)), encode(bad))
+    assert fleet.take(x1) is None
+    assert KD_REJECTED.labels(run)._value.get() == rejected0 + 1
+    assert KD_MISSING.labels(run)._value.get() == missing0 + 2 and fleet.missing == 2
+    fleet.store.delete(f"{teacher_queue(run)}")
+
+
+def test_out_of_range_task_ids_rejected() -> None:
+    with pytest.raises(ValueError, match="uint32 token ids"):
+        TeacherTask(run="r", teacher_dir="/x", teacher_sha256="0" * 64, rank=0, step=0, key=1, batch=2,
+                    seq_len=4, ids_b64="AAAAAA==", kind="sampled", k=4, temperature=1.0, seed=0)
+
+
+@pytest.mark.slow
+def test_killed_worker_round_redelivered_taken_once(redis_url: str, teacher_dir: Path) -> None:
+    """A worker SIGKILLed while it holds a round: the broker redelivers it to the next worker; the answer is
+    written once (SET NX) and taken once (GETDEL): one take, no missing step, nothing counted twice."""
+    run = f"kd-{uuid.uuid4().hex[:8]}"
+    fleet = _fleet(redis_url, teacher_dir, run, window=1, strict=True, strict_timeout_s=120)
+    fleet.advance(0)
+    slow = _start_worker(redis_url, run, pause_s=600)
+    try:
+        deadline = time.monotonic() + 60
+        while fleet.store.llen(teacher_queue(run)) and time.monotonic() < deadline:
+            time.sleep(0.1)  # the slow worker took the round and sits on it
+        time.sleep(1.0)
+        os.killpg(slow.pid, signal.SIGKILL)
+        slow.wait(10)
+    finally:
+        _stop(slow)
+    proc = _start_worker(redis_url, run)
+    try:
+        got = fleet.take(batch_fn(0)[0])
+        assert got is not None and fleet.taken == 1 and fleet.missing == 0
+        assert fleet.store.get(target_key(run, 0, batch_key(batch_fn(0)[0]))) is None  # taken once
+    finally:
+        _stop(proc)

@@ -1,0 +1,63 @@
+"""Teacher rounds (issue 36): `TeacherTask` (trainer -> worker, a Celery task by name) and the Redis key its
+answer lands under. Strict, frozen, versioned pydantic models on wire.messages' base; torch-free.
+
+A task names one batch of one rank: its token ids (B, T) travel as little-endian uint32 in base64 (B * T * 4
+bytes, 32 KiB for 16 x 512), the teacher by its folder and sha256 (published once; workers load it once per
+sha256), and the target recipe (kind, k, temperature, seed). The batch counter `key` is
+trainer.kd.teacher.batch_key(x): the in-process teacher seeds its sampled ids with the same counter, so the
+fleet's targets equal the in-process ones for the same seed, device and dtype. The worker answers by SET NX of
+a wire.kd_targets blob under `target_key(run, rank, key)`: a redelivered task (a worker killed mid-window)
+writes nothing twice.
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Annotated, Literal
+
+from pydantic import Field, model_validator
+
+from wire.messages import Message, RunId, Sha256Hex
+
+TEACHER_TASK_NAME = "sparecycles.teacher"
+MAX_TEACHER_TOKENS = 1 << 20  # one batch's B * T: far above 16 x 512; a task over it is refused
+TARGET_TTL_S = 3600  # an unread target blob expires (a trainer that died leaves nothing behind for long)
+
+
+def target_key(run: str, rank: int, key: int) -> str:
+    """The Redis key of the target blob of batch counter `key` (an unsigned 64-bit int) of `rank` in `run`."""
+    return f"sc:kd:{run}:{rank}:{key:016x}"
+
+
+class TeacherTask(Message):
+    """One teacher round: targets for one batch. Raises pydantic.ValidationError for any field out of range,
+    ids whose base64 does not decode to B * T uint32 values, or B * T above MAX_TEACHER_TOKENS."""
+
+    run: RunId
+    teacher_dir: Annotated[str, Field(min_length=1, max_length=4096)]
+    teacher_sha256: Sha256Hex
+    rank: Annotated[int, Field(ge=0, le=65535)]
+    step: Annotated[int, Field(ge=0, le=1 << 40)]
+    key: Annotated[int, Field(ge=0, lt=1 << 64)]
+    batch: Annotated[int, Field(ge=1, le=4096)]
+    seq_len: Annotated[int, Field(ge=1, le=65536)]
+    ids_b64: Annotated[str, Field(min_length=4, max_length=MAX_TEACHER_TOKENS * 6)]
+    kind: Literal["sampled", "topk"]
+    k: Annotated[int, Field(ge=1, le=1024)]
+    temperature: Annotated[float, Field(gt=0, le=100.0)]
+    seed: Annotated[int, Field(ge=0, lt=1 << 63)]
+
+    @model_validator(mode="after")
+    def _ids_fit(self) -> TeacherTask:
+        if self.batch * self.seq_len > MAX_TEACHER_TOKENS:
+            raise ValueError(f"teacher batch {self.batch} x {self.seq_len} above {MAX_TEACHER_TOKENS} tokens")
+        if len(self.ids_raw()) != 4 * self.batch * self.seq_len:
+            raise ValueError(f"ids_b64 does not hold {self.batch} x {self.seq_len} uint32 token ids")
+        return self
+
+    def ids_raw(self) -> bytes:
+        """The batch's token ids as little-endian uint32 bytes (B * T * 4); b'' when the base64 is malformed."""
+        try:
+            return base64.b64decode(self.ids_b64, validate=True)
+        except ValueError:
+            return b""
