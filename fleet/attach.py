@@ -285,6 +285,7 @@ class Fleet:
         from fleet.recovery import RecoveringBackend
         from trainer.batch_losses import loss_for_kind
         from trainer.methods import build_mode, fleet_method_names, get_method
+        from trainer.models.causal_lm import model_label
         from wire.batch import batch_kind_for_model
         from wire.messages import RunSpec
 
@@ -299,7 +300,7 @@ class Fleet:
         # re-sends it to the same one until it gives up (issue 21's x2 run: 62 refused re-evaluations for 3
         # spot-checked seeds, their rounds folded up to 72 steps late). Spot checks start at two workers.
         spec = RunSpec(run=f"{self.run_prefix}-{secrets.token_hex(4)}", model_class=type(model).__name__,
-                       model_preset=cfg.model if lm else None, staleness=cfg.staleness,
+                       model_preset=model_label(cfg.model) if lm else None, staleness=cfg.staleness,
                        **({"spot_check_fraction": 0.0} if self.workers < 2 else {}),
                        **({"seeds_per_task": max(1, -(-cfg.probes // max(1, self.workers)))} if pure else {}))
         # ZO-Curv steps publish inside their steps: their backend serialises and uploads in the background

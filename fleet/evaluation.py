@@ -34,6 +34,7 @@ import torch
 from fleet.recovery import RecoveringBackend
 from trainer import health as run_health
 from trainer.evaluation import EvalWindows, batch_values, combine
+from trainer.models.causal_lm import model_label
 from trainer.zo.probes import canonical_blocks
 from wire import batch as batch_wire
 from wire.bounds import MAX_STALENESS  # an eval run's results never go stale: every version's score is wanted
@@ -88,7 +89,7 @@ class FleetEvaluator:
         if seeds_per_task is None:
             seeds_per_task = min(64, max(1, -(-self.windows.n_batches // (4 * max(1, fleet.workers)))))
         spec = RunSpec(run=f"{fleet.run_prefix}-eval-{secrets.token_hex(4)}", model_class=type(model).__name__,
-                       model_preset=cfg.model if lm else None, staleness=MAX_STALENESS, seeds_per_task=seeds_per_task,
+                       model_preset=model_label(cfg.model) if lm else None, staleness=MAX_STALENESS, seeds_per_task=seeds_per_task,
                        **({"spot_check_fraction": 0.0} if fleet.workers < 2 else {}))
         backend = CoordinatorBackend.connect(model, coordinator_url=fleet.base, admin_token=fleet.settings.admin_token
                                              .get_secret_value(), redis_url=fleet.settings.redis_url, run=spec,
@@ -154,7 +155,7 @@ class FleetEvaluator:
         cfg = self.cfg
         self.scorer = FleetScorer(anytime.ring, self.model, anytime.select_tokens, batch_size=cfg.batch_size,
                                   seq_len=cfg.seq_len, n_batches=anytime.settings.select_batches, fleet=self.fleet,
-                                  model_preset=cfg.model, split=f"{cfg.corpus}/select", deadline_s=self.deadline_s,
+                                  model_preset=model_label(cfg.model), split=f"{cfg.corpus}/select", deadline_s=self.deadline_s,
                                   device=cfg.device)
         return self.scorer
 

@@ -168,7 +168,7 @@ def export_trained(model: torch.nn.Module, cfg_json: dict[str, Any], out_dir: Pa
     """
     task = cfg_json.get("task", "lm")
     if task == "lm":
-        tokenizer = gpt2_tokenizer(model.config.n_positions)
+        tokenizer = run_tokenizer(cfg_json, model)
     elif task == "sentiment":
         from transformers import AutoTokenizer
 
@@ -252,14 +252,35 @@ def build_run_model(cfg_json: dict[str, Any]) -> torch.nn.Module:
     if task != "lm":
         raise ExportError(f"cannot export task {task!r}: known tasks are lm and sentiment")
     from trainer.models import build_model
+    from trainer.models.causal_lm import build_causal_lm, is_preset
 
     try:
+        if not is_preset(cfg_json["model"]):  # a transformers folder: its class and config (tiny next to a run)
+            return build_causal_lm(cfg_json["model"], seed=int(cfg_json.get("seed", 0)))[0]
         model = build_model(cfg_json["model"], device="meta")  # shapes only: the checkpoint fills the values
     except (KeyError, ValueError) as exc:
         raise ExportError(f"cannot rebuild the run's model: {exc}") from exc
     model.to_empty(device="cpu")
     model.tie_weights()  # to_empty allocates wte and lm_head separately; re-share them
     return model
+
+
+def run_tokenizer(cfg_json: dict[str, Any], model: torch.nn.Module):
+    """The transformers tokenizer an LM run's export carries: the project's GPT-2 BPE for a preset, the `--model`
+    folder's own tokenizer (AutoTokenizer, local files only) for a folder.
+
+    Raises ExportError when the folder or its tokenizer is gone."""
+    from trainer.models.causal_lm import context_of, is_preset
+
+    spec = cfg_json.get("model", "gpt2-tiny")
+    if is_preset(spec):
+        return gpt2_tokenizer(model.config.n_positions)
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(spec, local_files_only=True, model_max_length=context_of(model.config))
+    except Exception as exc:  # OSError/ValueError from transformers for a missing or broken folder
+        raise ExportError(f"cannot load the tokenizer of --model {spec}: {type(exc).__name__}") from exc
 
 
 def export_run(run_dir: Path, out_dir: Path, *, partial: bool = False, overwrite: bool = False,

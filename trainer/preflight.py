@@ -32,7 +32,7 @@ def explain(exc: Exception) -> str:
 def check_options(cfg: TrainConfig) -> None:
     """Raise ValueError naming the option when `cfg` cannot run on this machine with this data.
 
-    Checks the corpus name, the model preset and its context (`--seq-len` at most `n_positions`; for
+    Checks the corpus name, the model (a preset or a folder: trainer.models.causal_lm.check_model_spec) and its context (`--seq-len` at most `n_positions`; for
     `--task sentiment` at most MiniLM-L6's 512 positions), ZO-Curv on the sentiment task, and CUDA for
     `--device cuda[:N]`. Imports torch only for a CUDA device.
     """
@@ -44,7 +44,7 @@ def check_options(cfg: TrainConfig) -> None:
             raise ValueError(f"--seq-len {cfg.seq_len} exceeds MiniLM-L6's 512 positions")
     else:
         from trainer.data.corpus import CORPORA
-        from trainer.models.presets import get_preset
+        from trainer.models.causal_lm import check_model_spec
 
         if cfg.data is not None:
             from trainer.data.user_read import find_inputs, is_packed
@@ -53,9 +53,7 @@ def check_options(cfg: TrainConfig) -> None:
                 find_inputs(cfg.data)  # DataInputError naming the path: nothing there, no text files
         elif cfg.corpus not in CORPORA:
             raise ValueError(f"--corpus: unknown corpus {cfg.corpus!r}; valid names: {', '.join(sorted(CORPORA))}")
-        ctx = get_preset(cfg.model).n_positions  # ValueError for an unknown model preset
-        if cfg.seq_len > ctx:
-            raise ValueError(f"--seq-len {cfg.seq_len} exceeds {cfg.model}'s context of {ctx} tokens")
+        check_model_spec(cfg.model, cfg.seq_len)  # preset or folder: context, class, tokenizer, vocab
     if cfg.device.startswith("cuda"):
         import torch
 

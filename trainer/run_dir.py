@@ -40,7 +40,9 @@ def default_run_dir(cfg: TrainConfig) -> Path:
     """`runs/<model>-<corpus>-<optimizer>-s<seed>` under `trainer.paths.runs_dir()` (sentiment task:
     `runs/minilm-l6-sentiment-<optimizer>-s<seed>`; with `--data PATH`, PATH's file or folder name stands for
     the corpus)."""
-    model, data = ("minilm-l6", "sentiment") if cfg.task == "sentiment" else (cfg.model, cfg.corpus)
+    from trainer.models.causal_lm import model_label
+
+    model, data = ("minilm-l6", "sentiment") if cfg.task == "sentiment" else (model_label(cfg.model), cfg.corpus)
     if cfg.data is not None and cfg.task != "sentiment":  # the user's text: the name of its file/folder
         data = re.sub(r"[^A-Za-z0-9._-]+", "-", Path(cfg.data.rstrip("/")).stem).strip("-.") or "data"
     return runs_dir() / f"{model}-{data}-{cfg.optimizer}-s{cfg.seed}"

@@ -66,19 +66,22 @@ class LMTask:
                                            encoding_errors=cfg.encoding_errors)
             check_fits(self.corpus, cfg.data, cfg.batch_size, cfg.seq_len)
             self.data_name = self.corpus.name
-        self.cfg, self.model_name = cfg, cfg.model
+        from trainer.models.causal_lm import model_label
+
+        self.cfg, self.model_name = cfg, model_label(cfg.model)
         self.tokens_per_step = cfg.batch_size * cfg.seq_len
         self._windows: dict[bool, EvalWindows] = {}
 
     loss_fn = staticmethod(lm_batch_loss)
 
     def build_model(self) -> torch.nn.Module:
-        from trainer.models import build_model
+        from trainer.models.causal_lm import build_causal_lm
 
-        model = build_model(self.cfg.model, seed=self.cfg.seed, device=self.cfg.device)
-        if self.cfg.seq_len > model.config.n_positions:
+        model, info = build_causal_lm(self.cfg.model, seed=self.cfg.seed, device=self.cfg.device)
+        if self.cfg.seq_len > info.context:
             raise ValueError(f"--seq-len {self.cfg.seq_len} exceeds {self.cfg.model}'s context of "
-                             f"{model.config.n_positions} tokens")
+                             f"{info.context} tokens")
+        self.model_info = info
         return model
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:

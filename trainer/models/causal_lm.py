@@ -24,11 +24,12 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from trainer.models.presets import PRESETS
+
+if TYPE_CHECKING:  # torch is imported where a model is built: option checks (check_model_spec) stay light
+    import torch
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 
@@ -98,7 +99,7 @@ def _text_config(config: Any) -> Any:
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
-def causal_lm_class(config: Any) -> type[torch.nn.Module]:
+def causal_lm_class(config: Any) -> type:
     """The transformers causal-LM class `AutoModelForCausalLM` builds for `config` (e.g. LlamaForCausalLM).
 
     Raises ModelFolderError naming the model type when transformers has no causal LM for it."""
@@ -142,18 +143,24 @@ def has_weights(folder: Path) -> bool:
     return any((Path(folder) / n).is_file() for n in WEIGHT_FILES)
 
 
-@torch.no_grad()
 def init_seeded_(model: torch.nn.Module, seed: int) -> None:
     """Overwrite every parameter of >= 2 dimensions with N(0, initializer_range^2) from a generator seeded by
     (seed, name) (module docstring); 1-D parameters keep their constant init. Values are drawn in float32 on the
     CPU, then copied into each parameter's dtype and device. Touches no global RNG.
 
     Raises ValueError when a 1-D parameter is not constant (a class whose init this rule does not cover)."""
+    import torch
+
     from trainer.models.gpt2 import param_seed
     from trainer.models.params import canonical_parameters
 
     std = float(getattr(_text_config(model.config), "initializer_range", 0.02))
-    for name, p in canonical_parameters(model):
+    with torch.no_grad():
+        _init_blocks(torch, canonical_parameters(model), seed, std, param_seed)
+
+
+def _init_blocks(torch, named, seed: int, std: float, param_seed) -> None:
+    for name, p in named:
         if p.dim() >= 2:
             gen = torch.Generator(device="cpu").manual_seed(param_seed(seed, name))
             p.copy_(torch.empty(p.shape, dtype=torch.float32).normal_(0.0, std, generator=gen))
@@ -161,7 +168,9 @@ def init_seeded_(model: torch.nn.Module, seed: int) -> None:
             raise ValueError(f"{name}: a 1-D parameter with a random init; the seeded init covers constants only")
 
 
-def _build(cls: type[torch.nn.Module], config: Any, device: str | torch.device) -> torch.nn.Module:
+def _build(cls: type, config: Any, device: str | torch.device) -> torch.nn.Module:
+    import torch
+
     # fork_rng: the class's own random init (overwritten) must not consume the caller's RNG. Built for real on
     # the CPU so computed buffers (rotary frequencies) and constant gains exist, then moved.
     with torch.random.fork_rng(devices=[]):
@@ -171,13 +180,14 @@ def _build(cls: type[torch.nn.Module], config: Any, device: str | torch.device) 
 
 
 def build_causal_lm(spec: str, seed: int = 0, *, device: str | torch.device = "cpu",
-                    dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, CausalLMInfo]:
+                    dtype: torch.dtype | None = None) -> tuple[torch.nn.Module, CausalLMInfo]:
     """Build the model `--model spec` names, in eval mode, and describe it.
 
     Args:
         spec: a GPT-2 preset (trainer.models.PRESETS: trainer.models.gpt2.build_model) or a transformers folder.
         seed: init seed when there are no weights: same (spec, seed) gives bit-identical weights everywhere.
-        device, dtype: where and in which float dtype the parameters live (weights are read as float32).
+        device, dtype: where and in which float dtype the parameters live (default float32; weights are read as
+            float32).
 
     Returns:
         (model, CausalLMInfo). The model's forward takes input_ids (B, T) int64, T <= info.context, and returns
@@ -187,6 +197,9 @@ def build_causal_lm(spec: str, seed: int = 0, *, device: str | torch.device = "c
         ModelFolderError: `spec` is neither a preset nor a folder; see read_folder_config / causal_lm_class; the
             weights do not load. ValueError: unknown preset.
     """
+    import torch
+
+    dtype = torch.float32 if dtype is None else dtype
     if is_preset(spec):
         from trainer.models.gpt2 import build_model
 
@@ -230,6 +243,7 @@ def build_from_manifest(model_class: str, config_json: dict[str, Any], *, device
     Raises ValueError: `model_class` is not a transformers PreTrainedModel class, or the config is unknown
     (probe_worker.cache.model_config's rules: a preset or a Hugging Face config dict with model_type).
     """
+    import torch
     import transformers
 
     cls = getattr(transformers, model_class, None) if model_class.isidentifier() else None
@@ -267,3 +281,35 @@ def manifest_model_config(config_json: dict[str, Any]):
         config = AutoConfig.for_model(**cfg)
     config._attn_implementation = attn
     return config
+
+
+def check_model_spec(spec: str, seq_len: int) -> None:
+    """Refuse a `--model` that cannot run before anything is built or written (trainer.preflight).
+
+    A preset: known, `seq_len` within its context. A folder: config.json readable, a causal-LM class for it, a
+    tokenizer (trainer.data.tokenizer_for) whose ids fit the embeddings (len(tokenizer) <= vocab_size), `seq_len`
+    within the context.
+
+    Raises:
+        ValueError (ModelFolderError / TokenizerError / an unknown preset), one line naming the folder or option.
+    """
+    if is_preset(spec) or not Path(spec).expanduser().is_dir():
+        from trainer.models.presets import get_preset
+
+        if not is_preset(spec) and ("/" in spec or spec.startswith(".")):
+            raise ModelFolderError(f"--model {spec!r}: no such folder (and not a preset: {', '.join(PRESETS)})")
+        ctx = get_preset(spec).n_positions  # ValueError for an unknown model preset
+    else:
+        from trainer.data.model_tokenizer import tokenizer_for
+
+        folder = Path(spec).expanduser().resolve()
+        config = _text_config(read_folder_config(folder))
+        causal_lm_class(read_folder_config(folder))
+        tok = tokenizer_for(str(folder))
+        vocab = getattr(config, "vocab_size", None)
+        if isinstance(vocab, int) and tok.vocab_size > vocab:
+            raise ModelFolderError(f"--model {folder}: the tokenizer has {tok.vocab_size} tokens but the model's "
+                                   f"embeddings only {vocab} (config.json vocab_size); ids >= {vocab} have no row")
+        ctx = context_of(config)
+    if seq_len > ctx:
+        raise ValueError(f"--seq-len {seq_len} exceeds {spec}'s context of {ctx} tokens")
