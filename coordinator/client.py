@@ -269,6 +269,16 @@ class CoordinatorClient:
         """`GET /v1/runs/{run}/intake`: the run's results intake refused as stale or duplicate so far."""
         return IntakeCounts.model_validate_json(self.request("GET", f"/v1/runs/{run}/intake").content)
 
+    def close_round(self, run: str, round_id: str) -> RoundInfo:
+        """`POST /v1/runs/{run}/rounds/{round_id}/close`: withdraw a round (later results are dropped, nothing is
+        re-dispatched; workers skip its queued tasks)."""
+        r = self.request("POST", f"/v1/runs/{run}/rounds/{round_id}/close")
+        return RoundInfo.model_validate_json(r.content)
+
+    def end_run(self, run: str) -> dict[str, Any]:
+        """`POST /v1/runs/{run}/end`: close the run's open rounds, stop workers consuming its queue, purge it."""
+        return self.request("POST", f"/v1/runs/{run}/end").json()
+
     def round_info(self, run: str, round_id: str) -> RoundInfo:
         """`GET /v1/runs/{run}/rounds/{round_id}`: a round's progress."""
         return RoundInfo.model_validate_json(self.request("GET", f"/v1/runs/{run}/rounds/{round_id}").content)

@@ -48,6 +48,13 @@ class Dispatch:
         """Messages waiting in `run`'s Celery queue (not yet taken by a worker)."""
         return int(self._broker_client().llen(self.keys.queue_for(run)))
 
+    def purge_queue(self, run: str) -> int:
+        """Delete the tasks waiting in `run`'s Celery queue (an ended run: no worker takes them); returns how many."""
+        broker, queue = self._broker_client(), self.keys.queue_for(run)
+        n = int(broker.llen(queue))
+        broker.delete(queue)
+        return n
+
     def _broker_client(self) -> redis.Redis:
         if self.broker_url and self._broker is None:
             self._broker = redis.Redis.from_url(self.broker_url, **redis_client_kwargs())

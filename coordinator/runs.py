@@ -47,6 +47,21 @@ class RunStore:
             self.r.sadd(self.keys.k_runs, spec.run)
         return self.run_info(spec.run)
 
+    def end_run(self, run: str) -> int:
+        """End `run`: close every open round (later results are counted `closed_round`, nothing is re-dispatched)
+        and take its queue off the list workers consume (`queues`), so they stop within one control interval.
+        Idempotent; the run's record, versions and stream stay readable. Returns the rounds closed. Raises
+        NotFound for an unknown run."""
+        self.run_spec(run)
+        open_key = self.keys.k_run(run, "rounds:open")
+        closed = 0
+        for rid in self.r.smembers(open_key):
+            self.r.hset(self.keys.k_round(run, rid), "state", "closed")
+            self.r.srem(open_key, rid)
+            closed += 1
+        self.r.srem(self.keys.k_runs, run)
+        return closed
+
     def run_spec(self, run: str) -> RunSpec:
         """The spec of `run`; raises NotFound."""
         body = self.r.hget(self.keys.k_run(run, "run"), "spec")

@@ -148,4 +148,4 @@ class FleetScorer:
 
     def close(self, wait: bool = True) -> None:
         """Close the backend (its uploads: finished when `wait`, else cancelled)."""
-        self.backend.close(wait=wait)
+        self.backend.close(wait=wait, end=True)

@@ -255,8 +255,9 @@ class FleetFiguresMode:
 
     def close(self, wait: bool = True) -> None:
         """Close the mode's CoordinatorBackend (`CoordinatorBackend.close`): its last uploads' errors surface here
-        when `wait`; trainer.train calls this when the run ends, however it ends."""
-        self.mode.backend.close(wait=wait)
+        when `wait`; trainer.train calls this when the run ends, however it ends: the run's rounds are cancelled on
+        the coordinator (workers idle within one control interval; a resume attaches a new coordinator run)."""
+        self.mode.backend.close(wait=wait, end=True)
 
 
 ROUND_MODES = ("async", "sync", "next")  # when a fleet's ZO-Curv rounds fold: trainer.zo.rounds.FOLD_TIMINGS

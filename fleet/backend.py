@@ -17,6 +17,7 @@ coordinator.client.CoordinatorClient (timeouts, bounded tenacity retries).
 from __future__ import annotations
 
 import contextlib
+import logging
 from pathlib import Path
 
 import torch
@@ -32,6 +33,8 @@ from trainer.zo.backend import Collected
 from trainer.zo.probes import RoundSpec
 from wire.messages import RunSpec
 from wire.round_messages import ProbeRound
+
+log = logging.getLogger("sparecycles.fleet")
 
 
 class CoordinatorBackend:
@@ -156,13 +159,29 @@ class CoordinatorBackend:
         """Wait for every background upload; raises the first one's error."""
         self.uploads.flush()
 
-    def close(self, wait: bool = True) -> None:
+    def withdraw(self, round_id: str) -> None:
+        """Close `round_id` on the coordinator (POST .../rounds/{id}/close): no worker keeps evaluating it (workers
+        skip its queued tasks, nothing is re-dispatched). Best effort: a failure is logged, never raised (the
+        round's results are simply not awaited any more)."""
+        try:
+            self.client.close_round(self.run, round_id)
+        except Exception as exc:  # noqa: BLE001 - withdrawing saves the fleet work; the run goes on without it
+            log.warning("could not withdraw round %s of run %s: %s", round_id, self.run, exc)
+
+    def close(self, wait: bool = True, end: bool = False) -> None:
         """Finish the background uploads (raising the first one's error), then close the HTTP client and the
         Redis connection. `wait=False` (a run that already failed or was interrupted) cancels the uploads not
-        yet started instead of waiting for them."""
+        yet started instead of waiting for them. `end`: the run is over: its rounds are cancelled on the
+        coordinator (POST /v1/runs/{run}/end: workers stop consuming its queue within one control interval);
+        best effort, logged on failure."""
         try:
             self.uploads.close(wait)
         finally:
+            if end:
+                try:
+                    self.client.end_run(self.run)
+                except Exception as exc:  # noqa: BLE001 - the run's own outcome stands; workers idle on a stale run
+                    log.warning("could not end run %s on the coordinator: %s", self.run, exc)
             self.publisher.close(wait)
             self.client.close()
             self.results.close()

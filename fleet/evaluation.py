@@ -139,8 +139,9 @@ class FleetEvaluator:
         return out
 
     def close(self, wait: bool = True) -> None:
-        """Close the backend (its uploads: finished when `wait`, else cancelled), and the anytime scorer's."""
-        self.backend.close(wait=wait)
+        """Close the backend (its uploads: finished when `wait`, else cancelled; the eval run's rounds cancelled on the
+        coordinator), and the anytime scorer's."""
+        self.backend.close(wait=wait, end=True)
         if self.scorer is not None:
             self.scorer.close(wait=wait)
 
@@ -183,6 +184,7 @@ class FleetEvaluator:
                 run_health.warn("eval_fallback", f"evaluation of step {step}: {len(missing)} of "
                                 f"{self.windows.n_batches} batches not in from the fleet after {now - p.t_progress:.0f} s "
                                 "(--eval-deadline); evaluated on the trainer", step=step)
+                self.backend.withdraw(p.round_id)  # taken over: no worker keeps scoring it
                 p.values.update(self._evaluate_here(p.weights, missing))
                 out.append(self._record(step, p, trainer_batches=len(missing)))
             else:

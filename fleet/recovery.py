@@ -107,8 +107,15 @@ class RecoveringBackend:
     def forward_passes(self, value: int) -> None:  # a resumed run restores its count (trainer.zo.modes)
         self.backend.forward_passes = value
 
-    def close(self, wait: bool = True) -> None:
-        self.backend.close(wait=wait)
+    def close(self, wait: bool = True, end: bool = False) -> None:
+        """CoordinatorBackend.close (`end`: cancel the run's rounds on the coordinator)."""
+        self.backend.close(wait=wait, end=end)
+
+    def withdraw(self, round_id: str) -> None:
+        """`forget` the round and close it on the coordinator (CoordinatorBackend.withdraw): no worker keeps
+        evaluating it."""
+        self.forget(round_id)
+        self.backend.withdraw(round_id)
 
     def _call(self, fn: Callable[[], T], current: int | None = None) -> T:
         for attempt in range(MAX_RECOVERIES_PER_CALL + 1):

@@ -107,6 +107,8 @@ class ProbeRuntime:
         self._mix_scratch: torch.nn.Module | None = None  # where weight mixtures of eval rounds are built
         self._ff: Any = None  # the bf16 compiled forward of eval rounds (kernels.FastForward), and what it holds
         self._ff_holds: tuple | None = None
+        self._closed: OrderedDict[tuple[str, str], None] = OrderedDict()  # rounds seen closed (final)
+        self._open_at: dict[tuple[str, str], float] = {}  # round -> when it was last seen open (monotonic s)
 
     # ---- cached inputs ------------------------------------------------------------------------------
 
@@ -363,6 +365,33 @@ class ProbeRuntime:
         with self._lock:
             self.cache.get(run, version)
             self.current_version = version
+
+    def withdrawn(self, task: ProbeTask, recheck_s: float = 1.0) -> bool:
+        """True if the task's round was closed on the coordinator (the trainer withdrew it, took it over, or its
+        run ended): the task is skipped unevaluated. One GET of the round per `recheck_s` seconds per round (a
+        closed round stays closed: remembered); an unanswered GET counts as open (the task is evaluated, intake
+        decides)."""
+        key = (task.run, task.round_id)
+        if key in self._closed:
+            return True
+        now = time.monotonic()
+        if now - self._open_at.get(key, float("-inf")) < recheck_s:
+            return False
+        try:
+            state = self.client.round_info(task.run, task.round_id).state
+        except Exception as exc:  # noqa: BLE001 - the coordinator decides at intake anyway
+            log.debug("round %s state unknown (%s); evaluating", task.round_id, exc)
+            return False
+        if state == "open":
+            self._open_at[key] = now
+            while len(self._open_at) > 10_000:
+                self._open_at.pop(next(iter(self._open_at)))
+            return False
+        self._open_at.pop(key, None)
+        self._closed[key] = None
+        while len(self._closed) > 10_000:
+            self._closed.popitem(last=False)
+        return True
 
     def should_hand_back(self, task: ProbeTask, max_hand_backs: int = 10) -> bool:
         """True if this spot-check task should go to another worker: every seed of it was already

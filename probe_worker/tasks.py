@@ -18,6 +18,8 @@ so redelivery only costs compute. Outcomes, each counted in `sparecycles_worker_
 - `requeued`: the worker is draining, the coordinator no longer knows it (it re-enrolls), or the
   coordinator/broker stayed unreachable after bounded retries -> rejected with requeue, so another worker
   (or this one later) evaluates it;
+- `withdrawn`: the task's round was closed on the coordinator (the trainer took it over or the run ended) ->
+  acknowledged unevaluated (ProbeRuntime.withdrawn);
 - `error`: any other failure (a bug, out of memory) -> dropped after logging, the worker lives on.
 """
 
@@ -108,6 +110,9 @@ def run_probe(runtime: ProbeRuntime, drain: DrainState, metrics: WorkerMetrics, 
         outcome("requeued")
         time.sleep(REQUEUE_PAUSE_S)
         raise Reject("worker is draining", requeue=True)
+    if runtime.withdrawn(task):  # its round was closed (taken over by the trainer, or the run ended): skip, quietly
+        log.debug("round %s was withdrawn; task skipped", task.round_id)
+        return outcome("withdrawn")
     if hand_off is not None and runtime.should_hand_back(task):
         hand_off(kwargs)  # an identical copy goes back on the queue now...
         time.sleep(HAND_BACK_PAUSE_S)  # ...while this worker stays busy, so an idle one takes it

@@ -80,6 +80,56 @@ def test_require_fleet_makes_never_applied_an_error(tmp_path, capsys):
     assert exc.value.exit_code == 1
 
 
+def _worker_log(path: Path) -> list[tuple[float, str]]:
+    """(unix time, message) of each timestamped line of a worker's log ("2026-12-03 08:30:33,211 INFO ...")."""
+    import datetime as dt
+
+    out = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            t = dt.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        except ValueError:
+            continue
+        out.append((t, line[24:]))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_run_end_cancels_its_rounds_and_workers_go_idle(fleet, tmp_path, monkeypatch):
+    """A fleet-probed, fleet-evaluated run ends: its rounds are closed, its queue purged and dropped from the list
+    workers consume; no worker starts a task of it later than one control interval after the end (a task already
+    evaluating finishes), and the workers stop consuming its queue."""
+    import re
+
+    from typer.testing import CliRunner
+
+    from sparecycles.cli import app
+
+    fleet.wait_consuming("a")
+    fleet.wait_consuming("b")
+    for k in ("SPARECYCLES_ADMIN_TOKEN", "SPARECYCLES_REDIS_URL", "SPARECYCLES_KEY_PREFIX"):
+        monkeypatch.setenv(k, fleet.env[k])
+    t_start = time.time()
+    res = CliRunner().invoke(app, [
+        "train", "--preset", "demo", "--optimizer", "zocurv-line", "--steps", "8", "--curvature-interval", "2",
+        "--batch-size", "4", "--seq-len", "32", "--eval-every", "4", "--eval-on", "fleet", "--no-export",
+        "--no-progress", "--coordinator", fleet.url, "--metrics-port", "0", "--run-dir", str(tmp_path / "run")])
+    t_end = time.time()
+    assert res.exit_code == 0, res.output[-3000:]
+    control_s = 0.25  # support.fleet's --control-interval
+    runs = [r for r in fleet.r.smembers(f"{fleet.prefix}:runs")]
+    assert runs == [], runs  # both coordinator runs (probes, evaluation) ended: no queue left to consume
+    time.sleep(3.0)  # what a worker would do next, had the run not been cancelled
+    for name in ("a", "b"):
+        lines = _worker_log(fleet.tmp / f"{name}.log")
+        received = {m.group(1): t for t, msg in lines if (m := re.search(r"probe\[([0-9a-f-]+)\] received", msg))}
+        done = [(t, m.group(1)) for t, msg in lines if (m := re.search(r"probe\[([0-9a-f-]+)\] succeeded.*'done'", msg))]
+        late = [tid for t, tid in done if t > t_end + control_s and received.get(tid, 0) > t_end + control_s]
+        assert late == [], (name, late)  # nothing of the ended run started after one control interval
+        assert any("stopped consuming" in msg for t, msg in lines if t >= t_start), name
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_killed_worker_run_warns_on_console_summary_and_metric(fleet, tmp_path, monkeypatch):

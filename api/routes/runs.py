@@ -46,6 +46,14 @@ async def get_run(run: RunP, store: StoreD,
     return await run_in_threadpool(store.runs.run_info, run)
 
 
+@router.post("/{run}/end", dependencies=[Admin])
+def end_run(run: RunP, store: StoreD) -> dict[str, int | str]:
+    """The trainer's run ended: its open rounds are closed, its queue leaves the list workers consume (they stop
+    within one control interval) and the tasks still queued are deleted. Idempotent; 404 for an unknown run."""
+    closed = store.runs.end_run(run)
+    return {"run": run, "closed_rounds": closed, "purged_tasks": store.dispatch.purge_queue(run)}
+
+
 @router.get("/{run}/intake", dependencies=[Reader])
 def get_intake_counts(run: RunP, store: StoreD) -> IntakeCounts:
     return store.runs.intake_counts(run)
