@@ -21,9 +21,11 @@ import torch.nn.functional as F
 from celery import Celery
 from tenacity import RetryError, Retrying, retry_if_result, stop_after_delay, wait_fixed
 
+from trainer import health
 from trainer.kd.estimators import kd_loss, sparse_ce
 from trainer.kd.intake import accept
 from trainer.kd.teacher import batch_key, teacher_folder, teacher_sha256
+from trainer.ledger import phase
 from trainer.metrics import KD_AHEAD, KD_MISSING
 from wire.kd_targets import KDTargets
 from wire.teacher_messages import TEACHER_TASK_NAME, TeacherTask, target_key
@@ -38,16 +40,16 @@ class FleetTeacher:
     """The window of teacher rounds ahead of one rank's trainer.
 
     batch_fn(step) -> (x, y), x int64 (B, T): the trainer's own batches. `advance(step)` sends the rounds of
-    steps [step, step + window) not yet sent; `take(x)` -> KDTargets or None (missing or rejected, counted).
+    steps [step, step + window) not yet sent; `take(x, vocab)` -> KDTargets or None (missing or rejected, counted).
     Raises ValueError for window < 1 or strict_timeout_s <= 0. Network calls carry the Redis client's timeouts.
     """
 
     def __init__(self, app: Celery, store: redis.Redis, *, run: str, teacher: str, batch_fn: Callable,
-                 vocab: int, kind: str, k: int, temperature: float, seed: int, rank: int = 0, window: int = 8,
+                 kind: str, k: int, temperature: float, seed: int, rank: int = 0, window: int = 8,
                  strict: bool = False, strict_timeout_s: float = 120.0) -> None:
         if window < 1 or not strict_timeout_s > 0:
             raise ValueError(f"teacher window {window} (>= 1) and strict timeout {strict_timeout_s} s (> 0)")
-        self.app, self.store, self.run, self.batch_fn, self.vocab = app, store, run, batch_fn, vocab
+        self.app, self.store, self.run, self.batch_fn = app, store, run, batch_fn
         self.teacher_dir, self.sha = str(teacher_folder(teacher)), teacher_sha256(teacher)
         self.kind, self.k, self.temperature, self.seed, self.rank = kind, k, temperature, seed, rank
         self.window, self.strict, self.strict_timeout_s = window, strict, strict_timeout_s
@@ -83,9 +85,13 @@ class FleetTeacher:
     def _get(self, key: int) -> bytes | None:
         return self.store.getdel(target_key(self.run, self.rank, key))
 
-    def take(self, x: torch.Tensor) -> KDTargets | None:
-        """The targets of batch x (B, T) int64, taken once; None when missing or rejected (counted). Advances
-        the window past this step."""
+    def take(self, x: torch.Tensor, vocab: int) -> KDTargets | None:
+        """The targets of batch x (B, T) int64 for a student of `vocab` ids, taken once; None when missing or
+        rejected (counted, and reported through trainer.health as teacher_missing). Advances the window."""
+        with phase("kd"):  # the ledger's kd phase: reading (strict: waiting for) targets, sending the window
+            return self._take(x, vocab)
+
+    def _take(self, x: torch.Tensor, vocab: int) -> KDTargets | None:
         key = batch_key(x)
         step = self.sent.pop(key, None)
         blob = self._get(key)
@@ -96,14 +102,15 @@ class FleetTeacher:
             except RetryError:
                 blob = None
         self.advance((step if step is not None else self.next_step - self.window) + 1)
-        targets = None
+        targets, why = None, "not arrived from the fleet"
         if blob is not None:
             self.bytes_down += len(blob)
-            targets, _ = accept(blob, batch_shape=(int(x.shape[0]), int(x.shape[1])), vocab=self.vocab,
-                                run=self.run)
+            targets, why = accept(blob, batch_shape=(int(x.shape[0]), int(x.shape[1])), vocab=vocab,
+                                  run=self.run)
         if targets is None:
             self.missing += 1
             KD_MISSING.labels(self.run).inc()
+            health.warn("teacher_missing", f"kd targets of step {step}: {why}; trained on CE alone", step=step)
         else:
             self.taken += 1
         return targets
@@ -124,11 +131,41 @@ class FleetKDLoss:
     def __call__(self, model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, y = batch
         key = batch_key(x)
-        if self._cached is None or self._cached[0] != key:
-            self._cached = (key, self.fleet.take(x))
-        targets = self._cached[1]
         logits = model(input_ids=x).logits  # (B, T, V)
+        if self._cached is None or self._cached[0] != key:
+            self._cached = (key, self.fleet.take(x, int(logits.shape[-1])))
+        targets = self._cached[1]
         ce = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
         kd = sparse_ce(logits, targets) if targets is not None else None
         self.last = (float(ce.detach()), float(kd.detach()) if kd is not None else float("nan"))
         return kd_loss(ce, kd, self.alpha)
+
+    def stats(self) -> dict[str, int]:
+        """{kd_taken_steps, kd_missing_steps, kd_bytes_up, kd_bytes_down}: the run's counts so far (bytes over
+        the wire: batch ids sent as base64, target blobs taken)."""
+        f = self.fleet
+        return {"kd_taken_steps": f.taken, "kd_missing_steps": f.missing, "kd_bytes_up": f.bytes_up,
+                "kd_bytes_down": f.bytes_down}
+
+
+def kd_loss_factory(redis_url: str, *, window: int = 8, strict: bool = False, strict_timeout_s: float = 120.0,
+                    run: str | None = None) -> Callable:
+    """trainer.train's `kd_loss_factory`: (cfg, task, rank) -> FleetKDLoss over the teacher rounds of a
+    FleetTeacher on `redis_url` (its Celery broker and target store) for the run named `run` (default: kd-, the
+    teacher's sha256 prefix and the seed, so a resumed run finds its queue). Raises ValueError for a non-redis
+    URL, and (when built) for --kd-estimator full: the fleet sends sparse targets only."""
+    if not redis_url.startswith(("redis://", "rediss://")):
+        raise ValueError(f"teacher rounds need a redis:// URL, got {redis_url!r}")
+    from coordinator.celery_app import make_celery
+
+    def build(cfg, task, rank: int) -> FleetKDLoss:
+        if cfg.kd_estimator == "full":
+            raise ValueError("teacher rounds on the fleet send sparse targets: --kd-estimator sampled or topk")
+        name = run or f"kd-{teacher_sha256(cfg.teacher)[:12]}-{cfg.seed}"
+        store = redis.Redis.from_url(redis_url, socket_timeout=10, socket_connect_timeout=5)
+        fleet = FleetTeacher(make_celery(redis_url), store, run=name, teacher=cfg.teacher, batch_fn=task.batch,
+                             kind=cfg.kd_estimator, k=cfg.kd_k, temperature=cfg.kd_temperature, seed=cfg.seed,
+                             rank=rank, window=window, strict=strict, strict_timeout_s=strict_timeout_s)
+        return FleetKDLoss(fleet, alpha=cfg.kd_alpha)
+
+    return build

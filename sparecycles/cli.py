@@ -50,7 +50,14 @@ def _fleet_settings():
     return load_settings()
 
 
+def _teacher_rounds(url: str, **kw):
+    from fleet.teacher import kd_loss_factory
+
+    return kd_loss_factory(url, **kw)
+
+
 trainer_cli.FLEET_ATTACH = _attach  # `train --coordinator`: the top layer hands the trainer its fleet
+trainer_cli.TEACHER_ROUNDS = _teacher_rounds  # `train --teacher-rounds`: teacher targets from the fleet
 trainer_cli.FLEET_SETTINGS = _fleet_settings  # ... and the check of its environment, made with the option checks
 app.add_typer(trainer_cli.data_app, name="data")
 app.command("train", cls=SettingsCommand, short_help="Train one model in this process; write its run folder.")(

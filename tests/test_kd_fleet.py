@@ -45,7 +45,7 @@ def teacher_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _fleet(redis_url: str, teacher_dir: Path, run: str, **kw) -> FleetTeacher:
     return FleetTeacher(make_celery(redis_url), redis.Redis.from_url(redis_url, socket_timeout=10), run=run,
-                        teacher=str(teacher_dir), batch_fn=batch_fn, vocab=50257, kind="sampled", k=K,
+                        teacher=str(teacher_dir), batch_fn=batch_fn, kind="sampled", k=K,
                         temperature=1.0, seed=SEED, **kw)
 
 
@@ -108,7 +108,7 @@ def test_missing_and_rejected_counted_and_ce_alone(redis_url: str, teacher_dir: 
     bad = KDTargets(kind="sampled", ids=torch.full((B, T, K), 50257), logp=torch.full((B, T, K), -1.0),
                     vocab=50257, temperature=1.0)
     fleet.store.set(target_key(run, 0, batch_key(x1)), encode(bad))
-    assert fleet.take(x1) is None
+    assert fleet.take(x1, 50257) is None
     assert KD_REJECTED.labels(run)._value.get() == rejected0 + 1
     assert KD_MISSING.labels(run)._value.get() == missing0 + 2 and fleet.missing == 2
     fleet.store.delete(f"{teacher_queue(run)}")
@@ -139,8 +139,58 @@ def test_killed_worker_round_redelivered_taken_once(redis_url: str, teacher_dir:
         _stop(slow)
     proc = _start_worker(redis_url, run)
     try:
-        got = fleet.take(batch_fn(0)[0])
+        got = fleet.take(batch_fn(0)[0], 50257)
         assert got is not None and fleet.taken == 1 and fleet.missing == 0
         assert fleet.store.get(target_key(run, 0, batch_key(batch_fn(0)[0]))) is None  # taken once
     finally:
         _stop(proc)
+
+
+@pytest.mark.slow
+def test_train_cli_with_teacher_rounds_end_to_end(redis_url: str, tmp_path: Path) -> None:
+    """`sparecycles train --model LLAMA --data TXT --teacher LLAMA2 --teacher-rounds URL --kd-strict` with a
+    teacher worker process: every step took its fleet targets (none missing), the ledger has its kd phase and
+    summary.json counts the bytes each way."""
+    import json
+    import shutil
+
+    from test_kd import _llama_dir
+    from typer.testing import CliRunner
+
+    from sparecycles.cli import app
+    from support.user_data import hf_tokenizer_dir, real_documents
+    from trainer.kd.teacher import teacher_sha256
+
+    student = _llama_dir(hf_tokenizer_dir(tmp_path / "student", vocab_size=400), 400, 0)
+    teacher = tmp_path / "teacher"
+    shutil.copytree(student, teacher)
+    for f in teacher.glob("*.safetensors"):
+        f.unlink()
+    _llama_dir(teacher, 400, 1)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "docs.txt").write_text("\n\n".join(real_documents()))
+    run = f"kd-{teacher_sha256(str(teacher))[:12]}-0"
+    proc = _start_worker(redis_url, run)
+    try:
+        res = CliRunner().invoke(app, [
+            "train", "--model", str(student), "--data", str(tmp_path / "data"), "--teacher", str(teacher),
+            "--teacher-rounds", redis_url, "--kd-strict", "--kd-window", "2", "--steps", "3", "--batch-size", "2",
+            "--seq-len", "16", "--warmup-steps", "0", "--seed", "0", "--run-dir", str(tmp_path / "run"),
+            "--no-progress", "--no-export"])
+        assert res.exit_code == 0, res.output
+    finally:
+        _stop(proc)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["kd"]["kd_taken_steps"] == 3 and summary["kd"]["kd_missing_steps"] == 0
+    assert summary["kd"]["kd_bytes_up"] == 5 * len(base64_ids(2, 16))  # window 2: steps 0..4 sent
+    assert summary["time_ledger"]["counts"]["kd"] == 3 and "teacher_missing" not in summary.get("warning_counts", {})
+    recs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in recs if "kd_loss" in r]
+    assert len(steps) == 3 and all(r["kd_loss"] > 0 and r["kd_missing_steps"] == 0 for r in steps)
+
+
+def base64_ids(b: int, t: int) -> str:
+    """The base64 text of a (b, t) batch's uint32 ids, as a teacher round carries it."""
+    import base64
+
+    return base64.b64encode(bytes(4 * b * t)).decode()

@@ -81,6 +81,8 @@ def pack(
 FLEET_ATTACH: Callable[..., Any] | None = None
 # load_settings() -> fleet.attach.FleetSettings from the environment, raising FleetError naming each variable.
 FLEET_SETTINGS: Callable[[], Any] | None = None
+# kd_loss_factory(url, window=, strict=) -> trainer.train's kd_loss_factory (fleet.teacher: teacher rounds).
+TEACHER_ROUNDS: Callable[..., Any] | None = None
 
 
 EVAL_ON = ("trainer", "fleet", "auto")
@@ -185,6 +187,13 @@ MetricsPort = Annotated[int | None, _O(min=0, max=65535, help="Serve Prometheus 
 MetricsHost = Annotated[str, _O(help="Interface the metrics port binds (0.0.0.0 in containers).")]
 RequireFleet = Annotated[bool, _O(help="With --coordinator: a run in which no probe round from the fleet was ever "
                                    "applied (it equals AdamW) ends with an error (exit 1) instead of a warning.")]
+TeacherRounds = Annotated[str | None, _O(
+    help="With --teacher: its targets from teacher rounds on the fleet (workers: `python -m probe_worker.teacher "
+         "--broker URL --queue sparecycles.teacher.RUN`) through this redis:// URL instead of a teacher in this "
+         "process; a step whose targets have not arrived trains on CE alone and is counted (kd_missing_steps).")]
+KDWindow = Annotated[int, _O(min=1, max=1024, help="With --teacher-rounds: steps of teacher rounds sent ahead.")]
+KDStrict = Annotated[bool, _O(help="With --teacher-rounds: wait for each step's targets (up to 120 s) instead of "
+                              "training it on CE alone.")]
 ConfigFile = Annotated[Path | None, _O(hidden=True, help="A whole TrainConfig as JSON (what `up --nproc-per-node` "
                                        "hands its ranks): replaces --preset and the run's settings.")]
 
@@ -196,7 +205,8 @@ def train(settings: dict, preset: Preset = "demo", resume: Resume = False, overw
           eval_on: EvalOn = "auto", eval_deadline: EvalDeadline = 120.0, eval_windows: EvalWindows = "subset",
           nproc_per_node: Nproc = None, shard: Shard = False, micro_batch_size: MicroBatch = None,
           dist_timeout: DistTimeout = 600.0, metrics_port: MetricsPort = None, metrics_host: MetricsHost = "127.0.0.1",
-          config: ConfigFile = None, require_fleet: RequireFleet = False) -> None:
+          config: ConfigFile = None, require_fleet: RequireFleet = False, teacher_rounds: TeacherRounds = None,
+          kd_window: KDWindow = 8, kd_strict: KDStrict = False) -> None:
     """Train a model and write a run folder (metrics.jsonl, TensorBoard event files, checkpoint.safetensors,
     loss.png, summary.json, export/).
 
@@ -234,10 +244,24 @@ def train(settings: dict, preset: Preset = "demo", resume: Resume = False, overw
         _serve_metrics(metrics_port, metrics_host, bool(coordinator))
     fleet_kw = _attach_ranks(dist, coordinator, cfg, attach_wait, fleet_wait, eval_on, eval_deadline, eval_windows,
                              fleet_settings) if coordinator else {}
+    if teacher_rounds:
+        fleet_kw["kd_loss_factory"] = _teacher_rounds(cfg, teacher_rounds, kd_window, kd_strict)
     result = _run_train(cfg, dist, folder, resume=resume, progress=progress, overwrite=overwrite, export=export,
                         fleet_kw=fleet_kw)
     if dist.is_main:
         _report(result, warning, require_fleet)
+
+
+def _teacher_rounds(cfg: Any, url: str, window: int, strict: bool) -> Any:
+    """train's kd_loss_factory for --teacher-rounds (TEACHER_ROUNDS, set by sparecycles.cli); exits 2 without
+    --teacher, with a non-redis URL or --kd-estimator full."""
+    if cfg.teacher is None or cfg.kd_estimator == "full" or not url.startswith(("redis://", "rediss://")):
+        raise typer.BadParameter("--teacher-rounds needs --teacher, a redis:// URL and --kd-estimator sampled or "
+                                 f"topk (got teacher {cfg.teacher!r}, {url!r}, {cfg.kd_estimator})",
+                                 param_hint="--teacher-rounds")
+    if TEACHER_ROUNDS is None:
+        raise RuntimeError("trainer.cli.TEACHER_ROUNDS is unset: run `train` through the sparecycles CLI")
+    return TEACHER_ROUNDS(url, window=window, strict=strict)
 
 
 def _setup_dist(cfg: Any, *, shard: bool, micro_batch_size: int | None, fleet: bool, timeout_s: float,

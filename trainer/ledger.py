@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-PHASES = ("startup", "step", "publish", "wait", "eval", "checkpoint", "log")
+PHASES = ("startup", "step", "publish", "wait", "eval", "checkpoint", "log", "kd")
 _CURRENT: contextvars.ContextVar[TimeLedger | None] = contextvars.ContextVar("sparecycles_ledger", default=None)
 
 

@@ -76,6 +76,7 @@ def train(
     export: bool = True,
     dist: DistContext = SINGLE,
     evaluator_factory: Callable[[Task, TrainConfig, torch.nn.Module, TrainMode], Evaluator] | None = None,
+    kd_loss_factory: Callable[[TrainConfig, Task, int], Callable] | None = None,
 ) -> RunResult:
     """Run (or resume) a training run and write its run folder (trainer.run_dir: config.json, metrics.jsonl,
     checkpoint.safetensors, loss.png, summary.json, TensorBoard event files mirroring metrics.jsonl
@@ -89,7 +90,9 @@ def train(
     `evaluator_factory(task, cfg, model, mode)` replaces the trainer's own evaluation
     (trainer.evaluation.InlineEvaluator), e.g. fleet.evaluation.FleetEvaluator: its records may arrive steps later
     (logged then, at their own step); all of them are in before the report (one process only: a torchrun job
-    evaluates on its ranks). summary.json's `time_ledger` splits this invocation's wall time into phases
+    evaluates on its ranks). `kd_loss_factory(cfg, task, rank)` with --teacher replaces the in-process teacher
+    (trainer.kd.teacher.KDLoss) by a loss_fn whose targets come from elsewhere, e.g. fleet.teacher.FleetKDLoss
+    (teacher rounds on workers). summary.json's `time_ledger` splits this invocation's wall time into phases
     (trainer.ledger).
 
     Raises:
@@ -106,7 +109,8 @@ def train(
     ledger = TimeLedger(sync=torch.cuda.synchronize if cfg.device.startswith("cuda") else None).start()
     with ledger.activate(), run_health.activate(run_health.Health(cfg.optimizer)):
         return _train(cfg, ledger, resume=resume, progress=progress, mode_factory=mode_factory, status=status,
-                      overwrite=overwrite, export=export, dist=dist, evaluator_factory=evaluator_factory)
+                      overwrite=overwrite, export=export, dist=dist, evaluator_factory=evaluator_factory,
+                      kd_loss_factory=kd_loss_factory)
 
 
 @dataclass
@@ -161,11 +165,12 @@ def _train(cfg: TrainConfig, ledger: TimeLedger, *, resume: bool, progress: bool
            mode_factory: Callable[[TrainConfig, torch.nn.Module], TrainMode] | None,
            status: Callable[[], str] | None, overwrite: bool, export: bool, dist: DistContext,
            evaluator_factory: Callable[[Task, TrainConfig, torch.nn.Module, TrainMode], Evaluator] | None,
+           kd_loss_factory: Callable[[TrainConfig, Task, int], Callable] | None = None,
            ) -> RunResult:
     """`train` with its time ledger active (the phases booked as the loop reaches them)."""
     with ledger.phase("startup"):  # steps 1-3 (closed before the initial evaluation)
         s = _set_up(cfg, resume=resume, progress=progress, mode_factory=mode_factory, overwrite=overwrite,
-                    dist=dist, evaluator_factory=evaluator_factory)
+                    dist=dist, evaluator_factory=evaluator_factory, kd_loss_factory=kd_loss_factory)
     book = _RunLog(cfg, s, ledger)
     _initial_evaluation(s, book, ledger, dist)
     wall = _step_loop(cfg, s, book, ledger, dist, status)
@@ -176,6 +181,7 @@ def _set_up(cfg: TrainConfig, *, resume: bool, progress: bool,
             mode_factory: Callable[[TrainConfig, torch.nn.Module], TrainMode] | None, overwrite: bool,
             dist: DistContext,
             evaluator_factory: Callable[[Task, TrainConfig, torch.nn.Module, TrainMode], Evaluator] | None,
+            kd_loss_factory: Callable[[TrainConfig, Task, int], Callable] | None = None,
             ) -> _Setup:
     """Steps 1-3: open the run folder, build the task, model and step strategy, and find the position (a resume
     continues from the checkpoint and forgets what was logged after it). Raises as `train` does."""
@@ -185,8 +191,10 @@ def _set_up(cfg: TrainConfig, *, resume: bool, progress: bool,
         from trainer.kd.teacher import TeacherMismatchError, check_tokenizers
 
         if cfg.task != "lm" or dist.fleet:
-            raise TeacherMismatchError(f"--teacher needs the lm task in process (task {cfg.task!r}, fleet "
-                                       f"{dist.fleet}): teacher rounds on the fleet are not built yet")
+            raise TeacherMismatchError(f"--teacher needs the lm task with its probes in process (task "
+                                       f"{cfg.task!r}, fleet probes {dist.fleet}): fleet probe workers do not "
+                                       "see teacher targets; teacher rounds on the fleet go with AdamW or "
+                                       "in-process probes")
         check_tokenizers(cfg.model, cfg.teacher)
 
     # 1. run folder
@@ -203,7 +211,7 @@ def _set_up(cfg: TrainConfig, *, resume: bool, progress: bool,
     meta = {"config": cfg.run_json(), "param_order_hash": param_order_hash(model)}
     dist.prepare_model(model, kind)  # DDP / FSDP2 in place under torchrun
     # Under torchrun: probes sharded over the ranks, or rank 0's fleet results broadcast to the others.
-    mode = build_rank_mode(cfg, model, _loss_fn(cfg, task, dist), mode_factory, dist)
+    mode = build_rank_mode(cfg, model, _loss_fn(cfg, task, dist, kd_loss_factory), mode_factory, dist)
     ckpt = make_checkpointer(run.path, run.checkpoint, model, mode, meta, dist, resume)
 
     anytime = _build_anytime(cfg, task, run.path)
@@ -257,6 +265,7 @@ def _step_loop(cfg: TrainConfig, s: _Setup, book: _RunLog, ledger: TimeLedger, d
                     anytime.publish(done, model)
                 kd = getattr(mode, "loss_fn", None)  # --teacher: this rank's last CE and KD terms
                 kd_stats = dict(zip(("ce_loss", "kd_loss"), kd.last, strict=True)) if hasattr(kd, "last") else {}
+                kd_stats.update(kd.stats() if hasattr(kd, "stats") else {})  # teacher rounds: kd_missing_steps
                 book.log({"step": done, "lr": lr, "tokens": done * task.tokens_per_step,
                           "elapsed_s": time.perf_counter() - t0, **stats, **kd_stats})
                 with ledger.phase("eval"):
@@ -322,6 +331,9 @@ def _report(cfg: TrainConfig, s: _Setup, book: _RunLog, ledger: TimeLedger, dist
         "wall_s_this_invocation": wall, "tokens": cfg.steps * task.tokens_per_step, "resumed_from_step": s.start,
         "run_dir": str(run.path), **final, **ranks, "time_ledger": ledger.to_json(),
     }
+    kd = getattr(s.mode, "loss_fn", None)
+    if hasattr(kd, "stats"):  # --teacher-rounds: targets taken, steps missing, bytes each way
+        summary["kd"] = kd.stats()
     rounds = _rounds_summary(run.records())
     if rounds:
         summary["rounds_skipped"] = rounds
@@ -392,10 +404,13 @@ def _open_run(cfg: TrainConfig, resume: bool, overwrite: bool, dist: DistContext
     return run or RunDir(Path(got[0]))
 
 
-def _loss_fn(cfg: TrainConfig, task: Task, dist: DistContext):
-    """The task's loss, or with --teacher the distillation loss (trainer.kd.teacher.KDLoss) in process."""
+def _loss_fn(cfg: TrainConfig, task: Task, dist: DistContext, kd_loss_factory=None):
+    """The task's loss, or with --teacher the distillation loss: kd_loss_factory's (teacher rounds on the
+    fleet), else trainer.kd.teacher.KDLoss in process."""
     if cfg.teacher is None:
         return task.loss_fn
+    if kd_loss_factory is not None:
+        return kd_loss_factory(cfg, task, dist.rank)
     from trainer.kd.teacher import KDLoss, load_teacher
 
     return KDLoss(load_teacher(cfg.teacher, cfg.device), alpha=cfg.kd_alpha, estimator=cfg.kd_estimator,
