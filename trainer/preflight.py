@@ -44,7 +44,7 @@ def check_options(cfg: TrainConfig) -> None:
             raise ValueError(f"--seq-len {cfg.seq_len} exceeds MiniLM-L6's 512 positions")
     else:
         from trainer.data.corpus import CORPORA
-        from trainer.models.causal_lm import check_model_spec
+        from trainer.models.causal_lm import check_model_spec, check_roles
 
         if cfg.data is not None:
             from trainer.data.user_read import find_inputs, is_packed
@@ -54,6 +54,8 @@ def check_options(cfg: TrainConfig) -> None:
         elif cfg.corpus not in CORPORA:
             raise ValueError(f"--corpus: unknown corpus {cfg.corpus!r}; valid names: {', '.join(sorted(CORPORA))}")
         check_model_spec(cfg.model, cfg.seq_len)  # preset or folder: context, class, tokenizer, vocab
+        if get_method(cfg.optimizer).options.__name__ in ("RoleOptions", "RegimeOptions"):
+            check_roles(cfg.model)  # the block-role methods: every parameter placed, or the first one named
     if cfg.device.startswith("cuda"):
         import torch
 

@@ -313,3 +313,28 @@ def check_model_spec(spec: str, seq_len: int) -> None:
         ctx = context_of(config)
     if seq_len > ctx:
         raise ValueError(f"--seq-len {seq_len} exceeds {spec}'s context of {ctx} tokens")
+
+
+def check_roles(spec: str) -> None:
+    """Refuse, before a run starts, a `--model` whose parameters ZO-Curv's block roles (trainer.zo.groups) cannot
+    all place: the message names the first one. The architecture is built on the meta device (no memory).
+
+    Raises ValueError (see trainer.zo.groups.assign_roles), ModelFolderError for an unreadable folder."""
+    import torch
+
+    from trainer.models.params import canonical_parameters
+    from trainer.zo.groups import assign_roles
+
+    if is_preset(spec):
+        from trainer.models.gpt2 import build_model
+
+        model = build_model(spec, device="meta")
+    else:
+        config = read_folder_config(Path(spec).expanduser().resolve())
+        cls = causal_lm_class(config)
+        with torch.random.fork_rng(devices=[]), torch.device("meta"):
+            model = cls(config)
+    try:
+        assign_roles(canonical_parameters(model))
+    except ValueError as e:
+        raise ValueError(f"--model {spec} --optimizer: {e}") from None

@@ -152,7 +152,7 @@ def _split_c_attn(block: int, name: str, shape: tuple[int, ...]) -> list[tuple[R
 def assign_roles(named_params: Sequence[tuple[str, torch.Tensor]]) -> GroupMap:
     """GroupMap of canonical `named_params` (list(model.named_parameters())).
 
-    Raises ValueError naming every parameter no rule covers (an architecture this table does not know:
+    Raises ValueError naming the first parameter no rule covers, in canonical order (an architecture this table does not know:
     add its names to _RULES rather than guessing) or a fused c_attn of an unexpected shape.
     """
     groups: dict[Role, list[Segment]] = {r: [] for r in Role}
@@ -169,8 +169,10 @@ def assign_roles(named_params: Sequence[tuple[str, torch.Tensor]]) -> GroupMap:
             continue
         groups[role].append(Segment(i, name, shape))
     if unknown:
-        raise ValueError(f"no role for parameters {unknown[:8]}{' ...' if len(unknown) > 8 else ''}; "
-                         "trainer.zo.groups knows GPT-2, Llama-family (Llama, SmolLM2, Mistral, Qwen2/3) and OPT names")
+        more = f" (and {len(unknown) - 1} more: {', '.join(unknown[1:4])}{' ...' if len(unknown) > 4 else ''})"
+        raise ValueError(f"ZO-Curv cannot place parameter {unknown[0]!r} in a block role (embed, qk, vo, ffn, norm, "
+                         f"head){more if len(unknown) > 1 else ''}; trainer.zo.groups knows GPT-2, Llama-family "
+                         "(Llama, SmolLM2, Mistral, Qwen2/3), Gemma 3 and OPT names")
     return GroupMap({r: tuple(s) for r, s in groups.items() if s},
                     tuple(p.numel() for _, p in named_params))
 
