@@ -171,3 +171,39 @@ def test_killed_worker_run_warns_on_console_summary_and_metric(fleet, tmp_path, 
     assert summary["warning_counts"]["workers_lost"] == 1
     assert "warning: workers_lost x1: active probe workers fell from 2 to 1" in res.output
     assert _metric("zocurv-line", "workers_lost") == before + 1
+
+
+def test_zocurv_optimizer_without_a_probe_source_says_so_once_or_refuses():
+    import warnings
+
+    import torch
+
+    from trainer.zo.modes import refresh
+    from trainer.zo.optimizers import ZOCurvBlockAdamW
+
+    def stepped(opt, model):
+        model.zero_grad()
+        model(torch.ones(2, 3)).sum().backward()
+        opt.step()
+
+    model = torch.nn.Linear(3, 2)
+    opt = ZOCurvBlockAdamW(model.parameters(), lr=1e-2)
+    with pytest.warns(UserWarning, match="without a probe source.*steps exactly as AdamW"):
+        stepped(opt, model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        stepped(opt, model)  # said once, not on every step
+    strict = ZOCurvBlockAdamW(model.parameters(), lr=1e-2)
+    strict.require_probes = True
+    with pytest.raises(RuntimeError, match="ZOCurvBlockAdamW.step\\(\\) without a probe source"):
+        stepped(strict, model)
+    # Driven by refreshes (as ZOCurvMode and every fleet run do): a probe source, so no warning and no refusal.
+    from trainer.zo.backend import InProcessBackend
+    from trainer.zo.rounds import RoundBook
+
+    backend = InProcessBackend(model, lambda m, b: m(b).pow(2).mean())
+    refresh(strict, RoundBook(staleness=2), backend, torch.ones(2, 3), 0)
+    assert strict.probe_source == "refresh"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        stepped(strict, model)

@@ -49,6 +49,8 @@ def refresh(rule: CurvRule, book: RoundBook, backend: ProbeBackend, batch: Any, 
     counters. Raises ValueError when the backend's blocks differ from the rule's."""
     if list(backend.block_sizes) != list(rule.block_sizes):
         raise ValueError("backend blocks differ from the optimizer's: build both from the same model")
+    if getattr(rule, "probe_source", None) is None and hasattr(rule, "attach_probe_source"):
+        rule.attach_probe_source("refresh")  # its steps are curvature-shaped: no "acts as AdamW" warning
     rounds = rule.make_rounds(batch, version, backend.snapshots)
     stats: dict[str, float] = {}
     if rounds or book.inflight():
@@ -80,6 +82,8 @@ class ZOCurvMode:
                  backend: ProbeBackend | None = None, timing: str = "async") -> None:
         self.cfg, self.model, self.loss_fn = cfg, model, loss_fn
         self.optimizer = optimizer
+        if hasattr(optimizer, "attach_probe_source"):  # its refreshes feed the curvature (a resume may step first)
+            optimizer.attach_probe_source("ZOCurvMode")
         self.backend = backend or InProcessBackend(model, loss_fn, history=self.optimizer.history,
                                                    staleness=cfg.staleness)
         self.rounds = RoundBook(cfg.staleness, timing)

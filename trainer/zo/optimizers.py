@@ -14,7 +14,9 @@ Blocks are parameter tensors in canonical order (`list(model.named_parameters())
 
 from __future__ import annotations
 
+import logging
 import math
+import warnings
 from collections.abc import Collection, Sequence
 from typing import Any, Protocol
 
@@ -27,6 +29,7 @@ from trainer.zo.backend import losses
 from trainer.zo.curvature import CurvatureState
 from trainer.zo.probes import ProbeKind, RoundSpec, SeedResult
 
+log = logging.getLogger("sparecycles.zo")
 _FP32_LOSS_ULP = 2.0**-24  # relative rounding of an fp32 loss value
 Refresh = list[tuple[RoundSpec, list[SeedResult]]]  # the rounds of one refresh, each with its results by seed
 
@@ -72,10 +75,17 @@ class CurvRule(Protocol):
 class ZOCurvOptimizer(torch.optim.Optimizer):
     """Shared machinery: fp32 masters, block bookkeeping, the AdamW step with per-block multipliers, and a
     `CurvatureState` (None when `curv_size` is None) with the default `CurvRule` parts (one block-scaled round
-    per refresh, folded through `_contribution`)."""
+    per refresh, folded through `_contribution`).
+
+    Probe source: the curvature comes only from refreshes (trainer.zo.modes.refresh, which ZOCurvMode and every
+    fleet run call: it marks the optimizer with `attach_probe_source`). Stepped without one (a plain torch loop) the
+    multipliers stay 1.0 and the optimizer is AdamW: the first such `step` says so once, loudly (a UserWarning and a
+    log WARNING); with `require_probes = True` it raises RuntimeError instead (issue 39).
+    """
 
     history = 0
     log_prefix = "curv"
+    require_probes = False  # True: step() without a probe source raises instead of warning once
 
     def __init__(self, params, defaults: dict, *, blocks: Sequence[torch.Tensor] | None, curv_size: str | None,
                  curv_beta: float, probes: int, probe_eps: float, seed: int) -> None:
@@ -92,6 +102,26 @@ class ZOCurvOptimizer(torch.optim.Optimizer):
         self.last_clipped_frac = 0.0
         n = sum(self.block_sizes) if curv_size == "coordinate" else len(self.blocks)
         self.curv = CurvatureState(n, beta=curv_beta) if curv_size is not None else None
+        self.probe_source: str | None = None  # who issues this optimizer's probe rounds (attach_probe_source)
+        self._said_no_probes = False
+
+    def attach_probe_source(self, name: str) -> None:
+        """Record that `name` (e.g. "refresh") issues this optimizer's probe rounds and folds them."""
+        self.probe_source = name
+
+    def _check_probe_source(self) -> None:
+        """Refuse (`require_probes`) or say once that a step without a probe source is plain AdamW."""
+        if self.probe_source is not None:
+            return
+        why = (f"{type(self).__name__}.step() without a probe source: no curvature probe round reaches it, so every "
+               "multiplier stays 1.0 and it steps exactly as AdamW. Drive it through trainer.zo.modes.ZOCurvMode "
+               "(or call trainer.zo.modes.refresh every curvature interval)")
+        if self.require_probes:
+            raise RuntimeError(why)
+        if not self._said_no_probes:
+            self._said_no_probes = True
+            warnings.warn(why + "; set require_probes = True to make this an error", UserWarning, stacklevel=3)
+            log.warning("%s", why)
 
     # ---- fp32 masters ---------------------------------------------------------------------------
     def _moments(self, p: torch.Tensor, *, second: bool) -> tuple[dict, torch.Tensor]:
@@ -189,6 +219,7 @@ class ZOCurvOptimizer(torch.optim.Optimizer):
 
         θ ← θ·(1 − lr·wd);  θ ← θ − lr·s_b·m̂/(√v̂ + eps)  (torch.optim.AdamW's op order; s_b = 1 → AdamW).
         """
+        self._check_probe_source()
         loss = _closure_loss(closure)
         s = self._multipliers()
         for g, p in self._with_grads():
@@ -308,6 +339,7 @@ class ZOCurvSophia(ZOCurvOptimizer):
     @torch.no_grad()
     def step(self, closure=None):
         """One Sophia step (formula in the class docstring) on fp32 masters."""
+        self._check_probe_source()
         loss = _closure_loss(closure)
         clipped = total = 0
         for g, p in self._with_grads():
