@@ -168,3 +168,39 @@ def test_train_model_dir_data_dir_end_to_end_and_the_export_loads(tmp_path, llam
     assert not torch.equal(model.model.embed_tokens.weight, init.model.embed_tokens.weight)  # the trained weights
     x = torch.tensor([tok("the coordinator")["input_ids"]])
     assert torch.isfinite(model(x).logits).all()
+
+
+@pytest.mark.slow
+def test_llama_zocurv_fleet_sync_equals_in_process_bit_for_bit(tmp_path, llama):
+    """A Llama-family zocurv-block run through a real coordinator + one real worker process (`--fleet-wait sync`)
+    logs exactly the values of its in-process run: losses, curvature, multipliers, accepted results."""
+    from fleet.attach import Fleet, FleetStatus
+    from support.fleet import one_worker
+    from trainer.config import TrainConfig
+    from trainer.train import train
+
+    data = write_formats(tmp_path / "in", DOCS)["txt"]
+
+    def cfg(name: str, optimizer: str) -> TrainConfig:
+        return TrainConfig(model=str(llama), data=str(data), optimizer=optimizer, steps=4, batch_size=2, seq_len=16,
+                           lr=3e-3, warmup_steps=1, eval_every=4, eval_batches=1, checkpoint_every=100, probes=2,
+                           probe_batch_size=1, curvature_interval=2, probe_budget=21, eps=1e-2,
+                           run_dir=tmp_path / name)
+
+    def values(run_dir: Path) -> list[tuple[int, str, float]]:
+        skip = ("elapsed_s", "probe_wall_s", "publish_s", "publish_unix", "forward_passes", "probe_forwards")
+        recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        return [(r["step"], k, v) for r in recs for k, v in sorted(r.items())
+                if k != "step" and k not in skip and not k.startswith("fleet_") and not k.endswith("_duplicate")]
+
+    (tmp_path / "fleet").mkdir()
+    with one_worker(tmp_path / "fleet") as (procs, settings):
+        for optimizer in ("zocurv-block", "zocurv-group"):
+            fleet = Fleet(procs.url, settings, 1, FleetStatus(procs.url), run_prefix="llama", rounds="sync")
+            on_fleet = train(cfg(f"fleet-{optimizer}", optimizer), progress=False, export=False,
+                             mode_factory=fleet.mode_factory)
+            local = train(cfg(f"local-{optimizer}", optimizer), progress=False, export=False)
+            got, want = values(on_fleet.run_dir), values(local.run_dir)
+            assert got == want, optimizer  # floats compared exactly
+            accepted = [v for _, k, v in got if k.endswith("_accepted")]
+            assert accepted and max(accepted) > 0  # the worker's results were taken
