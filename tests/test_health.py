@@ -207,3 +207,31 @@ def test_zocurv_optimizer_without_a_probe_source_says_so_once_or_refuses():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         stepped(strict, model)
+
+
+def test_bad_environment_refused_naming_the_variable_before_any_port_or_folder(tmp_path):
+    """SPARECYCLES_COORDINATOR_URL=not-a-url and SPARECYCLES_CACHE naming a file: exit 2 naming the variable,
+    before the metrics server starts (its port stays free) and with no run folder left behind."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "SPARECYCLES_ADMIN_TOKEN": "t" * 32, "SPARECYCLES_REDIS_URL": "redis://127.0.0.1:6379/0",
+           "SPARECYCLES_COORDINATOR_URL": "not-a-url"}
+    run_dir = tmp_path / "run"
+    args = [sys.executable, "-m", "sparecycles.cli", "train", "--preset", "demo", "--optimizer", "zocurv-line",
+            "--steps", "2", "--no-progress", "--no-export", "--run-dir", str(run_dir)]
+    res = subprocess.run([*args, "--metrics-port", str(port)], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2 and "SPARECYCLES_COORDINATOR_URL" in res.stderr and "'not-a-url'" in res.stderr, \
+        res.stderr[-2000:]
+    assert "trainer metrics at" not in res.stderr and not run_dir.exists()
+    (tmp_path / "afile").write_text("x")
+    env = {k: v for k, v in env.items() if k != "SPARECYCLES_COORDINATOR_URL"}
+    res = subprocess.run(args, env={**env, "SPARECYCLES_CACHE": str(tmp_path / "afile")}, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 2 and "SPARECYCLES_CACHE=" in res.stderr and "is a file" in res.stderr, res.stderr[-2000:]
+    assert "Errno" not in res.stderr and not run_dir.exists()

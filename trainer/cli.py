@@ -225,6 +225,9 @@ def train(settings: dict, preset: Preset = "demo", resume: Resume = False, overw
                                  "rounds: they need --coordinator (or SPARECYCLES_COORDINATOR_URL)",
                                  param_hint="--fleet-wait")
     fleet_wait = "sync" if fleet_sync else fleet_wait or "never"
+    if require_fleet and not coordinator:
+        raise typer.BadParameter("--require-fleet needs --coordinator (or SPARECYCLES_COORDINATOR_URL)",
+                                 param_hint="--require-fleet")
     cfg = _resolve_checked(preset, settings, eval_on=eval_on, fleet_wait=fleet_wait, eval_windows=eval_windows,
                            coordinator=coordinator, config=config)
     fleet_settings = _fleet_settings() if coordinator else None
@@ -349,6 +352,12 @@ def _resolve_checked(preset: str, overrides: dict[str, Any], *, eval_on: str, fl
         raise typer.BadParameter("--eval-on fleet needs --coordinator (or SPARECYCLES_COORDINATOR_URL)",
                                  param_hint="--eval-on")
     if coordinator:
+        from trainer.preflight import check_coordinator_url
+
+        try:
+            check_coordinator_url(coordinator)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc)) from exc
         _fleet_use(cfg, eval_on)
     return cfg
 

@@ -12,6 +12,7 @@ Pure functions over configs and small JSON files; nothing here trains or starts 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -29,13 +30,47 @@ def explain(exc: Exception) -> str:
                      for e in errors(include_url=False))
 
 
+def check_environment(environ: dict[str, str] | None = None) -> None:
+    """Raise ValueError naming the variable when a folder variable of the environment cannot be used:
+    SPARECYCLES_CACHE or SPARECYCLES_RUNS naming a file (or a path under one). Called by `check_options`, before
+    any folder is created or port opened."""
+    env = os.environ if environ is None else environ
+    for name in ("SPARECYCLES_CACHE", "SPARECYCLES_RUNS"):
+        value = env.get(name)
+        if not value:
+            continue
+        path = Path(value).expanduser()
+        blocker = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+        if blocker is not None:
+            where = "is a file" if blocker == path else f"is under {blocker}, a file"
+            raise ValueError(f"{name}={value} {where}, not a folder: point {name} at a folder (or unset it)")
+
+
+def check_coordinator_url(url: str) -> None:
+    """Raise ValueError naming --coordinator and SPARECYCLES_COORDINATOR_URL (either sets it) when `url` is not an
+    http(s) URL with a host. Called with the option checks, before the metrics server starts."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        ok = parts.scheme in ("http", "https") and bool(parts.hostname)
+        _ = parts.port  # raises ValueError for a port that is no number or out of range
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(f"--coordinator (or SPARECYCLES_COORDINATOR_URL): {url!r} is not an http(s) URL; "
+                         "give the coordinator's address, e.g. http://127.0.0.1:8000")
+
+
 def check_options(cfg: TrainConfig) -> None:
     """Raise ValueError naming the option when `cfg` cannot run on this machine with this data.
 
     Checks the corpus name, the model (a preset or a folder: trainer.models.causal_lm.check_model_spec) and its context (`--seq-len` at most `n_positions`; for
     `--task sentiment` at most MiniLM-L6's 512 positions), ZO-Curv on the sentiment task, and CUDA for
-    `--device cuda[:N]`. Imports torch only for a CUDA device.
+    `--device cuda[:N]`, and the environment's folders first (`check_environment`). Imports torch only for a CUDA
+    device.
     """
+    check_environment()
     if cfg.task not in get_method(cfg.optimizer).tasks:  # TrainConfig refuses it too; kept for configs built by hand
         raise ValueError(f"--task {cfg.task} supports {', '.join(method_names(task=cfg.task))}, not {cfg.optimizer!r}; "
                          "ZO-Curv variants run on the LM task (--task lm)")
