@@ -204,3 +204,28 @@ def test_llama_zocurv_fleet_sync_equals_in_process_bit_for_bit(tmp_path, llama):
             assert got == want, optimizer  # floats compared exactly
             accepted = [v for _, k, v in got if k.endswith("_accepted")]
             assert accepted and max(accepted) > 0  # the worker's results were taken
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_up_model_dir_data_dir_trains_both_runs_on_the_fleet_and_exports_them(tmp_path, llama):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from support.processes import processes_of, start_up
+
+    data = write_formats(tmp_path / "in", DOCS)["txt"]
+    run_dir = tmp_path / "up"
+    proc = start_up(run_dir, "--model", str(llama), "--data", str(data), "--steps", "4", "--curvature-interval", "2",
+                    "--batch-size", "4", "--seq-len", "32", "--eval-every", "2", "--eval-batches", "2",
+                    "--warmup-steps", "0", "--export")
+    out, _ = proc.communicate(timeout=800)
+    assert proc.returncode == 0, out.decode()[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["fleet"]["results_accepted"] > 0  # the workers built the Llama from the manifests and probed it
+    assert summary["zocurv-line"]["evaluations"]["fleet"] > 0
+    for name in ("adamw", "zocurv-line"):
+        assert summary[name]["final_val_loss"] < summary[name]["initial_val_loss"]
+        model = AutoModelForCausalLM.from_pretrained(run_dir / name / "export")
+        assert type(model).__name__ == "LlamaForCausalLM"
+        assert len(AutoTokenizer.from_pretrained(run_dir / name / "export")) == VOCAB
+    assert processes_of(run_dir) == []
