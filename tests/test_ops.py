@@ -30,12 +30,14 @@ def _queried() -> set[str]:
 def _exported() -> set[str]:
     from coordinator.metrics import CoordinatorMetrics
     from probe_worker.metrics import WorkerMetrics
+    from probe_worker.teacher import TeacherMetrics
     from trainer import metrics as trainer_metrics
 
     coord = CoordinatorMetrics()
     coord.attach_live(lambda: {"active": 1}, lambda: {"run": 0}, lambda: {"run": 0})
     worker_reg = CollectorRegistry()
     WorkerMetrics(registry=worker_reg)
+    TeacherMetrics(registry=worker_reg)
     trainer_metrics.record("adamw", {"step": 1, "loss": 2.0, "clipped_frac": 0.0}, 8)
     trainer_metrics.record("adamw", {"step": 1, "val_loss": 2.0}, 8)
     from prometheus_client import REGISTRY
