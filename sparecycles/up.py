@@ -330,7 +330,11 @@ def run_up(plan: UpPlan, *, progress: bool = True, keep_blobs: bool = False, exp
         fleet, redis_desc = _train_with_fleet(plan, progress, log, export)
         fleet = fleet or old.get("fleet", {})  # the fleet-probed run was reused, only AdamW trained
     sentiment = plan.task == "sentiment"
-    model_name, data_name = ("minilm-l6", "sentiment") if sentiment else (plan.zo_cfg.model, plan.zo_cfg.corpus)
+    from trainer.models.causal_lm import model_label
+
+    # a folder --model by its name (the title stays one line); --data by the path given
+    model_name, data_name = (("minilm-l6", "sentiment") if sentiment else
+                             (model_label(plan.zo_cfg.model), plan.zo_cfg.data or plan.zo_cfg.corpus))
     steps = plan.zo_cfg.steps
     png = _plot(plan, f"{model_name} on {data_name}: {opt} (fleet of {plan.workers}) vs AdamW, {steps} steps")
     from trainer.report import read_metrics
