@@ -12,7 +12,6 @@ Each blob is read with GETDEL: taken once, so a redelivered answer is never coun
 from __future__ import annotations
 
 import base64
-import time
 from collections.abc import Callable
 
 import redis
@@ -125,11 +124,18 @@ class FleetKDLoss:
         self.fleet, self.alpha = fleet, alpha
         self._cached: tuple[int, KDTargets | None] | None = None
         self.last: tuple[float, float] = (float("nan"), float("nan"))
-        fleet.advance(0)
-        self.started = time.perf_counter()
+        self.seeked = False
+
+    def seek(self, step: int) -> None:
+        """Start the window at `step` (the run's first step: 0, or a resume's checkpointed step); sends its rounds."""
+        self.fleet.next_step = step
+        self.fleet.advance(step)
+        self.seeked = True
 
     def __call__(self, model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, y = batch
+        if not self.seeked:  # used outside trainer.train: a run from step 0
+            self.seek(0)
         key = batch_key(x)
         logits = model(input_ids=x).logits  # (B, T, V)
         if self._cached is None or self._cached[0] != key:

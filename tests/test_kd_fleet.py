@@ -114,6 +114,20 @@ def test_missing_and_rejected_counted_and_ce_alone(redis_url: str, teacher_dir: 
     fleet.store.delete(f"{teacher_queue(run)}")
 
 
+def test_resume_window_starts_at_the_checkpointed_step(redis_url: str, teacher_dir: Path) -> None:
+    """seek(start) (trainer.train calls it after the checkpoint's restore): the window sends steps start..
+    start + window - 1, the rounds name those steps' batches, and a take advances it by one step."""
+    run = f"kd-{uuid.uuid4().hex[:8]}"
+    fleet = _fleet(redis_url, teacher_dir, run, window=2)
+    loss_fn = FleetKDLoss(fleet, alpha=0.5)
+    loss_fn.seek(5)
+    assert sorted(fleet.sent.values()) == [5, 6] and fleet.store.llen(teacher_queue(run)) == 2
+    assert {batch_key(batch_fn(s)[0]): s for s in (5, 6)} == fleet.sent
+    fleet.take(batch_fn(5)[0], 50257)
+    assert sorted(fleet.sent.values()) == [6, 7] and fleet.store.llen(teacher_queue(run)) == 3
+    fleet.store.delete(teacher_queue(run))
+
+
 def test_out_of_range_task_ids_rejected() -> None:
     with pytest.raises(ValueError, match="uint32 token ids"):
         TeacherTask(run="r", teacher_dir="/x", teacher_sha256="0" * 64, rank=0, step=0, key=1, batch=2,

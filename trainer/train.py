@@ -211,13 +211,16 @@ def _set_up(cfg: TrainConfig, *, resume: bool, progress: bool,
     meta = {"config": cfg.run_json(), "param_order_hash": param_order_hash(model)}
     dist.prepare_model(model, kind)  # DDP / FSDP2 in place under torchrun
     # Under torchrun: probes sharded over the ranks, or rank 0's fleet results broadcast to the others.
-    mode = build_rank_mode(cfg, model, _loss_fn(cfg, task, dist, kd_loss_factory), mode_factory, dist)
+    loss_fn = _loss_fn(cfg, task, dist, kd_loss_factory)
+    mode = build_rank_mode(cfg, model, loss_fn, mode_factory, dist)
     ckpt = make_checkpointer(run.path, run.checkpoint, model, mode, meta, dist, resume)
 
     anytime = _build_anytime(cfg, task, run.path)
 
     # 3. position: a resume continues from the checkpoint and forgets what was logged after it
     start = ckpt.restore() if resume else 0
+    if hasattr(loss_fn, "seek"):  # teacher rounds (fleet.teacher.FleetKDLoss): the window starts at this step
+        loss_fn.seek(start)
     history = run.restart_metrics(start if resume else None) if dist.is_main else []
     events = EventLog(run.path, resume_step=start if resume else None) if dist.is_main else None
     if evaluator_factory is not None and dist.parallel:  # a sharded forward is collective: every rank evaluates
