@@ -208,3 +208,32 @@ def base64_ids(b: int, t: int) -> str:
     import base64
 
     return base64.b64encode(bytes(4 * b * t)).decode()
+
+
+def test_worker_rejects_ids_outside_the_teacher_vocabulary_and_counts(redis_url: str, teacher_dir: Path) -> None:
+    """A round whose ids exceed the teacher's vocabulary, or whose teacher sha256 is not the folder's: rejected
+    (no requeue) / refused, each counted by outcome; nothing is written under its key. A good round: done, and a
+    second delivery of it: duplicate (written once)."""
+    import base64
+
+    from celery.exceptions import Reject
+    from prometheus_client import CollectorRegistry
+
+    from probe_worker.teacher import TeacherMetrics, TeacherRuntime, run_teacher
+
+    run = f"kd-{uuid.uuid4().hex[:8]}"
+    store = redis.Redis.from_url(redis_url, socket_timeout=10)
+    fleet = _fleet(redis_url, teacher_dir, run)
+    metrics, runtime = TeacherMetrics(CollectorRegistry()), TeacherRuntime("cpu", store)
+    good = fleet.task_for(0).model_dump(mode="json")
+    ids = np.full((B, T), 50257, dtype="<u4")
+    bad = {**good, "ids_b64": base64.b64encode(ids.tobytes()).decode(), "key": 1}
+    with pytest.raises(Reject):
+        run_teacher(runtime, metrics, bad)
+    assert metrics.tasks.labels("invalid")._value.get() == 1 and not store.exists(target_key(run, 0, 1))
+    assert run_teacher(runtime, metrics, {**good, "teacher_sha256": "f" * 64, "key": 2}) == "refused"
+    assert run_teacher(runtime, metrics, good) == "done"
+    assert run_teacher(runtime, metrics, good) == "duplicate"
+    assert metrics.tasks.labels("done")._value.get() == 1 and metrics.tasks.labels("duplicate")._value.get() == 1
+    assert metrics.tokens_per_s._value.get() > 0
+    store.delete(target_key(run, 0, good["key"]))
