@@ -275,19 +275,17 @@ class Fleet:
     run_prefix: str = "train"
     rounds: str = "async"
 
-    def mode_factory(self, cfg, model):
-        """trainer.train's `mode_factory`: the run's ZO mode (cfg.optimizer) with its probes on the fleet, its
-        ZO-Curv rounds folding as `rounds` says (trainer.zo.rounds.RoundBook; pure-ZO steps wait for theirs).
+    def probe_backend(self, cfg, model):
+        """The run's probe backend on this fleet: a fleet.backend.CoordinatorBackend on a new coordinator run,
+        inside a fleet.recovery.RecoveringBackend (what `mode_factory` and sparecycles.loop.ZOCurv use).
 
         Raises ValueError for a method whose probes cannot go to a fleet (trainer.methods: none, or its
         `no_fleet_why`) and CoordinatorHTTPError when the coordinator refuses the run.
         """
         from fleet.backend import CoordinatorBackend
         from fleet.recovery import RecoveringBackend
-        from trainer.batch_losses import loss_for_kind
-        from trainer.methods import build_mode, fleet_method_names, get_method
+        from trainer.methods import fleet_method_names, get_method
         from trainer.models.causal_lm import model_label
-        from wire.batch import batch_kind_for_model
         from wire.messages import RunSpec
 
         method = get_method(cfg.optimizer)
@@ -310,7 +308,20 @@ class Fleet:
                                      .get_secret_value(), redis_url=self.settings.redis_url, run=spec,
                                      key_prefix=self.settings.key_prefix, history=0 if pure else 2,
                                      blob_dir=self.settings.blob_dir, background=not pure)
-        backend = RecoveringBackend(backend, spec)  # outlives a coordinator whose store comes back empty
+        return RecoveringBackend(backend, spec)  # outlives a coordinator whose store comes back empty
+
+    def mode_factory(self, cfg, model):
+        """trainer.train's `mode_factory`: the run's ZO mode (cfg.optimizer) with its probes on the fleet, its
+        ZO-Curv rounds folding as `rounds` says (trainer.zo.rounds.RoundBook; pure-ZO steps wait for theirs).
+
+        Raises ValueError for a method whose probes cannot go to a fleet (trainer.methods: none, or its
+        `no_fleet_why`) and CoordinatorHTTPError when the coordinator refuses the run.
+        """
+        from trainer.batch_losses import loss_for_kind
+        from trainer.methods import build_mode
+        from wire.batch import batch_kind_for_model
+
+        backend = self.probe_backend(cfg, model)
         loss_fn = loss_for_kind(batch_kind_for_model(type(model).__name__))
         mode = build_mode(cfg, model, loss_fn, backend=backend, timing=self.rounds)
         return FleetFiguresMode(mode, self.status, backend)

@@ -74,22 +74,43 @@ class FleetEvaluator:
     def __init__(self, task: Any, cfg: Any, model: torch.nn.Module, fleet: Any, *, deadline_s: float = 120.0,
                  full: bool = False, poll_s: float = 0.25, seeds_per_task: int | None = None,
                  clock=time.monotonic) -> None:
+        lm = getattr(cfg, "task", "lm") != "sentiment"
+        self._set_up(task.eval_windows(full), model, fleet, device=cfg.device,
+                     model_preset=model_label(cfg.model) if lm else None,
+                     deadline_s=deadline_s, poll_s=poll_s, seeds_per_task=seeds_per_task, clock=clock,
+                     select={"batch_size": cfg.batch_size, "seq_len": cfg.seq_len, "split": f"{cfg.corpus}/select"})
+
+    @classmethod
+    def on_windows(cls, windows: EvalWindows, model: torch.nn.Module, fleet: Any, *, device: str = "cpu",
+                   deadline_s: float = 120.0, poll_s: float = 0.25, seeds_per_task: int | None = None,
+                   clock=time.monotonic) -> FleetEvaluator:
+        """A FleetEvaluator of any loop (sparecycles.loop): `windows` (trainer.evaluation.EvalWindows, e.g.
+        `lm_windows`) scored on the fleet at each `request`; fallbacks run on `device`. Raises as the class does."""
+        self = cls.__new__(cls)
+        self._set_up(windows, model, fleet, device=device, model_preset=None, deadline_s=deadline_s, poll_s=poll_s,
+                     seeds_per_task=seeds_per_task, clock=clock, select=None)
+        return self
+
+    def _set_up(self, windows: EvalWindows, model: torch.nn.Module, fleet: Any, *, device: str,
+                model_preset: str | None, deadline_s: float, poll_s: float, seeds_per_task: int | None, clock,
+                select: dict[str, Any] | None) -> None:
+        """The one constructor body (the run's windows, or any loop's: `on_windows`)."""
         from fleet.backend import CoordinatorBackend
 
-        self.cfg, self.model, self.deadline_s, self.poll_s, self.clock = cfg, model, deadline_s, poll_s, clock
-        self.windows: EvalWindows = task.eval_windows(full)
+        self.model, self.device, self.deadline_s, self.poll_s, self.clock = model, device, deadline_s, poll_s, clock
+        self.model_preset, self.select = model_preset, select
+        self.windows: EvalWindows = windows
         self.kind = batch_wire.batch_kind_for_model(type(model).__name__)
         if self.kind != self.windows.kind:
-            raise ValueError(f"the model's batches are {self.kind!r}, the task's windows {self.windows.kind!r}")
+            raise ValueError(f"the model's batches are {self.kind!r}, the windows {self.windows.kind!r}")
         self.blob = batch_wire.encode_batch(self.windows.tensors, self.kind)
         import hashlib
 
         self.blob_sha = hashlib.sha256(self.blob).hexdigest()
-        lm = getattr(cfg, "task", "lm") != "sentiment"
         if seeds_per_task is None:
             seeds_per_task = min(64, max(1, -(-self.windows.n_batches // (4 * max(1, fleet.workers)))))
         spec = RunSpec(run=f"{fleet.run_prefix}-eval-{secrets.token_hex(4)}", model_class=type(model).__name__,
-                       model_preset=model_label(cfg.model) if lm else None, staleness=MAX_STALENESS, seeds_per_task=seeds_per_task,
+                       model_preset=model_preset, staleness=MAX_STALENESS, seeds_per_task=seeds_per_task,
                        **({"spot_check_fraction": 0.0} if fleet.workers < 2 else {}))
         backend = CoordinatorBackend.connect(model, coordinator_url=fleet.base, admin_token=fleet.settings.admin_token
                                              .get_secret_value(), redis_url=fleet.settings.redis_url, run=spec,
@@ -153,11 +174,11 @@ class FleetEvaluator:
 
         if anytime.settings.pull:
             raise ValueError("--pull is in-process only: a pull republishes a version the fleet already holds")
-        cfg = self.cfg
-        self.scorer = FleetScorer(anytime.ring, self.model, anytime.select_tokens, batch_size=cfg.batch_size,
-                                  seq_len=cfg.seq_len, n_batches=anytime.settings.select_batches, fleet=self.fleet,
-                                  model_preset=model_label(cfg.model), split=f"{cfg.corpus}/select", deadline_s=self.deadline_s,
-                                  device=cfg.device)
+        select = self.select or {"batch_size": anytime.batch_size, "seq_len": anytime.seq_len, "split": "select"}
+        self.scorer = FleetScorer(anytime.ring, self.model, anytime.select_tokens, batch_size=select["batch_size"],
+                                  seq_len=select["seq_len"], n_batches=anytime.settings.select_batches,
+                                  fleet=self.fleet, model_preset=self.model_preset, split=select["split"],
+                                  deadline_s=self.deadline_s, device=self.device)
         return self.scorer
 
     # ---- internals ------------------------------------------------------------------------------
@@ -216,5 +237,5 @@ class FleetEvaluator:
         with torch.no_grad():
             for b, w in zip(canonical_blocks(self._scratch), weights, strict=True):
                 b.param.copy_(w)
-        dev = self.cfg.device
+        dev = self.device
         return {k: batch_values(self._scratch, self.windows.kind, self.windows.batch(k, dev)) for k in batches}

@@ -39,9 +39,9 @@ app = typer.Typer(
 
 
 def _attach(url: str, **kw):
-    from fleet.attach import attach
+    from sparecycles.loop import connect  # the public API's connect: one code path for the CLI and any loop
 
-    return attach(url, **kw)
+    return connect(url, run_prefix="train", **kw)
 
 
 def _fleet_settings():

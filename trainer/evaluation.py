@@ -143,3 +143,20 @@ class InlineEvaluator:
 
     def finish(self) -> list[dict[str, Any]]:
         return []
+
+
+class InlineWindowsEvaluator:
+    """Evaluate fixed `windows` on the trainer, at once (any loop's in-process evaluation: sparecycles.loop): the
+    record of `evaluate_all`, {"step", "val_loss", "eval_on": "trainer"}, at each requested step."""
+
+    def __init__(self, windows: EvalWindows, device: str | torch.device = "cpu") -> None:
+        self.windows, self.device = windows, device
+
+    def request(self, step: int, model: torch.nn.Module) -> list[dict[str, Any]]:
+        return [{"step": step, **evaluate_all(model, self.windows, self.device), "eval_on": "trainer"}]
+
+    def poll(self) -> list[dict[str, Any]]:
+        return []
+
+    def finish(self) -> list[dict[str, Any]]:
+        return []

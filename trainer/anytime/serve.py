@@ -85,6 +85,7 @@ class Anytime:
             raise ValueError("the anytime model needs a corpus with a selection split (e.g. --corpus "
                              "classics-large): choosing on the validation split would bias what it reports")
         self.settings, self.select_tokens = settings, select_tokens
+        self.batch_size, self.seq_len = batch_size, seq_len  # the selection windows' (a fleet scorer's too)
         self.ring = VersionRing(settings.k)
         self.batches = [(x.to(device), y.to(device))
                         for x, y in iter_eval_batches(select_tokens, batch_size, seq_len, settings.select_batches)]
