@@ -45,6 +45,8 @@ class ZOCurvWrapper(torch.optim.Optimizer):
         if list(self.backend.block_sizes) != list(rule.block_sizes):
             raise ValueError("backend blocks differ from the optimizer's: build both from the same model")
         self.book = RoundBook(staleness, timing)
+        if hasattr(rule, "attach_probe_source"):  # its refreshes come from this wrapper's steps
+            rule.attach_probe_source("ZOCurvWrapper")
         # Optimizer's own bookkeeping (hooks) over the rule's very param-group dicts and state.
         super().__init__(rule.param_groups, rule.defaults)
         self.state = rule.state
