@@ -51,18 +51,11 @@ def model_config(model_config_json: dict[str, Any]):
 
 
 def model_class(name: str) -> type[torch.nn.Module]:
-    """The `transformers` model class called `name` (e.g. "GPT2LMHeadModel").
+    """The `transformers` model class called `name`: trainer.models.causal_lm.transformers_class (one place).
+    Raises ValueError for a name that is not a PreTrainedModel class."""
+    from trainer.models.causal_lm import transformers_class
 
-    Only `transformers.PreTrainedModel` subclasses are accepted, so a manifest cannot name arbitrary code.
-    Raises ValueError otherwise.
-    """
-    import transformers
-
-    cls = getattr(transformers, name, None) if name.isidentifier() else None
-    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
-        raise ValueError(  # noqa: TRY004 - the name (a str) is the bad value, not its type
-            f"model_class {name!r} is not a transformers model class (e.g. 'GPT2LMHeadModel')")
-    return cls
+    return transformers_class(name)
 
 
 @torch.no_grad()

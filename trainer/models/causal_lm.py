@@ -244,18 +244,26 @@ def build_from_manifest(model_class: str, config_json: dict[str, Any], *, device
     (probe_worker.cache.model_config's rules: a preset or a Hugging Face config dict with model_type).
     """
     import torch
-    import transformers
 
-    cls = getattr(transformers, model_class, None) if model_class.isidentifier() else None
-    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
-        raise ValueError(  # noqa: TRY004 - the name (a str) is the bad value, not its type
-            f"model_class {model_class!r} is not a transformers model class (e.g. 'GPT2LMHeadModel')")
+    cls = transformers_class(model_class)
     config = manifest_model_config(config_json)
     with torch.random.fork_rng(devices=[]), torch.device(device):
         model = cls(config)
     if "ForCausalLM" in model_class or model_class == "GPT2LMHeadModel":
         model.loss_type = "ForCausalLM"
     return model.eval()
+
+
+def transformers_class(name: str) -> type:
+    """The `transformers` model class called `name` (e.g. "LlamaForCausalLM"). Only `PreTrainedModel` subclasses
+    are accepted, so a manifest cannot name arbitrary code. Raises ValueError otherwise."""
+    import transformers
+
+    cls = getattr(transformers, name, None) if name.isidentifier() else None
+    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
+        raise ValueError(  # noqa: TRY004 - the name (a str) is the bad value, not its type
+            f"model_class {name!r} is not a transformers model class (e.g. 'GPT2LMHeadModel')")
+    return cls
 
 
 def manifest_model_config(config_json: dict[str, Any]):
