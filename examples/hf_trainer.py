@@ -46,7 +46,8 @@ def tiny_gpt2(seed: int, seq_len: int) -> torch.nn.Module:
 
 def main(coordinator: str | None, out: Path, *, steps: int = 6, eval_every: int = 3, seq_len: int = 32,
          batch_size: int = 4, seed: int = 0) -> dict[str, Any]:
-    """Train `steps` steps and return {"trainer_eval_loss", "fleet_records", "served", "export"}."""
+    """Train `steps` steps and return {"trainer_eval_loss", "fleet_records", "served", "export", "curvature_ready",
+    "multipliers" (the ZO-Curv block multipliers reached), "rounds" (the round book's counters), "probe_forwards"}."""
     from transformers import Trainer, TrainingArguments
 
     import sparecycles as sc
@@ -55,7 +56,9 @@ def main(coordinator: str | None, out: Path, *, steps: int = 6, eval_every: int 
     train_tokens, val_tokens, select_tokens = byte_splits(ROOT / "README.md")
     windows = sc.lm_windows(val_tokens, batch_size, seq_len, max_batches=4)
     train_windows = sc.lm_windows(train_tokens, batch_size, seq_len, max_batches=steps * 2, split="train")
-    fleet = sc.connect(coordinator, wait_s=120.0) if coordinator else None
+    # rounds="sync": each ZO-Curv round folds at its own refresh (waiting for it), so the run equals the in-process
+    # one bit for bit; "async" (connect's default) never waits and folds what has arrived.
+    fleet = sc.connect(coordinator, wait_s=120.0, rounds="sync") if coordinator else None
     model = tiny_gpt2(seed, seq_len)
     callback = FleetCallback(windows, fleet=fleet, eval_every=eval_every, anytime_tokens=select_tokens,
                              anytime={"k": 3, "publish_every": 1, "select_batches": 2, "windows": (2,),
@@ -73,7 +76,9 @@ def main(coordinator: str | None, out: Path, *, steps: int = 6, eval_every: int 
     trainer.train()
     own = trainer.evaluate()
     return {"trainer_eval_loss": own["eval_loss"], "fleet_records": callback.records, "served": callback.served,
-            "export": str(callback.export_dir), "curvature": optimizer.last_stats}
+            "export": str(callback.export_dir), "curvature_ready": bool(optimizer.rule.curv.ready),
+            "multipliers": [float(m) for m in optimizer.rule._multipliers()],
+            "rounds": optimizer.book.stats(optimizer.rule.log_prefix), "probe_forwards": optimizer.backend.forward_passes}
 
 
 if __name__ == "__main__":

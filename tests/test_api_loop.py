@@ -108,6 +108,17 @@ def test_hf_trainer_example_on_a_real_fleet(tmp_path):
         got = json.loads((tmp_path / "run" / "result.json").read_text())
     finally:
         f.close()
+    env = {k: v for k, v in env.items() if k != "SPARECYCLES_COORDINATOR_URL"}
+    here = subprocess.run([sys.executable, str(ROOT / "examples" / "hf_trainer.py"), "--out", str(tmp_path / "here")],
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert here.returncode == 0, here.stderr[-4000:]
+    local = json.loads((tmp_path / "here" / "result.json").read_text())
+    # ZO-Curv's probe rounds ran on the worker (rounds="sync"): the curvature was folded and the run is the
+    # in-process one bit for bit.
+    assert got["curvature_ready"] and got["probe_forwards"] > 0 and got["rounds"]["curv_folded_rounds"] >= 1
+    assert got["multipliers"] == local["multipliers"] != [1.0] * len(local["multipliers"])
+    assert got["trainer_eval_loss"] == local["trainer_eval_loss"]
+    assert [r["val_loss"] for r in got["fleet_records"]] == [r["val_loss"] for r in local["fleet_records"]]
     records = {r["step"]: r for r in got["fleet_records"]}
     assert sorted(records) == [3, 6]
     assert all(r["eval_on"] == "fleet" for r in records.values())  # the worker answered every batch
