@@ -31,7 +31,8 @@ def _run_summary(run_dir: Path) -> dict:
     s = json.loads((run_dir / "summary.json").read_text())
     keys = [k for k in s if k.startswith(("initial_val_", "final_val_", "test_"))]
     return {**{k: s[k] for k in keys}, **({"time_ledger": s["time_ledger"]} if "time_ledger" in s else {}),
-            **({"evaluations": s["evaluations"]} if "evaluations" in s else {})}
+            **({"evaluations": s["evaluations"]} if "evaluations" in s else {}),
+            **({"warnings": s["warnings"]} if s.get("warnings") else {})}  # the run's health (trainer.health)
 
 
 def _prefetch_inputs(cfg, progress: bool) -> None:
@@ -325,7 +326,8 @@ def run_up(plan: UpPlan, *, progress: bool = True, keep_blobs: bool = False, exp
         log(f"{name}: reusing the finished run in {out / name} (same settings; --overwrite trains it again)")
     old = read_json(out / "summary.json") or {}
     if len(reused) == 2:  # nothing to train: no service needed
-        fleet, redis_desc = old.get("fleet", {}), old.get("redis", "not started (both runs reused)")
+        # Nothing ran this time: the summary says so, not the Valkey (or Redis) of the invocation that trained them.
+        fleet, redis_desc = old.get("fleet", {}), "not started (both runs reused)"
     else:
         fleet, redis_desc = _train_with_fleet(plan, progress, log, export)
         fleet = fleet or old.get("fleet", {})  # the fleet-probed run was reused, only AdamW trained
@@ -361,6 +363,9 @@ def run_up(plan: UpPlan, *, progress: bool = True, keep_blobs: bool = False, exp
         "warnings": [*plan.warnings, *([late] if late else [])], "wall_s": time.perf_counter() - t0, "plot": str(png),
         "logs": str(out / "logs"),
     }
+    summary["warnings"] += [f"{name}: {w}" for name in ("adamw", opt) for w in summary[name].get("warnings", [])]
+    for w in summary["warnings"][len(plan.warnings) + bool(late):]:
+        log(f"warning: {w}")
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     sizes = disk_use(out)
     summary["disk_mb"] = {k: round(v / 2**20, 1) for k, v in sizes.items()}

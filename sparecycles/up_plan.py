@@ -136,6 +136,11 @@ def plan_up(*, preset: str = "demo", optimizer: str | None = None, workers: int 
     over = {"task": task, "device": device,
             **parse_train_options(train_options, {**given, **(settings or {})})}
     try:
+        _plan_checked(preset, over, optimizer, optimizer_options, sentiment, set(over) - set(given) - set(settings or {})
+                      - {"task", "device"})
+    except ValueError as exc:
+        raise ValueError(str(exc)) from None
+    try:
         if not sentiment and "staleness" not in over:
             # A fleet answers a round while the trainer moves on; versions advance with steps, so the staleness
             # bound must cover the rounds' round trip: two curvature intervals. The one place this default is
@@ -147,7 +152,7 @@ def plan_up(*, preset: str = "demo", optimizer: str | None = None, workers: int 
         default = resolve_preset(preset, {"task": task, "optimizer": optimizer})
     except ValueError as exc:  # pydantic's ValidationError is one; so is an unknown preset
         raise ValueError(explain(exc)) from None
-    check_options(zo_cfg)
+    check_options(zo_cfg)  # _plan_checked ran these with --set names: here they pass
     check_options(base_cfg)
     if nproc_per_node is not None:
         check_ranks(nproc_per_node, (base_cfg, zo_cfg))
@@ -181,6 +186,33 @@ def plan_up(*, preset: str = "demo", optimizer: str | None = None, workers: int 
     if overwrite:
         plan = replace(plan, clear=True, states={k: FolderState("empty") for k in states})
     return plan
+
+
+def _set_names(message: str, from_set: set[str]) -> str:
+    """`message` (option errors: "--seq-len: ...", "--corpus: ...") with each setting that came from `up --set`
+    named as the user wrote it: "--set seq_len" (issue 39: an error must name what the user typed)."""
+    import re
+
+    for key in sorted(from_set, key=len, reverse=True):
+        message = re.sub(rf"--{re.escape(key.replace('_', '-'))}(?![\w-])", f"--set {key}", message)
+    return message
+
+
+def _plan_checked(preset: str, over: dict[str, Any], optimizer: str, optimizer_options: dict | None,
+                  sentiment: bool, from_set: set[str]) -> None:
+    """Build and check both runs' configs as `plan_up` does; raises ValueError whose message names the settings
+    given through `--set` as `--set KEY` (`_set_names`)."""
+    from trainer.config import resolve_preset
+    from trainer.preflight import check_options, explain
+
+    try:
+        zo = resolve_preset(preset, {**over, "optimizer": optimizer,
+                                     **({"optimizer_options": optimizer_options} if optimizer_options else {})})
+        base = resolve_preset(preset, {**over, "optimizer": "adamw"})
+        check_options(zo)
+        check_options(base)
+    except ValueError as exc:
+        raise ValueError(_set_names(explain(exc), from_set)) from None
 
 
 def _rank_placement(nproc: int, device: str | None, eval_on: str) -> tuple[str | None, str]:

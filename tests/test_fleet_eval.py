@@ -127,7 +127,13 @@ def test_a_worker_that_never_answers_leaves_the_evaluation_to_the_trainer(efleet
     assert sorted(mine) == [0, 2, 4]  # nothing missing
     assert [mine[s]["val_loss"] for s in (0, 2, 4)] == [ref[s]["val_loss"] for s in (0, 2, 4)]
     assert all(mine[s]["eval_on"] == "trainer" and mine[s]["eval_fleet_batches"] == 0 for s in mine)
-    assert json.loads((res.run_dir / "summary.json").read_text())["evaluations"] == {"fleet": 0, "trainer_fallback": 3}
+    summary = json.loads((res.run_dir / "summary.json").read_text())
+    assert summary["evaluations"] == {"fleet": 0, "trainer_fallback": 3}
+    # The run's health says so (trainer.health), and the evaluations taken over were withdrawn: at the run's end
+    # its eval run is ended on the coordinator (no queue left for a worker to consume).
+    assert summary["warning_counts"]["eval_fallback"] == 3, summary["warnings"]
+    assert any(w.startswith("eval_fallback x3: evaluation of step 0") for w in summary["warnings"])
+    assert not [r for r in efleet.r.smembers(f"{efleet.prefix}:runs") if r.startswith("te-eval-")]
 
 
 @pytest.mark.slow

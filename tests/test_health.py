@@ -235,3 +235,19 @@ def test_bad_environment_refused_naming_the_variable_before_any_port_or_folder(t
                          text=True, timeout=300)
     assert res.returncode == 2 and "SPARECYCLES_CACHE=" in res.stderr and "is a file" in res.stderr, res.stderr[-2000:]
     assert "Errno" not in res.stderr and not run_dir.exists()
+
+
+def test_errors_name_what_the_user_typed_and_help_lists_the_corpora():
+    from typer.testing import CliRunner
+
+    from sparecycles.cli import app
+    from sparecycles.up_plan import plan_up
+
+    with pytest.raises(ValueError, match=r"^--set corpus: unknown corpus 'nope'"):
+        plan_up(train_options=["corpus=nope"])
+    with pytest.raises(ValueError) as exc:
+        plan_up(optimizer_options={"s_min": "-1"})
+    assert "Value error" not in str(exc.value) and "s_min" in str(exc.value)
+    res = CliRunner().invoke(app, ["train", "--optimizer", "zocurv-line", "--optimizer-option", "s_min=-1"])
+    assert res.exit_code == 2 and "Value error" not in res.output and "s_min" in res.output
+    assert "classics-large" in "".join(CliRunner().invoke(app, ["train", "--help"]).output.split())  # wrapped at "-"

@@ -55,7 +55,7 @@ def test_up_runs_both_curves_and_leaves_no_process(tmp_path):
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out.decode()[-3000:]
     again = json.loads((run_dir / "summary.json").read_text())
-    assert again["reused"] == ["adamw", "zocurv-line"] and again["redis"] == summary["redis"]
+    assert again["reused"] == ["adamw", "zocurv-line"] and again["redis"] == "not started (both runs reused)"
     assert {k: again[k] for k in ("adamw", "zocurv-line", "fleet")} == {k: summary[k] for k in ("adamw", "zocurv-line", "fleet")}
     assert _files(run_dir) == files and (run_dir / "logs" / "coordinator.log").stat().st_size == log_size
 

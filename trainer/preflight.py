@@ -22,11 +22,15 @@ from trainer.methods import get_method, method_names
 
 
 def explain(exc: Exception) -> str:
-    """A pydantic ValidationError as "--option: reason; ..." (CLI spelling); other errors as str(exc)."""
+    """A pydantic ValidationError as "--option: reason; ..." (CLI spelling, without pydantic's "Value error, "
+    prefix); other errors as str(exc)."""
     errors = getattr(exc, "errors", None)
     if not callable(errors):
         return str(exc)
-    return "; ".join(f"--{'-'.join(map(str, e['loc'])).replace('_', '-')}: {e['msg']}" if e["loc"] else e["msg"]
+    def msg(e: dict) -> str:  # a validator's ValueError comes as "Value error, <its message>": the message alone
+        return str(e["msg"]).removeprefix("Value error, ")
+
+    return "; ".join(f"--{'-'.join(map(str, e['loc'])).replace('_', '-')}: {msg(e)}" if e["loc"] else msg(e)
                      for e in errors(include_url=False))
 
 

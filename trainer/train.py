@@ -284,7 +284,8 @@ def _step_loop(cfg: TrainConfig, s: _Setup, book: _RunLog, ledger: TimeLedger, d
                 with ledger.phase("log"):
                     vals = book.vals
                     last = vals[max(vals)] if vals else {}
-                    show(done, f"loss {stats.get('loss', float('nan')):.3f} val {last.get('val_loss', float('nan')):.3f}")
+                    val = f" val {last['val_loss']:.3f}" if "val_loss" in last else ""  # none before the first
+                    show(done, f"loss {stats.get('loss', float('nan')):.3f}{val}")  # evaluation is in (a fleet's)
                 if dist.any(interrupted()):  # every rank stops after the same step
                     raise KeyboardInterrupt
             failed = False
