@@ -7,6 +7,7 @@ or raises ValueError; it trains nothing and starts no process. `sparecycles.up.r
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -94,8 +95,8 @@ def plan_up(*, preset: str = "demo", optimizer: str | None = None, workers: int 
 
     `device` is the trainer's torch device (both runs), `worker_devices` one device per worker process
     (fleet.devices.place decides both). The folder is `run_dir`, else `runs/up-<preset>-<optimizer>` plus a tag per setting that differs from
-    the preset's (`-steps5`, `-k4`, `-b8`, `-t16`, `-ci4`; another `--model`: its name first, e.g.
-    up-demo-zocurv-line-my-llama), so runs with other settings get other folders.
+    the preset's (`-steps5`, `-k4`, `-b8`, `-t16`, `-ci4`; another `--model`: its name, then `--data`'s file or
+    folder name, first, e.g. up-demo-zocurv-line-my-llama-my_texts), so runs with other settings get other folders.
     `train_options` ("KEY=VALUE", `up --set`) set any other TrainConfig field of both runs (e.g. lr=6e-4,
     warmup_steps=40, min_lr=6e-5, corpus=classics, eval_every=25), validated by TrainConfig. `eval_on`
     (trainer|fleet|auto; auto = fleet: `up` always has one) and `eval_windows` (full|subset) place both runs'
@@ -158,7 +159,9 @@ def plan_up(*, preset: str = "demo", optimizer: str | None = None, workers: int 
         check_ranks(nproc_per_node, (base_cfg, zo_cfg))
     tags = [f"{tag}{getattr(zo_cfg, f)}" for f, tag in _NAME_TAGS.items() if getattr(zo_cfg, f) != getattr(default, f)]
     tags += [f"{k}-{v}" for k, v in sorted((optimizer_options or {}).items())]
-    if zo_cfg.model != default.model:  # --model DIR: its own default folder (named by the folder's name)
+    if zo_cfg.data is not None:  # --data PATH: named by its file or folder name, as `train`'s run folders are
+        tags.insert(0, re.sub(r"[^A-Za-z0-9._-]+", "-", Path(zo_cfg.data.rstrip("/")).stem).strip("-.") or "data")
+    if zo_cfg.model != default.model:  # --model DIR: named by the folder's name
         from trainer.models.causal_lm import model_label
 
         tags.insert(0, model_label(zo_cfg.model))

@@ -1,4 +1,4 @@
-"""`up --model DIR`: the default run folder is named by the model folder's name, apart from the demo preset's
+"""`up --model DIR`: the default run folder is named by the model folder's and the data's names, apart from the demo's
 (sparecycles.up_plan.plan_up; checks and names only, starts nothing). The end-to-end `up --model DIR --data DIR`
 run is tests/test_model_folders.py's."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 from support.user_data import hf_tokenizer_dir, real_documents, write_formats
 
 
-def test_up_default_folder_carries_the_model_folders_name(tmp_path, monkeypatch):
+def test_up_default_folder_carries_the_model_and_data_names(tmp_path, monkeypatch):
     from transformers import LlamaConfig
 
     from sparecycles.up_plan import plan_up
@@ -20,6 +20,7 @@ def test_up_default_folder_carries_the_model_folders_name(tmp_path, monkeypatch)
                 num_key_value_heads=2, max_position_embeddings=64).save_pretrained(model)
     data = write_formats(tmp_path / "in", real_documents()[:20])["txt"]
     plan = plan_up(settings={"model": str(model), "data": str(data)})
-    assert plan.out == (tmp_path / "runs" / "up-demo-zocurv-line-my-llama").resolve()
+    assert plan.out == (tmp_path / "runs" / "up-demo-zocurv-line-my-llama-txt").resolve()
     assert plan.zo_cfg.run_dir == plan.out / "zocurv-line" and plan.base_cfg.model == str(model)
-    assert plan_up().out.name == "up-demo-zocurv-line"  # the demo's own model: no tag
+    assert plan_up().out.name == "up-demo-zocurv-line"  # the demo's own model and corpus: no tag
+    assert plan_up(settings={"data": str(data) + "/"}).out.name == "up-demo-zocurv-line-txt"
