@@ -77,7 +77,10 @@ class FleetTeacher:
                 self.sent[task.key] = s
                 self.bytes_up += len(task.ids_b64)
         self.next_step = max(self.next_step, stop)
-        answered = sum(int(self.store.exists(target_key(self.run, self.rank, key))) for key in self.sent)
+        pipe = self.store.pipeline(transaction=False)  # one round trip for the whole window
+        for key in self.sent:
+            pipe.exists(target_key(self.run, self.rank, key))
+        answered = sum(int(n) for n in pipe.execute())
         KD_AHEAD.labels(self.run).set(answered)
         return max(0, stop - start)
 
