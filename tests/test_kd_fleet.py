@@ -237,3 +237,15 @@ def test_worker_rejects_ids_outside_the_teacher_vocabulary_and_counts(redis_url:
     assert metrics.tasks.labels("done")._value.get() == 1 and metrics.tasks.labels("duplicate")._value.get() == 1
     assert metrics.tokens_per_s._value.get() > 0
     store.delete(target_key(run, 0, good["key"]))
+
+
+def test_teacher_rounds_without_teacher_exits_2(tmp_path: Path) -> None:
+    """`train --teacher-rounds URL` without --teacher: one line naming the option, exit 2, no run folder."""
+    from typer.testing import CliRunner
+
+    from sparecycles.cli import app
+
+    res = CliRunner().invoke(app, ["train", "--preset", "demo", "--steps", "1", "--teacher-rounds",
+                                   "redis://127.0.0.1:6379/11", "--run-dir", str(tmp_path / "run"), "--no-progress"])
+    assert res.exit_code == 2 and "--teacher-rounds needs --teacher" in res.output
+    assert not (tmp_path / "run").exists()
