@@ -155,11 +155,23 @@ def test_killed_worker_run_warns_on_console_summary_and_metric(fleet, tmp_path, 
                 return
             time.sleep(0.05)
 
+    # The trainer's step after the kill scrapes the coordinator only once it counts b lost (its lease expired): the
+    # run's speed, whatever the machine, cannot end it before the coordinator noticed.
+    from fleet.attach import FleetStatus
+
+    scrape = FleetStatus.snapshot
+
+    def snapshot_after_b_is_lost(self):
+        if fleet.workers["b"].poll() is not None:
+            fleet.wait(lambda: (fleet.worker_info("b") or {}).get("state") != "active", "b counted lost", 120)
+        return scrape(self)
+
+    monkeypatch.setattr(FleetStatus, "snapshot", snapshot_after_b_is_lost)
     killer = threading.Thread(target=kill_b_at_step_2, daemon=True)
     killer.start()
     res = CliRunner().invoke(app, [
-        "train", "--preset", "demo", "--optimizer", "zocurv-line", "--steps", "60", "--curvature-interval", "2",
-        "--batch-size", "4", "--seq-len", "32", "--eval-every", "20", "--eval-on", "trainer", "--no-export",
+        "train", "--preset", "demo", "--optimizer", "zocurv-line", "--steps", "16", "--curvature-interval", "2",
+        "--batch-size", "4", "--seq-len", "32", "--eval-every", "8", "--eval-on", "trainer", "--no-export",
         "--no-progress", "--coordinator", fleet.url, "--metrics-port", "0",
         "--run-dir", str(run_dir)])
     killer.join(timeout=5)
