@@ -5,9 +5,11 @@ Trainer's own on the same windows, and the anytime model's export loads with Aut
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import math
+import secrets
 import subprocess
 import sys
 from pathlib import Path
@@ -106,6 +108,7 @@ def test_hf_trainer_example_on_a_real_fleet(tmp_path):
                              timeout=600)
         assert out.returncode == 0, out.stderr[-4000:]
         got = json.loads((tmp_path / "run" / "result.json").read_text())
+        _publish_a_version(f)
     finally:
         f.close()
     env = {k: v for k, v in env.items() if k != "SPARECYCLES_COORDINATOR_URL"}
@@ -127,3 +130,30 @@ def test_hf_trainer_example_on_a_real_fleet(tmp_path):
     assert got["served"]["served"] in {"raw", "ema1", "avg2"} and math.isfinite(got["served"]["served_val_loss"])
     model = AutoModelForCausalLM.from_pretrained(got["export"])
     assert type(model).__name__ == "GPT2LMHeadModel" and model.config.vocab_size == 256
+
+
+def _publish_a_version(f) -> None:
+    """connect with explicit credentials, then VersionChannel: the coordinator holds the version's manifest, whose
+    shards carry the model's bytes."""
+    import sparecycles as sc
+    from fleet.publisher import write_shards
+    from support.fleet import REDIS_URL
+    from trainer.models.params import param_order_hash
+
+    fleet = sc.connect(f.url, admin_token=f.admin_token, redis_url=REDIS_URL, key_prefix=f.prefix, wait_s=30.0)
+    assert fleet.workers == 1
+    model = _tiny(seed=5)
+    channel = sc.VersionChannel(model, fleet)
+    try:
+        channel.publish(3)
+        channel.flush()
+        m = channel.manifest(3)
+        assert (m.version, m.model_class, m.param_order_hash) == (3, "GPT2LMHeadModel", param_order_hash(model))
+        want = [hashlib.sha256(b).hexdigest() for _, b in write_shards(model)]
+        assert [s.sha256 for s in m.shards] == want
+        with pytest.raises(ValueError, match="not newer"):
+            channel.publish(3)
+    finally:
+        channel.close()
+    with pytest.raises(sc.FleetError, match="refused the admin token"):
+        sc.connect(f.url, admin_token=secrets.token_urlsafe(24), redis_url=REDIS_URL, key_prefix=f.prefix, wait_s=5.0)

@@ -63,6 +63,16 @@ def refresh(rule: CurvRule, book: RoundBook, backend: ProbeBackend, batch: Any, 
     return stats
 
 
+def publish_version(book: RoundBook, backend: ProbeBackend, version: int) -> dict[str, float]:
+    """Publish the weights as `version` for the rule's rounds (the book settles what must precede it first);
+    returns `publish_s` (the trainer's seconds: on a fleet the upload follows in the background), `publish_unix`,
+    `publish_version`. ZOCurvMode and trainer.zo.wrapper.ZOCurvWrapper both publish through it."""
+    book.before_publish(backend, version)
+    t0, unix0 = time.perf_counter(), time.time()
+    backend.publish(version)
+    return {"publish_s": time.perf_counter() - t0, "publish_unix": unix0, "publish_version": float(version)}
+
+
 class ZOCurvMode:
     """Backprop step with a ZO-Curv optimizer; a curvature refresh every `curvature_interval` steps.
 
@@ -128,10 +138,7 @@ class ZOCurvMode:
         return stats
 
     def _publish(self, version: int) -> dict[str, float]:
-        self.rounds.before_publish(self.backend, version)
-        t0, unix0 = time.perf_counter(), time.time()
-        self.backend.publish(version)
-        return {"publish_s": time.perf_counter() - t0, "publish_unix": unix0, "publish_version": float(version)}
+        return publish_version(self.rounds, self.backend, version)
 
     def _clock(self) -> float:
         """Seconds, after the device's queued work finished (probe time is GPU time on CUDA)."""

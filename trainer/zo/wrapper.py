@@ -3,7 +3,7 @@
 `ZOCurvWrapper` drives a ZO-Curv rule (a trainer.zo.optimizers.CurvRule: ZOCurvBlockAdamW, ZOCurvSophia, ... built
 by the method registry, trainer.methods.build_optimizer) the way trainer.zo.modes.ZOCurvMode does inside the CLI
 trainer, with the same pieces: before the inner step of version v it publishes θ_v when the rule's rounds probe it,
-runs `trainer.zo.modes.refresh` (issue the rule's rounds on the probe batch, collect, fold what is due through a
+(`trainer.zo.modes.publish_version`), runs `trainer.zo.modes.refresh` (issue the rule's rounds on the probe batch, collect, fold what is due through a
 trainer.zo.rounds.RoundBook) every `curvature_interval` steps, then steps the rule on the gradients the loop
 computed. The loop only adds `probe_batch(batch)` before `step()` (or a forward hook does it:
 sparecycles.hf.FleetCallback). Param groups and state are the rule's own objects, so LR schedulers (and Hugging
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from trainer.zo.backend import InProcessBackend, ProbeBackend
-from trainer.zo.modes import refresh
+from trainer.zo.modes import publish_version, refresh
 from trainer.zo.rounds import RoundBook
 
 
@@ -71,10 +71,9 @@ class ZOCurvWrapper(torch.optim.Optimizer):
         v, rule, backend = self.version, self.rule, self.backend
         stats: dict[str, float] = {}
         if rule.publishes(v, self.interval) and v not in backend.snapshots:
-            self.book.before_publish(backend, v)
-            backend.publish(v)
+            stats.update(publish_version(self.book, backend, v))
         if v % self.interval == 0 and self._probe is not None:
-            stats = refresh(rule, self.book, backend, self._probe, v)
+            stats.update(refresh(rule, self.book, backend, self._probe, v))
         rule.step()
         self.version, self.last_stats = v + 1, stats
         return loss
