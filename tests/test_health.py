@@ -262,4 +262,6 @@ def test_errors_name_what_the_user_typed_and_help_lists_the_corpora():
     assert "Value error" not in str(exc.value) and "s_min" in str(exc.value)
     res = CliRunner().invoke(app, ["train", "--optimizer", "zocurv-line", "--optimizer-option", "s_min=-1"])
     assert res.exit_code == 2 and "Value error" not in res.output and "s_min" in res.output
+    res = CliRunner().invoke(app, ["train", "--require-fleet", "--steps", "1"], env={"SPARECYCLES_COORDINATOR_URL": ""})
+    assert res.exit_code == 2 and "--require-fleet needs --coordinator" in " ".join(res.output.split())
     assert "classics-large" in "".join(CliRunner().invoke(app, ["train", "--help"]).output.split())  # wrapped at "-"
