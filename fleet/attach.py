@@ -318,7 +318,7 @@ class Fleet:
         `no_fleet_why`) and CoordinatorHTTPError when the coordinator refuses the run.
         """
         from trainer.batch_losses import loss_for_kind
-        from trainer.methods import build_mode
+        from trainer.mode_builders import build_mode
         from wire.batch import batch_kind_for_model
 
         backend = self.probe_backend(cfg, model)

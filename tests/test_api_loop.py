@@ -55,7 +55,7 @@ def _wrapper_steps(model, opt, steps: range) -> list[float]:
 def test_zocurv_optimizer_equals_the_trainers_zocurv_mode_bit_for_bit():
     import sparecycles as sc
     from trainer.config import TrainConfig
-    from trainer.methods import build_mode
+    from trainer.mode_builders import build_mode
 
     ref_model, model = _tiny(), _tiny()
     mode = build_mode(TrainConfig(optimizer="zocurv-block", **SETTINGS), ref_model)

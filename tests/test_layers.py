@@ -25,23 +25,22 @@ def test_no_import_circle_in_trainer():
     run time. Imports under `if TYPE_CHECKING:` are annotations only and do not count."""
     import grimp
 
-    graph = grimp.build_graph("trainer", exclude_type_checking_imports=True, cache_dir=None)
+    graph = grimp.build_graph("trainer", exclude_type_checking_imports=False, cache_dir=None)
     circles = sorted((m, x) for m in graph.modules for x in graph.find_modules_directly_imported_by(m)
                      if x.startswith("trainer") and x != m and graph.chain_exists(importer=x, imported=m))
     assert circles == [], circles
 
 
 def test_no_import_circle_anywhere():
-    """No module of any project package imports (directly or through others, function-level imports included) a
-    module that imports it back. import-linter 2.17's `acyclic_siblings` contract would count `if TYPE_CHECKING:`
-    imports (annotations only) unless they were excluded for every contract, so this walks grimp's graph, the one
-    lint-imports builds, module by module across all root packages, without them."""
+    """No module of any project package imports (directly or through others, function-level and `if TYPE_CHECKING:`
+    imports included) a module that imports it back: this walks grimp's graph, the one lint-imports builds, module
+    by module across all root packages."""
     import tomllib
 
     import grimp
 
     roots = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["root_packages"]
-    graph = grimp.build_graph(*roots, exclude_type_checking_imports=True, cache_dir=None)
+    graph = grimp.build_graph(*roots, exclude_type_checking_imports=False, cache_dir=None)
     circles = sorted((m, x) for m in graph.modules for x in graph.find_modules_directly_imported_by(m)
                      if x.split(".")[0] in roots and x != m and graph.chain_exists(importer=x, imported=m))
     assert circles == [], f"import circles (module, imports, and back): {circles}"

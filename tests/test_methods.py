@@ -10,15 +10,8 @@ from pydantic import ValidationError
 from support.quadratic import QuadraticModel, quad_loss
 from trainer.cli_settings import BY_NAME
 from trainer.config import TrainConfig, resolve_preset
-from trainer.methods import (
-    KINDS,
-    METHODS,
-    Method,
-    build_first_order_mode,
-    build_mode,
-    get_method,
-    method_names,
-)
+from trainer.methods import KINDS, METHODS, Method, get_method, method_names
+from trainer.mode_builders import BUILDERS, OPTIMIZERS, build_mode, build_optimizer
 from trainer.modes import AdamWMode
 from trainer.zo.modes import PureZOMode, ZOCurvMode
 from trainer.zo.optimizers import ZOCurvBlockAdamW, ZOCurvLine, ZOCurvSophia
@@ -50,8 +43,18 @@ def test_unknown_names_and_bad_pairings_are_refused():
         TrainConfig(optimizer="zocurv-line", optimizer_options={"s_maxx": 3})
     with pytest.raises(ValidationError, match="s_min"):
         TrainConfig(optimizer="zocurv-line", optimizer_options={"s_min": 2.0})  # must be <= 1
-    with pytest.raises(ValueError, match="zo-curv methods only"):
-        Method("x", "first-order", "x", build_first_order_mode, optimizer=lambda *a: None)
+    with pytest.raises(ValueError, match="kind must be one of"):
+        Method("x", "second-order", "x")
+
+
+def test_every_method_has_a_builder_and_every_zocurv_method_an_optimizer_factory():
+    """The registry names methods, trainer.mode_builders builds them: each kind has a builder and each zo-curv
+    method's options class is read by a factory (a new method without one fails here, not in a user's run); a
+    first-order method asked for a ZO-Curv optimizer is refused."""
+    assert set(BUILDERS) == set(KINDS)
+    assert all(m.options in OPTIMIZERS for m in METHODS.values() if m.kind == "zo-curv")
+    with pytest.raises(ValueError, match="not a ZO-Curv optimizer"):
+        build_optimizer(TrainConfig(optimizer="adamw"), QuadraticModel([3, 4], seed=0))
 
 
 def test_sentiment_default_lr_comes_from_the_registry():

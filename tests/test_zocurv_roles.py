@@ -9,7 +9,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from trainer.config import TrainConfig
-from trainer.methods import build_mode
+from trainer.mode_builders import build_mode
 from trainer.zo.backend import InProcessBackend
 from trainer.zo.groups import Role, assign_roles, block_multipliers, model_roles
 from trainer.zo.multipliers import (

@@ -149,10 +149,11 @@ def adapt_mode(mode: Any, ctx: DistContext) -> Any:
 
 
 def build_rank_mode(cfg: Any, model: torch.nn.Module, loss_fn: Any, mode_factory: Any, ctx: DistContext) -> Any:
-    """This rank's TrainMode: `mode_factory(cfg, model)` (rank 0's fleet mode) or trainer.methods.build_mode, then
+    """This rank's TrainMode: `mode_factory(cfg, model)` (rank 0's fleet mode) or trainer.mode_builders.build_mode, then
     `adapt_mode`. A rank > 0 of a fleet run builds its mode on a FollowerBackend (history as the fleet's: 0 for
     pure ZO, else 2) and never sees the fleet. One process: exactly the mode a plain run builds."""
-    from trainer.methods import build_mode, get_method
+    from trainer.methods import get_method
+    from trainer.mode_builders import build_mode
 
     if ctx.parallel and ctx.fleet and not ctx.is_main:
         pure = get_method(cfg.optimizer).kind == "pure-zo"

@@ -1,7 +1,7 @@
 """How one optimizer step is taken: the `TrainMode` protocol the loop drives, and backprop AdamW.
 
 The ZO modes (ZO-Curv, pure ZO) live in trainer.zo.modes; which mode a `--optimizer` name gets is the
-registry's business (trainer.methods.build_mode). Modes import neither the registry nor the config at run
+registry's business (trainer.mode_builders.build_mode). Modes import neither the registry nor the config at run
 time (the registry builds them: no import circle, tests/test_layers.py).
 """
 

@@ -2,7 +2,7 @@
 
 - `ZOCurvMode` (kind "zo-curv": every zocurv-* method): backprop on the training batch plus a curvature refresh
   every `curvature_interval` steps on the first `probe_batch_size` sequences of that batch; the optimizer (a
-  trainer.zo.optimizers.CurvRule) comes from the method's `optimizer` factory (trainer.methods.build_optimizer),
+  trainer.zo.optimizers.CurvRule) comes from the method's `optimizer` factory (trainer.mode_builders.build_optimizer),
   the rounds' lifecycle is a trainer.zo.rounds.RoundBook;
 - `PureZOMode` (kind "pure-zo": mezo, 1spsa, 1.5spsa): no backward, K probes per step on the whole batch.
 Every mode implements trainer.modes.TrainMode (step / extra_state / load_extra_state).
@@ -83,7 +83,7 @@ class ZOCurvMode:
     on refresh steps the rule's scalars and the round counters `<log_prefix>_accepted|stale|...`.
 
     Args: cfg, model, optimizer (the method's CurvRule over `model`'s canonical blocks: build through
-    trainer.methods.build_mode), loss_fn(model, batch) -> scalar; backend: where rounds run (None: in process on
+    trainer.mode_builders.build_mode), loss_fn(model, batch) -> scalar; backend: where rounds run (None: in process on
     `model`); timing: when rounds fold (trainer.zo.rounds.FOLD_TIMINGS).
     """
 

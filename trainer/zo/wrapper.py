@@ -1,7 +1,7 @@
 """ZO-Curv as a plain torch.optim.Optimizer for any loop (sparecycles.loop.ZOCurv, sparecycles.hf.FleetCallback).
 
 `ZOCurvWrapper` drives a ZO-Curv rule (a trainer.zo.optimizers.CurvRule: ZOCurvBlockAdamW, ZOCurvSophia, ... built
-by the method registry, trainer.methods.build_optimizer) the way trainer.zo.modes.ZOCurvMode does inside the CLI
+by the method registry, trainer.mode_builders.build_optimizer) the way trainer.zo.modes.ZOCurvMode does inside the CLI
 trainer, with the same pieces: before the inner step of version v it publishes θ_v when the rule's rounds probe it,
 (`trainer.zo.modes.publish_version`), runs `trainer.zo.modes.refresh` (issue the rule's rounds on the probe batch, collect, fold what is due through a
 trainer.zo.rounds.RoundBook) every `curvature_interval` steps, then steps the rule on the gradients the loop
@@ -112,7 +112,7 @@ def zocurv_wrapper(model: torch.nn.Module, *, method: str = "zocurv-block", back
     """`ZOCurvWrapper` over the method registry's rule for `method`, its knobs from TrainConfig(optimizer=method,
     **settings) (validated there: one config, one place). Raises pydantic.ValidationError, ValueError."""
     from trainer.config import TrainConfig
-    from trainer.methods import build_optimizer
+    from trainer.mode_builders import build_optimizer
     from trainer.models.losses import lm_batch_loss
 
     cfg = TrainConfig(optimizer=method, **settings)
