@@ -220,7 +220,7 @@ class ProbeWorker:
         """Join the fleet again with the enrollment token, as a new worker id, after the coordinator forgot this one
         (its Redis came back empty, a failover, a flush, or an admin's DELETE).
 
-        Stops consuming first (results under the forgotten identity would be refused), then registers with
+        Keeps its queues (a task taken meanwhile is refused as from an unknown worker and requeued) and registers with
         bounded exponential backoff (`REENROLL_MAX_WAIT_S`, plus a per-name offset so a fleet does not retry in
         step); one log line per state change. The same broker URL: the identity is swapped in place (loaded weights
         kept). Other broker credentials (a per-worker ACL user, `SPARECYCLES_BROKER_ACL`): the process restarts
@@ -230,11 +230,11 @@ class ProbeWorker:
         log.warning("coordinator no longer knows this worker %s (%s); re-enrolling with the enrollment token",
                     old, why.status)
         self._hb_state = "forgotten"
+        # The queues are not cancelled here: Celery's control messages are fire-and-forget, and a cancel followed
+        # ~25 ms later by the add of the same queue (the run is re-created at once) could leave Celery not
+        # consuming a queue this worker believes it consumes (a re-issued round then sat unconsumed until its
+        # deadline). A task taken meanwhile is refused as from an unknown worker and requeued.
         self.drain.set_remote(True)
-        try:
-            self._reconcile()
-        except Exception as exc:  # noqa: BLE001 - the broker may be restarting too; the queues follow later
-            log.debug("queue reconcile before re-enrollment failed: %s", exc)
         reg = self._register_with_backoff()
         if reg is None:  # shutting down
             return
