@@ -25,6 +25,7 @@ from celery.exceptions import Reject
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 from pydantic import ValidationError
 
+from kernels import FastForward, lm_logits
 from trainer.kd.targets import make_targets
 from trainer.kd.teacher import load_teacher, teacher_sha256
 from wire.kd_targets import encode
@@ -56,6 +57,7 @@ class TeacherRuntime:
         self.device, self.store, self.pause_s = device, store, pause_s
         self.sha: str | None = None
         self.model: torch.nn.Module | None = None
+        self.vocab = 0
         self.forward: Any = None
 
     def _load(self, task: TeacherTask) -> None:
@@ -65,8 +67,11 @@ class TeacherRuntime:
         if found != task.teacher_sha256:
             raise TeacherRefused(f"teacher folder {task.teacher_dir} has sha256 {found[:12]}, the round names "
                                  f"{task.teacher_sha256[:12]}")
-        self.model = load_teacher(task.teacher_dir, self.device)
-        self.forward = torch.compile(self.model) if self.device.startswith("cuda") else self.model
+        model = load_teacher(task.teacher_dir, self.device)
+        self.vocab = int(model.get_output_embeddings().weight.shape[0])
+        # the fast path's shared forward (compiled on CUDA; on CPU the model's own code, bit for bit)
+        self.forward = FastForward(model, lm_logits)
+        self.model = self.forward.shadow  # FastForward's private copy: the loaded model itself is not kept
         self.sha = task.teacher_sha256
         log.info("teacher %s loaded on %s", task.teacher_sha256[:12], self.device)
 
@@ -78,12 +83,11 @@ class TeacherRuntime:
         self._load(task)
         time.sleep(self.pause_s)  # 0 unless --pause-s: holds a round so a redelivery test can kill the worker
         ids = np.frombuffer(task.ids_raw(), dtype="<u4").astype(np.int64).reshape(task.batch, task.seq_len)
-        vocab = int(self.model.get_output_embeddings().weight.shape[0])
-        if int(ids.max()) >= vocab:
-            raise ValueError(f"token id {int(ids.max())} outside the teacher's vocabulary of {vocab}")
+        if int(ids.max()) >= self.vocab:
+            raise ValueError(f"token id {int(ids.max())} outside the teacher's vocabulary of {self.vocab}")
         t0 = time.perf_counter()
         with torch.no_grad():
-            z = self.forward(input_ids=torch.from_numpy(ids).to(self.device)).logits
+            z = self.forward(torch.from_numpy(ids).to(self.device))
         targets = make_targets(z, kind=task.kind, k=task.k, temperature=task.temperature, seed=task.seed,
                                step=task.key, rank=task.rank)
         blob = encode(targets)
