@@ -310,9 +310,11 @@ class Fleet:
                                      blob_dir=self.settings.blob_dir, background=not pure)
         return RecoveringBackend(backend, spec)  # outlives a coordinator whose store comes back empty
 
-    def mode_factory(self, cfg, model):
+    def mode_factory(self, cfg, model, loss_fn=None):
         """trainer.train's `mode_factory`: the run's ZO mode (cfg.optimizer) with its probes on the fleet, its
         ZO-Curv rounds folding as `rounds` says (trainer.zo.rounds.RoundBook; pure-ZO steps wait for theirs).
+        `loss_fn(model, batch)`: the trainer's own loss for its steps when it is not the loss the workers evaluate
+        (a --teacher run's (1-a) CE + a KD, trainer.kd); None: that loss (the model kind's CE, trainer.batch_losses).
 
         Raises ValueError for a method whose probes cannot go to a fleet (trainer.methods: none, or its
         `no_fleet_why`) and CoordinatorHTTPError when the coordinator refuses the run.
@@ -322,7 +324,7 @@ class Fleet:
         from wire.batch import batch_kind_for_model
 
         backend = self.probe_backend(cfg, model)
-        loss_fn = loss_for_kind(batch_kind_for_model(type(model).__name__))
+        loss_fn = loss_fn or loss_for_kind(batch_kind_for_model(type(model).__name__))
         mode = build_mode(cfg, model, loss_fn, backend=backend, timing=self.rounds)
         return FleetFiguresMode(mode, self.status, backend)
 

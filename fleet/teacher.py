@@ -25,7 +25,7 @@ from trainer.kd.estimators import kd_loss, sparse_ce
 from trainer.kd.intake import accept
 from trainer.kd.teacher import batch_key, teacher_folder, teacher_sha256
 from trainer.ledger import phase
-from trainer.metrics import KD_AHEAD, KD_MISSING
+from trainer.metrics import KD_AHEAD, KD_MISSING, KD_REJECTED
 from wire.kd_targets import KDTargets
 from wire.teacher_messages import TEACHER_TASK_NAME, TeacherTask, target_key
 
@@ -56,6 +56,8 @@ class FleetTeacher:
         self.next_step = 0
         self.missing = self.taken = 0
         self.bytes_up = self.bytes_down = 0
+        for counter in (KD_MISSING, KD_REJECTED):  # the run's series exist (at 0) before any step is missed
+            counter.labels(run)
 
     def task_for(self, step: int) -> TeacherTask:
         """The teacher round of `step`: its batch's ids, the teacher and the target recipe."""

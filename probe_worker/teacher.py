@@ -14,6 +14,7 @@ refused (the folder's sha256 differs from the task's), error (anything else; the
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
@@ -32,6 +33,7 @@ from wire.kd_targets import encode
 from wire.teacher_messages import TARGET_TTL_S, TEACHER_TASK_NAME, TeacherTask, target_key
 
 log = logging.getLogger("sparecycles.worker.teacher")
+BROKER_ENV = "SPARECYCLES_TEACHER_BROKER"  # the broker URL when --broker is not given (`sparecycles up` sets it)
 
 
 class TeacherMetrics:
@@ -142,23 +144,32 @@ def register_teacher_task(app: Celery, runtime: TeacherRuntime, metrics: Teacher
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m probe_worker.teacher --broker redis://... --queue Q [--device cpu] [--metrics-port N]`:
-    answer teacher rounds from queue Q until SIGTERM (one task at a time, prefork pool of one)."""
+    """`python -m probe_worker.teacher --broker redis://... --queue Q[,Q2...] [--device cpu] [--threads N]
+    [--metrics-port N]`: answer teacher rounds from the queues until SIGTERM (one task at a time, in this process:
+    the solo pool, as probe workers run, so the metrics it serves are the ones its rounds count and CUDA is never
+    forked). The broker URL may come from $SPARECYCLES_TEACHER_BROKER instead of --broker."""
     import argparse
 
     from coordinator.celery_app import make_celery
 
     p = argparse.ArgumentParser(prog="python -m probe_worker.teacher", description=main.__doc__)
-    p.add_argument("--broker", required=True, help="redis:// URL (the targets are stored in the same Redis)")
+    p.add_argument("--broker", default=os.environ.get(BROKER_ENV),
+                   help=f"redis:// URL (the targets are stored in the same Redis); default: ${BROKER_ENV}, so a "
+                   "password stays out of argv (ps)")
     p.add_argument("--queue", required=True, help="the teacher round queue (fleet.teacher.teacher_queue(run))")
     p.add_argument("--device", default="cpu", help="cpu or cuda:N")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics here (0: none)")
     p.add_argument("--visibility-timeout", type=int, default=60, help="seconds before a lost task returns")
     p.add_argument("--pause-s", type=float, default=0.0, help="sleep this long before each round (seconds; "
                    "for redelivery tests: a worker killed while it holds a round)")
     a = p.parse_args(argv)
-    if not a.broker.startswith(("redis://", "rediss://")) or not a.device.startswith(("cpu", "cuda")):
-        p.error("--broker must be redis://... and --device cpu or cuda:N")
+    if not (a.broker or "").startswith(("redis://", "rediss://")) or not a.device.startswith(("cpu", "cuda")):
+        p.error(f"--broker (or ${BROKER_ENV}) must be redis://... and --device cpu or cuda:N")
+    if a.threads < 0:
+        p.error(f"--threads must be >= 0, got {a.threads}")
+    if a.threads:
+        torch.set_num_threads(a.threads)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if a.metrics_port:
         from prometheus_client import start_http_server
@@ -167,8 +178,9 @@ def main(argv: list[str] | None = None) -> None:
     app = make_celery(a.broker, visibility_timeout_s=a.visibility_timeout, soft_shutdown_s=5.0)
     store = redis.Redis.from_url(a.broker, socket_timeout=10, socket_connect_timeout=5)
     register_teacher_task(app, TeacherRuntime(a.device, store, max(0.0, a.pause_s)), TeacherMetrics())
-    app.worker_main(["worker", "-Q", a.queue, "-c", "1", "-P", "prefork", "--without-gossip", "--without-mingle",
-                     "-n", f"teacher-{a.queue}@%h", "--loglevel", "INFO"])
+    app.worker_main(["worker", "-Q", a.queue, "-c", "1", "-P", "solo", "--prefetch-multiplier=1",
+                     "--without-gossip", "--without-mingle",
+                     "-n", f"teacher-{os.getpid()}@%h", "--loglevel", "INFO"])
 
 
 if __name__ == "__main__":

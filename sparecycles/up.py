@@ -32,6 +32,7 @@ def _run_summary(run_dir: Path) -> dict:
     keys = [k for k in s if k.startswith(("initial_val_", "final_val_", "test_"))]
     return {**{k: s[k] for k in keys}, **({"time_ledger": s["time_ledger"]} if "time_ledger" in s else {}),
             **({"evaluations": s["evaluations"]} if "evaluations" in s else {}),
+            **({"kd": s["kd"]} if "kd" in s else {}),  # teacher rounds: steps taught, missing, bytes
             **({"warnings": s["warnings"]} if s.get("warnings") else {})}  # the run's health (trainer.health)
 
 
@@ -134,6 +135,11 @@ def _train_with_fleet(plan: UpPlan, progress: bool, log: Callable[[str], None],
             metrics_ports = [free_port() for _ in devices]
             _start_workers(sup, py, base, devices, metrics_ports, worker_env)
             log(f"probe workers on {', '.join(devices)}; forward at the published float32 weights")
+            teacher_runs = {name: f"{settings.key_prefix}-{name}" for name in ("adamw", plan.optimizer)}
+            if plan.teacher_rounds:
+                metrics_ports += _start_teacher_workers(sup, teacher_devices(plan), list(teacher_runs.values()),
+                                                        {**worker_env, TEACHER_BROKER_ENV: redis_url})
+                log(f"teacher workers on {', '.join(teacher_devices(plan))}: {teacher_note(plan)}")
             trainer_port = _serve_metrics(out, port, metrics_ports, log, here=plan.nproc is None)
             # Each ZO-Curv round folds at the refresh after it, whatever the fleet's timing (trainer.zo.rounds.RoundBook
             # lag 1): the run is reproducible and an interrupted one, resumed, is the same run bit for bit.
@@ -160,6 +166,11 @@ def _train_with_fleet(plan: UpPlan, progress: bool, log: Callable[[str], None],
                 evaluator = (fleet.evaluator_factory(deadline_s=plan.eval_deadline, full=plan.eval_windows == "full")
                              if plan.eval_on == "fleet" else None)
                 probes = {"mode_factory": fleet.mode_factory, "status": status} if name != "adamw" else {}
+                if plan.teacher_rounds:  # both runs distil from the teacher the teacher workers serve
+                    from fleet.teacher import kd_loss_factory
+
+                    probes["kd_loss_factory"] = kd_loss_factory(redis_url, strict=plan.fleet_wait != "never",
+                                                                run=teacher_runs[name])
                 train(cfg, progress=progress, resume=resume, overwrite=True, export=export,
                       evaluator_factory=evaluator, **probes)
 
@@ -220,6 +231,42 @@ def _start_workers(sup: Supervisor, py: list[str], base: str, devices: tuple[str
         sup.start(f"worker-{i}", py + ["worker", "--coordinator", base, "--name", f"local-{i}",
                                        "--device", dev, "--metrics-port", str(metrics_ports[i]), *extra],
                   worker_env)
+
+TEACHER_BROKER_ENV = "SPARECYCLES_TEACHER_BROKER"  # probe_worker.teacher.BROKER_ENV: its broker URL, not in argv
+
+
+def teacher_devices(plan: UpPlan) -> list[str]:
+    """One teacher worker per distinct probe-worker device (cpu: one process beside the probe workers)."""
+    return list(dict.fromkeys(plan.worker_devices or ("cpu",)))
+
+
+def teacher_note(plan: UpPlan) -> str:
+    """How `up`'s runs get their teacher's targets, for the console and summary.json."""
+    cfg = plan.zo_cfg
+    if cfg.teacher is None:
+        return "no teacher"
+    if not plan.teacher_rounds:
+        why = "--kd-estimator full" if cfg.kd_estimator == "full" else "--nproc-per-node"
+        return f"{cfg.teacher} in the trainer's process ({why}: no teacher rounds on the fleet)"
+    wait = ("a step whose targets are late trains on CE alone (counted)" if plan.fleet_wait == "never" else
+            "the trainer waits for each step's targets (up to 120 s), so the run does not depend on the fleet's timing")
+    return (f"{cfg.teacher} answers teacher rounds ({cfg.kd_estimator}, {cfg.kd_k} ids per position, sent 8 steps "
+            f"ahead) for both runs; {wait}")
+
+
+def _start_teacher_workers(sup: Supervisor, devices: list[str], runs: list[str], env: dict[str, str]) -> list[int]:
+    """Start one teacher worker process per device (`teacher-<i>`, probe_worker.teacher) on the queues of `runs`
+    (fleet.teacher.teacher_queue); `env` carries the broker URL (TEACHER_BROKER_ENV). Returns their metrics ports."""
+    from fleet.teacher import teacher_queue
+
+    ports = [free_port() for _ in devices]
+    queues = ",".join(teacher_queue(r) for r in runs)
+    for i, (dev, p) in enumerate(zip(devices, ports, strict=True)):
+        extra = ["--threads", "1"] if dev == "cpu" else []
+        sup.start(f"teacher-{i}", [sys.executable, "-m", "probe_worker.teacher", "--queue", queues, "--device", dev,
+                                   "--metrics-port", str(p), *extra], env)
+    return ports
+
 
 def _serve_metrics(out: Path, coordinator_port: int, worker_ports: list[int], log: Callable[[str], None],
                    here: bool = True) -> int:
@@ -356,7 +403,7 @@ def run_up(plan: UpPlan, *, progress: bool = True, keep_blobs: bool = False, exp
         "worker_devices": list(plan.worker_devices or ("cpu",) * plan.workers),
         "forward_dtype": "float32 (TF32 matmuls on CUDA)" if any(d.startswith("cuda") for d in plan.worker_devices)
         else "float32",
-        "rounds": _rounds_note(opt, plan.fleet_wait), "evaluation": (
+        "rounds": _rounds_note(opt, plan.fleet_wait), "teacher": teacher_note(plan), "evaluation": (
             f"on the fleet ({'the whole validation split' if plan.eval_windows == 'full' else 'the eval_batches subset'}"
             f"; a version no worker answers for in {plan.eval_deadline:.0f} s is evaluated by the trainer)"
             if plan.eval_on == "fleet" else "on the trainer"),

@@ -46,6 +46,13 @@ class UpPlan:
     nproc: int | None = None  # the trainer's ranks under torchrun (`--nproc-per-node`); None: in `up`'s process
 
     @property
+    def teacher_rounds(self) -> bool:
+        """Whether the runs' `--teacher` answers on the fleet (teacher worker processes, fleet.teacher): a sparse
+        estimator (sampled, topk) and the trainer in `up`'s process. Otherwise a teacher runs in the trainer."""
+        cfg = self.zo_cfg
+        return cfg.teacher is not None and cfg.kd_estimator != "full" and self.nproc is None
+
+    @property
     def settings(self) -> dict[str, dict]:
         """Both runs' settings (trainer.preflight.run_settings, plus where they are evaluated and the ZO run's wait
         policy), as written to `up_settings.json`."""
@@ -155,6 +162,10 @@ def plan_up(*, preset: str = "demo", optimizer: str | None = None, workers: int 
         raise ValueError(explain(exc)) from None
     check_options(zo_cfg)  # _plan_checked ran these with --set names: here they pass
     check_options(base_cfg)
+    if zo_cfg.teacher is not None:  # before any process starts: the method, the teacher folder and its tokenizer
+        from trainer.kd.teacher import check_teacher_run
+
+        check_teacher_run(zo_cfg, fleet=True)
     if nproc_per_node is not None:
         check_ranks(nproc_per_node, (base_cfg, zo_cfg))
     tags = [f"{tag}{getattr(zo_cfg, f)}" for f, tag in _NAME_TAGS.items() if getattr(zo_cfg, f) != getattr(default, f)]

@@ -184,3 +184,47 @@ def test_intake_counts_rejections_and_falls_back_to_ce():
     assert KD_REJECTED.labels("kd-test")._value.get() == before + 1
     ce = torch.tensor(2.5)
     assert kd_loss(ce, None, 0.5) is ce
+
+
+def test_an_exported_gpt2_teacher_teaches_a_gpt2_preset_and_a_reencoding_one_is_refused(tmp_path):
+    """A gpt2-tiny student's tokenizer is tiktoken's GPT-2 (the preset); a teacher exported by trainer.export carries
+    the same BPE as tokenizer.json: other files, the same ids for every probe text, so it is accepted. The same
+    tokenizer.json without its first 5,000 merges (same vocabulary and end-of-text id, other ids) is refused."""
+    import json
+
+    from trainer.export import export_model, gpt2_tokenizer
+    from trainer.kd.teacher import TOKENIZER_PROBE_TEXTS, TeacherMismatchError, check_tokenizers
+    from trainer.models import build_model
+
+    teacher = export_model(build_model("gpt2-tiny", seed=3), tmp_path / "teacher", tokenizer=gpt2_tokenizer())
+    check_tokenizers("gpt2-tiny", str(teacher))
+    spec = json.loads((teacher / "tokenizer.json").read_text())
+    spec["model"]["merges"] = spec["model"]["merges"][5000:]
+    (teacher / "tokenizer.json").write_text(json.dumps(spec))
+    from trainer.data.model_tokenizer import tokenizer_for
+
+    changed = tokenizer_for(str(teacher))
+    assert changed.vocab_size == 50257 and changed.eos_id == 50256  # only the encoding differs
+    assert changed.encode_batch(list(TOKENIZER_PROBE_TEXTS)) != tokenizer_for("gpt2-tiny").encode_batch(
+        list(TOKENIZER_PROBE_TEXTS))
+    with pytest.raises(TeacherMismatchError, match="differs from the student's gpt2"):
+        check_tokenizers("gpt2-tiny", str(teacher))
+
+
+def test_a_teacher_run_with_fleet_probes_needs_a_method_that_does_not_update_from_them(tmp_path):
+    """Fleet workers evaluate CE: a pure-ZO run (its update is made of their probes) cannot distil and is refused;
+    a ZO-Curv run on the fleet and any in-process run may. A teacher folder without tokenizer files is refused as a
+    TeacherMismatchError naming --teacher."""
+    from support.user_data import hf_tokenizer_dir
+    from trainer.config import TrainConfig
+    from trainer.kd.teacher import TeacherMismatchError, check_teacher_run
+
+    folder = _llama_dir(hf_tokenizer_dir(tmp_path / "t", vocab_size=400), 400, 2)
+    student = str(folder)  # a student of the same folder: one tokenizer
+    with pytest.raises(TeacherMismatchError, match="mezo is pure-zo"):
+        check_teacher_run(TrainConfig(model=student, teacher=student, optimizer="mezo"), fleet=True)
+    check_teacher_run(TrainConfig(model=student, teacher=student, optimizer="mezo"), fleet=False)
+    check_teacher_run(TrainConfig(model=student, teacher=student, optimizer="zocurv-line"), fleet=True)
+    bare = _llama_dir(tmp_path / "bare", 400, 2)
+    with pytest.raises(TeacherMismatchError, match="--teacher: .*no tokenizer files"):
+        check_teacher_run(TrainConfig(model=student, teacher=str(bare)), fleet=False)

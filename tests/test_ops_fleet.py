@@ -2,7 +2,8 @@
 configuration `up` writes (ops/prometheus.yml's jobs): every target (coordinator, trainer, each worker) is UP at
 once, and every query of the Grafana dashboard returns data (a panel without any finite value fails).
 
-One `up` (2 workers, 12 short steps, 2 curvature rounds) serves every check; CI installs prometheus (.ci/run)."""
+One `up` (2 probe workers and a teacher worker: 12 short steps, 2 curvature rounds, teacher rounds for both runs
+from a gpt2-tiny teacher exported with the project's tokenizer) serves every check; CI installs prometheus (.ci/run)."""
 
 from __future__ import annotations
 
@@ -49,9 +50,12 @@ def _targets(api: str) -> list[dict]:
 @pytest.mark.timeout(900)
 def test_prometheus_scrapes_up_and_every_dashboard_panel_has_data(tmp_path):
     from api.server import free_port
+    from trainer.export import export_model, gpt2_tokenizer
+    from trainer.models import build_model
 
+    teacher = export_model(build_model("gpt2-tiny", seed=123), tmp_path / "teacher", tokenizer=gpt2_tokenizer())
     run_dir = tmp_path / "up"
-    proc = start_up(run_dir, "--steps", "12", "--curvature-interval", "4", "--no-export")
+    proc = start_up(run_dir, "--steps", "12", "--curvature-interval", "4", "--no-export", "--teacher", str(teacher))
     prom = None
     try:
         _wait_for(run_dir / "prometheus.yml", proc)
@@ -59,7 +63,8 @@ def test_prometheus_scrapes_up_and_every_dashboard_panel_has_data(tmp_path):
         ops = yaml.safe_load((ROOT / "ops/prometheus.yml").read_text())
         jobs = {j["job_name"]: j["static_configs"][0]["targets"] for j in cfg["scrape_configs"]}
         assert set(jobs) == {j["job_name"] for j in ops["scrape_configs"]}  # the dashboard's jobs, as deployed
-        assert len(jobs["coordinator"]) == len(jobs["trainer"]) == 1 and len(jobs["probe-worker"]) == 2
+        assert len(jobs["coordinator"]) == len(jobs["trainer"]) == 1
+        assert len(jobs["probe-worker"]) == 3  # two probe workers and the teacher worker
         cfg["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
         cfg["rule_files"] = [str(ROOT / "ops/alerts.yml")]
         (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(cfg))
@@ -72,7 +77,7 @@ def test_prometheus_scrapes_up_and_every_dashboard_panel_has_data(tmp_path):
         all_up: list[dict] = []
         while proc.poll() is None:  # every target UP at the same time, while `up` runs
             targets = _targets(api)
-            if len(targets) == 4 and all(t["health"] == "up" for t in targets):
+            if len(targets) == 5 and all(t["health"] == "up" for t in targets):
                 all_up = targets
                 break
             time.sleep(0.5)
@@ -102,6 +107,10 @@ def test_prometheus_scrapes_up_and_every_dashboard_panel_has_data(tmp_path):
         assert peak('sum(rate(sparecycles_intake_results_total{outcome="accepted"}[1m]))') > 0
         assert peak("sum(sparecycles_worker_probes_evaluated_total)") > 0  # the workers' own /metrics
         assert peak('sparecycles_trainer_step{run="zocurv-line"}') == 12
+        assert peak('sum(sparecycles_worker_teacher_tasks_total{outcome="done"})') >= 24  # 12 steps of each run
+        summary = json.loads((run_dir / "summary.json").read_text())
+        for name in ("adamw", "zocurv-line"):  # both runs distilled on every step (up waits for each step's targets)
+            assert summary[name]["kd"]["kd_taken_steps"] == 12 and summary[name]["kd"]["kd_missing_steps"] == 0
         rules = httpx.get(f"{api}/rules", timeout=5).json()["data"]["groups"]
         assert {r["health"] for g in rules for r in g["rules"]} == {"ok"}  # the alert rules evaluate on real data
     finally:

@@ -186,3 +186,22 @@ def test_up_optimizer_options_reach_the_probed_run_and_name_its_folder(tmp_path,
     assert dict(plan.zo_cfg.optimizer_options) == {"start": "one"} and not plan.base_cfg.optimizer_options
     with pytest.raises(ValueError, match="start"):
         plan_up(optimizer="zocurv-trust", optimizer_options={"start": "bogus"})
+
+
+def test_up_with_a_teacher_plans_teacher_rounds_and_refuses_what_cannot_distil(tmp_path, monkeypatch):
+    """`up --teacher DIR`: both runs distil and their targets come from teacher workers (sampled/topk, in `up`'s
+    process); --kd-estimator full keeps the teacher in the trainer. A teacher folder without a tokenizer and a
+    pure-ZO fleet run are refused by plan_up, before any process starts."""
+    from trainer.export import export_model, gpt2_tokenizer
+    from trainer.models import build_model
+
+    monkeypatch.setenv("SPARECYCLES_RUNS", str(tmp_path))
+    teacher = export_model(build_model("gpt2-tiny", seed=3), tmp_path / "teacher", tokenizer=gpt2_tokenizer())
+    plan = plan_up(settings={"teacher": str(teacher)})
+    assert plan.teacher_rounds and plan.base_cfg.teacher == plan.zo_cfg.teacher == str(teacher)
+    assert not plan_up(settings={"teacher": str(teacher), "kd_estimator": "full"}).teacher_rounds
+    (teacher / "tokenizer.json").unlink()
+    with pytest.raises(ValueError, match="--teacher: .*no tokenizer files"):
+        plan_up(settings={"teacher": str(teacher)})
+    with pytest.raises(ValueError, match="pure-zo"):
+        plan_up(optimizer="mezo", settings={"teacher": str(teacher)})

@@ -149,7 +149,7 @@ def adapt_mode(mode: Any, ctx: DistContext) -> Any:
 
 
 def build_rank_mode(cfg: Any, model: torch.nn.Module, loss_fn: Any, mode_factory: Any, ctx: DistContext) -> Any:
-    """This rank's TrainMode: `mode_factory(cfg, model)` (rank 0's fleet mode) or trainer.mode_builders.build_mode, then
+    """This rank's TrainMode: `mode_factory(cfg, model)` (rank 0's fleet mode; `loss_fn=` too with a --teacher) or trainer.mode_builders.build_mode, then
     `adapt_mode`. A rank > 0 of a fleet run builds its mode on a FollowerBackend (history as the fleet's: 0 for
     pure ZO, else 2) and never sees the fleet. One process: exactly the mode a plain run builds."""
     from trainer.methods import get_method
@@ -160,5 +160,7 @@ def build_rank_mode(cfg: Any, model: torch.nn.Module, loss_fn: Any, mode_factory
         mode = build_mode(cfg, model, loss_fn, backend=FollowerBackend(model, loss_fn, ctx, history=0 if pure else 2),
                           timing=ctx.fleet_rounds)
     else:
-        mode = mode_factory(cfg, model) if mode_factory else build_mode(cfg, model, loss_fn)
+        # A teacher's loss (trainer.kd) is the trainer's own: the fleet's workers evaluate the CE loss of its kind.
+        own = {"loss_fn": loss_fn} if getattr(cfg, "teacher", None) is not None else {}
+        mode = mode_factory(cfg, model, **own) if mode_factory else build_mode(cfg, model, loss_fn)
     return adapt_mode(mode, ctx)

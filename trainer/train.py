@@ -83,7 +83,7 @@ def train(
     (trainer.events) and, with `export`, the finished model as a transformers folder `export/` (trainer.export)).
 
     `cfg.task` picks the Task (`build_task`): evaluation records hold `val_loss` (and `val_acc` for
-    sentiment), the summary adds the task's final metrics. `mode_factory(cfg, model)` replaces `build_mode`
+    sentiment), the summary adds the task's final metrics. `mode_factory(cfg, model)` (with a --teacher also `loss_fn=`, the distillation loss) replaces `build_mode`
     (e.g. a ZO-Curv or pure-ZO mode whose probes go to a fleet; it must use the task's loss); `status` adds
     a live line (workers, probes/s) to the progress display. `dist`: this rank of a torchrun job
     (trainer.distributed; rank 0 alone writes files and talks to a fleet, checkpoints are DCP folders).
@@ -130,6 +130,7 @@ class _Setup:
     history: list[dict[str, Any]]
     events: EventLog | None
     evaluator: Evaluator
+    loss_fn: Any  # the loss of the trainer's steps (with --teacher: KDLoss or fleet.teacher.FleetKDLoss)
 
 
 class _RunLog:
@@ -187,15 +188,10 @@ def _set_up(cfg: TrainConfig, *, resume: bool, progress: bool,
     continues from the checkpoint and forgets what was logged after it). Raises as `train` does."""
     from trainer.models import param_order_hash
 
-    if cfg.teacher is not None:  # refused before the run folder exists: task, then tokenizers (naming both)
-        from trainer.kd.teacher import TeacherMismatchError, check_tokenizers
+    if cfg.teacher is not None:  # refused before the run folder exists: task and method, then tokenizers
+        from trainer.kd.teacher import check_teacher_run
 
-        if cfg.task != "lm" or dist.fleet:
-            raise TeacherMismatchError(f"--teacher needs the lm task with its probes in process (task "
-                                       f"{cfg.task!r}, fleet probes {dist.fleet}): fleet probe workers do not "
-                                       "see teacher targets; teacher rounds on the fleet go with AdamW or "
-                                       "in-process probes")
-        check_tokenizers(cfg.model, cfg.teacher)
+        check_teacher_run(cfg, fleet=dist.fleet or mode_factory is not None)
 
     # 1. run folder
     run = _open_run(cfg, resume, overwrite, dist)
@@ -229,7 +225,7 @@ def _set_up(cfg: TrainConfig, *, resume: bool, progress: bool,
     evaluator = evaluator_factory(task, cfg, model, mode) if evaluator_factory else InlineEvaluator(task)
     if anytime is not None and hasattr(evaluator, "anytime_scorer"):  # a fleet evaluates: it scores candidates too
         anytime.score_with(evaluator.anytime_scorer(anytime))
-    return _Setup(run, progress, task, kind, model, mode, ckpt, anytime, start, history, events, evaluator)
+    return _Setup(run, progress, task, kind, model, mode, ckpt, anytime, start, history, events, evaluator, loss_fn)
 
 
 def _initial_evaluation(s: _Setup, book: _RunLog, ledger: TimeLedger, dist: DistContext) -> None:
@@ -266,7 +262,7 @@ def _step_loop(cfg: TrainConfig, s: _Setup, book: _RunLog, ledger: TimeLedger, d
                 done = step + 1
                 if anytime is not None:
                     anytime.publish(done, model)
-                kd = getattr(mode, "loss_fn", None)  # --teacher: this rank's last CE and KD terms
+                kd = s.loss_fn  # --teacher: this rank's last CE and KD terms
                 kd_stats = dict(zip(("ce_loss", "kd_loss"), kd.last, strict=True)) if hasattr(kd, "last") else {}
                 kd_stats.update(kd.stats() if hasattr(kd, "stats") else {})  # teacher rounds: kd_missing_steps
                 book.log({"step": done, "lr": lr, "tokens": done * task.tokens_per_step,
@@ -335,7 +331,7 @@ def _report(cfg: TrainConfig, s: _Setup, book: _RunLog, ledger: TimeLedger, dist
         "wall_s_this_invocation": wall, "tokens": cfg.steps * task.tokens_per_step, "resumed_from_step": s.start,
         "run_dir": str(run.path), **final, **ranks, "time_ledger": ledger.to_json(),
     }
-    kd = getattr(s.mode, "loss_fn", None)
+    kd = s.loss_fn
     if hasattr(kd, "stats"):  # --teacher-rounds: targets taken, steps missing, bytes each way
         summary["kd"] = kd.stats()
     rounds = _rounds_summary(run.records())

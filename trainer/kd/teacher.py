@@ -42,15 +42,49 @@ def teacher_folder(teacher: str) -> Path:
     return path.resolve()
 
 
-def check_tokenizers(student: str, teacher: str) -> None:
-    """Refuse a teacher whose tokenizer differs from the student's (trainer.data.tokenizer_for's sha256 and
-    vocabulary size), naming both. Raises TeacherMismatchError."""
-    from trainer.data.model_tokenizer import tokenizer_for
+# Texts both tokenizers must encode alike when their files differ (one BPE saved two ways: tiktoken's ranks and the
+# transformers tokenizer.json that trainer.export writes from them): ASCII, digits, whitespace runs, accents, CJK.
+TOKENIZER_PROBE_TEXTS = ("The quick brown fox jumps over the lazy dog.", "  indented\n\n\tlines 1234567 3.14",
+                         "café naïve Straße — “quoted” ‘text’", "日本語のテキスト and 中文", "<|endoftext|> as text")
 
-    s, t = tokenizer_for(student), tokenizer_for(str(teacher_folder(teacher)))
-    if (s.sha256, s.vocab_size) != (t.sha256, t.vocab_size):
+
+def check_tokenizers(student: str, teacher: str) -> None:
+    """Refuse a teacher whose tokenizer differs from the student's, naming both. The same when their
+    trainer.data.tokenizer_for sha256 and vocabulary size match, or when the files differ but vocabulary, end-of-text
+    id and the ids of TOKENIZER_PROBE_TEXTS all match (a GPT-2 preset student, a teacher exported by trainer.export).
+    Raises TeacherMismatchError (also for a teacher folder without tokenizer files)."""
+    from trainer.data.model_tokenizer import TokenizerError, tokenizer_for
+
+    s = tokenizer_for(student)
+    try:
+        t = tokenizer_for(str(teacher_folder(teacher)))
+    except TokenizerError as exc:
+        raise TeacherMismatchError(f"--teacher: {exc}") from None
+    if (s.sha256, s.vocab_size) == (t.sha256, t.vocab_size):
+        return
+    texts = list(TOKENIZER_PROBE_TEXTS)
+    if (s.vocab_size, s.eos_id) != (t.vocab_size, t.eos_id) or s.encode_batch(texts) != t.encode_batch(texts):
         raise TeacherMismatchError(f"teacher tokenizer {t.name} (vocab {t.vocab_size}) differs from the student's "
                                    f"{s.name} (vocab {s.vocab_size}): distillation needs the same tokenizer")
+
+
+def check_teacher_run(cfg, *, fleet: bool) -> None:
+    """Refuse a `--teacher` run that cannot distil, before anything starts: another task than lm, a pure-ZO method
+    whose update is made of fleet probes (`fleet`: a coordinator's workers probe the run; they evaluate the CE loss
+    and never see the teacher's targets, so the teacher would not reach the update), or tokenizers that differ
+    (check_tokenizers). A ZO-Curv run on the fleet is allowed: its probes size the steps of (1-a) CE + a KD for the
+    CE loss the run is judged by. cfg: trainer.config.TrainConfig. Raises TeacherMismatchError."""
+    from trainer.methods import get_method
+
+    if cfg.teacher is None:
+        return
+    kind = get_method(cfg.optimizer).kind
+    if cfg.task != "lm" or (fleet and kind == "pure-zo"):
+        raise TeacherMismatchError(f"--teacher needs the lm task and, with fleet probes, a method whose update is "
+                                   f"not made of them (task {cfg.task!r}, {cfg.optimizer} is {kind}, fleet probes "
+                                   f"{fleet}): fleet probe workers evaluate the CE loss and never see the teacher's "
+                                   "targets; use adamw or a zocurv-* method, or probe in process")
+    check_tokenizers(cfg.model, cfg.teacher)
 
 
 def load_teacher(teacher: str, device: str) -> torch.nn.Module:
