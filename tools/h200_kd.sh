@@ -113,7 +113,7 @@ $py -m probe_worker.teacher --broker "$url" --queue "sparecycles.teacher.kd-$sha
   --device "$dev" --metrics-port 9150 > "$out/teacher_worker.log" 2>&1 &
 tw=$!
 common=(--model .dev/kd/student --data /tmp/kd/classics.jsonl --optimizer adamw --batch-size "${BATCH:-16}"
-        --seq-len "${SEQ:-512}" --lr 2e-3 --warmup-steps "${WARMUP:-100}" --eval-every 50 --eval-batches 32
+        --seq-len "${SEQ:-512}" --lr 2e-3 --warmup-steps "${WARMUP:-100}" --eval-every 50 --eval-batches 16
         --checkpoint-every 100000 --device "$dev" --no-progress --no-export)
 kd=(--teacher smollm2-135m --kd-estimator sampled --kd-k 16 --kd-alpha 0.5 --teacher-rounds "$url" --kd-window 32 --kd-strict)
 pids=()
