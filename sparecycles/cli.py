@@ -14,6 +14,7 @@ import typer
 from api import cli as api_cli
 from benchmarks.cli import bench_app
 from probe_worker import cli as worker_cli
+from sparecycles.kd_cli import kd_app
 from sparecycles.up_plan import NOT_SETTABLE
 from trainer import cli as trainer_cli
 from trainer import export_cli
@@ -60,6 +61,7 @@ trainer_cli.FLEET_ATTACH = _attach  # `train --coordinator`: the top layer hands
 trainer_cli.TEACHER_ROUNDS = _teacher_rounds  # `train --teacher-rounds`: teacher targets from the fleet
 trainer_cli.FLEET_SETTINGS = _fleet_settings  # ... and the check of its environment, made with the option checks
 app.add_typer(trainer_cli.data_app, name="data")
+app.add_typer(kd_app, name="kd")  # `kd fill`: teacher targets ahead of time (fleet.kd_fill)
 app.command("train", cls=SettingsCommand, short_help="Train one model in this process; write its run folder.")(
     stops_cleanly(trainer_cli.train))
 app.command("export", short_help="Export a finished run's model as a transformers folder.")(

@@ -194,6 +194,10 @@ TeacherRounds = Annotated[str | None, _O(
 KDWindow = Annotated[int, _O(min=1, max=1024, help="With --teacher-rounds: steps of teacher rounds sent ahead.")]
 KDStrict = Annotated[bool, _O(help="With --teacher-rounds: wait for each step's targets (up to 120 s) instead of "
                               "training it on CE alone.")]
+KDCache = Annotated[Path | None, _O(
+    help="With --teacher: read each step's targets from this target cache (filled ahead of time by `sparecycles kd "
+         "fill` with the same run settings) instead of a teacher; a step not in it trains on CE alone and is "
+         "counted (kd_missing_steps). A cache of another plan (teacher, data, batch, seed, recipe) is refused.")]
 ConfigFile = Annotated[Path | None, _O(hidden=True, help="A whole TrainConfig as JSON (what `up --nproc-per-node` "
                                        "hands its ranks): replaces --preset and the run's settings.")]
 
@@ -206,7 +210,7 @@ def train(settings: dict, preset: Preset = "demo", resume: Resume = False, overw
           nproc_per_node: Nproc = None, shard: Shard = False, micro_batch_size: MicroBatch = None,
           dist_timeout: DistTimeout = 600.0, metrics_port: MetricsPort = None, metrics_host: MetricsHost = "127.0.0.1",
           config: ConfigFile = None, require_fleet: RequireFleet = False, teacher_rounds: TeacherRounds = None,
-          kd_window: KDWindow = 8, kd_strict: KDStrict = False) -> None:
+          kd_window: KDWindow = 8, kd_strict: KDStrict = False, kd_cache: KDCache = None) -> None:
     """Train a model and write a run folder (metrics.jsonl, TensorBoard event files, checkpoint.safetensors,
     loss.png, summary.json, export/).
 
@@ -230,6 +234,9 @@ def train(settings: dict, preset: Preset = "demo", resume: Resume = False, overw
                                  param_hint="--require-fleet")
     cfg = _resolve_checked(preset, settings, eval_on=eval_on, fleet_wait=fleet_wait, eval_windows=eval_windows,
                            coordinator=coordinator, config=config)
+    if kd_cache is not None and (cfg.teacher is None or teacher_rounds):
+        raise typer.BadParameter("--kd-cache needs --teacher and replaces --teacher-rounds (got teacher "
+                                 f"{cfg.teacher!r}, teacher rounds {teacher_rounds!r})", param_hint="--kd-cache")
     fleet_settings = _fleet_settings() if coordinator else None
     if nproc_per_node is not None and not launch.launched_by_torchrun():
         launch.check_launch(cfg, shard, nproc_per_node, micro_batch_size)  # the ranks would refuse these only after torchrun started them
@@ -249,10 +256,26 @@ def train(settings: dict, preset: Preset = "demo", resume: Resume = False, overw
                              fleet_settings) if coordinator else {}
     if teacher_rounds:
         fleet_kw["kd_loss_factory"] = _teacher_rounds(cfg, teacher_rounds, kd_window, kd_strict)
+    if kd_cache is not None:
+        fleet_kw["kd_loss_factory"] = _kd_cache(cfg, kd_cache, dist.rank)
     result = _run_train(cfg, dist, folder, resume=resume, progress=progress, overwrite=overwrite, export=export,
                         fleet_kw=fleet_kw)
     if dist.is_main:
         _report(result, warning, require_fleet)
+
+
+def _kd_cache(cfg: Any, root: Path, rank: int) -> Any:
+    """train's kd_loss_factory for --kd-cache (trainer.kd.cache); the cache's plan is checked here, before the
+    run folder is opened: another plan, a cache holding none, or a bad teacher exits 2 with one line."""
+    from trainer.kd.cache import kd_cache_factory, open_for_run, plan_for
+    from trainer.tasks import build_task
+
+    try:
+        open_for_run(root, plan_for(cfg, build_task(cfg), rank=rank))
+    except ValueError as exc:  # CachePlanError, TeacherMismatchError, a --data build refused
+        typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from exc
+    return kd_cache_factory(root)
 
 
 def _teacher_rounds(cfg: Any, url: str, window: int, strict: bool) -> Any:

@@ -1,0 +1,191 @@
+"""Teacher targets ahead of time (issue 36): `sparecycles kd fill` with a real teacher worker process on the test
+Redis stores exactly the planned steps, each blob the in-process teacher's encoded targets bit for bit; a second
+fill sends nothing, a longer one only the rest; `train --kd-cache` equals `train --teacher-rounds --kd-strict`,
+counts the steps a cache lacks, and refuses a cache of another plan naming the field."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from sparecycles.cli import app
+from trainer.kd.cache import KDPlan, TargetCache, plan_for
+from trainer.kd.targets import make_targets
+from trainer.kd.teacher import batch_key, load_teacher, teacher_sha256
+from wire.kd_targets import encode
+
+STEPS, K = 4, 4
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory, redis_url: str):
+    """(teacher folder, data folder, redis URL): an exported gpt2-tiny teacher of another seed than the student
+    (tokenizer files included, as `train --teacher` needs), real text, and one teacher worker process on the
+    queue `train --teacher-rounds` and `kd fill` use by default (kd-<sha[:12]>-<seed 0>)."""
+    from support.user_data import real_documents
+    from trainer.export import export_model, gpt2_tokenizer
+    from trainer.models import build_model
+
+    root = tmp_path_factory.mktemp("kdcache")
+    teacher = export_model(build_model("gpt2-tiny", seed=123), root / "teacher", tokenizer=gpt2_tokenizer())
+    (root / "data").mkdir()
+    (root / "data" / "docs.txt").write_text("\n\n".join(real_documents()))
+    queue = f"sparecycles.teacher.kd-{teacher_sha256(str(teacher))[:12]}-0"
+    proc = subprocess.Popen([sys.executable, "-m", "probe_worker.teacher", "--broker", redis_url, "--queue", queue,
+                             "--visibility-timeout", "5"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        yield Path(teacher), root / "data", redis_url
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+
+
+def _run_args(teacher: Path, data: Path, steps: int = STEPS, k: int = K) -> list[str]:
+    return ["--model", "gpt2-tiny", "--data", str(data), "--teacher", str(teacher), "--steps", str(steps),
+            "--batch-size", "2", "--seq-len", "16", "--seed", "0", "--kd-k", str(k), "--kd-estimator", "sampled"]
+
+
+def _fill(setup, cache: Path, steps: int) -> dict:
+    teacher, data, url = setup
+    res = CliRunner().invoke(app, ["kd", "fill", *_run_args(teacher, data, steps), "--redis-url", url,
+                                   "--cache", str(cache), "--timeout", "60", "--no-progress"])
+    assert res.exit_code == 0, res.output
+    return json.loads(res.stdout)
+
+
+def _train(setup, run_dir: Path, *extra: str, k: int = K):
+    teacher, data, _ = setup
+    return CliRunner().invoke(app, ["train", *_run_args(teacher, data, k=k), "--warmup-steps", "0",
+                                    "--eval-batches", "1", "--run-dir", str(run_dir), "--no-progress", "--no-export",
+                                    *extra])
+
+
+def _records(run_dir: Path) -> list[dict]:
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: r[k] for k in ("step", "loss", "ce_loss", "kd_loss", "val_loss") if k in r} for r in recs]
+
+
+@pytest.fixture(scope="module")
+def filled(setup, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
+    """A cache filled in two invocations (2 steps, then all STEPS) and a third that finds everything: their
+    reports."""
+    cache = tmp_path_factory.mktemp("cache")
+    return cache, [_fill(setup, cache, 2), _fill(setup, cache, STEPS), _fill(setup, cache, STEPS)]
+
+
+def _plan(setup) -> KDPlan:
+    from trainer.config import resolve_preset
+    from trainer.tasks import build_task
+
+    teacher, data, _ = setup
+    cfg = resolve_preset("demo", {"model": "gpt2-tiny", "data": str(data), "teacher": str(teacher), "steps": STEPS,
+                                  "batch_size": 2, "seq_len": 16, "seed": 0, "kd_k": K, "kd_estimator": "sampled"})
+    return plan_for(cfg, build_task(cfg)), build_task(cfg)
+
+
+def test_fill_stores_the_planned_steps_bit_for_bit_and_resumes(setup, filled) -> None:
+    cache_root, (first, second, third) = filled
+    assert (first["planned"], first["present"], first["stored"], first["sent"]) == (2, 0, 2, 2)
+    assert (second["present"], second["stored"], second["sent"]) == (2, STEPS - 2, STEPS - 2)  # only the rest
+    assert (third["present"], third["stored"], third["sent"]) == (STEPS, 0, 0)  # nothing sent
+    assert first["key"] == second["key"] == third["key"]
+    plan, task = _plan(setup)
+    folder = cache_root / plan.key()
+    assert sorted(p.name for p in folder.iterdir()) == [*(f"{s:07d}.kd" for s in range(STEPS)), "plan.json"]
+    assert KDPlan.model_validate_json((folder / "plan.json").read_text()).steps == STEPS
+    cache = TargetCache(cache_root).open(plan)
+    assert cache.missing(range(STEPS + 2)) == [STEPS, STEPS + 1] and cache.get(STEPS) is None
+    teacher = load_teacher(str(setup[0]), "cpu")
+    for step in range(STEPS):
+        x = task.batch(step)[0]
+        with torch.no_grad():
+            z = teacher(input_ids=x).logits
+        want = encode(make_targets(z, kind="sampled", k=K, temperature=1.0, seed=0, step=batch_key(x), rank=0))
+        assert _canonical(cache.get(step)) == _canonical(want), step  # the in-process teacher's, bit for bit
+
+
+def _canonical(blob: bytes | None) -> tuple[dict, bytes]:
+    """(header JSON, tensor bytes) of a safetensors blob: its tensor bytes exactly; the header as parsed JSON,
+    because safetensors writes the __metadata__ entries in hash-map order (one blob's bytes vary there from one
+    encode to the next)."""
+    assert blob is not None
+    n = int.from_bytes(blob[:8], "little")
+    return json.loads(blob[8:8 + n]), blob[8 + n:]
+
+
+def test_train_from_the_cache_equals_teacher_rounds_counts_missing_and_refuses_another_plan(
+        setup, filled, tmp_path: Path) -> None:
+    cache_root, _ = filled
+    res = _train(setup, tmp_path / "rounds", "--teacher-rounds", setup[2], "--kd-strict", "--kd-window", "2")
+    assert res.exit_code == 0, res.output
+    res = _train(setup, tmp_path / "cached", "--kd-cache", str(cache_root))
+    assert res.exit_code == 0, res.output
+    assert _records(tmp_path / "cached") == _records(tmp_path / "rounds")  # bit for bit: loss, CE, KD, val loss
+    assert sum("kd_loss" in r for r in _records(tmp_path / "cached")) == STEPS
+    cached = json.loads((tmp_path / "cached" / "summary.json").read_text())
+    assert cached["kd"]["kd_taken_steps"] == STEPS and cached["kd"]["kd_missing_steps"] == 0
+    rounds = json.loads((tmp_path / "rounds" / "summary.json").read_text())
+    assert cached["final_val_loss"] == rounds["final_val_loss"]
+
+    plan, _ = _plan(setup)  # a copy of the key folder, given directly, without step 2: trained on CE, counted
+    partial = tmp_path / "partial" / "renamed"
+    shutil.copytree(cache_root / plan.key(), partial)
+    (partial / "0000002.kd").unlink()
+    res = _train(setup, tmp_path / "holes", "--kd-cache", str(partial))
+    assert res.exit_code == 0, res.output
+    holes = json.loads((tmp_path / "holes" / "summary.json").read_text())
+    assert holes["kd"]["kd_missing_steps"] == 1 and holes["kd"]["kd_taken_steps"] == STEPS - 1
+    assert holes["warning_counts"]["teacher_missing"] == 1
+
+    res = _train(setup, tmp_path / "other", "--kd-cache", str(partial), k=8)  # another recipe: refused
+    assert res.exit_code == 2 and "k 8 != 4" in res.output and not (tmp_path / "other").exists()
+    res = _train(setup, tmp_path / "other", "--kd-cache", str(cache_root), k=8)  # the root: the closest plan named
+    assert res.exit_code == 2 and "k 8 != 4" in res.output and not (tmp_path / "other").exists()
+
+
+def test_a_rejected_answer_is_asked_again_and_an_unanswered_step_stops_the_fill(setup, tmp_path: Path) -> None:
+    """A bad blob under step 0's target key (the worker's SET NX then writes nothing): taken, rejected at intake,
+    the step sent again and the worker's answer stored. With no worker on the queue, a step unanswered after
+    --attempts sends of --timeout seconds each exits 1, keeping what was stored."""
+    import redis
+
+    from wire.kd_targets import KDTargets
+    from wire.teacher_messages import target_key
+
+    teacher, data, url = setup
+    plan, task = _plan(setup)
+    store = redis.Redis.from_url(url)
+    bad = KDTargets(kind="sampled", ids=torch.full((2, 16, K), 50257), logp=torch.full((2, 16, K), -1.0),
+                    vocab=50257, temperature=1.0)
+    store.set(target_key(f"kd-{plan.teacher_sha256[:12]}-0", 0, batch_key(task.batch(0)[0])), encode(bad), ex=600)
+    report = _fill(setup, tmp_path / "c1", 1)
+    assert (report["stored"], report["rejected"], report["sent"], report["resent"]) == (1, 1, 2, 1)
+
+    run = f"kd-nobody-{os.getpid()}"
+    res = CliRunner().invoke(app, ["kd", "fill", *_run_args(teacher, data, 1), "--redis-url", url, "--cache",
+                                   str(tmp_path / "c2"), "--run", run, "--timeout", "0.3", "--attempts", "2",
+                                   "--no-progress"])
+    assert res.exit_code == 1 and "no valid answer after 2 sends" in res.output, res.output
+    assert store.llen(f"sparecycles.teacher.{run}") == 2  # sent twice, never taken
+    store.delete(f"sparecycles.teacher.{run}")
+
+
+def test_fill_refuses_a_run_without_teacher(tmp_path: Path) -> None:
+    res = CliRunner().invoke(app, ["kd", "fill", "--model", "gpt2-tiny", "--steps", "2", "--cache",
+                                   str(tmp_path / "c"), "--no-progress"])
+    assert res.exit_code == 2 and "kd fill needs --teacher" in res.output
