@@ -116,16 +116,7 @@ def test_fill_stores_the_planned_steps_bit_for_bit_and_resumes(setup, filled) ->
         with torch.no_grad():
             z = teacher(input_ids=x).logits
         want = encode(make_targets(z, kind="sampled", k=K, temperature=1.0, seed=0, step=batch_key(x), rank=0))
-        assert _canonical(cache.get(step)) == _canonical(want), step  # the in-process teacher's, bit for bit
-
-
-def _canonical(blob: bytes | None) -> tuple[dict, bytes]:
-    """(header JSON, tensor bytes) of a safetensors blob: its tensor bytes exactly; the header as parsed JSON,
-    because safetensors writes the __metadata__ entries in hash-map order (one blob's bytes vary there from one
-    encode to the next)."""
-    assert blob is not None
-    n = int.from_bytes(blob[:8], "little")
-    return json.loads(blob[8:8 + n]), blob[8 + n:]
+        assert cache.get(step) == want, step  # the in-process teacher's blob, byte for byte (wire.kd_targets.encode)
 
 
 def test_train_from_the_cache_equals_teacher_rounds_counts_missing_and_refuses_another_plan(

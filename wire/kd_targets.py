@@ -56,12 +56,19 @@ def id_dtype(vocab: int) -> torch.dtype:
 
 
 def encode(targets: KDTargets, *, logp_dtype: torch.dtype = torch.float16) -> bytes:
-    """Serialise `targets` to a `<kind>/1` safetensors blob (ids narrowed to `id_dtype`, logp to `logp_dtype`)."""
+    """Serialise `targets` to a `<kind>/1` safetensors blob (ids narrowed to `id_dtype`, logp to `logp_dtype`).
+    The same targets give the same bytes: the header is rewritten with sorted keys (safetensors writes its
+    `__metadata__` map in a random order), so a content-addressed target cache can compare blobs byte for byte."""
     meta = {FORMAT_KEY: f"{targets.kind}/{WIRE_VERSION}", "vocab": str(targets.vocab),
             "temperature": repr(float(targets.temperature))}
     tensors = {"ids": targets.ids.to(torch.int64).to(id_dtype(targets.vocab)).contiguous(),
                "logp": targets.logp.to(logp_dtype).contiguous()}
-    return save(tensors, metadata=meta)
+    blob = save(tensors, metadata=meta)
+    (n,) = struct.unpack("<Q", blob[:8])
+    header = json.dumps(json.loads(blob[8 : 8 + n]), separators=(",", ":"), sort_keys=True).encode()
+    if len(header) > n:  # cannot happen for the same content; keep safetensors' own bytes rather than guess
+        return blob
+    return blob[:8] + header.ljust(n, b" ") + blob[8 + n :]  # safetensors pads its header with spaces
 
 
 def _meta(blob: bytes) -> dict[str, str]:
