@@ -161,7 +161,8 @@ class FleetKDLoss:
 
 def kd_loss_factory(redis_url: str, *, window: int = 8, strict: bool = False, strict_timeout_s: float = 120.0,
                     run: str | None = None) -> Callable:
-    """trainer.train's `kd_loss_factory`: (cfg, task, rank) -> FleetKDLoss over the teacher rounds of a
+    """trainer.train's `kd_loss_factory`: (cfg, task, rank, batch_fn=None) -> FleetKDLoss over the teacher rounds of
+    `batch_fn(step)`'s batches (this rank's, under torchrun; default task.batch) sent by a
     FleetTeacher on `redis_url` (its Celery broker and target store) for the run named `run` (default: kd-, the
     teacher's sha256 prefix and the seed, so a resumed run finds its queue). Raises ValueError for a non-redis
     URL, and (when built) for --kd-estimator full: the fleet sends sparse targets only."""
@@ -169,12 +170,12 @@ def kd_loss_factory(redis_url: str, *, window: int = 8, strict: bool = False, st
         raise ValueError(f"teacher rounds need a redis:// URL, got {redis_url!r}")
     from coordinator.celery_app import make_celery
 
-    def build(cfg, task, rank: int) -> FleetKDLoss:
+    def build(cfg, task, rank: int, batch_fn: Callable | None = None) -> FleetKDLoss:
         if cfg.kd_estimator == "full":
             raise ValueError("teacher rounds on the fleet send sparse targets: --kd-estimator sampled or topk")
         name = run or f"kd-{teacher_sha256(cfg.teacher)[:12]}-{cfg.seed}"
         store = redis.Redis.from_url(redis_url, socket_timeout=10, socket_connect_timeout=5)
-        fleet = FleetTeacher(make_celery(redis_url), store, run=name, teacher=cfg.teacher, batch_fn=task.batch,
+        fleet = FleetTeacher(make_celery(redis_url), store, run=name, teacher=cfg.teacher, batch_fn=batch_fn or task.batch,
                              kind=cfg.kd_estimator, k=cfg.kd_k, temperature=cfg.kd_temperature, seed=cfg.seed,
                              rank=rank, window=window, strict=strict, strict_timeout_s=strict_timeout_s)
         return FleetKDLoss(fleet, alpha=cfg.kd_alpha)

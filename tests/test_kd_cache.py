@@ -41,7 +41,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory, redis_url: str):
     (root / "data" / "docs.txt").write_text("\n\n".join(real_documents()))
     queue = f"sparecycles.teacher.kd-{teacher_sha256(str(teacher))[:12]}-0"
     proc = subprocess.Popen([sys.executable, "-m", "probe_worker.teacher", "--broker", redis_url, "--queue", queue,
-                             "--visibility-timeout", "5"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             "--visibility-timeout", "5", "--threads", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     try:
         yield Path(teacher), root / "data", redis_url
@@ -111,10 +111,15 @@ def test_fill_stores_the_planned_steps_bit_for_bit_and_resumes(setup, filled) ->
     cache = TargetCache(cache_root).open(plan)
     assert cache.missing(range(STEPS + 2)) == [STEPS, STEPS + 1] and cache.get(STEPS) is None
     teacher = load_teacher(str(setup[0]), "cpu")
-    for step in range(STEPS):
-        x = task.batch(step)[0]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the worker runs (--threads 1): one summation order, whatever the machine's load
+    try:
         with torch.no_grad():
-            z = teacher(input_ids=x).logits
+            logits = [teacher(input_ids=task.batch(step)[0]).logits for step in range(STEPS)]
+    finally:
+        torch.set_num_threads(threads)
+    for step in range(STEPS):
+        x, z = task.batch(step)[0], logits[step]
         want = encode(make_targets(z, kind="sampled", k=K, temperature=1.0, seed=0, step=batch_key(x), rank=0))
         assert cache.get(step) == want, step  # the in-process teacher's blob, byte for byte (wire.kd_targets.encode)
 

@@ -51,7 +51,8 @@ def _fleet(redis_url: str, teacher_dir: Path, run: str, **kw) -> FleetTeacher:
 
 def _start_worker(redis_url: str, run: str, pause_s: float = 0.0) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "probe_worker.teacher", "--broker", redis_url, "--queue",
-                             teacher_queue(run), "--visibility-timeout", "5", "--pause-s", str(pause_s)],
+                             teacher_queue(run), "--visibility-timeout", "5", "--pause-s", str(pause_s),
+                             "--threads", "1"],  # one CPU thread, as _reference: the same reduction order
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
 
@@ -66,9 +67,16 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def _reference(teacher_dir: Path, x: torch.Tensor) -> KDTargets:
-    """The in-process teacher's targets of batch x through the same wire format (fp16 log-probs)."""
-    with torch.no_grad():
-        z = load_teacher(str(teacher_dir), "cpu")(input_ids=x).logits
+    """The in-process teacher's targets of batch x through the same wire format (fp16 log-probs), on one CPU
+    thread as the test's worker runs: a BLAS that picks its thread count by load (MKL_DYNAMIC) sums in another
+    order under another count, and a sampled id at a near-tie can then differ."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            z = load_teacher(str(teacher_dir), "cpu")(input_ids=x).logits
+    finally:
+        torch.set_num_threads(threads)
     t = make_targets(z, kind="sampled", k=K, temperature=1.0, seed=SEED, step=batch_key(x), rank=0)
     return decode(encode(t), batch_shape=(B, T), vocab=50257)
 
@@ -251,3 +259,43 @@ def test_teacher_rounds_without_teacher_exits_2(tmp_path: Path) -> None:
                                    "redis://127.0.0.1:6379/11", "--run-dir", str(tmp_path / "run"), "--no-progress"])
     assert res.exit_code == 2 and "--teacher-rounds needs --teacher" in res.output
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_teacher_rounds_under_torchrun_teach_each_rank_its_own_rows(redis_url: str, tmp_path: Path) -> None:
+    """`train --nproc-per-node 2 --teacher-rounds --kd-strict` (gloo on the CPU): each rank sends the rounds of the
+    rows it trains on (its half of the global batch, trainer.distributed.batch_for), so rank 0 takes every step's
+    targets and no step trains on CE alone; each rank leaves exactly the window sent past the last step unread."""
+    import json
+
+    from trainer.export import export_model, gpt2_tokenizer
+    from trainer.kd.teacher import teacher_sha256
+
+    teacher = export_model(build_model("gpt2-tiny", seed=123), tmp_path / "teacher", tokenizer=gpt2_tokenizer())
+    run = f"kd-{teacher_sha256(str(teacher))[:12]}-5"
+    store = redis.Redis.from_url(redis_url, socket_timeout=10)
+    for key in store.scan_iter(f"sc:kd:{run}:*"):
+        store.delete(key)
+    proc = _start_worker(redis_url, run)
+    try:
+        res = subprocess.run([sys.executable, "-m", "sparecycles.cli", "train", "--nproc-per-node", "2",
+                              "--teacher", str(teacher), "--teacher-rounds", redis_url, "--kd-strict",
+                              "--kd-window", "2", "--steps", "3", "--batch-size", "4", "--seq-len", "16",
+                              "--warmup-steps", "0", "--seed", "5", "--run-dir", str(tmp_path / "run"),
+                              "--no-progress", "--no-export"], capture_output=True, text=True, timeout=540)
+        assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+        deadline = time.monotonic() + 60  # the rounds sent past the last step (steps 3, 4) may still be answering
+        while time.monotonic() < deadline:
+            left = [len(list(store.scan_iter(f"sc:kd:{run}:{r}:*"))) for r in (0, 1)]
+            if left == [2, 2]:
+                break
+            time.sleep(0.2)
+    finally:
+        _stop(proc)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["kd"]["kd_taken_steps"] == 3 and summary["kd"]["kd_missing_steps"] == 0, summary["kd"]
+    assert "teacher_missing" not in summary.get("warning_counts", {})
+    assert left == [2, 2]  # rank 1 took its three steps' targets too: only the window past the run is left
+    for key in store.scan_iter(f"sc:kd:{run}:*"):
+        store.delete(key)

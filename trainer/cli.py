@@ -257,21 +257,26 @@ def train(settings: dict, preset: Preset = "demo", resume: Resume = False, overw
     if teacher_rounds:
         fleet_kw["kd_loss_factory"] = _teacher_rounds(cfg, teacher_rounds, kd_window, kd_strict)
     if kd_cache is not None:
-        fleet_kw["kd_loss_factory"] = _kd_cache(cfg, kd_cache, dist.rank)
+        fleet_kw["kd_loss_factory"] = _kd_cache(cfg, kd_cache, dist)
     result = _run_train(cfg, dist, folder, resume=resume, progress=progress, overwrite=overwrite, export=export,
                         fleet_kw=fleet_kw)
     if dist.is_main:
         _report(result, warning, require_fleet)
 
 
-def _kd_cache(cfg: Any, root: Path, rank: int) -> Any:
+def _kd_cache(cfg: Any, root: Path, dist: Any) -> Any:
     """train's kd_loss_factory for --kd-cache (trainer.kd.cache); the cache's plan is checked here, before the
-    run folder is opened: another plan, a cache holding none, or a bad teacher exits 2 with one line."""
+    run folder is opened: another plan, a cache holding none, a bad teacher, or a torchrun job (`kd fill` plans the
+    whole batch of one process; a rank trains on its rows of it) exits 2 with one line."""
     from trainer.kd.cache import kd_cache_factory, open_for_run, plan_for
     from trainer.tasks import build_task
 
     try:
-        open_for_run(root, plan_for(cfg, build_task(cfg), rank=rank))
+        if dist.parallel:
+            raise ValueError(f"--kd-cache under torchrun ({dist.world} ranks): `kd fill` plans the whole batch "
+                             "of one process and each rank trains on its rows of it; use --teacher-rounds, or one "
+                             "process")
+        open_for_run(root, plan_for(cfg, build_task(cfg), rank=dist.rank))
     except ValueError as exc:  # CachePlanError, TeacherMismatchError, a --data build refused
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from exc

@@ -90,7 +90,7 @@ def train(
     `evaluator_factory(task, cfg, model, mode)` replaces the trainer's own evaluation
     (trainer.evaluation.InlineEvaluator), e.g. fleet.evaluation.FleetEvaluator: its records may arrive steps later
     (logged then, at their own step); all of them are in before the report (one process only: a torchrun job
-    evaluates on its ranks). `kd_loss_factory(cfg, task, rank)` with --teacher replaces the in-process teacher
+    evaluates on its ranks). `kd_loss_factory(cfg, task, rank, batch_fn=)` (batch_fn(step) -> this rank's (x, y)) with --teacher replaces the in-process teacher
     (trainer.kd.teacher.KDLoss) by a loss_fn whose targets come from elsewhere, e.g. fleet.teacher.FleetKDLoss
     (teacher rounds on workers). summary.json's `time_ledger` splits this invocation's wall time into phases
     (trainer.ledger).
@@ -410,7 +410,17 @@ def _loss_fn(cfg: TrainConfig, task: Task, dist: DistContext, kd_loss_factory=No
     if cfg.teacher is None:
         return task.loss_fn
     if kd_loss_factory is not None:
-        return kd_loss_factory(cfg, task, dist.rank)
+        from trainer.methods import get_method
+
+        kind = get_method(cfg.optimizer).kind
+
+        def rank_batch(step: int):
+            """This rank's (x, y) of `step` (under torchrun its rows of the global batch): the batch it trains on,
+            so the one its targets must be made for. Micro-batches: the whole batch (each misses its targets)."""
+            batch = dist.batch_for(task, step, kind)
+            return batch if isinstance(batch, tuple) else task.batch(step)
+
+        return kd_loss_factory(cfg, task, dist.rank, batch_fn=rank_batch)
     from trainer.kd.teacher import KDLoss, load_teacher
 
     return KDLoss(load_teacher(cfg.teacher, cfg.device), alpha=cfg.kd_alpha, estimator=cfg.kd_estimator,

@@ -304,10 +304,10 @@ def kd_cache_factory(root: Path | str, *, window: int = 8) -> Callable:
     """trainer.train's `kd_loss_factory` for `train --kd-cache ROOT`: (cfg, task, rank) -> CacheKDLoss over the
     cache of the plan of (cfg, task, rank) (open_for_run: raises CachePlanError naming a differing field)."""
 
-    def build(cfg: Any, task: Any, rank: int) -> CacheKDLoss:
+    def build(cfg: Any, task: Any, rank: int, batch_fn: Callable | None = None) -> CacheKDLoss:
         mine = plan_for(cfg, task, rank=rank)
         cache = open_for_run(root, mine)
         run = f"kd-{mine.teacher_sha256[:12]}-{cfg.seed}"
-        return CacheKDLoss(cache, task.batch, alpha=cfg.kd_alpha, run=run, window=window)
+        return CacheKDLoss(cache, batch_fn or task.batch, alpha=cfg.kd_alpha, run=run, window=window)
 
     return build
