@@ -120,7 +120,7 @@ def fill(cfg: Any, root: Path | str, redis_url: str, *, run: str | None = None, 
         while pending:
             pipe = store.pipeline(transaction=False)  # GETDEL every pending answer in one round trip
             for k in pending:
-                pipe.getdel(target_key(name, plan.rank, k))
+                pipe.getdel(target_key(name, plan.rank, fleet.recipe, k))
             again: list[int] = []
             for (k, s), blob in zip(list(pending.items()), pipe.execute(), strict=True):
                 if blob is None:

@@ -3,7 +3,7 @@
 
 The trainer's batches are a pure function of the step (trainer.tasks.Task.batch), so the window sends the
 batches of steps [s, s + window) before the trainer reaches them; each answer lands in Redis under
-wire.teacher_messages.target_key(run, rank, batch_key(x)). A step whose targets have not arrived trains on CE
+wire.teacher_messages.target_key(run, rank, recipe, batch_key(x)). A step whose targets have not arrived trains on CE
 alone and is counted in `sparecycles_trainer_kd_missing_steps` (a rejected blob also: trainer.kd.intake counts
 it in `..._kd_rejected`); `strict=True` waits for them up to `strict_timeout_s`, then counts the step missing.
 Each blob is read with GETDEL: taken once, so a redelivered answer is never counted twice.
@@ -27,12 +27,17 @@ from trainer.kd.teacher import batch_key, teacher_folder, teacher_sha256
 from trainer.ledger import phase
 from trainer.metrics import KD_AHEAD, KD_MISSING, KD_REJECTED
 from wire.kd_targets import KDTargets
-from wire.teacher_messages import TEACHER_TASK_NAME, TeacherTask, target_key
+from wire.teacher_messages import TEACHER_TASK_NAME, TeacherTask, recipe_tag, target_key
 
 
 def teacher_queue(run: str) -> str:
     """The Celery queue of `run`'s teacher rounds."""
     return f"sparecycles.teacher.{run}"
+
+
+class TeacherTimeout(ConnectionError):
+    """--kd-strict waited `strict_timeout_s` for a step's targets and none came: no teacher worker answers the
+    run's queue. A ConnectionError, so trainer.train checkpoints the position reached and says to --resume."""
 
 
 class FleetTeacher:
@@ -45,13 +50,15 @@ class FleetTeacher:
 
     def __init__(self, app: Celery, store: redis.Redis, *, run: str, teacher: str, batch_fn: Callable,
                  kind: str, k: int, temperature: float, seed: int, rank: int = 0, window: int = 8,
-                 strict: bool = False, strict_timeout_s: float = 120.0) -> None:
+                 strict: bool = False, strict_timeout_s: float = 120.0, steps: int | None = None) -> None:
         if window < 1 or not strict_timeout_s > 0:
             raise ValueError(f"teacher window {window} (>= 1) and strict timeout {strict_timeout_s} s (> 0)")
         self.app, self.store, self.run, self.batch_fn = app, store, run, batch_fn
         self.teacher_dir, self.sha = str(teacher_folder(teacher)), teacher_sha256(teacher)
         self.kind, self.k, self.temperature, self.seed, self.rank = kind, k, temperature, seed, rank
         self.window, self.strict, self.strict_timeout_s = window, strict, strict_timeout_s
+        self.recipe = recipe_tag(kind, k, temperature, seed)
+        self.steps = steps  # the run's length: no round is sent for a step at or past it (None: no end)
         self.sent: dict[int, int] = {}  # batch key -> step, for steps sent and not yet taken
         self.next_step = 0
         self.missing = self.taken = 0
@@ -71,6 +78,8 @@ class FleetTeacher:
     def advance(self, step: int) -> int:
         """Send the rounds of steps [max(step, next unsent), step + window); returns how many were sent."""
         start, stop = max(step, self.next_step), step + self.window
+        if self.steps is not None:
+            stop = min(stop, self.steps)
         with self.app.producer_or_acquire() as producer:
             for s in range(start, stop):
                 task = self.task_for(s)
@@ -81,13 +90,13 @@ class FleetTeacher:
         self.next_step = max(self.next_step, stop)
         pipe = self.store.pipeline(transaction=False)  # one round trip for the whole window
         for key in self.sent:
-            pipe.exists(target_key(self.run, self.rank, key))
+            pipe.exists(target_key(self.run, self.rank, self.recipe, key))
         answered = sum(int(n) for n in pipe.execute())
         KD_AHEAD.labels(self.run).set(answered)
         return max(0, stop - start)
 
     def _get(self, key: int) -> bytes | None:
-        return self.store.getdel(target_key(self.run, self.rank, key))
+        return self.store.getdel(target_key(self.run, self.rank, self.recipe, key))
 
     def take(self, x: torch.Tensor, vocab: int) -> KDTargets | None:
         """The targets of batch x (B, T) int64 for a student of `vocab` ids, taken once; None when missing or
@@ -104,7 +113,10 @@ class FleetTeacher:
                 blob = Retrying(stop=stop_after_delay(self.strict_timeout_s), wait=wait_fixed(0.05),
                                 retry=retry_if_result(lambda b: b is None))(self._get, key)
             except RetryError:
-                blob = None
+                raise TeacherTimeout(
+                    f"--kd-strict: no teacher targets for step {step} in {self.strict_timeout_s:.0f} s on queue "
+                    f"{teacher_queue(self.run)}: is a teacher worker consuming it (python -m probe_worker.teacher "
+                    f"--broker URL --queue {teacher_queue(self.run)})?") from None
         self.advance((step if step is not None else self.next_step - self.window) + 1)
         targets, why = None, "not arrived from the fleet"
         if blob is not None:
@@ -165,9 +177,15 @@ def kd_loss_factory(redis_url: str, *, window: int = 8, strict: bool = False, st
     `batch_fn(step)`'s batches (this rank's, under torchrun; default task.batch) sent by a
     FleetTeacher on `redis_url` (its Celery broker and target store) for the run named `run` (default: kd-, the
     teacher's sha256 prefix and the seed, so a resumed run finds its queue). Raises ValueError for a non-redis
-    URL, and (when built) for --kd-estimator full: the fleet sends sparse targets only."""
+    URL or a Redis that does not answer a PING (5 s), and (when built) for --kd-estimator full: the fleet sends
+    sparse targets only."""
     if not redis_url.startswith(("redis://", "rediss://")):
         raise ValueError(f"teacher rounds need a redis:// URL, got {redis_url!r}")
+    try:  # before the run starts: one line, not a Celery traceback at the first round
+        redis.Redis.from_url(redis_url, socket_timeout=5, socket_connect_timeout=5).ping()
+    except redis.RedisError as exc:
+        where = redis_url.split("://", 1)[1].rsplit("@", 1)[-1]  # host:port/db, never a password
+        raise ValueError(f"the Redis at {where} does not answer ({exc})") from None
     from coordinator.celery_app import make_celery
 
     def build(cfg, task, rank: int, batch_fn: Callable | None = None) -> FleetKDLoss:
@@ -177,7 +195,8 @@ def kd_loss_factory(redis_url: str, *, window: int = 8, strict: bool = False, st
         store = redis.Redis.from_url(redis_url, socket_timeout=10, socket_connect_timeout=5)
         fleet = FleetTeacher(make_celery(redis_url), store, run=name, teacher=cfg.teacher, batch_fn=batch_fn or task.batch,
                              kind=cfg.kd_estimator, k=cfg.kd_k, temperature=cfg.kd_temperature, seed=cfg.seed,
-                             rank=rank, window=window, strict=strict, strict_timeout_s=strict_timeout_s)
+                             rank=rank, window=window, strict=strict, strict_timeout_s=strict_timeout_s,
+                             steps=cfg.steps)
         return FleetKDLoss(fleet, alpha=cfg.kd_alpha)
 
     return build

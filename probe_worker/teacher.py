@@ -80,7 +80,7 @@ class TeacherRuntime:
 
     def answer(self, task: TeacherTask) -> str:
         """Compute and store the targets of one batch; 'duplicate' when its key is already answered."""
-        key = target_key(task.run, task.rank, task.key)
+        key = target_key(task.run, task.rank, task.recipe, task.key)
         if self.store.exists(key):
             return "duplicate"
         self._load(task)

@@ -161,14 +161,16 @@ def test_a_rejected_answer_is_asked_again_and_an_unanswered_step_stops_the_fill(
     import redis
 
     from wire.kd_targets import KDTargets
-    from wire.teacher_messages import target_key
+    from wire.teacher_messages import recipe_tag, target_key
 
     teacher, data, url = setup
     plan, task = _plan(setup)
     store = redis.Redis.from_url(url)
     bad = KDTargets(kind="sampled", ids=torch.full((2, 16, K), 50257), logp=torch.full((2, 16, K), -1.0),
                     vocab=50257, temperature=1.0)
-    store.set(target_key(f"kd-{plan.teacher_sha256[:12]}-0", 0, batch_key(task.batch(0)[0])), encode(bad), ex=600)
+    recipe = recipe_tag("sampled", K, 1.0, 0)
+    store.set(target_key(f"kd-{plan.teacher_sha256[:12]}-0", 0, recipe, batch_key(task.batch(0)[0])), encode(bad),
+              ex=600)
     report = _fill(setup, tmp_path / "c1", 1)
     assert (report["stored"], report["rejected"], report["sent"], report["resent"]) == (1, 1, 2, 1)
 

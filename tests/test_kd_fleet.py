@@ -18,7 +18,7 @@ import redis
 import torch
 
 from coordinator.celery_app import make_celery
-from fleet.teacher import FleetKDLoss, FleetTeacher, teacher_queue
+from fleet.teacher import FleetKDLoss, FleetTeacher, TeacherTimeout, teacher_queue
 from trainer.data import get_batch
 from trainer.kd.targets import make_targets
 from trainer.kd.teacher import batch_key, load_teacher
@@ -115,7 +115,7 @@ def test_missing_and_rejected_counted_and_ce_alone(redis_url: str, teacher_dir: 
     x1 = batch_fn(1)[0]
     bad = KDTargets(kind="sampled", ids=torch.full((B, T, K), 50257), logp=torch.full((B, T, K), -1.0),
                     vocab=50257, temperature=1.0)
-    fleet.store.set(target_key(run, 0, batch_key(x1)), encode(bad))
+    fleet.store.set(target_key(run, 0, fleet.recipe, batch_key(x1)), encode(bad))
     assert fleet.take(x1, 50257) is None
     assert KD_REJECTED.labels(run)._value.get() == rejected0 + 1
     assert KD_MISSING.labels(run)._value.get() == missing0 + 2 and fleet.missing == 2
@@ -163,7 +163,7 @@ def test_killed_worker_round_redelivered_taken_once(redis_url: str, teacher_dir:
     try:
         got = fleet.take(batch_fn(0)[0], 50257)
         assert got is not None and fleet.taken == 1 and fleet.missing == 0
-        assert fleet.store.get(target_key(run, 0, batch_key(batch_fn(0)[0]))) is None  # taken once
+        assert fleet.store.get(target_key(run, 0, fleet.recipe, batch_key(batch_fn(0)[0]))) is None  # taken once
     finally:
         _stop(proc)
 
@@ -204,7 +204,7 @@ def test_train_cli_with_teacher_rounds_end_to_end(redis_url: str, tmp_path: Path
         _stop(proc)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["kd"]["kd_taken_steps"] == 3 and summary["kd"]["kd_missing_steps"] == 0
-    assert summary["kd"]["kd_bytes_up"] == 5 * len(base64_ids(2, 16))  # window 2: steps 0..4 sent
+    assert summary["kd"]["kd_bytes_up"] == 3 * len(base64_ids(2, 16))  # steps 0..2: none past the run's last
     assert summary["time_ledger"]["counts"]["kd"] == 3 and "teacher_missing" not in summary.get("warning_counts", {})
     recs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in recs if "kd_loss" in r]
@@ -238,15 +238,15 @@ def test_worker_rejects_ids_outside_the_teacher_vocabulary_and_counts(redis_url:
     bad = {**good, "ids_b64": base64.b64encode(ids.tobytes()).decode(), "key": 1}
     with pytest.raises(Reject):
         run_teacher(runtime, metrics, bad)
-    assert metrics.tasks.labels("invalid")._value.get() == 1 and not store.exists(target_key(run, 0, 1))
+    assert metrics.tasks.labels("invalid")._value.get() == 1 and not store.exists(target_key(run, 0, fleet.recipe, 1))
     assert run_teacher(runtime, metrics, {**good, "teacher_sha256": "f" * 64, "key": 2}) == "refused"
     assert run_teacher(runtime, metrics, good) == "done"
     assert run_teacher(runtime, metrics, good) == "duplicate"
     assert metrics.tasks.labels("done")._value.get() == 1 and metrics.tasks.labels("duplicate")._value.get() == 1
     assert metrics.tokens_per_s._value.get() > 0
-    blob = store.get(target_key(run, 0, good["key"]))
+    blob = store.get(target_key(run, 0, fleet.recipe, good["key"]))
     assert metrics.bytes._value.get() == len(blob) > 0  # the one blob written; the duplicate wrote nothing
-    store.delete(target_key(run, 0, good["key"]))
+    store.delete(target_key(run, 0, fleet.recipe, good["key"]))
 
 
 def test_teacher_rounds_without_teacher_exits_2(tmp_path: Path) -> None:
@@ -261,12 +261,30 @@ def test_teacher_rounds_without_teacher_exits_2(tmp_path: Path) -> None:
     assert not (tmp_path / "run").exists()
 
 
+def test_teacher_rounds_on_a_redis_that_does_not_answer_exit_2_in_one_line(tmp_path: Path, teacher_dir: Path) -> None:
+    """`train --teacher X --teacher-rounds redis://<a closed port>`: `error: --teacher-rounds: the Redis at ... does
+    not answer (...)`, exit 2, no traceback."""
+    from typer.testing import CliRunner
+
+    from api.server import free_port
+    from sparecycles.cli import app
+    from trainer.export import export_model, gpt2_tokenizer
+
+    teacher = export_model(build_model("gpt2-tiny", seed=123), tmp_path / "teacher", tokenizer=gpt2_tokenizer())
+    res = CliRunner().invoke(app, ["train", "--steps", "1", "--batch-size", "2", "--seq-len", "16", "--teacher",
+                                   str(teacher), "--teacher-rounds", f"redis://127.0.0.1:{free_port()}/0",
+                                   "--run-dir", str(tmp_path / "run"), "--no-progress"])
+    assert res.exit_code == 2, res.output
+    assert "error: --teacher-rounds: the Redis at 127.0.0.1:" in res.output and "does not answer" in res.output
+    assert "Traceback" not in res.output
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_teacher_rounds_under_torchrun_teach_each_rank_its_own_rows(redis_url: str, tmp_path: Path) -> None:
     """`train --nproc-per-node 2 --teacher-rounds --kd-strict` (gloo on the CPU): each rank sends the rounds of the
     rows it trains on (its half of the global batch, trainer.distributed.batch_for), so rank 0 takes every step's
-    targets and no step trains on CE alone; each rank leaves exactly the window sent past the last step unread."""
+    targets and no step trains on CE alone; neither rank leaves a blob unread."""
     import json
 
     from trainer.export import export_model, gpt2_tokenizer
@@ -285,17 +303,34 @@ def test_teacher_rounds_under_torchrun_teach_each_rank_its_own_rows(redis_url: s
                               "--warmup-steps", "0", "--seed", "5", "--run-dir", str(tmp_path / "run"),
                               "--no-progress", "--no-export"], capture_output=True, text=True, timeout=540)
         assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
-        deadline = time.monotonic() + 60  # the rounds sent past the last step (steps 3, 4) may still be answering
-        while time.monotonic() < deadline:
-            left = [len(list(store.scan_iter(f"sc:kd:{run}:{r}:*"))) for r in (0, 1)]
-            if left == [2, 2]:
-                break
-            time.sleep(0.2)
+        time.sleep(2)  # a round still being answered would land now
+        left = [len(list(store.scan_iter(f"sc:kd:{run}:{r}:*"))) for r in (0, 1)]
     finally:
         _stop(proc)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["kd"]["kd_taken_steps"] == 3 and summary["kd"]["kd_missing_steps"] == 0, summary["kd"]
     assert "teacher_missing" not in summary.get("warning_counts", {})
-    assert left == [2, 2]  # rank 1 took its three steps' targets too: only the window past the run is left
+    assert left == [0, 0]  # rank 1 took its three steps' targets too (no round is sent past the last step)
     for key in store.scan_iter(f"sc:kd:{run}:*"):
         store.delete(key)
+
+
+def test_a_blob_of_another_recipe_is_never_taken_and_strict_fails_naming_the_queue(redis_url: str,
+                                                                                    teacher_dir: Path) -> None:
+    """Two runs of one name and batches but another k: the k=16 run's blob sits under its own recipe, so the k=4
+    run finds nothing (it would otherwise train on 16 ids per position as if they were its 4). With --kd-strict
+    and no worker, the wait ends in a TeacherTimeout (a ConnectionError: train checkpoints) naming the queue, not
+    in CE alone."""
+    run = f"kd-{uuid.uuid4().hex[:8]}"
+    k16 = FleetTeacher(make_celery(redis_url), redis.Redis.from_url(redis_url, socket_timeout=10), run=run,
+                       teacher=str(teacher_dir), batch_fn=batch_fn, kind="sampled", k=16, temperature=1.0, seed=SEED)
+    k4 = _fleet(redis_url, teacher_dir, run, strict=True, strict_timeout_s=0.5, steps=1)
+    assert k4.recipe != k16.recipe
+    x = batch_fn(0)[0]
+    k16.store.set(target_key(run, 0, k16.recipe, batch_key(x)), b"k16 blob", ex=60)
+    assert k4._get(batch_key(x)) is None
+    assert k4.advance(0) == 1  # the run's window: its one step (steps=1), none past it
+    with pytest.raises(TeacherTimeout, match=rf"no teacher targets for step 0 in 0 s on queue {teacher_queue(run)}"):
+        k4.take(x, 50257)
+    assert k4.next_step == 1
+    k16.store.delete(target_key(run, 0, k16.recipe, batch_key(x)), teacher_queue(run))  # the blob, the unread round

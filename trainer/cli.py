@@ -189,11 +189,11 @@ RequireFleet = Annotated[bool, _O(help="With --coordinator: a run in which no pr
                                    "applied (it equals AdamW) ends with an error (exit 1) instead of a warning.")]
 TeacherRounds = Annotated[str | None, _O(
     help="With --teacher: its targets from teacher rounds on the fleet (workers: `python -m probe_worker.teacher "
-         "--broker URL --queue sparecycles.teacher.RUN`) through this redis:// URL instead of a teacher in this "
+         "--broker URL --queue sparecycles.teacher.RUN`, RUN = kd-<12 hex of the teacher's sha256>-<seed>) through this redis:// URL instead of a teacher in this "
          "process; a step whose targets have not arrived trains on CE alone and is counted (kd_missing_steps).")]
 KDWindow = Annotated[int, _O(min=1, max=1024, help="With --teacher-rounds: steps of teacher rounds sent ahead.")]
-KDStrict = Annotated[bool, _O(help="With --teacher-rounds: wait for each step's targets (up to 120 s) instead of "
-                              "training it on CE alone.")]
+KDStrict = Annotated[bool, _O(help="With --teacher-rounds: wait for each step's targets instead of training it on "
+                              "CE alone; none in 120 s stops the run (checkpointed), naming the queue.")]
 KDCache = Annotated[Path | None, _O(
     help="With --teacher: read each step's targets from this target cache (filled ahead of time by `sparecycles kd "
          "fill` with the same run settings) instead of a teacher; a step not in it trains on CE alone and is "
@@ -285,14 +285,18 @@ def _kd_cache(cfg: Any, root: Path, dist: Any) -> Any:
 
 def _teacher_rounds(cfg: Any, url: str, window: int, strict: bool) -> Any:
     """train's kd_loss_factory for --teacher-rounds (TEACHER_ROUNDS, set by sparecycles.cli); exits 2 without
-    --teacher, with a non-redis URL or --kd-estimator full."""
+    --teacher, with a non-redis URL, --kd-estimator full or a Redis that does not answer."""
     if cfg.teacher is None or cfg.kd_estimator == "full" or not url.startswith(("redis://", "rediss://")):
         raise typer.BadParameter("--teacher-rounds needs --teacher, a redis:// URL and --kd-estimator sampled or "
                                  f"topk (got teacher {cfg.teacher!r}, {url!r}, {cfg.kd_estimator})",
                                  param_hint="--teacher-rounds")
     if TEACHER_ROUNDS is None:
         raise RuntimeError("trainer.cli.TEACHER_ROUNDS is unset: run `train` through the sparecycles CLI")
-    return TEACHER_ROUNDS(url, window=window, strict=strict)
+    try:
+        return TEACHER_ROUNDS(url, window=window, strict=strict)
+    except ValueError as exc:  # fleet.teacher.kd_loss_factory: the Redis does not answer
+        typer.secho(f"error: --teacher-rounds: {exc}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from exc
 
 
 def _setup_dist(cfg: Any, *, shard: bool, micro_batch_size: int | None, fleet: bool, timeout_s: float,

@@ -6,7 +6,7 @@ bytes, 32 KiB for 16 x 512), the teacher by its folder and sha256 (published onc
 sha256), and the target recipe (kind, k, temperature, seed). The batch counter `key` is
 trainer.kd.teacher.batch_key(x): the in-process teacher seeds its sampled ids with the same counter, so the
 fleet's targets equal the in-process ones for the same seed, device and dtype. The worker answers by SET NX of
-a wire.kd_targets blob under `target_key(run, rank, key)`: a redelivered task (a worker killed mid-window)
+a wire.kd_targets blob under `target_key(run, rank, recipe, key)`: a redelivered task (a worker killed mid-window)
 writes nothing twice.
 """
 
@@ -24,9 +24,17 @@ MAX_TEACHER_TOKENS = 1 << 20  # one batch's B * T: far above 16 x 512; a task ov
 TARGET_TTL_S = 3600  # an unread target blob expires (a trainer that died leaves nothing behind for long)
 
 
-def target_key(run: str, rank: int, key: int) -> str:
-    """The Redis key of the target blob of batch counter `key` (an unsigned 64-bit int) of `rank` in `run`."""
-    return f"sc:kd:{run}:{rank}:{key:016x}"
+def recipe_tag(kind: str, k: int, temperature: float, seed: int) -> str:
+    """The target recipe (estimator kind, ids per position, temperature, seed) as a key part, e.g.
+    "sampled16-t1.0-s0": two runs that share a run name and a batch but not a recipe never read each other's blob."""
+    return f"{kind}{k}-t{float(temperature)!r}-s{seed}"
+
+
+def target_key(run: str, rank: int, recipe: str, key: int) -> str:
+    """The Redis key of the target blob of batch counter `key` (an unsigned 64-bit int) of `rank` in `run`, made
+    with `recipe` (recipe_tag): a blob left by a run of another recipe (its window sent past its last step, an
+    hour's TTL) is never taken for this one's."""
+    return f"sc:kd:{run}:{rank}:{recipe}:{key:016x}"
 
 
 class TeacherTask(Message):
@@ -54,6 +62,11 @@ class TeacherTask(Message):
         if len(self.ids_raw()) != 4 * self.batch * self.seq_len:
             raise ValueError(f"ids_b64 does not hold {self.batch} x {self.seq_len} uint32 token ids")
         return self
+
+    @property
+    def recipe(self) -> str:
+        """recipe_tag of this round's kind, k, temperature and seed (its answer's target_key part)."""
+        return recipe_tag(self.kind, self.k, self.temperature, self.seed)
 
     def ids_raw(self) -> bytes:
         """The batch's token ids as little-endian uint32 bytes (B * T * 4); b'' when the base64 is malformed."""
