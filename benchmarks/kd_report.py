@@ -1,0 +1,149 @@
+"""Issue 36's must-show from a `tools/h200_kd.sh run` folder: CE alone vs fleet-taught, steps to the same loss.
+
+`python -m benchmarks.kd_report RUNS --out benchmarks/results/h200/kd-fleet` reads RUNS/ce-N and RUNS/kd-N (the
+run folders of `train` at horizon N steps: metrics.jsonl, summary.json), and writes:
+
+- `kd_report.json`: per horizon, CE-only's final validation loss, the step at which the taught run first reaches
+  it (linear interpolation between the two evaluations that bracket it; None when it never does), that step over
+  the horizon (the issue's goal: <= 0.6), both final losses, the teacher-round bytes per step over the wire (up:
+  round messages; down: target blobs), kd steps taken and missing, and each run's time ledger per step;
+- `kd_curves.png`: validation loss over steps, one panel per horizon;
+- `table.md`, also printed, for the README.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+
+def val_curve(run: Path) -> list[tuple[int, float]]:
+    """(step, validation loss in nats/token) for each evaluation in `run`/metrics.jsonl, in step order.
+
+    Raises FileNotFoundError without metrics.jsonl, ValueError when it holds no evaluation.
+    """
+    points = []
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if "val_loss" in rec:
+            points.append((int(rec["step"]), float(rec["val_loss"])))
+    if not points:
+        raise ValueError(f"{run}/metrics.jsonl holds no validation loss")
+    return sorted(points)
+
+
+def step_reaching(curve: list[tuple[int, float]], target: float) -> float | None:
+    """The first step at which `curve` (step, loss) falls to `target`, linearly interpolated between the two
+    evaluations that bracket the crossing; None when no evaluation reaches it. A curve at or under `target` at its
+    first evaluation reaches it there."""
+    prev = None
+    for step, loss in curve:
+        if loss <= target:
+            if prev is None or prev[1] == loss:
+                return float(step)
+            s0, l0 = prev
+            return s0 + (l0 - target) / (l0 - loss) * (step - s0)
+        prev = (step, loss)
+    return None
+
+
+def _per_step(summary: dict[str, Any]) -> dict[str, float]:
+    """Each ledger phase's seconds per optimizer step."""
+    steps = max(int(summary.get("steps", 0)) - int(summary.get("resumed_from_step") or 0), 1)
+    return {k: v / steps for k, v in summary["time_ledger"]["phases_s"].items()}
+
+
+def horizon(ce_dir: Path, kd_dir: Path) -> dict[str, Any]:
+    """The must-show row for one horizon from its CE-only and taught run folders (see the module docstring)."""
+    ce, kd = val_curve(ce_dir), val_curve(kd_dir)
+    ce_sum = json.loads((ce_dir / "summary.json").read_text())
+    kd_sum = json.loads((kd_dir / "summary.json").read_text())
+    n = ce[-1][0]
+    target = ce[-1][1]
+    reach = step_reaching(kd, target)
+    counts = kd_sum.get("kd") or {}
+    steps = max(kd[-1][0], 1)
+    ce_t, kd_t = _per_step(ce_sum), _per_step(kd_sum)
+    return {
+        "steps": n, "ce_final_val": target, "kd_final_val": kd[-1][1],
+        "kd_step_reaching_ce_final": None if reach is None else round(reach, 1),
+        "steps_ratio": None if reach is None else round(reach / n, 3),
+        "kd_taken_steps": counts.get("kd_taken_steps"), "kd_missing_steps": counts.get("kd_missing_steps"),
+        "bytes_up_per_step": round(counts.get("kd_bytes_up", 0) / steps),
+        "bytes_down_per_step": round(counts.get("kd_bytes_down", 0) / steps),
+        "ce_s_per_step": {k: round(v, 5) for k, v in ce_t.items()},
+        "kd_s_per_step": {k: round(v, 5) for k, v in kd_t.items()},
+        "step_time_ratio": round((kd_t["step"] + kd_t.get("kd", 0.0)) / ce_t["step"], 3),
+        "curves": {"ce": ce, "kd": kd},
+    }
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> Path:
+    """Validation loss over steps, CE alone vs taught, one panel per horizon; write `path` (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(rows), figsize=(6.5 * len(rows), 4.6), squeeze=False)
+    for ax, r in zip(axes[0], rows, strict=True):
+        for name, colour, label in (("ce", "tab:blue", "CE alone"), ("kd", "tab:red", "taught (fleet teacher)")):
+            pts = [(s, v) for s, v in r["curves"][name] if s > 0]
+            ax.plot(*zip(*pts, strict=True), "-", color=colour, label=label)
+        ax.axhline(r["ce_final_val"], color="gray", lw=0.8, ls="--")
+        if r["kd_step_reaching_ce_final"] is not None:
+            ax.plot([r["kd_step_reaching_ce_final"]], [r["ce_final_val"]], "k*", ms=12,
+                    label=f"taught reaches CE's final at {r['steps_ratio']:.2f}x the steps")
+        lo = min(v for name in ("ce", "kd") for s, v in r["curves"][name])
+        ax.set_ylim(lo - 0.1, lo + 2.5)
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel("validation loss (nats/token)")
+        ax.set_title(f"{r['steps']} steps", fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """Markdown: one row per horizon."""
+    out = ["| steps | CE final val | taught final val | taught reaches CE's final at | ratio | bytes/step up + down "
+           "| kd missing | step time taught / CE |",
+           "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        reach = "never" if r["kd_step_reaching_ce_final"] is None else f"{r['kd_step_reaching_ce_final']:.0f}"
+        ratio = "–" if r["steps_ratio"] is None else f"{r['steps_ratio']:.2f}×"
+        out.append(f"| {r['steps']} | {r['ce_final_val']:.4f} | {r['kd_final_val']:.4f} | {reach} | {ratio} | "
+                   f"{r['bytes_up_per_step']:,} + {r['bytes_down_per_step']:,} | {r['kd_missing_steps']} | "
+                   f"{r['step_time_ratio']:.2f}× |")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI: RUNS folder -> kd_report.json, kd_curves.png and table.md under --out. Exit 2 when RUNS holds no
+    ce-N/kd-N pair."""
+    p = argparse.ArgumentParser(prog="python -m benchmarks.kd_report", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("runs", type=Path, help="folder holding ce-N and kd-N run folders")
+    p.add_argument("--out", type=Path, required=True, help="results folder (created)")
+    a = p.parse_args(argv)
+    horizons = sorted(int(d.name[3:]) for d in a.runs.glob("ce-*") if d.is_dir() and (a.runs / f"kd-{d.name[3:]}").is_dir())
+    if not horizons:
+        print(f"error: {a.runs} holds no ce-N and kd-N run folders")
+        return 2
+    rows = [horizon(a.runs / f"ce-{n}", a.runs / f"kd-{n}") for n in horizons]
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / "kd_report.json").write_text(json.dumps({"horizons": rows}, indent=1) + "\n")
+    plot(rows, a.out / "kd_curves.png")
+    md = table(rows)
+    (a.out / "table.md").write_text(md + "\n")
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
