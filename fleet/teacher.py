@@ -1,5 +1,6 @@
 """Teacher rounds from the trainer's side (issue 36): a window of steps ahead sent to teacher workers
-(probe_worker/teacher.py), their target blobs taken at intake, and `FleetKDLoss`, the loss_fn that uses them.
+(probe_worker/teacher.py) and their target blobs taken at intake: a targets source of
+trainer.kd.sparse_loss.SparseKDLoss, the loss_fn that uses them.
 
 The trainer's batches are a pure function of the step (trainer.tasks.Task.batch), so the window sends the
 batches of steps [s, s + window) before the trainer reaches them; each answer lands in Redis under
@@ -16,13 +17,12 @@ from collections.abc import Callable
 
 import redis
 import torch
-import torch.nn.functional as F
 from celery import Celery
 from tenacity import RetryError, Retrying, retry_if_result, stop_after_delay, wait_fixed
 
 from trainer import health
-from trainer.kd.estimators import kd_loss, sparse_ce
 from trainer.kd.intake import accept
+from trainer.kd.sparse_loss import SparseKDLoss
 from trainer.kd.teacher import batch_key, teacher_folder, teacher_sha256
 from trainer.ledger import phase
 from trainer.metrics import KD_AHEAD, KD_MISSING, KD_REJECTED
@@ -98,6 +98,17 @@ class FleetTeacher:
     def _get(self, key: int) -> bytes | None:
         return self.store.getdel(target_key(self.run, self.rank, self.recipe, key))
 
+    def seek(self, step: int) -> None:
+        """Start the window at 0-based `step` (0, or a resume's checkpointed step); sends its rounds."""
+        self.next_step = step
+        self.advance(step)
+
+    def stats(self) -> dict[str, int]:
+        """{kd_taken_steps, kd_missing_steps, kd_bytes_up, kd_bytes_down}: the run's counts so far (bytes over
+        the wire: batch ids sent as base64, target blobs taken)."""
+        return {"kd_taken_steps": self.taken, "kd_missing_steps": self.missing, "kd_bytes_up": self.bytes_up,
+                "kd_bytes_down": self.bytes_down}
+
     def take(self, x: torch.Tensor, vocab: int) -> KDTargets | None:
         """The targets of batch x (B, T) int64 for a student of `vocab` ids, taken once; None when missing or
         rejected (counted, and reported through trainer.health as teacher_missing). Advances the window."""
@@ -132,48 +143,9 @@ class FleetTeacher:
         return targets
 
 
-class FleetKDLoss:
-    """loss_fn(model, (x, y)) -> (1 - alpha) * CE + alpha * KD with the fleet's sparse targets (float32 scalar,
-    nats/token); CE alone on a step without targets. Repeated calls on one batch (a ZO method's +/- probes)
-    reuse its targets. `last` keeps (ce, kd) floats (kd NaN on a missing step)."""
-
-    def __init__(self, fleet: FleetTeacher, *, alpha: float) -> None:
-        self.fleet, self.alpha = fleet, alpha
-        self._cached: tuple[int, KDTargets | None] | None = None
-        self.last: tuple[float, float] = (float("nan"), float("nan"))
-        self.seeked = False
-
-    def seek(self, step: int) -> None:
-        """Start the window at `step` (the run's first step: 0, or a resume's checkpointed step); sends its rounds."""
-        self.fleet.next_step = step
-        self.fleet.advance(step)
-        self.seeked = True
-
-    def __call__(self, model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        x, y = batch
-        if not self.seeked:  # used outside trainer.train: a run from step 0
-            self.seek(0)
-        key = batch_key(x)
-        logits = model(input_ids=x).logits  # (B, T, V)
-        if self._cached is None or self._cached[0] != key:
-            self._cached = (key, self.fleet.take(x, int(logits.shape[-1])))
-        targets = self._cached[1]
-        ce = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
-        kd = sparse_ce(logits, targets) if targets is not None else None
-        self.last = (float(ce.detach()), float(kd.detach()) if kd is not None else float("nan"))
-        return kd_loss(ce, kd, self.alpha)
-
-    def stats(self) -> dict[str, int]:
-        """{kd_taken_steps, kd_missing_steps, kd_bytes_up, kd_bytes_down}: the run's counts so far (bytes over
-        the wire: batch ids sent as base64, target blobs taken)."""
-        f = self.fleet
-        return {"kd_taken_steps": f.taken, "kd_missing_steps": f.missing, "kd_bytes_up": f.bytes_up,
-                "kd_bytes_down": f.bytes_down}
-
-
 def kd_loss_factory(redis_url: str, *, window: int = 8, strict: bool = False, strict_timeout_s: float = 120.0,
                     run: str | None = None) -> Callable:
-    """trainer.train's `kd_loss_factory`: (cfg, task, rank, batch_fn=None) -> FleetKDLoss over the teacher rounds of
+    """trainer.train's `kd_loss_factory`: (cfg, task, rank, batch_fn=None) -> SparseKDLoss over the teacher rounds of
     `batch_fn(step)`'s batches (this rank's, under torchrun; default task.batch) sent by a
     FleetTeacher on `redis_url` (its Celery broker and target store) for the run named `run` (default: kd-, the
     teacher's sha256 prefix and the seed, so a resumed run finds its queue). Raises ValueError for a non-redis
@@ -188,7 +160,7 @@ def kd_loss_factory(redis_url: str, *, window: int = 8, strict: bool = False, st
         raise ValueError(f"the Redis at {where} does not answer ({exc})") from None
     from coordinator.celery_app import make_celery
 
-    def build(cfg, task, rank: int, batch_fn: Callable | None = None) -> FleetKDLoss:
+    def build(cfg, task, rank: int, batch_fn: Callable | None = None) -> SparseKDLoss:
         if cfg.kd_estimator == "full":
             raise ValueError("teacher rounds on the fleet send sparse targets: --kd-estimator sampled or topk")
         name = run or f"kd-{teacher_sha256(cfg.teacher)[:12]}-{cfg.seed}"
@@ -197,6 +169,6 @@ def kd_loss_factory(redis_url: str, *, window: int = 8, strict: bool = False, st
                              kind=cfg.kd_estimator, k=cfg.kd_k, temperature=cfg.kd_temperature, seed=cfg.seed,
                              rank=rank, window=window, strict=strict, strict_timeout_s=strict_timeout_s,
                              steps=cfg.steps)
-        return FleetKDLoss(fleet, alpha=cfg.kd_alpha)
+        return SparseKDLoss(fleet, alpha=cfg.kd_alpha)
 
     return build

@@ -18,8 +18,9 @@ import redis
 import torch
 
 from coordinator.celery_app import make_celery
-from fleet.teacher import FleetKDLoss, FleetTeacher, TeacherTimeout, teacher_queue
+from fleet.teacher import FleetTeacher, TeacherTimeout, teacher_queue
 from trainer.data import get_batch
+from trainer.kd.sparse_loss import SparseKDLoss
 from trainer.kd.targets import make_targets
 from trainer.kd.teacher import batch_key, load_teacher
 from trainer.metrics import KD_MISSING, KD_REJECTED
@@ -86,7 +87,7 @@ def test_fleet_targets_equal_in_process_and_train(redis_url: str, teacher_dir: P
     proc = _start_worker(redis_url, run)
     try:
         fleet = _fleet(redis_url, teacher_dir, run, window=3, strict=True, strict_timeout_s=90)
-        loss_fn = FleetKDLoss(fleet, alpha=0.5)
+        loss_fn = SparseKDLoss(fleet, alpha=0.5)
         student = build_model("gpt2-tiny", seed=0)
         for step in range(4):
             x, y = batch_fn(step)
@@ -106,7 +107,7 @@ def test_missing_and_rejected_counted_and_ce_alone(redis_url: str, teacher_dir: 
     fleet = _fleet(redis_url, teacher_dir, run, window=2)  # no worker: nothing ever arrives
     missing0, rejected0 = KD_MISSING.labels(run)._value.get(), KD_REJECTED.labels(run)._value.get()
     x, y = batch_fn(0)
-    loss_fn = FleetKDLoss(fleet, alpha=0.5)
+    loss_fn = SparseKDLoss(fleet, alpha=0.5)
     student = build_model("gpt2-tiny", seed=0)
     loss = loss_fn(student, (x, y))
     assert float(loss.detach()) == loss_fn.last[0] and np.isnan(loss_fn.last[1])  # CE alone
@@ -127,7 +128,7 @@ def test_resume_window_starts_at_the_checkpointed_step(redis_url: str, teacher_d
     start + window - 1, the rounds name those steps' batches, and a take advances it by one step."""
     run = f"kd-{uuid.uuid4().hex[:8]}"
     fleet = _fleet(redis_url, teacher_dir, run, window=2)
-    loss_fn = FleetKDLoss(fleet, alpha=0.5)
+    loss_fn = SparseKDLoss(fleet, alpha=0.5)
     loss_fn.seek(5)
     assert sorted(fleet.sent.values()) == [5, 6] and fleet.store.llen(teacher_queue(run)) == 2
     assert {batch_key(batch_fn(s)[0]): s for s in (5, 6)} == fleet.sent

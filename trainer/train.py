@@ -91,7 +91,7 @@ def train(
     (trainer.evaluation.InlineEvaluator), e.g. fleet.evaluation.FleetEvaluator: its records may arrive steps later
     (logged then, at their own step); all of them are in before the report (one process only: a torchrun job
     evaluates on its ranks). `kd_loss_factory(cfg, task, rank, batch_fn=)` (batch_fn(step) -> this rank's (x, y)) with --teacher replaces the in-process teacher
-    (trainer.kd.teacher.KDLoss) by a loss_fn whose targets come from elsewhere, e.g. fleet.teacher.FleetKDLoss
+    (trainer.kd.teacher.KDLoss) by a loss_fn whose targets come from elsewhere, e.g. trainer.kd.sparse_loss.SparseKDLoss
     (teacher rounds on workers). summary.json's `time_ledger` splits this invocation's wall time into phases
     (trainer.ledger).
 
@@ -130,7 +130,7 @@ class _Setup:
     history: list[dict[str, Any]]
     events: EventLog | None
     evaluator: Evaluator
-    loss_fn: Any  # the loss of the trainer's steps (with --teacher: KDLoss or fleet.teacher.FleetKDLoss)
+    loss_fn: Any  # the loss of the trainer's steps (with --teacher: KDLoss or trainer.kd.sparse_loss.SparseKDLoss)
 
 
 class _RunLog:
@@ -215,7 +215,7 @@ def _set_up(cfg: TrainConfig, *, resume: bool, progress: bool,
 
     # 3. position: a resume continues from the checkpoint and forgets what was logged after it
     start = ckpt.restore() if resume else 0
-    if hasattr(loss_fn, "seek"):  # teacher rounds (fleet.teacher.FleetKDLoss): the window starts at this step
+    if hasattr(loss_fn, "seek"):  # teacher rounds (trainer.kd.sparse_loss.SparseKDLoss): the window starts at this step
         loss_fn.seek(start)
     history = run.restart_metrics(start if resume else None) if dist.is_main else []
     events = EventLog(run.path, resume_step=start if resume else None) if dist.is_main else None

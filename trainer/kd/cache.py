@@ -1,7 +1,7 @@
 """A folder of teacher targets computed ahead of time (issue 36, offline precompute), and the loss that reads it.
 
 `sparecycles kd fill` (fleet.kd_fill) sends the teacher rounds of a planned run to teacher workers and stores each
-step's answer here; `train --teacher ... --kd-cache DIR` reads them instead of asking a teacher (`CacheKDLoss`).
+step's answer here; `train --teacher ... --kd-cache DIR` reads them instead of asking a teacher (`CacheTargets`).
 
 Layout: ROOT/KEY/plan.json and ROOT/KEY/{step:07d}.kd, one blob per 0-based step: the exact bytes of
 wire.kd_targets.encode (a `sampled/1` or `topk/1` safetensors blob, (B, T, K) ids and log-probs). KEY is the
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import tempfile
 from collections.abc import Callable, Iterable
@@ -24,12 +23,11 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import torch
-import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
 from trainer import health
-from trainer.kd.estimators import kd_loss, sparse_ce
 from trainer.kd.intake import accept
+from trainer.kd.sparse_loss import SparseKDLoss
 from trainer.kd.teacher import batch_key, teacher_sha256
 from trainer.ledger import phase
 from trainer.metrics import KD_MISSING, KD_REJECTED
@@ -230,22 +228,19 @@ def open_for_run(root: Path | str, plan: KDPlan) -> TargetCache:
                          f"{'; '.join(plan.differences(closest))} (this run's != cache's)")
 
 
-class CacheKDLoss:
-    """loss_fn(model, (x, y)) -> (1 - alpha) * CE + alpha * KD with the targets stored in a TargetCache (float32
-    scalar, nats/token), as fleet.teacher.FleetKDLoss computes it from the same bytes; CE alone on a step whose
-    blob is absent or rejected (counted in sparecycles_trainer_kd_missing_steps, reported through trainer.health
-    as teacher_missing). x, y int64 (B, T). The step of a batch is found by its batch_key among the next `window`
-    steps' batches (batch_fn(step) -> (x, y), the task's own); repeated calls on one batch reuse its targets.
-    `last` keeps (ce, kd) floats (kd NaN on a missing step)."""
+class CacheTargets:
+    """The targets stored in a TargetCache, a targets source of trainer.kd.sparse_loss.SparseKDLoss (as the
+    fleet's teacher rounds are, from the same bytes): a step whose blob is absent or rejected trains on CE alone
+    (counted in sparecycles_trainer_kd_missing_steps, reported through trainer.health as teacher_missing). The
+    step of a batch x (int64 (B, T)) is found by its batch_key among the next `window` steps' batches
+    (batch_fn(step) -> (x, y), the task's own). Raises ValueError for window < 1."""
 
-    def __init__(self, cache: TargetCache, batch_fn: Callable, *, alpha: float, run: str, window: int = 8) -> None:
+    def __init__(self, cache: TargetCache, batch_fn: Callable, *, run: str, window: int = 8) -> None:
         if window < 1:
             raise ValueError(f"cache window {window} must be >= 1")
-        self.cache, self.batch_fn, self.alpha, self.run, self.window = cache, batch_fn, alpha, run, window
+        self.cache, self.batch_fn, self.run, self.window = cache, batch_fn, run, window
         self.next_step = 0
         self._keys: dict[int, int] = {}  # batch key -> step for steps [next_step, next_step + window)
-        self._cached: tuple[int, KDTargets | None] | None = None
-        self.last: tuple[float, float] = (float("nan"), float("nan"))
         self.taken = self.missing = self.bytes_read = 0
         for counter in (KD_MISSING, KD_REJECTED):
             counter.labels(run)
@@ -282,18 +277,6 @@ class CacheKDLoss:
                 self.taken += 1
             return targets
 
-    def __call__(self, model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        x, y = batch
-        key = batch_key(x)
-        logits = model(input_ids=x).logits  # (B, T, V)
-        if self._cached is None or self._cached[0] != key:
-            self._cached = (key, self.take(x, int(logits.shape[-1])))
-        targets = self._cached[1]
-        ce = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
-        kd = sparse_ce(logits, targets) if targets is not None else None
-        self.last = (float(ce.detach()), float(kd.detach()) if kd is not None else math.nan)
-        return kd_loss(ce, kd, self.alpha)
-
     def stats(self) -> dict[str, int]:
         """{kd_taken_steps, kd_missing_steps, kd_cache_bytes}: steps that read targets, steps on CE alone, bytes
         of blobs read from the cache."""
@@ -301,13 +284,13 @@ class CacheKDLoss:
 
 
 def kd_cache_factory(root: Path | str, *, window: int = 8) -> Callable:
-    """trainer.train's `kd_loss_factory` for `train --kd-cache ROOT`: (cfg, task, rank) -> CacheKDLoss over the
+    """trainer.train's `kd_loss_factory` for `train --kd-cache ROOT`: (cfg, task, rank) -> SparseKDLoss over the
     cache of the plan of (cfg, task, rank) (open_for_run: raises CachePlanError naming a differing field)."""
 
-    def build(cfg: Any, task: Any, rank: int, batch_fn: Callable | None = None) -> CacheKDLoss:
+    def build(cfg: Any, task: Any, rank: int, batch_fn: Callable | None = None) -> SparseKDLoss:
         mine = plan_for(cfg, task, rank=rank)
         cache = open_for_run(root, mine)
         run = f"kd-{mine.teacher_sha256[:12]}-{cfg.seed}"
-        return CacheKDLoss(cache, batch_fn or task.batch, alpha=cfg.kd_alpha, run=run, window=window)
+        return SparseKDLoss(CacheTargets(cache, batch_fn or task.batch, run=run, window=window), alpha=cfg.kd_alpha)
 
     return build
