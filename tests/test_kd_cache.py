@@ -8,9 +8,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +15,7 @@ import torch
 from typer.testing import CliRunner
 
 from sparecycles.cli import app
+from support.teacher import start_teacher_worker, stop_teacher_worker
 from trainer.kd.cache import KDPlan, TargetCache, plan_for
 from trainer.kd.targets import make_targets
 from trainer.kd.teacher import batch_key, load_teacher, teacher_sha256
@@ -40,19 +38,11 @@ def setup(tmp_path_factory: pytest.TempPathFactory, redis_url: str):
     (root / "data").mkdir()
     (root / "data" / "docs.txt").write_text("\n\n".join(real_documents()))
     queue = f"sparecycles.teacher.kd-{teacher_sha256(str(teacher))[:12]}-0"
-    proc = subprocess.Popen([sys.executable, "-m", "probe_worker.teacher", "--broker", redis_url, "--queue", queue,
-                             "--visibility-timeout", "5", "--threads", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    proc = start_teacher_worker(redis_url, queue)
     try:
         yield Path(teacher), root / "data", redis_url
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
+        stop_teacher_worker(proc)
 
 
 def _run_args(teacher: Path, data: Path, steps: int = STEPS, k: int = K) -> list[str]:

@@ -19,6 +19,7 @@ import torch
 
 from coordinator.celery_app import make_celery
 from fleet.teacher import FleetTeacher, TeacherTimeout, teacher_queue
+from support.teacher import start_teacher_worker, stop_teacher_worker
 from trainer.data import get_batch
 from trainer.kd.sparse_loss import SparseKDLoss
 from trainer.kd.targets import make_targets
@@ -51,20 +52,7 @@ def _fleet(redis_url: str, teacher_dir: Path, run: str, **kw) -> FleetTeacher:
 
 
 def _start_worker(redis_url: str, run: str, pause_s: float = 0.0) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "probe_worker.teacher", "--broker", redis_url, "--queue",
-                             teacher_queue(run), "--visibility-timeout", "5", "--pause-s", str(pause_s),
-                             "--threads", "1"],  # one CPU thread, as _reference: the same reduction order
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
+    return start_teacher_worker(redis_url, teacher_queue(run), pause_s)
 
 
 def _reference(teacher_dir: Path, x: torch.Tensor) -> KDTargets:
@@ -99,7 +87,7 @@ def test_fleet_targets_equal_in_process_and_train(redis_url: str, teacher_dir: P
         assert fleet.missing == 0 and fleet.taken == 4 and fleet.next_step == 3 + 4  # window 3 past step 3
         assert fleet.bytes_up == 7 * len(fleet.task_for(0).ids_b64)  # 7 rounds sent, each its batch's ids
     finally:
-        _stop(proc)
+        stop_teacher_worker(proc)
 
 
 def test_missing_and_rejected_counted_and_ce_alone(redis_url: str, teacher_dir: Path) -> None:
@@ -159,14 +147,14 @@ def test_killed_worker_round_redelivered_taken_once(redis_url: str, teacher_dir:
         os.killpg(slow.pid, signal.SIGKILL)
         slow.wait(10)
     finally:
-        _stop(slow)
+        stop_teacher_worker(slow)
     proc = _start_worker(redis_url, run)
     try:
         got = fleet.take(batch_fn(0)[0], 50257)
         assert got is not None and fleet.taken == 1 and fleet.missing == 0
         assert fleet.store.get(target_key(run, 0, fleet.recipe, batch_key(batch_fn(0)[0]))) is None  # taken once
     finally:
-        _stop(proc)
+        stop_teacher_worker(proc)
 
 
 @pytest.mark.slow
@@ -202,7 +190,7 @@ def test_train_cli_with_teacher_rounds_end_to_end(redis_url: str, tmp_path: Path
             "--no-progress", "--no-export"])
         assert res.exit_code == 0, res.output
     finally:
-        _stop(proc)
+        stop_teacher_worker(proc)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["kd"]["kd_taken_steps"] == 3 and summary["kd"]["kd_missing_steps"] == 0
     assert summary["kd"]["kd_bytes_up"] == 3 * len(base64_ids(2, 16))  # steps 0..2: none past the run's last
@@ -307,7 +295,7 @@ def test_teacher_rounds_under_torchrun_teach_each_rank_its_own_rows(redis_url: s
         time.sleep(2)  # a round still being answered would land now
         left = [len(list(store.scan_iter(f"sc:kd:{run}:{r}:*"))) for r in (0, 1)]
     finally:
-        _stop(proc)
+        stop_teacher_worker(proc)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["kd"]["kd_taken_steps"] == 3 and summary["kd"]["kd_missing_steps"] == 0, summary["kd"]
     assert "teacher_missing" not in summary.get("warning_counts", {})

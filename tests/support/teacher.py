@@ -1,0 +1,27 @@
+"""A real teacher worker process (probe_worker.teacher) on the test Redis, for the teacher-round tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+
+def start_teacher_worker(redis_url: str, queue: str, pause_s: float = 0.0) -> subprocess.Popen:
+    """A teacher worker on `queue` (Celery visibility timeout 5 s, so a killed worker's round is redelivered fast),
+    in its own process group, on one CPU thread: the in-process reference then sums in the same order."""
+    return subprocess.Popen([sys.executable, "-m", "probe_worker.teacher", "--broker", redis_url, "--queue", queue,
+                             "--visibility-timeout", "5", "--pause-s", str(pause_s), "--threads", "1"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def stop_teacher_worker(proc: subprocess.Popen) -> None:
+    """SIGTERM to the worker's process group (its warm shutdown), SIGKILL after 30 s."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
