@@ -137,7 +137,8 @@ class FleetTeacher:
         if targets is None:
             self.missing += 1
             KD_MISSING.labels(self.run).inc()
-            health.warn("teacher_missing", f"kd targets of step {step}: {why}; trained on CE alone", step=step)
+            done = None if step is None else step + 1  # 1-based, as metrics.jsonl counts steps
+            health.warn("teacher_missing", f"kd targets of step {done}: {why}; trained on CE alone", step=done)
         else:
             self.taken += 1
         return targets

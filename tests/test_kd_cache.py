@@ -137,6 +137,10 @@ def test_train_from_the_cache_equals_teacher_rounds_counts_missing_and_refuses_a
     holes = json.loads((tmp_path / "holes" / "summary.json").read_text())
     assert holes["kd"]["kd_missing_steps"] == 1 and holes["kd"]["kd_taken_steps"] == STEPS - 1
     assert holes["warning_counts"]["teacher_missing"] == 1
+    assert "kd targets of step 3:" in json.dumps(holes["warnings"])  # 1-based, as metrics.jsonl counts steps
+    lines = (tmp_path / "holes" / "metrics.jsonl").read_text().splitlines()
+    recs = [json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} in metrics.jsonl")) for line in lines]
+    assert [r["step"] for r in recs if "loss" in r and "kd_loss" not in r] == [3]  # the CE-alone step: no kd_loss
 
     res = _train(setup, tmp_path / "other", "--kd-cache", str(partial), k=8)  # another recipe: refused
     assert res.exit_code == 2 and "k 8 != 4" in res.output and not (tmp_path / "other").exists()

@@ -250,6 +250,19 @@ def test_teacher_rounds_without_teacher_exits_2(tmp_path: Path) -> None:
     assert not (tmp_path / "run").exists()
 
 
+def test_kd_strict_or_window_without_teacher_rounds_exits_2(tmp_path: Path) -> None:
+    """--kd-strict and --kd-window belong to teacher rounds: without --teacher-rounds they are refused, not ignored."""
+    from typer.testing import CliRunner
+
+    from sparecycles.cli import app
+
+    for extra in (["--kd-strict"], ["--kd-window", "4"]):
+        res = CliRunner().invoke(app, ["train", "--preset", "gpt2-tiny", "--steps", "2", *extra,
+                                       "--run-dir", str(tmp_path / "run"), "--no-progress"])
+        assert res.exit_code == 2 and "need --teacher-rounds" in res.output, res.output
+        assert not (tmp_path / "run").exists()
+
+
 def test_teacher_rounds_on_a_redis_that_does_not_answer_exit_2_in_one_line(tmp_path: Path, teacher_dir: Path) -> None:
     """`train --teacher X --teacher-rounds redis://<a closed port>`: `error: --teacher-rounds: the Redis at ... does
     not answer (...)`, exit 2, no traceback."""

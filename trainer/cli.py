@@ -237,6 +237,9 @@ def train(settings: dict, preset: Preset = "demo", resume: Resume = False, overw
     if kd_cache is not None and (cfg.teacher is None or teacher_rounds):
         raise typer.BadParameter("--kd-cache needs --teacher and replaces --teacher-rounds (got teacher "
                                  f"{cfg.teacher!r}, teacher rounds {teacher_rounds!r})", param_hint="--kd-cache")
+    if (kd_strict or kd_window != 8) and not teacher_rounds:  # the window and strict mode are the rounds' own
+        raise typer.BadParameter("--kd-strict and --kd-window say how the trainer waits for teacher rounds: they "
+                                 "need --teacher-rounds", param_hint="--kd-strict")
     fleet_settings = _fleet_settings() if coordinator else None
     if nproc_per_node is not None and not launch.launched_by_torchrun():
         launch.check_launch(cfg, shard, nproc_per_node, micro_batch_size)  # the ranks would refuse these only after torchrun started them

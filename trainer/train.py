@@ -263,7 +263,9 @@ def _step_loop(cfg: TrainConfig, s: _Setup, book: _RunLog, ledger: TimeLedger, d
                 if anytime is not None:
                     anytime.publish(done, model)
                 kd = s.loss_fn  # --teacher: this rank's last CE and KD terms
-                kd_stats = dict(zip(("ce_loss", "kd_loss"), kd.last, strict=True)) if hasattr(kd, "last") else {}
+                # A step on CE alone has no KD term: its record has no kd_loss (strict JSON has no NaN).
+                kd_stats = ({name: v for name, v in zip(("ce_loss", "kd_loss"), kd.last, strict=True)
+                             if not math.isnan(v)} if hasattr(kd, "last") else {})
                 kd_stats.update(kd.stats() if hasattr(kd, "stats") else {})  # teacher rounds: kd_missing_steps
                 book.log({"step": done, "lr": lr, "tokens": done * task.tokens_per_step,
                           "elapsed_s": time.perf_counter() - t0, **stats, **kd_stats})
