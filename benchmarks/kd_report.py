@@ -49,33 +49,41 @@ def step_reaching(curve: list[tuple[int, float]], target: float) -> float | None
     return None
 
 
-def _per_step(summary: dict[str, Any]) -> dict[str, float]:
-    """Each ledger phase's seconds per optimizer step."""
+def _records(run: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _per_step(run: Path) -> dict[str, float] | None:
+    """Each ledger phase's seconds per optimizer step from `run`/summary.json; None for a run cut before it ended
+    (no summary)."""
+    if not (run / "summary.json").is_file():
+        return None
+    summary = json.loads((run / "summary.json").read_text())
     steps = max(int(summary.get("steps", 0)) - int(summary.get("resumed_from_step") or 0), 1)
     return {k: v / steps for k, v in summary["time_ledger"]["phases_s"].items()}
 
 
 def horizon(ce_dir: Path, kd_dir: Path) -> dict[str, Any]:
-    """The must-show row for one horizon from its CE-only and taught run folders (see the module docstring)."""
+    """The must-show row for one horizon from its CE-only and taught run folders (see the module docstring). A
+    taught run cut before its last step (no summary.json) counts up to its last logged step."""
     ce, kd = val_curve(ce_dir), val_curve(kd_dir)
-    ce_sum = json.loads((ce_dir / "summary.json").read_text())
-    kd_sum = json.loads((kd_dir / "summary.json").read_text())
     n = ce[-1][0]
     target = ce[-1][1]
     reach = step_reaching(kd, target)
-    counts = kd_sum.get("kd") or {}
-    steps = max(kd[-1][0], 1)
-    ce_t, kd_t = _per_step(ce_sum), _per_step(kd_sum)
+    last = [r for r in _records(kd_dir) if "loss" in r][-1]  # kd counts so far, in every step's record
+    ce_t, kd_t = _per_step(ce_dir), _per_step(kd_dir)
     return {
-        "steps": n, "ce_final_val": target, "kd_final_val": kd[-1][1],
+        "steps": n, "ce_final_val": target, "kd_final_val": kd[-1][1], "kd_last_eval_step": kd[-1][0],
+        "kd_last_step": last["step"],
         "kd_step_reaching_ce_final": None if reach is None else round(reach, 1),
         "steps_ratio": None if reach is None else round(reach / n, 3),
-        "kd_taken_steps": counts.get("kd_taken_steps"), "kd_missing_steps": counts.get("kd_missing_steps"),
-        "bytes_up_per_step": round(counts.get("kd_bytes_up", 0) / steps),
-        "bytes_down_per_step": round(counts.get("kd_bytes_down", 0) / steps),
-        "ce_s_per_step": {k: round(v, 5) for k, v in ce_t.items()},
-        "kd_s_per_step": {k: round(v, 5) for k, v in kd_t.items()},
-        "step_time_ratio": round((kd_t["step"] + kd_t.get("kd", 0.0)) / ce_t["step"], 3),
+        "kd_taken_steps": last.get("kd_taken_steps"), "kd_missing_steps": last.get("kd_missing_steps"),
+        "bytes_up_per_step": round(last.get("kd_bytes_up", 0) / last["step"]),
+        "bytes_down_per_step": round(last.get("kd_bytes_down", 0) / last["step"]),
+        "ce_s_per_step": None if ce_t is None else {k: round(v, 5) for k, v in ce_t.items()},
+        "kd_s_per_step": None if kd_t is None else {k: round(v, 5) for k, v in kd_t.items()},
+        "step_time_ratio": (None if ce_t is None or kd_t is None
+                            else round((kd_t["step"] + kd_t.get("kd", 0.0)) / ce_t["step"], 3)),
         "curves": {"ce": ce, "kd": kd},
     }
 
@@ -117,9 +125,11 @@ def table(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         reach = "never" if r["kd_step_reaching_ce_final"] is None else f"{r['kd_step_reaching_ce_final']:.0f}"
         ratio = "–" if r["steps_ratio"] is None else f"{r['steps_ratio']:.2f}×"
-        out.append(f"| {r['steps']} | {r['ce_final_val']:.4f} | {r['kd_final_val']:.4f} | {reach} | {ratio} | "
-                   f"{r['bytes_up_per_step']:,} + {r['bytes_down_per_step']:,} | {r['kd_missing_steps']} | "
-                   f"{r['step_time_ratio']:.2f}× |")
+        final = f"{r['kd_final_val']:.4f}" + ("" if r["kd_last_eval_step"] == r["steps"]
+                                               else f" (at step {r['kd_last_eval_step']}: cut)")
+        time = "–" if r["step_time_ratio"] is None else f"{r['step_time_ratio']:.2f}×"
+        out.append(f"| {r['steps']} | {r['ce_final_val']:.4f} | {final} | {reach} | {ratio} | "
+                   f"{r['bytes_up_per_step']:,} + {r['bytes_down_per_step']:,} | {r['kd_missing_steps']} | {time} |")
     return "\n".join(out)
 
 

@@ -11,6 +11,7 @@ from benchmarks.kd_report import main, step_reaching
 def _run(d: Path, curve: list[tuple[int, float]], kd: dict | None, phases: dict) -> None:
     d.mkdir(parents=True)
     lines = [json.dumps({"step": s, "val_loss": v}) for s, v in curve]
+    lines.append(json.dumps({"step": curve[-1][0], "loss": curve[-1][1], **(kd or {})}))
     (d / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     (d / "summary.json").write_text(json.dumps({"steps": curve[-1][0], "kd": kd,
                                                 "time_ledger": {"phases_s": phases}}))
