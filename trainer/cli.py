@@ -191,6 +191,7 @@ TeacherRounds = Annotated[str | None, _O(
     help="With --teacher: its targets from teacher rounds on the fleet (workers: `python -m probe_worker.teacher "
          "--broker URL --queue sparecycles.teacher.RUN`, RUN = kd-<12 hex of the teacher's sha256>-<seed>) through this redis:// URL instead of a teacher in this "
          "process; a step whose targets have not arrived trains on CE alone and is counted (kd_missing_steps).")]
+KD_WINDOW = 8  # steps of teacher rounds sent ahead by default
 KDWindow = Annotated[int, _O(min=1, max=1024, help="With --teacher-rounds: steps of teacher rounds sent ahead.")]
 KDStrict = Annotated[bool, _O(help="With --teacher-rounds: wait for each step's targets instead of training it on "
                               "CE alone; none in 120 s stops the run (checkpointed), naming the queue.")]
@@ -210,7 +211,7 @@ def train(settings: dict, preset: Preset = "demo", resume: Resume = False, overw
           nproc_per_node: Nproc = None, shard: Shard = False, micro_batch_size: MicroBatch = None,
           dist_timeout: DistTimeout = 600.0, metrics_port: MetricsPort = None, metrics_host: MetricsHost = "127.0.0.1",
           config: ConfigFile = None, require_fleet: RequireFleet = False, teacher_rounds: TeacherRounds = None,
-          kd_window: KDWindow = 8, kd_strict: KDStrict = False, kd_cache: KDCache = None) -> None:
+          kd_window: KDWindow = KD_WINDOW, kd_strict: KDStrict = False, kd_cache: KDCache = None) -> None:
     """Train a model and write a run folder (metrics.jsonl, TensorBoard event files, checkpoint.safetensors,
     loss.png, summary.json, export/).
 
@@ -237,7 +238,7 @@ def train(settings: dict, preset: Preset = "demo", resume: Resume = False, overw
     if kd_cache is not None and (cfg.teacher is None or teacher_rounds):
         raise typer.BadParameter("--kd-cache needs --teacher and replaces --teacher-rounds (got teacher "
                                  f"{cfg.teacher!r}, teacher rounds {teacher_rounds!r})", param_hint="--kd-cache")
-    if (kd_strict or kd_window != 8) and not teacher_rounds:  # the window and strict mode are the rounds' own
+    if (kd_strict or kd_window != KD_WINDOW) and not teacher_rounds:  # the window and strict mode are the rounds' own
         raise typer.BadParameter("--kd-strict and --kd-window say how the trainer waits for teacher rounds: they "
                                  "need --teacher-rounds", param_hint="--kd-strict")
     fleet_settings = _fleet_settings() if coordinator else None

@@ -25,9 +25,8 @@ from typing import Any, ClassVar, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from trainer import health
 from trainer.kd.intake import accept
-from trainer.kd.sparse_loss import SparseKDLoss
+from trainer.kd.sparse_loss import SparseKDLoss, report_missing
 from trainer.kd.teacher import batch_key, teacher_sha256
 from trainer.ledger import phase
 from trainer.metrics import KD_MISSING, KD_REJECTED
@@ -271,9 +270,7 @@ class CacheTargets:
                                       run=self.run)
             if targets is None:
                 self.missing += 1
-                KD_MISSING.labels(self.run).inc()
-                done = None if step is None else step + 1  # 1-based, as metrics.jsonl counts steps
-                health.warn("teacher_missing", f"kd targets of step {done}: {why}; trained on CE alone", step=done)
+                report_missing(self.run, step, why)
             else:
                 self.taken += 1
             return targets

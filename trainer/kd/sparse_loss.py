@@ -14,9 +14,20 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from trainer import health
 from trainer.kd.estimators import kd_loss, sparse_ce
 from trainer.kd.teacher import batch_key
+from trainer.metrics import KD_MISSING
 from wire.kd_targets import KDTargets
+
+
+def report_missing(run: str, step: int | None, why: str) -> None:
+    """A source's step without targets: counted in sparecycles_trainer_kd_missing_steps{run} and reported through
+    trainer.health as teacher_missing, naming the 1-based step (as metrics.jsonl counts; `step` is 0-based, None
+    when the batch is not in the plan)."""
+    KD_MISSING.labels(run).inc()
+    done = None if step is None else step + 1
+    health.warn("teacher_missing", f"kd targets of step {done}: {why}; trained on CE alone", step=done)
 
 
 class TargetsSource(Protocol):
