@@ -1,6 +1,6 @@
 """`sparecycles bench ...`: every benchmark's command (typer + stdlib at import; the work is imported inside).
 
-kernels: probe kernels on a GPU (kernels.bench, beside the kernels it measures); intake: result intake through
+kernels: probe kernels on a GPU (probe_kernels.bench, beside the kernels it measures); intake: result intake through
 Redis (benchmarks.intake); fleet: probe throughput of real CPU workers (benchmarks.fleet); zo: the ZO
 side-by-side benchmarks (benchmarks.zo); headline: the H200 headline report and memory scan (benchmarks.headline).
 """
@@ -14,7 +14,7 @@ from typing import Annotated
 
 import typer
 
-from kernels import cli as kernels_cli
+from probe_kernels import cli as kernels_cli
 
 bench_app = typer.Typer(help="Benchmarks (kernels, probe, intake, fleet, zo, headline).", no_args_is_help=True)
 

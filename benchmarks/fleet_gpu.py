@@ -9,7 +9,7 @@ loop's cost per published version, and the worker's losses against in-process ev
   without publishing and with zocurv-line's two publishes per interval (the steps before and at a refresh),
   alternated `repeats` times; cost per version = (with - without) / 2, against the interval's wall.
 - `compare_losses`: a timed round's results from the worker against `InProcessBackend` (the trainer's in-process
-  probes: per-unit evaluator, eager) and against `kernels.WholeModelEvaluator` (the worker's fast path, compiled
+  probes: per-unit evaluator, eager) and against `probe_kernels.WholeModelEvaluator` (the worker's fast path, compiled
   here in this process) on the same seeds, weights and device: max |dL| and how many values are bit-equal.
 """
 
@@ -105,7 +105,7 @@ def compare_losses(results, model: torch.nn.Module, batch, loss_fn: Callable, ep
                    device: str, seeds: int = 16, compiled: bool = True) -> dict:
     """The worker's (l_plus, l_minus) of `results` (SeedResult of one seeded round on `model`'s published
     weights) against the same seeds evaluated here on `device` (see the module docstring)."""
-    from kernels import WholeModelEvaluator
+    from probe_kernels import WholeModelEvaluator
     from trainer.zo.backend import InProcessBackend
     from trainer.zo.probes import RoundSpec
 

@@ -187,7 +187,7 @@ def memory_scan(device: str = "cuda", sizes: tuple[str, ...] = tuple(SCAN_SHAPES
     Returns {"gpu", "gpu_bytes", "batch", "seq_len", "trials": [...], "largest": {method: shape}} where each
     trial holds params, peak bytes (torch.cuda.max_memory_allocated) and ok/error. Both methods keep fp32
     weights; AdamW adds fp32 gradients and two fp32 moments (fused step), 1.5-SPSA (K=2 probes) adds one
-    parameter's scratch for the perturbed copy (kernels.evaluator) and no gradients. Raises RuntimeError
+    parameter's scratch for the perturbed copy (probe_kernels.evaluator) and no gradients. Raises RuntimeError
     without CUDA, ValueError for an unknown shape.
     """
     if not torch.cuda.is_available():

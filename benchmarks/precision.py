@@ -2,7 +2,7 @@
 
 For each round kind, the quantity the round measures (its *signal*) is computed on real batches three ways:
 the reference (fp32 weights, fp32 matmuls: torch "highest", eager), TF32 (fp32 weights, TF32 matmuls, compiled:
-the worker's path for perturbing kinds) and bf16 (a bf16 copy of the weights, compiled: kernels.FastForward /
+the worker's path for perturbing kinds) and bf16 (a bf16 copy of the weights, compiled: probe_kernels.FastForward /
 WholeModelEvaluator on bf16 weights, as `bench probe`). A precision's *noise* is its signal minus the reference's;
 SNR = rms(reference signal) / rms(noise) (`snr`). A kind whose bf16 SNR is at least trainer.zo.probes.SNR_BOUND
 may run in bf16 (trainer.zo.probes.KINDS[kind].precision).
@@ -115,7 +115,7 @@ def measure(preset: str = "gpt2-small", batch: tuple[int, int] = (16, 512), step
     """The kind × precision table (module docstring) as a JSON-ready dict: {"rows": {kind: {precision: snr(...)}},
     "settings": ..., "train_loss": [...], "seconds": ...}. compile: the TF32 and bf16 columns' torch.compile (default:
     on CUDA). Raises what the corpus and model loaders raise."""
-    from kernels import FastForward, WholeModelEvaluator, lm_logits
+    from probe_kernels import FastForward, WholeModelEvaluator, lm_logits
     from trainer.data.batches import get_batch
     from trainer.data.corpus import load_corpus
     from trainer.models import build_model

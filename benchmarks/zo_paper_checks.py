@@ -104,7 +104,7 @@ def h_precision_check(model: torch.nn.Module, batch: Buckets | Split, seeds: lis
     perturbation of the model's own dtype), and the spread of L0 over `repeats` identical forwards (its
     run-to-run noise). Returns {"dtype", "l0": [...], "by_eps": {eps: {"h": [...], "g": [...]}}}; the model is
     left unchanged."""
-    from kernels import perturb_model
+    from probe_kernels import perturb_model
 
     def loss(m):
         return float(bucketed_ce(m, _as_buckets(batch))[0])

@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 import torch
 
-from kernels import perturb_model, replay_model
+from probe_kernels import perturb_model, replay_model
 from trainer.zo import estimators as est
 from trainer.zo.probes import canonical_blocks
 from trainer.zo.updates import zo_coefficients
@@ -101,8 +101,8 @@ def plateau_update(state: PlateauState, train_acc: float, patience: int = PAPER.
 def inplace_perturb_(tensors: list[torch.Tensor], offsets: list[int], seed: int, alpha: float,
                      dist: str = "rademacher") -> None:
     """tensors[i] <- round_dtype(fp32(tensors[i]) + fp32(alpha) * z(seed)[offsets[i] :]) in place, one rounding
-    per element to each tensor's own dtype (kernels.perturb_model with outs aliasing the inputs; the kernels'
-    reference arithmetic, kernels.reference). In bf16 the +ε, −2ε, +ε cycle does not restore the weights
+    per element to each tensor's own dtype (probe_kernels.perturb_model with outs aliasing the inputs; the kernels'
+    reference arithmetic, probe_kernels.reference). In bf16 the +ε, −2ε, +ε cycle does not restore the weights
     exactly: that is the drift `ZOParamStepper(numerics="inplace")` accumulates."""
     perturb_model(tensors, offsets, seed, alpha, dist, outs=tensors)
 
@@ -162,7 +162,7 @@ class ZOParamStepper:
     @torch.no_grad()
     def apply(self, seeds: list[int], coeffs: list[float]) -> None:
         """The update θ ← θ + Σ_k c_k z(s_k) of one step (what `step` applies after its probes): master
-        numerics replay it on the fp32 masters (kernels.replay_model) and round into the weights; inplace
+        numerics replay it on the fp32 masters (probe_kernels.replay_model) and round into the weights; inplace
         numerics add c_k z_k probe by probe. Replaying a run's (seeds, coeffs) ledger with `apply` from the
         same start gives the run's weights again (master numerics: bit for bit, the same kernel calls)."""
         if self.numerics == "master":
@@ -209,7 +209,7 @@ def numerics_drift(weights: list[torch.Tensor], offsets: list[int], ledger: list
 
     weights: the starting weights W0 (any float dtype, e.g. bf16; not modified). ledger: per step (seeds,
     coeffs, eps), e.g. recorded from a run. Three paths from W0, all with the same seeds and coefficients:
-      master:  M ← M + Σ_k c_k z_k in fp32 (kernels.replay_model), weights round(M);
+      master:  M ← M + Σ_k c_k z_k in fp32 (probe_kernels.replay_model), weights round(M);
       inplace: per probe the +ε, −2ε, +ε cycle (each rounding to W0's dtype), then w ← round(w + c_k z_k)
                probe by probe (the public code's order);
       restore: the +ε, −2ε, +ε cycles alone (no update): what perturb/restore leaves behind.

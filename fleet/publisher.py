@@ -239,7 +239,7 @@ class VersionPublisher:
         `scale` multiplies only parameters with at least `scale_min_dim` dimensions (decoupled weight decay
         on matrices only: 2). Returns True.
 
-        The caller must have applied exactly that update to the model (fp32, kernels.replay_), so that
+        The caller must have applied exactly that update to the model (fp32, probe_kernels.replay_), so that
         workers replaying the entry hold bit-identical weights. Raises ValueError unless version is the
         last published version + 1.
         """

@@ -278,7 +278,7 @@ class WeightCache:
         below it, by applying seed-ledger entries: theta <- scale * theta + sum_k c_k z(s_k) per entry (scale
         only on parameters of at least `scale_min_dim` dimensions), in fp32 with the kernels' replay, exactly
         as `SeedLedgerEntry` defines the step and in the trainer's order (decay, then replay, per tensor)."""
-        from kernels import replay_
+        from probe_kernels import replay_
 
         base_v = max((v for (r, v) in self._loaded if r == run and v < version), default=None)
         if base_v is None or version - base_v > self.max_replay:

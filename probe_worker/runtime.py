@@ -5,7 +5,7 @@ run's canary once, loads the version through the `WeightCache`, fetches the roun
 content hash, computes L0 once per (run, version, batch) and L(theta +- eps z(seed)) per seed with the
 probe kind's rule in trainer.zo.probes (the same code the trainer's in-process backend runs), and posts
 the task's results in one `ResultBatch`. Every loss of a task, L0 included, runs through one evaluator
-that `kernels.make_evaluator` picks from free memory and logs (a whole-model scratch copy with a compiled
+that `probe_kernels.make_evaluator` picks from free memory and logs (a whole-model scratch copy with a compiled
 forward on CUDA, else per-unit hooks), so L+ + L- - 2 L0 compares like with like. The loss and the batch format follow from the version manifest's
 model class (wire.batch): causal LMs take `lm/1` batches and trainer.models.losses.lm_loss, sequence
 classifiers `classifier/1` batches and trainer.sentiment.classifier_loss; a batch that is malformed, of the
@@ -29,8 +29,8 @@ from typing import Any
 import torch
 
 from coordinator.client import CoordinatorClient
-from kernels import FastForward, direction, make_evaluator
-from kernels.fastpath import MODES
+from probe_kernels import FastForward, direction, make_evaluator
+from probe_kernels.fastpath import MODES
 from probe_worker.cache import WeightCache
 from probe_worker.metrics import WorkerMetrics, default_metrics
 from trainer.anytime.ring import build_mixture
@@ -48,7 +48,7 @@ log = logging.getLogger("sparecycles.worker")
 def canary_digest(seed: int, numel: int, distribution: str) -> str:
     """sha256 hex of z(seed)[0:numel] as little-endian float32 bytes (the run's canary, DESIGN.md §3).
 
-    z comes from `kernels.direction` on the CPU (bit-identical on every device by construction).
+    z comes from `probe_kernels.direction` on the CPU (bit-identical on every device by construction).
     """
     z = direction(seed, 0, numel, distribution, device="cpu").to(torch.float32).contiguous()
     return hashlib.sha256(z.numpy().astype("<f4", copy=False).tobytes()).hexdigest()
@@ -75,9 +75,9 @@ class ProbeRuntime:
         metrics: counters and histograms (default: the process-wide set).
         keep_rounds: clean losses remembered (per (run, version, batch hash)).
         probe_path: "auto" (whole-model copy when it fits in free memory, else per-unit), "whole" or
-            "per_unit" (kernels.fastpath.make_evaluator); compile: torch.compile the whole-model forward
+            "per_unit" (probe_kernels.fastpath.make_evaluator); compile: torch.compile the whole-model forward
             (None: on CUDA); cuda_graphs: replay it as CUDA graphs; attn_dtype: the attention dtype of the
-            perturbing kinds' fp32 forwards (None: theirs; bf16: kernels.FastForward's attn_dtype).
+            perturbing kinds' fp32 forwards (None: theirs; bf16: probe_kernels.FastForward's attn_dtype).
     Raises ValueError for an unknown probe_path.
     """
 
@@ -105,7 +105,7 @@ class ProbeRuntime:
         self.busy = False
         self.current_version: int | None = None
         self._mix_scratch: torch.nn.Module | None = None  # where weight mixtures of eval rounds are built
-        self._ff: Any = None  # the bf16 compiled forward of eval rounds (kernels.FastForward), and what it holds
+        self._ff: Any = None  # the bf16 compiled forward of eval rounds (probe_kernels.FastForward), and what it holds
         self._ff_holds: tuple | None = None
         self._closed: OrderedDict[tuple[str, str], None] = OrderedDict()  # rounds seen closed (final)
         self._open_at: dict[tuple[str, str], float] = {}  # round -> when it was last seen open (monotonic s)
@@ -131,7 +131,7 @@ class ProbeRuntime:
         return batch
 
     def _evaluator(self, model: torch.nn.Module, loss_fn):
-        """The probe evaluator of `model` (kernels.make_evaluator): one per weight dtype (a worker serving fp32 and
+        """The probe evaluator of `model` (probe_kernels.make_evaluator): one per weight dtype (a worker serving fp32 and
         bf16 kinds keeps both copies); a new version of the same architecture rebinds it (compiled code kept)."""
         slot = next(model.parameters()).dtype
         ev = self._evaluators.get(slot)
@@ -322,7 +322,7 @@ class ProbeRuntime:
         return out
 
     def _fast_forward(self, model: torch.nn.Module, holds: tuple, dtype: torch.dtype):
-        """The `dtype` compiled forward (kernels.FastForward of lm_batch_loss) holding `model`'s weights: one per
+        """The `dtype` compiled forward (probe_kernels.FastForward of lm_batch_loss) holding `model`'s weights: one per
         architecture, reloaded (cast) only when `holds` (run, weight terms) changes; a new architecture replaces
         it."""
 

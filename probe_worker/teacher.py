@@ -26,7 +26,7 @@ from celery.exceptions import Reject
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 from pydantic import ValidationError
 
-from kernels import FastForward, lm_logits
+from probe_kernels import FastForward, lm_logits
 from trainer.kd.targets import make_targets
 from trainer.kd.teacher import load_teacher, teacher_sha256
 from wire.kd_targets import encode

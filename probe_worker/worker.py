@@ -69,7 +69,7 @@ def warm_up() -> None:
     """
     import transformers.modeling_utils  # noqa: F401
 
-    import kernels  # noqa: F401
+    import probe_kernels  # noqa: F401
     from trainer.batch_losses import loss_for_kind
 
     loss_for_kind("lm"), loss_for_kind("classifier")  # both probe losses' modules
@@ -99,9 +99,9 @@ class WorkerOptions:
     soft_shutdown_s: how long SIGTERM waits for the in-flight task; prefetch_interval_s: how often the
     latest version of each consumed run is checked and loaded ahead of its rounds (0: load lazily);
     yield_gpu_util_pct: drain while the GPU is this busy (percent) with other work (BusyPolicy, NVML;
-    None: off); probe_path: the probe evaluator (kernels.fastpath.make_evaluator: "auto", "whole" or
+    None: off); probe_path: the probe evaluator (probe_kernels.fastpath.make_evaluator: "auto", "whole" or
     "per_unit"); cuda_graphs: replay the compiled forwards as CUDA graphs (static shapes); tf32_attention:
-    "bf16" runs the attention of fp32 (TF32-kind) forwards in bf16 (activations only, kernels.FastForward's
+    "bf16" runs the attention of fp32 (TF32-kind) forwards in bf16 (activations only, probe_kernels.FastForward's
     attn_dtype), "fp32", or "auto" (bf16 on CUDA, fp32 on CPU: attention_dtype); loglevel: Celery's; metrics_host: the interface the metrics port binds.
     """
 

@@ -1,4 +1,4 @@
-"""sparecycles: the application shell (CLI) over coordinator/, api/, probe_worker/, trainer/ and kernels/."""
+"""sparecycles: the application shell (CLI) over coordinator/, api/, probe_worker/, trainer/ and probe_kernels/."""
 
 __version__ = "0.1.0"
 

@@ -1,4 +1,4 @@
-"""kernels.FastForward on CPU (uncompiled): the copy runs the model's exact code, so its outputs equal the model's
+"""probe_kernels.FastForward on CPU (uncompiled): the copy runs the model's exact code, so its outputs equal the model's
 own bit for bit, in the model's dtype and, cast to bf16, those of a bf16 copy; `load` moves it to another version
 of the same architecture (cast on the way) and refuses another architecture. The compiled CUDA path is
 tests/test_fastpath_gpu.py's."""
@@ -10,7 +10,7 @@ import copy
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from kernels import FastForward, WholeModelEvaluator, lm_logits
+from probe_kernels import FastForward, WholeModelEvaluator, lm_logits
 from trainer.models.losses import lm_batch_loss
 
 

@@ -1,6 +1,6 @@
 """The whole-model probe path on CUDA (skipped without a GPU): uncompiled it equals the per-unit reference bit
 for bit; compiled (torch.compile, Inductor's deterministic mode) it agrees within the tolerance stated in
-kernels/NOTES.md on 100 seeds and is deterministic (same seed -> same bits, also after a recompile)."""
+probe_kernels/NOTES.md on 100 seeds and is deterministic (same seed -> same bits, also after a recompile)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from kernels import ProbeEvaluator, WholeModelEvaluator
+from probe_kernels import ProbeEvaluator, WholeModelEvaluator
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-# |L_fast - L_ref| <= RTOL * |L_ref|; measured on gpt2-small bf16 (kernels/NOTES.md): 1.4e-5 at most
+# |L_fast - L_ref| <= RTOL * |L_ref|; measured on gpt2-small bf16 (probe_kernels/NOTES.md): 1.4e-5 at most
 RTOL = {torch.float32: 1e-4, torch.bfloat16: 1e-3}
 
 
@@ -80,9 +80,9 @@ def test_cuda_graphs_path_matches_compiled():
 
 
 def test_bf16_fast_forward_compiled_on_cuda_within_tolerance_of_a_bf16_copy():
-    """The worker's eval / teacher forward (kernels.FastForward, bf16 copy of fp32 weights, compiled): within the
+    """The worker's eval / teacher forward (probe_kernels.FastForward, bf16 copy of fp32 weights, compiled): within the
     bf16 compiled tolerance of the eager bf16 copy, deterministic, and `load` moves it to another version."""
-    from kernels import FastForward, lm_logits
+    from probe_kernels import FastForward, lm_logits
 
     model, b = setup(torch.float32)
     ff = FastForward(model, lm_loss, dtype=torch.bfloat16)

@@ -11,12 +11,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_cli_module_imports_no_torch():
-    code = "import sys, kernels.cli; assert 'torch' not in sys.modules and 'triton' not in sys.modules"
+    code = "import sys, probe_kernels.cli; assert 'torch' not in sys.modules and 'triton' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
 
 
 def test_preset_sizes_match_published_gpt2_counts():
-    from kernels.bench import preset_sizes
+    from probe_kernels.bench import preset_sizes
 
     small, large = preset_sizes("gpt2-small"), preset_sizes("gpt2-large")
     assert (sum(small), len(small)) == (124_439_808, 148)
@@ -24,7 +24,7 @@ def test_preset_sizes_match_published_gpt2_counts():
 
 
 def test_bench_without_cuda_fails_with_clear_message():
-    from kernels.cli import bench_app
+    from probe_kernels.cli import bench_app
 
     res = CliRunner().invoke(bench_app, ["--preset", "gpt2-small", "--no-forward"])
     if torch.cuda.is_available():
@@ -34,7 +34,7 @@ def test_bench_without_cuda_fails_with_clear_message():
 
 
 def test_bench_rejects_unknown_preset():
-    from kernels.cli import bench_app
+    from probe_kernels.cli import bench_app
 
     res = CliRunner().invoke(bench_app, ["--preset", "gpt2-huge", "--no-forward"])
     assert res.exit_code == 2 and "unknown preset" in res.output
@@ -43,7 +43,7 @@ def test_bench_rejects_unknown_preset():
 def test_bench_probe_without_cuda_or_with_an_unknown_preset_fails_clearly():
     import typer
 
-    from kernels.cli import bench_probe
+    from probe_kernels.cli import bench_probe
 
     app = typer.Typer()
     app.command()(bench_probe)

@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from kernels import ProbeEvaluator, canonical_offsets, direction, perturb
+from probe_kernels import ProbeEvaluator, canonical_offsets, direction, perturb
 from support.models import tiny_gpt2
 
 

@@ -1,4 +1,4 @@
-"""Whole-model probe path (kernels.fastpath) against the per-unit reference, on CPU: uncompiled, the two
+"""Whole-model probe path (probe_kernels.fastpath) against the per-unit reference, on CPU: uncompiled, the two
 evaluate the same eager code on bit-identical weights, so every loss must be equal bit for bit."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from kernels import ProbeEvaluator, WholeModelEvaluator, make_evaluator
-from kernels.fastpath import choose_mode, model_bytes
+from probe_kernels import ProbeEvaluator, WholeModelEvaluator, make_evaluator
+from probe_kernels.fastpath import choose_mode, model_bytes
 
 
 def lm_loss(model, batch):

@@ -11,7 +11,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 @pytest.mark.parametrize("dist", ["gauss8", "rademacher"])
 @pytest.mark.parametrize("scale", [1, 64])
 def test_compiled_parity(scale, dist):
-    from kernels.parity import run_parity
+    from probe_kernels.parity import run_parity
 
     assert run_parity("cuda", scale, (dist,)) == []
 
@@ -19,7 +19,7 @@ def test_compiled_parity(scale, dist):
 @needs_cuda
 @pytest.mark.parametrize("dist", ["gauss8", "rademacher"])
 def test_large_direction_matches_reference(dist):
-    from kernels import direction
+    from probe_kernels import direction
 
     n, off = 10_000_019, (1 << 33) + 5
     assert torch.equal(direction(123, off, n, dist, "cuda").cpu(), direction(123, off, n, dist, "cpu"))
@@ -29,7 +29,7 @@ def test_large_direction_matches_reference(dist):
 def test_evaluator_on_cuda_matches_cpu_twin():
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from kernels import ProbeEvaluator
+    from probe_kernels import ProbeEvaluator
 
     cfg = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=512, n_positions=64)
     model = GPT2LMHeadModel(cfg).eval().cuda()

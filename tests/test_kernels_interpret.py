@@ -1,7 +1,7 @@
 """Triton kernels under TRITON_INTERPRET=1 (CPU) equal the PyTorch reference bit for bit.
 
 The interpreter must be chosen before triton.jit decorates the kernels, so the check runs in a fresh
-subprocess with the env var set (kernels.parity covers both dists, seeds >= 2**32 and >= 2**63, odd sizes,
+subprocess with the env var set (probe_kernels.parity covers both dists, seeds >= 2**32 and >= 2**63, odd sizes,
 nonzero offsets, fp32/bf16/fp16, in-place axpy, replay and the single-launch list kernels).
 """
 
@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_interpreted_triton_matches_reference_bit_for_bit():
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, "-m", "kernels.parity"], cwd=ROOT, env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "probe_kernels.parity"], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "parity on cpu (scale 1): OK" in proc.stdout
@@ -24,7 +24,7 @@ def test_interpreted_triton_matches_reference_bit_for_bit():
 def test_launchers_reject_bad_inputs_in_interpreter():
     code = """
 import torch
-from kernels import triton_kernels as tk
+from probe_kernels import triton_kernels as tk
 checks = [
     (lambda: tk.perturb_triton(torch.zeros(8, dtype=torch.int32), 1, 0, 1.0, 'gauss8'), TypeError),
     (lambda: tk.perturb_triton(torch.zeros(8, 2).t(), 1, 0, 1.0, 'gauss8'), ValueError),

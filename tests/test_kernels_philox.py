@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from kernels.dist import GAUSS8_TABLE
-from kernels.philox import check_seed, philox4x32_10, randint4x
-from kernels.reference import direction_codes, direction_ref
+from probe_kernels.dist import GAUSS8_TABLE
+from probe_kernels.philox import check_seed, philox4x32_10, randint4x
+from probe_kernels.reference import direction_codes, direction_ref
 
 
 def _t(v: int) -> torch.Tensor:

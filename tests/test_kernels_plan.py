@@ -1,10 +1,10 @@
-"""kernels.ModelPlan on the reference path (CPU): same bits as the per-call list API, and checked inputs.
-The Triton path of plans is covered by kernels.parity (interpreter in CI, compiled on the GPU)."""
+"""probe_kernels.ModelPlan on the reference path (CPU): same bits as the per-call list API, and checked inputs.
+The Triton path of plans is covered by probe_kernels.parity (interpreter in CI, compiled on the GPU)."""
 
 import pytest
 import torch
 
-from kernels import ModelPlan, perturb_model, replay_model
+from probe_kernels import ModelPlan, perturb_model, replay_model
 
 SIZES = [5, 130, 1, 64]
 

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-import kernels
-from kernels import GAUSS8_TABLE, KAPPA, ProbeDist, direction, gauss8_moments, perturb, replay_
-from kernels.reference import direction_codes
+import probe_kernels
+from probe_kernels import GAUSS8_TABLE, KAPPA, ProbeDist, direction, gauss8_moments, perturb, replay_
+from probe_kernels.reference import direction_codes
 
 N = 1 << 20
 
@@ -80,24 +80,24 @@ def test_replay_equals_successive_axpy():
     a = replay_(w0.clone(), seeds, coeffs, 50, "rademacher")
     b = w0.clone()
     for s, c in zip(seeds, coeffs):
-        kernels.axpy_(b, s, 50, c, "rademacher")
+        probe_kernels.axpy_(b, s, 50, c, "rademacher")
     assert torch.equal(a, b)
 
 
 def test_model_variants_match_per_tensor_calls():
     ts = [torch.randn(n, generator=torch.Generator().manual_seed(n)) for n in (5, 130, 7)]
     offs = [0, 5, 135]
-    outs = kernels.perturb_model(ts, offs, 77, 0.5, "gauss8")
+    outs = probe_kernels.perturb_model(ts, offs, 77, 0.5, "gauss8")
     flat = perturb(torch.cat(ts), 77, 0, 0.5, "gauss8")
     assert torch.equal(torch.cat(outs), flat)
     cl = [t.clone() for t in ts]
-    kernels.replay_model(cl, offs, [1, 2], [0.1, -0.2], "gauss8")
+    probe_kernels.replay_model(cl, offs, [1, 2], [0.1, -0.2], "gauss8")
     assert torch.equal(torch.cat(cl), replay_(torch.cat(ts), [1, 2], [0.1, -0.2], 0, "gauss8"))
 
 
 def test_clear_errors():
     with pytest.raises(TypeError, match="fp32 master"):
-        kernels.axpy_(torch.zeros(4, dtype=torch.bfloat16), 1, 0, 1.0)
+        probe_kernels.axpy_(torch.zeros(4, dtype=torch.bfloat16), 1, 0, 1.0)
     with pytest.raises(TypeError, match="dtype"):
         perturb(torch.zeros(4, dtype=torch.int32), 1, 0, 1.0)
     with pytest.raises(ValueError, match="offset"):
@@ -107,4 +107,4 @@ def test_clear_errors():
     with pytest.raises(ValueError, match="coeffs"):
         replay_(torch.zeros(4), [1, 2], [1.0], 0)
     with pytest.raises(ValueError, match="offsets"):
-        kernels.perturb_model([torch.zeros(3)], [0, 3], 1, 1.0)
+        probe_kernels.perturb_model([torch.zeros(3)], [0, 3], 1, 1.0)

@@ -44,3 +44,19 @@ def test_no_import_circle_anywhere():
     circles = sorted((m, x) for m in graph.modules for x in graph.find_modules_directly_imported_by(m)
                      if x.split(".")[0] in roots and x != m and graph.chain_exists(importer=x, imported=m))
     assert circles == [], f"import circles (module, imports, and back): {circles}"
+
+
+def test_root_packages_are_ours_alone():
+    """No installed distribution but sparecycles provides a top-level module named like one of our root packages,
+    and none is a standard-library name: otherwise one shadows the other on sys.path. This is the kind of failure
+    transformers 5.25 hit, when it started importing Hugging Face's `kernels` package and found this project's
+    probe-kernel package (then named kernels/) instead."""
+    import importlib.metadata
+    import tomllib
+
+    roots = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["root_packages"]
+    owners = importlib.metadata.packages_distributions()
+    shared = {r: sorted(set(owners.get(r, [])) - {"sparecycles"}) for r in roots}
+    assert {r: d for r, d in shared.items() if d} == {}, "root packages also provided by other distributions"
+    assert sorted(set(roots) & set(sys.stdlib_module_names)) == []
+    assert {"sparecycles"} <= set(owners.get("probe_kernels", [])), "the check must see this project's install"

@@ -4,7 +4,7 @@ The rule, checked here without running anything:
 
 - the document is split at its ``## `` headings; each section (one measurement: its figures, the command that
   measured them and where the raw output lies) cites at least one *backing file*: a path under
-  ``benchmarks/results/`` or a ``kernels/*.json`` (a folder cited with a trailing ``/`` counts);
+  ``benchmarks/results/`` or a ``probe_kernels/*.json`` (a folder cited with a trailing ``/`` counts);
 - every backing path cited anywhere in the document exists in the repository (a file, or a non-empty folder);
 - the text before the first ``## `` heading carries no figures of its own (only the rule).
 
@@ -19,8 +19,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "RESULTS.md"
-# A backing path: benchmarks/results/... or kernels/....json, up to a quote, space, bracket or comma.
-BACKING = re.compile(r"(benchmarks/results/[A-Za-z0-9_.*/-]*[A-Za-z0-9_/*]|kernels/[A-Za-z0-9_.-]+\.json)")
+# A backing path: benchmarks/results/... or probe_kernels/....json, up to a quote, space, bracket or comma.
+BACKING = re.compile(r"(benchmarks/results/[A-Za-z0-9_.*/-]*[A-Za-z0-9_/*]|probe_kernels/[A-Za-z0-9_.-]+\.json)")
 
 
 def sections(text: str) -> list[tuple[str, str]]:
@@ -42,7 +42,7 @@ def test_every_results_section_cites_a_backing_file():
     secs = sections(DOC.read_text(encoding="utf-8"))
     assert len(secs) > 5, "docs/RESULTS.md lost its sections"
     uncited = [h for h, body in secs[1:] if not BACKING.search(body)]
-    assert not uncited, f"sections without a file under benchmarks/results/ (or kernels/*.json): {uncited}"
+    assert not uncited, f"sections without a file under benchmarks/results/ (or probe_kernels/*.json): {uncited}"
 
 
 def test_every_cited_backing_path_exists():

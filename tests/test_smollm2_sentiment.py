@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from benchmarks.zo import resolve_head_init, sentiment_run, sentiment_summary
-from kernels import perturb
+from probe_kernels import perturb
 from trainer.prompt_classifier import (
     LABEL_WORDS,
     PROMPT_TEMPLATE,
@@ -106,7 +106,7 @@ def test_classifier_loss_is_the_two_way_cross_entropy(smollm2):
 
 @torch.no_grad()
 def test_probe_perturbs_the_tied_embedding_once(smollm2):
-    # The in-process probe (kernels.evaluator hooks) against perturbing every named parameter out of place:
+    # The in-process probe (probe_kernels.evaluator hooks) against perturbing every named parameter out of place:
     # the shared embedding / LM head weight must carry one perturbation, seen by both of its uses.
     model, tok = smollm2
     ids, mask, labels = _task(tok, SENTENCES[:2]).splits["train"]

@@ -16,8 +16,8 @@ from prometheus_client import CollectorRegistry
 from coordinator.client import CorruptBlobError
 from fleet.backend import CoordinatorBackend
 from fleet.publisher import write_shards
-from kernels import ProbeEvaluator
-from kernels.reference import direction_ref
+from probe_kernels import ProbeEvaluator
+from probe_kernels.reference import direction_ref
 from probe_worker.cache import WeightCache
 from probe_worker.metrics import WorkerMetrics
 from probe_worker.runtime import ProbeRuntime, canary_digest
@@ -279,7 +279,7 @@ def test_block_scaled_along_update_and_group_match_in_process(env):
 def test_seed_ledger_versions_replay_bit_exact(env):
     """Pure-ZO versions published as seed-ledger entries are rebuilt on the worker by replay (from the loaded
     parent, or from the snapshot when nothing is loaded) with weights and losses bit-identical to the trainer's."""
-    from kernels import replay_
+    from probe_kernels import replay_
 
     model = tiny_model(seed=8)
     be = env.backend(model, "ledger")

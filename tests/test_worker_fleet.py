@@ -14,7 +14,7 @@ import httpx
 import pytest
 import torch
 
-from kernels import ProbeEvaluator
+from probe_kernels import ProbeEvaluator
 from support.fleet import make_batch
 from support.models import tiny_gpt2
 from trainer.train import lm_loss

@@ -9,7 +9,7 @@ import torch
 from transformers import GPT2LMHeadModel
 
 from fleet.publisher import manifest_config
-from kernels import ProbeEvaluator
+from probe_kernels import ProbeEvaluator
 from probe_worker.cache import build_from_tensors
 from support.models import tiny_gpt2
 from trainer.models.params import param_order_hash

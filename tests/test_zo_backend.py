@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import direction, perturb
+from probe_kernels import direction, perturb
 from support.quadratic import QuadraticModel, quad_loss
 from trainer.zo import estimators as est
 from trainer.zo.backend import InProcessBackend, collect_round

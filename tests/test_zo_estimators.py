@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from kernels import direction, dist_moments
+from probe_kernels import direction, dist_moments
 from trainer.zo import estimators as est
 
 N_SAMPLES = 40_000

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from kernels import direction
+from probe_kernels import direction
 from support.quadratic import QuadraticModel, quad_loss
 from support.resume import assert_same_checkpoints
 from trainer.config import TrainConfig

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import direction, dist_moments
+from probe_kernels import direction, dist_moments
 from support.quadratic import QuadraticModel, quad_loss
 from trainer.checkpoint import load_checkpoint, save_checkpoint
 from trainer.zo import estimators as est

@@ -21,7 +21,7 @@ from benchmarks.zo_paper_steps import (
     numerics_drift,
     plateau_update,
 )
-from kernels.reference import direction_ref
+from probe_kernels.reference import direction_ref
 
 
 def _bf16_rne(x: np.ndarray) -> np.ndarray:

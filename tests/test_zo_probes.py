@@ -8,7 +8,7 @@ import pydantic
 import pytest
 import torch
 
-from kernels import direction
+from probe_kernels import direction
 from support.quadratic import QuadraticModel, quad_loss
 from trainer.zo import probes
 from trainer.zo.backend import InProcessBackend, collect_round

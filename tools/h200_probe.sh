@@ -23,7 +23,7 @@ stage large
 timeout "${LARGE_S:-100}" bash -c "$(declare -f sc); sc bench probe --preset gpt2-large --parity-seeds ${LARGE_SEEDS:-10} --no-cross-process --json-out $out/probe_large.json" > "$out/large.log" 2>&1
 tail -n 8 "$out/large.log"
 stage profile
-timeout "${PROFILE_S:-40}" python3 -c 'from kernels.bench_probe import profile_fast; print(profile_fast())' > "$out/profile_small.log" 2>&1
+timeout "${PROFILE_S:-40}" python3 -c 'from probe_kernels.bench_probe import profile_fast; print(profile_fast())' > "$out/profile_small.log" 2>&1
 grep -v '^\[transformers\]' "$out/profile_small.log" | tail -n 22
 if [ -n "${CG_S:-}" ]; then
   stage small-cudagraphs

@@ -25,7 +25,7 @@ from pydantic import Field, TypeAdapter
 
 MAX_PROBE_EPS = 1.0  # parameter units: a unit-RMS step of 1 already leaves the region a difference quotient sees
 MAX_STALENESS = 1_000_000  # versions
-SEED_LIMIT = 1 << 64  # probe seeds: [0, 2**64), the Philox key (kernels.philox.SEED_LIMIT)
+SEED_LIMIT = 1 << 64  # probe seeds: [0, 2**64), the Philox key (probe_kernels.philox.SEED_LIMIT)
 RUN_SEED_LIMIT = 1 << 63  # run seeds: [0, 2**63), a non-negative int64
 
 ProbeEps = Annotated[float, Field(gt=0.0, le=MAX_PROBE_EPS, allow_inf_nan=False)]

@@ -3,7 +3,7 @@
 theta's canonical order is `model.named_parameters()` order, which lists a tied weight once (under
 its first name, e.g. GPT-2's `transformer.wte.weight`, not `lm_head.weight`). Offset i of the flat
 vector is the i-th element of that concatenation of row-major flattened tensors. Seeded directions
-z(seed)[offset:offset+numel] (kernels.direction) are indexed by these offsets.
+z(seed)[offset:offset+numel] (probe_kernels.direction) are indexed by these offsets.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def param_offsets(model: torch.nn.Module) -> list[int]:
 
     offsets[k + 1] - offsets[k] == numel of parameter k.
     """
-    from kernels import canonical_offsets
+    from probe_kernels import canonical_offsets
 
     return [o for _, _, o in canonical_offsets(model)]
 

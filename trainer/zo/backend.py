@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 import torch
 
-from kernels import ProbeEvaluator
+from probe_kernels import ProbeEvaluator
 from trainer.zo import probes
 from trainer.zo.probes import ProbeKind, RoundSpec, SeedResult
 from wire.bounds import Staleness, check
@@ -99,7 +99,7 @@ class ProbeBackend(Protocol):
 class InProcessBackend:
     """Evaluate probe rounds in this process on `model`, leaving its clean weights bit-identical.
 
-    Every kind goes through trainer.zo.probes.probe_losses: seeded probes through kernels.ProbeEvaluator,
+    Every kind goes through trainer.zo.probes.probe_losses: seeded probes through probe_kernels.ProbeEvaluator,
     the others with perturbed blocks built out of place and swapped in for the forward pass only.
 
     It plays the coordinator's intake too: a delivered result whose version is older than the latest

@@ -228,10 +228,10 @@ def rademacher_diag_estimate(uhv, u: torch.Tensor, v: torch.Tensor) -> torch.Ten
 def block_scales(seed: int, n_blocks: int, dist: str = "gauss8") -> torch.Tensor:
     """Per-block scales a = gauss8 code stream of derive_seed(seed, TAG_BLOCK_SCALE), (B,) float32.
 
-    a_b = kernels.direction(derive_seed(seed, TAG_BLOCK_SCALE), offset=b, numel=1, gauss8): block b's
+    a_b = probe_kernels.direction(derive_seed(seed, TAG_BLOCK_SCALE), offset=b, numel=1, gauss8): block b's
     scale is element b of its own seeded stream, so any worker computes it from (seed, b) alone.
     """
-    from kernels import direction
+    from probe_kernels import direction
 
     return direction(derive_seed(seed, TAG_BLOCK_SCALE), 0, n_blocks, dist)
 
@@ -239,7 +239,7 @@ def block_scales(seed: int, n_blocks: int, dist: str = "gauss8") -> torch.Tensor
 def block_sign_seed(seed: int) -> int:
     """Seed of the in-block Rademacher stream r of a block-scaled probe: derive_seed(seed, TAG_BLOCK_SIGN).
 
-    r[offset:offset+numel] = kernels.direction(block_sign_seed(seed), offset, numel, "rademacher"),
+    r[offset:offset+numel] = probe_kernels.direction(block_sign_seed(seed), offset, numel, "rademacher"),
     indexed by the global canonical offset, so r does not depend on sharding.
     """
     return derive_seed(seed, TAG_BLOCK_SIGN)
@@ -251,7 +251,7 @@ def block_scaled_direction(seed: int, offsets: Sequence[int], sizes: Sequence[in
     offsets/sizes: global flat offset and numel of each block (trainer.models.param_offsets order).
     Materialises z; for tests and small models (evaluation perturbs block by block without it).
     """
-    from kernels import direction
+    from probe_kernels import direction
 
     a = block_scales(seed, len(sizes))
     rs = block_sign_seed(seed)

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 import torch
 
-from kernels import direction, dist_moments
+from probe_kernels import direction, dist_moments
 from trainer.zo import estimators as est
 from trainer.zo import updates as upd
 from trainer.zo.backend import losses

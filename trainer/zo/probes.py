@@ -5,16 +5,16 @@ what z is; `KINDS` holds one entry per kind, and both the in-process backend (tr
 fleet's workers (probe_worker.runtime) evaluate a seed through `probe_losses`, which is what makes fleet
 results bit-identical to in-process ones.
 
-- ``seeded``: z(seed) of `dist` over all canonical parameters (kernels.ProbeEvaluator, hooks, no copy).
+- ``seeded``: z(seed) of `dist` over all canonical parameters (probe_kernels.ProbeEvaluator, hooks, no copy).
 - ``block_scaled``: z = Σ_b a_b r_b with a = estimators.block_scales(seed) (gauss8, one per block) and r
   the Rademacher stream of estimators.block_sign_seed(seed) at each element's global offset; block b
-  becomes kernels.perturb(w_b, sign_seed, offset_b, ±ε·a_b, "rademacher") (per-block curvature, §2).
+  becomes probe_kernels.perturb(w_b, sign_seed, offset_b, ±ε·a_b, "rademacher") (per-block curvature, §2).
 - ``along_update``: the seed is a block index b; u_b = θ_v[b] − θ_base[b] in fp32, scale = ‖u_b‖/√n_b
   (norm in float64, `update_rms`), and block b becomes (w_b ± ε·u_b/scale) rounded once to its dtype (unit
   RMS, so ε means what it means for a unit-variance z). A block that did not move (scale 0) gives
   L+ = L− = L0. The result carries `scale` so the caller converts back to step units (ZO-Curv (c)).
 - ``group``: z(seed) of `dist` restricted to the canonical blocks G of the round (`group`, sorted block
-  indices), every other block unperturbed: block b ∈ G becomes kernels.perturb(w_b, seed, offset_b, ±ε,
+  indices), every other block unperturbed: block b ∈ G becomes probe_kernels.perturb(w_b, seed, offset_b, ±ε,
   dist). For a quadratic, h = (L+ + L− − 2L0)/ε² = z_Gᵀ H_GG z_G, so E[h] = tr(H_GG) for a unit-variance z
   and tr(H_GG)/n_G estimates the group's mean curvature (ZO-Curv by parameter group). A round's `slices`
   restrict some of its blocks further to a slice along one dimension (block, dim, start, stop): z is zero
@@ -34,7 +34,7 @@ results bit-identical to in-process ones.
 Non-seeded kinds build perturbed blocks out of place (fp32 math, one rounding to the parameter dtype) and
 swap them in (`param.data = new`) for one forward pass only; the clean storages are never written.
 Canonical blocks are `model.named_parameters()` in order (tied weights once) with the global flat offsets
-of kernels.canonical_offsets, the one place offsets are computed.
+of probe_kernels.canonical_offsets, the one place offsets are computed.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from typing import Any, Literal
 
 import torch
 
-from kernels import canonical_offsets, perturb
+from probe_kernels import canonical_offsets, perturb
 from trainer.zo import estimators as est
 from wire.bounds import ProbeEps, check
 from wire.round_messages import ProbeRound, check_line_seeds, line_multiple
@@ -90,7 +90,7 @@ class Block:
 
 
 def canonical_blocks(model: torch.nn.Module) -> list[Block]:
-    """The model's canonical blocks in order (kernels.canonical_offsets: named_parameters, tied once)."""
+    """The model's canonical blocks in order (probe_kernels.canonical_offsets: named_parameters, tied once)."""
     return [Block(n, p, o) for n, p, o in canonical_offsets(model)]
 
 
@@ -194,7 +194,7 @@ class ProbeSite:
     Attributes:
         blocks: canonical blocks of the model holding θ_v.
         loss: loss(new) -> L (nats) with blocks `new` {index: tensor} swapped in; None or {} = clean.
-        seeded_loss: seeded_loss(seed, alpha, dist) -> L(θ_v + alpha·z(seed)) (kernels.ProbeEvaluator).
+        seeded_loss: seeded_loss(seed, alpha, dist) -> L(θ_v + alpha·z(seed)) (probe_kernels.ProbeEvaluator).
         update: update(b) -> u_b = θ_v[b] − θ_base[b], fp32 of block b's shape (along_update, line and
             group_line rounds only).
     """
@@ -354,7 +354,7 @@ class KindRule:
     needs_group: bool = False  # the round names its block group (group, group_line)
     forwards: int = 2  # forward passes per seed (L+ and L−; group_line: its one point)
     # The forward's precision on a GPU worker, declared from measurement (`sparecycles bench precision`, the table
-    # in docs/RESULTS.md): "bf16" (the bf16 compiled fast path, kernels.FastForward) only where the bf16 forward's
+    # in docs/RESULTS.md): "bf16" (the bf16 compiled fast path, probe_kernels.FastForward) only where the bf16 forward's
     # signal-to-noise at the kind's ε clears SNR_BOUND; else "tf32" (fp32 weights, TF32 matmuls).
     precision: Literal["bf16", "tf32"] = "tf32"
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from kernels import replay_model
+from probe_kernels import replay_model
 from trainer.zo import estimators as est
 from trainer.zo.backend import COUNT_KEYS, ProbeBackend, collect_round, losses
 from trainer.zo.probes import RoundSpec, canonical_blocks
@@ -69,7 +69,7 @@ class ZOStepper:
         c, stats = zo_coefficients(self.method, lp, lm, l0, self.eps, lr, self.alpha, self.lam)
         seeds, coeffs = list(r.seeds), [float(x) for x in c]
         decoupled_decay_(self.masters, lr, self.weight_decay)
-        # One launch for the whole model on CUDA (bit-identical to per-tensor replay_: kernels/parity.py);
+        # One launch for the whole model on CUDA (bit-identical to per-tensor replay_: probe_kernels/parity.py);
         # per-tensor launches made MeZO's 2-forward steps launch-bound (benchmarks/results/h200/RESULTS.md).
         replay_model(self.masters, self.offsets, seeds, coeffs, self.dist)
         for p, w in zip(self.params, self.masters):

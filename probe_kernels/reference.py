@@ -8,7 +8,7 @@ parameter order (i >= 0, int64) draws from Philox call c with key (seed & 0xffff
 - rademacher: c = i // 128, bit j = i % 128 is bit (j % 32) (least significant first) of word r_(j // 32);
               z_i = +1 if the bit is 0, -1 if it is 1.
 
-Output words r0..r3 are those of ``tl.randint4x(seed, c)`` (see kernels.philox). Arithmetic of the apply
+Output words r0..r3 are those of ``tl.randint4x(seed, c)`` (see probe_kernels.philox). Arithmetic of the apply
 ops (fp32, no fused multiply-add, one final rounding to the output dtype):
     perturb: out = to_dtype(fl(w_f32 + fl(alpha_f32 * z)))
     replay:  w <- fl(... fl(fl(w + fl(c_0 * z_0)) + fl(c_1 * z_1)) ...)   (k = 0, 1, ..., K-1 in order)
@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.dist import GAUSS8_TABLE, ProbeDist, as_dist
-from kernels.philox import check_seed, randint4x
+from probe_kernels.dist import GAUSS8_TABLE, ProbeDist, as_dist
+from probe_kernels.philox import check_seed, randint4x
 
 # Counters per generator chunk: bounds the int64 temporaries to ~ 4 * 8 * CHUNK bytes per word array.
 _CHUNK_COUNTERS = 1 << 18

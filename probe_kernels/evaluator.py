@@ -17,8 +17,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kernels.dist import ProbeDist, as_dist
-from kernels.ops import ModelPlan
+from probe_kernels.dist import ProbeDist, as_dist
+from probe_kernels.ops import ModelPlan
 
 _ALIGN = 64  # elements: arena slices start 16-element aligned and at Philox-call boundaries
 
@@ -97,7 +97,7 @@ class ProbeEvaluator:
     are inert outside `loss`; call `close()` to remove them.
     """
 
-    mode = "per_unit"  # kernels.fastpath.make_evaluator's name for this path
+    mode = "per_unit"  # probe_kernels.fastpath.make_evaluator's name for this path
 
     def __init__(self, model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, object], torch.Tensor],
                  budget: int | None = None):

@@ -3,12 +3,12 @@
 import json
 import sys
 
-from kernels.bench import render, run_bench
-from kernels.tune import tune
+from probe_kernels.bench import render, run_bench
+from probe_kernels.tune import tune
 
 if __name__ == "__main__":
     tune("gpt2-small", 40, apply=True)
-    from kernels.parity import run_parity
+    from probe_kernels.parity import run_parity
 
     fails = run_parity("cuda", 64)
     print("parity with tuned options:", "OK" if not fails else fails, flush=True)

@@ -1,6 +1,6 @@
 """Fused Triton kernels: generate z(seed, offset) in registers and apply it, never writing z to memory.
 
-Same element layout and arithmetic as kernels.reference (read its docstring). Fused multiply-add is
+Same element layout and arithmetic as probe_kernels.reference (read its docstring). Fused multiply-add is
 switched off (``enable_fp_fusion=False``) so results equal the reference bit for bit. Each program owns
 NC whole Philox calls (NC * EPC elements, EPC = 16 for gauss8, 128 for rademacher), aligned in the
 global element order, and masks elements outside its tensor, so any global offset is supported.
@@ -17,13 +17,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dist import GAUSS8_TABLE, ProbeDist, as_dist
-from kernels.philox import check_seed
-from kernels.reference import check_range
+from probe_kernels.dist import GAUSS8_TABLE, ProbeDist, as_dist
+from probe_kernels.philox import check_seed
+from probe_kernels.reference import check_range
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # (elements per program, warps) by (kernel, element size in bytes, distribution): the fastest options found
-# on an H200 over gpt2-small's and gpt2-large's parameter sizes (kernels/NOTES.md); other keys fall back to
+# on an H200 over gpt2-small's and gpt2-large's parameter sizes (probe_kernels/NOTES.md); other keys fall back to
 # (kernel, element size, None), then to (4096, 8).
 TUNING: dict[tuple[str, int, str | None], tuple[int, int]] = {
     ("perturb", 2, None): (1024, 1), ("perturb", 4, None): (4096, 8),
@@ -43,7 +43,7 @@ def _codes(seed, cbase, NC: tl.constexpr, EPC: tl.constexpr, GAUSS: tl.constexpr
 
     join/reshape keep a counter's four words in one thread, so each Philox call is computed once and every
     bit of it is used (16 bytes or 128 bits); selecting words with tl.where instead spread a call over
-    several threads, each recomputing it (4x slower replay, kernels/NOTES.md)."""
+    several threads, each recomputing it (4x slower replay, probe_kernels/NOTES.md)."""
     c = cbase + tl.arange(0, NC).to(tl.int64)
     r0, r1, r2, r3 = tl.randint4x(seed, c)
     words = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), (NC, 4))  # [c, w] = r_w
@@ -190,7 +190,7 @@ def check_tensor(t: torch.Tensor, name: str, dtypes=FLOAT_DTYPES) -> None:
     want = "cpu" if interpreted() else "cuda"
     if t.device.type != want:
         raise ValueError(f"{name} is on {t.device}; the Triton kernels need a {want} tensor here "
-                         "(use kernels.perturb/axpy_/replay_, which fall back to the PyTorch reference)")
+                         "(use probe_kernels.perturb/axpy_/replay_, which fall back to the PyTorch reference)")
 
 
 def _config(kind: str, t: torch.Tensor, dist: ProbeDist) -> tuple[int, int]:

@@ -1,7 +1,7 @@
 """Public probe-kernel API: Triton on CUDA tensors, the bit-identical PyTorch reference everywhere else.
 
 All functions take `offset`, the global position of a tensor's first element in the model's canonical flat
-parameter order, so z is the same whatever the chunking, sharding, dtype or device (kernels.reference).
+parameter order, so z is the same whatever the chunking, sharding, dtype or device (probe_kernels.reference).
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from functools import lru_cache
 
 import torch
 
-from kernels.dist import ProbeDist, as_dist
-from kernels.philox import SEED_LIMIT, check_seed
-from kernels.reference import check_range, direction_ref, perturb_ref, replay_ref
+from probe_kernels.dist import ProbeDist, as_dist
+from probe_kernels.philox import SEED_LIMIT, check_seed
+from probe_kernels.reference import check_range, direction_ref, perturb_ref, replay_ref
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -23,7 +23,7 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def triton_available() -> bool:
     """True when `import triton` works (the Triton kernels are then used for CUDA tensors)."""
     try:
-        import kernels.triton_kernels  # noqa: F401
+        import probe_kernels.triton_kernels  # noqa: F401
     except Exception:  # noqa: BLE001 - any import failure means: use the reference
         return False
     return True
@@ -95,7 +95,7 @@ def perturb(w: torch.Tensor, seed: int, offset: int, alpha: float, dist: ProbeDi
     dist = as_dist(dist)
     _check_float(w, "w")
     if uses_triton(w):
-        from kernels.triton_kernels import perturb_triton
+        from probe_kernels.triton_kernels import perturb_triton
 
         return perturb_triton(w, seed, offset, alpha, dist, out)
     check_range(offset, w.numel())
@@ -127,7 +127,7 @@ def replay_(w: torch.Tensor, seeds: Sequence[int] | torch.Tensor, coeffs: Sequen
     dist = as_dist(dist)
     _check_float(w, "w", (torch.float32,))
     if uses_triton(w):
-        from kernels.triton_kernels import replay_triton
+        from probe_kernels.triton_kernels import replay_triton
 
         s = seeds_tensor(seeds, w.device)
         return replay_triton(w, s, _coeffs_tensor(coeffs, s.numel(), w.device), offset, dist)
@@ -161,7 +161,7 @@ def perturb_model(tensors: Sequence[torch.Tensor], offsets: Sequence[int], seed:
     _check_lists(outs, offsets)
     for idx in _groups(tensors).values():
         if uses_triton(tensors[idx[0]]):
-            from kernels.triton_kernels import perturb_list_triton
+            from probe_kernels.triton_kernels import perturb_list_triton
 
             perturb_list_triton([tensors[i] for i in idx], [offsets[i] for i in idx], seed, alpha, dist,
                                 [outs[i] for i in idx])
@@ -206,7 +206,7 @@ def replay_model(tensors: Sequence[torch.Tensor], offsets: Sequence[int], seeds:
         _check_float(t, "tensors[i]", (torch.float32,))
     for (_, device), idx in _groups(tensors).items():
         if uses_triton(tensors[idx[0]]):
-            from kernels.triton_kernels import replay_list_triton
+            from probe_kernels.triton_kernels import replay_list_triton
 
             s = seeds_tensor(seeds, device)
             replay_list_triton([tensors[i] for i in idx], [offsets[i] for i in idx], s,
@@ -222,7 +222,7 @@ class ModelPlan:
 
     `perturb_model`/`replay_model` check and group their lists on every call: about 2 us of Python per
     tensor, 0.3 ms for gpt2-small's 148 tensors, which is more than the 0.13 ms its perturb kernel takes on
-    an H200 (kernels/NOTES.md). A plan does that work here, once; each call is then one kernel launch per
+    an H200 (probe_kernels/NOTES.md). A plan does that work here, once; each call is then one kernel launch per
     (dtype, device) group on CUDA (the reference path elsewhere, same bits).
 
     tensors: contiguous parameter tensors (float32/bfloat16/float16; replay_ needs float32), offsets[i] (int
@@ -258,7 +258,7 @@ class ModelPlan:
         if not uses_triton(self.tensors[idx[0]]):
             return None
         if (kind, g) not in self._triton:
-            from kernels.triton_kernels import list_plan
+            from probe_kernels.triton_kernels import list_plan
 
             ins = [self.tensors[i] for i in idx]
             outs = [self.outs[i] for i in idx] if kind == "perturb" else ins
@@ -275,7 +275,7 @@ class ModelPlan:
                 _perturb_runs_ref([self.tensors[i] for i in idx], [self.offsets[i] for i in idx], seed, alpha,
                                   self.dist, [self.outs[i] for i in idx])
             else:
-                from kernels.triton_kernels import launch_perturb_list
+                from probe_kernels.triton_kernels import launch_perturb_list
 
                 table, warps, w0, out0 = prep
                 launch_perturb_list(table, warps, w0, out0, seed, alpha, self.dist)
@@ -296,7 +296,7 @@ class ModelPlan:
                 for i in idx:
                     replay_(self.tensors[i], seeds, coeffs, self.offsets[i], self.dist)
             else:
-                from kernels.triton_kernels import launch_replay_list
+                from probe_kernels.triton_kernels import launch_replay_list
 
                 table, warps, w0, _ = prep
                 s = seeds_tensor(seeds, w0.device)

@@ -12,7 +12,7 @@ fits in free memory with room left for activations, else the per-unit `ProbeEval
 scratch at a time), and logs the choice. Without compilation (CPU, or compile=False) the shadow runs the
 very same eager module code on bit-identical perturbed weights, so its losses equal ProbeEvaluator's bit
 for bit; compiled, they differ in the last bits (fused kernels, another reduction order), measured in
-kernels/NOTES.md.
+probe_kernels/NOTES.md.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kernels.dist import ProbeDist, as_dist
-from kernels.evaluator import ProbeEvaluator, canonical_offsets, checked_rows
-from kernels.ops import ModelPlan
-from kernels.philox import check_seed
+from probe_kernels.dist import ProbeDist, as_dist
+from probe_kernels.evaluator import ProbeEvaluator, canonical_offsets, checked_rows
+from probe_kernels.ops import ModelPlan
+from probe_kernels.philox import check_seed
 
 log = logging.getLogger("sparecycles.kernels")
 

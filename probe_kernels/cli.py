@@ -25,7 +25,7 @@ def bench_kernels(
 ) -> None:
     """Effective bandwidth of the fused perturb/replay kernels vs a device copy and naive PyTorch, and the
     per-probe perturbation overhead vs one bf16 forward of gpt2-small. Needs a CUDA GPU."""
-    from kernels.bench import render, run_bench
+    from probe_kernels.bench import render, run_bench
 
     names = [p.strip() for p in preset.split(",") if p.strip()]
     try:
@@ -54,7 +54,7 @@ def bench_probe(  # registered as `sparecycles bench probe` in benchmarks.cli
     """A probe worker's speed on one GPU: the compiled whole-model probe path against the per-unit eager
     reference (probes/s, forward MFU against a measured bf16 matmul, end-to-end probe overhead against a
     clean forward of the same compiled model, parity on seeds, determinism). Needs a CUDA GPU."""
-    from kernels.bench_probe import render, run_probe_bench
+    from probe_kernels.bench_probe import render, run_probe_bench
 
     names = [p.strip() for p in preset.split(",") if p.strip()]
     if json_out is not None:

@@ -1,6 +1,6 @@
 """Measure (elements per program, warps) options of the single-launch list kernels on this GPU.
 
-``python -m kernels.tune [--preset gpt2-small]`` prints, per kernel, the median time of each option over the
+``python -m probe_kernels.tune [--preset gpt2-small]`` prints, per kernel, the median time of each option over the
 preset's parameter sizes; copy the best into triton_kernels.TUNING. Needs CUDA and triton.
 """
 
@@ -10,10 +10,10 @@ import argparse
 
 import torch
 
-from kernels import triton_kernels as tk
-from kernels.bench import _ms, preset_sizes, preset_tensors
-from kernels.dist import ProbeDist
-from kernels.ops import ModelPlan
+from probe_kernels import triton_kernels as tk
+from probe_kernels.bench import _ms, preset_sizes, preset_tensors
+from probe_kernels.dist import ProbeDist
+from probe_kernels.ops import ModelPlan
 
 OPTIONS = [(1024, 1), (2048, 2), (4096, 4), (4096, 8), (8192, 8), (16384, 8)]
 

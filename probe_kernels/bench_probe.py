@@ -23,8 +23,8 @@ import time
 
 import torch
 
-from kernels.bench import _ms, forward_flops, preset_config
-from kernels.dist import as_dist
+from probe_kernels.bench import _ms, forward_flops, preset_config
+from probe_kernels.dist import as_dist
 
 
 def lm_loss(model, batch):
@@ -52,7 +52,7 @@ def build(preset: str, batch: int, seq_len: int, device: str = "cuda"):
 
 def loss_bits(preset: str, batch: int, seq_len: int, cuda_graphs: bool, seeds: int, eps: float = 1e-3) -> list[str]:
     """float.hex of L0 and of L(+-eps z_s) for s < seeds through the compiled fast path (determinism check)."""
-    from kernels.fastpath import WholeModelEvaluator
+    from probe_kernels.fastpath import WholeModelEvaluator
 
     model, b = build(preset, batch, seq_len)
     fast = WholeModelEvaluator(model, lm_loss, compile=True, cuda_graphs=cuda_graphs)
@@ -114,8 +114,8 @@ def _top_kernels(fn, top: int = 8) -> list[tuple[str, float]]:
 def bench_one(preset: str, batch: int, seq_len: int, parity_seeds: int, cuda_graphs: bool, peak: float,
               eps: float = 1e-3, eager_parity: bool = True, rounds: int = 5) -> dict:
     """All measurements of one preset (see the module docstring) as a JSON-ready dict."""
-    from kernels.evaluator import ProbeEvaluator
-    from kernels.fastpath import WholeModelEvaluator, model_bytes
+    from probe_kernels.evaluator import ProbeEvaluator
+    from probe_kernels.fastpath import WholeModelEvaluator, model_bytes
 
     model, b = build(preset, batch, seq_len)
     flops = forward_flops(model, batch, seq_len)
@@ -220,7 +220,7 @@ def run_probe_bench(presets: list[str], batch: int = 16, seq_len: int = 1024, pa
             res["presets"].append({"preset": p, "error": repr(exc)[:2000]})
         save()
         if child and i == 0 and "bits" in res["presets"][0]:
-            cmd = [sys.executable, "-m", "kernels.bench_probe", p, str(batch), str(seq_len), str(int(cuda_graphs))]
+            cmd = [sys.executable, "-m", "probe_kernels.bench_probe", p, str(batch), str(seq_len), str(int(cuda_graphs))]
             t0 = time.perf_counter()
             got = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
             try:
@@ -262,7 +262,7 @@ def profile_fast(preset: str = "gpt2-small", batch: int = 16, seq_len: int = 102
     """torch.profiler table of the compiled fast path's clean forward (CUDA time per kernel), as text."""
     from torch.profiler import ProfilerActivity, profile
 
-    from kernels.fastpath import WholeModelEvaluator
+    from probe_kernels.fastpath import WholeModelEvaluator
 
     model, b = build(preset, batch, seq_len)
     fast = WholeModelEvaluator(model, lm_loss)

@@ -1,7 +1,7 @@
 """Bit-for-bit parity of the Triton kernels against the PyTorch reference.
 
-Run as ``TRITON_INTERPRET=1 python -m kernels.parity`` on CPU (the env var must be set before triton is
-imported) or ``python -m kernels.parity --device cuda`` on a GPU; exits 1 and lists failures on mismatch.
+Run as ``TRITON_INTERPRET=1 python -m probe_kernels.parity`` on CPU (the env var must be set before triton is
+imported) or ``python -m probe_kernels.parity --device cuda`` on a GPU; exits 1 and lists failures on mismatch.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import sys
 
 import torch
 
-from kernels.dist import ProbeDist
-from kernels.ops import ModelPlan, seeds_tensor
-from kernels.reference import direction_ref, perturb_ref, replay_ref
+from probe_kernels.dist import ProbeDist
+from probe_kernels.ops import ModelPlan, seeds_tensor
+from probe_kernels.reference import direction_ref, perturb_ref, replay_ref
 
 SEEDS = (0, 1, 12345, (1 << 32) + 7, (1 << 63) + 5, (1 << 64) - 1)
 # (offset, numel): odd sizes, offsets inside a Philox call, across call and block boundaries
@@ -40,7 +40,7 @@ def run_parity(device: str = "cpu", scale: int = 1, dists: tuple[ProbeDist, ...]
     scale multiplies the sizes (use > 1 on a GPU to cover many programs per launch); dists: the
     distributions covered (default: all; the GPU tests take one each, so they can run in parallel).
     """
-    from kernels import triton_kernels as tk
+    from probe_kernels import triton_kernels as tk
 
     fails: list[str] = []
     dev = torch.device(device)
@@ -76,7 +76,7 @@ def run_parity(device: str = "cpu", scale: int = 1, dists: tuple[ProbeDist, ...]
 
 
 def _list_parity(dist: ProbeDist, dev: torch.device, scale: int) -> list[str]:
-    from kernels import triton_kernels as tk
+    from probe_kernels import triton_kernels as tk
 
     fails = []
     # unaligned (odd sizes back to back) and aligned (sizes multiple of 128, fresh allocations)
