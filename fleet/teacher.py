@@ -13,6 +13,7 @@ Each blob is read with GETDEL: taken once, so a redelivered answer is never coun
 from __future__ import annotations
 
 import base64
+import logging
 from collections.abc import Callable
 
 import redis
@@ -20,6 +21,7 @@ import torch
 from celery import Celery
 from tenacity import RetryError, Retrying, retry_if_result, stop_after_delay, wait_fixed
 
+from fleet.teacher_weights import publish_teacher
 from trainer.kd.intake import accept
 from trainer.kd.sparse_loss import SparseKDLoss, report_missing
 from trainer.kd.teacher import batch_key, teacher_folder, teacher_sha256
@@ -27,6 +29,8 @@ from trainer.ledger import phase
 from trainer.metrics import KD_AHEAD, KD_MISSING, KD_REJECTED
 from wire.kd_targets import KDTargets
 from wire.teacher_messages import TEACHER_TASK_NAME, TeacherTask, recipe_tag, target_key
+
+log = logging.getLogger("sparecycles.teacher")
 
 
 def teacher_queue(run: str) -> str:
@@ -44,7 +48,9 @@ class FleetTeacher:
 
     batch_fn(step) -> (x, y), x int64 (B, T): the trainer's own batches. `advance(step)` sends the rounds of
     steps [step, step + window) not yet sent; `take(x, vocab)` -> KDTargets or None (missing or rejected, counted).
-    Raises ValueError for window < 1 or strict_timeout_s <= 0. Network calls carry the Redis client's timeouts.
+    Built, it publishes the teacher's weights into the store once (fleet.teacher_weights.publish_teacher) for
+    workers that cannot read its folder. Raises ValueError for window < 1 or strict_timeout_s <= 0. Network calls
+    carry the Redis client's timeouts.
     """
 
     def __init__(self, app: Celery, store: redis.Redis, *, run: str, teacher: str, batch_fn: Callable,
@@ -64,6 +70,22 @@ class FleetTeacher:
         self.bytes_up = self.bytes_down = 0
         for counter in (KD_MISSING, KD_REJECTED):  # the run's series exist (at 0) before any step is missed
             counter.labels(run)
+        self.published_bytes = self._publish(teacher)
+
+    def _publish(self, teacher: str) -> int:
+        """Publish the teacher's weights into the store once (fleet.teacher_weights), so a worker on a machine
+        that cannot read teacher_dir fetches them; bytes written (0: already there). A store that refuses them
+        (maxmemory) is warned about, not fatal: workers that read the folder still answer."""
+        try:
+            manifest, written = publish_teacher(self.store, teacher)
+        except redis.RedisError as exc:
+            log.warning("teacher %s not published in the store (%s): only workers that can read %s answer",
+                        self.sha[:12], str(exc)[:200], self.teacher_dir)
+            return 0
+        if written:
+            log.info("teacher %s published in the store: %d files, %d bytes", self.sha[:12], len(manifest.files),
+                     written)
+        return written
 
     def task_for(self, step: int) -> TeacherTask:
         """The teacher round of `step`: its batch's ids, the teacher and the target recipe."""

@@ -2,13 +2,14 @@
 .TeacherTask in, a wire.kd_targets blob out under its Redis key) and `python -m probe_worker.teacher`.
 
 The teacher is loaded once per sha256 (trainer.kd.teacher.load_teacher: bf16 on CUDA, compiled; fp32 on CPU)
-after its folder's sha256 is checked against the task's. Targets are trainer.kd.targets.make_targets of the
-teacher's logits, seeded by (seed, key, rank) as the in-process KDLoss seeds them. Delivery: late ack and
+from the task's folder when this machine can read it with the task's sha256, else from the copy its trainer
+published in the store (fleet.teacher_weights: fetched once, verified, kept under $SPARECYCLES_CACHE/teachers).
+Targets are trainer.kd.targets.make_targets of the teacher's logits, seeded by (seed, key, rank) as the in-process KDLoss seeds them. Delivery: late ack and
 reject-on-worker-lost (coordinator.celery_app), so a killed worker's task is redelivered; the answer is a
 SET NX, so a redelivered task writes nothing twice. Outcomes, counted in
 `sparecycles_worker_teacher_tasks_total{outcome}`: done, duplicate (the key was already answered),
 invalid (not a TeacherTask, or ids outside the teacher's vocabulary: rejected without requeue),
-refused (the folder's sha256 differs from the task's), error (anything else; the worker lives on).
+refused (neither the folder nor the store gives the task's teacher), error (anything else; the worker lives on).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -26,9 +28,11 @@ from celery.exceptions import Reject
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 from pydantic import ValidationError
 
+from fleet.teacher_weights import TeacherUnavailable, fetch_teacher
 from probe_kernels import FastForward, lm_logits
 from trainer.kd.targets import make_targets
-from trainer.kd.teacher import load_teacher, teacher_sha256
+from trainer.kd.teacher import TeacherMismatchError, load_teacher, teacher_sha256
+from trainer.paths import cache_dir
 from wire.kd_targets import encode
 from wire.teacher_messages import TARGET_TTL_S, TEACHER_TASK_NAME, TeacherTask, target_key
 
@@ -46,31 +50,51 @@ class TeacherMetrics:
                                   "of the last batch (tokens/s, this worker)", registry=registry)
         self.bytes = Counter("sparecycles_worker_teacher_target_bytes_total", "Target blob bytes written",
                              registry=registry)
+        self.fetched = Counter("sparecycles_worker_teacher_fetched_bytes_total", "Teacher weight bytes fetched "
+                               "from the store (a teacher published by its trainer, its folder not readable here)",
+                               registry=registry)
 
 
 class TeacherRuntime:
     """One loaded teacher on `device` and the Redis client its answers go to.
 
     `answer(task)` -> outcome name; raises ValueError for ids outside the teacher's vocabulary and
-    TeacherRefused for a folder whose sha256 is not the task's.
+    TeacherRefused when neither the task's folder (read here, its sha256 the task's) nor the store's published copy
+    (fleet.teacher_weights.fetch_teacher into `root`, default $SPARECYCLES_CACHE/teachers) gives the teacher.
     """
 
-    def __init__(self, device: str, store: redis.Redis, pause_s: float = 0.0) -> None:
+    def __init__(self, device: str, store: redis.Redis, pause_s: float = 0.0, root: Path | None = None) -> None:
         self.device, self.store, self.pause_s = device, store, pause_s
+        self.root = root if root is not None else cache_dir() / "teachers"  # fetched teachers (fetch_teacher)
+        self.fetched_bytes = 0  # of the last teacher fetched from the store (0: read from its folder or cached)
         self.sha: str | None = None
         self.model: torch.nn.Module | None = None
         self.vocab = 0
         self.last_tokens_per_s, self.last_bytes = 0.0, 0  # of the last round answered (tokens/s; blob bytes written)
         self.forward: Any = None
 
+    def _folder(self, task: TeacherTask) -> Path:
+        """The round's teacher folder: task.teacher_dir when readable here with the round's sha256, else the copy
+        published in the store (fleet.teacher_weights), fetched once into `root`."""
+        try:
+            found = teacher_sha256(task.teacher_dir)
+            if found == task.teacher_sha256:
+                return Path(task.teacher_dir)
+            why = f"teacher folder {task.teacher_dir} has sha256 {found[:12]}, the round names {task.teacher_sha256[:12]}"
+        except (TeacherMismatchError, OSError) as exc:
+            why = f"teacher folder {task.teacher_dir} is not readable here ({str(exc)[:160]})"
+        try:
+            folder, self.fetched_bytes = fetch_teacher(self.store, task.teacher_sha256, self.root)
+        except TeacherUnavailable as exc:
+            raise TeacherRefused(f"{why}, and {exc}") from None
+        log.info("teacher %s fetched from the store into %s (%d bytes)", task.teacher_sha256[:12], folder,
+                 self.fetched_bytes)
+        return folder
+
     def _load(self, task: TeacherTask) -> None:
         if self.sha == task.teacher_sha256:
             return
-        found = teacher_sha256(task.teacher_dir)
-        if found != task.teacher_sha256:
-            raise TeacherRefused(f"teacher folder {task.teacher_dir} has sha256 {found[:12]}, the round names "
-                                 f"{task.teacher_sha256[:12]}")
-        model = load_teacher(task.teacher_dir, self.device)
+        model = load_teacher(str(self._folder(task)), self.device)
         self.vocab = int(model.get_output_embeddings().weight.shape[0])
         # the fast path's shared forward (compiled on CUDA; on CPU the model's own code, bit for bit)
         self.forward = FastForward(model, lm_logits)
@@ -101,7 +125,7 @@ class TeacherRuntime:
 
 
 class TeacherRefused(RuntimeError):
-    """The task's teacher is not the folder this worker can read (its sha256 differs)."""
+    """Neither the task's folder nor the store's published copy gives this worker the task's teacher."""
 
 
 def run_teacher(runtime: TeacherRuntime, metrics: TeacherMetrics, kwargs: Any) -> str:
@@ -119,6 +143,8 @@ def run_teacher(runtime: TeacherRuntime, metrics: TeacherMetrics, kwargs: Any) -
         raise Reject(f"invalid teacher task: {str(exc)[:200]}", requeue=False) from None
     try:
         name = runtime.answer(task)
+        metrics.fetched.inc(runtime.fetched_bytes)
+        runtime.fetched_bytes = 0
     except ValueError as exc:
         outcome("invalid")
         log.warning("rejected teacher round %s/%d step %d: %s", task.run, task.rank, task.step, exc)

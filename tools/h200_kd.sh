@@ -10,7 +10,7 @@
 #   carry [.dev/sm2, .dev/whlkd, .dev/kd]:  bash tools/h200_kd.sh run      (results under $OUT)
 # A run cut by RUN_SECONDS keeps its checkpoint (every CKPT_EVERY steps) in /tmp/kdruns: `run` again on the warm machine
 # resumes it. HORIZONS ("SEED:STEPS ...", default "0:1000 1:3000"), BATCH, SEQ, WARMUP, EVAL_BATCHES and DEVICE override the
-# horizons and shapes (on CPU: DEVICE=cpu, with the project's .venv first on PATH).
+# horizons and shapes, KD_VARIANTS the taught runs (on CPU: DEVICE=cpu, with the project's .venv first on PATH).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
@@ -125,13 +125,16 @@ tw=$!
 common=(--model /tmp/kd/student --data /tmp/kd/classics.jsonl --optimizer adamw --batch-size "${BATCH:-16}"
         --seq-len "${SEQ:-512}" --lr 2e-3 --warmup-steps "${WARMUP:-100}" --eval-every "${EVAL_EVERY:-50}" --eval-batches "${EVAL_BATCHES:-16}"
         --checkpoint-every "${CKPT_EVERY:-250}" --device "$dev" --no-progress --no-export)
-kd=(--teacher smollm2-135m --kd-estimator sampled --kd-k 16 --kd-alpha 0.5 --teacher-rounds "$url" --kd-window 32 --kd-strict)
+# Taught variants, "NAME:ESTIMATOR:K:ALPHA ..." (default one: kd, 16 sampled ids, alpha 0.5); each trains beside CE alone.
+variants=${KD_VARIANTS:-kd:sampled:16:0.5}
 pids=()
-for spec in ${HORIZONS:-0:1000 1:3000}; do for kind in ce kd; do
-  set -- "$kind" "${spec%%:*}" "${spec##*:}"
-  extra=(); [ "$1" = kd ] && extra=("${kd[@]}")
-  timeout "${RUN_SECONDS:-420}" $py -m sparecycles.cli train "${common[@]}" "${extra[@]}" --seed "$2" --steps "$3" \
-    --run-dir "/tmp/kdruns/$1-$3" > "$out/$1-$3.log" 2>&1 &
+for spec in ${HORIZONS:-0:1000 1:3000}; do for kind in ce $variants; do
+  IFS=: read -r name est k alpha <<< "$kind"
+  extra=(); [ "$name" != ce ] && extra=(--teacher smollm2-135m --kd-estimator "$est" --kd-k "$k" --kd-alpha "$alpha"
+                                      --teacher-rounds "$url" --kd-window 32 --kd-strict)
+  steps=${spec##*:}
+  timeout "${RUN_SECONDS:-420}" $py -m sparecycles.cli train "${common[@]}" "${extra[@]}" --seed "${spec%%:*}" \
+    --steps "$steps" --run-dir "/tmp/kdruns/$name-$steps" > "$out/$name-$steps.log" 2>&1 &
   pids+=($!)
 done; done
 for p in "${pids[@]}"; do wait "$p"; done

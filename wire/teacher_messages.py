@@ -17,7 +17,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from wire.messages import Message, RunId, Sha256Hex
+from wire.messages import Message, Part, RunId, Sha256Hex
 
 TEACHER_TASK_NAME = "sparecycles.teacher"
 MAX_TEACHER_TOKENS = 1 << 20  # one batch's B * T: far above 16 x 512; a task over it is refused
@@ -74,3 +74,65 @@ class TeacherTask(Message):
             return base64.b64decode(self.ids_b64, validate=True)
         except ValueError:
             return b""
+
+
+# ---- The teacher's weights, published once into the store (fleet.teacher_weights) ----
+# A worker that cannot read the round's teacher_dir (another machine) rebuilds the folder from these: the files
+# teacher_sha256 covers (config.json and the weight files), each cut into content-addressed parts.
+TEACHER_PART_BYTES = 32 << 20  # one part's most bytes: far below Redis's 512 MiB string limit
+TEACHER_TTL_S = 7 * 86400  # a published teacher expires a week after its last run started (each start refreshes it)
+MAX_TEACHER_FILE_BYTES = 1 << 40
+TeacherFileName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,254}$")]  # a bare name: no path
+
+
+class TeacherPart(Part):
+    """One part of a teacher file: its sha256 (its store key, teacher_part_key) and byte length."""
+
+    sha256: Sha256Hex
+    size: Annotated[int, Field(ge=1, le=TEACHER_PART_BYTES)]
+
+
+class TeacherFile(Part):
+    """One file of a published teacher folder: name, byte length, sha256 and its parts in order. Raises
+    pydantic.ValidationError when the parts' sizes do not sum to `size`."""
+
+    name: TeacherFileName
+    size: Annotated[int, Field(ge=0, le=MAX_TEACHER_FILE_BYTES)]
+    sha256: Sha256Hex
+    parts: Annotated[list[TeacherPart], Field(max_length=MAX_TEACHER_FILE_BYTES // TEACHER_PART_BYTES)]
+
+    @model_validator(mode="after")
+    def _parts_sum(self) -> TeacherFile:
+        if sum(p.size for p in self.parts) != self.size:
+            raise ValueError(f"{self.name}: parts sum to {sum(p.size for p in self.parts)} bytes, not {self.size}")
+        return self
+
+
+class TeacherManifest(Message):
+    """A published teacher: its sha256 (trainer.kd.teacher.teacher_sha256 of the folder) and its files. Raises
+    pydantic.ValidationError for repeated file names or a folder without config.json."""
+
+    teacher_sha256: Sha256Hex
+    files: Annotated[list[TeacherFile], Field(min_length=1, max_length=4096)]
+
+    @model_validator(mode="after")
+    def _names(self) -> TeacherManifest:
+        names = [f.name for f in self.files]
+        if len(set(names)) != len(names) or "config.json" not in names:
+            raise ValueError(f"teacher files must be distinct and hold config.json, got {names[:8]}")
+        return self
+
+    @property
+    def nbytes(self) -> int:
+        """The folder's bytes (sum of its files')."""
+        return sum(f.size for f in self.files)
+
+
+def teacher_manifest_key(teacher_sha256: str) -> str:
+    """The store key of the TeacherManifest (JSON) of the teacher whose sha256 is `teacher_sha256`."""
+    return f"sc:teacher:{teacher_sha256}:manifest"
+
+
+def teacher_part_key(part_sha256: str) -> str:
+    """The store key of one teacher part's bytes: content-addressed, so equal parts of two teachers are one."""
+    return f"sc:teacher-part:{part_sha256}"

@@ -96,13 +96,20 @@ def load_teacher(teacher: str, device: str) -> torch.nn.Module:
     return model.to(device).eval().requires_grad_(False)
 
 
+def teacher_files(teacher: str) -> list[Path]:
+    """The files that make the teacher `teacher` (teacher_folder): config.json and its weight files (*.safetensors,
+    *.bin), in name order; what teacher_sha256 hashes and fleet.teacher_weights publishes. Raises
+    TeacherMismatchError as teacher_folder does."""
+    folder = teacher_folder(teacher)
+    return sorted([folder / "config.json", *folder.glob("*.safetensors"), *folder.glob("*.bin")])
+
+
 def teacher_sha256(teacher: str) -> str:
     """sha256 (hex) of the teacher folder's config.json and weight files (*.safetensors, *.bin), in name order,
     each as its name, its byte length and its bytes: the identity a fleet teacher round names and a worker checks
     before it loads the folder. Raises TeacherMismatchError as teacher_folder does."""
-    folder = teacher_folder(teacher)
     h = hashlib.sha256()
-    for f in sorted([folder / "config.json", *folder.glob("*.safetensors"), *folder.glob("*.bin")]):
+    for f in teacher_files(teacher):
         h.update(f"{f.name}\0{f.stat().st_size}\0".encode())
         with f.open("rb") as fh:
             for chunk in iter(lambda: fh.read(1 << 22), b""):

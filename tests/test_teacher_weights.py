@@ -1,0 +1,188 @@
+"""A teacher published once into the store (fleet.teacher_weights, issue 36), on the test Redis: a worker that
+cannot read the round's folder rebuilds it bit for bit from content-addressed parts and answers the same targets;
+a second publish writes nothing; a missing or corrupt part, an invalid manifest or an unpublished teacher is
+refused (counted) and leaves nothing in place."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis
+import torch
+from prometheus_client import CollectorRegistry
+from pydantic import ValidationError
+
+from coordinator.celery_app import make_celery
+from fleet.teacher import FleetTeacher, teacher_queue
+from fleet.teacher_weights import TeacherUnavailable, fetch_teacher, publish_teacher
+from probe_worker.teacher import TeacherMetrics, TeacherRuntime, run_teacher
+from support.teacher import start_teacher_worker, stop_teacher_worker
+from trainer.data import get_batch
+from trainer.kd.teacher import batch_key, teacher_files, teacher_sha256
+from trainer.models import build_model
+from wire.kd_targets import decode
+from wire.teacher_messages import (
+    TeacherFile,
+    TeacherManifest,
+    TeacherPart,
+    target_key,
+    teacher_manifest_key,
+    teacher_part_key,
+)
+
+B, T, K, SEED = 2, 16, 4, 7
+PART = 1 << 20  # small parts, so each weight file is several
+TOKENS = np.random.default_rng(1).integers(0, 50257, 4096).astype(np.int64)
+
+
+def batch_fn(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return get_batch(TOKENS, B, T, SEED, step)
+
+
+@pytest.fixture
+def store(redis_url: str) -> redis.Redis:
+    return redis.Redis.from_url(redis_url, socket_timeout=10)
+
+
+@pytest.fixture
+def teacher(tmp_path: Path, store: redis.Redis):
+    """A gpt2-tiny teacher of a fresh random seed (its parts are in no earlier run's store), removed afterwards."""
+    path = tmp_path / "teacher"
+    build_model("gpt2-tiny", seed=int(uuid.uuid4().int % 2**31)).save_pretrained(path)
+    yield path
+    raw = store.get(teacher_manifest_key(teacher_sha256(str(path))))
+    if raw is not None:
+        manifest = TeacherManifest.model_validate_json(raw)
+        store.delete(teacher_manifest_key(manifest.teacher_sha256),
+                     *{teacher_part_key(p.sha256) for f in manifest.files for p in f.parts})
+
+
+def test_publish_then_fetch_rebuilds_the_folder_bit_for_bit(store, teacher: Path, tmp_path: Path) -> None:
+    manifest, written = publish_teacher(store, str(teacher), part_bytes=PART)
+    files = teacher_files(str(teacher))
+    assert [f.name for f in manifest.files] == [f.name for f in files]
+    assert written == manifest.nbytes == sum(f.stat().st_size for f in files)
+    assert max(len(f.parts) for f in manifest.files) >= 2  # the weights span several parts
+    assert 0 < store.ttl(teacher_manifest_key(manifest.teacher_sha256)) <= 7 * 86400
+    folder, fetched = fetch_teacher(store, manifest.teacher_sha256, tmp_path / "cache")
+    assert folder == tmp_path / "cache" / manifest.teacher_sha256 and fetched == manifest.nbytes
+    for f in files:
+        assert (folder / f.name).read_bytes() == f.read_bytes()
+    assert teacher_sha256(str(folder)) == teacher_sha256(str(teacher))
+    assert publish_teacher(store, str(teacher), part_bytes=PART) == (manifest, 0)  # published once
+    assert fetch_teacher(store, manifest.teacher_sha256, tmp_path / "cache") == (folder, 0)  # fetched once
+
+
+def test_a_part_gone_is_written_again(store, teacher: Path) -> None:
+    manifest, _ = publish_teacher(store, str(teacher), part_bytes=PART)
+    gone = manifest.files[-1].parts[1]
+    store.delete(teacher_part_key(gone.sha256))
+    assert publish_teacher(store, str(teacher), part_bytes=PART) == (manifest, gone.size)
+
+
+def test_corrupt_or_missing_parts_refused_nothing_left(store, teacher: Path, tmp_path: Path) -> None:
+    manifest, _ = publish_teacher(store, str(teacher), part_bytes=PART)
+    sha, root = manifest.teacher_sha256, tmp_path / "cache"
+    part = manifest.files[-1].parts[0]
+    good = store.get(teacher_part_key(part.sha256))
+    store.set(teacher_part_key(part.sha256), b"x" + good[1:])
+    with pytest.raises(TeacherUnavailable, match="is corrupt"):
+        fetch_teacher(store, sha, root)
+    store.delete(teacher_part_key(part.sha256))
+    with pytest.raises(TeacherUnavailable, match="is missing"):
+        fetch_teacher(store, sha, root)
+    assert list(root.iterdir()) == []  # no folder, no .partial left
+    with pytest.raises(TeacherUnavailable, match="not published"):
+        fetch_teacher(store, "ab" * 32, root)
+
+
+def test_invalid_manifests_refused(store, tmp_path: Path) -> None:
+    sha = uuid.uuid4().hex * 2
+    part = TeacherPart(sha256="0" * 64, size=3)
+    with pytest.raises(ValidationError, match="parts sum"):
+        TeacherFile(name="model.safetensors", size=4, sha256="0" * 64, parts=[part])
+    with pytest.raises(ValidationError, match="config.json"):
+        TeacherManifest(teacher_sha256=sha, files=[TeacherFile(name="a.bin", size=3, sha256="0" * 64, parts=[part])])
+    evil = {"schema_version": 1, "teacher_sha256": sha, "files": [
+        {"name": "../config.json", "size": 3, "sha256": "0" * 64, "parts": [{"sha256": "0" * 64, "size": 3}]}]}
+    store.set(teacher_manifest_key(sha), json.dumps(evil), ex=60)
+    try:
+        with pytest.raises(TeacherUnavailable, match="invalid"):
+            fetch_teacher(store, sha, tmp_path / "cache")
+        assert not (tmp_path / "config.json").exists()
+    finally:
+        store.delete(teacher_manifest_key(sha))
+
+
+def _task(fleet: FleetTeacher, step: int, teacher_dir: str | None = None):
+    task = fleet.task_for(step)
+    return task.model_copy(update={"teacher_dir": teacher_dir}) if teacher_dir else task
+
+
+def test_worker_without_the_folder_answers_from_the_store(redis_url: str, store, teacher: Path,
+                                                          tmp_path: Path) -> None:
+    """The same round answered by a runtime that reads the folder and one that cannot (its teacher_dir is not on
+    this 'machine'): equal blobs; the second fetched the published teacher once. An unpublished teacher that the
+    folder cannot give either is refused and counted."""
+    run = f"kdw-{uuid.uuid4().hex[:8]}"
+    fleet = FleetTeacher(make_celery(redis_url), store, run=run, teacher=str(teacher), batch_fn=batch_fn,
+                         kind="sampled", k=K, temperature=1.0, seed=SEED)
+    assert fleet.published_bytes > 0
+    near = TeacherRuntime("cpu", store, root=tmp_path / "near")
+    far = TeacherRuntime("cpu", store, root=tmp_path / "far")
+    metrics = TeacherMetrics(CollectorRegistry())
+    task = _task(fleet, 0)
+    key = target_key(run, 0, task.recipe, task.key)
+    try:
+        assert run_teacher(near, metrics, task.model_dump(mode="json")) == "done"
+        want = store.getdel(key)
+        assert run_teacher(far, metrics, _task(fleet, 0, "/nonexistent/teacher").model_dump(mode="json")) == "done"
+        assert store.get(key) == want and far.sha == fleet.sha
+        assert metrics.fetched._value.get() == TeacherManifest.model_validate_json(
+            store.get(teacher_manifest_key(fleet.sha))).nbytes
+        assert not (tmp_path / "near").exists()  # the folder was readable: nothing fetched
+        orphan = _task(fleet, 1, "/nonexistent/teacher").model_copy(update={"teacher_sha256": "cd" * 32})
+        assert run_teacher(TeacherRuntime("cpu", store, root=tmp_path / "far"), metrics,
+                           orphan.model_dump(mode="json")) == "refused"
+        assert metrics.tasks.labels("refused")._value.get() == 1
+    finally:
+        store.delete(key, teacher_queue(run))
+
+
+@pytest.mark.slow
+def test_worker_process_elsewhere_trains_the_same_targets(redis_url: str, store, teacher: Path,
+                                                          tmp_path: Path) -> None:
+    """A real teacher worker process whose rounds name a folder it cannot read (as on another machine) fetches the
+    published teacher into its own cache and answers: the trainer takes the same targets a worker reading the
+    folder gives, every step, none missing."""
+    run = f"kdw-{uuid.uuid4().hex[:8]}"
+    fleet = FleetTeacher(make_celery(redis_url), store, run=run, teacher=str(teacher), batch_fn=batch_fn,
+                         kind="sampled", k=K, temperature=1.0, seed=SEED, window=2, strict=True,
+                         strict_timeout_s=90)
+    fleet.teacher_dir = str(tmp_path / "on-the-trainer's-machine-only")
+    near = TeacherRuntime("cpu", store, root=tmp_path / "near")
+    proc = start_teacher_worker(redis_url, teacher_queue(run), env={"SPARECYCLES_CACHE": str(tmp_path / "w")})
+    try:
+        fleet.seek(0)  # as trainer.train does before its first step: the window's rounds go out
+        for step in range(3):
+            x = batch_fn(step)[0]
+            got = fleet.take(x, 50257)
+            task = _task(fleet, step).model_copy(update={"teacher_dir": str(teacher), "run": run + "-ref"})
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)  # the worker's one thread: the same summation order
+            try:
+                assert near.answer(task) == "done"
+            finally:
+                torch.set_num_threads(threads)
+            want = decode(store.getdel(target_key(run + "-ref", 0, task.recipe, batch_key(x))),
+                          batch_shape=(B, T), vocab=50257)
+            assert got is not None and torch.equal(got.ids, want.ids) and torch.equal(got.logp, want.logp)
+        assert fleet.taken == 3 and fleet.missing == 0
+        assert (tmp_path / "w" / "teachers" / fleet.sha / "config.json").is_file()
+    finally:
+        stop_teacher_worker(proc)
+        store.delete(teacher_queue(run))
