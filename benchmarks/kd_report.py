@@ -1,13 +1,14 @@
 """Issue 36's must-show from a `tools/h200_kd.sh run` folder: CE alone vs fleet-taught, steps to the same loss.
 
-`python -m benchmarks.kd_report RUNS --out benchmarks/results/h200/kd-fleet` reads RUNS/ce-N and RUNS/kd-N (the
-run folders of `train` at horizon N steps: metrics.jsonl, summary.json), and writes:
+`python -m benchmarks.kd_report RUNS --out benchmarks/results/h200/kd-fleet` reads RUNS/ce-N and every taught run
+RUNS/NAME-N beside it (kd-N, or a variant's name from h200_kd.sh's KD_VARIANTS: the run folders of `train` at
+horizon N steps: metrics.jsonl, summary.json), and writes:
 
-- `kd_report.json`: per horizon, CE-only's final validation loss, the step at which the taught run first reaches
+- `kd_report.json`: per horizon and taught run (`variant`), CE-only's final validation loss, the step at which the taught run first reaches
   it (linear interpolation between the two evaluations that bracket it; None when it never does), that step over
   the horizon (the issue's goal: <= 0.6), both final losses, the teacher-round bytes per step over the wire (up:
   round messages; down: target blobs), kd steps taken and missing, and each run's time ledger per step;
-- `kd_curves.png`: validation loss over steps, one panel per horizon;
+- `kd_curves.png`: validation loss over steps, one panel per horizon (CE and every taught run);
 - `table.md`, also printed, for the README.
 """
 
@@ -89,26 +90,32 @@ def horizon(ce_dir: Path, kd_dir: Path) -> dict[str, Any]:
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> Path:
-    """Validation loss over steps, CE alone vs taught, one panel per horizon; write `path` (PNG)."""
+    """Validation loss over steps, CE alone and each taught run, one panel per horizon; write `path` (PNG)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(rows), figsize=(6.5 * len(rows), 4.6), squeeze=False)
-    for ax, r in zip(axes[0], rows, strict=True):
-        for name, colour, label in (("ce", "tab:blue", "CE alone"), ("kd", "tab:red", "taught (fleet teacher)")):
-            pts = [(s, v) for s, v in r["curves"][name] if s > 0]
-            ax.plot(*zip(*pts, strict=True), "-", color=colour, label=label)
-        ax.axhline(r["ce_final_val"], color="gray", lw=0.8, ls="--")
-        if r["kd_step_reaching_ce_final"] is not None:
-            ax.plot([r["kd_step_reaching_ce_final"]], [r["ce_final_val"]], "k*", ms=12,
-                    label=f"taught reaches CE's final at {r['steps_ratio']:.2f}x the steps")
-        lo = min(v for name in ("ce", "kd") for s, v in r["curves"][name])
+    horizons = sorted({r["steps"] for r in rows})
+    fig, axes = plt.subplots(1, len(horizons), figsize=(6.5 * len(horizons), 4.6), squeeze=False)
+    colours = ["tab:red", "tab:green", "tab:purple", "tab:orange", "tab:brown"]
+    for ax, n in zip(axes[0], horizons, strict=True):
+        mine = [r for r in rows if r["steps"] == n]
+        curves = [("CE alone", "tab:blue", mine[0]["curves"]["ce"])]
+        curves += [(f"taught: {r.get('variant', 'kd')}", colours[i % len(colours)], r["curves"]["kd"])
+                   for i, r in enumerate(mine)]
+        for label, colour, curve in curves:
+            ax.plot(*zip(*[(s, v) for s, v in curve if s > 0], strict=True), "-", color=colour, label=label)
+        ax.axhline(mine[0]["ce_final_val"], color="gray", lw=0.8, ls="--")
+        for i, r in enumerate(mine):
+            if r["kd_step_reaching_ce_final"] is not None:
+                ax.plot([r["kd_step_reaching_ce_final"]], [r["ce_final_val"]], "*", color=colours[i % len(colours)],
+                        ms=12, label=f"{r.get('variant', 'kd')} reaches CE's final at {r['steps_ratio']:.3f}x")
+        lo = min(v for _, _, curve in curves for s, v in curve)
         ax.set_ylim(lo - 0.1, lo + 2.5)
         ax.set_xlabel("optimizer step")
         ax.set_ylabel("validation loss (nats/token)")
-        ax.set_title(f"{r['steps']} steps", fontsize=10)
+        ax.set_title(f"{n} steps", fontsize=10)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
@@ -118,34 +125,37 @@ def plot(rows: list[dict[str, Any]], path: Path) -> Path:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    """Markdown: one row per horizon."""
-    out = ["| steps | CE final val | taught final val | taught reaches CE's final at | ratio | bytes/step up + down "
-           "| kd missing | step time taught / CE |",
-           "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    """Markdown: one row per horizon and taught run."""
+    out = ["| steps | taught run | CE final val | taught final val | taught reaches CE's final at | ratio "
+           "| bytes/step up + down | kd missing | step time taught / CE |",
+           "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         reach = "never" if r["kd_step_reaching_ce_final"] is None else f"{r['kd_step_reaching_ce_final']:.0f}"
-        ratio = "–" if r["steps_ratio"] is None else f"{r['steps_ratio']:.2f}×"
+        ratio = "–" if r["steps_ratio"] is None else f"{r['steps_ratio']:.3f}×"  # 0.605 is not 0.60
         final = f"{r['kd_final_val']:.4f}" + ("" if r["kd_last_eval_step"] == r["steps"]
                                                else f" (at step {r['kd_last_eval_step']}: cut)")
         time = "–" if r["step_time_ratio"] is None else f"{r['step_time_ratio']:.2f}×"
-        out.append(f"| {r['steps']} | {r['ce_final_val']:.4f} | {final} | {reach} | {ratio} | "
+        out.append(f"| {r['steps']} | {r.get('variant', 'kd')} | {r['ce_final_val']:.4f} | {final} | {reach} | {ratio} | "
                    f"{r['bytes_up_per_step']:,} + {r['bytes_down_per_step']:,} | {r['kd_missing_steps']} | {time} |")
     return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> int:
     """CLI: RUNS folder -> kd_report.json, kd_curves.png and table.md under --out. Exit 2 when RUNS holds no
-    ce-N/kd-N pair."""
+    ce-N with a taught NAME-N beside it."""
     p = argparse.ArgumentParser(prog="python -m benchmarks.kd_report", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("runs", type=Path, help="folder holding ce-N and kd-N run folders")
+    p.add_argument("runs", type=Path, help="folder holding ce-N and taught NAME-N run folders (kd-N, ...)")
     p.add_argument("--out", type=Path, required=True, help="results folder (created)")
     a = p.parse_args(argv)
-    horizons = sorted(int(d.name[3:]) for d in a.runs.glob("ce-*") if d.is_dir() and (a.runs / f"kd-{d.name[3:]}").is_dir())
+    horizons = sorted(int(d.name[3:]) for d in a.runs.glob("ce-*") if d.is_dir() and d.name[3:].isdigit()
+                      and any(t.is_dir() and t != d for t in a.runs.glob(f"*-{d.name[3:]}")))
     if not horizons:
-        print(f"error: {a.runs} holds no ce-N and kd-N run folders")
+        print(f"error: {a.runs} holds no ce-N and kd-N (or NAME-N) run folders")
         return 2
-    rows = [horizon(a.runs / f"ce-{n}", a.runs / f"kd-{n}") for n in horizons]
+    rows = [{"variant": d.name.rsplit("-", 1)[0], **horizon(a.runs / f"ce-{n}", d)} for n in horizons
+            for d in sorted(a.runs.glob(f"*-{n}"), key=lambda d: (d.name != f"kd-{n}", d.name))
+            if d.is_dir() and d.name != f"ce-{n}"]
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "kd_report.json").write_text(json.dumps({"horizons": rows}, indent=1) + "\n")
     plot(rows, a.out / "kd_curves.png")

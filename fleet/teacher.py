@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import logging
+import uuid
 from collections.abc import Callable
 
 import redis
@@ -46,7 +47,9 @@ class TeacherTimeout(ConnectionError):
 class FleetTeacher:
     """The window of teacher rounds ahead of one rank's trainer.
 
-    batch_fn(step) -> (x, y), x int64 (B, T): the trainer's own batches. `advance(step)` sends the rounds of
+    batch_fn(step) -> (x, y), x int64 (B, T): the trainer's own batches. `run` names the answers' keys (and the
+    metrics' label): two runs on one store must not share it, or one takes the other's answers. `queue` (default
+    teacher_queue(run)) is where the rounds go; many runs may share one. `advance(step)` sends the rounds of
     steps [step, step + window) not yet sent; `take(x, vocab)` -> KDTargets or None (missing or rejected, counted).
     Built, it publishes the teacher's weights into the store once (fleet.teacher_weights.publish_teacher) for
     workers that cannot read its folder. Raises ValueError for window < 1 or strict_timeout_s <= 0. Network calls
@@ -55,10 +58,12 @@ class FleetTeacher:
 
     def __init__(self, app: Celery, store: redis.Redis, *, run: str, teacher: str, batch_fn: Callable,
                  kind: str, k: int, temperature: float, seed: int, rank: int = 0, window: int = 8,
-                 strict: bool = False, strict_timeout_s: float = 120.0, steps: int | None = None) -> None:
+                 strict: bool = False, strict_timeout_s: float = 120.0, steps: int | None = None,
+                 queue: str | None = None) -> None:
         if window < 1 or not strict_timeout_s > 0:
             raise ValueError(f"teacher window {window} (>= 1) and strict timeout {strict_timeout_s} s (> 0)")
         self.app, self.store, self.run, self.batch_fn = app, store, run, batch_fn
+        self.queue = queue or teacher_queue(run)  # where the rounds go; `run` names their answers' keys
         self.teacher_dir, self.sha = str(teacher_folder(teacher)), teacher_sha256(teacher)
         self.kind, self.k, self.temperature, self.seed, self.rank = kind, k, temperature, seed, rank
         self.window, self.strict, self.strict_timeout_s = window, strict, strict_timeout_s
@@ -105,7 +110,7 @@ class FleetTeacher:
             for s in range(start, stop):
                 task = self.task_for(s)
                 self.app.send_task(TEACHER_TASK_NAME, kwargs=task.model_dump(mode="json"),
-                                   queue=teacher_queue(self.run), producer=producer, ignore_result=True)
+                                   queue=self.queue, producer=producer, ignore_result=True)
                 self.sent[task.key] = s
                 self.bytes_up += len(task.ids_b64)
         self.next_step = max(self.next_step, stop)
@@ -147,8 +152,8 @@ class FleetTeacher:
             except RetryError:
                 raise TeacherTimeout(
                     f"--kd-strict: no teacher targets for step {step} in {self.strict_timeout_s:.0f} s on queue "
-                    f"{teacher_queue(self.run)}: is a teacher worker consuming it (python -m probe_worker.teacher "
-                    f"--broker URL --queue {teacher_queue(self.run)})?") from None
+                    f"{self.queue}: is a teacher worker consuming it (python -m probe_worker.teacher "
+                    f"--broker URL --queue {self.queue})?") from None
         self.advance((step if step is not None else self.next_step - self.window) + 1)
         targets, why = None, "not arrived from the fleet"
         if blob is not None:
@@ -168,9 +173,9 @@ def kd_loss_factory(redis_url: str, *, window: int = 8, strict: bool = False, st
     """trainer.train's `kd_loss_factory`: (cfg, task, rank, batch_fn=None) -> SparseKDLoss over the teacher rounds of
     `batch_fn(step)`'s batches (this rank's, under torchrun; default task.batch) sent by a
     FleetTeacher on `redis_url` (its Celery broker and target store) for the run named `run` (default: kd-, the
-    teacher's sha256 prefix and the seed, so a resumed run finds its queue). Raises ValueError for a non-redis
-    URL or a Redis that does not answer a PING (5 s), and (when built) for --kd-estimator full: the fleet sends
-    sparse targets only."""
+    teacher's sha256 prefix and the seed, so a resumed run finds its queue; the answers' keys add a per-process
+    id). Raises ValueError for a non-redis URL or a Redis that does not answer a PING (5 s), and (when built) for
+    --kd-estimator full: the fleet sends sparse targets only."""
     if not redis_url.startswith(("redis://", "rediss://")):
         raise ValueError(f"teacher rounds need a redis:// URL, got {redis_url!r}")
     try:  # before the run starts: one line, not a Celery traceback at the first round
@@ -185,7 +190,11 @@ def kd_loss_factory(redis_url: str, *, window: int = 8, strict: bool = False, st
             raise ValueError("teacher rounds on the fleet send sparse targets: --kd-estimator sampled or topk")
         name = run or f"kd-{teacher_sha256(cfg.teacher)[:12]}-{cfg.seed}"
         store = redis.Redis.from_url(redis_url, socket_timeout=10, socket_connect_timeout=5)
-        fleet = FleetTeacher(make_celery(redis_url), store, run=name, teacher=cfg.teacher, batch_fn=batch_fn or task.batch,
+        # The queue is the run's name, which teacher workers are started on; the answers' keys also carry this
+        # process's own id: two runs of one teacher and seed on one store (a sweep over alpha) each take their own.
+        keys = f"{name[:55]}-{uuid.uuid4().hex[:8]}"
+        fleet = FleetTeacher(make_celery(redis_url), store, run=keys, queue=teacher_queue(name), teacher=cfg.teacher,
+                             batch_fn=batch_fn or task.batch,
                              kind=cfg.kd_estimator, k=cfg.kd_k, temperature=cfg.kd_temperature, seed=cfg.seed,
                              rank=rank, window=window, strict=strict, strict_timeout_s=strict_timeout_s,
                              steps=cfg.steps)

@@ -295,7 +295,7 @@ def test_teacher_rounds_under_torchrun_teach_each_rank_its_own_rows(redis_url: s
     teacher = export_model(build_model("gpt2-tiny", seed=123), tmp_path / "teacher", tokenizer=gpt2_tokenizer())
     run = f"kd-{teacher_sha256(str(teacher))[:12]}-5"
     store = redis.Redis.from_url(redis_url, socket_timeout=10)
-    for key in store.scan_iter(f"sc:kd:{run}:*"):
+    for key in store.scan_iter(f"sc:kd:{run}-*"):
         store.delete(key)
     proc = _start_worker(redis_url, run)
     try:
@@ -306,14 +306,14 @@ def test_teacher_rounds_under_torchrun_teach_each_rank_its_own_rows(redis_url: s
                               "--no-progress", "--no-export"], capture_output=True, text=True, timeout=540)
         assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
         time.sleep(2)  # a round still being answered would land now
-        left = [len(list(store.scan_iter(f"sc:kd:{run}:{r}:*"))) for r in (0, 1)]
+        left = [len(list(store.scan_iter(f"sc:kd:{run}-*:{r}:*"))) for r in (0, 1)]  # keys: run and process id
     finally:
         stop_teacher_worker(proc)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["kd"]["kd_taken_steps"] == 3 and summary["kd"]["kd_missing_steps"] == 0, summary["kd"]
     assert "teacher_missing" not in summary.get("warning_counts", {})
     assert left == [0, 0]  # rank 1 took its three steps' targets too (no round is sent past the last step)
-    for key in store.scan_iter(f"sc:kd:{run}:*"):
+    for key in store.scan_iter(f"sc:kd:{run}-*"):
         store.delete(key)
 
 
@@ -336,3 +336,29 @@ def test_a_blob_of_another_recipe_is_never_taken_and_strict_fails_naming_the_que
         k4.take(x, 50257)
     assert k4.next_step == 1
     k16.store.delete(target_key(run, 0, k16.recipe, batch_key(x)), teacher_queue(run))  # the blob, the unread round
+
+
+def test_two_runs_of_one_teacher_and_seed_each_take_their_own(redis_url: str, teacher_dir: Path) -> None:
+    """Two trainings of one teacher, seed and recipe on one store at once (a sweep over alpha, as on the H200 where
+    one run took the other's answers and the other waited until --kd-strict gave up): one queue and one worker
+    serve both, each run's answers sit under its own keys, and both take every step's targets."""
+    from fleet.teacher import kd_loss_factory
+    from trainer.config import TrainConfig
+
+    name = f"kd-{uuid.uuid4().hex[:8]}"
+    build = kd_loss_factory(redis_url, window=2, strict=True, strict_timeout_s=90, run=name)
+    cfg = TrainConfig(model="gpt2-tiny", teacher=str(teacher_dir), kd_estimator="sampled", kd_k=K, seed=SEED,
+                      steps=3, warmup_steps=0)
+    a, b = (build(cfg, None, 0, batch_fn=batch_fn).source for _ in range(2))
+    assert a.queue == b.queue == teacher_queue(name) and a.run != b.run and a.recipe == b.recipe
+    proc = _start_worker(redis_url, name)
+    try:
+        for fleet in (a, b):
+            fleet.seek(0)
+        for step in range(3):
+            x = batch_fn(step)[0]
+            got_a, got_b = a.take(x, 50257), b.take(x, 50257)
+            assert got_a is not None and got_b is not None and torch.equal(got_a.ids, got_b.ids)
+        assert (a.taken, a.missing, b.taken, b.missing) == (3, 0, 3, 0)
+    finally:
+        stop_teacher_worker(proc)

@@ -39,6 +39,18 @@ def test_report_from_run_folders(tmp_path):
     assert (tmp_path / "out/kd_curves.png").stat().st_size > 10_000
 
 
+def test_every_taught_variant_beside_ce_is_a_row(tmp_path):
+    """KD_VARIANTS runs (e.g. k32-300 beside kd-300): one row each against the horizon's CE run, kd first; the
+    table gives the ratio to three places (0.605 is over a 0.6 goal; two places would print 0.60)."""
+    _run(tmp_path / "ce-300", [(0, 10.0), (100, 6.0), (200, 5.0), (300, 4.5)], None, {"step": 30.0})
+    _run(tmp_path / "kd-300", [(0, 10.0), (100, 5.0), (200, 4.0), (300, 3.5)], {}, {"step": 30.0})
+    _run(tmp_path / "k32-300", [(0, 10.0), (100, 6.0), (200, 4.49), (300, 3.5)], {}, {"step": 30.0})
+    assert main([str(tmp_path), "--out", str(tmp_path / "out")]) == 0
+    rows = json.loads((tmp_path / "out/kd_report.json").read_text())["horizons"]
+    assert [(r["variant"], r["steps_ratio"]) for r in rows] == [("kd", 0.5), ("k32", 0.664)]  # 100 + 100 * 1.5 / 1.51 = 199.3 of 300
+    assert "| 300 | k32 | 4.5000 | 3.5000 | 199 | 0.664× |" in (tmp_path / "out/table.md").read_text()
+
+
 def test_report_refuses_a_folder_without_pairs(tmp_path, capsys):
     (tmp_path / "ce-10").mkdir()
     assert main([str(tmp_path), "--out", str(tmp_path / "out")]) == 2

@@ -50,9 +50,11 @@ def store(redis_url: str) -> redis.Redis:
 
 @pytest.fixture
 def teacher(tmp_path: Path, store: redis.Redis):
-    """A gpt2-tiny teacher of a fresh random seed (its parts are in no earlier run's store), removed afterwards."""
+    """A gpt2-tiny teacher of a fresh random seed and config (its parts are in no earlier store), removed afterwards."""
     path = tmp_path / "teacher"
-    build_model("gpt2-tiny", seed=int(uuid.uuid4().int % 2**31)).save_pretrained(path)
+    model = build_model("gpt2-tiny", seed=int(uuid.uuid4().int % 2**31))
+    model.config.test_id = uuid.uuid4().hex  # config.json too: other tests' teachers share this one's config part
+    model.save_pretrained(path)
     yield path
     raw = store.get(teacher_manifest_key(teacher_sha256(str(path))))
     if raw is not None:
