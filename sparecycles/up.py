@@ -157,9 +157,12 @@ def _train_with_fleet(plan: UpPlan, progress: bool, log: Callable[[str], None],
 
                     ranks_env = {k: v for k, v in env.items()
                                  if k not in ("SPARECYCLES_ENROLLMENT_TOKEN", "SPARECYCLES_COORDINATOR_URL")}
+                    if plan.teacher_rounds:  # the ranks' --teacher-rounds URL (trainer.cli), never in their argv
+                        ranks_env[TEACHER_ROUNDS_ENV] = redis_url
                     status.snapshot()  # the run's probes/s count from here
                     train_ranks(plan, name, cfg, resume=resume, progress=progress, export=export, coordinator=base,
-                                env=ranks_env, metrics_port=trainer_port, preexec_fn=die_with_parent)
+                                env=ranks_env, metrics_port=trainer_port, preexec_fn=die_with_parent,
+                                teacher_queue=teacher_runs[name] if plan.teacher_rounds else None)
                     return
                 from trainer.train import train
 
@@ -233,6 +236,7 @@ def _start_workers(sup: Supervisor, py: list[str], base: str, devices: tuple[str
                   worker_env)
 
 TEACHER_BROKER_ENV = "SPARECYCLES_TEACHER_BROKER"  # probe_worker.teacher.BROKER_ENV: its broker URL, not in argv
+TEACHER_ROUNDS_ENV = "SPARECYCLES_TEACHER_ROUNDS"  # trainer.cli's --teacher-rounds, for up's torchrun ranks
 
 
 def teacher_devices(plan: UpPlan) -> list[str]:
@@ -246,12 +250,11 @@ def teacher_note(plan: UpPlan) -> str:
     if cfg.teacher is None:
         return "no teacher"
     if not plan.teacher_rounds:
-        why = "--kd-estimator full" if cfg.kd_estimator == "full" else "--nproc-per-node"
-        return f"{cfg.teacher} in the trainer's process ({why}: no teacher rounds on the fleet)"
+        return f"{cfg.teacher} in the trainer's process (--kd-estimator full: no teacher rounds on the fleet)"
     wait = ("a step whose targets are late trains on CE alone (counted)" if plan.fleet_wait == "never" else
             "the trainer waits for each step's targets (up to 120 s), so the run does not depend on the fleet's timing")
     return (f"{cfg.teacher} answers teacher rounds ({cfg.kd_estimator}, {cfg.kd_k} ids per position, sent 8 steps "
-            f"ahead) for both runs; {wait}")
+            f"ahead{', by each rank for its rows' if plan.nproc else ''}) for both runs; {wait}")
 
 
 def _start_teacher_workers(sup: Supervisor, devices: list[str], runs: list[str], env: dict[str, str]) -> list[int]:

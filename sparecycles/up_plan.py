@@ -48,9 +48,10 @@ class UpPlan:
     @property
     def teacher_rounds(self) -> bool:
         """Whether the runs' `--teacher` answers on the fleet (teacher worker processes, fleet.teacher): a sparse
-        estimator (sampled, topk) and the trainer in `up`'s process. Otherwise a teacher runs in the trainer."""
+        estimator (sampled, topk), in `up`'s process or under torchrun (each rank sends its own rows' rounds).
+        Otherwise (--kd-estimator full) the teacher runs in the trainer."""
         cfg = self.zo_cfg
-        return cfg.teacher is not None and cfg.kd_estimator != "full" and self.nproc is None
+        return cfg.teacher is not None and cfg.kd_estimator != "full"
 
     @property
     def settings(self) -> dict[str, dict]:

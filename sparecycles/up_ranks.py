@@ -25,15 +25,20 @@ def launch_note(plan: Any) -> str:
 
 
 def rank_args(cfg: Any, *, config_path: Path, resume: bool, progress: bool, export: bool, coordinator: str | None,
-              fleet_wait: str, eval_on: str, eval_windows: str, eval_deadline: float, metrics_port: int) -> list[str]:
+              fleet_wait: str, eval_on: str, eval_windows: str, eval_deadline: float, metrics_port: int,
+              teacher_queue: str | None = None) -> list[str]:
     """`sparecycles train` arguments of one of `up`'s runs (writes `cfg` to `config_path`): the whole config, the
     run folder taken over as `up`'s in-process runs take it (`--overwrite`; `--resume` for an interrupted run), the
-    fleet when the run sends it probes or evaluations (`coordinator`), and the trainer's metrics port."""
+    fleet when the run sends it probes or evaluations (`coordinator`), the trainer's metrics port, and with
+    `teacher_queue` the run's teacher rounds on that queue (the Redis URL comes in $SPARECYCLES_TEACHER_ROUNDS;
+    `--kd-strict` unless fleet_wait is "never", as `up`'s in-process runs wait)."""
     config_path.parent.mkdir(parents=True, exist_ok=True)
     config_path.write_text(cfg.model_dump_json(indent=2))
     args = ["train", "--config", str(config_path), "--overwrite", "--export" if export else "--no-export",
             "--progress" if progress else "--no-progress", "--metrics-port", str(metrics_port)]
     args += ["--resume"] if resume else []
+    if teacher_queue is not None:
+        args += ["--teacher-queue", teacher_queue, *(["--kd-strict"] if fleet_wait != "never" else [])]
     if coordinator is None:
         return [*args, "--eval-on", "trainer"]
     return [*args, "--coordinator", coordinator, "--fleet-wait", fleet_wait, "--eval-on", eval_on,
@@ -41,10 +46,12 @@ def rank_args(cfg: Any, *, config_path: Path, resume: bool, progress: bool, expo
 
 
 def train_ranks(plan: Any, name: str, cfg: Any, *, resume: bool, progress: bool, export: bool, coordinator: str,
-                env: dict[str, str], metrics_port: int, preexec_fn: Callable[[], None] | None = None) -> None:
+                env: dict[str, str], metrics_port: int, preexec_fn: Callable[[], None] | None = None,
+                teacher_queue: str | None = None) -> None:
     """Train `up`'s run `name` (config `cfg`) under torchrun with `plan.nproc` ranks; returns when they finished.
     `coordinator`: `up`'s coordinator URL, handed to rank 0 when the run probes or evaluates there; `env`: the
-    ranks' environment (the fleet's credentials).
+    ranks' environment (the fleet's credentials; with teacher rounds, their URL); `teacher_queue`: the run's
+    teacher round queue (rank_args).
 
     Raises:
         RuntimeError: the ranks exited with an error (their output went to this console).
@@ -57,7 +64,7 @@ def train_ranks(plan: Any, name: str, cfg: Any, *, resume: bool, progress: bool,
     args = rank_args(cfg, config_path=plan.out / "logs" / f"{name}.config.json", resume=resume, progress=progress,
                      export=export, coordinator=coordinator if fleet else None, fleet_wait=plan.fleet_wait,
                      eval_on=plan.eval_on, eval_windows=plan.eval_windows, eval_deadline=plan.eval_deadline,
-                     metrics_port=metrics_port)
+                     metrics_port=metrics_port, teacher_queue=teacher_queue)
     code = launch_torchrun(plan.nproc, args, env=env, preexec_fn=preexec_fn)
     if code:
         raise RuntimeError(f"{name}: the trainer's {plan.nproc} rank(s) under torchrun exited with code {code} "

@@ -140,3 +140,44 @@ def test_ctrl_c_stops_the_ranks_and_every_service(tmp_path):
     assert (run_dir / "adamw" / "checkpoint.dcp" / "sparecycles.json").is_file()  # the ranks' collective save
     again = plan_up(run_dir=run_dir, steps=500, batch_size=8, seq_len=32, workers=1, nproc_per_node=2)
     assert again.states["adamw"].kind == "resume"  # the same command continues from there
+
+
+def test_rank_args_carry_the_teacher_queue_not_the_url(tmp_path):
+    """`up --nproc-per-node --teacher`: a rank's train arguments name the run's teacher queue and --kd-strict (as up
+    waits unless --fleet-wait never) and never the Redis URL (it travels in $SPARECYCLES_TEACHER_ROUNDS)."""
+    from sparecycles.up_ranks import rank_args
+
+    plan = plan_up(run_dir=tmp_path / "up", steps=8, batch_size=8, seq_len=32, nproc_per_node=2)
+    kw = {"config_path": tmp_path / "c.json", "resume": False, "progress": False, "export": False,
+          "coordinator": None, "eval_on": "trainer", "eval_windows": "subset", "eval_deadline": 5.0,
+          "metrics_port": 0}
+    args = rank_args(plan.zo_cfg, fleet_wait="interval", teacher_queue="upab12-adamw", **kw)
+    assert args[args.index("--teacher-queue") + 1] == "upab12-adamw" and "--kd-strict" in args
+    assert not any("redis" in a for a in args)
+    assert "--kd-strict" not in rank_args(plan.zo_cfg, fleet_wait="never", teacher_queue="q", **kw)
+    assert "--teacher-queue" not in rank_args(plan.zo_cfg, fleet_wait="interval", **kw)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_up_with_two_ranks_distils_from_teacher_rounds(tmp_path, monkeypatch):
+    """`up --nproc-per-node 2 --teacher DIR`: the teacher answers on a teacher worker (no teacher in the ranks);
+    each run took every step's targets, none missing."""
+    from sparecycles.up import run_up
+    from trainer.export import export_model, gpt2_tokenizer
+    from trainer.models import build_model
+
+    monkeypatch.delenv("REDIS_URL", raising=False)  # up's own Valkey
+    monkeypatch.setenv("SPARECYCLES_UP_RUN", "")
+    teacher = export_model(build_model("gpt2-tiny", seed=123), tmp_path / "teacher", tokenizer=gpt2_tokenizer())
+    lines: list[str] = []
+    plan = plan_up(run_dir=tmp_path / "up", nproc_per_node=2, settings={"teacher": str(teacher)},
+                   **{**TINY_UP, "steps": 4})
+    assert plan.teacher_rounds
+    summary = run_up(plan, progress=False, export=False, log=lines.append)
+    assert any("answers teacher rounds" in m and "by each rank for its rows" in m for m in lines), lines
+    for name in ("adamw", "zocurv-global"):
+        kd = json.loads((tmp_path / "up" / name / "summary.json").read_text())["kd"]
+        assert (kd["kd_taken_steps"], kd["kd_missing_steps"]) == (4, 0), (name, kd)
+    assert summary["trainer_ranks"] == 2
+    assert processes_of(tmp_path / "up") == []

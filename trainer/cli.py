@@ -188,9 +188,14 @@ MetricsHost = Annotated[str, _O(help="Interface the metrics port binds (0.0.0.0 
 RequireFleet = Annotated[bool, _O(help="With --coordinator: a run in which no probe round from the fleet was ever "
                                    "applied (it equals AdamW) ends with an error (exit 1) instead of a warning.")]
 TeacherRounds = Annotated[str | None, _O(
+    envvar="SPARECYCLES_TEACHER_ROUNDS",
     help="With --teacher: its targets from teacher rounds on the fleet (workers: `python -m probe_worker.teacher "
-         "--broker URL --queue sparecycles.teacher.RUN`, RUN = kd-<12 hex of the teacher's sha256>-<seed>) through this redis:// URL instead of a teacher in this "
-         "process; a step whose targets have not arrived trains on CE alone and is counted (kd_missing_steps).")]
+         "--broker URL --queue sparecycles.teacher.RUN`, RUN = --teacher-queue's name) through this redis:// URL "
+         "instead of a teacher in this process; a step whose targets have not arrived trains on CE alone and is "
+         "counted (kd_missing_steps). The env var keeps a password out of argv.")]
+TeacherQueue = Annotated[str | None, _O(
+    help="With --teacher-rounds: the run name RUN of the queue sparecycles.teacher.RUN its workers consume "
+         "(lowercase letters, digits, - and _; at most 64). Default: kd-<12 hex of the teacher's sha256>-<seed>.")]
 KD_WINDOW = 8  # steps of teacher rounds sent ahead by default
 KDWindow = Annotated[int, _O(min=1, max=1024, help="With --teacher-rounds: steps of teacher rounds sent ahead.")]
 KDStrict = Annotated[bool, _O(help="With --teacher-rounds: wait for each step's targets instead of training it on "
@@ -211,7 +216,8 @@ def train(settings: dict, preset: Preset = "demo", resume: Resume = False, overw
           nproc_per_node: Nproc = None, shard: Shard = False, micro_batch_size: MicroBatch = None,
           dist_timeout: DistTimeout = 600.0, metrics_port: MetricsPort = None, metrics_host: MetricsHost = "127.0.0.1",
           config: ConfigFile = None, require_fleet: RequireFleet = False, teacher_rounds: TeacherRounds = None,
-          kd_window: KDWindow = KD_WINDOW, kd_strict: KDStrict = False, kd_cache: KDCache = None) -> None:
+          kd_window: KDWindow = KD_WINDOW, kd_strict: KDStrict = False, kd_cache: KDCache = None,
+          teacher_queue: TeacherQueue = None) -> None:
     """Train a model and write a run folder (metrics.jsonl, TensorBoard event files, checkpoint.safetensors,
     loss.png, summary.json, export/).
 
@@ -238,9 +244,11 @@ def train(settings: dict, preset: Preset = "demo", resume: Resume = False, overw
     if kd_cache is not None and (cfg.teacher is None or teacher_rounds):
         raise typer.BadParameter("--kd-cache needs --teacher and replaces --teacher-rounds (got teacher "
                                  f"{cfg.teacher!r}, teacher rounds {teacher_rounds!r})", param_hint="--kd-cache")
-    if (kd_strict or kd_window != KD_WINDOW) and not teacher_rounds:  # the window and strict mode are the rounds' own
-        raise typer.BadParameter("--kd-strict and --kd-window say how the trainer waits for teacher rounds: they "
-                                 "need --teacher-rounds", param_hint="--kd-strict")
+    if (kd_strict or kd_window != KD_WINDOW or teacher_queue) and not teacher_rounds:  # the rounds' own options
+        raise typer.BadParameter("--kd-strict, --kd-window and --teacher-queue say how the trainer sends and waits "
+                                 "for teacher rounds: they need --teacher-rounds", param_hint="--kd-strict")
+    if teacher_queue is not None:
+        _check_run_name(teacher_queue, "--teacher-queue")
     fleet_settings = _fleet_settings() if coordinator else None
     if nproc_per_node is not None and not launch.launched_by_torchrun():
         launch.check_launch(cfg, shard, nproc_per_node, micro_batch_size)  # the ranks would refuse these only after torchrun started them
@@ -259,7 +267,7 @@ def train(settings: dict, preset: Preset = "demo", resume: Resume = False, overw
     fleet_kw = _attach_ranks(dist, coordinator, cfg, attach_wait, fleet_wait, eval_on, eval_deadline, eval_windows,
                              fleet_settings) if coordinator else {}
     if teacher_rounds:
-        fleet_kw["kd_loss_factory"] = _teacher_rounds(cfg, teacher_rounds, kd_window, kd_strict)
+        fleet_kw["kd_loss_factory"] = _teacher_rounds(cfg, teacher_rounds, kd_window, kd_strict, teacher_queue)
     if kd_cache is not None:
         fleet_kw["kd_loss_factory"] = _kd_cache(cfg, kd_cache, dist)
     result = _run_train(cfg, dist, folder, resume=resume, progress=progress, overwrite=overwrite, export=export,
@@ -287,7 +295,20 @@ def _kd_cache(cfg: Any, root: Path, dist: Any) -> Any:
     return kd_cache_factory(root)
 
 
-def _teacher_rounds(cfg: Any, url: str, window: int, strict: bool) -> Any:
+def _check_run_name(name: str, hint: str) -> None:
+    """Refuse (exit 2) a `name` that is not a wire.messages.RunId (it becomes a Redis key part and a queue name)."""
+    from pydantic import TypeAdapter, ValidationError
+
+    from wire.messages import RunId
+
+    try:
+        TypeAdapter(RunId).validate_python(name)
+    except ValidationError:
+        raise typer.BadParameter(f"{name!r}: lowercase letters, digits, - and _, at most 64, starting with a letter "
+                                 "or digit", param_hint=hint) from None
+
+
+def _teacher_rounds(cfg: Any, url: str, window: int, strict: bool, queue: str | None = None) -> Any:
     """train's kd_loss_factory for --teacher-rounds (TEACHER_ROUNDS, set by sparecycles.cli); exits 2 without
     --teacher, with a non-redis URL, --kd-estimator full or a Redis that does not answer."""
     if cfg.teacher is None or cfg.kd_estimator == "full" or not url.startswith(("redis://", "rediss://")):
@@ -297,7 +318,7 @@ def _teacher_rounds(cfg: Any, url: str, window: int, strict: bool) -> Any:
     if TEACHER_ROUNDS is None:
         raise RuntimeError("trainer.cli.TEACHER_ROUNDS is unset: run `train` through the sparecycles CLI")
     try:
-        return TEACHER_ROUNDS(url, window=window, strict=strict)
+        return TEACHER_ROUNDS(url, window=window, strict=strict, run=queue)
     except ValueError as exc:  # fleet.teacher.kd_loss_factory: the Redis does not answer
         typer.secho(f"error: --teacher-rounds: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from exc
