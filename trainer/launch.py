@@ -71,7 +71,8 @@ def launch_torchrun(nproc: int, args: list[str], *, env: dict[str, str] | None =
                     preexec_fn: Callable[[], None] | None = None, stop_grace_s: float = 120.0) -> int:
     """Run `sparecycles ARGS` under torchrun (`python -m torch.distributed.run --standalone`) with `nproc`
     processes on this machine and return its exit status: the one launcher of `train --nproc-per-node` and
-    `up --nproc-per-node`. `env`: the ranks' environment (default: this one); `preexec_fn`: runs in torchrun's
+    `up --nproc-per-node`. `env`: the ranks' environment (default: this one; PYTHONFAULTHANDLER=1 added, so a rank killed by a fatal signal
+    prints its Python stack); `preexec_fn`: runs in torchrun's
     process before it starts (`up`: die with its parent).
 
     torchrun starts in a session of its own (a terminal's Ctrl-C reaches this process only): Ctrl-C here, or a
@@ -79,6 +80,7 @@ def launch_torchrun(nproc: int, args: list[str], *, env: dict[str, str] | None =
     and checkpoint: trainer.console.deferred_interrupt); this waits up to `stop_grace_s` seconds for it (then kills
     it) and raises KeyboardInterrupt.
     """
+    import os
     import signal
     import subprocess
     import sys
@@ -89,6 +91,8 @@ def launch_torchrun(nproc: int, args: list[str], *, env: dict[str, str] | None =
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "sparecycles.cli", *args]
+    # A rank that dies in native code (a SIGABRT from a C++ terminate) prints its Python stack: the one clue to why.
+    env = {**(os.environ if env is None else env), "PYTHONFAULTHANDLER": "1"}
     main = threading.current_thread() is threading.main_thread()
     # SIGINT too: a process started in the background by a shell inherits SIGINT ignored, and Python then installs
     # no KeyboardInterrupt handler of its own (a `kill -INT` to `up`/`train` would be dropped while ranks train).
