@@ -25,7 +25,7 @@ from tenacity import RetryError, Retrying, retry_if_result, stop_after_delay, wa
 
 from fleet.teacher_weights import publish_teacher
 from trainer.kd.intake import accept
-from trainer.kd.sparse_loss import SparseKDLoss, report_missing
+from trainer.kd.sparse_loss import SparseKDLoss, report_missing, whole_batches
 from trainer.kd.teacher import batch_key, teacher_folder, teacher_sha256
 from trainer.ledger import phase
 from trainer.metrics import KD_AHEAD, KD_MISSING, KD_REJECTED
@@ -192,6 +192,7 @@ def kd_loss_factory(redis_url: str, *, window: int = 8, strict: bool = False, st
         if cfg.kd_estimator == "full":
             raise ValueError("teacher rounds on the fleet send sparse targets: --kd-estimator sampled or topk")
         name = run or f"kd-{teacher_sha256(cfg.teacher)[:12]}-{cfg.seed}"
+        batch_fn = batch_fn or task.batch  # the rank's batch as trained: (x, y), or MicroBatches
         store = redis.Redis.from_url(redis_url, socket_timeout=10, socket_connect_timeout=5)
         # The queue is the run's name, which teacher workers are started on; the answers' keys also carry this
         # process's own id: two runs of one teacher and seed on one store (a sweep over alpha) each take their own.
@@ -200,10 +201,10 @@ def kd_loss_factory(redis_url: str, *, window: int = 8, strict: bool = False, st
             print(f"teacher rounds on queue {teacher_queue(name)} (python -m probe_worker.teacher --queue "
                   f"{teacher_queue(name)} answers them)", file=sys.stderr, flush=True)
         fleet = FleetTeacher(make_celery(redis_url), store, run=keys, queue=teacher_queue(name), teacher=cfg.teacher,
-                             batch_fn=batch_fn or task.batch,
+                             batch_fn=whole_batches(batch_fn),
                              kind=cfg.kd_estimator, k=cfg.kd_k, temperature=cfg.kd_temperature, seed=cfg.seed,
                              rank=rank, window=window, strict=strict, strict_timeout_s=strict_timeout_s,
                              steps=cfg.steps)
-        return SparseKDLoss(fleet, alpha=cfg.kd_alpha)
+        return SparseKDLoss(fleet, alpha=cfg.kd_alpha, batch_fn=batch_fn)  # one round per step, rows per call
 
     return build

@@ -148,6 +148,26 @@ def test_train_from_the_cache_equals_teacher_rounds_counts_missing_and_refuses_a
     assert res.exit_code == 2 and "k 8 != 4" in res.output and not (tmp_path / "other").exists()
 
 
+def test_micro_batches_and_curvature_probes_take_their_rows_of_the_step_targets(setup, filled, tmp_path: Path) -> None:
+    """--micro-batch-size 1 splits each step's 2 rows into 2 forwards; a ZO-Curv refresh probes the first row
+    (--probe-batch-size 1). Each is rows of the step's one blob (trainer.kd.sparse_loss.rows_in), so every step
+    takes its targets once (none missing) and micro-batching trains the whole batch's KD loss: the run ends where
+    the unsplit run does (the same gradient summed in another order: rel 1e-4)."""
+    cache_root, _ = filled
+    runs = {"whole": (), "micro": ("--micro-batch-size", "1"),
+            "zocurv": ("--optimizer", "zocurv-block", "--probes", "2", "--probe-batch-size", "1",
+                       "--curvature-interval", "2")}
+    summaries = {}
+    for name, extra in runs.items():
+        res = _train(setup, tmp_path / name, "--kd-cache", str(cache_root), *extra)
+        assert res.exit_code == 0, res.output
+        summaries[name] = json.loads((tmp_path / name / "summary.json").read_text())
+        assert summaries[name]["kd"]["kd_taken_steps"] == STEPS and summaries[name]["kd"]["kd_missing_steps"] == 0
+        assert "teacher_missing" not in summaries[name].get("warning_counts", {}), name
+        assert sum("kd_loss" in r for r in _records(tmp_path / name)) == STEPS, name
+    assert summaries["micro"]["final_val_loss"] == pytest.approx(summaries["whole"]["final_val_loss"], rel=1e-4)
+
+
 def test_a_rejected_answer_is_asked_again_and_an_unanswered_step_stops_the_fill(setup, tmp_path: Path) -> None:
     """A bad blob under step 0's target key (the worker's SET NX then writes nothing): taken, rejected at intake,
     the step sent again and the worker's answer stored. With no worker on the queue, a step unanswered after

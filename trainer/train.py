@@ -417,10 +417,10 @@ def _loss_fn(cfg: TrainConfig, task: Task, dist: DistContext, kd_loss_factory=No
         kind = get_method(cfg.optimizer).kind
 
         def rank_batch(step: int):
-            """This rank's (x, y) of `step` (under torchrun its rows of the global batch): the batch it trains on,
-            so the one its targets must be made for. Micro-batches: the whole batch (each misses its targets)."""
-            batch = dist.batch_for(task, step, kind)
-            return batch if isinstance(batch, tuple) else task.batch(step)
+            """This rank's batch of `step` as it trains on it (under torchrun its rows of the global batch; (x, y),
+            or MicroBatches): the factory's sources make one step's targets for its rows joined, and the loss
+            gives each micro-batch its rows of them (trainer.kd.sparse_loss)."""
+            return dist.batch_for(task, step, kind)
 
         return kd_loss_factory(cfg, task, dist.rank, batch_fn=rank_batch)
     from trainer.kd.teacher import KDLoss, load_teacher

@@ -26,7 +26,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from trainer.kd.intake import accept
-from trainer.kd.sparse_loss import SparseKDLoss, report_missing
+from trainer.kd.sparse_loss import SparseKDLoss, report_missing, whole_batches
 from trainer.kd.teacher import batch_key, teacher_sha256
 from trainer.ledger import phase
 from trainer.metrics import KD_MISSING, KD_REJECTED
@@ -282,13 +282,16 @@ class CacheTargets:
 
 
 def kd_cache_factory(root: Path | str, *, window: int = 8) -> Callable:
-    """trainer.train's `kd_loss_factory` for `train --kd-cache ROOT`: (cfg, task, rank) -> SparseKDLoss over the
-    cache of the plan of (cfg, task, rank) (open_for_run: raises CachePlanError naming a differing field)."""
+    """trainer.train's `kd_loss_factory` for `train --kd-cache ROOT`: (cfg, task, rank, batch_fn=None) ->
+    SparseKDLoss over the cache of the plan of (cfg, task, rank) (batch_fn(step): the rank's batch as trained,
+    (x, y) or MicroBatches; default task.batch) (open_for_run: raises CachePlanError naming a differing field)."""
 
     def build(cfg: Any, task: Any, rank: int, batch_fn: Callable | None = None) -> SparseKDLoss:
         mine = plan_for(cfg, task, rank=rank)
         cache = open_for_run(root, mine)
         run = f"kd-{mine.teacher_sha256[:12]}-{cfg.seed}"
-        return SparseKDLoss(CacheTargets(cache, batch_fn or task.batch, run=run, window=window), alpha=cfg.kd_alpha)
+        batch_fn = batch_fn or task.batch
+        return SparseKDLoss(CacheTargets(cache, whole_batches(batch_fn), run=run, window=window), alpha=cfg.kd_alpha,
+                            batch_fn=batch_fn)
 
     return build

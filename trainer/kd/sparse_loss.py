@@ -4,17 +4,25 @@ A source is the fleet's teacher rounds (fleet.teacher.FleetTeacher) or the offli
 (trainer.kd.cache.CacheTargets). Each has `take(x, vocab) -> KDTargets | None` (None: the step trains on CE alone,
 counted by the source), `seek(step)` and `stats()`; `SparseKDLoss` holds what the loss itself needs and nothing of
 where the targets came from, so a run from the cache equals a run from the fleet on the same bytes.
+
+Targets are made per step for the rank's whole batch (one round, one blob). Given the run's `batch_fn` (what the
+trainer trains on at a step: (x, y), or trainer.distributed.MicroBatches under --micro-batch-size), the loss holds
+the step's targets and gives each call its rows: every micro-batch, and the first rows a ZO-Curv refresh probes,
+take the same blob's rows instead of missing it (their batch keys are not the step's).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Protocol
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from trainer import health
+from trainer.distributed import whole
 from trainer.kd.estimators import kd_loss, sparse_ce
 from trainer.kd.teacher import batch_key
 from trainer.metrics import KD_MISSING
@@ -28,6 +36,30 @@ def report_missing(run: str, step: int | None, why: str) -> None:
     KD_MISSING.labels(run).inc()
     done = None if step is None else step + 1
     health.warn("teacher_missing", f"kd targets of step {done}: {why}; trained on CE alone", step=done)
+
+
+def whole_batches(batch_fn: Callable[[int], Any]) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]]:
+    """step -> the rank's whole (x, y) of `batch_fn(step)` (micro-batches joined row-wise): the batch a step's
+    targets are made for, so a source sends or stores one round per step whatever the micro-batch size."""
+    return lambda step: whole(batch_fn(step))
+
+
+def rows_in(whole_x: torch.Tensor, x: torch.Tensor) -> int | None:
+    """The first row r0 with whole_x[r0 : r0 + B] == x (x int64 (B, T), whole_x (B0, T)), or None: where a
+    micro-batch or a probe batch sits in its step's batch. Micro-batch offsets (multiples of B) are tried first."""
+    n, total = int(x.shape[0]), int(whole_x.shape[0])
+    if x.dim() != whole_x.dim() or x.shape[1:] != whole_x.shape[1:] or n > total or n == 0:
+        return None
+    aligned = range(0, total - n + 1, n)
+    for r0 in [*aligned, *(r for r in range(total - n + 1) if r % n)]:
+        if torch.equal(whole_x[r0 : r0 + n], x):
+            return r0
+    return None
+
+
+def take_rows(targets: KDTargets, r0: int, n: int) -> KDTargets:
+    """Rows [r0, r0 + n) of `targets` (ids/logp (B, T, K) -> (n, T, K)), views, not copies."""
+    return replace(targets, ids=targets.ids[r0 : r0 + n], logp=targets.logp[r0 : r0 + n])
 
 
 class TargetsSource(Protocol):
@@ -44,18 +76,41 @@ class SparseKDLoss:
     """loss_fn(model, (x, y)) -> (1 - alpha) * CE + alpha * KD (trainer.kd.estimators.kd_loss; float32 scalar,
     nats/token) with the sparse targets `source.take` gives for batch x; CE alone on a step without targets.
     x, y int64 (B, T). Repeated calls on one batch (a ZO method's +/- probes) reuse its targets. `last` keeps
-    (ce, kd) floats (kd NaN on a missing step)."""
+    (ce, kd) floats (kd NaN on a missing step).
 
-    def __init__(self, source: TargetsSource, *, alpha: float) -> None:
-        self.source, self.alpha = source, alpha
+    batch_fn(step) (optional): the batch the trainer trains on at `step`, (x, y) or MicroBatches; the source then
+    must be built on whole_batches(batch_fn). With it, a call whose x is rows of the step being trained (or of the
+    next step: the trainer moved on) takes those rows of that step's targets, and the source is asked once per
+    step (see the module docstring); an x that is neither goes to the source as it is (which counts it missing).
+    Without it, x must be a step's whole batch."""
+
+    def __init__(self, source: TargetsSource, *, alpha: float, batch_fn: Callable[[int], Any] | None = None) -> None:
+        self.source, self.alpha, self.batch_fn = source, alpha, batch_fn
         self._cached: tuple[int, KDTargets | None] | None = None
+        self._step: tuple[torch.Tensor, KDTargets | None] | None = None  # the step held: (whole x, its targets)
+        self._next = 0  # the next step whose targets are not yet taken
         self.last: tuple[float, float] = (math.nan, math.nan)
         self.seeked = False
 
     def seek(self, step: int) -> None:
         """Start at 0-based `step` (the run's first step: 0, or a resume's checkpointed step)."""
         self.source.seek(step)
+        self._step, self._next = None, step
         self.seeked = True
+
+    def _take(self, x: torch.Tensor, vocab: int) -> KDTargets | None:
+        """x's targets: its rows of the held step's, else of the next step's (taken from the source once), else
+        the source's own answer for x."""
+        if self.batch_fn is None:
+            return self.source.take(x, vocab)
+        r0 = rows_in(self._step[0], x) if self._step is not None else None
+        if r0 is None:
+            nxt = whole(self.batch_fn(self._next))[0]
+            if (r0 := rows_in(nxt, x)) is None:
+                return self.source.take(x, vocab)
+            self._step, self._next = (nxt, self.source.take(nxt, vocab)), self._next + 1
+        held = self._step[1]
+        return None if held is None else take_rows(held, r0, int(x.shape[0]))
 
     def __call__(self, model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, y = batch
@@ -64,7 +119,7 @@ class SparseKDLoss:
         key = batch_key(x)
         logits = model(input_ids=x).logits  # (B, T, V)
         if self._cached is None or self._cached[0] != key:
-            self._cached = (key, self.source.take(x, int(logits.shape[-1])))
+            self._cached = (key, self._take(x, int(logits.shape[-1])))
         targets = self._cached[1]
         ce = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
         kd = sparse_ce(logits, targets) if targets is not None else None
