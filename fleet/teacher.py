@@ -21,6 +21,7 @@ from collections.abc import Callable
 import redis
 import torch
 from celery import Celery
+from kombu.exceptions import OperationalError
 from tenacity import RetryError, Retrying, retry_if_result, stop_after_delay, wait_fixed
 
 from fleet.teacher_weights import publish_teacher
@@ -33,6 +34,9 @@ from wire.kd_targets import KDTargets
 from wire.teacher_messages import TEACHER_TASK_NAME, TeacherTask, recipe_tag, target_key
 
 log = logging.getLogger("sparecycles.teacher")
+
+# What a full (maxmemory) or lost broker/store raises while rounds are sent or answers read: never fatal to a run.
+STORE_ERRORS = (redis.RedisError, OperationalError)
 
 
 def teacher_queue(run: str) -> str:
@@ -71,8 +75,9 @@ class FleetTeacher:
         self.recipe = recipe_tag(kind, k, temperature, seed)
         self.steps = steps  # the run's length: no round is sent for a step at or past it (None: no end)
         self.sent: dict[int, int] = {}  # batch key -> step, for steps sent and not yet taken
+        self.refused: dict[int, int] = {}  # batch key -> step, for steps whose round the broker refused
         self.next_step = 0
-        self.missing = self.taken = 0
+        self.missing = self.taken = self.send_errors = 0
         self.bytes_up = self.bytes_down = 0
         for counter in (KD_MISSING, KD_REJECTED):  # the run's series exist (at 0) before any step is missed
             counter.labels(run)
@@ -103,27 +108,49 @@ class FleetTeacher:
                            temperature=self.temperature, seed=self.seed)
 
     def advance(self, step: int) -> int:
-        """Send the rounds of steps [max(step, next unsent), step + window); returns how many were sent."""
+        """Send the rounds of steps [max(step, next unsent), step + window); returns how many were sent.
+
+        A broker or store that refuses (full: maxmemory; down) never stops the trainer: the rounds it refused are
+        not sent again (a late round would come after its step), their steps train on CE alone (counted missing),
+        and each refusal is counted in stats()["kd_send_errors"] and logged (the first, then every 100th)."""
         start, stop = max(step, self.next_step), step + self.window
         if self.steps is not None:
             stop = min(stop, self.steps)
-        with self.app.producer_or_acquire() as producer:
-            for s in range(start, stop):
-                task = self.task_for(s)
-                self.app.send_task(TEACHER_TASK_NAME, kwargs=task.model_dump(mode="json"),
-                                   queue=self.queue, producer=producer, ignore_result=True)
-                self.sent[task.key] = s
-                self.bytes_up += len(task.ids_b64)
+        pending = start  # the first step not sent yet
+        try:
+            with self.app.producer_or_acquire() as producer:
+                for s in range(start, stop):
+                    task = self.task_for(s)
+                    self.app.send_task(TEACHER_TASK_NAME, kwargs=task.model_dump(mode="json"),
+                                       queue=self.queue, producer=producer, ignore_result=True)
+                    self.sent[task.key] = s
+                    self.bytes_up += len(task.ids_b64)
+                    pending = s + 1
+            pipe = self.store.pipeline(transaction=False)  # one round trip for the whole window
+            for key in self.sent:
+                pipe.exists(target_key(self.run, self.rank, self.recipe, key))
+            KD_AHEAD.labels(self.run).set(sum(int(n) for n in pipe.execute()))
+        except STORE_ERRORS as exc:
+            self._store_error("sending teacher rounds", exc)
+            for s in range(pending, stop):  # their steps: missing at once, named, never waited for (strict too)
+                self.refused[batch_key(self.batch_fn(s)[0])] = s
         self.next_step = max(self.next_step, stop)
-        pipe = self.store.pipeline(transaction=False)  # one round trip for the whole window
-        for key in self.sent:
-            pipe.exists(target_key(self.run, self.rank, self.recipe, key))
-        answered = sum(int(n) for n in pipe.execute())
-        KD_AHEAD.labels(self.run).set(answered)
-        return max(0, stop - start)
+        return pending - start
+
+    def _store_error(self, doing: str, exc: Exception) -> None:
+        """Count a refusal of the broker or store (stats' kd_send_errors) and log the first and every 100th."""
+        self.send_errors += 1
+        if self.send_errors % 100 == 1:
+            log.warning("%s on %s failed (%s: %s; %d so far): the steps without targets train on CE alone",
+                        doing, self.queue, type(exc).__name__, str(exc)[:200], self.send_errors)
 
     def _get(self, key: int) -> bytes | None:
-        return self.store.getdel(target_key(self.run, self.rank, self.recipe, key))
+        """The answer of batch `key`, taken (GETDEL); None when not there or the store refuses (counted)."""
+        try:
+            return self.store.getdel(target_key(self.run, self.rank, self.recipe, key))
+        except redis.RedisError as exc:
+            self._store_error("reading teacher targets", exc)
+            return None
 
     def seek(self, step: int) -> None:
         """Start the window at 0-based `step` (0, or a resume's checkpointed step); sends its rounds."""
@@ -131,10 +158,10 @@ class FleetTeacher:
         self.advance(step)
 
     def stats(self) -> dict[str, int]:
-        """{kd_taken_steps, kd_missing_steps, kd_bytes_up, kd_bytes_down}: the run's counts so far (bytes over
-        the wire: batch ids sent as base64, target blobs taken)."""
+        """{kd_taken_steps, kd_missing_steps, kd_bytes_up, kd_bytes_down, kd_send_errors}: the run's counts so far
+        (bytes over the wire: batch ids sent as base64, target blobs taken; refusals of the broker or store)."""
         return {"kd_taken_steps": self.taken, "kd_missing_steps": self.missing, "kd_bytes_up": self.bytes_up,
-                "kd_bytes_down": self.bytes_down}
+                "kd_bytes_down": self.bytes_down, "kd_send_errors": self.send_errors}
 
     def take(self, x: torch.Tensor, vocab: int) -> KDTargets | None:
         """The targets of batch x (B, T) int64 for a student of `vocab` ids, taken once; None when missing or
@@ -144,9 +171,9 @@ class FleetTeacher:
 
     def _take(self, x: torch.Tensor, vocab: int) -> KDTargets | None:
         key = batch_key(x)
-        step = self.sent.pop(key, None)
-        blob = self._get(key)
-        if blob is None and self.strict:
+        step, refused = self.sent.pop(key, None), self.refused.pop(key, None)
+        blob = self._get(key) if refused is None else None
+        if blob is None and self.strict and refused is None:
             try:
                 blob = Retrying(stop=stop_after_delay(self.strict_timeout_s), wait=wait_fixed(0.05),
                                 retry=retry_if_result(lambda b: b is None))(self._get, key)
@@ -157,8 +184,9 @@ class FleetTeacher:
                     f"--broker URL --queue {self.queue}), and can it load teacher {self.sha[:12]} (a worker that "
                     "can neither read its folder nor fetch it from the store refuses the round: see its log)?"
                 ) from None
+        step = refused if refused is not None else step
         self.advance((step if step is not None else self.next_step - self.window) + 1)
-        targets, why = None, "not arrived from the fleet"
+        targets, why = None, "not arrived from the fleet" if refused is None else "its round was refused by the broker"
         if blob is not None:
             self.bytes_down += len(blob)
             targets, why = accept(blob, batch_shape=(int(x.shape[0]), int(x.shape[1])), vocab=vocab,

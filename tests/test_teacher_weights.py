@@ -160,6 +160,30 @@ def test_a_publish_refused_midway_takes_its_parts_back(tight_store, teacher: Pat
     assert tight_store.dbsize() == 0
 
 
+def test_a_full_store_never_stops_the_run(tight_store, teacher: Path) -> None:
+    """A store at its maxmemory (noeviction) refuses every round sent: the trainer's loss goes on, each step on CE
+    alone and counted missing (named: its round was refused; --kd-strict does not wait for a round never sent),
+    each refusal counted (kd_send_errors); once there is room again the next rounds go."""
+    from trainer.kd.sparse_loss import SparseKDLoss
+
+    port = tight_store.connection_pool.connection_kwargs["port"]
+    fleet = FleetTeacher(make_celery(f"redis://127.0.0.1:{port}/0"), tight_store, run=f"kdf-{uuid.uuid4().hex[:8]}",
+                         teacher=str(teacher), batch_fn=batch_fn, kind="sampled", k=K, temperature=1.0, seed=SEED,
+                         window=2, strict=True, strict_timeout_s=600)
+    assert fleet.published_bytes == 0  # too small for the teacher: warned, not written
+    tight_store.config_set("maxmemory", int(tight_store.info("memory")["used_memory"]))  # full: nothing more fits
+    loss_fn = SparseKDLoss(fleet, alpha=0.5)
+    student = build_model("gpt2-tiny", seed=0)
+    for step in range(3):
+        loss = loss_fn(student, batch_fn(step))
+        assert float(loss.detach()) == loss_fn.last[0] and np.isnan(loss_fn.last[1])  # CE alone
+    stats = fleet.stats()
+    assert stats["kd_missing_steps"] == 3 and stats["kd_taken_steps"] == 0 and stats["kd_send_errors"] >= 3
+    assert stats["kd_bytes_up"] == 0 and tight_store.llen(teacher_queue(fleet.run)) == 0
+    tight_store.config_set("maxmemory", 0)  # room again: the window's next rounds are sent
+    assert fleet.advance(fleet.next_step) == 2 and tight_store.llen(teacher_queue(fleet.run)) == 2
+
+
 def test_invalid_manifests_refused(store, tmp_path: Path) -> None:
     sha = uuid.uuid4().hex * 2
     part = TeacherPart(sha256="0" * 64, size=3)
