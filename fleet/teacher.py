@@ -173,7 +173,7 @@ class FleetTeacher:
         key = batch_key(x)
         step, refused = self.sent.pop(key, None), self.refused.pop(key, None)
         blob = self._get(key) if refused is None else None
-        if blob is None and self.strict and refused is None:
+        if blob is None and self.strict and step is not None:  # wait only for a round that was sent
             try:
                 blob = Retrying(stop=stop_after_delay(self.strict_timeout_s), wait=wait_fixed(0.05),
                                 retry=retry_if_result(lambda b: b is None))(self._get, key)
@@ -186,7 +186,9 @@ class FleetTeacher:
                 ) from None
         step = refused if refused is not None else step
         self.advance((step if step is not None else self.next_step - self.window) + 1)
-        targets, why = None, "not arrived from the fleet" if refused is None else "its round was refused by the broker"
+        why = ("its round was refused by the broker" if refused is not None else "not arrived from the fleet"
+               if step is not None else "no round was sent for this batch (not one of the window's steps)")
+        targets = None
         if blob is not None:
             self.bytes_down += len(blob)
             targets, why = accept(blob, batch_shape=(int(x.shape[0]), int(x.shape[1])), vocab=vocab,

@@ -111,6 +111,15 @@ def test_missing_and_rejected_counted_and_ce_alone(redis_url: str, teacher_dir: 
     fleet.store.delete(f"{teacher_queue(run)}")
 
 
+def test_strict_waits_only_for_a_round_that_was_sent(redis_url: str, teacher_dir: Path) -> None:
+    """--kd-strict on a batch no round was sent for (not a step of the window: the wait could never end): missing
+    at once and counted, not a wait of strict_timeout_s (600 s here) ending in TeacherTimeout."""
+    run = f"kd-{uuid.uuid4().hex[:8]}"
+    fleet = _fleet(redis_url, teacher_dir, run, window=1, strict=True, strict_timeout_s=600)
+    assert fleet.take(batch_fn(5)[0], 50257) is None and fleet.missing == 1 and fleet.taken == 0
+    fleet.store.delete(teacher_queue(run))
+
+
 def test_resume_window_starts_at_the_checkpointed_step(redis_url: str, teacher_dir: Path) -> None:
     """seek(start) (trainer.train calls it after the checkpoint's restore): the window sends steps start..
     start + window - 1, the rounds name those steps' batches, and a take advances it by one step."""
