@@ -12,12 +12,19 @@ A version the coordinator has no snapshot for (404) is a pure-ZO seed-ledger ver
 replaying ledger entries on the newest loaded version below it (or the newest snapshot when none is
 loaded or it is more than `max_replay` entries behind), in fp32 with the kernels' replay.
 
+Loads overlap with evaluation (issue 37): a snapshot load reads nothing of the loaded models, so it runs
+beside a task's evaluation; only a replay, which clones a loaded model's parameters, needs the caller's
+evaluation lock (`WeightCache.get`'s `replay_lock`). The cache's own lock guards its dictionaries only,
+never a load: a version already loaded is returned at once while another version loads, and a thread asking
+for a version another thread is loading waits for that load (one load per version, see `get`).
+
 Shard layout (written by `fleet.publisher.write_shards`): each shard holds some canonical
 parameters (`model.named_parameters()` names, tied weights once); together they cover all of them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -25,6 +32,7 @@ import tempfile
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,6 +120,15 @@ class LoadedVersion:
     model: torch.nn.Module
 
 
+class _Pending:
+    """One in-flight load of a version: its waiters block on `done`, then read `loaded` or `error`."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.loaded: LoadedVersion | None = None
+        self.error: BaseException | None = None
+
+
 class WeightCache:
     """Fetch, verify and load weight versions for one device; thread-safe.
 
@@ -147,7 +164,9 @@ class WeightCache:
         self.metrics = metrics or default_metrics()
         self._loaded: OrderedDict[tuple[str, int], LoadedVersion] = OrderedDict()
         self._recent: OrderedDict[tuple[str, int], VersionManifest] = OrderedDict()
-        self._lock = threading.Lock()
+        self._loading: dict[tuple[str, int], _Pending] = {}  # versions being loaded, by key
+        self._reading: dict[tuple[str, int], VersionManifest] = {}  # snapshots whose shards are being read
+        self._lock = threading.Lock()  # guards the dictionaries above and _loaded; never held during a load
 
     def has(self, run: str, version: int) -> bool:
         """True if (run, version) is loaded in memory (ready to probe without I/O)."""
@@ -235,38 +254,102 @@ class WeightCache:
             return buf  # hashed as it arrived: these are the verified bytes
         raise CorruptBlobError(f"shard {ref.name} ({ref.sha256}) arrived corrupt {SHARD_FETCH_TRIES} times")
 
-    def get(self, run: str, version: int) -> LoadedVersion:
+    def get(self, run: str, version: int,
+            replay_lock: contextlib.AbstractContextManager[Any] | None = None) -> LoadedVersion:
         """The loaded model of (run, version): from memory, else fetched, verified and loaded.
 
+        The manifest fetch decides how it loads: a snapshot (the coordinator has its manifest) is loaded without
+        any caller lock, so it overlaps with evaluations; a pure-ZO version (404) is replayed from a loaded model
+        (`_replay`) inside `replay_lock`, the caller's evaluation lock when the caller does not hold it already
+        (None: the caller excludes evaluations itself, e.g. a task calling from inside its evaluation).
+
+        One load per version: a thread asking for a version another thread is loading waits for that load and
+        gets its model (or its error); a version already loaded is returned at once, never behind a load of
+        another version (the cache's lock is held only for dictionary updates). Loads of different versions may
+        run at once. Timings (`weight_load_seconds`, the log line) are seconds of the thread that loaded.
+
         Raises VersionUnavailable (no snapshot and no ledger path), CoordinatorHTTPError, CorruptBlobError,
-        or ValueError (the shards do not fit the manifest's model).
+        or ValueError (the shards do not fit the manifest's model); a waiter raises the loader's error.
         """
 
         key = (run, version)
-        with self._lock:
-            if key in self._loaded:
-                self._loaded.move_to_end(key)
-                self.metrics.cache_hits.labels("version").inc()
-                return self._loaded[key]
-            self.metrics.cache_misses.labels("version").inc()
-            t0 = time.perf_counter()
-            try:
-                manifest = self.client.version(run, version)
-            except CoordinatorHTTPError as exc:
-                if exc.status != 404:
-                    raise
-                loaded = self._replay(run, version)  # a pure-ZO version: a seed-ledger entry, not a snapshot
-            else:
-                loaded = self._load_snapshot(run, version, manifest)
-            self._keep(key, loaded)
+        found = self._lookup(key)
+        if found is not None:
+            return found
+        t0 = time.perf_counter()
+        try:
+            manifest = self.client.version(run, version)
+        except CoordinatorHTTPError as exc:
+            if exc.status != 404:
+                raise
+            # a pure-ZO version: a seed-ledger entry, not a snapshot. The replay clones a loaded model's
+            # parameters, which a probe perturbs in place during its forwards: so not during an evaluation.
+            with replay_lock if replay_lock is not None else contextlib.nullcontext():
+                loaded, mine = self._load(key, lambda: self._replay(run, version))
+        else:
+            loaded, mine = self._load(key, lambda: self._load_snapshot(run, version, manifest))
+        if mine:
             dt = time.perf_counter() - t0
             self.metrics.weight_load_seconds.observe(dt)
             self.metrics.version.set(version)
             # unix time: benchmarks pair it with the trainer's publish time (publish -> ready per version)
             log.info("run %s version %d ready in %.3f s (unix %.3f)", run, version, dt, time.time())
-            return loaded
+        return loaded
+
+    def _lookup(self, key: tuple[str, int]) -> LoadedVersion | None:
+        """The loaded version `key` (after waiting for its in-flight load, if any), or None if neither."""
+        with self._lock:
+            if key in self._loaded:
+                self._loaded.move_to_end(key)
+                self.metrics.cache_hits.labels("version").inc()
+                return self._loaded[key]
+            pending = self._loading.get(key)
+        return None if pending is None else self._wait(pending)
+
+    def _wait(self, pending: _Pending) -> LoadedVersion:
+        pending.done.wait()  # outside the cache's lock: other versions stay available meanwhile
+        if pending.error is not None:
+            raise pending.error
+        assert pending.loaded is not None
+        self.metrics.cache_hits.labels("version").inc()  # loaded once, for both askers
+        return pending.loaded
+
+    def _load(self, key: tuple[str, int], build: Callable[[], LoadedVersion]) -> tuple[LoadedVersion, bool]:
+        """(version `key`, whether this thread loaded it): loaded by `build` outside the cache's lock unless it
+        was loaded, or started loading, meanwhile (then that load's result). Registered as in flight only here,
+        after the caller took whatever lock `build` needs, so no waiter waits on a load blocked on its lock."""
+        with self._lock:
+            if key in self._loaded:
+                self._loaded.move_to_end(key)
+                self.metrics.cache_hits.labels("version").inc()
+                return self._loaded[key], False
+            pending = self._loading.get(key)
+            if pending is None:
+                pending = self._loading[key] = _Pending()
+                self.metrics.cache_misses.labels("version").inc()
+                mine = True
+            else:
+                mine = False
+        if not mine:
+            return self._wait(pending), False
+        try:
+            loaded = build()
+        except BaseException as exc:
+            with self._lock:
+                del self._loading[key]
+            pending.error = exc
+            pending.done.set()
+            raise
+        with self._lock:
+            self._keep(key, loaded)
+            del self._loading[key]
+        pending.loaded = loaded
+        pending.done.set()
+        return loaded, True
 
     def _keep(self, key: tuple[str, int], loaded: LoadedVersion) -> None:
+        # under self._lock. An evicted model a task still uses stays alive through the task's own reference;
+        # it is only no longer found here (a later get of it loads it again).
         self._loaded[key] = loaded
         self._loaded.move_to_end(key)
         while len(self._loaded) > self.keep_versions:
@@ -277,18 +360,24 @@ class WeightCache:
         """theta_version from the newest loaded (or, if none or too far behind, the newest snapshot) version
         below it, by applying seed-ledger entries: theta <- scale * theta + sum_k c_k z(s_k) per entry (scale
         only on parameters of at least `scale_min_dim` dimensions), in fp32 with the kernels' replay, exactly
-        as `SeedLedgerEntry` defines the step and in the trainer's order (decay, then replay, per tensor)."""
+        as `SeedLedgerEntry` defines the step and in the trainer's order (decay, then replay, per tensor).
+
+        The caller excludes evaluations (`get`'s replay_lock): the base model's parameters are read here."""
         from probe_kernels import replay_
 
-        base_v = max((v for (r, v) in self._loaded if r == run and v < version), default=None)
+        with self._lock:  # a snapshot load beside us may add or evict versions
+            below = {v: lv for (r, v), lv in self._loaded.items() if r == run and v < version}
+        base_v = max(below, default=None)
+        base = below.get(base_v) if base_v is not None else None  # our reference: an eviction cannot take it
         if base_v is None or version - base_v > self.max_replay:
             snaps = [v for v in self.client.versions(run) if v < version]
             if not snaps:
                 raise VersionUnavailable(f"run {run} has no snapshot below version {version} to replay from")
             if base_v is None or snaps[-1] > base_v:
                 base_v = snaps[-1]
-                self._keep((run, base_v), self._load_snapshot(run, base_v, self.client.version(run, base_v)))
-        base = self._loaded[(run, base_v)]
+                base_manifest = self.client.version(run, base_v)
+                base, _ = self._load((run, base_v), lambda: self._load_snapshot(run, base_v, base_manifest))
+        assert base is not None
         if base.manifest.dtype != "float32":
             raise ValueError(f"ledger replay needs float32 master weights; version {base_v} is {base.manifest.dtype}")
         entries: list = []
@@ -315,28 +404,41 @@ class WeightCache:
         return LoadedVersion(manifest, model)
 
     def _load_snapshot(self, run: str, version: int, manifest: VersionManifest) -> LoadedVersion:
-        """Fetch (only missing shards), verify and load a snapshot version; prune old shards from disk."""
+        """Fetch (only missing shards), verify and load a snapshot version; prune old shards from disk.
+
+        Reads no loaded model, so it needs no evaluation lock. On CUDA the host-to-device copies run on the
+        loading thread's current stream (the default one), so they queue between an evaluation's kernels."""
         tensors: dict[str, torch.Tensor] = {}
-        # read and hash the shards in parallel (hashlib and file reads drop the GIL)
-        with ThreadPoolExecutor(max(1, min(8, len(manifest.shards))), thread_name_prefix="shard-read") as pool:
-            bufs = list(pool.map(self.shard_buffer, manifest.shards))
+        key = (run, version)
+        with self._lock:  # its shards are not pruned by another version's load meanwhile
+            self._reading[key] = manifest
+        try:
+            # read and hash the shards in parallel (hashlib and file reads drop the GIL)
+            with ThreadPoolExecutor(max(1, min(8, len(manifest.shards))), thread_name_prefix="shard-read") as pool:
+                bufs = list(pool.map(self.shard_buffer, manifest.shards))
+        finally:
+            with self._lock:
+                del self._reading[key]
         for buf in bufs:
             part = parse_safetensors(buf)  # views of the verified buffer: no second copy
             if set(part) & set(tensors):
                 raise ValueError(f"version {version}: tensor names repeat across shards")
             tensors.update(part)
         loaded = LoadedVersion(manifest, build_from_tensors(manifest, tensors, self.device))
-        key = (run, version)
-        self._recent[key] = manifest
-        self._recent.move_to_end(key)
-        while len(self._recent) > self.keep_disk_versions:
-            self._recent.popitem(last=False)
-        self._prune()
+        with self._lock:
+            self._recent[key] = manifest
+            self._recent.move_to_end(key)
+            while len(self._recent) > self.keep_disk_versions:
+                self._recent.popitem(last=False)
+            self._prune()
         return loaded
 
     def _prune(self) -> None:
-        """Delete shard files not referenced by the recent manifests (old versions, stray parts)."""
-        keep = {ref.sha256 for m in self._recent.values() for ref in m.shards}
+        """Delete shard files not referenced by the recent manifests (old versions, stray parts); under self._lock.
+
+        The shards of snapshots still being read are kept, and so are partial files while one is read (they may
+        be its downloads being written)."""
+        keep = {ref.sha256 for m in [*self._recent.values(), *self._reading.values()] for ref in m.shards}
         for p in self.shard_dir.glob("??/*"):
-            if p.name not in keep:
+            if p.name not in keep and not (self._reading and p.name.startswith(".part-")):
                 p.unlink(missing_ok=True)

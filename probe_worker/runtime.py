@@ -66,7 +66,8 @@ def parse_task(kwargs: Any) -> ProbeTask:
 
 
 class ProbeRuntime:
-    """Evaluates probe tasks for worker `worker_id` on `cache.device`; thread-safe for one task at a time.
+    """Evaluates probe tasks for worker `worker_id` on `cache.device`; thread-safe for one task at a time
+    (`_lock`, the evaluation lock), with `prefetch` loading snapshot versions beside a running task.
 
     Args:
         client: authenticated (worker token) coordinator client.
@@ -356,15 +357,18 @@ class ProbeRuntime:
         self._attested.clear()
 
     def prefetch(self, run: str, version: int) -> None:
-        """Load (run, version) into the cache ahead of its tasks, never during a task's evaluation.
+        """Load (run, version) into the cache ahead of its tasks, overlapped with evaluation where that is safe.
 
-        A probe swaps perturbed tensors into the loaded model's parameters for its forward passes; a ledger
-        version replayed from that model meanwhile would copy perturbed weights. Taking the evaluation lock
-        keeps the two apart. Raises what WeightCache.get raises.
+        A snapshot version loads while tasks evaluate (download, sha256, parse, model build and the copy to the
+        device read no loaded model). A pure-ZO ledger version is replayed from a loaded model's parameters,
+        which a probe swaps perturbed tensors into for its forward passes: that replay waits for the evaluation
+        lock, so it never runs during a task's evaluation (WeightCache.get's replay_lock). A task asking for the
+        version being prefetched waits for this load rather than starting a second one. `current_version` (the
+        heartbeat's version) becomes `version` once it is ready. Raises what WeightCache.get raises.
         """
-        with self._lock:
-            self.cache.get(run, version)
-            self.current_version = version
+        self.cache.get(run, version, replay_lock=self._lock)
+        # an int store is atomic; a task starting meanwhile sets the version it evaluates, as it always did
+        self.current_version = version
 
     def withdrawn(self, task: ProbeTask, recheck_s: float = 1.0) -> bool:
         """True if the task's round was closed on the coordinator (the trainer withdrew it, took it over, or its

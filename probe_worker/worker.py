@@ -319,7 +319,7 @@ class ProbeWorker:
                     latest = self.client.run_info(run, newer_than=seen, wait_s=long_poll).latest_version
                     if latest > seen:  # each version once: no LRU thrash across runs
                         self._prefetched[run] = latest
-                        self.runtime.prefetch(run, latest)  # not while a task's probe swaps weights in
+                        self.runtime.prefetch(run, latest)  # a snapshot loads beside a task; a replay waits for it
                         self.drain.changed.set()  # heartbeat now: the coordinator (and `up`) see the version
                     if long_poll and (latest > seen or time.monotonic() - t0 >= long_poll / 2):
                         wait = 0.0  # the long poll did the waiting
