@@ -186,8 +186,12 @@ class FleetTeacher:
                 ) from None
         step = refused if refused is not None else step
         self.advance((step if step is not None else self.next_step - self.window) + 1)
-        why = ("its round was refused by the broker" if refused is not None else "not arrived from the fleet"
-               if step is not None else "no round was sent for this batch (not one of the window's steps)")
+        if refused is not None:
+            why = "its round was refused by the broker"
+        elif step is not None:
+            why = "not arrived from the fleet"
+        else:
+            why = "no round was sent for this batch (not one of the window's steps)"
         targets = None
         if blob is not None:
             self.bytes_down += len(blob)

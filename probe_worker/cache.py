@@ -296,13 +296,19 @@ class WeightCache:
             log.info("run %s version %d ready in %.3f s (unix %.3f)", run, version, dt, time.time())
         return loaded
 
+    def _hit(self, key: tuple[str, int]) -> LoadedVersion | None:
+        """The loaded version `key` (counted a hit, made the newest), or None; under self._lock."""
+        if key not in self._loaded:
+            return None
+        self._loaded.move_to_end(key)
+        self.metrics.cache_hits.labels("version").inc()
+        return self._loaded[key]
+
     def _lookup(self, key: tuple[str, int]) -> LoadedVersion | None:
         """The loaded version `key` (after waiting for its in-flight load, if any), or None if neither."""
         with self._lock:
-            if key in self._loaded:
-                self._loaded.move_to_end(key)
-                self.metrics.cache_hits.labels("version").inc()
-                return self._loaded[key]
+            if (found := self._hit(key)) is not None:
+                return found
             pending = self._loading.get(key)
         return None if pending is None else self._wait(pending)
 
@@ -319,10 +325,8 @@ class WeightCache:
         was loaded, or started loading, meanwhile (then that load's result). Registered as in flight only here,
         after the caller took whatever lock `build` needs, so no waiter waits on a load blocked on its lock."""
         with self._lock:
-            if key in self._loaded:
-                self._loaded.move_to_end(key)
-                self.metrics.cache_hits.labels("version").inc()
-                return self._loaded[key], False
+            if (found := self._hit(key)) is not None:
+                return found, False
             pending = self._loading.get(key)
             if pending is None:
                 pending = self._loading[key] = _Pending()
