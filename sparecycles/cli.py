@@ -167,4 +167,8 @@ def version() -> None:
 
 
 if __name__ == "__main__":
+    from trainer.launch import launched_by_torchrun, run_rank  # torch-free: option errors still come first
+
+    if launched_by_torchrun():  # a rank of `train`/`up --nproc-per-node` (trainer.launch.launch_torchrun)
+        run_rank(app)
     app()

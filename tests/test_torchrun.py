@@ -317,3 +317,22 @@ def test_zo_runs_interrupted_at_two_ranks_resume_at_one(tmp_path):
         _in_process(run, opt, steps, resume=True, **kw)
         got, want = losses(run), losses(ref)
         assert got == want if exact else _close(got, want), (got, want)
+
+
+@pytest.mark.parametrize(("body", "code", "said"), [
+    ("print('done', end='')", 0, "done"),
+    ("raise SystemExit(3)", 3, ""),
+    ("raise SystemExit('bad rank')", 1, "bad rank"),
+    ("raise KeyboardInterrupt", 130, ""),
+    ("raise ValueError('boom')", 1, "ValueError: boom"),
+])
+def test_a_rank_ends_with_its_status_and_its_output_without_finalizing(body, code, said):
+    """trainer.launch.run_rank: the entry's exit status (typer.Exit's code, 130 for Ctrl-C, 1 and the traceback
+    for an error), its unflushed output written, and no interpreter finalization (an atexit handler never runs:
+    the finalization that raced gloo's threads is skipped)."""
+    script = ("import atexit, sys\nfrom trainer.launch import run_rank\n"
+              "atexit.register(lambda: sys.stderr.write('FINALIZED'))\n"
+              f"def entry():\n    {body}\nrun_rank(entry)\n")
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert res.returncode == code, res.stderr
+    assert said in res.stdout + res.stderr and "FINALIZED" not in res.stderr

@@ -5,6 +5,7 @@ Imports torch only to count CUDA devices."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NoReturn
 
 import typer
 
@@ -113,6 +114,42 @@ def launch_torchrun(nproc: int, args: list[str], *, env: dict[str, str] | None =
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def run_rank(entry: Callable[[], object]) -> NoReturn:
+    """Run `entry` (the CLI) as a torchrun rank and end the process with its exit status through `os._exit`, once
+    stdout and stderr are flushed: a rank's interpreter never finalizes. Why: after a rank's run (and its
+    `destroy_process_group`), finalizing the interpreter races the native threads torch's gloo process group
+    leaves behind; the race ended a finished rank 1 with SIGABRT ("terminate called without an active
+    exception", main thread past its last Python frame) while rank 0 was still writing its summary, and torchrun
+    then stopped rank 0 (pytorch/pytorch PR 179291 describes the same teardown race). Every file a run writes is
+    closed by its own `with` before this point; nothing a rank needs runs at exit.
+
+    Exit status: `entry`'s SystemExit code (typer.Exit), 130 for a KeyboardInterrupt, 1 for any other exception
+    (its traceback printed first).
+    """
+    import os
+    import sys
+    import traceback
+
+    try:
+        entry()
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+        if not isinstance(exc.code, int | None):
+            print(exc.code, file=sys.stderr)  # as Python prints a SystemExit("message")
+    except KeyboardInterrupt:
+        code = 130
+    except BaseException:  # noqa: BLE001 - any error ends the rank, as an uncaught one would, but without finalizing
+        traceback.print_exc()
+        code = 1
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken pipe: nothing more can be said
+            pass
+    os._exit(code)
 
 
 def relaunch(nproc: int, device: str | None) -> int:
