@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from trainer.launch import LAUNCH_ENV, launched_by_torchrun
+LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 
 
 class DistributedError(RuntimeError):
@@ -250,6 +250,11 @@ def _slice_rows(batch: Any, lo: int, hi: int) -> Any:
     if isinstance(batch, dict):
         return {k: _slice_rows(v, lo, hi) for k, v in batch.items()}
     return type(batch)(_slice_rows(t, lo, hi) for t in batch)
+
+
+def launched_by_torchrun() -> bool:
+    """Whether torchrun (torch.distributed.run) started this process: its rank variables are set."""
+    return all(k in os.environ for k in LAUNCH_ENV)
 
 
 def setup(*, device: str, shard: bool = False, micro_batch_size: int | None = None, fleet: bool = False,

@@ -40,14 +40,11 @@ def check_ranks(nproc: int, cfgs: tuple, micro_batch_size: int | None = None) ->
         ranks.check(cfg, get_method(cfg.optimizer).kind)
 
 
-LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")  # what torchrun sets in each rank's environment
-
-
 def launched_by_torchrun() -> bool:
-    """Whether torchrun (torch.distributed.run) started this process: its rank variables are set (no torch import)."""
+    """Whether torchrun started this process (as trainer.distributed.launched_by_torchrun, without importing torch)."""
     import os
 
-    return all(k in os.environ for k in LAUNCH_ENV)
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
 
 
 def launch_backend(nproc: int, device: str | None) -> str:
