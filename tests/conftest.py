@@ -51,6 +51,15 @@ def redis_url() -> str:
     return REDIS_URL
 
 
+@pytest.fixture(scope="session")
+def vllm_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+    """A real vLLM (probe_worker.engine.VllmProcess) serving SmolLM2-135M on a free loopback port, answering /health;
+    one per session, stopped at its end (support.vllm.running_vllm). Needs `bash tools/vllm.sh install`."""
+    from support.vllm import running_vllm
+
+    yield from running_vllm(tmp_path_factory.mktemp("vllm"))
+
+
 @pytest.fixture
 def env(tmp_path: Path) -> Iterator:
     """A running coordinator (support.coordinator.Env): a real uvicorn server in a thread on real Redis, with an
