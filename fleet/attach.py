@@ -364,6 +364,21 @@ def check_key_prefix(settings: FleetSettings) -> None:
                          "set SPARECYCLES_KEY_PREFIX to the coordinator's own (its workers would be registered there)")
 
 
+def no_such_host(exc: BaseException) -> bool:
+    """True when `exc` (an httpx error) was caused by a host name that does not resolve (getaddrinfo's EAI_NONAME or
+    EAI_NODATA): a permanent error. A temporary resolver failure (EAI_AGAIN) or a refused connection is not."""
+    import socket
+
+    permanent = {getattr(socket, n) for n in ("EAI_NONAME", "EAI_NODATA") if hasattr(socket, n)}
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, socket.gaierror) and exc.errno in permanent:
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
 def attach(url: str, *, settings: FleetSettings | None = None, wait_s: float = 120.0, min_workers: int = 1,
            check: Callable[[], None] = lambda: None, log: Callable[[str], None] = lambda m: None,
            run_prefix: str = "train", rounds: str = "async") -> Fleet:
@@ -372,7 +387,8 @@ def attach(url: str, *, settings: FleetSettings | None = None, wait_s: float = 1
     `settings` default to the environment (FleetSettings); `rounds` (ROUND_MODES) says when ZO-Curv rounds
     fold: "async" as they arrive, "sync" at their own refresh, "next" at the refresh after (trainer.zo.rounds.RoundBook).
     Raises FleetError when the coordinator does not
-    answer /readyz (one bounded retry loop of `wait_s` seconds: `log` says so at the first failure and counts down
+    answer /readyz (at once for a host name that does not resolve, `no_such_host`; otherwise one bounded retry loop
+    of `wait_s` seconds: `log` says so at the first failure and counts down
     every COUNTDOWN_EVERY_S seconds), refuses the admin token, or has too few
     active workers after `wait_s` seconds; ValueError for a URL that is not http(s).
     """
@@ -393,6 +409,9 @@ def attach(url: str, *, settings: FleetSettings | None = None, wait_s: float = 1
                 break
             why = f"/readyz answered {r.status_code}"
         except httpx.HTTPError as exc:
+            if no_such_host(exc):  # permanent: retrying for wait_s seconds cannot make the name resolve
+                raise FleetError(f"the coordinator at {base}: no such host ({exc}); check the host name in "
+                                 "--coordinator (or SPARECYCLES_COORDINATOR_URL)") from None
             why = f"{type(exc).__name__}: {exc}"
         left = deadline - time.monotonic()
         if left <= 0:

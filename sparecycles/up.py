@@ -333,6 +333,16 @@ def unfolded_warning(optimizer: str, records: list[dict]) -> str | None:
             "steps of the trainer, so this run equals AdamW. Use more --workers or a larger --curvature-interval.")
 
 
+def late_rounds_warning(plan: UpPlan, records: list[dict]) -> str | None:
+    """`unfolded_warning` for the fleet-probed run's metrics `records`, unless the plan already warned that the run
+    is too short for its interval (trainer.preflight.TOO_SHORT): then the cause is the run's length, not the fleet."""
+    from trainer.preflight import TOO_SHORT
+
+    if any(w.startswith(TOO_SHORT) for w in plan.warnings):
+        return None
+    return unfolded_warning(plan.optimizer, records)
+
+
 def _plot(plan: UpPlan, title: str) -> Path:
     from trainer.report import plot_accuracy_and_loss, plot_loss_curves, read_metrics
 
@@ -359,9 +369,6 @@ def run_up(plan: UpPlan, *, progress: bool = True, keep_blobs: bool = False, exp
     process it started.
     """
     out, opt = plan.out, plan.optimizer
-    if plan.clear:
-        clear_folder(out)
-    out.mkdir(parents=True, exist_ok=True)
     for w in plan.warnings:
         log(f"warning: {w}")
     if plan.nproc is not None:
@@ -369,7 +376,10 @@ def run_up(plan: UpPlan, *, progress: bool = True, keep_blobs: bool = False, exp
 
         log(launch_note(plan))
     t0 = time.perf_counter()
-    _prefetch_inputs(plan.zo_cfg, progress)
+    _prefetch_inputs(plan.zo_cfg, progress)  # first: a refusal found while reading the data leaves the folder as it was
+    if plan.clear:
+        clear_folder(out)
+    out.mkdir(parents=True, exist_ok=True)
     (out / UP_SETTINGS).write_text(json.dumps(plan.settings, indent=2))
     reused = [name for name, st in plan.states.items() if st.kind == "done"]
     for name in reused:
@@ -391,7 +401,7 @@ def run_up(plan: UpPlan, *, progress: bool = True, keep_blobs: bool = False, exp
     png = _plot(plan, f"{model_name} on {data_name}: {opt} (fleet of {plan.workers}) vs AdamW, {steps} steps")
     from trainer.report import read_metrics
 
-    late = unfolded_warning(opt, read_metrics(out / opt / "metrics.jsonl"))
+    late = late_rounds_warning(plan, read_metrics(out / opt / "metrics.jsonl"))
     if late:
         log(f"warning: {late}")
     if not keep_blobs:  # a finished run never reads them again; a resumed one publishes afresh

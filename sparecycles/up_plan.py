@@ -75,6 +75,7 @@ def read_json(path: Path) -> dict | None:
 def _folder_diffs(out: Path, settings: dict[str, dict], states: dict) -> list[str]:
     """How the runs recorded in `out` differ from `settings` ("field: old -> new"); [] when they match or
     `out` holds none. Reads `up_settings.json` (written by `up` before training) and each run's own files."""
+    from trainer.config import recorded_run
     from trainer.preflight import differences
 
     diffs: set[str] = set()
@@ -86,7 +87,7 @@ def _folder_diffs(out: Path, settings: dict[str, dict], states: dict) -> list[st
         diffs.add(f"optimizer: {old_opt!r} -> {new_opt!r}")
     elif recorded:
         for name, new in settings.items():
-            diffs.update(differences(recorded.get(name, {}), new))
+            diffs.update(differences(recorded_run(recorded.get(name, {})), new))
     for st in states.values():
         diffs.update(st.diffs)
     return sorted(diffs)
@@ -184,7 +185,7 @@ def plan_up(*, preset: str = "demo", optimizer: str | None = None, workers: int 
     zo_cfg = zo_cfg.model_copy(update={"run_dir": out / optimizer})
     states = {"adamw": folder_state(out / "adamw", base_cfg), optimizer: folder_state(out / optimizer, zo_cfg)}
     plan = UpPlan(task, preset, optimizer, workers, out, base_cfg, zo_cfg, states, False,
-                  tuple(w for w in [no_probe_round_warning(zo_cfg)] if w), tuple(worker_devices),
+                  tuple(w for w in [no_probe_round_warning(zo_cfg, fleet_wait)] if w), tuple(worker_devices),
                   eval_on="trainer" if eval_on == "trainer" else "fleet", eval_windows=eval_windows,
                   fleet_wait=fleet_wait, eval_deadline=eval_deadline, nproc=nproc_per_node)
     if not overwrite:  # a corrupt checkpoint fails here, in one line, before any fleet process starts

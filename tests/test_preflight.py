@@ -38,7 +38,7 @@ def test_probe_rounds_closed_form():
     assert probe_rounds(trust) == 2 and probe_rounds(trust.model_copy(update={"warmup_steps": 0})) == 5
     from trainer.preflight import no_probe_round_warning
 
-    assert "first round is at step 20" in no_probe_round_warning(trust.model_copy(update={"steps": 20}))
+    assert "first round is sent at step 20" in no_probe_round_warning(trust.model_copy(update={"steps": 20}))
 
 
 def test_preflight_knows_every_optimizer():
@@ -124,7 +124,7 @@ def test_steps_below_the_curvature_interval_warn(tmp_path):
                           "--seq-len", "16", "--no-progress", "--run-dir", str(run_dir)],
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "warning: zocurv-line runs no curvature probe round in 2 steps" in res.stderr
+    assert "warning: run too short for its interval: zocurv-line applies no curvature probe round in 2 steps" in res.stderr
     assert "equals AdamW" in json.loads((run_dir / "summary.json").read_text())["warnings"][0]
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs if "loss" in r] == [1, 2] and not any("curv_dropped_rounds" in r for r in recs)

@@ -45,7 +45,7 @@ def test_up_runs_both_curves_and_leaves_no_process(tmp_path):
     assert [r["step"] for r in refreshes] == [5, 9]
     # 12 steps > the interval: no warning that no round is due (a fleet slower than the interval, as on a loaded
     # machine, is flagged by its own warning: sparecycles.up.unfolded_warning)
-    assert summary["reused"] == [] and not any("runs no curvature probe round" in w for w in summary["warnings"])
+    assert summary["reused"] == [] and not any("run too short" in w for w in summary["warnings"])
     assert not (run_dir / "blobs").exists() and not (run_dir / "valkey").exists()  # no --keep-blobs
     assert summary["disk_mb"]["total"] > summary["disk_mb"]["adamw"] > 1
 

@@ -259,7 +259,7 @@ def train(settings: dict, preset: Preset = "demo", resume: Resume = False, overw
     state = folder_state(folder, cfg)
     if not resume and not overwrite and state.kind in ("done", "other"):
         return _refuse_or_reuse(folder, state, dist.is_main)
-    warning = no_probe_round_warning(cfg)
+    warning = no_probe_round_warning(cfg, fleet_wait if coordinator else None)
     if warning and dist.is_main:
         typer.secho(f"warning: {warning}", fg=typer.colors.YELLOW, err=True)
     if dist.is_main:  # rank 0 alone reports (one port per host)
@@ -375,7 +375,8 @@ def _report(result: Any, warning: str | None, require_fleet: bool = False) -> No
         typer.secho(f"warning: {line}", fg=typer.colors.YELLOW, err=True)
     never = next((w for w in result.summary.get("warnings", []) if w.startswith("rounds_never_applied")), None)
     if never:
-        typer.secho("no probe round was ever applied: the fleet gave this run nothing, it equals AdamW"
+        cause = "the run is too short for its interval (the warning above)" if warning else "the fleet gave this run nothing"
+        typer.secho(f"no probe round was ever applied: {cause}, it equals AdamW"
                     + ("" if require_fleet else " (--require-fleet makes this an error)"),
                     fg=typer.colors.RED if require_fleet else typer.colors.YELLOW, err=True)
         if require_fleet:

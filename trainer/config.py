@@ -178,14 +178,21 @@ class TrainConfig(BaseModel):
         """The run's identity as written to config.json and compared on --resume: every field but `run_dir`
         and `steps` (a run may be extended), `optimizer_options` / `anytime` only when set, `schedule` only
         when not "cosine", `data`/`text_field`/`encoding_errors` only with `data` and the kd_* fields only with
-        `teacher` (folders from before those fields existed still resume)."""
+        `teacher` (folders from before those fields existed still resume); `corpus` only without `data` (the run
+        does not read it: `recorded_run` drops it from an older folder's config.json)."""
         exclude = {"run_dir", "steps"} | (set() if self.optimizer_options else {"optimizer_options"})
         exclude |= set() if self.schedule != "cosine" else {"schedule"}
         exclude |= set() if self.anytime is not None else {"anytime"}
-        exclude |= set() if self.data is not None else {"data", "text_field", "encoding_errors"}
+        exclude |= {"corpus"} if self.data is not None else {"data", "text_field", "encoding_errors"}
         exclude |= set() if self.teacher is not None else {"teacher", "kd_alpha", "kd_estimator", "kd_k",
                                                            "kd_temperature"}
         return self.model_dump(mode="json", exclude=exclude)
+
+
+def recorded_run(old: dict) -> dict:
+    """A config.json as `TrainConfig.run_json` writes it now: an older folder's `corpus` beside `data` dropped (the
+    run trained on `data`), so such a folder still resumes and is still recognised."""
+    return {k: v for k, v in old.items() if not (k == "corpus" and old.get("data") is not None)}
 
 
 def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, total_steps: int,

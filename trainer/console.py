@@ -38,10 +38,21 @@ def status_progress(**kwargs: Any):
                           TimeRemainingColumn(), **kwargs)
 
 
+PLAIN_EVERY_S = 30.0  # without a terminal: a progress line at least this often (besides every 5% of the steps)
+
+
 @contextlib.contextmanager
 def progress_bar(enabled: bool, description: str, total: int, completed: int,
                   status: Callable[[], str] | None) -> Iterator[Callable[[int, str], None]]:
-    """A rich progress bar over the steps; yields show(done, text), which also appends `status()` if given."""
+    """A rich progress bar over the steps; yields show(done, text), which also appends `status()` if given.
+
+    When the console is no terminal (output to a log file or a pipe), rich would draw the bar only at the end: the
+    steps are then reported as plain lines on stderr instead (`plain_progress`)."""
+    from rich.console import Console
+
+    if enabled and not Console().is_terminal:
+        yield plain_progress(description, total, status)
+        return
     with status_progress(disable=not enabled) as bar:
         bar_id = bar.add_task(description, total=total, completed=completed, status="")
 
@@ -49,6 +60,27 @@ def progress_bar(enabled: bool, description: str, total: int, completed: int,
             bar.update(bar_id, completed=done, status=f"{text} | {status()}" if status else text)
 
         yield show
+
+
+def plain_progress(description: str, total: int, status: Callable[[], str] | None = None,
+                   write: Callable[[str], None] | None = None) -> Callable[[int, str], None]:
+    """show(done, text) for a console that is no terminal: one line "DESCRIPTION step DONE/TOTAL (P%) TEXT | STATUS"
+    (to `write`, default stderr) at each twentieth of `total` (every step when total <= 20), at the last step, and
+    whenever PLAIN_EVERY_S seconds passed since the previous line; nothing in between."""
+    import time
+
+    out = write or (lambda line: print(line, file=sys.stderr, flush=True))
+    last = {"part": -1, "at": time.monotonic()}
+
+    def show(done: int, text: str) -> None:
+        part = done * 20 // max(1, total)
+        if part == last["part"] and done != total and time.monotonic() - last["at"] < PLAIN_EVERY_S:
+            return
+        last.update(part=part, at=time.monotonic())
+        out(f"{description} step {done}/{total} ({100 * done // max(1, total)}%) {text}"
+            + (f" | {status()}" if status else ""))
+
+    return show
 
 
 class Interrupted(KeyboardInterrupt):

@@ -2,7 +2,8 @@
 
 - `check_options(cfg)`: settings that TrainConfig alone cannot judge (the model's context, the corpus
   name, the device, the task's optimizers), so a bad option fails in a second, not after minutes.
-- `probe_rounds(cfg)` / `no_probe_round_warning(cfg)`: how many curvature rounds a ZO-Curv run probes.
+- `probe_rounds(cfg)` / `folded_rounds(cfg, fleet_wait)` / `no_probe_round_warning(cfg, fleet_wait)`: how many
+  curvature rounds a ZO-Curv run probes, how many of them can fold before it ends, and the warning when none can.
 - `folder_state(run_dir, cfg)`: whether a run folder is free, holds this run finished or interrupted, or
   holds another run (and how its settings differ), so no finished run is overwritten by accident.
 
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from trainer.config import TrainConfig
+from trainer.config import TrainConfig, recorded_run
 from trainer.methods import get_method, method_names
 
 
@@ -130,15 +131,48 @@ def first_probe_step(cfg: TrainConfig) -> int | None:
     return max(first, -(-cfg.warmup_steps // k) * k) if method.probes_after_warmup else first
 
 
-def no_probe_round_warning(cfg: TrainConfig) -> str | None:
-    """The warning for a ZO-Curv run that probes no curvature at all (it is then AdamW), else None."""
-    if probe_rounds(cfg) != 0:
+TOO_SHORT = "run too short for its interval:"  # how no_probe_round_warning starts (up and train test for it)
+
+
+def fold_lag(fleet_wait: str | None) -> int:
+    """Curvature intervals between a round's sending and the earliest refresh that can fold it: 0 in process
+    (`fleet_wait` None) or with --fleet-wait sync (the trainer waits at the round's own refresh); 1 on a fleet with
+    --fleet-wait interval (it folds at the refresh after it, trainer.zo.rounds) or never (at best the refresh after).
+    Raises ValueError for another `fleet_wait`."""
+    if fleet_wait not in (None, "sync", "interval", "never"):
+        raise ValueError(f"--fleet-wait must be never, interval or sync, got {fleet_wait!r}")
+    return 0 if fleet_wait in (None, "sync") else 1
+
+
+def folded_rounds(cfg: TrainConfig, fleet_wait: str | None = None) -> int | None:
+    """Curvature rounds of `probe_rounds` that can fold within `cfg.steps` steps: a round sent at step s folds at
+    s + fold_lag(fleet_wait)·curvature_interval at the earliest, so only those with that step < steps change the
+    run. None for optimizers without rounds."""
+    first = first_probe_step(cfg)
+    if first is None:
+        return None
+    first_fold = first + fold_lag(fleet_wait) * cfg.curvature_interval
+    return 0 if first_fold > cfg.steps - 1 else (cfg.steps - 1 - first_fold) // cfg.curvature_interval + 1
+
+
+def no_probe_round_warning(cfg: TrainConfig, fleet_wait: str | None = None) -> str | None:
+    """The warning for a ZO-Curv run too short for its curvature interval: no round it sends can fold in its
+    `cfg.steps` steps (`folded_rounds`; `fleet_wait` None: in process), so it is then AdamW. None otherwise. The
+    message starts with TOO_SHORT and names the cause (the run's length, not the fleet's speed) and the fix."""
+    if folded_rounds(cfg, fleet_wait) != 0:
         return None
     k, first = cfg.curvature_interval, first_probe_step(cfg)
-    why = "it probes along the steps before" + (", from the end of warmup" if first > k else "")
-    return (f"{cfg.optimizer} runs no curvature probe round in {cfg.steps} steps: its first round is at step {first} "
-            f"(--curvature-interval {k}; {why}), so this run equals AdamW. "
-            f"Use --steps {first + 1} or more, or a smaller --curvature-interval.")
+    lag = fold_lag(fleet_wait)
+    why = "; ".join([*(["it probes along the steps before"] if get_method(cfg.optimizer).probes_along_step else []),
+                     *(["from the end of warmup"] if first > k else [])])
+    sent = f"its first round is sent at step {first} (--curvature-interval {k}{'; ' + why if why else ''})"
+    if lag:
+        sent += (f" and, on a fleet with --fleet-wait {fleet_wait}, folds at the refresh after it, step {first + k} "
+                 "at the earliest")
+    fix = (f"Use --steps {first + lag * k + 1} or more, or a smaller --curvature-interval"
+           + (", or --fleet-wait sync" if lag else ""))
+    return (f"{TOO_SHORT} {cfg.optimizer} applies no curvature probe round in {cfg.steps} steps: {sent}, so this "
+            f"run equals AdamW whatever the fleet's speed. {fix}.")
 
 
 def run_settings(cfg: TrainConfig) -> dict[str, Any]:
@@ -184,6 +218,7 @@ def folder_state(run_dir: Path, cfg: TrainConfig) -> FolderState:
     old = _read_json(run_dir / "config.json")
     if old is None:
         return FolderState("other", (f"{run_dir} holds metrics but no readable config.json",))
+    old = recorded_run(old)
     new = run_settings(cfg)
     summary = _read_json(summary_path)
     if summary is not None and "steps" in summary:

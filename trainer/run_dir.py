@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from trainer.config import TrainConfig
+from trainer.config import TrainConfig, recorded_run
 from trainer.paths import runs_dir
 from trainer.report import read_metrics
 
@@ -79,7 +79,7 @@ class RunDir:
             raise FileExistsError(f"{run.path} already holds a run; pass --resume to continue it, --overwrite to "
                                   "start afresh, or another --run-dir")
         if resume and run.config.is_file():
-            old = json.loads(run.config.read_text())
+            old = recorded_run(json.loads(run.config.read_text()))
             if old != ours:
                 diff = sorted(k for k in set(old) | set(ours) if old.get(k) != ours.get(k))
                 raise ValueError(f"--resume with a different config than {run.config} (fields: {diff})")

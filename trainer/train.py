@@ -1,7 +1,8 @@
 """The training loop: `train()` runs its phases top to bottom, one function each (after nanoGPT's train.py).
 
-    1. run folder   RunDir.open: create it, check --resume against its config.json, write config.json
-    2. build        the Task (LM or sentiment), its model, the method's TrainMode (trainer.methods registry)
+    1. run folder   the Task (LM or sentiment: its data read first, so a refusal there leaves no folder), then
+                    RunDir.open: create it, check --resume against its config.json, write config.json
+    2. build        the task's model, the method's TrainMode (trainer.methods registry)
     3. position     --resume: Checkpointer.restore and cut metrics.jsonl back to the checkpoint; else start at 0
     4. evaluate     step 0 on the held-out split (kept from the first invocation on resume)
     5. loop         per step: lr schedule -> mode.step -> log -> evaluate every `eval_every` (the Evaluator:
@@ -193,13 +194,13 @@ def _set_up(cfg: TrainConfig, *, resume: bool, progress: bool,
 
         check_teacher_run(cfg, fleet=dist.fleet or mode_factory is not None)
 
-    # 1. run folder
-    run = _open_run(cfg, resume, overwrite, dist)
+    # 1. the task first: a refusal found while reading the data (an empty file, a bad JSON line) leaves no folder
     progress = progress and dist.is_main
     quiet_hf_bars(progress)
-
-    # 2. build: task, model, step strategy
     task = build_task(cfg)
+    run = _open_run(cfg, resume, overwrite, dist)  # then the run folder
+
+    # 2. build: model, step strategy
     kind = get_method(cfg.optimizer).kind
     dist.check(cfg, kind)
     model = task.build_model()

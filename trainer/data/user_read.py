@@ -173,6 +173,12 @@ def _field(obj: object, field: str, where: str) -> str:
     return value
 
 
+def _json_why(e: json.JSONDecodeError) -> str:
+    """json's reason without its trailing "starting at" (e.g. "Unterminated string starting at"): the message adds
+    " at column N" itself, which would read "starting at at column N"."""
+    return e.msg.removesuffix(" at").removesuffix(" starting")
+
+
 def _json_lines(text: str, where: str, field: str) -> Iterator[str]:
     for n, line in enumerate(text.split("\n"), start=1):  # not splitlines: U+2028 may sit inside a JSON string
         if not line.strip():
@@ -180,7 +186,7 @@ def _json_lines(text: str, where: str, field: str) -> Iterator[str]:
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
-            raise DataInputError(f"{where}:{n}: line {n} is not JSON ({e.msg} at column {e.colno})") from None
+            raise DataInputError(f"{where}:{n}: line {n} is not JSON ({_json_why(e)} at column {e.colno})") from None
         yield _field(obj, field, f"{where}:{n}")
 
 
@@ -191,7 +197,7 @@ def _json(text: str, where: str, field: str) -> Iterator[str]:
         if e.msg == "Extra data":  # several values: JSON lines (what datasets' to_json writes)
             yield from _json_lines(text, where, field)
             return
-        raise DataInputError(f"{where}:{e.lineno}: not JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+        raise DataInputError(f"{where}:{e.lineno}: not JSON ({_json_why(e)} at line {e.lineno} column {e.colno})") from None
     if isinstance(doc, dict):
         doc = [doc]
     if not isinstance(doc, list):
