@@ -1,5 +1,5 @@
 """A user's material for tests, from real text: documents cut from the project's own prose (README.md,
-docs/DESIGN.md, split at headings) and a transformers tokenizer folder trained on them with the `tokenizers`
+pages of docs/, split at headings) and a transformers tokenizer folder trained on them with the `tokenizers`
 library (byte-level BPE, as GPT-2's), saved with `save_pretrained` as a user's model folder holds it."""
 
 from __future__ import annotations
@@ -11,10 +11,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def real_documents(min_chars: int = 400) -> list[str]:
-    """Documents of real English prose and code from README.md and docs/DESIGN.md, in file order: runs of
+    """Documents of real English prose and code from README.md and pages of docs/, in file order: runs of
     consecutive paragraphs (split at blank lines) of at least `min_chars` characters; ~100 kB in all."""
     docs: list[str] = []
-    for name in ("README.md", "docs/DESIGN.md"):
+    for name in ("README.md", "docs/DESIGN.md", "docs/training.md", "docs/models-and-data.md", "docs/distillation.md",
+                 "docs/fleet.md"):
         run: list[str] = []
         for para in re.split(r"\n\s*\n", (ROOT / name).read_text(encoding="utf-8")):
             if para.strip():

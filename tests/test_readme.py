@@ -1,0 +1,93 @@
+"""README.md is the first hour's guide: short, in the first hour's order, its first commands the ones CI runs, and its
+own-model example run here as written (offline: the tokenizer is the project's own GPT-2 BPE)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+ORDER = ["What it is", "Install", "First run", "Your model and data", "A fleet", "Deployment", "Troubleshooting"]
+
+
+def _section(title: str) -> str:
+    return README.split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def _blocks(text: str) -> list[str]:
+    return re.findall(r"```(?:bash|python)?\n(.*?)```", text, flags=re.S)
+
+
+def test_readme_is_short_and_in_the_first_hours_order():
+    assert len(README.encode()) < 20_000
+    assert re.findall(r"^## (.+)$", README, flags=re.M) == ORDER
+    assert not re.search(r"\bissue \d+|tests/test_\w+\.py", README), "issue numbers and test files stay out of it"
+
+
+def test_readme_test_command_is_the_one_ci_runs():
+    """The README's first block: the main job, then the test command `.ci/run` runs (the same line)."""
+    first = _blocks(README)[0].splitlines()
+    assert first[0].startswith("bash tools/bootstrap.sh && .venv/bin/sparecycles up ")
+    test_cmd = first[1].split("   #", 1)[0].strip()
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert test_cmd in [line.strip() for line in ci]
+
+
+def test_readme_links_point_at_files():
+    for target in re.findall(r"\]\(([^)#]+)\)", README):
+        if not target.startswith("http"):
+            assert (ROOT / target).exists(), target
+
+
+def _commands(block: str, prefix: str) -> list[list[str]]:
+    """The lines of `block` that start with `prefix`, as argv (the trailing `# comment` dropped)."""
+    return [shlex.split(line, comments=True) for line in block.splitlines() if line.startswith(prefix)]
+
+
+@pytest.mark.slow
+def test_own_model_example_runs_offline_as_written(tmp_path):
+    """"Your model and data": the model folder made by the README's script (no network: HF_HUB_OFFLINE), `train`
+    with that folder and a folder of text, the export loaded back, and `up`'s plan for the same model and data."""
+    from support.user_data import real_documents
+
+    section = _section("Your model and data")
+    make, run = _blocks(section)[:2]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "SPARECYCLES_RUNS": str(tmp_path / "runs")}
+    script = make.split("<<'EOF'\n", 1)[1].rsplit("EOF", 1)[0]
+    res = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert (tmp_path / "my-llama" / "config.json").is_file() and (tmp_path / "my-llama" / "tokenizer.json").is_file()
+    (tmp_path / "my_texts").mkdir()
+    for i, doc in enumerate(real_documents()):
+        (tmp_path / "my_texts" / f"{i:03d}.txt").write_text(doc)
+    (train,) = _commands(run, "sparecycles train")
+    res = subprocess.run([sys.executable, "-m", "sparecycles.cli", *train[1:]], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    (load,) = _commands(run, "python -c")  # runs/ is SPARECYCLES_RUNS here, as ./runs is by default
+    res = subprocess.run([sys.executable, *load[1:]], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0 and "LlamaForCausalLM" in res.stdout, res.stderr[-3000:]
+    (up,) = _commands(run, "sparecycles up")
+    _plan_matches_readme(up, tmp_path, env)
+
+
+def _plan_matches_readme(up: list[str], cwd: Path, env: dict[str, str]) -> None:
+    """`up`'s options as the README writes them pass every check, warn of nothing, and name the folder it says."""
+    code = ("import sys; from sparecycles.up_plan import plan_up; from trainer.cli_settings import key_values\n"
+            f"a = {up[2:]!r}; kw = dict(zip(a[0::2], a[1::2]))\n"
+            "p = plan_up(settings={'model': kw['--model'], 'data': kw['--data'], 'steps': int(kw['--steps'])})\n"
+            "print(p.out.name); print(p.warnings)")
+    res = subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    name, warnings = res.stdout.splitlines()
+    assert f"runs/{name}" in _section("Your model and data") and warnings == "()"
