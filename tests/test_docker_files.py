@@ -37,7 +37,7 @@ def test_dockerfile_copies_every_package(dockerfile):
     copied = _copied(dockerfile)
     assert copied == _packages(), f"{dockerfile}: missing {_packages() - copied}, extra {copied - _packages()}"
     text = (ROOT / dockerfile).read_text()
-    assert re.search(r"^COPY pyproject.toml README.md \./$", text, re.M)  # pip install . needs both
+    assert re.search(r"^COPY pyproject.toml README.md LICENSE \./$", text, re.M)  # pip install . needs all three
 
 
 def test_dockerignore_lets_in_exactly_what_the_images_copy():
@@ -45,7 +45,7 @@ def test_dockerignore_lets_in_exactly_what_the_images_copy():
              if ln.strip() and not ln.startswith("#")]
     assert lines[0] == "*"  # an allow-list: a developer's .venv and runs never enter the build context
     allowed = {ln[1:] for ln in lines if ln.startswith("!")}
-    assert allowed == _packages() | {"pyproject.toml", "README.md"}
+    assert allowed == _packages() | {"pyproject.toml", "README.md", "LICENSE"}
 
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES)
