@@ -46,6 +46,7 @@ from wire.messages import (
     Heartbeat,
     HeartbeatReply,
     Lease,
+    ServingFigures,
     WorkerInfo,
     WorkerRegistered,
     WorkerRegistration,
@@ -182,6 +183,8 @@ class WorkerRegistry:
         state = self._scripts["HEARTBEAT"](keys=keys, args=[wid, now, expires, int(hb.busy), version])
         if state is None:
             raise NotFound(f"unknown worker {wid}")
+        if hb.serving is not None:  # the worker's figures beside a serving engine, shown in GET /v1/workers
+            self.r.hset(keys[0], "serving", hb.serving.model_dump_json())
         lease = Lease(worker_id=wid, expires_at=expires, lease_seconds=self.settings.lease_seconds)
         return HeartbeatReply(lease=lease, state=state, queues=self.runs.queues())
 
@@ -262,6 +265,7 @@ class WorkerRegistry:
                 version=None if version < 0 else version,
                 accepted=int(h["accepted"]),
                 rejected=int(h["rejected"]),
+                serving=ServingFigures.model_validate_json(h["serving"]) if h.get("serving") else None,
             )
         except (KeyError, ValueError):  # absent, or not written by a registry script: read as absent
             raise NotFound(f"unknown worker {wid}") from None

@@ -47,6 +47,19 @@ def worker(
                                                 "and their perturbation stay fp32; docs/RESULTS.md has its "
                                                 "signal-to-noise)")] = "auto",
     loglevel: Annotated[str, typer.Option(help="Log level (DEBUG, INFO, WARNING)")] = "INFO",
+    serving_metrics: Annotated[str | None, typer.Option(help="Yield to the serving engine beside this worker: its "
+                                                        "Prometheus endpoint, e.g. http://127.0.0.1:8000/metrics, "
+                                                        "read every control interval (docs/serving.md)")] = None,
+    serving_engine: Annotated[str | None, typer.Option(help="Whose queue gauges to read: auto, vllm, sglang, tgi "
+                                                       "or llamacpp (default: auto)")] = None,
+    serving_gauge: Annotated[list[str] | None, typer.Option(help="A gauge to read instead (repeatable; any "
+                                                            "engine)")] = None,
+    serving_busy_above: Annotated[float | None, typer.Option(help="The engine is busy while its gauges sum above "
+                                                             "this (requests; default 0)")] = None,
+    serving_hold: Annotated[float | None, typer.Option(help="Seconds the engine must read idle before the worker "
+                                                       "takes tasks again (default in docs/serving.md)")] = None,
+    serving_trace: Annotated[Path | None, typer.Option(help="Append each task's start, end and outcome there "
+                                                       "(JSON lines; `bench serving` plots them)")] = None,
 ) -> None:
     """Register with the coordinator and evaluate probe tasks until SIGTERM (SIGUSR1 drains, SIGUSR2 resumes)."""
     if not coordinator.startswith(("http://", "https://")):
@@ -81,12 +94,19 @@ def worker(
         # the trainer itself trains at on CUDA (trainer.train), for the kinds declared "tf32"; the kinds declared
         # "bf16" (trainer.zo.probes.KINDS, from `bench precision`: docs/RESULTS.md) run a bf16 compiled copy.
         torch.set_float32_matmul_precision("high")
+    serving = None
+    if serving_metrics is not None:
+        serving = _serving_policy(serving_metrics, serving_engine, serving_gauge, serving_busy_above, serving_hold,
+                                  serving_trace)
+    elif any(v is not None for v in (serving_engine, serving_gauge, serving_busy_above, serving_hold, serving_trace)):
+        raise typer.BadParameter("the --serving-* options need --serving-metrics URL", param_hint="--serving-metrics")
     opts = WorkerOptions(
         coordinator=coordinator, token=token, device=device, name=name, metrics_port=metrics_port,
         metrics_host=metrics_host,
         cache_dir=cache_dir, keep_versions=keep_versions, shared_blob_dir=blob_dir, control_interval_s=control_interval,
         soft_shutdown_s=soft_shutdown, prefetch_interval_s=prefetch_interval, yield_gpu_util_pct=yield_gpu_util,
         probe_path=probe_path, cuda_graphs=cuda_graphs, tf32_attention=tf32_attention, loglevel=loglevel.upper(),
+        serving=serving,
     )
     import httpx
 
@@ -99,6 +119,21 @@ def worker(
         # or refused the token: say so in one line instead of a traceback.
         typer.secho(f"error: cannot join {coordinator}: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from exc
+
+
+def _serving_policy(url: str, engine: str | None, gauges: list[str] | None, busy_above: float | None,
+                    hold: float | None, trace: Path | None):
+    """The ServingPolicy of the --serving-* options (unset ones take the model's defaults); BadParameter if invalid."""
+    from pydantic import ValidationError
+
+    from probe_worker.serving import ServingPolicy
+
+    given = {"metrics_url": url, "engine": engine, "gauges": tuple(gauges) if gauges else None,
+             "busy_above": busy_above, "hold_s": hold, "trace_path": trace}
+    try:
+        return ServingPolicy(**{k: v for k, v in given.items() if v is not None})
+    except ValidationError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--serving-*") from None
 
 
 if __name__ == "__main__":

@@ -78,6 +78,32 @@ class WorkerMetrics:
         self.draining = Gauge(
             "sparecycles_worker_draining", "1 while the worker is draining (not taking tasks)", registry=registry
         )
+        # Beside a serving engine (probe_worker.serving; `--serving-metrics`)
+        self.serving_load = Gauge(
+            "sparecycles_worker_serving_engine_load", "The co-located engine's requests running + waiting at the "
+            "last readable scrape", registry=registry,
+        )
+        self.serving_yielded = Counter(
+            "sparecycles_worker_serving_yielded_seconds_total", "Seconds the worker yielded to the serving engine",
+            registry=registry,
+        )
+        self.serving_idle = Counter(
+            "sparecycles_worker_serving_engine_idle_seconds_total", "Seconds the serving engine was seen idle",
+            registry=registry,
+        )
+        self.serving_used = Counter(
+            "sparecycles_worker_serving_idle_used_seconds_total", "Seconds of the engine's idle time the worker "
+            "spent in tasks", registry=registry,
+        )
+        self.serving_reclaim = Histogram(
+            "sparecycles_worker_serving_reclaim_seconds", "A request's arrival (the last idle scrape before it) to "
+            "the end of the worker's task then running (0 when none ran)", buckets=_BUCKETS_S, registry=registry,
+        )
+        self.serving_errors = Counter(
+            "sparecycles_worker_serving_scrape_errors_total", "Serving-engine metrics scrapes that gave no load, by "
+            "reason (unreachable, http, parse, no_gauge, non_finite); the worker yields on each", ["reason"],
+            registry=registry,
+        )
 
 
 _DEFAULT: WorkerMetrics | None = None

@@ -18,6 +18,8 @@ so redelivery only costs compute. Outcomes, each counted in `sparecycles_worker_
 - `requeued`: the worker is draining, the coordinator no longer knows it (it re-enrolls), or the
   coordinator/broker stayed unreachable after bounded retries -> rejected with requeue, so another worker
   (or this one later) evaluates it;
+- `preempted`: cut short mid-evaluation because the co-located serving engine got requests
+  (probe_worker.serving) -> nothing posted, rejected with requeue: the round's task is evaluated again later;
 - `withdrawn`: the task's round was closed on the coordinator (the trainer took it over or the run ended) ->
   acknowledged unevaluated (ProbeRuntime.withdrawn);
 - `error`: any other failure (a bug, out of memory) -> dropped after logging, the worker lives on.
@@ -41,6 +43,7 @@ from coordinator.client import CoordinatorHTTPError, CorruptBlobError, Forgotten
 from probe_worker.cache import VersionUnavailable
 from probe_worker.metrics import WorkerMetrics
 from probe_worker.runtime import ProbeRuntime, parse_task
+from probe_worker.serving import Preempted, Preemption
 from trainer.zo.probes import ProbeFitError
 from wire.batch import BatchFormatError
 
@@ -51,22 +54,32 @@ HAND_BACK_PAUSE_S = 0.5
 
 
 class DrainState:
-    """Whether this worker takes tasks: draining if asked locally (SIGUSR1), by the coordinator, or by
-    the GPU-busy policy.
+    """Whether this worker takes tasks: draining if asked locally (SIGUSR1), by the coordinator, by
+    the GPU-busy policy, or by a co-located serving engine's load (probe_worker.serving).
 
-    Thread-safe; `changed` is set on every transition so the control loop reacts at once.
+    Thread-safe; `changed` is set on every transition so the control loop reacts at once. `preemption` cuts a
+    running task short (serving only) and keeps the busy clock; `last_outcome` is the last task's outcome name.
     """
 
     def __init__(self) -> None:
         self.local = False
         self.remote = False
         self.policy = False
+        self.serving = False
         self.changed = threading.Event()
+        self.preemption = Preemption()
+        self.last_outcome = ""
 
     @property
     def draining(self) -> bool:
         """True while tasks must not be started."""
-        return self.local or self.remote or self.policy
+        return self.local or self.remote or self.policy or self.serving
+
+    def set_serving(self, value: bool) -> None:
+        """Record the serving engine's gate (probe_worker.serving.EngineGate: True while it needs the device)."""
+        if value != self.serving:
+            self.serving = value
+            self.changed.set()
 
     def set_policy(self, value: bool) -> None:
         """Record the GPU-busy policy's decision (BusyPolicy)."""
@@ -98,6 +111,7 @@ def run_probe(runtime: ProbeRuntime, drain: DrainState, metrics: WorkerMetrics, 
     """
     def outcome(name: str) -> str:
         metrics.tasks.labels(name).inc()
+        drain.last_outcome = name
         return name
 
     try:
@@ -117,8 +131,14 @@ def run_probe(runtime: ProbeRuntime, drain: DrainState, metrics: WorkerMetrics, 
         hand_off(kwargs)  # an identical copy goes back on the queue now...
         time.sleep(HAND_BACK_PAUSE_S)  # ...while this worker stays busy, so an idle one takes it
         return outcome("handed_back")
+    drain.preemption.arm()
     try:
         reply = runtime.run_task(task)
+    except Preempted:
+        outcome("preempted")
+        log.info("round %s seeds %s cut short: the serving engine needs the device; requeued", task.round_id,
+                 task.seeds)
+        raise Reject("cut short for the serving engine", requeue=True) from None
     except (httpx.TransportError, CoordinatorHTTPError) as exc:
         if isinstance(exc, Forgotten) and exc.what == "worker":  # the control loop re-enrolls; then it runs
             outcome("requeued")
@@ -149,12 +169,17 @@ def run_probe(runtime: ProbeRuntime, drain: DrainState, metrics: WorkerMetrics, 
     except Exception:
         log.exception("probe task of round %s failed", task.round_id)
         return outcome("error")
+    finally:
+        drain.preemption.disarm()
     log.info("round %s seeds %s replica %d -> %s", task.round_id, task.seeds, task.replica, reply.outcomes)
     return outcome("done")
 
 
-def register_probe_task(app: Celery, runtime: ProbeRuntime, drain: DrainState, metrics: WorkerMetrics) -> Task:
-    """Register `sparecycles.probe` on `app` (JSON only, acks_late, reject_on_worker_lost, no result)."""
+def register_probe_task(app: Celery, runtime: ProbeRuntime, drain: DrainState, metrics: WorkerMetrics,
+                        trace: Callable[[float, float, str], None] | None = None) -> Task:
+    """Register `sparecycles.probe` on `app` (JSON only, acks_late, reject_on_worker_lost, no result).
+
+    `trace(start, end, outcome)` (unix seconds) is called after each delivery, however it ended."""
 
     @app.task(name=PROBE_TASK_NAME, bind=True, acks_late=True, reject_on_worker_lost=True, ignore_result=True,
               serializer="json", typing=False)
@@ -164,7 +189,13 @@ def register_probe_task(app: Celery, runtime: ProbeRuntime, drain: DrainState, m
         def hand_off(kw: dict[str, Any]) -> None:
             app.send_task(PROBE_TASK_NAME, kwargs=kw, queue=queue, ignore_result=True)
 
-        return run_probe(runtime, drain, metrics, kwargs, hand_off if queue else None)
+        if trace is None:
+            return run_probe(runtime, drain, metrics, kwargs, hand_off if queue else None)
+        start, drain.last_outcome = time.time(), ""
+        try:
+            return run_probe(runtime, drain, metrics, kwargs, hand_off if queue else None)
+        finally:
+            trace(start, time.time(), drain.last_outcome)
 
     return probe
 

@@ -41,6 +41,7 @@ from probe_worker.broker import use_guarded_transport
 from probe_worker.cache import WeightCache
 from probe_worker.metrics import default_metrics, serve_metrics
 from probe_worker.runtime import ProbeRuntime
+from probe_worker.serving import ServingPolicy, ServingWatch, TraceFile
 from probe_worker.tasks import BusyPolicy, DrainState, gpu_utilization_reader, register_probe_task
 from wire.messages import Heartbeat, WorkerRegistered, WorkerRegistration
 
@@ -102,7 +103,8 @@ class WorkerOptions:
     None: off); probe_path: the probe evaluator (probe_kernels.fastpath.make_evaluator: "auto", "whole" or
     "per_unit"); cuda_graphs: replay the compiled forwards as CUDA graphs (static shapes); tf32_attention:
     "bf16" runs the attention of fp32 (TF32-kind) forwards in bf16 (activations only, probe_kernels.FastForward's
-    attn_dtype), "fp32", or "auto" (bf16 on CUDA, fp32 on CPU: attention_dtype); loglevel: Celery's; metrics_host: the interface the metrics port binds.
+    attn_dtype), "fp32", or "auto" (bf16 on CUDA, fp32 on CPU: attention_dtype); loglevel: Celery's; metrics_host: the interface the metrics port binds;
+    serving: yield to a co-located serving engine (probe_worker.serving; read every control interval; None: off).
     """
 
     coordinator: str
@@ -122,6 +124,7 @@ class WorkerOptions:
     cuda_graphs: bool = False
     tf32_attention: str = "auto"
     loglevel: str = "INFO"
+    serving: ServingPolicy | None = None
 
 
 class ProbeWorker:
@@ -170,7 +173,14 @@ class ProbeWorker:
         self.runtime = ProbeRuntime(self.client, self.worker_id, self.cache, self.metrics,
                                     probe_path=opts.probe_path, cuda_graphs=opts.cuda_graphs,
                                     attn_dtype=attention_dtype(opts.tf32_attention, opts.device))
-        register_probe_task(self.app, self.runtime, self.drain, self.metrics)
+        self.serving: ServingWatch | None = None
+        trace = None
+        if opts.serving is not None:
+            self.serving = ServingWatch(opts.serving, self.drain, self.metrics)
+            self.drain.set_serving(True)  # until the engine reads idle for the hold time (EngineGate starts so)
+            self.drain.preemption.install()
+            trace = TraceFile(opts.serving.trace_path) if opts.serving.trace_path else None
+        register_probe_task(self.app, self.runtime, self.drain, self.metrics, trace)
         warm_up()
         self.queues = list(self.reg.queues)
         self.consumed = set(self.queues or [IDLE_QUEUE])
@@ -185,7 +195,8 @@ class ProbeWorker:
 
     def _heartbeat(self) -> None:
         hb = Heartbeat(busy=self.runtime.busy, version=self.runtime.current_version,
-                       tasks_done=self.runtime.tasks_done)
+                       tasks_done=self.runtime.tasks_done,
+                       serving=self.serving.figures() if self.serving is not None else None)
         try:
             reply = self.hb_client.heartbeat(self.worker_id, hb)
         except Forgotten as exc:  # the coordinator lost its state, or an admin deleted this worker: join again
@@ -351,6 +362,9 @@ class ProbeWorker:
             self._control.start()
             if self.opts.prefetch_interval_s > 0:
                 threading.Thread(target=self._prefetch_loop, name="sparecycles-prefetch", daemon=True).start()
+            if self.serving is not None:
+                threading.Thread(target=self.serving.run, args=(self._stop, self.opts.control_interval_s),
+                                 name="sparecycles-serving", daemon=True).start()
         log.info("worker %s ready on %s, queues %s", self.worker_id, self.opts.device, sorted(self.consumed))
 
     def run(self) -> None:

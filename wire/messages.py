@@ -97,12 +97,30 @@ class WorkerRegistered(Message):
     probe_task_name: str
 
 
+class ServingFigures(Part):
+    """A worker's figures beside a serving engine (probe_worker.serving.ServingLedger), cumulative since it started.
+
+    Seconds: yielded (not taking tasks for the engine), the engine's idle time, the part of it the worker spent in
+    tasks; reclaim latency (a request's arrival -> the worker's task ending, an upper bound) as its recent p95 (None
+    before any) and count; unreadable metrics scrapes.
+    """
+
+    yielded_s: FiniteFloat = Field(ge=0)
+    engine_idle_s: FiniteFloat = Field(ge=0)
+    idle_used_s: FiniteFloat = Field(ge=0)
+    reclaim_p95_s: FiniteFloat | None = Field(default=None, ge=0)
+    reclaims: int = Field(default=0, ge=0)
+    scrape_errors: int = Field(default=0, ge=0)
+
+
 class Heartbeat(Message):
-    """`POST /v1/workers/{id}/heartbeat` body: liveness plus what the worker is doing."""
+    """`POST /v1/workers/{id}/heartbeat` body: liveness plus what the worker is doing (`serving`: only for a worker
+    beside a serving engine)."""
 
     busy: bool = False
     version: Version | None = None
     tasks_done: int = Field(default=0, ge=0)
+    serving: ServingFigures | None = None
 
 
 class Lease(Part):
@@ -136,6 +154,7 @@ class WorkerInfo(Message):
     version: Version | None
     accepted: int
     rejected: int
+    serving: ServingFigures | None = None
 
 
 # ---- runs, versions, ledger, blobs --------------------------------------------------------------------

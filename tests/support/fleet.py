@@ -92,13 +92,13 @@ class Fleet:
                 pytest.fail(f"timed out waiting for {what}")
             time.sleep(0.05)
 
-    def start_worker(self, name: str) -> subprocess.Popen:
-        """Start `python -m probe_worker.cli` for `name` with its own cache folder."""
+    def start_worker(self, name: str, *extra: str) -> subprocess.Popen:
+        """Start `python -m probe_worker.cli` for `name` with its own cache folder (`extra`: more CLI options)."""
         self.metrics_ports[name] = _free_port()
         cmd = [sys.executable, "-m", "probe_worker.cli", "--coordinator", self.url, "--token", self.enroll_token,
                "--name", name, "--cache-dir", str(self.tmp / f"cache-{name}"), "--control-interval", "0.25",
                "--soft-shutdown", "5", "--threads", "1", "--loglevel", "INFO",
-               "--metrics-port", str(self.metrics_ports[name])]
+               "--metrics-port", str(self.metrics_ports[name]), *extra]
         self.logs.append(open(self.tmp / f"{name}.log", "wb"))  # noqa: SIM115 - closed in close()
         proc = subprocess.Popen(cmd, env=self.env, cwd=ROOT, stdout=self.logs[-1], stderr=subprocess.STDOUT)
         self.workers[name] = proc

@@ -1,0 +1,375 @@
+"""Engine-aware yielding: a worker beside a serving engine takes tasks only while the engine is idle.
+
+The worker reads the co-located engine's Prometheus endpoint every control interval (`EngineProbe`), sums the
+engine's queue gauges (requests running + waiting) and feeds the sum to `EngineGate`, a pure state machine:
+
+- load > `busy_above` (default 0: any request running or waiting): yield at once;
+- load <= `busy_above`: resume only after `hold_s` of idle readings in a row (hysteresis: a burst's gaps between
+  requests are shorter than the hold, so the worker does not flap in and out of them);
+- endpoint unreadable (refused, timeout, HTTP error, no known gauge, a non-finite value): yield, and count it.
+  Why yield: the worker borrows capacity the engine owns. Not seeing the engine, it cannot know whether requests
+  wait; yielding costs the fleet only throughput (the coordinator re-dispatches, other workers take the rounds),
+  running blind could cost serving latency, the figure an operator lends the device on.
+
+When the gate turns to yield while a task runs, the task is cut short (`install_preemption`: a global forward pre-hook
+raises `Preempted` at the next module call of the task's forward passes; the worker hands the task back to the queue,
+so its round is re-issued and evaluated once, elsewhere or here after the hold). So a task runs at most one control
+interval plus one module's forward past a request's arrival. Not cut: weight loads and ledger replays (no module
+forward runs there), and a compiled forward (torch.compile, CUDA), which ends its whole forward first.
+
+`ServingLedger` keeps the figures (seconds yielded, the engine's idle seconds, the idle seconds the worker used,
+reclaim latencies); they go to the worker's metrics and heartbeat (wire.messages.ServingFigures).
+
+Metric names (each engine's own documentation): vLLM `vllm:num_requests_running`, `vllm:num_requests_waiting`;
+SGLang (`--enable-metrics`) `sglang:num_running_reqs`, `sglang:num_queue_reqs`; TGI `tgi_batch_current_size`,
+`tgi_queue_size`; llama.cpp (`--metrics`) `llamacpp:requests_processing`, `llamacpp:requests_deferred`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, HttpUrl
+
+from wire.messages import ServingFigures
+
+log = logging.getLogger("sparecycles.worker")
+
+ENGINE_GAUGES: dict[str, tuple[str, ...]] = {
+    "vllm": ("vllm:num_requests_running", "vllm:num_requests_waiting"),
+    "sglang": ("sglang:num_running_reqs", "sglang:num_queue_reqs"),
+    "tgi": ("tgi_batch_current_size", "tgi_queue_size"),
+    "llamacpp": ("llamacpp:requests_processing", "llamacpp:requests_deferred"),
+}
+Engine = Literal["auto", "vllm", "sglang", "tgi", "llamacpp"]
+RECLAIMS_KEPT = 1024  # recent reclaim latencies the p95 is taken over
+
+
+class ServingPolicy(BaseModel):
+    """How a worker yields to a co-located serving engine (`sparecycles worker --serving-metrics URL ...`).
+
+    metrics_url: the engine's Prometheus endpoint (e.g. http://127.0.0.1:8000/metrics).
+    engine: whose gauges to sum ("auto": the first engine of ENGINE_GAUGES with a gauge in the scrape).
+    gauges: other gauge names to sum instead (any engine); non-empty overrides `engine`.
+    busy_above: the engine is busy while the summed gauges exceed this (requests; 0: any request).
+    hold_s: seconds of idle readings in a row before the worker resumes (hysteresis).
+    scrape_timeout_s: one scrape's timeout (connect + read); slower counts as unreadable (and yields).
+    trace_path: append one JSON line per task (unix start, end, outcome) there, for `bench serving`'s plot.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    metrics_url: HttpUrl
+    engine: Engine = "auto"
+    gauges: tuple[Annotated[str, Field(min_length=1, max_length=200)], ...] = ()
+    busy_above: Annotated[float, Field(ge=0.0, le=1e6, allow_inf_nan=False)] = 0.0
+    hold_s: Annotated[float, Field(ge=0.0, le=3600.0, allow_inf_nan=False)] = 2.0
+    scrape_timeout_s: Annotated[float, Field(gt=0.0, le=10.0, allow_inf_nan=False)] = 0.25
+    trace_path: Path | None = None
+
+    def gauge_names(self, available: set[str]) -> tuple[str, ...]:
+        """The gauges to sum, given the metric family names of a scrape (for `engine="auto"`); () if none."""
+        if self.gauges:
+            return self.gauges
+        if self.engine != "auto":
+            return ENGINE_GAUGES[self.engine]
+        for names in ENGINE_GAUGES.values():
+            if available.intersection(names):
+                return names
+        return ()
+
+
+class Unreadable(ValueError):
+    """The engine's metrics could not be read or gave no usable load; `reason` is a short metric label."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+def engine_load(text: str, policy: ServingPolicy) -> float:
+    """The engine's load: the sum of the policy's gauges over all their samples (labels: engines, models) in a
+    Prometheus text exposition `text`. Units: requests.
+
+    Raises Unreadable("parse") for text the Prometheus parser refuses, ("no_gauge") when none of the gauges is
+    present, ("non_finite") for a NaN/inf or negative sample.
+    """
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        families = {f.name: f for f in text_string_to_metric_families(text)}
+    except ValueError as exc:
+        raise Unreadable("parse", str(exc)[:200]) from None
+    names = [n for n in policy.gauge_names(set(families)) if n in families]
+    if not names:
+        raise Unreadable("no_gauge", f"none of {policy.gauge_names(set(families)) or ENGINE_GAUGES} in the scrape")
+    total = 0.0
+    for name in names:
+        for sample in families[name].samples:
+            if not math.isfinite(sample.value) or sample.value < 0:
+                raise Unreadable("non_finite", f"{sample.name} = {sample.value}")
+            total += sample.value
+    return total
+
+
+class EngineProbe:
+    """Reads the engine's load over HTTP (httpx, the policy's timeout, no retries: the next tick is the retry).
+
+    `read()` returns the load (requests) or raises Unreadable with reason "unreachable", "http" or engine_load's.
+    """
+
+    def __init__(self, policy: ServingPolicy) -> None:
+        import httpx
+
+        self.policy = policy
+        self._httpx = httpx
+        self._client = httpx.Client(timeout=policy.scrape_timeout_s)
+
+    def read(self) -> float:
+        """One scrape's load. Raises Unreadable."""
+        try:
+            reply = self._client.get(str(self.policy.metrics_url))
+        except self._httpx.HTTPError as exc:
+            raise Unreadable("unreachable", f"{type(exc).__name__}: {exc}") from None
+        if reply.status_code != 200:
+            raise Unreadable("http", f"HTTP {reply.status_code}")
+        return engine_load(reply.text, self.policy)
+
+    def close(self) -> None:
+        """Close the HTTP client."""
+        self._client.close()
+
+
+class EngineGate:
+    """The yield decision, a pure function of timestamped readings (unit-tested with exact values).
+
+    `update(now, load)`: `now` in seconds (any monotonic clock), `load` in requests or None for an unreadable
+    endpoint; returns True while the worker must yield. Starts yielding: it resumes only after `hold_s` of idle
+    readings, the first of which starts the clock.
+    """
+
+    def __init__(self, busy_above: float, hold_s: float) -> None:
+        self.busy_above, self.hold_s = busy_above, hold_s
+        self.yielding = True
+        self.idle_since: float | None = None
+
+    def update(self, now: float, load: float | None) -> bool:
+        """Record one reading; return whether to yield now."""
+        if load is None or load > self.busy_above:
+            self.yielding, self.idle_since = True, None
+        else:
+            if self.idle_since is None:
+                self.idle_since = now
+            if now - self.idle_since >= self.hold_s:
+                self.yielding = False
+        return self.yielding
+
+
+class ServingLedger:
+    """The serving figures, integrated reading by reading (seconds; a pure function of what it is fed).
+
+    Per interval between two readings at t0 < t1: `yielded_s` += t1 - t0 if the worker yielded over it (the
+    decision taken at t0); `engine_idle_s` += t1 - t0 if both readings saw the engine idle; `idle_used_s` += the
+    worker's busy seconds in it (`busy_s` is the worker's cumulative busy time, read at each reading) when both
+    readings saw it idle. Reclaim latency: at the first busy reading after an idle one (a request arrived after
+    t0), if a task was running, the latency is (that task's end) - t0, an upper bound on arrival -> device free;
+    if none was running it is 0 (the engine had the device).
+    """
+
+    def __init__(self) -> None:
+        self.yielded_s = self.engine_idle_s = self.idle_used_s = 0.0
+        self.reclaims: deque[float] = deque(maxlen=RECLAIMS_KEPT)
+        self.reclaim_count = 0
+        self._last: tuple[float, bool, bool, float] | None = None  # (t, idle, yielding, busy_s)
+        self._pending_from: float | None = None  # t0 of a reclaim waiting for the running task to end
+
+    def update(self, now: float, idle: bool, yielding: bool, busy_s: float, task_running: bool,
+               last_task_end: float | None) -> float | None:
+        """Record one reading (`now` and `last_task_end` on one clock); returns a reclaim latency completed now."""
+        done = None
+        if self._pending_from is not None and not task_running and last_task_end is not None:
+            done = self._reclaimed(max(0.0, last_task_end - self._pending_from))
+        if self._last is not None:
+            t0, was_idle, was_yielding, busy0 = self._last
+            dt = max(0.0, now - t0)
+            self.yielded_s += dt if was_yielding else 0.0
+            if was_idle and idle:
+                self.engine_idle_s += dt
+                self.idle_used_s += min(dt, max(0.0, busy_s - busy0))
+            if was_idle and not idle and self._pending_from is None:
+                if task_running:
+                    self._pending_from = t0
+                else:
+                    done = self._reclaimed(0.0)
+        self._last = (now, idle, yielding, busy_s)
+        return done
+
+    def _reclaimed(self, latency: float) -> float:
+        self.reclaims.append(latency)
+        self.reclaim_count += 1
+        self._pending_from = None
+        return latency
+
+    def reclaim_p95(self) -> float | None:
+        """The 95th percentile (nearest rank) of the recent reclaim latencies, None before any."""
+        if not self.reclaims:
+            return None
+        ordered = sorted(self.reclaims)
+        return ordered[max(0, math.ceil(0.95 * len(ordered)) - 1)]
+
+
+class Preempted(BaseException):
+    """Raised inside a task's forward pass when the engine needs the device (a BaseException, so that no
+    `except Exception` on the evaluation path, e.g. a compile fallback, mistakes it for a failure)."""
+
+
+class Preemption:
+    """Cuts a running task short and keeps the worker's busy clock (monotonic seconds).
+
+    `arm()` at a task's start (in its thread), `disarm()` at its end, `fire()` from the control thread: while fired,
+    the task thread's next module call raises Preempted. `install()` adds the global forward pre-hook once (an
+    Event check per module call while installed).
+    """
+
+    def __init__(self) -> None:
+        self._fired = threading.Event()
+        self._thread: int | None = None
+        self._started = 0.0
+        self._busy_done = 0.0
+        self.last_end: float | None = None  # when the last task ended (monotonic s), None before any
+
+    def arm(self) -> None:
+        """The calling thread runs a task from now; an earlier fire is forgotten."""
+        self._fired.clear()
+        self._started = time.monotonic()
+        self._thread = threading.get_ident()
+
+    def disarm(self) -> None:
+        """The task ended (however it ended)."""
+        now = time.monotonic()
+        if self._thread is not None:
+            self._busy_done += now - self._started
+        self._thread, self.last_end = None, now
+        self._fired.clear()
+
+    @property
+    def armed(self) -> bool:
+        """True while a task runs."""
+        return self._thread is not None
+
+    def busy_s(self, now: float) -> float:
+        """Seconds spent in tasks so far, the running one's part up to `now` included."""
+        return self._busy_done + (now - self._started if self._thread is not None else 0.0)
+
+    def fire(self) -> bool:
+        """Cut the running task (if any) at its next module call; returns whether one was running."""
+        if self._thread is None:
+            return False
+        self._fired.set()
+        return True
+
+    def check(self) -> None:
+        """Raise Preempted in the task thread once fired (the forward pre-hook's body)."""
+        if self._fired.is_set() and threading.get_ident() == self._thread:
+            self._fired.clear()
+            raise Preempted("the serving engine needs the device")
+
+    def install(self):
+        """Register the global forward pre-hook (torch.nn.modules.module.register_module_forward_pre_hook); returns
+        its handle (`.remove()` takes it out)."""
+        from torch.nn.modules.module import register_module_forward_pre_hook
+
+        return register_module_forward_pre_hook(lambda _module, _args: self.check())
+
+
+class TraceFile:
+    """Appends one JSON line per task, {"start": s, "end": s, "outcome": name} (unix seconds), to `path`."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+
+    def __call__(self, start: float, end: float, outcome: str) -> None:
+        line = json.dumps({"start": round(start, 6), "end": round(end, 6), "outcome": outcome}) + "\n"
+        with self._lock, open(self.path, "a") as f:
+            f.write(line)
+
+
+class ServingWatch:
+    """The worker's side of engine-aware yielding: one `tick()` per control interval reads the engine, updates the
+    gate, drains or resumes the worker (`DrainState.set_serving`), cuts a running task while yielding, and keeps the
+    ledger and the metrics. `figures()` is the heartbeat's part.
+
+    drain: the worker's probe_worker.tasks.DrainState; metrics: its WorkerMetrics; probe: where loads come from
+    (default: EngineProbe(policy)).
+    """
+
+    def __init__(self, policy: ServingPolicy, drain, metrics, probe: EngineProbe | None = None) -> None:
+        self.policy, self.drain, self.metrics = policy, drain, metrics
+        self.probe = probe or EngineProbe(policy)
+        self.gate = EngineGate(policy.busy_above, policy.hold_s)
+        self.ledger = ServingLedger()
+        self.scrape_errors = 0
+        self._last_error = ""
+        self._sent = (0.0, 0.0, 0.0)  # ledger totals already added to the counters
+
+    def tick(self, now: float | None = None) -> bool:
+        """One reading (`now`: monotonic seconds); returns whether the worker yields now."""
+        now = time.monotonic() if now is None else now
+        try:
+            load: float | None = self.probe.read()
+            self.metrics.serving_load.set(load)
+            self._last_error = ""
+        except Unreadable as exc:
+            load = None
+            self.scrape_errors += 1
+            self.metrics.serving_errors.labels(exc.reason).inc()
+            if exc.reason != self._last_error:  # one line per kind of failure, not one per tick
+                log.warning("serving engine metrics unreadable (%s); yielding until they read idle", exc)
+                self._last_error = exc.reason
+        yielding = self.gate.update(now, load)
+        if yielding:
+            self.drain.preemption.fire()  # a task running (or started since the last tick) stops at its next module
+        if yielding != self.drain.serving:
+            log.info("serving engine %s; %s", "busy" if yielding else f"idle for {self.policy.hold_s:g} s",
+                     "yielding" if yielding else "taking tasks again")
+        self.drain.set_serving(yielding)
+        guard = self.drain.preemption
+        idle = load is not None and load <= self.policy.busy_above
+        latency = self.ledger.update(now, idle, yielding, guard.busy_s(now), guard.armed, guard.last_end)
+        if latency is not None:
+            self.metrics.serving_reclaim.observe(latency)
+        totals = (self.ledger.yielded_s, self.ledger.engine_idle_s, self.ledger.idle_used_s)
+        for counter, new, old in zip((self.metrics.serving_yielded, self.metrics.serving_idle,
+                                      self.metrics.serving_used), totals, self._sent):
+            counter.inc(new - old)
+        self._sent = totals
+        return yielding
+
+    def figures(self) -> ServingFigures:
+        """The ledger's figures for the heartbeat (wire.messages.ServingFigures)."""
+        led = self.ledger
+        return ServingFigures(yielded_s=led.yielded_s, engine_idle_s=led.engine_idle_s, idle_used_s=led.idle_used_s,
+                              reclaim_p95_s=led.reclaim_p95(), reclaims=led.reclaim_count,
+                              scrape_errors=self.scrape_errors)
+
+    def run(self, stop: threading.Event, interval_s: float) -> None:
+        """Tick every `interval_s` seconds until `stop` is set (the worker's serving thread), then close."""
+        try:
+            while not stop.is_set():
+                try:
+                    self.tick()
+                except Exception as exc:  # noqa: BLE001 - never let the watch die: yield and retry next tick
+                    log.exception("serving watch tick failed: %s", exc)
+                    self.drain.set_serving(True)
+                stop.wait(interval_s)
+        finally:
+            self.probe.close()

@@ -1,0 +1,170 @@
+"""Engine-aware yielding's pure parts (probe_worker.serving): the gate's hysteresis, the ledger's figures, the
+engines' gauges read from Prometheus text, a bad endpoint counted and yielded to, and a task cut at a module call."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from probe_worker.metrics import WorkerMetrics
+from probe_worker.serving import (
+    EngineGate,
+    EngineProbe,
+    Preempted,
+    Preemption,
+    ServingLedger,
+    ServingPolicy,
+    ServingWatch,
+    Unreadable,
+    engine_load,
+)
+from probe_worker.tasks import DrainState
+
+POLICY = ServingPolicy(metrics_url="http://127.0.0.1:9/metrics")
+
+
+def test_gate_yields_at_once_and_resumes_only_after_the_hold():
+    gate = EngineGate(busy_above=0.0, hold_s=2.0)
+    # (time s, load) -> yield?  Starts yielding; idle from t=0; resumes at t=2.0 exactly, not at 1.5.
+    steps = [(0.0, 0.0, True), (1.5, 0.0, True), (2.0, 0.0, False), (2.5, 1.0, True), (3.0, 0.0, True),
+             (4.5, 0.0, True), (4.9, 0.0, True), (5.0, 0.0, False), (5.5, None, True), (6.0, 0.0, True),
+             (8.0, 0.0, False)]
+    assert [gate.update(t, load) for t, load, _ in steps] == [want for *_, want in steps]
+
+
+def test_gate_threshold_counts_requests_above_it_only():
+    gate = EngineGate(busy_above=2.0, hold_s=0.0)
+    assert [gate.update(t, load) for t, load in [(0, 2.0), (1, 3.0), (2, 2.0), (3, None)]] == [False, True, False,
+                                                                                               True]
+
+
+def test_ledger_integrates_yield_idle_used_and_reclaim():
+    led = ServingLedger()
+    # t=0 idle, worker yielding (hold), 0 busy s so far
+    assert led.update(0.0, idle=True, yielding=True, busy_s=0.0, task_running=False, last_task_end=None) is None
+    # t=1 idle, resumed; no task yet
+    led.update(1.0, idle=True, yielding=False, busy_s=0.0, task_running=False, last_task_end=None)
+    # t=2 idle; 0.75 s of tasks in (1, 2]
+    led.update(2.0, idle=True, yielding=False, busy_s=0.75, task_running=True, last_task_end=1.5)
+    # t=3 busy (a request arrived in (2, 3]); a task is running: reclaim pending from t0=2
+    assert led.update(3.0, idle=False, yielding=True, busy_s=1.6, task_running=True, last_task_end=1.5) is None
+    # t=3.5: that task ended at 3.1 -> latency 3.1 - 2.0
+    assert led.update(3.5, idle=False, yielding=True, busy_s=1.7, task_running=False,
+                      last_task_end=3.1) == pytest.approx(1.1)
+    assert (led.yielded_s, led.engine_idle_s, led.idle_used_s) == pytest.approx((1.0 + 0.5, 2.0, 0.75))
+    # busy -> idle -> busy with no task running: a reclaim of 0
+    led.update(4.0, idle=True, yielding=True, busy_s=1.7, task_running=False, last_task_end=3.1)
+    assert led.update(5.0, idle=False, yielding=True, busy_s=1.7, task_running=False, last_task_end=3.1) == 0.0
+    assert led.reclaim_count == 2 and led.reclaim_p95() == pytest.approx(1.1)
+
+
+VLLM_TEXT = """# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 2.0
+vllm:num_requests_running{engine="1",model_name="m"} 1.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 4.0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5
+"""
+
+
+@pytest.mark.parametrize("text, want", [
+    (VLLM_TEXT, 7.0),
+    ("# TYPE sglang:num_running_reqs gauge\nsglang:num_running_reqs 1\nsglang:num_queue_reqs 2\n", 3.0),
+    ("# TYPE tgi_queue_size gauge\ntgi_queue_size 5\n# TYPE tgi_batch_current_size gauge\ntgi_batch_current_size 2\n",
+     7.0),
+    ("llamacpp:requests_processing 1\nllamacpp:requests_deferred 0\n", 1.0),
+])
+def test_engine_load_sums_each_engines_queue_gauges(text, want):
+    assert engine_load(text, POLICY) == want
+
+
+def test_engine_load_named_gauges_and_refusals():
+    named = POLICY.model_copy(update={"gauges": ("vllm:kv_cache_usage_perc",)})
+    assert engine_load(VLLM_TEXT, named) == 0.5
+    for text, reason in [("up 1\n", "no_gauge"), ("vllm:num_requests_running NaN\n", "non_finite"),
+                         ("vllm:num_requests_running -1\n", "non_finite"), ("vllm:num_requests_running{ 1\n", "parse")]:
+        with pytest.raises(Unreadable) as err:
+            engine_load(text, POLICY)
+        assert err.value.reason == reason
+
+
+def test_policy_bounds_are_checked():
+    with pytest.raises(ValidationError):
+        ServingPolicy(metrics_url="http://127.0.0.1:9/metrics", hold_s=-1)
+    with pytest.raises(ValidationError):
+        ServingPolicy(metrics_url="not a url")
+    with pytest.raises(ValidationError):
+        ServingPolicy(metrics_url="http://127.0.0.1:9/metrics", engine="triton")
+
+
+def test_an_unreachable_endpoint_is_counted_and_yielded_to():
+    from prometheus_client import CollectorRegistry
+
+    metrics = WorkerMetrics(CollectorRegistry())
+    drain = DrainState()
+    # port 9 (discard) on loopback: nothing listens, the connection is refused
+    watch = ServingWatch(POLICY.model_copy(update={"hold_s": 0.0}), drain, metrics, EngineProbe(POLICY))
+    assert watch.tick(0.0) is True and drain.draining
+    assert watch.tick(1.0) is True
+    assert watch.scrape_errors == 2
+    assert metrics.serving_errors.labels("unreachable")._value.get() == 2
+    assert watch.figures().scrape_errors == 2 and watch.figures().engine_idle_s == 0.0
+
+
+class _Loads:
+    def __init__(self, loads):
+        self.loads = iter(loads)
+
+    def read(self):
+        value = next(self.loads)
+        if value is None:
+            raise Unreadable("http", "HTTP 500")
+        return value
+
+    def close(self):
+        pass
+
+
+def test_watch_drains_resumes_and_fires_the_running_task():
+    from prometheus_client import CollectorRegistry
+
+    metrics = WorkerMetrics(CollectorRegistry())
+    drain = DrainState()
+    watch = ServingWatch(POLICY.model_copy(update={"hold_s": 1.0}), drain, metrics, _Loads([0, 0, 0, 2, None, 0]))
+    assert [watch.tick(t) for t in (0.0, 0.5, 1.0)] == [True, True, False] and not drain.draining
+    drain.preemption.arm()  # a task starts
+    assert watch.tick(1.5) is True and drain.serving  # a request: yield, and the task is fired
+    with pytest.raises(Preempted):
+        drain.preemption.check()
+    drain.preemption.disarm()
+    assert watch.tick(2.0) is True and metrics.serving_errors.labels("http")._value.get() == 1
+    assert watch.tick(2.5) is True  # idle again, the hold restarts
+    assert watch.ledger.reclaim_count == 1 and watch.ledger.yielded_s == pytest.approx(1.0 + 1.0)
+
+
+def test_preemption_cuts_a_forward_at_a_module_call_in_the_task_thread_only():
+    guard = Preemption()
+    handle = guard.install()
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(3)])
+    calls = []
+    model[1].register_forward_pre_hook(lambda m, a: calls.append(1))
+    guard.arm()
+    guard.fire()
+    other = []
+    t = threading.Thread(target=lambda: other.append(model(torch.ones(1, 4)).shape))
+    t.start()
+    t.join()
+    assert other == [torch.Size([1, 4])]  # another thread's forward is not cut
+    calls.clear()
+    with pytest.raises(Preempted):
+        model(torch.ones(1, 4))
+    assert calls == []  # cut before the first module ran
+    model(torch.ones(1, 4))  # fired once: the next forward runs
+    guard.disarm()
+    handle.remove()
+    assert guard.last_end is not None and guard.busy_s(guard.last_end) >= 0.0

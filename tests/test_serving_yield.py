@@ -1,0 +1,108 @@
+"""Engine-aware yielding end to end: a real vLLM (tools/vllm.sh), a real coordinator and a real worker process started
+with `--serving-metrics` on the engine's /metrics. A burst of requests cuts the worker's running task within one
+control interval plus one task, the worker takes nothing while the burst runs, resumes only after the hold, and the
+round it was holding is re-issued, evaluated once, with the in-process values."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from support.fleet import Fleet, make_batch
+from support.models import tiny_gpt2
+from trainer.train import lm_loss
+from trainer.zo.backend import InProcessBackend
+from trainer.zo.probes import RoundSpec
+
+pytestmark = pytest.mark.slow  # a vLLM process, a coordinator process and a worker process
+
+INTERVAL_S, HOLD_S, SEEDS = 0.25, 1.0, 16
+
+
+def _spans(path):
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _burst(engine_url: str, n: int) -> list[float]:
+    """n concurrent completions (32 tokens each); returns when each answer arrived (unix s)."""
+    model = httpx.get(engine_url + "/v1/models", timeout=30).json()["data"][0]["id"]
+    done: list[float] = []
+
+    def one(i: int) -> None:
+        body = {"model": model, "prompt": f"Story {i}: once upon a time", "max_tokens": 32, "temperature": 0,
+                "ignore_eos": True}
+        httpx.post(engine_url + "/v1/completions", json=body, timeout=300).raise_for_status()
+        done.append(time.time())
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return done
+
+
+def _results(be, round_id: str) -> dict:
+    out = {}
+    for r in be.collect(round_id).results:
+        assert r.seed not in out, f"seed {r.seed} delivered twice"
+        out[r.seed] = r
+    return out
+
+
+def test_a_burst_cuts_the_task_drains_the_worker_and_its_round_is_reissued_once(vllm_engine, tmp_path):
+    fleet = Fleet(tmp_path)
+    trace = tmp_path / "spans.jsonl"
+    try:
+        fleet.start_worker("w", "--serving-metrics", vllm_engine.metrics_url, "--serving-hold", str(HOLD_S),
+                           "--serving-trace", str(trace), "--control-interval", str(INTERVAL_S))
+        fleet.wait_consuming("w")
+        # a model slow enough on one thread that one task of SEEDS seeds takes seconds
+        model = tiny_gpt2(vocab_size=128, n_positions=64, n_embd=192, n_layer=4, n_head=4, seed=5)
+        be = fleet.backend(model, "serve", seeds_per_task=SEEDS)
+        be.publish(0)
+        batch = make_batch(8, 64, seed=5)
+        rounds = [RoundSpec(f"s-{k}", 0, batch, eps=1e-2, seeds=tuple(range(100 * k, 100 * k + SEEDS)),
+                            distribution="gauss8") for k in range(2)]
+        be.submit(rounds[0])  # uncut: how long one task takes here (the bound's "one task")
+        first = _results(be, "s-0")
+        one_task_s = max(s["end"] - s["start"] for s in _spans(trace) if s["outcome"] == "done")
+
+        be.submit(rounds[1])
+        fleet.wait(lambda: fleet.worker_info("w")["busy"], "the worker evaluating round s-1")
+        t_req = time.time()
+        answered = _burst(vllm_engine.url, 3)
+        t_last = max(answered)
+        second = _results(be, "s-1")  # waits for the re-issued task, after the hold
+        print(f"one task {one_task_s:.2f} s; burst {t_last - t_req:.2f} s")
+
+        spans = [s for s in _spans(trace) if s["outcome"] in ("done", "preempted")]
+        cut = [s for s in spans if s["outcome"] == "preempted"]
+        assert len(cut) == 1 and cut[0]["start"] < t_req <= cut[0]["end"]
+        assert cut[0]["end"] - t_req <= INTERVAL_S + one_task_s  # reclaimed within one interval plus one task
+        assert not [s for s in spans if t_req <= s["start"] <= t_last]  # nothing evaluated during the burst
+        resumed = min(s["start"] for s in spans if s["start"] > t_last)
+        assert resumed >= t_last + HOLD_S - 0.5  # not before the hold (0.5 s: engine end -> client's last byte)
+
+        ref = InProcessBackend(model, lambda m, b: lm_loss(m, b[0], b[1]))
+        for spec, got in zip(rounds, (first, second)):
+            ref.submit(spec)
+            want = {r.seed: (r.l_plus, r.l_minus) for r in ref.collect(spec.round_id).results}
+            assert {s: (r.l_plus, r.l_minus) for s, r in got.items()} == want
+        assert be.collect().results == []  # nothing delivered twice
+        intake = {s.labels["outcome"]: s.value for f in text_string_to_metric_families(
+            httpx.get(fleet.url + "/metrics", timeout=30).text) for s in f.samples
+            if s.name == "sparecycles_intake_results_total"}
+        assert intake["accepted"] == 2 * SEEDS and intake.get("duplicate", 0.0) == 0.0  # each seed counted once
+        assert fleet.metric("w", "sparecycles_worker_serving_yielded_seconds_total") > 0
+        serving = fleet.worker_info("w")["serving"]
+        assert serving["reclaims"] >= 1 and serving["reclaim_p95_s"] <= INTERVAL_S + one_task_s
+        assert serving["scrape_errors"] == 0 and serving["idle_used_s"] > 0
+        be.close()
+    finally:
+        fleet.close()
