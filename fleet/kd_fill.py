@@ -92,7 +92,7 @@ def fill(cfg: Any, root: Path | str, redis_url: str, *, run: str | None = None, 
     store.ping()
     fleet = FleetTeacher(make_celery(redis_url), store, run=name, teacher=cfg.teacher, batch_fn=task.batch,
                          kind=cfg.kd_estimator, k=cfg.kd_k, temperature=cfg.kd_temperature, seed=cfg.seed,
-                         rank=plan.rank, window=1)
+                         rank=plan.rank, window=1, student=cfg.model)
     log(f"kd fill: {len(todo)} of {cfg.steps} steps to ask for on queue {teacher_queue(name)} "
         f"(cache {cache.dir})")
     tries: dict[int, int] = {}

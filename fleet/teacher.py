@@ -13,6 +13,7 @@ Each blob is read with GETDEL: taken once, so a redelivered answer is never coun
 from __future__ import annotations
 
 import base64
+import json
 import logging
 import sys
 import uuid
@@ -27,11 +28,11 @@ from tenacity import RetryError, Retrying, retry_if_result, stop_after_delay, wa
 from fleet.teacher_weights import publish_teacher
 from trainer.kd.intake import accept
 from trainer.kd.sparse_loss import SparseKDLoss, report_missing, whole_batches
-from trainer.kd.teacher import batch_key, teacher_folder, teacher_sha256
+from trainer.kd.teacher import ENGINE_PROBE_TEXTS, batch_key, teacher_folder, teacher_sha256
 from trainer.ledger import phase
 from trainer.metrics import KD_AHEAD, KD_MISSING, KD_REJECTED
 from wire.kd_targets import KDTargets
-from wire.teacher_messages import TEACHER_TASK_NAME, TeacherTask, recipe_tag, target_key
+from wire.teacher_messages import TEACHER_TASK_NAME, StudentTokenizer, TeacherTask, recipe_tag, target_key
 
 log = logging.getLogger("sparecycles.teacher")
 
@@ -42,6 +43,21 @@ STORE_ERRORS = (redis.RedisError, OperationalError)
 def teacher_queue(run: str) -> str:
     """The Celery queue of `run`'s teacher rounds."""
     return f"sparecycles.teacher.{run}"
+
+
+def engine_fields(student: str | None, teacher: str) -> tuple[StudentTokenizer | None, int | None]:
+    """The rounds' student_tokenizer (the student's ids of ENGINE_PROBE_TEXTS, trainer.data.model_tokenizer) and
+    teacher_vocab (the teacher folder's config.json vocab_size): (None, None) without a student. Raises
+    TokenizerError for a student without a tokenizer, ValueError for a config without an int vocab_size."""
+    if student is None:
+        return None, None
+    from trainer.data.model_tokenizer import tokenizer_for
+
+    tok = tokenizer_for(student)
+    vocab = json.loads((teacher_folder(teacher) / "config.json").read_text()).get("vocab_size")
+    if not isinstance(vocab, int):
+        raise ValueError(f"teacher {teacher}: config.json has no integer vocab_size ({vocab!r})")
+    return StudentTokenizer(name=tok.name, ids=tok.encode_batch(list(ENGINE_PROBE_TEXTS))), vocab
 
 
 class TeacherTimeout(ConnectionError):
@@ -64,7 +80,7 @@ class FleetTeacher:
     def __init__(self, app: Celery, store: redis.Redis, *, run: str, teacher: str, batch_fn: Callable,
                  kind: str, k: int, temperature: float, seed: int, rank: int = 0, window: int = 8,
                  strict: bool = False, strict_timeout_s: float = 120.0, steps: int | None = None,
-                 queue: str | None = None) -> None:
+                 queue: str | None = None, student: str | None = None) -> None:
         if window < 1 or not strict_timeout_s > 0:
             raise ValueError(f"teacher window {window} (>= 1) and strict timeout {strict_timeout_s} s (> 0)")
         self.app, self.store, self.run, self.batch_fn = app, store, run, batch_fn
@@ -82,6 +98,8 @@ class FleetTeacher:
         for counter in (KD_MISSING, KD_REJECTED):  # the run's series exist (at 0) before any step is missed
             counter.labels(run)
         self.published_bytes = self._publish(teacher)
+        # what a worker answering through a serving engine checks and writes (probe_worker.engine_teacher)
+        self.student_tokenizer, self.teacher_vocab = engine_fields(student, teacher)
 
     def _publish(self, teacher: str) -> int:
         """Publish the teacher's weights into the store once (fleet.teacher_weights), so a worker on a machine
@@ -105,7 +123,8 @@ class FleetTeacher:
         return TeacherTask(run=self.run, teacher_dir=self.teacher_dir, teacher_sha256=self.sha, rank=self.rank,
                            step=step, key=batch_key(x), batch=int(x.shape[0]), seq_len=int(x.shape[1]),
                            ids_b64=base64.b64encode(ids.tobytes()).decode(), kind=self.kind, k=self.k,
-                           temperature=self.temperature, seed=self.seed)
+                           temperature=self.temperature, seed=self.seed, student_tokenizer=self.student_tokenizer,
+                           teacher_vocab=self.teacher_vocab)
 
     def advance(self, step: int) -> int:
         """Send the rounds of steps [max(step, next unsent), step + window); returns how many were sent.
@@ -238,7 +257,7 @@ def kd_loss_factory(redis_url: str, *, window: int = 8, strict: bool = False, st
                              batch_fn=whole_batches(batch_fn),
                              kind=cfg.kd_estimator, k=cfg.kd_k, temperature=cfg.kd_temperature, seed=cfg.seed,
                              rank=rank, window=window, strict=strict, strict_timeout_s=strict_timeout_s,
-                             steps=cfg.steps)
+                             steps=cfg.steps, student=cfg.model)
         return SparseKDLoss(fleet, alpha=cfg.kd_alpha, batch_fn=batch_fn)  # one round per step, rows per call
 
     return build

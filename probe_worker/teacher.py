@@ -9,7 +9,8 @@ reject-on-worker-lost (coordinator.celery_app), so a killed worker's task is red
 SET NX, so a redelivered task writes nothing twice. Outcomes, counted in
 `sparecycles_worker_teacher_tasks_total{outcome}`: done, duplicate (the key was already answered),
 invalid (not a TeacherTask, or ids outside the teacher's vocabulary: rejected without requeue),
-refused (neither the folder nor the store gives the task's teacher), requeued (the worker began shutting down
+refused (neither the folder nor the store gives the task's teacher), engine_invalid / engine_error (an engine
+teacher's engine answered what is not targets / did not answer: probe_worker.engine_teacher), requeued (the worker began shutting down
 inside the round: Celery's cold shutdown of the solo pool raises into the running task; the round goes back to the
 queue for the next worker), error (anything else; the worker lives on).
 """
@@ -131,7 +132,16 @@ class TeacherRuntime:
 
 
 class TeacherRefused(RuntimeError):
-    """Neither the task's folder nor the store's published copy gives this worker the task's teacher."""
+    """Neither the task's folder nor the store's published copy gives this worker the task's teacher (or, for an
+    engine teacher, the engine is not the round's teacher: probe_worker.engine_teacher)."""
+
+
+class TeacherUnanswered(RuntimeError):
+    """A round left unanswered for a reason counted under its own outcome (`outcome`): the engine of an engine
+    teacher timed out or answered what is not targets (probe_worker.engine_teacher). Not requeued: the trainer's
+    step trains on CE alone and counts it missing."""
+
+    outcome = "error"
 
 
 def run_teacher(runtime: TeacherRuntime, metrics: TeacherMetrics, kwargs: Any) -> str:
@@ -156,6 +166,9 @@ def run_teacher(runtime: TeacherRuntime, metrics: TeacherMetrics, kwargs: Any) -
     except TeacherRefused as exc:
         log.warning("%s", exc)
         return outcome("refused")
+    except TeacherUnanswered as exc:
+        log.warning("teacher round %s step %d unanswered: %s", task.run, task.step, exc)
+        return outcome(exc.outcome)
     except Exception as exc:
         if shutting_down():  # whatever a shutdown signal raised in here, the round is not done: not acked as one
             outcome("requeued")
@@ -208,6 +221,10 @@ def main(argv: list[str] | None = None) -> None:
                    "RUN, where RUN is the trainer's --teacher-queue, by default kd-<first 12 hex of the teacher's "
                    "sha256>-<seed> (`train` prints the queue it sends on)")
     p.add_argument("--device", default="cpu", help="cpu or cuda:N")
+    p.add_argument("--teacher-engine", default=None, metavar="URL", help="answer topk rounds through the serving "
+                   "engine at URL (OpenAI-compatible, e.g. vLLM started with --max-logprobs >= k) instead of loading "
+                   "the teacher (probe_worker.engine_teacher)")
+    p.add_argument("--engine-timeout", type=float, default=60.0, help="seconds an engine's answer may take")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics here (0: none)")
     p.add_argument("--visibility-timeout", type=int, default=60, help="seconds before a lost task returns")
@@ -216,6 +233,8 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     if not (a.broker or "").startswith(("redis://", "rediss://")) or not a.device.startswith(("cpu", "cuda")):
         p.error(f"--broker (or ${BROKER_ENV}) must be redis://... and --device cpu or cuda:N")
+    if a.teacher_engine and not a.teacher_engine.startswith(("http://", "https://")):
+        p.error(f"--teacher-engine must be http(s)://..., got {a.teacher_engine!r}")
     if a.threads < 0:
         p.error(f"--threads must be >= 0, got {a.threads}")
     if a.threads:
@@ -227,7 +246,13 @@ def main(argv: list[str] | None = None) -> None:
         start_http_server(a.metrics_port, addr="127.0.0.1")
     app = make_celery(a.broker, visibility_timeout_s=a.visibility_timeout, soft_shutdown_s=5.0)
     store = redis.Redis.from_url(a.broker, socket_timeout=10, socket_connect_timeout=5)
-    register_teacher_task(app, TeacherRuntime(a.device, store, max(0.0, a.pause_s)), TeacherMetrics())
+    if a.teacher_engine:
+        from probe_worker.engine_teacher import EngineTeacher
+
+        runtime: Any = EngineTeacher(a.teacher_engine, store, timeout_s=a.engine_timeout)
+    else:
+        runtime = TeacherRuntime(a.device, store, max(0.0, a.pause_s))
+    register_teacher_task(app, runtime, TeacherMetrics())
     app.worker_main(["worker", "-Q", a.queue, "-c", "1", "-P", "solo", "--prefetch-multiplier=1",
                      "--without-gossip", "--without-mingle",
                      "-n", f"teacher-{os.getpid()}@%h", "--loglevel", "INFO"])

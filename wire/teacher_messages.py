@@ -37,9 +37,22 @@ def target_key(run: str, rank: int, recipe: str, key: int) -> str:
     return f"sc:kd:{run}:{rank}:{recipe}:{key:016x}"
 
 
+class StudentTokenizer(Part):
+    """The student's tokenizer as a worker that asks a serving engine checks it (issue 47): its name
+    (trainer.data.model_tokenizer's) and its ids of each of trainer.kd.teacher.ENGINE_PROBE_TEXTS, in order."""
+
+    name: Annotated[str, Field(min_length=1, max_length=4096)]
+    ids: Annotated[list[Annotated[list[Annotated[int, Field(ge=0, lt=1 << 32)]], Field(max_length=1024)]],
+                   Field(min_length=1, max_length=64)]
+
+
 class TeacherTask(Message):
     """One teacher round: targets for one batch. Raises pydantic.ValidationError for any field out of range,
-    ids whose base64 does not decode to B * T uint32 values, or B * T above MAX_TEACHER_TOKENS."""
+    ids whose base64 does not decode to B * T uint32 values, or B * T above MAX_TEACHER_TOKENS.
+
+    `student_tokenizer` and `teacher_vocab` (the teacher's logit width: its config.json vocab_size) are what a
+    worker that answers through a serving engine needs (probe_worker.engine_teacher), which never loads the
+    teacher; a worker that loads it reads both from the folder."""
 
     run: RunId
     teacher_dir: Annotated[str, Field(min_length=1, max_length=4096)]
@@ -54,6 +67,8 @@ class TeacherTask(Message):
     k: Annotated[int, Field(ge=1, le=1024)]
     temperature: Annotated[float, Field(gt=0, le=100.0)]
     seed: Annotated[int, Field(ge=0, lt=1 << 63)]
+    student_tokenizer: StudentTokenizer | None = None
+    teacher_vocab: Annotated[int, Field(ge=1, le=1 << 32)] | None = None
 
     @model_validator(mode="after")
     def _ids_fit(self) -> TeacherTask:

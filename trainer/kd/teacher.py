@@ -46,6 +46,9 @@ def teacher_folder(teacher: str) -> Path:
 # transformers tokenizer.json that trainer.export writes from them): ASCII, digits, whitespace runs, accents, CJK.
 TOKENIZER_PROBE_TEXTS = ("The quick brown fox jumps over the lazy dog.", "  indented\n\n\tlines 1234567 3.14",
                          "café naïve Straße — “quoted” ‘text’", "日本語のテキスト and 中文", "<|endoftext|> as text")
+# The texts a serving engine's /tokenize is checked on (probe_worker.engine_teacher): all but special-token markup,
+# which an engine's API parses as the special id while the training data's tokenizer reads it as text.
+ENGINE_PROBE_TEXTS = tuple(t for t in TOKENIZER_PROBE_TEXTS if "<|" not in t)
 
 
 def check_tokenizers(student: str, teacher: str) -> None:
