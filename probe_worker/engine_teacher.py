@@ -32,7 +32,7 @@ import redis
 import torch
 from pydantic import ValidationError
 
-from probe_worker.teacher import TeacherRefused, TeacherUnanswered
+from probe_worker.teacher_outcomes import TeacherRefused, TeacherUnanswered
 from trainer.kd.teacher import ENGINE_PROBE_TEXTS, TeacherMismatchError, teacher_sha256
 from wire.engine_answers import (
     CompletionAnswer,
@@ -61,21 +61,26 @@ class EngineUnavailable(TeacherUnanswered):
     outcome = "engine_error"
 
 
-def position_topk(entries: dict[int, float], k: int, own: int, vocab: int, where: str) -> list[tuple[int, float]]:
-    """One position's top k (id, logprob) pairs, descending, from the engine's entries (id -> logprob, nats).
+def position_topk(entries: dict[int, float], k: int, own: int, vocab: int, where: str,
+                  ranks: dict[int, int | None] | None = None) -> list[tuple[int, float]]:
+    """One position's top k (id, logprob) pairs, descending (ties by id), from the engine's entries (id ->
+    logprob, nats; `ranks`: id -> the engine's 1-based rank, where it gives them).
 
     `own` is the id the engine adds when it is not among the k most probable (the prompt's next id, or the sampled
-    one): dropped when there are k + 1 entries. Raises EngineAnswerError for another count, a non-finite or
-    positive log-probability, or an id outside [0, vocab); `where` names the position in the message."""
-    if len(entries) == k + 1 and own in entries:
+    one): with k + 1 entries it must be the least probable one, and is dropped. Raises EngineAnswerError for another
+    count, an entry ranked above k, a non-finite or positive log-probability, or an id outside [0, vocab);
+    `where` names the position in the message."""
+    if len(entries) == k + 1 and own in entries and entries[own] <= min(entries.values()):
         entries = {i: lp for i, lp in entries.items() if i != own}
     if len(entries) != k:
-        raise EngineAnswerError(f"{where}: {len(entries)} entries, expected k = {k} (or k + 1 with id {own})")
+        raise EngineAnswerError(f"{where}: {len(entries)} entries, expected k = {k} (or k + 1 with id {own} last)")
     for i, lp in entries.items():
         if not 0 <= i < vocab:
             raise EngineAnswerError(f"{where}: id {i} outside the teacher's vocabulary of {vocab}")
         if not (math.isfinite(lp) and lp <= 0.0):
             raise EngineAnswerError(f"{where}: log-probability {lp} of id {i} is not finite and <= 0")
+        if ranks and (ranks.get(i) or 0) > k:
+            raise EngineAnswerError(f"{where}: id {i} ranked {ranks[i]}, not among the k = {k} most probable")
     return sorted(entries.items(), key=lambda e: (-e[1], e[0]))
 
 
@@ -91,13 +96,14 @@ def row_topk(choice: CompletionChoice, row: list[int], k: int, vocab: int) -> tu
         raise EngineAnswerError(f"row {choice.index}: no log-probabilities of the generated token")
     ids, lps = np.zeros((t, k), np.int64), np.zeros((t, k), np.float64)
     try:
-        positions = [({token_id(i): e.logprob for i, e in p.items()}, row[n + 1]) for n, p in enumerate(plp[1:])]
+        positions = [({token_id(i): e.logprob for i, e in p.items()}, row[n + 1],
+                      {token_id(i): e.rank for i, e in p.items()}) for n, p in enumerate(plp[1:])]
         last = {token_id(i): lp for i, lp in gen.top_logprobs[0].items()}
-        positions.append((last, token_id(gen.tokens[0])))
+        positions.append((last, token_id(gen.tokens[0]), None))
     except ValueError as exc:
         raise EngineAnswerError(f"row {choice.index}: {exc}") from None
-    for n, (entries, own) in enumerate(positions):
-        pairs = position_topk(entries, k, own, vocab, f"row {choice.index} position {n}")
+    for n, (entries, own, ranks) in enumerate(positions):
+        pairs = position_topk(entries, k, own, vocab, f"row {choice.index} position {n}", ranks)
         ids[n], lps[n] = [i for i, _ in pairs], [lp for _, lp in pairs]
     return ids, lps
 

@@ -33,6 +33,7 @@ from pydantic import ValidationError
 
 from fleet.teacher_weights import TeacherUnavailable, fetch_teacher
 from probe_kernels import FastForward, lm_logits
+from probe_worker.teacher_outcomes import TeacherRefused, TeacherUnanswered
 from trainer.kd.targets import make_targets
 from trainer.kd.teacher import TeacherMismatchError, load_teacher, teacher_sha256
 from trainer.paths import cache_dir
@@ -129,19 +130,6 @@ class TeacherRuntime:
         written = self.store.set(key, blob, nx=True, ex=TARGET_TTL_S)
         self.last_bytes = len(blob) if written else 0
         return "done" if written else "duplicate"
-
-
-class TeacherRefused(RuntimeError):
-    """Neither the task's folder nor the store's published copy gives this worker the task's teacher (or, for an
-    engine teacher, the engine is not the round's teacher: probe_worker.engine_teacher)."""
-
-
-class TeacherUnanswered(RuntimeError):
-    """A round left unanswered for a reason counted under its own outcome (`outcome`): the engine of an engine
-    teacher timed out or answered what is not targets (probe_worker.engine_teacher). Not requeued: the trainer's
-    step trains on CE alone and counts it missing."""
-
-    outcome = "error"
 
 
 def run_teacher(runtime: TeacherRuntime, metrics: TeacherMetrics, kwargs: Any) -> str:
