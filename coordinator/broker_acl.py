@@ -11,6 +11,8 @@ user may touch only:
 - kombu's bookkeeping: `_kombu.*` (queue bindings), `unacked`, `unacked_index`, `unacked_mutex`
   (late acknowledgement and the visibility-timeout restore),
 - Celery's remote-control mailbox: `*.celery.pidbox*` (its own and the reply queue) and pub/sub channels,
+- teacher rounds (issue 47: a worker's `--teacher-engine`): the teacher queues `sparecycles.teacher.*` and, write
+  only (`%W~`: SET, never GET/GETDEL), the target keys `sc:kd:*` its answers go to,
 
 with the command set `+@all -@admin -@dangerous` (no ACL, CONFIG, KEYS, FLUSHALL, DEBUG, ...).
 Quarantine and expiry disable the user (`ACL SETUSER off` and its open connections killed); deletion
@@ -30,6 +32,7 @@ from urllib.parse import quote, urlsplit, urlunsplit
 import redis
 
 from coordinator.keys import redis_client_kwargs
+from wire.teacher_messages import TARGET_KEY_PREFIX, TEACHER_QUEUE_PREFIX
 
 KOMBU_KEYS = (
     "_kombu.*",
@@ -42,11 +45,12 @@ KOMBU_KEYS = (
 # coordinator.celery_app): fixed names outside the queue prefix.
 FIXED_QUEUES = ("sparecycles.idle*", "sparecycles.default*")  # "*": kombu's priority sub-queues
 COMMANDS = "+@all -@admin -@dangerous"
+TEACHER_RULES = (f"~{TEACHER_QUEUE_PREFIX}.*", f"%W~{TARGET_KEY_PREFIX}*")  # rounds in; answers out, write only
 
 
 def worker_acl_rules(queue_prefix: str, password: str) -> list[str]:
     """The `ACL SETUSER` rules of a worker's broker user (pure: the policy in one place)."""
-    keys = [f"~{queue_prefix}.*", *(f"~{k}" for k in (*KOMBU_KEYS, *FIXED_QUEUES))]
+    keys = [f"~{queue_prefix}.*", *(f"~{k}" for k in (*KOMBU_KEYS, *FIXED_QUEUES)), *TEACHER_RULES]
     return ["reset", "on", f">{password}", *keys, "&*", *COMMANDS.split()]
 
 

@@ -32,7 +32,14 @@ from trainer.kd.teacher import ENGINE_PROBE_TEXTS, batch_key, teacher_folder, te
 from trainer.ledger import phase
 from trainer.metrics import KD_AHEAD, KD_MISSING, KD_REJECTED
 from wire.kd_targets import KDTargets
-from wire.teacher_messages import TEACHER_TASK_NAME, StudentTokenizer, TeacherTask, recipe_tag, target_key
+from wire.teacher_messages import (
+    TEACHER_QUEUE_PREFIX,
+    TEACHER_TASK_NAME,
+    StudentTokenizer,
+    TeacherTask,
+    recipe_tag,
+    target_key,
+)
 
 log = logging.getLogger("sparecycles.teacher")
 
@@ -42,7 +49,7 @@ STORE_ERRORS = (redis.RedisError, OperationalError)
 
 def teacher_queue(run: str) -> str:
     """The Celery queue of `run`'s teacher rounds."""
-    return f"sparecycles.teacher.{run}"
+    return f"{TEACHER_QUEUE_PREFIX}.{run}"
 
 
 def engine_fields(student: str | None, teacher: str) -> tuple[StudentTokenizer | None, int | None]:

@@ -46,6 +46,11 @@ def worker(
                                                 "CUDA, fp32 on CPU), fp32, or bf16 (activations only; the weights "
                                                 "and their perturbation stay fp32; docs/RESULTS.md has its "
                                                 "signal-to-noise)")] = "auto",
+    teacher_engine: Annotated[str | None, typer.Option(help="Answer teacher rounds (--kd-estimator topk) through "
+                                                       "this serving engine's OpenAI-compatible API, never "
+                                                       "loading the teacher (docs/engine-teacher.md)")] = None,
+    teacher_queue: Annotated[list[str] | None, typer.Option(help="A teacher round queue to consume with "
+                                                            "--teacher-engine (repeatable; `train` prints it)")] = None,
     loglevel: Annotated[str, typer.Option(help="Log level (DEBUG, INFO, WARNING)")] = "INFO",
     serving_metrics: Annotated[str | None, typer.Option(help="Yield to the serving engine beside this worker: its "
                                                         "Prometheus endpoint, e.g. http://127.0.0.1:8000/metrics, "
@@ -100,13 +105,16 @@ def worker(
                                   serving_trace)
     elif any(v is not None for v in (serving_engine, serving_gauge, serving_busy_above, serving_hold, serving_trace)):
         raise typer.BadParameter("the --serving-* options need --serving-metrics URL", param_hint="--serving-metrics")
+    if bool(teacher_engine) != bool(teacher_queue) or not (teacher_engine or "http").startswith("http"):
+        raise typer.BadParameter("--teacher-engine http(s)://... and --teacher-queue go together",
+                                 param_hint="--teacher-engine")
     opts = WorkerOptions(
         coordinator=coordinator, token=token, device=device, name=name, metrics_port=metrics_port,
         metrics_host=metrics_host,
         cache_dir=cache_dir, keep_versions=keep_versions, shared_blob_dir=blob_dir, control_interval_s=control_interval,
         soft_shutdown_s=soft_shutdown, prefetch_interval_s=prefetch_interval, yield_gpu_util_pct=yield_gpu_util,
         probe_path=probe_path, cuda_graphs=cuda_graphs, tf32_attention=tf32_attention, loglevel=loglevel.upper(),
-        serving=serving,
+        serving=serving, teacher_engine=teacher_engine, teacher_queues=tuple(teacher_queue or ()),
     )
     import httpx
 

@@ -210,9 +210,10 @@ class EngineTeacher:
         return KDTargets(kind="topk", ids=ids, logp=logp, vocab=vocab, temperature=float(temperature))
 
     def answer(self, task: TeacherTask) -> str:
-        """Compute and store the targets of one round; 'duplicate' when its key is already answered."""
+        """Compute and store the targets of one round; 'duplicate' when its key is already answered (SET NX: the
+        blob is written, never read back, as a worker's broker user allows: coordinator.broker_acl)."""
         key = target_key(task.run, task.rank, task.recipe, task.key)
-        if self.store.exists(key):
+        if self.store.exists(key):  # a redelivered round: no engine time (EXISTS is allowed; GET is not)
             return "duplicate"
         if task.kind != "topk":
             raise TeacherRefused(f"an engine teacher answers topk rounds only (the engine gives the k most probable "

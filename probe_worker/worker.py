@@ -104,7 +104,9 @@ class WorkerOptions:
     "per_unit"); cuda_graphs: replay the compiled forwards as CUDA graphs (static shapes); tf32_attention:
     "bf16" runs the attention of fp32 (TF32-kind) forwards in bf16 (activations only, probe_kernels.FastForward's
     attn_dtype), "fp32", or "auto" (bf16 on CUDA, fp32 on CPU: attention_dtype); loglevel: Celery's; metrics_host: the interface the metrics port binds;
-    serving: yield to a co-located serving engine (probe_worker.serving; read every control interval; None: off).
+    serving: yield to a co-located serving engine (probe_worker.serving; read every control interval; None: off);
+    teacher_engine: answer teacher rounds of `teacher_queues` (wire.teacher_messages.TEACHER_QUEUE_PREFIX.RUN)
+    through the engine at this URL (probe_worker.engine_teacher; never loading the teacher), drained as probes are.
     """
 
     coordinator: str
@@ -125,6 +127,8 @@ class WorkerOptions:
     tf32_attention: str = "auto"
     loglevel: str = "INFO"
     serving: ServingPolicy | None = None
+    teacher_engine: str | None = None
+    teacher_queues: tuple[str, ...] = ()
 
 
 class ProbeWorker:
@@ -181,15 +185,29 @@ class ProbeWorker:
             self.drain.preemption.install()
             trace = TraceFile(opts.serving.trace_path) if opts.serving.trace_path else None
         register_probe_task(self.app, self.runtime, self.drain, self.metrics, trace)
+        if opts.teacher_engine:
+            self._register_teacher(opts.teacher_engine)
         warm_up()
         self.queues = list(self.reg.queues)
-        self.consumed = set(self.queues or [IDLE_QUEUE])
+        self.consumed = set(self.queues) | set(opts.teacher_queues) or {IDLE_QUEUE}
         self._stop = threading.Event()
         self._hb_state: str | None = None  # the heartbeat's last state, logged when it changes
         self._prefetched: dict[str, int] = {}
         self._gpu_util = gpu_utilization_reader(opts.device) if opts.yield_gpu_util_pct else None
         self._busy_policy = BusyPolicy(opts.yield_gpu_util_pct) if opts.yield_gpu_util_pct else None
         self._control = threading.Thread(target=self._control_loop, name="sparecycles-control", daemon=True)
+
+    def _register_teacher(self, engine_url: str) -> None:
+        """Teacher rounds as a round kind of this worker: the `sparecycles.teacher` task answered through the engine
+        at `engine_url`, the targets written with this worker's broker credentials (its ACL user may write target
+        keys, never read them: coordinator.broker_acl)."""
+        import redis
+
+        from probe_worker.engine_teacher import EngineTeacher
+        from probe_worker.teacher import TeacherMetrics, register_teacher_task
+
+        store = redis.Redis.from_url(self.reg.broker_url, socket_timeout=10, socket_connect_timeout=5)
+        register_teacher_task(self.app, EngineTeacher(engine_url, store), TeacherMetrics())
 
     # ---- control loop ------------------------------------------------------------------------------
 
@@ -297,7 +315,7 @@ class ProbeWorker:
         os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
 
     def _reconcile(self) -> None:
-        want = set() if self.drain.draining else set(self.queues)
+        want = set() if self.drain.draining else set(self.queues) | set(self.opts.teacher_queues)
         if not want and not self.drain.draining:
             want = {IDLE_QUEUE}
         self.metrics.draining.set(1 if self.drain.draining else 0)
@@ -321,7 +339,8 @@ class ProbeWorker:
             wait = self.opts.prefetch_interval_s
             if self.drain.draining:
                 continue
-            runs = [q.rsplit(".", 1)[-1] for q in sorted(self.consumed - {IDLE_QUEUE})]  # "<prefix>.<run>"
+            probe_queues = self.consumed - {IDLE_QUEUE, *self.opts.teacher_queues}
+            runs = [q.rsplit(".", 1)[-1] for q in sorted(probe_queues)]  # "<prefix>.<run>"
             long_poll = LONG_POLL_S if len(runs) == 1 else 0.0
             for run in runs:
                 try:

@@ -191,3 +191,33 @@ def test_real_worker_process_runs_rounds_with_its_own_broker_user(tmp_path):
     finally:
         fleet.close()
         v.stop()
+
+
+def test_a_workers_broker_user_answers_teacher_rounds_and_reads_nothing_else(fleet):
+    """Issue 47: the per-worker user may take teacher rounds (`sparecycles.teacher.*`) and write target blobs
+    (`sc:kd:*`, SET NX; EXISTS, which reads no value, is allowed), but never read one back (GET/GETDEL: another
+    run's targets), nor the published teacher weights, the registry, or a probe run's results in the coordinator's
+    keys."""
+    from wire.teacher_messages import TEACHER_QUEUE_PREFIX, target_key, teacher_manifest_key
+
+    settings, url, v = fleet
+    enroll = {"Authorization": f"Bearer {settings.enrollment_token.get_secret_value()}"}
+    reg = httpx.post(f"{url}/v1/workers", json={"name": "t"}, headers=enroll).json()
+    root = redis.Redis.from_url(v.url)
+    me = redis.Redis.from_url(reg["broker_url"])
+    queue = f"{TEACHER_QUEUE_PREFIX}.kd-run"
+    root.lpush(queue, b"round")
+    assert me.brpop([queue], timeout=1) == (queue.encode(), b"round")
+    key = target_key("kd-run", 0, "topk16-t1.0-s0", 7)
+    assert me.set(key, b"blob", nx=True, ex=60) and not me.set(key, b"other", nx=True, ex=60)
+    assert root.get(key) == b"blob" and me.exists(key) == 1
+    root.set(teacher_manifest_key("0" * 64), b"{}")
+    root.set("sc:results:run", b"r")
+    for name, refused in [("GET", lambda: me.get(key)), ("GETDEL", lambda: me.getdel(key)),
+                          ("manifest", lambda: me.get(teacher_manifest_key("0" * 64))),
+                          ("registry", lambda: me.smembers("sc:workers")), ("results", lambda: me.get("sc:results:run")),
+                          ("results SET", lambda: me.set("sc:results:run", b"x"))]:
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            refused()
+            pytest.fail(f"{name} was allowed")
+    assert root.get(key) == b"blob" and root.get("sc:results:run") == b"r"

@@ -22,6 +22,8 @@ from wire.messages import Message, Part, RunId, Sha256Hex
 TEACHER_TASK_NAME = "sparecycles.teacher"
 MAX_TEACHER_TOKENS = 1 << 20  # one batch's B * T: far above 16 x 512; a task over it is refused
 TARGET_TTL_S = 3600  # an unread target blob expires (a trainer that died leaves nothing behind for long)
+TEACHER_QUEUE_PREFIX = "sparecycles.teacher"  # a run's teacher rounds go to "<prefix>.<run>" (fleet.teacher)
+TARGET_KEY_PREFIX = "sc:kd:"  # every target blob's key starts so (target_key); workers may only write under it
 
 
 def recipe_tag(kind: str, k: int, temperature: float, seed: int) -> str:
@@ -34,7 +36,7 @@ def target_key(run: str, rank: int, recipe: str, key: int) -> str:
     """The Redis key of the target blob of batch counter `key` (an unsigned 64-bit int) of `rank` in `run`, made
     with `recipe` (recipe_tag): a blob left by a run of another recipe (its window sent past its last step, an
     hour's TTL) is never taken for this one's."""
-    return f"sc:kd:{run}:{rank}:{recipe}:{key:016x}"
+    return f"{TARGET_KEY_PREFIX}{run}:{rank}:{recipe}:{key:016x}"
 
 
 class StudentTokenizer(Part):

@@ -1,0 +1,71 @@
+"""Teacher rounds as a round kind of the one enrolled worker (issue 47): `sparecycles worker --teacher-engine URL
+--teacher-queue Q` (a real coordinator with per-worker broker users on a private Valkey, a real worker process, a
+real vLLM serving SmolLM2-135M) answers a trainer's teacher rounds with its own broker user, is listed in
+GET /v1/workers, and takes no round while drained."""
+
+from __future__ import annotations
+
+import secrets
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import redis
+import torch
+from test_engine_teacher import K, _real_rows, engine_url, smollm2  # noqa: F401 - fixtures
+
+from coordinator.celery_app import make_celery
+from fleet.teacher import FleetTeacher, teacher_queue
+from support.fleet import AclFleet
+from support.valkey import Valkey
+from wire.teacher_messages import target_key
+
+
+@pytest.mark.slow
+def test_the_enrolled_worker_answers_teacher_rounds_through_the_engine_and_drains(
+        tmp_path: Path, engine_url: str, smollm2: Path) -> None:  # noqa: F811 - fixtures
+    rows = _real_rows(smollm2, 2 * 2, 32)  # steps 0..1, 2 rows each
+
+    def batch_fn(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x = rows[2 * step : 2 * step + 2]
+        return x, torch.roll(x, -1, 1)
+
+    v = Valkey(tmp_path / "valkey", password=secrets.token_urlsafe(16))
+    v.start()
+    fleet = AclFleet(tmp_path, v.url)
+    run = f"kd-{uuid.uuid4().hex[:8]}"
+    queue = teacher_queue(run)
+    try:
+        fleet.start_worker("t", "--teacher-engine", engine_url, "--teacher-queue", queue)
+        wid = fleet.wait_consuming("t")
+        assert fleet.worker_info("t")["state"] == "active"
+        store = redis.Redis.from_url(v.url)
+        teacher = FleetTeacher(make_celery(v.url), store, run=run, teacher=str(smollm2), batch_fn=batch_fn,
+                               kind="topk", k=K, temperature=1.0, seed=0, window=2, strict=True,
+                               strict_timeout_s=120.0, steps=2, student=str(smollm2))
+        teacher.seek(0)
+        for step in (0, 1):
+            got = teacher.take(batch_fn(step)[0], 49152)
+            assert got is not None and got.ids.shape == (2, 32, K) and bool((got.logp <= 0).all())
+        assert teacher.stats()["kd_taken_steps"] == 2
+
+        # drained on request: the worker stops consuming its teacher queue, a round sent then waits in the queue
+        assert fleet.admin.post(f"/v1/workers/{wid}/drain").status_code == 200
+        log = tmp_path / "t.log"
+        fleet.wait(lambda: f"stopped consuming {queue}" in log.read_text(), "the worker to leave its teacher queue")
+        later = FleetTeacher(make_celery(v.url), store, run=run + "-b", queue=queue, teacher=str(smollm2),
+                             batch_fn=batch_fn, kind="topk", k=K, temperature=1.0, seed=0, window=1, strict=True,
+                             strict_timeout_s=120.0, steps=1, student=str(smollm2))
+        later.seek(0)  # its one round (step 0) sent while the worker is drained
+        time.sleep(2.0)  # room for a wrong take (not an assertion on timing)
+        assert store.llen(queue) == 1
+        assert not store.exists(target_key(later.run, 0, later.recipe, later.task_for(0).key))
+        assert fleet.admin.post(f"/v1/workers/{wid}/resume").status_code == 200
+        assert later.take(batch_fn(0)[0], 49152) is not None and later.stats()["kd_missing_steps"] == 0
+        assert store.llen(queue) == 0
+        text = log.read_text()
+        assert "NOPERM" not in text and "No permissions" not in text and "loaded on" not in text
+    finally:
+        fleet.close()
+        v.stop()
