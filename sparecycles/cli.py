@@ -14,6 +14,7 @@ import typer
 from api import cli as api_cli
 from benchmarks.cli import bench_app
 from probe_worker import cli as worker_cli
+from sparecycles.fleet_cli import fleet as fleet_command
 from sparecycles.kd_cli import kd_app
 from sparecycles.up_plan import NOT_SETTABLE
 from trainer import cli as trainer_cli
@@ -69,6 +70,7 @@ app.command("export", short_help="Export a finished run's model as a transformer
 app.add_typer(bench_app, name="bench")
 app.command("coordinator")(api_cli.coordinator)
 app.command("worker", short_help="Join a coordinator and evaluate its probe tasks.")(worker_cli.worker)
+app.command("fleet", short_help="A fleet on this machine for your own loop, up until stopped.")(fleet_command)
 
 
 @app.command("up", cls=SettingsCommand, short_help="Everything on this machine: AdamW vs a fleet-probed run.")

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import shutil
 import sys
 import time
@@ -21,8 +20,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from fleet.attach import Fleet, FleetFiguresMode, FleetSettings, FleetStatus, wait_for_workers  # noqa: F401 (re-exported)
+from sparecycles.local_fleet import local_fleet
 from sparecycles.scrape import SCRAPE_CONFIG, write_scrape_config
-from sparecycles.services import Supervisor, die_with_parent, free_port, redis_url_or_embedded, wait_ready
+from sparecycles.services import Supervisor, die_with_parent, free_port
 from sparecycles.up_plan import UP_SETTINGS, UpPlan, clear_folder, disk_use, plan_up, read_json  # noqa: F401 (plan_up re-exported)
 
 
@@ -113,28 +113,16 @@ def _train_with_fleet(plan: UpPlan, progress: bool, log: Callable[[str], None],
     the fleet-probed run: in this process, or with `plan.nproc` under torchrun, sparecycles.up_ranks; `export`:
     each also as a transformers folder, trainer.export); stop every child. Returns (fleet figures, Redis
     description)."""
-    from coordinator.settings import generate_dev_settings
-
     out, workers = plan.out, plan.workers
     # Every descendant (Valkey, coordinator, workers, torchrun's ranks) inherits this marker: orphans are findable.
     os.environ["SPARECYCLES_UP_RUN"] = str(out)
     sup = Supervisor(out / "logs")
     try:
-        with redis_url_or_embedded(out / "valkey", sup) as (redis_url, redis_desc):
-            settings = generate_dev_settings(redis_url=redis_url, blob_dir=out / "blobs",
-                                             key_prefix=f"up{secrets.token_hex(4)}")
-            admin = settings.admin_token.get_secret_value()
-            env, worker_env = _fleet_env(settings, redis_url, redis_desc, out)
-            port = free_port()
-            base = f"http://127.0.0.1:{port}"
-            py = [sys.executable, "-m", "sparecycles.cli"]
-            sup.start("coordinator", py + ["coordinator", "--port", str(port), "--log-level", "warning"], env)
-            wait_ready(f"{base}/readyz", sup)
-            log(f"coordinator {base}; logs in {sup.log_dir}")
-            devices = plan.worker_devices or ("cpu",) * workers
-            metrics_ports = [free_port() for _ in devices]
-            _start_workers(sup, py, base, devices, metrics_ports, worker_env)
-            log(f"probe workers on {', '.join(devices)}; forward at the published float32 weights")
+        devices = plan.worker_devices or ("cpu",) * workers
+        with local_fleet(out, devices, sup, log) as local:
+            settings, redis_url, redis_desc, env = local.settings, local.redis_url, local.redis_desc, local.env
+            admin, port, base = settings.admin_token.get_secret_value(), local.port, local.url
+            worker_env, metrics_ports = local.worker_env, list(local.metrics_ports)
             teacher_runs = {name: f"{settings.key_prefix}-{name}" for name in ("adamw", plan.optimizer)}
             if plan.teacher_rounds:
                 metrics_ports += _start_teacher_workers(sup, teacher_devices(plan), list(teacher_runs.values()),
@@ -201,39 +189,6 @@ def _train_with_fleet(plan: UpPlan, progress: bool, log: Callable[[str], None],
         sup.stop_all()
         (out / SCRAPE_CONFIG).unlink(missing_ok=True)  # its ports are closed now
 
-
-def _fleet_env(settings, redis_url: str, redis_desc: str, out: Path) -> tuple[dict[str, str], dict[str, str]]:
-    """The environments of the coordinator (Redis URL, admin and enrollment tokens, blob folder, key prefix; its
-    own broker user per worker with our embedded Valkey) and of the workers (the same less the Redis URL and the
-    admin token: their broker URL comes from registration). `settings`: coordinator.settings.CoordinatorSettings."""
-    admin = settings.admin_token.get_secret_value()
-    enroll = settings.enrollment_token.get_secret_value()
-    env = {**os.environ, "SPARECYCLES_REDIS_URL": redis_url, "SPARECYCLES_ADMIN_TOKEN": admin,
-           "SPARECYCLES_ENROLLMENT_TOKEN": enroll, "SPARECYCLES_BLOB_DIR": str(out / "blobs"),
-           "SPARECYCLES_KEY_PREFIX": settings.key_prefix, "PYTHONUNBUFFERED": "1"}
-    if redis_desc.startswith("embedded"):  # our own Valkey: each worker gets its own broker user
-        env["SPARECYCLES_BROKER_ACL"] = "1"
-    # Workers get the enrollment token only: their broker URL comes from registration.
-    worker_env = {k: v for k, v in env.items()
-                  if k not in ("SPARECYCLES_REDIS_URL", "REDIS_URL", "SPARECYCLES_ADMIN_TOKEN")}
-    return env, worker_env
-
-
-def _start_workers(sup: Supervisor, py: list[str], base: str, devices: tuple[str, ...], metrics_ports: list[int],
-                   worker_env: dict[str, str]) -> None:
-    """Start one probe worker process per device (`worker-<i>`, named `local-<i>`) against the coordinator at
-    `base`, each serving its metrics on its port of `metrics_ports`."""
-    for i, dev in enumerate(devices):
-        # The token travels in the environment (SPARECYCLES_ENROLLMENT_TOKEN), never in argv (ps).
-        # CPU workers take one thread each (two share the cores with the trainer); GPU workers the defaults.
-        extra = ["--threads", "1"] if dev == "cpu" else []
-        # zocurv-line probes along theta_v - theta_{v-1}: a worker that runs behind still holds both versions
-        # of an older round while the next two arrive, instead of reloading them from the blob store per task
-        # (measured on H200: 4-5 s per task of 4 seeds with the default 2, GPU idle).
-        extra += ["--keep-versions", "4"]
-        sup.start(f"worker-{i}", py + ["worker", "--coordinator", base, "--name", f"local-{i}",
-                                       "--device", dev, "--metrics-port", str(metrics_ports[i]), *extra],
-                  worker_env)
 
 TEACHER_BROKER_ENV = "SPARECYCLES_TEACHER_BROKER"  # probe_worker.teacher.BROKER_ENV: its broker URL, not in argv
 TEACHER_ROUNDS_ENV = "SPARECYCLES_TEACHER_ROUNDS"  # trainer.cli's --teacher-rounds, for up's torchrun ranks

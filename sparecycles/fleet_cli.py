@@ -1,0 +1,65 @@
+"""`sparecycles fleet`: a fleet on this machine for your own loop, up until stopped.
+
+Starts an embedded Valkey (unless REDIS_URL), a coordinator and N probe workers (sparecycles.local_fleet), waits for
+the workers, prints the environment that `sparecycles.connect`, `sparecycles train --coordinator` and
+examples/hf_trainer.py read as `export` lines on stdout (also written to FOLDER/fleet.env, readable by this user
+only, for `source`), then stays up until Ctrl-C or SIGTERM, when it stops every process it started and removes the
+file. A service that dies ends it with exit status 1, naming its log.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import typer
+
+
+def fleet(
+    workers: int = typer.Option(2, min=1, max=64, help="Local probe worker processes."),
+    folder: Path = typer.Option(Path("runs/fleet"), help="Its folder: logs/, the coordinator's blobs/, Valkey's "
+                                "files and fleet.env (the environment lines)."),
+    worker_devices: str | None = typer.Option(None, help="One probe worker per listed device, e.g. cuda:0,cuda:1 "
+                                              "(replaces --workers). Default: CPU workers."),
+) -> None:
+    """Start a fleet on this machine for your own loop (embedded Valkey, a coordinator, N probe workers); print the
+    environment lines your loop reads; stay up until Ctrl-C.
+
+    In another shell: `source runs/fleet/fleet.env`, then `sparecycles train --coordinator
+    "$SPARECYCLES_COORDINATOR_URL" ...`, `python examples/hf_trainer.py --coordinator "$SPARECYCLES_COORDINATOR_URL"`
+    or `sparecycles.connect(os.environ["SPARECYCLES_COORDINATOR_URL"])` in your own loop.
+    """
+    from fleet.attach import FleetError, wait_for_workers
+    from sparecycles.local_fleet import FLEET_ENV, local_fleet
+    from sparecycles.services import Supervisor
+    from trainer.console import stop_signals
+
+    devices = tuple(d.strip() for d in worker_devices.split(",")) if worker_devices else ("cpu",) * workers
+    out = folder.resolve()
+    os.environ["SPARECYCLES_UP_RUN"] = str(out)  # every child inherits it: an orphan is findable, as `up`'s are
+    env_file = out / FLEET_ENV
+    sup = Supervisor(out / "logs")
+    with stop_signals():
+        try:
+            with local_fleet(out, devices, sup, lambda m: typer.echo(m, err=True), key_prefix="fleet") as local:
+                wait_for_workers(local.url, local.env["SPARECYCLES_ADMIN_TOKEN"], len(devices), 120.0,
+                                 check=sup.check)
+                lines = local.env_lines()
+                out.mkdir(parents=True, exist_ok=True)
+                env_file.touch(mode=0o600)
+                env_file.write_text("\n".join(lines) + "\n")
+                typer.echo("\n".join(lines))
+                typer.echo(f"fleet ready: {len(devices)} worker(s) at {local.url}; in another shell: source {env_file}"
+                           " (Ctrl-C stops every process started here)", err=True)
+                while True:
+                    sup.check()
+                    time.sleep(0.5)
+        except KeyboardInterrupt:
+            typer.echo("stopping the fleet", err=True)
+        except (RuntimeError, FleetError) as exc:  # a service died or never became ready
+            typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
+            raise typer.Exit(1) from exc
+        finally:
+            sup.stop_all()
+            env_file.unlink(missing_ok=True)
