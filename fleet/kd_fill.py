@@ -12,6 +12,7 @@ SET NX, the same bytes for the same round). A step sent `attempts` times without
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,13 +60,17 @@ def _vocab(teacher: str) -> int:
 
 def fill(cfg: Any, root: Path | str, redis_url: str, *, run: str | None = None, window: int = 32,
          timeout_s: float = 120.0, attempts: int = 5, poll_s: float = 0.05,
-         progress: Callable[[int], None] | None = None, log: Callable[[str], None] = lambda m: None) -> FillReport:
+         progress: Callable[[int], None] | None = None, log: Callable[[str], None] = lambda m: None,
+         keys: str | None = None) -> FillReport:
     """Fill ROOT with the teacher targets of run settings `cfg` (trainer.config.TrainConfig with a teacher and
     kd_estimator sampled or topk; its steps, batches and recipe) from teacher workers on `redis_url` (their Celery
     broker and target store), queue fleet.teacher.teacher_queue(run) (run default: kd-<teacher sha256[:12]>-<seed>,
     the name `train --teacher-rounds` uses, so the same workers serve both). window: rounds out at once (>= 1);
     timeout_s: seconds a window waits for answers before re-sending the unanswered (> 0); attempts: sends per step
-    before giving up (>= 1); progress(n): called with n steps done (first those already stored, then each new one). Returns a FillReport. Raises ValueError
+    before giving up (>= 1); progress(n): called with n steps done (first those already stored, then each new one);
+    keys: the run name of this fill's answers' keys (default: the queue's run name and this fill's own id, so two
+    fills of one plan at once never take each other's answers, as two `train --teacher-rounds` do not). Returns a
+    FillReport. Raises ValueError
     for bad arguments or a non-redis URL, trainer.kd.cache.CachePlanError for a plan without targets, FillError
     when steps stay unanswered (those stored are kept), redis.RedisError when Redis cannot be reached."""
     if window < 1 or not timeout_s > 0 or attempts < 1:
@@ -90,7 +95,9 @@ def fill(cfg: Any, root: Path | str, redis_url: str, *, run: str | None = None, 
     vocab, shape = _vocab(cfg.teacher), (cfg.batch_size, cfg.seq_len)
     store = redis.Redis.from_url(redis_url, socket_timeout=10, socket_connect_timeout=5)
     store.ping()
-    fleet = FleetTeacher(make_celery(redis_url), store, run=name, teacher=cfg.teacher, batch_fn=task.batch,
+    keys = keys or f"{name[:55]}-{uuid.uuid4().hex[:8]}"  # the queue is shared; the answers are this fill's
+    fleet = FleetTeacher(make_celery(redis_url), store, run=keys, queue=teacher_queue(name), teacher=cfg.teacher,
+                         batch_fn=task.batch,
                          kind=cfg.kd_estimator, k=cfg.kd_k, temperature=cfg.kd_temperature, seed=cfg.seed,
                          rank=plan.rank, window=1, student=cfg.model)
     log(f"kd fill: {len(todo)} of {cfg.steps} steps to ask for on queue {teacher_queue(name)} "
@@ -120,7 +127,7 @@ def fill(cfg: Any, root: Path | str, redis_url: str, *, run: str | None = None, 
         while pending:
             pipe = store.pipeline(transaction=False)  # GETDEL every pending answer in one round trip
             for k in pending:
-                pipe.getdel(target_key(name, plan.rank, fleet.recipe, k))
+                pipe.getdel(target_key(keys, plan.rank, fleet.recipe, k))
             again: list[int] = []
             for (k, s), blob in zip(list(pending.items()), pipe.execute(), strict=True):
                 if blob is None:

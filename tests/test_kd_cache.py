@@ -183,10 +183,10 @@ def test_a_rejected_answer_is_asked_again_and_an_unanswered_step_stops_the_fill(
     bad = KDTargets(kind="sampled", ids=torch.full((2, 16, K), 50257), logp=torch.full((2, 16, K), -1.0),
                     vocab=50257, temperature=1.0)
     recipe = recipe_tag("sampled", K, 1.0, 0)
-    store.set(target_key(f"kd-{plan.teacher_sha256[:12]}-0", 0, recipe, batch_key(task.batch(0)[0])), encode(bad),
-              ex=600)
-    report = _fill(setup, tmp_path / "c1", 1)
-    assert (report["stored"], report["rejected"], report["sent"], report["resent"]) == (1, 1, 2, 1)
+    keys = f"kd-bad-{os.getpid()}"  # this fill's answers' keys, named so the bad blob can wait under one
+    store.set(target_key(keys, 0, recipe, batch_key(task.batch(0)[0])), encode(bad), ex=600)
+    report = _fill_fn(setup, tmp_path / "c1", 1, keys=keys)
+    assert (report.stored, report.rejected, report.sent, report.resent) == (1, 1, 2, 1)
 
     run = f"kd-nobody-{os.getpid()}"
     res = CliRunner().invoke(app, ["kd", "fill", *_run_args(teacher, data, 1), "--redis-url", url, "--cache",
@@ -195,6 +195,55 @@ def test_a_rejected_answer_is_asked_again_and_an_unanswered_step_stops_the_fill(
     assert res.exit_code == 1 and "no valid answer after 2 sends" in res.output, res.output
     assert store.llen(f"sparecycles.teacher.{run}") == 2  # sent twice, never taken
     store.delete(f"sparecycles.teacher.{run}")
+
+
+def _fill_fn(setup, cache: Path, steps: int, **kw):
+    """fleet.kd_fill.fill itself (the command's body) on the settings of _run_args."""
+    from fleet.kd_fill import fill
+    from trainer.config import resolve_preset
+
+    teacher, data, url = setup
+    cfg = resolve_preset("demo", {"model": "gpt2-tiny", "data": str(data), "teacher": str(teacher), "steps": steps,
+                                  "batch_size": 2, "seq_len": 16, "seed": 0, "kd_k": K, "kd_estimator": "sampled"})
+    return fill(cfg, cache, url, **{"timeout_s": 60.0, **kw})
+
+
+def test_two_fills_of_one_plan_never_take_each_others_answers(setup, tmp_path: Path) -> None:
+    """Another fill's answer under the queue's run name (what every fill of this plan keyed its answers by before
+    issue 47): this fill never takes it; with no worker on its queue it stops unanswered, the blob left for its
+    owner. Its own answers come from the worker (the fill of `filled` takes the same queue)."""
+    import redis
+
+    from fleet.kd_fill import FillError
+    from wire.teacher_messages import recipe_tag, target_key
+
+    teacher, data, url = setup
+    plan, task = _plan(setup)
+    store = redis.Redis.from_url(url)
+    run = f"kd-other-{os.getpid()}"  # a queue no worker consumes
+    theirs = target_key(run, 0, recipe_tag("sampled", K, 1.0, 0), batch_key(task.batch(0)[0]))
+    blob = encode(make_targets(torch.zeros(2, 16, 50257), kind="sampled", k=K, temperature=1.0, seed=0, step=0,
+                               rank=0))
+    store.set(theirs, blob, ex=600)
+    with pytest.raises(FillError, match="no valid answer after 1 sends"):
+        _fill_fn(setup, tmp_path / "c", 1, run=run, attempts=1, timeout_s=0.3)
+    assert store.get(theirs) == blob
+    store.delete(theirs, f"sparecycles.teacher.{run}")
+
+
+def test_a_truncated_blob_is_missing_and_asked_again(setup, filled, tmp_path: Path) -> None:
+    """A .kd file cut short (a copy that stopped, a full disk) is not present: missing() lists it, has() says no,
+    and the next fill asks for it and stores the whole blob again."""
+    cache_dir, _ = filled
+    copy = tmp_path / "cache"
+    shutil.copytree(cache_dir, copy)
+    plan, _ = _plan(setup)
+    cache = TargetCache(copy).open(plan)
+    whole = cache.get(1)
+    cache.path(1).write_bytes(whole[: len(whole) - 7])
+    assert cache.missing(range(STEPS)) == [1] and not cache.has(1) and cache.has(0)
+    report = _fill(setup, copy, STEPS)
+    assert (report["present"], report["stored"]) == (STEPS - 1, 1) and cache.get(1) == whole
 
 
 def test_fill_refuses_a_run_without_teacher(tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import struct
 import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -117,6 +118,22 @@ def _atomic_write(path: Path, data: bytes) -> None:
         raise
 
 
+def whole_blob_file(path: Path) -> bool:
+    """Whether `path` holds a whole safetensors blob: its size is 8 + the header length + the largest tensor end
+    offset the header names (safetensors' layout). Reads the header only; False for a missing or unreadable file,
+    a header that is not JSON, or any other size."""
+    try:
+        with path.open("rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            if n > 1 << 16:
+                return False
+            header = json.loads(fh.read(n))
+        end = max((int(t["data_offsets"][1]) for name, t in header.items() if name != "__metadata__"), default=0)
+        return path.stat().st_size == 8 + n + end
+    except (OSError, ValueError, KeyError, TypeError, IndexError, struct.error):
+        return False
+
+
 class TargetCache:
     """The target blobs of one plan: ROOT/KEY/{step:07d}.kd plus ROOT/KEY/plan.json.
 
@@ -175,8 +192,8 @@ class TargetCache:
         return self._dir() / f"{step:07d}{SUFFIX}"
 
     def has(self, step: int) -> bool:
-        """Whether `step`'s blob is stored."""
-        return self.path(step).is_file()
+        """Whether `step`'s blob is stored whole (whole_blob_file)."""
+        return whole_blob_file(self.path(step))
 
     def get(self, step: int) -> bytes | None:
         """`step`'s blob (bytes), or None when it is not stored."""
@@ -193,9 +210,10 @@ class TargetCache:
         _atomic_write(self.path(step), bytes(blob))
 
     def missing(self, steps: Iterable[int]) -> list[int]:
-        """The steps of `steps` not stored, in the order given."""
+        """The steps of `steps` not stored whole, in the order given: a file cut short (a copy that stopped, a full
+        disk) is missing, so a fill asks for it again."""
         have = {p.name for p in self._dir().glob(f"*{SUFFIX}")} if self._dir().is_dir() else set()
-        return [s for s in steps if f"{s:07d}{SUFFIX}" not in have]
+        return [s for s in steps if f"{s:07d}{SUFFIX}" not in have or not whole_blob_file(self.path(s))]
 
 
 def open_for_run(root: Path | str, plan: KDPlan) -> TargetCache:
