@@ -10,7 +10,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 
 from trainer.anytime.settings import AnytimeSettings
 from trainer.methods import METHODS, get_method, method_names
-from wire.bounds import ProbeEps, RunSeed, Staleness
+from wire.bounds import PROBE_EPS, KDIds, ProbeEps, RunSeed, Staleness
 
 
 def _registered(name: str) -> str:
@@ -119,7 +119,7 @@ class TrainConfig(BaseModel):
     run_dir: Path | None = Field(None, description="run folder (default runs/<model>-<corpus>-<optimizer>-s<seed>)")
     # Knobs of the ZO modes (ignored by adamw); names follow DESIGN section 2.
     probes: int = Field(8, ge=1, le=100_000, description="ZO: K probes per step / per curvature round")
-    eps: ProbeEps = Field(1e-3, description="ZO: probe step epsilon (role variants: relative to a group's RMS)")
+    eps: ProbeEps = Field(PROBE_EPS, description="ZO: probe step epsilon (role variants: relative to a group's RMS)")
     alpha: float = Field(0.1, ge=0, le=2.0, description="1.5-SPSA curvature exponent")
     lam: float = Field(1.0, gt=0, description="1.5-SPSA weight floor lambda")
     probe_batch_size: int = Field(16, ge=1, le=4096, description="ZO: sequences per probe batch")
@@ -144,7 +144,7 @@ class TrainConfig(BaseModel):
     kd_alpha: float = Field(0.5, ge=0, le=1.0, description="--teacher: KD weight a in (1-a) CE + a KD")
     kd_estimator: Literal["full", "sampled", "topk"] = Field(
         "sampled", description="--teacher: full-vocabulary KL, S ids sampled from the teacher, or its top-k")
-    kd_k: int = Field(16, ge=1, le=1024, description="--teacher: S (sampled) or k (topk) ids per position")
+    kd_k: KDIds = Field(16, description="--teacher: S (sampled) or k (topk) ids per position")
     kd_temperature: float = Field(1.0, gt=0, le=100.0, description="--teacher: distillation temperature")
 
     @model_validator(mode="after")

@@ -14,7 +14,8 @@
 
 Seeds: a probe `Seed` is a Philox key, an unsigned 64-bit integer (DESIGN.md §1); a `RunSeed` is the base of
 a run's derived seeds (trainer.zo.estimators.derive_seed), kept below 2**63 so every tensor library carries
-it as a non-negative int64. `Staleness` S counts versions (the rule itself: wire.staleness).
+it as a non-negative int64. `Staleness` S counts versions (the rule itself: wire.staleness). `KDIds` bounds the ids
+per position of distillation targets (TrainConfig.kd_k, wire.teacher_messages, wire.kd_targets, an engine's answers).
 """
 
 from __future__ import annotations
@@ -23,15 +24,18 @@ from typing import Annotated, Any
 
 from pydantic import Field, TypeAdapter
 
+PROBE_EPS = 1e-3  # the default probe step ε (TrainConfig.eps and the ZO optimizers' probe_eps)
 MAX_PROBE_EPS = 1.0  # parameter units: a unit-RMS step of 1 already leaves the region a difference quotient sees
 MAX_STALENESS = 1_000_000  # versions
 SEED_LIMIT = 1 << 64  # probe seeds: [0, 2**64), the Philox key (probe_kernels.philox.SEED_LIMIT)
 RUN_SEED_LIMIT = 1 << 63  # run seeds: [0, 2**63), a non-negative int64
+MAX_KD_K = 1024  # distillation ids per position (S sampled, k topk): far above any useful S or k
 
 ProbeEps = Annotated[float, Field(gt=0.0, le=MAX_PROBE_EPS, allow_inf_nan=False)]
 Staleness = Annotated[int, Field(ge=0, le=MAX_STALENESS)]
 Seed = Annotated[int, Field(ge=0, lt=SEED_LIMIT)]
 RunSeed = Annotated[int, Field(ge=0, lt=RUN_SEED_LIMIT)]
+KDIds = Annotated[int, Field(ge=1, le=MAX_KD_K)]  # --kd-k, a teacher round's k, a target blob's K
 
 _ADAPTERS: dict[int, TypeAdapter] = {}  # by id(bound): the types above live as long as the module
 

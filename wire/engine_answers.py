@@ -22,7 +22,9 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
 
-MAX_ENGINE_K = 1024  # ids per position; wire.kd_targets.MAX_K
+from wire.bounds import MAX_KD_K
+
+MAX_ENGINE_K = MAX_KD_K  # ids per position (wire.bounds)
 TOKEN_ID_KEY = re.compile(r"^(?:token_id:)?([0-9]{1,10})$")  # "123" (prompt_logprobs) or "token_id:123"
 
 

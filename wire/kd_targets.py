@@ -26,10 +26,12 @@ from typing import Literal
 import torch
 from safetensors.torch import load, save
 
+from wire.bounds import MAX_KD_K
+
 TargetKind = Literal["sampled", "topk"]
 FORMAT_KEY = "sparecycles.kd"
 WIRE_VERSION = 1
-MAX_K = 1024  # entries per position; far above any useful S or k
+MAX_K = MAX_KD_K  # entries per position (wire.bounds)
 
 
 class TargetFormatError(ValueError):

@@ -17,6 +17,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
+from wire.bounds import KDIds
 from wire.messages import Message, Part, RunId, Sha256Hex
 
 TEACHER_TASK_NAME = "sparecycles.teacher"
@@ -66,7 +67,7 @@ class TeacherTask(Message):
     seq_len: Annotated[int, Field(ge=1, le=65536)]
     ids_b64: Annotated[str, Field(min_length=4, max_length=MAX_TEACHER_TOKENS * 6)]
     kind: Literal["sampled", "topk"]
-    k: Annotated[int, Field(ge=1, le=1024)]
+    k: KDIds
     temperature: Annotated[float, Field(gt=0, le=100.0)]
     seed: Annotated[int, Field(ge=0, lt=1 << 63)]
     student_tokenizer: StudentTokenizer | None = None

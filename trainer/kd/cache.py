@@ -31,6 +31,7 @@ from trainer.kd.sparse_loss import SparseKDLoss, report_missing, whole_batches
 from trainer.kd.teacher import batch_key, teacher_sha256
 from trainer.ledger import phase
 from trainer.metrics import KD_MISSING, KD_REJECTED
+from wire.bounds import KDIds
 from wire.kd_targets import KDTargets
 
 PLAN_FILE = "plan.json"
@@ -60,7 +61,7 @@ class KDPlan(BaseModel):
     seed: int
     rank: int = Field(0, ge=0)
     kind: Literal["sampled", "topk"]
-    k: int = Field(ge=1, le=1024)
+    k: KDIds
     temperature: float = Field(gt=0)
     steps: int = Field(ge=0)
 

@@ -28,6 +28,11 @@ from trainer.zo import updates as upd
 from trainer.zo.backend import losses
 from trainer.zo.curvature import CurvatureState
 from trainer.zo.probes import ProbeKind, RoundSpec, SeedResult
+from wire.bounds import PROBE_EPS
+
+# Adam's ε: the denominator floor of the Adam-family updates here (torch.optim.AdamW's default), never a probe step
+# (that is PROBE_EPS, wire.bounds). ZOSophia keeps Sophia's own 1e-12 (Liu et al. 2023).
+ADAM_EPS = 1e-8
 
 log = logging.getLogger("sparecycles.zo")
 _FP32_LOSS_ULP = 2.0**-24  # relative rounding of an fp32 loss value
@@ -271,9 +276,9 @@ class ZOCurvBlockAdamW(ZOCurvOptimizer):
     probes, probe_eps, seed: the probe round (K block-scaled probes, seeds derive_seed(seed, version, k)).
     """
 
-    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1,
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.95), eps: float = ADAM_EPS, weight_decay: float = 0.1,
                  *, blocks=None, rho: float | None = None, s_min: float = 0.5, s_max: float = 2.0,
-                 curv_beta: float = 0.9, probes: int = 8, probe_eps: float = 1e-3, seed: int = 0) -> None:
+                 curv_beta: float = 0.9, probes: int = 8, probe_eps: float = PROBE_EPS, seed: int = 0) -> None:
         if not 0 < s_min <= 1 <= s_max:
             raise ValueError(f"need 0 < s_min <= 1 <= s_max, got {s_min}, {s_max}")
         self.rho, self.s_min, self.s_max = rho, s_min, s_max
@@ -300,7 +305,7 @@ class ZOCurvSophia(ZOCurvOptimizer):
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.965, 0.99), gamma: float = 0.01, eps: float = 1e-12,
                  weight_decay: float = 0.1, *, blocks=None, granularity: str = "block", probes: int = 8,
-                 probe_eps: float = 1e-3, seed: int = 0) -> None:
+                 probe_eps: float = PROBE_EPS, seed: int = 0) -> None:
         if granularity not in ("block", "coordinate"):
             raise ValueError(f"granularity must be 'block' or 'coordinate', got {granularity!r}")
         if not gamma > 0:
@@ -367,9 +372,9 @@ class ZOCurvLine(ZOCurvOptimizer):
 
     history = 2
 
-    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1,
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.95), eps: float = ADAM_EPS, weight_decay: float = 0.1,
                  *, blocks=None, s_min: float = 0.25, s_max: float = 4.0, r_min: float = 0.5, r_max: float = 2.0,
-                 curv_beta: float = 0.5, probe_eps: float = 1e-3, seed: int = 0) -> None:
+                 curv_beta: float = 0.5, probe_eps: float = PROBE_EPS, seed: int = 0) -> None:
         if not (0 < s_min <= 1 <= s_max and 0 < r_min <= 1 <= r_max):
             raise ValueError("need 0 < s_min <= 1 <= s_max and 0 < r_min <= 1 <= r_max")
         self.s_min, self.s_max, self.r_min, self.r_max = s_min, s_max, r_min, r_max

@@ -37,7 +37,7 @@ from trainer.zo import estimators as est
 from trainer.zo.block_table import table_multipliers
 from trainer.zo.group_line import DESIGN_EPS, group_line_rounds, group_line_table
 from trainer.zo.groups import GroupMap, Role, block_multipliers
-from trainer.zo.optimizers import Refresh
+from trainer.zo.optimizers import ADAM_EPS, Refresh
 from trainer.zo.probes import RoundSpec
 from trainer.zo.role_rules import ScaledAdamW
 from trainer.zo.trust_region import DESIGN_ALPHAS, TrustRegion, TrustRegionRule, fit_role
@@ -79,7 +79,7 @@ class BlockTableAdamW(ScaledAdamW):
 
     log_prefix = "static"
 
-    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1,
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.95), eps: float = ADAM_EPS, weight_decay: float = 0.1,
                  *, blocks: Sequence[torch.Tensor], gmap: GroupMap, mult: dict[Role, float]) -> None:
         super().__init__(params, lr, betas, eps, weight_decay, blocks=blocks)
         self.gmap = gmap
@@ -130,7 +130,7 @@ class TrustRegionAdamW(BlockTableAdamW):
     history = 2  # θ_t and θ_prev published
     log_prefix = "trust"
 
-    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1,
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.95), eps: float = ADAM_EPS, weight_decay: float = 0.1,
                  *, blocks: Sequence[torch.Tensor], gmap: GroupMap, mult: dict[Role, float], rule: TrustRegionRule,
                  batches: int, interval: int, warmup: int, source: ProbeSource) -> None:
         if batches < 2 or interval < 1:

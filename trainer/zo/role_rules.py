@@ -41,8 +41,9 @@ from trainer.zo.multipliers import (
     update_global_multiplier,
     update_group_multipliers,
 )
-from trainer.zo.optimizers import Refresh, ZOCurvOptimizer
+from trainer.zo.optimizers import ADAM_EPS, Refresh, ZOCurvOptimizer
 from trainer.zo.probes import ProbeKind, RoundSpec, SeedResult
+from wire.bounds import PROBE_EPS
 
 TAG_GROUP = 0x6A0C  # seed stream of the group probes
 LINE_ALPHAS = (-1.0, -0.5, 0.0, 0.5, 1.0, 1.5)
@@ -103,8 +104,8 @@ class ScaledAdamW(ZOCurvOptimizer):
     non-fp32 parameter.
     """
 
-    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1,
-                 *, blocks: Sequence[torch.Tensor], probe_eps: float = 1e-3, seed: int = 0) -> None:
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.95), eps: float = ADAM_EPS, weight_decay: float = 0.1,
+                 *, blocks: Sequence[torch.Tensor], probe_eps: float = PROBE_EPS, seed: int = 0) -> None:
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}, blocks=blocks,
                          curv_size=None, curv_beta=0.0, probes=1, probe_eps=probe_eps, seed=seed)
         if any(p.dtype != torch.float32 for p in self.blocks):
@@ -132,7 +133,7 @@ class ZOCurvRoleAdamW(ScaledAdamW):
     (curvature_interval), seed.
     """
 
-    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1,
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.95), eps: float = ADAM_EPS, weight_decay: float = 0.1,
                  *, blocks: Sequence[torch.Tensor], gmap: GroupMap, group_probes: bool, line: bool, fixed: bool,
                  options: Any, probe_budget: int, probe_eps: float, interval: int, seed: int) -> None:
         super().__init__(params, lr, betas, eps, weight_decay, blocks=blocks, probe_eps=probe_eps, seed=seed)

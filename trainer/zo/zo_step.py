@@ -18,6 +18,7 @@ from trainer.zo.backend import COUNT_KEYS, ProbeBackend, collect_round, losses
 from trainer.zo.probes import RoundSpec, canonical_blocks
 from trainer.zo.updates import ZOMethod as Method
 from trainer.zo.updates import decoupled_decay_, zo_coefficients
+from wire.bounds import PROBE_EPS
 
 METHOD_DIST = {"mezo": "gauss8", "1spsa": "rademacher", "1.5spsa": "rademacher"}
 
@@ -36,7 +37,7 @@ class ZOStepper:
     """
 
     def __init__(self, model: torch.nn.Module, method: Method, *, run_seed: int, probes: int = 8,
-                 eps: float = 1e-3, alpha: float = 0.1, lam: float = 1.0, weight_decay: float = 0.0, timeout_s: float = 0.0) -> None:
+                 eps: float = PROBE_EPS, alpha: float = 0.1, lam: float = 1.0, weight_decay: float = 0.0, timeout_s: float = 0.0) -> None:
         if method not in METHOD_DIST:
             raise ValueError(f"unknown ZO method {method!r}; use mezo, 1spsa or 1.5spsa")
         self.model, self.method, self.run_seed = model, method, run_seed

@@ -1,0 +1,40 @@
+"""Each bound and default written once: --kd-k's 1..MAX_KD_K and the probe step's default PROBE_EPS live in
+wire.bounds, Adam's ε (ADAM_EPS) in trainer.zo.optimizers apart from the probe's; every holder reads them there."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+from pydantic import BaseModel, ValidationError
+
+from trainer.cli_settings import bounds
+from trainer.config import TrainConfig
+from trainer.kd.cache import KDPlan
+from trainer.zo.optimizers import ADAM_EPS, ZOCurvBlockAdamW, ZOCurvLine, ZOCurvSophia
+from trainer.zo.regime_mode import BlockTableAdamW
+from trainer.zo.role_rules import ScaledAdamW, ZOCurvRoleAdamW
+from wire import engine_answers, kd_targets
+from wire.bounds import MAX_KD_K, PROBE_EPS
+from wire.teacher_messages import TeacherTask
+
+
+@pytest.mark.parametrize(("model", "field"), [(TrainConfig, "kd_k"), (TeacherTask, "k"), (KDPlan, "k")])
+def test_kd_k_has_one_bound(model: type[BaseModel], field: str):
+    assert bounds(model.model_fields[field]) == {"ge": 1, "le": MAX_KD_K}
+    with pytest.raises(ValidationError):
+        TrainConfig(kd_k=MAX_KD_K + 1)
+    assert kd_targets.MAX_K == engine_answers.MAX_ENGINE_K == MAX_KD_K
+
+
+def _default(cls: type, name: str):
+    return inspect.signature(cls.__init__).parameters[name].default
+
+
+def test_probe_eps_and_adams_eps_are_named_apart_with_one_default_each():
+    assert TrainConfig.model_fields["eps"].default == PROBE_EPS == 1e-3
+    for cls in (ZOCurvBlockAdamW, ZOCurvSophia, ZOCurvLine, ScaledAdamW):
+        assert _default(cls, "probe_eps") == PROBE_EPS, cls
+    for cls in (ZOCurvBlockAdamW, ZOCurvLine, ScaledAdamW, ZOCurvRoleAdamW, BlockTableAdamW):
+        assert _default(cls, "eps") == ADAM_EPS == 1e-8, cls
+    assert _default(ZOCurvSophia, "eps") == 1e-12  # Sophia's own (Liu et al. 2023), not Adam's
