@@ -23,9 +23,10 @@ import redis
 import torch
 from celery import Celery
 from kombu.exceptions import OperationalError
-from tenacity import RetryError, Retrying, retry_if_result, stop_after_delay, wait_fixed
+from tenacity import RetryError, Retrying, retry_if_result, stop_after_delay, stop_when_event_set, wait_fixed
 
 from fleet.teacher_weights import publish_teacher
+from trainer.console import STOP_REQUESTED
 from trainer.kd.intake import accept
 from trainer.kd.sparse_loss import SparseKDLoss, report_missing, whole_batches
 from trainer.kd.teacher import ENGINE_PROBE_TEXTS, batch_key, teacher_folder, teacher_sha256
@@ -33,6 +34,7 @@ from trainer.ledger import phase
 from trainer.metrics import KD_AHEAD, KD_MISSING, KD_REJECTED
 from wire.kd_targets import KDTargets
 from wire.teacher_messages import (
+    ROUND_TTL_S,
     TEACHER_QUEUE_PREFIX,
     TEACHER_TASK_NAME,
     StudentTokenizer,
@@ -87,7 +89,7 @@ class FleetTeacher:
     def __init__(self, app: Celery, store: redis.Redis, *, run: str, teacher: str, batch_fn: Callable,
                  kind: str, k: int, temperature: float, seed: int, rank: int = 0, window: int = 8,
                  strict: bool = False, strict_timeout_s: float = 120.0, steps: int | None = None,
-                 queue: str | None = None, student: str | None = None) -> None:
+                 queue: str | None = None, student: str | None = None, round_ttl_s: float = ROUND_TTL_S) -> None:
         if window < 1 or not strict_timeout_s > 0:
             raise ValueError(f"teacher window {window} (>= 1) and strict timeout {strict_timeout_s} s (> 0)")
         self.app, self.store, self.run, self.batch_fn = app, store, run, batch_fn
@@ -95,6 +97,7 @@ class FleetTeacher:
         self.teacher_dir, self.sha = str(teacher_folder(teacher)), teacher_sha256(teacher)
         self.kind, self.k, self.temperature, self.seed, self.rank = kind, k, temperature, seed, rank
         self.window, self.strict, self.strict_timeout_s = window, strict, strict_timeout_s
+        self.round_ttl_s = round_ttl_s  # seconds a round may wait in its queue (Celery `expires`)
         self.recipe = recipe_tag(kind, k, temperature, seed)
         self.steps = steps  # the run's length: no round is sent for a step at or past it (None: no end)
         self.sent: dict[int, int] = {}  # batch key -> step, for steps sent and not yet taken
@@ -148,7 +151,8 @@ class FleetTeacher:
                 for s in range(start, stop):
                     task = self.task_for(s)
                     self.app.send_task(TEACHER_TASK_NAME, kwargs=task.model_dump(mode="json"),
-                                       queue=self.queue, producer=producer, ignore_result=True)
+                                       queue=self.queue, producer=producer, ignore_result=True,
+                                       expires=self.round_ttl_s)
                     self.sent[task.key] = s
                     self.bytes_up += len(task.ids_b64)
                     pending = s + 1
@@ -195,27 +199,35 @@ class FleetTeacher:
         with phase("kd"):  # the ledger's kd phase: reading (strict: waiting for) targets, sending the window
             return self._take(x, vocab)
 
+    def _timeout(self, step: int) -> TeacherTimeout:
+        """The error of a --kd-strict wait for `step`'s targets that ran out."""
+        return TeacherTimeout(
+            f"--kd-strict: no teacher targets for step {step} in {self.strict_timeout_s:.0f} s on queue "
+            f"{self.queue}: is a teacher worker consuming it (python -m probe_worker.teacher "
+            f"--broker URL --queue {self.queue}), and can it load teacher {self.sha[:12]} (a worker that "
+            "can neither read its folder nor fetch it from the store refuses the round: see its log)?")
+
     def _take(self, x: torch.Tensor, vocab: int) -> KDTargets | None:
         key = batch_key(x)
         step, refused = self.sent.pop(key, None), self.refused.pop(key, None)
         blob = self._get(key) if refused is None else None
         if blob is None and self.strict and step is not None:  # wait only for a round that was sent
             try:
-                blob = Retrying(stop=stop_after_delay(self.strict_timeout_s), wait=wait_fixed(0.05),
-                                retry=retry_if_result(lambda b: b is None))(self._get, key)
+                blob = Retrying(stop=stop_after_delay(self.strict_timeout_s) | stop_when_event_set(STOP_REQUESTED),
+                                wait=wait_fixed(0.05), retry=retry_if_result(lambda b: b is None))(self._get, key)
             except RetryError:
-                raise TeacherTimeout(
-                    f"--kd-strict: no teacher targets for step {step} in {self.strict_timeout_s:.0f} s on queue "
-                    f"{self.queue}: is a teacher worker consuming it (python -m probe_worker.teacher "
-                    f"--broker URL --queue {self.queue}), and can it load teacher {self.sha[:12]} (a worker that "
-                    "can neither read its folder nor fetch it from the store refuses the round: see its log)?"
-                ) from None
+                if STOP_REQUESTED.is_set():  # Ctrl-C / SIGTERM: the step goes on without them, then the run stops
+                    print(f"stopping: not waiting for the teacher's targets of step {step + 1}; it trains on CE "
+                          "alone, then the run checkpoints", file=sys.stderr, flush=True)
+                    blob = None
+                else:
+                    raise self._timeout(step) from None
         step = refused if refused is not None else step
         self.advance((step if step is not None else self.next_step - self.window) + 1)
         if refused is not None:
             why = "its round was refused by the broker"
         elif step is not None:
-            why = "not arrived from the fleet"
+            why = "not arrived from the fleet" if not STOP_REQUESTED.is_set() else "the run is stopping (not waited for)"
         else:
             why = "no round was sent for this batch (not one of the window's steps)"
         targets = None

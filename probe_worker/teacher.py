@@ -10,7 +10,8 @@ SET NX, so a redelivered task writes nothing twice. Outcomes, counted in
 `sparecycles_worker_teacher_tasks_total{outcome}`: done, duplicate (the key was already answered),
 invalid (not a TeacherTask, or ids outside the teacher's vocabulary: rejected without requeue),
 refused (neither the folder nor the store gives the task's teacher), engine_invalid / engine_error (an engine
-teacher's engine answered what is not targets / did not answer: probe_worker.engine_teacher), requeued (the worker began shutting down
+teacher's engine answered what is not targets / did not answer: probe_worker.engine_teacher), expired (queued
+past its `expires`, wire.teacher_messages.ROUND_TTL_S: dropped unanswered, its step long trained), requeued (the worker began shutting down
 inside the round: Celery's cold shutdown of the solo pool raises into the running task; the round goes back to the
 queue for the next worker), error (anything else; the worker lives on).
 """
@@ -28,6 +29,7 @@ import redis
 import torch
 from celery import Celery, Task
 from celery.exceptions import Reject
+from celery.signals import task_revoked
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 from pydantic import ValidationError
 
@@ -189,6 +191,11 @@ def register_teacher_task(app: Celery, runtime: TeacherRuntime, metrics: Teacher
     def teacher(**kwargs: Any) -> str:
         return run_teacher(runtime, metrics, kwargs)
 
+    def expired(sender: Any = None, request: Any = None, expired: bool = False, **_: Any) -> None:
+        if expired and getattr(request, "name", None) == TEACHER_TASK_NAME:
+            metrics.tasks.labels("expired").inc()  # queued past its expiry (fleet.teacher's round_ttl_s): dropped
+
+    task_revoked.connect(expired, weak=False)
     return teacher
 
 

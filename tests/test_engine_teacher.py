@@ -225,20 +225,13 @@ def test_train_with_teacher_rounds_answered_by_the_engine_takes_every_step(engin
     """`sparecycles train --model STUDENT --teacher SMOLLM2 --teacher-rounds URL --kd-estimator topk --kd-strict` with
     a teacher worker process (`python -m probe_worker.teacher --teacher-engine URL`) that never loads the model:
     every step took its targets (none missing), each step's KD loss finite and positive."""
-    from test_kd import _llama_dir
     from typer.testing import CliRunner
 
     from sparecycles.cli import app
     from support.teacher import start_teacher_worker, stop_teacher_worker
-    from support.user_data import real_documents
     from trainer.kd.teacher import teacher_sha256
 
-    student = tmp_path / "student"
-    _llama_dir(student, 49152, 0)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(smollm2 / f, student / f)
-    (tmp_path / "data").mkdir()
-    (tmp_path / "data" / "docs.txt").write_text("\n\n".join(real_documents()))
+    student = _student_and_data(tmp_path, smollm2)
     queue = f"sparecycles.teacher.kd-{teacher_sha256(str(smollm2))[:12]}-0"
     proc = start_teacher_worker(redis_url, queue, args=("--teacher-engine", engine_url))
     try:
@@ -255,3 +248,50 @@ def test_train_with_teacher_rounds_answered_by_the_engine_takes_every_step(engin
     recs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in recs if "kd_loss" in r]
     assert len(steps) == 3 and all(math.isfinite(r["kd_loss"]) and r["kd_loss"] > 0 for r in steps)
+
+
+def _student_and_data(tmp_path: Path, smollm2: Path) -> Path:
+    """A tiny Llama student with SmolLM2's vocabulary and tokenizer files (tmp_path/student) and real text
+    (tmp_path/data); returns the student folder."""
+    from test_kd import _llama_dir
+
+    from support.user_data import real_documents
+
+    student = tmp_path / "student"
+    _llama_dir(student, 49152, 0)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smollm2 / f, student / f)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "docs.txt").write_text("\n\n".join(real_documents()))
+    return student
+
+
+@pytest.mark.slow
+def test_kd_fill_from_the_engine_fills_the_target_cache(engine_url: str, redis_url: str, smollm2: Path,
+                                                        tmp_path: Path) -> None:
+    """`sparecycles kd fill --kd-estimator topk` answered by a worker that asks the engine: every planned step
+    stored, each a topk/1 blob of k ids per position that `train --kd-cache` then reads, none missing."""
+    from typer.testing import CliRunner
+
+    from fleet.teacher import teacher_queue
+    from sparecycles.cli import app
+    from support.teacher import start_teacher_worker, stop_teacher_worker
+
+    student = _student_and_data(tmp_path, smollm2)
+    run = f"kdfill-{uuid.uuid4().hex[:8]}"
+    args = ["--model", str(student), "--data", str(tmp_path / "data"), "--teacher", str(smollm2), "--kd-estimator",
+            "topk", "--kd-k", str(K), "--steps", "2", "--batch-size", "2", "--seq-len", "32", "--seed", "0"]
+    proc = start_teacher_worker(redis_url, teacher_queue(run), args=("--teacher-engine", engine_url))
+    try:
+        res = CliRunner().invoke(app, ["kd", "fill", *args, "--redis-url", redis_url, "--cache",
+                                       str(tmp_path / "cache"), "--run", run, "--timeout", "120", "--no-progress"])
+    finally:
+        stop_teacher_worker(proc)
+    assert res.exit_code == 0, res.output
+    report = json.loads(res.stdout)
+    assert (report["stored"], report["rejected"], report["unanswered"]) == (2, 0, [])
+    res = CliRunner().invoke(app, ["train", *args, "--kd-cache", str(tmp_path / "cache"), "--warmup-steps", "0",
+                                   "--run-dir", str(tmp_path / "run"), "--no-progress", "--no-export"])
+    assert res.exit_code == 0, res.output
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["kd"]["kd_taken_steps"] == 2 and summary["kd"]["kd_missing_steps"] == 0

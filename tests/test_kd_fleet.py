@@ -399,3 +399,62 @@ def test_two_runs_of_one_teacher_and_seed_each_take_their_own(redis_url: str, te
         assert (a.taken, a.missing, b.taken, b.missing) == (3, 0, 3, 0)
     finally:
         stop_teacher_worker(proc)
+
+
+@pytest.mark.slow
+def test_a_round_queued_past_its_ttl_is_dropped_not_answered(redis_url: str, teacher_dir: Path) -> None:
+    """A round that waited in its queue past round_ttl_s (no worker then) is dropped by the worker that takes it
+    (Celery `expires`), unanswered; a fresh round behind it is answered (the worker took them in order, so the
+    dropped one was handled first)."""
+    run = f"kd-{uuid.uuid4().hex[:8]}"
+    fleet = _fleet(redis_url, teacher_dir, run, window=1, steps=2, round_ttl_s=1.0)
+    fleet.seek(0)  # step 0's round, expiring in 1 s
+    time.sleep(1.5)  # it expires in the queue (not an assertion on timing)
+    fleet.round_ttl_s = 600.0
+    fleet.advance(1)  # step 1's round, fresh
+    keys = [target_key(run, 0, fleet.recipe, fleet.task_for(s).key) for s in (0, 1)]
+    proc = _start_worker(redis_url, run)
+    try:
+        deadline = time.monotonic() + 180  # a liveness bound only
+        while not fleet.store.exists(keys[1]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        stop_teacher_worker(proc)
+    assert fleet.store.exists(keys[1]) and not fleet.store.exists(keys[0])
+    assert fleet.store.llen(teacher_queue(run)) == 0
+    fleet.store.delete(*keys)
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_a_strict_wait_stops_the_run_at_once_saying_so(redis_url: str, tmp_path: Path) -> None:
+    """`train --teacher-rounds --kd-strict` with no worker on its queue, Ctrl-C (SIGINT) while the first step waits
+    for its targets: the wait ends at once with a line saying so, the step trains on CE alone, the run checkpoints
+    and exits 130 (before: silent until the 120 s strict timeout, then TeacherTimeout)."""
+    from test_kd import _llama_dir
+
+    from support.user_data import hf_tokenizer_dir, real_documents
+
+    student = _llama_dir(hf_tokenizer_dir(tmp_path / "student", vocab_size=400), 400, 0)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "docs.txt").write_text("\n\n".join(real_documents()))
+    queue = f"kdq-{uuid.uuid4().hex[:8]}"
+    store = redis.Redis.from_url(redis_url)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sparecycles.cli", "train", "--model", str(student), "--data", str(tmp_path / "data"),
+         "--teacher", str(student), "--teacher-rounds", redis_url, "--teacher-queue", queue, "--kd-strict",
+         "--steps", "3", "--batch-size", "2", "--seq-len", "16", "--run-dir", str(tmp_path / "run"),
+         "--no-progress", "--no-export"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 180  # a liveness bound only
+        while store.llen(teacher_queue(queue)) == 0 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.1)
+        time.sleep(3.0)  # past the window's sending, into the first step's wait (not an assertion on timing)
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        store.delete(teacher_queue(queue))
+    assert proc.returncode == 130, out
+    assert "stopping: not waiting for the teacher's targets of step 1" in out and "stopped after step 1" in out, out
+    assert "TeacherTimeout" not in out and "no teacher targets for step" not in out

@@ -116,6 +116,11 @@ def stop_signals() -> Iterator[None]:
             signal.signal(sig, old)
 
 
+# Set by deferred_interrupt's first signal until the run stops: a wait inside a step (a teacher round's --kd-strict
+# wait, fleet.teacher) gives up at once instead of holding the stop for its whole timeout.
+STOP_REQUESTED = threading.Event()
+
+
 @contextlib.contextmanager
 def deferred_interrupt() -> Iterator[Callable[[], bool]]:
     """Turn the first Ctrl-C (SIGINT) or SIGTERM into a flag checked between steps (a step is never cut in
@@ -129,13 +134,16 @@ def deferred_interrupt() -> Iterator[Callable[[], bool]]:
 
     def handler(signum, frame):
         hit["n"] += 1
+        STOP_REQUESTED.set()
         if hit["n"] > 1:
             raise KeyboardInterrupt
 
     previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    STOP_REQUESTED.clear()
     try:
         yield lambda: hit["n"] > 0
     finally:
+        STOP_REQUESTED.clear()
         for sig, old in previous.items():
             signal.signal(sig, old)
 

@@ -23,6 +23,8 @@ from wire.messages import Message, Part, RunId, Sha256Hex
 TEACHER_TASK_NAME = "sparecycles.teacher"
 MAX_TEACHER_TOKENS = 1 << 20  # one batch's B * T: far above 16 x 512; a task over it is refused
 TARGET_TTL_S = 3600  # an unread target blob expires (a trainer that died leaves nothing behind for long)
+ROUND_TTL_S = 600.0  # a round queued this long unanswered is dropped by the worker that takes it (Celery `expires`):
+# its step has trained (on CE alone) long before; a fill re-sends what stayed unanswered
 TEACHER_QUEUE_PREFIX = "sparecycles.teacher"  # a run's teacher rounds go to "<prefix>.<run>" (fleet.teacher)
 TARGET_KEY_PREFIX = "sc:kd:"  # every target blob's key starts so (target_key); workers may only write under it
 
