@@ -27,8 +27,7 @@ from tenacity import RetryError, Retrying, retry_if_result, stop_after_delay, st
 
 from fleet.teacher_weights import publish_teacher
 from trainer.console import STOP_REQUESTED
-from trainer.kd.intake import accept
-from trainer.kd.sparse_loss import SparseKDLoss, report_missing, whole_batches
+from trainer.kd.sparse_loss import SparseKDLoss, intake_step, whole_batches
 from trainer.kd.teacher import ENGINE_PROBE_TEXTS, batch_key, teacher_folder, teacher_sha256
 from trainer.ledger import phase
 from trainer.metrics import KD_AHEAD, KD_MISSING, KD_REJECTED
@@ -230,16 +229,9 @@ class FleetTeacher:
             why = "not arrived from the fleet" if not STOP_REQUESTED.is_set() else "the run is stopping (not waited for)"
         else:
             why = "no round was sent for this batch (not one of the window's steps)"
-        targets = None
-        if blob is not None:
-            self.bytes_down += len(blob)
-            targets, why = accept(blob, batch_shape=(int(x.shape[0]), int(x.shape[1])), vocab=vocab,
-                                  run=self.run)
-        if targets is None:
-            self.missing += 1
-            report_missing(self.run, step, why)
-        else:
-            self.taken += 1
+        self.bytes_down += len(blob) if blob is not None else 0
+        targets = intake_step(blob, x, vocab, run=self.run, step=step, why=why)
+        self.taken, self.missing = self.taken + (targets is not None), self.missing + (targets is None)
         return targets
 
 

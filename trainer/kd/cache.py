@@ -26,8 +26,7 @@ from typing import Any, ClassVar, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from trainer.kd.intake import accept
-from trainer.kd.sparse_loss import SparseKDLoss, report_missing, whole_batches
+from trainer.kd.sparse_loss import SparseKDLoss, intake_step, whole_batches
 from trainer.kd.teacher import batch_key, teacher_sha256
 from trainer.ledger import phase
 from trainer.metrics import KD_MISSING, KD_REJECTED
@@ -282,16 +281,10 @@ class CacheTargets:
         with phase("kd"):
             step = self._step_of(batch_key(x))
             blob = self.cache.get(step) if step is not None else None
-            targets, why = None, "not in the target cache" if step is not None else "batch not in the plan"
-            if blob is not None:
-                self.bytes_read += len(blob)
-                targets, why = accept(blob, batch_shape=(int(x.shape[0]), int(x.shape[1])), vocab=vocab,
-                                      run=self.run)
-            if targets is None:
-                self.missing += 1
-                report_missing(self.run, step, why)
-            else:
-                self.taken += 1
+            self.bytes_read += len(blob) if blob is not None else 0
+            why = "not in the target cache" if step is not None else "batch not in the plan"
+            targets = intake_step(blob, x, vocab, run=self.run, step=step, why=why)
+            self.taken, self.missing = self.taken + (targets is not None), self.missing + (targets is None)
             return targets
 
     def stats(self) -> dict[str, int]:

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from trainer import health
 from trainer.distributed import whole
 from trainer.kd.estimators import kd_loss, sparse_ce
+from trainer.kd.intake import accept
 from trainer.kd.teacher import batch_key
 from trainer.metrics import KD_MISSING
 from wire.kd_targets import KDTargets
@@ -36,6 +37,19 @@ def report_missing(run: str, step: int | None, why: str) -> None:
     KD_MISSING.labels(run).inc()
     done = None if step is None else step + 1
     health.warn("teacher_missing", f"kd targets of step {done}: {why}; trained on CE alone", step=done)
+
+
+def intake_step(blob: bytes | None, x: torch.Tensor, vocab: int, *, run: str, step: int | None,
+                why: str) -> KDTargets | None:
+    """A source's answer for the step of batch x (int64 (B, T)), for a student of `vocab` ids: the blob's targets
+    (trainer.kd.intake.accept: decoded and checked, a refusal counted in ..._kd_rejected), or None, reported missing
+    (report_missing) with `why` (the blob is None) or the refusal's reason. The one intake tail of every source."""
+    targets = None
+    if blob is not None:
+        targets, why = accept(blob, batch_shape=(int(x.shape[0]), int(x.shape[1])), vocab=vocab, run=run)
+    if targets is None:
+        report_missing(run, step, why)
+    return targets
 
 
 def whole_batches(batch_fn: Callable[[int], Any]) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]]:
