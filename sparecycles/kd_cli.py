@@ -53,10 +53,10 @@ def fill(settings: dict, redis_url: RedisUrl = "redis://127.0.0.1:6379/0", cache
     not stored yet is sent to the teacher workers, each answer checked and stored as it arrives. Resumable: a
     second invocation sends only the steps still missing. Prints the report as JSON; exit 2 for a refused
     option, 1 when steps stayed unanswered (rerun to resume)."""
-    from trainer.cli import _resolve_checked
+    from trainer.run_options import RunOptions
+    from trainer.train_cli import _resolve_checked
 
-    cfg = _resolve_checked(preset, settings, eval_on="trainer", fleet_wait="never", eval_windows="subset",
-                           coordinator=None)
+    cfg = _resolve_checked(preset, settings, RunOptions(eval_on="trainer"), None)
     if cfg.teacher is None or cfg.kd_estimator == "full" or cfg.task != "lm":
         raise typer.BadParameter("kd fill needs --teacher, the lm task and --kd-estimator sampled or topk (got "
                                  f"teacher {cfg.teacher!r}, task {cfg.task}, {cfg.kd_estimator})",

@@ -13,6 +13,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from sparecycles.up_options import UpOptions, split_given
+from trainer.preflight import no_probe_round_warning
+from trainer.run_options import UP_FLEET_WAIT, RunOptions
+
 UP_SETTINGS = "up_settings.json"
 # Settings that name a non-default `up` folder: runs/up-<preset>-<optimizer>[-steps5][-k4][-b8][-t16][-ci4].
 _NAME_TAGS = {"steps": "steps", "probes": "k", "batch_size": "b", "seq_len": "t", "curvature_interval": "ci"}
@@ -41,7 +45,7 @@ class UpPlan:
     worker_devices: tuple[str, ...] = ()  # one torch device per worker process (fleet.devices); () = cpu
     eval_on: str = "fleet"  # where held-out evaluation runs: fleet (fleet.evaluation) or trainer
     eval_windows: str = "subset"  # on the fleet: the runs' eval_batches windows (as on the trainer), or the whole split
-    fleet_wait: str = "interval"  # when the ZO run waits for its rounds (trainer.cli.FLEET_WAIT)
+    fleet_wait: str = UP_FLEET_WAIT  # when the ZO run waits for its rounds (trainer.run_options.FLEET_ROUNDS)
     eval_deadline: float = 120.0  # seconds without a result before the trainer evaluates a version itself
     nproc: int | None = None  # the trainer's ranks under torchrun (`--nproc-per-node`); None: in `up`'s process
 
@@ -93,73 +97,80 @@ def _folder_diffs(out: Path, settings: dict[str, dict], states: dict) -> list[st
     return sorted(diffs)
 
 
-def plan_up(*, preset: str = "demo", optimizer: str | None = None, workers: int = 2, steps: int | None = None,
-            run_dir: Path | None = None, curvature_interval: int | None = None, task: str = "lm",
-            probes: int | None = None, batch_size: int | None = None, seq_len: int | None = None,
-            overwrite: bool = False, device: str | None = None, worker_devices: tuple[str, ...] = (),
-            train_options: tuple[str, ...] = (), eval_on: str = "auto", eval_windows: str = "subset",
-            fleet_wait: str = "interval", eval_deadline: float = 120.0, nproc_per_node: int | None = None,
-            optimizer_options: dict | None = None, settings: dict | None = None) -> UpPlan:
+def plan_up(*, settings: dict | None = None, train_options: tuple[str, ...] = (), optimizer_options: dict | None = None,
+            placement: Any = None, **given: Any) -> UpPlan:
     """Validate every option of `up` and decide what happens to its run folder; starts and trains nothing.
 
-    `device` is the trainer's torch device (both runs), `worker_devices` one device per worker process
-    (fleet.devices.place decides both). The folder is `run_dir`, else `runs/up-<preset>-<optimizer>` plus a tag per setting that differs from
-    the preset's (`-steps5`, `-k4`, `-b8`, `-t16`, `-ci4`; another `--model`: its name, then `--data`'s file or
-    folder name, first, e.g. up-demo-zocurv-line-my-llama-my_texts), so runs with other settings get other folders.
-    `train_options` ("KEY=VALUE", `up --set`) set any other TrainConfig field of both runs (e.g. lr=6e-4,
-    warmup_steps=40, min_lr=6e-5, corpus=classics, eval_every=25), validated by TrainConfig. `eval_on`
-    (trainer|fleet|auto; auto = fleet: `up` always has one) and `eval_windows` (full|subset) place both runs'
-    evaluation; `fleet_wait` (never|interval|sync) is the ZO run's wait policy (interval: `up`'s exact-resume mode).
-    `nproc_per_node`: train each run under torchrun with that many ranks (sparecycles.up_ranks; None: in this
-    process); with more than one, a CUDA trainer takes cuda:0..N-1 (device "cuda") and evaluation runs on the
-    ranks (`eval_on` auto means trainer there). `optimizer_options`: the fleet-probed run's optimizer knobs
-    (`up --optimizer-option`, validated by TrainConfig against the method); each adds -KEY-VALUE to the folder name.
-    `settings`: more TrainConfig overrides of both runs (`up`'s generated options, trainer.cli_settings), besides
-    `train_options`; a setting in both is refused.
+    `given`: fields of sparecycles.up_options.UpOptions (preset, task, optimizer, workers, run_dir, ...), of
+    trainer.run_options.RunOptions that `up` takes (eval_on, eval_windows, eval_deadline, fleet_wait: unset is
+    `interval`, `up`'s exact-resume mode; nproc_per_node: each run under torchrun with that many ranks; overwrite)
+    and of TrainConfig (steps, curvature_interval, ...: settings of both runs, as in `settings`), each by name.
+    `settings`: TrainConfig overrides of both runs (`up`'s generated options); `train_options` ("KEY=VALUE", `up
+    --set`) any other TrainConfig field of both runs; a setting given twice is refused. `optimizer_options`: the
+    fleet-probed run's optimizer knobs (`--optimizer-option`); each adds -KEY-VALUE to the folder name.
+    `placement`: fleet.devices.Placement (the trainer's device, one device per worker); None: all on the CPU.
+    The folder is `run_dir`, else `runs/up-<preset>-<optimizer>` plus a tag per setting that differs from the
+    preset's (`-steps5`, `-k4`, `-b8`, `-t16`, `-ci4`; another `--model`: its name, then `--data`'s file or folder
+    name, first, e.g. up-demo-zocurv-line-my-llama-my_texts), so runs with other settings get other folders.
     Raises ValueError (message names the option) for an invalid option (more ranks than CUDA devices, a batch
     the ranks cannot split, --eval-on fleet with N > 1 included), or when the folder holds a run with other
-    settings and `overwrite` is not set (the message lists the differences).
+    settings and `overwrite` is not set (the message lists the differences); TypeError for an unknown keyword.
     """
-    from trainer.config import resolve_preset
-    from trainer.launch import check_ranks
-    from trainer.paths import runs_dir
-    from trainer.preflight import (
-        FolderState,
-        check_options,
-        explain,
-        folder_state,
-        no_probe_round_warning,
-    )
+    from pydantic import ValidationError
 
-    _check_choices(task=task, eval_on=eval_on, eval_windows=eval_windows, fleet_wait=fleet_wait, workers=workers)
-    sentiment = task == "sentiment"
-    optimizer = optimizer or ("1.5spsa" if sentiment else "zocurv-line")
-    _check_fleet_optimizer(optimizer, task)
-    preset = "sentiment-demo" if sentiment and preset == "demo" else preset
-    if nproc_per_node is not None:
-        device, eval_on = _rank_placement(nproc_per_node, device, eval_on)
-    given = {k: v for k, v in dict(steps=steps, curvature_interval=curvature_interval, probes=probes,
-                                   batch_size=batch_size, seq_len=seq_len).items() if v is not None}
-    both = set(given) & set(settings or {})
+    from trainer.launch import check_ranks
+    from trainer.preflight import explain
+
+    up_kw, run_kw, cfg_kw = split_given(given)
+    try:
+        opts, run = UpOptions(**up_kw), RunOptions(**run_kw, fleet=True)
+    except ValidationError as exc:
+        raise ValueError(explain(exc)) from None
+    both = set(cfg_kw) & set(settings or {})
     if both:
         raise ValueError(f"{', '.join(sorted(both))} given twice")
-    over = {"task": task, "device": device,
-            **parse_train_options(train_options, {**given, **(settings or {})})}
+    optimizer = opts.fleet_optimizer
+    _check_fleet_optimizer(optimizer, opts.task)
+    device = None if placement is None or placement.trainer == "cpu" else placement.trainer
+    eval_on = run.eval_on
+    if run.nproc_per_node is not None:
+        device, eval_on = _rank_placement(run.nproc_per_node, device, eval_on)
+    over = {"task": opts.task, "device": device, **parse_train_options(train_options, {**cfg_kw, **(settings or {})})}
+    from_set = set(over) - set(cfg_kw) - set(settings or {}) - {"task", "device"}
+    base_cfg, zo_cfg, default = _run_configs(opts.preset_for_task, over, optimizer, optimizer_options, from_set)
+    if run.nproc_per_node is not None:
+        check_ranks(run.nproc_per_node, (base_cfg, zo_cfg))
+    out = _folder(opts, zo_cfg, default, optimizer_options)
+    fleet_wait = run.fleet_wait or UP_FLEET_WAIT
+    workers = tuple(placement.workers) if placement is not None else ()
+    plan = UpPlan(opts.task, opts.preset_for_task, optimizer, len(workers) or opts.workers, out,
+                  base_cfg.model_copy(update={"run_dir": out / "adamw"}),
+                  zo_cfg.model_copy(update={"run_dir": out / optimizer}), {}, False,
+                  tuple(w for w in [no_probe_round_warning(zo_cfg, fleet_wait)] if w), workers,
+                  eval_on="trainer" if eval_on == "trainer" else "fleet", eval_windows=run.eval_windows,
+                  fleet_wait=fleet_wait, eval_deadline=run.eval_deadline, nproc=run.nproc_per_node)
+    return _with_folder_states(plan, run.overwrite)
+
+
+def _run_configs(preset: str, over: dict[str, Any], optimizer: str, optimizer_options: dict | None,
+                 from_set: set[str]) -> tuple[Any, Any, Any]:
+    """(AdamW's config, the fleet-probed run's, the preset's default for the folder name), each checked
+    (trainer.preflight.check_options; a teacher folder and its tokenizer too). Raises ValueError naming the option
+    (`--set KEY` for those in `from_set`)."""
+    from trainer.config import resolve_preset
+    from trainer.preflight import check_options, explain
+
+    _plan_checked(preset, over, optimizer, optimizer_options, from_set)
     try:
-        _plan_checked(preset, over, optimizer, optimizer_options, sentiment, set(over) - set(given) - set(settings or {})
-                      - {"task", "device"})
-    except ValueError as exc:
-        raise ValueError(str(exc)) from None
-    try:
-        if not sentiment and "staleness" not in over:
+        if over["task"] != "sentiment" and "staleness" not in over:
             # A fleet answers a round while the trainer moves on; versions advance with steps, so the staleness
             # bound must cover the rounds' round trip: two curvature intervals. The one place this default is
-            # set; TrainConfig.staleness's description (train/up --help) and README "Defaults" say it.
-            over["staleness"] = 2 * resolve_preset(preset, over).curvature_interval
+            # set; TrainConfig.staleness's description (train/up --help) says it.
+            over = {**over, "staleness": 2 * resolve_preset(preset, over).curvature_interval}
         zo_cfg = resolve_preset(preset, {**over, "optimizer": optimizer,
                                          **({"optimizer_options": optimizer_options} if optimizer_options else {})})
         base_cfg = resolve_preset(preset, {**over, "optimizer": "adamw"})
-        default = resolve_preset(preset, {"task": task, "optimizer": optimizer})
+        default = resolve_preset(preset, {"task": over["task"], "optimizer": optimizer})
     except ValueError as exc:  # pydantic's ValidationError is one; so is an unknown preset
         raise ValueError(explain(exc)) from None
     check_options(zo_cfg)  # _plan_checked ran these with --set names: here they pass
@@ -168,8 +179,14 @@ def plan_up(*, preset: str = "demo", optimizer: str | None = None, workers: int 
         from trainer.kd.teacher import check_teacher_run
 
         check_teacher_run(zo_cfg, fleet=True)
-    if nproc_per_node is not None:
-        check_ranks(nproc_per_node, (base_cfg, zo_cfg))
+    return base_cfg, zo_cfg, default
+
+
+def _folder(opts: UpOptions, zo_cfg: Any, default: Any, optimizer_options: dict | None) -> Path:
+    """`up`'s run folder: --run-dir, else runs/up-<preset>-<optimizer> and a tag per setting that differs from the
+    preset's (plan_up). Raises ValueError for a --run-dir that is a file."""
+    from trainer.paths import runs_dir
+
     tags = [f"{tag}{getattr(zo_cfg, f)}" for f, tag in _NAME_TAGS.items() if getattr(zo_cfg, f) != getattr(default, f)]
     tags += [f"{k}-{v}" for k, v in sorted((optimizer_options or {}).items())]
     if zo_cfg.data is not None:  # --data PATH: named by its file or folder name, as `train`'s run folders are
@@ -178,29 +195,34 @@ def plan_up(*, preset: str = "demo", optimizer: str | None = None, workers: int 
         from trainer.models.causal_lm import model_label
 
         tags.insert(0, model_label(zo_cfg.model))
-    out = (Path(run_dir) if run_dir else runs_dir() / "-".join(["up", preset, optimizer, *tags])).resolve()
+    name = "-".join(["up", opts.preset_for_task, opts.fleet_optimizer, *tags])
+    out = (Path(opts.run_dir) if opts.run_dir else runs_dir() / name).resolve()
     if out.exists() and not out.is_dir():
         raise ValueError(f"--run-dir {out} exists and is not a folder")
-    base_cfg = base_cfg.model_copy(update={"run_dir": out / "adamw"})
-    zo_cfg = zo_cfg.model_copy(update={"run_dir": out / optimizer})
-    states = {"adamw": folder_state(out / "adamw", base_cfg), optimizer: folder_state(out / optimizer, zo_cfg)}
-    plan = UpPlan(task, preset, optimizer, workers, out, base_cfg, zo_cfg, states, False,
-                  tuple(w for w in [no_probe_round_warning(zo_cfg, fleet_wait)] if w), tuple(worker_devices),
-                  eval_on="trainer" if eval_on == "trainer" else "fleet", eval_windows=eval_windows,
-                  fleet_wait=fleet_wait, eval_deadline=eval_deadline, nproc=nproc_per_node)
-    if not overwrite:  # a corrupt checkpoint fails here, in one line, before any fleet process starts
-        from trainer.checkpoint import checkpoint_problem
+    return out
 
-        for name, state in states.items():
-            if state.kind == "resume" and (problem := checkpoint_problem(out / name / "checkpoint.safetensors")):
-                raise ValueError(problem)
+
+def _with_folder_states(plan: UpPlan, overwrite: bool) -> UpPlan:
+    """`plan` with what each run's sub-folder holds (`states`), or cleared with `overwrite`. Raises ValueError for a
+    corrupt checkpoint of a run to resume, or a folder holding a run with other settings without `overwrite`."""
+    from trainer.preflight import FolderState, folder_state
+
+    out = plan.out
+    states = {name: folder_state(cfg.run_dir, cfg) for name, cfg in (("adamw", plan.base_cfg),
+                                                                       (plan.optimizer, plan.zo_cfg))}
+    plan = replace(plan, states=states)
+    if overwrite:
+        return replace(plan, clear=True, states={k: FolderState("empty") for k in states})
+    from trainer.checkpoint import checkpoint_problem
+
+    for name, state in states.items():  # a corrupt checkpoint fails here, in one line, before any process starts
+        if state.kind == "resume" and (problem := checkpoint_problem(out / name / "checkpoint.safetensors")):
+            raise ValueError(problem)
     diffs = _folder_diffs(out, plan.settings, states)
-    if diffs and not overwrite:
+    if diffs:
         raise ValueError(f"{out} holds a run with other settings ({'; '.join(diffs)}); nothing was changed. "
                          "Pass --overwrite to replace it, or another --run-dir (without --run-dir, the default "
                          "folder name carries --steps, --probes, --batch-size, --seq-len, --curvature-interval)")
-    if overwrite:
-        plan = replace(plan, clear=True, states={k: FolderState("empty") for k in states})
     return plan
 
 
@@ -215,7 +237,7 @@ def _set_names(message: str, from_set: set[str]) -> str:
 
 
 def _plan_checked(preset: str, over: dict[str, Any], optimizer: str, optimizer_options: dict | None,
-                  sentiment: bool, from_set: set[str]) -> None:
+                  from_set: set[str]) -> None:
     """Build and check both runs' configs as `plan_up` does; raises ValueError whose message names the settings
     given through `--set` as `--set KEY` (`_set_names`)."""
     from trainer.config import resolve_preset
@@ -234,31 +256,14 @@ def _plan_checked(preset: str, over: dict[str, Any], optimizer: str, optimizer_o
 def _rank_placement(nproc: int, device: str | None, eval_on: str) -> tuple[str | None, str]:
     """(device, eval_on) of a trainer of `nproc` ranks under torchrun: more than one CUDA rank takes device "cuda"
     (rank r on cuda:r) and evaluation runs on the ranks (a sharded forward is collective). Raises ValueError for
-    more ranks than CUDA devices, CUDA where none is visible (trainer.launch.launch_backend), or --eval-on fleet with
-    more than one rank."""
+    more ranks than CUDA devices or CUDA where none is visible (trainer.launch.launch_backend); --eval-on fleet with
+    more than one rank is RunOptions' to refuse."""
     from trainer.launch import launch_backend
 
     launch_backend(nproc, device)
     if nproc == 1:
         return device, eval_on
-    if eval_on == "fleet":
-        raise ValueError(f"--eval-on fleet: a trainer of {nproc} ranks evaluates on its ranks (their forward is "
-                         "collective); drop --eval-on fleet or --nproc-per-node")
     return ("cuda" if device and device.startswith("cuda") else device), "trainer"
-
-
-def _check_choices(*, task: str, eval_on: str, eval_windows: str, fleet_wait: str, workers: int) -> None:
-    """Raise ValueError (naming the option) for a --task, --eval-on, --eval-windows or --fleet-wait outside its
-    choices, or --workers outside 1 to 64."""
-    if task not in ("lm", "sentiment"):
-        raise ValueError(f"--task must be lm or sentiment, got {task!r}")
-    for name, value, choices in (("--eval-on", eval_on, ("trainer", "fleet", "auto")),
-                                 ("--eval-windows", eval_windows, ("full", "subset")),
-                                 ("--fleet-wait", fleet_wait, ("never", "interval", "sync"))):
-        if value not in choices:
-            raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
-    if not 1 <= workers <= 64:
-        raise ValueError(f"--workers must be 1 to 64, got {workers}")
 
 
 def _check_fleet_optimizer(optimizer: str, task: str) -> None:

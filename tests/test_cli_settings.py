@@ -119,7 +119,7 @@ def test_up_offers_the_same_names_and_set_takes_them():
     up = {p.name for p in COMMANDS["up"].params}
     generated = {s.name for s in SETTINGS if s.path[0] not in NOT_SETTABLE}
     assert generated <= up and generated <= train and {"model", "data", "text_field"} <= up
-    assert COMMANDS["up"].callback.settings_names == tuple(s.name for s in SETTINGS if s.name in generated)
+    assert dict(COMMANDS["up"].callback.sections)[SECTION] == tuple(s.name for s in SETTINGS if s.name in generated)
     assert parse_set(["seq-len=16", "lr=6e-4", "anytime_k=4"], exclude=NOT_SETTABLE) == {
         "seq_len": 16, "lr": 6e-4, "anytime_k": 4}
     for item, message in (("eps=0", "eps=0: .*greater than 0"), ("device=cuda", "not a setting of both runs"),

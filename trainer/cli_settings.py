@@ -181,12 +181,13 @@ def key_values(items: list[str], option: str = "--optimizer-option") -> dict:
     return out
 
 
-def collect(values: dict[str, Any]) -> dict[str, Any]:
-    """TrainConfig keyword overrides from generated options' values {setting name: value}; None (unset) is left
-    out; a nested model's sub-fields (or its flag) build its dict ({"anytime": {"k": 4}})."""
+def collect(values: dict[str, Any], by_name: dict[str, Setting] | None = None) -> dict[str, Any]:
+    """Model keyword overrides (TrainConfig's unless `by_name` is another model's table, `table`) from generated
+    options' values {setting name: value}; None (unset) is left out; a nested model's sub-fields (or its flag) build
+    its dict ({"anytime": {"k": 4}})."""
     out: dict[str, Any] = {}
     for name, value in values.items():
-        s = BY_NAME[name]
+        s = (by_name or BY_NAME)[name]
         if value is None or (s.is_dict and not value) or (s.flag and not value):
             continue
         if s.is_dict:
@@ -199,6 +200,11 @@ def collect(values: dict[str, Any]) -> dict[str, Any]:
         else:
             out.setdefault(s.path[0], {})[s.path[1]] = value
     return out
+
+
+def table(model: type[BaseModel]) -> dict[str, Setting]:
+    """{option name: Setting} of `model`'s fields (TrainConfig's is BY_NAME)."""
+    return BY_NAME if model is TrainConfig else {s.name: s for s in _settings(model)}
 
 
 def parse_set(items: tuple[str, ...] | list[str], *, exclude: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -230,44 +236,48 @@ def parse_set(items: tuple[str, ...] | list[str], *, exclude: tuple[str, ...] = 
 
 
 class SettingsCommand(TyperCommand):
-    """A typer command whose --help lists the generated TrainConfig options in their own section, after the
-    command's own options."""
+    """A typer command whose --help lists each model's generated options in a section of its own (`with_settings`'
+    `section`), after the command's own options."""
 
     def format_options(self, ctx: Any, formatter: Any) -> None:
-        names = set(getattr(self.callback, "settings_names", ()))
-        own, generated = [], []
+        sections = list(getattr(self.callback, "sections", ()))
+        where = {name: title for title, names in sections for name in names}
+        rows: dict[str, list] = {"Options": [], **{title: [] for title, _ in sections}}
         for param in self.get_params(ctx):
             record = param.get_help_record(ctx)
             if record is not None:
-                (generated if param.name in names else own).append(record)
-        for title, rows in (("Options", own), (SECTION, generated)):
-            if rows:
+                rows[where.get(param.name, "Options")].append(record)
+        for title, records in rows.items():
+            if records:
                 with formatter.section(title):
-                    formatter.write_dl(rows)
+                    formatter.write_dl(records)
 
 
-def with_settings(*, exclude: tuple[str, ...] = ()) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Decorate a typer command `func(settings, **own_options)`: the command gets one option per Setting (those of
-    fields in `exclude`, and those whose name `func` declares itself, left out) after its own, and `func` receives
-    `settings`, the TrainConfig overrides given (`collect`). Register the result with `cls=SettingsCommand`."""
+def with_settings(*, exclude: tuple[str, ...] = (), model: type[BaseModel] = TrainConfig, param: str = "settings",
+                  section: str = SECTION) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorate a typer command `func(<param>, **own_options)`: the command gets one option per field of `model`
+    (TrainConfig by default; those of fields in `exclude`, and those whose name `func` declares itself, left out)
+    after its own, and `func` receives `<param>`, the `model` overrides given (`collect`). Decorators stack: one per
+    model, each listing its options in its own --help `section`. Register the result with `cls=SettingsCommand`."""
+    by_name = table(model)
 
     def wrap(func: Callable[..., Any]) -> Callable[..., Any]:
         sig = inspect.signature(func, eval_str=True)
-        own = [p for name, p in sig.parameters.items() if name != "settings"]
+        own = [p for name, p in sig.parameters.items() if name != param]
         taken = {p.name for p in own}
-        names = [s.name for s in SETTINGS if s.name not in taken and s.path[0] not in exclude]
-        generated = [_parameter(BY_NAME[n]) for n in names]
+        names = [n for n, s in by_name.items() if n not in taken and s.path[0] not in exclude]
+        generated = [_parameter(by_name[n]) for n in names]
 
         @functools.wraps(func)
         def command(**kwargs: Any) -> Any:
             values = {n: kwargs.pop(n) for n in names}
-            return func(settings=collect(values), **kwargs)
+            return func(**{param: collect(values, by_name)}, **kwargs)
 
         params = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own] + generated
         command.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
         command.__annotations__ = {p.name: p.annotation for p in params}
         del command.__wrapped__  # typer reads the generated signature, not func's
-        command.settings_names = tuple(names)  # type: ignore[attr-defined]  # SettingsCommand's --help section
+        command.sections = (*getattr(func, "sections", ()), (section, tuple(names)))  # type: ignore[attr-defined]
         return command
 
     return wrap

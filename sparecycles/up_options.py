@@ -1,0 +1,72 @@
+"""`up`'s own options as a typed model: `UpOptions`, what `up` runs and where.
+
+TrainConfig is what both runs train, trainer.run_options.RunOptions how they run (shared with `train`), UpOptions
+what only `up` decides: the preset and task, the fleet-probed optimizer, its folder, its workers and devices. The
+`up` command's options are generated from all three (trainer.cli_settings); `plan_up(**given)` takes their fields
+by name and sorts them to the model that owns each (`split_given`). Torch-free.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from trainer.config import TrainConfig
+from trainer.methods import fleet_method_names
+from trainer.run_options import RunOptions
+
+UP_RUN_OPTIONS = ("eval_on", "eval_windows", "eval_deadline", "fleet_wait", "nproc_per_node", "overwrite", "export",
+                  "progress")  # the RunOptions that apply to `up` (the others are `train`'s alone)
+NOT_UP_OPTIONS = tuple(n for n in RunOptions.model_fields if n not in UP_RUN_OPTIONS)
+DEFAULT_OPTIMIZER = {"lm": "zocurv-line", "sentiment": "1.5spsa"}  # the fleet-probed run's, by task
+
+
+def _others(task: str) -> str:
+    return ", ".join(m for m in fleet_method_names(task) if m != DEFAULT_OPTIMIZER[task])
+
+
+class UpOptions(BaseModel):
+    """What `up` runs and where. Raises pydantic.ValidationError for a value outside its choices or bounds."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    preset: str = Field("demo", min_length=1, description="run preset (demo; with --task sentiment: sentiment-demo) "
+                        "or a model preset: the defaults that the training settings override")
+    task: Literal["lm", "sentiment"] = Field("lm", description="lm (pretraining, ZO-Curv) or sentiment (MiniLM-L6, "
+                                             "pure ZO)")
+    optimizer: str | None = Field(None, description="the fleet-probed optimizer (AdamW always runs as the baseline). "
+                                  f"lm: {DEFAULT_OPTIMIZER['lm']} (default), {_others('lm')}; sentiment: "
+                                  f"{DEFAULT_OPTIMIZER['sentiment']} (default), {_others('sentiment')}")
+    workers: int = Field(2, ge=1, le=64, description="local probe worker processes")
+    run_dir: Path | None = Field(None, description="run folder. Default: runs/up-<preset>-<optimizer>, plus the "
+                                 "settings that differ from the preset's (e.g. -steps5)")
+    keep_blobs: bool = Field(False, description="keep the coordinator's weight blobs and Valkey files")
+    device: str | None = Field(None, description="the trainer's device (both runs): cpu (default) or cuda:N")
+    worker_devices: str | None = Field(None, description="one probe worker per listed device, e.g. cuda:1,cuda:2 "
+                                       "(replaces --workers)")
+    gpus: Literal["auto"] | None = Field(None, description="auto: the trainer on the first GPU, a probe worker on "
+                                         "each other GPU (one GPU: both share it)")
+
+    @property
+    def fleet_optimizer(self) -> str:
+        """The fleet-probed optimizer: --optimizer, else the task's default."""
+        return self.optimizer or DEFAULT_OPTIMIZER[self.task]
+
+    @property
+    def preset_for_task(self) -> str:
+        """The run preset: --task sentiment turns the demo into sentiment-demo."""
+        return "sentiment-demo" if self.task == "sentiment" and self.preset == "demo" else self.preset
+
+
+def split_given(given: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """(UpOptions, RunOptions, TrainConfig) keyword arguments from `plan_up`'s keywords, each to the model that owns
+    its name. Raises TypeError for a name none of them has."""
+    up, run, cfg = {}, {}, {}
+    for key, value in given.items():
+        owner = up if key in UpOptions.model_fields else run if key in RunOptions.model_fields else cfg
+        if owner is cfg and key not in TrainConfig.model_fields:
+            raise TypeError(f"plan_up() got an unexpected keyword argument {key!r}")
+        owner[key] = value
+    return up, run, cfg
