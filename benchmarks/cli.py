@@ -411,6 +411,61 @@ def bench_precision(
     typer.echo(f"bound: bf16 SNR >= {res['snr_bound']:g}; from this measurement: {res['measured_precision']}")
 
 
+def bench_serving(
+    requests: Annotated[int, typer.Option(min=2, help="Requests per arm")] = 20,
+    rate: Annotated[float, typer.Option(min=0.01, max=100.0, help="Poisson arrivals per second")] = 0.2,
+    hold: Annotated[float, typer.Option(min=0.0, help="The yielding worker's --serving-hold (seconds)")] = 0.5,
+    control_interval: Annotated[float, typer.Option(min=0.05, help="The workers' control interval (seconds)")] = 0.2,
+    seed: Annotated[int, typer.Option(help="Seed of the arrivals and of the text passages")] = 0,
+    blocks: Annotated[int, typer.Option(min=1, help="Interleave the arms in this many blocks (a, b, c, a, b, c, ...)")]
+    = 4,
+    redis_url: Annotated[str, typer.Option(envvar="REDIS_URL", help="Redis (keys are namespaced)")]
+    = "redis://127.0.0.1:6379/0",
+    out: Annotated[Path, typer.Option(help="Folder for serving.json and serving.png")]
+    = Path("benchmarks/results/cpu/serving"),
+) -> None:
+    """Serving latency beside a fleet worker: (a) engine alone, (b) busy worker, (c) engine-aware yielding."""
+    from benchmarks.serving import run_serving_bench
+
+    if len(os.sched_getaffinity(0)) < 2:
+        raise typer.BadParameter("needs 2 CPUs (the engine and worker on one, trainer and load on the other)")
+    res = run_serving_bench(redis_url, requests, rate, hold, control_interval, seed, out, blocks,
+                            progress=lambda m: typer.echo(m, err=True))
+    for arm, f in res["arms"].items():
+        typer.echo(f"({arm}) TTFT p50/p95/p99 {f['ttft_s']['p50']:.3f}/{f['ttft_s']['p95']:.3f}/"
+                   f"{f['ttft_s']['p99']:.3f} s  e2e {f['e2e_s']['p50']:.3f}/{f['e2e_s']['p95']:.3f}/"
+                   f"{f['e2e_s']['p99']:.3f} s  {f['output_tokens_per_s']:.2f} tokens/s  forwards "
+                   f"{f['probe_forwards_done']:.0f}  idle used {f['idle_used_share'] or 0:.2f}  reclaim p95 "
+                   f"{f['reclaim_s']['p95'] if f['reclaim_s']['p95'] is not None else float('nan'):.3f} s")
+    for arm, r in res.get("ratios", {}).items():
+        typer.echo(f"({arm}) / (a) p95: TTFT {r['ttft_s']:.3f}x, e2e {r['e2e_s']:.3f}x")
+    typer.echo(f"wrote {out / 'serving.json'} and {out / 'serving.png'}")
+
+
+def bench_serving_load(
+    url: Annotated[str, typer.Argument(help="The engine's base URL (OpenAI-compatible), e.g. http://127.0.0.1:8100")],
+    requests: Annotated[int, typer.Option(min=1, help="Requests to send")] = 40,
+    rate: Annotated[float, typer.Option(min=0.01, max=100.0, help="Poisson arrivals per second")] = 0.1,
+    seed: Annotated[int, typer.Option(help="Seed of the arrivals and of the text passages")] = 0,
+    json_path: Annotated[Path | None, typer.Option("--json-out", help="Write every request's timings here")] = None,
+) -> None:
+    """The open-loop request load alone (Poisson arrivals, lengths from a real text) against a running engine: the
+    CPU load of tools/serving_demo.sh. Prints TTFT and end-to-end p50/p95/p99."""
+    import httpx
+
+    from benchmarks.serving_load import CONTEXT, make_requests, outcome_dict, percentiles, run_load, verses
+
+    model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
+    outs = run_load(url, model, make_requests(requests, rate, seed, verses(requests * CONTEXT + 1)))
+    ok = [o for o in outs if not o.error and o.end is not None]
+    ttft = percentiles([o.ttft_s for o in ok if o.ttft_s is not None])
+    e2e = percentiles([o.e2e_s for o in ok])
+    if json_path is not None:
+        json_path.write_text(json.dumps({"ttft_s": ttft, "e2e_s": e2e, "requests": [outcome_dict(o) for o in outs]},
+                                        indent=1))
+    typer.echo(f"{len(ok)}/{len(outs)} answered; TTFT p50/p95/p99 {ttft}; end to end {e2e}")
+
+
 # short_help: the one-line summaries `sparecycles bench --help` lists, whole at 80 columns.
 bench_app.command("kernels", short_help="Fused perturb/replay kernels vs copy bandwidth.")(
     kernels_cli.bench_kernels)
@@ -421,6 +476,9 @@ bench_app.command("data-pack", short_help="Tokens/s and the time to pack a 100 M
     bench_data_pack)
 bench_app.command("precision", short_help="bf16 vs TF32 signal-to-noise per round kind.")(bench_precision)
 bench_app.command("zo", short_help="ZO-Curv and pure-ZO benchmarks on real data.")(bench_zo)
+bench_app.command("serving", short_help="Serving latency beside a worker, with and without yielding.")(
+    bench_serving)
+bench_app.command("serving-load", short_help="Open-loop requests against a running engine.")(bench_serving_load)
 bench_app.command("regime", short_help="Block-type lrs vs AdamW at large batch (issue 29).",
                   context_settings={"allow_extra_args": True, "ignore_unknown_options": True,
                                     "help_option_names": []})(bench_regime)

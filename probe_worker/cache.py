@@ -161,6 +161,9 @@ class WeightCache:
         self.shard_dir.mkdir(parents=True, exist_ok=True)
         self.keep_versions, self.keep_disk_versions = keep_versions, keep_disk_versions
         self.max_replay = max_replay
+        # called between tensors of a ledger replay (a serving worker's Preemption.check): raising ends the replay and
+        # nothing of it is kept (_load forgets the pending load), so a version is never half replayed
+        self.interrupt: Callable[[], None] = lambda: None
         self.metrics = metrics or default_metrics()
         self._loaded: OrderedDict[tuple[str, int], LoadedVersion] = OrderedDict()
         self._recent: OrderedDict[tuple[str, int], VersionManifest] = OrderedDict()
@@ -400,6 +403,7 @@ class WeightCache:
             offset += p.numel()
         for e in entries:
             for p, off in params:
+                self.interrupt()
                 if e.scale != 1.0 and p.dim() >= e.scale_min_dim:
                     p.data.mul_(e.scale)
                 replay_(p.data, list(e.seeds), list(e.coeffs), off, e.distribution)

@@ -52,7 +52,8 @@ def worker(
     teacher_queue: Annotated[list[str] | None, typer.Option(help="A teacher round queue to consume with "
                                                             "--teacher-engine (repeatable; `train` prints it)")] = None,
     loglevel: Annotated[str, typer.Option(help="Log level (DEBUG, INFO, WARNING)")] = "INFO",
-    serving_metrics: Annotated[str | None, typer.Option(help="Yield to the serving engine beside this worker: its "
+    serving_metrics: Annotated[str | None, typer.Option(envvar="SPARECYCLES_SERVING_METRICS",
+                                                        help="Yield to the serving engine beside this worker: its "
                                                         "Prometheus endpoint, e.g. http://127.0.0.1:8000/metrics, "
                                                         "read every control interval (docs/serving.md)")] = None,
     serving_engine: Annotated[str | None, typer.Option(help="Whose queue gauges to read: auto, vllm, sglang, tgi "
@@ -61,10 +62,11 @@ def worker(
                                                             "engine)")] = None,
     serving_busy_above: Annotated[float | None, typer.Option(help="The engine is busy while its gauges sum above "
                                                              "this (requests; default 0)")] = None,
-    serving_hold: Annotated[float | None, typer.Option(help="Seconds the engine must read idle before the worker "
+    serving_hold: Annotated[float | None, typer.Option(envvar="SPARECYCLES_SERVING_HOLD",
+                                                       help="Seconds the engine must read idle before the worker "
                                                        "takes tasks again (default in docs/serving.md)")] = None,
-    serving_trace: Annotated[Path | None, typer.Option(help="Append each task's start, end and outcome there "
-                                                       "(JSON lines; `bench serving` plots them)")] = None,
+    task_trace: Annotated[Path | None, typer.Option(help="Append each task's start, end and outcome there "
+                                                    "(JSON lines; `bench serving` plots them)")] = None,
 ) -> None:
     """Register with the coordinator and evaluate probe tasks until SIGTERM (SIGUSR1 drains, SIGUSR2 resumes)."""
     if not coordinator.startswith(("http://", "https://")):
@@ -101,9 +103,8 @@ def worker(
         torch.set_float32_matmul_precision("high")
     serving = None
     if serving_metrics is not None:
-        serving = _serving_policy(serving_metrics, serving_engine, serving_gauge, serving_busy_above, serving_hold,
-                                  serving_trace)
-    elif any(v is not None for v in (serving_engine, serving_gauge, serving_busy_above, serving_hold, serving_trace)):
+        serving = _serving_policy(serving_metrics, serving_engine, serving_gauge, serving_busy_above, serving_hold)
+    elif any(v is not None for v in (serving_engine, serving_gauge, serving_busy_above, serving_hold)):
         raise typer.BadParameter("the --serving-* options need --serving-metrics URL", param_hint="--serving-metrics")
     if bool(teacher_engine) != bool(teacher_queue) or not (teacher_engine or "http").startswith("http"):
         raise typer.BadParameter("--teacher-engine http(s)://... and --teacher-queue go together",
@@ -115,6 +116,7 @@ def worker(
         soft_shutdown_s=soft_shutdown, prefetch_interval_s=prefetch_interval, yield_gpu_util_pct=yield_gpu_util,
         probe_path=probe_path, cuda_graphs=cuda_graphs, tf32_attention=tf32_attention, loglevel=loglevel.upper(),
         serving=serving, teacher_engine=teacher_engine, teacher_queues=tuple(teacher_queue or ()),
+        task_trace=task_trace,
     )
     import httpx
 
@@ -130,14 +132,14 @@ def worker(
 
 
 def _serving_policy(url: str, engine: str | None, gauges: list[str] | None, busy_above: float | None,
-                    hold: float | None, trace: Path | None):
+                    hold: float | None):
     """The ServingPolicy of the --serving-* options (unset ones take the model's defaults); BadParameter if invalid."""
     from pydantic import ValidationError
 
     from probe_worker.serving import ServingPolicy
 
     given = {"metrics_url": url, "engine": engine, "gauges": tuple(gauges) if gauges else None,
-             "busy_above": busy_above, "hold_s": hold, "trace_path": trace}
+             "busy_above": busy_above, "hold_s": hold}
     try:
         return ServingPolicy(**{k: v for k, v in given.items() if v is not None})
     except ValidationError as exc:

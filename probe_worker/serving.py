@@ -13,9 +13,10 @@ engine's queue gauges (requests running + waiting) and feeds the sum to `EngineG
 
 When the gate turns to yield while a task runs, the task is cut short (`install_preemption`: a global forward pre-hook
 raises `Preempted` at the next module call of the task's forward passes; the worker hands the task back to the queue,
-so its round is re-issued and evaluated once, elsewhere or here after the hold). So a task runs at most one control
-interval plus one module's forward past a request's arrival. Not cut: weight loads and ledger replays (no module
-forward runs there), and a compiled forward (torch.compile, CUDA), which ends its whole forward first.
+so its round is re-issued and evaluated once, elsewhere or here after the hold; a pure-ZO ledger replay is cut between
+tensors, WeightCache.interrupt). So a task runs at most one control interval plus one module's forward (or one tensor's
+replay) past a request's arrival. Not cut: a snapshot's weight load, and a compiled forward (torch.compile, CUDA),
+which ends its whole forward first.
 
 `ServingLedger` keeps the figures (seconds yielded, the engine's idle seconds, the idle seconds the worker used,
 reclaim latencies); they go to the worker's metrics and heartbeat (wire.messages.ServingFigures).
@@ -61,7 +62,6 @@ class ServingPolicy(BaseModel):
     busy_above: the engine is busy while the summed gauges exceed this (requests; 0: any request).
     hold_s: seconds of idle readings in a row before the worker resumes (hysteresis).
     scrape_timeout_s: one scrape's timeout (connect + read); slower counts as unreadable (and yields).
-    trace_path: append one JSON line per task (unix start, end, outcome) there, for `bench serving`'s plot.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -71,8 +71,7 @@ class ServingPolicy(BaseModel):
     gauges: tuple[Annotated[str, Field(min_length=1, max_length=200)], ...] = ()
     busy_above: Annotated[float, Field(ge=0.0, le=1e6, allow_inf_nan=False)] = 0.0
     hold_s: Annotated[float, Field(ge=0.0, le=3600.0, allow_inf_nan=False)] = 2.0
-    scrape_timeout_s: Annotated[float, Field(gt=0.0, le=10.0, allow_inf_nan=False)] = 0.25
-    trace_path: Path | None = None
+    scrape_timeout_s: Annotated[float, Field(gt=0.0, le=10.0, allow_inf_nan=False)] = 0.5
 
     def gauge_names(self, available: set[str]) -> tuple[str, ...]:
         """The gauges to sum, given the metric family names of a scrape (for `engine="auto"`); () if none."""

@@ -107,6 +107,7 @@ class WorkerOptions:
     serving: yield to a co-located serving engine (probe_worker.serving; read every control interval; None: off);
     teacher_engine: answer teacher rounds of `teacher_queues` (wire.teacher_messages.TEACHER_QUEUE_PREFIX.RUN)
     through the engine at this URL (probe_worker.engine_teacher; never loading the teacher), drained as probes are.
+    task_trace: append each task's unix start, end and outcome there as a JSON line (probe_worker.serving.TraceFile).
     """
 
     coordinator: str
@@ -129,6 +130,7 @@ class WorkerOptions:
     serving: ServingPolicy | None = None
     teacher_engine: str | None = None
     teacher_queues: tuple[str, ...] = ()
+    task_trace: Path | None = None
 
 
 class ProbeWorker:
@@ -178,13 +180,13 @@ class ProbeWorker:
                                     probe_path=opts.probe_path, cuda_graphs=opts.cuda_graphs,
                                     attn_dtype=attention_dtype(opts.tf32_attention, opts.device))
         self.serving: ServingWatch | None = None
-        trace = None
         if opts.serving is not None:
             self.serving = ServingWatch(opts.serving, self.drain, self.metrics)
             self.drain.set_serving(True)  # until the engine reads idle for the hold time (EngineGate starts so)
             self.drain.preemption.install()
-            trace = TraceFile(opts.serving.trace_path) if opts.serving.trace_path else None
-        register_probe_task(self.app, self.runtime, self.drain, self.metrics, trace)
+            self.cache.interrupt = self.drain.preemption.check  # a ledger replay is cut between tensors too
+        register_probe_task(self.app, self.runtime, self.drain, self.metrics,
+                            TraceFile(opts.task_trace) if opts.task_trace else None)
         if opts.teacher_engine:
             self._register_teacher(opts.teacher_engine)
         warm_up()

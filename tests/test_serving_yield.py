@@ -60,7 +60,7 @@ def test_a_burst_cuts_the_task_drains_the_worker_and_its_round_is_reissued_once(
     trace = tmp_path / "spans.jsonl"
     try:
         fleet.start_worker("w", "--serving-metrics", vllm_engine.metrics_url, "--serving-hold", str(HOLD_S),
-                           "--serving-trace", str(trace), "--control-interval", str(INTERVAL_S))
+                           "--task-trace", str(trace), "--control-interval", str(INTERVAL_S))
         fleet.wait_consuming("w")
         # a model slow enough on one thread that one task of SEEDS seeds takes seconds
         model = tiny_gpt2(vocab_size=128, n_positions=64, n_embd=192, n_layer=4, n_head=4, seed=5)

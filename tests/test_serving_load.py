@@ -1,0 +1,49 @@
+"""`bench serving`'s arithmetic (benchmarks.serving_load, benchmarks.serving.arm_figures): exact values on small cases."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.serving import arm_figures
+from benchmarks.serving_load import (
+    CONTEXT,
+    MAX_OUT,
+    MIN_OUT,
+    Outcome,
+    make_requests,
+    overlap,
+    percentiles,
+    union,
+)
+
+
+def test_union_overlap_and_percentiles():
+    assert union([(3, 4), (0, 1), (0.5, 2)]) == [(0, 2), (3, 4)]
+    assert overlap([(0, 2), (3, 4)], [(1, 3.5)]) == 1.5
+    assert percentiles([5, 1, 4, 2, 3]) == {"p50": 3, "p95": 5, "p99": 5}
+    assert percentiles(list(range(1, 101))) == {"p50": 50, "p95": 95, "p99": 99}
+
+
+def test_requests_are_seeded_passages_with_next_sentence_lengths():
+    text = [f"w{i} " * (i % 50 + 4) for i in range(200)]
+    reqs = make_requests(10, 0.5, 7, text)
+    assert reqs == make_requests(10, 0.5, 7, text) and reqs != make_requests(10, 0.5, 8, text)
+    assert all(a.at_s < b.at_s for a, b in zip(reqs, reqs[1:]))
+    assert all(MIN_OUT <= r.max_tokens <= MAX_OUT for r in reqs)
+    starts = [text.index(next(t for t in text if r.prompt.startswith(t.strip()))) for r in reqs]
+    assert [b - a for a, b in zip(starts, starts[1:])] == [CONTEXT] * 9
+    with pytest.raises(ValueError):
+        make_requests(100, 0.5, 0, text)
+
+
+def test_arm_figures_idle_share_and_reclaim():
+    # two requests busy [10, 12] and [15, 16] in an arm [10, 20]: idle 7 s
+    outs = [Outcome(sent=10.0, first=10.5, end=12.0, tokens=4), Outcome(sent=15.0, first=15.2, end=16.0, tokens=2)]
+    # worker tasks: [9, 10.4] cut (clipped to 10), [12.5, 14] done, [14.5, 15.3] cut, [17, 20] done
+    spans = [(10.0, 10.4, "preempted"), (12.5, 14.0, "done"), (14.5, 15.3, "preempted"), (17.0, 20.0, "done")]
+    f = arm_figures([(outs, spans, 10.0, 20.0)])
+    assert f["engine_idle_s"] == 7.0 and f["worker_task_s"] == pytest.approx(5.7)
+    assert f["idle_used_s"] == pytest.approx(5.7 - 0.4 - 0.3) and f["idle_used_share"] == pytest.approx(5.0 / 7)
+    assert f["reclaims"] == 1 and f["reclaim_s"]["p95"] == pytest.approx(0.3)  # 15.0 -> 15.3; 10.0 is no arrival inside
+    assert f["ttft_s"]["p50"] == pytest.approx(0.2) and f["output_tokens_per_s"] == pytest.approx(0.6)
+    assert f["tasks_cut"] == 2
