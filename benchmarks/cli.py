@@ -419,6 +419,7 @@ def bench_serving(
     seed: Annotated[int, typer.Option(help="Seed of the arrivals and of the text passages")] = 0,
     blocks: Annotated[int, typer.Option(min=1, help="Interleave the arms in this many blocks (a, b, c, a, b, c, ...)")]
     = 4,
+    probes: Annotated[int, typer.Option(min=1, max=4096, help="The trainer's probes per step (1SPSA K)")] = 64,
     redis_url: Annotated[str, typer.Option(envvar="REDIS_URL", help="Redis (keys are namespaced)")]
     = "redis://127.0.0.1:6379/0",
     out: Annotated[Path, typer.Option(help="Folder for serving.json and serving.png")]
@@ -429,7 +430,7 @@ def bench_serving(
 
     if len(os.sched_getaffinity(0)) < 2:
         raise typer.BadParameter("needs 2 CPUs (the engine and worker on one, trainer and load on the other)")
-    res = run_serving_bench(redis_url, requests, rate, hold, control_interval, seed, out, blocks,
+    res = run_serving_bench(redis_url, requests, rate, hold, control_interval, seed, out, blocks, probes,
                             progress=lambda m: typer.echo(m, err=True))
     for arm, f in res["arms"].items():
         typer.echo(f"({arm}) TTFT p50/p95/p99 {f['ttft_s']['p50']:.3f}/{f['ttft_s']['p95']:.3f}/"

@@ -1,11 +1,11 @@
 """`sparecycles bench serving`: what serving loses with a fleet worker beside it, and what engine-aware yielding gets back.
 
 Everything real: vLLM (tools/vllm.sh, SmolLM2-135M, float32) on CPU 0; two worker processes on CPU 0 beside it; a
-coordinator and a pure-ZO trainer (`sparecycles train --coordinator`, 1SPSA K=8 on gpt2-tiny, batch 16x64) keeping
-them busy, and the
-open-loop load client (benchmarks.serving_load) on CPU 1 (as on a GPU host the trainer runs on another device). One
+coordinator and a pure-ZO trainer (`sparecycles train --coordinator`, 1SPSA with K probes per step, 64 by default so a
+step leaves a backlog of tasks, on gpt2-tiny, batch 4x64) keeping them busy, and the open-loop load client
+(benchmarks.serving_load) on CPU 1 (as on a GPU host the trainer runs on another device). One
 worker has no serving policy (it never yields), the other yields (`--serving-metrics` with the chosen hold); both
-write their task spans (`--task-trace`). Arms, one after another on the same processes:
+write their task spans (`--task-trace`). Arms, interleaved in blocks (a, b, c, a, b, c, ...) on the same processes:
 
 - (a) engine alone: both workers drained (SIGUSR1; a drained worker only heartbeats);
 - (b) busy worker, no yielding: the first resumed (SIGUSR2), the second drained;
@@ -107,11 +107,11 @@ def arm_figures(blocks) -> dict:
     }
 
 
-def _trainer(fleet: _Fleet, run_dir: Path, log: Path) -> subprocess.Popen:
+def _trainer(fleet: _Fleet, run_dir: Path, log: Path, probes: int) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "SPARECYCLES_ADMIN_TOKEN": fleet.admin_token,
            "SPARECYCLES_REDIS_URL": fleet.redis_url, "SPARECYCLES_KEY_PREFIX": fleet.prefix}
     cmd = ["taskset", "-c", str(FLEET_CPU), sys.executable, "-m", "sparecycles.cli", "train", "--model", "gpt2-tiny",
-           "--corpus", "classics-small", "--optimizer", "1spsa", "--probes", "8", "--batch-size", "16", "--seq-len", "64",
+           "--corpus", "classics-small", "--optimizer", "1spsa", "--probes", str(probes), "--batch-size", "4", "--seq-len", "64",
            "--steps", "1000000",
            "--eval-every", "1000000", "--eval-on", "trainer", "--coordinator", fleet.url, "--run-dir", str(run_dir),
            "--no-progress"]
@@ -120,7 +120,7 @@ def _trainer(fleet: _Fleet, run_dir: Path, log: Path) -> subprocess.Popen:
 
 
 def run_serving_bench(redis_url: str, requests: int, rate: float, hold_s: float, interval_s: float, seed: int,
-                      out_dir: Path, blocks: int = 4, progress=print) -> dict:
+                      out_dir: Path, blocks: int = 4, probes: int = 64, progress=print) -> dict:
     """Start everything, run `blocks` rounds of arms a, b, c (requests // blocks requests each), stop everything;
     returns the result dict (also written to out_dir/serving.json with the raw requests and spans; the plot to
     out_dir/serving.png). SIGTERM stops it cleanly (every process it started)."""
@@ -134,7 +134,7 @@ def run_serving_bench(redis_url: str, requests: int, rate: float, hold_s: float,
     tmp = Path(tempfile.mkdtemp(prefix="bench-serving-"))
     engine = VllmProcess(smollm2_dir(), free_port(), tmp / "vllm.log", cpus=[ENGINE_CPU])
     fleet = trainer = None
-    result: dict = {"settings": {"requests_per_arm": requests, "blocks": blocks, "rate_per_s": rate, "hold_s": hold_s,
+    result: dict = {"settings": {"requests_per_arm": requests, "blocks": blocks, "trainer_probes": probes, "rate_per_s": rate, "hold_s": hold_s,
                                  "control_interval_s": interval_s, "seed": seed, "engine_cpu": ENGINE_CPU,
                                  "fleet_cpu": FLEET_CPU}, "arms": {}, "raw": {}}
     try:
@@ -154,8 +154,8 @@ def run_serving_bench(redis_url: str, requests: int, rate: float, hold_s: float,
         for p in fleet.procs:
             _pin(p.pid, ENGINE_CPU)
         noyield, yielder = fleet.procs
-        progress("starting the trainer (1SPSA on gpt2-tiny) on CPU 1 ...")
-        trainer = _trainer(fleet, tmp / "run", tmp / "trainer.log")
+        progress(f"starting the trainer (1SPSA K={probes} on gpt2-tiny) on CPU 1 ...")
+        trainer = _trainer(fleet, tmp / "run", tmp / "trainer.log", probes)
         time.sleep(5)
         signals = {"a": (signal.SIGUSR1, signal.SIGUSR1), "b": (signal.SIGUSR2, signal.SIGUSR1),
                    "c": (signal.SIGUSR1, signal.SIGUSR2)}
