@@ -164,7 +164,8 @@ class FleetStatus:
         self.client = httpx.Client(timeout=1.0)
 
     def snapshot(self) -> dict[str, float]:
-        """Scrape once: active workers, tasks published, results by outcome, accepted results/s since start."""
+        """Scrape once: active workers, tasks published and re-issued (the coordinator's counters since it
+        started), results by outcome, accepted results/s since start."""
         from prometheus_client.parser import text_string_to_metric_families
 
         # Only a 200 in Prometheus text is parsed: a 503 (an older coordinator while Redis is down)
@@ -175,7 +176,7 @@ class FleetStatus:
             return self.last
         if r.status_code != 200 or not r.headers.get("content-type", "").startswith("text/plain"):
             return self.last
-        snap: dict[str, float] = {"workers": 0.0, "tasks_published": 0.0}
+        snap: dict[str, float] = {"workers": 0.0, "tasks_published": 0.0, "tasks_redispatched": 0.0}
         try:
             for fam in text_string_to_metric_families(r.text):
                 for s in fam.samples:
@@ -183,6 +184,8 @@ class FleetStatus:
                         snap["workers"] += s.value
                     elif s.name == "sparecycles_tasks_published_total":
                         snap["tasks_published"] = s.value
+                    elif s.name == "sparecycles_tasks_redispatched_total":  # every reason: a stalled round's
+                        snap["tasks_redispatched"] += s.value  # seeds re-issued (coordinator.deadlines)
                     elif s.name == "sparecycles_intake_results_total":
                         snap[f"results_{s.labels.get('outcome', '?')}"] = s.value
         except ValueError:

@@ -9,6 +9,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILES = ("docker/Dockerfile", "docker/Dockerfile.cuda")
@@ -37,7 +38,8 @@ def test_dockerfile_copies_every_package(dockerfile):
     copied = _copied(dockerfile)
     assert copied == _packages(), f"{dockerfile}: missing {_packages() - copied}, extra {copied - _packages()}"
     text = (ROOT / dockerfile).read_text()
-    assert re.search(r"^COPY pyproject.toml README.md LICENSE \./$", text, re.M)  # pip install . needs all three
+    # pip install . needs all three; pyproject.toml alone comes first (the dependencies' layer).
+    assert re.search(r"^COPY pyproject.toml \./\n(.*\n)*COPY README.md LICENSE \./$", text, re.M)
 
 
 def test_dockerignore_lets_in_exactly_what_the_images_copy():
@@ -58,9 +60,53 @@ def test_dockerfile_builds_without_a_hub_or_baked_credentials(dockerfile):
     assert {"PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_FIND_LINKS", "PIP_TRUSTED_HOST", "TORCH_PIP_ARGS"} <= args
     instructions = re.split(r"\n(?=[A-Z]+ )", text)  # a RUN continued over lines is one instruction
     pip_runs = [r for r in instructions if r.startswith("RUN") and re.search(r"\bpip3? install\b", r)]
-    assert len(pip_runs) == 2
+    assert len(pip_runs) == 3  # torch, the dependencies, the project
     for run in pip_runs:
         assert "--mount=type=secret,id=ca_bundle" in run and "--mount=type=secret,id=pip_conf" in run
         assert "PIP_CERT=/run/secrets/ca_bundle" in run and "PIP_CONFIG_FILE=/run/secrets/pip_conf" in run
     assert not re.search(r"^(ENV|ARG) .*(PASSWORD|TOKEN|SECRET)", text, re.M)
     assert not re.search(r"^COPY .*\.(pem|crt)\b", text, re.M)
+
+
+@pytest.mark.parametrize("compose", ("docker/compose.yml", "docker/compose.cpu.yml"))
+def test_every_service_on_our_images_runs_a_sparecycles_subcommand(compose):
+    """The images' ENTRYPOINT is `sparecycles`, so a service's `command` is its arguments: it must start with a
+    subcommand, and a service that runs a shell must replace the entrypoint and `exec sparecycles SUBCOMMAND`.
+    (Found by running compose.yml's trainer for real: its `command: [sh, -c, ...]` ran as `sparecycles sh -c ...`,
+    "No such command 'sh'", in both compose files; no test had looked at the entrypoint.)"""
+    import json
+
+    import typer.main
+
+    from sparecycles.cli import app
+
+    subcommands = set(typer.main.get_command(app).commands)
+    entrypoints = {json.loads(m.group(1)) == ["sparecycles"] for f in DOCKERFILES
+                   for m in [re.search(r"^ENTRYPOINT (\[.*\])$", (ROOT / f).read_text(), re.M)]}
+    assert entrypoints == {True}
+    services = yaml.safe_load((ROOT / compose).read_text())["services"]
+    def image(svc: dict) -> str:  # "${SPARECYCLES_IMAGE:-sparecycles:cpu}" -> "sparecycles:cpu"
+        return re.sub(r"^\$\{\w+:-(.*)\}$", r"\1", str(svc.get("image", "")))
+
+    ours = {n: s for n, s in services.items() if image(s).split(":")[0] == "sparecycles"}
+    assert {"coordinator", "trainer"} <= set(ours), sorted(ours)
+    for name, svc in ours.items():
+        argv = [*(svc.get("entrypoint") or ["sparecycles"]), *svc["command"]]
+        if argv[:2] == ["sh", "-c"]:
+            m = re.match(r"exec sparecycles (\S+) ", argv[2])
+            assert m and len(argv) == 3, f"{compose} {name}: a shell line must exec sparecycles: {argv}"
+            argv = ["sparecycles", m.group(1)]
+        assert argv[0] == "sparecycles" and argv[1] in subcommands, f"{compose} {name} runs {argv[:3]}"
+
+
+def test_readme_deployment_runs_the_commands_the_compose_test_runs():
+    """README's Deployment block is what tests/test_compose.py runs: the two tools scripts, then compose up -d
+    and down -v on docker/compose.cpu.yml with an env file (the test's own: fresh secrets, free ports)."""
+    section = (ROOT / "README.md").read_text().split("\n## Deployment\n", 1)[1].split("\n## ", 1)[0]
+    lines = [ln.split("  #", 1)[0].strip() for ln in re.findall(r"```bash\n(.*?)```", section, re.S)[0].splitlines()]
+    base = "docker-compose -f docker/compose.cpu.yml --env-file docker/.env"
+    assert lines == ["bash tools/dockerd.sh && bash tools/images.sh", "cp docker/.env.example docker/.env",
+                     f"{base} up -d", f"{base} down -v"]
+    test = (ROOT / "tests/test_compose.py").read_text()
+    assert all(s in test for s in ('"tools/dockerd.sh"', '"tools/images.sh"', '"docker/compose.cpu.yml"',
+                                   'compose("up", "-d"', 'compose("down", "-v"'))

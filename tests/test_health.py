@@ -265,3 +265,15 @@ def test_errors_name_what_the_user_typed_and_help_lists_the_corpora():
     res = CliRunner().invoke(app, ["train", "--require-fleet", "--steps", "1"], env={"SPARECYCLES_COORDINATOR_URL": ""})
     assert res.exit_code == 2 and "--require-fleet needs --coordinator" in " ".join(res.output.split())
     assert "classics-large" in "".join(CliRunner().invoke(app, ["train", "--help"]).output.split())  # wrapped at "-"
+
+
+def test_summary_fleet_figures_are_the_last_steps_and_the_peak():
+    """summary.json's `fleet` (trainer.report.fleet_summary): the last fleet-probed step's figures, without their
+    `fleet_` prefix, and the most workers any step saw; nothing for a run without a fleet."""
+    from trainer.report import fleet_summary
+
+    records = [{"step": 1, "loss": 3.0, "fleet_workers": 2.0, "fleet_tasks_redispatched": 0.0},
+               {"step": 2, "val_loss": 2.9},  # an evaluation record: no fleet figures
+               {"step": 3, "loss": 2.5, "fleet_workers": 1.0, "fleet_tasks_redispatched": 3.0}]
+    assert fleet_summary(records) == {"workers": 1.0, "tasks_redispatched": 3.0, "peak_workers": 2.0}
+    assert fleet_summary([{"step": 1, "loss": 3.0}]) == {}

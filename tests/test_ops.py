@@ -165,16 +165,20 @@ def _reads(command: list[str]) -> set[str]:
 
 def test_compose_passes_only_variables_its_programs_read():
     """A deployment file is code: every SPARECYCLES_* variable a service gets is read by the program it runs
-    (a variable nobody reads is a setting that silently does nothing, like the trainer's coordinator URL was)."""
+    (a variable nobody reads is a setting that silently does nothing, like the trainer's coordinator URL was).
+    Both compose files: the GPU fleet and the CPU one (docker/compose.cpu.yml, two named workers)."""
+    for path, services in (("docker/compose.yml", ("coordinator", "trainer", "probe-worker")),
+                           ("docker/compose.cpu.yml", ("coordinator", "trainer", "probe-worker-1", "probe-worker-2"))):
+        compose = yaml.safe_load((ROOT / path).read_text())
+        checked = 0
+        for name in services:
+            svc = compose["services"][name]
+            passed = {k for k in (svc.get("environment") or {}) if k.startswith("SPARECYCLES_")}
+            unread = passed - _reads(svc["command"])
+            assert not unread, f"{path} passes {sorted(unread)} to {name}, which never reads them"
+            checked += len(passed)
+        assert checked >= 8, path
     compose = yaml.safe_load((ROOT / "docker/compose.yml").read_text())
-    checked = 0
-    for name in ("coordinator", "trainer", "probe-worker"):
-        svc = compose["services"][name]
-        passed = {k for k in (svc.get("environment") or {}) if k.startswith("SPARECYCLES_")}
-        unread = passed - _reads(svc["command"])
-        assert not unread, f"compose passes {sorted(unread)} to {name}, which never reads them"
-        checked += len(passed)
-    assert checked >= 8
     trainer = " ".join(compose["services"]["trainer"]["command"])
     assert "--coordinator http://coordinator:8000" in trainer  # the compose trainer probes on the fleet
     assert compose["services"]["trainer"]["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]

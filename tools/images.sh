@@ -17,6 +17,8 @@
 #   SPARECYCLES_WHEELS         a folder of wheels pip may use, served on 127.0.0.1 for the build (default: pip's
 #                              find-links when it is a local folder); torch comes from it when it holds TORCH_SPEC
 #   SPARECYCLES_TORCH          torch's requirement (torch==2.13.0)
+#   SPARECYCLES_IMAGE_DATA     `sparecycles data fetch` arguments baked into sparecycles:cpu's cache ("--corpus
+#                              classics-small": compose.cpu.yml's trainer then needs no registry); empty: none
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/dockerd.sh >/dev/null
@@ -24,6 +26,7 @@ LABEL=org.sparecycles.inputs
 SUITE=bookworm
 MIRROR=${SPARECYCLES_DEBIAN_MIRROR:-http://deb.debian.org/debian}
 TORCH_SPEC=${SPARECYCLES_TORCH:-torch==2.13.0}
+DATA_FETCH=${SPARECYCLES_IMAGE_DATA---corpus classics-small}
 export DOCKER_BUILDKIT=1
 # A CLI that builds with BuildKit: one with the buildx plugin, or Debian's 20.10 CLI (BuildKit built in).
 if docker buildx version >/dev/null 2>&1 || [ ! -x /usr/bin/docker ]; then DOCKER=docker; else DOCKER=/usr/bin/docker; fi
@@ -80,13 +83,13 @@ done
 python_base=sparecycles-python:$SUITE
 allowed=$(sed -n 's/^!//p' .dockerignore)
 # shellcheck disable=SC2086  # the allowed paths are words
-inputs=$( (cat docker/Dockerfile .dockerignore; id_of "$python_base"; echo "$TORCH_SPEC"
+inputs=$( (cat docker/Dockerfile .dockerignore; id_of "$python_base"; echo "$TORCH_SPEC $DATA_FETCH"
            find $allowed -type f ! -name '*.pyc' ! -path '*/__pycache__/*' -print0 | LC_ALL=C sort -z \
              | xargs -0 sha256sum) | sha)
 if [ "$(inputs_of sparecycles:cpu)" = "$inputs" ]; then
   echo "sparecycles:cpu: up to date"
 else
-  args=(--build-arg "BASE_IMAGE=$python_base" --build-arg "TORCH_SPEC=$TORCH_SPEC")
+  args=(--build-arg "BASE_IMAGE=$python_base" --build-arg "TORCH_SPEC=$TORCH_SPEC" --build-arg "DATA_FETCH=$DATA_FETCH")
   ca=${SPARECYCLES_CA_BUNDLE:-/etc/ssl/certs/ca-certificates.crt}
   [ ! -f "$ca" ] || args+=(--secret "id=ca_bundle,src=$ca")
   wheels=${SPARECYCLES_WHEELS:-${PIP_FIND_LINKS:-$(pip config get global.find-links 2>/dev/null || true)}}

@@ -28,6 +28,17 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return sorted(out, key=lambda r: r.get("step", 0))
 
 
+def fleet_summary(records: list[dict[str, Any]]) -> dict[str, float]:
+    """A fleet-probed run's figures at its last step, from the `fleet_<key>` record keys (fleet.attach's
+    FleetFiguresMode: the coordinator's active workers, its tasks published and re-issued since it started, results
+    by outcome, probes/s) and `peak_workers`, the most active workers any step saw; {} for a run without a fleet."""
+    steps = [r for r in records if "fleet_workers" in r]
+    if not steps:
+        return {}
+    out = {k.removeprefix("fleet_"): v for k, v in steps[-1].items() if k.startswith("fleet_")}
+    return {**out, "peak_workers": max(r["fleet_workers"] for r in steps)}
+
+
 def ema_beta(n: int) -> float:
     """Smoothing factor for `n` train points: 1 − 30/n within [0.5, 0.9], i.e. a window of about n/30 steps
     (5 for the 150-step demo, 10 from 300 steps on). An EMA lags a falling loss by about β/(1 − β) steps, so a

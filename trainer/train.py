@@ -49,7 +49,7 @@ from trainer.ledger import TimeLedger
 from trainer.ledger import phase as ledger_phase
 from trainer.methods import get_method
 from trainer.modes import AdamWMode, TrainMode  # noqa: F401  (AdamWMode: tests patch it here)
-from trainer.report import plot_loss_curves
+from trainer.report import fleet_summary, plot_loss_curves
 from trainer.run_dir import CHECKPOINT_NAME, RunDir, default_run_dir  # noqa: F401  (public here too)
 from trainer.tasks import LMTask, Task, build_task, evaluate, lm_batch_loss, lm_loss  # noqa: F401  (likewise)
 
@@ -340,6 +340,9 @@ def _report(cfg: TrainConfig, s: _Setup, book: _RunLog, ledger: TimeLedger, dist
     rounds = _rounds_summary(run.records())
     if rounds:
         summary["rounds_skipped"] = rounds
+    fleet = fleet_summary(run.records())
+    if fleet:  # a fleet-probed run: workers at the end and at most, tasks published and re-issued, results
+        summary["fleet"] = fleet
     evals_by_fleet = [r for r in vals.values() if r.get("eval_on") is not None]
     if evals_by_fleet:
         summary["evaluations"] = {"fleet": sum(r["eval_on"] == "fleet" for r in evals_by_fleet),
