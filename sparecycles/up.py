@@ -107,6 +107,31 @@ def _rounds_note(optimizer: str, fleet_wait: str = "interval") -> str:
     return "every step waits for all its probes: the run does not depend on the fleet's timing"
 
 
+def _train_runs(plan: UpPlan, run: Callable[[str, object, bool], None], status, log: Callable[[str], None]) -> dict:
+    """Train `up`'s runs not finished with `run(name, cfg, resume)`: AdamW, then the fleet-probed run (interrupted
+    ones resume from their checkpoints, which hold the ZO state). Returns the fleet's figures over every part the
+    fleet-probed run was trained in ({} when it was finished already)."""
+    base_state, zo_state = plan.states["adamw"].kind, plan.states[plan.optimizer].kind
+    for name, cfg, state in (("adamw", plan.base_cfg, base_state), (plan.optimizer, plan.zo_cfg, zo_state)):
+        if state == "resume":
+            log(resume_note(name, cfg))
+    if base_state != "done":
+        run("adamw", plan.base_cfg, base_state == "resume")
+    if zo_state == "done":
+        return {}
+    # A resumed run's fleet figures add up every part: each interruption records the one it ends.
+    parts_path = plan.out / plan.optimizer / FLEET_PARTS
+    parts = _read_parts(parts_path) if zo_state == "resume" else []
+    log(f"{plan.optimizer}: {_rounds_note(plan.optimizer, plan.fleet_wait)}")
+    try:
+        run(plan.optimizer, plan.zo_cfg, zo_state == "resume")
+    finally:  # the coordinator still answers here: its counters cover this part
+        parts.append(status.snapshot())
+        parts_path.parent.mkdir(parents=True, exist_ok=True)
+        parts_path.write_text(json.dumps(parts, indent=2))
+    return sum_fleet(parts)
+
+
 def _train_with_fleet(plan: UpPlan, progress: bool, log: Callable[[str], None],
                       export: bool) -> tuple[dict, str]:
     """Start Valkey (unless REDIS_URL), the coordinator and the workers; train the runs not finished (AdamW, then
@@ -165,26 +190,7 @@ def _train_with_fleet(plan: UpPlan, progress: bool, log: Callable[[str], None],
                 train(cfg, progress=progress, resume=resume, overwrite=True, export=export,
                       evaluator_factory=evaluator, **probes)
 
-            # Interrupted runs resume from their checkpoints (which hold the ZO state).
-            base_state, zo_state = plan.states["adamw"].kind, plan.states[plan.optimizer].kind
-            for name, cfg, state in (("adamw", plan.base_cfg, base_state), (plan.optimizer, plan.zo_cfg, zo_state)):
-                if state == "resume":
-                    log(resume_note(name, cfg))
-            if base_state != "done":
-                run("adamw", plan.base_cfg, base_state == "resume")
-            if zo_state == "done":
-                return {}, redis_desc
-            # A resumed run's fleet figures add up every part: each interruption records the one it ends.
-            parts_path = plan.out / plan.optimizer / FLEET_PARTS
-            parts = _read_parts(parts_path) if zo_state == "resume" else []
-            log(f"{plan.optimizer}: {_rounds_note(plan.optimizer, plan.fleet_wait)}")
-            try:
-                run(plan.optimizer, plan.zo_cfg, zo_state == "resume")
-            finally:  # the coordinator still answers here: its counters cover this part
-                parts.append(status.snapshot())
-                parts_path.parent.mkdir(parents=True, exist_ok=True)
-                parts_path.write_text(json.dumps(parts, indent=2))
-            return sum_fleet(parts), redis_desc
+            return _train_runs(plan, run, status, log), redis_desc
     finally:
         sup.stop_all()
         (out / SCRAPE_CONFIG).unlink(missing_ok=True)  # its ports are closed now

@@ -160,3 +160,14 @@ class InlineWindowsEvaluator:
 
     def finish(self) -> list[dict[str, Any]]:
         return []
+
+
+def poll_quietly(evaluator: Evaluator) -> list[dict[str, Any]]:
+    """`evaluator.poll()` on the way out of an interrupted run: the records ready, never a second error (logged)."""
+    import logging
+
+    try:
+        return evaluator.poll()
+    except Exception as exc:  # noqa: BLE001 - the interrupt is what ends the run
+        logging.getLogger(__name__).warning("taking the evaluations of an interrupted run: %s", exc)
+        return []

@@ -86,6 +86,23 @@ class RunDir:
         run.config.write_text(json.dumps(ours, indent=2))
         return run
 
+    @classmethod
+    def open_on_ranks(cls, cfg: TrainConfig, *, resume: bool, overwrite: bool, dist: Any) -> RunDir:
+        """`open` on rank 0 of `dist` (trainer.distributed.DistContext); the other ranks of a torchrun job wait for
+        it and get the same folder (writing nothing), or raise rank 0's error."""
+        if not dist.parallel:
+            return cls.open(cfg, resume=resume, overwrite=overwrite)
+        run, error = None, None
+        if dist.is_main:
+            try:
+                run = cls.open(cfg, resume=resume, overwrite=overwrite)
+            except (ValueError, FileExistsError) as exc:
+                error = exc
+        got = dist.broadcast_object((str(run.path) if run else None, error))
+        if got[1] is not None:
+            raise got[1]
+        return run or cls(Path(got[0]))
+
     def restart_metrics(self, at_step: int | None) -> list[dict[str, Any]]:
         """Keep the records logged up to `at_step` (the step of the checkpoint a resume starts from; None: a
         fresh run keeps none) and return them: records after the checkpoint are re-logged by the resumed run."""

@@ -43,7 +43,7 @@ from trainer.console import Interrupted, deferred_interrupt, progress_bar, quiet
 from trainer.dist_backends import build_rank_mode
 from trainer.dist_checkpoint import make_checkpointer
 from trainer.distributed import SINGLE, DistContext
-from trainer.evaluation import Evaluator, InlineEvaluator
+from trainer.evaluation import Evaluator, InlineEvaluator, poll_quietly
 from trainer.events import EventLog
 from trainer.ledger import TimeLedger
 from trainer.ledger import phase as ledger_phase
@@ -198,7 +198,7 @@ def _set_up(cfg: TrainConfig, *, resume: bool, progress: bool,
     progress = progress and dist.is_main
     quiet_hf_bars(progress)
     task = build_task(cfg)
-    run = _open_run(cfg, resume, overwrite, dist)  # then the run folder
+    run = RunDir.open_on_ranks(cfg, resume=resume, overwrite=overwrite, dist=dist)  # then the run folder
 
     # 2. build: model, step strategy
     kind = get_method(cfg.optimizer).kind
@@ -290,7 +290,7 @@ def _step_loop(cfg: TrainConfig, s: _Setup, book: _RunLog, ledger: TimeLedger, d
             failed = False
         except KeyboardInterrupt as exc:
             with ledger.phase("eval"):  # what the fleet returned so far; Ctrl-C does not wait for the rest
-                book.log_vals(_poll_quietly(evaluator), done)
+                book.log_vals(poll_quietly(evaluator), done)
             with ledger.phase("checkpoint"):
                 ckpt.save(done)  # keep the position reached; `--resume` continues from here
             raise Interrupted(done, s.run.path) from exc
@@ -382,32 +382,6 @@ def _rounds_summary(records: list[dict[str, Any]]) -> dict[str, float]:
             elif k.endswith("_pending_rounds"):
                 out["pending_at_end"] = v
     return out
-
-
-def _poll_quietly(evaluator: Evaluator) -> list[dict[str, Any]]:
-    """`evaluator.poll()` on the way out of an interrupted run: the records ready, never a second error."""
-    try:
-        return evaluator.poll()
-    except Exception as exc:  # noqa: BLE001 - the interrupt is what ends the run
-        logging.getLogger(__name__).warning("taking the evaluations of an interrupted run: %s", exc)
-        return []
-
-
-def _open_run(cfg: TrainConfig, resume: bool, overwrite: bool, dist: DistContext) -> RunDir:
-    """RunDir.open on rank 0; the other ranks of a torchrun job wait for it and get the same folder (writing nothing),
-    or raise rank 0's error."""
-    if not dist.parallel:
-        return RunDir.open(cfg, resume=resume, overwrite=overwrite)
-    run, error = None, None
-    if dist.is_main:
-        try:
-            run = RunDir.open(cfg, resume=resume, overwrite=overwrite)
-        except (ValueError, FileExistsError) as exc:
-            error = exc
-    got = dist.broadcast_object((str(run.path) if run else None, error))
-    if got[1] is not None:
-        raise got[1]
-    return run or RunDir(Path(got[0]))
 
 
 def _loss_fn(cfg: TrainConfig, task: Task, dist: DistContext, kd_loss_factory=None):
