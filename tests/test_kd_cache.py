@@ -166,6 +166,12 @@ def test_micro_batches_and_curvature_probes_take_their_rows_of_the_step_targets(
         assert "teacher_missing" not in summaries[name].get("warning_counts", {}), name
         assert sum("kd_loss" in r for r in _records(tmp_path / name)) == STEPS, name
     assert summaries["micro"]["final_val_loss"] == pytest.approx(summaries["whole"]["final_val_loss"], rel=1e-4)
+    # each step's record: the whole batch's CE and KD terms, micro-batched or not (before: the last micro-batch's)
+    whole, micro = (_records(tmp_path / n) for n in ("whole", "micro"))
+    for w, m in zip(whole, micro, strict=True):
+        for term in ("ce_loss", "kd_loss"):
+            assert (term in w) == (term in m), (w, m)
+            assert term not in w or m[term] == pytest.approx(w[term], rel=1e-4), (w, m)
 
 
 def test_a_rejected_answer_is_asked_again_and_an_unanswered_step_stops_the_fill(setup, tmp_path: Path) -> None:

@@ -90,7 +90,8 @@ class SparseKDLoss:
     """loss_fn(model, (x, y)) -> (1 - alpha) * CE + alpha * KD (trainer.kd.estimators.kd_loss; float32 scalar,
     nats/token) with the sparse targets `source.take` gives for batch x; CE alone on a step without targets.
     x, y int64 (B, T). Repeated calls on one batch (a ZO method's +/- probes) reuse its targets. `last` keeps
-    (ce, kd) floats (kd NaN on a missing step).
+    (ce, kd) floats (kd NaN on a missing step): the row-weighted mean over the step's backpropagated batches (its
+    micro-batches; the first call on each), else (a pure-ZO step, all no_grad) the last call's.
 
     batch_fn(step) (optional): the batch the trainer trains on at `step`, (x, y) or MicroBatches; the source then
     must be built on whole_batches(batch_fn). With it, a call whose x is rows of the step being trained (or of the
@@ -104,6 +105,7 @@ class SparseKDLoss:
         self._step: tuple[torch.Tensor, KDTargets | None] | None = None  # the step held: (whole x, its targets)
         self._next = 0  # the next step whose targets are not yet taken
         self.last: tuple[float, float] = (math.nan, math.nan)
+        self._terms: dict[int, tuple[float, float, int]] = {}  # this step's backpropagated batches: (ce, kd, rows)
         self.seeked = False
 
     def seek(self, step: int) -> None:
@@ -123,6 +125,7 @@ class SparseKDLoss:
             if (r0 := rows_in(nxt, x)) is None:
                 return self.source.take(x, vocab)
             self._step, self._next = (nxt, self.source.take(nxt, vocab)), self._next + 1
+            self._terms = {}  # a new step: its record's terms start over
         held = self._step[1]
         return None if held is None else take_rows(held, r0, int(x.shape[0]))
 
@@ -133,11 +136,19 @@ class SparseKDLoss:
         key = batch_key(x)
         logits = model(input_ids=x).logits  # (B, T, V)
         if self._cached is None or self._cached[0] != key:
+            if self.batch_fn is None:  # no steps known: each new batch is its own record
+                self._terms = {}
             self._cached = (key, self._take(x, int(logits.shape[-1])))
         targets = self._cached[1]
         ce = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
         kd = sparse_ce(logits, targets) if targets is not None else None
         self.last = (float(ce.detach()), float(kd.detach()) if kd is not None else math.nan)
+        if torch.is_grad_enabled():  # a backpropagated batch (a micro-batch), not a ZO probe (those run no_grad)
+            self._terms.setdefault(key, (*self.last, int(x.shape[0])))
+        if self._terms:  # the step's record: the row-weighted mean over its micro-batches, not the last one's
+            rows = sum(n for _, _, n in self._terms.values())
+            self.last = (sum(c * n for c, _, n in self._terms.values()) / rows,
+                         sum(k * n for _, k, n in self._terms.values()) / rows)
         return kd_loss(ce, kd, self.alpha)
 
     def stats(self) -> dict[str, int]:
