@@ -161,8 +161,8 @@ class WeightCache:
         self.shard_dir.mkdir(parents=True, exist_ok=True)
         self.keep_versions, self.keep_disk_versions = keep_versions, keep_disk_versions
         self.max_replay = max_replay
-        # called between tensors of a ledger replay (a serving worker's Preemption.check): raising ends the replay and
-        # nothing of it is kept (_load forgets the pending load), so a version is never half replayed
+        # called between the entries of a ledger replay (a serving worker's: raises while it yields): raising ends the
+        # replay; the entries replayed so far are kept as their version, so the next replay goes on from there
         self.interrupt: Callable[[], None] = lambda: None
         self.metrics = metrics or default_metrics()
         self._loaded: OrderedDict[tuple[str, int], LoadedVersion] = OrderedDict()
@@ -401,13 +401,24 @@ class WeightCache:
         for _, p in model.named_parameters():
             params.append((p, offset))
             offset += p.numel()
-        for e in entries:
-            for p, off in params:
-                self.interrupt()
-                if e.scale != 1.0 and p.dim() >= e.scale_min_dim:
-                    p.data.mul_(e.scale)
-                replay_(p.data, list(e.seeds), list(e.coeffs), off, e.distribution)
-        self.metrics.replayed.inc(len(entries))
+        done = 0
+        try:
+            for e in entries:
+                self.interrupt()  # between entries only: here the model is exactly version base_v + done
+                for p, off in params:
+                    if e.scale != 1.0 and p.dim() >= e.scale_min_dim:
+                        p.data.mul_(e.scale)
+                    replay_(p.data, list(e.seeds), list(e.coeffs), off, e.distribution)
+                done += 1
+        except BaseException:
+            if done:  # keep what was replayed: the next replay starts from base_v + done, not from base_v again
+                reached = base_v + done
+                kept = base.manifest.model_copy(update={"version": reached, "parent": reached - 1})
+                with self._lock:
+                    self._keep((run, reached), LoadedVersion(kept, model))
+            raise
+        finally:
+            self.metrics.replayed.inc(done)
         manifest = base.manifest.model_copy(update={"version": version, "parent": version - 1})
         return LoadedVersion(manifest, model)
 

@@ -13,9 +13,9 @@ engine's queue gauges (requests running + waiting) and feeds the sum to `EngineG
 
 When the gate turns to yield while a task runs, the task is cut short (`install_preemption`: a global forward pre-hook
 raises `Preempted` at the next module call of the task's forward passes; the worker hands the task back to the queue,
-so its round is re-issued and evaluated once, elsewhere or here after the hold; a pure-ZO ledger replay is cut between
-tensors, WeightCache.interrupt). So a task runs at most one control interval plus one module's forward (or one tensor's
-replay) past a request's arrival. Not cut: a snapshot's weight load, and a compiled forward (torch.compile, CUDA),
+so its round is re-issued and evaluated once, elsewhere or here after the hold; a pure-ZO ledger replay, in a task or
+the prefetch thread, stops between entries while yielding and keeps the entries done, WeightCache.interrupt). So a task
+runs at most one control interval plus one module's forward (or one ledger entry's replay) past a request's arrival. Not cut: a snapshot's weight load, and a compiled forward (torch.compile, CUDA),
 which ends its whole forward first.
 
 `ServingLedger` keeps the figures (seconds yielded, the engine's idle seconds, the idle seconds the worker used,

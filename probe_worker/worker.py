@@ -41,7 +41,7 @@ from probe_worker.broker import use_guarded_transport
 from probe_worker.cache import WeightCache
 from probe_worker.metrics import default_metrics, serve_metrics
 from probe_worker.runtime import ProbeRuntime
-from probe_worker.serving import ServingPolicy, ServingWatch, TraceFile
+from probe_worker.serving import Preempted, ServingPolicy, ServingWatch, TraceFile
 from probe_worker.tasks import BusyPolicy, DrainState, gpu_utilization_reader, register_probe_task
 from wire.messages import Heartbeat, WorkerRegistered, WorkerRegistration
 
@@ -184,7 +184,7 @@ class ProbeWorker:
             self.serving = ServingWatch(opts.serving, self.drain, self.metrics)
             self.drain.set_serving(True)  # until the engine reads idle for the hold time (EngineGate starts so)
             self.drain.preemption.install()
-            self.cache.interrupt = self.drain.preemption.check  # a ledger replay is cut between tensors too
+            self.cache.interrupt = self._replay_interrupt  # a ledger replay stops between entries while yielding
         register_probe_task(self.app, self.runtime, self.drain, self.metrics,
                             TraceFile(opts.task_trace) if opts.task_trace else None)
         if opts.teacher_engine:
@@ -210,6 +210,12 @@ class ProbeWorker:
 
         store = redis.Redis.from_url(self.reg.broker_url, socket_timeout=10, socket_connect_timeout=5)
         register_teacher_task(self.app, EngineTeacher(engine_url, store), TeacherMetrics())
+
+    def _replay_interrupt(self) -> None:
+        """Between two ledger entries of a replay (any thread: a task's or the prefetch's): stop while the serving
+        engine needs the device (WeightCache keeps the entries replayed so far)."""
+        if self.drain.serving:
+            raise Preempted("the serving engine needs the device")
 
     # ---- control loop ------------------------------------------------------------------------------
 
@@ -355,6 +361,8 @@ class ProbeWorker:
                         self.drain.changed.set()  # heartbeat now: the coordinator (and `up`) see the version
                     if long_poll and (latest > seen or time.monotonic() - t0 >= long_poll / 2):
                         wait = 0.0  # the long poll did the waiting
+                except Preempted:  # a replay stopped for the serving engine: the next check goes on from there
+                    self._prefetched[run] = seen
                 except Exception as exc:  # noqa: BLE001 - a ledger-only version or a hiccup: tasks load lazily
                     log.debug("prefetch of run %s skipped: %s", run, exc)
 
