@@ -24,14 +24,15 @@ def launch_note(plan: Any) -> str:
             f"the coordinator{evaluation}")
 
 
-def rank_args(cfg: Any, *, config_path: Path, resume: bool, progress: bool, export: bool, coordinator: str | None,
-              fleet_wait: str, eval_on: str, eval_windows: str, eval_deadline: float, metrics_port: int,
-              teacher_queue: str | None = None) -> list[str]:
+def rank_args(plan: Any, cfg: Any, *, config_path: Path, resume: bool, progress: bool, export: bool,
+              coordinator: str | None, metrics_port: int, teacher_queue: str | None = None) -> list[str]:
     """`sparecycles train` arguments of one of `up`'s runs (writes `cfg` to `config_path`): the whole config, the
     run folder taken over as `up`'s in-process runs take it (`--overwrite`; `--resume` for an interrupted run), the
-    fleet when the run sends it probes or evaluations (`coordinator`), the trainer's metrics port, and with
-    `teacher_queue` the run's teacher rounds on that queue (the Redis URL comes in $SPARECYCLES_TEACHER_ROUNDS;
-    `--kd-strict` unless fleet_wait is "never", as `up`'s in-process runs wait)."""
+    fleet when the run sends it probes or evaluations (`coordinator`, with `plan`'s --fleet-wait and evaluation
+    options), the trainer's metrics port, and with `teacher_queue` the run's teacher rounds on that queue (the Redis
+    URL comes in $SPARECYCLES_TEACHER_ROUNDS; `--kd-strict` unless plan.fleet_wait is "never", as `up`'s in-process
+    runs wait)."""
+    fleet_wait = plan.fleet_wait
     config_path.parent.mkdir(parents=True, exist_ok=True)
     config_path.write_text(cfg.model_dump_json(indent=2))
     args = ["train", "--config", str(config_path), "--overwrite", "--export" if export else "--no-export",
@@ -41,8 +42,8 @@ def rank_args(cfg: Any, *, config_path: Path, resume: bool, progress: bool, expo
         args += ["--teacher-queue", teacher_queue, *(["--kd-strict"] if fleet_wait != "never" else [])]
     if coordinator is None:
         return [*args, "--eval-on", "trainer"]
-    return [*args, "--coordinator", coordinator, "--fleet-wait", fleet_wait, "--eval-on", eval_on,
-            "--eval-windows", eval_windows, "--eval-deadline", str(eval_deadline)]
+    return [*args, "--coordinator", coordinator, "--fleet-wait", fleet_wait, "--eval-on", plan.eval_on,
+            "--eval-windows", plan.eval_windows, "--eval-deadline", str(plan.eval_deadline)]
 
 
 def train_ranks(plan: Any, name: str, cfg: Any, *, resume: bool, progress: bool, export: bool, coordinator: str,
@@ -61,9 +62,8 @@ def train_ranks(plan: Any, name: str, cfg: Any, *, resume: bool, progress: bool,
 
     probes = name != "adamw"
     fleet = probes or plan.eval_on == "fleet"
-    args = rank_args(cfg, config_path=plan.out / "logs" / f"{name}.config.json", resume=resume, progress=progress,
-                     export=export, coordinator=coordinator if fleet else None, fleet_wait=plan.fleet_wait,
-                     eval_on=plan.eval_on, eval_windows=plan.eval_windows, eval_deadline=plan.eval_deadline,
+    args = rank_args(plan, cfg, config_path=plan.out / "logs" / f"{name}.config.json", resume=resume,
+                     progress=progress, export=export, coordinator=coordinator if fleet else None,
                      metrics_port=metrics_port, teacher_queue=teacher_queue)
     code = launch_torchrun(plan.nproc, args, env=env, preexec_fn=preexec_fn)
     if code:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -149,13 +150,15 @@ def test_rank_args_carry_the_teacher_queue_not_the_url(tmp_path):
 
     plan = plan_up(run_dir=tmp_path / "up", steps=8, batch_size=8, seq_len=32, nproc_per_node=2)
     kw = {"config_path": tmp_path / "c.json", "resume": False, "progress": False, "export": False,
-          "coordinator": None, "eval_on": "trainer", "eval_windows": "subset", "eval_deadline": 5.0,
-          "metrics_port": 0}
-    args = rank_args(plan.zo_cfg, fleet_wait="interval", teacher_queue="upab12-adamw", **kw)
+          "coordinator": None, "metrics_port": 0}
+    waits, never = replace(plan, fleet_wait="interval"), replace(plan, fleet_wait="never")
+    args = rank_args(waits, plan.zo_cfg, teacher_queue="upab12-adamw", **kw)
     assert args[args.index("--teacher-queue") + 1] == "upab12-adamw" and "--kd-strict" in args
     assert not any("redis" in a for a in args)
-    assert "--kd-strict" not in rank_args(plan.zo_cfg, fleet_wait="never", teacher_queue="q", **kw)
-    assert "--teacher-queue" not in rank_args(plan.zo_cfg, fleet_wait="interval", **kw)
+    assert "--kd-strict" not in rank_args(never, plan.zo_cfg, teacher_queue="q", **kw)
+    assert "--teacher-queue" not in rank_args(waits, plan.zo_cfg, **kw)
+    fleet = rank_args(replace(waits, eval_deadline=5.0), plan.zo_cfg, **{**kw, "coordinator": "http://127.0.0.1:1"})
+    assert fleet[fleet.index("--fleet-wait") + 1] == "interval" and fleet[fleet.index("--eval-deadline") + 1] == "5.0"
 
 
 @pytest.mark.slow
