@@ -414,3 +414,46 @@ def test_background_publish_uploads_the_weights_of_the_publish_call_and_raises_u
 def _blocks(backend) -> list[torch.Tensor]:
     """A copy of the backend's canonical blocks (as a training step's pinned copy would be)."""
     return [b.param.detach().clone() for b in backend.blocks]
+
+
+def test_an_interrupted_replay_keeps_the_entries_it_finished(env):
+    """A serving worker's replay stopped between entries (WeightCache.interrupt raising, as while it yields) keeps the
+    entries it finished as their version, bit-identical to the trainer's, and the next replay goes on from there."""
+    from probe_kernels import replay_
+    from probe_worker.serving import Preempted
+
+    model = tiny_model(seed=9)
+    be = env.backend(model, "partial")
+    be.publish(0)
+    client, _ = env.worker("w1")
+    metrics = WorkerMetrics(CollectorRegistry())
+    cache = WeightCache(client, env.tmp / "wp", metrics=metrics)
+    cache.get("partial", 0)
+    states = []
+    with torch.no_grad():
+        for v, seeds in enumerate(([31, 32], [41], [51, 52]), start=1):
+            offset = 0
+            for _, p in model.named_parameters():
+                replay_(p.data, seeds, [1e-3] * len(seeds), offset, "rademacher")
+                offset += p.numel()
+            be.publish_ledger(v, seeds, [1e-3] * len(seeds), "rademacher", 1.0)
+            states.append([p.detach().clone() for _, p in params_of(model)])
+    calls = []
+
+    def interrupt() -> None:  # before entry 1 passes, before entry 2 stops the replay
+        calls.append(1)
+        if len(calls) == 2:
+            raise Preempted("the serving engine needs the device")
+
+    cache.interrupt = interrupt
+    with pytest.raises(Preempted):
+        cache.get("partial", 3)
+    assert metrics.replayed._value.get() == 1
+    cache.interrupt = lambda: None
+    v1 = cache.get("partial", 1)  # kept by the stopped replay: nothing replayed now
+    assert metrics.replayed._value.get() == 1
+    assert all(torch.equal(a, b) for (_, a), b in zip(params_of(v1.model), states[0]))
+    v3 = cache.get("partial", 3)  # on from version 1: two entries
+    assert metrics.replayed._value.get() == 3
+    assert all(torch.equal(a, b) for (_, a), b in zip(params_of(v3.model), states[2]))
+    be.close()
