@@ -1,4 +1,4 @@
-"""A Hugging Face `Trainer` on a tiny GPT-2 with the fleet's services (README, "Your loop").
+"""A Hugging Face `Trainer` on a tiny GPT-2 with the fleet's services (docs/api.md, "Your loop").
 
     SPARECYCLES_ADMIN_TOKEN=... SPARECYCLES_REDIS_URL=redis://... \\
         python examples/hf_trainer.py --coordinator http://127.0.0.1:8000 --out /tmp/hf-run

@@ -5,15 +5,52 @@ the workers, prints the environment that `sparecycles.connect`, `sparecycles tra
 examples/hf_trainer.py read as `export` lines on stdout (also written to FOLDER/fleet.env, readable by this user
 only, for `source`), then stays up until Ctrl-C or SIGTERM, when it stops every process it started and removes the
 file. A service that dies ends it with exit status 1, naming its log.
+
+Checked before anything starts (exit 2, one line, nothing written): the devices (fleet.devices.place_here, as `up`
+checks them), a folder that is not a folder, and a folder another `sparecycles fleet` holds (an exclusive lock on
+FOLDER/fleet.lock for the fleet's whole life: a second fleet there would overwrite the first's fleet.env and share
+its Valkey files; the kernel drops the lock when the holder dies, so a killed fleet never blocks the next).
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import typer
+
+LOCK = "fleet.lock"
+
+
+def _refuse(message: str) -> typer.Exit:
+    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    return typer.Exit(2)
+
+
+@contextmanager
+def _held(folder: Path) -> Iterator[None]:
+    """Hold an exclusive lock on `folder`/fleet.lock (made with the folder) while the block runs.
+
+    Raises typer.Exit(2) (after one line naming the holder's pid) when another process holds it.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    fd = os.open(folder / LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            raise _refuse(f"a fleet already runs in {folder} (pid {holder}); stop it, or pass another --folder") \
+                from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
 
 
 def fleet(
@@ -31,16 +68,22 @@ def fleet(
     or `sparecycles.connect(os.environ["SPARECYCLES_COORDINATOR_URL"])` in your own loop.
     """
     from fleet.attach import FleetError, wait_for_workers
+    from fleet.devices import place_here
     from sparecycles.local_fleet import FLEET_ENV, local_fleet
     from sparecycles.services import Supervisor
     from trainer.console import stop_signals
 
-    devices = tuple(d.strip() for d in worker_devices.split(",")) if worker_devices else ("cpu",) * workers
+    try:
+        devices = place_here(worker_devices=worker_devices, workers=workers).workers
+    except ValueError as exc:
+        raise _refuse(str(exc)) from None
     out = folder.resolve()
+    if out.exists() and not out.is_dir():
+        raise _refuse(f"--folder {folder}: not a folder")
     os.environ["SPARECYCLES_UP_RUN"] = str(out)  # every child inherits it: an orphan is findable, as `up`'s are
     env_file = out / FLEET_ENV
     sup = Supervisor(out / "logs")
-    with stop_signals():
+    with _held(out), stop_signals():
         try:
             with local_fleet(out, devices, sup, lambda m: typer.echo(m, err=True), key_prefix="fleet") as local:
                 wait_for_workers(local.url, local.env["SPARECYCLES_ADMIN_TOKEN"], len(devices), 120.0,

@@ -1,4 +1,4 @@
-"""Your loop: the fleet's services for any PyTorch training loop (README, "Your loop").
+"""Your loop: the fleet's services for any PyTorch training loop (docs/api.md, "Your loop").
 
     import sparecycles as sc
     fleet = sc.connect("http://127.0.0.1:8000")           # SPARECYCLES_ADMIN_TOKEN / _REDIS_URL from the env
