@@ -5,12 +5,12 @@ timings; the Celery app is built from those (`coordinator.celery_app.make_celery
 acks, reject on worker lost, prefetch 1, visibility timeout from the coordinator, soft shutdown) and
 started with `--pool=solo` (one process per device: CUDA does not survive fork).
 
-A control thread heartbeats every `control_interval_s` and reconciles the consumed queues with what
+A control thread heartbeats every `control_interval` seconds and reconciles the consumed queues with what
 the worker should consume: the coordinator's queue list, or nothing while draining (coordinator state
 'draining'/'quarantined', SIGUSR1 until SIGUSR2, or, optionally, while other processes keep the GPU busy). Queues are added and cancelled
 through Celery's remote control addressed to this worker only; a task delivered before a cancel
 takes effect is handed back (rejected with requeue) unevaluated, and the in-flight task always
-finishes. SIGTERM is Celery's warm shutdown within `soft_shutdown_s`; the worker then deregisters.
+finishes. SIGTERM is Celery's warm shutdown within `soft_shutdown` seconds; the worker then deregisters.
 
 A coordinator that no longer knows the worker (heartbeat 401 "unknown token" / 404 "unknown worker": its Redis
 came back empty, a failover, a flush, an admin's DELETE) is joined again with the enrollment token under a new
@@ -27,8 +27,6 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass
-from pathlib import Path
 from typing import NoReturn
 
 import torch
@@ -40,8 +38,9 @@ from coordinator.client import CoordinatorClient, CoordinatorHTTPError, Forgotte
 from probe_worker.broker import use_guarded_transport
 from probe_worker.cache import WeightCache
 from probe_worker.metrics import default_metrics, serve_metrics
+from probe_worker.options import WorkerOptions
 from probe_worker.runtime import ProbeRuntime
-from probe_worker.serving import Preempted, ServingPolicy, ServingWatch, TraceFile
+from probe_worker.serving import Preempted, ServingWatch, TraceFile
 from probe_worker.tasks import BusyPolicy, DrainState, gpu_utilization_reader, register_probe_task
 from wire.messages import Heartbeat, WorkerRegistered, WorkerRegistration
 
@@ -88,61 +87,14 @@ def attention_dtype(option: str, device: str) -> torch.dtype | None:
     return torch.bfloat16 if option == "bf16" else None
 
 
-@dataclass(frozen=True)
-class WorkerOptions:
-    """Settings of one worker process. Durations in seconds.
-
-    coordinator: base URL; token: enrollment token; device: "cpu" or "cuda:N"; name: shown in
-    `GET /v1/workers`; metrics_port: serve Prometheus metrics there (None or 0: off); cache_dir: weight cache
-    root (None: trainer.paths.cache_dir()/worker); shared_blob_dir: the coordinator's blob directory when the
-    worker shares its file system (shards read in place, WeightCache); keep_versions: models kept loaded;
-    control_interval_s: heartbeat and drain-check period (<= 1 s drains within a second);
-    soft_shutdown_s: how long SIGTERM waits for the in-flight task; prefetch_interval_s: how often the
-    latest version of each consumed run is checked and loaded ahead of its rounds (0: load lazily);
-    yield_gpu_util_pct: drain while the GPU is this busy (percent) with other work (BusyPolicy, NVML;
-    None: off); probe_path: the probe evaluator (probe_kernels.fastpath.make_evaluator: "auto", "whole" or
-    "per_unit"); cuda_graphs: replay the compiled forwards as CUDA graphs (static shapes); tf32_attention:
-    "bf16" runs the attention of fp32 (TF32-kind) forwards in bf16 (activations only, probe_kernels.FastForward's
-    attn_dtype), "fp32", or "auto" (bf16 on CUDA, fp32 on CPU: attention_dtype); loglevel: Celery's; metrics_host: the interface the metrics port binds;
-    serving: yield to a co-located serving engine (probe_worker.serving; read every control interval; None: off);
-    teacher_engine: answer teacher rounds of `teacher_queues` (wire.teacher_messages.TEACHER_QUEUE_PREFIX.RUN)
-    through the engine at this URL (probe_worker.engine_teacher; never loading the teacher), drained as probes are.
-    task_trace: append each task's unix start, end and outcome there as a JSON line (probe_worker.serving.TraceFile).
-    """
-
-    coordinator: str
-    token: str
-    device: str = "cpu"
-    name: str | None = None
-    metrics_port: int | None = None
-    metrics_host: str = "127.0.0.1"
-    cache_dir: Path | None = None
-    shared_blob_dir: Path | None = None
-    keep_versions: int = 2
-    control_interval_s: float = 0.5
-    soft_shutdown_s: float = 30.0
-    prefetch_interval_s: float = 1.0
-    yield_gpu_util_pct: float | None = None
-    probe_path: str = "auto"
-    cuda_graphs: bool = False
-    tf32_attention: str = "auto"
-    loglevel: str = "INFO"
-    serving: ServingPolicy | None = None
-    teacher_engine: str | None = None
-    teacher_queues: tuple[str, ...] = ()
-    task_trace: Path | None = None
-
-
 class ProbeWorker:
     """One registered worker. `run()` blocks until Celery shuts down (SIGTERM/SIGINT), then deregisters.
 
-    Raises CoordinatorHTTPError/httpx errors if registration fails, ValueError for bad options or a
+    Raises CoordinatorHTTPError/httpx errors if registration fails, ValueError for a
     coordinator that names a different probe task.
     """
 
     def __init__(self, opts: WorkerOptions) -> None:
-        if opts.control_interval_s <= 0 or opts.soft_shutdown_s < 0:
-            raise ValueError("control_interval_s must be > 0 and soft_shutdown_s >= 0")
         self.opts = opts
         self.host = socket.gethostname()[:64] or "unknown"
         self.name = opts.name or f"{self.host}-{opts.device}"
@@ -164,7 +116,7 @@ class ProbeWorker:
                                            timeout_s=max(1.0, min(5.0, self.reg.lease_seconds / 3)))
         self.hostname = f"{self.worker_id}@{self.host}"
         self.app = make_celery(self.reg.broker_url, visibility_timeout_s=self.reg.visibility_timeout_s,
-                               soft_shutdown_s=opts.soft_shutdown_s)
+                               soft_shutdown_s=opts.soft_shutdown)
         # kombu sweeps for expired unacked messages only every interval * throttle seconds (100 s by
         # default); sweep at a fifth of the visibility timeout so a killed worker's task returns promptly.
         transport = dict(self.app.conf.broker_transport_options or {})
@@ -175,7 +127,7 @@ class ProbeWorker:
         self.drain = DrainState()
         self.cache = WeightCache(self.client, opts.cache_dir, opts.device, keep_versions=opts.keep_versions,
                                  keep_disk_versions=opts.keep_versions + 1, metrics=self.metrics,
-                                 shared_blob_dir=opts.shared_blob_dir)
+                                 shared_blob_dir=opts.blob_dir)
         self.runtime = ProbeRuntime(self.client, self.worker_id, self.cache, self.metrics,
                                     probe_path=opts.probe_path, cuda_graphs=opts.cuda_graphs,
                                     attn_dtype=attention_dtype(opts.tf32_attention, opts.device))
@@ -195,8 +147,8 @@ class ProbeWorker:
         self._stop = threading.Event()
         self._hb_state: str | None = None  # the heartbeat's last state, logged when it changes
         self._prefetched: dict[str, int] = {}
-        self._gpu_util = gpu_utilization_reader(opts.device) if opts.yield_gpu_util_pct else None
-        self._busy_policy = BusyPolicy(opts.yield_gpu_util_pct) if opts.yield_gpu_util_pct else None
+        self._gpu_util = gpu_utilization_reader(opts.device) if opts.yield_gpu_util else None
+        self._busy_policy = BusyPolicy(opts.yield_gpu_util) if opts.yield_gpu_util else None
         self._control = threading.Thread(target=self._control_loop, name="sparecycles-control", daemon=True)
 
     def _register_teacher(self, engine_url: str) -> None:
@@ -238,7 +190,7 @@ class ProbeWorker:
             return
         except Exception as exc:  # noqa: BLE001 - coordinator down: keep working, retry at the next tick
             self._heartbeat_state(type(exc).__name__, f"heartbeat failed: {exc}; retrying every "
-                                  f"{self.opts.control_interval_s:g} s")
+                                  f"{self.opts.control_interval:g} s")
             return
         self._heartbeat_state("ok", "heartbeats answered again")
         self.queues = list(reply.queues)
@@ -344,7 +296,7 @@ class ProbeWorker:
         # prefetch interval. A coordinator that ignores the long poll answers at once and is polled per interval.
         wait = 0.0
         while not self._stop.wait(wait):
-            wait = self.opts.prefetch_interval_s
+            wait = self.opts.prefetch_interval
             if self.drain.draining:
                 continue
             probe_queues = self.consumed - {IDLE_QUEUE, *self.opts.teacher_queues}
@@ -379,7 +331,7 @@ class ProbeWorker:
                 self._reconcile()
             except Exception as exc:  # noqa: BLE001 - broker hiccup: try again next tick
                 log.warning("queue reconcile failed: %s", exc)
-            self.drain.changed.wait(self.opts.control_interval_s)
+            self.drain.changed.wait(self.opts.control_interval)
 
     # ---- process -----------------------------------------------------------------------------------
 
@@ -389,10 +341,10 @@ class ProbeWorker:
         signal.signal(signal.SIGUSR2, lambda *_: self.drain.set_local(False))
         if not self._control.is_alive():
             self._control.start()
-            if self.opts.prefetch_interval_s > 0:
+            if self.opts.prefetch_interval > 0:
                 threading.Thread(target=self._prefetch_loop, name="sparecycles-prefetch", daemon=True).start()
             if self.serving is not None:
-                threading.Thread(target=self.serving.run, args=(self._stop, self.opts.control_interval_s),
+                threading.Thread(target=self.serving.run, args=(self._stop, self.opts.control_interval),
                                  name="sparecycles-serving", daemon=True).start()
         log.info("worker %s ready on %s, queues %s", self.worker_id, self.opts.device, sorted(self.consumed))
 

@@ -6,7 +6,15 @@ bound and default come from the field itself; its value is validated by a pydant
 annotation and constraints (so `--eps` refuses what `ProbeEps` refuses, with the same message). `with_settings`
 adds them to a typer command as generated parameters (a signature built from SETTINGS), and `parse_set` reads
 `up --set KEY=VALUE` with the same names and the same validation. A new TrainConfig field becomes an option of
-`train` (and `up`) with no other edit.
+`train` (and `up`) with no other edit; other models (trainer.run_options.RunOptions, probe_worker.options.WorkerOptions)
+are generated the same way.
+
+A field may say more about its option in `json_schema_extra` (`cli_extra`): "envvar" (a variable, or a list of them,
+read when the option is not given), "repeat" (a tuple field as a repeatable option named without its plural "s":
+`teacher_queues` is `--teacher-queue`), "name" (another option name), "help" (help text other than the description).
+A nested model field may also give "options" ({sub-field: those keys, or None to leave it out}: how its sub-fields,
+declared in a model owned elsewhere, are spelled as options) and "switch": False (no flag turns it on: any of its
+sub-options does).
 
 Torch-free: imported when the CLI is built.
 """
@@ -42,6 +50,9 @@ class Setting:
     path: tuple[str, ...]
     info: FieldInfo
     flag: bool = False
+    envvar: str | tuple[str, ...] | None = None
+    repeat: bool = False
+    doc: str | None = None
 
     @property
     def option(self) -> str:
@@ -81,15 +92,33 @@ def _nested(annotation: Any) -> type[BaseModel] | None:
     return bare if isinstance(bare, type) and issubclass(bare, BaseModel) else None
 
 
+def cli_extra(info: FieldInfo) -> dict[str, Any]:
+    """What a field says about its option beyond its type (module docstring): its `json_schema_extra` dict, or {}."""
+    extra = info.json_schema_extra
+    return extra if isinstance(extra, dict) else {}
+
+
+def _setting(name: str, path: tuple[str, ...], info: FieldInfo, given: dict[str, Any]) -> Setting:
+    cli = {**cli_extra(info), **given}
+    envvar = cli.get("envvar")
+    name = cli.get("name") or (name.removesuffix("s") if _is_dict(info) or cli.get("repeat") else name)
+    return Setting(name, path, info, envvar=tuple(envvar) if isinstance(envvar, list) else envvar,
+                   repeat=bool(cli.get("repeat")), doc=cli.get("help"))
+
+
 def _settings(model: type[BaseModel] = TrainConfig) -> tuple[Setting, ...]:
     out: list[Setting] = []
     for name, info in model.model_fields.items():
         sub = _nested(info.annotation)
         if sub is None:
-            out.append(Setting(name.removesuffix("s") if _is_dict(info) else name, (name,), info))
+            out.append(_setting(name, (name,), info, {}))
             continue
-        out.append(Setting(name, (name,), info, flag=True))
-        out += [Setting(f"{name}_{k}", (name, k), v) for k, v in sub.model_fields.items()]
+        cli = cli_extra(info)
+        if cli.get("switch", True):
+            out.append(Setting(name, (name,), info, flag=True))
+        spelled = cli.get("options", {})
+        out += [_setting(f"{name}_{k}", (name, k), v, spelled.get(k) or {}) for k, v in sub.model_fields.items()
+                if k not in spelled or spelled[k] is not None]
     return tuple(out)
 
 
@@ -133,9 +162,9 @@ def _preset_default(s: Setting) -> str:
     """The default shown in --help: TrainConfig's, and the demo run preset's when it sets another."""
     if s.flag:
         return "off"
-    default = s.info.get_default(call_default_factory=True)
-    shown = ("on" if default else "off") if isinstance(default, bool) else "none" if default is None or default == {} else ",".join(map(str, default)) if isinstance(
-        default, tuple) else str(default)
+    default = None if s.info.is_required() else s.info.get_default(call_default_factory=True)
+    shown = ("on" if default else "off") if isinstance(default, bool) else "none" if default is None or default in (
+        {}, ()) else ",".join(map(str, default)) if isinstance(default, tuple) else str(default)
     demo = RUN_PRESETS["demo"].get(s.path[0]) if len(s.path) == 1 else None
     return f"{shown}; demo preset: {demo}" if demo is not None and demo != default else shown
 
@@ -144,9 +173,11 @@ def _help(s: Setting) -> str:
     if s.flag:
         return (f"Turn on {s.info.description or s.name} with its defaults (any --{s.name.replace('_', '-')}-* "
                 "option turns it on too).")
-    text = s.info.description or s.name.replace("_", " ")
+    text = s.doc or s.info.description or s.name.replace("_", " ")
     if s.is_dict:
         text += " (repeatable; VALUE read as JSON, else text)"
+    elif s.repeat:
+        text += " (repeatable)"
     bound = _bound_text(s.info)
     return f"{text}{'.' if not text.endswith('.') else ''}{f' Bound: {bound}.' if bound else ''}"
 
@@ -155,15 +186,19 @@ def _parameter(s: Setting) -> inspect.Parameter:
     """The typer parameter of one setting: default None (the preset's / TrainConfig's value), its value parsed
     and validated by `Setting.parse` (a dict field: KEY=VALUE pairs, repeatable)."""
     ann = _bare(s.info.annotation)
-    common = dict(help=_help(s), show_default=_preset_default(s))
+    required = s.info.is_required() and len(s.path) == 1  # a sub-field is required only once its model is on
+    envvar = list(s.envvar) if isinstance(s.envvar, tuple) else s.envvar
+    common = dict(help=_help(s), show_default=not required and _preset_default(s), envvar=envvar)
+    unset = ... if required else None
     if s.flag or ann is bool:
         return inspect.Parameter(s.name, inspect.Parameter.KEYWORD_ONLY, annotation=bool | None,
-                                 default=typer.Option(None, f"{s.option}/--no-{s.option[2:]}", **common))
-    if s.is_dict:
+                                 default=typer.Option(unset, f"{s.option}/--no-{s.option[2:]}", **common))
+    if s.is_dict or s.repeat:
         return inspect.Parameter(s.name, inspect.Parameter.KEYWORD_ONLY, annotation=list[str] | None,
-                                 default=typer.Option(None, s.option, metavar="KEY=VALUE", **common))
+                                 default=typer.Option(unset, s.option, metavar="KEY=VALUE" if s.is_dict else "TEXT",
+                                                      **common))
     return inspect.Parameter(s.name, inspect.Parameter.KEYWORD_ONLY, annotation=Any,
-                             default=typer.Option(None, s.option, metavar=_metavar(s), parser=s.parse, **common))
+                             default=typer.Option(unset, s.option, metavar=_metavar(s), parser=s.parse, **common))
 
 
 def key_values(items: list[str], option: str = "--optimizer-option") -> dict:
@@ -188,10 +223,12 @@ def collect(values: dict[str, Any], by_name: dict[str, Setting] | None = None) -
     out: dict[str, Any] = {}
     for name, value in values.items():
         s = (by_name or BY_NAME)[name]
-        if value is None or (s.is_dict and not value) or (s.flag and not value):
+        if value is None or ((s.is_dict or s.repeat or s.flag) and not value):
             continue
         if s.is_dict:
             value = key_values(list(value), s.option) if isinstance(value, (list, tuple)) else dict(value)
+        elif s.repeat:
+            value = tuple(value)
         if len(s.path) == 1:
             if s.flag:
                 out.setdefault(s.path[0], {})

@@ -1,0 +1,124 @@
+"""How a probe worker runs, as one typed model: `WorkerOptions`, every option of `sparecycles worker`.
+
+The command's options are generated from these fields by trainer.cli_settings (as `train`'s from TrainConfig and
+RunOptions): each option is declared once, here, with one default, its bounds and its help (the description).
+Yielding to a serving engine is probe_worker.serving.ServingPolicy, nested as `serving`, its sub-fields spelled
+`--serving-*` (the field's "options"). The rules between options are model validators: `WorkerOptions(...)` raises
+pydantic.ValidationError naming the option, without any CLI. Torch-free (imported when the CLI is built).
+
+Add an option: a field here (default, bounds, description; "envvar"/"repeat" in json_schema_extra if it needs
+them), a validator if it depends on another option, and its use in probe_worker.worker.ProbeWorker (`self.opts`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+
+from probe_worker.serving import ServingPolicy
+
+_F = Field
+
+
+def _checked(ok: Any, message: str) -> AfterValidator:
+    """A validator (in the field's type, so its option refuses the value too) raising ValueError(message)."""
+
+    def check(value: Any) -> Any:
+        if not ok(value):
+            raise ValueError(message)
+        return value
+
+    return AfterValidator(check)
+
+
+BaseUrl = Annotated[str, _checked(lambda v: v.startswith(("http://", "https://")),
+                                  "the coordinator's base URL must be http(s)://...")]
+Device = Annotated[str, _checked(lambda v: v.startswith(("cpu", "cuda")), "use cpu or cuda:N")]
+LogLevel = Annotated[str, _checked(lambda v: v.upper() in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
+                                   "use DEBUG, INFO, WARNING, ERROR or CRITICAL"), AfterValidator(str.upper)]
+SERVING_OPTIONS = {  # ServingPolicy's sub-fields as `worker` spells them (scrape_timeout_s keeps its default)
+    "metrics_url": {"name": "serving_metrics", "envvar": "SPARECYCLES_SERVING_METRICS",
+                    "help": "yield to the serving engine beside this worker: its Prometheus endpoint, e.g. "
+                    "http://127.0.0.1:8000/metrics, read every control interval (docs/serving.md)"},
+    "engine": {"help": "whose queue gauges to read: auto, vllm, sglang, tgi or llamacpp"},
+    "gauges": {"repeat": True, "help": "a gauge to read instead (any engine)"},
+    "busy_above": {"help": "the engine is busy while its gauges sum above this (requests)"},
+    "hold_s": {"name": "serving_hold", "envvar": "SPARECYCLES_SERVING_HOLD",
+               "help": "seconds the engine must read idle before the worker takes tasks again"},
+    "scrape_timeout_s": None,
+}
+
+
+class WorkerOptions(BaseModel):
+    """One worker process's options (module docstring). Durations in seconds. Raises pydantic.ValidationError for a
+    value outside its choices or bounds, or a combination the validators refuse (each message names the option)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    coordinator: BaseUrl = _F(json_schema_extra={"envvar": ["SPARECYCLES_COORDINATOR_URL", "SPARECYCLES_COORDINATOR"]},
+                              description="coordinator base URL, e.g. http://10.0.0.5:8000")
+    token: str = _F(json_schema_extra={"envvar": "SPARECYCLES_ENROLLMENT_TOKEN"},
+                    description="enrollment token (from the coordinator's operator)")
+    device: Device = _F("cpu", description="torch device: cpu or cuda:N (one worker per GPU)")
+    name: str | None = _F(None, description="name shown in GET /v1/workers (default: HOST-DEVICE)")
+    metrics_port: int | None = _F(None, ge=0, le=65535, description="serve Prometheus metrics on this port "
+                                  "(default: none; 0: none, as `train`'s)")
+    metrics_host: str = _F("127.0.0.1", min_length=1, description="interface the metrics port binds (0.0.0.0 in "
+                           "containers, where Prometheus scrapes it from another one)")
+    cache_dir: Path | None = _F(None, description="weight cache (default: cache root/worker)")
+    keep_versions: int = _F(2, ge=1, description="weight versions kept loaded")
+    blob_dir: Path | None = _F(None, json_schema_extra={"envvar": "SPARECYCLES_BLOB_DIR"}, description="the "
+                               "coordinator's blob directory, when this worker shares its file system: weight shards "
+                               "are read there in place instead of downloaded")
+    control_interval: float = _F(0.5, ge=0.05, allow_inf_nan=False, description="seconds between heartbeats/drain "
+                                 "checks")
+    soft_shutdown: float = _F(30.0, ge=0.0, allow_inf_nan=False, description="seconds SIGTERM waits for the "
+                              "in-flight task")
+    prefetch_interval: float = _F(1.0, ge=0.0, allow_inf_nan=False, description="seconds between checks for a new "
+                                  "version to load ahead of its rounds (with one run: back-to-back 2 s long polls "
+                                  "instead; 0: load at the first task)")
+    yield_gpu_util: float | None = _F(None, ge=1.0, le=100.0, description="drain while other work keeps the GPU at "
+                                      "least this busy (percent; needs --device cuda:N and nvidia-ml-py)")
+    threads: int | None = _F(None, ge=1, description="torch CPU threads (default: torch's)")
+    probe_path: Literal["auto", "whole", "per_unit"] = _F(
+        "auto", description="auto (a whole-model scratch copy when it fits in free memory, else per-unit), whole or "
+        "per_unit")
+    cuda_graphs: bool = _F(False, description="replay the compiled forwards as CUDA graphs (shapes are static per "
+                           "round)")
+    tf32_attention: Literal["auto", "fp32", "bf16"] = _F(
+        "auto", description="attention of the fp32/TF32 kinds' forwards: auto (bf16 on CUDA, fp32 on CPU), fp32, or "
+        "bf16 (activations only; the weights and their perturbation stay fp32; docs/RESULTS.md has its "
+        "signal-to-noise)")
+    teacher_engine: str | None = _F(None, description="answer teacher rounds (--kd-estimator topk) through this "
+                                    "serving engine's OpenAI-compatible API, never loading the teacher "
+                                    "(docs/engine-teacher.md)")
+    teacher_queues: tuple[str, ...] = _F((), json_schema_extra={"repeat": True}, description="a teacher round queue "
+                                         "to consume with --teacher-engine (`train` prints it)")
+    loglevel: LogLevel = _F("INFO", description="log level (DEBUG, INFO, WARNING)")
+    serving: ServingPolicy | None = _F(None, json_schema_extra={"switch": False, "options": SERVING_OPTIONS},
+                                       description="yielding to a serving engine beside this worker")
+    task_trace: Path | None = _F(None, description="append each task's start, end and outcome there (JSON lines; "
+                                 "`bench serving` plots them)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _serving_options_need_its_metrics(cls, data: Any) -> Any:
+        serving = data.get("serving") if isinstance(data, dict) else None
+        if isinstance(serving, dict) and "metrics_url" not in serving:
+            raise ValueError("the --serving-* options need --serving-metrics URL")
+        return data
+
+    @model_validator(mode="after")
+    def _device_rules(self) -> WorkerOptions:
+        if self.yield_gpu_util is not None and not self.device.startswith("cuda"):
+            raise ValueError("--yield-gpu-util needs --device cuda:N")
+        return self
+
+    @model_validator(mode="after")
+    def _teacher_options_go_together(self) -> WorkerOptions:
+        if bool(self.teacher_engine) != bool(self.teacher_queues) or not (self.teacher_engine or "http").startswith(
+                "http"):
+            raise ValueError("--teacher-engine http(s)://... and --teacher-queue go together")
+        return self

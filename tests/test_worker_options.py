@@ -1,0 +1,76 @@
+"""WorkerOptions (probe_worker.options): every option of `sparecycles worker`, one typed model with one default and
+one bound each; its cross-option rules are validators, tested here without the CLI; the command's options are
+generated from it (trainer.cli_settings), each flag of the hand-declared command kept."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+from typer.main import get_command
+
+from probe_worker.options import WorkerOptions
+from sparecycles.cli import app
+from trainer.cli_settings import collect, table
+
+WORKER = get_command(app).commands["worker"]  # type: ignore[attr-defined]
+BASE = {"coordinator": "http://127.0.0.1:8000", "token": "t"}
+
+
+@pytest.mark.parametrize(("given", "message"), [
+    ({"coordinator": "ftp://h"}, "the coordinator's base URL must be http(s)://"),
+    ({"device": "gpu"}, "use cpu or cuda:N"),
+    ({"yield_gpu_util": 50.0}, "--yield-gpu-util needs --device cuda:N"),
+    ({"serving": {"hold_s": 3.0}}, "the --serving-* options need --serving-metrics URL"),
+    ({"serving": {"metrics_url": "http://h/metrics", "hold_s": -1}}, "greater than or equal to 0"),
+    ({"teacher_queues": ("q",)}, "--teacher-engine http(s)://... and --teacher-queue go together"),
+    ({"teacher_engine": "http://h:8000"}, "go together"),
+    ({"teacher_engine": "h:8000", "teacher_queues": ("q",)}, "go together"),
+    ({"loglevel": "loud"}, "use DEBUG, INFO"),
+    ({"probe_path": "fast"}, "'auto', 'whole' or 'per_unit'"),
+    ({"tf32_attention": "fp16"}, "'auto', 'fp32' or 'bf16'"),
+    ({"control_interval": 0.01}, "greater than or equal to 0.05"),
+    ({"metrics_port": 70000}, "less than or equal to 65535"),
+    ({"keep_versions": 0}, "greater than or equal to 1"),
+    ({"yield_gpu_util": 101.0, "device": "cuda:0"}, "less than or equal to 100"),
+    ({"surprise": 1}, "Extra inputs are not permitted"),
+])
+def test_validators_refuse_naming_the_option(given, message):
+    with pytest.raises(ValidationError, match=re.escape(message)):
+        WorkerOptions(**{**BASE, **given})
+
+
+def test_what_the_rules_accept():
+    alone = WorkerOptions(**BASE)
+    assert (alone.device, alone.keep_versions, alone.control_interval, alone.serving, alone.loglevel) == (
+        "cpu", 2, 0.5, None, "INFO")
+    full = WorkerOptions(**BASE, device="cuda:1", yield_gpu_util=80.0, loglevel="debug", teacher_engine="http://e:1",
+                         teacher_queues=("q1", "q2"), serving={"metrics_url": "http://e:1/metrics", "gauges": ("g",)})
+    assert full.loglevel == "DEBUG" and full.teacher_queues == ("q1", "q2")
+    assert full.serving is not None and full.serving.gauges == ("g",) and full.serving.hold_s == 2.0
+
+
+def test_the_command_is_generated_from_the_model_with_every_flag_kept():
+    """The flags of the hand-declared command (before WorkerOptions), their env vars, and what they parse to."""
+    flags = {o for p in WORKER.params for o in (*p.opts, *p.secondary_opts)}
+    kept = ("--coordinator --token --device --name --metrics-port --metrics-host --cache-dir --keep-versions "
+            "--blob-dir --control-interval --soft-shutdown --prefetch-interval --yield-gpu-util --threads "
+            "--probe-path --cuda-graphs --tf32-attention --teacher-engine --teacher-queue --loglevel "
+            "--serving-metrics --serving-engine --serving-gauge --serving-busy-above --serving-hold --task-trace")
+    assert set(kept.split()) <= flags and "--no-cuda-graphs" in flags
+    envvars = {p.name: p.envvar for p in WORKER.params if p.envvar}
+    assert envvars == {"coordinator": ["SPARECYCLES_COORDINATOR_URL", "SPARECYCLES_COORDINATOR"],
+                       "token": "SPARECYCLES_ENROLLMENT_TOKEN", "blob_dir": "SPARECYCLES_BLOB_DIR",
+                       "serving_metrics": "SPARECYCLES_SERVING_METRICS", "serving_hold": "SPARECYCLES_SERVING_HOLD"}
+    ctx = WORKER.make_context("worker", [
+        "--coordinator", "http://h:1", "--token", "t", "--teacher-engine", "http://e:2", "--teacher-queue", "a",
+        "--teacher-queue", "b", "--serving-metrics", "http://e:2/metrics", "--serving-gauge", "g1",
+        "--serving-hold", "1.5", "--cache-dir", "/tmp/c", "--cuda-graphs"])
+    by_name = table(WorkerOptions)
+    seen = collect({k: v for k, v in ctx.params.items() if k in by_name}, by_name)
+    opts = WorkerOptions(**seen)
+    assert opts.teacher_queues == ("a", "b") and opts.cache_dir == Path("/tmp/c") and opts.cuda_graphs
+    assert opts.serving is not None and (opts.serving.gauges, opts.serving.hold_s) == (("g1",), 1.5)
+    assert str(opts.serving.metrics_url) == "http://e:2/metrics"
