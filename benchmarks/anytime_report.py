@@ -17,11 +17,9 @@ from typing import Any
 
 def plot(result: dict[str, Any], path: Path) -> Path:
     """Draw raw vs served validation loss, the annealed references and the speedup; write `path` (PNG)."""
-    import matplotlib
+    from benchmarks.plots import label_axes, pyplot, save
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     evals = [e for e in result["evals"] if "served_val" in e]
     raw = [(e["step"], e["raw_val"]) for e in result["evals"] if e["step"] > 0]
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [2, 1]})
@@ -39,12 +37,9 @@ def plot(result: dict[str, Any], path: Path) -> Path:
     # annealed reference, so each star is on the plot.
     hi = max([v for _, v in raw[1:]] + [r["val"] for r in refs] or [1.0])
     ax.set_ylim(lo - 0.05 * (hi - lo + 1e-9), hi)
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("validation loss (nats/token)")
     s = result["settings"]
-    ax.set_title(f"{s['preset']} {s['batch_size']}x{s['seq_len']} on {s['corpus']}, lr {s['lr']:g} WSD", fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    label_axes(ax, "optimizer step", "validation loss (nats/token)",
+          f"{s['preset']} {s['batch_size']}x{s['seq_len']} on {s['corpus']}, lr {s['lr']:g} WSD")
     sp = [(e["step"], e["speedup"]) for e in evals if e.get("speedup") is not None]
     lb = [(e["step"], e["speedup_lower_bound"]) for e in evals if e.get("speedup_lower_bound") is not None]
     if sp:
@@ -52,14 +47,8 @@ def plot(result: dict[str, Any], path: Path) -> Path:
     if lb:
         ax2.plot(*zip(*lb, strict=True), "^", color="tab:orange", label="lower bound (raw never reached it)")
     ax2.axhline(1.0, color="gray", lw=0.8)
-    ax2.set_xlabel("optimizer step")
-    ax2.set_ylabel("anytime speedup")
-    ax2.grid(alpha=0.3)
-    ax2.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    label_axes(ax2, "optimizer step", "anytime speedup")
+    return save(fig, path)
 
 
 def table(result: dict[str, Any]) -> str:

@@ -91,11 +91,9 @@ def horizon(ce_dir: Path, kd_dir: Path) -> dict[str, Any]:
 
 def plot(rows: list[dict[str, Any]], path: Path) -> Path:
     """Validation loss over steps, CE alone and each taught run, one panel per horizon; write `path` (PNG)."""
-    import matplotlib
+    from benchmarks.plots import label_axes, pyplot, save
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     horizons = sorted({r["steps"] for r in rows})
     fig, axes = plt.subplots(1, len(horizons), figsize=(6.5 * len(horizons), 4.6), squeeze=False)
     colours = ["tab:red", "tab:green", "tab:purple", "tab:orange", "tab:brown"]
@@ -113,15 +111,8 @@ def plot(rows: list[dict[str, Any]], path: Path) -> Path:
                         ms=12, label=f"{r.get('variant', 'kd')} reaches CE's final at {r['steps_ratio']:.3f}x")
         lo = min(v for _, _, curve in curves for s, v in curve)
         ax.set_ylim(lo - 0.1, lo + 2.5)
-        ax.set_xlabel("optimizer step")
-        ax.set_ylabel("validation loss (nats/token)")
-        ax.set_title(f"{n} steps", fontsize=10)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+        label_axes(ax, "optimizer step", "validation loss (nats/token)", f"{n} steps")
+    return save(fig, path)
 
 
 def table(rows: list[dict[str, Any]]) -> str:

@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from benchmarks.run_spec import OptionsRun, train_into
+from benchmarks.run_spec import OptionsRun, plan_parser, train_into
 
 ADAMW = "adamw"
 
@@ -271,25 +271,11 @@ def run_plan(plan_name: str, out_dir: Path, *, jobs: int, devices: list[str], de
 
 def main(argv: list[str]) -> None:
     """CLI: `run --plan P --out DIR [...]`, `report DIR [DIR…]`, `one SPEC SETTINGS DIR DEV`."""
-    import argparse
-
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.regime")
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("run")
-    r.add_argument("--plan", choices=sorted(PLANS), required=True)
-    r.add_argument("--out", type=Path, required=True)
-    r.add_argument("--jobs", type=int, default=4)
-    r.add_argument("--devices", default="auto", help="comma-separated, runs spread round-robin; auto: cuda when "
-                   "torch sees a GPU, else cpu")
-    r.add_argument("--deadline-s", type=float, default=440.0)
+    ap, r, _ = plan_parser("python -m benchmarks.regime", PLANS, deadline_s=440.0, one=("spec", "settings", "out", "device"),
+                           device=("devices", "auto", "comma-separated, runs spread round-robin; auto: cuda when "
+                                   "torch sees a GPU, else cpu"))
     for k, t in (("batch-size", int), ("seq-len", int), ("corpus", str), ("model", str), ("micro-batch-size", int)):
         r.add_argument(f"--{k}", type=t, default=None)
-    rep = sub.add_parser("report")
-    rep.add_argument("out", type=Path)
-    rep.add_argument("more", type=Path, nargs="*")
-    one = sub.add_parser("one")
-    for a in ("spec", "settings", "out", "device"):
-        one.add_argument(a)
     a = ap.parse_args(argv)
     if a.cmd == "run":
         over = {k: v for k, v in (("batch_size", a.batch_size), ("seq_len", a.seq_len), ("corpus", a.corpus),

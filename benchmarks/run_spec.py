@@ -47,3 +47,27 @@ def train_into(spec: OptionsRun, out_dir: Path, config: Callable[[Path], Any],
     dist = setup(device=cfg.device, micro_batch_size=micro_batch_size)
     train(cfg, progress=False, overwrite=True, export=False, dist=dist)
     (run_dir / "checkpoint.safetensors").unlink(missing_ok=True)
+
+
+def plan_parser(prog: str, plans: Any, *, device: tuple[str, str, str | None], deadline_s: float,
+                one: tuple[str, ...]) -> tuple[Any, Any, Any]:
+    """The command line both plan benchmarks share: `run --plan P --out DIR --jobs J --<device> D --deadline-s S`,
+    `report OUT [MORE…]` and `one <one…>` (one run, as a subprocess of `run`). `device` is (option name, default,
+    help). Returns (the parser, the run and the report subparsers), for each benchmark to add its own options."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog=prog)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--plan", choices=sorted(plans), required=True)
+    r.add_argument("--out", type=Path, required=True)
+    r.add_argument("--jobs", type=int, default=4)
+    r.add_argument(f"--{device[0]}", default=device[1], help=device[2])
+    r.add_argument("--deadline-s", type=float, default=deadline_s)
+    rep = sub.add_parser("report")
+    rep.add_argument("out", type=Path, help="writes the summary and its figures here; reads its run folders")
+    rep.add_argument("more", type=Path, nargs="*", help="further folders of run folders")
+    one_p = sub.add_parser("one")
+    for name in one:
+        one_p.add_argument(name)
+    return ap, r, rep

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from benchmarks.run_spec import OptionsRun, train_into
+from benchmarks.run_spec import OptionsRun, plan_parser, train_into
 from benchmarks.zocurv_fair_score import ADAMW, report, step_ratio, summarize, variant_key  # noqa: F401 (re-exported)
 
 
@@ -164,24 +164,10 @@ def run_plan(plan: str, out_dir: Path, *, jobs: int, device: str, deadline_s: fl
 def main(argv: list[str]) -> None:
     """CLI: `run --plan P --out DIR [--jobs J --device D --deadline-s S]`, `report DIR [DIR…] [--include
     SUMMARY.json …]`, `one SPEC PLAN DIR DEV`."""
-    import argparse
-
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.zocurv_fair")
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("run")
-    r.add_argument("--plan", choices=sorted(PLANS), required=True)
-    r.add_argument("--out", type=Path, required=True)
-    r.add_argument("--jobs", type=int, default=4)
-    r.add_argument("--device", default="cuda")
-    r.add_argument("--deadline-s", type=float, default=400.0)
-    rep = sub.add_parser("report")
-    rep.add_argument("out", type=Path, help="writes fair_summary.json and the PNG here; reads its run folders")
-    rep.add_argument("more", type=Path, nargs="*", help="further folders of run folders")
+    ap, _, rep = plan_parser("python -m benchmarks.zocurv_fair", PLANS, device=("device", "cuda", None),
+                             deadline_s=400.0, one=("spec", "plan", "out", "device"))
     rep.add_argument("--include", type=Path, action="append", default=[],
                      help="an earlier fair_summary.json whose runs join the report (repeatable)")
-    one = sub.add_parser("one")
-    for a in ("spec", "plan", "out", "device"):
-        one.add_argument(a)
     a = ap.parse_args(argv)
     if a.cmd == "run":
         left = run_plan(a.plan, a.out, jobs=a.jobs, device=a.device, deadline_s=a.deadline_s)

@@ -140,10 +140,10 @@ def test_out_of_range_task_ids_rejected() -> None:
                     seq_len=4, ids_b64="AAAAAA==", kind="sampled", k=4, temperature=1.0, seed=0)
 
 
-@pytest.mark.slow
-def test_killed_worker_round_redelivered_taken_once(redis_url: str, teacher_dir: Path) -> None:
-    """A worker SIGKILLed while it holds a round: the broker redelivers it to the next worker; the answer is
-    written once (SET NX) and taken once (GETDEL): one take, no missing step, nothing counted twice."""
+def _round_held_by_slow_worker(redis_url: str, teacher_dir: Path, signals: list[int],
+                               wait_s: float) -> tuple[str, FleetTeacher]:
+    """A strict fleet of window 1 whose step-0 round a slow worker takes and sits on, until `signals` are sent to
+    its process group (1 s apart) and it exits (within `wait_s`). Returns (run, fleet)."""
     run = f"kd-{uuid.uuid4().hex[:8]}"
     fleet = _fleet(redis_url, teacher_dir, run, window=1, strict=True, strict_timeout_s=120)
     fleet.advance(0)
@@ -152,11 +152,20 @@ def test_killed_worker_round_redelivered_taken_once(redis_url: str, teacher_dir:
         deadline = time.monotonic() + 60
         while fleet.store.llen(teacher_queue(run)) and time.monotonic() < deadline:
             time.sleep(0.1)  # the slow worker took the round and sits on it
-        time.sleep(1.0)
-        os.killpg(slow.pid, signal.SIGKILL)
-        slow.wait(10)
+        for sig in signals:
+            time.sleep(1.0)
+            os.killpg(slow.pid, sig)
+        assert slow.wait(wait_s) is not None
     finally:
         stop_teacher_worker(slow)
+    return run, fleet
+
+
+@pytest.mark.slow
+def test_killed_worker_round_redelivered_taken_once(redis_url: str, teacher_dir: Path) -> None:
+    """A worker SIGKILLed while it holds a round: the broker redelivers it to the next worker; the answer is
+    written once (SET NX) and taken once (GETDEL): one take, no missing step, nothing counted twice."""
+    run, fleet = _round_held_by_slow_worker(redis_url, teacher_dir, [signal.SIGKILL], wait_s=10)
     proc = _start_worker(redis_url, run)
     try:
         got = fleet.take(batch_fn(0)[0], 50257)
@@ -170,21 +179,7 @@ def test_killed_worker_round_redelivered_taken_once(redis_url: str, teacher_dir:
 def test_worker_stopped_twice_mid_round_puts_it_back(redis_url: str, teacher_dir: Path) -> None:
     """Ctrl-C twice on a worker holding a round (warm, then cold shutdown: Celery raises into the running round on
     the solo pool): the round is not acked as done or failed; it is back on the queue and the next worker answers."""
-    run = f"kd-{uuid.uuid4().hex[:8]}"
-    fleet = _fleet(redis_url, teacher_dir, run, window=1, strict=True, strict_timeout_s=120)
-    fleet.advance(0)
-    slow = _start_worker(redis_url, run, pause_s=600)
-    try:
-        deadline = time.monotonic() + 60
-        while fleet.store.llen(teacher_queue(run)) and time.monotonic() < deadline:
-            time.sleep(0.1)  # the slow worker took the round and sits on it
-        time.sleep(1.0)
-        os.killpg(slow.pid, signal.SIGINT)
-        time.sleep(1.0)
-        os.killpg(slow.pid, signal.SIGINT)
-        assert slow.wait(60) is not None
-    finally:
-        stop_teacher_worker(slow)
+    run, fleet = _round_held_by_slow_worker(redis_url, teacher_dir, [signal.SIGINT, signal.SIGINT], wait_s=60)
     assert fleet.store.llen(teacher_queue(run)) == 1  # back on the queue, within seconds (no visibility timeout)
     proc = _start_worker(redis_url, run)
     try:

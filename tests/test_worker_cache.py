@@ -276,28 +276,43 @@ def test_block_scaled_along_update_and_group_match_in_process(env):
     be.close()
 
 
+def _ledger_run(env, seed: int, run: str, worker: str, folder: str) -> tuple:
+    """A tiny model published as `run` version 0, and a worker `worker` whose WeightCache (in env.tmp/`folder`, its
+    own metrics) has loaded it. Returns (model, backend, client, worker id, metrics, cache)."""
+    model = tiny_model(seed=seed)
+    be = env.backend(model, run)
+    be.publish(0)
+    client, wid = env.worker(worker)
+    metrics = WorkerMetrics(CollectorRegistry())
+    cache = WeightCache(client, env.tmp / folder, metrics=metrics)
+    cache.get(run, 0)
+    return model, be, client, wid, metrics, cache
+
+
+@torch.no_grad()
+def _step_and_publish(model, be, version: int, seeds: list[int], coeffs: list[float], dist: str,
+                      scale: float) -> None:
+    """One pure-ZO step on `model` as the trainer takes it (decay by `scale`, then the seeds' replay over the flat
+    parameter offsets), published as seed-ledger entry `version`."""
+    from probe_kernels import replay_
+
+    offset = 0
+    for _, p in model.named_parameters():
+        if scale != 1.0:
+            p.data.mul_(scale)
+        replay_(p.data, seeds, coeffs, offset, dist)
+        offset += p.numel()
+    be.publish_ledger(version, seeds, coeffs, dist, scale)
+
+
 def test_seed_ledger_versions_replay_bit_exact(env):
     """Pure-ZO versions published as seed-ledger entries are rebuilt on the worker by replay (from the loaded
     parent, or from the snapshot when nothing is loaded) with weights and losses bit-identical to the trainer's."""
-    from probe_kernels import replay_
 
-    model = tiny_model(seed=8)
-    be = env.backend(model, "ledger")
-    be.publish(0)
-    client, wid = env.worker("w0")
-    metrics = WorkerMetrics(CollectorRegistry())
-    cache = WeightCache(client, env.tmp / "wc", metrics=metrics)
-    cache.get("ledger", 0)
+    model, be, client, wid, metrics, cache = _ledger_run(env, 8, "ledger", "w0", "wc")
     steps = [([11, 12, 13], [1e-3, -2e-3, 5e-4], "rademacher", 1.0), ([21, 22], [-1e-3, 3e-3], "gauss8", 0.999)]
-    with torch.no_grad():
-        for v, (seeds, coeffs, dist, scale) in enumerate(steps, start=1):
-            offset = 0
-            for _, p in model.named_parameters():
-                if scale != 1.0:
-                    p.data.mul_(scale)
-                replay_(p.data, seeds, coeffs, offset, dist)
-                offset += p.numel()
-            be.publish_ledger(v, seeds, coeffs, dist, scale)
+    for v, (seeds, coeffs, dist, scale) in enumerate(steps, start=1):
+        _step_and_publish(model, be, v, seeds, coeffs, dist, scale)
     v2 = cache.get("ledger", 2)  # replays entry 1 (onto loaded v0), then entry 2
     fresh = WeightCache(client, env.tmp / "wc2", metrics=WorkerMetrics(CollectorRegistry())).get("ledger", 2)
     for loaded in (v2, fresh):
@@ -419,25 +434,13 @@ def _blocks(backend) -> list[torch.Tensor]:
 def test_an_interrupted_replay_keeps_the_entries_it_finished(env):
     """A serving worker's replay stopped between entries (WeightCache.interrupt raising, as while it yields) keeps the
     entries it finished as their version, bit-identical to the trainer's, and the next replay goes on from there."""
-    from probe_kernels import replay_
     from probe_worker.serving import Preempted
 
-    model = tiny_model(seed=9)
-    be = env.backend(model, "partial")
-    be.publish(0)
-    client, _ = env.worker("w1")
-    metrics = WorkerMetrics(CollectorRegistry())
-    cache = WeightCache(client, env.tmp / "wp", metrics=metrics)
-    cache.get("partial", 0)
+    model, be, _, _, metrics, cache = _ledger_run(env, 9, "partial", "w1", "wp")
     states = []
-    with torch.no_grad():
-        for v, seeds in enumerate(([31, 32], [41], [51, 52]), start=1):
-            offset = 0
-            for _, p in model.named_parameters():
-                replay_(p.data, seeds, [1e-3] * len(seeds), offset, "rademacher")
-                offset += p.numel()
-            be.publish_ledger(v, seeds, [1e-3] * len(seeds), "rademacher", 1.0)
-            states.append([p.detach().clone() for _, p in params_of(model)])
+    for v, seeds in enumerate(([31, 32], [41], [51, 52]), start=1):
+        _step_and_publish(model, be, v, seeds, [1e-3] * len(seeds), "rademacher", 1.0)
+        states.append([p.detach().clone() for _, p in params_of(model)])
     calls = []
 
     def interrupt() -> None:  # before entry 1 passes, before entry 2 stops the replay

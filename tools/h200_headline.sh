@@ -15,9 +15,8 @@ part=${1:?usage: h200_headline.sh pretrain|finetune|finetune-smollm2 [steps] [bu
 steps=${2:-1000}
 out=${OUT:-/tmp/headline-out}
 mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 SPARECYCLES_CACHE=$PWD/.h200/cache
-[ -f .h200/cache/corpora/classics/train.bin.xz ] && xz -d .h200/cache/corpora/classics/train.bin.xz
+source "$(dirname "$0")/h200_common.sh"
+h200_install .h200/cache || exit 1
 deadline=$(( $(date +%s) + ${HEADLINE_SECONDS:-510} ))  # leave time to pack before the call's limit
 wait_or_stop() {  # wait for the background jobs; past the deadline stop them (their metrics are on disk)
   while [ -n "$(jobs -rp)" ] && [ "$(date +%s)" -lt "$deadline" ]; do sleep 2; done

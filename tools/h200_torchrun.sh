@@ -12,9 +12,8 @@ cd "$(dirname "$0")/.."
 steps=${1:-20}
 out=${OUT:-/tmp/torchrun-out}
 mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 SPARECYCLES_CACHE=$PWD/.h200/cache
-[ -f .h200/cache/corpora/classics/train.bin.xz ] && xz -d .h200/cache/corpora/classics/train.bin.xz
+source tools/h200_common.sh
+h200_install .h200/cache || exit 1
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader | tee "$out/gpus.txt"
 ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 t0=$(date +%s)

@@ -19,6 +19,7 @@ tokenized on its own; EOS follows a document's last piece.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -27,6 +28,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -202,6 +204,23 @@ def _tokenize_into(units: list[Unit], which: dict[str, str], tok: ModelTokenizer
     return {s: {"file": f"{s}.bin", **counts[s], "sha256": sha256_file(tmp / f"{s}.bin")} for s in USER_SPLITS}, seconds
 
 
+@contextlib.contextmanager
+def _staged(d: Path) -> Iterator[Path]:
+    """A temporary folder beside `d` to build it in: when the block ends, it replaces `d` (read-only for others);
+    when the block raises, it is removed and `d` is left as it was."""
+    d.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=d.parent, prefix=f".{d.name}-"))
+    try:
+        yield tmp
+        tmp.chmod(0o755)
+        if d.exists():
+            shutil.rmtree(d)
+        os.rename(tmp, d)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def _build(d: Path, key: str, root: Path, inputs, hashes: list[dict[str, Any]], tok: ModelTokenizer,
            text_field: str, encoding_errors: EncodingErrors, label: str, progress: bool,
            timings: dict[str, float]) -> dict[str, Any]:
@@ -215,9 +234,7 @@ def _build(d: Path, key: str, root: Path, inputs, hashes: list[dict[str, Any]], 
                              "validation and selection text")
     which = assign_splits([u.uid for u in units], [len(u.text) for u in units], USER_SPLITS)
     del docs
-    d.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=d.parent, prefix=f".{d.name}-"))
-    try:
+    with _staged(d) as tmp:
         timings["split_s"] = time.perf_counter() - t0 - timings["read_s"]
         splits, timings["tokenize_s"] = _tokenize_into(units, which, tok, tmp, progress)
         manifest = {
@@ -231,13 +248,6 @@ def _build(d: Path, key: str, root: Path, inputs, hashes: list[dict[str, Any]], 
             "characters": sum(len(u.text) for u in units), "splits": splits,
         }
         atomic_write(tmp / "manifest.json", json.dumps(manifest, indent=2).encode())
-        tmp.chmod(0o755)
-        if d.exists():
-            shutil.rmtree(d)
-        os.rename(tmp, d)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     tokens = sum(s["tokens"] for s in splits.values())
     timings["build_s"] = time.perf_counter() - t0
     log.info("packed %s: %d tokens, tokenized in %.1f s (%.0f tokens/s)", d.name, tokens, timings["tokenize_s"],
@@ -274,9 +284,7 @@ def _install(src: Path, tok: ModelTokenizer, model: str) -> Corpus:
     with cache_lock(m["name"]):
         if _verify(d, m["key"], tok) is None:
             return _open(d)
-        d.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=d.parent, prefix=f".{d.name}-"))
-        try:
+        with _staged(d) as tmp:
             for split in USER_SPLITS:
                 name = m["splits"][split]["file"]
                 if (src / name).is_file():
@@ -289,13 +297,6 @@ def _install(src: Path, tok: ModelTokenizer, model: str) -> Corpus:
             why = _verify(tmp, m["key"], tok)
             if why is not None:
                 raise DataInputError(f"{src}: {why}")
-            tmp.chmod(0o755)
-            if d.exists():
-                shutil.rmtree(d)
-            os.rename(tmp, d)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
     return _open(d)
 
 
