@@ -28,7 +28,7 @@ from starlette.concurrency import run_in_threadpool
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential
 
 from api.limits import BodyGuard
-from api.routes import blobs, health, results, rounds, runs, workers
+from api.routes import blobs, health, results, rounds, runs, teachers, workers
 from coordinator.blobs import BlobError
 from coordinator.deadlines import RoundWatch
 from coordinator.errors import Conflict, CoordinatorError, Invalid, NotFound, TooMany
@@ -127,7 +127,8 @@ def create_app(
     _add_exception_handlers(app, metrics)
 
     # The hot path first: routes are matched in registration order.
-    for router in (results.router, health.router, workers.router, runs.router, blobs.router, rounds.router):
+    for router in (results.router, health.router, workers.router, runs.router, blobs.router, rounds.router,
+                   teachers.router):
         app.include_router(router)
     return app
 

@@ -6,19 +6,21 @@ With `settings.broker_acl`, registration creates the user `<worker id>` with a f
 (only its sha256 is stored by Redis) and hands the worker a broker URL with those credentials; the
 user may touch only:
 
-- the run queues `{queue_prefix}.*` (BRPOP to take a task, LPUSH to hand one back), the worker's idle
-  placeholder queue and Celery's default queue,
+- exactly the queues of the runs registered at the coordinator, probe runs (`{queue_prefix}.{run}`) and teacher
+  runs (`sparecycles.teacher.{run}`, issue 47), each with kombu's priority sub-queues (`{queue}\\x06\\x16*`) and no
+  other (BRPOP to take a task, LPUSH to hand one back): granted at registration for the runs then registered, and
+  each new run's queue before any worker is told of it (`grant`); another run's queue is refused. The worker's
+  idle placeholder queue and Celery's default queue,
 - kombu's bookkeeping: `_kombu.*` (queue bindings), `unacked`, `unacked_index`, `unacked_mutex`
   (late acknowledgement and the visibility-timeout restore),
 - Celery's remote-control mailbox: `*.celery.pidbox*` (its own and the reply queue) and pub/sub channels,
-- teacher rounds (issue 47: a worker's `--teacher-engine`): the teacher queues `sparecycles.teacher.*` and, write
-  only (`%W~`: SET, never GET/GETDEL), the target keys `sc:kd:*` its answers go to,
+- teacher answers, write only (`%W~`: SET, never GET/GETDEL), the target keys `sc:kd:*`,
 
 with the command set `+@all -@admin -@dangerous` (no ACL, CONFIG, KEYS, FLUSHALL, DEBUG, ...).
 Quarantine and expiry disable the user (`ACL SETUSER off` and its open connections killed); deletion
 removes it. Passwords are derived from a coordinator secret (`worker_password`), so after a Redis
 restart, which forgets users created at run time, `restore` re-creates the users of the workers that are
-neither quarantined nor deleted (the coordinator does so when Redis comes back). Redis 6+/Valkey ACLs; the coordinator's own connection must be allowed `ACL` (the default
+neither quarantined nor deleted, with the queues registered then (the coordinator does so when Redis comes back). Redis 6+/Valkey ACLs; the coordinator's own connection must be allowed `ACL` (the default
 user is).
 """
 
@@ -32,7 +34,7 @@ from urllib.parse import quote, urlsplit, urlunsplit
 import redis
 
 from coordinator.keys import redis_client_kwargs
-from wire.teacher_messages import TARGET_KEY_PREFIX, TEACHER_QUEUE_PREFIX
+from wire.teacher_messages import TARGET_KEY_PREFIX
 
 KOMBU_KEYS = (
     "_kombu.*",
@@ -45,12 +47,23 @@ KOMBU_KEYS = (
 # coordinator.celery_app): fixed names outside the queue prefix.
 FIXED_QUEUES = ("sparecycles.idle*", "sparecycles.default*")  # "*": kombu's priority sub-queues
 COMMANDS = "+@all -@admin -@dangerous"
-TEACHER_RULES = (f"~{TEACHER_QUEUE_PREFIX}.*", f"%W~{TARGET_KEY_PREFIX}*")  # rounds in; answers out, write only
+TARGET_RULE = f"%W~{TARGET_KEY_PREFIX}*"  # teacher answers out, write only
+PRIORITY_SEP = "\x06\x16"  # kombu's Redis transport names a queue's priority sub-queues "<queue>\x06\x16<n>"
 
 
-def worker_acl_rules(queue_prefix: str, password: str) -> list[str]:
-    """The `ACL SETUSER` rules of a worker's broker user (pure: the policy in one place)."""
-    keys = [f"~{queue_prefix}.*", *(f"~{k}" for k in (*KOMBU_KEYS, *FIXED_QUEUES)), *TEACHER_RULES]
+def glob_escape(name: str) -> str:
+    """`name` as a Redis glob pattern matching only itself (`*?[]\\` escaped)."""
+    return "".join("\\" + c if c in "*?[]\\" else c for c in name)
+
+
+def queue_rules(queues: list[str]) -> list[str]:
+    """The key rules granting exactly `queues` (and their priority sub-queues), nothing more."""
+    return [rule for q in queues for rule in (f"~{glob_escape(q)}", f"~{glob_escape(q + PRIORITY_SEP)}*")]
+
+
+def worker_acl_rules(queues: list[str], password: str) -> list[str]:
+    """The `ACL SETUSER` rules of a worker's broker user granted `queues` (pure: the policy in one place)."""
+    keys = [*queue_rules(queues), *(f"~{k}" for k in (*KOMBU_KEYS, *FIXED_QUEUES)), TARGET_RULE]
     return ["reset", "on", f">{password}", *keys, "&*", *COMMANDS.split()]
 
 
@@ -81,26 +94,31 @@ class BrokerAcl:
     token, so rotating that token rotates every worker's broker password at the next `restore`.
     """
 
-    def __init__(self, admin_url: str, queue_prefix: str, secret: bytes) -> None:
-        self.admin_url, self.queue_prefix, self._secret = admin_url, queue_prefix, secret
+    def __init__(self, admin_url: str, secret: bytes) -> None:
+        self.admin_url, self._secret = admin_url, secret
         self.r = redis.Redis.from_url(admin_url, decode_responses=True, **redis_client_kwargs())
 
-    def create(self, wid: str) -> str:
-        """Create (or reset) the user `wid`; return the broker URL the worker must use."""
+    def create(self, wid: str, queues: list[str]) -> str:
+        """Create (or reset) the user `wid` granted `queues`; return the broker URL the worker must use."""
         password = worker_password(self._secret, wid)
-        self.r.execute_command("ACL", "SETUSER", wid, *worker_acl_rules(self.queue_prefix, password))
+        self.r.execute_command("ACL", "SETUSER", wid, *worker_acl_rules(queues, password))
         return with_credentials(self.admin_url, wid, password)
+
+    def grant(self, wid: str, queues: list[str]) -> None:
+        """Add `queues` to the existing user `wid`'s keys (its other rules unchanged)."""
+        self.r.execute_command("ACL", "SETUSER", wid, *queue_rules(queues))
 
     def server_run_id(self) -> str:
         """The broker server's run id (changes with every restart)."""
         return str(self.r.info("server")["run_id"])
 
-    def restore(self, wids: list[str]) -> int:
-        """Re-create the users of `wids` that the broker lost (a restart); return how many were missing."""
+    def restore(self, wids: list[str], queues: list[str]) -> int:
+        """Re-create the users of `wids` that the broker lost (a restart), granted `queues`; return how many were
+        missing."""
         have = set(self.r.execute_command("ACL", "USERS"))
         missing = [w for w in wids if w not in have]
         for wid in missing:
-            self.create(wid)
+            self.create(wid, queues)
         return len(missing)
 
     def disable(self, wid: str) -> None:

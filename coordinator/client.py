@@ -34,6 +34,7 @@ from wire.messages import (
     WorkerRegistration,
 )
 from wire.round_messages import IntakeReply, ProbeRound, ResultBatch, RoundInfo
+from wire.teacher_messages import TeacherManifest, TeacherRun
 
 T = TypeVar("T")
 
@@ -278,6 +279,19 @@ class CoordinatorClient:
     def end_run(self, run: str) -> dict[str, Any]:
         """`POST /v1/runs/{run}/end`: close the run's open rounds, stop workers consuming its queue, purge it."""
         return self.request("POST", f"/v1/runs/{run}/end").json()
+
+    def register_teacher(self, body: TeacherRun) -> None:
+        """`POST /v1/teachers`: register a run's teacher rounds (its files uploaded as blobs); every worker then
+        consumes its queue. Raises CoordinatorHTTPError (422: a file not uploaded; 409: another teacher)."""
+        self.request("POST", "/v1/teachers", json=body.model_dump(mode="json"))
+
+    def end_teacher(self, run: str) -> None:
+        """`POST /v1/teachers/{run}/end`: workers stop consuming the run's teacher queue."""
+        self.request("POST", f"/v1/teachers/{run}/end")
+
+    def teacher_manifest(self, sha256: str) -> TeacherManifest:
+        """`GET /v1/teachers/{sha256}`: a registered teacher's files as blobs. Raises CoordinatorHTTPError (404)."""
+        return TeacherManifest.model_validate_json(self.request("GET", f"/v1/teachers/{sha256}").content)
 
     def round_info(self, run: str, round_id: str) -> RoundInfo:
         """`GET /v1/runs/{run}/rounds/{round_id}`: a round's progress."""

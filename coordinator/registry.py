@@ -2,7 +2,8 @@
 renewed by heartbeats, drain/resume, loss and expiry.
 
 A part of `coordinator.store.Store`, built with what it uses: the state Redis client, the key layout, the
-settings and the runs (`RunStore.queues()` for the queue list workers consume). Keys: `{prefix}:workers` (set of ids), `{prefix}:w:{id}` (hash), `{prefix}:leases`
+settings, the runs and the teacher runs (`RunStore.queues()` and `TeacherRuns.queues()`: the queue lists workers
+consume). Keys: `{prefix}:workers` (set of ids), `{prefix}:w:{id}` (hash), `{prefix}:leases`
 (sorted set id -> lease expiry, unix seconds), `{prefix}:expiry` (lost workers -> when they are
 deleted), `{prefix}:enrolled:{token id}` (workers enrolled with one enrollment token),
 `{prefix}:enroll_rate:{token id}` (registrations in the current window).
@@ -21,7 +22,9 @@ Every state transition is one Lua script (`coordinator.worker_scripts`):
 | delete | any | admin, or the worker itself |
 
 With `settings.broker_acl` each worker also gets its own broker user (`coordinator.broker_acl`):
-created at registration, disabled at quarantine, removed with the record (deletion or expiry).
+created at registration with exactly the queues of the runs and teacher runs then registered, granted each new
+run's queue before the workers are told of it (`grant_queue`), disabled at quarantine, removed with the record
+(deletion or expiry).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from coordinator.errors import Conflict, NotFound, TooMany
 from coordinator.keys import Keys
 from coordinator.runs import RunStore
 from coordinator.settings import CoordinatorSettings
+from coordinator.teachers import TeacherRuns
 from wire.messages import (
     Heartbeat,
     HeartbeatReply,
@@ -71,8 +75,9 @@ def parse_worker_token(token: str) -> str | None:
 class WorkerRegistry:
     """Worker records and leases on Redis; transitions as in the module table."""
 
-    def __init__(self, r: redis.Redis, keys: Keys, settings: CoordinatorSettings, runs: RunStore) -> None:
-        self.r, self.keys, self.settings, self.runs = r, keys, settings, runs
+    def __init__(self, r: redis.Redis, keys: Keys, settings: CoordinatorSettings, runs: RunStore,
+                 teachers: TeacherRuns) -> None:
+        self.r, self.keys, self.settings, self.runs, self.teachers = r, keys, settings, runs, teachers
 
     @functools.cached_property
     def _scripts(self) -> dict:
@@ -85,19 +90,33 @@ class WorkerRegistry:
         if not self.settings.broker_acl:
             return None
         secret = self.settings.admin_token.get_secret_value().encode()
-        return BrokerAcl(self.settings.worker_broker_url, self.settings.queue_prefix, secret)
+        return BrokerAcl(self.settings.worker_broker_url, secret)
+
+    def all_queues(self) -> list[str]:
+        """Every queue a worker consumes now: the runs' probe queues and the teacher runs' queues."""
+        return [*self.runs.queues(), *self.teachers.queues()]
+
+    def _grantable(self) -> list[str]:
+        """The workers whose broker users exist: registered and not quarantined."""
+        wids = sorted(self.r.smembers(self.keys.k_workers))
+        pipe = self.r.pipeline(transaction=False)
+        for wid in wids:
+            pipe.hget(self.keys.k_worker(wid), "state")
+        return [w for w, st in zip(wids, pipe.execute(), strict=True) if st is not None and st != "quarantined"]
+
+    def grant_queue(self, queue: str) -> None:
+        """Grant a new run's `queue` to every worker's broker user (a no-op without `settings.broker_acl`); called
+        before the queue is listed to the workers, so none is told to consume a queue its user is refused."""
+        if self.broker_acl is not None:
+            for wid in self._grantable():
+                self.broker_acl.grant(wid, [queue])
 
     def restore_broker_users(self) -> int:
         """Re-create the broker users a restarted Redis forgot (workers not quarantined); returns how many.
         A no-op without `settings.broker_acl`."""
         if self.broker_acl is None:
             return 0
-        wids = sorted(self.r.smembers(self.keys.k_workers))
-        pipe = self.r.pipeline(transaction=False)
-        for wid in wids:
-            pipe.hget(self.keys.k_worker(wid), "state")
-        keep = [w for w, st in zip(wids, pipe.execute()) if st is not None and st != "quarantined"]
-        return self.broker_acl.restore(keep)
+        return self.broker_acl.restore(self._grantable(), self.all_queues())
 
     def register_worker(
         self, reg: WorkerRegistration, now: float | None = None, enrolled_by: str = "default"
@@ -152,12 +171,13 @@ class WorkerRegistry:
                 retry_after=int(s.lease_seconds),
                 reason="enrollment_cap",
             )
-        acl = self.broker_acl
+        acl, queues, teacher_queues = self.broker_acl, self.runs.queues(), self.teachers.queues()
         return WorkerRegistered(
             worker_id=wid,
             worker_token=token,
-            broker_url=acl.create(wid) if acl is not None else self.settings.worker_broker_url,
-            queues=self.runs.queues(),
+            broker_url=acl.create(wid, queues + teacher_queues) if acl is not None else self.settings.worker_broker_url,
+            queues=queues,
+            teacher_queues=teacher_queues,
             heartbeat_interval_s=self.settings.heartbeat_interval_s,
             lease_seconds=self.settings.lease_seconds,
             visibility_timeout_s=self.settings.visibility_timeout_s,
@@ -186,7 +206,7 @@ class WorkerRegistry:
         if hb.serving is not None:  # the worker's figures beside a serving engine, shown in GET /v1/workers
             self.r.hset(keys[0], "serving", hb.serving.model_dump_json())
         lease = Lease(worker_id=wid, expires_at=expires, lease_seconds=self.settings.lease_seconds)
-        return HeartbeatReply(lease=lease, state=state, queues=self.runs.queues())
+        return HeartbeatReply(lease=lease, state=state, queues=self.runs.queues(), teacher_queues=self.teachers.queues())
 
     def reap_expired(self, now: float | None = None) -> list[str]:
         """Mark workers whose lease ended before `now` as lost, and delete workers lost for

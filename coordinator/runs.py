@@ -7,6 +7,7 @@ Keys: `{p}:{run}:run` (hash: spec, latest_version, staleness, canary, created_at
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import redis
 
@@ -22,6 +23,7 @@ class RunStore:
 
     def __init__(self, r: redis.Redis, keys: Keys, blobs: BlobStore) -> None:
         self.r, self.keys, self.blobs = r, keys, blobs
+        self.on_new_queue: Callable[[str], None] = lambda queue: None  # Store: granted to the workers' broker users
 
     def queues(self) -> list[str]:
         """Celery queues of all runs (workers consume these)."""
@@ -44,6 +46,7 @@ class RunStore:
                     "canary": int(spec.canary is not None),
                 },
             )
+            self.on_new_queue(self.keys.queue_for(spec.run))  # before any worker is told to consume it
             self.r.sadd(self.keys.k_runs, spec.run)
         return self.run_info(spec.run)
 

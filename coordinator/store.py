@@ -7,7 +7,8 @@
 | `runs` | `coordinator.runs` | runs, snapshot versions, seed ledger, the runs' queues | r, keys, blobs |
 | `dispatch` | `coordinator.dispatch` | probe tasks: building, publishing on Celery, queue depths | r, keys, runs, celery, broker URL |
 | `rounds` | `coordinator.rounds` | probe rounds: open, progress, close; spot-check selection | r, keys, runs, dispatch, blobs |
-| `workers` | `coordinator.registry` | workers: registration, hashed tokens, leases, states | r, keys, settings, runs |
+| `teachers` | `coordinator.teachers` | teacher runs (their queues) and their teachers' blob manifests | r, keys, blobs |
+| `workers` | `coordinator.registry` | workers: registration, hashed tokens, leases, states, broker users | r, keys, settings, runs, teachers |
 
 Callers name the part: `store.runs.create_run(spec)`, `store.workers.heartbeat(...)`, `store.keys.k_round(...)`.
 Intake (results, spot checks) lives in `coordinator.intake`. Errors are the `CoordinatorError` family
@@ -27,6 +28,7 @@ from coordinator.registry import WorkerRegistry
 from coordinator.rounds import RoundStore
 from coordinator.runs import RunStore
 from coordinator.settings import CoordinatorSettings
+from coordinator.teachers import TeacherRuns
 
 __all__ = ["Store", "redis_client_kwargs", "results_stream_key", "spot_check_selected"]
 
@@ -35,7 +37,7 @@ class Store:
     """Coordinator state on Redis. `settings.redis_url` holds state; the broker may be another URL.
 
     Attributes: settings, r (the state Redis client, decoded responses), celery, and the parts of the module
-    table: keys, blobs, runs, dispatch, rounds, workers.
+    table: keys, blobs, runs, dispatch, rounds, teachers, workers.
     """
 
     def __init__(self, settings: CoordinatorSettings, celery_app: Celery | None = None) -> None:
@@ -51,7 +53,10 @@ class Store:
         self.runs = RunStore(self.r, self.keys, self.blobs)
         self.dispatch = Dispatch(self.r, self.keys, self.runs, self.celery, settings.broker_url)
         self.rounds = RoundStore(self.r, self.keys, self.runs, self.dispatch, self.blobs)
-        self.workers = WorkerRegistry(self.r, self.keys, settings, self.runs)
+        self.teachers = TeacherRuns(self.r, self.keys, self.blobs)
+        self.workers = WorkerRegistry(self.r, self.keys, settings, self.runs, self.teachers)
+        # a new run's queue is granted to the workers' broker users before they are told to consume it
+        self.runs.on_new_queue = self.teachers.on_new_queue = self.workers.grant_queue
 
     def ping(self) -> bool:
         """True if Redis answers."""

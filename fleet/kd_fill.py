@@ -20,7 +20,7 @@ from typing import Any
 
 import redis
 
-from fleet.teacher import FleetTeacher, teacher_queue
+from fleet.teacher import FleetTeacher, RoundFlow, TeacherRecipe, teacher_queue
 from trainer.kd.cache import KDPlan, TargetCache, plan_for
 from trainer.kd.intake import accept
 from trainer.kd.teacher import teacher_folder, teacher_sha256
@@ -58,113 +58,137 @@ def _vocab(teacher: str) -> int:
     return int(AutoConfig.from_pretrained(teacher_folder(teacher), local_files_only=True).vocab_size)
 
 
-def fill(cfg: Any, root: Path | str, redis_url: str, *, run: str | None = None, window: int = 32,
-         timeout_s: float = 120.0, attempts: int = 5, poll_s: float = 0.05,
-         progress: Callable[[int], None] | None = None, log: Callable[[str], None] = lambda m: None,
-         keys: str | None = None) -> FillReport:
+@dataclass(frozen=True)
+class FillOptions:
+    """How a fill asks. run: the queue's run name (fleet.teacher.teacher_queue(run); default kd-<teacher
+    sha256[:12]>-<seed>, the name `train --teacher-rounds` uses, so the same workers serve both); window: rounds out
+    at once (>= 1); timeout_s: seconds a window waits for answers before re-sending the unanswered (> 0); attempts:
+    sends per step before giving up (>= 1); poll_s: seconds between reads of the answers; keys: the run name of this
+    fill's answers' keys (default: the queue's run name and this fill's own id, so two fills of one plan at once
+    never take each other's answers, as two `train --teacher-rounds` do not). Raises ValueError when out of range."""
+
+    run: str | None = None
+    window: int = 32
+    timeout_s: float = 120.0
+    attempts: int = 5
+    poll_s: float = 0.05
+    keys: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.window < 1 or not self.timeout_s > 0 or self.attempts < 1:
+            raise ValueError(f"kd fill: window {self.window} (>= 1), timeout {self.timeout_s} s (> 0), attempts "
+                             f"{self.attempts} (>= 1)")
+
+
+class _Filler:
+    """One fill's sending and taking: rounds through `fleet`, answers GETDEL'd, checked and stored in `cache`."""
+
+    def __init__(self, fleet: FleetTeacher, cache: TargetCache, opts: FillOptions, report: FillReport,
+                 shape: tuple[int, int], vocab: int, progress: Callable[[int], None] | None,
+                 log: Callable[[str], None]) -> None:
+        self.fleet, self.cache, self.opts, self.report = fleet, cache, opts, report
+        self.shape, self.vocab, self.progress, self.log = shape, vocab, progress, log
+        self.tries: dict[int, int] = {}
+        self.pending: dict[int, int] = {}  # batch key -> step, for rounds sent and not yet answered
+
+    def send(self, steps: list[int]) -> None:
+        """FleetTeacher.advance per contiguous run of `steps` (it sends [a, a + window) from next_step = a)."""
+        i = 0
+        while i < len(steps):
+            j = i
+            while j + 1 < len(steps) and steps[j + 1] == steps[j] + 1:
+                j += 1
+            self.fleet.next_step, self.fleet.window = steps[i], j - i + 1
+            self.fleet.advance(steps[i])
+            i = j + 1
+        for s in steps:
+            self.tries[s] = self.tries.get(s, 0) + 1
+            self.report.resent += self.tries[s] > 1
+        self.report.sent += len(steps)
+        self.pending.update({k: s for k, s in self.fleet.sent.items() if s in set(steps)})
+
+    def take(self) -> list[int]:
+        """Take every pending answer there (one round trip); store the valid ones; the steps to ask again."""
+        fleet, again = self.fleet, []
+        pipe = fleet.store.pipeline(transaction=False)
+        for k in self.pending:
+            pipe.getdel(target_key(fleet.run, fleet.rank, fleet.recipe, k))
+        for (k, s), blob in zip(list(self.pending.items()), pipe.execute(), strict=True):
+            if blob is None:
+                continue
+            del self.pending[k]
+            fleet.sent.pop(k, None)
+            targets, why = accept(blob, batch_shape=self.shape, vocab=self.vocab,
+                                  run=fleet.queue.rsplit(".", 1)[-1])  # the queue's run name
+            if targets is None:
+                self.report.rejected += 1
+                self.log(f"kd fill: step {s}: answer rejected ({why}); asking again")
+                again.append(s)
+                continue
+            self.cache.put(s, blob)
+            self.report.stored, self.report.bytes = self.report.stored + 1, self.report.bytes + len(blob)
+            if self.progress is not None:
+                self.progress(1)
+        return again
+
+    def window(self, steps: list[int]) -> None:
+        """Ask for `steps` until each is stored; raises FillError when one was sent `attempts` times in vain."""
+        self.send(steps)
+        deadline = time.monotonic() + self.opts.timeout_s
+        while self.pending:
+            again = self.take()
+            if time.monotonic() >= deadline:
+                again += list(self.pending.values())
+                deadline = time.monotonic() + self.opts.timeout_s
+            again = sorted(set(again))
+            if again:
+                spent = [s for s in again if self.tries.get(s, 0) >= self.opts.attempts]
+                if spent:
+                    raise FillError(f"kd fill: step(s) {spent[:8]} had no valid answer after {self.opts.attempts} "
+                                    f"sends ({self.opts.timeout_s:.0f} s each); {self.report.stored} stored: are "
+                                    f"teacher workers on queue {self.fleet.queue}? Run the command again to resume")
+                self.pending = {k: s for k, s in self.pending.items() if s not in set(again)}
+                self.send(again)
+            time.sleep(self.opts.poll_s)
+
+
+def fill(cfg: Any, root: Path | str, redis_url: str, opts: FillOptions | None = None,
+         progress: Callable[[int], None] | None = None, log: Callable[[str], None] = lambda m: None) -> FillReport:
     """Fill ROOT with the teacher targets of run settings `cfg` (trainer.config.TrainConfig with a teacher and
     kd_estimator sampled or topk; its steps, batches and recipe) from teacher workers on `redis_url` (their Celery
-    broker and target store), queue fleet.teacher.teacher_queue(run) (run default: kd-<teacher sha256[:12]>-<seed>,
-    the name `train --teacher-rounds` uses, so the same workers serve both). window: rounds out at once (>= 1);
-    timeout_s: seconds a window waits for answers before re-sending the unanswered (> 0); attempts: sends per step
-    before giving up (>= 1); progress(n): called with n steps done (first those already stored, then each new one);
-    keys: the run name of this fill's answers' keys (default: the queue's run name and this fill's own id, so two
-    fills of one plan at once never take each other's answers, as two `train --teacher-rounds` do not). Returns a
-    FillReport. Raises ValueError
-    for bad arguments or a non-redis URL, trainer.kd.cache.CachePlanError for a plan without targets, FillError
-    when steps stay unanswered (those stored are kept), redis.RedisError when Redis cannot be reached."""
-    if window < 1 or not timeout_s > 0 or attempts < 1:
-        raise ValueError(f"kd fill: window {window} (>= 1), timeout {timeout_s} s (> 0), attempts {attempts} (>= 1)")
+    broker and target store), asked as `opts` says (FillOptions); progress(n): called with n steps done (first those
+    already stored, then each new one). Returns a FillReport. Raises ValueError for a non-redis URL,
+    trainer.kd.cache.CachePlanError for a plan without targets, FillError when steps stay unanswered (those stored
+    are kept), redis.RedisError when Redis cannot be reached."""
+    opts = opts or FillOptions()
     if not redis_url.startswith(("redis://", "rediss://")):
         raise ValueError(f"kd fill needs a redis:// URL, got {redis_url!r}")
     from coordinator.celery_app import make_celery
     from trainer.tasks import build_task
 
-    t0 = time.monotonic()
-    task = build_task(cfg)
+    t0, task = time.monotonic(), build_task(cfg)
     plan: KDPlan = plan_for(cfg, task)
     cache = TargetCache(root).open(plan)
     todo = cache.missing(range(cfg.steps))
     report = FillReport(key=plan.key(), folder=str(cache.dir), planned=cfg.steps, present=cfg.steps - len(todo))
     if progress is not None and report.present:
         progress(report.present)
-    if not todo:
-        report.wall_s = time.monotonic() - t0
-        return report
-    name = run or f"kd-{teacher_sha256(cfg.teacher)[:12]}-{cfg.seed}"
-    vocab, shape = _vocab(cfg.teacher), (cfg.batch_size, cfg.seq_len)
-    store = redis.Redis.from_url(redis_url, socket_timeout=10, socket_connect_timeout=5)
-    store.ping()
-    keys = keys or f"{name[:55]}-{uuid.uuid4().hex[:8]}"  # the queue is shared; the answers are this fill's
-    fleet = FleetTeacher(make_celery(redis_url), store, run=keys, queue=teacher_queue(name), teacher=cfg.teacher,
-                         batch_fn=task.batch,
-                         kind=cfg.kd_estimator, k=cfg.kd_k, temperature=cfg.kd_temperature, seed=cfg.seed,
-                         rank=plan.rank, window=1, student=cfg.model)
-    log(f"kd fill: {len(todo)} of {cfg.steps} steps to ask for on queue {teacher_queue(name)} "
-        f"(cache {cache.dir})")
-    tries: dict[int, int] = {}
-
-    def send(steps: list[int]) -> None:
-        """FleetTeacher.advance per contiguous run of `steps`: it sends [a, a + window) from next_step = a."""
-        i = 0
-        while i < len(steps):
-            j = i
-            while j + 1 < len(steps) and steps[j + 1] == steps[j] + 1:
-                j += 1
-            fleet.next_step, fleet.window = steps[i], j - i + 1
-            fleet.advance(steps[i])
-            i = j + 1
-        for s in steps:
-            tries[s] = tries.get(s, 0) + 1
-            report.resent += tries[s] > 1
-        report.sent += len(steps)
-
-    for lo in range(0, len(todo), window):
-        out = todo[lo:lo + window]
-        send(out)
-        pending = {k: s for k, s in fleet.sent.items() if s in set(out)}
-        deadline = time.monotonic() + timeout_s
-        while pending:
-            pipe = store.pipeline(transaction=False)  # GETDEL every pending answer in one round trip
-            for k in pending:
-                pipe.getdel(target_key(keys, plan.rank, fleet.recipe, k))
-            again: list[int] = []
-            for (k, s), blob in zip(list(pending.items()), pipe.execute(), strict=True):
-                if blob is None:
-                    continue
-                del pending[k]
-                fleet.sent.pop(k, None)
-                targets, why = accept(blob, batch_shape=shape, vocab=vocab, run=name)
-                if targets is None:
-                    report.rejected += 1
-                    log(f"kd fill: step {s}: answer rejected ({why}); asking again")
-                    again.append(s)
-                    continue
-                cache.put(s, blob)
-                report.stored += 1
-                report.bytes += len(blob)
-                if progress is not None:
-                    progress(1)
-            if not pending and not again:
-                break
-            if time.monotonic() >= deadline:
-                again += sorted(s for s in pending.values())
-                deadline = time.monotonic() + timeout_s
-            again = sorted(set(again))
-            if again:
-                spent = [s for s in again if tries.get(s, 0) >= attempts]
-                if spent:
-                    report.unanswered = sorted(cache.missing(todo))
-                    report.wall_s = time.monotonic() - t0
-                    raise FillError(f"kd fill: step(s) {spent[:8]} had no valid answer after {attempts} sends "
-                                    f"({timeout_s:.0f} s each); {report.stored} stored, "
-                                    f"{len(report.unanswered)} missing: are teacher workers on queue "
-                                    f"{teacher_queue(name)}? Run the command again to resume")
-                for s in again:
-                    for k in [k for k, v in pending.items() if v == s]:
-                        del pending[k]
-                send(again)
-                pending.update({k: s for k, s in fleet.sent.items() if s in set(again)})
-            time.sleep(poll_s)
+    if todo:
+        name = opts.run or f"kd-{teacher_sha256(cfg.teacher)[:12]}-{cfg.seed}"
+        store = redis.Redis.from_url(redis_url, socket_timeout=10, socket_connect_timeout=5)
+        store.ping()
+        keys = opts.keys or f"{name[:55]}-{uuid.uuid4().hex[:8]}"  # the queue is shared; the answers are this fill's
+        fleet = FleetTeacher(make_celery(redis_url), store, run=keys, queue=teacher_queue(name),
+                             teacher=TeacherRecipe.of(cfg), batch_fn=task.batch, flow=RoundFlow(window=1),
+                             rank=plan.rank)
+        log(f"kd fill: {len(todo)} of {cfg.steps} steps to ask for on queue {fleet.queue} (cache {cache.dir})")
+        filler = _Filler(fleet, cache, opts, report, (cfg.batch_size, cfg.seq_len), _vocab(cfg.teacher), progress,
+                         log)
+        try:
+            for lo in range(0, len(todo), opts.window):
+                filler.window(todo[lo:lo + opts.window])
+        except FillError:
+            report.unanswered, report.wall_s = sorted(cache.missing(todo)), time.monotonic() - t0
+            raise
     report.wall_s = time.monotonic() - t0
     return report

@@ -1,5 +1,5 @@
-"""Teacher rounds from the trainer's side (issue 36): a window of steps ahead sent to teacher workers
-(probe_worker/teacher.py) and their target blobs taken at intake: a targets source of
+"""Teacher rounds from the trainer's side (issue 36): a window of steps ahead sent to the workers' teacher round
+kind (probe_worker/teacher.py, on `sparecycles worker`) and their target blobs taken at intake: a targets source of
 trainer.kd.sparse_loss.SparseKDLoss, the loss_fn that uses them.
 
 The trainer's batches are a pure function of the step (trainer.tasks.Task.batch), so the window sends the
@@ -7,7 +7,10 @@ batches of steps [s, s + window) before the trainer reaches them; each answer la
 wire.teacher_messages.target_key(run, rank, recipe, batch_key(x)). A step whose targets have not arrived trains on CE
 alone and is counted in `sparecycles_trainer_kd_missing_steps` (a rejected blob also: trainer.kd.intake counts
 it in `..._kd_rejected`); `strict=True` waits for them up to `strict_timeout_s`, then counts the step missing.
-Each blob is read with GETDEL: taken once, so a redelivered answer is never counted twice.
+Each blob is read with GETDEL: taken once, so a redelivered answer is never counted twice. The workers learn of the
+queue, and fetch a teacher whose folder they cannot read, from the coordinator the run registered it at
+(fleet.teacher_weights.publish_teacher: `sparecycles up` does so for its runs); a worker started with
+`--teacher-queue` consumes it without one.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import logging
 import sys
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import redis
 import torch
@@ -25,7 +30,6 @@ from celery import Celery
 from kombu.exceptions import OperationalError
 from tenacity import RetryError, Retrying, retry_if_result, stop_after_delay, stop_when_event_set, wait_fixed
 
-from fleet.teacher_weights import publish_teacher
 from trainer.console import STOP_REQUESTED
 from trainer.kd.sparse_loss import SparseKDLoss, intake_step, whole_batches
 from trainer.kd.teacher import ENGINE_PROBE_TEXTS, batch_key, teacher_folder, teacher_sha256
@@ -34,12 +38,12 @@ from trainer.metrics import KD_AHEAD, KD_MISSING, KD_REJECTED
 from wire.kd_targets import KDTargets
 from wire.teacher_messages import (
     ROUND_TTL_S,
-    TEACHER_QUEUE_PREFIX,
     TEACHER_TASK_NAME,
     StudentTokenizer,
     TeacherTask,
     recipe_tag,
     target_key,
+    teacher_queue,
 )
 
 log = logging.getLogger("sparecycles.teacher")
@@ -48,9 +52,8 @@ log = logging.getLogger("sparecycles.teacher")
 STORE_ERRORS = (redis.RedisError, OperationalError)
 
 
-def teacher_queue(run: str) -> str:
-    """The Celery queue of `run`'s teacher rounds."""
-    return f"{TEACHER_QUEUE_PREFIX}.{run}"
+__all__ = ["FleetTeacher", "RoundFlow", "TeacherRecipe", "TeacherTimeout", "engine_fields", "kd_loss_factory",
+           "teacher_queue"]
 
 
 def engine_fields(student: str | None, teacher: str) -> tuple[StudentTokenizer | None, int | None]:
@@ -73,31 +76,61 @@ class TeacherTimeout(ConnectionError):
     run's queue. A ConnectionError, so trainer.train checkpoints the position reached and says to --resume."""
 
 
+@dataclass(frozen=True)
+class TeacherRecipe:
+    """What every round asks for: the teacher (a preset or a transformers folder), the target kind (sampled or
+    topk), ids per position, temperature and seed; `student` (its folder) makes the rounds carry its tokenizer's
+    probe ids for a worker that asks a serving engine (None: none sent)."""
+
+    teacher: str
+    kind: str
+    k: int
+    temperature: float
+    seed: int
+    student: str | None = None
+
+    @classmethod
+    def of(cls, cfg: Any) -> TeacherRecipe:
+        """The recipe of run settings `cfg` (trainer.config.TrainConfig: teacher, kd_estimator, kd_k, ...)."""
+        return cls(cfg.teacher, cfg.kd_estimator, cfg.kd_k, cfg.kd_temperature, cfg.seed, cfg.model)
+
+
+@dataclass(frozen=True)
+class RoundFlow:
+    """How the rounds flow: `window` steps ahead (>= 1); `strict`: a step waits up to `strict_timeout_s` seconds
+    (> 0) for its targets; a round waits at most `round_ttl_s` seconds in its queue (Celery `expires`)."""
+
+    window: int = 8
+    strict: bool = False
+    strict_timeout_s: float = 120.0
+    round_ttl_s: float = ROUND_TTL_S
+
+
 class FleetTeacher:
     """The window of teacher rounds ahead of one rank's trainer.
 
     batch_fn(step) -> (x, y), x int64 (B, T): the trainer's own batches. `run` names the answers' keys (and the
-    metrics' label): two runs on one store must not share it, or one takes the other's answers. `queue` (default
-    teacher_queue(run)) is where the rounds go; many runs may share one. `advance(step)` sends the rounds of
+    metrics' label): two runs on one store must not share it, or one takes the other's answers. `teacher`: what the
+    rounds ask; `flow`: how they flow. `queue` (default teacher_queue(run)) is where the rounds go; many runs may
+    share one. `steps`: the run's length (no round past it; None: no end). `advance(step)` sends the rounds of
     steps [step, step + window) not yet sent; `take(x, vocab)` -> KDTargets or None (missing or rejected, counted).
-    Built, it publishes the teacher's weights into the store once (fleet.teacher_weights.publish_teacher) for
-    workers that cannot read its folder. Raises ValueError for window < 1 or strict_timeout_s <= 0. Network calls
-    carry the Redis client's timeouts.
+    Raises ValueError for window < 1 or strict_timeout_s <= 0. Network calls carry the Redis client's timeouts.
     """
 
-    def __init__(self, app: Celery, store: redis.Redis, *, run: str, teacher: str, batch_fn: Callable,
-                 kind: str, k: int, temperature: float, seed: int, rank: int = 0, window: int = 8,
-                 strict: bool = False, strict_timeout_s: float = 120.0, steps: int | None = None,
-                 queue: str | None = None, student: str | None = None, round_ttl_s: float = ROUND_TTL_S) -> None:
-        if window < 1 or not strict_timeout_s > 0:
-            raise ValueError(f"teacher window {window} (>= 1) and strict timeout {strict_timeout_s} s (> 0)")
+    def __init__(self, app: Celery, store: redis.Redis, *, run: str, teacher: TeacherRecipe, batch_fn: Callable,
+                 flow: RoundFlow | None = None, rank: int = 0, steps: int | None = None,
+                 queue: str | None = None) -> None:
+        flow = flow or RoundFlow()
+        if flow.window < 1 or not flow.strict_timeout_s > 0:
+            raise ValueError(f"teacher window {flow.window} (>= 1) and strict timeout {flow.strict_timeout_s} s (> 0)")
         self.app, self.store, self.run, self.batch_fn = app, store, run, batch_fn
         self.queue = queue or teacher_queue(run)  # where the rounds go; `run` names their answers' keys
-        self.teacher_dir, self.sha = str(teacher_folder(teacher)), teacher_sha256(teacher)
-        self.kind, self.k, self.temperature, self.seed, self.rank = kind, k, temperature, seed, rank
-        self.window, self.strict, self.strict_timeout_s = window, strict, strict_timeout_s
-        self.round_ttl_s = round_ttl_s  # seconds a round may wait in its queue (Celery `expires`)
-        self.recipe = recipe_tag(kind, k, temperature, seed)
+        self.teacher_dir, self.sha = str(teacher_folder(teacher.teacher)), teacher_sha256(teacher.teacher)
+        self.kind, self.k, self.temperature, self.seed = teacher.kind, teacher.k, teacher.temperature, teacher.seed
+        self.rank = rank
+        self.window, self.strict, self.strict_timeout_s = flow.window, flow.strict, flow.strict_timeout_s
+        self.round_ttl_s = flow.round_ttl_s  # seconds a round may wait in its queue (Celery `expires`)
+        self.recipe = recipe_tag(teacher.kind, teacher.k, teacher.temperature, teacher.seed)
         self.steps = steps  # the run's length: no round is sent for a step at or past it (None: no end)
         self.sent: dict[int, int] = {}  # batch key -> step, for steps sent and not yet taken
         self.refused: dict[int, int] = {}  # batch key -> step, for steps whose round the broker refused
@@ -106,24 +139,8 @@ class FleetTeacher:
         self.bytes_up = self.bytes_down = 0
         for counter in (KD_MISSING, KD_REJECTED):  # the run's series exist (at 0) before any step is missed
             counter.labels(run)
-        self.published_bytes = self._publish(teacher)
         # what a worker answering through a serving engine checks and writes (probe_worker.engine_teacher)
-        self.student_tokenizer, self.teacher_vocab = engine_fields(student, teacher)
-
-    def _publish(self, teacher: str) -> int:
-        """Publish the teacher's weights into the store once (fleet.teacher_weights), so a worker on a machine
-        that cannot read teacher_dir fetches them; bytes written (0: already there). A store that refuses them
-        (maxmemory) is warned about, not fatal: workers that read the folder still answer."""
-        try:
-            manifest, written = publish_teacher(self.store, teacher)
-        except redis.RedisError as exc:
-            log.warning("teacher %s not published in the store (%s): only workers that can read %s answer",
-                        self.sha[:12], str(exc)[:200], self.teacher_dir)
-            return 0
-        if written:
-            log.info("teacher %s published in the store: %d files, %d bytes", self.sha[:12], len(manifest.files),
-                     written)
-        return written
+        self.student_tokenizer, self.teacher_vocab = engine_fields(teacher.student, teacher.teacher)
 
     def task_for(self, step: int) -> TeacherTask:
         """The teacher round of `step`: its batch's ids, the teacher and the target recipe."""
@@ -202,9 +219,10 @@ class FleetTeacher:
         """The error of a --kd-strict wait for `step`'s targets that ran out."""
         return TeacherTimeout(
             f"--kd-strict: no teacher targets for step {step} in {self.strict_timeout_s:.0f} s on queue "
-            f"{self.queue}: is a teacher worker consuming it (python -m probe_worker.teacher "
-            f"--broker URL --queue {self.queue}), and can it load teacher {self.sha[:12]} (a worker that "
-            "can neither read its folder nor fetch it from the store refuses the round: see its log)?")
+            f"{self.queue}: is a worker consuming it (`sparecycles worker` of a coordinator the run's teacher is "
+            f"registered at, or with --teacher-queue {self.queue}), and can it load teacher {self.sha[:12]} (a "
+            "worker that can neither read its folder nor fetch it from the coordinator refuses the round: see its "
+            "log)?")
 
     def _take(self, x: torch.Tensor, vocab: int) -> KDTargets | None:
         key = batch_key(x)
@@ -262,13 +280,11 @@ def kd_loss_factory(redis_url: str, *, window: int = 8, strict: bool = False, st
         # process's own id: two runs of one teacher and seed on one store (a sweep over alpha) each take their own.
         keys = f"{name[:55]}-{uuid.uuid4().hex[:8]}"
         if rank == 0:  # the one line a user needs to start a teacher worker on the right queue
-            print(f"teacher rounds on queue {teacher_queue(name)} (python -m probe_worker.teacher --queue "
-                  f"{teacher_queue(name)} answers them)", file=sys.stderr, flush=True)
-        fleet = FleetTeacher(make_celery(redis_url), store, run=keys, queue=teacher_queue(name), teacher=cfg.teacher,
-                             batch_fn=whole_batches(batch_fn),
-                             kind=cfg.kd_estimator, k=cfg.kd_k, temperature=cfg.kd_temperature, seed=cfg.seed,
-                             rank=rank, window=window, strict=strict, strict_timeout_s=strict_timeout_s,
-                             steps=cfg.steps, student=cfg.model)
+            print(f"teacher rounds on queue {teacher_queue(name)} (`sparecycles worker --teacher-queue "
+                  f"{teacher_queue(name)}` answers them)", file=sys.stderr, flush=True)
+        fleet = FleetTeacher(make_celery(redis_url), store, run=keys, queue=teacher_queue(name),
+                             teacher=TeacherRecipe.of(cfg), batch_fn=whole_batches(batch_fn),
+                             flow=RoundFlow(window, strict, strict_timeout_s), rank=rank, steps=cfg.steps)
         return SparseKDLoss(fleet, alpha=cfg.kd_alpha, batch_fn=batch_fn)  # one round per step, rows per call
 
     return build

@@ -35,6 +35,7 @@ def _checked(ok: Any, message: str) -> AfterValidator:
 
 BaseUrl = Annotated[str, _checked(lambda v: v.startswith(("http://", "https://")),
                                   "the coordinator's base URL must be http(s)://...")]
+HttpUrl = Annotated[str, _checked(lambda v: v.startswith(("http://", "https://")), "use http(s)://...")]
 Device = Annotated[str, _checked(lambda v: v.startswith(("cpu", "cuda")), "use cpu or cuda:N")]
 LogLevel = Annotated[str, _checked(lambda v: v.upper() in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
                                    "use DEBUG, INFO, WARNING, ERROR or CRITICAL"), AfterValidator(str.upper)]
@@ -91,11 +92,15 @@ class WorkerOptions(BaseModel):
         "auto", description="attention of the fp32/TF32 kinds' forwards: auto (bf16 on CUDA, fp32 on CPU), fp32, or "
         "bf16 (activations only; the weights and their perturbation stay fp32; docs/RESULTS.md has its "
         "signal-to-noise)")
-    teacher_engine: str | None = _F(None, description="answer teacher rounds (--kd-estimator topk) through this "
-                                    "serving engine's OpenAI-compatible API, never loading the teacher "
-                                    "(docs/engine-teacher.md)")
+    teacher_engine: HttpUrl | None = _F(None, description="answer teacher rounds (--kd-estimator topk) through this "
+                                        "serving engine's OpenAI-compatible API, never loading the teacher "
+                                        "(docs/engine-teacher.md); without it, the worker answers them with the "
+                                        "teacher loaded in its process")
     teacher_queues: tuple[str, ...] = _F((), json_schema_extra={"repeat": True}, description="a teacher round queue "
-                                         "to consume with --teacher-engine (`train` prints it)")
+                                         "to consume besides those registered at the coordinator, for a trainer that "
+                                         "registers none (`train` prints it)")
+    teacher_pause: float = _F(0.0, ge=0.0, allow_inf_nan=False, description="hold each teacher round this long "
+                              "before answering it (seconds; for redelivery tests: a worker killed while it holds one)")
     loglevel: LogLevel = _F("INFO", description="log level (DEBUG, INFO, WARNING)")
     serving: ServingPolicy | None = _F(None, json_schema_extra={"switch": False, "options": SERVING_OPTIONS},
                                        description="yielding to a serving engine beside this worker")
@@ -116,9 +121,4 @@ class WorkerOptions(BaseModel):
             raise ValueError("--yield-gpu-util needs --device cuda:N")
         return self
 
-    @model_validator(mode="after")
-    def _teacher_options_go_together(self) -> WorkerOptions:
-        if bool(self.teacher_engine) != bool(self.teacher_queues) or not (self.teacher_engine or "http").startswith(
-                "http"):
-            raise ValueError("--teacher-engine http(s)://... and --teacher-queue go together")
-        return self
+

@@ -1,9 +1,11 @@
-"""Teacher rounds on a worker (issue 36): the Celery task `sparecycles.teacher` (a wire.teacher_messages
-.TeacherTask in, a wire.kd_targets blob out under its Redis key) and `python -m probe_worker.teacher`.
+"""Teacher rounds, a round kind of `sparecycles worker` (issues 36, 47): the Celery task `sparecycles.teacher` (a
+wire.teacher_messages.TeacherTask in, a wire.kd_targets blob out under its Redis key), registered by
+probe_worker.worker on the enrolled worker's Celery app, its queues the coordinator's teacher queues.
 
 The teacher is loaded once per sha256 (trainer.kd.teacher.load_teacher: bf16 on CUDA, compiled; fp32 on CPU)
-from the task's folder when this machine can read it with the task's sha256, else from the copy its trainer
-published in the store (fleet.teacher_weights: fetched once, verified, kept under $SPARECYCLES_CACHE/teachers).
+from the task's folder when this machine can read it with the task's sha256, else from the coordinator's blobs
+(fleet.teacher_weights.fetch_teacher: the teacher its trainer registered, fetched once, verified, kept under
+$SPARECYCLES_CACHE/teachers), as weight versions are fetched.
 Targets are trainer.kd.targets.make_targets of the teacher's logits, seeded by (seed, key, rank) as the in-process KDLoss seeds them. Delivery: late ack and
 reject-on-worker-lost (coordinator.celery_app), so a killed worker's task is redelivered; the answer is a
 SET NX, so a redelivered task writes nothing twice. Outcomes, counted in
@@ -13,14 +15,16 @@ refused (neither the folder nor the store gives the task's teacher), engine_inva
 teacher's engine answered what is not targets / did not answer: probe_worker.engine_teacher), expired (queued
 past its `expires`, wire.teacher_messages.ROUND_TTL_S: dropped unanswered, its step long trained), requeued (the worker began shutting down
 inside the round: Celery's cold shutdown of the solo pool raises into the running task; the round goes back to the
-queue for the next worker), error (anything else; the worker lives on).
+queue for the next worker; also a round taken while the worker drains: SIGUSR1, the coordinator's drain, the
+serving engine's turn), error (anything else; the worker lives on).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
-import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +37,9 @@ from celery.signals import task_revoked
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 from pydantic import ValidationError
 
-from fleet.teacher_weights import TeacherUnavailable, fetch_teacher
+from fleet.teacher_weights import TeacherUnavailable
 from probe_kernels import FastForward, lm_logits
+from probe_worker.tasks import REQUEUE_PAUSE_S, DrainState
 from probe_worker.teacher_outcomes import TeacherRefused, TeacherUnanswered
 from trainer.kd.targets import make_targets
 from trainer.kd.teacher import TeacherMismatchError, load_teacher, teacher_sha256
@@ -43,7 +48,7 @@ from wire.kd_targets import encode
 from wire.teacher_messages import TARGET_TTL_S, TEACHER_TASK_NAME, TeacherTask, target_key
 
 log = logging.getLogger("sparecycles.worker.teacher")
-BROKER_ENV = "SPARECYCLES_TEACHER_BROKER"  # the broker URL when --broker is not given (`sparecycles up` sets it)
+Fetch = Callable[[str, Path], tuple[Path, int]]  # (teacher sha256, root) -> (its folder, bytes fetched)
 
 
 class TeacherMetrics:
@@ -61,16 +66,24 @@ class TeacherMetrics:
                                registry=registry)
 
 
+@functools.cache
+def default_teacher_metrics() -> TeacherMetrics:
+    """The process-wide TeacherMetrics on the default registry (the one the worker's metrics port serves)."""
+    return TeacherMetrics()
+
+
 class TeacherRuntime:
     """One loaded teacher on `device` and the Redis client its answers go to.
 
     `answer(task)` -> outcome name; raises ValueError for ids outside the teacher's vocabulary and
-    TeacherRefused when neither the task's folder (read here, its sha256 the task's) nor the store's published copy
-    (fleet.teacher_weights.fetch_teacher into `root`, default $SPARECYCLES_CACHE/teachers) gives the teacher.
+    TeacherRefused when neither the task's folder (read here, its sha256 the task's) nor `fetch(sha, root)` (the
+    coordinator's blobs: fleet.teacher_weights.fetch_teacher with the worker's client; root default
+    $SPARECYCLES_CACHE/teachers; None: folders only) gives the teacher.
     """
 
-    def __init__(self, device: str, store: redis.Redis, pause_s: float = 0.0, root: Path | None = None) -> None:
-        self.device, self.store, self.pause_s = device, store, pause_s
+    def __init__(self, device: str, store: redis.Redis, fetch: Fetch | None = None, pause_s: float = 0.0,
+                 root: Path | None = None) -> None:
+        self.device, self.store, self.pause_s, self.fetch = device, store, pause_s, fetch
         self.root = root if root is not None else cache_dir() / "teachers"  # fetched teachers (fetch_teacher)
         self.fetched_bytes = 0  # of the last teacher fetched from the store (0: read from its folder or cached)
         self.sha: str | None = None
@@ -80,8 +93,8 @@ class TeacherRuntime:
         self.forward: Any = None
 
     def _folder(self, task: TeacherTask) -> Path:
-        """The round's teacher folder: task.teacher_dir when readable here with the round's sha256, else the copy
-        published in the store (fleet.teacher_weights), fetched once into `root`."""
+        """The round's teacher folder: task.teacher_dir when readable here with the round's sha256, else the
+        coordinator's blobs of it (fleet.teacher_weights), fetched once into `root`."""
         try:
             found = teacher_sha256(task.teacher_dir)
             if found == task.teacher_sha256:
@@ -89,12 +102,14 @@ class TeacherRuntime:
             why = f"teacher folder {task.teacher_dir} has sha256 {found[:12]}, the round names {task.teacher_sha256[:12]}"
         except (TeacherMismatchError, OSError) as exc:
             why = f"teacher folder {task.teacher_dir} is not readable here ({str(exc)[:160]})"
+        if self.fetch is None:
+            raise TeacherRefused(f"{why}, and this worker has no coordinator to fetch it from")
         try:
-            folder, self.fetched_bytes = fetch_teacher(self.store, task.teacher_sha256, self.root)
+            folder, self.fetched_bytes = self.fetch(task.teacher_sha256, self.root)
         except TeacherUnavailable as exc:
             raise TeacherRefused(f"{why}, and {exc}") from None
         if self.fetched_bytes:
-            log.info("teacher %s fetched from the store into %s (%d bytes): %s", task.teacher_sha256[:12], folder,
+            log.info("teacher %s fetched from the coordinator into %s (%d bytes): %s", task.teacher_sha256[:12], folder,
                      self.fetched_bytes, why)
         else:
             log.info("teacher %s read from this worker's copy %s (fetched before): %s", task.teacher_sha256[:12],
@@ -134,9 +149,10 @@ class TeacherRuntime:
         return "done" if written else "duplicate"
 
 
-def run_teacher(runtime: TeacherRuntime, metrics: TeacherMetrics, kwargs: Any) -> str:
-    """Handle one delivery of a teacher task; returns the outcome (module docstring). Raises Reject (no
-    requeue) for an invalid task; every other failure is logged and counted, never raised."""
+def run_teacher(runtime: TeacherRuntime, metrics: TeacherMetrics, kwargs: Any, drain: DrainState | None = None) -> str:
+    """Handle one delivery of a teacher task; returns the outcome (module docstring). Raises Reject: without
+    requeue for an invalid task, with requeue while `drain` says the worker drains (as a probe task is handed
+    back); every other failure is logged and counted, never raised."""
     def outcome(name: str) -> str:
         metrics.tasks.labels(name).inc()
         return name
@@ -147,6 +163,10 @@ def run_teacher(runtime: TeacherRuntime, metrics: TeacherMetrics, kwargs: Any) -
         outcome("invalid")
         log.warning("rejected an invalid teacher task: %s", str(exc)[:300])
         raise Reject(f"invalid teacher task: {str(exc)[:200]}", requeue=False) from None
+    if drain is not None and drain.draining:
+        outcome("requeued")
+        time.sleep(REQUEUE_PAUSE_S)
+        raise Reject("worker is draining", requeue=True)
     try:
         name = runtime.answer(task)
     except ValueError as exc:
@@ -183,13 +203,15 @@ def shutting_down() -> bool:
     return state.should_stop is not None or state.should_terminate is not None
 
 
-def register_teacher_task(app: Celery, runtime: TeacherRuntime, metrics: TeacherMetrics) -> Task:
-    """Register `sparecycles.teacher` on `app` (JSON, acks_late, reject_on_worker_lost, no result)."""
+def register_teacher_task(app: Celery, runtime: TeacherRuntime, metrics: TeacherMetrics,
+                          drain: DrainState | None = None) -> Task:
+    """Register `sparecycles.teacher` on `app` (JSON, acks_late, reject_on_worker_lost, no result); a round taken
+    while `drain` says the worker drains goes back to its queue."""
 
     @app.task(name=TEACHER_TASK_NAME, acks_late=True, reject_on_worker_lost=True, ignore_result=True,
               serializer="json", typing=False)
     def teacher(**kwargs: Any) -> str:
-        return run_teacher(runtime, metrics, kwargs)
+        return run_teacher(runtime, metrics, kwargs, drain)
 
     def expired(sender: Any = None, request: Any = None, expired: bool = False, **_: Any) -> None:
         if expired and getattr(request, "name", None) == TEACHER_TASK_NAME:
@@ -197,61 +219,3 @@ def register_teacher_task(app: Celery, runtime: TeacherRuntime, metrics: Teacher
 
     task_revoked.connect(expired, weak=False)
     return teacher
-
-
-def main(argv: list[str] | None = None) -> None:
-    """`python -m probe_worker.teacher --broker redis://... --queue Q[,Q2...] [--device cpu] [--threads N]
-    [--metrics-port N]`: answer teacher rounds from the queues until SIGTERM (one task at a time, in this process:
-    the solo pool, as probe workers run, so the metrics it serves are the ones its rounds count and CUDA is never
-    forked). The broker URL may come from $SPARECYCLES_TEACHER_BROKER instead of --broker."""
-    import argparse
-
-    from coordinator.celery_app import make_celery
-
-    p = argparse.ArgumentParser(prog="python -m probe_worker.teacher", description=main.__doc__)
-    p.add_argument("--broker", default=os.environ.get(BROKER_ENV),
-                   help=f"redis:// URL (the targets are stored in the same Redis); default: ${BROKER_ENV}, so a "
-                   "password stays out of argv (ps)")
-    p.add_argument("--queue", required=True, help="the teacher round queue(s), comma-separated: sparecycles.teacher."
-                   "RUN, where RUN is the trainer's --teacher-queue, by default kd-<first 12 hex of the teacher's "
-                   "sha256>-<seed> (`train` prints the queue it sends on)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda:N")
-    p.add_argument("--teacher-engine", default=None, metavar="URL", help="answer topk rounds through the serving "
-                   "engine at URL (OpenAI-compatible, e.g. vLLM started with --max-logprobs >= k) instead of loading "
-                   "the teacher (probe_worker.engine_teacher)")
-    p.add_argument("--engine-timeout", type=float, default=60.0, help="seconds an engine's answer may take")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
-    p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics here (0: none)")
-    p.add_argument("--visibility-timeout", type=int, default=60, help="seconds before a lost task returns")
-    p.add_argument("--pause-s", type=float, default=0.0, help="sleep this long before each round (seconds; "
-                   "for redelivery tests: a worker killed while it holds a round)")
-    a = p.parse_args(argv)
-    if not (a.broker or "").startswith(("redis://", "rediss://")) or not a.device.startswith(("cpu", "cuda")):
-        p.error(f"--broker (or ${BROKER_ENV}) must be redis://... and --device cpu or cuda:N")
-    if a.teacher_engine and not a.teacher_engine.startswith(("http://", "https://")):
-        p.error(f"--teacher-engine must be http(s)://..., got {a.teacher_engine!r}")
-    if a.threads < 0:
-        p.error(f"--threads must be >= 0, got {a.threads}")
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    if a.metrics_port:
-        from prometheus_client import start_http_server
-
-        start_http_server(a.metrics_port, addr="127.0.0.1")
-    app = make_celery(a.broker, visibility_timeout_s=a.visibility_timeout, soft_shutdown_s=5.0)
-    store = redis.Redis.from_url(a.broker, socket_timeout=10, socket_connect_timeout=5)
-    if a.teacher_engine:
-        from probe_worker.engine_teacher import EngineTeacher
-
-        runtime: Any = EngineTeacher(a.teacher_engine, store, timeout_s=a.engine_timeout)
-    else:
-        runtime = TeacherRuntime(a.device, store, max(0.0, a.pause_s))
-    register_teacher_task(app, runtime, TeacherMetrics())
-    app.worker_main(["worker", "-Q", a.queue, "-c", "1", "-P", "solo", "--prefetch-multiplier=1",
-                     "--without-gossip", "--without-mingle",
-                     "-n", f"teacher-{os.getpid()}@%h", "--loglevel", "INFO"])
-
-
-if __name__ == "__main__":
-    main()

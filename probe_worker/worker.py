@@ -43,6 +43,7 @@ from probe_worker.runtime import ProbeRuntime
 from probe_worker.serving import Preempted, ServingWatch, TraceFile
 from probe_worker.tasks import BusyPolicy, DrainState, gpu_utilization_reader, register_probe_task
 from wire.messages import Heartbeat, WorkerRegistered, WorkerRegistration
+from wire.teacher_messages import TEACHER_QUEUE_PREFIX
 
 REENROLL_MAX_WAIT_S = 30.0  # the longest wait between two re-enrollment attempts (exponential backoff below)
 ADOPT_ENV = "SPARECYCLES_WORKER_ADOPT"  # a registration handed to the restarted process (_restart_as)
@@ -139,11 +140,11 @@ class ProbeWorker:
             self.cache.interrupt = self._replay_interrupt  # a ledger replay stops between entries while yielding
         register_probe_task(self.app, self.runtime, self.drain, self.metrics,
                             TraceFile(opts.task_trace) if opts.task_trace else None)
-        if opts.teacher_engine:
-            self._register_teacher(opts.teacher_engine)
+        self._register_teacher()
         warm_up()
         self.queues = list(self.reg.queues)
-        self.consumed = set(self.queues) | set(opts.teacher_queues) or {IDLE_QUEUE}
+        self.teacher_queues = list(self.reg.teacher_queues)
+        self.consumed = set(self._wanted()) or {IDLE_QUEUE}
         self._stop = threading.Event()
         self._hb_state: str | None = None  # the heartbeat's last state, logged when it changes
         self._prefetched: dict[str, int] = {}
@@ -151,17 +152,32 @@ class ProbeWorker:
         self._busy_policy = BusyPolicy(opts.yield_gpu_util) if opts.yield_gpu_util else None
         self._control = threading.Thread(target=self._control_loop, name="sparecycles-control", daemon=True)
 
-    def _register_teacher(self, engine_url: str) -> None:
-        """Teacher rounds as a round kind of this worker: the `sparecycles.teacher` task answered through the engine
-        at `engine_url`, the targets written with this worker's broker credentials (its ACL user may write target
-        keys, never read them: coordinator.broker_acl)."""
+    def _register_teacher(self) -> None:
+        """Teacher rounds as a round kind of this worker (probe_worker.teacher): the `sparecycles.teacher` task of
+        the coordinator's teacher queues (and --teacher-queue's), answered by the teacher loaded in this process
+        (from the round's folder, else fetched from the coordinator's blobs) or, with `teacher_engine`, through
+        that serving engine; handed back while the worker drains. The targets are written with this worker's
+        broker credentials (its ACL user may write target keys, never read them: coordinator.broker_acl)."""
+        import functools
+
         import redis
 
-        from probe_worker.engine_teacher import EngineTeacher
-        from probe_worker.teacher import TeacherMetrics, register_teacher_task
+        from fleet.teacher_weights import fetch_teacher
+        from probe_worker.teacher import TeacherRuntime, default_teacher_metrics, register_teacher_task
 
         store = redis.Redis.from_url(self.reg.broker_url, socket_timeout=10, socket_connect_timeout=5)
-        register_teacher_task(self.app, EngineTeacher(engine_url, store), TeacherMetrics())
+        if self.opts.teacher_engine:
+            from probe_worker.engine_teacher import EngineTeacher
+
+            runtime = EngineTeacher(self.opts.teacher_engine, store)
+        else:
+            runtime = TeacherRuntime(self.opts.device, store, fetch=functools.partial(fetch_teacher, self.client),
+                                     pause_s=self.opts.teacher_pause)
+        register_teacher_task(self.app, runtime, default_teacher_metrics(), self.drain)
+
+    def _wanted(self) -> set[str]:
+        """The queues to consume when not draining: the coordinator's probe and teacher queues, --teacher-queue's."""
+        return set(self.queues) | set(self.teacher_queues) | set(self.opts.teacher_queues)
 
     def _replay_interrupt(self) -> None:
         """Between two ledger entries of a replay (any thread: a task's or the prefetch's): stop while the serving
@@ -193,7 +209,7 @@ class ProbeWorker:
                                   f"{self.opts.control_interval:g} s")
             return
         self._heartbeat_state("ok", "heartbeats answered again")
-        self.queues = list(reply.queues)
+        self.queues, self.teacher_queues = list(reply.queues), list(reply.teacher_queues)
         self.drain.set_remote(reply.state in ("draining", "quarantined"))
 
     def _heartbeat_state(self, state: str, message: str, level: int = logging.WARNING) -> None:
@@ -232,6 +248,7 @@ class ProbeWorker:
         if reg.broker_url != self.reg.broker_url:
             self._restart_as(reg)
         self.reg, self.worker_id, self.queues = reg, reg.worker_id, list(reg.queues)
+        self.teacher_queues = list(reg.teacher_queues)
         self.client.token = self.hb_client.token = reg.worker_token
         self.runtime.rebind(reg.worker_id)
         self._prefetched.clear()  # runs re-created by their trainer publish their versions again
@@ -275,7 +292,7 @@ class ProbeWorker:
         os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
 
     def _reconcile(self) -> None:
-        want = set() if self.drain.draining else set(self.queues) | set(self.opts.teacher_queues)
+        want = set() if self.drain.draining else self._wanted()
         if not want and not self.drain.draining:
             want = {IDLE_QUEUE}
         self.metrics.draining.set(1 if self.drain.draining else 0)
@@ -299,7 +316,8 @@ class ProbeWorker:
             wait = self.opts.prefetch_interval
             if self.drain.draining:
                 continue
-            probe_queues = self.consumed - {IDLE_QUEUE, *self.opts.teacher_queues}
+            probe_queues = {q for q in self.consumed - {IDLE_QUEUE, *self.opts.teacher_queues}
+                            if not q.startswith(TEACHER_QUEUE_PREFIX + ".")}
             runs = [q.rsplit(".", 1)[-1] for q in sorted(probe_queues)]  # "<prefix>.<run>"
             long_poll = LONG_POLL_S if len(runs) == 1 else 0.0
             for run in runs:

@@ -21,7 +21,7 @@ kd_app = typer.Typer(help="Teacher targets ahead of time (kd fill).",
 
 _O = typer.Option
 RedisUrl = Annotated[str, _O(envvar="SPARECYCLES_REDIS_URL", help="redis:// URL of the teacher workers' broker "
-                             "and target store (workers: `python -m probe_worker.teacher --broker URL --queue "
+                             "and target store (workers: `sparecycles worker --coordinator URL --token T --teacher-queue "
                              "sparecycles.teacher.RUN`).")]
 Cache = Annotated[Path | None, _O(help="The target cache folder (the same for `train --kd-cache`). Default: "
                                   "SPARECYCLES_CACHE/kd-targets.")]
@@ -66,7 +66,7 @@ def fill(settings: dict, redis_url: RedisUrl = "redis://127.0.0.1:6379/0", cache
     import redis
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from fleet.kd_fill import FillError
+    from fleet.kd_fill import FillError, FillOptions
     from fleet.kd_fill import fill as run_fill
     from trainer.kd.teacher import check_tokenizers
 
@@ -78,7 +78,8 @@ def fill(settings: dict, redis_url: RedisUrl = "redis://127.0.0.1:6379/0", cache
         check_tokenizers(cfg.model, cfg.teacher)
         with bar:
             job = bar.add_task("fill", total=cfg.steps)
-            report = run_fill(cfg, root, redis_url, run=run, window=window, timeout_s=timeout, attempts=attempts,
+            report = run_fill(cfg, root, redis_url, FillOptions(run=run, window=window, timeout_s=timeout,
+                                                                 attempts=attempts),
                               progress=lambda n: bar.advance(job, n), log=log)
     except FillError as exc:
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)

@@ -147,12 +147,8 @@ def _train_with_fleet(plan: UpPlan, progress: bool, log: Callable[[str], None],
         with local_fleet(out, devices, sup, log) as local:
             settings, redis_url, redis_desc, env = local.settings, local.redis_url, local.redis_desc, local.env
             admin, port, base = settings.admin_token.get_secret_value(), local.port, local.url
-            worker_env, metrics_ports = local.worker_env, list(local.metrics_ports)
+            metrics_ports = list(local.metrics_ports)
             teacher_runs = {name: f"{settings.key_prefix}-{name}" for name in ("adamw", plan.optimizer)}
-            if plan.teacher_rounds:
-                metrics_ports += _start_teacher_workers(sup, teacher_devices(plan), list(teacher_runs.values()),
-                                                        {**worker_env, TEACHER_BROKER_ENV: redis_url})
-                log(f"teacher workers on {', '.join(teacher_devices(plan))}: {teacher_note(plan)}")
             trainer_port = _serve_metrics(out, port, metrics_ports, log, here=plan.nproc is None)
             # Each ZO-Curv round folds at the refresh after it, whatever the fleet's timing (trainer.zo.rounds.RoundBook
             # lag 1): the run is reproducible and an interrupted one, resumed, is the same run bit for bit.
@@ -162,6 +158,9 @@ def _train_with_fleet(plan: UpPlan, progress: bool, log: Callable[[str], None],
                                               blob_dir=out / "blobs"),
                           workers, FleetStatus(base), run_prefix="up", rounds=FLEET_ROUNDS[plan.fleet_wait])
             wait_for_workers(base, admin, workers, 120.0, check=sup.check)
+            if plan.teacher_rounds:
+                _register_teacher_runs(base, admin, plan.zo_cfg.teacher, list(teacher_runs.values()))
+                log(f"teacher rounds on the {workers} workers: {teacher_note(plan)}")
             status = fleet.status
 
             def run(name: str, cfg, resume: bool) -> None:
@@ -196,13 +195,7 @@ def _train_with_fleet(plan: UpPlan, progress: bool, log: Callable[[str], None],
         (out / SCRAPE_CONFIG).unlink(missing_ok=True)  # its ports are closed now
 
 
-TEACHER_BROKER_ENV = "SPARECYCLES_TEACHER_BROKER"  # probe_worker.teacher.BROKER_ENV: its broker URL, not in argv
 TEACHER_ROUNDS_ENV = "SPARECYCLES_TEACHER_ROUNDS"  # trainer.cli's --teacher-rounds, for up's torchrun ranks
-
-
-def teacher_devices(plan: UpPlan) -> list[str]:
-    """One teacher worker per distinct probe-worker device (cpu: one process beside the probe workers)."""
-    return list(dict.fromkeys(plan.worker_devices or ("cpu",)))
 
 
 def teacher_note(plan: UpPlan) -> str:
@@ -218,18 +211,15 @@ def teacher_note(plan: UpPlan) -> str:
             f"ahead{', by each rank for its rows' if plan.nproc else ''}) for both runs; {wait}")
 
 
-def _start_teacher_workers(sup: Supervisor, devices: list[str], runs: list[str], env: dict[str, str]) -> list[int]:
-    """Start one teacher worker process per device (`teacher-<i>`, probe_worker.teacher) on the queues of `runs`
-    (fleet.teacher.teacher_queue); `env` carries the broker URL (TEACHER_BROKER_ENV). Returns their metrics ports."""
-    from fleet.teacher import teacher_queue
+def _register_teacher_runs(base: str, admin: str, teacher: str, runs: list[str]) -> None:
+    """Register `runs`' teacher rounds at the coordinator (fleet.teacher_weights.publish_teacher: the teacher's files
+    as blobs, once): the enrolled workers consume their queues and fetch the teacher from there."""
+    from coordinator.client import CoordinatorClient
+    from fleet.teacher_weights import publish_teacher
 
-    ports = [free_port() for _ in devices]
-    queues = ",".join(teacher_queue(r) for r in runs)
-    for i, (dev, p) in enumerate(zip(devices, ports, strict=True)):
-        extra = ["--threads", "1"] if dev == "cpu" else []
-        sup.start(f"teacher-{i}", [sys.executable, "-m", "probe_worker.teacher", "--queue", queues, "--device", dev,
-                                   "--metrics-port", str(p), *extra], env)
-    return ports
+    with CoordinatorClient(base, admin) as client:
+        for run in runs:
+            publish_teacher(client, teacher, run)
 
 
 def _serve_metrics(out: Path, coordinator_port: int, worker_ports: list[int], log: Callable[[str], None],

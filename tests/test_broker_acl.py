@@ -24,9 +24,12 @@ from support.valkey import Valkey
 
 
 def test_rules_and_urls_are_pure():
-    rules = worker_acl_rules("sc.probe", "pw")
-    assert rules[:3] == ["reset", "on", ">pw"] and "~sc.probe.*" in rules and "-@dangerous" in rules
-    assert not any(r.startswith("~sc:") or r == "~*" or r == "allkeys" for r in rules)
+    rules = worker_acl_rules(["sc.probe.a", "sparecycles.teacher.kd-1"], "pw")
+    assert rules[:3] == ["reset", "on", ">pw"] and "-@dangerous" in rules
+    assert "~sc.probe.a" in rules and "~sc.probe.a\x06\x16*" in rules and "~sparecycles.teacher.kd-1" in rules
+    assert not any(r.startswith("~sc:") or r == "~*" or r == "allkeys" or r in ("~sc.probe.*", "~sparecycles.teacher.*")
+                   for r in rules)
+    assert worker_acl_rules(["q*?"], "pw")[3] == "~q\\*\\?"  # a name is matched as itself, never as a glob
     assert with_credentials("redis://:secret@h:6380/2", "w-1", "p/w") == "redis://w-1:p%2Fw@h:6380/2"
 
 
@@ -193,31 +196,70 @@ def test_real_worker_process_runs_rounds_with_its_own_broker_user(tmp_path):
         v.stop()
 
 
-def test_a_workers_broker_user_answers_teacher_rounds_and_reads_nothing_else(fleet):
-    """Issue 47: the per-worker user may take teacher rounds (`sparecycles.teacher.*`) and write target blobs
-    (`sc:kd:*`, SET NX; EXISTS, which reads no value, is allowed), but never read one back (GET/GETDEL: another
-    run's targets), nor the published teacher weights, the registry, or a probe run's results in the coordinator's
-    keys."""
-    from wire.teacher_messages import TEACHER_QUEUE_PREFIX, target_key, teacher_manifest_key
+def _register_teacher_run(admin: httpx.Client, run: str) -> None:
+    """A teacher run at the coordinator: a one-file 'teacher' uploaded as a blob, then POST /v1/teachers."""
+    import hashlib
+
+    data = b"{}"
+    sha = admin.put(f"/v1/blobs/{hashlib.sha256(data).hexdigest()}", content=data).json()["sha256"]
+    body = {"run": run, "teacher": {"teacher_sha256": "1" * 64,
+                                    "files": [{"name": "config.json", "size": 2, "sha256": sha}]}}
+    assert admin.post("/v1/teachers", json=body).status_code == 201
+
+
+def test_a_workers_broker_user_gets_exactly_its_runs_queues_and_writes_targets_only(fleet):
+    """Issues 47: the per-worker user takes the queues of the runs registered at its coordinator, probe and teacher
+    runs, those registered before it enrolled and after (granted before it is told of them); a queue of any other run
+    (probe or teacher) is refused. It may write target blobs (`sc:kd:*`, SET NX; EXISTS, which reads no value, is
+    allowed), but never read one back (GET/GETDEL: another run's targets), the registry, or a run's results."""
+    from wire.teacher_messages import target_key, teacher_queue
 
     settings, url, v = fleet
+    admin = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {settings.admin_token.get_secret_value()}"})
+    assert admin.post("/v1/runs", json={"run": "before", "model_class": "M"}).status_code == 201
+    _register_teacher_run(admin, "kd-before")
     enroll = {"Authorization": f"Bearer {settings.enrollment_token.get_secret_value()}"}
     reg = httpx.post(f"{url}/v1/workers", json={"name": "t"}, headers=enroll).json()
+    assert reg["queues"] == ["sc.probe.before"] and reg["teacher_queues"] == [teacher_queue("kd-before")]
+    assert admin.post("/v1/runs", json={"run": "after", "model_class": "M"}).status_code == 201
+    _register_teacher_run(admin, "kd-after")
     root = redis.Redis.from_url(v.url)
     me = redis.Redis.from_url(reg["broker_url"])
-    queue = f"{TEACHER_QUEUE_PREFIX}.kd-run"
-    root.lpush(queue, b"round")
-    assert me.brpop([queue], timeout=1) == (queue.encode(), b"round")
-    key = target_key("kd-run", 0, "topk16-t1.0-s0", 7)
+    mine = ["sc.probe.before", "sc.probe.after", teacher_queue("kd-before"), teacher_queue("kd-after")]
+    for queue in mine:
+        root.lpush(queue, b"round")
+        assert me.brpop([queue], timeout=1) == (queue.encode(), b"round")
+        me.lpush(queue + "\x06\x163", b"hand-back")  # kombu's priority sub-queue of it
+    hb = httpx.post(f"{url}/v1/workers/{reg['worker_id']}/heartbeat", json={"busy": False},
+                    headers={"Authorization": f"Bearer {reg['worker_token']}"}).json()
+    assert sorted(hb["queues"] + hb["teacher_queues"]) == sorted(mine)
+    others = ["sc.probe.other", "sc.probe.befor", "sc.probe.before2", teacher_queue("kd-other"),
+              teacher_queue("kd-before2"), "sc.probe.*"]
+    for queue in others:  # another run's queue, never created or registered here; a name one letter off
+        root.lpush(queue, b"round")
+        for refused in (lambda q=queue: me.brpop([q], timeout=1), lambda q=queue: me.lpush(q, b"x"),
+                        lambda q=queue: me.brpop(["sc.probe.before", q], timeout=1)):
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                refused()
+                pytest.fail(f"{queue} was allowed")
+        assert root.llen(queue) == 1
+    key = target_key("kd-before", 0, "topk16-t1.0-s0", 7)
     assert me.set(key, b"blob", nx=True, ex=60) and not me.set(key, b"other", nx=True, ex=60)
     assert root.get(key) == b"blob" and me.exists(key) == 1
-    root.set(teacher_manifest_key("0" * 64), b"{}")
     root.set("sc:results:run", b"r")
     for name, refused in [("GET", lambda: me.get(key)), ("GETDEL", lambda: me.getdel(key)),
-                          ("manifest", lambda: me.get(teacher_manifest_key("0" * 64))),
+                          ("teachers", lambda: me.hgetall("sc:teachers")),
                           ("registry", lambda: me.smembers("sc:workers")), ("results", lambda: me.get("sc:results:run")),
                           ("results SET", lambda: me.set("sc:results:run", b"x"))]:
         with pytest.raises(redis.exceptions.NoPermissionError):
             refused()
             pytest.fail(f"{name} was allowed")
     assert root.get(key) == b"blob" and root.get("sc:results:run") == b"r"
+    # a Redis restart forgets the user: restored with the queues registered now, the others still refused
+    root.execute_command("ACL", "DELUSER", reg["worker_id"])
+    assert Store(settings).workers.restore_broker_users() == 1
+    me = redis.Redis.from_url(reg["broker_url"])
+    assert me.llen(teacher_queue("kd-after")) == 0
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        me.llen("sc.probe.other")
+    admin.close()

@@ -16,7 +16,7 @@ import torch
 from test_engine_teacher import K, _real_rows, engine_url, smollm2  # noqa: F401 - fixtures
 
 from coordinator.celery_app import make_celery
-from fleet.teacher import FleetTeacher, teacher_queue
+from fleet.teacher import FleetTeacher, RoundFlow, TeacherRecipe, teacher_queue
 from support.fleet import AclFleet
 from support.valkey import Valkey
 from wire.teacher_messages import target_key
@@ -41,9 +41,9 @@ def test_the_enrolled_worker_answers_teacher_rounds_through_the_engine_and_drain
         wid = fleet.wait_consuming("t")
         assert fleet.worker_info("t")["state"] == "active"
         store = redis.Redis.from_url(v.url)
-        teacher = FleetTeacher(make_celery(v.url), store, run=run, teacher=str(smollm2), batch_fn=batch_fn,
-                               kind="topk", k=K, temperature=1.0, seed=0, window=2, strict=True,
-                               strict_timeout_s=120.0, steps=2, student=str(smollm2))
+        recipe = TeacherRecipe(str(smollm2), "topk", K, 1.0, 0, student=str(smollm2))
+        teacher = FleetTeacher(make_celery(v.url), store, run=run, teacher=recipe, batch_fn=batch_fn,
+                               flow=RoundFlow(window=2, strict=True, strict_timeout_s=120.0), steps=2)
         teacher.seek(0)
         for step in (0, 1):
             got = teacher.take(batch_fn(step)[0], 49152)
@@ -54,9 +54,8 @@ def test_the_enrolled_worker_answers_teacher_rounds_through_the_engine_and_drain
         assert fleet.admin.post(f"/v1/workers/{wid}/drain").status_code == 200
         log = tmp_path / "t.log"
         fleet.wait(lambda: f"stopped consuming {queue}" in log.read_text(), "the worker to leave its teacher queue")
-        later = FleetTeacher(make_celery(v.url), store, run=run + "-b", queue=queue, teacher=str(smollm2),
-                             batch_fn=batch_fn, kind="topk", k=K, temperature=1.0, seed=0, window=1, strict=True,
-                             strict_timeout_s=120.0, steps=1, student=str(smollm2))
+        later = FleetTeacher(make_celery(v.url), store, run=run + "-b", queue=queue, teacher=recipe,
+                             batch_fn=batch_fn, flow=RoundFlow(window=1, strict=True, strict_timeout_s=120.0), steps=1)
         later.seek(0)  # its one round (step 0) sent while the worker is drained
         time.sleep(2.0)  # room for a wrong take (not an assertion on timing)
         assert store.llen(queue) == 1

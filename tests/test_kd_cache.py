@@ -205,13 +205,13 @@ def test_a_rejected_answer_is_asked_again_and_an_unanswered_step_stops_the_fill(
 
 def _fill_fn(setup, cache: Path, steps: int, **kw):
     """fleet.kd_fill.fill itself (the command's body) on the settings of _run_args."""
-    from fleet.kd_fill import fill
+    from fleet.kd_fill import FillOptions, fill
     from trainer.config import resolve_preset
 
     teacher, data, url = setup
     cfg = resolve_preset("demo", {"model": "gpt2-tiny", "data": str(data), "teacher": str(teacher), "steps": steps,
                                   "batch_size": 2, "seq_len": 16, "seed": 0, "kd_k": K, "kd_estimator": "sampled"})
-    return fill(cfg, cache, url, **{"timeout_s": 60.0, **kw})
+    return fill(cfg, cache, url, FillOptions(**{"timeout_s": 60.0, **kw}))
 
 
 def test_two_fills_of_one_plan_never_take_each_others_answers(setup, tmp_path: Path) -> None:
@@ -256,3 +256,29 @@ def test_fill_refuses_a_run_without_teacher(tmp_path: Path) -> None:
     res = CliRunner().invoke(app, ["kd", "fill", "--model", "gpt2-tiny", "--steps", "2", "--cache",
                                    str(tmp_path / "c"), "--no-progress"])
     assert res.exit_code == 2 and "kd fill needs --teacher" in res.output
+
+
+def test_a_resumed_run_counts_the_whole_runs_kd_steps(setup, filled, tmp_path: Path, fail_at_step) -> None:
+    """A run interrupted at step 3 and resumed (`train --resume`, as `up --resume` trains its runs): summary.json's
+    `kd` counts every step of the run, the one missing before the interruption included, and `kd_this_invocation`
+    the resumed part's alone; the step records' counts go on from the checkpoint's."""
+    from trainer import train as train_mod
+
+    cache_root, _ = filled
+    plan, _ = _plan(setup)
+    partial = tmp_path / "partial"
+    shutil.copytree(cache_root / plan.key(), partial)
+    (partial / "0000000.kd").unlink()  # step 1 trains on CE alone, before the interruption
+    undo = fail_at_step(train_mod.AdamWMode, 2)
+    res = _train(setup, tmp_path / "run", "--kd-cache", str(partial), "--checkpoint-every", "1")
+    assert res.exit_code != 0
+    undo()
+    res = _train(setup, tmp_path / "run", "--kd-cache", str(partial), "--checkpoint-every", "1", "--resume")
+    assert res.exit_code == 0, res.output
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["resumed_from_step"] == 2
+    assert (summary["kd"]["kd_taken_steps"], summary["kd"]["kd_missing_steps"]) == (STEPS - 1, 1)
+    part = summary["kd_this_invocation"]
+    assert (part["kd_taken_steps"], part["kd_missing_steps"]) == (STEPS - 2, 0)
+    recs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["kd_taken_steps"] for r in recs if "kd_taken_steps" in r] == [0, 1, 2, 3]

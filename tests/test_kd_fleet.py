@@ -18,7 +18,7 @@ import redis
 import torch
 
 from coordinator.celery_app import make_celery
-from fleet.teacher import FleetTeacher, TeacherTimeout, teacher_queue
+from fleet.teacher import FleetTeacher, RoundFlow, TeacherRecipe, TeacherTimeout, teacher_queue
 from support.teacher import start_teacher_worker, stop_teacher_worker
 from trainer.data import get_batch
 from trainer.kd.sparse_loss import SparseKDLoss
@@ -45,10 +45,12 @@ def teacher_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def _fleet(redis_url: str, teacher_dir: Path, run: str, **kw) -> FleetTeacher:
+def _fleet(redis_url: str, teacher_dir: Path, run: str, k: int = K, steps: int | None = None,
+           **flow) -> FleetTeacher:
+    """A FleetTeacher of the sampled recipe (k ids) on `run`; `flow`: RoundFlow's fields."""
     return FleetTeacher(make_celery(redis_url), redis.Redis.from_url(redis_url, socket_timeout=10), run=run,
-                        teacher=str(teacher_dir), batch_fn=batch_fn, kind="sampled", k=K,
-                        temperature=1.0, seed=SEED, **kw)
+                        teacher=TeacherRecipe(str(teacher_dir), "sampled", k, 1.0, SEED), batch_fn=batch_fn,
+                        flow=RoundFlow(**flow), steps=steps)
 
 
 def _start_worker(redis_url: str, run: str, pause_s: float = 0.0) -> subprocess.Popen:
@@ -356,8 +358,7 @@ def test_a_blob_of_another_recipe_is_never_taken_and_strict_fails_naming_the_que
     and no worker, the wait ends in a TeacherTimeout (a ConnectionError: train checkpoints) naming the queue, not
     in CE alone."""
     run = f"kd-{uuid.uuid4().hex[:8]}"
-    k16 = FleetTeacher(make_celery(redis_url), redis.Redis.from_url(redis_url, socket_timeout=10), run=run,
-                       teacher=str(teacher_dir), batch_fn=batch_fn, kind="sampled", k=16, temperature=1.0, seed=SEED)
+    k16 = _fleet(redis_url, teacher_dir, run, k=16)
     k4 = _fleet(redis_url, teacher_dir, run, strict=True, strict_timeout_s=0.5, steps=1)
     assert k4.recipe != k16.recipe
     x = batch_fn(0)[0]

@@ -2,7 +2,7 @@
 configuration `up` writes (ops/prometheus.yml's jobs): every target (coordinator, trainer, each worker) is UP at
 once, and every query of the Grafana dashboard returns data (a panel without any finite value fails).
 
-One `up` (2 probe workers and a teacher worker: 12 short steps, 2 curvature rounds, teacher rounds for both runs
+One `up` (2 workers answering probe and teacher rounds: 12 short steps, 2 curvature rounds, teacher rounds for both runs
 from a gpt2-tiny teacher exported with the project's tokenizer) serves every check; CI installs prometheus (.ci/run)."""
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def test_prometheus_scrapes_up_and_every_dashboard_panel_has_data(tmp_path):
         jobs = {j["job_name"]: j["static_configs"][0]["targets"] for j in cfg["scrape_configs"]}
         assert set(jobs) == {j["job_name"] for j in ops["scrape_configs"]}  # the dashboard's jobs, as deployed
         assert len(jobs["coordinator"]) == len(jobs["trainer"]) == 1
-        assert len(jobs["probe-worker"]) == 3  # two probe workers and the teacher worker
+        assert len(jobs["probe-worker"]) == 2  # the two workers answer probe and teacher rounds alike
         cfg["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
         cfg["rule_files"] = [str(ROOT / "ops/alerts.yml")]
         (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(cfg))
@@ -77,7 +77,7 @@ def test_prometheus_scrapes_up_and_every_dashboard_panel_has_data(tmp_path):
         all_up: list[dict] = []
         while proc.poll() is None:  # every target UP at the same time, while `up` runs
             targets = _targets(api)
-            if len(targets) == 5 and all(t["health"] == "up" for t in targets):
+            if len(targets) == 4 and all(t["health"] == "up" for t in targets):
                 all_up = targets
                 break
             time.sleep(0.5)

@@ -1,11 +1,11 @@
-"""A teacher published once into the store (fleet.teacher_weights, issue 36), on the test Redis: a worker that
-cannot read the round's folder rebuilds it bit for bit from content-addressed parts and answers the same targets;
-a second publish writes nothing; a missing or corrupt part, an invalid manifest or an unpublished teacher is
-refused (counted) and leaves nothing in place."""
+"""A teacher as coordinator blobs (fleet.teacher_weights, issue 47), on a real coordinator and the test Redis: a
+worker that cannot read the round's folder rebuilds it bit for bit from the blobs its trainer uploaded (as weight
+versions are delivered, never from raw store keys) and answers the same targets; a second publish uploads nothing;
+a corrupt blob, an invalid manifest or an unregistered teacher is refused (counted) and leaves nothing in place."""
 
 from __future__ import annotations
 
-import json
+import time
 import uuid
 from pathlib import Path
 
@@ -17,30 +17,26 @@ from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
 from coordinator.celery_app import make_celery
-from fleet.teacher import FleetTeacher, teacher_queue
+from coordinator.client import CoordinatorClient
+from fleet.teacher import FleetTeacher, RoundFlow, TeacherRecipe, teacher_queue
 from fleet.teacher_weights import TeacherUnavailable, fetch_teacher, publish_teacher
 from probe_worker.teacher import TeacherMetrics, TeacherRuntime, run_teacher
-from support.teacher import start_teacher_worker, stop_teacher_worker
 from trainer.data import get_batch
 from trainer.kd.teacher import batch_key, teacher_files, teacher_sha256
 from trainer.models import build_model
 from wire.kd_targets import decode
-from wire.teacher_messages import (
-    TeacherFile,
-    TeacherManifest,
-    TeacherPart,
-    target_key,
-    teacher_manifest_key,
-    teacher_part_key,
-)
+from wire.teacher_messages import TeacherFile, TeacherManifest, target_key
 
 B, T, K, SEED = 2, 16, 4, 7
-PART = 1 << 20  # small parts, so each weight file is several
 TOKENS = np.random.default_rng(1).integers(0, 50257, 4096).astype(np.int64)
 
 
 def batch_fn(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return get_batch(TOKENS, B, T, SEED, step)
+
+
+def _recipe(teacher: Path) -> TeacherRecipe:
+    return TeacherRecipe(str(teacher), "sampled", K, 1.0, SEED)
 
 
 @pytest.fixture
@@ -49,67 +45,77 @@ def store(redis_url: str) -> redis.Redis:
 
 
 @pytest.fixture
-def teacher(tmp_path: Path, store: redis.Redis):
-    """A gpt2-tiny teacher of a fresh random seed and config (its parts are in no earlier store), removed afterwards."""
+def teacher(tmp_path: Path):
+    """A gpt2-tiny teacher of a fresh random seed and config."""
     path = tmp_path / "teacher"
     model = build_model("gpt2-tiny", seed=int(uuid.uuid4().int % 2**31))
-    model.config.test_id = uuid.uuid4().hex  # config.json too: other tests' teachers share this one's config part
+    model.config.test_id = uuid.uuid4().hex
     model.save_pretrained(path)
-    yield path
-    raw = store.get(teacher_manifest_key(teacher_sha256(str(path))))
-    if raw is not None:
-        manifest = TeacherManifest.model_validate_json(raw)
-        store.delete(teacher_manifest_key(manifest.teacher_sha256),
-                     *{teacher_part_key(p.sha256) for f in manifest.files for p in f.parts})
+    return path
 
 
-def test_publish_then_fetch_rebuilds_the_folder_bit_for_bit(store, teacher: Path, tmp_path: Path) -> None:
-    manifest, written = publish_teacher(store, str(teacher), part_bytes=PART)
+@pytest.fixture
+def clients(env):
+    """(admin client, an enrolled worker's client) of a real coordinator (conftest's env)."""
+    reg, worker = env.enroll("t")
+    worker.close()
+    with CoordinatorClient(env.url, env.settings.admin_token.get_secret_value()) as admin, \
+            CoordinatorClient(env.url, reg["worker_token"]) as mine:
+        yield admin, mine
+
+
+def test_publish_then_fetch_rebuilds_the_folder_bit_for_bit(env, clients, teacher: Path, tmp_path: Path) -> None:
+    """Published: each file one blob, the teacher run registered (its queue in the workers' list); fetched by a
+    worker's client into root/sha, verified; a second publish uploads nothing, a second fetch fetches nothing."""
+    admin, mine = clients
+    manifest, sent = publish_teacher(admin, str(teacher), "kd-blobs")
     files = teacher_files(str(teacher))
     assert [f.name for f in manifest.files] == [f.name for f in files]
-    assert written == manifest.nbytes == sum(f.stat().st_size for f in files)
-    assert max(len(f.parts) for f in manifest.files) >= 2  # the weights span several parts
-    assert 0 < store.ttl(teacher_manifest_key(manifest.teacher_sha256)) <= 7 * 86400
-    folder, fetched = fetch_teacher(store, manifest.teacher_sha256, tmp_path / "cache")
+    assert sent == manifest.nbytes == sum(f.stat().st_size for f in files)
+    assert all(env.admin.head(f"/v1/blobs/{f.sha256}").status_code == 200 for f in manifest.files)
+    reg, _ = env.enroll("late")
+    assert reg["teacher_queues"] == [teacher_queue("kd-blobs")]
+    folder, fetched = fetch_teacher(mine, manifest.teacher_sha256, tmp_path / "cache")
     assert folder == tmp_path / "cache" / manifest.teacher_sha256 and fetched == manifest.nbytes
     for f in files:
         assert (folder / f.name).read_bytes() == f.read_bytes()
     assert teacher_sha256(str(folder)) == teacher_sha256(str(teacher))
-    assert publish_teacher(store, str(teacher), part_bytes=PART) == (manifest, 0)  # published once
-    assert fetch_teacher(store, manifest.teacher_sha256, tmp_path / "cache") == (folder, 0)  # fetched once
+    assert publish_teacher(admin, str(teacher), "kd-blobs") == (manifest, 0)  # uploaded once
+    assert publish_teacher(admin, str(teacher), "kd-other")[1] == 0  # another run of the same teacher: no upload
+    assert fetch_teacher(mine, manifest.teacher_sha256, tmp_path / "cache") == (folder, 0)  # fetched once
+    assert env.admin.post("/v1/teachers/kd-other/end").json()["ended"]
+    assert env.enroll("later")[0]["teacher_queues"] == [teacher_queue("kd-blobs")]
 
 
-def test_a_part_gone_is_written_again(store, teacher: Path) -> None:
-    manifest, _ = publish_teacher(store, str(teacher), part_bytes=PART)
-    gone = manifest.files[-1].parts[1]
-    store.delete(teacher_part_key(gone.sha256))
-    assert publish_teacher(store, str(teacher), part_bytes=PART) == (manifest, gone.size)
-
-
-def test_corrupt_or_missing_parts_refused_nothing_left(store, teacher: Path, tmp_path: Path) -> None:
-    manifest, _ = publish_teacher(store, str(teacher), part_bytes=PART)
+def test_corrupt_or_unregistered_refused_nothing_left(env, clients, teacher: Path, tmp_path: Path) -> None:
+    admin, mine = clients
+    manifest, _ = publish_teacher(admin, str(teacher), "kd-corrupt")
     sha, root = manifest.teacher_sha256, tmp_path / "cache"
-    part = manifest.files[-1].parts[0]
-    good = store.get(teacher_part_key(part.sha256))
-    store.set(teacher_part_key(part.sha256), b"x" + good[1:])
-    with pytest.raises(TeacherUnavailable, match="is corrupt"):
-        fetch_teacher(store, sha, root)
-    assert store.get(teacher_part_key(part.sha256)) is None  # the worker deleted the corrupt part ...
-    with pytest.raises(TeacherUnavailable, match="is missing"):
-        fetch_teacher(store, sha, root)
+    weights = max(manifest.files, key=lambda f: f.size)
+    blob = env.settings.blob_dir / weights.sha256[:2] / weights.sha256
+    good = blob.read_bytes()
+    blob.write_bytes(b"x" + good[1:])
+    with pytest.raises(TeacherUnavailable, match=weights.name):
+        fetch_teacher(mine, sha, root)
     assert list(root.iterdir()) == []  # no folder, no .partial left
-    assert publish_teacher(store, str(teacher), part_bytes=PART) == (manifest, part.size)  # ... so the next publish
-    assert fetch_teacher(store, sha, root)[1] == manifest.nbytes  # writes it again, and the fetch heals
-    with pytest.raises(TeacherUnavailable, match="not published"):
-        fetch_teacher(store, "ab" * 32, root)
+    blob.write_bytes(good)
+    assert fetch_teacher(mine, sha, root)[1] == manifest.nbytes
+    with pytest.raises(TeacherUnavailable, match="not registered"):
+        fetch_teacher(mine, "ab" * 32, root)
+    missing = manifest.model_copy(update={"teacher_sha256": "cd" * 32, "files": [
+        TeacherFile(name="config.json", size=3, sha256="ef" * 32)]})
+    resp = env.admin.post("/v1/teachers", json={"run": "kd-missing", "teacher": missing.model_dump(mode="json")})
+    assert resp.status_code == 422 and "upload it first" in resp.text
+    other = manifest.model_copy(update={"teacher_sha256": "cd" * 32})
+    resp = env.admin.post("/v1/teachers", json={"run": "kd-corrupt", "teacher": other.model_dump(mode="json")})
+    assert resp.status_code == 409
 
 
-def test_a_truncated_part_is_written_again(store, teacher: Path) -> None:
-    manifest, _ = publish_teacher(store, str(teacher), part_bytes=PART)
-    part = manifest.files[-1].parts[0]
-    store.set(teacher_part_key(part.sha256), b"short")
-    assert publish_teacher(store, str(teacher), part_bytes=PART) == (manifest, part.size)
-    assert store.strlen(teacher_part_key(part.sha256)) == part.size
+def test_invalid_manifests_refused() -> None:
+    with pytest.raises(ValidationError, match="config.json"):
+        TeacherManifest(teacher_sha256="0" * 64, files=[TeacherFile(name="a.bin", size=3, sha256="0" * 64)])
+    with pytest.raises(ValidationError, match="pattern"):
+        TeacherFile(name="../config.json", size=3, sha256="0" * 64)
 
 
 @pytest.fixture
@@ -142,24 +148,6 @@ def tight_store(tmp_path: Path):
         proc.wait(10)
 
 
-def test_a_store_too_small_is_not_written(tight_store, teacher: Path) -> None:
-    """Above half the free memory: refused before any write (OutOfMemoryError, a RedisError FleetTeacher warns of)."""
-    with pytest.raises(redis.exceptions.OutOfMemoryError, match="not published"):
-        publish_teacher(tight_store, str(teacher), part_bytes=PART)
-    assert tight_store.dbsize() == 0
-
-
-def test_a_publish_refused_midway_takes_its_parts_back(tight_store, teacher: Path, monkeypatch) -> None:
-    """Room checks aside (another writer filled the store after it): the store's own OOM refusal midway leaves no
-    part of this publish and no manifest."""
-    import fleet.teacher_weights as tw
-
-    monkeypatch.setattr(tw, "_check_room", lambda store, nbytes: None)
-    with pytest.raises(redis.exceptions.OutOfMemoryError):
-        publish_teacher(tight_store, str(teacher), part_bytes=PART)
-    assert tight_store.dbsize() == 0
-
-
 def test_a_full_store_never_stops_the_run(tight_store, teacher: Path) -> None:
     """A store at its maxmemory (noeviction) refuses every round sent: the trainer's loss goes on, each step on CE
     alone and counted missing (named: its round was refused; --kd-strict does not wait for a round never sent),
@@ -168,9 +156,8 @@ def test_a_full_store_never_stops_the_run(tight_store, teacher: Path) -> None:
 
     port = tight_store.connection_pool.connection_kwargs["port"]
     fleet = FleetTeacher(make_celery(f"redis://127.0.0.1:{port}/0"), tight_store, run=f"kdf-{uuid.uuid4().hex[:8]}",
-                         teacher=str(teacher), batch_fn=batch_fn, kind="sampled", k=K, temperature=1.0, seed=SEED,
-                         window=2, strict=True, strict_timeout_s=600)
-    assert fleet.published_bytes == 0  # too small for the teacher: warned, not written
+                         teacher=_recipe(teacher), batch_fn=batch_fn,
+                         flow=RoundFlow(window=2, strict=True, strict_timeout_s=600))
     tight_store.config_set("maxmemory", int(tight_store.info("memory")["used_memory"]))  # full: nothing more fits
     loss_fn = SparseKDLoss(fleet, alpha=0.5)
     student = build_model("gpt2-tiny", seed=0)
@@ -184,40 +171,25 @@ def test_a_full_store_never_stops_the_run(tight_store, teacher: Path) -> None:
     assert fleet.advance(fleet.next_step) == 2 and tight_store.llen(teacher_queue(fleet.run)) == 2
 
 
-def test_invalid_manifests_refused(store, tmp_path: Path) -> None:
-    sha = uuid.uuid4().hex * 2
-    part = TeacherPart(sha256="0" * 64, size=3)
-    with pytest.raises(ValidationError, match="parts sum"):
-        TeacherFile(name="model.safetensors", size=4, sha256="0" * 64, parts=[part])
-    with pytest.raises(ValidationError, match="config.json"):
-        TeacherManifest(teacher_sha256=sha, files=[TeacherFile(name="a.bin", size=3, sha256="0" * 64, parts=[part])])
-    evil = {"schema_version": 1, "teacher_sha256": sha, "files": [
-        {"name": "../config.json", "size": 3, "sha256": "0" * 64, "parts": [{"sha256": "0" * 64, "size": 3}]}]}
-    store.set(teacher_manifest_key(sha), json.dumps(evil), ex=60)
-    try:
-        with pytest.raises(TeacherUnavailable, match="invalid"):
-            fetch_teacher(store, sha, tmp_path / "cache")
-        assert not (tmp_path / "config.json").exists()
-    finally:
-        store.delete(teacher_manifest_key(sha))
-
-
 def _task(fleet: FleetTeacher, step: int, teacher_dir: str | None = None):
     task = fleet.task_for(step)
     return task.model_copy(update={"teacher_dir": teacher_dir}) if teacher_dir else task
 
 
-def test_worker_without_the_folder_answers_from_the_store(redis_url: str, store, teacher: Path,
-                                                          tmp_path: Path) -> None:
+def test_worker_without_the_folder_answers_from_the_coordinator(redis_url: str, store, clients, teacher: Path,
+                                                                tmp_path: Path) -> None:
     """The same round answered by a runtime that reads the folder and one that cannot (its teacher_dir is not on
-    this 'machine'): equal blobs; the second fetched the published teacher once. An unpublished teacher that the
-    folder cannot give either is refused and counted."""
+    this 'machine'): equal blobs; the second fetched the registered teacher's blobs once. A teacher registered
+    nowhere that the folder cannot give either is refused and counted."""
+    import functools
+
+    admin, mine = clients
     run = f"kdw-{uuid.uuid4().hex[:8]}"
-    fleet = FleetTeacher(make_celery(redis_url), store, run=run, teacher=str(teacher), batch_fn=batch_fn,
-                         kind="sampled", k=K, temperature=1.0, seed=SEED)
-    assert fleet.published_bytes > 0
-    near = TeacherRuntime("cpu", store, root=tmp_path / "near")
-    far = TeacherRuntime("cpu", store, root=tmp_path / "far")
+    fleet = FleetTeacher(make_celery(redis_url), store, run=run, teacher=_recipe(teacher), batch_fn=batch_fn)
+    manifest, _ = publish_teacher(admin, str(teacher), run)
+    fetch = functools.partial(fetch_teacher, mine)
+    near = TeacherRuntime("cpu", store, fetch=fetch, root=tmp_path / "near")
+    far = TeacherRuntime("cpu", store, fetch=fetch, root=tmp_path / "far")
     metrics = TeacherMetrics(CollectorRegistry())
     task = _task(fleet, 0)
     key = target_key(run, 0, task.recipe, task.key)
@@ -226,31 +198,40 @@ def test_worker_without_the_folder_answers_from_the_store(redis_url: str, store,
         want = store.getdel(key)
         assert run_teacher(far, metrics, _task(fleet, 0, "/nonexistent/teacher").model_dump(mode="json")) == "done"
         assert store.get(key) == want and far.sha == fleet.sha
-        assert metrics.fetched._value.get() == TeacherManifest.model_validate_json(
-            store.get(teacher_manifest_key(fleet.sha))).nbytes
+        assert metrics.fetched._value.get() == manifest.nbytes
         assert not (tmp_path / "near").exists()  # the folder was readable: nothing fetched
         orphan = _task(fleet, 1, "/nonexistent/teacher").model_copy(update={"teacher_sha256": "cd" * 32})
-        assert run_teacher(TeacherRuntime("cpu", store, root=tmp_path / "far"), metrics,
-                           orphan.model_dump(mode="json")) == "refused"
-        assert metrics.tasks.labels("refused")._value.get() == 1
+        for runtime in (TeacherRuntime("cpu", store, fetch=fetch, root=tmp_path / "far"),
+                        TeacherRuntime("cpu", store, root=tmp_path / "far")):  # no coordinator: folders only
+            assert run_teacher(runtime, metrics, orphan.model_dump(mode="json")) == "refused"
+        assert metrics.tasks.labels("refused")._value.get() == 2
     finally:
         store.delete(key, teacher_queue(run))
 
 
 @pytest.mark.slow
-def test_worker_process_elsewhere_trains_the_same_targets(redis_url: str, store, teacher: Path,
-                                                          tmp_path: Path) -> None:
-    """A real teacher worker process whose rounds name a folder it cannot read (as on another machine) fetches the
-    published teacher into its own cache and answers: the trainer takes the same targets a worker reading the
-    folder gives, every step, none missing."""
+def test_enrolled_worker_elsewhere_answers_teacher_rounds_and_drains(teacher: Path, tmp_path: Path) -> None:
+    """Teacher rounds as a round kind of `sparecycles worker` (issue 47): a real enrolled worker process, listed in
+    GET /v1/workers, consumes the teacher queue the trainer registered at its coordinator (not named on its command
+    line) and, its rounds naming a folder it cannot read (as on another machine), fetches the teacher's blobs from
+    the coordinator into its own cache: the trainer takes the same targets a runtime reading the folder gives, every
+    step, none missing. Drained (POST /v1/workers/{id}/drain), it takes no round; resumed, it answers again."""
+    from support.fleet import REDIS_URL as redis_url
+    from support.fleet import Fleet
+
+    store = redis.Redis.from_url(redis_url, socket_timeout=10)
+    procs = Fleet(tmp_path)
     run = f"kdw-{uuid.uuid4().hex[:8]}"
-    fleet = FleetTeacher(make_celery(redis_url), store, run=run, teacher=str(teacher), batch_fn=batch_fn,
-                         kind="sampled", k=K, temperature=1.0, seed=SEED, window=2, strict=True,
-                         strict_timeout_s=90)
-    fleet.teacher_dir = str(tmp_path / "on-the-trainer's-machine-only")
-    near = TeacherRuntime("cpu", store, root=tmp_path / "near")
-    proc = start_teacher_worker(redis_url, teacher_queue(run), env={"SPARECYCLES_CACHE": str(tmp_path / "w")})
     try:
+        with CoordinatorClient(procs.url, procs.admin_token) as admin:
+            publish_teacher(admin, str(teacher), run)
+        procs.start_worker("t")
+        wid = procs.wait_consuming("t")
+        assert [w["worker_id"] for w in procs.admin.get("/v1/workers").json()] == [wid]
+        fleet = FleetTeacher(make_celery(redis_url), store, run=run, teacher=_recipe(teacher), batch_fn=batch_fn,
+                             flow=RoundFlow(window=2, strict=True, strict_timeout_s=120))
+        fleet.teacher_dir = str(tmp_path / "on-the-trainer's-machine-only")
+        near = TeacherRuntime("cpu", store, root=tmp_path / "near")
         fleet.seek(0)  # as trainer.train does before its first step: the window's rounds go out
         for step in range(3):
             x = batch_fn(step)[0]
@@ -266,7 +247,15 @@ def test_worker_process_elsewhere_trains_the_same_targets(redis_url: str, store,
                           batch_shape=(B, T), vocab=50257)
             assert got is not None and torch.equal(got.ids, want.ids) and torch.equal(got.logp, want.logp)
         assert fleet.taken == 3 and fleet.missing == 0
-        assert (tmp_path / "w" / "teachers" / fleet.sha / "config.json").is_file()
+        assert (tmp_path / "cache" / "teachers" / fleet.sha / "config.json").is_file()
+        assert procs.admin.post(f"/v1/workers/{wid}/drain").status_code == 200
+        procs.wait(lambda: procs.metric("t", "sparecycles_worker_draining") == 1, "the worker drains")
+        time.sleep(1.0)  # its queues cancelled at the next reconcile
+        assert fleet.advance(5) == 2  # steps 5 and 6 (3 and 4 went out with the window before the drain)
+        time.sleep(3.0)  # a drained worker takes nothing: the rounds stay queued
+        assert store.llen(teacher_queue(run)) == 2
+        assert procs.admin.post(f"/v1/workers/{wid}/resume").status_code == 200
+        assert all(fleet.take(batch_fn(s)[0], 50257) is not None for s in (3, 4, 5, 6)) and fleet.taken == 7
     finally:
-        stop_teacher_worker(proc)
+        procs.close()
         store.delete(teacher_queue(run))

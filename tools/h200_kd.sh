@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 36's must-show on one GPU: a 28M-parameter Llama student (SmolLM2's tokenizer, d 384, 6 layers, no weights:
 # a seeded init) on the classics corpus re-tokenized, CE alone vs taught by SmolLM2-135M through teacher rounds
-# (a teacher worker process, probe_worker.teacher, answering over Valkey; 16 sampled ids per position), at two
+# (an enrolled `sparecycles worker` answering teacher rounds over Valkey, its queues named by --teacher-queue; 16 sampled ids per position), at two
 # horizons. Four runs train at once on the GPU with the teacher worker (seed 0: 1,000 steps; seed 1: 3,000 steps).
 #
 # Here (fills .dev/kd, .dev/sm1, .dev/sm2, .dev/whlkd; git-ignored):  bash tools/h200_kd.sh pack
@@ -119,8 +119,15 @@ bash tools/valkey_up.sh $port > "$out/valkey.log" 2>&1 || { cat "$out/valkey.log
 url=redis://127.0.0.1:$port/0
 sha=$($py -c 'from trainer.kd.teacher import teacher_sha256; print(teacher_sha256("smollm2-135m")[:12])')
 queues=$(for spec in ${HORIZONS:-0:1000 1:3000}; do printf 'sparecycles.teacher.kd-%s-%s,' "$sha" "${spec%%:*}"; done)
-$py -m probe_worker.teacher --broker "$url" --queue "${queues%,}" \
-  --device "$dev" --metrics-port 9150 > "$out/teacher_worker.log" 2>&1 &
+# a coordinator for the worker to enroll at (its teacher queues named on its command line: the trainers register none)
+tok() { $py -c 'import secrets; print(secrets.token_urlsafe(32))'; }
+SPARECYCLES_REDIS_URL=$url SPARECYCLES_ADMIN_TOKEN=$(tok) SPARECYCLES_ENROLLMENT_TOKEN=${enroll:=$(tok)} \
+  SPARECYCLES_BLOB_DIR=/tmp/kd/blobs $py -m sparecycles.cli coordinator --port 8391 > "$out/coordinator.log" 2>&1 &
+cw=$!
+until curl -sf http://127.0.0.1:8391/readyz > /dev/null; do sleep 0.5; done
+qargs=(); for q in ${queues//,/ }; do qargs+=(--teacher-queue "$q"); done
+SPARECYCLES_ENROLLMENT_TOKEN=$enroll $py -m sparecycles.cli worker --coordinator http://127.0.0.1:8391 \
+  --device "$dev" --metrics-port 9150 "${qargs[@]}" > "$out/teacher_worker.log" 2>&1 &
 tw=$!
 common=(--model /tmp/kd/student --data /tmp/kd/classics.jsonl --optimizer adamw --batch-size "${BATCH:-16}"
         --seq-len "${SEQ:-512}" --lr 2e-3 --warmup-steps "${WARMUP:-100}" --eval-every "${EVAL_EVERY:-50}" --eval-batches "${EVAL_BATCHES:-16}"
@@ -141,7 +148,7 @@ for p in "${pids[@]}"; do wait "$p"; done
 echo "runs done in $(( $(date +%s) - t0 )) s" | tee -a "$out/prepare.log"
 $py -c 'import urllib.request; print(urllib.request.urlopen("http://127.0.0.1:9150/metrics", timeout=5).read().decode())' \
   2>&1 | grep '^sparecycles_worker_teacher' > "$out/teacher_metrics.txt"
-kill "$tw" 2>/dev/null; wait "$tw" 2>/dev/null
+kill "$tw" 2>/dev/null; wait "$tw" 2>/dev/null; kill "$cw" 2>/dev/null; wait "$cw" 2>/dev/null
 for r in /tmp/kdruns/*; do
   mkdir -p "$out/$(basename "$r")" && cp "$r"/{metrics.jsonl,summary.json,run.json} "$out/$(basename "$r")/" 2>/dev/null
 done

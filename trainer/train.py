@@ -219,6 +219,8 @@ def _set_up(cfg: TrainConfig, *, resume: bool, progress: bool,
     if hasattr(loss_fn, "seek"):  # teacher rounds (trainer.kd.sparse_loss.SparseKDLoss): the window starts at this step
         loss_fn.seek(start)
     history = run.restart_metrics(start if resume else None) if dist.is_main else []
+    if resume and hasattr(loss_fn, "carry_counts"):  # teacher targets: the counts go on from the checkpoint's
+        loss_fn.carry_counts(next((r for r in reversed(history) if "kd_taken_steps" in r), {}))
     events = EventLog(run.path, resume_step=start if resume else None) if dist.is_main else None
     if evaluator_factory is not None and dist.parallel:  # a sharded forward is collective: every rank evaluates
         logging.getLogger(__name__).warning("a torchrun job evaluates on its ranks, not on the fleet")
@@ -335,8 +337,10 @@ def _report(cfg: TrainConfig, s: _Setup, book: _RunLog, ledger: TimeLedger, dist
         "run_dir": str(run.path), **final, **ranks, "time_ledger": ledger.to_json(),
     }
     kd = s.loss_fn
-    if hasattr(kd, "stats"):  # --teacher-rounds: targets taken, steps missing, bytes each way
+    if hasattr(kd, "stats"):  # --teacher-rounds: targets taken, steps missing, bytes each way, over the whole run
         summary["kd"] = kd.stats()
+        if s.start:  # a resumed run: this invocation's own counts beside them
+            summary["kd_this_invocation"] = kd.this_part()
     rounds = _rounds_summary(run.records())
     if rounds:
         summary["rounds_skipped"] = rounds

@@ -83,14 +83,15 @@ class WorkerRegistered(Message):
     """`POST /v1/workers` reply: identity, secret and everything needed to start the Celery worker.
 
     `worker_token` is shown once; the coordinator keeps only its sha256. `queues` are the Celery queues
-    of the currently active runs (heartbeat replies carry the up-to-date list).
-    Times are seconds.
+    of the currently active runs, `teacher_queues` those of the teacher runs registered at the coordinator
+    (`POST /v1/teachers`; heartbeat replies carry the up-to-date lists). Times are seconds.
     """
 
     worker_id: WorkerId
     worker_token: str
     broker_url: str
     queues: list[str] = Field(max_length=1024)
+    teacher_queues: list[str] = Field(default_factory=list, max_length=1024)
     heartbeat_interval_s: FiniteFloat = Field(gt=0)
     lease_seconds: FiniteFloat = Field(gt=0)
     visibility_timeout_s: int = Field(gt=0)
@@ -132,11 +133,13 @@ class Lease(Part):
 
 
 class HeartbeatReply(Message):
-    """Heartbeat reply: the renewed lease, the worker's state (drain requests arrive here) and queues."""
+    """Heartbeat reply: the renewed lease, the worker's state (drain requests arrive here), the probe queues and
+    the teacher queues (WorkerRegistered's)."""
 
     lease: Lease
     state: WorkerState
     queues: list[str] = Field(max_length=1024)
+    teacher_queues: list[str] = Field(default_factory=list, max_length=1024)
 
 
 class WorkerInfo(Message):

@@ -96,41 +96,25 @@ class TeacherTask(Message):
             return b""
 
 
-# ---- The teacher's weights, published once into the store (fleet.teacher_weights) ----
-# A worker that cannot read the round's teacher_dir (another machine) rebuilds the folder from these: the files
-# teacher_sha256 covers (config.json and the weight files), each cut into content-addressed parts.
-TEACHER_PART_BYTES = 32 << 20  # one part's most bytes: far below Redis's 512 MiB string limit
-TEACHER_TTL_S = 7 * 86400  # a published teacher expires a week after its last run started (each start refreshes it)
+# ---- The teacher's weights as coordinator blobs, and a teacher run registered at the coordinator (issue 47) ----
+# A worker that cannot read the round's teacher_dir (another machine) rebuilds the folder from the coordinator's
+# blob store (`GET /v1/blobs/{sha256}`, as weight versions are delivered): the files teacher_sha256 covers
+# (config.json and the weight files), each one blob named by its sha256.
 MAX_TEACHER_FILE_BYTES = 1 << 40
 TeacherFileName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,254}$")]  # a bare name: no path
 
 
-class TeacherPart(Part):
-    """One part of a teacher file: its sha256 (its store key, teacher_part_key) and byte length."""
-
-    sha256: Sha256Hex
-    size: Annotated[int, Field(ge=1, le=TEACHER_PART_BYTES)]
-
-
 class TeacherFile(Part):
-    """One file of a published teacher folder: name, byte length, sha256 and its parts in order. Raises
-    pydantic.ValidationError when the parts' sizes do not sum to `size`."""
+    """One file of a teacher folder: its name, byte length and sha256 (its coordinator blob's name)."""
 
     name: TeacherFileName
     size: Annotated[int, Field(ge=0, le=MAX_TEACHER_FILE_BYTES)]
     sha256: Sha256Hex
-    parts: Annotated[list[TeacherPart], Field(max_length=MAX_TEACHER_FILE_BYTES // TEACHER_PART_BYTES)]
-
-    @model_validator(mode="after")
-    def _parts_sum(self) -> TeacherFile:
-        if sum(p.size for p in self.parts) != self.size:
-            raise ValueError(f"{self.name}: parts sum to {sum(p.size for p in self.parts)} bytes, not {self.size}")
-        return self
 
 
 class TeacherManifest(Message):
-    """A published teacher: its sha256 (trainer.kd.teacher.teacher_sha256 of the folder) and its files. Raises
-    pydantic.ValidationError for repeated file names or a folder without config.json."""
+    """A teacher as coordinator blobs: its sha256 (trainer.kd.teacher.teacher_sha256 of the folder) and its files.
+    Raises pydantic.ValidationError for repeated file names or a folder without config.json."""
 
     teacher_sha256: Sha256Hex
     files: Annotated[list[TeacherFile], Field(min_length=1, max_length=4096)]
@@ -148,11 +132,15 @@ class TeacherManifest(Message):
         return sum(f.size for f in self.files)
 
 
-def teacher_manifest_key(teacher_sha256: str) -> str:
-    """The store key of the TeacherManifest (JSON) of the teacher whose sha256 is `teacher_sha256`."""
-    return f"sc:teacher:{teacher_sha256}:manifest"
+class TeacherRun(Message):
+    """`POST /v1/teachers` body: a run's teacher rounds, registered at the coordinator (admin). `run` names the
+    queue (teacher_queue(run)) that every worker then consumes (its heartbeat's teacher_queues, its broker user
+    granted exactly that queue); `teacher` is the teacher its rounds name, its files already uploaded as blobs."""
+
+    run: RunId
+    teacher: TeacherManifest
 
 
-def teacher_part_key(part_sha256: str) -> str:
-    """The store key of one teacher part's bytes: content-addressed, so equal parts of two teachers are one."""
-    return f"sc:teacher-part:{part_sha256}"
+def teacher_queue(run: str) -> str:
+    """The Celery queue of `run`'s teacher rounds."""
+    return f"{TEACHER_QUEUE_PREFIX}.{run}"

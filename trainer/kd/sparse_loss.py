@@ -107,6 +107,13 @@ class SparseKDLoss:
         self.last: tuple[float, float] = (math.nan, math.nan)
         self._terms: dict[int, tuple[float, float, int]] = {}  # this step's backpropagated batches: (ce, kd, rows)
         self.seeked = False
+        self.before: dict[str, int] = {}  # the run's counts before this invocation (a resume: carry_counts)
+
+    def carry_counts(self, record: dict[str, Any]) -> None:
+        """A resume: the run's counts up to its checkpoint, read from the last step record kept (its kd_* counts,
+        as stats() wrote them), so stats() counts the whole run and this_part() the steps of this invocation."""
+        self.before = {k: int(v) for k, v in record.items()
+                       if k.startswith("kd_") and k != "kd_loss" and isinstance(v, int | float)}
 
     def seek(self, step: int) -> None:
         """Start at 0-based `step` (the run's first step: 0, or a resume's checkpointed step)."""
@@ -152,5 +159,10 @@ class SparseKDLoss:
         return kd_loss(ce, kd, self.alpha)
 
     def stats(self) -> dict[str, int]:
-        """The source's counts so far (kd_taken_steps, kd_missing_steps and its bytes)."""
+        """The run's counts so far (kd_taken_steps, kd_missing_steps and the source's bytes): this invocation's
+        (this_part) plus those before a resume (carry_counts)."""
+        return {k: self.before.get(k, 0) + v for k, v in self.this_part().items()}
+
+    def this_part(self) -> dict[str, int]:
+        """The source's counts in this invocation alone."""
         return self.source.stats()
