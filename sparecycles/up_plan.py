@@ -51,7 +51,7 @@ class UpPlan:
 
     @property
     def teacher_rounds(self) -> bool:
-        """Whether the runs' `--teacher` answers on the fleet (teacher worker processes, fleet.teacher): a sparse
+        """Whether the runs' `--teacher` answers on the fleet (the workers' teacher rounds, fleet.teacher): a sparse
         estimator (sampled, topk), in `up`'s process or under torchrun (each rank sends its own rows' rounds).
         Otherwise (--kd-estimator full) the teacher runs in the trainer."""
         cfg = self.zo_cfg

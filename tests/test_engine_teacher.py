@@ -223,8 +223,9 @@ def test_an_engine_that_does_not_answer_in_time_leaves_the_round_unanswered_and_
 def test_train_with_teacher_rounds_answered_by_the_engine_takes_every_step(engine_url: str, redis_url: str,
                                                                            smollm2: Path, tmp_path: Path) -> None:
     """`sparecycles train --model STUDENT --teacher SMOLLM2 --teacher-rounds URL --kd-estimator topk --kd-strict` with
-    a teacher worker process (`python -m probe_worker.teacher --teacher-engine URL`) that never loads the model:
-    every step took its targets (none missing), each step's KD loss finite and positive."""
+    a real enrolled worker (`sparecycles worker --teacher-engine URL`, support.teacher) that never loads the model:
+    the student trained through teacher rounds took every step's targets (none missing; the worker answered every
+    round through the engine), each step's KD loss finite and positive."""
     from typer.testing import CliRunner
 
     from sparecycles.cli import app
@@ -245,9 +246,12 @@ def test_train_with_teacher_rounds_answered_by_the_engine_takes_every_step(engin
         stop_teacher_worker(proc)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["kd"]["kd_taken_steps"] == 3 and summary["kd"]["kd_missing_steps"] == 0
+    assert summary["kd"]["kd_bytes_down"] > 0 and "kd_cache_bytes" not in summary["kd"]  # rounds, not a cache
     recs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in recs if "kd_loss" in r]
     assert len(steps) == 3 and all(math.isfinite(r["kd_loss"]) and r["kd_loss"] > 0 for r in steps)
+    log = proc.log_path.read_text()
+    assert f"'{queue}'" in log and "loaded on" not in log  # enrolled, consuming the queue; never loaded the model
 
 
 def _student_and_data(tmp_path: Path, smollm2: Path) -> Path:

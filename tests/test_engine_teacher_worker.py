@@ -1,7 +1,8 @@
-"""Teacher rounds as a round kind of the one enrolled worker (issue 47): `sparecycles worker --teacher-engine URL
---teacher-queue Q` (a real coordinator with per-worker broker users on a private Valkey, a real worker process, a
-real vLLM serving SmolLM2-135M) answers a trainer's teacher rounds with its own broker user, is listed in
-GET /v1/workers, and takes no round while drained."""
+"""Teacher rounds as a round kind of the one enrolled worker (issue 47): `sparecycles worker --teacher-engine URL`
+(a real coordinator with per-worker broker users on a private Valkey, a real worker process, a real vLLM serving
+SmolLM2-135M) answers the teacher rounds of the run registered at its coordinator (its queue in the heartbeats, not
+on the command line; the teacher's files uploaded as blobs) with its own broker user, is listed in GET /v1/workers,
+and takes no round while drained."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ import torch
 from test_engine_teacher import K, _real_rows, engine_url, smollm2  # noqa: F401 - fixtures
 
 from coordinator.celery_app import make_celery
+from coordinator.client import CoordinatorClient
 from fleet.teacher import FleetTeacher, RoundFlow, TeacherRecipe, teacher_queue
+from fleet.teacher_weights import publish_teacher
 from support.fleet import AclFleet
 from support.valkey import Valkey
 from wire.teacher_messages import target_key
@@ -37,9 +40,12 @@ def test_the_enrolled_worker_answers_teacher_rounds_through_the_engine_and_drain
     run = f"kd-{uuid.uuid4().hex[:8]}"
     queue = teacher_queue(run)
     try:
-        fleet.start_worker("t", "--teacher-engine", engine_url, "--teacher-queue", queue)
+        with CoordinatorClient(fleet.url, fleet.admin_token) as admin:
+            publish_teacher(admin, str(smollm2), run)
+        fleet.start_worker("t", "--teacher-engine", engine_url)
         wid = fleet.wait_consuming("t")
         assert fleet.worker_info("t")["state"] == "active"
+        assert [w["worker_id"] for w in fleet.admin.get("/v1/workers").json()] == [wid]
         store = redis.Redis.from_url(v.url)
         recipe = TeacherRecipe(str(smollm2), "topk", K, 1.0, 0, student=str(smollm2))
         teacher = FleetTeacher(make_celery(v.url), store, run=run, teacher=recipe, batch_fn=batch_fn,

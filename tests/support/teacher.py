@@ -72,9 +72,11 @@ def start_teacher_worker(redis_url: str, queue: str, pause_s: float = 0.0,
     cmd = [sys.executable, "-m", "probe_worker.cli", "--coordinator", fleet.url, "--token", fleet.enroll_token,
            "--name", f"teacher-{run}", "--control-interval", "0.25", "--soft-shutdown", "5", "--threads", "1",
            "--cache-dir", str(fleet.tmp / f"cache-{run}"), *args]
-    with open(fleet.tmp / f"teacher-{run}.log", "ab") as log:  # the child keeps its own descriptor
+    log_path = fleet.tmp / f"teacher-{run}-{len(_RUNS)}.log"
+    with open(log_path, "ab") as log:  # the child keeps its own descriptor
         proc = subprocess.Popen(cmd, env={**fleet.env, **(env or {})}, cwd=ROOT, start_new_session=True,
                                 stdout=log, stderr=subprocess.STDOUT)
+    proc.log_path = log_path  # type: ignore[attr-defined] - the worker's log, for tests that read it
     _RUNS[proc.pid] = run
     return proc
 
