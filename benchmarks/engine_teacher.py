@@ -93,7 +93,7 @@ def engine_rate(cfg, engine: str, k: int, batches: int) -> dict:
 def engine_worker(engine: str, redis_url: str, queue: str, work: Path):
     """A coordinator on `redis_url` and one enrolled worker answering the teacher rounds of `queue` through the
     engine (`sparecycles worker --teacher-engine`), both stopped afterwards; their logs under work/."""
-    from sparecycles.services import free_port
+    from api.server import free_port
 
     port, tok = free_port(), lambda: secrets.token_urlsafe(32)
     env = {**os.environ, "SPARECYCLES_REDIS_URL": redis_url, "SPARECYCLES_ADMIN_TOKEN": tok(),
