@@ -14,7 +14,11 @@ from typing import Annotated
 
 import typer
 
+from benchmarks.options import FleetBenchOptions, PrecisionOptions, ZoBenchOptions, parse
 from probe_kernels import cli as kernels_cli
+from trainer.cli_settings import SettingsCommand, with_settings
+
+SECTION = "Options"  # the generated options list with --help's own
 
 bench_app = typer.Typer(help="Benchmarks (kernels, probe, intake, fleet, zo, headline).", no_args_is_help=True)
 
@@ -62,78 +66,34 @@ def bench_intake(
             )
 
 
-def bench_fleet(
-    workers: Annotated[str, typer.Option(help="Comma-separated worker counts to measure")] = "1,2,4",
-    preset: Annotated[str, typer.Option(help="Model preset probed")] = "gpt2-tiny",
-    seeds: Annotated[int, typer.Option(min=1, help="Seeds in the timed round")] = 32,
-    seeds_per_task: Annotated[int, typer.Option(min=1, max=256, help="Seeds per Celery task")] = 4,
-    batch_size: Annotated[int, typer.Option(min=1)] = 4,
-    seq_len: Annotated[int, typer.Option(min=2)] = 64,
-    threads: Annotated[int, typer.Option(min=1, help="torch threads per worker process")] = 1,
-    ready_preset: Annotated[str, typer.Option(help="Preset whose publish -> ready latency is measured "
-                                              "('' to skip)")] = "gpt2-small",
-    redis_url: Annotated[str, typer.Option(envvar="REDIS_URL", help="Redis (keys are namespaced)")]
-    = "redis://127.0.0.1:6379/0",
-    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object")] = False,
-    device: Annotated[str, typer.Option(help="Workers' devices, round-robin: cpu, cuda:0 or cuda:1,cuda:2")] = "cpu",
-    trainer_device: Annotated[str, typer.Option(help="Where the published model lives (cpu or cuda:N): on a GPU, "
-                                                "synchronous and background publishes and the training loop's "
-                                                "cost per version are measured")] = "cpu",
-    compare_seeds: Annotated[int, typer.Option(min=0, help="Compare this many seeds of the timed round with "
-                                               "in-process evaluation on the first worker's device")] = 0,
-    interval: Annotated[int, typer.Option(min=2, help="Training steps per refresh interval (trainer cost)")] = 20,
-    train_batch_size: Annotated[int, typer.Option(min=0, help="Trainer batch (trainer cost; default: batch-size)")] = 0,
-    train_seq_len: Annotated[int, typer.Option(min=0, help="Trainer sequence length (default: seq-len)")] = 0,
-    json_path: Annotated[Path | None, typer.Option("--json-out", help="Also write the JSON here, after each phase")] = None,
-    blob_path: Annotated[str, typer.Option(help="How weight shards reach the workers: shared (one blob directory "
-                                           "on this host, as under `up`) or http (loopback HTTP, as to other "
-                                           "hosts)")] = "shared",
-    kind: Annotated[str, typer.Option(help="Timed rounds: seeded (probe rounds, fp32/TF32 on a GPU) or eval "
-                                      "(held-out batches, one forward each: bf16 compiled on a GPU)")] = "seeded",
-    worker_cuda_graphs: Annotated[bool, typer.Option(help="Workers replay their compiled forwards as CUDA "
-                                                     "graphs (sparecycles worker --cuda-graphs)")] = False,
-    tf32_attention: Annotated[str, typer.Option(help="Workers' attention in fp32/TF32 forwards: auto, fp32 or "
-                                                "bf16 (sparecycles worker --tf32-attention)")] = "auto",
-) -> None:
+@with_settings(model=FleetBenchOptions, param="given", section=SECTION)
+def bench_fleet(given: dict) -> None:
     """Probes per second with 1, 2, 4 workers (CPU or GPU), and version publish -> every worker ready latency."""
     from benchmarks.fleet import result_dict, run_fleet_bench
-
-    try:
-        counts = tuple(int(x) for x in workers.split(","))
-    except ValueError:
-        raise typer.BadParameter("use comma-separated integers, e.g. 1,2,4", param_hint="--workers") from None
     from fleet.devices import place_here
 
-    if blob_path not in ("shared", "http"):
-        raise typer.BadParameter("use shared or http", param_hint="--blob-path")
-    if kind not in ("seeded", "eval"):
-        raise typer.BadParameter("use seeded or eval", param_hint="--kind")
-    if tf32_attention not in ("auto", "fp32", "bf16"):
-        raise typer.BadParameter("use auto, fp32 or bf16", param_hint="--tf32-attention")
-    wargs = ("--cuda-graphs",) * worker_cuda_graphs + ("--tf32-attention", tf32_attention)
+    o = parse(FleetBenchOptions, given)
     try:
-        devs = place_here(worker_devices=device).workers
+        devs = place_here(worker_devices=o.device).workers
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--device") from None
-    if trainer_device != "cpu":
+    if o.trainer_device != "cpu":
         try:
-            trainer_device = place_here(device=trainer_device).trainer
+            o = o.model_copy(update={"trainer_device": place_here(device=o.trainer_device).trainer})
         except ValueError as exc:
             raise typer.BadParameter(str(exc), param_hint="--trainer-device") from None
 
     def save(r) -> None:
-        if json_path is not None:
-            json_path.write_text(json.dumps(result_dict(r), indent=1))
+        if o.json_out is not None:
+            o.json_out.write_text(json.dumps(result_dict(r), indent=1))
 
-    res = run_fleet_bench(redis_url, counts, preset, seeds, seeds_per_task, (batch_size, seq_len), threads,
-                          ready_preset, devs, trainer_device, compare_seeds, interval,
-                          (train_batch_size or batch_size, train_seq_len or seq_len), save, blob_path, kind, wargs)
+    res = run_fleet_bench(o, devs, save)
     save(res)
-    if json_out:
+    if o.print_json:
         typer.echo(json.dumps(result_dict(res)))
         return
-    typer.echo(f"{preset}, {kind} rounds, batch {batch_size}x{seq_len}, {seeds} seeds in tasks of {seeds_per_task}, "
-               f"{threads} thread(s)/worker, {os.cpu_count()} CPUs")
+    typer.echo(f"{o.preset}, {o.kind} rounds, batch {o.batch_size}x{o.seq_len}, {o.seeds} seeds in tasks of "
+               f"{o.seeds_per_task}, {o.threads} thread(s)/worker, {os.cpu_count()} CPUs")
     for n, rate in res.probes_per_s.items():
         typer.echo(f"  {n} worker(s): {rate:8.2f} results/s ({res.forward_passes_per_s[n]:.2f} forward passes/s, "
                    f"{res.tokens_per_s[n] / 1e6:.3f}M tokens/s)")
@@ -142,90 +102,44 @@ def bench_fleet(
                    f"{res.publish_to_ready_s:.2f} s (publish itself {res.publish_s:.2f} s; shards by {res.blob_path})")
 
 
-def bench_zo(
-    part: str = typer.Option("all", help="lm (gpt2-tiny: AdamW vs ZO-Curv), sentiment (MeZO/1SPSA/1.5-SPSA) or all."),
-    out: Path = typer.Option(Path("runs/zo-bench"), help="Folder for JSON summaries, PNG figures and run folders."),
-    device: str = typer.Option("cpu", help="cpu or cuda[:N]."),
-    steps: int = typer.Option(600, min=1, help="lm: optimizer steps per run."),
-    probes: int = typer.Option(32, min=1, help="lm: block-scaled probes per curvature round."),
-    k: int = typer.Option(16, min=1, help="sentiment: probes K per step of 1SPSA and 1.5-SPSA."),
-    budget: int = typer.Option(6000, min=3, help="sentiment: forward passes per run."),
-    lrs: str = typer.Option("1e-5,1e-4,1e-3", help="sentiment: comma-separated learning rates tried per method."),
-    seed: int = typer.Option(0, min=0, help="Run seed."),
-    methods: str = typer.Option("mezo,1spsa,1.5spsa", help="sentiment: comma-separated ZO methods to sweep."),
-    model: str = typer.Option("minilm", help="sentiment: minilm (MiniLM-L6 + new head) or smollm2 "
-                              "(SmolLM2-135M-Instruct as a prompt + label-word classifier, all parameters)."),
-    head_init: str | None = typer.Option(None, help="sentiment: classifier start; minilm: random (BERT init, default) or "
-                                  "linear-probe (logistic regression on frozen features first: LP-FT); smollm2: "
-                                  "prompt (the zero-shot prompt classifier, its only start)."),
-    evals: int = typer.Option(10, min=1, help="sentiment: accuracy evaluations per run."),
-    backprop_steps: int = typer.Option(0, min=0, help="sentiment: also run the backprop AdamW baseline this many steps."),
-    backprop_lr: float | None = typer.Option(None, min=0.0, help="sentiment: AdamW lr of the baseline (default 5e-5 minilm, "
-                                      "1e-5 smollm2)."),
-    regime: str = typer.Option("project", help="sentiment: project (the sweep above) or paper (smollm2 only: 1.5-SPSA's "
-                               "published regime, arms A1..A6 of issue 18; benchmarks.zo_paper)."),
-    arms: str = typer.Option("", help="regime paper: comma-separated arms (A1,A2,A3,A3w,A4-16,A4-128,A5-1e-05,"
-                             "A5-3e-05,A6-1e-05,A6-5e-05); empty = all. The time budget is shared by these only."),
-    time_budget: float = typer.Option(300.0, min=1.0, help="regime paper: seconds shared by the arms run now (each "
-                                      "stops at its share or its iteration cap)."),
-    fp32_matmul: str = typer.Option("highest", help="regime paper, CUDA: fp32 arms' matmuls, highest (true fp32) or "
-                                    "high (TF32: ~2x faster, but its rounding swamps h at eps 1e-4); per arm: "
-                                    "e.g. high,A1=highest,A3=highest (a bare mode is the default)."),
-    include: Annotated[Path | None, typer.Option(help="regime paper: an earlier call's paper_summary.json to merge: "
-                       "its arms are kept unless re-run; its A1 gives A3w's lr and the drift's ledger.")] = None,
-    resume: bool = typer.Option(False, help="regime paper: an arm named in --arms that stopped on time in the "
-                                "--include summary continues from its last iteration (its step ledger replayed) "
-                                "instead of restarting; one that finished there is kept."),
-    shares: str = typer.Option("", help="regime paper: share weights overriding the defaults (A1 24, A2 16, A3 11, "
-                               "A3w 11, A4-16 5, A4-128 8, A5-* 5, A6-* 3), e.g. A1=70,A3=24; renormalised."),
-    drift: bool = typer.Option(True, help="regime paper: measure the bf16 in-place drift on A1's ledger (once per "
-                               "ledger, after the arms; ~10 s on a GPU at 75 iterations)."),
-    iters_cap: int | None = typer.Option(None, min=1, help="regime paper: cap every arm's iterations (smoke tests)."),
-    end_by: float | None = typer.Option(None, help="regime paper: wall-clock deadline (unix seconds, e.g. "
-                                        "$(( $(date +%s) + 540 ))): the arms' budget shrinks so the run ends by then."),
-) -> None:
+@with_settings(model=ZoBenchOptions, param="given", section=SECTION)
+def bench_zo(given: dict) -> None:
     """Run the ZO benchmarks on real data and write lm_summary.json / sentiment_summary.json and PNGs."""
-    from benchmarks.zo import lm_comparison, sentiment_comparison
+    from benchmarks.zo import LmSpec, SentimentSpec, lm_comparison, sentiment_comparison
 
-    if part not in ("lm", "sentiment", "all"):
-        raise typer.BadParameter(f"part must be lm, sentiment or all, got {part!r}")
-    if regime not in ("project", "paper"):
-        raise typer.BadParameter(f"project or paper, got {regime!r}", param_hint="--regime")
-    if regime == "paper":
-        _bench_zo_paper(model, out, device, arms, time_budget, seed, fp32_matmul, include, drift, iters_cap,
-                        resume, shares, end_by)
+    o = parse(ZoBenchOptions, given)
+    if o.regime == "paper":
+        _bench_zo_paper(o)
         return
     # Every option is checked before anything runs: with --part all the lm part takes minutes first.
-    ms, head_init, grid = _check_zo_project(part, out, device, methods, model, head_init, lrs, budget, k)
-    if part in ("lm", "all"):
-        s = lm_comparison(out, steps=steps, device=device, probes=probes, seed=seed)
+    ms, head_init, grid = _check_zo_project(o)
+    if o.part in ("lm", "all"):
+        s = lm_comparison(o.out, LmSpec(steps=o.steps, device=o.device, probes=o.probes, seed=o.seed))
         typer.echo(json.dumps({k: {"final_val_loss": v["final_val_loss"], "steps_to_adamw_final":
                                    v["steps_to_adamw_final"]} for k, v in s["runs"].items()}))
-    if part in ("sentiment", "all"):
-        s = sentiment_comparison(out, budget=budget, device=device, probes=k, lrs=grid, seed=seed, methods=ms,
-                                 head_init=head_init, evals=evals, backprop_steps=backprop_steps, model=model,
-                                 backprop_lr=backprop_lr)
+    if o.part in ("sentiment", "all"):
+        spec = SentimentSpec(model=o.model, head_init=head_init, budget=o.budget, probes=o.k, seed=o.seed,
+                             device=o.device, evals=o.evals)
+        s = sentiment_comparison(o.out, spec, grid, ms, o.backprop_steps, o.backprop_lr)
         typer.echo(json.dumps({m: {k2: v for k2, v in b.items() if k2 != "curve"} for m, b in s["best"].items()}))
         if "1.5spsa_vs_mezo" in s:
             typer.echo(json.dumps({"1.5spsa_vs_mezo": s["1.5spsa_vs_mezo"]}))
 
 
-def _check_zo_project(part: str, out: Path, device: str, methods: str, model: str, head_init: str | None, lrs: str,
-                      budget: int, k: int) -> tuple[tuple[str, ...], str | None, tuple[float, ...]]:
+def _check_zo_project(o: ZoBenchOptions) -> tuple[tuple[str, ...], str | None, tuple[float, ...]]:
     """`bench zo --regime project`'s options checked before anything runs; returns (methods, the resolved
     head init, the lr grid). Raises typer.BadParameter naming the option at fault."""
     from benchmarks.zo import check_sentiment_folder, forwards_per_step, resolve_head_init
     from trainer.methods import method_names
 
+    part, out, device, methods, model, lrs, budget, k = o.part, o.out, o.device, o.methods, o.model, o.lrs, o.budget, o.k
     ms = tuple(m.strip() for m in methods.split(",") if m.strip())
     pure_zo = method_names(kind="pure-zo", task="sentiment")
     bad = [m for m in ms if m not in pure_zo]
     if bad or not ms:
         raise typer.BadParameter(f"methods are {', '.join(pure_zo)}; got {methods!r}", param_hint="--methods")
-    if model not in ("minilm", "smollm2"):
-        raise typer.BadParameter(f"minilm or smollm2, got {model!r}", param_hint="--model")
     try:
-        head_init = resolve_head_init(model, head_init)
+        head_init = resolve_head_init(model, o.head_init)
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--head-init") from None
     try:  # empty is allowed: tools/h200_headline.sh merges earlier runs' JSON with --lrs ""
@@ -258,18 +172,16 @@ def _check_zo_project(part: str, out: Path, device: str, methods: str, model: st
     return ms, head_init, grid
 
 
-def _bench_zo_paper(model: str, out: Path, device: str, arms: str, time_budget: float, seed: int,
-                    fp32_matmul: str, include: Path | None, drift: bool, iters_cap: int | None, resume: bool,
-                    shares: str, end_by: float | None) -> None:
+def _bench_zo_paper(o: ZoBenchOptions) -> None:
     """`bench zo --regime paper`: validate, run benchmarks.zo_paper.paper_main, print the arms' table."""
-    from benchmarks.zo_paper import paper_main
+    from benchmarks.zo_paper import PaperCall, paper_main
     from benchmarks.zo_paper_plan import check_plan, paper_arms, parse_matmul, parse_weights
 
+    model, time_budget, names, include = o.model, o.time_budget, o.arm_names, o.include
     if model != "smollm2":
         raise typer.BadParameter(f"--regime paper runs on smollm2 only, got {model!r}", param_hint="--model")
-    names = tuple(a.strip() for a in arms.split(",") if a.strip()) or None
     try:
-        weights = parse_weights(shares)
+        weights = parse_weights(o.shares)
         paper_arms(time_budget, weights=weights)
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--shares") from None
@@ -277,7 +189,7 @@ def _bench_zo_paper(model: str, out: Path, device: str, arms: str, time_budget: 
         plan = [a["name"] for a in paper_arms(time_budget, names)]
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--arms") from None
-    if resume and include is None:
+    if o.resume and include is None:
         raise typer.BadParameter("--resume continues arms of an --include summary: give --include", param_hint="--resume")
     inc = None
     if include is not None:
@@ -290,16 +202,16 @@ def _bench_zo_paper(model: str, out: Path, device: str, arms: str, time_budget: 
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--arms") from None
     try:
-        matmul = parse_matmul(fp32_matmul, plan)
+        matmul = parse_matmul(o.fp32_matmul, plan)
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--fp32-matmul") from None
     import torch
 
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise typer.BadParameter(f"{device!r} is not available here", param_hint="--device")
-    s = paper_main(out, device=device, total_s=time_budget, arms=names, seed=seed, fp32_matmul=matmul,
-                   include=include, resume=resume, weights=weights or None, drift=drift, iters_cap=iters_cap,
-                   end_by=end_by)
+    if o.device.startswith("cuda") and not torch.cuda.is_available():
+        raise typer.BadParameter(f"{o.device!r} is not available here", param_hint="--device")
+    call = PaperCall(total_s=time_budget, arms=names, seed=o.seed, resume=o.resume, matmul=matmul,
+                     weights=weights or None, drift=o.drift, iters_cap=o.iters_cap, end_by=o.end_by)
+    s = paper_main(o.out, call, device=o.device, include=include)
     for row in s["table"]:
         typer.echo(json.dumps(row))
     if "drift" in s:
@@ -388,25 +300,16 @@ def bench_data_pack(
                f"-> {res['machine']['load_avg_1m_after']} on {res['machine']['cpus']} CPUs; wrote {out}")
 
 
-def bench_precision(
-    preset: Annotated[str, typer.Option(help="Model preset")] = "gpt2-small",
-    batch_size: Annotated[int, typer.Option(min=1)] = 16,
-    seq_len: Annotated[int, typer.Option(min=2)] = 512,
-    steps: Annotated[int, typer.Option(min=21, help="AdamW steps on real text before measuring")] = 60,
-    seeds: Annotated[int, typer.Option(min=1, help="Seeds per perturbing kind and batch")] = 8,
-    batches: Annotated[int, typer.Option(min=1, help="Validation batches scored")] = 2,
-    corpus: Annotated[str, typer.Option(help="Corpus (train split trains, validation split is scored)")] = "classics-small",
-    device: Annotated[str, typer.Option(help="Torch device (cuda:N; cpu runs every column eagerly)")] = "cuda:0",
-    json_path: Annotated[Path | None, typer.Option("--json-out", help="Write the result JSON here")] = None,
-) -> None:
+@with_settings(model=PrecisionOptions, param="given", section=SECTION)
+def bench_precision(given: dict) -> None:
     """Per round kind, the signal-to-noise of TF32 and bf16 forwards against fp32 (benchmarks.precision)."""
     from benchmarks.precision import measure, precisions, table
 
-    res = measure(preset, (batch_size, seq_len), steps, seeds, batches, corpus, device,
-                  progress=lambda m: typer.echo(m, err=True))
+    o = parse(PrecisionOptions, given)
+    res = measure(o, progress=lambda m: typer.echo(m, err=True))
     res["measured_precision"] = precisions(res)
-    if json_path is not None:
-        json_path.write_text(json.dumps(res, indent=1))
+    if o.json_out is not None:
+        o.json_out.write_text(json.dumps(res, indent=1))
     typer.echo(table(res))
     typer.echo(f"bound: bf16 SNR >= {res['snr_bound']:g}; from this measurement: {res['measured_precision']}")
 
@@ -472,11 +375,11 @@ bench_app.command("kernels", short_help="Fused perturb/replay kernels vs copy ba
     kernels_cli.bench_kernels)
 bench_app.command("probe", short_help="One probe worker's speed on one GPU.")(kernels_cli.bench_probe)
 bench_app.command("intake", short_help="Coordinator intake: results/s and latency.")(bench_intake)
-bench_app.command("fleet", short_help="Fleet probes/s with 1, 2, 4 workers; publish time.")(bench_fleet)
+bench_app.command("fleet", cls=SettingsCommand, short_help="Fleet probes/s with 1, 2, 4 workers; publish time.")(bench_fleet)
 bench_app.command("data-pack", short_help="Tokens/s and the time to pack a 100 MB --data folder.")(
     bench_data_pack)
-bench_app.command("precision", short_help="bf16 vs TF32 signal-to-noise per round kind.")(bench_precision)
-bench_app.command("zo", short_help="ZO-Curv and pure-ZO benchmarks on real data.")(bench_zo)
+bench_app.command("precision", cls=SettingsCommand, short_help="bf16 vs TF32 signal-to-noise per round kind.")(bench_precision)
+bench_app.command("zo", cls=SettingsCommand, short_help="ZO-Curv and pure-ZO benchmarks on real data.")(bench_zo)
 bench_app.command("serving", short_help="Serving latency beside a worker, with and without yielding.")(
     bench_serving)
 bench_app.command("serving-load", short_help="Open-loop requests against a running engine.")(bench_serving_load)

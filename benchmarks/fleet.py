@@ -27,6 +27,8 @@ import httpx
 import redis
 import torch
 
+from benchmarks.options import FleetBenchOptions
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -180,58 +182,53 @@ def _batch(b: int, t: int, vocab: int, seed: int) -> tuple[torch.Tensor, torch.T
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
-def run_fleet_bench(redis_url: str, worker_counts: tuple[int, ...] = (1, 2, 4), preset: str = "gpt2-tiny",
-                    seeds: int = 32, seeds_per_task: int = 4, batch: tuple[int, int] = (4, 64),
-                    threads: int = 1, ready_preset: str = "gpt2-small",
-                    devices: tuple[str, ...] = ("cpu",), trainer_device: str = "cpu", compare_seeds: int = 0,
-                    interval: int = 20, train_batch: tuple[int, int] | None = None,
-                    save: Callable[[FleetBenchResult], None] = lambda r: None,
-                    blob_path: str = "shared", kind: str = "seeded",
-                    worker_args: tuple[str, ...] = ()) -> FleetBenchResult:
-    """Measure probes/s for each worker count and publish -> ready latency of `ready_preset` weights.
+def run_fleet_bench(opts: FleetBenchOptions, devices: tuple[str, ...] = ("cpu",),
+                    save: Callable[[FleetBenchResult], None] = lambda r: None) -> FleetBenchResult:
+    """Measure probes/s for each worker count of opts.workers and publish -> ready latency of opts.ready_preset
+    weights (benchmarks.options.FleetBenchOptions: every option of `bench fleet`).
 
-    Worker i runs on devices[i % len(devices)] (e.g. ("cuda:1", "cuda:2")). With the publishing side on the CPU
-    (trainer_device "cpu") publish -> ready is one synchronous publish; on a GPU (benchmarks.fleet_gpu) it is two
-    synchronous and two background publishes of a model on that device, plus the training loop's cost per
-    published version over `interval` steps at `train_batch` (default: batch). compare_seeds > 0 compares the
-    timed round's first seeds with in-process evaluation on the first worker's device. `save(result)` is called
-    after each phase. blob_path: "shared" (the trainer writes shards into the coordinator's blob directory and
-    the workers read them there, as under `up`) or "http" (over loopback HTTP, as to other hosts).
-    kind: the timed rounds' kind, "seeded" (probe rounds: two forwards per seed) or "eval" (an eval round, one
-    held-out batch of `batch` rows per seed, one forward each: bf16 on a CUDA worker, trainer.zo.probes.forward_dtype).
-    Raises RuntimeError if a worker dies or a phase exceeds its (generous) time limit; ValueError for a bad blob_path
-    or kind. worker_args: extra `sparecycles worker` options (e.g. ("--cuda-graphs", "--tf32-attention", "bf16")).
+    Worker i runs on devices[i % len(devices)] (e.g. ("cuda:1", "cuda:2"), fleet.devices.place_here of
+    opts.device). With the publishing side on the CPU (opts.trainer_device "cpu") publish -> ready is one
+    synchronous publish; on a GPU (benchmarks.fleet_gpu) it is two synchronous and two background publishes of a
+    model on that device, plus the training loop's cost per published version over opts.interval steps at
+    opts.train_batch. opts.compare_seeds > 0 compares the timed round's first seeds with in-process evaluation on the
+    first worker's device. `save(result)` is called after each phase. opts.blob_path: "shared" (the trainer writes
+    shards into the coordinator's blob directory and the workers read them there, as under `up`) or "http" (over
+    loopback HTTP, as to other hosts). opts.kind: the timed rounds' kind, "seeded" (probe rounds: two forwards per
+    seed) or "eval" (an eval round, one held-out batch of opts.batch rows per seed, one forward each: bf16 on a CUDA
+    worker, trainer.zo.probes.forward_dtype). Raises RuntimeError if a worker dies or a phase exceeds its (generous)
+    time limit.
     """
-    if kind not in ("seeded", "eval"):
-        raise ValueError(f"kind must be 'seeded' or 'eval', got {kind!r}")
     from trainer.models import build_model
 
-    res = FleetBenchResult(preset, seeds, seeds_per_task, batch, threads, os.cpu_count() or 1,
-                           worker_devices=tuple(devices), trainer_device=trainer_device, blob_path=blob_path, kind=kind,
-                           worker_args=tuple(worker_args))
+    batch, trainer_device, counts = opts.batch, opts.trainer_device, opts.workers
+    res = FleetBenchResult(opts.preset, opts.seeds, opts.seeds_per_task, batch, opts.threads, os.cpu_count() or 1,
+                           worker_devices=tuple(devices), trainer_device=trainer_device, blob_path=opts.blob_path,
+                           kind=opts.kind, worker_args=opts.worker_args)
     keep = os.environ.get("SPARECYCLES_BENCH_KEEP") == "1"  # keep the coordinator's and workers' logs
     with (contextlib.nullcontext(tempfile.mkdtemp(prefix="sparecycles-bench-")) if keep
           else tempfile.TemporaryDirectory(prefix="sparecycles-bench-")) as tmp:
-        fleet = _Fleet(redis_url, Path(tmp), threads, devices, blob_path, worker_args)
+        fleet = _Fleet(opts.redis_url, Path(tmp), opts.threads, devices, opts.blob_path, opts.worker_args)
         try:
-            model = build_model(preset)
+            model = build_model(opts.preset)
             xb = _batch(*batch, model.config.vocab_size, seed=0)
-            for n in worker_counts:
+            for n in counts:
                 names = fleet.start_workers(n)
-                if kind == "eval":
-                    _eval_phase(fleet, names, res, model, seeds, seeds_per_task, save)
+                if opts.kind == "eval":
+                    _eval_phase(fleet, names, res, model, opts.seeds, opts.seeds_per_task, save)
                     got = []
                 else:
-                    got = _throughput_phase(fleet, names, res, model, xb, seeds, seeds_per_task, save)
-                if compare_seeds and n == worker_counts[0] and got:
-                    _compare_phase(res, got, model, xb, devices[0], compare_seeds, save)
-                if n != worker_counts[-1]:
+                    got = _throughput_phase(fleet, names, res, model, xb, opts.seeds, opts.seeds_per_task, save)
+                if opts.compare_seeds and n == counts[0] and got:
+                    _compare_phase(res, got, model, xb, devices[0], opts.compare_seeds, save)
+                if n != counts[-1]:
                     fleet.stop_workers()
-            if ready_preset and trainer_device != "cpu":
-                _gpu_publish_phases(fleet, names, res, ready_preset, build_model(ready_preset, device=trainer_device),
-                                    seeds_per_task, interval, train_batch or batch, save)
-            elif ready_preset:
-                _cpu_publish_phase(fleet, names, res, ready_preset, build_model(ready_preset), seeds_per_task)
+            ready = opts.ready_preset
+            if ready and trainer_device != "cpu":
+                _gpu_publish_phases(fleet, names, res, ready, build_model(ready, device=trainer_device),
+                                    opts.seeds_per_task, opts.interval, opts.train_batch, save)
+            elif ready:
+                _cpu_publish_phase(fleet, names, res, ready, build_model(ready), opts.seeds_per_task)
         finally:
             fleet.close()
     return res

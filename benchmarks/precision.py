@@ -28,9 +28,12 @@ import copy
 import math
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from benchmarks.options import PrecisionOptions
 
 
 def snr(signal: Sequence[float], measured: Sequence[float]) -> dict[str, float]:
@@ -109,31 +112,25 @@ def _kl(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> float:
     return float((t.exp() * (t - s)).sum(-1).mean())
 
 
-def measure(preset: str = "gpt2-small", batch: tuple[int, int] = (16, 512), steps: int = 60, seeds: int = 8,
-            n_batches: int = 2, corpus: str = "classics-small", device: str = "cuda:0", lr: float = 1e-3,
-            compile: bool | None = None, progress: Callable[[str], None] = print) -> dict:
-    """The kind × precision table (module docstring) as a JSON-ready dict: {"rows": {kind: {precision: snr(...)}},
-    "settings": ..., "train_loss": [...], "seconds": ...}. compile: the TF32 and bf16 columns' torch.compile (default:
-    on CUDA). Raises what the corpus and model loaders raise."""
-    from probe_kernels import FastForward, WholeModelEvaluator, lm_logits
+def _trained_snapshots(o: PrecisionOptions, lr: float) -> tuple[Any, Any, dict[int, dict], list[float]]:
+    """o.preset trained o.steps AdamW steps (lr, wd 0) on o.corpus's train split in TF32, with state-dict snapshots
+    after steps T-20, T-10, T-1 and T. Returns (the model in eval mode, the corpus, the snapshots, the losses)."""
     from trainer.data.batches import get_batch
     from trainer.data.corpus import load_corpus
     from trainer.models import build_model
     from trainer.models.losses import lm_batch_loss
-    from trainer.zo import probes
 
-    t_start = time.perf_counter()
-    cor = load_corpus(corpus)
-    b, t = batch
+    cor = load_corpus(o.corpus)
+    steps = o.steps
     torch.set_float32_matmul_precision("high")
     torch.manual_seed(0)
-    model = build_model(preset, device=device)
+    model = build_model(o.preset, device=o.device)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     snaps: dict[int, dict] = {}
     losses = []
     model.train()
     for i in range(steps):
-        x, y = (u.to(device) for u in get_batch(cor.train, b, t, seed=0, index=i))
+        x, y = (u.to(o.device) for u in get_batch(cor.train, o.batch_size, o.seq_len, seed=0, index=i))
         loss = lm_batch_loss(model, (x, y))
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -141,7 +138,23 @@ def measure(preset: str = "gpt2-small", batch: tuple[int, int] = (16, 512), step
         losses.append(float(loss.detach()))
         if i + 1 in (steps - 20, steps - 10, steps - 1, steps):
             snaps[i + 1] = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    model.eval()
+    return model.eval(), cor, snaps, losses
+
+
+def measure(o: PrecisionOptions, lr: float = 1e-3, compile: bool | None = None,
+            progress: Callable[[str], None] = print) -> dict:
+    """The kind × precision table (module docstring) as a JSON-ready dict: {"rows": {kind: {precision: snr(...)}},
+    "settings": ..., "train_loss": [...], "seconds": ...}, for `bench precision`'s options `o` (the model trained
+    at `lr` first). compile: the TF32 and bf16 columns' torch.compile (default: on CUDA). Raises what the corpus
+    and model loaders raise."""
+    from probe_kernels import FastForward, WholeModelEvaluator, lm_logits
+    from trainer.data.batches import get_batch
+    from trainer.models.losses import lm_batch_loss
+    from trainer.zo import probes
+
+    t_start = time.perf_counter()
+    device, steps, seeds, n_batches, b, t = o.device, o.steps, o.seeds, o.batches, o.batch_size, o.seq_len
+    model, cor, snaps, losses = _trained_snapshots(o, lr)
     progress(f"trained {steps} steps: loss {losses[0]:.3f} -> {losses[-1]:.3f}")
     batches = [tuple(u.to(device) for u in get_batch(cor.val, b, t, seed=1, index=j)) for j in range(n_batches)]
     group = [i for i, blk in enumerate(probes.canonical_blocks(model)) if ".h.0." in blk.name]  # layer 0's blocks
@@ -186,8 +199,8 @@ def measure(preset: str = "gpt2-small", batch: tuple[int, int] = (16, 512), step
         torch.cuda.empty_cache() if torch.device(device).type == "cuda" else None
     rows = {k: {p: snr(sig["ref"][k], sig[p][k]) for p in ("tf32", "tf32_bf16attn", "bf16")} for k in sig["ref"]}
     declared = {k.value: r.precision for k, r in probes.KINDS.items()}
-    return {"preset": preset, "batch": list(batch), "steps": steps, "seeds": seeds, "n_batches": n_batches,
-            "corpus": corpus, "device": torch.cuda.get_device_name(device) if "cuda" in device else "cpu",
+    return {"preset": o.preset, "batch": [b, t], "steps": steps, "seeds": seeds, "n_batches": n_batches,
+            "corpus": o.corpus, "device": torch.cuda.get_device_name(device) if "cuda" in device else "cpu",
             "torch": torch.__version__, "snr_bound": probes.SNR_BOUND, "declared": declared, "rows": rows,
             "train_loss": [losses[0], losses[-1]], "signals": sig, "seconds": time.perf_counter() - t_start}
 

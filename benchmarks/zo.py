@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,24 +32,61 @@ BACKPROP_LR = {"minilm": 5e-5, "smollm2": 1e-5}  # AdamW baseline lr (MeZO's fin
 MODEL_TITLES = {"minilm": "MiniLM", "smollm2": "SmolLM2-135M"}
 
 
-def lm_comparison(out_dir: Path, *, steps: int = 600, device: str = "cpu", batch_size: int = 16,
-                  seq_len: int = 128, lr: float = 3e-3, probes: int = 32, curvature_interval: int = 10,
-                  eval_every: int = 50, seed: int = 0, variants=ZOCURV_VARIANTS) -> dict[str, Any]:
-    """Train AdamW and each ZO-Curv variant for `steps` steps; return and write `lm_summary.json` + PNG."""
+@dataclass(frozen=True)
+class LmSpec:
+    """The lm part's settings: gpt2-tiny on classics-small, `steps` optimizer steps of batch_size x seq_len tokens
+    at lr (warm-up a tenth), `probes` per curvature round every `curvature_interval` steps, evaluation every
+    `eval_every` steps (16 batches)."""
+
+    steps: int = 600
+    device: str = "cpu"
+    batch_size: int = 16
+    seq_len: int = 128
+    lr: float = 3e-3
+    probes: int = 32
+    curvature_interval: int = 10
+    eval_every: int = 50
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class SentimentSpec:
+    """What every run of a sentiment sweep shares: the classifier (`model` "minilm" or "smollm2", its `head_init`,
+    resolve_head_init), forward passes per run (`budget`), probes K and the ZO constants (eps, alpha, lam), the
+    batch, seed and device, and the number of accuracy evaluations per run."""
+
+    model: str = "minilm"
+    head_init: str | None = None
+    budget: int = 6000
+    probes: int = 16
+    eps: float = 1e-3
+    alpha: float = 0.1
+    lam: float = 1.0
+    batch_size: int = 32
+    seed: int = 0
+    device: str = "cpu"
+    evals: int = 10
+
+
+def lm_comparison(out_dir: Path, spec: LmSpec = LmSpec(), variants=ZOCURV_VARIANTS) -> dict[str, Any]:
+    """Train AdamW and each ZO-Curv variant for spec.steps steps; return and write `lm_summary.json` + PNG."""
     from trainer.config import TrainConfig
     from trainer.report import read_metrics
     from trainer.train import train
 
     out_dir.mkdir(parents=True, exist_ok=True)
     curves: dict[str, list[tuple[int, float]]] = {}
-    summary: dict[str, Any] = {"steps": steps, "batch_size": batch_size, "seq_len": seq_len, "lr": lr,
-                               "probes": probes, "curvature_interval": curvature_interval, "runs": {}}
+    steps = spec.steps
+    summary: dict[str, Any] = {"steps": steps, "batch_size": spec.batch_size, "seq_len": spec.seq_len,
+                               "lr": spec.lr, "probes": spec.probes, "curvature_interval": spec.curvature_interval,
+                               "runs": {}}
     for opt in ("adamw", *variants):
         cfg = TrainConfig(model="gpt2-tiny", corpus="classics-small", optimizer=opt, steps=steps,
-                          batch_size=batch_size, seq_len=seq_len, lr=lr, warmup_steps=max(1, steps // 10),
-                          eval_every=eval_every, eval_batches=16, checkpoint_every=steps, probes=probes,
-                          probe_batch_size=batch_size, curvature_interval=curvature_interval, seed=seed,
-                          device=device, run_dir=out_dir / "runs" / opt)
+                          batch_size=spec.batch_size, seq_len=spec.seq_len, lr=spec.lr,
+                          warmup_steps=max(1, steps // 10), eval_every=spec.eval_every, eval_batches=16,
+                          checkpoint_every=steps, probes=spec.probes, probe_batch_size=spec.batch_size,
+                          curvature_interval=spec.curvature_interval, seed=spec.seed, device=spec.device,
+                          run_dir=out_dir / "runs" / opt)
         t0 = time.perf_counter()
         res = train(cfg, progress=False)
         recs = read_metrics(res.run_dir / "metrics.jsonl")
@@ -184,28 +222,28 @@ def _fresh_classifier(task: SentimentTask, seed: int, device: str, head_init: st
     return model, lp
 
 
-def sentiment_run(task: SentimentTask, method: str, *, lr: float, budget: int, probes: int, eps: float,
-                  alpha: float, lam: float, batch_size: int, seed: int, device: str, evals: int = 10,
-                  head_init: str | None = None, on_eval=None, model: str = "minilm") -> dict:
-    """Fine-tune a fresh classifier (`model`: "minilm" or "smollm2", built on the matching
-    `sentiment_task`) with a pure-ZO method until `budget` forward passes are spent.
+def sentiment_run(task: SentimentTask, method: str, lr: float, spec: SentimentSpec, on_eval=None) -> dict:
+    """Fine-tune a fresh classifier (spec.model: "minilm" or "smollm2", built on the matching `sentiment_task`)
+    with a pure-ZO method at `lr` until spec.budget forward passes are spent.
 
-    head_init (minilm) "random" (BERT init, the default) or "linear-probe" (fit_linear_probe_head_ first;
-    its forward passes are reported as "head_forward_passes" and not counted in `budget`); smollm2 starts
+    spec.head_init (minilm) "random" (BERT init, the default) or "linear-probe" (fit_linear_probe_head_ first;
+    its forward passes are reported as "head_forward_passes" and not counted in the budget); smollm2 starts
     from the zero-shot prompt ("prompt", its only start). Returns curves of (forward passes, val acc,
-    test acc) at ~`evals` evenly spaced points; `on_eval(partial_result)` is called after each (so a run
+    test acc) at ~spec.evals evenly spaced points; `on_eval(partial_result)` is called after each (so a run
     stopped early still leaves its curve). Raises ValueError for an unknown model or head_init.
     """
     from trainer.zo.backend import InProcessBackend
     from trainer.zo.zo_step import ZOStepper
 
-    head_init = resolve_head_init(model, head_init)
-    net, lp = _fresh_classifier(task, seed, device, head_init, batch_size, model)
-    stepper = ZOStepper(net, method, run_seed=seed, probes=probes, eps=eps, alpha=alpha, lam=lam)
+    model, seed, batch_size = spec.model, spec.seed, spec.batch_size
+    head_init = resolve_head_init(model, spec.head_init)
+    net, lp = _fresh_classifier(task, seed, spec.device, head_init, batch_size, model)
+    stepper = ZOStepper(net, method, run_seed=seed, probes=spec.probes, eps=spec.eps, alpha=spec.alpha,
+                        lam=spec.lam)
     backend = InProcessBackend(net, classifier_loss)
-    per_step = forwards_per_step(method, probes)
-    n_steps = budget // per_step
-    eval_at = {round(n_steps * (i + 1) / evals) for i in range(evals)}
+    per_step = forwards_per_step(method, spec.probes)
+    n_steps = spec.budget // per_step
+    eval_at = {round(n_steps * (i + 1) / spec.evals) for i in range(spec.evals)}
     curve = [(0, task.accuracy(net, "val"), task.accuracy(net, "test"))]
     losses, diverged = [], False
 
@@ -232,18 +270,19 @@ def sentiment_run(task: SentimentTask, method: str, *, lr: float, budget: int, p
     return result(len(losses))
 
 
-def sentiment_backprop_baseline(task: SentimentTask, *, steps: int, lr: float | None = None, batch_size: int = 32,
-                                seed: int = 0, device: str = "cpu", evals: int = 10,
-                                head_init: str | None = None, on_eval=None, model: str = "minilm") -> dict:
-    """Context for the ZO runs: the same fresh classifier fine-tuned by backprop AdamW (wd 0), lr
-    BACKPROP_LR[model] when None (5e-5 MiniLM, 1e-5 SmolLM2).
+def sentiment_backprop_baseline(task: SentimentTask, spec: SentimentSpec, steps: int,
+                                lr: float | None = None) -> dict:
+    """Context for the ZO runs: the same fresh classifier (spec's model, head, batch, seed, device, evaluations)
+    fine-tuned by backprop AdamW (wd 0) for `steps` steps, lr BACKPROP_LR[model] when None (5e-5 MiniLM, 1e-5
+    SmolLM2).
 
     Returns a curve of (optimizer steps, val acc, test acc). Each step costs one forward and one backward.
     Raises ValueError for an unknown model or head_init.
     """
-    head_init = resolve_head_init(model, head_init)
+    model, seed, batch_size, evals = spec.model, spec.seed, spec.batch_size, spec.evals
+    head_init = resolve_head_init(model, spec.head_init)
     lr = BACKPROP_LR[model] if lr is None else lr
-    net, _ = _fresh_classifier(task, seed, device, head_init, batch_size, model)  # eval mode: dropout is 0 anyway
+    net, _ = _fresh_classifier(task, seed, spec.device, head_init, batch_size, model)  # eval mode: dropout is 0
     opt = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=0.0)
     curve = [(0, task.accuracy(net, "val"), task.accuracy(net, "test"))]
     for step in range(steps):
@@ -256,25 +295,25 @@ def sentiment_backprop_baseline(task: SentimentTask, *, steps: int, lr: float | 
             "head_init": head_init}
 
 
-def sentiment_comparison(out_dir: Path, *, budget: int = 6000, device: str = "cpu", probes: int = 16,
-                         lrs=(1e-5, 1e-4, 1e-3), eps: float = 1e-3, alpha: float = 0.1, lam: float = 1.0,
-                         batch_size: int = 32, seed: int = 0, methods=("mezo", "1spsa", "1.5spsa"),
-                         head_init: str | None = None, evals: int = 10, backprop_steps: int = 0,
-                         model: str = "minilm", backprop_lr: float | None = None) -> dict[str, Any]:
-    """Sweep `methods` x `lrs` at equal forward passes on `model` ("minilm" or "smollm2"), write
+def sentiment_comparison(out_dir: Path, spec: SentimentSpec = SentimentSpec(), lrs=(1e-5, 1e-4, 1e-3),
+                         methods=("mezo", "1spsa", "1.5spsa"), backprop_steps: int = 0,
+                         backprop_lr: float | None = None) -> dict[str, Any]:
+    """Sweep `methods` x `lrs` at equal forward passes on spec.model ("minilm" or "smollm2"), write
     `sentiment_runs-<methods>.json`, then summarise every runs file in `out_dir` (`sentiment_summary`), so
     several processes can share one sweep (of one model: the summary refuses a mix).
 
     With `backprop_steps` > 0 the backprop AdamW baseline (lr `backprop_lr`, default BACKPROP_LR[model])
     runs too, as method "adamw-backprop". Raises ValueError for an unknown model or head_init.
     """
-    head_init = resolve_head_init(model, head_init)
+    model = spec.model
+    spec = replace(spec, head_init=resolve_head_init(model, spec.head_init))
     check_sentiment_folder(out_dir, model)
     out_dir.mkdir(parents=True, exist_ok=True)
-    task = sentiment_task(model, device)
+    task = sentiment_task(model, spec.device)
     tag = "-".join(methods) + "-lr" + "_".join(f"{lr:g}" for lr in lrs) + ("-backprop" if backprop_steps else "")
-    meta = {"budget_forward_passes": budget, "probes": probes, "eps": eps, "alpha": alpha, "lam": lam,
-            "batch_size": batch_size, "head_init": head_init, "device": device, "model": model}
+    meta = {"budget_forward_passes": spec.budget, "probes": spec.probes, "eps": spec.eps, "alpha": spec.alpha,
+            "lam": spec.lam, "batch_size": spec.batch_size, "head_init": spec.head_init, "device": spec.device,
+            "model": model}
     runs: list[dict] = []
 
     def save(partial: dict | None = None) -> None:  # after every evaluation: a stopped sweep keeps its curves
@@ -284,9 +323,7 @@ def sentiment_comparison(out_dir: Path, *, budget: int = 6000, device: str = "cp
     for method in methods:
         for lr in lrs:
             t0 = time.perf_counter()
-            r = sentiment_run(task, method, lr=lr, budget=budget, probes=probes, eps=eps, alpha=alpha, lam=lam,
-                              batch_size=batch_size, seed=seed, device=device, head_init=head_init, evals=evals,
-                              model=model,
+            r = sentiment_run(task, method, lr, spec,
                               on_eval=lambda p, t0=t0, method=method, lr=lr: (save(dict(p, wall_s=time.perf_counter() - t0)),
                                                         print(f"{method} lr {lr:g}: {p['curve'][-1]}", flush=True)))
             r["wall_s"] = time.perf_counter() - t0
@@ -294,8 +331,7 @@ def sentiment_comparison(out_dir: Path, *, budget: int = 6000, device: str = "cp
             save()
             print(json.dumps(r), flush=True)
     if backprop_steps:
-        r = sentiment_backprop_baseline(task, steps=backprop_steps, lr=backprop_lr, batch_size=batch_size,
-                                        seed=seed, device=device, evals=evals, head_init=head_init, model=model)
+        r = sentiment_backprop_baseline(task, spec, backprop_steps, backprop_lr)
         runs.append(r)
         print(json.dumps(r), flush=True)
     save()

@@ -29,6 +29,7 @@ import copy
 import json
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +46,6 @@ from benchmarks.zo_paper_plan import (
     check_plan,
     merge_include,
     paper_arms,
-    parse_matmul,
 )
 from benchmarks.zo_paper_steps import PAPER, numerics_drift
 from trainer.zo.probes import canonical_blocks
@@ -54,12 +54,28 @@ TAIL_S = 8.0  # seconds kept after the arms under a deadline: final JSON, plots
 DRIFT_S_PER_STEP = 0.3  # estimated seconds of numerics_drift per A1 step on an H200 (40 probes of 134.5M weights)
 
 
-def paper_comparison(out_dir: Path, make_model: Callable[[torch.dtype], torch.nn.Module], data: PaperData, *,
-                     total_s: float = 300.0, arms: tuple[str, ...] | None = None, seed: int = 0,
-                     meta: dict | None = None, include: dict | None = None, resume: bool = False,
-                     matmul: dict[str, str] | None = None, set_matmul: Callable[[str], None] | None = None,
-                     weights: dict[str, float] | None = None, drift: bool = True,
-                     iters_cap: int | None = None, end_by: float | None = None) -> dict[str, Any]:
+@dataclass(frozen=True)
+class PaperCall:
+    """One call's plan of the paper comparison (paper_comparison's docstring says what each does): its seconds
+    (`total_s`), the arms it runs (None: all), the seed, an earlier call's summary to merge (`include`, its
+    json.load) and whether its arms stopped on time continue (`resume`), the fp32 matmul mode per arm (`matmul`),
+    share weights, the drift, an iteration cap and a wall-clock deadline (`end_by`, time.time() seconds)."""
+
+    total_s: float = 300.0
+    arms: tuple[str, ...] | None = None
+    seed: int = 0
+    include: dict | None = None
+    resume: bool = False
+    matmul: dict[str, str] | None = None
+    weights: dict[str, float] | None = None
+    drift: bool = True
+    iters_cap: int | None = None
+    end_by: float | None = None
+
+
+def paper_comparison(out_dir: Path, make_model: Callable[[torch.dtype], torch.nn.Module], data: PaperData,
+                     call: PaperCall = PaperCall(), *, meta: dict | None = None,
+                     set_matmul: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Run the arms (all, or those named in `arms`) within ~`total_s` seconds; write `paper_summary.json`
     (after every arm), `paper_curves.png` and `paper_hw.png` into `out_dir`.
 
@@ -80,17 +96,19 @@ def paper_comparison(out_dir: Path, make_model: Callable[[torch.dtype], torch.nn
     Raises ValueError for unknown arms, or A3w without A1 (now or included)."""
     t_start = time.perf_counter()
     out_dir.mkdir(parents=True, exist_ok=True)
-    plan = paper_arms(total_s, arms, weights=weights)
+    total_s, seed, include, matmul, iters_cap, drift = (call.total_s, call.seed, call.include, call.matmul,
+                                                        call.iters_cap, call.drift)
+    plan = paper_arms(total_s, call.arms, weights=call.weights)
     names_now = [a["name"] for a in plan]
     check_plan(names_now, include)
-    inc = merge_include(include, names_now, resume)
+    inc = merge_include(include, names_now, call.resume)
     a1_moves = "A1" in names_now and "A1" not in inc["done"]
-    if end_by is not None:
-        total_s = _deadline_budget(total_s, plan, end_by, iters_cap, drift and a1_moves)
-    call = {"total_s": total_s, "arms": names_now, "fp32_matmul": matmul if set_matmul else "cpu",
-            "included": sorted(inc["arms"]), "resumed": sorted(inc["resume"]), "iters_cap": iters_cap,
-            "weights": weights}
-    summary = _new_summary(data, inc, call, meta, total_s, seed)
+    if call.end_by is not None:
+        total_s = _deadline_budget(total_s, plan, call.end_by, iters_cap, drift and a1_moves)
+    record = {"total_s": total_s, "arms": names_now, "fp32_matmul": matmul if set_matmul else "cpu",
+              "included": sorted(inc["arms"]), "resumed": sorted(inc["resume"]), "iters_cap": iters_cap,
+              "weights": call.weights}
+    summary = _new_summary(data, inc, record, meta, total_s, seed)
     results: dict[str, Any] = summary["arms"]
     skipped = dict.fromkeys(inc["done"], "finished in the included summary (kept)")
 
@@ -268,27 +286,24 @@ def plot_paper(summary: dict, out_dir: Path) -> None:
     plt.close(fig)
 
 
-def paper_main(out_dir: Path, *, device: str = "cuda", total_s: float = 300.0, arms: tuple[str, ...] | None = None,
-               seed: int = 0, fp32_matmul: str | dict[str, str] = "highest", include: Path | None = None,
-               resume: bool = False, weights: dict[str, float] | None = None, drift: bool = True,
-               iters_cap: int | None = None, end_by: float | None = None) -> dict[str, Any]:
+def paper_main(out_dir: Path, call: PaperCall = PaperCall(), *, device: str = "cuda",
+               include: Path | None = None) -> dict[str, Any]:
     """`bench zo --model smollm2 --regime paper`: SmolLM2-135M prompt classifier (trainer.prompt_classifier),
-    loaded once and copied fresh for every arm (paper_comparison runs them).
+    loaded once and copied fresh for every arm (paper_comparison runs them, as `call` says).
 
-    fp32_matmul: torch.set_float32_matmul_precision for the fp32 arms on CUDA, one mode for every arm or
-    {arm: mode} (zo_paper_plan.parse_matmul): "highest" (true fp32, the default) or "high" (TF32, about 2x
+    call.matmul: torch.set_float32_matmul_precision for the fp32 arms on CUDA, {arm: mode} (zo_paper_plan.
+    parse_matmul; an arm left out: "highest"): "highest" (true fp32, the default) or "high" (TF32, about 2x
     faster). At ε = 1e-4, h needs the loss to ~1e-8·|h|: TF32 (and bf16) forwards put rounding noise 10-100x
     larger than h into it (benchmarks/results/h200/zo-paper/RESULTS.md). include: an earlier call's
-    paper_summary.json to merge (its arms kept unless re-run; its A1 serves A3w and the drift); resume,
-    weights, drift, iters_cap, end_by: as paper_comparison.
+    paper_summary.json to merge (its arms kept unless re-run; its A1 serves A3w and the drift); it replaces
+    call.include.
     Raises ValueError for an unknown mode or arm, A3w without A1; FetchError / DataFetchError when weights or
     data are unavailable; OSError / json.JSONDecodeError for an unreadable include."""
     from benchmarks.zo import sentiment_task
     from trainer.prompt_classifier import load_smollm2_prompt_classifier
 
-    names = [a["name"] for a in paper_arms(1.0, arms, weights=weights)]
-    matmul = parse_matmul(fp32_matmul, names) if isinstance(fp32_matmul, str) else \
-        {n: fp32_matmul.get(n, "highest") for n in names}
+    names = [a["name"] for a in paper_arms(1.0, call.arms, weights=call.weights)]
+    matmul = {n: (call.matmul or {}).get(n, "highest") for n in names}
     if any(m not in MATMUL_MODES for m in matmul.values()):
         raise ValueError(f"fp32 matmul modes are {MATMUL_MODES}, got {matmul}")
     inc = json.loads(Path(include).read_text()) if include is not None else None
@@ -303,7 +318,5 @@ def paper_main(out_dir: Path, *, device: str = "cuda", total_s: float = 300.0, a
 
     meta = {"model": "smollm2", "device": device, "gpu": torch.cuda.get_device_name(device) if cuda else None,
             "include": str(include) if include is not None else None}
-    return paper_comparison(out_dir, make_model, data, total_s=total_s, arms=arms, seed=seed, meta=meta,
-                            include=inc, resume=resume, matmul=matmul, weights=weights, drift=drift,
-                            set_matmul=torch.set_float32_matmul_precision if cuda else None, iters_cap=iters_cap,
-                            end_by=end_by)
+    return paper_comparison(out_dir, make_model, data, replace(call, include=inc, matmul=matmul), meta=meta,
+                            set_matmul=torch.set_float32_matmul_precision if cuda else None)

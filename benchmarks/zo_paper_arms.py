@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -100,6 +101,7 @@ def run_zo_arm(data: PaperData, model: torch.nn.Module, arm: dict, *, seed: int 
         evals = [_eval_point(data, model, 0, 0, 0.0)]
         best_state, log, ledger = _snapshot(model), [], []
     start, stop = len(log), "max_iters"
+    sel = _Selection(t0, evals, best_state, start, wall_before)
     for it in range(start, arm["max_iters"]):
         lr, eps = arm["lr"] * state.scale, arm["eps"] * state.scale
         loss_fn.reset()
@@ -118,13 +120,11 @@ def run_zo_arm(data: PaperData, model: torch.nn.Module, arm: dict, *, seed: int 
         if not math.isfinite(st["loss"]):
             stop = "diverged"
             break
-        out_of_time, best_state = _after_iteration(data, model, arm, it, stepper.forward_passes * bs, t0, evals,
-                                                   best_state, start, wall_before)
-        if out_of_time:
+        if _after_iteration(data, model, arm, it, stepper.forward_passes * bs, sel):
             stop = "time"
             break
     fingerprint = stepper.fingerprint()  # of the last weights, before _finish loads the selected ones
-    res = _finish(arm, data, model, best_state, evals, t0, stop, wall_before)
+    res = _finish(arm, data, model, sel.best_state, evals, t0, stop, wall_before)
     res.update(iterations=len(log), forward_passes=stepper.forward_passes,
                seq_forwards=stepper.forward_passes * bs, log=log, fingerprint=fingerprint)
     if resumed is not None:
@@ -134,22 +134,34 @@ def run_zo_arm(data: PaperData, model: torch.nn.Module, arm: dict, *, seed: int 
     return res
 
 
-def _after_iteration(data: PaperData, model: torch.nn.Module, arm: dict, it: int, seq_forwards: int, t0: float,
-                     evals: list[dict], best_state: Any, start: int = 0, wall_before: float = 0.0) -> tuple[bool, Any]:
-    """After iteration `it` (0-based; this call began at iteration `start`): evaluate when due (every
-    `eval_every`, the last iteration, or out of time), appending to `evals`; snapshot the model on a strict
-    validation improvement (the earliest best, as `_finish` picks). Out of time: another iteration at this
-    call's mean pace (evaluations included) would end past `time_s` seconds from t0, so an arm ends inside its
-    share instead of one iteration after it. Eval wall_s adds `wall_before` (earlier calls). Returns (out of
-    time, best state)."""
-    spent = time.perf_counter() - t0
-    out_of_time = spent + spent / (it + 1 - start) > arm["time_s"]
+@dataclass
+class _Selection:
+    """An arm's validation selection as it runs: its evaluations so far, the weights of the best (strict
+    improvements: the earliest best, as `_finish` picks), this call's start (perf_counter `t0`, first iteration
+    `start`) and `wall_before` seconds of earlier calls."""
+
+    t0: float
+    evals: list[dict]
+    best_state: Any
+    start: int = 0
+    wall_before: float = 0.0
+
+
+def _after_iteration(data: PaperData, model: torch.nn.Module, arm: dict, it: int, seq_forwards: int,
+                     sel: _Selection) -> bool:
+    """After iteration `it` (0-based; this call began at iteration sel.start): evaluate when due (every
+    `eval_every`, the last iteration, or out of time), appending to sel.evals; snapshot the model into
+    sel.best_state on a strict validation improvement. Out of time: another iteration at this call's mean pace
+    (evaluations included) would end past `time_s` seconds from sel.t0, so an arm ends inside its share instead of
+    one iteration after it. Eval wall_s adds sel.wall_before (earlier calls). Returns whether it is out of time."""
+    spent = time.perf_counter() - sel.t0
+    out_of_time = spent + spent / (it + 1 - sel.start) > arm["time_s"]
     if (it + 1) % arm["eval_every"] == 0 or out_of_time or it + 1 == arm["max_iters"]:
-        e = _eval_point(data, model, it + 1, seq_forwards, wall_before + time.perf_counter() - t0)
-        if e["val_acc"] > max(x["val_acc"] for x in evals):
-            best_state = _snapshot(model)
-        evals.append(e)
-    return out_of_time, best_state
+        e = _eval_point(data, model, it + 1, seq_forwards, sel.wall_before + time.perf_counter() - sel.t0)
+        if e["val_acc"] > max(x["val_acc"] for x in sel.evals):
+            sel.best_state = _snapshot(model)
+        sel.evals.append(e)
+    return out_of_time
 
 
 def run_backprop_arm(data: PaperData, model: torch.nn.Module, arm: dict, *, seed: int = 0) -> dict[str, Any]:
@@ -159,17 +171,16 @@ def run_backprop_arm(data: PaperData, model: torch.nn.Module, arm: dict, *, seed
     opt = torch.optim.AdamW(model.parameters(), lr=arm["lr"], weight_decay=0.0)
     bs = arm["batch_size"]
     evals = [_eval_point(data, model, 0, 0, 0.0)]
-    best_state, log, stop = _snapshot(model), [], "max_iters"
+    sel, log, stop = _Selection(t0, evals, _snapshot(model)), [], "max_iters"
     for it in range(arm["max_iters"]):
         opt.zero_grad(set_to_none=True)
         loss = bucketed_ce(model, data.batch(seed, it, bs))[0]
         loss.backward()
         opt.step()
         log.append({"iteration": it + 1, "loss": float(loss.detach())})
-        out_of_time, best_state = _after_iteration(data, model, arm, it, (it + 1) * bs, t0, evals, best_state)
-        if out_of_time:
+        if _after_iteration(data, model, arm, it, (it + 1) * bs, sel):
             stop = "time"
             break
-    res = _finish({**arm, "method": "adamw-backprop"}, data, model, best_state, evals, t0, stop)
+    res = _finish({**arm, "method": "adamw-backprop"}, data, model, sel.best_state, evals, t0, stop)
     res.update(iterations=len(log), seq_forwards=len(log) * bs, seq_backwards=len(log) * bs, log=log)
     return res

@@ -49,23 +49,24 @@ class FairRun(OptionsRun):
         return f"{self.optimizer}-lr{self.lr:g}-T{self.steps}-wu{wu}-s{self.seed}{self.options_suffix}"
 
 
-def fair_config(spec: FairRun, *, model: str, corpus: str, batch_size: int, seq_len: int, device: str,
-                run_dir: Path, eval_batches: int = 64, curvature_interval: int = 50, probe_budget: int = 151,
-                probe_batch_size: int = 8, eps: float = 0.1):
+FAIR_DEFAULTS = {"eval_batches": 64, "curvature_interval": 50, "probe_budget": 151, "probe_batch_size": 8,
+                 "eps": 0.1}  # a plan's settings may override them
+
+
+def fair_config(spec: FairRun, settings: dict[str, Any], device: str, run_dir: Path | None):
     """The TrainConfig of `spec` under the issue-17 protocol (module docstring); eval every T/4 steps on the
     first `eval_batches`·batch_size held-out windows (trainer.data.iter_eval_batches: evenly spread).
     ZO defaults: a refresh every 50 steps with 151 forward-equivalents (DESIGN.md §2: one idle H200 buys ~3
     probe forwards per trainer step), probe batch 8 sequences, ε_G = 0.1·RMS(θ_G) (at 0.01 the fp32 loss
-    rounding dominated h on gpt2-tiny: estimates flipped sign; 0.1 and 0.3 agreed)."""
+    rounding dominated h on gpt2-tiny: estimates flipped sign; 0.1 and 0.3 agreed). `settings`: model, corpus,
+    batch_size and seq_len (a plan's), and any of FAIR_DEFAULTS to override."""
     from trainer.config import TrainConfig
 
-    return TrainConfig(model=model, corpus=corpus, optimizer=spec.optimizer, steps=spec.steps, batch_size=batch_size,
-                       seq_len=seq_len, lr=spec.lr, min_lr=0.1 * spec.lr,
-                       warmup_steps=max(1, round(spec.warmup_frac * spec.steps)), weight_decay=0.1, beta1=0.9,
-                       beta2=0.95, grad_clip=1.0, eval_every=max(1, spec.steps // 4), eval_batches=eval_batches,
+    return TrainConfig(**{**FAIR_DEFAULTS, **settings}, optimizer=spec.optimizer, steps=spec.steps, lr=spec.lr,
+                       min_lr=0.1 * spec.lr, warmup_steps=max(1, round(spec.warmup_frac * spec.steps)),
+                       weight_decay=0.1, beta1=0.9, beta2=0.95, grad_clip=1.0, eval_every=max(1, spec.steps // 4),
                        checkpoint_every=10 * spec.steps, seed=spec.seed, device=device, run_dir=run_dir,
-                       curvature_interval=curvature_interval, probe_budget=probe_budget,
-                       probe_batch_size=probe_batch_size, eps=eps, optimizer_options=dict(spec.options))
+                       optimizer_options=dict(spec.options))
 
 
 # Reduced H200 plan (600 s of device time for the whole call): T_ref = 400 steps of 16×512.
@@ -128,7 +129,7 @@ PLANS = {"h200": (h200_plan, H200_SETTINGS), "h200-followup": (h200_followup_pla
 # ---- running -----------------------------------------------------------------------------------------
 def run_one(spec: FairRun, settings: dict[str, Any], device: str, out_dir: Path) -> None:
     """Train one spec into out_dir/spec.name (benchmarks.run_spec.train_into)."""
-    train_into(spec, out_dir, lambda run_dir: fair_config(spec, device=device, run_dir=run_dir, **settings))
+    train_into(spec, out_dir, lambda run_dir: fair_config(spec, settings, device, run_dir))
 
 
 def run_plan(plan: str, out_dir: Path, *, jobs: int, device: str, deadline_s: float) -> list[str]:

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from benchmarks.zo import resolve_head_init, sentiment_run, sentiment_summary
+from benchmarks.zo import SentimentSpec, resolve_head_init, sentiment_run, sentiment_summary
 from probe_kernels import perturb
 from trainer.prompt_classifier import (
     LABEL_WORDS,
@@ -162,9 +162,9 @@ def test_bench_sentiment_run_on_smollm2(smollm2):
     # The benchmark's own path (a fresh model from the loader, the zero-shot prompt start) on four sentences.
     _, tok = smollm2
     seen = []  # on_eval reports the start (step 0) too, so a run stopped before its first step keeps it
-    r = sentiment_run(_task(tok), "mezo", lr=1e-5, budget=2, probes=1, eps=1e-3, alpha=0.1, lam=1.0,
-                      batch_size=4, seed=0, device="cpu", evals=1, model="smollm2",
-                      on_eval=lambda p: seen.append(p["steps"]))
+    spec = SentimentSpec(model="smollm2", budget=2, probes=1, eps=1e-3, alpha=0.1, lam=1.0, batch_size=4, seed=0,
+                         device="cpu", evals=1)
+    r = sentiment_run(_task(tok), "mezo", 1e-5, spec, on_eval=lambda p: seen.append(p["steps"]))
     assert seen == [0, 1]
     assert r["model"] == "smollm2" and r["head_init"] == "prompt" and r["head_forward_passes"] == 0
     assert r["steps"] == 1 and [c[0] for c in r["curve"]] == [0, 2] and not r["diverged"]

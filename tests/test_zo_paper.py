@@ -219,10 +219,10 @@ def test_paper_comparison_runs_every_arm_and_writes_the_table(tmp_path):
     """The orchestration on the tiny classifier: every arm, A3w's lr from A1's mean w, the drift, JSON + PNGs."""
     import json
 
-    from benchmarks.zo_paper import paper_arms, paper_comparison
+    from benchmarks.zo_paper import PaperCall, paper_arms, paper_comparison
 
     data = _tiny_data()
-    s = paper_comparison(tmp_path, lambda dt: _Tiny().to(dt), data, total_s=3600.0, iters_cap=2)
+    s = paper_comparison(tmp_path, lambda dt: _Tiny().to(dt), data, PaperCall(total_s=3600.0, iters_cap=2))
     names = [a["name"] for a in paper_arms(3.0)]
     assert all(r["iterations"] == 2 and r["stop"] == "max_iters" for r in s["arms"].values())
     assert [r["arm"] for r in s["table"]] == names
@@ -233,12 +233,13 @@ def test_paper_comparison_runs_every_arm_and_writes_the_table(tmp_path):
     assert json.loads((tmp_path / "paper_summary.json").read_text())["table"] == s["table"]
     assert (tmp_path / "paper_curves.png").stat().st_size > 0 and (tmp_path / "paper_hw.png").stat().st_size > 0
     # a call whose budget is already spent runs nothing and says so (the device call must end in time)
-    none = paper_comparison(tmp_path / "late", lambda dt: _Tiny().to(dt), data, total_s=1e-9, arms=("A1", "A2"))
+    none = paper_comparison(tmp_path / "late", lambda dt: _Tiny().to(dt), data, PaperCall(total_s=1e-9,
+                                                                                       arms=("A1", "A2")))
     assert none["table"] == [] and none["meta"]["skipped"] == dict.fromkeys(("A1", "A2"), "no time left in this call")
     import time
 
-    late = paper_comparison(tmp_path / "late2", lambda dt: _Tiny().to(dt), data, total_s=3600.0, arms=("A1",),
-                            end_by=time.time() - 1.0)  # a deadline already past: the 3600 s shrink to nothing
+    late = paper_comparison(tmp_path / "late2", lambda dt: _Tiny().to(dt), data,  # a deadline already past:
+                            PaperCall(total_s=3600.0, arms=("A1",), end_by=time.time() - 1.0))  # 3600 s -> nothing
     assert late["table"] == [] and late["meta"]["calls"][-1]["total_s"] <= 0
 
 

@@ -103,18 +103,20 @@ def test_two_calls_merge_into_one_summary(tmp_path):
     lists all three in the canonical order."""
     from test_zo_paper import _Tiny, _tiny_data
 
-    from benchmarks.zo_paper import paper_comparison
+    from benchmarks.zo_paper import PaperCall, paper_comparison
 
     data = _tiny_data()
     calls = []
-    s1 = paper_comparison(tmp_path / "c1", lambda dt: _Tiny().to(dt), data, total_s=60.0, arms=("A1",),
-                          drift=False, iters_cap=2, set_matmul=calls.append, matmul={"A1": "highest"})
+    s1 = paper_comparison(tmp_path / "c1", lambda dt: _Tiny().to(dt), data,
+                          PaperCall(total_s=60.0, arms=("A1",), drift=False, iters_cap=2, matmul={"A1": "highest"}),
+                          set_matmul=calls.append)
     assert calls == ["highest"] and s1["arms"]["A1"]["fp32_matmul"] == "highest"
     assert s1["arms"]["A1"]["iterations"] == 2 and "drift" not in s1 and len(s1["ledgers"]["A1"]) == 2
     assert all(len(sd) == 40 and len(c) == 40 and e == PAPER.eps for sd, c, e in s1["ledgers"]["A1"])
     inc = json.loads((tmp_path / "c1" / "paper_summary.json").read_text())
-    s2 = paper_comparison(tmp_path / "c2", lambda dt: _Tiny().to(dt), data, total_s=60.0, arms=("A3w", "A2"),
-                          include=inc, iters_cap=1, set_matmul=calls.append, matmul={"A2": "high"})
+    s2 = paper_comparison(tmp_path / "c2", lambda dt: _Tiny().to(dt), data,
+                          PaperCall(total_s=60.0, arms=("A3w", "A2"), include=inc, iters_cap=1, matmul={"A2": "high"}),
+                          set_matmul=calls.append)
     assert calls == ["highest", "high", "highest"]  # A2 high, A3w the default
     assert [r["arm"] for r in s2["table"]] == ["A1", "A2", "A3w"]
     assert s2["arms"]["A1"] == inc["arms"]["A1"]
@@ -125,7 +127,7 @@ def test_two_calls_merge_into_one_summary(tmp_path):
     # the arms run now share the budget: A2 (0.16) and A3w (0.11) of 60 s
     assert s2["arms"]["A2"]["time_s"] == pytest.approx(60 * 16 / 27, rel=0.05)
     with pytest.raises(ValueError, match="A3w"):
-        paper_comparison(tmp_path / "c3", lambda dt: _Tiny().to(dt), data, total_s=1.0, arms=("A3w",))
+        paper_comparison(tmp_path / "c3", lambda dt: _Tiny().to(dt), data, PaperCall(total_s=1.0, arms=("A3w",)))
 
 
 def test_cli_checks_include_and_per_arm_matmul(tmp_path):

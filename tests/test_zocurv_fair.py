@@ -43,8 +43,8 @@ def test_summarize_picks_best_adamw_mean_over_seeds_and_scores_variants():
 
 
 def test_fair_config_follows_the_protocol():
-    cfg = fair_config(FairRun("adamw", 1e-3, 400, 0.05), model="gpt2-tiny", corpus="classics-small", batch_size=4,
-                      seq_len=32, device="cpu", run_dir=None)
+    cfg = fair_config(FairRun("adamw", 1e-3, 400, 0.05), dict(model="gpt2-tiny", corpus="classics-small",
+                      batch_size=4, seq_len=32), "cpu", None)
     assert (cfg.min_lr, cfg.warmup_steps, cfg.beta1, cfg.beta2, cfg.weight_decay, cfg.grad_clip) == (
         pytest.approx(1e-4), 20, 0.9, 0.95, 0.1, 1.0)
     plan = h200_plan()
@@ -90,7 +90,7 @@ def test_fair_run_options_name_and_json_round_trip():
     assert back == r and back.options == (("negative", "skip"),)
     assert FairRun("adamw", 6e-4, 400).name == "adamw-lr0.0006-T400-wu10-s0"  # unchanged without options
     assert variant_key(asdict(r)) == "zocurv-group-global@0.0006[negative=skip]" == variant_key(json.loads(json.dumps(asdict(r))))
-    cfg = fair_config(r, model="gpt2-tiny", corpus="classics-small", batch_size=2, seq_len=16, device="cpu", run_dir=None)
+    cfg = fair_config(r, dict(model="gpt2-tiny", corpus="classics-small", batch_size=2, seq_len=16), "cpu", None)
     assert cfg.optimizer_options == {"negative": "skip"}
 
 

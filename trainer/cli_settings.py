@@ -165,7 +165,8 @@ def _preset_default(s: Setting) -> str:
     default = None if s.info.is_required() else s.info.get_default(call_default_factory=True)
     shown = ("on" if default else "off") if isinstance(default, bool) else "none" if default is None or default in (
         {}, ()) else ",".join(map(str, default)) if isinstance(default, tuple) else str(default)
-    demo = RUN_PRESETS["demo"].get(s.path[0]) if len(s.path) == 1 else None
+    own = len(s.path) == 1 and TrainConfig.model_fields.get(s.path[0]) is s.info  # other models: no demo preset
+    demo = RUN_PRESETS["demo"].get(s.path[0]) if own else None
     return f"{shown}; demo preset: {demo}" if demo is not None and demo != default else shown
 
 

@@ -1,0 +1,168 @@
+"""The options of `sparecycles bench fleet`, `bench zo` and `bench precision`, as typed models.
+
+Each command's options are generated from these fields by trainer.cli_settings (as `train`'s from TrainConfig): one
+declaration per option, with its default, bounds and help (the description); "name" in json_schema_extra spells an
+option otherwise than its field (`print_json` is `--json`), "envvar" reads a variable when the option is not given.
+The run functions take the model (benchmarks.fleet.run_fleet_bench) or the small specs built from it
+(benchmarks.zo.SentimentSpec / LmSpec, benchmarks.zo_paper.PaperCall). `parse(model, given)` builds one from a
+command's values and turns a refusal into typer.BadParameter (exit 2) naming the option. Torch-free.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+_F = Field
+M = TypeVar("M", bound=BaseModel)
+REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+def _redis() -> Any:
+    return _F(REDIS_URL, min_length=1, description="Redis (keys are namespaced)", json_schema_extra={"envvar": "REDIS_URL"})
+
+
+def _json() -> Any:
+    return _F(False, description="Print one JSON object", json_schema_extra={"name": "json"})
+
+
+class FleetBenchOptions(BaseModel):
+    """`bench fleet`: probe throughput of real workers and publish -> ready latency (benchmarks.fleet)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    workers: tuple[Annotated[int, _F(ge=1)], ...] = _F((1, 2, 4), min_length=1,
+                                                      description="Comma-separated worker counts to measure")
+    preset: str = _F("gpt2-tiny", description="Model preset probed")
+    seeds: int = _F(32, ge=1, description="Seeds in the timed round")
+    seeds_per_task: int = _F(4, ge=1, le=256, description="Seeds per Celery task")
+    batch_size: int = _F(4, ge=1, description="Rows of the probed batch")
+    seq_len: int = _F(64, ge=2, description="Tokens per row of the probed batch")
+    threads: int = _F(1, ge=1, description="torch threads per worker process")
+    ready_preset: str = _F("gpt2-small", description="Preset whose publish -> ready latency is measured ('' to skip)")
+    redis_url: str = _redis()
+    print_json: bool = _json()
+    device: str = _F("cpu", description="Workers' devices, round-robin: cpu, cuda:0 or cuda:1,cuda:2")
+    trainer_device: str = _F("cpu", description="Where the published model lives (cpu or cuda:N): on a GPU, "
+                             "synchronous and background publishes and the training loop's cost per version are "
+                             "measured")
+    compare_seeds: int = _F(0, ge=0, description="Compare this many seeds of the timed round with in-process "
+                            "evaluation on the first worker's device")
+    interval: int = _F(20, ge=2, description="Training steps per refresh interval (trainer cost)")
+    train_batch_size: int = _F(0, ge=0, description="Trainer batch (trainer cost; 0: --batch-size)")
+    train_seq_len: int = _F(0, ge=0, description="Trainer sequence length (0: --seq-len)")
+    json_out: Path | None = _F(None, description="Also write the JSON here, after each phase")
+    blob_path: Literal["shared", "http"] = _F(
+        "shared", description="How weight shards reach the workers: shared (one blob directory on this host, as "
+        "under `up`) or http (loopback HTTP, as to other hosts)")
+    kind: Literal["seeded", "eval"] = _F(
+        "seeded", description="Timed rounds: seeded (probe rounds, fp32/TF32 on a GPU) or eval (held-out batches, "
+        "one forward each: bf16 compiled on a GPU)")
+    worker_cuda_graphs: bool = _F(False, description="Workers replay their compiled forwards as CUDA graphs "
+                                  "(sparecycles worker --cuda-graphs)")
+    tf32_attention: Literal["auto", "fp32", "bf16"] = _F(
+        "auto", description="Workers' attention in fp32/TF32 forwards: auto, fp32 or bf16 (sparecycles worker "
+        "--tf32-attention)")
+
+    @property
+    def batch(self) -> tuple[int, int]:
+        """(rows, tokens) of the probed batch."""
+        return self.batch_size, self.seq_len
+
+    @property
+    def train_batch(self) -> tuple[int, int]:
+        """(rows, tokens) of the trainer's batch: the probed batch's where unset."""
+        return self.train_batch_size or self.batch_size, self.train_seq_len or self.seq_len
+
+    @property
+    def worker_args(self) -> tuple[str, ...]:
+        """The extra `sparecycles worker` options these options ask for."""
+        return ("--cuda-graphs",) * self.worker_cuda_graphs + ("--tf32-attention", self.tf32_attention)
+
+
+class ZoBenchOptions(BaseModel):
+    """`bench zo`: the ZO side-by-side benchmarks (benchmarks.zo; --regime paper: benchmarks.zo_paper)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    part: Literal["lm", "sentiment", "all"] = _F(
+        "all", description="lm (gpt2-tiny: AdamW vs ZO-Curv), sentiment (MeZO/1SPSA/1.5-SPSA) or all")
+    out: Path = _F(Path("runs/zo-bench"), description="Folder for JSON summaries, PNG figures and run folders")
+    device: str = _F("cpu", description="cpu or cuda[:N]")
+    steps: int = _F(600, ge=1, description="lm: optimizer steps per run")
+    probes: int = _F(32, ge=1, description="lm: block-scaled probes per curvature round")
+    k: int = _F(16, ge=1, description="sentiment: probes K per step of 1SPSA and 1.5-SPSA")
+    budget: int = _F(6000, ge=3, description="sentiment: forward passes per run")
+    lrs: str = _F("1e-5,1e-4,1e-3", description="sentiment: comma-separated learning rates tried per method")
+    seed: int = _F(0, ge=0, description="Run seed")
+    methods: str = _F("mezo,1spsa,1.5spsa", description="sentiment: comma-separated ZO methods to sweep")
+    model: Literal["minilm", "smollm2"] = _F(
+        "minilm", description="sentiment: minilm (MiniLM-L6 + new head) or smollm2 (SmolLM2-135M-Instruct as a "
+        "prompt + label-word classifier, all parameters)")
+    head_init: str | None = _F(None, description="sentiment: classifier start; minilm: random (BERT init, default) "
+                               "or linear-probe (logistic regression on frozen features first: LP-FT); smollm2: "
+                               "prompt (the zero-shot prompt classifier, its only start)")
+    evals: int = _F(10, ge=1, description="sentiment: accuracy evaluations per run")
+    backprop_steps: int = _F(0, ge=0, description="sentiment: also run the backprop AdamW baseline this many steps")
+    backprop_lr: float | None = _F(None, ge=0.0, description="sentiment: AdamW lr of the baseline (default 5e-5 "
+                                   "minilm, 1e-5 smollm2)")
+    regime: Literal["project", "paper"] = _F(
+        "project", description="sentiment: project (the sweep above) or paper (smollm2 only: 1.5-SPSA's published "
+        "regime, arms A1..A6 of issue 18; benchmarks.zo_paper)")
+    arms: str = _F("", description="regime paper: comma-separated arms (A1,A2,A3,A3w,A4-16,A4-128,A5-1e-05,"
+                   "A5-3e-05,A6-1e-05,A6-5e-05); empty = all. The time budget is shared by these only")
+    time_budget: float = _F(300.0, ge=1.0, description="regime paper: seconds shared by the arms run now (each "
+                            "stops at its share or its iteration cap)")
+    fp32_matmul: str = _F("highest", description="regime paper, CUDA: fp32 arms' matmuls, highest (true fp32) or "
+                          "high (TF32: ~2x faster, but its rounding swamps h at eps 1e-4); per arm: e.g. "
+                          "high,A1=highest,A3=highest (a bare mode is the default)")
+    include: Path | None = _F(None, description="regime paper: an earlier call's paper_summary.json to merge: its "
+                              "arms are kept unless re-run; its A1 gives A3w's lr and the drift's ledger")
+    resume: bool = _F(False, description="regime paper: an arm named in --arms that stopped on time in the "
+                      "--include summary continues from its last iteration (its step ledger replayed) instead of "
+                      "restarting; one that finished there is kept")
+    shares: str = _F("", description="regime paper: share weights overriding the defaults (A1 24, A2 16, A3 11, "
+                     "A3w 11, A4-16 5, A4-128 8, A5-* 5, A6-* 3), e.g. A1=70,A3=24; renormalised")
+    drift: bool = _F(True, description="regime paper: measure the bf16 in-place drift on A1's ledger (once per "
+                     "ledger, after the arms; ~10 s on a GPU at 75 iterations)")
+    iters_cap: int | None = _F(None, ge=1, description="regime paper: cap every arm's iterations (smoke tests)")
+    end_by: float | None = _F(None, description="regime paper: wall-clock deadline (unix seconds, e.g. "
+                              "$(( $(date +%s) + 540 ))): the arms' budget shrinks so the run ends by then")
+
+    @property
+    def arm_names(self) -> tuple[str, ...] | None:
+        """--arms as a tuple (None: every arm)."""
+        return tuple(a.strip() for a in self.arms.split(",") if a.strip()) or None
+
+
+class PrecisionOptions(BaseModel):
+    """`bench precision`: per round kind, TF32 and bf16 forwards' signal-to-noise against fp32
+    (benchmarks.precision.measure)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    preset: str = _F("gpt2-small", description="Model preset")
+    batch_size: int = _F(16, ge=1, description="Rows per batch")
+    seq_len: int = _F(512, ge=2, description="Tokens per row")
+    steps: int = _F(60, ge=21, description="AdamW steps on real text before measuring")
+    seeds: int = _F(8, ge=1, description="Seeds per perturbing kind and batch")
+    batches: int = _F(2, ge=1, description="Validation batches scored")
+    corpus: str = _F("classics-small", description="Corpus (train split trains, validation split is scored)")
+    device: str = _F("cuda:0", description="Torch device (cuda:N; cpu runs every column eagerly)")
+    json_out: Path | None = _F(None, description="Write the result JSON here")
+
+
+def parse(model: type[M], given: dict[str, Any]) -> M:
+    """`model` from a command's generated option values (trainer.cli_settings.with_settings); raises
+    typer.BadParameter (exit 2) with the validators' message, naming the option."""
+    import typer
+    from pydantic import ValidationError
+
+    from trainer.preflight import explain
+
+    try:
+        return model(**given)
+    except ValidationError as exc:
+        raise typer.BadParameter(explain(exc)) from None
