@@ -105,7 +105,7 @@ def bench_fleet(given: dict) -> None:
 @with_settings(model=ZoBenchOptions, param="given", section=SECTION)
 def bench_zo(given: dict) -> None:
     """Run the ZO benchmarks on real data and write lm_summary.json / sentiment_summary.json and PNGs."""
-    from benchmarks.zo import LmSpec, SentimentSpec, lm_comparison, sentiment_comparison
+    from benchmarks.zo import SentimentSpec, lm_comparison, sentiment_comparison
 
     o = parse(ZoBenchOptions, given)
     if o.regime == "paper":
@@ -114,7 +114,7 @@ def bench_zo(given: dict) -> None:
     # Every option is checked before anything runs: with --part all the lm part takes minutes first.
     ms, head_init, grid = _check_zo_project(o)
     if o.part in ("lm", "all"):
-        s = lm_comparison(o.out, LmSpec(steps=o.steps, device=o.device, probes=o.probes, seed=o.seed))
+        s = lm_comparison(o.out, o.steps, o.device, o.probes, o.seed)
         typer.echo(json.dumps({k: {"final_val_loss": v["final_val_loss"], "steps_to_adamw_final":
                                    v["steps_to_adamw_final"]} for k, v in s["runs"].items()}))
     if o.part in ("sentiment", "all"):

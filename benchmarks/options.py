@@ -15,7 +15,11 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from probe_worker.options import WorkerOptions
+
 _F = Field
+_WORKER = WorkerOptions.model_fields  # the worker options `bench fleet` passes through keep their choices
+TF32Attention = _WORKER["tf32_attention"].annotation
 M = TypeVar("M", bound=BaseModel)
 REDIS_URL = "redis://127.0.0.1:6379/0"
 
@@ -62,9 +66,8 @@ class FleetBenchOptions(BaseModel):
         "one forward each: bf16 compiled on a GPU)")
     worker_cuda_graphs: bool = _F(False, description="Workers replay their compiled forwards as CUDA graphs "
                                   "(sparecycles worker --cuda-graphs)")
-    tf32_attention: Literal["auto", "fp32", "bf16"] = _F(
-        "auto", description="Workers' attention in fp32/TF32 forwards: auto, fp32 or bf16 (sparecycles worker "
-        "--tf32-attention)")
+    tf32_attention: TF32Attention = _F(_WORKER["tf32_attention"].default, description="Workers' attention in "
+                                       "fp32/TF32 forwards: auto, fp32 or bf16 (sparecycles worker --tf32-attention)")
 
     @property
     def batch(self) -> tuple[int, int]:

@@ -30,23 +30,8 @@ SENTIMENT_MODELS = ("minilm", "smollm2")
 HEAD_INITS = {"minilm": ("random", "linear-probe"), "smollm2": ("prompt",)}
 BACKPROP_LR = {"minilm": 5e-5, "smollm2": 1e-5}  # AdamW baseline lr (MeZO's fine-tuning grid holds 1e-5)
 MODEL_TITLES = {"minilm": "MiniLM", "smollm2": "SmolLM2-135M"}
-
-
-@dataclass(frozen=True)
-class LmSpec:
-    """The lm part's settings: gpt2-tiny on classics-small, `steps` optimizer steps of batch_size x seq_len tokens
-    at lr (warm-up a tenth), `probes` per curvature round every `curvature_interval` steps, evaluation every
-    `eval_every` steps (16 batches)."""
-
-    steps: int = 600
-    device: str = "cpu"
-    batch_size: int = 16
-    seq_len: int = 128
-    lr: float = 3e-3
-    probes: int = 32
-    curvature_interval: int = 10
-    eval_every: int = 50
-    seed: int = 0
+# lm_comparison's TrainConfig settings besides steps, probes, seed and device
+LM_SETTINGS = {"batch_size": 16, "seq_len": 128, "lr": 3e-3, "curvature_interval": 10, "eval_every": 50}
 
 
 @dataclass(frozen=True)
@@ -68,25 +53,24 @@ class SentimentSpec:
     evals: int = 10
 
 
-def lm_comparison(out_dir: Path, spec: LmSpec = LmSpec(), variants=ZOCURV_VARIANTS) -> dict[str, Any]:
-    """Train AdamW and each ZO-Curv variant for spec.steps steps; return and write `lm_summary.json` + PNG."""
+def lm_comparison(out_dir: Path, steps: int = 600, device: str = "cpu", probes: int = 32, seed: int = 0,
+                  variants=ZOCURV_VARIANTS) -> dict[str, Any]:
+    """Train AdamW and each ZO-Curv variant for `steps` steps (gpt2-tiny on classics-small, LM_SETTINGS' batch,
+    lr and intervals; `probes` per curvature round); return and write `lm_summary.json` + PNG."""
     from trainer.config import TrainConfig
     from trainer.report import read_metrics
     from trainer.train import train
 
     out_dir.mkdir(parents=True, exist_ok=True)
     curves: dict[str, list[tuple[int, float]]] = {}
-    steps = spec.steps
-    summary: dict[str, Any] = {"steps": steps, "batch_size": spec.batch_size, "seq_len": spec.seq_len,
-                               "lr": spec.lr, "probes": spec.probes, "curvature_interval": spec.curvature_interval,
+    lm = LM_SETTINGS
+    summary: dict[str, Any] = {"steps": steps, "batch_size": lm["batch_size"], "seq_len": lm["seq_len"],
+                               "lr": lm["lr"], "probes": probes, "curvature_interval": lm["curvature_interval"],
                                "runs": {}}
     for opt in ("adamw", *variants):
-        cfg = TrainConfig(model="gpt2-tiny", corpus="classics-small", optimizer=opt, steps=steps,
-                          batch_size=spec.batch_size, seq_len=spec.seq_len, lr=spec.lr,
-                          warmup_steps=max(1, steps // 10), eval_every=spec.eval_every, eval_batches=16,
-                          checkpoint_every=steps, probes=spec.probes, probe_batch_size=spec.batch_size,
-                          curvature_interval=spec.curvature_interval, seed=spec.seed, device=spec.device,
-                          run_dir=out_dir / "runs" / opt)
+        cfg = TrainConfig(model="gpt2-tiny", corpus="classics-small", optimizer=opt, steps=steps, **lm,
+                          warmup_steps=max(1, steps // 10), eval_batches=16, checkpoint_every=steps, probes=probes,
+                          probe_batch_size=lm["batch_size"], seed=seed, device=device, run_dir=out_dir / "runs" / opt)
         t0 = time.perf_counter()
         res = train(cfg, progress=False)
         recs = read_metrics(res.run_dir / "metrics.jsonl")
