@@ -30,8 +30,8 @@ SENTIMENT_MODELS = ("minilm", "smollm2")
 HEAD_INITS = {"minilm": ("random", "linear-probe"), "smollm2": ("prompt",)}
 BACKPROP_LR = {"minilm": 5e-5, "smollm2": 1e-5}  # AdamW baseline lr (MeZO's fine-tuning grid holds 1e-5)
 MODEL_TITLES = {"minilm": "MiniLM", "smollm2": "SmolLM2-135M"}
-# lm_comparison's TrainConfig settings besides steps, probes, seed and device
-LM_SETTINGS = {"batch_size": 16, "seq_len": 128, "lr": 3e-3, "curvature_interval": 10, "eval_every": 50}
+# lm_comparison's TrainConfig settings besides steps, lr, probes, seed and device
+LM_SETTINGS = {"batch_size": 16, "seq_len": 128, "curvature_interval": 10, "eval_every": 50}
 
 
 @dataclass(frozen=True)
@@ -54,9 +54,9 @@ class SentimentSpec:
 
 
 def lm_comparison(out_dir: Path, steps: int = 600, device: str = "cpu", probes: int = 32, seed: int = 0,
-                  variants=ZOCURV_VARIANTS) -> dict[str, Any]:
-    """Train AdamW and each ZO-Curv variant for `steps` steps (gpt2-tiny on classics-small, LM_SETTINGS' batch,
-    lr and intervals; `probes` per curvature round); return and write `lm_summary.json` + PNG."""
+                  variants=ZOCURV_VARIANTS, lr: float = 3e-3) -> dict[str, Any]:
+    """Train AdamW and each ZO-Curv variant for `steps` steps at `lr` (gpt2-tiny on classics-small, LM_SETTINGS'
+    batch and intervals; `probes` per curvature round); return and write `lm_summary.json` + PNG."""
     from trainer.config import TrainConfig
     from trainer.report import read_metrics
     from trainer.train import train
@@ -65,10 +65,10 @@ def lm_comparison(out_dir: Path, steps: int = 600, device: str = "cpu", probes: 
     curves: dict[str, list[tuple[int, float]]] = {}
     lm = LM_SETTINGS
     summary: dict[str, Any] = {"steps": steps, "batch_size": lm["batch_size"], "seq_len": lm["seq_len"],
-                               "lr": lm["lr"], "probes": probes, "curvature_interval": lm["curvature_interval"],
+                               "lr": lr, "probes": probes, "curvature_interval": lm["curvature_interval"],
                                "runs": {}}
     for opt in ("adamw", *variants):
-        cfg = TrainConfig(model="gpt2-tiny", corpus="classics-small", optimizer=opt, steps=steps, **lm,
+        cfg = TrainConfig(model="gpt2-tiny", corpus="classics-small", optimizer=opt, steps=steps, lr=lr, **lm,
                           warmup_steps=max(1, steps // 10), eval_batches=16, checkpoint_every=steps, probes=probes,
                           probe_batch_size=lm["batch_size"], seed=seed, device=device, run_dir=out_dir / "runs" / opt)
         t0 = time.perf_counter()
