@@ -14,7 +14,14 @@ from typing import Annotated
 
 import typer
 
-from benchmarks.options import FleetBenchOptions, PrecisionOptions, ZoBenchOptions, parse
+from benchmarks.options import (
+    DataPackOptions,
+    FleetBenchOptions,
+    IntakeBenchOptions,
+    PrecisionOptions,
+    ZoBenchOptions,
+    parse,
+)
 from probe_kernels import cli as kernels_cli
 from trainer.cli_settings import SettingsCommand, with_settings
 
@@ -23,30 +30,15 @@ SECTION = "Options"  # the generated options list with --help's own
 bench_app = typer.Typer(help="Benchmarks (kernels, probe, intake, fleet, zo, headline).", no_args_is_help=True)
 
 
-def bench_intake(
-    workers: int = typer.Option(64, min=1, help="Simulated workers (concurrent connections/threads)."),
-    results: int = typer.Option(50_000, min=1, help="Probe results to submit in total."),
-    batch: int = typer.Option(4, min=1, max=1024, help="Results per request (a task's seeds)."),
-    mode: str = typer.Option("both", help="http, store or both."),
-    rate: float = typer.Option(
-        0.0, min=0.0, help="Open-loop offered load in results/s (http); 0 = closed loop."
-    ),
-    redis_url: str = typer.Option(
-        os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"), help="Redis to use (keys are namespaced)."
-    ),
-    coordinators: int = typer.Option(
-        1, min=1, max=64, help="Coordinator processes in http mode (sparecycles coordinator --workers)."
-    ),
-    json_out: bool = typer.Option(False, "--json", help="Print one JSON object per mode."),
-) -> None:
+@with_settings(model=IntakeBenchOptions, param="given", section=SECTION)
+def bench_intake(given: dict) -> None:
     """Results accepted per second end to end through Redis, and p50/p99 latency from publish to acceptance."""
     from benchmarks.intake import result_dict, run_intake_bench
 
-    if mode not in ("http", "store", "both"):
-        raise typer.BadParameter("mode must be http, store or both")
-    for m in ["http", "store"] if mode == "both" else [mode]:
-        res = run_intake_bench(m, workers, results, batch, redis_url, rate, coordinators=coordinators)
-        if json_out:
+    o = parse(IntakeBenchOptions, given)
+    for m in o.modes:
+        res = run_intake_bench(m, o.workers, o.results, o.batch, o.redis_url, o.rate, coordinators=o.coordinators)
+        if o.print_json:
             typer.echo(json.dumps(result_dict(res)))
         else:
             typer.echo(
@@ -279,17 +271,14 @@ def bench_regime(ctx: typer.Context) -> None:
     main(list(ctx.args))
 
 
-def bench_data_pack(
-    size_mb: float = typer.Option(100.0, min=0.1, help="Size of the text folder to pack, in MB (10^6 bytes)."),
-    model: str = typer.Option("gpt2-tiny", help="Model preset or transformers folder whose tokenizer packs it."),
-    workdir: Path | None = typer.Option(None, help="Where the temporary folder and cache go (default: $TMPDIR)."),
-    out: Path = typer.Option(Path("benchmarks/results/cpu/data_pack.json"), help="Result JSON to write."),
-) -> None:
+@with_settings(model=DataPackOptions, param="given", section=SECTION)
+def bench_data_pack(given: dict) -> None:
     """Tokenization throughput (tokens/s, 1 thread and every core) and the time to pack a folder of real text
     with --data (cold, then a cache hit), written to OUT (benchmarks.data_pack)."""
     from benchmarks.data_pack import run
 
-    res = run(size_mb, model, workdir, out)
+    o = parse(DataPackOptions, given)
+    res = run(o.size_mb, o.model, o.workdir, o.out)
     tp, cold = res["tokenize_throughput"], res["pack_cold"]
     for k, v in tp.items():
         if k.startswith("threads_"):
@@ -297,7 +286,7 @@ def bench_data_pack(
     typer.echo(f"pack {res['folder']['bytes'] / 1e6:.1f} MB in {res['folder']['files']} files: {cold['total_s']:.1f} s "
                f"cold ({cold['tokens']:,} tokens; tokenize {cold['tokenize_s']:.1f} s), "
                f"{res['pack_warm_cache_hit']['total_s']:.1f} s cache hit; load {res['machine']['load_avg_1m_before']} "
-               f"-> {res['machine']['load_avg_1m_after']} on {res['machine']['cpus']} CPUs; wrote {out}")
+               f"-> {res['machine']['load_avg_1m_after']} on {res['machine']['cpus']} CPUs; wrote {o.out}")
 
 
 @with_settings(model=PrecisionOptions, param="given", section=SECTION)
@@ -374,9 +363,9 @@ def bench_serving_load(
 bench_app.command("kernels", short_help="Fused perturb/replay kernels vs copy bandwidth.")(
     kernels_cli.bench_kernels)
 bench_app.command("probe", short_help="One probe worker's speed on one GPU.")(kernels_cli.bench_probe)
-bench_app.command("intake", short_help="Coordinator intake: results/s and latency.")(bench_intake)
+bench_app.command("intake", cls=SettingsCommand, short_help="Coordinator intake: results/s and latency.")(bench_intake)
 bench_app.command("fleet", cls=SettingsCommand, short_help="Fleet probes/s with 1, 2, 4 workers; publish time.")(bench_fleet)
-bench_app.command("data-pack", short_help="Tokens/s and the time to pack a 100 MB --data folder.")(
+bench_app.command("data-pack", cls=SettingsCommand, short_help="Tokens/s and the time to pack a 100 MB --data folder.")(
     bench_data_pack)
 bench_app.command("precision", cls=SettingsCommand, short_help="bf16 vs TF32 signal-to-noise per round kind.")(bench_precision)
 bench_app.command("zo", cls=SettingsCommand, short_help="ZO-Curv and pure-ZO benchmarks on real data.")(bench_zo)

@@ -32,6 +32,38 @@ def _json() -> Any:
     return _F(False, description="Print one JSON object", json_schema_extra={"name": "json"})
 
 
+class IntakeBenchOptions(BaseModel):
+    """`bench intake`: result intake through Redis (benchmarks.intake.run_intake_bench)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    workers: int = _F(64, ge=1, description="Simulated workers (concurrent connections/threads)")
+    results: int = _F(50_000, ge=1, description="Probe results to submit in total")
+    batch: int = _F(4, ge=1, le=1024, description="Results per request (a task's seeds)")
+    mode: Literal["http", "store", "both"] = _F("both", description="http, store or both")
+    rate: float = _F(0.0, ge=0.0, description="Open-loop offered load in results/s (http); 0 = closed loop")
+    redis_url: str = _redis()
+    coordinators: int = _F(1, ge=1, le=64, description="Coordinator processes in http mode (sparecycles "
+                           "coordinator --workers)")
+    print_json: bool = _F(False, description="Print one JSON object per mode", json_schema_extra={"name": "json"})
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        """The modes measured, in order."""
+        return ("http", "store") if self.mode == "both" else (self.mode,)
+
+
+class DataPackOptions(BaseModel):
+    """`bench data-pack`: tokenization throughput and the time to pack a --data folder (benchmarks.data_pack)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    size_mb: float = _F(100.0, ge=0.1, description="Size of the text folder to pack, in MB (10^6 bytes)")
+    model: str = _F("gpt2-tiny", description="Model preset or transformers folder whose tokenizer packs it")
+    workdir: Path | None = _F(None, description="Where the temporary folder and cache go (default: $TMPDIR)")
+    out: Path = _F(Path("benchmarks/results/cpu/data_pack.json"), description="Result JSON to write")
+
+
 class FleetBenchOptions(BaseModel):
     """`bench fleet`: probe throughput of real workers and publish -> ready latency (benchmarks.fleet)."""
 
