@@ -9,7 +9,7 @@ returns each one's per-batch selection losses. It publishes the ring's versions 
 the in-process scorer runs, so the losses — and the candidate chosen — are the same bit for bit. A round that
 gets no result for `deadline_s` seconds is finished here (the missing batches scored on a scratch model). A
 coordinator that loses the run (its store came back empty) gets it again, with the ring and the candidates in
-flight (fleet.recovery.RecoveringBackend).
+flight (fleet.recovery).
 Selection, fitting and serving stay in trainer.anytime (one selection code path, two scorers).
 """
 
@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 
-from fleet.recovery import RecoveringBackend
 from trainer.anytime.ring import VersionRing
 from trainer.evaluation import EvalWindows, batch_values, lm_windows
 from trainer.zo.probes import canonical_blocks
@@ -74,7 +73,7 @@ class FleetScorer:
             background=True, blob_dir=fleet.settings.blob_dir)
         # Outlives a coordinator whose store comes back empty: the run is created again, the ring published again
         # and the candidates in flight re-issued (fleet.recovery).
-        self.backend = RecoveringBackend(backend, spec, republish=self._republish)
+        self.backend = backend.recoverable(spec, republish=self._republish)
         self.run = spec.run
         self.published: set[int] = set()
         self.rounds = 0

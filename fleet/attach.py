@@ -212,7 +212,7 @@ class FleetFiguresMode:
     """A TrainMode (trainer.train) that adds the fleet's figures to every step's record, so probes/s, active
     workers and results by outcome land in metrics.jsonl and the TensorBoard events: `fleet_<key>` for each key
     of `FleetStatus.snapshot()` (one scrape of the coordinator's /metrics per step). Everything else is the
-    wrapped mode's. `recovery` (fleet.recovery.RecoveringBackend): its count of run re-creations is added as
+    wrapped mode's. `recovery` (a recoverable fleet.backend.CoordinatorBackend): its count of run re-creations is added as
     `fleet_runs_recreated`. It reports to the run's health (trainer.health): the run is fleet-probed, and active
     workers falling below the most seen this run are `workers_lost` (one warning per fall, counting the workers)."""
 
@@ -280,13 +280,12 @@ class Fleet:
 
     def probe_backend(self, cfg, model):
         """The run's probe backend on this fleet: a fleet.backend.CoordinatorBackend on a new coordinator run,
-        inside a fleet.recovery.RecoveringBackend (what `mode_factory` and sparecycles.loop.ZOCurv use).
+        made `recoverable` (fleet.recovery; what `mode_factory` and sparecycles.loop.ZOCurv use).
 
         Raises ValueError for a method whose probes cannot go to a fleet (trainer.methods: none, or its
         `no_fleet_why`) and CoordinatorHTTPError when the coordinator refuses the run.
         """
         from fleet.backend import CoordinatorBackend
-        from fleet.recovery import RecoveringBackend
         from trainer.methods import fleet_method_names, get_method
         from trainer.models.causal_lm import model_label
         from wire.messages import RunSpec
@@ -311,7 +310,7 @@ class Fleet:
                                      .get_secret_value(), redis_url=self.settings.redis_url, run=spec,
                                      key_prefix=self.settings.key_prefix, history=0 if pure else 2,
                                      blob_dir=self.settings.blob_dir, background=not pure)
-        return RecoveringBackend(backend, spec)  # outlives a coordinator whose store comes back empty
+        return backend.recoverable(spec)  # outlives a coordinator whose store comes back empty
 
     def mode_factory(self, cfg, model, loss_fn=None):
         """trainer.train's `mode_factory`: the run's ZO mode (cfg.optimizer) with its probes on the fleet, its

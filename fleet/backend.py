@@ -11,13 +11,15 @@ Bytes go through fleet.uploads (BlobSender: HTTP or the shared blob directory; U
 background thread with `background=True`, which `train --coordinator` and `up` use: the training loop then
 pays only for copying the weights to reused host buffers). An upload's error is raised by the next call
 (publish, publish_ledger, submit, collect, flush, close). Every HTTP call goes through
-coordinator.client.CoordinatorClient (timeouts, bounded tenacity retries).
+coordinator.client.CoordinatorClient (timeouts, bounded tenacity retries). A backend made `recoverable` outlives a
+coordinator that lost its run (fleet.recovery: recovery is part of the backend, not a wrapper around it).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -25,6 +27,7 @@ import torch
 from coordinator.client import CoordinatorClient
 from fleet.collector import ResultCollector
 from fleet.publisher import VersionPublisher
+from fleet.recovery import WireRound, recovering
 from fleet.round_sender import RoundSender
 from fleet.uploads import BlobSender, UploadQueue
 from trainer.ledger import phase as ledger_phase
@@ -47,6 +50,19 @@ class CoordinatorBackend:
     def __init__(self, client: CoordinatorClient, uploads: UploadQueue, publisher: VersionPublisher,
                  rounds: RoundSender, results: ResultCollector) -> None:
         self.client, self.uploads, self.publisher, self.rounds, self.results = client, uploads, publisher, rounds, results
+        self.spec: RunSpec | None = None  # set by `recoverable`: the run is created again when the coordinator loses it
+        self.republish: Callable[[VersionPublisher], None] | None = None
+        self.recreated = 0  # times the run was created again (fleet.recovery)
+        self.inflight: dict[str, RoundSpec | WireRound] = {}  # rounds awaited, re-issued after a loss (recoverable)
+
+    def recoverable(self, spec: RunSpec, republish: Callable[[VersionPublisher], None] | None = None
+                    ) -> CoordinatorBackend:
+        """Make this backend outlive a coordinator whose store comes back empty (fleet.recovery): a call that finds
+        run `spec` lost creates it again, re-publishes (`republish(publisher)` when given: the owner's versions;
+        else the publisher's snapshots or the model's current weights) and re-issues the rounds in flight, then is
+        made again. Returns self."""
+        self.spec, self.republish = spec, republish
+        return self
 
     @classmethod
     def connect(cls, model: torch.nn.Module, *, coordinator_url: str, admin_token: str, redis_url: str,
@@ -122,47 +138,82 @@ class CoordinatorBackend:
     # The training thread's time in these calls goes to the run's time ledger (trainer.ledger): `publish` for what
     # hands versions and rounds to the fleet, `wait` for collecting a round with a deadline.
 
+    # Each call below runs through fleet.recovery.recovering: on a `recoverable` backend, one that finds the run
+    # lost creates it again (recreate) and is made again.
+
     def publish(self, version: int, weights: list[torch.Tensor] | None = None) -> None:
-        """VersionPublisher.publish: the model's current weights (or `weights`) as `version`."""
+        """VersionPublisher.publish: the model's current weights (or `weights`) as `version`. A version that a
+        recovery made during this call published again itself (an owner's `republish`) is not published twice."""
+        start = self.recreated
+
+        def once() -> None:
+            if self.recreated == start or version not in self.publisher.published:
+                self.publisher.publish(version, weights)
+
         with ledger_phase("publish"):
-            self.publisher.publish(version, weights)
+            recovering(self, once)
 
     def publish_weights(self, version: int, blocks: list[torch.Tensor]) -> None:
         """VersionPublisher.publish_weights: fp32 canonical blocks as `version` (a resumed run)."""
         with ledger_phase("publish"):
-            self.publisher.publish_weights(version, blocks)
+            recovering(self, lambda: self.publisher.publish_weights(version, blocks))
 
     def publish_ledger(self, version: int, seeds: list[int], coeffs: list[float], dist: str,
                        scale: float = 1.0, scale_min_dim: int = 0) -> bool:
-        """VersionPublisher.publish_ledger: pure-ZO `version` as a seed-ledger entry. Returns True."""
-        with ledger_phase("publish"):
+        """VersionPublisher.publish_ledger: pure-ZO `version` as a seed-ledger entry. Returns True. When the run is
+        found lost by this very call the model already holds `version`'s weights: the recovery publishes them as a
+        snapshot of `version`, which replaces the entry."""
+        before = self.publisher.latest_version
+
+        def once() -> bool:
+            latest = self.publisher.latest_version
+            if latest is not None and latest >= version:
+                return True  # re-published by the recovery itself
             return self.publisher.publish_ledger(version, seeds, coeffs, dist, scale, scale_min_dim)
+
+        with ledger_phase("publish"):
+            return recovering(self, once, current=version if before is not None and before < version else None)
 
     def submit(self, probe_round: RoundSpec) -> None:
         """RoundSender.submit: open the round on the coordinator; returns at once."""
         with ledger_phase("publish"):
-            self.rounds.submit(probe_round)
+            recovering(self, lambda: self.rounds.submit(probe_round))
+        self.inflight[probe_round.round_id] = probe_round
 
     def submit_wire(self, wire: ProbeRound, blob: bytes) -> None:
         """RoundSender.submit_wire: open a round given in wire form (an `eval` round: fleet.evaluation)."""
         with ledger_phase("publish"):
-            self.rounds.submit_wire(wire, blob)
+            recovering(self, lambda: self.rounds.submit_wire(wire, blob))
+        self.inflight[wire.round_id] = WireRound(wire, blob)
 
-    def collect(self, round_id: str | None = None, timeout_s: float = 0.0) -> Collected:
+    def collect(self, round_id: str | None = None, timeout_s: float = 0.0, counts: bool = False) -> Collected:
         """ResultCollector.collect, raising a failed upload's error first (and while waiting: a round whose
-        upload failed never completes)."""
-        self.uploads.check()
-        with ledger_phase("wait") if round_id is not None else contextlib.nullcontext():
-            return self.results.collect(round_id, timeout_s, poll=self.uploads.check)
+        upload failed never completes); the coordinator's intake counts only with `counts` (an HTTP call)."""
+
+        def once() -> Collected:
+            self.uploads.check()
+            with ledger_phase("wait") if round_id is not None else contextlib.nullcontext():
+                return self.results.collect(round_id, timeout_s, poll=self.uploads.check, counts=counts)
+
+        out = recovering(self, once)
+        self.inflight = {rid: r for rid, r in self.inflight.items() if self.results.awaits(rid)}
+        return out
 
     def flush(self) -> None:
         """Wait for every background upload; raises the first one's error."""
-        self.uploads.flush()
+        recovering(self, self.uploads.flush)
+
+    def forget(self, round_id: str) -> None:
+        """The owner no longer wants `round_id`'s results (e.g. it evaluated them itself): neither awaited nor
+        re-issued after a loss."""
+        self.inflight.pop(round_id, None)
+        self.results.forget(round_id)
 
     def withdraw(self, round_id: str) -> None:
-        """Close `round_id` on the coordinator (POST .../rounds/{id}/close): no worker keeps evaluating it (workers
-        skip its queued tasks, nothing is re-dispatched). Best effort: a failure is logged, never raised (the
-        round's results are simply not awaited any more)."""
+        """`forget` the round and close it on the coordinator (POST .../rounds/{id}/close): no worker keeps
+        evaluating it (workers skip its queued tasks, nothing is re-dispatched). Best effort: a failure is logged,
+        never raised (the round's results are simply not awaited any more)."""
+        self.forget(round_id)
         try:
             self.client.close_round(self.run, round_id)
         except Exception as exc:  # noqa: BLE001 - withdrawing saves the fleet work; the run goes on without it

@@ -26,7 +26,7 @@ class ResultCollector:
     """Hands out the accepted results of one run; a part of fleet.backend.CoordinatorBackend.
 
     Args:
-        client: the coordinator's HTTP client (the run's intake counts).
+        client: the coordinator's HTTP client (the run's intake counts, read only by a collect that asks).
         run: the run's id. redis_url / key_prefix: the coordinator's state store and key prefix.
         consumer: this trainer's consumer name in the stream's group "trainer".
         claim_idle_ms: entries idle this long in another consumer are claimed (a crashed trainer's).
@@ -76,8 +76,9 @@ class ResultCollector:
                     continue
                 r = ev.result
                 scale = self._scales.get(r.round_id, {}).get(r.seed)
-                self.buffered[key] = (entry_id, SeedResult(r.round_id, r.seed, r.version, r.l_plus, r.l_minus, r.l0,
-                                                           scale, r.worker_id))
+                self.buffered[key] = (entry_id, SeedResult(
+                    round_id=r.round_id, seed=r.seed, version=r.version, l_plus=r.l_plus, l_minus=r.l_minus, l0=r.l0,
+                    scale=scale, worker=r.worker_id))
                 continue
             acks.append(entry_id)
             if ev.kind == "retracted":
@@ -105,9 +106,28 @@ class ResultCollector:
         self.reader.ack(acks)
         return out
 
-    def restart_counts(self) -> None:
-        """The run was created again on an empty store (fleet.recovery): its intake counts start again at 0."""
+    def restart(self) -> None:
+        """The run was created again on an empty store (fleet.recovery): the stream's consumer group is made again
+        and the run's intake counts start again at 0."""
+        self.reader.ensure_group()
         self._intake_seen = (0, 0)
+
+    def awaits(self, round_id: str) -> bool:
+        """Whether seeds of `round_id` are still awaited (`expect`ed, neither handed out nor dropped)."""
+        return bool(self.waiting.get(round_id))
+
+    def missing(self, round_id: str) -> set[int]:
+        """The seeds of `round_id` still awaited (empty when none, or the round is unknown)."""
+        return set(self.waiting.get(round_id, ()))
+
+    def await_only(self, round_id: str, seeds: set[int]) -> None:
+        """Await just `seeds` of `round_id` (a round re-issued after a loss: seeds handed out before are not
+        awaited, nor used, again)."""
+        self.waiting[round_id] = set(seeds)
+
+    def forget(self, round_id: str) -> None:
+        """Stop awaiting `round_id` (its owner no longer wants its results)."""
+        self.waiting.pop(round_id, None)
 
     def _intake_counts(self) -> dict[str, int]:
         """Growth of the coordinator's stale/duplicate counts of this run since they were last reported."""
@@ -117,9 +137,11 @@ class ResultCollector:
         return {"stale": info.stale - stale, "duplicate": info.duplicate - dup}
 
     def collect(self, round_id: str | None = None, timeout_s: float = 0.0,
-                poll: Callable[[], None] = lambda: None) -> Collected:
+                poll: Callable[[], None] = lambda: None, counts: bool = False) -> Collected:
         """Accepted results not handed out before (only `round_id`'s if given), each (round, seed) once, with
-        the coordinator's counts since the last collect (keys COUNT_KEYS).
+        the counts since the last collect (keys COUNT_KEYS): `dropped`, `retracted` and `accepted` from the stream;
+        `stale` and `duplicate` only with `counts` (one HTTP GET of the run's intake counts: what grew since they
+        were last asked for), else 0 and left for the next collect that asks.
 
         With a `round_id` that was `expect`ed, waits up to `timeout_s` (0: round_timeout_s) until every seed
         of the round has arrived or was dropped, calling `poll()` between reads (it raises to stop waiting,
@@ -133,12 +155,13 @@ class ResultCollector:
                 poll()
                 self.drain(block_ms=200)
         results = self._hand_out([k for k in self.buffered if round_id is None or k[0] == round_id])
-        counts = dict.fromkeys(COUNT_KEYS, 0)
-        counts.update(self._intake_counts())
-        counts.update(self._counts)
-        counts["accepted"] = len(results)
+        out = dict.fromkeys(COUNT_KEYS, 0)
+        if counts:
+            out.update(self._intake_counts())
+        out.update(self._counts)
+        out["accepted"] = len(results)
         self._counts.clear()
-        return Collected(results, counts)
+        return Collected(results, out)
 
     def close(self) -> None:
         """Close the Redis connection."""

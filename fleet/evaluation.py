@@ -12,7 +12,7 @@ trainer.evaluation.batch_values and combine in batch order, so a record is the s
 evaluated which batch. `finish` waits for (or evaluates) everything outstanding: the final evaluation is
 complete before the run reports. A coordinator that loses the run (its store came back empty) gets it again: the
 pending versions are published again from their host copies and their rounds re-issued, the batches already in
-kept (fleet.recovery.RecoveringBackend; never dropped).
+kept (fleet.recovery; never dropped).
 
 Default windows: the trainer's own subset (`--eval-batches`), as `--eval-on trainer` scores, so both places score
 the same windows by default and a tiny run's evaluation takes seconds; `full=True` (`--eval-windows full`) scores
@@ -31,7 +31,6 @@ from typing import Any
 
 import torch
 
-from fleet.recovery import RecoveringBackend
 from trainer import health as run_health
 from trainer.evaluation import EvalWindows, batch_values, combine
 from trainer.models.causal_lm import model_label
@@ -118,7 +117,7 @@ class FleetEvaluator:
                                              blob_dir=fleet.settings.blob_dir)
         # Outlives a coordinator whose store comes back empty: the run is created again, the pending versions
         # published again and their rounds re-issued (fleet.recovery).
-        self.backend = RecoveringBackend(backend, spec, republish=self._republish)
+        self.backend = backend.recoverable(spec, republish=self._republish)
         self.run, self.fleet, self.scorer = spec.run, fleet, None
         self.pending: dict[int, _Pending] = {}
         self._rounds: dict[str, int] = {}  # round id -> step

@@ -153,6 +153,14 @@ class VersionPublisher:
         """The newest version published (snapshot or ledger entry), None before the first."""
         return self.published[-1] if self.published else None
 
+    def forget_published(self) -> tuple[dict[int, list[torch.Tensor]], int | None]:
+        """The coordinator lost the run (fleet.recovery): forget every version published; returns what was held
+        (the fp32 snapshots, the latest version) so it can be published again."""
+        held, latest = dict(self.snapshots), self.latest_version
+        self.published.clear()
+        self.snapshots.clear()
+        return held, latest
+
     def close(self, wait: bool = True) -> None:
         """Stop the shard pool (`wait=False`: cancel shards not yet started). Call after the upload queue closed."""
         self._shard_pool.shutdown(wait=wait, cancel_futures=not wait)

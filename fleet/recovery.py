@@ -1,12 +1,15 @@
 """A fleet run that outlives its coordinator's store: when Redis comes back empty (a restart without persistence, a
 failover to a fresh replica, an operator's flush) the coordinator no longer knows the trainer's run, its versions or
-its rounds; `RecoveringBackend` creates the run again, re-publishes what the workers need and re-issues the rounds
+its rounds; the trainer's backend creates the run again, re-publishes what the workers need and re-issues the rounds
 in flight, then repeats the call that found out. ops/RUNBOOK.md "store-lost".
 
-Every coordinator run the trainer owns goes through it: the probe run (fleet.attach), the fleet evaluation's
-(fleet.evaluation.FleetEvaluator) and the anytime scorer's (fleet.anytime.FleetScorer). What differs is only which
-versions are published again: the probe run's own (the publisher's fp32 snapshots, or the model's current weights),
-or the owner's (`republish`: the evaluator's pending versions, the scorer's ring).
+Recovery is part of the backend, not a wrapper around it: a fleet.backend.CoordinatorBackend made `recoverable(spec,
+republish)` runs each call through `recovering` and, when the call finds the run lost, `recreate` here, which uses
+only its parts' own methods (publisher, round sender, result collector, upload queue, client). Every coordinator run
+the trainer owns is made so: the probe run (fleet.attach), the fleet evaluation's (fleet.evaluation.FleetEvaluator)
+and the anytime scorer's (fleet.anytime.FleetScorer). What differs is only which versions are published again: the
+probe run's own (the publisher's fp32 snapshots, or the model's current weights), or the owner's (`republish`: the
+evaluator's pending versions, the scorer's ring).
 
 How the loss shows, by kind (`lost_run`): an HTTP 404 "unknown run" / "unknown round" (coordinator.client.Forgotten)
 on any call, also raised later from a background upload, or the results stream's consumer group being gone
@@ -18,7 +21,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from coordinator.client import Forgotten
 from coordinator.stream import StreamLost
@@ -44,7 +47,7 @@ def lost_run(exc: BaseException | None) -> bool:
 
 
 @dataclass(frozen=True)
-class _WireRound:
+class WireRound:
     """A round sent in wire form (`submit_wire`: an eval round) and its batch blob, kept to be re-issued."""
 
     wire: ProbeRound
@@ -56,179 +59,88 @@ class _WireRound:
         return {self.wire.version, *(t.version for t in (self.wire.eval.weights if self.wire.eval else ()))}
 
 
-class RecoveringBackend:
-    """Wraps a fleet.backend.CoordinatorBackend (composed of publisher, rounds, results, uploads) for run `spec`.
+class Recoverable(Protocol):
+    """What `recovering` and `recreate` need of a backend (fleet.backend.CoordinatorBackend): its run's spec, the
+    owner's `republish`, its count of re-creations, the rounds it awaits (round id -> RoundSpec or WireRound) and its
+    parts."""
 
-    Every ProbeBackend call (and `submit_wire`) goes through; one that finds the run lost (`lost_run`) triggers
-    `recreate` and is made again. `recreate`: the upload queue's failed jobs are dropped, the run is created again
-    (same id and spec), versions are published again, and every round still awaited is submitted again (only its
-    seeds not yet handed out are awaited; a wire round is re-sent with those seeds alone; a round reading a version
-    no longer published is dropped, logged). Which versions: `republish(publisher)` when given (the owner publishes
-    what its rounds in flight read, in ascending order, through fleet.publisher.VersionPublisher), else the
-    publisher's fp32 snapshots, or for pure ZO, which keeps none, the model's current weights as the latest version
-    (which they are between calls). Counted in `recreated` and sparecycles_trainer_runs_recreated_total{run}.
+    spec: RunSpec | None
+    republish: Callable[[Any], None] | None
+    recreated: int
+    inflight: dict[str, Any]
+    client: Any
+    uploads: Any
+    publisher: Any
+    rounds: Any
+    results: Any
 
-    Args:
-        backend: the CoordinatorBackend of run `spec`. spec: the RunSpec it was created with.
-        republish: the owner's re-publication (above); None for the probe run.
-    """
 
-    evaluates_published = True  # a ProbeBackend attribute (trainer.zo.backend): as the wrapped fleet backend
+def recovering(backend: Recoverable, fn: Callable[[], T], current: int | None = None) -> T:
+    """`fn()`; when it finds the run lost (`lost_run`) and `backend.spec` is set, `recreate` the run and call it
+    again, up to MAX_RECOVERIES_PER_CALL times. `current`: as `recreate`'s. Raises what `fn` raises otherwise."""
+    for attempt in range(MAX_RECOVERIES_PER_CALL + 1):
+        try:
+            return fn()
+        except Exception as exc:
+            if backend.spec is None or attempt == MAX_RECOVERIES_PER_CALL or not lost_run(exc):
+                raise
+            recreate(backend, exc, current)
+    raise AssertionError("unreachable")
 
-    def __init__(self, backend: Any, spec: RunSpec, republish: Callable[[Any], None] | None = None) -> None:
-        self.backend, self.spec, self.republish = backend, spec, republish
-        self.recreated = 0
-        self._rounds: dict[str, Any] = {}  # round id -> RoundSpec or _WireRound, while the collector awaits seeds
 
-    # ---- what callers read (the wrapped backend's) ---------------------------------------------------------
+def _republish(backend: Recoverable, current: int | None) -> list[int]:
+    """Publish again what the workers need (`recreate`); returns the versions published."""
+    pub = backend.publisher
+    held, latest = pub.forget_published()
+    latest = current if current is not None else latest
+    if backend.republish is not None:
+        backend.republish(pub)
+    elif held:
+        for v in sorted(held):
+            pub.publish_weights(v, held[v])
+    elif latest is not None:
+        pub.publish(latest)  # pure ZO: the model's current weights are `latest`'s
+    return list(pub.published)
 
-    @property
-    def run(self) -> str:
-        """The coordinator run's id."""
-        return self.spec.run
 
-    @property
-    def block_sizes(self) -> list[int]:
-        return self.backend.block_sizes
-
-    @property
-    def latest_version(self) -> int | None:
-        return self.backend.latest_version
-
-    @property
-    def snapshots(self) -> dict:
-        return self.backend.snapshots
-
-    @property
-    def forward_passes(self) -> int:
-        return self.backend.forward_passes
-
-    @forward_passes.setter
-    def forward_passes(self, value: int) -> None:  # a resumed run restores its count (trainer.zo.modes)
-        self.backend.forward_passes = value
-
-    def close(self, wait: bool = True, end: bool = False) -> None:
-        """CoordinatorBackend.close (`end`: cancel the run's rounds on the coordinator)."""
-        self.backend.close(wait=wait, end=end)
-
-    def withdraw(self, round_id: str) -> None:
-        """`forget` the round and close it on the coordinator (CoordinatorBackend.withdraw): no worker keeps
-        evaluating it."""
-        self.forget(round_id)
-        self.backend.withdraw(round_id)
-
-    def _call(self, fn: Callable[[], T], current: int | None = None) -> T:
-        for attempt in range(MAX_RECOVERIES_PER_CALL + 1):
-            try:
-                return fn()
-            except Exception as exc:
-                if attempt == MAX_RECOVERIES_PER_CALL or not lost_run(exc):
-                    raise
-                self.recreate(exc, current)
-        raise AssertionError("unreachable")
-
-    # ---- ProbeBackend ---------------------------------------------------------------------------------------
-
-    def publish(self, version: int, weights=None) -> None:
-        """As the backend's; a version that a recovery made during this call published again itself (an owner's
-        `republish` of the version being published) is not published twice."""
-        start = self.recreated
-
-        def once() -> None:
-            if self.recreated != start and version in self.backend.publisher.published:
-                return
-            self.backend.publish(version, weights)
-
-        self._call(once)
-
-    def publish_weights(self, version: int, blocks) -> None:
-        self._call(lambda: self.backend.publish_weights(version, blocks))
-
-    def publish_ledger(self, version: int, seeds, coeffs, dist: str, scale: float = 1.0,
-                       scale_min_dim: int = 0) -> bool:
-        """As the backend's; when the run is found lost by this very call the model already holds `version`'s
-        weights: they are re-published as a snapshot of `version`, which replaces the entry."""
-        before = self.backend.latest_version
-
-        def once() -> bool:
-            if self.backend.latest_version is not None and self.backend.latest_version >= version:
-                return True  # re-published by the recovery itself
-            return self.backend.publish_ledger(version, seeds, coeffs, dist, scale, scale_min_dim)
-
-        return self._call(once, current=version if before is not None and before < version else None)
-
-    def submit(self, probe_round) -> None:
-        self._call(lambda: self.backend.submit(probe_round))
-        self._rounds[probe_round.round_id] = probe_round
-
-    def submit_wire(self, wire: ProbeRound, blob: bytes) -> None:
-        """CoordinatorBackend.submit_wire (an eval round), re-issued like any round after a loss."""
-        self._call(lambda: self.backend.submit_wire(wire, blob))
-        self._rounds[wire.round_id] = _WireRound(wire, blob)
-
-    def forget(self, round_id: str) -> None:
-        """The owner no longer wants `round_id`'s results (e.g. it evaluated them itself): neither awaited nor
-        re-issued after a loss."""
-        self._rounds.pop(round_id, None)
-        self.backend.results.waiting.pop(round_id, None)
-
-    def collect(self, round_id: str | None = None, timeout_s: float = 0.0):
-        out = self._call(lambda: self.backend.collect(round_id, timeout_s))
-        waiting = self.backend.results.waiting
-        for rid in [r for r in self._rounds if not waiting.get(r)]:
-            del self._rounds[rid]
-        return out
-
-    def flush(self) -> None:
-        self._call(self.backend.flush)
-
-    # ---- recovery ---------------------------------------------------------------------------------------------
-
-    def recreate(self, why: BaseException, current: int | None = None) -> None:
-        """Create the run again on the coordinator and give it what the trainer still needs (class docstring).
-        `current`: the version the model's weights are at when it is newer than the last one published (a ledger
-        entry whose registration found the run lost). Raises what the coordinator's calls raise."""
-        b, run = self.backend, self.spec.run
-        log.warning("the coordinator lost run %s (%s); creating it again", run, str(why)[:200])
-        b.uploads.recover()
-        b.client.create_run(self.spec)
-        b.results.reader.ensure_group()
-        b.results.restart_counts()
-        pub = b.publisher
-        held = dict(pub.snapshots)
-        latest = current if current is not None else pub.latest_version
-        pub.published.clear()
-        pub.snapshots.clear()
-        if self.republish is not None:
-            self.republish(pub)
-        elif held:
-            for v in sorted(held):
-                pub.publish_weights(v, held[v])
-        elif latest is not None:
-            pub.publish(latest)  # pure ZO: the model's current weights are `latest`'s
-        reissued, dropped = [], []
-        for rid, spec in list(self._rounds.items()):
-            left = set(b.results.waiting.get(rid, ()))
-            if isinstance(spec, _WireRound):
-                versions = spec.versions
+def recreate(backend: Recoverable, why: BaseException, current: int | None = None) -> None:
+    """Create the run again on the coordinator and give it what the trainer still needs: the upload queue's failed
+    jobs are dropped, the run is created again (same id and spec), versions are published again (`republish(
+    publisher)` when set, else the publisher's fp32 snapshots, or for pure ZO, which keeps none, the model's current
+    weights as the latest version, which they are between calls; `current`: the version the weights are at when
+    newer than the last one published, a ledger entry whose registration found the run lost), and every round still
+    awaited is submitted again (only its seeds not yet handed out are awaited; a wire round is re-sent with those
+    seeds alone; a round reading a version no longer published is dropped, logged). Counted in `recreated` and
+    sparecycles_trainer_runs_recreated_total{run}. Raises what the coordinator's calls raise."""
+    run, results = backend.spec.run, backend.results
+    log.warning("the coordinator lost run %s (%s); creating it again", run, str(why)[:200])
+    backend.uploads.recover()
+    backend.client.create_run(backend.spec)
+    results.restart()
+    published = set(_republish(backend, current))
+    reissued, dropped = [], []
+    for rid, spec in list(backend.inflight.items()):
+        left = results.missing(rid)
+        if isinstance(spec, WireRound):
+            versions = spec.versions
+        else:
+            versions = {spec.version} | ({spec.base_version} if spec.base_version is not None else set())
+        if not left:
+            del backend.inflight[rid]
+        elif versions <= published:
+            if isinstance(spec, WireRound):  # only the seeds still missing travel again
+                backend.rounds.submit_wire(spec.wire.model_copy(update={"seeds": sorted(left)}), spec.blob)
             else:
-                versions = {spec.version} | ({spec.base_version} if spec.base_version is not None else set())
-            if not left:
-                del self._rounds[rid]
-            elif versions <= set(pub.published):
-                if isinstance(spec, _WireRound):  # only the seeds still missing travel again
-                    b.rounds.submit_wire(spec.wire.model_copy(update={"seeds": sorted(left)}), spec.blob)
-                else:
-                    b.rounds.submit(spec)
-                b.results.waiting[rid] = left  # seeds handed out already are not awaited (nor used) again
-                reissued.append(rid)
-            else:
-                b.results.waiting.pop(rid, None)
-                del self._rounds[rid]
-                dropped.append(rid)
-        b.uploads.flush()
-        self.recreated += 1
-        prom.RUNS_RECREATED.labels(run).inc()
-        log.warning("run %s created again: versions %s re-published, %d round(s) in flight re-issued%s", run,
-                    pub.published, len(reissued),
-                    f", {len(dropped)} dropped (their versions are no longer held)" if dropped else "")
+                backend.rounds.submit(spec)
+            results.await_only(rid, left)  # seeds handed out already are not awaited (nor used) again
+            reissued.append(rid)
+        else:
+            results.forget(rid)
+            del backend.inflight[rid]
+            dropped.append(rid)
+    backend.uploads.flush()
+    backend.recreated += 1
+    prom.RUNS_RECREATED.labels(run).inc()
+    log.warning("run %s created again: versions %s re-published, %d round(s) in flight re-issued%s", run,
+                sorted(published), len(reissued),
+                f", {len(dropped)} dropped (their versions are no longer held)" if dropped else "")

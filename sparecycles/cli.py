@@ -13,6 +13,7 @@ import typer
 from api import cli as api_cli
 from benchmarks.cli import bench_app
 from probe_worker import cli as worker_cli
+from sparecycles.cli_errors import OneLineErrors
 from sparecycles.fleet_cli import fleet as fleet_command
 from sparecycles.kd_cli import kd_app
 from sparecycles.up_options import NOT_UP_OPTIONS, UpOptions
@@ -26,6 +27,7 @@ from trainer.train_cli import RUN_SECTION, FleetHooks, train_command
 
 app = typer.Typer(
     name="sparecycles",
+    cls=OneLineErrors,  # every refusal of an option: one line, exit 2
     help="Train language models with the forward-only compute idle inference GPUs leave: "
     "zeroth-order probes for curvature (ZO-Curv) and memory-light ZO training (1SPSA, 1.5-SPSA, MeZO).",
     no_args_is_help=True,

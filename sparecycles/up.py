@@ -186,8 +186,11 @@ def _train_with_fleet(plan: UpPlan, progress: bool, log: Callable[[str], None],
 
                     probes["kd_loss_factory"] = kd_loss_factory(redis_url, strict=plan.fleet_wait != "never",
                                                                 run=teacher_runs[name])
+                from trainer.distributed import DistContext
+
+                dist = DistContext(fleet=name != "adamw", fleet_rounds=FLEET_ROUNDS[plan.fleet_wait])  # config.json
                 train(cfg, progress=progress, resume=resume, overwrite=True, export=export,
-                      evaluator_factory=evaluator, **probes)
+                      evaluator_factory=evaluator, dist=dist, **probes)
 
             return _train_runs(plan, run, status, log), redis_desc
     finally:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from sparecycles.up_options import UpOptions, split_given
-from trainer.preflight import no_probe_round_warning
+from trainer.preflight import input_warning, no_probe_round_warning
 from trainer.run_options import UP_FLEET_WAIT, RunOptions
 
 UP_SETTINGS = "up_settings.json"
@@ -59,13 +59,14 @@ class UpPlan:
 
     @property
     def settings(self) -> dict[str, dict]:
-        """Both runs' settings (trainer.preflight.run_settings, plus where they are evaluated and the ZO run's wait
-        policy), as written to `up_settings.json`."""
+        """Both runs' settings (trainer.preflight.run_settings, the fleet-probed run's with its probes' source, plus
+        where they are evaluated and the ZO run's wait policy), as written to `up_settings.json`."""
         from trainer.preflight import run_settings
 
         evaluation = {"eval_on": self.eval_on, "eval_windows": self.eval_windows if self.eval_on == "fleet" else None}
         return {"adamw": {**run_settings(self.base_cfg), **evaluation},
-                self.optimizer: {**run_settings(self.zo_cfg), **evaluation, "fleet_wait": self.fleet_wait}}
+                self.optimizer: {**run_settings(self.zo_cfg, self.fleet_wait), **evaluation,
+                                 "fleet_wait": self.fleet_wait}}
 
 
 def read_json(path: Path) -> dict | None:
@@ -146,7 +147,7 @@ def plan_up(*, settings: dict | None = None, train_options: tuple[str, ...] = ()
     plan = UpPlan(opts.task, opts.preset_for_task, optimizer, len(workers) or opts.workers, out,
                   base_cfg.model_copy(update={"run_dir": out / "adamw"}),
                   zo_cfg.model_copy(update={"run_dir": out / optimizer}), {}, False,
-                  tuple(w for w in [no_probe_round_warning(zo_cfg, fleet_wait)] if w), workers,
+                  tuple(w for w in [no_probe_round_warning(zo_cfg, fleet_wait), input_warning(zo_cfg)] if w), workers,
                   eval_on="trainer" if eval_on == "trainer" else "fleet", eval_windows=run.eval_windows,
                   fleet_wait=fleet_wait, eval_deadline=run.eval_deadline, nproc=run.nproc_per_node)
     return _with_folder_states(plan, run.overwrite)
@@ -208,8 +209,8 @@ def _with_folder_states(plan: UpPlan, overwrite: bool) -> UpPlan:
     from trainer.preflight import FolderState, folder_state
 
     out = plan.out
-    states = {name: folder_state(cfg.run_dir, cfg) for name, cfg in (("adamw", plan.base_cfg),
-                                                                       (plan.optimizer, plan.zo_cfg))}
+    states = {"adamw": folder_state(plan.base_cfg.run_dir, plan.base_cfg),  # the other's probes: the fleet's
+              plan.optimizer: folder_state(plan.zo_cfg.run_dir, plan.zo_cfg, plan.fleet_wait)}
     plan = replace(plan, states=states)
     if overwrite:
         return replace(plan, clear=True, states={k: FolderState("empty") for k in states})

@@ -38,9 +38,9 @@ def _free_port() -> int:
 
 @pytest.mark.parametrize(("args", "message"), [
     (["train", "--preset", "nope"], "unknown preset 'nope'"),
-    (["train", "--lr", "-1"], "Invalid value for '--lr': Input should be greater than 0"),
-    (["train", "--eps", "0"], "Invalid value for '--eps': Input should be greater than 0"),  # ProbeEps's bound
-    (["up", "--lr", "0"], "Invalid value for '--lr': Input should be greater than 0"),
+    (["train", "--lr", "-1"], "error: --lr: Input should be greater than 0"),
+    (["train", "--eps", "0"], "error: --eps: Input should be greater than 0"),  # ProbeEps's bound
+    (["up", "--lr", "0"], "error: --lr: Input should be greater than 0"),
     (["train", "--seq-len", "300"], "--seq-len 300 exceeds gpt2-tiny's context of 256 tokens"),
     (["train", "--optimizer", "adamw", "--eval-on", "trainer", "--coordinator", "http://127.0.0.1:1"],
      "sends no probes to a fleet"),

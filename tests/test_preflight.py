@@ -53,10 +53,12 @@ def test_preflight_knows_every_optimizer():
             assert rounds == (3 if m.probes_along_step else 4), name
 
 
-def _fake_run(folder, cfg, *, finished: bool, checkpoint: bool = True):
-    """The files `trainer.train.train` leaves: config.json (steps excluded), metrics, summary when finished."""
+def _fake_run(folder, cfg, *, finished: bool, checkpoint: bool = True, fleet_wait: str | None = None):
+    """The files `trainer.train.train` leaves: config.json (steps excluded; probes from a fleet waiting as
+    `fleet_wait` says, None: in process), metrics, summary when finished."""
     folder.mkdir(parents=True)
-    (folder / "config.json").write_text(json.dumps({k: v for k, v in run_settings(cfg).items() if k != "steps"}))
+    settings = run_settings(cfg, fleet_wait)
+    (folder / "config.json").write_text(json.dumps({k: v for k, v in settings.items() if k != "steps"}))
     (folder / "metrics.jsonl").write_text('{"step": 0, "val_loss": 10.8}\n')
     if checkpoint:
         (folder / "checkpoint.safetensors").write_bytes(b"x")
@@ -86,7 +88,7 @@ def test_up_default_folder_carries_the_settings_and_a_finished_run_is_never_repl
     demo.out.mkdir()
     (demo.out / UP_SETTINGS).write_text(json.dumps(demo.settings))
     for name, cfg in (("adamw", demo.base_cfg), ("zocurv-line", demo.zo_cfg)):
-        _fake_run(demo.out / name, cfg, finished=True)
+        _fake_run(demo.out / name, cfg, finished=True, fleet_wait=demo.fleet_wait)
     assert {k: s.kind for k, s in plan_up().states.items()} == {"adamw": "done", "zocurv-line": "done"}
     with pytest.raises(ValueError, match="steps: 150 -> 5.*--overwrite"):
         plan_up(steps=5, run_dir=demo.out)

@@ -131,6 +131,9 @@ def test_train_coordinator_equals_in_process(coordinator, tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     fleet, inproc = _losses(tmp_path / "line-fleet"), _losses(tmp_path / "line-local")
     assert fleet == inproc and len(fleet) == 6 + 3  # bit for bit (floats compared exactly)
+    # The fleet's folder, by the same command without the fleet: another run (config.json's probe_source), refused.
+    res = _cli("train", *zo, "--run-dir", str(tmp_path / "line-fleet"), env=local)
+    assert res.returncode == 2 and "probe_source: 'fleet' -> None" in res.stderr, res.stderr[-2000:]
     recs = [json.loads(line) for line in (tmp_path / "line-fleet" / "metrics.jsonl").read_text().splitlines()]
     assert max(r.get("fleet_results_accepted", 0) for r in recs) > 0  # the worker's results were accepted
     folded = [r["step"] for r in recs if "curv_dropped_rounds" in r]

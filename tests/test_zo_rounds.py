@@ -46,9 +46,9 @@ def test_next_leaves_every_round_of_the_newest_refresh_to_the_next():
     waited = []
     collect = be.collect
 
-    def spy(round_id=None, timeout_s=0.0):
+    def spy(round_id=None, timeout_s=0.0, counts=False):
         waited.append(round_id)
-        return collect(round_id, timeout_s)
+        return collect(round_id, timeout_s, counts)
 
     be.collect = spy
     rounds = [RoundSpec(f"r-0-{i}", 0, None, 1e-2, (1, 2), want_clean=True, kind=ProbeKind.BLOCK_SCALED)

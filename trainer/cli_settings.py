@@ -30,7 +30,7 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import annotated_types as at
 import typer
-from pydantic import BaseModel, TypeAdapter
+from pydantic import AllowInfNan, BaseModel, TypeAdapter
 from pydantic.fields import FieldInfo
 from typer.core import TyperCommand
 
@@ -65,8 +65,11 @@ class Setting:
 
     @functools.cached_property
     def adapter(self) -> TypeAdapter:
-        """Validates one value exactly as TrainConfig does (the field's annotation and constraints)."""
+        """Validates one value exactly as TrainConfig does (the field's annotation and constraints); a float is
+        finite first ("Input should be a finite number", as TrainConfig's allow_inf_nan=False says, before a bound)."""
         meta = tuple(self.info.metadata)
+        if _bare(self.info.annotation) is float:
+            meta = (AllowInfNan(False), *meta)
         return TypeAdapter(Annotated[(self.info.annotation, *meta)] if meta else self.info.annotation)
 
     def parse(self, text: Any) -> Any:

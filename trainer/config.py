@@ -150,13 +150,19 @@ class TrainConfig(BaseModel):
     @model_validator(mode="after")
     def _consistent(self) -> TrainConfig:
         if self.min_lr > self.lr:
-            raise ValueError(f"min_lr ({self.min_lr}) must not exceed lr ({self.lr})")
+            raise ValueError(f"--min-lr ({self.min_lr}) must not exceed --lr ({self.lr})")
         if self.warmup_steps >= self.steps and self.steps > 1:
-            raise ValueError(f"warmup_steps ({self.warmup_steps}) must be smaller than steps ({self.steps})")
+            raise ValueError(f"--warmup-steps ({self.warmup_steps}) must be smaller than --steps ({self.steps})")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
-            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+            raise ValueError(f"--device must be cpu or cuda[:N], got {self.device!r}")
         if self.data is not None and self.task != "lm":
             raise ValueError("--data (your text) is for the LM task (--task lm)")
+        given = [f"--{n.replace('_', '-')}" for n, default in (("text_field", "text"), ("encoding_errors", "strict"))
+                 if getattr(self, n) != default]
+        if given and self.data is None:  # they say how --data is read: without it they would be ignored
+            one = len(given) == 1
+            raise ValueError(f"{' and '.join(given)} {'says' if one else 'say'} how --data is read: "
+                             f"{'it needs' if one else 'they need'} --data")
         if self.anytime is not None and self.task != "lm":
             raise ValueError("the anytime model (--anytime) runs on the LM task (--task lm)")
         method = get_method(self.optimizer)

@@ -66,9 +66,9 @@ class LeaderBackend:
     def __setattr__(self, name: str, value: Any) -> None:  # forward_passes / snapshots are the inner backend's
         setattr(self.inner, name, value)
 
-    def collect(self, round_id: str | None = None, timeout_s: float = 0.0) -> Collected:
+    def collect(self, round_id: str | None = None, timeout_s: float = 0.0, counts: bool = False) -> Collected:
         try:
-            got = self.inner.collect(round_id, timeout_s)
+            got = self.inner.collect(round_id, timeout_s, counts=counts)
         except Exception as exc:
             self.ctx.broadcast_object(("error", exc, 0))
             raise
@@ -107,7 +107,7 @@ class FollowerBackend(InProcessBackend):
     def submit(self, probe_round: RoundSpec) -> None:
         self._advance(probe_round.version)
 
-    def collect(self, round_id: str | None = None, timeout_s: float = 0.0) -> Collected:
+    def collect(self, round_id: str | None = None, timeout_s: float = 0.0, counts: bool = False) -> Collected:
         status, got, forwards = self.ctx.broadcast_object(None)
         if status == "error":
             raise got

@@ -15,8 +15,9 @@ def export(
     best: bool = typer.Option(False, help="Export the served anytime model (RUN_DIR/served.safetensors, a run "
                               "trained with --anytime) instead of the trained weights."),
 ) -> None:
-    """Export a finished run's model for `transformers`: AutoModelForCausalLM (GPT-2 presets) or
-    AutoModelForSequenceClassification (the MiniLM sentiment classifier) `.from_pretrained(OUT_DIR)`."""
+    """Export a finished run's model for `transformers`: AutoModelForCausalLM (a GPT-2 preset, or your --model
+    folder's class: Llama, Qwen2, ...) or AutoModelForSequenceClassification (the MiniLM sentiment classifier)
+    `.from_pretrained(OUT_DIR)`, with the run's tokenizer."""
     from trainer.run_dir import not_a_run_folder
 
     why = not_a_run_folder(run_dir)  # before the heavy imports (torch, transformers) of trainer.export

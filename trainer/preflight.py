@@ -4,8 +4,10 @@
   name, the device, the task's optimizers), so a bad option fails in a second, not after minutes.
 - `probe_rounds(cfg)` / `folded_rounds(cfg, fleet_wait)` / `no_probe_round_warning(cfg, fleet_wait)`: how many
   curvature rounds a ZO-Curv run probes, how many of them can fold before it ends, and the warning when none can.
-- `folder_state(run_dir, cfg)`: whether a run folder is free, holds this run finished or interrupted, or
-  holds another run (and how its settings differ), so no finished run is overwritten by accident.
+- `run_settings(cfg, fleet_wait)` / `folder_state(run_dir, cfg, fleet_wait)`: what defines a run (its config and
+  where its probes come from, `probe_source`), and whether a run folder is free, holds this run finished or
+  interrupted, or holds another run (and how its settings differ), so no finished run is overwritten or reused by
+  accident.
 
 Pure functions over configs and small JSON files; nothing here trains or starts a process.
 """
@@ -19,7 +21,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from trainer.config import TrainConfig, recorded_run
-from trainer.methods import get_method, method_names
+from trainer.methods import fleet_method_names, get_method, method_names
 
 
 def explain(exc: Exception) -> str:
@@ -106,6 +108,16 @@ def check_options(cfg: TrainConfig) -> None:
             raise ValueError(f"--device {cfg.device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
 
 
+def input_warning(cfg: TrainConfig) -> str | None:
+    """The warning for files of `--data`'s folder (or glob) that the run does not read for their type
+    (trainer.data.user_read.skipped_warning); None without --data, for a packed corpus, or when every file is read."""
+    if cfg.data is None or cfg.task != "lm":
+        return None
+    from trainer.data.user_read import is_packed, skipped_warning
+
+    return None if is_packed(Path(cfg.data).expanduser()) else skipped_warning(cfg.data)
+
+
 def probe_rounds(cfg: TrainConfig) -> int | None:
     """Curvature probe rounds a ZO-Curv run of `cfg.steps` steps runs; None for optimizers without rounds
     (AdamW, pure ZO, the zero-probe ablation zocurv-group-fixed).
@@ -175,9 +187,27 @@ def no_probe_round_warning(cfg: TrainConfig, fleet_wait: str | None = None) -> s
             f"run equals AdamW whatever the fleet's speed. {fix}.")
 
 
-def run_settings(cfg: TrainConfig) -> dict[str, Any]:
-    """Everything that defines a run's result: the config as JSON, `steps` included, `run_dir` excluded."""
-    return {**cfg.run_json(), "steps": cfg.steps}  # config.json's fields (TrainConfig.run_json) plus steps
+def probe_source(cfg: TrainConfig, fleet_wait: str | None = None) -> dict[str, Any]:
+    """Where a run's probes come from, as its config.json records it beside TrainConfig.run_json: these change the
+    run's numbers as much as a setting does (a round folded one interval later shapes other steps).
+
+    `fleet_wait`: the run's --fleet-wait when a fleet answers its probes (train --coordinator, up), None when they
+    are computed in this process. {} in process, or for a method whose probes never go to a fleet (AdamW;
+    trainer.methods.fleet_method_names), so folders from before this record still match;
+    {"probe_source": "fleet"} for a pure-ZO method (each step waits for its round: the wait changes nothing), plus
+    "fleet_wait" and "fold_lag" (`fold_lag`) for a method with curvature rounds. Raises ValueError for another
+    `fleet_wait`."""
+    if fleet_wait is None or cfg.optimizer not in fleet_method_names(cfg.task):
+        return {}
+    lag = fold_lag(fleet_wait)
+    rounds = {"fleet_wait": fleet_wait, "fold_lag": lag} if get_method(cfg.optimizer).kind == "zo-curv" else {}
+    return {"probe_source": "fleet", **rounds}
+
+
+def run_settings(cfg: TrainConfig, fleet_wait: str | None = None) -> dict[str, Any]:
+    """Everything that defines a run's result: the config as JSON and where its probes come from (`probe_source`;
+    `fleet_wait` None: in process), `steps` included, `run_dir` excluded."""
+    return {**cfg.run_json(), **probe_source(cfg, fleet_wait), "steps": cfg.steps}
 
 
 def differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
@@ -204,11 +234,14 @@ def _read_json(path: Path) -> dict[str, Any] | None:
         return None
 
 
-def folder_state(run_dir: Path, cfg: TrainConfig) -> FolderState:
-    """Classify `run_dir` (a `sparecycles train` folder) against `cfg`; see FolderState.
+def folder_state(run_dir: Path, cfg: TrainConfig, fleet_wait: str | None = None) -> FolderState:
+    """Classify `run_dir` (a `sparecycles train` folder) against `cfg` with its probes from a fleet waiting as
+    `fleet_wait` says (None: in process; `run_settings`); see FolderState.
 
     The folder's settings are its `config.json`; `steps` comes from there or, for a finished run, from
-    `summary.json` (an interrupted run's `config.json` may omit it: `--resume` may extend a run).
+    `summary.json` (an interrupted run's `config.json` may omit it: `--resume` may extend a run). A run probed by a
+    fleet and the same settings probed in process are other runs (`probe_source`): neither reuses nor resumes the
+    other.
     """
     run_dir = Path(run_dir)
     metrics, summary_path = run_dir / "metrics.jsonl", run_dir / "summary.json"
@@ -219,7 +252,7 @@ def folder_state(run_dir: Path, cfg: TrainConfig) -> FolderState:
     if old is None:
         return FolderState("other", (f"{run_dir} holds metrics but no readable config.json",))
     old = recorded_run(old)
-    new = run_settings(cfg)
+    new = run_settings(cfg, fleet_wait)
     summary = _read_json(summary_path)
     if summary is not None and "steps" in summary:
         old = {**old, "steps": summary["steps"]}

@@ -1,6 +1,7 @@
 """A run folder and the files the training loop writes into it.
 
-    <run_dir>/config.json            the run's identity (TrainConfig.run_json); --resume must match it
+    <run_dir>/config.json            the run's identity (TrainConfig.run_json and where its probes come from,
+                                     trainer.preflight.probe_source); --resume must match it
     <run_dir>/metrics.jsonl          one JSON record per step ({"step", "lr", "loss", ...}) and per evaluation
                                      ({"step", "val_loss", ...}); steps count completed optimizer steps
     <run_dir>/checkpoint.safetensors trainer.checkpoint.Checkpointer
@@ -16,6 +17,7 @@ from typing import Any
 
 from trainer.config import TrainConfig, recorded_run
 from trainer.paths import runs_dir
+from trainer.preflight import probe_source
 from trainer.report import read_metrics
 
 CHECKPOINT_NAME = "checkpoint.safetensors"
@@ -63,8 +65,9 @@ class RunDir:
         self.summary = path / "summary.json"
 
     @classmethod
-    def open(cls, cfg: TrainConfig, *, resume: bool, overwrite: bool) -> RunDir:
-        """Create (or reopen) the folder of `cfg` (cfg.run_dir, else `default_run_dir`) and write config.json.
+    def open(cls, cfg: TrainConfig, *, resume: bool, overwrite: bool, fleet_wait: str | None = None) -> RunDir:
+        """Create (or reopen) the folder of `cfg` (cfg.run_dir, else `default_run_dir`) and write config.json: the
+        config and where its probes come from (trainer.preflight.probe_source; `fleet_wait` None: in process).
 
         Raises:
             ValueError: the path is a file, or `resume` with a config.json of a different run (names the fields).
@@ -74,7 +77,7 @@ class RunDir:
         if run.path.exists() and not run.path.is_dir():
             raise ValueError(f"run folder {run.path} exists and is not a folder; pass another --run-dir")
         run.path.mkdir(parents=True, exist_ok=True)
-        ours = cfg.run_json()
+        ours = {**cfg.run_json(), **probe_source(cfg, fleet_wait)}
         if not resume and not overwrite and run.metrics.is_file() and run.metrics.stat().st_size > 0:
             raise FileExistsError(f"{run.path} already holds a run; pass --resume to continue it, --overwrite to "
                                   "start afresh, or another --run-dir")
@@ -87,15 +90,20 @@ class RunDir:
         return run
 
     @classmethod
-    def open_on_ranks(cls, cfg: TrainConfig, *, resume: bool, overwrite: bool, dist: Any) -> RunDir:
+    def open_on_ranks(cls, cfg: TrainConfig, *, resume: bool, overwrite: bool, dist: Any,
+                      fleet_probes: bool = False) -> RunDir:
         """`open` on rank 0 of `dist` (trainer.distributed.DistContext); the other ranks of a torchrun job wait for
-        it and get the same folder (writing nothing), or raise rank 0's error."""
+        it and get the same folder (writing nothing), or raise rank 0's error. `fleet_probes`: a fleet answers the
+        run's probes, folding as `dist.fleet_rounds` says (recorded as its --fleet-wait)."""
+        from trainer.run_options import FLEET_ROUNDS
+
+        wait = {v: k for k, v in FLEET_ROUNDS.items()}[dist.fleet_rounds] if fleet_probes and dist.fleet else None
         if not dist.parallel:
-            return cls.open(cfg, resume=resume, overwrite=overwrite)
+            return cls.open(cfg, resume=resume, overwrite=overwrite, fleet_wait=wait)
         run, error = None, None
         if dist.is_main:
             try:
-                run = cls.open(cfg, resume=resume, overwrite=overwrite)
+                run = cls.open(cfg, resume=resume, overwrite=overwrite, fleet_wait=wait)
             except (ValueError, FileExistsError) as exc:
                 error = exc
         got = dist.broadcast_object((str(run.path) if run else None, error))

@@ -198,7 +198,8 @@ def _set_up(cfg: TrainConfig, *, resume: bool, progress: bool,
     progress = progress and dist.is_main
     quiet_hf_bars(progress)
     task = build_task(cfg)
-    run = RunDir.open_on_ranks(cfg, resume=resume, overwrite=overwrite, dist=dist)  # then the run folder
+    run = RunDir.open_on_ranks(cfg, resume=resume, overwrite=overwrite, dist=dist,  # then the run folder
+                               fleet_probes=mode_factory is not None)
 
     # 2. build: model, step strategy
     kind = get_method(cfg.optimizer).kind
@@ -250,6 +251,7 @@ def _step_loop(cfg: TrainConfig, s: _Setup, book: _RunLog, ledger: TimeLedger, d
     task, model, mode, ckpt, anytime, evaluator, kind = s.task, s.model, s.mode, s.ckpt, s.anytime, s.evaluator, s.kind
     done = s.start  # optimizer steps completed
     t0 = time.perf_counter()
+    shown = [r for r in s.history if "val_loss" in r][-1:]  # a resume shows its newest evaluation, not step 0's
     with progress_bar(s.progress, f"{cfg.optimizer} {task.model_name}", cfg.steps, s.start, status) as show, \
             deferred_interrupt() as interrupted:
         failed = True
@@ -283,8 +285,7 @@ def _step_loop(cfg: TrainConfig, s: _Setup, book: _RunLog, ledger: TimeLedger, d
                     with ledger.phase("checkpoint"):
                         ckpt.save(done)
                 with ledger.phase("log"):
-                    vals = book.vals
-                    last = vals[max(vals)] if vals else {}
+                    last = max([*shown, *book.vals.values()], key=lambda r: r["step"], default={})
                     val = f" val {last['val_loss']:.3f}" if "val_loss" in last else ""  # none before the first
                     show(done, f"loss {stats.get('loss', float('nan')):.3f}{val}")  # evaluation is in (a fleet's)
                 if dist.any(interrupted()):  # every rank stops after the same step

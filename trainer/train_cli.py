@@ -109,10 +109,11 @@ def _train(cfg: Any, opts: RunOptions, coordinator: str | None, hooks: FleetHook
     dist = _setup_dist(cfg, shard=opts.shard, micro_batch_size=opts.micro_batch_size, fleet=bool(coordinator),
                        timeout_s=opts.dist_timeout, rounds=opts.rounds())
     folder = cfg.run_dir or default_run_dir(cfg)
-    state = folder_state(folder, cfg)
+    fleet_wait = (opts.fleet_wait or "never") if coordinator else None  # None: probes in process
+    state = folder_state(folder, cfg, fleet_wait)
     if not opts.resume and not opts.overwrite and state.kind in ("done", "other"):
         return _refuse_or_reuse(folder, state, dist.is_main)
-    warning = no_probe_round_warning(cfg, (opts.fleet_wait or "never") if coordinator else None)
+    warning = no_probe_round_warning(cfg, fleet_wait)
     if warning and dist.is_main:
         typer.secho(f"warning: {warning}", fg=typer.colors.YELLOW, err=True)
     if dist.is_main:  # rank 0 alone reports (one port per host)
@@ -134,7 +135,7 @@ def _resolve_checked(preset: str, overrides: dict[str, Any], opts: RunOptions, c
     option checked: raises typer.BadParameter (naming the option) for an invalid one, or a method that cannot use
     the fleet it is given."""
     from trainer.config import TrainConfig, resolve_preset
-    from trainer.preflight import check_options, explain
+    from trainer.preflight import check_options, explain, input_warning
 
     try:
         cfg = TrainConfig.model_validate_json(config.read_text()) if config else resolve_preset(preset, overrides)
@@ -147,6 +148,8 @@ def _resolve_checked(preset: str, overrides: dict[str, Any], opts: RunOptions, c
         check_options(cfg)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
+    if (skipped := input_warning(cfg)) is not None:
+        typer.secho(f"warning: {skipped}", fg=typer.colors.YELLOW, err=True)
     if coordinator:
         from trainer.preflight import check_coordinator_url
 

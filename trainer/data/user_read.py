@@ -110,6 +110,30 @@ def find_inputs(data: str) -> tuple[Path, list[InputFile]]:
     return path, inputs
 
 
+def skipped_files(data: str) -> list[Path]:
+    """The files under a `--data` folder (or matched by its glob) that `find_inputs` leaves out for their type (a
+    .csv beside the .txt files), sorted; hidden files and folders are not counted. [] for a single file or a path
+    that does not exist."""
+    path = Path(data).expanduser()
+    if glob.has_magic(data):
+        hits = (Path(p) for p in glob.glob(str(path), recursive=True))
+        return sorted(p for p in hits if p.is_file() and not p.name.startswith(".") and _kind(p) is None)
+    if not path.is_dir() or _is_dataset_dir(path):
+        return []
+    return [p for p in _walk(path.resolve()) if _kind(p) is None]
+
+
+def skipped_warning(data: str) -> str | None:
+    """The warning for the files `skipped_files` leaves out of `--data data` (naming a few and the types read), None
+    when none is."""
+    skipped = skipped_files(data)
+    if not skipped:
+        return None
+    names = ", ".join(p.name for p in skipped[:3]) + (f" and {len(skipped) - 3} more" if len(skipped) > 3 else "")
+    return (f"--data {data}: {len(skipped)} file(s) of a type it does not read left out ({names}); it reads "
+            f"{', '.join(SUFFIXES)} and datasets save_to_disk folders")
+
+
 def is_packed(path: Path) -> bool:
     """True when `path` is a folder holding a packed user corpus (its manifest.json has format FORMAT)."""
     m = path / "manifest.json"

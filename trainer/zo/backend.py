@@ -88,10 +88,12 @@ class ProbeBackend(Protocol):
         """Queue a round for evaluation; returns at once or after evaluating (in process)."""
         ...
 
-    def collect(self, round_id: str | None = None, timeout_s: float = 0.0) -> Collected:
+    def collect(self, round_id: str | None = None, timeout_s: float = 0.0, counts: bool = False) -> Collected:
         """Results not handed out before (only `round_id`'s if given; others stay queued) and the counts.
 
-        With a `round_id`, waits up to `timeout_s` seconds until all its seeds arrived (or were dropped).
+        With a `round_id`, waits up to `timeout_s` seconds until all its seeds arrived (or were dropped). The
+        authority's `stale` / `duplicate` counts only with `counts` (a fleet asks its coordinator for them: an HTTP
+        call); without, they stay 0 and go to the next collect that asks.
         """
         ...
 
@@ -200,7 +202,8 @@ class InProcessBackend:
         out = []
         for s in r.seeds:
             lp, lm, scale = probes.probe_losses(site, r.kind, s, r.eps, r.distribution, r.blocks, l0, r.slices)
-            out.append(SeedResult(r.round_id, s, r.version, lp, lm, l0, scale))
+            out.append(SeedResult(round_id=r.round_id, seed=s, version=r.version, l_plus=lp, l_minus=lm, l0=l0,
+                                  scale=scale))
         return out
 
     def _deliver(self, results: list[SeedResult]) -> None:
@@ -235,10 +238,11 @@ class InProcessBackend:
         while self._held:
             self._deliver(self._held.popleft())
 
-    def collect(self, round_id: str | None = None, timeout_s: float = 0.0) -> Collected:
+    def collect(self, round_id: str | None = None, timeout_s: float = 0.0, counts: bool = False) -> Collected:
         """Hand out delivered results (only `round_id`'s if given) with the counts since the last collect.
 
-        Never waits: delivery happens on `submit`/`flush`, so `timeout_s` is accepted and ignored.
+        Never waits: delivery happens on `submit`/`flush`, so `timeout_s` is accepted and ignored; the counts are
+        this process's own, so they come whatever `counts` says.
         """
         if round_id is None:
             got, self._ready = self._ready, []
@@ -260,7 +264,7 @@ def collect_round(backend: ProbeBackend, probe_round: RoundSpec,
     once for a synchronous backend that holds results back).
     """
     backend.submit(probe_round)
-    got = backend.collect(probe_round.round_id, timeout_s)
+    got = backend.collect(probe_round.round_id, timeout_s, counts=True)
     by_seed = {r.seed: r for r in got.results}
     missing = [s for s in probe_round.seeds if s not in by_seed]
     if missing:

@@ -164,8 +164,9 @@ def group_line_losses(model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module
 
         site = _site(blocks, prev, loss)
         l0 = loss(None) if r.want_clean else None
-        res = [SeedResult(r.round_id, s, r.version, *probes.probe_losses(site, r.kind, s, r.eps, r.distribution,
-                                                                         r.blocks, l0, r.slices)[:2], l0)
-               for s in r.seeds]
+        res = []
+        for s in r.seeds:
+            lp, lm, _ = probes.probe_losses(site, r.kind, s, r.eps, r.distribution, r.blocks, l0, r.slices)
+            res.append(SeedResult(round_id=r.round_id, seed=s, version=r.version, l_plus=lp, l_minus=lm, l0=l0))
         refresh.append((r, res))
     return group_line_table(refresh, alphas, eps), fwd

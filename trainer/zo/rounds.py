@@ -87,7 +87,7 @@ class RoundBook:
         round of a version older than the newest issued: a refresh's rounds (several for zocurv-group, -trust) are
         all left to the next refresh, so the trainer never waits for the refresh it is in."""
         if self.timing == "async":
-            self.take(backend.collect())
+            self.take(backend.collect(counts=True))
             return
         if self.timing == "next":
             newest = max((self._pending[rid].version for rid in self._waiting), default=None)
@@ -95,11 +95,11 @@ class RoundBook:
             return
         self._wait(backend, list(self._waiting))
         if self.timing == "sync":
-            self.take(backend.collect())
+            self.take(backend.collect(counts=True))
 
     def _wait(self, backend: ProbeBackend, round_ids: list[str]) -> None:
         for rid in round_ids:
-            self.take(backend.collect(rid, self.timeout_s))
+            self.take(backend.collect(rid, self.timeout_s, counts=True))
             self._waiting.remove(rid)
 
     def take(self, got: Collected) -> None:
@@ -168,7 +168,7 @@ class RoundBook:
         """Re-issue a pending round restored from a checkpoint and wait (up to `timeout_s`) for its results without
         folding: it folds at the next refresh, as in the uninterrupted run."""
         backend.submit(r)
-        self.take(backend.collect(r.round_id))  # timeout 0: the backend's own round timeout
+        self.take(backend.collect(r.round_id, counts=True))  # timeout 0: the backend's own round timeout
 
     def state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """(tensors, JSON): counts, dropped rounds and the rounds in flight, each one's spec (its batch, when a tuple
