@@ -1,6 +1,8 @@
 """`sparecycles fleet`: one command starts a fleet on this machine (embedded Valkey, coordinator, workers), prints
 the environment lines, and the own-loop example (examples/hf_trainer.py) and `train --coordinator` run against it
-with nothing but those lines; SIGTERM stops every process it started."""
+with nothing but those lines; SIGTERM stops every process it started. The commands are the README's "A fleet" block,
+run as written (in a shell that `source`s runs/fleet/fleet.env; the hf example's --out and the train run's size
+scaled for CI)."""
 
 from __future__ import annotations
 
@@ -38,38 +40,55 @@ def _export_lines(proc: subprocess.Popen, timeout_s: float = 300.0) -> list[str]
     return lines
 
 
+def _fleet_block() -> list[str]:
+    """The README's "A fleet" block: its command lines (comments dropped), in order."""
+    import re
+
+    text = (ROOT / "README.md").read_text(encoding="utf-8").split("\n## A fleet\n", 1)[1].split("\n## ", 1)[0]
+    block = re.findall(r"```bash\n(.*?)```", text, flags=re.S)[0]
+    return [line.split("  #", 1)[0].strip() for line in block.splitlines() if line and not line.startswith("#")]
+
+
 @pytest.mark.slow
 def test_own_loop_through_the_one_command_fleet(tmp_path):
-    folder = tmp_path / "fleet"
+    fleet_cmd, source, hf, train = _fleet_block()
+    assert fleet_cmd == "sparecycles fleet --workers 2" and source == "source runs/fleet/fleet.env"
+    assert hf.startswith("python examples/hf_trainer.py --coordinator") and train.startswith("sparecycles train ")
+    folder = tmp_path / "runs" / "fleet"  # the default --folder, under the working directory
+    (tmp_path / "examples").symlink_to(ROOT / "examples")  # the README's paths are the repository's
     clean = {k: v for k, v in os.environ.items() if not k.startswith("SPARECYCLES_") and k != "REDIS_URL"}
     clean["PYTHONPATH"] = str(ROOT)
     if "SPARECYCLES_CACHE" in os.environ:
         clean["SPARECYCLES_CACHE"] = os.environ["SPARECYCLES_CACHE"]
+    bin_dir = tmp_path / "bin"  # `sparecycles` and `python` as the README's shell has them
+    bin_dir.mkdir()
+    (bin_dir / "sparecycles").write_text(f"#!/bin/sh\nexec {sys.executable} -m sparecycles.cli \"$@\"\n")
+    (bin_dir / "sparecycles").chmod(0o755)
+    (bin_dir / "python").symlink_to(sys.executable)
+    clean["PATH"] = f"{bin_dir}:{clean.get('PATH', '')}"
     log = open(tmp_path / "fleet.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "sparecycles.cli", "fleet", "--workers", "1", "--folder", str(folder)],
-                            env=clean, stdout=subprocess.PIPE, stderr=log, text=True, cwd=tmp_path)
+    proc = subprocess.Popen(["sh", "-c", f"exec {fleet_cmd}"], env=clean, stdout=subprocess.PIPE, stderr=log,
+                            text=True, cwd=tmp_path)  # exec: SIGTERM below reaches `sparecycles fleet` itself
     try:
         lines = _export_lines(proc)
         assert [line.split("=", 1)[0] for line in lines] == [f"export {n}" for n in NAMES]
         assert (folder / "fleet.env").read_text() == "\n".join(lines) + "\n"
         assert (folder / "fleet.env").stat().st_mode & 0o077 == 0  # secrets: this user only
-        env = {**clean, **dict(line.removeprefix("export ").split("=", 1) for line in lines)}
-        url = env["SPARECYCLES_COORDINATOR_URL"]
-        res = subprocess.run([sys.executable, str(ROOT / "examples" / "hf_trainer.py"), "--coordinator", url,
-                              "--out", str(tmp_path / "hf")], env=env, cwd=ROOT, capture_output=True, text=True,
-                             timeout=600)
+        hf_out = str(tmp_path / "hf")
+        small = " --batch-size 4 --seq-len 32 --no-export --metrics-port 0"  # the README's run, smaller for CI
+        script = f"{source} && {hf.replace('/tmp/hf-run', hf_out)} && {train}{small}"
+        res = subprocess.run(["bash", "-c", script], env=clean, cwd=tmp_path, capture_output=True, text=True,
+                             timeout=1200)
         assert res.returncode == 0, res.stderr[-4000:]
         got = json.loads((tmp_path / "hf" / "result.json").read_text())
-        assert got["curvature_ready"] and got["rounds"]["curv_folded_rounds"] >= 1  # probe rounds on the worker
+        assert got["curvature_ready"] and got["rounds"]["curv_folded_rounds"] >= 1  # probe rounds on the workers
         assert [r["eval_on"] for r in got["fleet_records"]] == ["fleet", "fleet"]
-        # `train --coordinator`, from the same lines (SPARECYCLES_COORDINATOR_URL stands for --coordinator)
-        res = subprocess.run([sys.executable, "-m", "sparecycles.cli", "train", "--optimizer", "1.5spsa", "--probes", "2",
-                              "--steps", "2", "--batch-size", "2", "--seq-len", "16", "--eval-every", "2", "--no-export",
-                              "--metrics-port", "0", "--run-dir", str(tmp_path / "train")], env=env, cwd=tmp_path,
-                             capture_output=True, text=True, timeout=600)
-        assert res.returncode == 0, res.stderr[-4000:]
-        summary = json.loads((tmp_path / "train" / "summary.json").read_text())
+        # `train`, attached by SPARECYCLES_COORDINATOR_URL alone: probes and evaluation on the fleet
+        (run,) = [p for p in (tmp_path / "runs").iterdir() if p.name != "fleet"]
+        assert json.loads((run / "config.json").read_text())["probe_source"] == "fleet"
+        summary = json.loads((run / "summary.json").read_text())
         assert summary["evaluations"]["fleet"] >= 1, summary.get("evaluations")
+        assert "probes and evaluation on the fleet" in res.stderr
     finally:
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=120)

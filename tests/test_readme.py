@@ -3,6 +3,7 @@ own-model example run here as written (offline: the tokenizer is the project's o
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -91,3 +92,53 @@ def _plan_matches_readme(up: list[str], cwd: Path, env: dict[str, str]) -> None:
     assert res.returncode == 0, res.stderr[-3000:]
     name, warnings = res.stdout.splitlines()
     assert f"runs/{name}" in _section("Your model and data") and warnings == "()"
+
+
+def _inline(text: str, prefix: str) -> list[str]:
+    """Commands written in `text` starting with `prefix`: code-block lines and `inline code`, comments dropped."""
+    lines = [line for block in _blocks(text) for line in block.splitlines()]
+    found = [line.split("  #", 1)[0].strip() for line in lines] + re.findall(r"`([^`\n]+)`", text)
+    return list(dict.fromkeys(c for c in found if c.startswith(prefix)))
+
+
+def _cli(args: list[str], env: dict[str, str], cwd: Path, plan_only: bool = False) -> subprocess.CompletedProcess:
+    """`sparecycles ARGS` as the README's shell runs it; `plan_only`: `up` stops once its plan is made (every
+    option checked, the folder decided), printing the folder's name and the plan's warnings, and starts nothing."""
+    code = ("import sys; import sparecycles.up as up\n"
+            "def planned(plan, **kw):\n    print(plan.out.name); print(list(plan.warnings)); sys.exit(0)\n"
+            "up.run_up = planned\n" if plan_only else "") + "import sys; from sparecycles.cli import app; app(sys.argv[1:])"
+    return subprocess.run([sys.executable, "-c", code, *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=900)
+
+
+def test_install_and_first_run_commands_as_written(tmp_path):
+    """"Install" and "First run": `sparecycles --help`, and every `sparecycles up` the section writes, through the
+    real CLI up to its plan: every option passes, no warning, and the folder is the one the README names."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "SPARECYCLES_RUNS": str(tmp_path / "runs")}
+    env.pop("SPARECYCLES_COORDINATOR_URL", None)
+    (help_cmd,) = _inline(_section("Install"), "sparecycles --")
+    res = _cli(shlex.split(help_cmd)[1:], env, tmp_path)
+    assert res.returncode == 0 and "train" in res.stdout and "fleet" in res.stdout, res.stderr[-2000:]
+    first = _section("First run")
+    ups = _inline(first, "sparecycles up")
+    assert ups == ["sparecycles up", "sparecycles up --steps 300", "sparecycles up --task sentiment"], ups
+    for cmd in ups:
+        res = _cli(shlex.split(cmd)[1:], env, tmp_path, plan_only=True)
+        assert res.returncode == 0, res.stderr[-3000:]
+        name, warnings = res.stdout.splitlines()[-2:]
+        assert warnings == "[]", (cmd, warnings)
+        if "sentiment" not in cmd:
+            assert f"runs/{name}" in first, (cmd, name)
+
+
+@pytest.mark.slow
+def test_first_run_train_command_as_written(tmp_path):
+    """"First run"'s one-process `sparecycles train` line, as written: it trains, exports and learns."""
+    (train,) = _inline(_section("First run"), "sparecycles train ")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "SPARECYCLES_RUNS": str(tmp_path / "runs")}
+    env.pop("SPARECYCLES_COORDINATOR_URL", None)
+    res = _cli(shlex.split(train)[1:], env, tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    (run,) = (tmp_path / "runs").iterdir()
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["final_val_loss"] < summary["initial_val_loss"] - 3.0 and (run / "export" / "config.json").is_file()
