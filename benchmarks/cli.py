@@ -169,9 +169,7 @@ def _bench_zo_paper(o: ZoBenchOptions) -> None:
     from benchmarks.zo_paper import PaperCall, paper_main
     from benchmarks.zo_paper_plan import check_plan, paper_arms, parse_matmul, parse_weights
 
-    model, time_budget, names, include = o.model, o.time_budget, o.arm_names, o.include
-    if model != "smollm2":
-        raise typer.BadParameter(f"--regime paper runs on smollm2 only, got {model!r}", param_hint="--model")
+    time_budget, names, include = o.time_budget, o.arm_names, o.include
     try:
         weights = parse_weights(o.shares)
         paper_arms(time_budget, weights=weights)
@@ -181,8 +179,6 @@ def _bench_zo_paper(o: ZoBenchOptions) -> None:
         plan = [a["name"] for a in paper_arms(time_budget, names)]
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--arms") from None
-    if o.resume and include is None:
-        raise typer.BadParameter("--resume continues arms of an --include summary: give --include", param_hint="--resume")
     inc = None
     if include is not None:
         try:

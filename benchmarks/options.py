@@ -5,7 +5,8 @@ declaration per option, with its default, bounds and help (the description); "na
 option otherwise than its field (`print_json` is `--json`), "envvar" reads a variable when the option is not given.
 The run functions take the model (benchmarks.fleet.run_fleet_bench) or the small specs built from it
 (benchmarks.zo.SentimentSpec / LmSpec, benchmarks.zo_paper.PaperCall). `parse(model, given)` builds one from a
-command's values and turns a refusal into typer.BadParameter (exit 2) naming the option. Torch-free.
+command's values and turns a refusal into typer.BadParameter (exit 2) naming the option; the rules between options
+are model validators (testable without the CLI). Torch-free.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from probe_worker.options import WorkerOptions
 
@@ -165,6 +166,14 @@ class ZoBenchOptions(BaseModel):
     iters_cap: int | None = _F(None, ge=1, description="regime paper: cap every arm's iterations (smoke tests)")
     end_by: float | None = _F(None, description="regime paper: wall-clock deadline (unix seconds, e.g. "
                               "$(( $(date +%s) + 540 ))): the arms' budget shrinks so the run ends by then")
+
+    @model_validator(mode="after")
+    def _paper_options(self) -> ZoBenchOptions:
+        if self.regime == "paper" and self.model != "smollm2":
+            raise ValueError(f"--model: --regime paper runs on smollm2 only, got {self.model!r}")
+        if self.resume and self.include is None:
+            raise ValueError("--resume continues arms of an --include summary: give --include")
+        return self
 
     @property
     def arm_names(self) -> tuple[str, ...] | None:

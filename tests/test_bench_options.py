@@ -1,0 +1,65 @@
+"""The bench commands' typed options (benchmarks.options): the rules between options as model validators, without
+the CLI, and the generated commands keeping every flag that docs/RESULTS.md and tools/h200_*.sh use."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+from typer.main import get_command
+
+from benchmarks.cli import bench_app
+from benchmarks.options import FleetBenchOptions, IntakeBenchOptions, PrecisionOptions, ZoBenchOptions
+
+
+def test_paper_regime_rules_are_validators():
+    with pytest.raises(ValidationError, match="--model: --regime paper runs on smollm2 only"):
+        ZoBenchOptions(regime="paper")
+    with pytest.raises(ValidationError, match="give --include"):
+        ZoBenchOptions(regime="paper", model="smollm2", resume=True)
+    o = ZoBenchOptions(regime="paper", model="smollm2", resume=True, include=Path("a.json"), arms=" A1, A3w ,")
+    assert o.arm_names == ("A1", "A3w") and ZoBenchOptions().arm_names is None
+    with pytest.raises(ValidationError, match="budget"):
+        ZoBenchOptions(budget=2)
+
+
+def test_fleet_options_derive_the_batches_and_worker_arguments():
+    o = FleetBenchOptions()
+    assert (o.workers, o.batch, o.train_batch, o.worker_args) == ((1, 2, 4), (4, 64), (4, 64),
+                                                                  ("--tf32-attention", "auto"))
+    o = FleetBenchOptions(batch_size=8, seq_len=32, train_seq_len=128, worker_cuda_graphs=True, tf32_attention="bf16")
+    assert o.train_batch == (8, 128) and o.worker_args == ("--cuda-graphs", "--tf32-attention", "bf16")
+    for bad in ({"workers": ()}, {"workers": (0,)}, {"kind": "probe"}, {"blob_path": "nfs"},
+                {"tf32_attention": "fp16"}, {"seeds_per_task": 257}):
+        with pytest.raises(ValidationError):
+            FleetBenchOptions(**bad)
+    assert IntakeBenchOptions(mode="store").modes == ("store",) and IntakeBenchOptions().modes == ("http", "store")
+
+
+def _flags(name: str) -> set[str]:
+    cmd = get_command(bench_app).commands[name]
+    return {o for p in cmd.params for o in (*p.opts, *p.secondary_opts)}
+
+
+@pytest.mark.parametrize(("name", "flags"), [
+    ("fleet", "--workers --preset --seeds --seeds-per-task --batch-size --seq-len --threads --ready-preset "
+              "--redis-url --json --device --trainer-device --compare-seeds --interval --train-batch-size "
+              "--train-seq-len --json-out --blob-path --kind --worker-cuda-graphs --tf32-attention"),
+    ("zo", "--part --out --device --steps --probes --k --budget --lrs --seed --methods --model --head-init --evals "
+           "--backprop-steps --backprop-lr --regime --arms --time-budget --fp32-matmul --include --resume --shares "
+           "--drift --no-drift --iters-cap --end-by"),
+    ("precision", "--preset --batch-size --seq-len --steps --seeds --batches --corpus --device --json-out"),
+    ("intake", "--workers --results --batch --mode --rate --redis-url --coordinators --json"),
+    ("data-pack", "--size-mb --model --workdir --out"),
+])
+def test_generated_commands_keep_every_flag(name, flags):
+    assert set(flags.split()) <= _flags(name)
+
+
+def test_defaults_are_the_models(monkeypatch):
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    assert PrecisionOptions().model_dump() == {
+        "preset": "gpt2-small", "batch_size": 16, "seq_len": 512, "steps": 60, "seeds": 8, "batches": 2,
+        "corpus": "classics-small", "device": "cuda:0", "json_out": None}
+    assert FleetBenchOptions().redis_url == "redis://127.0.0.1:6379/0"
