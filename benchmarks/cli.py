@@ -18,6 +18,7 @@ from benchmarks.options import (
     DataPackOptions,
     FleetBenchOptions,
     IntakeBenchOptions,
+    MemoryScanOptions,
     PrecisionOptions,
     ZoBenchOptions,
     parse,
@@ -234,28 +235,24 @@ def report(
     typer.echo(f"wrote {out / 'pretrain_summary.json'} and {out / 'pretrain_val_loss.png'}")
 
 
-@headline_app.command("memory")
-def memory(
-    device: Annotated[str, typer.Option(help="CUDA device")] = "cuda",
-    shapes: Annotated[str, typer.Option(help="comma-separated shapes, ascending (benchmarks.headline.SCAN_SHAPES)")] = (
-        "gpt2-xl,gpt-2.7b,gpt-6.7b,gpt-13b,gpt-30b,gpt-45b"),
-    seq_len: Annotated[int, typer.Option(min=1, max=1024, help="tokens per sequence (batch 1)")] = 1024,
-    json_out: Annotated[Path | None, typer.Option(help="write the scan as JSON here")] = None,
-) -> None:
+@headline_app.command("memory", cls=SettingsCommand)
+@with_settings(model=MemoryScanOptions, param="given", section=SECTION)
+def memory(given: dict) -> None:
     """Largest GPT shape that takes a training step in place with AdamW vs 1.5-SPSA on one GPU; peak memory."""
     from benchmarks.headline import memory_scan
 
+    o = parse(MemoryScanOptions, given)
     try:
-        res = memory_scan(device, tuple(s.strip() for s in shapes.split(",") if s.strip()), seq_len=seq_len)
+        res = memory_scan(o.device, o.shapes, seq_len=o.seq_len)
     except (ValueError, RuntimeError) as exc:
         raise typer.BadParameter(str(exc)) from exc
     for t in res["trials"]:
         typer.echo(f"{t['method']:8s} {t['shape']:9s} {t['params'] / 1e9:6.2f}B params  "
                    f"{'ok ' if t['ok'] else 'OOM'} peak {t['peak_bytes'] / 2**30:7.1f} GiB")
     typer.echo(f"largest: {res['largest']} on {res['gpu']} ({res['gpu_bytes'] / 2**30:.0f} GiB)")
-    if json_out is not None:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(res, indent=2))
+    if o.json_out is not None:
+        o.json_out.parent.mkdir(parents=True, exist_ok=True)
+        o.json_out.write_text(json.dumps(res, indent=2))
 
 
 def bench_regime(ctx: typer.Context) -> None:

@@ -65,6 +65,18 @@ class DataPackOptions(BaseModel):
     out: Path = _F(Path("benchmarks/results/cpu/data_pack.json"), description="Result JSON to write")
 
 
+class MemoryScanOptions(BaseModel):
+    """`bench headline memory`: the largest GPT shape that trains in place on one GPU (benchmarks.headline)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    device: str = _F("cuda", description="CUDA device")
+    shapes: tuple[str, ...] = _F(("gpt2-xl", "gpt-2.7b", "gpt-6.7b", "gpt-13b", "gpt-30b", "gpt-45b"), min_length=1,
+                                 description="comma-separated shapes, ascending (benchmarks.headline.SCAN_SHAPES)")
+    seq_len: int = _F(1024, ge=1, le=1024, description="tokens per sequence (batch 1)")
+    json_out: Path | None = _F(None, description="write the scan as JSON here")
+
+
 class FleetBenchOptions(BaseModel):
     """`bench fleet`: probe throughput of real workers and publish -> ready latency (benchmarks.fleet)."""
 

@@ -38,7 +38,9 @@ def test_fleet_options_derive_the_batches_and_worker_arguments():
 
 
 def _flags(name: str) -> set[str]:
-    cmd = get_command(bench_app).commands[name]
+    cmd = get_command(bench_app)
+    for part in name.split():
+        cmd = cmd.commands[part]
     return {o for p in cmd.params for o in (*p.opts, *p.secondary_opts)}
 
 
@@ -52,6 +54,7 @@ def _flags(name: str) -> set[str]:
     ("precision", "--preset --batch-size --seq-len --steps --seeds --batches --corpus --device --json-out"),
     ("intake", "--workers --results --batch --mode --rate --redis-url --coordinators --json"),
     ("data-pack", "--size-mb --model --workdir --out"),
+    ("headline memory", "--device --shapes --seq-len --json-out"),
 ])
 def test_generated_commands_keep_every_flag(name, flags):
     assert set(flags.split()) <= _flags(name)
