@@ -209,6 +209,33 @@ def test_worker_without_the_folder_answers_from_the_coordinator(redis_url: str, 
         store.delete(key, teacher_queue(run))
 
 
+def test_a_round_taken_while_the_worker_drains_or_yields_goes_back(redis_url: str, store, teacher: Path,
+                                                                    tmp_path: Path) -> None:
+    """A teacher round delivered while the worker drains (SIGUSR1, the coordinator's drain) or yields to its serving
+    engine is handed back to its queue unanswered, as a probe task is (outcome requeued); taken once the worker takes
+    tasks again, it is answered."""
+    from celery.exceptions import Reject
+
+    from probe_worker.tasks import DrainState
+
+    run = f"kdd-{uuid.uuid4().hex[:8]}"
+    fleet = FleetTeacher(make_celery(redis_url), store, run=run, teacher=_recipe(teacher), batch_fn=batch_fn)
+    runtime, metrics, drain = TeacherRuntime("cpu", store, root=tmp_path), TeacherMetrics(CollectorRegistry()), DrainState()
+    task = _task(fleet, 0).model_dump(mode="json")
+    key = target_key(run, 0, fleet.recipe, fleet.task_for(0).key)
+    try:
+        for set_drain in (drain.set_local, drain.set_serving):
+            set_drain(True)
+            with pytest.raises(Reject) as refused:
+                run_teacher(runtime, metrics, task, drain)
+            assert refused.value.requeue and not store.exists(key) and runtime.sha is None  # nothing loaded
+            set_drain(False)
+        assert metrics.tasks.labels("requeued")._value.get() == 2
+        assert run_teacher(runtime, metrics, task, drain) == "done" and store.exists(key)
+    finally:
+        store.delete(key)
+
+
 @pytest.mark.slow
 def test_enrolled_worker_elsewhere_answers_teacher_rounds_and_drains(teacher: Path, tmp_path: Path) -> None:
     """Teacher rounds as a round kind of `sparecycles worker` (issue 47): a real enrolled worker process, listed in
