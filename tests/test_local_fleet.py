@@ -62,9 +62,9 @@ def test_own_loop_through_the_one_command_fleet(tmp_path):
         clean["SPARECYCLES_CACHE"] = os.environ["SPARECYCLES_CACHE"]
     bin_dir = tmp_path / "bin"  # `sparecycles` and `python` as the README's shell has them
     bin_dir.mkdir()
-    (bin_dir / "sparecycles").write_text(f"#!/bin/sh\nexec {sys.executable} -m sparecycles.cli \"$@\"\n")
-    (bin_dir / "sparecycles").chmod(0o755)
-    (bin_dir / "python").symlink_to(sys.executable)
+    for name, run in (("sparecycles", f"{sys.executable} -m sparecycles.cli"), ("python", sys.executable)):
+        (bin_dir / name).write_text(f"#!/bin/sh\nexec {run} \"$@\"\n")  # a venv's python: exec'd by its path
+        (bin_dir / name).chmod(0o755)
     clean["PATH"] = f"{bin_dir}:{clean.get('PATH', '')}"
     log = open(tmp_path / "fleet.log", "w")
     proc = subprocess.Popen(["sh", "-c", f"exec {fleet_cmd}"], env=clean, stdout=subprocess.PIPE, stderr=log,
