@@ -301,6 +301,12 @@ def bench_serving(
     rate: Annotated[float, typer.Option(min=0.01, max=100.0, help="Poisson arrivals per second")] = 0.2,
     hold: Annotated[float, typer.Option(min=0.0, help="The yielding worker's --serving-hold (seconds)")] = 0.5,
     control_interval: Annotated[float, typer.Option(min=0.05, help="The workers' control interval (seconds)")] = 0.2,
+    serving_interval: Annotated[float | None, typer.Option(min=0.01, help="The yielding workers' --serving-interval "
+                                                           "(seconds; default: the control interval)")] = None,
+    signal_: Annotated[str, typer.Option("--signal", help="What the yielding workers read: load (vLLM's /load, a "
+                                         "request counted on arrival) or metrics (its /metrics gauges)")] = "load",
+    nice: Annotated[int | None, typer.Option(min=1, max=19, help="Also run arm (d): arm (c) with the worker at "
+                                             "this CPU nice")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the arrivals and of the text passages")] = 0,
     blocks: Annotated[int, typer.Option(min=1, help="Interleave the arms in this many blocks (a, b, c, a, b, c, ...)")]
     = 4,
@@ -310,19 +316,24 @@ def bench_serving(
     out: Annotated[Path, typer.Option(help="Folder for serving.json and serving.png")]
     = Path("benchmarks/results/cpu/serving"),
 ) -> None:
-    """Serving latency beside a fleet worker: (a) engine alone, (b) busy worker, (c) engine-aware yielding."""
-    from benchmarks.serving import run_serving_bench
+    """Serving latency beside a fleet worker: (a) engine alone, (b) busy worker, (c) engine-aware yielding[, (d) (c)
+    at a lower CPU priority]."""
+    from benchmarks.serving import ServingBench, run_serving_bench
 
     if len(os.sched_getaffinity(0)) < 2:
         raise typer.BadParameter("needs 2 CPUs (the engine and worker on one, trainer and load on the other)")
-    res = run_serving_bench(redis_url, requests, rate, hold, control_interval, seed, out, blocks, probes,
-                            progress=lambda m: typer.echo(m, err=True))
+    cfg = ServingBench(requests=requests, rate=rate, hold_s=hold, interval_s=control_interval,
+                       serving_interval_s=serving_interval, signal=signal_, nice=nice, seed=seed, blocks=blocks,
+                       probes=probes, out_dir=out)
+    res = run_serving_bench(redis_url, cfg, progress=lambda m: typer.echo(m, err=True))
+    nan = float("nan")
     for arm, f in res["arms"].items():
         typer.echo(f"({arm}) TTFT p50/p95/p99 {f['ttft_s']['p50']:.3f}/{f['ttft_s']['p95']:.3f}/"
                    f"{f['ttft_s']['p99']:.3f} s  e2e {f['e2e_s']['p50']:.3f}/{f['e2e_s']['p95']:.3f}/"
                    f"{f['e2e_s']['p99']:.3f} s  {f['output_tokens_per_s']:.2f} tokens/s  forwards "
                    f"{f['probe_forwards_done']:.0f}  idle used {f['idle_used_share'] or 0:.2f}  reclaim p95 "
-                   f"{f['reclaim_s']['p95'] if f['reclaim_s']['p95'] is not None else float('nan'):.3f} s")
+                   f"{f['reclaim_s']['p95'] or nan:.3f} s (detect {f['reclaim_detect_s']['p95'] or nan:.3f}, cut "
+                   f"{f['reclaim_cut_s']['p95'] or nan:.3f})  load {f['load_avg_1min']}")
     for arm, r in res.get("ratios", {}).items():
         typer.echo(f"({arm}) / (a) p95: TTFT {r['ttft_s']:.3f}x, e2e {r['e2e_s']:.3f}x")
     typer.echo(f"wrote {out / 'serving.json'} and {out / 'serving.png'}")

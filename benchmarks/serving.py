@@ -27,8 +27,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Literal
 
 import httpx
+from pydantic import BaseModel, ConfigDict, Field
 
 from benchmarks.fleet import ROOT, _Fleet
 from benchmarks.serving_load import (
@@ -42,9 +44,47 @@ from benchmarks.serving_load import (
     verses,
 )
 
-ARMS = ("a", "b", "c")
+ARMS = ("a", "b", "c", "d")
+ROLES = {"b": "noyield", "c": "yield", "d": "nice"}  # the worker each arm resumes (arm a: none)
 SEEDS, CLEAN = "sparecycles_worker_probes_evaluated_total", "sparecycles_worker_clean_evaluations_total"
 ENGINE_CPU, FLEET_CPU = 0, 1
+
+
+class ServingBench(BaseModel):
+    """`bench serving`'s settings. Seconds and requests/s; `signal`: what the yielding workers read ("load": vLLM's
+    /load, which counts a request on arrival, vLLM started with --enable-server-load-tracking; "metrics": its
+    /metrics gauges, which count it after its prefill); `nice`: also run arm (d), arm (c)'s worker at this CPU nice
+    (None: no arm d); `serving_interval`: the yielding workers' --serving-interval (None: their control interval)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    requests: int = Field(20, ge=2)
+    rate: float = Field(0.2, gt=0, le=100)
+    hold_s: float = Field(0.5, ge=0)
+    interval_s: float = Field(0.2, ge=0.05)
+    serving_interval_s: float | None = Field(None, ge=0.01, le=10)
+    seed: int = 0
+    blocks: int = Field(4, ge=1)
+    probes: int = Field(64, ge=1, le=4096)
+    signal: Literal["load", "metrics"] = "load"
+    nice: int | None = Field(None, ge=1, le=19)
+    out_dir: Path = Path("benchmarks/results/cpu/serving")
+    engine: Literal["vllm", "standin"] = "vllm"
+    standin_args: tuple[str, ...] = ()  # benchmarks.serving_standin's options (--config, --device, --dtype, ...)
+    device: str = "cpu"  # the workers'; the trainer and the load stay on the CPU
+    batch: tuple[int, int] = (4, 64)  # the trainer's batch (sequences, tokens each) on gpt2-tiny
+    threads: int = Field(1, ge=1)  # each worker's torch threads
+
+    @property
+    def arms(self) -> tuple[str, ...]:
+        """The arms run: a, b, c, and d with `nice`."""
+        return ARMS if self.nice else ARMS[:3]
+
+    @property
+    def pinned(self) -> bool:
+        """On the CPU the engine and workers share CPU 0 and the rest uses CPU 1 (taskset); on a GPU nothing is
+        pinned (they share the GPU)."""
+        return self.device == "cpu"
 
 
 def _pin(pid: int, cpu: int) -> None:
@@ -65,25 +105,46 @@ def _scrape(port: int) -> dict[str, float]:
     return out
 
 
-def _spans(path: Path, t0: float, t1: float) -> list[tuple[float, float, str]]:
-    """A worker's computing task spans (done or preempted) that overlap [t0, t1], clipped to it."""
-    if not path.exists():
-        return []
-    out = []
+def _trace(path: Path | None, t0: float, t1: float) -> tuple[list[tuple[float, float, str]], list[dict]]:
+    """A worker's computing task spans (done or preempted) that overlap [t0, t1], clipped to it, and its gate events
+    (probe_worker.serving.TraceFile.event) in [t0 - 1, t1]."""
+    if path is None or not path.exists():
+        return [], []
+    spans, events = [], []
     for line in path.read_text().splitlines():
         s = json.loads(line)
-        if s["outcome"] in ("done", "preempted") and s["end"] > t0 and s["start"] < t1:
-            out.append((max(s["start"], t0), min(s["end"], t1), s["outcome"]))
-    return out
+        if s.get("outcome") in ("done", "preempted") and s["end"] > t0 and s["start"] < t1:
+            spans.append((max(s["start"], t0), min(s["end"], t1), s["outcome"]))
+        elif "event" in s and t0 - 1 <= s["t"] <= t1:
+            events.append(s)
+    return spans, events
+
+
+def _reclaims(ok, spans, events) -> tuple[list[float], list[float], list[float]]:
+    """Per request that arrived while a task ran: the task's end minus the arrival; split, where the worker traced its
+    gate, into detect (arrival -> the end of the first reading that turned the gate to yield after it) and cut (that
+    -> the task's end)."""
+    total, detect, cut = [], [], []
+    seen = sorted(e["t"] + e.get("scrape_s", 0.0) for e in events if e["event"] == "yield")
+    for o in ok:
+        for a, b, _ in spans:
+            if a < o.sent < b:
+                total.append(b - o.sent)
+                knew = next((t for t in seen if t >= o.sent), None)
+                if knew is not None and knew <= b + 1.0:
+                    detect.append(knew - o.sent)
+                    cut.append(max(0.0, b - knew))
+    return total, detect, cut
 
 
 def arm_figures(blocks) -> dict:
     """Latency percentiles, throughput, idle share used and reclaim latencies of one arm over its blocks, each
-    (outcomes, worker spans, t0, t1) in unix seconds. Engine idle: block time outside every answered request's
-    [sent, end]; used: the worker's task time in it; reclaim: per request that arrived while a task ran, the task's
-    end minus the arrival."""
-    ok_all, reclaim, seconds, idle_s, task_s, used_s, cut, tokens, n = [], [], 0.0, 0.0, 0.0, 0.0, 0, 0, 0
-    for outs, spans, t0, t1 in blocks:
+    (outcomes, worker spans, t0, t1[, gate events]) in unix seconds. Engine idle: block time outside every answered
+    request's [sent, end]; used: the worker's task time in it; reclaim: per request that arrived while a task ran, the
+    task's end minus the arrival (with events: split into detect and cut, `_reclaims`)."""
+    ok_all, reclaim, detect, cut_s, seconds, idle_s, task_s, used_s, cut, tokens, n = [], [], [], [], 0.0, 0.0, 0.0, \
+        0.0, 0, 0, 0
+    for outs, spans, t0, t1, *rest in blocks:
         ok = [o for o in outs if not o.error and o.end is not None]
         busy = union([(o.sent, o.end) for o in ok])
         work = [(a, b) for a, b, _ in spans]
@@ -91,7 +152,8 @@ def arm_figures(blocks) -> dict:
         idle_s += (t1 - t0) - sum(b - a for a, b in busy)
         task_s += sum(b - a for a, b in union(work))
         used_s += sum(b - a for a, b in union(work)) - overlap(work, busy)
-        reclaim += [b - o.sent for o in ok for a, b, _ in spans if a < o.sent < b]
+        r, d, c = _reclaims(ok, spans, rest[0] if rest else [])
+        reclaim, detect, cut_s = reclaim + r, detect + d, cut_s + c
         cut += sum(1 for *_, k in spans if k == "preempted")
         tokens += sum(o.tokens for o in ok)
         ok_all += ok
@@ -104,88 +166,152 @@ def arm_figures(blocks) -> dict:
         "engine_idle_s": idle_s, "worker_task_s": task_s, "idle_used_s": used_s,
         "idle_used_share": used_s / idle_s if idle_s > 0 else None, "tasks_cut": cut,
         "reclaim_s": percentiles(reclaim), "reclaims": len(reclaim),
+        "reclaim_detect_s": percentiles(detect), "reclaim_cut_s": percentiles(cut_s),
     }
 
 
-def _trainer(fleet: _Fleet, run_dir: Path, log: Path, probes: int) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "SPARECYCLES_ADMIN_TOKEN": fleet.admin_token,
-           "SPARECYCLES_REDIS_URL": fleet.redis_url, "SPARECYCLES_KEY_PREFIX": fleet.prefix}
-    cmd = ["taskset", "-c", str(FLEET_CPU), sys.executable, "-m", "sparecycles.cli", "train", "--model", "gpt2-tiny",
-           "--corpus", "classics-small", "--optimizer", "1spsa", "--probes", str(probes), "--batch-size", "4", "--seq-len", "64",
-           "--steps", "1000000",
-           "--eval-every", "1000000", "--eval-on", "trainer", "--coordinator", fleet.url, "--run-dir", str(run_dir),
-           "--no-progress"]
+def _trainer(fleet: _Fleet, run_dir: Path, log: Path, cfg: ServingBench) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+           "SPARECYCLES_ADMIN_TOKEN": fleet.admin_token, "SPARECYCLES_REDIS_URL": fleet.redis_url,
+           "SPARECYCLES_KEY_PREFIX": fleet.prefix}
+    pin = ["taskset", "-c", str(FLEET_CPU)] if cfg.pinned else []
+    cmd = [*pin, sys.executable, "-m", "sparecycles.cli", "train", "--model", "gpt2-tiny", "--device", "cpu",
+           "--corpus", "classics-small", "--optimizer", "1spsa", "--probes", str(cfg.probes), "--batch-size",
+           str(cfg.batch[0]), "--seq-len", str(cfg.batch[1]), "--steps", "1000000", "--eval-every", "1000000",
+           "--eval-on", "trainer", "--coordinator", fleet.url, "--run-dir", str(run_dir), "--no-progress"]
     return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=open(log, "wb"), stderr=subprocess.STDOUT,  # noqa: SIM115
                             start_new_session=True)
 
 
-def run_serving_bench(redis_url: str, requests: int, rate: float, hold_s: float, interval_s: float, seed: int,
-                      out_dir: Path, blocks: int = 4, probes: int = 64, progress=print) -> dict:
-    """Start everything, run `blocks` rounds of arms a, b, c (requests // blocks requests each), stop everything;
-    returns the result dict (also written to out_dir/serving.json with the raw requests and spans; the plot to
-    out_dir/serving.png). SIGTERM stops it cleanly (every process it started)."""
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+def _workers(fleet: _Fleet, engine, cfg: ServingBench, tmp: Path, roles: tuple[str, ...]) -> dict[str, tuple]:
+    """Start one worker per role of `roles` (noyield; yield; nice), pinned to the engine's CPU; returns {role:
+    (process, metrics port, trace path)}."""
     from api.server import free_port
+
+    url = engine.url + ("/load" if cfg.signal == "load" else "/metrics")
+    yielding = ("--serving-metrics", url, "--serving-hold", str(cfg.hold_s),
+                *(("--serving-interval", str(cfg.serving_interval_s)) if cfg.serving_interval_s else ()))
+    extra = {"noyield": (), "yield": yielding, "nice": (*yielding, "--nice", str(cfg.nice))}
+    out = {}
+    for role in roles:
+        port, trace = free_port(), tmp / f"{role}.jsonl"
+        fleet.worker_args = ("--task-trace", str(trace), "--metrics-port", str(port),
+                             "--control-interval", str(cfg.interval_s), *extra[role])
+        fleet.start_workers(1)
+        if cfg.pinned:
+            _pin(fleet.procs[-1].pid, ENGINE_CPU)
+        out[role] = (fleet.procs[-1], port, trace)
+    return out
+
+
+def _fleet_and_trainer(fleet: _Fleet, engine, cfg: ServingBench, tmp: Path) -> tuple[dict, subprocess.Popen]:
+    """The workers and the trainer. The trainer attaches while one worker is up, so its run has no spot checks and
+    one task per round (fleet.attach: a replica must come from another worker, and here only one worker is resumed
+    at a time, so spot-checked seeds would wait for hand-backs); the other workers join after."""
+    roles = ("noyield", "yield", *(("nice",) if cfg.nice else ()))
+    workers = _workers(fleet, engine, cfg, tmp, roles[:1])
+    trainer = _trainer(fleet, tmp / "run", tmp / "trainer.log", cfg)
+    deadline = time.monotonic() + 300
+    while "active worker(s)" not in (tmp / "trainer.log").read_text(errors="replace"):
+        if trainer.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"the trainer did not attach; see {tmp / 'trainer.log'}")
+        time.sleep(0.5)
+    return {**workers, **_workers(fleet, engine, cfg, tmp, roles[1:])}, trainer
+
+
+def _warm(workers: dict, trainer: subprocess.Popen, timeout_s: float = 600.0) -> None:
+    """Resume each worker alone until it has finished a task (its model built, compiled on CUDA), the others drained;
+    then drain all. Raises RuntimeError if the trainer exits or `timeout_s` passes."""
+    for role, (proc, _, trace) in workers.items():
+        for other, (p, _, _) in workers.items():
+            p.send_signal(signal.SIGUSR2 if other == role else signal.SIGUSR1)
+        deadline = time.monotonic() + timeout_s
+        while not (trace.exists() and '"done"' in trace.read_text()):
+            if trainer.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"worker {role} finished no task while warming up (trainer rc {trainer.poll()})")
+            time.sleep(0.5)
+        proc.send_signal(signal.SIGUSR1)
+
+
+def _blocks(engine, model: str, workers: dict, trainer, cfg: ServingBench, text: list[str], progress) -> dict:
+    """Run the arms interleaved in blocks (the machine's other load falls on every arm alike); returns
+    {arm: {"blocks": [(outcomes, spans, t0, t1, events)], "forwards": n, "load": [1-min load averages]}}."""
+    per_block = max(1, cfg.requests // cfg.blocks)
+    got = {arm: {"blocks": [], "forwards": 0.0, "load": []} for arm in cfg.arms}
+    for blk in range(cfg.blocks):
+        for k, arm in enumerate(cfg.arms):
+            for role, (proc, _, _) in workers.items():
+                proc.send_signal(signal.SIGUSR2 if ROLES.get(arm) == role else signal.SIGUSR1)
+            time.sleep(max(3.0, 2 * cfg.hold_s))  # the drains take effect; the yielding worker's hold passes
+            if trainer.poll() is not None:
+                raise RuntimeError(f"the trainer exited ({trainer.returncode})")
+            before = {r: _scrape(port) for r, (_, port, _) in workers.items()}
+            progress(f"block {blk + 1}/{cfg.blocks}, arm ({arm}): {per_block} requests at {cfg.rate:g}/s ...")
+            t0 = time.time()
+            outs = run_load(engine.url, model, make_requests(per_block, cfg.rate, cfg.seed + 100 * blk + k, text))
+            t1 = time.time()
+            after = {r: _scrape(port) for r, (_, port, _) in workers.items()}
+            spans, events = _trace(workers[ROLES[arm]][2] if arm in ROLES else None, t0, t1)
+            got[arm]["blocks"].append((outs, spans, t0, t1, events))
+            got[arm]["load"].append(os.getloadavg()[0])
+            got[arm]["forwards"] += sum(2 * (after[r][SEEDS] - before[r][SEEDS]) + after[r][CLEAN] - before[r][CLEAN]
+                                        for r in workers)
+    return got
+
+
+def _result(cfg: ServingBench, got: dict) -> dict:
+    """The result dict: settings, per-arm figures (arm_figures + forwards + load averages), raw requests/spans/events,
+    and each arm's p95 ratios to arm (a)."""
+    result: dict = {"settings": {**cfg.model_dump(mode="json"), "engine_cpu": ENGINE_CPU, "fleet_cpu": FLEET_CPU},
+                    "arms": {}, "raw": {}}
+    for arm, g in got.items():
+        result["arms"][arm] = {**arm_figures(g["blocks"]), "probe_forwards_done": g["forwards"],
+                               "load_avg_1min": g["load"]}
+        result["raw"][arm] = [{"t0": t0, "t1": t1, "requests": [outcome_dict(o) for o in outs], "spans": spans,
+                               "events": events} for outs, spans, t0, t1, events in g["blocks"]]
+    a = result["arms"]
+    result["ratios"] = {arm: {k: a[arm][k]["p95"] / a["a"][k]["p95"] for k in ("ttft_s", "e2e_s")}
+                        for arm in a if arm != "a"}
+    return result
+
+
+def _engine(cfg: ServingBench, tmp: Path):
+    """The engine process (not started): vLLM on SmolLM2-135M pinned to CPU 0 (with /load), or the stand-in."""
+    from api.server import free_port
+    from benchmarks.serving_standin import StandinProcess
     from probe_worker.engine import VllmProcess
     from trainer.models.pretrained import smollm2_dir
 
-    os.sched_setaffinity(0, {FLEET_CPU})  # the load client
-    text = verses(requests * CONTEXT + 1)
+    if cfg.engine == "standin":
+        return StandinProcess(Path("."), free_port(), tmp / "engine.log", cpus=[ENGINE_CPU] if cfg.pinned else None,
+                              extra_args=cfg.standin_args)
+    return VllmProcess(smollm2_dir(), free_port(), tmp / "vllm.log", cpus=[ENGINE_CPU],
+                       extra_args=["--enable-server-load-tracking"])
+
+
+def run_serving_bench(redis_url: str, cfg: ServingBench, progress=print) -> dict:
+    """Start everything (module docstring), run cfg.blocks rounds of the arms, stop everything; returns the result
+    dict (also written to cfg.out_dir/serving.json with the raw requests, spans and gate events; the plot to
+    serving.png). SIGTERM stops it cleanly (every process it started)."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if cfg.pinned:
+        os.sched_setaffinity(0, {FLEET_CPU})  # the load client
+    text = verses(cfg.requests * CONTEXT + 1)
     tmp = Path(tempfile.mkdtemp(prefix="bench-serving-"))
-    engine = VllmProcess(smollm2_dir(), free_port(), tmp / "vllm.log", cpus=[ENGINE_CPU])
+    engine = _engine(cfg, tmp)
     fleet = trainer = None
-    result: dict = {"settings": {"requests_per_arm": requests, "blocks": blocks, "trainer_probes": probes, "rate_per_s": rate, "hold_s": hold_s,
-                                 "control_interval_s": interval_s, "seed": seed, "engine_cpu": ENGINE_CPU,
-                                 "fleet_cpu": FLEET_CPU}, "arms": {}, "raw": {}}
     try:
-        progress("starting vLLM on CPU 0 ...")
+        progress(f"starting {cfg.engine} ({'CPU 0' if cfg.pinned else cfg.standin_args}) ...")
         engine.start()
         engine.wait_ready()
         model = httpx.get(engine.url + "/v1/models", timeout=30).json()["data"][0]["id"]
-        fleet = _Fleet(redis_url, tmp, threads=1)
-        os.sched_setaffinity(fleet.coord.pid, {FLEET_CPU})
-        ports, traces = {}, {}
-        yielding = ("--serving-metrics", engine.metrics_url, "--serving-hold", str(hold_s))
-        for role, extra in (("noyield", ()), ("yield", yielding)):
-            ports[role], traces[role] = free_port(), tmp / f"{role}.jsonl"
-            fleet.worker_args = ("--task-trace", str(traces[role]), "--metrics-port", str(ports[role]),
-                                 "--control-interval", str(interval_s), *extra)
-            fleet.start_workers(1)
-        for p in fleet.procs:
-            _pin(p.pid, ENGINE_CPU)
-        noyield, yielder = fleet.procs
-        progress(f"starting the trainer (1SPSA K={probes} on gpt2-tiny) on CPU 1 ...")
-        trainer = _trainer(fleet, tmp / "run", tmp / "trainer.log", probes)
-        time.sleep(5)
-        signals = {"a": (signal.SIGUSR1, signal.SIGUSR1), "b": (signal.SIGUSR2, signal.SIGUSR1),
-                   "c": (signal.SIGUSR1, signal.SIGUSR2)}
-        per_block = max(1, requests // blocks)
-        collected: dict[str, list] = {arm: [] for arm in ARMS}
-        forwards = dict.fromkeys(ARMS, 0.0)
-        for blk in range(blocks):  # interleaved: the machine's other load falls on every arm alike
-            for k, arm in enumerate(ARMS):
-                noyield.send_signal(signals[arm][0])
-                yielder.send_signal(signals[arm][1])
-                time.sleep(max(3.0, 2 * hold_s))  # the drains take effect; the yielding worker's hold passes
-                if trainer.poll() is not None:
-                    raise RuntimeError(f"the trainer exited ({trainer.returncode}); see {tmp / 'trainer.log'}")
-                before = {r: _scrape(p) for r, p in ports.items()}
-                reqs = make_requests(per_block, rate, seed + 100 * blk + k, text)
-                progress(f"block {blk + 1}/{blocks}, arm ({arm}): {per_block} requests at {rate:g}/s ...")
-                t0 = time.time()
-                outs = run_load(engine.url, model, reqs)
-                t1 = time.time()
-                after = {r: _scrape(p) for r, p in ports.items()}
-                role = {"a": None, "b": "noyield", "c": "yield"}[arm]
-                collected[arm].append((outs, _spans(traces[role], t0, t1) if role else [], t0, t1))
-                forwards[arm] += sum(2 * (after[r][SEEDS] - before[r][SEEDS]) + after[r][CLEAN] - before[r][CLEAN]
-                                     for r in ports)
-        for arm in ARMS:
-            figures = arm_figures(collected[arm])
-            figures["probe_forwards_done"] = forwards[arm]
-            result["arms"][arm] = figures
-            result["raw"][arm] = [{"t0": t0, "t1": t1, "requests": [outcome_dict(o) for o in outs], "spans": spans}
-                                  for outs, spans, t0, t1 in collected[arm]]
+        fleet = _Fleet(redis_url, tmp, threads=cfg.threads, devices=(cfg.device,))
+        if cfg.pinned:
+            os.sched_setaffinity(fleet.coord.pid, {FLEET_CPU})
+        progress(f"starting the workers and the trainer (1SPSA K={cfg.probes} on gpt2-tiny) on CPU {FLEET_CPU} ...")
+        workers, trainer = _fleet_and_trainer(fleet, engine, cfg, tmp)
+        _warm(workers, trainer)
+        result = _result(cfg, _blocks(engine, model, workers, trainer, cfg, text, progress))
         result["heartbeat_serving"] = fleet.info("bench-1")["serving"]
     finally:
         if trainer is not None and trainer.poll() is None:  # a bench's trainer: nothing of it is kept
@@ -196,13 +322,9 @@ def run_serving_bench(redis_url: str, requests: int, rate: float, hold_s: float,
                 fleet.close()
         finally:
             engine.stop()
-    a = result["arms"]
-    if "a" in a and "c" in a:
-        result["ratios"] = {arm: {k: a[arm][k]["p95"] / a["a"][k]["p95"] for k in ("ttft_s", "e2e_s")}
-                            for arm in ("b", "c")}
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "serving.json").write_text(json.dumps(result, indent=1))
-    plot(result, out_dir / "serving.png")
+    cfg.out_dir.mkdir(parents=True, exist_ok=True)
+    (cfg.out_dir / "serving.json").write_text(json.dumps(result, indent=1))
+    plot(result, cfg.out_dir / "serving.png")
     return result
 
 
@@ -216,7 +338,8 @@ def plot(result: dict, path: Path) -> None:
 
     arms = [a for a in ARMS if a in result["raw"]]
     fig, axes = plt.subplots(len(arms), 1, figsize=(11, 2.6 * len(arms)), sharey=True, squeeze=False)
-    titles = {"a": "(a) engine alone", "b": "(b) busy worker, no yielding", "c": "(c) engine-aware yielding"}
+    titles = {"a": "(a) engine alone", "b": "(b) busy worker, no yielding", "c": "(c) engine-aware yielding",
+              "d": "(d) engine-aware yielding, worker at a lower CPU priority (nice)"}
     for ax, arm in zip(axes[:, 0], arms):
         offset = 0.0
         for i, blk in enumerate(result["raw"][arm]):

@@ -399,8 +399,8 @@ class WholeModelEvaluator:
         if seed is None or alpha == 0.0:
             self._set_clean()
         else:
+            self._state = None  # first: a perturbation cut short (a serving worker's chunk hook) leaves it unknown
             self._plan(dist).perturb(seed, float(alpha))
-            self._state = None  # the values are z-dependent; another probe always rewrites every element
         return self.forward_loss(batch)
 
     def clean_loss(self, batch) -> float:
@@ -429,8 +429,8 @@ class WholeModelEvaluator:
         first = self.compiled and self.compile_seconds is None
         for s in seeds:
             for a in (float(alpha), -float(alpha)):
+                self._state = None  # before: a cut perturbation leaves the scratch unknown, not clean
                 plan.perturb(s, a)
-                self._state = None
                 if first:  # the first call compiles (and may fall back to eager): through forward_loss
                     out.append(self.forward_loss(batch))
                     first = False
@@ -451,8 +451,8 @@ class WholeModelEvaluator:
             dst = self.scratch[i]
             if t.shape != dst.shape or t.dtype != dst.dtype:
                 raise ValueError(f"block {i} is {dst.dtype}{tuple(dst.shape)}, got {t.dtype}{tuple(t.shape)}")
-            dst.copy_(t)
             self._state = None
+            dst.copy_(t)
         return self.forward_loss(batch)
 
     def close(self) -> None:

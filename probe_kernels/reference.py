@@ -16,13 +16,25 @@ ops (fp32, no fused multiply-add, one final rounding to the output dtype):
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from probe_kernels.dist import GAUSS8_TABLE, ProbeDist, as_dist
 from probe_kernels.philox import check_seed, randint4x
 
-# Counters per generator chunk: bounds the int64 temporaries to ~ 4 * 8 * CHUNK bytes per word array.
-_CHUNK_COUNTERS = 1 << 18
+# Counters per generator chunk: bounds the int64 temporaries to ~ 4 * 8 * CHUNK bytes per word array, and how long a
+# chunk hook waits (2**15 counters: 512K gauss8 elements, ~50 ms on one CPU thread).
+_CHUNK_COUNTERS = 1 << 15
+_chunk_hooks: list[Callable[[], None]] = []
+
+
+def add_chunk_hook(hook: Callable[[], None]) -> Callable[[], None]:
+    """Call `hook()` before each chunk of directions this (reference, CPU) path generates, in the generating thread;
+    an exception it raises ends the generation (a serving worker cuts a perturbation or a replay this way:
+    probe_worker.serving). Returns a function that removes it."""
+    _chunk_hooks.append(hook)
+    return lambda: _chunk_hooks.remove(hook)
 _GAUSS_SHIFTS = torch.tensor([0, 8, 16, 24], dtype=torch.int64)
 _RADE_SHIFTS = torch.arange(32, dtype=torch.int64)
 
@@ -53,6 +65,8 @@ def direction_codes(seed: int, offset: int, numel: int, dist: ProbeDist | str, d
     shifts = (_GAUSS_SHIFTS if dist is ProbeDist.GAUSS8 else _RADE_SHIFTS).to(device)
     mask = 0xFF if dist is ProbeDist.GAUSS8 else 1
     for c0 in range(c_first, c_last + 1, _CHUNK_COUNTERS):
+        for hook in _chunk_hooks:
+            hook()
         c1 = min(c0 + _CHUNK_COUNTERS, c_last + 1)
         words = randint4x(seed, torch.arange(c0, c1, dtype=torch.int64, device=device))  # (C, 4)
         codes = ((words[:, :, None] >> shifts) & mask).reshape(-1)  # element order: c, word, byte/bit

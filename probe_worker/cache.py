@@ -164,6 +164,9 @@ class WeightCache:
         # called between the entries of a ledger replay (a serving worker's: raises while it yields): raising ends the
         # replay; the entries replayed so far are kept as their version, so the next replay goes on from there
         self.interrupt: Callable[[], None] = lambda: None
+        # True where a replay can be cut inside an entry (a serving worker's chunk hook): each entry backs up the
+        # tensors it changes (one model copy), so a cut puts them back and keeps the entries done
+        self.interruptible = False
         self.metrics = metrics or default_metrics()
         self._loaded: OrderedDict[tuple[str, int], LoadedVersion] = OrderedDict()
         self._recent: OrderedDict[tuple[str, int], VersionManifest] = OrderedDict()
@@ -404,11 +407,20 @@ class WeightCache:
         done = 0
         try:
             for e in entries:
-                self.interrupt()  # between entries only: here the model is exactly version base_v + done
-                for p, off in params:
-                    if e.scale != 1.0 and p.dim() >= e.scale_min_dim:
-                        p.data.mul_(e.scale)
-                    replay_(p.data, list(e.seeds), list(e.coeffs), off, e.distribution)
+                self.interrupt()  # between entries: here the model is exactly version base_v + done
+                # a cut inside an entry (a chunk hook, probe_kernels.reference) puts the entry's tensors back first
+                backup = [p.detach().clone() for p, _ in params] if self.interruptible else None
+                try:
+                    for p, off in params:
+                        if e.scale != 1.0 and p.dim() >= e.scale_min_dim:
+                            p.data.mul_(e.scale)
+                        replay_(p.data, list(e.seeds), list(e.coeffs), off, e.distribution)
+                except BaseException:
+                    for (p, _), b in zip(params, backup or []):
+                        p.data.copy_(b)
+                    if backup is None:
+                        done = 0  # half an entry applied and nothing to undo it with: keep nothing
+                    raise
                 done += 1
         except BaseException:
             if done:  # keep what was replayed: the next replay starts from base_v + done, not from base_v again

@@ -53,10 +53,14 @@ class VllmProcess:
         """The engine's Prometheus endpoint."""
         return self.url + "/metrics"
 
+    def command(self) -> list[str]:
+        """The server's command line (before any taskset); a stand-in engine overrides it."""
+        return ["bash", str(VLLM_SH), "start", str(self.model_dir), str(self.port), *self.extra_args]
+
     def start(self) -> None:
         """Start the server (returns at once; `wait_ready` waits for it)."""
         pin = ["taskset", "-c", ",".join(map(str, self.cpus))] if self.cpus else []
-        cmd = [*pin, "bash", str(VLLM_SH), "start", str(self.model_dir), str(self.port), *self.extra_args]
+        cmd = [*pin, *self.command()]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

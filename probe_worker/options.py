@@ -49,6 +49,8 @@ SERVING_OPTIONS = {  # ServingPolicy's sub-fields as `worker` spells them (scrap
     "hold_s": {"name": "serving_hold", "envvar": "SPARECYCLES_SERVING_HOLD",
                "help": "seconds the engine must read idle before the worker takes tasks again"},
     "scrape_timeout_s": None,
+    "interval_s": {"name": "serving_interval", "help": "seconds between readings of the engine (default: "
+                   "--control-interval; it bounds how late the worker sees a request)"},
 }
 
 
@@ -101,6 +103,10 @@ class WorkerOptions(BaseModel):
                                          "registers none (`train` prints it)")
     teacher_pause: float = _F(0.0, ge=0.0, allow_inf_nan=False, description="hold each teacher round this long "
                               "before answering it (seconds; for redelivery tests: a worker killed while it holds one)")
+    nice: int | None = _F(None, ge=1, le=19, description="run tasks at this lower CPU priority (Linux nice; the "
+                          "serving watch keeps its own): beside a CPU serving engine the kernel then gives the engine "
+                          "the core while the worker has not yet yielded. CPU only: GPU work of two processes has no "
+                          "such priority")
     loglevel: LogLevel = _F("INFO", description="log level (DEBUG, INFO, WARNING)")
     serving: ServingPolicy | None = _F(None, json_schema_extra={"switch": False, "options": SERVING_OPTIONS},
                                        description="yielding to a serving engine beside this worker")

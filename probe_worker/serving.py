@@ -62,6 +62,13 @@ class ServingPolicy(BaseModel):
     busy_above: the engine is busy while the summed gauges exceed this (requests; 0: any request).
     hold_s: seconds of idle readings in a row before the worker resumes (hysteresis).
     scrape_timeout_s: one scrape's timeout (connect + read); slower counts as unreadable (and yields).
+    interval_s: seconds between two readings (None: the worker's control interval). The gate sees a request at most
+    this long after the endpoint does, so it bounds reclaim latency; a reading of vLLM's /load costs ~2 ms.
+
+    A JSON endpoint (reply `application/json`) is read as vLLM's `/load` ({"server_load": N}, with vLLM started with
+    `--enable-server-load-tracking`): the API server counts a request there when it arrives, whereas vLLM's
+    /metrics gauges count it only after the engine's first step on it (its whole prefill: measured 0.7-1.1 s on this
+    CPU, docs/serving.md). `engine` and `gauges` apply to Prometheus text only.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -72,6 +79,7 @@ class ServingPolicy(BaseModel):
     busy_above: Annotated[float, Field(ge=0.0, le=1e6, allow_inf_nan=False)] = 0.0
     hold_s: Annotated[float, Field(ge=0.0, le=3600.0, allow_inf_nan=False)] = 2.0
     scrape_timeout_s: Annotated[float, Field(gt=0.0, le=10.0, allow_inf_nan=False)] = 0.5
+    interval_s: Annotated[float | None, Field(ge=0.01, le=10.0, allow_inf_nan=False)] = None
 
     def gauge_names(self, available: set[str]) -> tuple[str, ...]:
         """The gauges to sum, given the metric family names of a scrape (for `engine="auto"`); () if none."""
@@ -118,10 +126,29 @@ def engine_load(text: str, policy: ServingPolicy) -> float:
     return total
 
 
+def server_load(text: str) -> float:
+    """The load in a JSON reply of vLLM's `/load` ({"server_load": N}: requests the API server holds). Units: requests.
+
+    Raises Unreadable("parse") for text that is not a JSON object, ("no_gauge") without "server_load", ("non_finite")
+    for a value that is not a finite number >= 0.
+    """
+    try:
+        body = json.loads(text)
+    except ValueError as exc:
+        raise Unreadable("parse", str(exc)[:200]) from None
+    if not isinstance(body, dict) or "server_load" not in body:
+        raise Unreadable("no_gauge", "no server_load in the JSON reply (vLLM: --enable-server-load-tracking)")
+    value = body["server_load"]
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+        raise Unreadable("non_finite", f"server_load = {value!r}")
+    return float(value)
+
+
 class EngineProbe:
     """Reads the engine's load over HTTP (httpx, the policy's timeout, no retries: the next tick is the retry).
 
-    `read()` returns the load (requests) or raises Unreadable with reason "unreachable", "http" or engine_load's.
+    `read()` returns the load (requests) or raises Unreadable with reason "unreachable", "http" or engine_load's
+    (server_load's for a JSON reply).
     """
 
     def __init__(self, policy: ServingPolicy) -> None:
@@ -139,6 +166,8 @@ class EngineProbe:
             raise Unreadable("unreachable", f"{type(exc).__name__}: {exc}") from None
         if reply.status_code != 200:
             raise Unreadable("http", f"HTTP {reply.status_code}")
+        if reply.headers.get("content-type", "").startswith("application/json"):
+            return server_load(reply.text)
         return engine_load(reply.text, self.policy)
 
     def close(self) -> None:
@@ -243,10 +272,13 @@ class Preemption:
         self._started = 0.0
         self._busy_done = 0.0
         self.last_end: float | None = None  # when the last task ended (monotonic s), None before any
+        self.fired_at: float | None = None  # the running (or last) task's first fire (unix s), None if none
+        self.where = ""  # where that fire found the task (its innermost project frames), for the trace
 
     def arm(self) -> None:
         """The calling thread runs a task from now; an earlier fire is forgotten."""
         self._fired.clear()
+        self.fired_at, self.where = None, ""
         self._started = time.monotonic()
         self._thread = threading.get_ident()
 
@@ -269,8 +301,11 @@ class Preemption:
 
     def fire(self) -> bool:
         """Cut the running task (if any) at its next module call; returns whether one was running."""
-        if self._thread is None:
+        thread = self._thread
+        if thread is None:
             return False
+        if self.fired_at is None:
+            self.fired_at, self.where = time.time(), _where(thread)
         self._fired.set()
         return True
 
@@ -288,16 +323,40 @@ class Preemption:
         return register_module_forward_pre_hook(lambda _module, _args: self.check())
 
 
+def _where(thread: int) -> str:
+    """The innermost frames of `thread` in this project's packages, innermost last ("file:function:line > ..."); a
+    diagnostic of where a cut found a task."""
+    import sys
+
+    frame, out = sys._current_frames().get(thread), []
+    while frame is not None and len(out) < 4:
+        code = frame.f_code
+        if any(f"/{pkg}/" in code.co_filename for pkg in ("probe_worker", "probe_kernels", "trainer", "wire")):
+            out.append(f"{Path(code.co_filename).stem}:{code.co_name}:{frame.f_lineno}")
+        frame = frame.f_back
+    return " > ".join(reversed(out))
+
+
 class TraceFile:
-    """Appends one JSON line per task, {"start": s, "end": s, "outcome": name} (unix seconds), to `path`."""
+    """Appends one JSON line per task, {"start": s, "end": s, "outcome": name} (unix seconds), to `path`; and, from
+    a serving worker's watch, one per gate change, {"event": "yield"|"resume", "t": s, ...} (`event`)."""
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
 
-    def __call__(self, start: float, end: float, outcome: str) -> None:
-        line = json.dumps({"start": round(start, 6), "end": round(end, 6), "outcome": outcome}) + "\n"
+    def __call__(self, start: float, end: float, outcome: str, fired: float | None = None, where: str = "") -> None:
+        extra = {"fired": round(fired, 6), "where": where} if fired is not None else {}
+        self._write({"start": round(start, 6), "end": round(end, 6), "outcome": outcome, **extra})
+
+    def event(self, kind: str, t: float, **fields: float | bool | None) -> None:
+        """One event line: `kind` at unix time `t` with `fields` (numbers rounded to microseconds)."""
+        self._write({"event": kind, "t": round(t, 6),
+                     **{k: round(v, 6) if isinstance(v, float) else v for k, v in fields.items()}})
+
+    def _write(self, record: dict) -> None:
+        line = json.dumps(record) + "\n"
         with self._lock, open(self.path, "a") as f:
             f.write(line)
 
@@ -308,11 +367,15 @@ class ServingWatch:
     ledger and the metrics. `figures()` is the heartbeat's part.
 
     drain: the worker's probe_worker.tasks.DrainState; metrics: its WorkerMetrics; probe: where loads come from
-    (default: EngineProbe(policy)).
+    (default: EngineProbe(policy)); trace: where the gate's changes go (TraceFile.event: "yield" with the reading's
+    unix start, its scrape seconds, the load and whether a task was cut; "resume" with the process CPU seconds spent
+    while yielding), None: nowhere.
     """
 
-    def __init__(self, policy: ServingPolicy, drain, metrics, probe: EngineProbe | None = None) -> None:
-        self.policy, self.drain, self.metrics = policy, drain, metrics
+    def __init__(self, policy: ServingPolicy, drain, metrics, probe: EngineProbe | None = None,
+                 trace: TraceFile | None = None) -> None:
+        self.policy, self.drain, self.metrics, self.trace = policy, drain, metrics, trace
+        self._cpu_at_yield = time.process_time()
         self.probe = probe or EngineProbe(policy)
         self.gate = EngineGate(policy.busy_above, policy.hold_s)
         self.ledger = ServingLedger()
@@ -323,6 +386,7 @@ class ServingWatch:
     def tick(self, now: float | None = None) -> bool:
         """One reading (`now`: monotonic seconds); returns whether the worker yields now."""
         now = time.monotonic() if now is None else now
+        wall = time.time()
         try:
             load: float | None = self.probe.read()
             self.metrics.serving_load.set(load)
@@ -334,12 +398,11 @@ class ServingWatch:
             if exc.reason != self._last_error:  # one line per kind of failure, not one per tick
                 log.warning("serving engine metrics unreadable (%s); yielding until they read idle", exc)
                 self._last_error = exc.reason
+        scrape_s = time.time() - wall
         yielding = self.gate.update(now, load)
-        if yielding:
-            self.drain.preemption.fire()  # a task running (or started since the last tick) stops at its next module
+        cut = self.drain.preemption.fire() if yielding else False  # a running task stops at its next module call
         if yielding != self.drain.serving:
-            log.info("serving engine %s; %s", "busy" if yielding else f"idle for {self.policy.hold_s:g} s",
-                     "yielding" if yielding else "taking tasks again")
+            self._changed(yielding, wall, scrape_s, load, cut)
         self.drain.set_serving(yielding)
         guard = self.drain.preemption
         idle = load is not None and load <= self.policy.busy_above
@@ -353,6 +416,18 @@ class ServingWatch:
         self._sent = totals
         return yielding
 
+    def _changed(self, yielding: bool, wall: float, scrape_s: float, load: float | None, cut: bool) -> None:
+        """Log a gate change and trace it (class docstring)."""
+        log.info("serving engine %s; %s", "busy" if yielding else f"idle for {self.policy.hold_s:g} s",
+                 "yielding" if yielding else "taking tasks again")
+        cpu = time.process_time()
+        if yielding:
+            self._cpu_at_yield = cpu
+        if self.trace is not None:
+            extra = {"scrape_s": scrape_s, "load": load, "cut": cut} if yielding else {
+                "cpu_s": cpu - self._cpu_at_yield}
+            self.trace.event("yield" if yielding else "resume", wall, **extra)
+
     def figures(self) -> ServingFigures:
         """The ledger's figures for the heartbeat (wire.messages.ServingFigures)."""
         led = self.ledger
@@ -361,7 +436,9 @@ class ServingWatch:
                               scrape_errors=self.scrape_errors)
 
     def run(self, stop: threading.Event, interval_s: float) -> None:
-        """Tick every `interval_s` seconds until `stop` is set (the worker's serving thread), then close."""
+        """Tick every `interval_s` seconds (the policy's interval_s if set) until `stop` is set (the worker's serving
+        thread), then close."""
+        interval_s = self.policy.interval_s or interval_s
         try:
             while not stop.is_set():
                 try:

@@ -176,10 +176,11 @@ def run_probe(runtime: ProbeRuntime, drain: DrainState, metrics: WorkerMetrics, 
 
 
 def register_probe_task(app: Celery, runtime: ProbeRuntime, drain: DrainState, metrics: WorkerMetrics,
-                        trace: Callable[[float, float, str], None] | None = None) -> Task:
+                        trace: Callable[..., None] | None = None) -> Task:
     """Register `sparecycles.probe` on `app` (JSON only, acks_late, reject_on_worker_lost, no result).
 
-    `trace(start, end, outcome)` (unix seconds) is called after each delivery, however it ended."""
+    `trace(start, end, outcome, fired, where)` (unix seconds) is called after each delivery, however it ended (fired:
+    when the serving engine first asked to cut it, None if it did not; where: where that found it)."""
 
     @app.task(name=PROBE_TASK_NAME, bind=True, acks_late=True, reject_on_worker_lost=True, ignore_result=True,
               serializer="json", typing=False)
@@ -191,11 +192,11 @@ def register_probe_task(app: Celery, runtime: ProbeRuntime, drain: DrainState, m
 
         if trace is None:
             return run_probe(runtime, drain, metrics, kwargs, hand_off if queue else None)
-        start, drain.last_outcome = time.time(), ""
+        start, drain.last_outcome, drain.preemption.fired_at = time.time(), "", None
         try:
             return run_probe(runtime, drain, metrics, kwargs, hand_off if queue else None)
         finally:
-            trace(start, time.time(), drain.last_outcome)
+            trace(start, time.time(), drain.last_outcome, drain.preemption.fired_at, drain.preemption.where)
 
     return probe
 

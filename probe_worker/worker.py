@@ -35,6 +35,7 @@ from tenacity import RetryCallState, RetryError, Retrying, stop_when_event_set, 
 
 from coordinator.celery_app import PROBE_TASK_NAME, make_celery
 from coordinator.client import CoordinatorClient, CoordinatorHTTPError, Forgotten
+from probe_kernels.reference import add_chunk_hook
 from probe_worker.broker import use_guarded_transport
 from probe_worker.cache import WeightCache
 from probe_worker.metrics import default_metrics, serve_metrics
@@ -49,6 +50,7 @@ REENROLL_MAX_WAIT_S = 30.0  # the longest wait between two re-enrollment attempt
 ADOPT_ENV = "SPARECYCLES_WORKER_ADOPT"  # a registration handed to the restarted process (_restart_as)
 REENROLLED_ENV = "SPARECYCLES_WORKER_REENROLLED"  # re-enrollments before that restart (the metric goes on)
 LONG_POLL_S = 2.0  # a prefetch long poll's wait (short: a stopping coordinator waits for pending ones)
+PREFETCH_THREAD = "sparecycles-prefetch"  # the thread that loads versions ahead of their rounds
 log = logging.getLogger("sparecycles.worker")
 IDLE_QUEUE = "sparecycles.idle"  # consumed only while no run queue exists (Celery needs at least one)
 
@@ -133,13 +135,15 @@ class ProbeWorker:
                                     probe_path=opts.probe_path, cuda_graphs=opts.cuda_graphs,
                                     attn_dtype=attention_dtype(opts.tf32_attention, opts.device))
         self.serving: ServingWatch | None = None
+        trace = TraceFile(opts.task_trace) if opts.task_trace else None
         if opts.serving is not None:
-            self.serving = ServingWatch(opts.serving, self.drain, self.metrics)
+            self.serving = ServingWatch(opts.serving, self.drain, self.metrics, trace=trace)
             self.drain.set_serving(True)  # until the engine reads idle for the hold time (EngineGate starts so)
             self.drain.preemption.install()
             self.cache.interrupt = self._replay_interrupt  # a ledger replay stops between entries while yielding
-        register_probe_task(self.app, self.runtime, self.drain, self.metrics,
-                            TraceFile(opts.task_trace) if opts.task_trace else None)
+            self.cache.interruptible = True  # ... and inside one, at a chunk of directions (_chunk_check)
+            add_chunk_hook(self._chunk_check)
+        register_probe_task(self.app, self.runtime, self.drain, self.metrics, trace)
         self._register_teacher()
         warm_up()
         self.queues = list(self.reg.queues)
@@ -178,6 +182,13 @@ class ProbeWorker:
     def _wanted(self) -> set[str]:
         """The queues to consume when not draining: the coordinator's probe and teacher queues, --teacher-queue's."""
         return set(self.queues) | set(self.teacher_queues) | set(self.opts.teacher_queues)
+
+    def _chunk_check(self) -> None:
+        """Before each chunk of directions the CPU path generates (probe_kernels.reference.add_chunk_hook): a task's
+        perturbation or replay stops once the engine fired it; the prefetch thread's replay stops while yielding."""
+        self.drain.preemption.check()
+        if self.drain.serving and threading.current_thread().name == PREFETCH_THREAD:
+            raise Preempted("the serving engine needs the device")
 
     def _replay_interrupt(self) -> None:
         """Between two ledger entries of a replay (any thread: a task's or the prefetch's): stop while the serving
@@ -358,12 +369,14 @@ class ProbeWorker:
         signal.signal(signal.SIGUSR1, lambda *_: self.drain.set_local(True))
         signal.signal(signal.SIGUSR2, lambda *_: self.drain.set_local(False))
         if not self._control.is_alive():
-            self._control.start()
-            if self.opts.prefetch_interval > 0:
-                threading.Thread(target=self._prefetch_loop, name="sparecycles-prefetch", daemon=True).start()
-            if self.serving is not None:
+            if self.serving is not None:  # before the nice below: the engine's watch keeps the normal priority
                 threading.Thread(target=self.serving.run, args=(self._stop, self.opts.control_interval),
                                  name="sparecycles-serving", daemon=True).start()
+            if self.opts.nice:  # Linux: a thread's own; this (the tasks') thread and the threads it starts from now
+                os.setpriority(os.PRIO_PROCESS, 0, self.opts.nice)
+            self._control.start()
+            if self.opts.prefetch_interval > 0:
+                threading.Thread(target=self._prefetch_loop, name=PREFETCH_THREAD, daemon=True).start()
         log.info("worker %s ready on %s, queues %s", self.worker_id, self.opts.device, sorted(self.consumed))
 
     def run(self) -> None:

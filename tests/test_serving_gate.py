@@ -18,8 +18,10 @@ from probe_worker.serving import (
     ServingLedger,
     ServingPolicy,
     ServingWatch,
+    TraceFile,
     Unreadable,
     engine_load,
+    server_load,
 )
 from probe_worker.tasks import DrainState
 
@@ -93,6 +95,16 @@ def test_engine_load_named_gauges_and_refusals():
         assert err.value.reason == reason
 
 
+def test_server_load_reads_vllms_load_endpoint_and_refuses_the_rest():
+    assert server_load('{"server_load": 3}') == 3.0 and server_load('{"server_load": 0}') == 0.0
+    for text, reason in [("<html>", "parse"), ("[1]", "no_gauge"), ('{"load": 1}', "no_gauge"),
+                         ('{"server_load": -1}', "non_finite"), ('{"server_load": "2"}', "non_finite"),
+                         ('{"server_load": true}', "non_finite")]:
+        with pytest.raises(Unreadable) as err:
+            server_load(text)
+        assert err.value.reason == reason
+
+
 def test_policy_bounds_are_checked():
     with pytest.raises(ValidationError):
         ServingPolicy(metrics_url="http://127.0.0.1:9/metrics", hold_s=-1)
@@ -130,12 +142,16 @@ class _Loads:
         pass
 
 
-def test_watch_drains_resumes_and_fires_the_running_task():
+def test_watch_drains_resumes_and_fires_the_running_task(tmp_path):
+    import json
+
     from prometheus_client import CollectorRegistry
 
     metrics = WorkerMetrics(CollectorRegistry())
     drain = DrainState()
-    watch = ServingWatch(POLICY.model_copy(update={"hold_s": 1.0}), drain, metrics, _Loads([0, 0, 0, 2, None, 0]))
+    trace = TraceFile(tmp_path / "trace.jsonl")
+    watch = ServingWatch(POLICY.model_copy(update={"hold_s": 1.0}), drain, metrics, _Loads([0, 0, 0, 2, None, 0]),
+                         trace=trace)
     assert [watch.tick(t) for t in (0.0, 0.5, 1.0)] == [True, True, False] and not drain.draining
     drain.preemption.arm()  # a task starts
     assert watch.tick(1.5) is True and drain.serving  # a request: yield, and the task is fired
@@ -145,6 +161,10 @@ def test_watch_drains_resumes_and_fires_the_running_task():
     assert watch.tick(2.0) is True and metrics.serving_errors.labels("http")._value.get() == 1
     assert watch.tick(2.5) is True  # idle again, the hold restarts
     assert watch.ledger.reclaim_count == 1 and watch.ledger.yielded_s == pytest.approx(1.0 + 1.0)
+    events = [json.loads(line) for line in trace.path.read_text().splitlines()]
+    assert [(e["event"], e.get("load"), e.get("cut")) for e in events] == [("yield", 0, False), ("resume", None, None),
+                                                                         ("yield", 2, True)]
+    assert drain.preemption.fired_at is not None and "test_serving_gate" not in drain.preemption.where  # no project frame
 
 
 def test_preemption_cuts_a_forward_at_a_module_call_in_the_task_thread_only():

@@ -462,3 +462,54 @@ def test_an_interrupted_replay_keeps_the_entries_it_finished(env):
     assert metrics.replayed._value.get() == 3
     assert all(torch.equal(a, b) for (_, a), b in zip(params_of(v3.model), states[2]))
     be.close()
+
+
+def test_a_replay_cut_inside_an_entry_puts_it_back_and_keeps_the_entries_before(env):
+    """A serving worker's replay cut inside an entry (a chunk hook of the CPU path raising, as when the engine fires
+    the task) puts that entry's tensors back (WeightCache.interruptible) and keeps the entries before it, bit-identical
+    to the trainer's; the next replay goes on from there."""
+    from probe_kernels import replay_
+    from probe_kernels.reference import add_chunk_hook
+    from probe_worker.serving import Preempted
+
+    model = tiny_model(seed=9)
+    be = env.backend(model, "cut")
+    be.publish(0)
+    client, _ = env.worker("w1")
+    metrics = WorkerMetrics(CollectorRegistry())
+    cache = WeightCache(client, env.tmp / "wc", metrics=metrics)
+    cache.get("cut", 0)
+    states = []
+    with torch.no_grad():
+        for v, seeds in enumerate(([31, 32], [41, 42, 43]), start=1):
+            offset = 0
+            for _, p in model.named_parameters():
+                replay_(p.data, seeds, [1e-3] * len(seeds), offset, "gauss8")
+                offset += p.numel()
+            be.publish_ledger(v, seeds, [1e-3] * len(seeds), "gauss8", 1.0)
+            states.append([p.detach().clone() for _, p in params_of(model)])
+    entries, chunks = [], []
+
+    def interrupt() -> None:
+        entries.append(1)
+
+    def chunk() -> None:  # the 4th chunk of entry 2: some of its tensors are already changed
+        if len(entries) == 2:
+            chunks.append(1)
+            if len(chunks) == 4:
+                raise Preempted("the serving engine needs the device")
+
+    cache.interrupt, cache.interruptible = interrupt, True
+    remove = add_chunk_hook(chunk)
+    try:
+        with pytest.raises(Preempted):
+            cache.get("cut", 2)
+    finally:
+        remove()
+    assert metrics.replayed._value.get() == 1
+    v1 = cache.get("cut", 1)  # kept, with entry 2's changes put back
+    assert all(torch.equal(a, b) for (_, a), b in zip(params_of(v1.model), states[0]))
+    v2 = cache.get("cut", 2)
+    assert metrics.replayed._value.get() == 2
+    assert all(torch.equal(a, b) for (_, a), b in zip(params_of(v2.model), states[1]))
+    be.close()

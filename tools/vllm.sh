@@ -53,7 +53,7 @@ start() {
   # KV cache in GiB (vLLM's CPU backend reserves it up front; 1 GiB holds SmolLM2's 1024-token windows many times).
   export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
   exec "$VENV/bin/python" -m vllm.entrypoints.openai.api_server --model "$dir" --host 127.0.0.1 --port "$port" \
-    --dtype float32 --enforce-eager --max-model-len 1024 "$@"
+    --dtype float32 --enforce-eager --max-model-len 1024 --disable-uvicorn-access-log "$@"
 }
 
 case "${1:-}" in
