@@ -23,6 +23,7 @@ from benchmarks.options import (
     ZoBenchOptions,
     parse,
 )
+from benchmarks.serving_options import ServingBench
 from probe_kernels import cli as kernels_cli
 from trainer.cli_settings import SettingsCommand, with_settings
 
@@ -296,35 +297,25 @@ def bench_precision(given: dict) -> None:
     typer.echo(f"bound: bf16 SNR >= {res['snr_bound']:g}; from this measurement: {res['measured_precision']}")
 
 
+@with_settings(model=ServingBench, param="given", section="The measurement (benchmarks.serving.ServingBench)")
 def bench_serving(
-    requests: Annotated[int, typer.Option(min=2, help="Requests per arm")] = 20,
-    rate: Annotated[float, typer.Option(min=0.01, max=100.0, help="Poisson arrivals per second")] = 0.2,
-    hold: Annotated[float, typer.Option(min=0.0, help="The yielding worker's --serving-hold (seconds)")] = 0.5,
-    control_interval: Annotated[float, typer.Option(min=0.05, help="The workers' control interval (seconds)")] = 0.2,
-    serving_interval: Annotated[float | None, typer.Option(min=0.01, help="The yielding workers' --serving-interval "
-                                                           "(seconds; default: the control interval)")] = None,
-    signal_: Annotated[str, typer.Option("--signal", help="What the yielding workers read: load (vLLM's /load, a "
-                                         "request counted on arrival) or metrics (its /metrics gauges)")] = "load",
-    nice: Annotated[int | None, typer.Option(min=1, max=19, help="Also run arm (d): arm (c) with the worker at "
-                                             "this CPU nice")] = None,
-    seed: Annotated[int, typer.Option(help="Seed of the arrivals and of the text passages")] = 0,
-    blocks: Annotated[int, typer.Option(min=1, help="Interleave the arms in this many blocks (a, b, c, a, b, c, ...)")]
-    = 4,
-    probes: Annotated[int, typer.Option(min=1, max=4096, help="The trainer's probes per step (1SPSA K)")] = 64,
+    given: dict,
     redis_url: Annotated[str, typer.Option(envvar="REDIS_URL", help="Redis (keys are namespaced)")]
     = "redis://127.0.0.1:6379/0",
-    out: Annotated[Path, typer.Option(help="Folder for serving.json and serving.png")]
-    = Path("benchmarks/results/cpu/serving"),
 ) -> None:
     """Serving latency beside a fleet worker: (a) engine alone, (b) busy worker, (c) engine-aware yielding[, (d) (c)
     at a lower CPU priority]."""
-    from benchmarks.serving import ServingBench, run_serving_bench
+    from pydantic import ValidationError
 
-    if len(os.sched_getaffinity(0)) < 2:
+    from benchmarks.serving import run_serving_bench
+    from trainer.preflight import explain
+
+    try:
+        cfg = ServingBench(**given)
+    except ValidationError as exc:
+        raise typer.BadParameter(explain(exc)) from None
+    if cfg.pinned and len(os.sched_getaffinity(0)) < 2:
         raise typer.BadParameter("needs 2 CPUs (the engine and worker on one, trainer and load on the other)")
-    cfg = ServingBench(requests=requests, rate=rate, hold_s=hold, interval_s=control_interval,
-                       serving_interval_s=serving_interval, signal=signal_, nice=nice, seed=seed, blocks=blocks,
-                       probes=probes, out_dir=out)
     res = run_serving_bench(redis_url, cfg, progress=lambda m: typer.echo(m, err=True))
     nan = float("nan")
     for arm, f in res["arms"].items():
@@ -336,7 +327,7 @@ def bench_serving(
                    f"{f['reclaim_cut_s']['p95'] or nan:.3f})  load {f['load_avg_1min']}")
     for arm, r in res.get("ratios", {}).items():
         typer.echo(f"({arm}) / (a) p95: TTFT {r['ttft_s']:.3f}x, e2e {r['e2e_s']:.3f}x")
-    typer.echo(f"wrote {out / 'serving.json'} and {out / 'serving.png'}")
+    typer.echo(f"wrote {cfg.out / 'serving.json'} and {cfg.out / 'serving.png'}")
 
 
 def bench_serving_load(
@@ -373,7 +364,7 @@ bench_app.command("data-pack", cls=SettingsCommand, short_help="Tokens/s and the
     bench_data_pack)
 bench_app.command("precision", cls=SettingsCommand, short_help="bf16 vs TF32 signal-to-noise per round kind.")(bench_precision)
 bench_app.command("zo", cls=SettingsCommand, short_help="ZO-Curv and pure-ZO benchmarks on real data.")(bench_zo)
-bench_app.command("serving", short_help="Serving latency beside a worker, with and without yielding.")(
+bench_app.command("serving", cls=SettingsCommand, short_help="Serving latency beside a worker, with and without yielding.")(
     bench_serving)
 bench_app.command("serving-load", short_help="Open-loop requests against a running engine.")(bench_serving_load)
 bench_app.command("regime", short_help="Block-type lrs vs AdamW at large batch (issue 29).",

@@ -27,10 +27,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Literal
 
 import httpx
-from pydantic import BaseModel, ConfigDict, Field
 
 from benchmarks.fleet import ROOT, _Fleet
 from benchmarks.serving_load import (
@@ -43,48 +41,11 @@ from benchmarks.serving_load import (
     union,
     verses,
 )
+from benchmarks.serving_options import ARMS, ServingBench
 
-ARMS = ("a", "b", "c", "d")
 ROLES = {"b": "noyield", "c": "yield", "d": "nice"}  # the worker each arm resumes (arm a: none)
 SEEDS, CLEAN = "sparecycles_worker_probes_evaluated_total", "sparecycles_worker_clean_evaluations_total"
 ENGINE_CPU, FLEET_CPU = 0, 1
-
-
-class ServingBench(BaseModel):
-    """`bench serving`'s settings. Seconds and requests/s; `signal`: what the yielding workers read ("load": vLLM's
-    /load, which counts a request on arrival, vLLM started with --enable-server-load-tracking; "metrics": its
-    /metrics gauges, which count it after its prefill); `nice`: also run arm (d), arm (c)'s worker at this CPU nice
-    (None: no arm d); `serving_interval`: the yielding workers' --serving-interval (None: their control interval)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    requests: int = Field(20, ge=2)
-    rate: float = Field(0.2, gt=0, le=100)
-    hold_s: float = Field(0.5, ge=0)
-    interval_s: float = Field(0.2, ge=0.05)
-    serving_interval_s: float | None = Field(None, ge=0.01, le=10)
-    seed: int = 0
-    blocks: int = Field(4, ge=1)
-    probes: int = Field(64, ge=1, le=4096)
-    signal: Literal["load", "metrics"] = "load"
-    nice: int | None = Field(None, ge=1, le=19)
-    out_dir: Path = Path("benchmarks/results/cpu/serving")
-    engine: Literal["vllm", "standin"] = "vllm"
-    standin_args: tuple[str, ...] = ()  # benchmarks.serving_standin's options (--config, --device, --dtype, ...)
-    device: str = "cpu"  # the workers'; the trainer and the load stay on the CPU
-    batch: tuple[int, int] = (4, 64)  # the trainer's batch (sequences, tokens each) on gpt2-tiny
-    threads: int = Field(1, ge=1)  # each worker's torch threads
-
-    @property
-    def arms(self) -> tuple[str, ...]:
-        """The arms run: a, b, c, and d with `nice`."""
-        return ARMS if self.nice else ARMS[:3]
-
-    @property
-    def pinned(self) -> bool:
-        """On the CPU the engine and workers share CPU 0 and the rest uses CPU 1 (taskset); on a GPU nothing is
-        pinned (they share the GPU)."""
-        return self.device == "cpu"
 
 
 def _pin(pid: int, cpu: int) -> None:
@@ -175,9 +136,9 @@ def _trainer(fleet: _Fleet, run_dir: Path, log: Path, cfg: ServingBench) -> subp
            "SPARECYCLES_ADMIN_TOKEN": fleet.admin_token, "SPARECYCLES_REDIS_URL": fleet.redis_url,
            "SPARECYCLES_KEY_PREFIX": fleet.prefix}
     pin = ["taskset", "-c", str(FLEET_CPU)] if cfg.pinned else []
-    cmd = [*pin, sys.executable, "-m", "sparecycles.cli", "train", "--model", "gpt2-tiny", "--device", "cpu",
+    cmd = [*pin, sys.executable, "-m", "sparecycles.cli", "train", "--model", "gpt2-tiny", "--device", cfg.train_device,
            "--corpus", "classics-small", "--optimizer", "1spsa", "--probes", str(cfg.probes), "--batch-size",
-           str(cfg.batch[0]), "--seq-len", str(cfg.batch[1]), "--steps", "1000000", "--eval-every", "1000000",
+           str(cfg.train_batch_size), "--seq-len", str(cfg.train_seq_len), "--steps", "1000000", "--eval-every", "1000000",
            "--eval-on", "trainer", "--coordinator", fleet.url, "--run-dir", str(run_dir), "--no-progress"]
     return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=open(log, "wb"), stderr=subprocess.STDOUT,  # noqa: SIM115
                             start_new_session=True)
@@ -189,14 +150,14 @@ def _workers(fleet: _Fleet, engine, cfg: ServingBench, tmp: Path, roles: tuple[s
     from api.server import free_port
 
     url = engine.url + ("/load" if cfg.signal == "load" else "/metrics")
-    yielding = ("--serving-metrics", url, "--serving-hold", str(cfg.hold_s),
-                *(("--serving-interval", str(cfg.serving_interval_s)) if cfg.serving_interval_s else ()))
+    yielding = ("--serving-metrics", url, "--serving-hold", str(cfg.hold),
+                *(("--serving-interval", str(cfg.serving_interval)) if cfg.serving_interval else ()))
     extra = {"noyield": (), "yield": yielding, "nice": (*yielding, "--nice", str(cfg.nice))}
     out = {}
     for role in roles:
         port, trace = free_port(), tmp / f"{role}.jsonl"
         fleet.worker_args = ("--task-trace", str(trace), "--metrics-port", str(port),
-                             "--control-interval", str(cfg.interval_s), *extra[role])
+                             "--control-interval", str(cfg.control_interval), *extra[role])
         fleet.start_workers(1)
         if cfg.pinned:
             _pin(fleet.procs[-1].pid, ENGINE_CPU)
@@ -242,7 +203,7 @@ def _blocks(engine, model: str, workers: dict, trainer, cfg: ServingBench, text:
         for k, arm in enumerate(cfg.arms):
             for role, (proc, _, _) in workers.items():
                 proc.send_signal(signal.SIGUSR2 if ROLES.get(arm) == role else signal.SIGUSR1)
-            time.sleep(max(3.0, 2 * cfg.hold_s))  # the drains take effect; the yielding worker's hold passes
+            time.sleep(max(3.0, 2 * cfg.hold))  # the drains take effect; the yielding worker's hold passes
             if trainer.poll() is not None:
                 raise RuntimeError(f"the trainer exited ({trainer.returncode})")
             before = {r: _scrape(port) for r, (_, port, _) in workers.items()}
@@ -283,15 +244,18 @@ def _engine(cfg: ServingBench, tmp: Path):
     from trainer.models.pretrained import smollm2_dir
 
     if cfg.engine == "standin":
+        args = ["--config", str(cfg.standin_config), "--device", cfg.device, "--dtype", cfg.standin_dtype,
+                *(["--tokenizer", str(cfg.standin_tokenizer)] if cfg.standin_tokenizer else []),
+                *(["--threads", "1"] if cfg.pinned else [])]
         return StandinProcess(Path("."), free_port(), tmp / "engine.log", cpus=[ENGINE_CPU] if cfg.pinned else None,
-                              extra_args=cfg.standin_args)
+                              extra_args=args)
     return VllmProcess(smollm2_dir(), free_port(), tmp / "vllm.log", cpus=[ENGINE_CPU],
                        extra_args=["--enable-server-load-tracking"])
 
 
 def run_serving_bench(redis_url: str, cfg: ServingBench, progress=print) -> dict:
     """Start everything (module docstring), run cfg.blocks rounds of the arms, stop everything; returns the result
-    dict (also written to cfg.out_dir/serving.json with the raw requests, spans and gate events; the plot to
+    dict (also written to cfg.out/serving.json with the raw requests, spans and gate events; the plot to
     serving.png). SIGTERM stops it cleanly (every process it started)."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if cfg.pinned:
@@ -301,7 +265,7 @@ def run_serving_bench(redis_url: str, cfg: ServingBench, progress=print) -> dict
     engine = _engine(cfg, tmp)
     fleet = trainer = None
     try:
-        progress(f"starting {cfg.engine} ({'CPU 0' if cfg.pinned else cfg.standin_args}) ...")
+        progress(f"starting {cfg.engine} on {'CPU 0' if cfg.pinned else cfg.device} ...")
         engine.start()
         engine.wait_ready()
         model = httpx.get(engine.url + "/v1/models", timeout=30).json()["data"][0]["id"]
@@ -322,9 +286,9 @@ def run_serving_bench(redis_url: str, cfg: ServingBench, progress=print) -> dict
                 fleet.close()
         finally:
             engine.stop()
-    cfg.out_dir.mkdir(parents=True, exist_ok=True)
-    (cfg.out_dir / "serving.json").write_text(json.dumps(result, indent=1))
-    plot(result, cfg.out_dir / "serving.png")
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    (cfg.out / "serving.json").write_text(json.dumps(result, indent=1))
+    plot(result, cfg.out / "serving.png")
     return result
 
 

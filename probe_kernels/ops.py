@@ -14,7 +14,7 @@ import torch
 
 from probe_kernels.dist import ProbeDist, as_dist
 from probe_kernels.philox import SEED_LIMIT, check_seed
-from probe_kernels.reference import check_range, direction_ref, perturb_ref, replay_ref
+from probe_kernels.reference import check_range, direction_ref, perturb_ref, replay_ref, run_chunk_hooks
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -267,8 +267,10 @@ class ModelPlan:
         return self._triton[(kind, g)]
 
     def perturb(self, seed: int, alpha: float) -> list[torch.Tensor]:
-        """outs[i] = tensors[i] + alpha * z(seed) over each tensor's global range; returns outs."""
+        """outs[i] = tensors[i] + alpha * z(seed) over each tensor's global range; returns outs. Runs the chunk hooks
+        first (probe_kernels.reference.add_chunk_hook)."""
         check_seed(seed)
+        run_chunk_hooks()
         for g, idx in enumerate(self._groups):
             prep = self._prepared("perturb", g)
             if prep is None:

@@ -30,11 +30,18 @@ _chunk_hooks: list[Callable[[], None]] = []
 
 
 def add_chunk_hook(hook: Callable[[], None]) -> Callable[[], None]:
-    """Call `hook()` before each chunk of directions this (reference, CPU) path generates, in the generating thread;
-    an exception it raises ends the generation (a serving worker cuts a perturbation or a replay this way:
-    probe_worker.serving). Returns a function that removes it."""
+    """Call `hook()` before each chunk of directions this (reference, CPU) path generates and before each
+    perturbation of a model plan on any device (probe_kernels.ops.ModelPlan.perturb), in the calling thread; an
+    exception it raises ends that work (a serving worker cuts a perturbation, a probe or a replay this way:
+    probe_worker.worker). Returns a function that removes it."""
     _chunk_hooks.append(hook)
     return lambda: _chunk_hooks.remove(hook)
+
+
+def run_chunk_hooks() -> None:
+    """Call every hook of `add_chunk_hook` (nothing when none is set)."""
+    for hook in _chunk_hooks:
+        hook()
 _GAUSS_SHIFTS = torch.tensor([0, 8, 16, 24], dtype=torch.int64)
 _RADE_SHIFTS = torch.arange(32, dtype=torch.int64)
 
@@ -65,8 +72,7 @@ def direction_codes(seed: int, offset: int, numel: int, dist: ProbeDist | str, d
     shifts = (_GAUSS_SHIFTS if dist is ProbeDist.GAUSS8 else _RADE_SHIFTS).to(device)
     mask = 0xFF if dist is ProbeDist.GAUSS8 else 1
     for c0 in range(c_first, c_last + 1, _CHUNK_COUNTERS):
-        for hook in _chunk_hooks:
-            hook()
+        run_chunk_hooks()
         c1 = min(c0 + _CHUNK_COUNTERS, c_last + 1)
         words = randint4x(seed, torch.arange(c0, c1, dtype=torch.int64, device=device))  # (C, 4)
         codes = ((words[:, :, None] >> shifts) & mask).reshape(-1)  # element order: c, word, byte/bit

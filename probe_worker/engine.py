@@ -53,6 +53,12 @@ class VllmProcess:
         """The engine's Prometheus endpoint."""
         return self.url + "/metrics"
 
+    @property
+    def load_url(self) -> str:
+        """vLLM's /load ({"server_load": N}: requests held, counted on arrival; needs --enable-server-load-tracking),
+        what a yielding worker reads to see a request before its prefill (probe_worker.serving)."""
+        return self.url + "/load"
+
     def command(self) -> list[str]:
         """The server's command line (before any taskset); a stand-in engine overrides it."""
         return ["bash", str(VLLM_SH), "start", str(self.model_dir), str(self.port), *self.extra_args]

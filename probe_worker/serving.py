@@ -273,12 +273,13 @@ class Preemption:
         self._busy_done = 0.0
         self.last_end: float | None = None  # when the last task ended (monotonic s), None before any
         self.fired_at: float | None = None  # the running (or last) task's first fire (unix s), None if none
+        self.armed_at: float | None = None  # when the running (or last) task started (unix s)
         self.where = ""  # where that fire found the task (its innermost project frames), for the trace
 
     def arm(self) -> None:
         """The calling thread runs a task from now; an earlier fire is forgotten."""
         self._fired.clear()
-        self.fired_at, self.where = None, ""
+        self.fired_at, self.where, self.armed_at = None, "", time.time()
         self._started = time.monotonic()
         self._thread = threading.get_ident()
 
@@ -289,6 +290,10 @@ class Preemption:
             self._busy_done += now - self._started
         self._thread, self.last_end = None, now
         self._fired.clear()
+
+    def in_task(self) -> bool:
+        """True in the thread of the running task."""
+        return self._thread is not None and threading.get_ident() == self._thread
 
     @property
     def armed(self) -> bool:

@@ -50,6 +50,7 @@ from wire.batch import BatchFormatError
 log = logging.getLogger("sparecycles.worker")
 
 REQUEUE_PAUSE_S = 0.2  # keep a draining worker from spinning on a task it keeps handing back
+SERVING_HOLD_CAP_S = 10.0  # how long a task delivered while the serving engine is busy waits for it before requeue
 HAND_BACK_PAUSE_S = 0.5
 
 
@@ -67,6 +68,8 @@ class DrainState:
         self.policy = False
         self.serving = False
         self.changed = threading.Event()
+        self.serving_clear = threading.Event()  # set while the serving engine lets the worker take tasks
+        self.serving_clear.set()
         self.preemption = Preemption()
         self.last_outcome = ""
 
@@ -79,7 +82,15 @@ class DrainState:
         """Record the serving engine's gate (probe_worker.serving.EngineGate: True while it needs the device)."""
         if value != self.serving:
             self.serving = value
+            (self.serving_clear.clear if value else self.serving_clear.set)()
             self.changed.set()
+
+    @property
+    def stopped(self) -> bool:
+        """True while a drain other than the serving engine's holds: local, the coordinator's or the GPU policy's.
+        These stop the queues; the serving engine's only holds the task delivered (run_probe), as cancelling and
+        re-adding a queue in quick succession, as a serving gate does, can leave Celery not consuming it."""
+        return self.local or self.remote or self.policy
 
     def set_policy(self, value: bool) -> None:
         """Record the GPU-busy policy's decision (BusyPolicy)."""
@@ -107,7 +118,8 @@ def run_probe(runtime: ProbeRuntime, drain: DrainState, metrics: WorkerMetrics, 
     already evaluated); None disables hand-offs.
 
     Raises celery.exceptions.Reject (requeue per the module docstring) for invalid, draining and
-    unreachable cases; every other failure is logged and reported as an outcome, never raised.
+    unreachable cases; every other failure is logged and reported as an outcome, never raised. Delivered while only
+    the serving engine holds the worker back, the task waits for it (at most SERVING_HOLD_CAP_S) before that.
     """
     def outcome(name: str) -> str:
         metrics.tasks.labels(name).inc()
@@ -120,6 +132,8 @@ def run_probe(runtime: ProbeRuntime, drain: DrainState, metrics: WorkerMetrics, 
         outcome("invalid")
         log.warning("rejected an invalid probe task: %s", str(exc)[:500])
         raise Reject(f"invalid probe task: {str(exc)[:200]}", requeue=False) from None
+    if drain.serving and not drain.stopped:  # the engine is busy: hold this task until it has been idle for the hold
+        drain.serving_clear.wait(SERVING_HOLD_CAP_S)
     if drain.draining:
         outcome("requeued")
         time.sleep(REQUEUE_PAUSE_S)
@@ -192,11 +206,12 @@ def register_probe_task(app: Celery, runtime: ProbeRuntime, drain: DrainState, m
 
         if trace is None:
             return run_probe(runtime, drain, metrics, kwargs, hand_off if queue else None)
-        start, drain.last_outcome, drain.preemption.fired_at = time.time(), "", None
+        guard = drain.preemption
+        start, drain.last_outcome, guard.fired_at, guard.armed_at = time.time(), "", None, None
         try:
             return run_probe(runtime, drain, metrics, kwargs, hand_off if queue else None)
-        finally:
-            trace(start, time.time(), drain.last_outcome, drain.preemption.fired_at, drain.preemption.where)
+        finally:  # a task held for the serving engine starts when it is evaluated
+            trace(guard.armed_at or start, time.time(), drain.last_outcome, guard.fired_at, guard.where)
 
     return probe
 

@@ -184,10 +184,17 @@ class ProbeWorker:
         return set(self.queues) | set(self.teacher_queues) | set(self.opts.teacher_queues)
 
     def _chunk_check(self) -> None:
-        """Before each chunk of directions the CPU path generates (probe_kernels.reference.add_chunk_hook): a task's
-        perturbation or replay stops once the engine fired it; the prefetch thread's replay stops while yielding."""
-        self.drain.preemption.check()
-        if self.drain.serving and threading.current_thread().name == PREFETCH_THREAD:
+        """Before each perturbation, and each chunk of directions the CPU path generates
+        (probe_kernels.reference.add_chunk_hook): a task stops once the engine fired it; the prefetch thread's replay
+        stops while yielding. On CUDA the task first waits for the work it queued (the previous forward), so a cut
+        leaves at most one forward running on the device; this costs the probe loop its run-ahead (one host-device
+        round trip per probe)."""
+        guard = self.drain.preemption
+        if guard.in_task():
+            if self.opts.device.startswith("cuda"):
+                torch.cuda.current_stream(torch.device(self.opts.device)).synchronize()
+            guard.check()
+        elif self.drain.serving and threading.current_thread().name == PREFETCH_THREAD:
             raise Preempted("the serving engine needs the device")
 
     def _replay_interrupt(self) -> None:
@@ -303,7 +310,8 @@ class ProbeWorker:
         os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
 
     def _reconcile(self) -> None:
-        want = set() if self.drain.draining else self._wanted()
+        # the serving engine's gate keeps the probe queues (run_probe holds a task delivered meanwhile: DrainState.stopped)
+        want = set() if self.drain.stopped else set(self.queues) if self.drain.serving else self._wanted()
         if not want and not self.drain.draining:
             want = {IDLE_QUEUE}
         self.metrics.draining.set(1 if self.drain.draining else 0)

@@ -16,9 +16,11 @@ def test_vllm_serves_smollm2_and_exposes_its_queue_gauges(vllm_engine):
         first = client.post("/v1/completions", json=body).json()
         again = client.post("/v1/completions", json=body).json()
         metrics = client.get("/metrics").text
+        load = client.get("/load").json()
     assert first["usage"]["completion_tokens"] == 4
     assert first["choices"][0]["text"] == again["choices"][0]["text"]  # greedy: the same tokens twice
     assert first["choices"][0]["text"].strip().startswith("Paris")
     idle = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
             if line.startswith(("vllm:num_requests_running{", "vllm:num_requests_waiting{"))}
     assert idle == {"vllm:num_requests_running": 0.0, "vllm:num_requests_waiting": 0.0}
+    assert load == {"server_load": 0}  # /load (--enable-server-load-tracking): what a yielding worker reads

@@ -1,7 +1,7 @@
 """Engine-aware yielding end to end: a real vLLM (tools/vllm.sh), a real coordinator and a real worker process started
-with `--serving-metrics` on the engine's /metrics. A burst of requests cuts the worker's running task within one
-control interval plus one task, the worker takes nothing while the burst runs, resumes only after the hold, and the
-round it was holding is re-issued, evaluated once, with the in-process values."""
+with `--serving-metrics` on the engine's /load (a request counted on arrival). A burst of requests cuts the worker's
+running task within one control interval plus one task, the worker takes nothing while the burst runs, resumes only
+after the hold, and the round it was holding is re-issued, evaluated once, with the in-process values."""
 
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ def test_a_burst_cuts_the_task_drains_the_worker_and_its_round_is_reissued_once(
     fleet = Fleet(tmp_path)
     trace = tmp_path / "spans.jsonl"
     try:
-        fleet.start_worker("w", "--serving-metrics", vllm_engine.metrics_url, "--serving-hold", str(HOLD_S),
+        fleet.start_worker("w", "--serving-metrics", vllm_engine.load_url, "--serving-hold", str(HOLD_S),
                            "--task-trace", str(trace), "--control-interval", str(INTERVAL_S))
         fleet.wait_consuming("w")
         # a model slow enough on one thread that one task of SEEDS seeds takes seconds

@@ -150,6 +150,11 @@ def test_runtime_posts_evaluator_values_once_and_rejects_bad_tasks(env):
     with pytest.raises(Reject) as exc:
         run_probe(runtime, drain, metrics, kwargs)
     assert exc.value.requeue is True and metrics.tasks.labels("requeued")._value.get() == 1
+    drain.set_local(False)
+    drain.set_serving(True)  # only the serving engine holds the worker back: the delivered task waits for it, then runs
+    threading.Timer(0.3, drain.set_serving, args=(False,)).start()
+    assert run_probe(runtime, drain, metrics, kwargs) == "done" and not drain.serving
+    assert metrics.tasks.labels("requeued")._value.get() == 1  # held, not handed back
     unknown = {**kwargs, "version": 9}
     drain.set_local(False)
     assert run_probe(runtime, drain, metrics, unknown) == "refused"  # 404: no such version

