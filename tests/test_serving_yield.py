@@ -24,8 +24,10 @@ pytestmark = pytest.mark.slow  # a vLLM process, a coordinator process and a wor
 INTERVAL_S, HOLD_S, SEEDS = 0.25, 1.0, 16
 
 
-def _spans(path):
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+def _spans(path, key="outcome"):
+    """The trace's task lines (key "outcome") or gate events (key "event")."""
+    lines = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return [d for d in lines if key in d]
 
 
 def _burst(engine_url: str, n: int) -> list[float]:
@@ -73,18 +75,29 @@ def test_a_burst_cuts_the_task_drains_the_worker_and_its_round_is_reissued_once(
         first = _results(be, "s-0")
         one_task_s = max(s["end"] - s["start"] for s in _spans(trace) if s["outcome"] == "done")
 
+        t_first = time.time()
         be.submit(rounds[1])
-        fleet.wait(lambda: fleet.worker_info("w")["busy"], "the worker evaluating round s-1")
+
+        def evaluating() -> bool:  # a heartbeat sent after round s-0 ended says busy: it is round s-1's
+            info = fleet.worker_info("w")
+            return info["busy"] and info["last_heartbeat"] > t_first
+
+        fleet.wait(evaluating, "the worker evaluating round s-1")
         t_req = time.time()
         answered = _burst(vllm_engine.url, 3)
         t_last = max(answered)
         second = _results(be, "s-1")  # waits for the re-issued task, after the hold
+        fleet.wait(lambda: sum(s["outcome"] == "done" for s in _spans(trace)) >= 2, "the re-issued task's trace line")
         print(f"one task {one_task_s:.2f} s; burst {t_last - t_req:.2f} s")
+        print("cut:", _spans(trace)[-3:])
 
         spans = [s for s in _spans(trace) if s["outcome"] in ("done", "preempted")]
         cut = [s for s in spans if s["outcome"] == "preempted"]
         assert len(cut) == 1 and cut[0]["start"] < t_req <= cut[0]["end"]
         assert cut[0]["end"] - t_req <= INTERVAL_S + one_task_s  # reclaimed within one interval plus one task
+        yielded = [e for e in _spans(trace, "event") if e["event"] == "yield" and e["t"] + e["scrape_s"] >= t_req]
+        assert yielded[0]["cut"] and yielded[0]["load"] >= 1  # /load saw the burst and the gate fired the task
+        assert t_req <= cut[0]["fired"] <= cut[0]["end"] and cut[0]["where"]
         assert not [s for s in spans if t_req <= s["start"] <= t_last]  # nothing evaluated during the burst
         resumed = min(s["start"] for s in spans if s["start"] > t_last)
         assert resumed >= t_last + HOLD_S - 0.5  # not before the hold (0.5 s: engine end -> client's last byte)

@@ -10,7 +10,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = pack ]; then
   cache="${SPARECYCLES_CACHE:-$HOME/.cache/sparecycles}"
-  grep -qxF /.devcarry/ .git/info/exclude 2>/dev/null || echo /.devcarry/ >> .git/info/exclude
+  exclude="$(git rev-parse --git-common-dir)/info/exclude"; mkdir -p "$(dirname "$exclude")"
+  grep -qxF /.devcarry/ "$exclude" 2>/dev/null || echo /.devcarry/ >> "$exclude"
   .venv/bin/sparecycles data fetch --corpus classics-small >/dev/null
   smol=$(.venv/bin/python -c "from trainer.models.pretrained import smollm2_dir; print(smollm2_dir())")
   rm -rf .devcarry && mkdir -p .devcarry/cache/corpora .devcarry/cache/downloads .devcarry/whl .devcarry/smollm2
