@@ -297,7 +297,7 @@ def bench_precision(given: dict) -> None:
     typer.echo(f"bound: bf16 SNR >= {res['snr_bound']:g}; from this measurement: {res['measured_precision']}")
 
 
-@with_settings(model=ServingBench, param="given", section="The measurement (benchmarks.serving.ServingBench)")
+@with_settings(model=ServingBench, param="given", section="The measurement (benchmarks.serving_options.ServingBench)")
 def bench_serving(
     given: dict,
     redis_url: Annotated[str, typer.Option(envvar="REDIS_URL", help="Redis (keys are namespaced)")]
@@ -305,15 +305,9 @@ def bench_serving(
 ) -> None:
     """Serving latency beside a fleet worker: (a) engine alone, (b) busy worker, (c) engine-aware yielding[, (d) (c)
     at a lower CPU priority]."""
-    from pydantic import ValidationError
-
     from benchmarks.serving import run_serving_bench
-    from trainer.preflight import explain
 
-    try:
-        cfg = ServingBench(**given)
-    except ValidationError as exc:
-        raise typer.BadParameter(explain(exc)) from None
+    cfg = parse(ServingBench, given)
     if cfg.pinned and len(os.sched_getaffinity(0)) < 2:
         raise typer.BadParameter("needs 2 CPUs (the engine and worker on one, trainer and load on the other)")
     res = run_serving_bench(redis_url, cfg, progress=lambda m: typer.echo(m, err=True))
