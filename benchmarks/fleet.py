@@ -155,14 +155,15 @@ class _Fleet:
         self.procs = []
 
     def backend(self, model, run: str, seeds_per_task: int, background: bool = False):
-        from fleet.backend import CoordinatorBackend
+        from fleet.backend import BackendTuning, CoordinatorBackend, FleetAddress
         from wire.messages import RunSpec
 
         spec = RunSpec(run=run, model_class=type(model).__name__, spot_check_fraction=0.0,
                        seeds_per_task=seeds_per_task)
-        return CoordinatorBackend.connect(model, coordinator_url=self.url, redis_url=self.redis_url, run=spec,
-                                  admin_token=self.admin_token, key_prefix=self.prefix, round_timeout_s=3600.0,
-                                  history=0, background=background, blob_dir=self.blob_dir)
+        return CoordinatorBackend.connect(model, spec, FleetAddress(self.url, self.admin_token, self.redis_url,
+                                                                    self.prefix),
+                                          BackendTuning(round_timeout_s=3600.0, history=0, background=background,
+                                                        blob_dir=self.blob_dir))
 
     def close(self) -> None:
         self.stop_workers()

@@ -3,7 +3,7 @@ loop's cost per published version, and the worker's losses against in-process ev
 
 - `publish_ready`: a model on the trainer's device published as new versions (weights scaled by 1 + 1e-3 v
   before each, so no shard is already cached anywhere), synchronously or in the background
-  (`CoordinatorBackend.connect(background=True)`): the publish call's wall, the wall until its uploads finished, and
+  (`BackendTuning(background=True)`): the publish call's wall, the wall until its uploads finished, and
   the wall until every worker's heartbeat reports the version loaded (seconds).
 - `trainer_cost`: `interval` training steps (trainer.zo.modes.backprop_step, AdamW, the trainer's precision)
   without publishing and with zocurv-line's two publishes per interval (the steps before and at a refresh),

@@ -54,7 +54,7 @@ class FleetScorer:
     def __init__(self, ring: VersionRing, model: torch.nn.Module, select_tokens, *, batch_size: int, seq_len: int,
                  n_batches: int, fleet: Any, model_preset: str | None, split: str, deadline_s: float = 120.0,
                  device: str = "cpu", poll_s: float = 0.05) -> None:
-        from fleet.backend import CoordinatorBackend
+        from fleet.backend import BackendTuning, CoordinatorBackend, FleetAddress
 
         if ring.k > MAX_EVAL_TERMS:
             raise ValueError(f"the fleet scores mixtures of at most {MAX_EVAL_TERMS} versions; --anytime-k is {ring.k}")
@@ -67,10 +67,8 @@ class FleetScorer:
         spec = RunSpec(run=f"{fleet.run_prefix}-any-{secrets.token_hex(4)}", model_class=type(model).__name__,
                        model_preset=model_preset, staleness=MAX_STALENESS, seeds_per_task=per_task,
                        **({"spot_check_fraction": 0.0} if fleet.workers < 2 else {}))
-        backend = CoordinatorBackend.connect(
-            self.scratch, coordinator_url=fleet.base, admin_token=fleet.settings.admin_token.get_secret_value(),
-            redis_url=fleet.settings.redis_url, run=spec, key_prefix=fleet.settings.key_prefix, history=0,
-            background=True, blob_dir=fleet.settings.blob_dir)
+        backend = CoordinatorBackend.connect(self.scratch, spec, FleetAddress.of(fleet.base, fleet.settings),
+                                             BackendTuning.publishing(fleet.settings.blob_dir))
         # Outlives a coordinator whose store comes back empty: the run is created again, the ring published again
         # and the candidates in flight re-issued (fleet.recovery).
         self.backend = backend.recoverable(spec, republish=self._republish)

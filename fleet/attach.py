@@ -285,7 +285,7 @@ class Fleet:
         Raises ValueError for a method whose probes cannot go to a fleet (trainer.methods: none, or its
         `no_fleet_why`) and CoordinatorHTTPError when the coordinator refuses the run.
         """
-        from fleet.backend import CoordinatorBackend
+        from fleet.backend import BackendTuning, CoordinatorBackend, FleetAddress
         from trainer.methods import fleet_method_names, get_method
         from trainer.models.causal_lm import model_label
         from wire.messages import RunSpec
@@ -306,10 +306,9 @@ class Fleet:
                        **({"seeds_per_task": max(1, -(-cfg.probes // max(1, self.workers)))} if pure else {}))
         # ZO-Curv steps publish inside their steps: their backend serialises and uploads in the background
         # (fleet.backend); pure-ZO steps wait for each round anyway.
-        backend = CoordinatorBackend.connect(model, coordinator_url=self.base, admin_token=self.settings.admin_token
-                                     .get_secret_value(), redis_url=self.settings.redis_url, run=spec,
-                                     key_prefix=self.settings.key_prefix, history=0 if pure else 2,
-                                     blob_dir=self.settings.blob_dir, background=not pure)
+        backend = CoordinatorBackend.connect(model, spec, FleetAddress.of(self.base, self.settings),
+                                             BackendTuning(history=0 if pure else 2, background=not pure,
+                                                           blob_dir=self.settings.blob_dir))
         return backend.recoverable(spec)  # outlives a coordinator whose store comes back empty
 
     def mode_factory(self, cfg, model, loss_fn=None):

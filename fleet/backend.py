@@ -20,7 +20,9 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -38,6 +40,51 @@ from wire.messages import RunSpec
 from wire.round_messages import ProbeRound
 
 log = logging.getLogger("sparecycles.fleet")
+
+
+@dataclass(frozen=True)
+class FleetAddress:
+    """Where a fleet is, as the trainer reaches it: the coordinator's base URL (http(s)) and admin token (creates
+    runs, publishes versions and rounds), the Redis/Valkey URL holding its result streams and its key prefix
+    (the coordinator's SPARECYCLES_KEY_PREFIX)."""
+
+    coordinator_url: str
+    admin_token: str
+    redis_url: str
+    key_prefix: str = "sc"
+
+    @classmethod
+    def of(cls, base: str, settings: Any) -> FleetAddress:
+        """The address of the coordinator at `base` with `settings` (fleet.attach.FleetSettings: a SecretStr admin
+        token, redis_url, key_prefix)."""
+        return cls(base, settings.admin_token.get_secret_value(), settings.redis_url, settings.key_prefix)
+
+
+@dataclass(frozen=True)
+class BackendTuning:
+    """How `CoordinatorBackend.connect` sets up its parts. VersionPublisher: `shard_bytes` (bytes per weight shard),
+    `history` (fp32 snapshots kept), `max_pending` (versions uploading at once), `upload_threads`; BlobSender:
+    `blob_dir` (the coordinator's blob directory when this process shares its disk, else HTTP); UploadQueue:
+    `background` (uploads on a background thread); ResultCollector: `consumer` (stream consumer name),
+    `claim_idle_ms` (a pending entry idle this long is claimed), `round_timeout_s`; the HTTP client: `timeout_s` (per
+    request) and `attempts`."""
+
+    consumer: str = "trainer-0"
+    round_timeout_s: float = 300.0
+    claim_idle_ms: int = 60_000
+    shard_bytes: int = 256 << 20
+    timeout_s: float = 30.0
+    attempts: int = 5
+    history: int = 2
+    background: bool = False
+    max_pending: int = 2
+    blob_dir: str | Path | None = None
+    upload_threads: int = 8
+
+    @classmethod
+    def publishing(cls, blob_dir: str | Path | None, *, history: int = 0, background: bool = True) -> BackendTuning:
+        """A trainer's backend that publishes as it trains: uploads in the background, no snapshots kept."""
+        return cls(history=history, background=background, blob_dir=blob_dir)
 
 
 class CoordinatorBackend:
@@ -65,30 +112,25 @@ class CoordinatorBackend:
         return self
 
     @classmethod
-    def connect(cls, model: torch.nn.Module, *, coordinator_url: str, admin_token: str, redis_url: str,
-                run: RunSpec | str, key_prefix: str = "sc", consumer: str = "trainer-0",
-                round_timeout_s: float = 300.0, claim_idle_ms: int = 60_000, shard_bytes: int = 256 << 20,
-                timeout_s: float = 30.0, attempts: int = 5, history: int = 2, background: bool = False,
-                max_pending: int = 2, blob_dir: str | Path | None = None,
-                upload_threads: int = 8) -> CoordinatorBackend:
-        """A backend for `run` (a RunSpec, created if absent, or the id of an existing run) on the coordinator at
-        `coordinator_url` (admin token `admin_token`) whose state is in Redis `redis_url` (`key_prefix`).
+    def connect(cls, model: torch.nn.Module, run: RunSpec | str, address: FleetAddress,
+                tuning: BackendTuning = BackendTuning()) -> CoordinatorBackend:
+        """A backend for `run` (a RunSpec, created if absent, or the id of an existing run) on the fleet at `address`
+        (the coordinator, its admin token, the Redis holding its state), its parts set up by `tuning`.
 
-        Parts' settings: VersionPublisher (shard_bytes, history, max_pending, upload_threads), BlobSender
-        (blob_dir), UploadQueue (background), ResultCollector (consumer, claim_idle_ms, round_timeout_s), and the
-        client's per-request timeout_s and attempts. Raises ValueError for a model the publisher refuses;
-        CoordinatorHTTPError if the run does not exist.
+        Raises ValueError for a model the publisher refuses; CoordinatorHTTPError if the run does not exist.
         """
-        client = CoordinatorClient(coordinator_url, admin_token, timeout_s=timeout_s, attempts=attempts)
+        t = tuning
+        client = CoordinatorClient(address.coordinator_url, address.admin_token, timeout_s=t.timeout_s,
+                                   attempts=t.attempts)
         if isinstance(run, RunSpec):
             client.create_run(run)
             run = run.run
         client.run_info(run)  # raises if the run does not exist
-        blobs, uploads = BlobSender(client, blob_dir), UploadQueue(background)
-        publisher = VersionPublisher(model, run, client, blobs, uploads, shard_bytes=shard_bytes, history=history,
-                                     max_pending=max_pending, upload_threads=upload_threads)
-        results = ResultCollector(client, run, redis_url=redis_url, key_prefix=key_prefix, consumer=consumer,
-                                  claim_idle_ms=claim_idle_ms, round_timeout_s=round_timeout_s)
+        blobs, uploads = BlobSender(client, t.blob_dir), UploadQueue(t.background)
+        publisher = VersionPublisher(model, run, client, blobs, uploads, shard_bytes=t.shard_bytes, history=t.history,
+                                     max_pending=t.max_pending, upload_threads=t.upload_threads)
+        results = ResultCollector(client, run, redis_url=address.redis_url, key_prefix=address.key_prefix,
+                                  consumer=t.consumer, claim_idle_ms=t.claim_idle_ms, round_timeout_s=t.round_timeout_s)
         return cls(client, uploads, publisher, RoundSender(publisher, client, blobs, uploads, results), results)
 
     # ---- what callers read ----------------------------------------------------------------------------

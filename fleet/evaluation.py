@@ -94,7 +94,7 @@ class FleetEvaluator:
                 model_preset: str | None, deadline_s: float, poll_s: float, seeds_per_task: int | None, clock,
                 select: dict[str, Any] | None) -> None:
         """The one constructor body (the run's windows, or any loop's: `on_windows`)."""
-        from fleet.backend import CoordinatorBackend
+        from fleet.backend import BackendTuning, CoordinatorBackend, FleetAddress
 
         self.model, self.device, self.deadline_s, self.poll_s, self.clock = model, device, deadline_s, poll_s, clock
         self.model_preset, self.select = model_preset, select
@@ -111,10 +111,8 @@ class FleetEvaluator:
         spec = RunSpec(run=f"{fleet.run_prefix}-eval-{secrets.token_hex(4)}", model_class=type(model).__name__,
                        model_preset=model_preset, staleness=MAX_STALENESS, seeds_per_task=seeds_per_task,
                        **({"spot_check_fraction": 0.0} if fleet.workers < 2 else {}))
-        backend = CoordinatorBackend.connect(model, coordinator_url=fleet.base, admin_token=fleet.settings.admin_token
-                                             .get_secret_value(), redis_url=fleet.settings.redis_url, run=spec,
-                                             key_prefix=fleet.settings.key_prefix, history=0, background=True,
-                                             blob_dir=fleet.settings.blob_dir)
+        backend = CoordinatorBackend.connect(model, spec, FleetAddress.of(fleet.base, fleet.settings),
+                                             BackendTuning.publishing(fleet.settings.blob_dir))
         # Outlives a coordinator whose store comes back empty: the run is created again, the pending versions
         # published again and their rounds re-issued (fleet.recovery).
         self.backend = backend.recoverable(spec, republish=self._republish)

@@ -26,7 +26,7 @@ all of it from sparecycles.hf.FleetCallback.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 import torch
 
@@ -38,22 +38,33 @@ __all__ = ["AnytimeModel", "Evaluation", "EvalWindows", "Fleet", "FleetError", "
            "lm_loss", "lm_windows"]
 
 
-def connect(url: str, *, admin_token: str | None = None, redis_url: str | None = None, key_prefix: str | None = None,
-            blob_dir: str | Path | None = None, wait_s: float = 120.0, min_workers: int = 1,
-            log=lambda m: None, rounds: str = "async", run_prefix: str = "loop", check=lambda: None,
-            settings: FleetSettings | None = None) -> Fleet:
+class Credentials(TypedDict, total=False):
+    """The keyword credentials of `connect` (each optional; fleet.attach.FleetSettings validates them)."""
+
+    admin_token: str | None
+    redis_url: str | None
+    key_prefix: str | None
+    blob_dir: str | Path | None
+
+
+def connect(url: str, *, wait_s: float = 120.0, min_workers: int = 1, log=lambda m: None, rounds: str = "async",
+            run_prefix: str = "loop", check=lambda: None, settings: FleetSettings | None = None,
+            **credentials: Unpack[Credentials]) -> Fleet:
     """Connect to the coordinator at `url` (http(s)) and wait up to `wait_s` s for `min_workers` active workers.
 
-    Credentials: `admin_token` (the coordinator's admin token), `redis_url` (its Redis, whose result streams are
-    read here), `key_prefix` and `blob_dir` (its SPARECYCLES_BLOB_DIR, when this process shares its disk); each one
-    not given is read from the environment (SPARECYCLES_ADMIN_TOKEN, ...; fleet.attach.FleetSettings), or all of
-    them from `settings` (what `sparecycles train --coordinator` passes, read with its option checks). `rounds`:
-    when ZO-Curv rounds fold ("async", "sync": bit-identical to in process, "next"; fleet.attach.ROUND_MODES).
-    `log(line)` hears why it waits. Raises FleetError (unreachable, token refused, no worker in time, a credential
-    missing or refused) and ValueError (a URL that is not http(s), an unknown `rounds`).
+    Credentials (keywords): `admin_token` (the coordinator's admin token), `redis_url` (its Redis, whose result
+    streams are read here), `key_prefix` and `blob_dir` (its SPARECYCLES_BLOB_DIR, when this process shares its
+    disk); each one not given is read from the environment (SPARECYCLES_ADMIN_TOKEN, ...; fleet.attach.FleetSettings),
+    or all of them from `settings` (what `sparecycles train --coordinator` passes, read with its option checks).
+    `rounds`: when ZO-Curv rounds fold ("async", "sync": bit-identical to in process, "next";
+    fleet.attach.ROUND_MODES). `log(line)` hears why it waits. Raises FleetError (unreachable, token refused, no
+    worker in time, a credential missing or refused), ValueError (a URL that is not http(s), an unknown `rounds`)
+    and TypeError (a keyword that is no credential).
     """
-    given = {k: v for k, v in {"admin_token": admin_token, "redis_url": redis_url, "key_prefix": key_prefix,
-                                "blob_dir": blob_dir}.items() if v is not None}
+    unknown = set(credentials) - set(Credentials.__annotations__)
+    if unknown:
+        raise TypeError(f"connect() got unexpected keyword argument(s) {', '.join(sorted(unknown))}")
+    given = {k: v for k, v in credentials.items() if v is not None}
     if given and settings is not None:
         raise ValueError("connect takes `settings` or single credentials, not both")
     if given:
@@ -183,16 +194,14 @@ class VersionChannel:
     def __init__(self, model: torch.nn.Module, fleet: Fleet, *, run: str | None = None) -> None:
         import secrets
 
-        from fleet.backend import CoordinatorBackend
+        from fleet.backend import BackendTuning, CoordinatorBackend, FleetAddress
         from wire.messages import RunSpec
 
         spec = RunSpec(run=run or f"{fleet.run_prefix}-v-{secrets.token_hex(4)}", model_class=type(model).__name__,
                        **({"spot_check_fraction": 0.0} if fleet.workers < 2 else {}))
         s = fleet.settings
-        self.backend = CoordinatorBackend.connect(model, coordinator_url=fleet.base,
-                                                  admin_token=s.admin_token.get_secret_value(),
-                                                  redis_url=s.redis_url, run=spec, key_prefix=s.key_prefix,
-                                                  history=0, background=True, blob_dir=s.blob_dir)
+        self.backend = CoordinatorBackend.connect(model, spec, FleetAddress.of(fleet.base, s),
+                                                  BackendTuning.publishing(s.blob_dir))
         self.run = spec.run
 
     def publish(self, version: int) -> None:

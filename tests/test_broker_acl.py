@@ -134,7 +134,7 @@ def test_quarantined_worker_cannot_touch_registry_keys(fleet):
 def test_real_worker_process_runs_rounds_with_its_own_broker_user(tmp_path):
     """A probe-worker process (Celery) evaluates rounds with only its ACL user's rights, also across an
     8 s broker outage with a Redis restart (issue 14 case 5 end to end)."""
-    from fleet.backend import CoordinatorBackend
+    from fleet.backend import BackendTuning, CoordinatorBackend, FleetAddress
     from support.fleet import AclFleet, make_batch
     from support.models import tiny_gpt2 as tiny_model
     from trainer.zo.probes import RoundSpec
@@ -153,15 +153,8 @@ def test_real_worker_process_runs_rounds_with_its_own_broker_user(tmp_path):
         run = RunSpec(
             run="aclrun", model_class=type(model).__name__, spot_check_fraction=0.0, seeds_per_task=2
         )
-        be = CoordinatorBackend.connect(
-            model,
-            coordinator_url=fleet.url,
-            admin_token=fleet.admin_token,
-            redis_url=v.url,
-            run=run,
-            key_prefix=fleet.prefix,
-            round_timeout_s=120.0,
-        )
+        be = CoordinatorBackend.connect(model, run, FleetAddress(fleet.url, fleet.admin_token, v.url, fleet.prefix),
+                                        BackendTuning(round_timeout_s=120.0))
         be.publish(0)
         seeds = tuple(range(100, 106))
         be.submit(RoundSpec("acl-0", 0, make_batch(2, 8, seed=1), eps=1e-2, seeds=seeds, distribution="rademacher"))

@@ -9,7 +9,7 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from fleet.backend import CoordinatorBackend
+from fleet.backend import BackendTuning, CoordinatorBackend, FleetAddress
 from probe_worker.cache import WeightCache
 from probe_worker.metrics import WorkerMetrics
 from support.worker_env import REDIS_URL, params_of, tiny_model, worker_env
@@ -23,9 +23,9 @@ def env(tmp_path):
 
 def _backend(env, model, run: str, blob_dir) -> CoordinatorBackend:  # noqa: F811
     return CoordinatorBackend.connect(
-        model, coordinator_url=env.server.url, admin_token=env.settings.admin_token.get_secret_value(),
-        redis_url=REDIS_URL, run=RunSpec(run=run, model_class=type(model).__name__, spot_check_fraction=0.0),
-        key_prefix=env.prefix, shard_bytes=4096, blob_dir=blob_dir)
+        model, RunSpec(run=run, model_class=type(model).__name__, spot_check_fraction=0.0),
+        FleetAddress(env.server.url, env.settings.admin_token.get_secret_value(), REDIS_URL, env.prefix),
+        BackendTuning(shard_bytes=4096, blob_dir=blob_dir))
 
 
 def test_shards_written_in_the_shared_store_load_bit_exact_without_a_download(env):  # noqa: F811

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from fleet.backend import CoordinatorBackend
+from fleet.backend import BackendTuning, CoordinatorBackend, FleetAddress
 from support.fleet import make_batch
 from support.models import tiny_gpt2
 from trainer.zo.probes import RoundSpec
@@ -270,10 +270,10 @@ def test_worker_with_its_own_broker_user_restarts_into_its_new_identity(tmp_path
         from wire.messages import RunSpec
 
         model = tiny_gpt2()
-        be = CoordinatorBackend.connect(model, coordinator_url=fleet.url, admin_token=fleet.admin_token,
-                                        redis_url=v.url, key_prefix=fleet.prefix, round_timeout_s=120.0,
-                                        run=RunSpec(run="acl-after", model_class=type(model).__name__,
-                                                    spot_check_fraction=0.0, seeds_per_task=2))
+        be = CoordinatorBackend.connect(model, RunSpec(run="acl-after", model_class=type(model).__name__,
+                                                       spot_check_fraction=0.0, seeds_per_task=2),
+                                        FleetAddress(fleet.url, fleet.admin_token, v.url, fleet.prefix),
+                                        BackendTuning(round_timeout_s=120.0))
         be.publish(0)
         seeds = tuple(range(30, 34))
         be.submit(RoundSpec("acl-after-0", 0, make_batch(2, 8, seed=4), eps=1e-2, seeds=seeds,

@@ -14,7 +14,7 @@ from celery.exceptions import Reject
 from prometheus_client import CollectorRegistry
 
 from coordinator.client import CorruptBlobError
-from fleet.backend import CoordinatorBackend
+from fleet.backend import BackendTuning, CoordinatorBackend, FleetAddress
 from fleet.publisher import write_shards
 from probe_kernels import ProbeEvaluator
 from probe_kernels.reference import direction_ref
@@ -196,8 +196,8 @@ def test_trainer_restart_receives_undelivered_results(env):
     be.results.drain(block_ms=1)  # read into memory, never handed out: then the trainer "crashes"
     assert len(be.results.buffered) == 4
     be.close()
-    be2 = CoordinatorBackend.connect(model, coordinator_url=env.server.url, redis_url=REDIS_URL, run="restart",
-                             admin_token=env.settings.admin_token.get_secret_value(), key_prefix=env.prefix)
+    be2 = CoordinatorBackend.connect(model, "restart", FleetAddress(
+        env.server.url, env.settings.admin_token.get_secret_value(), REDIS_URL, env.prefix))
     got = be2.collect().results
     assert sorted(r.seed for r in got) == [1, 2, 3, 4] and be2.results.reader.pending() == 0
     assert be2.collect().results == []
@@ -389,9 +389,9 @@ def test_zo_training_through_coordinator_matches_in_process(env):
 def test_background_publish_uploads_the_weights_of_the_publish_call_and_raises_upload_errors_later(env):
     model = tiny_model()
     be = env.backend(model, "bg")
-    bg = CoordinatorBackend.connect(model, coordinator_url=env.server.url, redis_url=REDIS_URL, run="bg",
-                            admin_token=env.settings.admin_token.get_secret_value(), key_prefix=env.prefix,
-                            shard_bytes=4096, background=True, max_pending=1, consumer="bg")
+    bg = CoordinatorBackend.connect(model, "bg", FleetAddress(env.server.url, env.settings.admin_token.get_secret_value(),
+                                                              REDIS_URL, env.prefix),
+                                    BackendTuning(shard_bytes=4096, background=True, max_pending=1, consumer="bg"))
     be.publish(0)  # the synchronous reference: same weights, same shards
     want = {0: params_of(model)}
     with torch.no_grad():

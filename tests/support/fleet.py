@@ -19,7 +19,7 @@ import pytest
 import redis
 import torch
 
-from fleet.backend import CoordinatorBackend
+from fleet.backend import BackendTuning, CoordinatorBackend, FleetAddress
 from wire.messages import RunSpec
 
 REDIS_URL = "redis://127.0.0.1:6379/12"
@@ -131,9 +131,8 @@ class Fleet:
         """A CoordinatorBackend on a fresh run `run` (no spot checks unless given)."""
         spec = {"spot_check_fraction": 0.0, "seeds_per_task": 2, **spec}
         return CoordinatorBackend.connect(
-            model, coordinator_url=self.url, admin_token=self.admin_token, redis_url=REDIS_URL,
-            run=RunSpec(run=run, model_class=type(model).__name__, **spec), key_prefix=self.prefix,
-            round_timeout_s=120.0,
+            model, RunSpec(run=run, model_class=type(model).__name__, **spec),
+            FleetAddress(self.url, self.admin_token, REDIS_URL, self.prefix), BackendTuning(round_timeout_s=120.0),
         )
 
     def close(self) -> None:

@@ -14,7 +14,7 @@ from api.app import create_app
 from api.server import ServerThread
 from coordinator.client import CoordinatorClient
 from coordinator.settings import generate_dev_settings
-from fleet.backend import CoordinatorBackend
+from fleet.backend import BackendTuning, CoordinatorBackend, FleetAddress
 from support.models import tiny_gpt2
 from wire.messages import RunSpec, WorkerRegistration
 
@@ -45,10 +45,9 @@ class Env:
 
     def backend(self, model, run: str, **spec) -> CoordinatorBackend:
         return CoordinatorBackend.connect(
-            model, coordinator_url=self.server.url, admin_token=self.settings.admin_token.get_secret_value(),
-            redis_url=REDIS_URL, run=RunSpec(run=run, model_class=type(model).__name__,
-                                             spot_check_fraction=0.0, **spec),
-            key_prefix=self.prefix, round_timeout_s=30.0, shard_bytes=4096,
+            model, RunSpec(run=run, model_class=type(model).__name__, spot_check_fraction=0.0, **spec),
+            FleetAddress(self.server.url, self.settings.admin_token.get_secret_value(), REDIS_URL, self.prefix),
+            BackendTuning(round_timeout_s=30.0, shard_bytes=4096),
         )
 
     def worker(self, name: str) -> tuple[CoordinatorClient, str]:
