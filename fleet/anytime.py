@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from trainer.anytime.ring import VersionRing
-from trainer.evaluation import EvalWindows, batch_values, lm_windows
+from trainer.evaluation import EvalWindows, batch_values
 from trainer.zo.probes import canonical_blocks
 from wire import batch as batch_wire
 from wire.bounds import MAX_STALENESS  # an eval run's results never go stale: every version's score is wanted
@@ -42,8 +42,8 @@ class FleetScorer:
     Args:
         ring: the trainer's VersionRing (k <= wire.round_messages.MAX_EVAL_TERMS: every version is a term).
         model: the trained module (its architecture; a scratch copy is made for publishing and fallbacks).
-        select_tokens: the selection split, (N,) token ids; windows as trainer.anytime.serve.Anytime takes them
-            (trainer.data.iter_eval_batches with `batch_size`, `seq_len`, `n_batches`).
+        windows: the selection split's windows (trainer.evaluation.lm_windows of its (N,) token ids, as
+            trainer.anytime.serve.Anytime takes them).
         fleet: a fleet.attach.Fleet. model_preset: the run's model preset (the workers build the architecture).
         deadline_s: seconds without a result for a round after which its missing batches are scored here.
         device: where fallbacks run.
@@ -51,15 +51,14 @@ class FleetScorer:
     the coordinator refuses the run.
     """
 
-    def __init__(self, ring: VersionRing, model: torch.nn.Module, select_tokens, *, batch_size: int, seq_len: int,
-                 n_batches: int, fleet: Any, model_preset: str | None, split: str, deadline_s: float = 120.0,
-                 device: str = "cpu", poll_s: float = 0.05) -> None:
+    def __init__(self, ring: VersionRing, model: torch.nn.Module, windows: EvalWindows, *, fleet: Any,
+                 model_preset: str | None, deadline_s: float = 120.0, device: str = "cpu", poll_s: float = 0.05) -> None:
         from fleet.backend import BackendTuning, CoordinatorBackend, FleetAddress
 
         if ring.k > MAX_EVAL_TERMS:
             raise ValueError(f"the fleet scores mixtures of at most {MAX_EVAL_TERMS} versions; --anytime-k is {ring.k}")
         self.ring, self.deadline_s, self.device, self.poll_s = ring, deadline_s, device, poll_s
-        self.windows: EvalWindows = lm_windows(select_tokens, batch_size, seq_len, n_batches, split=split)
+        self.windows = windows
         self.blob = batch_wire.encode_batch(self.windows.tensors, "lm")
         self.blob_sha = hashlib.sha256(self.blob).hexdigest()
         self.scratch = copy.deepcopy(model).eval()

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from trainer import health as run_health
-from trainer.evaluation import EvalWindows, batch_values, combine
+from trainer.evaluation import EvalWindows, batch_values, combine, lm_windows
 from trainer.models.causal_lm import model_label
 from trainer.zo.probes import canonical_blocks
 from wire import batch as batch_wire
@@ -74,9 +74,9 @@ class FleetEvaluator:
                  full: bool = False, poll_s: float = 0.25, seeds_per_task: int | None = None,
                  clock=time.monotonic) -> None:
         lm = getattr(cfg, "task", "lm") != "sentiment"
-        self._set_up(task.eval_windows(full), model, fleet, device=cfg.device,
-                     model_preset=model_label(cfg.model) if lm else None,
-                     deadline_s=deadline_s, poll_s=poll_s, seeds_per_task=seeds_per_task, clock=clock,
+        self.device, self.deadline_s, self.poll_s, self.clock = cfg.device, deadline_s, poll_s, clock
+        self._set_up(task.eval_windows(full), model, fleet, model_preset=model_label(cfg.model) if lm else None,
+                     seeds_per_task=seeds_per_task,
                      select={"batch_size": cfg.batch_size, "seq_len": cfg.seq_len, "split": f"{cfg.corpus}/select"})
 
     @classmethod
@@ -86,18 +86,17 @@ class FleetEvaluator:
         """A FleetEvaluator of any loop (sparecycles.loop): `windows` (trainer.evaluation.EvalWindows, e.g.
         `lm_windows`) scored on the fleet at each `request`; fallbacks run on `device`. Raises as the class does."""
         self = cls.__new__(cls)
-        self._set_up(windows, model, fleet, device=device, model_preset=None, deadline_s=deadline_s, poll_s=poll_s,
-                     seeds_per_task=seeds_per_task, clock=clock, select=None)
+        self.device, self.deadline_s, self.poll_s, self.clock = device, deadline_s, poll_s, clock
+        self._set_up(windows, model, fleet, model_preset=None, seeds_per_task=seeds_per_task, select=None)
         return self
 
-    def _set_up(self, windows: EvalWindows, model: torch.nn.Module, fleet: Any, *, device: str,
-                model_preset: str | None, deadline_s: float, poll_s: float, seeds_per_task: int | None, clock,
-                select: dict[str, Any] | None) -> None:
-        """The one constructor body (the run's windows, or any loop's: `on_windows`)."""
+    def _set_up(self, windows: EvalWindows, model: torch.nn.Module, fleet: Any, *, model_preset: str | None,
+                seeds_per_task: int | None, select: dict[str, Any] | None) -> None:
+        """The one constructor body (the run's windows, or any loop's: `on_windows`), after the constructor set
+        where and when fallbacks run (device, deadline_s, poll_s, clock)."""
         from fleet.backend import BackendTuning, CoordinatorBackend, FleetAddress
 
-        self.model, self.device, self.deadline_s, self.poll_s, self.clock = model, device, deadline_s, poll_s, clock
-        self.model_preset, self.select = model_preset, select
+        self.model, self.model_preset, self.select = model, model_preset, select
         self.windows: EvalWindows = windows
         self.kind = batch_wire.batch_kind_for_model(type(model).__name__)
         if self.kind != self.windows.kind:
@@ -172,9 +171,9 @@ class FleetEvaluator:
         if anytime.settings.pull:
             raise ValueError("--pull is in-process only: a pull republishes a version the fleet already holds")
         select = self.select or {"batch_size": anytime.batch_size, "seq_len": anytime.seq_len, "split": "select"}
-        self.scorer = FleetScorer(anytime.ring, self.model, anytime.select_tokens, batch_size=select["batch_size"],
-                                  seq_len=select["seq_len"], n_batches=anytime.settings.select_batches,
-                                  fleet=self.fleet, model_preset=self.model_preset, split=select["split"],
+        windows = lm_windows(anytime.select_tokens, select["batch_size"], select["seq_len"],
+                             anytime.settings.select_batches, split=select["split"])
+        self.scorer = FleetScorer(anytime.ring, self.model, windows, fleet=self.fleet, model_preset=self.model_preset,
                                   deadline_s=self.deadline_s, device=self.device)
         return self.scorer
 

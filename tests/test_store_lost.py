@@ -150,6 +150,7 @@ def test_anytime_candidates_are_scored_after_the_store_is_lost(fleet, tmp_path):
 
     from fleet.anytime import FleetScorer
     from trainer.anytime.ring import VersionRing
+    from trainer.evaluation import lm_windows
     from trainer.zo.probes import canonical_blocks
 
     for name in ("a", "b"):
@@ -164,8 +165,8 @@ def test_anytime_candidates_are_scored_after_the_store_is_lost(fleet, tmp_path):
                 b.param.add_(torch.randn(b.param.shape, generator=gen) * 0.02)
             ring.publish(v, scratch.state_dict())
     tokens = np.random.default_rng(5).integers(0, 128, 2000).astype(np.uint16)  # the selection split, (N,)
-    scorer = FleetScorer(ring, model, tokens, batch_size=2, seq_len=8, n_batches=3, fleet=_attached(fleet, "ta"),
-                         model_preset=None, split="test/select", deadline_s=300.0)
+    scorer = FleetScorer(ring, model, lm_windows(tokens, 2, 8, 3, split="test/select"), fleet=_attached(fleet, "ta"),
+                         model_preset=None, deadline_s=300.0)
     cands = [("raw", (0.0, 0.0, 1.0)), ("mix", (0.25, 0.25, 0.5))]
     try:
         first = scorer(cands)

@@ -8,10 +8,11 @@ import torch
 from probe_kernels import direction, dist_moments
 from support.quadratic import QuadraticModel, quad_loss
 from trainer.checkpoint import load_checkpoint, save_checkpoint
+from trainer.method_options import BlockOptions, LineOptions
 from trainer.zo import estimators as est
 from trainer.zo.backend import InProcessBackend
 from trainer.zo.modes import refresh
-from trainer.zo.optimizers import ZOCurvBlockAdamW, ZOCurvLine, ZOCurvSophia
+from trainer.zo.optimizers import Probing, ZOCurvBlockAdamW, ZOCurvLine, ZOCurvSophia
 from trainer.zo.rounds import RoundBook
 from trainer.zo.updates import block_multipliers, line_ratios
 
@@ -45,7 +46,8 @@ def test_block_adamw_with_exact_curvature_matches_formula():
     model = QuadraticModel(SIZES, seed=2)
     theta0 = model.theta()
     lr, wd, s_min, s_max = 1e-2, 0.1, 0.5, 2.0
-    opt = ZOCurvBlockAdamW(model.parameters(), lr=lr, weight_decay=wd, s_min=s_min, s_max=s_max)
+    opt = ZOCurvBlockAdamW(model.parameters(), lr=lr, weight_decay=wd,
+                           options=BlockOptions(s_min=s_min, s_max=s_max))
     d = _block_means(torch.diagonal(model.h))  # exact tr(H_bb)/n_b
     opt.curv.fold(d)
     grad = _backward(model)
@@ -81,7 +83,8 @@ def test_sophia_with_exact_curvature_matches_formula(granularity):
 def test_block_refresh_folds_the_block_trace_estimate_of_exact_probe_curvatures():
     model = QuadraticModel(SIZES, seed=4)
     be = InProcessBackend(model, quad_loss)
-    opt = ZOCurvBlockAdamW(model.parameters(), probes=6, probe_eps=1e-2, seed=9, curv_beta=0.5)
+    opt = ZOCurvBlockAdamW(model.parameters(), options=BlockOptions(curv_beta=0.5),
+                           probing=Probing(probes=6, probe_eps=1e-2, seed=9))
     stats = refresh(opt, RoundBook(2), be, None, 0)
     r = opt.make_rounds(None, 0, ())[0]
     z = torch.stack([est.block_scaled_direction(s, BOUNDS[:-1], SIZES) for s in r.seeds]).double()
@@ -97,13 +100,13 @@ def test_block_refresh_folds_the_block_trace_estimate_of_exact_probe_curvatures(
 def test_stale_rounds_dropped_and_counted_end_to_end():
     model = QuadraticModel(SIZES, seed=5)
     late = InProcessBackend(model, quad_loss, delay_rounds=2, staleness=1)  # results arrive two versions late
-    opt, book = ZOCurvBlockAdamW(model.parameters(), probes=2), RoundBook(staleness=1)
+    opt, book = ZOCurvBlockAdamW(model.parameters(), probing=Probing(probes=2)), RoundBook(staleness=1)
     for v in range(5):
         stats = refresh(opt, book, late, None, v)
     assert not opt.curv.ready
     assert stats["curv_stale"] == 6 and stats["curv_accepted"] == 0  # rounds 0..2 delivered, all stale
     assert stats["curv_dropped_rounds"] == 3
-    ok, book = ZOCurvBlockAdamW(model.parameters(), probes=2), RoundBook(staleness=2)
+    ok, book = ZOCurvBlockAdamW(model.parameters(), probing=Probing(probes=2)), RoundBook(staleness=2)
     for v in range(5):
         stats = refresh(ok, book, InProcessBackend(model, quad_loss), None, v)
     assert ok.curv.updates == 5 and stats["curv_stale"] == 0
@@ -112,8 +115,8 @@ def test_stale_rounds_dropped_and_counted_end_to_end():
 def test_line_multiplier_is_clipped_newton_ratio_along_the_step():
     model = QuadraticModel(SIZES, seed=6)
     be = InProcessBackend(model, quad_loss, history=2)
-    opt = ZOCurvLine(model.parameters(), lr=0.05, weight_decay=0.0, probe_eps=1e-2, curv_beta=0.0,
-                     r_min=0.1, r_max=10.0, s_min=0.01, s_max=100.0)
+    opt = ZOCurvLine(model.parameters(), lr=0.05, weight_decay=0.0, probe_eps=1e-2,
+                     options=LineOptions(curv_beta=0.0, r_min=0.1, r_max=10.0, s_min=0.01, s_max=100.0))
     be.publish(0)
     theta0 = model.theta()
     _backward(model)
@@ -172,7 +175,8 @@ def test_bf16_masters_stay_fp32_through_checkpoint(tmp_path):
 
 def test_sophia_coordinate_refresh_folds_the_diagonal_estimate():
     model = QuadraticModel(SIZES, seed=9)
-    opt = ZOCurvSophia(model.parameters(), granularity="coordinate", probes=5, probe_eps=1e-2, seed=4)
+    opt = ZOCurvSophia(model.parameters(), granularity="coordinate",
+                       probing=Probing(probes=5, probe_eps=1e-2, seed=4))
     refresh(opt, RoundBook(2), InProcessBackend(model, quad_loss), None, 0)
     r = opt.make_rounds(None, 0, ())[0]
     assert r.distribution == "gauss8"

@@ -24,8 +24,7 @@ def test_adamw_update_is_torch_adamw_bit_for_bit(weight_decay):
             q.grad = gr.clone()
         opt.step()
         for p, gr, (m, v) in zip(params, grads, moments):
-            upd.adamw_update_(p, gr, m, v, step=float(t), lr=lr, beta1=betas[0], beta2=betas[1], eps=eps,
-                              weight_decay=weight_decay)
+            upd.adamw_update_(p, gr, m, v, step=float(t), hp=upd.AdamWHyper(lr, betas[0], betas[1], eps, weight_decay))
         for p, q, (m, v) in zip(params, ref, moments):
             assert torch.equal(p, q.detach())
             assert torch.equal(m, opt.state[q]["exp_avg"]) and torch.equal(v, opt.state[q]["exp_avg_sq"])
@@ -37,8 +36,8 @@ def test_adamw_lr_scale_scales_only_the_step():
     theta, grad = torch.randn(50, generator=g, dtype=torch.float64), torch.randn(50, generator=g, dtype=torch.float64)
     lr, wd, s, eps = 1e-2, 0.1, 2.5, 1e-8
     p = theta.clone()
-    upd.adamw_update_(p, grad, torch.zeros_like(p), torch.zeros_like(p), step=1, lr=lr, beta1=0.9, beta2=0.95,
-                      eps=eps, weight_decay=wd, lr_scale=s)
+    upd.adamw_update_(p, grad, torch.zeros_like(p), torch.zeros_like(p), step=1,
+                      hp=upd.AdamWHyper(lr, 0.9, 0.95, eps, wd), lr_scale=s)
     torch.testing.assert_close(p, theta * (1 - lr * wd) - lr * s * grad / (grad.abs() + eps), rtol=1e-12, atol=1e-15)
 
 

@@ -23,7 +23,7 @@ from trainer.zo.multipliers import (
     update_group_multipliers,
 )
 from trainer.zo.probes import canonical_blocks, group_weights, swapped_loss
-from trainer.zo.role_rules import ZOCurvRoleAdamW, group_estimates
+from trainer.zo.role_rules import RoleRounds, ZOCurvRoleAdamW, group_estimates
 from trainer.zo.rounds import RoundBook
 
 D, L = 8, 2
@@ -119,9 +119,8 @@ def test_role_rounds_perturb_exactly_their_role():
 def _group_refresh(m, quad, g, *, probes=3, eps_rel=2.0**-4, seed=7):
     """One refresh of zocurv-group's rounds on `m` through InProcessBackend: (estimates, eps stats, forwards)."""
     blocks = [b.param for b in canonical_blocks(m)]
-    opt = ZOCurvRoleAdamW([{"params": blocks}], blocks=blocks, gmap=g, group_probes=True, line=False, fixed=False,
-                          options=None, probe_budget=1 + 2 * probes * len(g.roles), probe_eps=eps_rel, interval=1,
-                          seed=seed)
+    opt = ZOCurvRoleAdamW([{"params": blocks}], blocks=blocks, gmap=g, options=None, rounds=RoleRounds(
+        group_probes=True, probe_budget=1 + 2 * probes * len(g.roles), probe_eps=eps_rel, interval=1, seed=seed))
     be, book = InProcessBackend(m, quad), RoundBook(2)
     book.issue(be, opt.make_rounds(None, 0, ()))
     book.collect(be)
@@ -320,8 +319,7 @@ def test_role_adamw_matches_torch_adamw_with_per_group_lrs():
     names = [n for n, _ in a.named_parameters()]
     blocks = list(a.parameters())
     opt = ZOCurvRoleAdamW([{"params": blocks, "weight_decay": 0.1}], lr=1e-2, blocks=blocks, gmap=model_roles(a),
-                          group_probes=False, line=False, fixed=False, options=None, probe_budget=3, probe_eps=1e-3,
-                          interval=1, seed=0)
+                          options=None, rounds=RoleRounds(probe_budget=3, probe_eps=1e-3, interval=1, seed=0))
     mult = [1.0] * len(blocks)
     for i, n in enumerate(names):
         mult[i] = 3.0 if "mlp" in n else 1.0

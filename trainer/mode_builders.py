@@ -91,42 +91,40 @@ def build_pure_zo_mode(cfg, model, loss_fn, backend=None, timing="async"):
 
 
 # ---- ZO-Curv variants ----------------------------------------------------------------------------------
-def _zocurv_common(blocks, cfg) -> dict[str, Any]:
-    return {"blocks": [b.param for b in blocks], "probe_eps": cfg.eps, "seed": cfg.seed}
+def _probing(cfg):
+    from trainer.zo.optimizers import Probing
+
+    return Probing(probes=cfg.probes, probe_eps=cfg.eps, seed=cfg.seed)
 
 
 def _zocurv_block(groups, blocks, cfg, o: BlockOptions):
     from trainer.zo.optimizers import ZOCurvBlockAdamW
 
-    return ZOCurvBlockAdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), probes=cfg.probes, rho=o.rho,
-                            s_min=o.s_min, s_max=o.s_max, curv_beta=o.curv_beta, **_zocurv_common(blocks, cfg))
+    return ZOCurvBlockAdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), blocks=[b.param for b in blocks],
+                            options=o, probing=_probing(cfg))
 
 
 def _zocurv_sophia(groups, blocks, cfg, o: SophiaOptions):
     from trainer.zo.optimizers import ZOCurvSophia
 
     return ZOCurvSophia(groups, lr=cfg.lr, betas=(cfg.beta1, o.beta2), gamma=o.gamma, granularity=o.granularity,
-                        probes=cfg.probes, **_zocurv_common(blocks, cfg))
+                        blocks=[b.param for b in blocks], probing=_probing(cfg))
 
 
 def _zocurv_line(groups, blocks, cfg, o: LineOptions):
     from trainer.zo.optimizers import ZOCurvLine
 
-    return ZOCurvLine(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), s_min=o.s_min, s_max=o.s_max,
-                      r_min=o.r_min, r_max=o.r_max, curv_beta=o.curv_beta, **_zocurv_common(blocks, cfg))
+    return ZOCurvLine(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), blocks=[b.param for b in blocks], options=o,
+                      probe_eps=cfg.eps, seed=cfg.seed)
 
 
 def _zocurv_role(groups, blocks, cfg, o: RoleOptions):
     from trainer.zo.groups import assign_roles
-    from trainer.zo.role_rules import ZOCurvRoleAdamW
+    from trainer.zo.role_rules import RoleRounds, ZOCurvRoleAdamW
 
-    name = cfg.optimizer
     return ZOCurvRoleAdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), blocks=[b.param for b in blocks],
-                           gmap=assign_roles([(b.name, b.param) for b in blocks]),
-                           group_probes=name in ("zocurv-group", "zocurv-group-global"),
-                           line=name in ("zocurv-global", "zocurv-group-global"), fixed=name == "zocurv-group-fixed",
-                           options=o, probe_budget=cfg.probe_budget, probe_eps=cfg.eps,
-                           interval=cfg.curvature_interval, seed=cfg.seed)
+                           gmap=assign_roles([(b.name, b.param) for b in blocks]), options=o,
+                           rounds=RoleRounds.of(cfg))
 
 
 def _zocurv_regime(groups, blocks, cfg, o: RegimeOptions):

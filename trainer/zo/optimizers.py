@@ -18,11 +18,13 @@ import logging
 import math
 import warnings
 from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
 from probe_kernels import direction, dist_moments
+from trainer.method_options import BlockOptions, LineOptions
 from trainer.zo import estimators as est
 from trainer.zo import updates as upd
 from trainer.zo.backend import losses
@@ -37,6 +39,16 @@ ADAM_EPS = 1e-8
 log = logging.getLogger("sparecycles.zo")
 _FP32_LOSS_ULP = 2.0**-24  # relative rounding of an fp32 loss value
 Refresh = list[tuple[RoundSpec, list[SeedResult]]]  # the rounds of one refresh, each with its results by seed
+
+
+@dataclass(frozen=True)
+class Probing:
+    """How a ZO-Curv optimizer's curvature round is made: `probes` per round (K), their relative ε `probe_eps`
+    (the probe's, not Adam's), and the `seed` the probes' seeds derive from (estimators.derive_seed)."""
+
+    probes: int = 8
+    probe_eps: float = PROBE_EPS
+    seed: int = 0
 
 
 class CurvRule(Protocol):
@@ -228,12 +240,10 @@ class ZOCurvOptimizer(torch.optim.Optimizer):
         loss = _closure_loss(closure)
         s = self._multipliers()
         for g, p in self._with_grads():
-            b1, b2 = g["betas"]
             st, w = self._moments(p, second=True)
             lr, lr_scale, decay_scale = self._block_lr(g["lr"], self.block_index[id(p)], s)
             upd.adamw_update_(w, p.grad.float(), st["exp_avg"], st["exp_avg_sq"], step=float(st["step"]),
-                              lr=lr, beta1=b1, beta2=b2, eps=g["eps"], weight_decay=g["weight_decay"],
-                              lr_scale=lr_scale, decay_scale=decay_scale)
+                              hp=upd.AdamWHyper.of(g, lr), lr_scale=lr_scale, decay_scale=decay_scale)
             self._write_back(p, w)
         return loss
 
@@ -272,18 +282,18 @@ class ZOCurvBlockAdamW(ZOCurvOptimizer):
     Before the first curvature round s_b = 1 (plain AdamW). Logs the fraction of clipped blocks.
 
     Args: params/lr/betas/eps/weight_decay as torch.optim.AdamW; blocks: canonical parameter list;
-    rho, s_min, s_max: multiplier knobs (0 < s_min <= 1 <= s_max); curv_beta: the CurvatureState's EMA;
-    probes, probe_eps, seed: the probe round (K block-scaled probes, seeds derive_seed(seed, version, k)).
+    options: trainer.method_options.BlockOptions (rho, s_min, s_max: the multiplier's knobs, validated
+    0 < s_min <= 1 <= s_max; curv_beta: the CurvatureState's EMA); probing: the probe round (Probing: K
+    block-scaled probes, seeds derive_seed(seed, version, k)).
     """
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.95), eps: float = ADAM_EPS, weight_decay: float = 0.1,
-                 *, blocks=None, rho: float | None = None, s_min: float = 0.5, s_max: float = 2.0,
-                 curv_beta: float = 0.9, probes: int = 8, probe_eps: float = PROBE_EPS, seed: int = 0) -> None:
-        if not 0 < s_min <= 1 <= s_max:
-            raise ValueError(f"need 0 < s_min <= 1 <= s_max, got {s_min}, {s_max}")
-        self.rho, self.s_min, self.s_max = rho, s_min, s_max
+                 *, blocks=None, options: BlockOptions | None = None, probing: Probing = Probing()) -> None:
+        o = options or BlockOptions()
+        self.rho, self.s_min, self.s_max = o.rho, o.s_min, o.s_max
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}, blocks=blocks,
-                         curv_size="block", curv_beta=curv_beta, probes=probes, probe_eps=probe_eps, seed=seed)
+                         curv_size="block", curv_beta=o.curv_beta, probes=probing.probes,
+                         probe_eps=probing.probe_eps, seed=probing.seed)
 
     def _multipliers(self) -> torch.Tensor:
         if not self.curv.ready:
@@ -304,16 +314,16 @@ class ZOCurvSophia(ZOCurvOptimizer):
     """
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.965, 0.99), gamma: float = 0.01, eps: float = 1e-12,
-                 weight_decay: float = 0.1, *, blocks=None, granularity: str = "block", probes: int = 8,
-                 probe_eps: float = PROBE_EPS, seed: int = 0) -> None:
+                 weight_decay: float = 0.1, *, blocks=None, granularity: str = "block",
+                 probing: Probing = Probing()) -> None:
         if granularity not in ("block", "coordinate"):
             raise ValueError(f"granularity must be 'block' or 'coordinate', got {granularity!r}")
         if not gamma > 0:
             raise ValueError(f"gamma must be > 0, got {gamma}")
         self.granularity = granularity
         super().__init__(params, {"lr": lr, "betas": betas, "gamma": gamma, "eps": eps, "weight_decay": weight_decay},
-                         blocks=blocks, curv_size=granularity, curv_beta=betas[1], probes=probes,
-                         probe_eps=probe_eps, seed=seed)
+                         blocks=blocks, curv_size=granularity, curv_beta=betas[1], probes=probing.probes,
+                         probe_eps=probing.probe_eps, seed=probing.seed)
         self.offsets = [0, *torch.tensor(self.block_sizes).cumsum(0).tolist()]
 
     def make_rounds(self, batch: Any, version: int, published: Collection[int]) -> list[RoundSpec]:
@@ -373,13 +383,12 @@ class ZOCurvLine(ZOCurvOptimizer):
     history = 2
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.95), eps: float = ADAM_EPS, weight_decay: float = 0.1,
-                 *, blocks=None, s_min: float = 0.25, s_max: float = 4.0, r_min: float = 0.5, r_max: float = 2.0,
-                 curv_beta: float = 0.5, probe_eps: float = PROBE_EPS, seed: int = 0) -> None:
-        if not (0 < s_min <= 1 <= s_max and 0 < r_min <= 1 <= r_max):
-            raise ValueError("need 0 < s_min <= 1 <= s_max and 0 < r_min <= 1 <= r_max")
-        self.s_min, self.s_max, self.r_min, self.r_max = s_min, s_max, r_min, r_max
+                 *, blocks=None, options: LineOptions | None = None, probe_eps: float = PROBE_EPS,
+                 seed: int = 0) -> None:
+        o = options or LineOptions()  # validated 0 < s_min <= 1 <= s_max and 0 < r_min <= 1 <= r_max
+        self.s_min, self.s_max, self.r_min, self.r_max = o.s_min, o.s_max, o.r_min, o.r_max
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}, blocks=blocks,
-                         curv_size="block", curv_beta=curv_beta, probes=1, probe_eps=probe_eps, seed=seed)
+                         curv_size="block", curv_beta=o.curv_beta, probes=1, probe_eps=probe_eps, seed=seed)
 
     def publishes(self, step: int, interval: int) -> bool:
         """θ_{v−1} and θ_v around each refresh v (a multiple of `interval`)."""

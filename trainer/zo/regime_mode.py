@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -118,26 +119,39 @@ class BlockTableAdamW(ScaledAdamW):
         self._apply()
 
 
+@dataclass(frozen=True)
+class TrustRounds:
+    """zocurv-trust's region and its held-out rounds: `rule` (trainer.zo.trust_region.TrustRegionRule), `batches`
+    (held-out batches per refresh, >= 2 for an across-batch SE), `interval` (curvature_interval, steps, >= 1),
+    `warmup` (warmup_steps: no rounds before), `source(refresh, b)` -> a held-out batch (`held_out_source`).
+    Raises ValueError for batches < 2 or interval < 1."""
+
+    rule: TrustRegionRule
+    batches: int
+    interval: int
+    warmup: int
+    source: ProbeSource
+
+    def __post_init__(self) -> None:
+        if self.batches < 2 or self.interval < 1:
+            raise ValueError(f"need batches >= 2 and interval >= 1, got {self.batches}, {self.interval}")
+
+
 class TrustRegionAdamW(BlockTableAdamW):
     """``zocurv-trust``: BlockTableAdamW whose multipliers the calibrated trust region moves (module docstring).
 
-    Args: as BlockTableAdamW (mult: the start), plus rule (trainer.zo.trust_region.TrustRegionRule), batches (held-out
-    batches per refresh, >= 2 for an across-batch SE), interval (curvature_interval), warmup (warmup_steps: no
-    rounds before), source(refresh, b) -> held-out batch (`held_out_source`). Raises ValueError for batches < 2 or
-    interval < 1.
+    Args: as BlockTableAdamW (mult: the start), plus trust: the region's rule and its rounds (TrustRounds).
     """
 
     history = 2  # θ_t and θ_prev published
     log_prefix = "trust"
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.95), eps: float = ADAM_EPS, weight_decay: float = 0.1,
-                 *, blocks: Sequence[torch.Tensor], gmap: GroupMap, mult: dict[Role, float], rule: TrustRegionRule,
-                 batches: int, interval: int, warmup: int, source: ProbeSource) -> None:
-        if batches < 2 or interval < 1:
-            raise ValueError(f"need batches >= 2 and interval >= 1, got {batches}, {interval}")
+                 *, blocks: Sequence[torch.Tensor], gmap: GroupMap, mult: dict[Role, float],
+                 trust: TrustRounds) -> None:
         super().__init__(params, lr, betas, eps, weight_decay, blocks=blocks, gmap=gmap, mult=mult)
-        self.region.rule = rule
-        self.batches, self.interval, self.warmup, self.source = batches, interval, warmup, source
+        self.region.rule = trust.rule
+        self.batches, self.interval, self.warmup, self.source = trust.batches, trust.interval, trust.warmup, trust.source
 
     def publishes(self, step: int, interval: int) -> bool:
         """θ_t at each refresh t whose weights a round probes, as θ_t or as the next refresh's θ_prev."""
@@ -186,5 +200,5 @@ def build_regime_rule(groups: list[dict], blocks: list[Any], cfg: TrainConfig, o
     rule = TrustRegionRule(beta=o.beta, z_min=o.z_min, agree=o.agree, r_min=o.r_min, r_max=o.r_max, m_min=o.m_min,
                            m_max=o.m_max)
     start = table if o.start == "table" else {r: 1.0 for r in gmap.roles}
-    return TrustRegionAdamW(groups, mult=start, rule=rule, batches=o.batches, interval=cfg.curvature_interval,
-                            warmup=cfg.warmup_steps, source=source or held_out_source(cfg), **common)
+    trust = TrustRounds(rule, o.batches, cfg.curvature_interval, cfg.warmup_steps, source or held_out_source(cfg))
+    return TrustRegionAdamW(groups, mult=start, trust=trust, **common)

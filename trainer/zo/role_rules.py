@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -125,24 +126,48 @@ class ScaledAdamW(ZOCurvOptimizer):
         return lr * s[b], 1.0, 1.0
 
 
+@dataclass(frozen=True)
+class RoleRounds:
+    """Which rule of the family a ZOCurvRoleAdamW runs and how its rounds are made: `group_probes` (per-role group
+    rounds: zocurv-group, -group-global), `line` (the global line round: zocurv-global, -group-global), `fixed`
+    (start at Wang et al.'s multipliers: zocurv-group-fixed); `probe_budget` (forwards per refresh, shared by the
+    roles), `probe_eps` (the probes' relative ε), `interval` (curvature_interval, steps) and `seed`."""
+
+    group_probes: bool = False
+    line: bool = False
+    fixed: bool = False
+    probe_budget: int = 3
+    probe_eps: float = PROBE_EPS
+    interval: int = 1
+    seed: int = 0
+
+    @classmethod
+    def of(cls, cfg: Any) -> RoleRounds:
+        """Those of a TrainConfig whose optimizer is one of the family."""
+        name = cfg.optimizer
+        return cls(group_probes=name in ("zocurv-group", "zocurv-group-global"),
+                   line=name in ("zocurv-global", "zocurv-group-global"), fixed=name == "zocurv-group-fixed",
+                   probe_budget=cfg.probe_budget, probe_eps=cfg.eps, interval=cfg.curvature_interval, seed=cfg.seed)
+
+
 class ZOCurvRoleAdamW(ScaledAdamW):
     """ScaledAdamW whose multipliers come from ZO probes: the per-role and global rules (module docstring).
 
-    Args: as ScaledAdamW, plus gmap: the blocks' roles (trainer.zo.groups.assign_roles); group_probes / line /
-    fixed: which variant; options: trainer.methods.RoleOptions; probe_budget, probe_eps (relative ε), interval
-    (curvature_interval), seed.
+    Args: as ScaledAdamW, plus gmap: the blocks' roles (trainer.zo.groups.assign_roles); options:
+    trainer.method_options.RoleOptions (None: only for a rule that folds no round); rounds: which variant and how
+    its rounds are made (RoleRounds).
     """
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.95), eps: float = ADAM_EPS, weight_decay: float = 0.1,
-                 *, blocks: Sequence[torch.Tensor], gmap: GroupMap, group_probes: bool, line: bool, fixed: bool,
-                 options: Any, probe_budget: int, probe_eps: float, interval: int, seed: int) -> None:
-        super().__init__(params, lr, betas, eps, weight_decay, blocks=blocks, probe_eps=probe_eps, seed=seed)
-        self.gmap, self.opts, self.interval = gmap, options, interval
-        self.group_probes, self.line = group_probes, line
-        self.history = 2 if line else 0
-        self.log_prefix = "group" if group_probes else "line"
-        self.per_role = max(2, (probe_budget - 1) // (2 * len(gmap.roles)))
-        self.mult = {r: WANG2025_MULTIPLIERS[r.value] if fixed else 1.0 for r in gmap.roles}
+                 *, blocks: Sequence[torch.Tensor], gmap: GroupMap, options: Any, rounds: RoleRounds) -> None:
+        super().__init__(params, lr, betas, eps, weight_decay, blocks=blocks, probe_eps=rounds.probe_eps,
+                         seed=rounds.seed)
+        self.gmap, self.opts, self.interval = gmap, options, rounds.interval
+        self.group_probes, self.line = rounds.group_probes, rounds.line
+        self.history = 2 if rounds.line else 0
+        self.log_prefix = "group" if rounds.group_probes else "line"
+        self.per_role = max(2, (rounds.probe_budget - 1) // (2 * len(gmap.roles)))
+        self.mult = {r: WANG2025_MULTIPLIERS[r.value] if rounds.fixed else 1.0 for r in gmap.roles}
         self._apply()
 
     def _apply(self) -> None:

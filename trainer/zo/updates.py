@@ -19,8 +19,9 @@ Contents:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Literal
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 
@@ -30,9 +31,27 @@ ZOMethod = Literal["mezo", "1spsa", "1.5spsa"]
 
 
 # ---- AdamW ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class AdamWHyper:
+    """One parameter group's AdamW hyper-parameters: lr; beta1, beta2 in [0, 1); eps > 0 (Adam's ε in the
+    denominator, not a probe's); weight_decay >= 0 (decoupled)."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+
+    @classmethod
+    def of(cls, group: Mapping[str, Any], lr: float | None = None) -> AdamWHyper:
+        """Those of a torch param group ({"lr", "betas", "eps", "weight_decay"}), its lr replaced by `lr` if given."""
+        beta1, beta2 = group["betas"]
+        return cls(group["lr"] if lr is None else lr, beta1, beta2, group["eps"], group["weight_decay"])
+
+
 def adamw_update_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
-                  step: float, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-                  lr_scale: float | torch.Tensor = 1.0, decay_scale: float | torch.Tensor = 1.0) -> None:
+                  step: float, hp: AdamWHyper, lr_scale: float | torch.Tensor = 1.0,
+                  decay_scale: float | torch.Tensor = 1.0) -> None:
     """One AdamW step on one tensor, in place: `param`, `exp_avg` and `exp_avg_sq` are updated.
 
     θ ← θ·(1 − lr·wd·d);  m ← β1·m + (1 − β1)·g;  v ← β2·v + (1 − β2)·g²;
@@ -46,14 +65,15 @@ def adamw_update_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor
     Args:
         param, grad, exp_avg, exp_avg_sq: same shape and float dtype (fp32 masters and moments here).
         step: 1-based step count t of this tensor's moments (after incrementing; int or float, as torch keeps it).
-        lr: learning rate; beta1, beta2 in [0, 1); eps > 0; weight_decay >= 0 (decoupled).
+        hp: the group's lr, beta1, beta2, eps and weight_decay (AdamWHyper).
         lr_scale: step-size multiplier s, a float or a float32 tensor broadcastable to `param` (per column).
         decay_scale: decay multiplier d, a float or such a tensor.
     """
-    param.mul_(1 - lr * weight_decay * decay_scale)
+    lr, beta1, beta2 = hp.lr, hp.beta1, hp.beta2
+    param.mul_(1 - lr * hp.weight_decay * decay_scale)
     exp_avg.lerp_(grad, 1 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    denom = (exp_avg_sq.sqrt() / (1 - beta2**step) ** 0.5).add_(eps)
+    denom = (exp_avg_sq.sqrt() / (1 - beta2**step) ** 0.5).add_(hp.eps)
     if isinstance(lr_scale, torch.Tensor):
         param.addcdiv_(exp_avg * lr_scale, denom, value=-lr / (1 - beta1**step))
     else:
