@@ -165,18 +165,18 @@ def _train_with_fleet(plan: UpPlan, progress: bool, log: Callable[[str], None],
 
             def run(name: str, cfg, resume: bool) -> None:
                 if plan.nproc is not None:  # rank 0 attaches to this coordinator as `train --coordinator` does
-                    from sparecycles.up_ranks import train_ranks
+                    from sparecycles.up_ranks import RankRun, train_ranks
 
                     ranks_env = {k: v for k, v in env.items()
                                  if k not in ("SPARECYCLES_ENROLLMENT_TOKEN", "SPARECYCLES_COORDINATOR_URL")}
                     if plan.teacher_rounds:  # the ranks' --teacher-rounds URL (trainer.cli), never in their argv
                         ranks_env[TEACHER_ROUNDS_ENV] = redis_url
                     status.snapshot()  # the run's probes/s count from here
-                    train_ranks(plan, name, cfg, resume=resume, progress=progress, export=export, coordinator=base,
-                                env=ranks_env, metrics_port=trainer_port, preexec_fn=die_with_parent,
-                                teacher_queue=teacher_runs[name] if plan.teacher_rounds else None)
+                    ranks = RankRun(resume=resume, progress=progress, export=export, metrics_port=trainer_port,
+                                    coordinator=base, teacher_queue=teacher_runs[name] if plan.teacher_rounds else None)
+                    train_ranks(plan, name, cfg, run=ranks, env=ranks_env, preexec_fn=die_with_parent)
                     return
-                from trainer.train import train
+                from trainer.train import TrainHooks, train
 
                 evaluator = (fleet.evaluator_factory(deadline_s=plan.eval_deadline, full=plan.eval_windows == "full")
                              if plan.eval_on == "fleet" else None)
@@ -190,7 +190,7 @@ def _train_with_fleet(plan: UpPlan, progress: bool, log: Callable[[str], None],
 
                 dist = DistContext(fleet=name != "adamw", fleet_rounds=FLEET_ROUNDS[plan.fleet_wait])  # config.json
                 train(cfg, progress=progress, resume=resume, overwrite=True, export=export,
-                      evaluator_factory=evaluator, dist=dist, **probes)
+                      dist=dist, hooks=TrainHooks(evaluator_factory=evaluator, **probes))
 
             return _train_runs(plan, run, status, log), redis_desc
     finally:

@@ -10,6 +10,7 @@ rounds' results to the others (trainer.dist_backends); the runs' rounds fold as 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,35 +25,47 @@ def launch_note(plan: Any) -> str:
             f"the coordinator{evaluation}")
 
 
-def rank_args(plan: Any, cfg: Any, *, config_path: Path, resume: bool, progress: bool, export: bool,
-              coordinator: str | None, metrics_port: int, teacher_queue: str | None = None) -> list[str]:
+@dataclass(frozen=True)
+class RankRun:
+    """How one of `up`'s runs runs on its ranks: `resume` (an interrupted run continues), `progress` (the live
+    display), `export` (the transformers folder at the end), `metrics_port` (the trainer's), `coordinator` (`up`'s
+    coordinator URL, for rank 0 when the run sends it probes or evaluations; None: no fleet) and `teacher_queue`
+    (the run's teacher round queue; None: no teacher rounds)."""
+
+    resume: bool
+    progress: bool
+    export: bool
+    metrics_port: int
+    coordinator: str | None = None
+    teacher_queue: str | None = None
+
+
+def rank_args(plan: Any, cfg: Any, *, config_path: Path, run: RankRun) -> list[str]:
     """`sparecycles train` arguments of one of `up`'s runs (writes `cfg` to `config_path`): the whole config, the
     run folder taken over as `up`'s in-process runs take it (`--overwrite`; `--resume` for an interrupted run), the
-    fleet when the run sends it probes or evaluations (`coordinator`, with `plan`'s --fleet-wait and evaluation
-    options), the trainer's metrics port, and with `teacher_queue` the run's teacher rounds on that queue (the Redis
-    URL comes in $SPARECYCLES_TEACHER_ROUNDS; `--kd-strict` unless plan.fleet_wait is "never", as `up`'s in-process
-    runs wait)."""
+    fleet when the run sends it probes or evaluations (`run.coordinator`, with `plan`'s --fleet-wait and evaluation
+    options), the trainer's metrics port, and with `run.teacher_queue` the run's teacher rounds on that queue (the
+    Redis URL comes in $SPARECYCLES_TEACHER_ROUNDS; `--kd-strict` unless plan.fleet_wait is "never", as `up`'s
+    in-process runs wait)."""
     fleet_wait = plan.fleet_wait
     config_path.parent.mkdir(parents=True, exist_ok=True)
     config_path.write_text(cfg.model_dump_json(indent=2))
-    args = ["train", "--config", str(config_path), "--overwrite", "--export" if export else "--no-export",
-            "--progress" if progress else "--no-progress", "--metrics-port", str(metrics_port)]
-    args += ["--resume"] if resume else []
-    if teacher_queue is not None:
-        args += ["--teacher-queue", teacher_queue, *(["--kd-strict"] if fleet_wait != "never" else [])]
-    if coordinator is None:
+    args = ["train", "--config", str(config_path), "--overwrite", "--export" if run.export else "--no-export",
+            "--progress" if run.progress else "--no-progress", "--metrics-port", str(run.metrics_port)]
+    args += ["--resume"] if run.resume else []
+    if run.teacher_queue is not None:
+        args += ["--teacher-queue", run.teacher_queue, *(["--kd-strict"] if fleet_wait != "never" else [])]
+    if run.coordinator is None:
         return [*args, "--eval-on", "trainer"]
-    return [*args, "--coordinator", coordinator, "--fleet-wait", fleet_wait, "--eval-on", plan.eval_on,
+    return [*args, "--coordinator", run.coordinator, "--fleet-wait", fleet_wait, "--eval-on", plan.eval_on,
             "--eval-windows", plan.eval_windows, "--eval-deadline", str(plan.eval_deadline)]
 
 
-def train_ranks(plan: Any, name: str, cfg: Any, *, resume: bool, progress: bool, export: bool, coordinator: str,
-                env: dict[str, str], metrics_port: int, preexec_fn: Callable[[], None] | None = None,
-                teacher_queue: str | None = None) -> None:
+def train_ranks(plan: Any, name: str, cfg: Any, *, run: RankRun, env: dict[str, str],
+                preexec_fn: Callable[[], None] | None = None) -> None:
     """Train `up`'s run `name` (config `cfg`) under torchrun with `plan.nproc` ranks; returns when they finished.
-    `coordinator`: `up`'s coordinator URL, handed to rank 0 when the run probes or evaluates there; `env`: the
-    ranks' environment (the fleet's credentials; with teacher rounds, their URL); `teacher_queue`: the run's
-    teacher round queue (rank_args).
+    `run.coordinator`: `up`'s coordinator URL, handed to rank 0 when the run probes or evaluates there; `env`: the
+    ranks' environment (the fleet's credentials; with teacher rounds, their URL).
 
     Raises:
         RuntimeError: the ranks exited with an error (their output went to this console).
@@ -62,9 +75,8 @@ def train_ranks(plan: Any, name: str, cfg: Any, *, resume: bool, progress: bool,
 
     probes = name != "adamw"
     fleet = probes or plan.eval_on == "fleet"
-    args = rank_args(plan, cfg, config_path=plan.out / "logs" / f"{name}.config.json", resume=resume,
-                     progress=progress, export=export, coordinator=coordinator if fleet else None,
-                     metrics_port=metrics_port, teacher_queue=teacher_queue)
+    args = rank_args(plan, cfg, config_path=plan.out / "logs" / f"{name}.config.json",
+                     run=run if fleet else replace(run, coordinator=None))
     code = launch_torchrun(plan.nproc, args, env=env, preexec_fn=preexec_fn)
     if code:
         raise RuntimeError(f"{name}: the trainer's {plan.nproc} rank(s) under torchrun exited with code {code} "

@@ -94,11 +94,11 @@ def efleet(tmp_path_factory):
 
 @pytest.mark.slow
 def test_fleet_evaluation_equals_the_trainers_bit_for_bit(efleet, trainer_run, tmp_path):
-    from trainer.train import train
+    from trainer.train import TrainHooks, train
 
     fleet = _attached(efleet)
     res = train(_cfg(tmp_path, "fleet"), progress=False, export=False,
-                evaluator_factory=fleet.evaluator_factory(deadline_s=120.0, full=False))
+                hooks=TrainHooks(evaluator_factory=fleet.evaluator_factory(deadline_s=120.0, full=False)))
     mine, ref = _evals(res.run_dir), _evals(trainer_run)
     assert sorted(mine) == sorted(ref) == [0, 2, 4]
     assert [mine[s]["val_loss"] for s in (0, 2, 4)] == [ref[s]["val_loss"] for s in (0, 2, 4)]  # bits, not approx
@@ -113,14 +113,14 @@ def test_fleet_evaluation_equals_the_trainers_bit_for_bit(efleet, trainer_run, t
 
 @pytest.mark.slow
 def test_a_worker_that_never_answers_leaves_the_evaluation_to_the_trainer(efleet, trainer_run, tmp_path):
-    from trainer.train import train
+    from trainer.train import TrainHooks, train
 
     fleet = _attached(efleet)
     proc = efleet.workers["a"]
     os.kill(proc.pid, signal.SIGSTOP)  # alive, holding whatever it took, answering nothing
     try:
         res = train(_cfg(tmp_path, "stopped"), progress=False, export=False,
-                    evaluator_factory=fleet.evaluator_factory(deadline_s=1.0, full=False))
+                    hooks=TrainHooks(evaluator_factory=fleet.evaluator_factory(deadline_s=1.0, full=False)))
     finally:
         os.kill(proc.pid, signal.SIGCONT)
     mine, ref = _evals(res.run_dir), _evals(trainer_run)
@@ -178,7 +178,7 @@ def test_a_worker_killed_mid_evaluation_is_replaced_and_each_batch_counts_once(e
 def test_fleet_wait_never_with_a_stopped_worker_finishes_and_counts_its_skipped_rounds(efleet, tmp_path):
     """--fleet-wait never (round mode "async"): the worker answers nothing, the trainer never waits for a round;
     every step is taken, each round goes stale unfolded and is counted, and the ledger books no waiting."""
-    from trainer.train import train
+    from trainer.train import TrainHooks, train
 
     fleet = _attached(efleet, rounds="async")
     cfg = _cfg(tmp_path, "never", optimizer="zocurv-line", steps=8, curvature_interval=2, staleness=2,
@@ -187,7 +187,7 @@ def test_fleet_wait_never_with_a_stopped_worker_finishes_and_counts_its_skipped_
     for p in alive:
         os.kill(p.pid, signal.SIGSTOP)
     try:
-        res = train(cfg, progress=False, export=False, mode_factory=fleet.mode_factory)
+        res = train(cfg, progress=False, export=False, hooks=TrainHooks(mode_factory=fleet.mode_factory))
     finally:
         for p in alive:
             os.kill(p.pid, signal.SIGCONT)
@@ -258,7 +258,7 @@ def test_anytime_candidates_scored_on_the_fleet_choose_as_in_process_bit_for_bit
     import trainer.data.corpus as corpus_mod
     from trainer.anytime.serve import InProcessScorer
     from trainer.anytime.settings import AnytimeSettings
-    from trainer.train import train
+    from trainer.train import TrainHooks, train
 
     corpus = "test-milton-select"  # as tests/test_anytime_train.py: milton with a selection split
     monkeypatch.setitem(corpus_mod.CORPORA, corpus, ("milton",))
@@ -276,7 +276,7 @@ def test_anytime_candidates_scored_on_the_fleet_choose_as_in_process_bit_for_bit
 
     monkeypatch.setattr(InProcessScorer, "__call__", refuse)  # the fleet run must score on the worker
     res = train(cfg("fleet-any"), progress=False, export=False,
-                evaluator_factory=_attached(efleet).evaluator_factory(deadline_s=240.0, full=False))
+                hooks=TrainHooks(evaluator_factory=_attached(efleet).evaluator_factory(deadline_s=240.0, full=False)))
     keys = ("served", "served_versions", "served_coefs", "served_sel_loss", "raw_sel_loss", "served_val_loss",
             "served_z", "candidates", "quad_ok", "quad_resid", "quad_pred", "quad_meas")
 

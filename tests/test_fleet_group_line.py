@@ -20,7 +20,7 @@ from support.models import tiny_gpt2
 from support.resume import assert_same_checkpoints
 from trainer.config import TrainConfig
 from trainer.models.losses import lm_batch_loss
-from trainer.train import train
+from trainer.train import TrainHooks, train
 from trainer.zo.backend import InProcessBackend
 from trainer.zo.group_line import DESIGN_EPS, group_line_losses, group_line_rounds, group_line_table
 from trainer.zo.groups import model_roles
@@ -157,19 +157,19 @@ def test_trust_on_a_fleet_folds_at_the_next_refresh_and_resumes(one_worker, tmp_
     def attach() -> Fleet:
         return Fleet(procs.url, settings, 1, FleetStatus(procs.url), run_prefix="trust", rounds="next")
 
-    straight = train(_cfg(tmp_path, "straight"), progress=False, export=False, mode_factory=attach().mode_factory)
+    straight = train(_cfg(tmp_path, "straight"), progress=False, export=False, hooks=TrainHooks(mode_factory=attach().mode_factory))
     folded = [(r["step"], r["tr_version"]) for r in _records(straight.run_dir) if "tr_version" in r]
     assert folded == [(5, 2.0), (7, 4.0)]  # logged steps count from 1: refresh 2 folds at 4, 4 at 6, 6 never
     undo = fail_at_step(ZOCurvMode, 5)  # checkpointed after step 4: refresh 4's rounds in flight
     with pytest.raises(KeyboardInterrupt):
-        train(_cfg(tmp_path, "resumed"), progress=False, export=False, mode_factory=attach().mode_factory)
+        train(_cfg(tmp_path, "resumed"), progress=False, export=False, hooks=TrainHooks(mode_factory=attach().mode_factory))
     undo()
     with safe_open(str(tmp_path / "resumed" / "checkpoint.safetensors"), framework="pt") as f:
         inflight = json.loads(f.metadata()["sparecycles"])["meta"]["mode"]["curvature"]["inflight"]
         held = [k for k in f.keys() if k.startswith("extra/round/")]  # noqa: SIM118 (safe_open has no __iter__)
     assert len(inflight) == 10 and {d["version"] for d in inflight} == {4} and len(held) == 2 * 2  # 2 batches (x, y)
     resumed = train(_cfg(tmp_path, "resumed"), resume=True, progress=False, export=False,
-                    mode_factory=attach().mode_factory)
+                    hooks=TrainHooks(mode_factory=attach().mode_factory))
     assert resumed.summary["resumed_from_step"] == 5
     keys = ("loss", "val_loss", "tr_version", "mult_embed", "mult_qk", "tr_z_ffn")
     after = [(r["step"], k, r[k]) for r in _records(resumed.run_dir) for k in keys if k in r and r["step"] > 5]

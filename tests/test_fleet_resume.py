@@ -18,7 +18,7 @@ from fleet.attach import Fleet, FleetStatus
 from sparecycles.up import FLEET_PARTS, plan_up, run_up, sum_fleet
 from support.resume import assert_same_checkpoints
 from trainer.config import TrainConfig
-from trainer.train import train
+from trainer.train import TrainHooks, train
 from trainer.zo.modes import ZOCurvMode
 
 pytestmark = pytest.mark.slow  # coordinators and worker processes, short fleet-probed runs
@@ -63,17 +63,17 @@ def test_fleet_sync_run_interrupted_and_resumed_is_the_same_run(one_worker, tmp_
     def attach() -> Fleet:  # a fresh attach per part: a new coordinator run, as after a restart
         return Fleet(procs.url, settings, 1, FleetStatus(procs.url), run_prefix="resume", rounds="sync")
 
-    straight = train(_cfg(tmp_path, "straight"), progress=False, export=False, mode_factory=attach().mode_factory)
+    straight = train(_cfg(tmp_path, "straight"), progress=False, export=False, hooks=TrainHooks(mode_factory=attach().mode_factory))
     local = train(_cfg(tmp_path, "local"), progress=False, export=False)  # probed in process
     assert _losses(straight.run_dir) == _losses(local.run_dir) and len(_losses(local.run_dir)) == 8 + 3
     # Ctrl-C before step 6 (its round probes along θ_6 − θ_5): checkpointed after step 5
     undo = fail_at_step(ZOCurvMode, 6)
     with pytest.raises(KeyboardInterrupt):
-        train(_cfg(tmp_path, "resumed"), progress=False, export=False, mode_factory=attach().mode_factory)
+        train(_cfg(tmp_path, "resumed"), progress=False, export=False, hooks=TrainHooks(mode_factory=attach().mode_factory))
     undo()
     assert _inflight(tmp_path / "resumed") == []
     resumed = train(_cfg(tmp_path, "resumed"), resume=True, progress=False, export=False,
-                    mode_factory=attach().mode_factory)
+                    hooks=TrainHooks(mode_factory=attach().mode_factory))
     assert resumed.summary["resumed_from_step"] == 6
     assert _losses(resumed.run_dir) == _losses(straight.run_dir)  # floats compared exactly
     assert_same_checkpoints(straight.run_dir, resumed.run_dir)

@@ -17,7 +17,7 @@ import pytest
 from fleet.attach import Fleet, FleetStatus
 from trainer.config import TrainConfig
 from trainer.methods import METHODS, fleet_method_names
-from trainer.train import train
+from trainer.train import TrainHooks, train
 
 pytestmark = pytest.mark.slow  # a coordinator and a worker process, two short runs per variant
 
@@ -70,7 +70,7 @@ def test_fleet_sync_equals_in_process(one_worker, tmp_path, optimizer):
     procs, settings = one_worker
     fleet = Fleet(procs.url, settings, 1, FleetStatus(procs.url), run_prefix="zc", rounds="sync")
     on_fleet = train(_cfg(tmp_path, "fleet", optimizer), progress=False, export=False,
-                     mode_factory=fleet.mode_factory)
+                     hooks=TrainHooks(mode_factory=fleet.mode_factory))
     local = train(_cfg(tmp_path, "local", optimizer), progress=False, export=False)
     got, want = _values(on_fleet.run_dir), _values(local.run_dir)
     assert got == want  # floats compared exactly: losses, curvature, multipliers, round counters

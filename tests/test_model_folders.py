@@ -177,7 +177,7 @@ def test_llama_zocurv_fleet_sync_equals_in_process_bit_for_bit(tmp_path, llama):
     from fleet.attach import Fleet, FleetStatus
     from support.fleet import one_worker
     from trainer.config import TrainConfig
-    from trainer.train import train
+    from trainer.train import TrainHooks, train
 
     data = write_formats(tmp_path / "in", DOCS)["txt"]
 
@@ -198,7 +198,7 @@ def test_llama_zocurv_fleet_sync_equals_in_process_bit_for_bit(tmp_path, llama):
         for optimizer in ("zocurv-block", "zocurv-group"):
             fleet = Fleet(procs.url, settings, 1, FleetStatus(procs.url), run_prefix="llama", rounds="sync")
             on_fleet = train(cfg(f"fleet-{optimizer}", optimizer), progress=False, export=False,
-                             mode_factory=fleet.mode_factory)
+                             hooks=TrainHooks(mode_factory=fleet.mode_factory))
             local = train(cfg(f"local-{optimizer}", optimizer), progress=False, export=False)
             got, want = values(on_fleet.run_dir), values(local.run_dir)
             assert got == want, optimizer  # floats compared exactly

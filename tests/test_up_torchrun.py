@@ -146,18 +146,18 @@ def test_ctrl_c_stops_the_ranks_and_every_service(tmp_path):
 def test_rank_args_carry_the_teacher_queue_not_the_url(tmp_path):
     """`up --nproc-per-node --teacher`: a rank's train arguments name the run's teacher queue and --kd-strict (as up
     waits unless --fleet-wait never) and never the Redis URL (it travels in $SPARECYCLES_TEACHER_ROUNDS)."""
-    from sparecycles.up_ranks import rank_args
+    from sparecycles.up_ranks import RankRun, rank_args
 
     plan = plan_up(run_dir=tmp_path / "up", steps=8, batch_size=8, seq_len=32, nproc_per_node=2)
-    kw = {"config_path": tmp_path / "c.json", "resume": False, "progress": False, "export": False,
-          "coordinator": None, "metrics_port": 0}
+    path, run = tmp_path / "c.json", RankRun(resume=False, progress=False, export=False, metrics_port=0)
     waits, never = replace(plan, fleet_wait="interval"), replace(plan, fleet_wait="never")
-    args = rank_args(waits, plan.zo_cfg, teacher_queue="upab12-adamw", **kw)
+    args = rank_args(waits, plan.zo_cfg, config_path=path, run=replace(run, teacher_queue="upab12-adamw"))
     assert args[args.index("--teacher-queue") + 1] == "upab12-adamw" and "--kd-strict" in args
     assert not any("redis" in a for a in args)
-    assert "--kd-strict" not in rank_args(never, plan.zo_cfg, teacher_queue="q", **kw)
-    assert "--teacher-queue" not in rank_args(waits, plan.zo_cfg, **kw)
-    fleet = rank_args(replace(waits, eval_deadline=5.0), plan.zo_cfg, **{**kw, "coordinator": "http://127.0.0.1:1"})
+    assert "--kd-strict" not in rank_args(never, plan.zo_cfg, config_path=path, run=replace(run, teacher_queue="q"))
+    assert "--teacher-queue" not in rank_args(waits, plan.zo_cfg, config_path=path, run=run)
+    fleet = rank_args(replace(waits, eval_deadline=5.0), plan.zo_cfg, config_path=path,
+                      run=replace(run, coordinator="http://127.0.0.1:1"))
     assert fleet[fleet.index("--fleet-wait") + 1] == "interval" and fleet[fleet.index("--eval-deadline") + 1] == "5.0"
 
 

@@ -134,11 +134,12 @@ def _run_train(cfg: Any, dist: Any, folder: Path, *, resume: bool, progress: boo
     """trainer.train.train on this rank, then the torchrun teardown; returns its RunResult. A run error is
     printed and exits 2 (typer.Exit); under torchrun a failed collective exits 1, saying how to resume."""
     from trainer.checkpoint import CheckpointError
+    from trainer.train import TrainHooks
     from trainer.train import train as run_train
 
     try:
         result = run_train(cfg, resume=resume, progress=progress, overwrite=overwrite, export=export, dist=dist,
-                           **fleet_kw)
+                           hooks=TrainHooks(**fleet_kw))
     except (ValueError, CheckpointError, OSError) as exc:
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from exc

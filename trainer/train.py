@@ -52,6 +52,7 @@ from trainer.modes import AdamWMode, TrainMode  # noqa: F401  (AdamWMode: tests 
 from trainer.report import fleet_summary, plot_loss_curves
 from trainer.run_dir import CHECKPOINT_NAME, RunDir, default_run_dir  # noqa: F401  (public here too)
 from trainer.tasks import LMTask, Task, build_task, evaluate, lm_batch_loss, lm_loss  # noqa: F401  (likewise)
+from trainer.train_hooks import TrainHooks
 
 
 @dataclass(frozen=True)
@@ -66,35 +67,18 @@ class RunResult:
     summary: dict[str, Any]
 
 
-def train(
-    cfg: TrainConfig,
-    *,
-    resume: bool = False,
-    progress: bool = True,
-    mode_factory: Callable[[TrainConfig, torch.nn.Module], TrainMode] | None = None,
-    status: Callable[[], str] | None = None,
-    overwrite: bool = False,
-    export: bool = True,
-    dist: DistContext = SINGLE,
-    evaluator_factory: Callable[[Task, TrainConfig, torch.nn.Module, TrainMode], Evaluator] | None = None,
-    kd_loss_factory: Callable[[TrainConfig, Task, int], Callable] | None = None,
-) -> RunResult:
+def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, overwrite: bool = False,
+          export: bool = True, dist: DistContext = SINGLE, hooks: TrainHooks = TrainHooks()) -> RunResult:
     """Run (or resume) a training run and write its run folder (trainer.run_dir: config.json, metrics.jsonl,
     checkpoint.safetensors, loss.png, summary.json, TensorBoard event files mirroring metrics.jsonl
     (trainer.events) and, with `export`, the finished model as a transformers folder `export/` (trainer.export)).
 
     `cfg.task` picks the Task (`build_task`): evaluation records hold `val_loss` (and `val_acc` for
-    sentiment), the summary adds the task's final metrics. `mode_factory(cfg, model)` (with a --teacher also `loss_fn=`, the distillation loss) replaces `build_mode`
-    (e.g. a ZO-Curv or pure-ZO mode whose probes go to a fleet; it must use the task's loss); `status` adds
-    a live line (workers, probes/s) to the progress display. `dist`: this rank of a torchrun job
-    (trainer.distributed; rank 0 alone writes files and talks to a fleet, checkpoints are DCP folders).
-    `evaluator_factory(task, cfg, model, mode)` replaces the trainer's own evaluation
-    (trainer.evaluation.InlineEvaluator), e.g. fleet.evaluation.FleetEvaluator: its records may arrive steps later
-    (logged then, at their own step); all of them are in before the report (one process only: a torchrun job
-    evaluates on its ranks). `kd_loss_factory(cfg, task, rank, batch_fn=)` (batch_fn(step) -> this rank's (x, y)) with --teacher replaces the in-process teacher
-    (trainer.kd.teacher.KDLoss) by a loss_fn whose targets come from elsewhere, e.g. trainer.kd.sparse_loss.SparseKDLoss
-    (teacher rounds on workers). summary.json's `time_ledger` splits this invocation's wall time into phases
-    (trainer.ledger).
+    sentiment), the summary adds the task's final metrics. `hooks` (trainer.train_hooks.TrainHooks) replace the
+    step strategy, the evaluation (its late records are all in before the report) or the distillation targets and
+    add a live status line, e.g. a fleet's. `dist`: this rank of a torchrun job (trainer.distributed; rank 0 alone
+    writes files and talks to a fleet, checkpoints are DCP folders). summary.json's `time_ledger` splits this
+    invocation's wall time into phases (trainer.ledger).
 
     Raises:
         ValueError: unknown model preset or corpus, CUDA asked for but absent, a folder holding a different
@@ -109,9 +93,8 @@ def train(
     _prepare_device(cfg.device)
     ledger = TimeLedger(sync=torch.cuda.synchronize if cfg.device.startswith("cuda") else None).start()
     with ledger.activate(), run_health.activate(run_health.Health(cfg.optimizer)):
-        return _train(cfg, ledger, resume=resume, progress=progress, mode_factory=mode_factory, status=status,
-                      overwrite=overwrite, export=export, dist=dist, evaluator_factory=evaluator_factory,
-                      kd_loss_factory=kd_loss_factory)
+        return _train(cfg, ledger, resume=resume, progress=progress, overwrite=overwrite, export=export, dist=dist,
+                      hooks=hooks)
 
 
 @dataclass
@@ -163,28 +146,19 @@ class _RunLog:
             self.log({"step": done, **served})
 
 
-def _train(cfg: TrainConfig, ledger: TimeLedger, *, resume: bool, progress: bool,
-           mode_factory: Callable[[TrainConfig, torch.nn.Module], TrainMode] | None,
-           status: Callable[[], str] | None, overwrite: bool, export: bool, dist: DistContext,
-           evaluator_factory: Callable[[Task, TrainConfig, torch.nn.Module, TrainMode], Evaluator] | None,
-           kd_loss_factory: Callable[[TrainConfig, Task, int], Callable] | None = None,
-           ) -> RunResult:
+def _train(cfg: TrainConfig, ledger: TimeLedger, *, resume: bool, progress: bool, overwrite: bool, export: bool,
+           dist: DistContext, hooks: TrainHooks) -> RunResult:
     """`train` with its time ledger active (the phases booked as the loop reaches them)."""
     with ledger.phase("startup"):  # steps 1-3 (closed before the initial evaluation)
-        s = _set_up(cfg, resume=resume, progress=progress, mode_factory=mode_factory, overwrite=overwrite,
-                    dist=dist, evaluator_factory=evaluator_factory, kd_loss_factory=kd_loss_factory)
+        s = _set_up(cfg, resume=resume, progress=progress, overwrite=overwrite, dist=dist, hooks=hooks)
     book = _RunLog(cfg, s, ledger)
     _initial_evaluation(s, book, ledger, dist)
-    wall = _step_loop(cfg, s, book, ledger, dist, status)
+    wall = _step_loop(cfg, s, book, ledger, dist, hooks.status)
     return _report(cfg, s, book, ledger, dist, export, wall)
 
 
-def _set_up(cfg: TrainConfig, *, resume: bool, progress: bool,
-            mode_factory: Callable[[TrainConfig, torch.nn.Module], TrainMode] | None, overwrite: bool,
-            dist: DistContext,
-            evaluator_factory: Callable[[Task, TrainConfig, torch.nn.Module, TrainMode], Evaluator] | None,
-            kd_loss_factory: Callable[[TrainConfig, Task, int], Callable] | None = None,
-            ) -> _Setup:
+def _set_up(cfg: TrainConfig, *, resume: bool, progress: bool, overwrite: bool, dist: DistContext,
+            hooks: TrainHooks) -> _Setup:
     """Steps 1-3: open the run folder, build the task, model and step strategy, and find the position (a resume
     continues from the checkpoint and forgets what was logged after it). Raises as `train` does."""
     from trainer.models import param_order_hash
@@ -192,7 +166,7 @@ def _set_up(cfg: TrainConfig, *, resume: bool, progress: bool,
     if cfg.teacher is not None:  # refused before the run folder exists: task and method, then tokenizers
         from trainer.kd.teacher import check_teacher_run
 
-        check_teacher_run(cfg, fleet=dist.fleet or mode_factory is not None)
+        check_teacher_run(cfg, fleet=dist.fleet or hooks.mode_factory is not None)
 
     # 1. the task first: a refusal found while reading the data (an empty file, a bad JSON line) leaves no folder
     progress = progress and dist.is_main
@@ -209,8 +183,8 @@ def _set_up(cfg: TrainConfig, *, resume: bool, progress: bool,
     meta = {"config": cfg.run_json(), "param_order_hash": param_order_hash(model)}
     dist.prepare_model(model, kind)  # DDP / FSDP2 in place under torchrun
     # Under torchrun: probes sharded over the ranks, or rank 0's fleet results broadcast to the others.
-    loss_fn = _loss_fn(cfg, task, dist, kd_loss_factory)
-    mode = build_rank_mode(cfg, model, loss_fn, mode_factory, dist)
+    loss_fn = _loss_fn(cfg, task, dist, hooks.kd_loss_factory)
+    mode = build_rank_mode(cfg, model, loss_fn, hooks.mode_factory, dist)
     ckpt = make_checkpointer(run.path, run.checkpoint, model, mode, meta, dist, resume)
 
     anytime = _build_anytime(cfg, task, run.path)
@@ -223,6 +197,7 @@ def _set_up(cfg: TrainConfig, *, resume: bool, progress: bool,
     if resume and hasattr(loss_fn, "carry_counts"):  # teacher targets: the counts go on from the checkpoint's
         loss_fn.carry_counts(next((r for r in reversed(history) if "kd_taken_steps" in r), {}))
     events = EventLog(run.path, resume_step=start if resume else None) if dist.is_main else None
+    evaluator_factory = hooks.evaluator_factory
     if evaluator_factory is not None and dist.parallel:  # a sharded forward is collective: every rank evaluates
         logging.getLogger(__name__).warning("a torchrun job evaluates on its ranks, not on the fleet")
         evaluator_factory = None

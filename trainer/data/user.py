@@ -221,11 +221,24 @@ def _staged(d: Path) -> Iterator[Path]:
         raise
 
 
-def _build(d: Path, key: str, root: Path, inputs, hashes: list[dict[str, Any]], tok: ModelTokenizer,
-           text_field: str, encoding_errors: EncodingErrors, label: str, progress: bool,
+@dataclass(frozen=True)
+class _Source:
+    """What a build reads: the `inputs` found under `root` (find_inputs), their `hashes` (_hash_inputs), the `label`
+    the manifest names the corpus by, and how their text is read (`text_field`, `encoding_errors`)."""
+
+    root: Path
+    inputs: Any
+    hashes: list[dict[str, Any]]
+    label: str
+    text_field: str
+    encoding_errors: EncodingErrors
+
+
+def _build(d: Path, key: str, src: _Source, tok: ModelTokenizer, progress: bool,
            timings: dict[str, float]) -> dict[str, Any]:
     t0 = time.perf_counter()
-    docs, per_input, dupes = _read_all(inputs, text_field, encoding_errors, progress)
+    root, text_field, encoding_errors = src.root, src.text_field, src.encoding_errors
+    docs, per_input, dupes = _read_all(src.inputs, text_field, encoding_errors, progress)
     timings["read_s"] = time.perf_counter() - t0
     units, size = _units(docs)
     if len(units) < 3:
@@ -238,12 +251,12 @@ def _build(d: Path, key: str, root: Path, inputs, hashes: list[dict[str, Any]], 
         timings["split_s"] = time.perf_counter() - t0 - timings["read_s"]
         splits, timings["tokenize_s"] = _tokenize_into(units, which, tok, tmp, progress)
         manifest = {
-            "format": FORMAT, "format_version": FORMAT_VERSION, "name": d.name, "label": label, "key": key,
+            "format": FORMAT, "format_version": FORMAT_VERSION, "name": d.name, "label": src.label, "key": key,
             "dtype": token_dtype(tok.vocab_size),
             "tokenizer": {"name": tok.name, "sha256": tok.sha256, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id},
             "settings": {"text_field": text_field, "encoding_errors": encoding_errors, "piece_chars": size,
                          "split_by": "document (sha256 of its text), pieces of long documents; characters"},
-            "files": hashes, "inputs": per_input, "duplicates_dropped": dupes,
+            "files": src.hashes, "inputs": per_input, "duplicates_dropped": dupes,
             "documents": sum(i["documents"] for i in per_input) - dupes, "units": len(units),
             "characters": sum(len(u.text) for u in units), "splits": splits,
         }
@@ -340,8 +353,8 @@ def load_user_corpus(data: str, model: str, *, text_field: str = "text", encodin
         if why is not None:
             if d.exists():
                 log.warning("user corpus %s: rebuilding: %s", d.name, why)
-            _build(d, key, root, inputs, hashes, tok, text_field, encoding_errors, path.name or str(path), progress,
-                   timings)
+            src = _Source(root, inputs, hashes, path.name or str(path), text_field, encoding_errors)
+            _build(d, key, src, tok, progress, timings)
             timings["built"] = 1.0
         return _open(d)
 
