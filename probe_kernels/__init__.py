@@ -13,7 +13,7 @@ _EXPORTS = {
     "dist_moments": "probe_kernels.dist", "gauss8_moments": "probe_kernels.dist",
     "ProbeEvaluator": "probe_kernels.evaluator", "canonical_offsets": "probe_kernels.evaluator",
     "WholeModelEvaluator": "probe_kernels.fastpath", "make_evaluator": "probe_kernels.fastpath",
-    "FastForward": "probe_kernels.fastpath", "lm_logits": "probe_kernels.fastpath",
+    "FastForward": "probe_kernels.compiled_forward", "lm_logits": "probe_kernels.compiled_forward",
     "ModelPlan": "probe_kernels.ops", "axpy_": "probe_kernels.ops", "direction": "probe_kernels.ops", "perturb": "probe_kernels.ops", "perturb_model": "probe_kernels.ops",
     "replay_": "probe_kernels.ops", "replay_model": "probe_kernels.ops", "seeds_tensor": "probe_kernels.ops",
     "triton_available": "probe_kernels.ops", "uses_triton": "probe_kernels.ops",

@@ -241,7 +241,7 @@ def build_from_manifest(model_class: str, config_json: dict[str, Any], *, device
     same canonical parameter order (trainer.models.params.param_order_hash).
 
     Raises ValueError: `model_class` is not a transformers PreTrainedModel class, or the config is unknown
-    (probe_worker.cache.model_config's rules: a preset or a Hugging Face config dict with model_type).
+    (probe_worker.model_build.model_config's rules: a preset or a Hugging Face config dict with model_type).
     """
     import torch
 
