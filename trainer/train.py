@@ -173,7 +173,7 @@ def _set_up(cfg: TrainConfig, *, resume: bool, progress: bool, overwrite: bool, 
     quiet_hf_bars(progress)
     task = build_task(cfg)
     run = RunDir.open_on_ranks(cfg, resume=resume, overwrite=overwrite, dist=dist,  # then the run folder
-                               fleet_probes=mode_factory is not None)
+                               fleet_probes=hooks.mode_factory is not None)
 
     # 2. build: model, step strategy
     kind = get_method(cfg.optimizer).kind
