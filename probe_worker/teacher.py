@@ -204,14 +204,21 @@ def shutting_down() -> bool:
 
 
 def register_teacher_task(app: Celery, runtime: TeacherRuntime, metrics: TeacherMetrics,
-                          drain: DrainState | None = None) -> Task:
+                          drain: DrainState | None = None, busy: Callable[[bool], None] | None = None) -> Task:
     """Register `sparecycles.teacher` on `app` (JSON, acks_late, reject_on_worker_lost, no result); a round taken
-    while `drain` says the worker drains goes back to its queue."""
+    while `drain` says the worker drains goes back to its queue. `busy(True)` / `busy(False)` around each round
+    (the worker's heartbeat `busy`, which its GPU-yield policy also reads: its own rounds are not another load)."""
 
     @app.task(name=TEACHER_TASK_NAME, acks_late=True, reject_on_worker_lost=True, ignore_result=True,
               serializer="json", typing=False)
     def teacher(**kwargs: Any) -> str:
-        return run_teacher(runtime, metrics, kwargs, drain)
+        if busy is None:
+            return run_teacher(runtime, metrics, kwargs, drain)
+        busy(True)
+        try:
+            return run_teacher(runtime, metrics, kwargs, drain)
+        finally:
+            busy(False)
 
     def expired(sender: Any = None, request: Any = None, expired: bool = False, **_: Any) -> None:
         if expired and getattr(request, "name", None) == TEACHER_TASK_NAME:

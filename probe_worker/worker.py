@@ -161,7 +161,8 @@ class ProbeWorker:
         the coordinator's teacher queues (and --teacher-queue's), answered by the teacher loaded in this process
         (from the round's folder, else fetched from the coordinator's blobs) or, with `teacher_engine`, through
         that serving engine; handed back while the worker drains. The targets are written with this worker's
-        broker credentials (its ACL user may write target keys, never read them: coordinator.broker_acl)."""
+        broker credentials (its ACL user may write target keys, never read them: coordinator.broker_acl); the worker
+        reads busy while it holds a round, as while it evaluates probes."""
         import functools
 
         import redis
@@ -177,7 +178,8 @@ class ProbeWorker:
         else:
             runtime = TeacherRuntime(self.opts.device, store, fetch=functools.partial(fetch_teacher, self.client),
                                      pause_s=self.opts.teacher_pause)
-        register_teacher_task(self.app, runtime, default_teacher_metrics(), self.drain)
+        register_teacher_task(self.app, runtime, default_teacher_metrics(), self.drain,
+                              busy=lambda held: setattr(self.runtime, "busy", held))
 
     def _wanted(self) -> set[str]:
         """The queues to consume when not draining: the coordinator's probe and teacher queues, --teacher-queue's."""

@@ -57,6 +57,19 @@ def _start_worker(redis_url: str, run: str, pause_s: float = 0.0) -> subprocess.
     return start_teacher_worker(redis_url, teacher_queue(run), pause_s)
 
 
+def _worker_busy(redis_url: str, run: str) -> bool:
+    """Whether the enrolled teacher worker of `run` (support.teacher) heartbeats busy (GET /v1/workers), waiting
+    up to 30 s for the heartbeat that says so."""
+    from support.teacher import coordinator_of
+
+    fleet, deadline = coordinator_of(redis_url), time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if any(w["name"] == f"teacher-{run}" and w["busy"] for w in fleet.admin.get("/v1/workers").json()):
+            return True
+        time.sleep(0.2)
+    return False
+
+
 def _reference(teacher_dir: Path, x: torch.Tensor) -> KDTargets:
     """The in-process teacher's targets of batch x through the same wire format (fp16 log-probs), on one CPU
     thread as the test's worker runs: a BLAS that picks its thread count by load (MKL_DYNAMIC) sums in another
@@ -154,6 +167,7 @@ def _round_held_by_slow_worker(redis_url: str, teacher_dir: Path, signals: list[
         deadline = time.monotonic() + 60
         while fleet.store.llen(teacher_queue(run)) and time.monotonic() < deadline:
             time.sleep(0.1)  # the slow worker took the round and sits on it
+        assert _worker_busy(redis_url, run)  # an enrolled worker, in GET /v1/workers, busy with its round
         for sig in signals:
             time.sleep(1.0)
             os.killpg(slow.pid, sig)

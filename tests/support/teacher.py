@@ -36,7 +36,8 @@ class _TeacherCoordinator(Fleet):
         super().start_coordinator()
 
 
-def _coordinator(redis_url: str) -> Fleet:
+def coordinator_of(redis_url: str) -> Fleet:
+    """The session's coordinator on `redis_url` (started at its first use)."""
     if redis_url not in _FLEETS:
         _FLEETS[redis_url] = _TeacherCoordinator(redis_url)
         atexit.register(_FLEETS[redis_url].close)
@@ -63,7 +64,7 @@ def start_teacher_worker(redis_url: str, queue: str, pause_s: float = 0.0,
     then sums in the same order. `pause_s` > 0: it holds each round that long first (a redelivery test kills it
     meanwhile). `env`: variables set on top of the fleet's (e.g. SPARECYCLES_CACHE, where it keeps teachers
     fetched from the coordinator); `args`: more worker options (e.g. --teacher-engine URL)."""
-    fleet = _coordinator(redis_url)
+    fleet = coordinator_of(redis_url)
     run = _register(fleet, queue)
     if "--teacher-engine" in args:
         args = (*args, "--teacher-queue", queue)
