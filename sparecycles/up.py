@@ -32,7 +32,8 @@ def _run_summary(run_dir: Path) -> dict:
     keys = [k for k in s if k.startswith(("initial_val_", "final_val_", "test_"))]
     return {**{k: s[k] for k in keys}, **({"time_ledger": s["time_ledger"]} if "time_ledger" in s else {}),
             **({"evaluations": s["evaluations"]} if "evaluations" in s else {}),
-            **({"kd": s["kd"]} if "kd" in s else {}),  # teacher rounds: steps taught, missing, bytes
+            **({"kd": s["kd"]} if "kd" in s else {}),  # teacher rounds over the whole run: taught, missing, bytes
+            **({"kd_this_invocation": s["kd_this_invocation"]} if "kd_this_invocation" in s else {}),  # --resume
             **({"warnings": s["warnings"]} if s.get("warnings") else {})}  # the run's health (trainer.health)
 
 

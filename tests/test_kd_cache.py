@@ -261,7 +261,8 @@ def test_fill_refuses_a_run_without_teacher(tmp_path: Path) -> None:
 def test_a_resumed_run_counts_the_whole_runs_kd_steps(setup, filled, tmp_path: Path, fail_at_step) -> None:
     """A run interrupted at step 3 and resumed (`train --resume`, as `up --resume` trains its runs): summary.json's
     `kd` counts every step of the run, the one missing before the interruption included, and `kd_this_invocation`
-    the resumed part's alone; the step records' counts go on from the checkpoint's."""
+    the resumed part's alone (both in `up`'s summary of the run); the step records' counts go on from the
+    checkpoint's."""
     from trainer import train as train_mod
 
     cache_root, _ = filled
@@ -282,3 +283,7 @@ def test_a_resumed_run_counts_the_whole_runs_kd_steps(setup, filled, tmp_path: P
     assert (part["kd_taken_steps"], part["kd_missing_steps"]) == (STEPS - 2, 0)
     recs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["kd_taken_steps"] for r in recs if "kd_taken_steps" in r] == [0, 1, 2, 3]
+    from sparecycles.up import _run_summary  # what `up --resume` reports of each of its runs: both counts
+
+    assert {k: _run_summary(tmp_path / "run")[k] for k in ("kd", "kd_this_invocation")} == {
+        "kd": summary["kd"], "kd_this_invocation": part}
