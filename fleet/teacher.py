@@ -254,12 +254,14 @@ class FleetTeacher:
 
 
 def kd_loss_factory(redis_url: str, *, window: int = 8, strict: bool = False, strict_timeout_s: float = 120.0,
-                    run: str | None = None) -> Callable:
+                    run: str | None = None, register: Callable[[str, str], Any] | None = None) -> Callable:
     """trainer.train's `kd_loss_factory`: (cfg, task, rank, batch_fn=None) -> SparseKDLoss over the teacher rounds of
     `batch_fn(step)`'s batches (this rank's, under torchrun; default task.batch) sent by a
     FleetTeacher on `redis_url` (its Celery broker and target store) for the run named `run` (default: kd-, the
     teacher's sha256 prefix and the seed, so a resumed run finds its queue; the answers' keys add a per-process
-    id). Raises ValueError for a non-redis URL or a Redis that does not answer a PING (5 s), and (when built) for
+    id). `register(teacher, run)`, when given, is called once by rank 0 before the first round, with the run's name
+    (`train --coordinator`: the teacher run registered at the coordinator, so its enrolled workers consume the
+    queue, as `up --teacher` registers its runs). Raises ValueError for a non-redis URL or a Redis that does not answer a PING (5 s), and (when built) for
     --kd-estimator full: the fleet sends sparse targets only."""
     if not redis_url.startswith(("redis://", "rediss://")):
         raise ValueError(f"teacher rounds need a redis:// URL, got {redis_url!r}")
@@ -279,7 +281,9 @@ def kd_loss_factory(redis_url: str, *, window: int = 8, strict: bool = False, st
         # The queue is the run's name, which teacher workers are started on; the answers' keys also carry this
         # process's own id: two runs of one teacher and seed on one store (a sweep over alpha) each take their own.
         keys = f"{name[:55]}-{uuid.uuid4().hex[:8]}"
-        if rank == 0:  # the one line a user needs to start a teacher worker on the right queue
+        if rank == 0 and register is not None:  # the coordinator tells its enrolled workers the queue
+            register(cfg.teacher, name)
+        elif rank == 0:  # the one line a user needs to start a teacher worker on the right queue
             print(f"teacher rounds on queue {teacher_queue(name)} (`sparecycles worker --teacher-queue "
                   f"{teacher_queue(name)}` answers them)", file=sys.stderr, flush=True)
         fleet = FleetTeacher(make_celery(redis_url), store, run=keys, queue=teacher_queue(name),

@@ -49,10 +49,24 @@ def _fleet_settings():
     return load_settings()
 
 
-def _teacher_rounds(url: str, **kw):
+def _teacher_rounds(url: str, coordinator: tuple[str, str] | None = None, **kw):
+    """fleet.teacher.kd_loss_factory; `coordinator` (base URL, admin token): the run's teacher rounds are
+    registered there (fleet.teacher_weights.publish_teacher: the teacher's files as blobs), so the coordinator's
+    enrolled workers consume them, as `up --teacher` registers its runs'."""
     from fleet.teacher import kd_loss_factory
 
-    return kd_loss_factory(url, **kw)
+    if coordinator is None:
+        return kd_loss_factory(url, **kw)
+
+    def register(teacher: str, run: str) -> None:
+        from coordinator.client import CoordinatorClient
+        from fleet.teacher_weights import publish_teacher
+
+        with CoordinatorClient(*coordinator) as client:
+            publish_teacher(client, teacher, run)
+        typer.echo(f"teacher rounds of run {run} registered at {coordinator[0]}: its workers answer them", err=True)
+
+    return kd_loss_factory(url, register=register, **kw)
 
 
 # `train` gets its fleet from the top layer (trainer may not import fleet, which sits above it): attach for

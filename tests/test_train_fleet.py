@@ -177,3 +177,38 @@ def test_train_coordinator_zocurv_global_equals_in_process(coordinator, tmp_path
     assert res.returncode == 0, res.stderr[-3000:] + (tmp_path / "worker.log").read_text()[-3000:]
     recs = [json.loads(x) for x in (tmp_path / "global-async" / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["publish_version"]) for r in recs if "publish_version" in r] == [(1, 0), (3, 2), (5, 4)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_train_coordinator_registers_its_teacher_rounds_for_the_enrolled_workers(coordinator, tmp_path):
+    """`train --coordinator URL --teacher T --teacher-rounds REDIS --kd-strict`: the trainer registers its teacher
+    run at the coordinator, so a plain enrolled worker (no --teacher-queue) fetches the teacher as blobs and
+    answers every step's round: every step taught (none missing), the worker in GET /v1/workers."""
+    import shutil
+
+    from test_kd import _llama_dir
+
+    from support.user_data import hf_tokenizer_dir, real_documents
+
+    url, env, workers = coordinator
+    student = _llama_dir(hf_tokenizer_dir(tmp_path / "student", vocab_size=400), 400, 0)
+    teacher = tmp_path / "teacher"
+    shutil.copytree(student, teacher)
+    for f in teacher.glob("*.safetensors"):
+        f.unlink()
+    _llama_dir(teacher, 400, 1)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "docs.txt").write_text("\n\n".join(real_documents()))
+    workers.append(_start_worker(url, env, tmp_path))
+    res = _cli("train", "--model", str(student), "--data", str(tmp_path / "data"), "--teacher", str(teacher),
+               "--teacher-rounds", env["SPARECYCLES_REDIS_URL"], "--kd-strict", "--kd-window", "2", "--steps", "3",
+               "--batch-size", "2", "--seq-len", "16", "--warmup-steps", "0", "--seed", "0", "--optimizer", "adamw",
+               "--eval-on", "fleet", "--coordinator", url, "--attach-wait", "120", "--run-dir", str(tmp_path / "run"),
+               "--no-progress", "--no-export", env=env)
+    assert res.returncode == 0, res.stderr[-3000:] + (tmp_path / "worker.log").read_text()[-3000:]
+    assert "registered at" in res.stderr
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["kd"]["kd_taken_steps"] == 3 and summary["kd"]["kd_missing_steps"] == 0
+    admin = {"Authorization": f"Bearer {env['SPARECYCLES_ADMIN_TOKEN']}"}
+    assert [w["name"] for w in httpx.get(f"{url}/v1/workers", headers=admin, timeout=10).json()] == ["tf-0"]

@@ -30,8 +30,8 @@ class FleetHooks:
 
     attach(url, wait_s=, log=, rounds=, settings=) -> fleet.attach.Fleet, raising FleetError (a RuntimeError);
     settings() -> fleet.attach.FleetSettings from the environment, raising FleetError naming each variable;
-    teacher_rounds(url, window=, strict=, run=) -> trainer.train's kd_loss_factory (fleet.teacher), raising ValueError
-    when its Redis does not answer.
+    teacher_rounds(url, window=, strict=, run=, coordinator=) -> trainer.train's kd_loss_factory (fleet.teacher),
+    raising ValueError when its Redis does not answer; `coordinator` (URL, admin token) registers the rounds there.
     """
 
     attach: Callable[..., Any]
@@ -120,7 +120,8 @@ def _train(cfg: Any, opts: RunOptions, coordinator: str | None, hooks: FleetHook
         _serve_metrics(opts.metrics_port, opts.metrics_host, bool(coordinator))
     fleet_kw = _attach_ranks(dist, coordinator, cfg, opts, fleet_settings, hooks) if coordinator else {}
     if opts.teacher_rounds:
-        fleet_kw["kd_loss_factory"] = _teacher_rounds(cfg, opts, hooks)
+        at = (coordinator, fleet_settings.admin_token.get_secret_value()) if coordinator else None
+        fleet_kw["kd_loss_factory"] = _teacher_rounds(cfg, opts, hooks, at)
     if opts.kd_cache is not None:
         fleet_kw["kd_loss_factory"] = _kd_cache(cfg, opts.kd_cache, dist)
     result = _run_train(cfg, dist, folder, resume=opts.resume, progress=opts.progress, overwrite=opts.overwrite,
@@ -224,15 +225,16 @@ def _attach_ranks(dist: Any, coordinator: str, cfg: Any, opts: RunOptions, fleet
     return fleet_kw
 
 
-def _teacher_rounds(cfg: Any, opts: RunOptions, hooks: FleetHooks) -> Any:
+def _teacher_rounds(cfg: Any, opts: RunOptions, hooks: FleetHooks, coordinator: tuple[str, str] | None) -> Any:
     """train's kd_loss_factory for --teacher-rounds; exits 2 without --teacher, with --kd-estimator full or a Redis
-    that does not answer."""
+    that does not answer. `coordinator` (URL, admin token), with --coordinator: the rounds are registered there,
+    so its enrolled workers answer them (no --teacher-queue on the workers)."""
     if cfg.teacher is None or cfg.kd_estimator == "full":
         raise typer.BadParameter("--teacher-rounds needs --teacher and --kd-estimator sampled or topk (got teacher "
                                  f"{cfg.teacher!r}, {cfg.kd_estimator})", param_hint="--teacher-rounds")
     try:
         return hooks.teacher_rounds(opts.teacher_rounds, window=opts.kd_window, strict=opts.kd_strict,
-                                    run=opts.teacher_queue)
+                                    run=opts.teacher_queue, coordinator=coordinator)
     except ValueError as exc:  # fleet.teacher.kd_loss_factory: the Redis does not answer
         typer.secho(f"error: --teacher-rounds: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from exc
