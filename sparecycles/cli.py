@@ -81,7 +81,7 @@ app.command("export", short_help="Export a finished run's model as a transformer
 app.add_typer(bench_app, name="bench")
 app.command("coordinator")(api_cli.coordinator)
 app.command("worker", cls=SettingsCommand, short_help="Join a coordinator and evaluate its probe tasks.")(worker_cli.worker)
-app.command("fleet", short_help="A fleet on this machine for your own loop, up until stopped.")(fleet_command)
+app.command("fleet", cls=SettingsCommand, short_help="A fleet on this machine for your own loop, up until stopped.")(fleet_command)
 
 
 @app.command("up", cls=SettingsCommand, short_help="Everything on this machine: AdamW vs a fleet-probed run.")

@@ -20,8 +20,12 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import typer
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from trainer.cli_settings import with_settings
 
 LOCK = "fleet.lock"
 
@@ -53,13 +57,21 @@ def _held(folder: Path) -> Iterator[None]:
         os.close(fd)  # closing the descriptor releases the lock
 
 
-def fleet(
-    workers: int = typer.Option(2, min=1, max=64, help="Local probe worker processes."),
-    folder: Path = typer.Option(Path("runs/fleet"), help="Its folder: logs/, the coordinator's blobs/, Valkey's "
-                                "files and fleet.env (the environment lines)."),
-    worker_devices: str | None = typer.Option(None, help="One probe worker per listed device, e.g. cuda:0,cuda:1 "
-                                              "(replaces --workers). Default: CPU workers."),
-) -> None:
+class FleetOptions(BaseModel):
+    """`sparecycles fleet`'s options, generated into the command (trainer.cli_settings.with_settings). Raises
+    pydantic.ValidationError for a worker count outside 1..64 or an empty device list."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    workers: int = Field(2, ge=1, le=64, description="local probe worker processes")
+    folder: Path = Field(Path("runs/fleet"), description="its folder: logs/, the coordinator's blobs/, Valkey's "
+                         "files and fleet.env (the environment lines)")
+    worker_devices: str | None = Field(None, min_length=1, description="one probe worker per listed device, e.g. "
+                                       "cuda:0,cuda:1 (replaces --workers). Default: CPU workers")
+
+
+@with_settings(model=FleetOptions, param="given", section="Options (FleetOptions)")
+def fleet(given: dict[str, Any]) -> None:
     """Start a fleet on this machine for your own loop (embedded Valkey, a coordinator, N probe workers); print the
     environment lines your loop reads; stay up until Ctrl-C.
 
@@ -67,6 +79,17 @@ def fleet(
     "$SPARECYCLES_COORDINATOR_URL" ...`, `python examples/hf_trainer.py --coordinator "$SPARECYCLES_COORDINATOR_URL"`
     or `sparecycles.connect(os.environ["SPARECYCLES_COORDINATOR_URL"])` in your own loop.
     """
+    try:
+        opts = FleetOptions(**given)
+    except ValidationError as exc:
+        from trainer.preflight import explain
+
+        raise typer.BadParameter(explain(exc)) from None
+    _run(opts)
+
+
+def _run(opts: FleetOptions) -> None:
+    """The fleet of `opts`, up until stopped (module docstring)."""
     from fleet.attach import FleetError, wait_for_workers
     from fleet.devices import place_here
     from sparecycles.local_fleet import FLEET_ENV, local_fleet
@@ -74,12 +97,12 @@ def fleet(
     from trainer.console import stop_signals
 
     try:
-        devices = place_here(worker_devices=worker_devices, workers=workers).workers
+        devices = place_here(worker_devices=opts.worker_devices, workers=opts.workers).workers
     except ValueError as exc:
         raise _refuse(str(exc)) from None
-    out = folder.resolve()
+    out = opts.folder.resolve()
     if out.exists() and not out.is_dir():
-        raise _refuse(f"--folder {folder}: not a folder")
+        raise _refuse(f"--folder {opts.folder}: not a folder")
     os.environ["SPARECYCLES_UP_RUN"] = str(out)  # every child inherits it: an orphan is findable, as `up`'s are
     env_file = out / FLEET_ENV
     sup = Supervisor(out / "logs")

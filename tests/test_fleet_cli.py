@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -66,3 +68,22 @@ def test_a_folder_another_fleet_holds_is_refused_and_its_env_file_kept(tmp_path)
     assert f"a fleet already runs in {folder} (pid 4242)" in line
     assert (folder / "fleet.env").read_text() == "export SPARECYCLES_COORDINATOR_URL=http://127.0.0.1:1\n"
     assert sorted(p.name for p in folder.iterdir()) == ["fleet.env", "fleet.lock"]  # no Valkey, logs or blobs
+
+
+def test_fleet_options_are_one_typed_model_with_its_bounds() -> None:
+    """FleetOptions (generated into `sparecycles fleet`): defaults as documented, a worker count outside 1..64 and
+    an empty device list refused without any CLI; through the CLI, one line and exit 2, nothing started."""
+    import pydantic
+    from typer.testing import CliRunner
+
+    from sparecycles.cli import app
+    from sparecycles.fleet_cli import FleetOptions
+
+    opts = FleetOptions()
+    assert (opts.workers, opts.folder, opts.worker_devices) == (2, Path("runs/fleet"), None)
+    for bad in ({"workers": 0}, {"workers": 65}, {"worker_devices": ""}):
+        with pytest.raises(pydantic.ValidationError):
+            FleetOptions(**bad)
+    res = CliRunner().invoke(app, ["fleet", "--workers", "0"])
+    assert res.exit_code == 2 and res.output.strip().splitlines() == [
+        "error: --workers: Input should be greater than or equal to 1"], res.output
