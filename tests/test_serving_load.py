@@ -47,3 +47,14 @@ def test_arm_figures_idle_share_and_reclaim():
     assert f["reclaims"] == 1 and f["reclaim_s"]["p95"] == pytest.approx(0.3)  # 15.0 -> 15.3; 10.0 is no arrival inside
     assert f["ttft_s"]["p50"] == pytest.approx(0.2) and f["output_tokens_per_s"] == pytest.approx(0.6)
     assert f["tasks_cut"] == 2
+
+
+def test_arm_figures_split_reclaim_into_detect_and_cut_from_the_gate_events():
+    # a request at 15.0 arrives while a task [14.5, 15.3] runs; the gate's reading started at 15.05, took 0.05 s
+    outs = [Outcome(sent=15.0, first=15.2, end=16.0, tokens=2)]
+    spans = [(14.5, 15.3, "preempted")]
+    events = [{"event": "yield", "t": 12.0, "scrape_s": 0.01}, {"event": "yield", "t": 15.05, "scrape_s": 0.05},
+              {"event": "resume", "t": 16.6, "cpu_s": 0.0}]
+    f = arm_figures([(outs, spans, 14.0, 17.0, events)])
+    assert f["reclaims"] == 1 and f["reclaim_s"]["p95"] == pytest.approx(0.3)
+    assert f["reclaim_detect_s"]["p95"] == pytest.approx(0.1) and f["reclaim_cut_s"]["p95"] == pytest.approx(0.2)

@@ -1,0 +1,41 @@
+"""The stand-in serving engine (benchmarks/serving_standin.py, what `bench serving --engine standin` runs where vLLM
+cannot go): a real HTTP server over a tiny seeded Llama. It streams exactly max_tokens tokens, counts a request on
+/load while it is held, and a yielding worker's EngineProbe reads both its /load and its vLLM-named gauges."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx
+
+from api.server import free_port
+from benchmarks.serving_standin import StandinProcess
+from probe_worker.serving import EngineProbe, ServingPolicy
+
+CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
+          "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 256,
+          "max_position_embeddings": 1024, "tie_word_embeddings": True}
+
+
+def test_standin_streams_max_tokens_and_shows_its_load(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    engine = StandinProcess(tmp_path, free_port(), tmp_path / "engine.log",
+                            extra_args=["--config", str(tmp_path / "config.json"), "--threads", "1"])
+    with engine, httpx.Client(base_url=engine.url, timeout=120) as client:
+        body = {"model": "standin", "prompt": "in the beginning", "max_tokens": 5, "stream": True}
+        with client.stream("POST", "/v1/completions", json=body) as reply:
+            lines = [ln for ln in reply.iter_lines() if ln.startswith("data: ")]
+        assert len(lines) == 6 and lines[-1] == "data: [DONE]"
+        probes = [EngineProbe(ServingPolicy(metrics_url=engine.url + path)) for path in ("/load", "/metrics")]
+        assert [p.read() for p in probes] == [0.0, 0.0]
+        long = threading.Thread(target=client.post, args=("/v1/completions",),
+                                kwargs={"json": {"prompt": "x", "max_tokens": 600}})
+        long.start()
+        seen = set()
+        while long.is_alive():
+            seen.add(probes[0].read())
+        long.join()
+        assert 1.0 in seen and probes[0].read() == 0.0  # held while answered, released after
+        for p in probes:
+            p.close()
