@@ -310,6 +310,9 @@ def plot(result: dict, path: Path) -> None:
             t0 = blk["t0"] - offset
             for a, b, kind in blk["spans"]:
                 ax.axvspan(a - t0, b - t0, color="tab:red" if kind == "preempted" else "tab:orange", alpha=0.3, lw=0)
+            yields = [e["t"] + e.get("scrape_s", 0.0) - t0 for e in blk.get("events", []) if e["event"] == "yield"]
+            ax.plot(yields, [0.0] * len(yields), "|", ms=8, color="tab:red", label="gate yields" if i == 0 and yields
+                    else None)
             ok = [r for r in blk["requests"] if r["e2e_s"] is not None]
             ax.plot([r["sent"] - t0 for r in ok], [r["e2e_s"] for r in ok], "o", ms=4, color="tab:blue",
                     label="end to end" if i == 0 else None)
