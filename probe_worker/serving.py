@@ -67,7 +67,7 @@ class ServingPolicy(BaseModel):
 
     A JSON endpoint (reply `application/json`) is read as vLLM's `/load` ({"server_load": N}, with vLLM started with
     `--enable-server-load-tracking`): the API server counts a request there when it arrives, whereas vLLM's
-    /metrics gauges count it only after the engine's first step on it (its whole prefill: measured 0.7-1.1 s on this
+    /metrics gauges count it only after the engine's first step on it (its whole prefill: measured 0.43-1.04 s on this
     CPU, docs/serving.md). `engine` and `gauges` apply to Prometheus text only.
     """
 
