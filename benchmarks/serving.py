@@ -68,7 +68,7 @@ def _scrape(port: int) -> dict[str, float]:
 
 def _trace(path: Path | None, t0: float, t1: float) -> tuple[list[tuple[float, float, str]], list[dict]]:
     """A worker's computing task spans (done or preempted) that overlap [t0, t1], clipped to it, and its gate events
-    (probe_worker.serving.TraceFile.event) in [t0 - 1, t1]."""
+    (probe_worker.task_trace.TraceFile.event) in [t0 - 1, t1]."""
     if path is None or not path.exists():
         return [], []
     spans, events = [], []

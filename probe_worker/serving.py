@@ -34,11 +34,11 @@ import math
 import threading
 import time
 from collections import deque
-from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, HttpUrl
 
+from probe_worker.task_trace import TraceFile, where_in
 from wire.messages import ServingFigures
 
 log = logging.getLogger("sparecycles.worker")
@@ -310,7 +310,7 @@ class Preemption:
         if thread is None:
             return False
         if self.fired_at is None:
-            self.fired_at, self.where = time.time(), _where(thread)
+            self.fired_at, self.where = time.time(), where_in(thread)
         self._fired.set()
         return True
 
@@ -326,44 +326,6 @@ class Preemption:
         from torch.nn.modules.module import register_module_forward_pre_hook
 
         return register_module_forward_pre_hook(lambda _module, _args: self.check())
-
-
-def _where(thread: int) -> str:
-    """The innermost frames of `thread` in this project's packages, innermost last ("file:function:line > ..."); a
-    diagnostic of where a cut found a task."""
-    import sys
-
-    frame, out = sys._current_frames().get(thread), []
-    while frame is not None and len(out) < 4:
-        code = frame.f_code
-        if any(f"/{pkg}/" in code.co_filename for pkg in ("probe_worker", "probe_kernels", "trainer", "wire")):
-            out.append(f"{Path(code.co_filename).stem}:{code.co_name}:{frame.f_lineno}")
-        frame = frame.f_back
-    return " > ".join(reversed(out))
-
-
-class TraceFile:
-    """Appends one JSON line per task, {"start": s, "end": s, "outcome": name} (unix seconds), to `path`; and, from
-    a serving worker's watch, one per gate change, {"event": "yield"|"resume", "t": s, ...} (`event`)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._lock = threading.Lock()
-
-    def __call__(self, start: float, end: float, outcome: str, fired: float | None = None, where: str = "") -> None:
-        extra = {"fired": round(fired, 6), "where": where} if fired is not None else {}
-        self._write({"start": round(start, 6), "end": round(end, 6), "outcome": outcome, **extra})
-
-    def event(self, kind: str, t: float, **fields: float | bool | None) -> None:
-        """One event line: `kind` at unix time `t` with `fields` (numbers rounded to microseconds)."""
-        self._write({"event": kind, "t": round(t, 6),
-                     **{k: round(v, 6) if isinstance(v, float) else v for k, v in fields.items()}})
-
-    def _write(self, record: dict) -> None:
-        line = json.dumps(record) + "\n"
-        with self._lock, open(self.path, "a") as f:
-            f.write(line)
 
 
 class ServingWatch:

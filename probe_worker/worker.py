@@ -41,7 +41,8 @@ from probe_worker.cache import WeightCache
 from probe_worker.metrics import default_metrics, serve_metrics
 from probe_worker.options import WorkerOptions
 from probe_worker.runtime import ProbeRuntime
-from probe_worker.serving import Preempted, ServingWatch, TraceFile
+from probe_worker.serving import Preempted, ServingWatch
+from probe_worker.task_trace import TraceFile
 from probe_worker.tasks import BusyPolicy, DrainState, gpu_utilization_reader, register_probe_task
 from wire.messages import Heartbeat, WorkerRegistered, WorkerRegistration
 from wire.teacher_messages import TEACHER_QUEUE_PREFIX

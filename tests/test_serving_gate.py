@@ -18,11 +18,11 @@ from probe_worker.serving import (
     ServingLedger,
     ServingPolicy,
     ServingWatch,
-    TraceFile,
     Unreadable,
     engine_load,
     server_load,
 )
+from probe_worker.task_trace import TraceFile
 from probe_worker.tasks import DrainState
 
 POLICY = ServingPolicy(metrics_url="http://127.0.0.1:9/metrics")
