@@ -345,7 +345,9 @@ class ProbeRuntime:
         import copy
 
         weights = build_mixture(terms, lambda v: self.cache.get(run, v).model.state_dict())
-        if self._mix_scratch is None or type(self._mix_scratch) is not type(model):
+        # Runs of one model class may differ in size (two loops on one fleet): the scratch is rebuilt whenever its
+        # tensors' names, shapes or dtypes are not the model's, never loaded with another run's layout.
+        if self._mix_scratch is None or _layout(self._mix_scratch) != _layout(model):
             self._mix_scratch = copy.deepcopy(model).eval()
         self._mix_scratch.load_state_dict(weights)
         return self._mix_scratch
@@ -430,3 +432,9 @@ class ProbeRuntime:
             self._attested.discard(task.run)  # the coordinator forgot us (e.g. restarted): attest again
         self.tasks_done += 1
         return reply
+
+
+def _layout(model: torch.nn.Module) -> tuple[tuple[str, tuple[int, ...], torch.dtype], ...]:
+    """(name, shape, dtype) of each tensor of `model`'s state dict, in order: equal for two models that can load
+    each other's weights."""
+    return tuple((k, tuple(t.shape), t.dtype) for k, t in model.state_dict().items())

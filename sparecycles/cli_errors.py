@@ -23,7 +23,11 @@ except ImportError:  # an older typer on the real click
 def one_line(exc: UsageError) -> str:
     """`exc`'s message as one line: click's "Invalid value for '--lr': why" as "--lr: why", "Invalid value: why"
     (a typer.BadParameter naming no option: the check's message names it) as "why", anything else as it is."""
-    message = " ".join(exc.format_message().split())
+    message = " ".join(exc.format_message().split()).replace("Value error, ", "")  # a validator's own message
+    # click names an option's environment variables as a Python list repr: "(env var: '['A', 'B']')" -> "(env var: A
+    # or B)"
+    message = re.sub(r"\(env var: '\[(.*?)\]'\)",
+                     lambda m: "(env var: " + " or ".join(v.strip(" '") for v in m.group(1).split(",")) + ")", message)
     named = re.match(r"Invalid value for (.+?): (.*)$", message)
     if named:
         hint = named.group(1).replace("'", "").replace('"', "")

@@ -43,10 +43,12 @@ class LocalFleet:
 
     def env_lines(self) -> list[str]:
         """`export NAME=value` for the coordinator URL and the admin credentials a trainer reads (fleet.attach.
-        FleetSettings), the key prefix and the blob folder (this machine: shards are written there, not uploaded)."""
+        FleetSettings), the key prefix and the blob folder (this machine: shards are written there, not uploaded),
+        and the enrollment token another `sparecycles worker` joins with (one beside a serving engine, say)."""
         values = {"SPARECYCLES_COORDINATOR_URL": self.url, "SPARECYCLES_ADMIN_TOKEN": self.env["SPARECYCLES_ADMIN_TOKEN"],
                   "SPARECYCLES_REDIS_URL": self.redis_url, "SPARECYCLES_KEY_PREFIX": self.env["SPARECYCLES_KEY_PREFIX"],
-                  "SPARECYCLES_BLOB_DIR": self.env["SPARECYCLES_BLOB_DIR"]}
+                  "SPARECYCLES_BLOB_DIR": self.env["SPARECYCLES_BLOB_DIR"],
+                  "SPARECYCLES_ENROLLMENT_TOKEN": self.env["SPARECYCLES_ENROLLMENT_TOKEN"]}
         return [f"export {k}={v}" for k, v in values.items()]
 
 

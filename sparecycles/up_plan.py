@@ -6,6 +6,7 @@ or raises ValueError; it trains nothing and starts no process. `sparecycles.up.r
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import shutil
@@ -196,11 +197,32 @@ def _folder(opts: UpOptions, zo_cfg: Any, default: Any, optimizer_options: dict 
         from trainer.models.causal_lm import model_label
 
         tags.insert(0, model_label(zo_cfg.model))
+    if other := _other_settings(zo_cfg, opts.preset_for_task):  # any other setting (--teacher, --lr, --set ...): a short digest
+        tags.append("x" + hashlib.sha256(json.dumps(other, sort_keys=True, default=str).encode()).hexdigest()[:6])
     name = "-".join(["up", opts.preset_for_task, opts.fleet_optimizer, *tags])
     out = (Path(opts.run_dir) if opts.run_dir else runs_dir() / name).resolve()
     if out.exists() and not out.is_dir():
         raise ValueError(f"--run-dir {out} exists and is not a folder")
     return out
+
+
+# Named in the folder already (tags, --model, --data, the optimizer), or not a setting of the run's numbers' kind that
+# differs by default (the device the machine has; staleness, which follows --curvature-interval unless given).
+_UNNAMED = (*_NAME_TAGS, "model", "data", "run_dir", "optimizer", "optimizer_options", "task", "device")
+
+
+def _other_settings(zo_cfg: Any, preset: str) -> dict[str, Any]:
+    """The fleet run's settings that differ from `preset`'s given the tagged ones (a setting derived from a tagged
+    one, as warmup from --steps, follows it) and that no folder tag names ({field: value}): two `up` commands that
+    differ only there get two folders, never one holding the other's run."""
+    from trainer.config import resolve_preset
+
+    tagged = {k: getattr(zo_cfg, k) for k in ("task", "optimizer", *_NAME_TAGS)}
+    ours, theirs = zo_cfg.model_dump(mode="json"), resolve_preset(preset, tagged).model_dump(mode="json")
+    other = {k: v for k, v in ours.items() if k not in _UNNAMED and v != theirs.get(k)}
+    if other.get("staleness") == 2 * zo_cfg.curvature_interval:
+        other.pop("staleness")
+    return other
 
 
 def _with_folder_states(plan: UpPlan, overwrite: bool) -> UpPlan:
@@ -223,7 +245,8 @@ def _with_folder_states(plan: UpPlan, overwrite: bool) -> UpPlan:
     if diffs:
         raise ValueError(f"{out} holds a run with other settings ({'; '.join(diffs)}); nothing was changed. "
                          "Pass --overwrite to replace it, or another --run-dir (without --run-dir, the default "
-                         "folder name carries --steps, --probes, --batch-size, --seq-len, --curvature-interval)")
+                         "folder name carries --steps, --probes, --batch-size, --seq-len, --curvature-interval and a "
+                         "digest of any other setting)")
     return plan
 
 

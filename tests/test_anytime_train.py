@@ -177,3 +177,30 @@ def test_paired_z_counts_standard_errors_of_the_difference():
     want = -float(d.mean()) / (float(d.std()) / 2.0)
     assert Selection(better, raw, [raw, better]).paired_z() == pytest.approx(want)
     assert Selection(raw, raw, [raw]).paired_z() == 0.0
+
+
+def test_worker_mixture_of_a_second_run_with_another_size_of_one_model_class(tmp_path):
+    """Two runs on one fleet whose models are of one class but other sizes (an n_embd=32 loop, then an n_embd=64
+    one): the worker's mixture of each is built in a scratch of its own layout and equals build_mixture's sum, not a
+    load_state_dict size mismatch from the first run's scratch (a newcomer's fleet failed every round so)."""
+    from types import SimpleNamespace
+
+    from probe_worker.runtime import ProbeRuntime
+    from trainer.anytime.ring import build_mixture
+
+    def versions(width: int) -> dict[int, torch.nn.Module]:
+        out = {}
+        for v in (1, 2):
+            torch.manual_seed(width + v)
+            out[v] = torch.nn.Sequential(torch.nn.Linear(width, 3))
+        return out
+
+    runs = {"small": versions(4), "large": versions(8)}
+    cache = SimpleNamespace(get=lambda run, v: SimpleNamespace(model=runs[run][v]))
+    rt = ProbeRuntime(None, "w", cache)  # type: ignore[arg-type] - no coordinator: the mixture is local
+    for run in ("small", "large", "small"):
+        terms = [(1, 0.25), (2, 0.75)]
+        built = rt._mixture(run, terms, runs[run][2])
+        want = build_mixture(terms, lambda v, run=run: runs[run][v].state_dict())
+        for k, t in built.state_dict().items():
+            assert torch.equal(t, want[k]), (run, k)

@@ -22,7 +22,7 @@ from support.processes import processes_of
 
 ROOT = Path(__file__).resolve().parents[1]
 NAMES = ["SPARECYCLES_COORDINATOR_URL", "SPARECYCLES_ADMIN_TOKEN", "SPARECYCLES_REDIS_URL", "SPARECYCLES_KEY_PREFIX",
-         "SPARECYCLES_BLOB_DIR"]
+         "SPARECYCLES_BLOB_DIR", "SPARECYCLES_ENROLLMENT_TOKEN"]
 
 
 def _export_lines(proc: subprocess.Popen, timeout_s: float = 300.0) -> list[str]:

@@ -55,6 +55,9 @@ def test_a_resumed_run_shows_its_newest_val_loss_not_step_0s(tmp_path, fail_at_s
     (["train", "--data", "EMPTY"], "the folder holds no text files"),
     (["train", "--text-field", "body"], "error: --text-field says how --data is read: it needs --data"),
     (["export"], "error: Missing argument 'run_dir'."),
+    # a validator's message without pydantic's "Value error, "; the environment variables named, not a list repr
+    (["worker", "--coordinator", "http://127.0.0.1:1", "--device", "gpu"], "error: --device: use cpu or cuda:N"),
+    (["worker"], "(env var: SPARECYCLES_COORDINATOR_URL or SPARECYCLES_COORDINATOR)"),
 ])
 def test_every_option_refusal_is_one_line_and_exit_2(args, message, tmp_path):
     """click's refusals (a bound, an unknown option, a missing argument) and the commands' checks alike: one line,
@@ -87,3 +90,18 @@ def test_files_of_data_left_out_are_named(tmp_path):
 def test_export_help_names_model_folders():
     text = " ".join(_cli("export", "--help").stdout.split())
     assert "GPT-2 presets)" not in text and "your --model folder's class" in text
+
+
+def test_up_commands_differing_in_any_setting_get_their_own_folders():
+    """`up --teacher DIR` then `up` (or --lr): each setting no tag names goes into a short digest of the folder
+    name, so the second command neither refuses the first's folder nor reuses it; the documented names stay."""
+    from sparecycles.up_plan import _other_settings, plan_up
+
+    plain = plan_up()
+    assert plain.out.name == "up-demo-zocurv-line"
+    assert plan_up(settings={"steps": 300}).out.name == "up-demo-zocurv-line-steps300"
+    names = {plain.out.name, plan_up(settings={"lr": 1e-3}).out.name, plan_up(settings={"lr": 2e-3}).out.name}
+    assert len(names) == 3
+    taught = plain.zo_cfg.model_copy(update={"teacher": "runs/some-teacher"})
+    assert _other_settings(taught, "demo") == {"teacher": "runs/some-teacher"}
+    assert _other_settings(plain.zo_cfg, "demo") == {}
