@@ -11,7 +11,7 @@ from pydantic import BaseModel, ValidationError
 from trainer.cli_settings import bounds
 from trainer.config import TrainConfig
 from trainer.kd.cache import KDPlan
-from trainer.zo.optimizers import ADAM_EPS, ZOCurvBlockAdamW, ZOCurvLine, ZOCurvSophia
+from trainer.zo.optimizers import ADAM_EPS, Probing, ZOCurvBlockAdamW, ZOCurvLine, ZOCurvSophia
 from trainer.zo.regime_mode import BlockTableAdamW
 from trainer.zo.role_rules import ScaledAdamW, ZOCurvRoleAdamW
 from wire import engine_answers, kd_targets
@@ -31,10 +31,17 @@ def _default(cls: type, name: str):
     return inspect.signature(cls.__init__).parameters[name].default
 
 
+def _probe_eps(cls: type) -> float:
+    """`cls`'s default probe ε: its own `probe_eps`, or that of its default `probing` group (Probing)."""
+    params = inspect.signature(cls.__init__).parameters
+    return params["probe_eps"].default if "probe_eps" in params else params["probing"].default.probe_eps
+
+
 def test_probe_eps_and_adams_eps_are_named_apart_with_one_default_each():
     assert TrainConfig.model_fields["eps"].default == PROBE_EPS == 1e-3
+    assert Probing().probe_eps == PROBE_EPS
     for cls in (ZOCurvBlockAdamW, ZOCurvSophia, ZOCurvLine, ScaledAdamW):
-        assert _default(cls, "probe_eps") == PROBE_EPS, cls
+        assert _probe_eps(cls) == PROBE_EPS, cls
     for cls in (ZOCurvBlockAdamW, ZOCurvLine, ScaledAdamW, ZOCurvRoleAdamW, BlockTableAdamW):
         assert _default(cls, "eps") == ADAM_EPS == 1e-8, cls
     assert _default(ZOCurvSophia, "eps") == 1e-12  # Sophia's own (Liu et al. 2023), not Adam's
