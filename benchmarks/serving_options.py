@@ -50,8 +50,16 @@ class ServingBench(BaseModel):
 
     @model_validator(mode="after")
     def _standin_needs_a_config(self) -> ServingBench:
+        given = [f"--{n.replace('_', '-')}" for n in ("standin_config", "standin_tokenizer")
+                 if getattr(self, n) is not None]
+        if self.engine != "standin" and given:  # never ignored: the user meant the stand-in
+            raise ValueError(f"{' and '.join(given)} need --engine standin")
         if self.engine == "standin" and self.standin_config is None:
             raise ValueError("--engine standin needs --standin-config")
+        if self.standin_config is not None and not self.standin_config.is_file():
+            raise ValueError(f"--standin-config {self.standin_config}: no such file (a model's config.json)")
+        if self.standin_tokenizer is not None and not self.standin_tokenizer.is_dir():
+            raise ValueError(f"--standin-tokenizer {self.standin_tokenizer}: no such folder")
         return self
 
     @property

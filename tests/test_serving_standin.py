@@ -39,3 +39,22 @@ def test_standin_streams_max_tokens_and_shows_its_load(tmp_path):
         assert 1.0 in seen and probes[0].read() == 0.0  # held while answered, released after
         for p in probes:
             p.close()
+
+
+def test_bench_serving_refuses_stand_in_options_it_would_ignore_or_fail_on_late(tmp_path):
+    """`bench serving`'s model: --standin-config without --engine standin (a real vLLM would start, the option
+    ignored), a config that is not a file or a tokenizer that is not a folder: refused when the options are read."""
+    import pydantic
+    import pytest
+
+    from benchmarks.serving_options import ServingBench
+
+    config = tmp_path / "config.json"
+    config.write_text("{}")
+    for bad, why in (({"standin_config": config}, "need --engine standin"),
+                     ({"engine": "standin"}, "needs --standin-config"),
+                     ({"engine": "standin", "standin_config": tmp_path / "none.json"}, "no such file"),
+                     ({"engine": "standin", "standin_config": config, "standin_tokenizer": config}, "no such folder")):
+        with pytest.raises(pydantic.ValidationError, match=why):
+            ServingBench(**bad)
+    assert ServingBench(engine="standin", standin_config=config, standin_tokenizer=tmp_path).engine == "standin"
