@@ -53,7 +53,7 @@ class ServingBench(BaseModel):
         given = [f"--{n.replace('_', '-')}" for n in ("standin_config", "standin_tokenizer")
                  if getattr(self, n) is not None]
         if self.engine != "standin" and given:  # never ignored: the user meant the stand-in
-            raise ValueError(f"{' and '.join(given)} need --engine standin")
+            raise ValueError(f"{' and '.join(given)} {'need' if len(given) > 1 else 'needs'} --engine standin")
         if self.engine == "standin" and self.standin_config is None:
             raise ValueError("--engine standin needs --standin-config")
         if self.standin_config is not None and not self.standin_config.is_file():

@@ -51,10 +51,10 @@ def test_bench_serving_refuses_stand_in_options_it_would_ignore_or_fail_on_late(
 
     config = tmp_path / "config.json"
     config.write_text("{}")
-    for bad, why in (({"standin_config": config}, "need --engine standin"),
+    for bad, why in (({"standin_config": config}, "needs --engine standin"),
                      ({"engine": "standin"}, "needs --standin-config"),
                      ({"engine": "standin", "standin_config": tmp_path / "none.json"}, "no such file"),
                      ({"engine": "standin", "standin_config": config, "standin_tokenizer": config}, "no such folder")):
-        with pytest.raises(pydantic.ValidationError, match=why):
+        with pytest.raises(pydantic.ValidationError, match=why)  # "needs" for one option, "need" for two:
             ServingBench(**bad)
     assert ServingBench(engine="standin", standin_config=config, standin_tokenizer=tmp_path).engine == "standin"
