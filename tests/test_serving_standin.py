@@ -55,6 +55,6 @@ def test_bench_serving_refuses_stand_in_options_it_would_ignore_or_fail_on_late(
                      ({"engine": "standin"}, "needs --standin-config"),
                      ({"engine": "standin", "standin_config": tmp_path / "none.json"}, "no such file"),
                      ({"engine": "standin", "standin_config": config, "standin_tokenizer": config}, "no such folder")):
-        with pytest.raises(pydantic.ValidationError, match=why)  # "needs" for one option, "need" for two:
+        with pytest.raises(pydantic.ValidationError, match=why):
             ServingBench(**bad)
     assert ServingBench(engine="standin", standin_config=config, standin_tokenizer=tmp_path).engine == "standin"
