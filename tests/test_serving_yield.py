@@ -73,6 +73,8 @@ def test_a_burst_cuts_the_task_drains_the_worker_and_its_round_is_reissued_once(
                             distribution="gauss8") for k in range(2)]
         be.submit(rounds[0])  # uncut: how long one task takes here (the bound's "one task")
         first = _results(be, "s-0")
+        # the worker writes a task's trace line after posting its results: the trainer can have them first
+        fleet.wait(lambda: any(s["outcome"] == "done" for s in _spans(trace)), "round s-0's trace line")
         one_task_s = max(s["end"] - s["start"] for s in _spans(trace) if s["outcome"] == "done")
 
         t_first = time.time()
