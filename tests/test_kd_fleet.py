@@ -211,23 +211,13 @@ def test_train_cli_with_teacher_rounds_end_to_end(redis_url: str, tmp_path: Path
     teacher worker process: every step took its fleet targets (none missing), the ledger has its kd phase and
     summary.json counts the bytes each way."""
     import json
-    import shutil
 
-    from test_kd import _llama_dir
     from typer.testing import CliRunner
 
     from sparecycles.cli import app
-    from support.user_data import hf_tokenizer_dir, real_documents
     from trainer.kd.teacher import teacher_sha256
 
-    student = _llama_dir(hf_tokenizer_dir(tmp_path / "student", vocab_size=400), 400, 0)
-    teacher = tmp_path / "teacher"
-    shutil.copytree(student, teacher)
-    for f in teacher.glob("*.safetensors"):
-        f.unlink()
-    _llama_dir(teacher, 400, 1)
-    (tmp_path / "data").mkdir()
-    (tmp_path / "data" / "docs.txt").write_text("\n\n".join(real_documents()))
+    student, teacher = student_teacher_and_data(tmp_path)
     run = f"kd-{teacher_sha256(str(teacher))[:12]}-0"
     proc = _start_worker(redis_url, run)
     try:
@@ -246,6 +236,26 @@ def test_train_cli_with_teacher_rounds_end_to_end(redis_url: str, tmp_path: Path
     recs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in recs if "kd_loss" in r]
     assert len(steps) == 3 and all(r["kd_loss"] > 0 and r["kd_missing_steps"] == 0 for r in steps)
+
+
+def student_teacher_and_data(tmp_path: Path) -> tuple[Path, Path]:
+    """Two tiny Llama folders of one 400-word tokenizer (student seed 0, teacher seed 1) and real text in
+    tmp_path/data; returns (student, teacher)."""
+    import shutil
+
+    from test_kd import _llama_dir
+
+    from support.user_data import hf_tokenizer_dir, real_documents
+
+    student = _llama_dir(hf_tokenizer_dir(tmp_path / "student", vocab_size=400), 400, 0)
+    teacher = tmp_path / "teacher"
+    shutil.copytree(student, teacher)
+    for f in teacher.glob("*.safetensors"):
+        f.unlink()
+    _llama_dir(teacher, 400, 1)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "docs.txt").write_text("\n\n".join(real_documents()))
+    return student, teacher
 
 
 def base64_ids(b: int, t: int) -> str:

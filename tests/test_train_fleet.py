@@ -185,21 +185,10 @@ def test_train_coordinator_registers_its_teacher_rounds_for_the_enrolled_workers
     """`train --coordinator URL --teacher T --teacher-rounds REDIS --kd-strict`: the trainer registers its teacher
     run at the coordinator, so a plain enrolled worker (no --teacher-queue) fetches the teacher as blobs and
     answers every step's round: every step taught (none missing), the worker in GET /v1/workers."""
-    import shutil
-
-    from test_kd import _llama_dir
-
-    from support.user_data import hf_tokenizer_dir, real_documents
+    from test_kd_fleet import student_teacher_and_data
 
     url, env, workers = coordinator
-    student = _llama_dir(hf_tokenizer_dir(tmp_path / "student", vocab_size=400), 400, 0)
-    teacher = tmp_path / "teacher"
-    shutil.copytree(student, teacher)
-    for f in teacher.glob("*.safetensors"):
-        f.unlink()
-    _llama_dir(teacher, 400, 1)
-    (tmp_path / "data").mkdir()
-    (tmp_path / "data" / "docs.txt").write_text("\n\n".join(real_documents()))
+    student, teacher = student_teacher_and_data(tmp_path)
     workers.append(_start_worker(url, env, tmp_path))
     res = _cli("train", "--model", str(student), "--data", str(tmp_path / "data"), "--teacher", str(teacher),
                "--teacher-rounds", env["SPARECYCLES_REDIS_URL"], "--kd-strict", "--kd-window", "2", "--steps", "3",
