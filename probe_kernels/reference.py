@@ -42,6 +42,8 @@ def run_chunk_hooks() -> None:
     """Call every hook of `add_chunk_hook` (nothing when none is set)."""
     for hook in _chunk_hooks:
         hook()
+
+
 _GAUSS_SHIFTS = torch.tensor([0, 8, 16, 24], dtype=torch.int64)
 _RADE_SHIFTS = torch.arange(32, dtype=torch.int64)
 
