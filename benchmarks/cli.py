@@ -319,8 +319,10 @@ def bench_serving(
                    f"{f['probe_forwards_done']:.0f}  idle used {f['idle_used_share'] or 0:.2f}  reclaim p95 "
                    f"{f['reclaim_s']['p95'] or nan:.3f} s (detect {f['reclaim_detect_s']['p95'] or nan:.3f}, cut "
                    f"{f['reclaim_cut_s']['p95'] or nan:.3f})  load {f['load_avg_1min']}")
-    for arm, r in res.get("ratios", {}).items():
-        typer.echo(f"({arm}) / (a) p95: TTFT {r['ttft_s']:.3f}x, e2e {r['e2e_s']:.3f}x")
+    for arm, r in res["paired"].items():  # the same requests in every arm; 90% block-bootstrap intervals
+        typer.echo(f"({arm}) / (a) p95: " + ", ".join(
+            f"{name} {r[k]['p95_ratio']:.3f}x [{r[k]['p95_ratio_90ci'][0]:.2f}, {r[k]['p95_ratio_90ci'][1]:.2f}] "
+            f"(median request {r[k]['median_request_ratio']:.3f}x)" for name, k in (("TTFT", "ttft_s"), ("e2e", "e2e_s"))))
     typer.echo(f"wrote {cfg.out / 'serving.json'} and {cfg.out / 'serving.png'}")
 
 

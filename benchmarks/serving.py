@@ -5,7 +5,8 @@ coordinator and a pure-ZO trainer (`sparecycles train --coordinator`, 1SPSA with
 step leaves a backlog of tasks, on gpt2-tiny, batch 4x64) keeping them busy, and the open-loop load client
 (benchmarks.serving_load) on CPU 1 (as on a GPU host the trainer runs on another device). One
 worker has no serving policy (it never yields), the other yields (`--serving-metrics` with the chosen hold); both
-write their task spans (`--task-trace`). Arms, interleaved in blocks (a, b, c, a, b, c, ...) on the same processes:
+write their task spans (`--task-trace`). Arms, interleaved in blocks on the same processes (the order rotates each
+block: a, b, c, then b, c, a, ...), paired (within a block every arm is sent the same requests):
 
 - (a) engine alone: both workers drained (SIGUSR1; a drained worker only heartbeats);
 - (b) busy worker, no yielding: the first resumed (SIGUSR2), the second drained;
@@ -194,13 +195,21 @@ def _warm(workers: dict, trainer: subprocess.Popen, timeout_s: float = 600.0) ->
         proc.send_signal(signal.SIGUSR1)
 
 
+def block_order(arms: tuple[str, ...], block: int) -> tuple[str, ...]:
+    """The arms' order in block `block`: rotated by one each block, so that no arm always follows the same one."""
+    k = block % len(arms)
+    return arms[k:] + arms[:k]
+
+
 def _blocks(engine, model: str, workers: dict, trainer, cfg: ServingBench, text: list[str], progress) -> dict:
-    """Run the arms interleaved in blocks (the machine's other load falls on every arm alike); returns
+    """Run the arms interleaved in blocks (the machine's other load falls on every arm alike), paired: within a block
+    every arm is sent the same requests (prompts, output lengths, arrival times); returns
     {arm: {"blocks": [(outcomes, spans, t0, t1, events)], "forwards": n, "load": [1-min load averages]}}."""
     per_block = max(1, cfg.requests // cfg.blocks)
     got = {arm: {"blocks": [], "forwards": 0.0, "load": []} for arm in cfg.arms}
     for blk in range(cfg.blocks):
-        for k, arm in enumerate(cfg.arms):
+        requests = make_requests(per_block, cfg.rate, cfg.seed + 100 * blk, text)
+        for arm in block_order(cfg.arms, blk):
             for role, (proc, _, _) in workers.items():
                 proc.send_signal(signal.SIGUSR2 if ROLES.get(arm) == role else signal.SIGUSR1)
             time.sleep(max(3.0, 2 * cfg.hold))  # the drains take effect; the yielding worker's hold passes
@@ -209,7 +218,7 @@ def _blocks(engine, model: str, workers: dict, trainer, cfg: ServingBench, text:
             before = {r: _scrape(port) for r, (_, port, _) in workers.items()}
             progress(f"block {blk + 1}/{cfg.blocks}, arm ({arm}): {per_block} requests at {cfg.rate:g}/s ...")
             t0 = time.time()
-            outs = run_load(engine.url, model, make_requests(per_block, cfg.rate, cfg.seed + 100 * blk + k, text))
+            outs = run_load(engine.url, model, requests)
             t1 = time.time()
             after = {r: _scrape(port) for r, (_, port, _) in workers.items()}
             spans, events = _trace(workers[ROLES[arm]][2] if arm in ROLES else None, t0, t1)
@@ -233,7 +242,44 @@ def _result(cfg: ServingBench, got: dict) -> dict:
     a = result["arms"]
     result["ratios"] = {arm: {k: a[arm][k]["p95"] / a["a"][k]["p95"] for k in ("ttft_s", "e2e_s")}
                         for arm in a if arm != "a"}
+    result["paired"] = paired_ratios(result["raw"], cfg.seed)
     return result
+
+
+def _pairs(blocks: list[dict], base: list[dict], picks: list[int], key: str) -> tuple[list[float], list[float]]:
+    """`key` latencies of the requests of blocks `picks` answered in both arms: (this arm's, arm (a)'s)."""
+    both = [(r[key], q[key]) for i in picks for r, q in zip(blocks[i]["requests"], base[i]["requests"])
+            if r[key] is not None and q[key] is not None]
+    return [x for x, _ in both], [y for _, y in both]
+
+
+def _p95_ratio(pair: tuple[list[float], list[float]]) -> float:
+    return percentiles(pair[0])["p95"] / percentiles(pair[1])["p95"]
+
+
+def paired_ratios(raw: dict, seed: int, resamples: int = 2000) -> dict:
+    """Per arm other than (a), over the requests that every arm was sent alike (`_blocks`) and both answered: the p95
+    ratio to arm (a) with a 90% interval from resampling whole blocks with replacement (a block bootstrap: Efron & Tibshirani, An
+    Introduction to the Bootstrap, 1993, ch. 8.5; seeded), and the median of the per-request ratios. `raw`: the
+    result's {arm: [{"requests": [{"ttft_s", "e2e_s"}, ...]}, ...]}, blocks aligned by index. Unitless."""
+    import random
+
+    rng = random.Random(seed)
+    n = len(raw["a"])
+    draws = [[rng.randrange(n) for _ in range(n)] for _ in range(resamples)]
+    out: dict = {}
+    for arm, blocks in raw.items():
+        if arm == "a":
+            continue
+        out[arm] = {}
+        for key in ("ttft_s", "e2e_s"):
+            ratios = sorted(_p95_ratio(_pairs(blocks, raw["a"], d, key)) for d in draws)
+            mine, base = _pairs(blocks, raw["a"], list(range(n)), key)
+            out[arm][key] = {"p95_ratio": _p95_ratio((mine, base)),
+                             "p95_ratio_90ci": (ratios[int(0.05 * resamples)], ratios[int(0.95 * resamples) - 1]),
+                             "median_request_ratio": percentiles([x / y for x, y in zip(mine, base) if y > 0])["p50"],
+                             "requests": len(mine)}
+    return out
 
 
 def _engine(cfg: ServingBench, tmp: Path):

@@ -28,7 +28,8 @@ class ServingBench(BaseModel):
     nice: int | None = Field(None, ge=1, le=19, description="also run arm (d): arm (c) with the worker's tasks at "
                              "this CPU nice")
     seed: int = Field(0, description="seed of the arrivals and of the text passages")
-    blocks: int = Field(4, ge=1, description="interleave the arms in this many blocks (a, b, c, a, b, c, ...)")
+    blocks: int = Field(4, ge=1, description="interleave the arms in this many blocks (a, b, c, then b, c, a, ...), "
+                        "each block sending every arm the same requests")
     probes: int = Field(64, ge=1, le=4096, description="the trainer's probes per step (1SPSA K)")
     train_batch_size: int = Field(4, ge=1, le=1024, description="the trainer's sequences per step (gpt2-tiny)")
     train_seq_len: int = Field(64, ge=2, le=256, description="the trainer's tokens per sequence")

@@ -58,3 +58,27 @@ def test_arm_figures_split_reclaim_into_detect_and_cut_from_the_gate_events():
     f = arm_figures([(outs, spans, 14.0, 17.0, events)])
     assert f["reclaims"] == 1 and f["reclaim_s"]["p95"] == pytest.approx(0.3)
     assert f["reclaim_detect_s"]["p95"] == pytest.approx(0.1) and f["reclaim_cut_s"]["p95"] == pytest.approx(0.2)
+
+
+def test_block_order_rotates_so_no_arm_always_follows_the_same_one():
+    from benchmarks.serving import block_order
+
+    assert [block_order(("a", "b", "c"), k) for k in range(4)] == [("a", "b", "c"), ("b", "c", "a"),
+                                                                   ("c", "a", "b"), ("a", "b", "c")]
+
+
+def test_paired_ratios_over_the_same_requests_with_a_block_bootstrap():
+    from benchmarks.serving import paired_ratios
+
+    def blocks(scale: float) -> list[dict]:  # two blocks of 10 requests, latencies 1..20 s times `scale`
+        return [{"requests": [{"ttft_s": scale * (10 * b + i + 1), "e2e_s": 2 * scale * (10 * b + i + 1)}
+                              for i in range(10)]} for b in range(2)]
+
+    raw = {"a": blocks(1.0), "c": blocks(1.1)}
+    raw["c"][0]["requests"][0]["e2e_s"] = None  # an error: that request leaves both arms' e2e figures
+    got = paired_ratios(raw, seed=0, resamples=200)["c"]
+    assert got["ttft_s"]["p95_ratio"] == pytest.approx(1.1) and got["ttft_s"]["median_request_ratio"] == pytest.approx(1.1)
+    lo, hi = got["ttft_s"]["p95_ratio_90ci"]
+    assert lo == pytest.approx(1.1) and hi == pytest.approx(1.1)  # every resample scales alike: no spread
+    assert got["e2e_s"]["p95_ratio"] == pytest.approx(1.1) and got["e2e_s"]["requests"] == 19  # paired: 0 left out of both
+    assert paired_ratios(raw, seed=0, resamples=200) == paired_ratios(raw, seed=0, resamples=200)  # seeded
