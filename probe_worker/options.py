@@ -50,7 +50,8 @@ SERVING_OPTIONS = {  # ServingPolicy's sub-fields as `worker` spells them (scrap
                "help": "seconds the engine must read idle before the worker takes tasks again"},
     "scrape_timeout_s": None,
     "interval_s": {"name": "serving_interval", "help": "seconds between readings of the engine (default: "
-                   "--control-interval; it bounds how late the worker sees a request)"},
+                   "--control-interval; it bounds how late the worker sees a request); while yielding to a busy "
+                   "engine: the larger of it and --control-interval"},
 }
 
 

@@ -188,3 +188,24 @@ def test_preemption_cuts_a_forward_at_a_module_call_in_the_task_thread_only():
     guard.disarm()
     handle.remove()
     assert guard.last_end is not None and guard.busy_s(guard.last_end) >= 0.0
+
+
+def test_watch_reads_slowly_only_while_yielding_to_a_busy_engine_with_no_task_running():
+    from prometheus_client import CollectorRegistry
+
+    drain = DrainState()
+    watch = ServingWatch(POLICY.model_copy(update={"hold_s": 1.0}), drain, WorkerMetrics(CollectorRegistry()),
+                         _Loads([2, 2, 0, None, 3]))
+    watch.tick(0.0)  # busy: yielding, no task
+    assert watch.next_wait(0.05, 0.2) == 0.2
+    drain.preemption.arm()  # a task still running (being cut): a fast reading sees it end and the next request
+    assert watch.next_wait(0.05, 0.2) == 0.05
+    drain.preemption.disarm()
+    watch.tick(0.2)
+    assert watch.next_wait(0.05, 0.2) == 0.2
+    watch.tick(0.4)  # idle seen: the hold is counted at the fast rate
+    assert drain.serving and watch.next_wait(0.05, 0.2) == 0.05
+    watch.tick(0.6)  # unreadable: yielding, but not known busy
+    assert watch.next_wait(0.05, 0.2) == 0.05
+    watch.tick(0.8)
+    assert watch.next_wait(0.05, 0.2) == 0.2
