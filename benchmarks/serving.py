@@ -1,6 +1,6 @@
 """`sparecycles bench serving`: what serving loses with a fleet worker beside it, and what engine-aware yielding gets back.
 
-Everything real: vLLM (tools/vllm.sh, SmolLM2-135M, float32) on CPU 0; two worker processes on CPU 0 beside it; a
+Everything real: vLLM (tools/vllm.sh, SmolLM2-135M, float32) on CPU 0; two worker processes (three with --nice) beside it; a
 coordinator and a pure-ZO trainer (`sparecycles train --coordinator`, 1SPSA with K probes per step, 64 by default so a
 step leaves a backlog of tasks, on gpt2-tiny, batch 4x64) keeping them busy, and the open-loop load client
 (benchmarks.serving_load) on CPU 1 (as on a GPU host the trainer runs on another device). One
@@ -8,9 +8,11 @@ worker has no serving policy (it never yields), the other yields (`--serving-met
 write their task spans (`--task-trace`). Arms, interleaved in blocks on the same processes (the order rotates each
 block: a, b, c, then b, c, a, ...), paired (within a block every arm is sent the same requests):
 
-- (a) engine alone: both workers drained (SIGUSR1; a drained worker only heartbeats);
-- (b) busy worker, no yielding: the first resumed (SIGUSR2), the second drained;
-- (c) engine-aware yielding: the second resumed, the first drained.
+- (a) engine alone: both workers drained (SIGUSR1; a drained worker only heartbeats) and moved to CPU 1 (on a GPU
+  host a drained worker holds no device time; here its heartbeats would share the engine's core);
+- (b) busy worker, no yielding: the first resumed (SIGUSR2) on CPU 0, the others drained on CPU 1;
+- (c) engine-aware yielding: the second resumed on CPU 0, the others drained on CPU 1;
+- (d) with --nice N: the third, which yields as the second does and runs its tasks at CPU nice N.
 
 Per arm: TTFT and end-to-end p50/p95/p99, throughput (output tokens/s), and on the fleet side the probe forward passes
 done (worker metrics), the share of the engine's idle seconds (arm time outside every request's [sent, end]) the
@@ -211,7 +213,10 @@ def _blocks(engine, model: str, workers: dict, trainer, cfg: ServingBench, text:
         requests = make_requests(per_block, cfg.rate, cfg.seed + 100 * blk, text)
         for arm in block_order(cfg.arms, blk):
             for role, (proc, _, _) in workers.items():
-                proc.send_signal(signal.SIGUSR2 if ROLES.get(arm) == role else signal.SIGUSR1)
+                mine = ROLES.get(arm) == role
+                proc.send_signal(signal.SIGUSR2 if mine else signal.SIGUSR1)
+                if cfg.pinned:  # a drained worker leaves the engine's core: arm (a) is the engine alone
+                    _pin(proc.pid, ENGINE_CPU if mine else FLEET_CPU)
             time.sleep(max(3.0, 2 * cfg.hold))  # the drains take effect; the yielding worker's hold passes
             if trainer.poll() is not None:
                 raise RuntimeError(f"the trainer exited ({trainer.returncode})")

@@ -51,7 +51,7 @@ SERVING_OPTIONS = {  # ServingPolicy's sub-fields as `worker` spells them (scrap
     "scrape_timeout_s": None,
     "interval_s": {"name": "serving_interval", "help": "seconds between readings of the engine (default: "
                    "--control-interval; it bounds how late the worker sees a request); while yielding to a busy "
-                   "engine: the larger of it and --control-interval"},
+                   "engine or drained: the larger of it and --control-interval"},
 }
 
 

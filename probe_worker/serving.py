@@ -405,18 +405,19 @@ class ServingWatch:
                               scrape_errors=self.scrape_errors)
 
     def next_wait(self, fast_s: float, slow_s: float) -> float:
-        """Seconds to the next reading: `slow_s` while the worker yields to a busy engine with no task left running,
-        else `fast_s`. Why: every reading costs the engine CPU (~2 ms on vLLM's /load, which its API server answers),
-        and while it is busy only its return to idle is looked for: the hold that follows is longer than a slow wait,
-        and once idle is seen the readings are fast again. While the worker may compute, a request must be seen at
-        once (reclaim latency)."""
-        calm = self.drain.serving and self._engine_busy and not self.drain.preemption.armed
-        return slow_s if calm else fast_s
+        """Seconds to the next reading: `slow_s` while no task runs and the worker yields to a busy engine or is
+        drained otherwise (SIGUSR1, the coordinator, the GPU policy), else `fast_s`. Why: every reading costs the
+        engine CPU (~2 ms on vLLM's /load, which its API server answers); while it is busy only its return to idle
+        is looked for (the hold that follows is longer than a slow wait, and once idle is read the readings are fast
+        again), and a drained worker takes no task whatever it reads. While the worker may compute, a request must
+        be seen at once (reclaim latency)."""
+        calm = (self.drain.serving and self._engine_busy) or self.drain.stopped
+        return slow_s if calm and not self.drain.preemption.armed else fast_s
 
     def run(self, stop: threading.Event, interval_s: float) -> None:
         """Tick until `stop` is set (the worker's serving thread), then close: every policy.interval_s seconds (default
         `interval_s`, the worker's control interval), and every max(that, `interval_s`) while yielding to a busy
-        engine (`next_wait`)."""
+        engine or drained (`next_wait`)."""
         fast = self.policy.interval_s or interval_s
         slow = max(fast, interval_s)
         try:

@@ -190,7 +190,7 @@ def test_preemption_cuts_a_forward_at_a_module_call_in_the_task_thread_only():
     assert guard.last_end is not None and guard.busy_s(guard.last_end) >= 0.0
 
 
-def test_watch_reads_slowly_only_while_yielding_to_a_busy_engine_with_no_task_running():
+def test_watch_reads_slowly_only_while_yielding_to_a_busy_engine_or_drained_with_no_task_running():
     from prometheus_client import CollectorRegistry
 
     drain = DrainState()
@@ -208,4 +208,7 @@ def test_watch_reads_slowly_only_while_yielding_to_a_busy_engine_with_no_task_ru
     watch.tick(0.6)  # unreadable: yielding, but not known busy
     assert watch.next_wait(0.05, 0.2) == 0.05
     watch.tick(0.8)
+    assert watch.next_wait(0.05, 0.2) == 0.2
+    drain.set_serving(False)
+    drain.local = True  # drained by SIGUSR1: it takes no task whatever it reads
     assert watch.next_wait(0.05, 0.2) == 0.2
