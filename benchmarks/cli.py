@@ -333,8 +333,8 @@ def bench_serving_load(
     seed: Annotated[int, typer.Option(help="Seed of the arrivals and of the text passages")] = 0,
     json_path: Annotated[Path | None, typer.Option("--json-out", help="Write every request's timings here")] = None,
 ) -> None:
-    """The open-loop request load alone (Poisson arrivals, lengths from a real text) against a running engine: the
-    CPU load of tools/serving_demo.sh. Prints TTFT and end-to-end p50/p95/p99."""
+    """The open-loop request load alone (Poisson arrivals, lengths from a real text) against a running engine (what
+    `up --serving vllm` sends, sparecycles.up_serving). Prints TTFT and end-to-end p50/p95/p99."""
     import httpx
 
     from benchmarks.serving_load import CONTEXT, make_requests, outcome_dict, percentiles, run_load, verses

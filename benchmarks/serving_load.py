@@ -107,22 +107,28 @@ def _stream(client: httpx.Client, url: str, model: str, req: Request, out: Outco
         out.error = f"{type(exc).__name__}: {exc}"[:300]
 
 
-def run_load(url: str, model: str, requests: list[Request], timeout_s: float = 600.0) -> list[Outcome]:
-    """Send `requests` open loop (one thread each, started at its time) and wait for every answer."""
+def run_load(url: str, model: str, requests: list[Request], timeout_s: float = 600.0,
+             stop: threading.Event | None = None) -> list[Outcome]:
+    """Send `requests` open loop (one thread each, started at its time) and wait for every answer (each at most
+    `timeout_s` seconds). Once `stop` is set no more are sent: the outcomes of those sent are returned."""
     outs = [Outcome(sent=0.0, prompt_words=len(r.prompt.split())) for r in requests]
     threads: list[threading.Thread] = []
     t0 = time.time()
     with httpx.Client(timeout=httpx.Timeout(timeout_s, connect=10.0),
                       limits=httpx.Limits(max_connections=len(requests) + 1)) as client:
         for req, out in zip(requests, outs):
-            time.sleep(max(0.0, t0 + req.at_s - time.time()))
+            delay = max(0.0, t0 + req.at_s - time.time())
+            if stop is None:
+                time.sleep(delay)
+            elif stop.wait(delay):
+                break
             out.sent = time.time()
             th = threading.Thread(target=_stream, args=(client, url, model, req, out), daemon=True)
             th.start()
             threads.append(th)
         for th in threads:
             th.join(timeout_s)
-    return outs
+    return outs[:len(threads)]
 
 
 def percentiles(values: list[float]) -> dict[str, float | None]:

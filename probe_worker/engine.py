@@ -30,6 +30,11 @@ def vllm_python() -> Path:
     return Path(out.stdout.strip())
 
 
+def vllm_installed() -> bool:
+    """Whether `tools/vllm.sh install` finished: the stamp it writes once vLLM imports in its venv."""
+    return (vllm_python().parent.parent / ".sparecycles-installed").is_file()
+
+
 class VllmProcess:
     """A vLLM OpenAI-compatible server on 127.0.0.1:`port` serving `model_dir`, its output in `log_path`.
 

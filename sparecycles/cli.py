@@ -131,11 +131,17 @@ def plan_progress(run: dict) -> bool:
 
 def _plan(settings: dict, run: dict, options: dict, set_: list[str] | None, optimizer_option: list[str] | None):
     """`up`'s UpPlan from its options (sparecycles.up_plan.plan_up), the devices placed first (fleet.devices)."""
+    from pydantic import ValidationError
+
     from fleet.devices import place_here
     from sparecycles.up_plan import plan_up
     from trainer.cli_settings import key_values
+    from trainer.preflight import explain
 
-    opts = UpOptions(**options)  # its ValidationError is a ValueError: one line, exit 2
+    try:
+        opts = UpOptions(**options)
+    except ValidationError as exc:  # one line naming the option, exit 2
+        raise ValueError(explain(exc)) from None
     placement = place_here(device=opts.device, worker_devices=opts.worker_devices, gpus=opts.gpus,
                            workers=opts.workers)
     if placement.note:

@@ -70,9 +70,10 @@ def _fleet_env(settings, redis_url: str, redis_desc: str, out: Path) -> tuple[di
 
 
 def _start_workers(sup: Supervisor, py: list[str], base: str, devices: tuple[str, ...], metrics_ports: list[int],
-                   worker_env: dict[str, str]) -> None:
+                   worker_env: dict[str, str], worker_args: tuple[str, ...] = ()) -> None:
     """Start one probe worker process per device (`worker-<i>`, named `local-<i>`) against the coordinator at
-    `base`, each serving its metrics on its port of `metrics_ports`."""
+    `base`, each serving its metrics on its port of `metrics_ports`, with `worker_args` (`sparecycles worker`
+    options, e.g. `up --serving`'s --serving-metrics) after its own."""
     for i, dev in enumerate(devices):
         # The token travels in the environment (SPARECYCLES_ENROLLMENT_TOKEN), never in argv (ps).
         # CPU workers take one thread each (two share the cores with the trainer); GPU workers the defaults.
@@ -82,15 +83,17 @@ def _start_workers(sup: Supervisor, py: list[str], base: str, devices: tuple[str
         # (measured on H200: 4-5 s per task of 4 seeds with the default 2, GPU idle).
         extra += ["--keep-versions", "4"]
         sup.start(f"worker-{i}", py + ["worker", "--coordinator", base, "--name", f"local-{i}",
-                                       "--device", dev, "--metrics-port", str(metrics_ports[i]), *extra],
+                                       "--device", dev, "--metrics-port", str(metrics_ports[i]), *extra,
+                                       *worker_args],
                   worker_env)
 
 
 @contextlib.contextmanager
 def local_fleet(out: Path, devices: tuple[str, ...], sup: Supervisor, log: Callable[[str], None],
-                key_prefix: str = "up") -> Iterator[LocalFleet]:
+                key_prefix: str = "up", worker_args: tuple[str, ...] = ()) -> Iterator[LocalFleet]:
     """Start Valkey (unless REDIS_URL; its files in `out/valkey`), the coordinator (blobs in `out/blobs`, key prefix
-    `key_prefix` + 8 random hex digits) and one probe worker per entry of `devices` (a torch device each); yield
+    `key_prefix` + 8 random hex digits) and one probe worker per entry of `devices` (a torch device each; each with
+    the `sparecycles worker` options `worker_args`); yield
     them once the coordinator answers /readyz (the workers may still be registering: fleet.attach.wait_for_workers).
     Raises RuntimeError when a service fails to start (naming its log). The caller stops them (`sup.stop_all()`)."""
     from coordinator.settings import generate_dev_settings
@@ -106,6 +109,6 @@ def local_fleet(out: Path, devices: tuple[str, ...], sup: Supervisor, log: Calla
         wait_ready(f"{base}/readyz", sup)
         log(f"coordinator {base}; logs in {sup.log_dir}")
         metrics_ports = [free_port() for _ in devices]
-        _start_workers(sup, py, base, devices, metrics_ports, worker_env)
+        _start_workers(sup, py, base, devices, metrics_ports, worker_env, worker_args)
         log(f"probe workers on {', '.join(devices)}; forward at the published float32 weights")
         yield LocalFleet(base, port, settings, redis_url, redis_desc, env, worker_env, tuple(metrics_ports))

@@ -18,12 +18,16 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fleet.attach import Fleet, FleetFiguresMode, FleetSettings, FleetStatus, wait_for_workers  # noqa: F401 (re-exported)
 from sparecycles.local_fleet import local_fleet
 from sparecycles.scrape import SCRAPE_CONFIG, write_scrape_config
 from sparecycles.services import Supervisor, die_with_parent, free_port
 from sparecycles.up_plan import UP_SETTINGS, UpPlan, clear_folder, disk_use, plan_up, read_json  # noqa: F401 (plan_up re-exported)
+
+if TYPE_CHECKING:
+    from sparecycles.up_serving import ServingRun
 
 
 def _run_summary(run_dir: Path) -> dict:
@@ -134,18 +138,20 @@ def _train_runs(plan: UpPlan, run: Callable[[str, object, bool], None], status, 
 
 
 def _train_with_fleet(plan: UpPlan, progress: bool, log: Callable[[str], None],
-                      export: bool) -> tuple[dict, str]:
+                      export: bool, serving: ServingRun | None = None) -> tuple[dict, str]:
     """Start Valkey (unless REDIS_URL), the coordinator and the workers; train the runs not finished (AdamW, then
     the fleet-probed run: in this process, or with `plan.nproc` under torchrun, sparecycles.up_ranks; `export`:
-    each also as a transformers folder, trainer.export); stop every child. Returns (fleet figures, Redis
-    description)."""
+    each also as a transformers folder, trainer.export); stop every child. `serving`: the sparecycles.up_serving.
+    ServingRun beside them (its worker options go to every worker, its load starts once they are ready, their
+    figures are read before they stop).
+    Returns (fleet figures, Redis description)."""
     out, workers = plan.out, plan.workers
     # Every descendant (Valkey, coordinator, workers, torchrun's ranks) inherits this marker: orphans are findable.
     os.environ["SPARECYCLES_UP_RUN"] = str(out)
     sup = Supervisor(out / "logs")
     try:
         devices = plan.worker_devices or ("cpu",) * workers
-        with local_fleet(out, devices, sup, log) as local:
+        with local_fleet(out, devices, sup, log, worker_args=serving.worker_args if serving else ()) as local:
             settings, redis_url, redis_desc, env = local.settings, local.redis_url, local.redis_desc, local.env
             admin, port, base = settings.admin_token.get_secret_value(), local.port, local.url
             metrics_ports = list(local.metrics_ports)
@@ -159,6 +165,8 @@ def _train_with_fleet(plan: UpPlan, progress: bool, log: Callable[[str], None],
                                               blob_dir=out / "blobs"),
                           workers, FleetStatus(base), run_prefix="up", rounds=FLEET_ROUNDS[plan.fleet_wait])
             wait_for_workers(base, admin, workers, 120.0, check=sup.check)
+            if serving is not None:  # from now on the requests meet the workers
+                serving.start_load(base, admin, workers)
             if plan.teacher_rounds:
                 _register_teacher_runs(base, admin, plan.zo_cfg.teacher, list(teacher_runs.values()))
                 log(f"teacher rounds on the {workers} workers: {teacher_note(plan)}")
@@ -193,7 +201,11 @@ def _train_with_fleet(plan: UpPlan, progress: bool, log: Callable[[str], None],
                 train(cfg, progress=progress, resume=resume, overwrite=True, export=export,
                       dist=dist, hooks=TrainHooks(evaluator_factory=evaluator, **probes))
 
-            return _train_runs(plan, run, status, log), redis_desc
+            try:
+                return _train_runs(plan, run, status, log), redis_desc
+            finally:  # the workers still heartbeat here
+                if serving is not None:
+                    serving.read_workers(base, admin)
     finally:
         sup.stop_all()
         (out / SCRAPE_CONFIG).unlink(missing_ok=True)  # its ports are closed now
@@ -340,12 +352,20 @@ def run_up(plan: UpPlan, *, progress: bool = True, keep_blobs: bool = False, exp
     for name in reused:
         log(f"{name}: reusing the finished run in {out / name} (same settings; --overwrite trains it again)")
     old = read_json(out / "summary.json") or {}
+    summary_extra: dict = {}
     if len(reused) == 2:  # nothing to train: no service needed
         # Nothing ran this time: the summary says so, not the Valkey (or Redis) of the invocation that trained them.
         fleet, redis_desc = old.get("fleet", {}), "not started (both runs reused)"
+        if plan.serving is not None:
+            log(f"--serving {plan.serving.engine}: no engine started (nothing to train)")
     else:
-        fleet, redis_desc = _train_with_fleet(plan, progress, log, export)
+        from sparecycles.up_serving import serving_beside
+
+        with serving_beside(plan.serving, out, log) as serving:  # --serving: an engine and its load beside the fleet
+            fleet, redis_desc = _train_with_fleet(plan, progress, log, export, serving)
         fleet = fleet or old.get("fleet", {})  # the fleet-probed run was reused, only AdamW trained
+        if serving is not None:
+            summary_extra["serving"] = {k: v for k, v in serving.figures().items() if k != "requests"}
     sentiment = plan.task == "sentiment"
     from trainer.models.causal_lm import model_label
 
@@ -376,7 +396,7 @@ def run_up(plan: UpPlan, *, progress: bool = True, keep_blobs: bool = False, exp
             f"; a version no worker answers for in {plan.eval_deadline:.0f} s is evaluated by the trainer)"
             if plan.eval_on == "fleet" else "on the trainer"),
         "warnings": [*plan.warnings, *([late] if late else [])], "wall_s": time.perf_counter() - t0, "plot": str(png),
-        "logs": str(out / "logs"),
+        "logs": str(out / "logs"), **summary_extra,
     }
     summary["warnings"] += [f"{name}: {w}" for name in ("adamw", opt) for w in summary[name].get("warnings", [])]
     for w in summary["warnings"][len(plan.warnings) + bool(late):]:

@@ -8,10 +8,11 @@ by name and sorts them to the model that owns each (`split_given`). Torch-free.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from trainer.config import TrainConfig
 from trainer.methods import fleet_method_names
@@ -23,12 +24,24 @@ NOT_UP_OPTIONS = tuple(n for n in RunOptions.model_fields if n not in UP_RUN_OPT
 DEFAULT_OPTIMIZER = {"lm": "zocurv-line", "sentiment": "1.5spsa"}  # the fleet-probed run's, by task
 
 
+@dataclass(frozen=True)
+class ServingDemo:
+    """`up --serving`: the engine beside the workers, its request load (`rate` per second, `requests` in all) and the
+    workers' hold (seconds idle before they take tasks again). Run by sparecycles.up_serving."""
+
+    engine: str
+    rate: float
+    requests: int
+    hold_s: float
+
+
 def _others(task: str) -> str:
     return ", ".join(m for m in fleet_method_names(task) if m != DEFAULT_OPTIMIZER[task])
 
 
 class UpOptions(BaseModel):
-    """What `up` runs and where. Raises pydantic.ValidationError for a value outside its choices or bounds."""
+    """What `up` runs and where, and what serves beside it (`--serving`). Raises pydantic.ValidationError for a value
+    outside its choices or bounds, or a --serving-* setting without --serving vllm."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -48,11 +61,35 @@ class UpOptions(BaseModel):
                                        "(replaces --workers)")
     gpus: Literal["auto"] | None = Field(None, description="auto: the trainer on the first GPU, a probe worker on "
                                          "each other GPU (one GPU: both share it)")
+    serving: Literal["none", "vllm"] = Field("none", description="a serving engine beside the workers. vllm: a real "
+                                             "vLLM (CPU build, SmolLM2-135M; `bash tools/vllm.sh install` once) and "
+                                             "an open-loop request load against it; every worker yields to it, and "
+                                             "serving.json gets the load's latencies and the workers' figures")
+    serving_rate: float = Field(0.1, gt=0.0, le=100.0, allow_inf_nan=False, description="with --serving vllm: the "
+                                "request load's Poisson arrivals (requests per second)")
+    serving_requests: int = Field(40, ge=1, le=10_000, description="with --serving vllm: requests the load sends "
+                                  "(those not yet sent when the runs end are not sent)")
+    serving_hold: float = Field(2.0, ge=0.0, le=3600.0, allow_inf_nan=False, description="with --serving vllm: "
+                                "seconds the engine must read idle before a worker takes tasks again")
+
+    @model_validator(mode="after")
+    def _serving_settings_need_an_engine(self) -> UpOptions:
+        given = sorted(n for n in self.model_fields_set if n.startswith("serving_"))
+        if self.serving == "none" and given:
+            raise ValueError(f"--{given[0].replace('_', '-')} applies with --serving vllm only")
+        return self
 
     @property
     def fleet_optimizer(self) -> str:
         """The fleet-probed optimizer: --optimizer, else the task's default."""
         return self.optimizer or DEFAULT_OPTIMIZER[self.task]
+
+    @property
+    def serving_demo(self) -> ServingDemo | None:
+        """The engine and load of `--serving`; None without one."""
+        if self.serving == "none":
+            return None
+        return ServingDemo(self.serving, self.serving_rate, self.serving_requests, self.serving_hold)
 
     @property
     def preset_for_task(self) -> str:

@@ -49,6 +49,7 @@ class UpPlan:
     fleet_wait: str = UP_FLEET_WAIT  # when the ZO run waits for its rounds (trainer.run_options.FLEET_ROUNDS)
     eval_deadline: float = 120.0  # seconds without a result before the trainer evaluates a version itself
     nproc: int | None = None  # the trainer's ranks under torchrun (`--nproc-per-node`); None: in `up`'s process
+    serving: Any = None  # sparecycles.up_options.ServingDemo: the engine and request load beside the workers (--serving)
 
     @property
     def teacher_rounds(self) -> bool:
@@ -115,11 +116,13 @@ def plan_up(*, settings: dict | None = None, train_options: tuple[str, ...] = ()
     preset's (`-steps5`, `-k4`, `-b8`, `-t16`, `-ci4`; another `--model`: its name, then `--data`'s file or folder
     name, first, e.g. up-demo-zocurv-line-my-llama-my_texts), so runs with other settings get other folders.
     Raises ValueError (message names the option) for an invalid option (more ranks than CUDA devices, a batch
-    the ranks cannot split, --eval-on fleet with N > 1 included), or when the folder holds a run with other
-    settings and `overwrite` is not set (the message lists the differences); TypeError for an unknown keyword.
+    the ranks cannot split, --eval-on fleet with N > 1, --serving vllm without the vLLM venv included), or when
+    the folder holds a run with other settings and `overwrite` is not set (the message lists the differences);
+    TypeError for an unknown keyword.
     """
     from pydantic import ValidationError
 
+    from sparecycles.up_serving import check_engine
     from trainer.launch import check_ranks
     from trainer.preflight import explain
 
@@ -133,6 +136,7 @@ def plan_up(*, settings: dict | None = None, train_options: tuple[str, ...] = ()
         raise ValueError(f"{', '.join(sorted(both))} given twice")
     optimizer = opts.fleet_optimizer
     _check_fleet_optimizer(optimizer, opts.task)
+    check_engine(opts.serving_demo)
     device = None if placement is None or placement.trainer == "cpu" else placement.trainer
     eval_on = run.eval_on
     if run.nproc_per_node is not None:
@@ -150,7 +154,8 @@ def plan_up(*, settings: dict | None = None, train_options: tuple[str, ...] = ()
                   zo_cfg.model_copy(update={"run_dir": out / optimizer}), {}, False,
                   tuple(w for w in [no_probe_round_warning(zo_cfg, fleet_wait), input_warning(zo_cfg)] if w), workers,
                   eval_on="trainer" if eval_on == "trainer" else "fleet", eval_windows=run.eval_windows,
-                  fleet_wait=fleet_wait, eval_deadline=run.eval_deadline, nproc=run.nproc_per_node)
+                  fleet_wait=fleet_wait, eval_deadline=run.eval_deadline, nproc=run.nproc_per_node,
+                  serving=opts.serving_demo)
     return _with_folder_states(plan, run.overwrite)
 
 

@@ -66,3 +66,25 @@ def test_plan_up_sorts_its_keywords_to_their_models():
         {"workers": 3}, {"fleet_wait": "sync"}, {"steps": 5})
     with pytest.raises(TypeError, match="unexpected keyword argument 'stepz'"):
         split_given({"stepz": 5})
+
+
+def test_up_serving_options_name_their_engine_and_need_one():
+    assert UpOptions().serving_demo is None
+    demo = UpOptions(serving="vllm", serving_rate=0.5, serving_requests=12, serving_hold=0.5).serving_demo
+    assert (demo.engine, demo.rate, demo.requests, demo.hold_s) == ("vllm", 0.5, 12, 0.5)
+    assert UpOptions(serving="vllm").serving_demo.requests == 40  # the defaults: 40 requests at 0.1/s, hold 2 s
+    with pytest.raises(ValidationError, match="--serving-hold applies with --serving vllm only"):
+        UpOptions(serving_hold=1.0)
+    with pytest.raises(ValidationError, match="greater than 0"):
+        UpOptions(serving="vllm", serving_rate=0.0)
+    with pytest.raises(ValidationError, match="'none' or 'vllm'"):
+        UpOptions(serving="sglang")
+
+
+def test_up_serving_without_the_vllm_venv_is_refused_before_anything_starts(tmp_path, monkeypatch):
+    from sparecycles.up_plan import plan_up
+
+    monkeypatch.setenv("SPARECYCLES_CACHE", str(tmp_path / "cache"))  # tools/vllm.sh's venv lives under it: none
+    with pytest.raises(ValueError, match=r"--serving vllm: no vLLM venv at .*run `bash tools/vllm.sh install`"):
+        plan_up(serving="vllm", steps=3, run_dir=tmp_path / "run")
+    assert not (tmp_path / "run").exists()

@@ -1,10 +1,11 @@
-"""tools/serving_demo.sh, the equivalent of an `up --serving vllm`: a real vLLM (read through /load), an open-loop
-request load against it and `sparecycles up` whose worker yields to the engine. The load is answered, both runs
-finish, and the worker's gate changed with the engine's load (it yielded to requests and took tasks again)."""
+"""`sparecycles up --serving vllm`: a real vLLM (read through /load), an open-loop request load against it and `up`
+whose worker yields to the engine. Every request is answered, both runs finish, the worker yielded to the requests
+and took tasks again, and serving.json (and the summary) hold the load's latencies and the worker's figures."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -12,25 +13,39 @@ from pathlib import Path
 
 import pytest
 
-from probe_worker.engine import vllm_python
+from probe_worker.engine import vllm_installed
 
-pytestmark = pytest.mark.slow  # a vLLM process and a whole `up` (~1.5 min)
+pytestmark = pytest.mark.slow  # a vLLM process and a whole `up` (~2 min)
 
 ROOT = Path(__file__).resolve().parents[1]
+REQUESTS = 8  # at 0.25/s (seed 0) once the worker takes tasks: sent within ~30 s, well before the runs end
 
 
-def test_serving_demo_runs_up_beside_a_real_vllm_and_its_worker_yields(tmp_path):
-    if not vllm_python().is_file():
+def test_up_serving_vllm_runs_beside_a_real_vllm_and_its_worker_yields(tmp_path):
+    if not vllm_installed():
         pytest.fail("no vLLM venv: run `bash tools/vllm.sh install` first")
-    env = {**os.environ, "SPARECYCLES_PYTHON": sys.executable, "SERVING_LOGS": str(tmp_path / "logs"),
-           "SERVING_REQUESTS": "20", "SERVING_RATE": "0.5", "SERVING_HOLD": "0.5"}
-    run = subprocess.run(["bash", "tools/serving_demo.sh", "--steps", "6", "--workers", "1", "--run-dir",
-                          str(tmp_path / "run"), "--no-progress"], cwd=ROOT, env=env, capture_output=True, text=True,
+    out = tmp_path / "run"
+    run = subprocess.run([sys.executable, "-m", "sparecycles.cli", "up", "--serving", "vllm", "--serving-requests",
+                          str(REQUESTS), "--serving-rate", "0.25", "--serving-hold", "0.5", "--steps", "12",
+                          "--curvature-interval", "5", "--workers", "1", "--run-dir", str(out), "--no-progress"],
+                         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
                          timeout=1200)
     assert run.returncode == 0, run.stderr[-3000:]
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["adamw"]["final_val_loss"] > 0 and summary["zocurv-line"]["final_val_loss"] > 0
-    load = json.loads((tmp_path / "logs" / "load.json").read_text())
-    assert len(load["requests"]) == 20 and not [r for r in load["requests"] if r["error"]]
-    worker = (tmp_path / "run" / "logs" / "worker-0.log").read_text()
-    assert "serving engine busy; yielding" in worker and "taking tasks again" in worker
+    summary = json.loads((out / "summary.json").read_text())
+    for name in ("adamw", "zocurv-line"):
+        assert math.isfinite(summary[name]["final_val_loss"]) and summary[name]["final_val_loss"] > 0
+    # the step-5 round folded at step 10: the fleet-probed run used the worker's probes, so it left AdamW's path
+    assert summary["fleet"]["results_accepted"] > 0 and not summary["warnings"]
+    assert summary["zocurv-line"]["final_val_loss"] != summary["adamw"]["final_val_loss"]
+    serving = json.loads((out / "serving.json").read_text())
+    assert serving["requests_sent"] == serving["answered"] == REQUESTS and serving["failed"] == 0
+    assert [r["error"] for r in serving["requests"]] == [""] * REQUESTS
+    assert all(r["tokens"] >= 8 for r in serving["requests"])  # each streamed its 8-32 tokens
+    assert 0 < serving["ttft_s"]["p50"] <= serving["ttft_s"]["p95"] <= serving["e2e_s"]["p95"]
+    [worker] = serving["workers"]
+    assert worker["name"] == "local-0" and worker["yielded_s"] > 0 and worker["engine_idle_s"] > 0
+    assert worker["idle_used_s"] > 0 and worker["scrape_errors"] == 0
+    assert summary["serving"]["answered"] == REQUESTS and "requests" not in summary["serving"]
+    log = (out / "logs" / "worker-0.log").read_text()
+    assert "serving engine busy; yielding" in log and "taking tasks again" in log
+    assert f"serving: {REQUESTS}/{REQUESTS} requests answered (0 failed)" in run.stderr

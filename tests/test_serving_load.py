@@ -13,6 +13,7 @@ from benchmarks.serving_load import (
     make_requests,
     overlap,
     percentiles,
+    run_load,
     union,
 )
 
@@ -34,6 +35,15 @@ def test_requests_are_seeded_passages_with_next_sentence_lengths():
     assert [b - a for a, b in zip(starts, starts[1:])] == [CONTEXT] * 9
     with pytest.raises(ValueError):
         make_requests(100, 0.5, 0, text)
+
+
+def test_a_stopped_load_sends_nothing_more_and_returns_what_it_sent():
+    import threading
+
+    stop = threading.Event()
+    stop.set()  # `up --serving`'s runs ended before the first arrival: no request goes out, none is reported
+    text = [f"w{i} " * (i % 50 + 4) for i in range(200)]
+    assert run_load("http://127.0.0.1:9", "m", make_requests(3, 0.5, 7, text), stop=stop) == []
 
 
 def test_arm_figures_idle_share_and_reclaim():

@@ -1,0 +1,194 @@
+"""`up --serving vllm`: a real vLLM beside `up`'s workers, an open-loop request load against it, and its figures.
+
+`serving_beside(demo, out, log)` starts the engine (probe_worker.engine.VllmProcess: `tools/vllm.sh start` on
+SmolLM2-135M, the folder trainer.models.pretrained.smollm2_dir() writes, with --enable-server-load-tracking so its
+/load counts a request when it arrives), waits for /health and yields a `ServingRun`, whose `worker_args` every
+worker `up` starts gets (`--serving-metrics <engine>/load --serving-hold S`). Once every worker reads the engine
+idle, `up` starts the request load on a thread (`start_load`; benchmarks.serving_load: Poisson arrivals, prompts and
+output lengths from a real text); it reads the workers' serving figures from their last heartbeats (`read_workers`)
+before it stops them. On leaving, at the runs' end, it stops sending and waits up to LOAD_DRAIN_S for the requests
+in flight (after Ctrl-C or an error, not at all), stops the engine and writes `serving.json` into the run folder
+(`figures`: the load's time to first token and end to end p50/p95/p99, every request, and the workers' figures,
+wire.messages.ServingFigures).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from benchmarks.serving_load import (
+    CONTEXT,
+    Outcome,
+    Request,
+    make_requests,
+    outcome_dict,
+    percentiles,
+    run_load,
+    verses,
+)
+from fleet.attach import FleetError, active_workers
+from probe_worker.engine import EngineError, VllmProcess, vllm_installed, vllm_python
+from sparecycles.services import free_port
+from sparecycles.up_options import ServingDemo
+
+SERVING_JSON = "serving.json"  # in `up`'s run folder
+LOAD_DRAIN_S = 120.0  # seconds the end of `up` waits for the requests in flight before it stops the engine
+WORKERS_BESIDE_S = 60.0  # seconds the load waits for the workers to read the engine idle (then starts anyway)
+LOAD_SEED = 0  # the load's arrivals and passages (benchmarks.serving_load.make_requests)
+WORKER_FIGURES = ("yielded_s", "engine_idle_s", "idle_used_s")  # summed over the workers
+
+
+def check_engine(demo: ServingDemo | None) -> None:
+    """Raise ValueError (naming the fix) when `demo`'s engine cannot start here: the vLLM venv is missing or its
+    install did not finish."""
+    if demo is not None and not vllm_installed():
+        raise ValueError(f"--serving {demo.engine}: no vLLM venv at {vllm_python().parent.parent}; run `bash "
+                         "tools/vllm.sh install` first (once, ~2 GB)")
+
+
+@dataclass
+class ServingRun:
+    """The engine and request load `serving_beside` started; `outcomes` (the load's requests sent) once it ended,
+    `workers` (one ServingFigures dict per worker, with its name) once `read_workers` ran."""
+
+    demo: ServingDemo
+    engine: VllmProcess
+    model: str  # the engine's model id (GET /v1/models)
+    requests: list[Request]
+    log: Callable[[str], None]
+    stop: threading.Event = field(default_factory=threading.Event)
+    thread: threading.Thread | None = None
+    outcomes: list[Outcome] = field(default_factory=list)
+    workers: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def worker_args(self) -> tuple[str, ...]:
+        """The `sparecycles worker` options that make a worker yield to this engine."""
+        return ("--serving-metrics", self.engine.load_url, "--serving-hold", f"{self.demo.hold_s:g}")
+
+    def start_load(self, base: str, admin_token: str, workers: int) -> None:
+        """Start sending the requests (on a thread) once `workers` workers of the coordinator at `base` take tasks
+        beside the engine (`wait_workers_beside`); idempotent."""
+        if self.thread is not None:
+            return
+        self.wait_workers_beside(base, admin_token, workers)
+
+        def load() -> None:
+            self.outcomes = run_load(self.engine.url, self.model, self.requests, stop=self.stop)
+
+        self.thread = threading.Thread(target=load, name="serving-load", daemon=True)
+        self.thread.start()
+        self.log(f"request load: {self.demo.requests} requests at {self.demo.rate:g}/s against {self.engine.url}; "
+                 f"every worker yields to {self.engine.load_url} (hold {self.demo.hold_s:g} s)")
+
+    def wait_workers_beside(self, base: str, admin_token: str, workers: int) -> None:
+        """Wait up to WORKERS_BESIDE_S seconds until `workers` workers' heartbeats say they read the engine idle
+        for the hold (so they take tasks: the load's first request is one they yield to); after that, log and go
+        on. Transient coordinator errors are retried."""
+        deadline = time.monotonic() + WORKERS_BESIDE_S
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError, FleetError):
+                seen = [w for w in active_workers(base, admin_token)
+                        if (w.get("serving") or {}).get("engine_idle_s", 0.0) >= self.demo.hold_s]
+                if len(seen) >= workers:
+                    return
+            time.sleep(0.2)
+        self.log(f"warning: not every worker read the engine idle in {WORKERS_BESIDE_S:.0f} s; the load starts anyway")
+
+    def read_workers(self, base: str, admin_token: str) -> None:
+        """The workers' serving figures from their last heartbeats (GET /v1/workers at the coordinator `base`); kept
+        as they were when the coordinator does not answer."""
+        with contextlib.suppress(httpx.HTTPError, FleetError):
+            self.workers = [{"name": w["name"], **w["serving"]} for w in active_workers(base, admin_token)
+                            if w.get("serving")]
+
+    def end_load(self, drain_s: float) -> None:
+        """Send no more requests; wait up to `drain_s` seconds for those in flight."""
+        self.stop.set()
+        if self.thread is not None:
+            self.thread.join(drain_s)
+
+    def figures(self) -> dict[str, Any]:
+        """serving.json: the load (requests sent, answered, failed; TTFT and end-to-end percentiles in seconds), the
+        workers' figures (seconds yielded, the engine's idle seconds, those the worker used, reclaim p95) and their
+        sums, and every request."""
+        ok = [o for o in self.outcomes if not o.error and o.end is not None]
+        totals = {k: sum(w.get(k, 0.0) for w in self.workers) for k in WORKER_FIGURES}
+        idle = totals["engine_idle_s"]
+        return {
+            "engine": self.demo.engine, "model": str(self.engine.model_dir), "load_url": self.engine.load_url,
+            "rate_per_s": self.demo.rate, "requests_planned": self.demo.requests, "hold_s": self.demo.hold_s,
+            "requests_sent": len(self.outcomes), "answered": len(ok), "failed": len(self.outcomes) - len(ok),
+            "ttft_s": percentiles([o.ttft_s for o in ok if o.ttft_s is not None]),
+            "e2e_s": percentiles([o.e2e_s for o in ok if o.e2e_s is not None]),
+            "workers": self.workers,
+            "workers_total": {**totals, "idle_used_share": totals["idle_used_s"] / idle if idle else None},
+            "engine_log": str(self.engine.log_path), "requests": [outcome_dict(o) for o in self.outcomes],
+        }
+
+
+def _start(demo: ServingDemo, out: Path, log: Callable[[str], None]) -> ServingRun:
+    """Start the engine, wait for its /health and make the load's requests. Raises RuntimeError (naming the engine's
+    log) when the engine exits or does not answer in probe_worker.engine.HEALTH_TIMEOUT_S; the engine is stopped then."""
+    from trainer.models.pretrained import smollm2_dir
+
+    engine = VllmProcess(smollm2_dir(), free_port(), out / "logs" / "vllm.log",
+                         extra_args=["--enable-server-load-tracking"])
+    engine.start()
+    try:
+        log(f"vLLM on {engine.url} (log {engine.log_path}); waiting for /health ...")
+        requests = make_requests(demo.requests, demo.rate, LOAD_SEED, verses(demo.requests * CONTEXT + 1))
+        engine.wait_ready()
+        model = httpx.get(engine.url + "/v1/models", timeout=30).json()["data"][0]["id"]
+    except EngineError as exc:
+        engine.stop()
+        raise RuntimeError(f"--serving {demo.engine}: the engine did not come up (log {engine.log_path}): "
+                           f"{exc}") from None
+    except BaseException:
+        engine.stop()
+        raise
+    return ServingRun(demo, engine, model, requests, log)
+
+
+def _finish(run: ServingRun, out: Path, drain_s: float, log: Callable[[str], None]) -> dict[str, Any]:
+    """End the load (waiting `drain_s` s for requests in flight), stop the engine, write serving.json; its figures."""
+    try:
+        run.end_load(drain_s)
+    finally:
+        run.engine.stop()
+    if run.thread is not None:
+        run.thread.join(30.0)  # the engine's end fails the streams left: run_load returns
+    figures = run.figures()
+    (out / SERVING_JSON).write_text(json.dumps(figures, indent=1))
+    t, e, w = figures["ttft_s"], figures["e2e_s"], figures["workers_total"]
+    fmt = "{:.2f}".format
+    log(f"serving: {figures['answered']}/{figures['requests_sent']} requests answered ({figures['failed']} failed); "
+        f"TTFT p50/p95 {fmt(t['p50'] or 0)}/{fmt(t['p95'] or 0)} s, end to end {fmt(e['p50'] or 0)}/"
+        f"{fmt(e['p95'] or 0)} s; workers yielded {w['yielded_s']:.1f} s, used {w['idle_used_s']:.1f} of the engine's "
+        f"{w['engine_idle_s']:.1f} idle s ({out / SERVING_JSON})")
+    return figures
+
+
+@contextlib.contextmanager
+def serving_beside(demo: ServingDemo | None, out: Path, log: Callable[[str], None]) -> Iterator[ServingRun | None]:
+    """The engine and load of `demo` (None: nothing, yields None) for the duration of the block (module docstring).
+    Raises RuntimeError when the engine does not come up."""
+    if demo is None:
+        yield None
+        return
+    run = _start(demo, out, log)
+    drain_s = 0.0
+    try:
+        yield run
+        drain_s = LOAD_DRAIN_S
+    finally:
+        _finish(run, out, drain_s, log)
