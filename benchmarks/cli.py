@@ -38,6 +38,7 @@ def bench_intake(given: dict) -> None:
     from benchmarks.intake import result_dict, run_intake_bench
 
     o = parse(IntakeBenchOptions, given)
+    _redis_answers(o.redis_url)
     for m in o.modes:
         res = run_intake_bench(m, o.workers, o.results, o.batch, o.redis_url, o.rate, coordinators=o.coordinators)
         if o.print_json:
@@ -64,18 +65,12 @@ def bench_intake(given: dict) -> None:
 def bench_fleet(given: dict) -> None:
     """Probes per second with 1, 2, 4 workers (CPU or GPU), and version publish -> every worker ready latency."""
     from benchmarks.fleet import result_dict, run_fleet_bench
-    from fleet.devices import place_here
+    from fleet.devices import device_here, devices_here
 
-    o = parse(FleetBenchOptions, given)
-    try:
-        devs = place_here(worker_devices=o.device).workers
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--device") from None
-    if o.trainer_device != "cpu":
-        try:
-            o = o.model_copy(update={"trainer_device": place_here(device=o.trainer_device).trainer})
-        except ValueError as exc:
-            raise typer.BadParameter(str(exc), param_hint="--trainer-device") from None
+    o = parse(FleetBenchOptions, given)  # the devices checked there: here only spelled out ("cuda" -> "cuda:0")
+    devs = devices_here(o.device, "--device")
+    o = o.model_copy(update={"trainer_device": device_here(o.trainer_device, "--trainer-device")})
+    _redis_answers(o.redis_url)
 
     def save(r) -> None:
         if o.json_out is not None:
@@ -94,6 +89,19 @@ def bench_fleet(given: dict) -> None:
     if res.ready_preset:
         typer.echo(f"  publish -> every worker ready, {res.ready_preset} ({res.ready_bytes / 2**20:.0f} MiB): "
                    f"{res.publish_to_ready_s:.2f} s (publish itself {res.publish_s:.2f} s; shards by {res.blob_path})")
+
+
+def _redis_answers(url: str) -> None:
+    """Raise typer.BadParameter (one line, exit 2) naming --redis-url when the Redis at `url` does not answer a PING
+    within 5 s: said before any worker or coordinator starts, not as a hang or a traceback later."""
+    import redis
+
+    try:
+        redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5).ping()
+    except (redis.RedisError, ValueError) as exc:  # ValueError: a URL redis cannot read (a port that is no number)
+        where = url.split("://", 1)[1].rsplit("@", 1)[-1]  # host:port/db, never a password
+        raise typer.BadParameter(f"the Redis at {where} does not answer ({exc}); start one (redis-server) or point "
+                                 "--redis-url (or REDIS_URL) at yours", param_hint="--redis-url") from None
 
 
 @with_settings(model=ZoBenchOptions, param="given", section=SECTION)

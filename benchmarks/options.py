@@ -14,9 +14,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
+from fleet.devices import device_here, devices_here
 from probe_worker.options import WorkerOptions
+from trainer.models.presets import get_preset
 
 _F = Field
 _WORKER = WorkerOptions.model_fields  # the worker options `bench fleet` passes through keep their choices
@@ -25,8 +27,28 @@ M = TypeVar("M", bound=BaseModel)
 REDIS_URL = "redis://127.0.0.1:6379/0"
 
 
+def _redis_url(url: str) -> str:
+    if not url.startswith(("redis://", "rediss://", "unix://")):
+        raise ValueError(f"{url!r} is not a Redis URL: use redis://HOST:PORT/DB (or rediss://, unix://)")
+    return url
+
+
+def _model_preset(name: str) -> str:
+    get_preset(name)  # ValueError naming the valid presets
+    return name
+
+
+def _ready_preset(name: str) -> str:
+    return name and _model_preset(name)
+
+
+RedisUrl = Annotated[str, AfterValidator(_redis_url)]
+ModelPreset = Annotated[str, AfterValidator(_model_preset)]  # a GPT-2 preset (trainer.models.presets.PRESETS)
+ReadyPreset = Annotated[str, AfterValidator(_ready_preset)]  # a GPT-2 preset, or "" for none
+
+
 def _redis() -> Any:
-    return _F(REDIS_URL, min_length=1, description="Redis (keys are namespaced)", json_schema_extra={"envvar": "REDIS_URL"})
+    return _F(REDIS_URL, description="Redis (keys are namespaced)", json_schema_extra={"envvar": "REDIS_URL"})
 
 
 def _json() -> Any:
@@ -43,7 +65,7 @@ class IntakeBenchOptions(BaseModel):
     batch: int = _F(4, ge=1, le=1024, description="Results per request (a task's seeds)")
     mode: Literal["http", "store", "both"] = _F("both", description="http, store or both")
     rate: float = _F(0.0, ge=0.0, description="Open-loop offered load in results/s (http); 0 = closed loop")
-    redis_url: str = _redis()
+    redis_url: RedisUrl = _redis()
     coordinators: int = _F(1, ge=1, le=64, description="Coordinator processes in http mode (sparecycles "
                            "coordinator --workers)")
     print_json: bool = _F(False, description="Print one JSON object per mode", json_schema_extra={"name": "json"})
@@ -62,7 +84,8 @@ class DataPackOptions(BaseModel):
     size_mb: float = _F(100.0, ge=0.1, description="Size of the text folder to pack, in MB (10^6 bytes)")
     model: str = _F("gpt2-tiny", description="Model preset or transformers folder whose tokenizer packs it")
     workdir: Path | None = _F(None, description="Where the temporary folder and cache go (default: $TMPDIR)")
-    out: Path = _F(Path("benchmarks/results/cpu/data_pack.json"), description="Result JSON to write")
+    out: Path = _F(Path("runs/bench-data-pack/data_pack.json"), description="Result JSON to write (under runs/, "
+                   "which git ignores: benchmarks/results/ holds the committed figures)")
 
 
 class MemoryScanOptions(BaseModel):
@@ -84,14 +107,15 @@ class FleetBenchOptions(BaseModel):
 
     workers: tuple[Annotated[int, _F(ge=1)], ...] = _F((1, 2, 4), min_length=1,
                                                       description="Comma-separated worker counts to measure")
-    preset: str = _F("gpt2-tiny", description="Model preset probed")
+    preset: ModelPreset = _F("gpt2-tiny", description="Model preset probed")
     seeds: int = _F(32, ge=1, description="Seeds in the timed round")
     seeds_per_task: int = _F(4, ge=1, le=256, description="Seeds per Celery task")
     batch_size: int = _F(4, ge=1, description="Rows of the probed batch")
     seq_len: int = _F(64, ge=2, description="Tokens per row of the probed batch")
     threads: int = _F(1, ge=1, description="torch threads per worker process")
-    ready_preset: str = _F("gpt2-small", description="Preset whose publish -> ready latency is measured ('' to skip)")
-    redis_url: str = _redis()
+    ready_preset: ReadyPreset = _F("gpt2-small", description="Preset whose publish -> ready latency is measured "
+                                   "('' to skip)")
+    redis_url: RedisUrl = _redis()
     print_json: bool = _json()
     device: str = _F("cpu", description="Workers' devices, round-robin: cpu, cuda:0 or cuda:1,cuda:2")
     trainer_device: str = _F("cpu", description="Where the published model lives (cpu or cuda:N): on a GPU, "
@@ -113,6 +137,14 @@ class FleetBenchOptions(BaseModel):
                                   "(sparecycles worker --cuda-graphs)")
     tf32_attention: TF32Attention = _F(_WORKER["tf32_attention"].default, description="Workers' attention in "
                                        "fp32/TF32 forwards: auto, fp32 or bf16 (sparecycles worker --tf32-attention)")
+
+    @model_validator(mode="after")
+    def _devices_here(self) -> FleetBenchOptions:
+        devices = devices_here(self.device, "--device")
+        device_here(self.trainer_device, "--trainer-device")
+        if self.worker_cuda_graphs and "cpu" in devices:  # as `sparecycles worker --cuda-graphs` refuses it
+            raise ValueError(f"--worker-cuda-graphs needs CUDA workers (--device cuda:N), got --device {self.device}")
+        return self
 
     @property
     def batch(self) -> tuple[int, int]:
@@ -199,7 +231,7 @@ class PrecisionOptions(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    preset: str = _F("gpt2-small", description="Model preset")
+    preset: ModelPreset = _F("gpt2-small", description="Model preset")
     batch_size: int = _F(16, ge=1, description="Rows per batch")
     seq_len: int = _F(512, ge=2, description="Tokens per row")
     steps: int = _F(60, ge=21, description="AdamW steps on real text before measuring")
@@ -221,4 +253,4 @@ def parse(model: type[M], given: dict[str, Any]) -> M:
     try:
         return model(**given)
     except ValidationError as exc:
-        raise typer.BadParameter(explain(exc)) from None
+        raise typer.BadParameter(explain(exc, model)) from None

@@ -1,5 +1,6 @@
 """`bench serving`'s settings as one typed model (pydantic only, so `sparecycles bench --help` stays fast): each field
-is an option of the command (trainer.cli_settings.with_settings), with its bounds and default here only."""
+is an option of the command (trainer.cli_settings.with_settings), with its bounds and default here only. A CUDA
+device is checked against this machine's when the model is built (torch imported only then: fleet.devices)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from fleet.devices import device_here
 
 ARMS = ("a", "b", "c", "d")  # engine alone, busy worker, yielding worker, yielding worker at a lower CPU priority
 
@@ -47,7 +50,14 @@ class ServingBench(BaseModel):
                                            "per word)")
     standin_dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="--engine standin: "
                                                                      "its weights' dtype")
-    out: Path = Field(Path("benchmarks/results/cpu/serving"), description="folder for serving.json and serving.png")
+    out: Path = Field(Path("runs/bench-serving"), description="folder for serving.json and serving.png (under "
+                      "runs/, which git ignores: benchmarks/results/ holds the committed figures)")
+
+    @model_validator(mode="after")
+    def _devices_here(self) -> ServingBench:
+        device_here(self.device, "--device")  # a CUDA device this machine has, before any process starts
+        device_here(self.train_device, "--train-device")
+        return self
 
     @model_validator(mode="after")
     def _standin_needs_a_config(self) -> ServingBench:

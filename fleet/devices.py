@@ -58,22 +58,57 @@ def place(*, device: str | None, worker_devices: str | None, gpus: str | None, w
         return Placement("cuda:0", tuple(f"cuda:{i}" for i in range(1, n_cuda)))
     trainer = _check(device or "cpu", n_cuda, "--device")
     if worker_devices is not None:
-        devs = tuple(_check(d.strip(), n_cuda, "--worker-devices") for d in worker_devices.split(",") if d.strip())
-        if not devs:
-            raise ValueError("--worker-devices: give at least one device, e.g. cuda:1,cuda:2")
+        devs = device_list(worker_devices, n_cuda, "--worker-devices")
         shared = sorted(set(devs) & {trainer} - {"cpu"})
         note = f"the trainer shares {', '.join(shared)} with a probe worker" if shared else ""
         return Placement(trainer, devs, note)
     return Placement(trainer, ("cpu",) * workers)
 
 
+def check_worker_count(workers: int | None, worker_devices: str | None) -> None:
+    """`--workers` given beside `--worker-devices` (which starts one worker per device and replaces it) must name
+    the same count. Raises ValueError naming both when they disagree; `workers` None: not given."""
+    if workers is None or worker_devices is None:
+        return
+    n = len([d for d in worker_devices.split(",") if d.strip()])
+    if n != workers:
+        raise ValueError(f"--workers {workers} and --worker-devices {worker_devices} ({n} devices) disagree: "
+                         "--worker-devices starts one worker per device and replaces --workers; leave --workers out")
+
+
+def device_list(text: str, n_cuda: int, option: str) -> tuple[str, ...]:
+    """The devices of a comma list ("cuda:1,cuda:2"), each checked as `place` checks one. Raises ValueError naming
+    `option` for none given, an empty item ("cpu,,cpu") or a device `_check` refuses."""
+    items = [d.strip() for d in text.split(",")]
+    if not any(items):
+        raise ValueError(f"{option}: give at least one device, e.g. cuda:1,cuda:2")
+    if "" in items:
+        raise ValueError(f"{option}: {text!r} has an empty item: give comma-separated devices, e.g. cuda:1,cuda:2")
+    return tuple(_check(d, n_cuda, option) for d in items)
+
+
+def cuda_count(*texts: str | None) -> int:
+    """The CUDA devices torch sees here when one of `texts` names CUDA (torch imported only then), else 0."""
+    if not any(t is not None and "cuda" in t for t in texts):
+        return 0
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def device_here(dev: str, option: str) -> str:
+    """One device checked as `place` checks it, with the CUDA devices of this machine ("cuda" -> "cuda:0")."""
+    return _check(dev, cuda_count(dev), option)
+
+
+def devices_here(text: str, option: str) -> tuple[str, ...]:
+    """`device_list` with the CUDA devices of this machine: an option's devices checked before anything starts."""
+    return device_list(text, cuda_count(text), option)
+
+
 def place_here(*, device: str | None = None, worker_devices: str | None = None, gpus: str | None = None,
                workers: int = 1) -> Placement:
     """`place` with the number of CUDA devices torch sees on this machine; torch is imported (and CUDA asked)
     only when an option names a GPU. Raises ValueError as `place` does."""
-    n_cuda = 0
-    if gpus is not None or any(x is not None and "cuda" in x for x in (device, worker_devices)):
-        import torch
-
-        n_cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    n_cuda = cuda_count(device, worker_devices, "cuda" if gpus is not None else None)
     return place(device=device, worker_devices=worker_devices, gpus=gpus, workers=workers, n_cuda=n_cuda)

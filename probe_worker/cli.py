@@ -51,7 +51,7 @@ def worker_options(given: dict[str, Any]) -> WorkerOptions:
     try:
         return WorkerOptions(**given)
     except ValidationError as exc:
-        raise typer.BadParameter(explain(exc)) from None
+        raise typer.BadParameter(explain(exc, WorkerOptions)) from None
 
 
 def _check_token(token: str) -> None:

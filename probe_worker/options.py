@@ -37,6 +37,19 @@ BaseUrl = Annotated[str, _checked(lambda v: v.startswith(("http://", "https://")
                                   "the coordinator's base URL must be http(s)://...")]
 HttpUrl = Annotated[str, _checked(lambda v: v.startswith(("http://", "https://")), "use http(s)://...")]
 Device = Annotated[str, _checked(lambda v: v.startswith(("cpu", "cuda")), "use cpu or cuda:N")]
+QueueName = Annotated[str, _checked(lambda v: bool(v) and not any(c.isspace() for c in v),
+                                    "a queue name without spaces, e.g. sparecycles.teacher.RUN (`train` prints it)")]
+
+
+def _folder(path: Path) -> Path:
+    """`path` unless it, or a folder above it, is a file (ValueError naming it): checked before the worker starts."""
+    blocker = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise ValueError(f"{path} {'is' if blocker == path else f'is under {blocker},'} a file: give a folder")
+    return path
+
+
+Folder = Annotated[Path, AfterValidator(_folder)]
 LogLevel = Annotated[str, _checked(lambda v: v.upper() in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
                                    "use DEBUG, INFO, WARNING, ERROR or CRITICAL"), AfterValidator(str.upper)]
 SERVING_OPTIONS = {  # ServingPolicy's sub-fields as `worker` spells them (scrape_timeout_s keeps its default)
@@ -71,9 +84,9 @@ class WorkerOptions(BaseModel):
                                   "(default: none; 0: none, as `train`'s)")
     metrics_host: str = _F("127.0.0.1", min_length=1, description="interface the metrics port binds (0.0.0.0 in "
                            "containers, where Prometheus scrapes it from another one)")
-    cache_dir: Path | None = _F(None, description="weight cache (default: cache root/worker)")
+    cache_dir: Folder | None = _F(None, description="weight cache (default: cache root/worker)")
     keep_versions: int = _F(2, ge=1, description="weight versions kept loaded")
-    blob_dir: Path | None = _F(None, json_schema_extra={"envvar": "SPARECYCLES_BLOB_DIR"}, description="the "
+    blob_dir: Folder | None = _F(None, json_schema_extra={"envvar": "SPARECYCLES_BLOB_DIR"}, description="the "
                                "coordinator's blob directory, when this worker shares its file system: weight shards "
                                "are read there in place instead of downloaded")
     control_interval: float = _F(0.5, ge=0.05, allow_inf_nan=False, description="seconds between heartbeats/drain "
@@ -99,7 +112,7 @@ class WorkerOptions(BaseModel):
                                         "serving engine's OpenAI-compatible API, never loading the teacher "
                                         "(docs/engine-teacher.md); without it, the worker answers them with the "
                                         "teacher loaded in its process")
-    teacher_queues: tuple[str, ...] = _F((), json_schema_extra={"repeat": True}, description="a teacher round queue "
+    teacher_queues: tuple[QueueName, ...] = _F((), json_schema_extra={"repeat": True}, description="a teacher round queue "
                                          "to consume besides those registered at the coordinator, for a trainer that "
                                          "registers none (`train` prints it)")
     teacher_pause: float = _F(0.0, ge=0.0, allow_inf_nan=False, description="hold each teacher round this long "
@@ -124,8 +137,20 @@ class WorkerOptions(BaseModel):
 
     @model_validator(mode="after")
     def _device_rules(self) -> WorkerOptions:
-        if self.yield_gpu_util is not None and not self.device.startswith("cuda"):
-            raise ValueError("--yield-gpu-util needs --device cuda:N")
+        cuda_only = [o for o, on in (("--yield-gpu-util", self.yield_gpu_util is not None),
+                                     ("--cuda-graphs", self.cuda_graphs)) if on]
+        if cuda_only and not self.device.startswith("cuda"):
+            raise ValueError(f"{' and '.join(cuda_only)} {'need' if len(cuda_only) > 1 else 'needs'} --device cuda:N "
+                             f"(got {self.device})")
+        return self
+
+    @model_validator(mode="after")
+    def _teacher_rules(self) -> WorkerOptions:
+        if self.teacher_pause and self.teacher_engine:
+            raise ValueError("--teacher-pause holds rounds of the teacher loaded here; --teacher-engine answers "
+                             "through the engine, which never holds one: leave one out")
+        if self.teacher_pause and not self.teacher_queues:
+            raise ValueError("--teacher-pause holds teacher rounds: name their queue with --teacher-queue")
         return self
 
 

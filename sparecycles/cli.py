@@ -107,6 +107,7 @@ def up(
     values (demo: 150 steps, batch 16 x 64 tokens, curvature every 15 steps).
     """
     from sparecycles.up import run_up, stopped_note
+    from trainer.preflight import explain
 
     plan = None
     try:
@@ -116,7 +117,7 @@ def up(
                          log=lambda m: typer.secho(m, fg=typer.colors.YELLOW if m.startswith("warning") else None,
                                                    err=True))
     except (ValueError, RuntimeError) as exc:
-        typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
+        typer.secho(f"error: {explain(exc)}", fg=typer.colors.RED, err=True)  # a ValidationError as one line
         raise typer.Exit(2) from exc
     except KeyboardInterrupt:
         typer.echo(f"interrupted: every process stopped; {stopped_note(plan)}", err=True)

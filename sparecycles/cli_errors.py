@@ -28,6 +28,7 @@ def one_line(exc: UsageError) -> str:
     # or B)"
     message = re.sub(r"\(env var: '\[(.*?)\]'\)",
                      lambda m: "(env var: " + " or ".join(v.strip(" '") for v in m.group(1).split(",")) + ")", message)
+    message = re.sub(r"\(env var: '(\w+)'\)", r"(env var: \1)", message)  # one variable: unquoted too
     named = re.match(r"Invalid value for (.+?): (.*)$", message)
     if named:
         hint = named.group(1).replace("'", "").replace('"', "")

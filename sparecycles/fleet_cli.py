@@ -23,8 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import typer
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from fleet.devices import check_worker_count
 from trainer.cli_settings import with_settings
 
 LOCK = "fleet.lock"
@@ -59,7 +60,8 @@ def _held(folder: Path) -> Iterator[None]:
 
 class FleetOptions(BaseModel):
     """`sparecycles fleet`'s options, generated into the command (trainer.cli_settings.with_settings). Raises
-    pydantic.ValidationError for a worker count outside 1..64 or an empty device list."""
+    pydantic.ValidationError for a worker count outside 1..64, an empty device list, or --workers given beside
+    --worker-devices with another count (as `up`'s UpOptions)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -68,6 +70,11 @@ class FleetOptions(BaseModel):
                          "files and fleet.env (the environment lines)")
     worker_devices: str | None = Field(None, min_length=1, description="one probe worker per listed device, e.g. "
                                        "cuda:0,cuda:1 (replaces --workers). Default: CPU workers")
+
+    @model_validator(mode="after")
+    def _one_worker_count(self) -> FleetOptions:
+        check_worker_count(self.workers if "workers" in self.model_fields_set else None, self.worker_devices)
+        return self
 
 
 @with_settings(model=FleetOptions, param="given", section="Options (FleetOptions)")
@@ -84,7 +91,7 @@ def fleet(given: dict[str, Any]) -> None:
     except ValidationError as exc:
         from trainer.preflight import explain
 
-        raise typer.BadParameter(explain(exc)) from None
+        raise typer.BadParameter(explain(exc, FleetOptions)) from None
     _run(opts)
 
 

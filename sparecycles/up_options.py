@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from fleet.devices import check_worker_count
 from trainer.config import TrainConfig
 from trainer.methods import fleet_method_names
 from trainer.run_options import RunOptions
@@ -41,7 +42,8 @@ def _others(task: str) -> str:
 
 class UpOptions(BaseModel):
     """What `up` runs and where, and what serves beside it (`--serving`). Raises pydantic.ValidationError for a value
-    outside its choices or bounds, or a --serving-* setting without --serving vllm."""
+    outside its choices or bounds, a --serving-* setting without --serving vllm, or --workers given beside
+    --worker-devices with another count."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -77,6 +79,11 @@ class UpOptions(BaseModel):
         given = sorted(n for n in self.model_fields_set if n.startswith("serving_"))
         if self.serving == "none" and given:
             raise ValueError(f"--{given[0].replace('_', '-')} applies with --serving vllm only")
+        return self
+
+    @model_validator(mode="after")
+    def _one_worker_count(self) -> UpOptions:
+        check_worker_count(self.workers if "workers" in self.model_fields_set else None, self.worker_devices)
         return self
 
     @property

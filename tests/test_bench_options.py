@@ -28,8 +28,12 @@ def test_fleet_options_derive_the_batches_and_worker_arguments():
     o = FleetBenchOptions()
     assert (o.workers, o.batch, o.train_batch, o.worker_args) == ((1, 2, 4), (4, 64), (4, 64),
                                                                   ("--tf32-attention", "auto"))
-    o = FleetBenchOptions(batch_size=8, seq_len=32, train_seq_len=128, worker_cuda_graphs=True, tf32_attention="bf16")
-    assert o.train_batch == (8, 128) and o.worker_args == ("--cuda-graphs", "--tf32-attention", "bf16")
+    o = FleetBenchOptions(batch_size=8, seq_len=32, train_seq_len=128, tf32_attention="bf16")
+    assert o.train_batch == (8, 128) and o.worker_args == ("--tf32-attention", "bf16")
+    graphs = FleetBenchOptions.model_construct(device="cuda:0", worker_cuda_graphs=True)  # no CUDA device needed
+    assert graphs.worker_args == ("--cuda-graphs", "--tf32-attention", "auto")
+    with pytest.raises(ValidationError, match="--worker-cuda-graphs needs CUDA workers"):
+        FleetBenchOptions(worker_cuda_graphs=True)
     for bad in ({"workers": ()}, {"workers": (0,)}, {"kind": "probe"}, {"blob_path": "nfs"},
                 {"tf32_attention": "fp16"}, {"seeds_per_task": 257}):
         with pytest.raises(ValidationError):

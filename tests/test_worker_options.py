@@ -66,7 +66,7 @@ def test_the_command_is_generated_from_the_model_with_every_flag_kept():
     ctx = WORKER.make_context("worker", [
         "--coordinator", "http://h:1", "--token", "t", "--teacher-engine", "http://e:2", "--teacher-queue", "a",
         "--teacher-queue", "b", "--serving-metrics", "http://e:2/metrics", "--serving-gauge", "g1",
-        "--serving-hold", "1.5", "--cache-dir", "/tmp/c", "--cuda-graphs"])
+        "--serving-hold", "1.5", "--cache-dir", "/tmp/c", "--cuda-graphs", "--device", "cuda:0"])
     by_name = table(WorkerOptions)
     seen = collect({k: v for k, v in ctx.params.items() if k in by_name}, by_name)
     opts = WorkerOptions(**seen)

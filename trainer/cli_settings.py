@@ -74,12 +74,22 @@ class Setting:
 
     def parse(self, text: Any) -> Any:
         """The option's value from its command-line text (or an already typed value). A tuple field takes a comma
-        list ("1,2,4"), a bool "true"/"false". Raises ValueError (pydantic's ValidationError) as TrainConfig would."""
+        list ("1,2,4"; `comma_items`), a bool "true"/"false". Raises ValueError (pydantic's ValidationError) as
+        TrainConfig would, or for an empty item of a comma list."""
         if self.flag:
             return TypeAdapter(bool).validate_python(text)
         if isinstance(text, str) and get_origin(_bare(self.info.annotation)) is tuple:
-            text = [t.strip() for t in text.split(",") if t.strip()]
+            text = comma_items(text)
         return self.adapter.validate_python(text)
+
+
+def comma_items(text: str) -> list[str]:
+    """A comma list's items ("1, 2,4" -> ["1", "2", "4"]; "" -> []). Raises ValueError for an empty item ("1,,2",
+    "1,2,"): every tuple option refuses it, never drops it."""
+    items = [t.strip() for t in text.split(",")] if text.strip() else []
+    if "" in items:
+        raise ValueError(f"{text!r} has an empty item: separate the values by single commas")
+    return items
 
 
 def _bare(annotation: Any) -> Any:

@@ -66,7 +66,7 @@ def start_teacher_worker(redis_url: str, queue: str, pause_s: float = 0.0,
     fetched from the coordinator); `args`: more worker options (e.g. --teacher-engine URL)."""
     fleet = coordinator_of(redis_url)
     run = _register(fleet, queue)
-    if "--teacher-engine" in args:
+    if "--teacher-engine" in args or pause_s:  # --teacher-pause holds the rounds of a queue it names
         args = (*args, "--teacher-queue", queue)
     if pause_s:
         args = (*args, "--teacher-pause", str(pause_s))
