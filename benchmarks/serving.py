@@ -17,7 +17,8 @@ block: a, b, c, then b, c, a, ...), paired (within a block every arm is sent the
 Per arm: TTFT and end-to-end p50/p95/p99, throughput (output tokens/s), and on the fleet side the probe forward passes
 done (worker metrics), the share of the engine's idle seconds (arm time outside every request's [sent, end]) the
 worker spent in tasks (its trace), and reclaim latency: per request that arrived while a task ran, that task's end
-minus the arrival.
+minus the arrival. A check on the arms themselves: the drained workers' task seconds in each arm (0 when their
+drains held).
 """
 
 from __future__ import annotations
@@ -208,7 +209,7 @@ def _blocks(engine, model: str, workers: dict, trainer, cfg: ServingBench, text:
     every arm is sent the same requests (prompts, output lengths, arrival times); returns
     {arm: {"blocks": [(outcomes, spans, t0, t1, events)], "forwards": n, "load": [1-min load averages]}}."""
     per_block = max(1, cfg.requests // cfg.blocks)
-    got = {arm: {"blocks": [], "forwards": 0.0, "load": []} for arm in cfg.arms}
+    got = {arm: {"blocks": [], "forwards": 0.0, "load": [], "others_s": 0.0} for arm in cfg.arms}
     for blk in range(cfg.blocks):
         requests = make_requests(per_block, cfg.rate, cfg.seed + 100 * blk, text)
         for arm in block_order(cfg.arms, blk):
@@ -228,6 +229,8 @@ def _blocks(engine, model: str, workers: dict, trainer, cfg: ServingBench, text:
             after = {r: _scrape(port) for r, (_, port, _) in workers.items()}
             spans, events = _trace(workers[ROLES[arm]][2] if arm in ROLES else None, t0, t1)
             got[arm]["blocks"].append((outs, spans, t0, t1, events))
+            got[arm]["others_s"] += sum(b - a for role, (_, _, trace) in workers.items() if ROLES.get(arm) != role
+                                        for a, b, _ in _trace(trace, t0, t1)[0])  # drained: must stay 0
             got[arm]["load"].append(os.getloadavg()[0])
             got[arm]["forwards"] += sum(2 * (after[r][SEEDS] - before[r][SEEDS]) + after[r][CLEAN] - before[r][CLEAN]
                                         for r in workers)
@@ -241,6 +244,7 @@ def _result(cfg: ServingBench, got: dict) -> dict:
                     "arms": {}, "raw": {}}
     for arm, g in got.items():
         result["arms"][arm] = {**arm_figures(g["blocks"]), "probe_forwards_done": g["forwards"],
+                               "drained_workers_task_s": g["others_s"],
                                "load_avg_1min": g["load"]}
         result["raw"][arm] = [{"t0": t0, "t1": t1, "requests": [outcome_dict(o) for o in outs], "spans": spans,
                                "events": events} for outs, spans, t0, t1, events in g["blocks"]]
