@@ -31,6 +31,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import httpx
 
@@ -148,9 +149,18 @@ def _trainer(fleet: _Fleet, run_dir: Path, log: Path, cfg: ServingBench) -> subp
                             start_new_session=True)
 
 
-def _workers(fleet: _Fleet, engine, cfg: ServingBench, tmp: Path, roles: tuple[str, ...]) -> dict[str, tuple]:
+class Worker(NamedTuple):
+    """One bench worker: its process, metrics port, task trace file and fleet name."""
+
+    proc: subprocess.Popen
+    port: int
+    trace: Path
+    name: str
+
+
+def _workers(fleet: _Fleet, engine, cfg: ServingBench, tmp: Path, roles: tuple[str, ...]) -> dict[str, Worker]:
     """Start one worker per role of `roles` (noyield; yield; nice), pinned to the engine's CPU; returns {role:
-    (process, metrics port, trace path)}."""
+    Worker}."""
     from api.server import free_port
 
     url = engine.url + ("/load" if cfg.signal == "load" else "/metrics")
@@ -162,10 +172,10 @@ def _workers(fleet: _Fleet, engine, cfg: ServingBench, tmp: Path, roles: tuple[s
         port, trace = free_port(), tmp / f"{role}.jsonl"
         fleet.worker_args = ("--task-trace", str(trace), "--metrics-port", str(port),
                              "--control-interval", str(cfg.control_interval), *extra[role])
-        fleet.start_workers(1)
+        name = fleet.start_workers(1)[0]
         if cfg.pinned:
             _pin(fleet.procs[-1].pid, ENGINE_CPU)
-        out[role] = (fleet.procs[-1], port, trace)
+        out[role] = Worker(fleet.procs[-1], port, trace, name)
     return out
 
 
@@ -187,9 +197,9 @@ def _fleet_and_trainer(fleet: _Fleet, engine, cfg: ServingBench, tmp: Path) -> t
 def _warm(workers: dict, trainer: subprocess.Popen, timeout_s: float = 600.0) -> None:
     """Resume each worker alone until it has finished a task (its model built, compiled on CUDA), the others drained;
     then drain all. Raises RuntimeError if the trainer exits or `timeout_s` passes."""
-    for role, (proc, _, trace) in workers.items():
-        for other, (p, _, _) in workers.items():
-            p.send_signal(signal.SIGUSR2 if other == role else signal.SIGUSR1)
+    for role, (proc, _, trace, _) in workers.items():
+        for other, w in workers.items():
+            w.proc.send_signal(signal.SIGUSR2 if other == role else signal.SIGUSR1)
         deadline = time.monotonic() + timeout_s
         while not (trace.exists() and '"done"' in trace.read_text()):
             if trainer.poll() is not None or time.monotonic() > deadline:
@@ -204,7 +214,19 @@ def block_order(arms: tuple[str, ...], block: int) -> tuple[str, ...]:
     return arms[k:] + arms[:k]
 
 
-def _blocks(engine, model: str, workers: dict, trainer, cfg: ServingBench, text: list[str], progress) -> dict:
+def _wait_drained(fleet: _Fleet, names: list[str], interval_s: float, timeout_s: float = 120.0) -> None:
+    """Wait until the workers `names` have each heartbeat idle (no task running) twice in a row, `interval_s` (their
+    control interval) apart: a task a worker started before its drain runs to its end (a drain stops only new tasks),
+    on a GPU as long as a version's load. After `timeout_s` go on (the arm's drained_workers_task_s shows it)."""
+    deadline, calm = time.monotonic() + timeout_s, 0
+    while calm < 2 and time.monotonic() < deadline:
+        busy = [n for n in names if (fleet.info(n) or {}).get("busy")]
+        calm = 0 if busy else calm + 1
+        time.sleep(interval_s)
+
+
+def _blocks(engine, model: str, fleet: _Fleet, workers: dict, trainer, cfg: ServingBench, text: list[str],
+            progress) -> dict:
     """Run the arms interleaved in blocks (the machine's other load falls on every arm alike), paired: within a block
     every arm is sent the same requests (prompts, output lengths, arrival times); returns
     {arm: {"blocks": [(outcomes, spans, t0, t1, events)], "forwards": n, "load": [1-min load averages]}}."""
@@ -213,24 +235,25 @@ def _blocks(engine, model: str, workers: dict, trainer, cfg: ServingBench, text:
     for blk in range(cfg.blocks):
         requests = make_requests(per_block, cfg.rate, cfg.seed + 100 * blk, text)
         for arm in block_order(cfg.arms, blk):
-            for role, (proc, _, _) in workers.items():
+            for role, w in workers.items():
                 mine = ROLES.get(arm) == role
-                proc.send_signal(signal.SIGUSR2 if mine else signal.SIGUSR1)
+                w.proc.send_signal(signal.SIGUSR2 if mine else signal.SIGUSR1)
                 if cfg.pinned:  # a drained worker leaves the engine's core: arm (a) is the engine alone
-                    _pin(proc.pid, ENGINE_CPU if mine else FLEET_CPU)
+                    _pin(w.proc.pid, ENGINE_CPU if mine else FLEET_CPU)
             time.sleep(max(3.0, 2 * cfg.hold))  # the drains take effect; the yielding worker's hold passes
+            _wait_drained(fleet, [w.name for r, w in workers.items() if ROLES.get(arm) != r], cfg.control_interval)
             if trainer.poll() is not None:
                 raise RuntimeError(f"the trainer exited ({trainer.returncode})")
-            before = {r: _scrape(port) for r, (_, port, _) in workers.items()}
+            before = {r: _scrape(w.port) for r, w in workers.items()}
             progress(f"block {blk + 1}/{cfg.blocks}, arm ({arm}): {per_block} requests at {cfg.rate:g}/s ...")
             t0 = time.time()
             outs = run_load(engine.url, model, requests)
             t1 = time.time()
-            after = {r: _scrape(port) for r, (_, port, _) in workers.items()}
-            spans, events = _trace(workers[ROLES[arm]][2] if arm in ROLES else None, t0, t1)
+            after = {r: _scrape(w.port) for r, w in workers.items()}
+            spans, events = _trace(workers[ROLES[arm]].trace if arm in ROLES else None, t0, t1)
             got[arm]["blocks"].append((outs, spans, t0, t1, events))
-            got[arm]["others_s"] += sum(b - a for role, (_, _, trace) in workers.items() if ROLES.get(arm) != role
-                                        for a, b, _ in _trace(trace, t0, t1)[0])  # drained: must stay 0
+            got[arm]["others_s"] += sum(b - a for role, w in workers.items() if ROLES.get(arm) != role
+                                        for a, b, _ in _trace(w.trace, t0, t1)[0])  # drained: must stay 0
             got[arm]["load"].append(os.getloadavg()[0])
             got[arm]["forwards"] += sum(2 * (after[r][SEEDS] - before[r][SEEDS]) + after[r][CLEAN] - before[r][CLEAN]
                                         for r in workers)
@@ -330,7 +353,7 @@ def run_serving_bench(redis_url: str, cfg: ServingBench, progress=print) -> dict
         progress(f"starting the workers and the trainer (1SPSA K={cfg.probes} on gpt2-tiny) on CPU {FLEET_CPU} ...")
         workers, trainer = _fleet_and_trainer(fleet, engine, cfg, tmp)
         _warm(workers, trainer)
-        result = _result(cfg, _blocks(engine, model, workers, trainer, cfg, text, progress))
+        result = _result(cfg, _blocks(engine, model, fleet, workers, trainer, cfg, text, progress))
         result["heartbeat_serving"] = fleet.info("bench-1")["serving"]
     finally:
         if trainer is not None and trainer.poll() is None:  # a bench's trainer: nothing of it is kept
