@@ -20,6 +20,26 @@ VLLM_SH = REPO / "tools" / "vllm.sh"
 HEALTH_TIMEOUT_S = 300.0  # vLLM answers /health after ~40 s on an idle CPU; a shared 2-core box is much slower
 
 
+def _prctl():
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux
+        return None
+
+
+_PRCTL = _prctl()  # resolved before any fork: the child must not dlopen or import
+
+
+def die_with_parent() -> None:
+    """Runs in a child between fork and exec (Popen's preexec_fn): on Linux the child gets SIGTERM when the thread
+    that started it exits, however it ends, SIGKILL included (prctl PR_SET_PDEATHSIG = 1; it survives exec, so the
+    engine that `taskset` and `tools/vllm.sh start` exec into keeps it). Elsewhere: nothing."""
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGTERM)
+
+
 class EngineError(RuntimeError):
     """The engine exited or did not answer /health in time (the message holds its log's tail)."""
 
@@ -75,7 +95,8 @@ class VllmProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                         start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                         preexec_fn=die_with_parent)  # no engine outlives its starter
 
     def wait_ready(self, timeout_s: float = HEALTH_TIMEOUT_S) -> None:
         """Poll /health every 0.5 s until it answers 200.

@@ -1,6 +1,6 @@
 """The child processes of `sparecycles up`: a supervisor that owns them (own process groups, logs, stopped in
 tiers), the embedded Valkey (or REDIS_URL), readiness polling, free ports. Children die with `up` (SIGTERM, then
-SIGKILL; on Linux also PR_SET_PDEATHSIG, `die_with_parent`, if `up` itself is killed).
+SIGKILL; on Linux also PR_SET_PDEATHSIG, probe_worker.engine.die_with_parent, if `up` itself is killed).
 """
 
 from __future__ import annotations
@@ -18,29 +18,13 @@ from pathlib import Path
 
 import httpx
 
+from probe_worker.engine import die_with_parent
+
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _prctl():
-    try:
-        import ctypes
-
-        return ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):  # not Linux
-        return None
-
-
-_PRCTL = _prctl()  # resolved before any fork: the child must not dlopen or import
-
-
-def die_with_parent() -> None:
-    """Runs in the child between fork and exec: SIGTERM it if `up` dies (PR_SET_PDEATHSIG = 1)."""
-    if _PRCTL is not None:
-        _PRCTL(1, signal.SIGTERM)
 
 
 @dataclass
