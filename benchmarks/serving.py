@@ -1,6 +1,6 @@
 """`sparecycles bench serving`: what serving loses with a fleet worker beside it, and what engine-aware yielding gets back.
 
-Everything real: vLLM (tools/vllm.sh, SmolLM2-135M, float32) on CPU 0; two worker processes (three with --nice) beside it; a
+Everything real: vLLM (tools/vllm.sh, SmolLM2-135M, float32) on CPU 0; two worker processes (three with arm (d)) beside it; a
 coordinator and a pure-ZO trainer (`sparecycles train --coordinator`, 1SPSA with K probes per step, 64 by default so a
 step leaves a backlog of tasks, on gpt2-tiny, batch 4x64) keeping them busy, and the open-loop load client
 (benchmarks.serving_load) on CPU 1 (as on a GPU host the trainer runs on another device). One
@@ -12,7 +12,8 @@ block: a, b, c, then b, c, a, ...), paired (within a block every arm is sent the
   host a drained worker holds no device time; here its heartbeats would share the engine's core);
 - (b) busy worker, no yielding: the first resumed (SIGUSR2) on CPU 0, the others drained on CPU 1;
 - (c) engine-aware yielding: the second resumed on CPU 0, the others drained on CPU 1;
-- (d) with --nice N: the third, which yields as the second does and runs its tasks at CPU nice N.
+- (d) with --nice N and/or --sched-idle: the third, which yields as the second does and runs its tasks at CPU nice N
+  and/or under SCHED_IDLE.
 
 Per arm: TTFT and end-to-end p50/p95/p99, throughput (output tokens/s), and on the fleet side the probe forward passes
 done (worker metrics), the share of the engine's idle seconds (arm time outside every request's [sent, end]) the
@@ -166,7 +167,8 @@ def _workers(fleet: _Fleet, engine, cfg: ServingBench, tmp: Path, roles: tuple[s
     url = engine.url + ("/load" if cfg.signal == "load" else "/metrics")
     yielding = ("--serving-metrics", url, "--serving-hold", str(cfg.hold),
                 *(("--serving-interval", str(cfg.serving_interval)) if cfg.serving_interval else ()))
-    extra = {"noyield": (), "yield": yielding, "nice": (*yielding, "--nice", str(cfg.nice))}
+    lower = (*(("--nice", str(cfg.nice)) if cfg.nice else ()), *(("--sched-idle",) if cfg.sched_idle else ()))
+    extra = {"noyield": (), "yield": yielding, "nice": (*yielding, *lower)}
     out = {}
     for role in roles:
         port, trace = free_port(), tmp / f"{role}.jsonl"
@@ -183,7 +185,7 @@ def _fleet_and_trainer(fleet: _Fleet, engine, cfg: ServingBench, tmp: Path) -> t
     """The workers and the trainer. The trainer attaches while one worker is up, so its run has no spot checks and
     one task per round (fleet.attach: a replica must come from another worker, and here only one worker is resumed
     at a time, so spot-checked seeds would wait for hand-backs); the other workers join after."""
-    roles = ("noyield", "yield", *(("nice",) if cfg.nice else ()))
+    roles = ("noyield", "yield", *(("nice",) if "d" in cfg.arms else ()))
     workers = _workers(fleet, engine, cfg, tmp, roles[:1])
     trainer = _trainer(fleet, tmp / "run", tmp / "trainer.log", cfg)
     deadline = time.monotonic() + 300
@@ -381,7 +383,7 @@ def plot(result: dict, path: Path) -> None:
     arms = [a for a in ARMS if a in result["raw"]]
     fig, axes = plt.subplots(len(arms), 1, figsize=(11, 2.6 * len(arms)), sharey=True, squeeze=False)
     titles = {"a": "(a) engine alone", "b": "(b) busy worker, no yielding", "c": "(c) engine-aware yielding",
-              "d": "(d) engine-aware yielding, worker at a lower CPU priority (nice)"}
+              "d": "(d) engine-aware yielding, worker at a lower CPU priority (nice / SCHED_IDLE)"}
     for ax, arm in zip(axes[:, 0], arms):
         offset = 0.0
         for i, blk in enumerate(result["raw"][arm]):

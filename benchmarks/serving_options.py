@@ -30,6 +30,8 @@ class ServingBench(BaseModel):
                                                "gauges, which count it after its prefill)")
     nice: int | None = Field(None, ge=1, le=19, description="also run arm (d): arm (c) with the worker's tasks at "
                              "this CPU nice")
+    sched_idle: bool = Field(False, description="also run arm (d) (or, with --nice, make it): its worker's tasks "
+                             "under Linux's SCHED_IDLE policy (worker --sched-idle)")
     seed: int = Field(0, description="seed of the arrivals and of the text passages")
     blocks: int = Field(4, ge=1, description="interleave the arms in this many blocks (a, b, c, then b, c, a, ...), "
                         "each block sending every arm the same requests")
@@ -75,8 +77,8 @@ class ServingBench(BaseModel):
 
     @property
     def arms(self) -> tuple[str, ...]:
-        """The arms run: a, b, c, and d with `nice`."""
-        return ARMS if self.nice else ARMS[:3]
+        """The arms run: a, b, c, and d with `nice` or `sched_idle`."""
+        return ARMS if self.nice or self.sched_idle else ARMS[:3]
 
     @property
     def pinned(self) -> bool:

@@ -121,6 +121,9 @@ class WorkerOptions(BaseModel):
                           "serving watch keeps its own): beside a CPU serving engine the kernel then gives the engine "
                           "the core while the worker has not yet yielded. CPU only: GPU work of two processes has no "
                           "such priority")
+    sched_idle: bool = _F(False, description="run tasks under Linux's SCHED_IDLE policy (alone or with --nice): a "
+                          "task of normal priority that wakes, the CPU engine's, preempts them at once, where nice 19 "
+                          "still lets them finish a time slice. CPU only, as --nice")
     loglevel: LogLevel = _F("INFO", description="log level (DEBUG, INFO, WARNING)")
     serving: ServingPolicy | None = _F(None, json_schema_extra={"switch": False, "options": SERVING_OPTIONS},
                                        description="yielding to a serving engine beside this worker")

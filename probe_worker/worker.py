@@ -91,6 +91,16 @@ def attention_dtype(option: str, device: str) -> torch.dtype | None:
     return torch.bfloat16 if option == "bf16" else None
 
 
+def lower_thread_priority(nice: int | None, sched_idle: bool) -> None:
+    """Lower the calling thread's CPU priority (Linux: both are a thread's own, and the threads it starts afterwards
+    inherit them): `nice` (1-19, None: unchanged) and, with `sched_idle`, the SCHED_IDLE policy, under which any
+    normal task that wakes (a CPU serving engine's) preempts this one at once (sched(7)). Raises OSError where the
+    platform refuses."""
+    if nice:
+        os.setpriority(os.PRIO_PROCESS, 0, nice)
+    if sched_idle:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+
 class ProbeWorker:
     """One registered worker. `run()` blocks until Celery shuts down (SIGTERM/SIGINT), then deregisters.
 
@@ -383,8 +393,7 @@ class ProbeWorker:
             if self.serving is not None:  # before the nice below: the engine's watch keeps the normal priority
                 threading.Thread(target=self.serving.run, args=(self._stop, self.opts.control_interval),
                                  name="sparecycles-serving", daemon=True).start()
-            if self.opts.nice:  # Linux: a thread's own; this (the tasks') thread and the threads it starts from now
-                os.setpriority(os.PRIO_PROCESS, 0, self.opts.nice)
+            lower_thread_priority(self.opts.nice, self.opts.sched_idle)  # the tasks' thread and those it starts
             self._control.start()
             if self.opts.prefetch_interval > 0:
                 threading.Thread(target=self._prefetch_loop, name=PREFETCH_THREAD, daemon=True).start()
