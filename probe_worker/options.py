@@ -54,8 +54,9 @@ LogLevel = Annotated[str, _checked(lambda v: v.upper() in ("DEBUG", "INFO", "WAR
                                    "use DEBUG, INFO, WARNING, ERROR or CRITICAL"), AfterValidator(str.upper)]
 SERVING_OPTIONS = {  # ServingPolicy's sub-fields as `worker` spells them (scrape_timeout_s keeps its default)
     "metrics_url": {"name": "serving_metrics", "envvar": "SPARECYCLES_SERVING_METRICS",
-                    "help": "yield to the serving engine beside this worker: its Prometheus endpoint, e.g. "
-                    "http://127.0.0.1:8000/metrics, read every control interval (docs/serving.md)"},
+                    "help": "yield to the serving engine beside this worker: vLLM's /load (started with "
+                    "--enable-server-load-tracking, else it always reads 0), e.g. http://127.0.0.1:8000/load, or a "
+                    "Prometheus endpoint (…/metrics), read every --serving-interval (docs/serving.md)"},
     "engine": {"help": "whose queue gauges to read: auto, vllm, sglang, tgi or llamacpp"},
     "gauges": {"repeat": True, "help": "a gauge to read instead (any engine)"},
     "busy_above": {"help": "the engine is busy while its gauges sum above this (requests)"},

@@ -137,7 +137,8 @@ def run_probe(runtime: ProbeRuntime, drain: DrainState, metrics: WorkerMetrics, 
     if drain.draining:
         outcome("requeued")
         time.sleep(REQUEUE_PAUSE_S)
-        raise Reject("worker is draining", requeue=True)
+        why = "draining" if drain.stopped else f"yielding: the serving engine stayed busy for {SERVING_HOLD_CAP_S:g} s"
+        raise Reject(f"worker is {why}", requeue=True)
     if runtime.withdrawn(task):  # its round was closed (taken over by the trainer, or the run ended): skip, quietly
         log.debug("round %s was withdrawn; task skipped", task.round_id)
         return outcome("withdrawn")

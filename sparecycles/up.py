@@ -165,14 +165,14 @@ def _train_with_fleet(plan: UpPlan, progress: bool, log: Callable[[str], None],
                                               blob_dir=out / "blobs"),
                           workers, FleetStatus(base), run_prefix="up", rounds=FLEET_ROUNDS[plan.fleet_wait])
             wait_for_workers(base, admin, workers, 120.0, check=sup.check)
-            if serving is not None:  # from now on the requests meet the workers
-                serving.start_load(base, admin, workers)
             if plan.teacher_rounds:
                 _register_teacher_runs(base, admin, plan.zo_cfg.teacher, list(teacher_runs.values()))
                 log(f"teacher rounds on the {workers} workers: {teacher_note(plan)}")
             status = fleet.status
 
             def run(name: str, cfg, resume: bool) -> None:
+                if serving is not None and name != "adamw":  # the requests meet the workers' probe tasks
+                    serving.start_load(base, admin, workers)
                 if plan.nproc is not None:  # rank 0 attaches to this coordinator as `train --coordinator` does
                     from sparecycles.up_ranks import RankRun, train_ranks
 

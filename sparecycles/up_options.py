@@ -28,12 +28,14 @@ DEFAULT_OPTIMIZER = {"lm": "zocurv-line", "sentiment": "1.5spsa"}  # the fleet-p
 @dataclass(frozen=True)
 class ServingDemo:
     """`up --serving`: the engine beside the workers, its request load (`rate` per second, `requests` in all) and the
-    workers' hold (seconds idle before they take tasks again). Run by sparecycles.up_serving."""
+    workers' hold (seconds idle before they take tasks again) and how often they read the engine (seconds). Run by
+    sparecycles.up_serving."""
 
     engine: str
     rate: float
     requests: int
     hold_s: float
+    interval_s: float
 
 
 def _others(task: str) -> str:
@@ -73,6 +75,9 @@ class UpOptions(BaseModel):
                                   "(those not yet sent when the runs end are not sent)")
     serving_hold: float = Field(2.0, ge=0.0, le=3600.0, allow_inf_nan=False, description="with --serving vllm: "
                                 "seconds the engine must read idle before a worker takes tasks again")
+    serving_interval: float = Field(0.05, ge=0.01, le=10.0, allow_inf_nan=False, description="with --serving vllm: "
+                                    "seconds between a worker's readings of the engine (the workers' "
+                                    "--serving-interval: it bounds how late a worker sees a request)")
 
     @model_validator(mode="after")
     def _serving_settings_need_an_engine(self) -> UpOptions:
@@ -96,7 +101,8 @@ class UpOptions(BaseModel):
         """The engine and load of `--serving`; None without one."""
         if self.serving == "none":
             return None
-        return ServingDemo(self.serving, self.serving_rate, self.serving_requests, self.serving_hold)
+        return ServingDemo(self.serving, self.serving_rate, self.serving_requests, self.serving_hold,
+                           self.serving_interval)
 
     @property
     def preset_for_task(self) -> str:

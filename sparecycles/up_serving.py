@@ -3,8 +3,9 @@
 `serving_beside(demo, out, log)` starts the engine (probe_worker.engine.VllmProcess: `tools/vllm.sh start` on
 SmolLM2-135M, the folder trainer.models.pretrained.smollm2_dir() writes, with --enable-server-load-tracking so its
 /load counts a request when it arrives), waits for /health and yields a `ServingRun`, whose `worker_args` every
-worker `up` starts gets (`--serving-metrics <engine>/load --serving-hold S`). Once every worker reads the engine
-idle, `up` starts the request load on a thread (`start_load`; benchmarks.serving_load: Poisson arrivals, prompts and
+worker `up` starts gets (`--serving-metrics <engine>/load --serving-hold S --serving-interval I`). When the
+fleet-probed run starts (after the AdamW baseline, whose steps send the workers no probe task), once every worker reads
+the engine idle, `up` starts the request load on a thread (`start_load`; benchmarks.serving_load: Poisson arrivals, prompts and
 output lengths from a real text); it reads the workers' serving figures from their last heartbeats (`read_workers`)
 before it stops them. On leaving, at the runs' end, it stops sending and waits up to LOAD_DRAIN_S for the requests
 in flight (after Ctrl-C or an error, not at all), stops the engine and writes `serving.json` into the run folder
@@ -73,7 +74,8 @@ class ServingRun:
     @property
     def worker_args(self) -> tuple[str, ...]:
         """The `sparecycles worker` options that make a worker yield to this engine."""
-        return ("--serving-metrics", self.engine.load_url, "--serving-hold", f"{self.demo.hold_s:g}")
+        return ("--serving-metrics", self.engine.load_url, "--serving-hold", f"{self.demo.hold_s:g}",
+                "--serving-interval", f"{self.demo.interval_s:g}")
 
     def start_load(self, base: str, admin_token: str, workers: int) -> None:
         """Start sending the requests (on a thread) once `workers` workers of the coordinator at `base` take tasks

@@ -18,7 +18,7 @@ from probe_worker.engine import vllm_installed
 pytestmark = pytest.mark.slow  # a vLLM process and a whole `up` (~2 min)
 
 ROOT = Path(__file__).resolve().parents[1]
-REQUESTS = 8  # at 0.25/s (seed 0) once the worker takes tasks: sent within ~30 s, well before the runs end
+REQUESTS = 8  # at 0.5/s (seed 0) from the fleet-probed run's start: sent within ~16 s, before it ends
 
 
 def test_up_serving_vllm_runs_beside_a_real_vllm_and_its_worker_yields(tmp_path):
@@ -26,7 +26,7 @@ def test_up_serving_vllm_runs_beside_a_real_vllm_and_its_worker_yields(tmp_path)
         pytest.fail("no vLLM venv: run `bash tools/vllm.sh install` first")
     out = tmp_path / "run"
     run = subprocess.run([sys.executable, "-m", "sparecycles.cli", "up", "--serving", "vllm", "--serving-requests",
-                          str(REQUESTS), "--serving-rate", "0.25", "--serving-hold", "0.5", "--steps", "12",
+                          str(REQUESTS), "--serving-rate", "0.5", "--serving-hold", "0.5", "--steps", "12",
                           "--curvature-interval", "5", "--workers", "1", "--run-dir", str(out), "--no-progress"],
                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
                          timeout=1200)
