@@ -356,7 +356,8 @@ def run_serving_bench(redis_url: str, cfg: ServingBench, progress=print) -> dict
         workers, trainer = _fleet_and_trainer(fleet, engine, cfg, tmp)
         _warm(workers, trainer)
         result = _result(cfg, _blocks(engine, model, fleet, workers, trainer, cfg, text, progress))
-        result["heartbeat_serving"] = fleet.info("bench-1")["serving"]
+        # the yielding worker's own figures; None if it no longer heartbeats (its lease expired): the arms still count
+        result["heartbeat_serving"] = (fleet.info(workers["yield"].name) or {}).get("serving")
     finally:
         if trainer is not None and trainer.poll() is None:  # a bench's trainer: nothing of it is kept
             os.killpg(trainer.pid, signal.SIGKILL)
