@@ -20,36 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from trainer.cli_settings import explain as explain  # re-exported: the CLIs import it from here
 from trainer.config import TrainConfig, recorded_run
 from trainer.methods import fleet_method_names, get_method, method_names
-
-
-def explain(exc: Exception, model: type | None = None) -> str:
-    """A pydantic ValidationError as "--option: reason; ..." (CLI spelling, without pydantic's "Value error, "
-    prefix, an item's index left out); other errors as str(exc). `model`: the options model the errors come from,
-    whose fields are named as their generated options (trainer.cli_settings: `teacher_queues` is --teacher-queue)."""
-    errors = getattr(exc, "errors", None)
-    if not callable(errors):
-        return str(exc)
-    names = _option_names(model)
-
-    def where(loc: tuple) -> str:
-        path = tuple(str(p) for p in loc if not isinstance(p, int))  # ("workers", 1): the option, not its item
-        return names.get(path) or "--" + "-".join(path).replace("_", "-")
-
-    def msg(e: dict) -> str:  # a validator's ValueError comes as "Value error, <its message>": the message alone
-        return str(e["msg"]).removeprefix("Value error, ")
-
-    return "; ".join(f"{where(e['loc'])}: {msg(e)}" if e["loc"] else msg(e) for e in errors(include_url=False))
-
-
-def _option_names(model: type | None) -> dict[tuple[str, ...], str]:
-    """{field path: its option} of `model`'s generated options ({} without a model)."""
-    if model is None:
-        return {}
-    from trainer.cli_settings import table
-
-    return {s.path: s.option for s in table(model).values() if not s.flag}
 
 
 def check_environment(environ: dict[str, str] | None = None) -> None:
