@@ -1,7 +1,7 @@
 """`sparecycles bench serving`: what serving loses with a fleet worker beside it, and what engine-aware yielding gets back.
 
-Everything real: vLLM (tools/vllm.sh, SmolLM2-135M, float32) on CPU 0; two worker processes (three with arm (d)) beside it; a
-coordinator and a pure-ZO trainer (`sparecycles train --coordinator`, 1SPSA with K probes per step, 64 by default so a
+Everything real: vLLM (tools/vllm.sh, SmolLM2-135M, float32) on CPU 0; two worker processes (three with arm (d))
+beside it; a coordinator and a pure-ZO trainer (`sparecycles train --coordinator`, 1SPSA with K probes per step, 64 by default so a
 step leaves a backlog of tasks, on gpt2-tiny, batch 4x64) keeping them busy, and the open-loop load client
 (benchmarks.serving_load) on CPU 1 (as on a GPU host the trainer runs on another device). One
 worker has no serving policy (it never yields), the other yields (`--serving-metrics` with the chosen hold); both
@@ -222,7 +222,8 @@ def _wait_drained(fleet: _Fleet, names: list[str], interval_s: float, timeout_s:
     on a GPU as long as a version's load. After `timeout_s` go on (the arm's drained_workers_task_s shows it)."""
     deadline, calm = time.monotonic() + timeout_s, 0
     while calm < 2 and time.monotonic() < deadline:
-        busy = [n for n in names if (fleet.info(n) or {}).get("busy")]
+        listed = fleet.admin.get("/v1/workers").json()  # one read for all of them
+        busy = [w["name"] for w in listed if w["name"] in names and w.get("busy")]
         calm = 0 if busy else calm + 1
         time.sleep(interval_s)
 
@@ -293,8 +294,8 @@ def _p95_ratio(pair: tuple[list[float], list[float]]) -> float:
 
 def paired_ratios(raw: dict, seed: int, resamples: int = 2000) -> dict:
     """Per arm other than (a), over the requests that every arm was sent alike (`_blocks`) and both answered: the p95
-    ratio to arm (a) with a 90% interval from resampling whole blocks with replacement (a block bootstrap: Efron & Tibshirani, An
-    Introduction to the Bootstrap, 1993, ch. 8.5; seeded), and the median of the per-request ratios. `raw`: the
+    ratio to arm (a) with a 90% interval from resampling whole blocks with replacement (a block bootstrap: Efron &
+    Tibshirani, An Introduction to the Bootstrap, 1993, ch. 8.5; seeded), and the median of the per-request ratios. `raw`: the
     result's {arm: [{"requests": [{"ttft_s", "e2e_s"}, ...]}, ...]}, blocks aligned by index. Unitless."""
     import random
 
