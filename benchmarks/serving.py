@@ -11,9 +11,10 @@ block: a, b, c, then b, c, a, ...), paired (within a block every arm is sent the
 - (a) engine alone: both workers drained (SIGUSR1; a drained worker only heartbeats) and moved to CPU 1 (on a GPU
   host a drained worker holds no device time; here its heartbeats would share the engine's core);
 - (b) busy worker, no yielding: the first resumed (SIGUSR2) on CPU 0, the others drained on CPU 1;
-- (c) engine-aware yielding: the second resumed on CPU 0, the others drained on CPU 1;
+- (c) engine-aware yielding: the second resumed on CPU 0, the others drained on CPU 1; with the worker's defaults
+  beside an engine, its tasks run at nice 19 and so does its session's autogroup (probe_worker.priority);
 - (d) with --nice N and/or --sched-idle: the third, which yields as the second does and runs its tasks at CPU nice N
-  and/or under SCHED_IDLE.
+  (0: unchanged, the ablation of (c)'s priority) and/or under SCHED_IDLE.
 
 Per arm: TTFT and end-to-end p50/p95/p99, throughput (output tokens/s), and on the fleet side the probe forward passes
 done (worker metrics), the share of the engine's idle seconds (arm time outside every request's [sent, end]) the
@@ -167,7 +168,7 @@ def _workers(fleet: _Fleet, engine, cfg: ServingBench, tmp: Path, roles: tuple[s
     url = engine.url + ("/load" if cfg.signal == "load" else "/metrics")
     yielding = ("--serving-metrics", url, "--serving-hold", str(cfg.hold),
                 *(("--serving-interval", str(cfg.serving_interval)) if cfg.serving_interval else ()))
-    lower = (*(("--nice", str(cfg.nice)) if cfg.nice else ()), *(("--sched-idle",) if cfg.sched_idle else ()))
+    lower = (*(("--nice", str(cfg.nice)) if cfg.nice is not None else ()), *(("--sched-idle",) if cfg.sched_idle else ()))
     extra = {"noyield": (), "yield": yielding, "nice": (*yielding, *lower)}
     out = {}
     for role in roles:
@@ -385,7 +386,7 @@ def plot(result: dict, path: Path) -> None:
     arms = [a for a in ARMS if a in result["raw"]]
     fig, axes = plt.subplots(len(arms), 1, figsize=(11, 2.6 * len(arms)), sharey=True, squeeze=False)
     titles = {"a": "(a) engine alone", "b": "(b) busy worker, no yielding", "c": "(c) engine-aware yielding",
-              "d": "(d) engine-aware yielding, worker at a lower CPU priority (nice / SCHED_IDLE)"}
+              "d": "(d) engine-aware yielding, worker priority as --nice / --sched-idle say"}
     for ax, arm in zip(axes[:, 0], arms):
         offset = 0.0
         for i, blk in enumerate(result["raw"][arm]):

@@ -28,8 +28,9 @@ class ServingBench(BaseModel):
     signal: Literal["load", "metrics"] = Field("load", description="what the yielding workers read: load (vLLM's "
                                                "/load, a request counted on arrival) or metrics (its /metrics "
                                                "gauges, which count it after its prefill)")
-    nice: int | None = Field(None, ge=1, le=19, description="also run arm (d): arm (c) with the worker's tasks at "
-                             "this CPU nice")
+    nice: int | None = Field(None, ge=0, le=19, description="also run arm (d): arm (c) with the worker's tasks at "
+                             "this CPU nice (0: unchanged, the ablation; arm (c)'s worker, beside an engine, runs them "
+                             "at 19 by default)")
     sched_idle: bool = Field(False, description="also run arm (d) (or, with --nice, make it): its worker's tasks "
                              "under Linux's SCHED_IDLE policy (worker --sched-idle)")
     seed: int = Field(0, description="seed of the arrivals and of the text passages")
@@ -78,7 +79,7 @@ class ServingBench(BaseModel):
     @property
     def arms(self) -> tuple[str, ...]:
         """The arms run: a, b, c, and d with `nice` or `sched_idle`."""
-        return ARMS if self.nice or self.sched_idle else ARMS[:3]
+        return ARMS if self.nice is not None or self.sched_idle else ARMS[:3]
 
     @property
     def pinned(self) -> bool:

@@ -118,13 +118,13 @@ class WorkerOptions(BaseModel):
                                          "registers none (`train` prints it)")
     teacher_pause: float = _F(0.0, ge=0.0, allow_inf_nan=False, description="hold each teacher round this long "
                               "before answering it (seconds; for redelivery tests: a worker killed while it holds one)")
-    nice: int | None = _F(None, ge=1, le=19, description="run tasks at this lower CPU priority (Linux nice; the "
-                          "serving watch keeps its own): beside a CPU serving engine the kernel then gives the engine "
-                          "the core while the worker has not yet yielded. CPU only: GPU work of two processes has no "
-                          "such priority")
+    nice: int | None = _F(None, ge=0, le=19, description="run tasks at this lower CPU priority (Linux nice; 0: "
+                          "unchanged; default: 19 beside a serving engine, with --serving-metrics, else 0). The "
+                          "process's autogroup gets it too, so it holds against an engine of another session "
+                          "(docs/serving.md); the engine's watch and the heartbeats keep the normal priority")
     sched_idle: bool = _F(False, description="run tasks under Linux's SCHED_IDLE policy (alone or with --nice): a "
-                          "task of normal priority that wakes, the CPU engine's, preempts them at once, where nice 19 "
-                          "still lets them finish a time slice. CPU only, as --nice")
+                          "task of normal priority that wakes preempts them at once, where nice 19 still lets them "
+                          "finish a time slice")
     loglevel: LogLevel = _F("INFO", description="log level (DEBUG, INFO, WARNING)")
     serving: ServingPolicy | None = _F(None, json_schema_extra={"switch": False, "options": SERVING_OPTIONS},
                                        description="yielding to a serving engine beside this worker")
@@ -147,6 +147,15 @@ class WorkerOptions(BaseModel):
             raise ValueError(f"{' and '.join(cuda_only)} {'need' if len(cuda_only) > 1 else 'needs'} --device cuda:N "
                              f"(got {self.device})")
         return self
+
+    @property
+    def task_nice(self) -> int:
+        """The nice the tasks run at: --nice, else 19 beside a serving engine (--serving-metrics), else 0 (unchanged).
+        A worker that yields to an engine gives it the core while it yields too: without the lower priority a request
+        that arrives during a task shares the core half and half until the task is cut (docs/serving.md)."""
+        if self.nice is not None:
+            return self.nice
+        return 19 if self.serving is not None else 0
 
     @model_validator(mode="after")
     def _teacher_rules(self) -> WorkerOptions:

@@ -40,6 +40,7 @@ from probe_worker.broker import use_guarded_transport
 from probe_worker.cache import WeightCache
 from probe_worker.metrics import default_metrics, serve_metrics
 from probe_worker.options import WorkerOptions
+from probe_worker.priority import lower_session_priority, lower_thread_priority
 from probe_worker.runtime import ProbeRuntime
 from probe_worker.serving import Preempted, ServingWatch
 from probe_worker.task_trace import TraceFile
@@ -90,16 +91,6 @@ def attention_dtype(option: str, device: str) -> torch.dtype | None:
         option = "bf16" if torch.device(device).type == "cuda" else "fp32"
     return torch.bfloat16 if option == "bf16" else None
 
-
-def lower_thread_priority(nice: int | None, sched_idle: bool) -> None:
-    """Lower the calling thread's CPU priority (Linux: both are a thread's own, and the threads it starts afterwards
-    inherit them): `nice` (1-19, None: unchanged) and, with `sched_idle`, the SCHED_IDLE policy, under which any
-    normal task that wakes (a CPU serving engine's) preempts this one at once (sched(7)). Raises OSError where the
-    platform refuses."""
-    if nice:
-        os.setpriority(os.PRIO_PROCESS, 0, nice)
-    if sched_idle:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
 
 class ProbeWorker:
     """One registered worker. `run()` blocks until Celery shuts down (SIGTERM/SIGINT), then deregisters.
@@ -385,16 +376,31 @@ class ProbeWorker:
 
     # ---- process -----------------------------------------------------------------------------------
 
+    def _lower_priority(self) -> None:
+        """The task thread's nice and policy (it and the threads it starts later), and the process's autogroup."""
+        nice, idle = self.opts.task_nice, self.opts.sched_idle
+        if not (nice or idle):
+            return
+        lower_thread_priority(nice, idle)
+        why_not = lower_session_priority(nice or 19)
+        if why_not:
+            log.warning("CPU priority: tasks at nice %d%s, but %s", nice, " under SCHED_IDLE" if idle else "", why_not)
+        else:
+            log.info("CPU priority: tasks at nice %d%s, this session's autogroup at nice %d", nice,
+                     " under SCHED_IDLE" if idle else "", nice or 19)
+
     def _on_ready(self, sender=None, **_: object) -> None:
         # Installed after Celery's own handlers, so these win; handlers only flip flags (signal-safe).
         signal.signal(signal.SIGUSR1, lambda *_: self.drain.set_local(True))
         signal.signal(signal.SIGUSR2, lambda *_: self.drain.set_local(False))
         if not self._control.is_alive():
-            if self.serving is not None:  # before the nice below: the engine's watch keeps the normal priority
+            # Before the priority drops below: the engine's watch and the heartbeats keep the normal priority, so a
+            # starved task thread (SCHED_IDLE on a busy core) never lets the worker's lease lapse.
+            if self.serving is not None:
                 threading.Thread(target=self.serving.run, args=(self._stop, self.opts.control_interval),
                                  name="sparecycles-serving", daemon=True).start()
-            lower_thread_priority(self.opts.nice, self.opts.sched_idle)  # the tasks' thread and those it starts
             self._control.start()
+            self._lower_priority()
             if self.opts.prefetch_interval > 0:
                 threading.Thread(target=self._prefetch_loop, name=PREFETCH_THREAD, daemon=True).start()
         log.info("worker %s ready on %s, queues %s", self.worker_id, self.opts.device, sorted(self.consumed))

@@ -73,27 +73,3 @@ def test_the_command_is_generated_from_the_model_with_every_flag_kept():
     assert opts.teacher_queues == ("a", "b") and opts.cache_dir == Path("/tmp/c") and opts.cuda_graphs
     assert opts.serving is not None and (opts.serving.gauges, opts.serving.hold_s) == (("g1",), 1.5)
     assert str(opts.serving.metrics_url) == "http://e:2/metrics"
-
-
-def test_lower_thread_priority_lowers_the_calling_thread_only():
-    import os
-    import threading
-
-    from probe_worker.worker import lower_thread_priority
-
-    seen = {}
-
-    def task_thread():
-        lower_thread_priority(19, True)
-        child = threading.Thread(target=lambda: seen.update(child=(os.getpriority(os.PRIO_PROCESS, 0),
-                                                                   os.sched_getscheduler(0))))
-        child.start()
-        child.join()
-        seen["task"] = (os.getpriority(os.PRIO_PROCESS, 0), os.sched_getscheduler(0))
-
-    before = (os.getpriority(os.PRIO_PROCESS, 0), os.sched_getscheduler(0))
-    t = threading.Thread(target=task_thread)
-    t.start()
-    t.join()
-    assert seen["task"] == (19, os.SCHED_IDLE) and seen["child"] == (19, os.SCHED_IDLE)  # inherited
-    assert (os.getpriority(os.PRIO_PROCESS, 0), os.sched_getscheduler(0)) == before  # this thread untouched
