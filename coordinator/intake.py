@@ -13,7 +13,9 @@ seed goes to a third worker (replica 2); the replica that disagrees with the oth
 out, its worker is quarantined, and the majority value is streamed. Three-way disagreement streams a
 `dropped` event (nobody is provably wrong). Quarantine retracts the worker's unverified accepted results
 in open rounds (a `retracted` event) and re-dispatches those seeds; its later results are rejected and
-their seeds re-dispatched too (bounded by `max_redispatch` per seed and replica).
+their seeds re-dispatched too (bounded by `max_redispatch` per seed and replica). A spot check whose bound is
+spent (no distinct worker took a replica) streams its values unverified if those not from quarantined workers
+agree, else drops the seed: a quarantined liar's held value never costs the seed its honest one.
 """
 
 from __future__ import annotations
@@ -297,13 +299,14 @@ class Intake:
             self._send(rnd, seeds, replica, reason)
 
     def _give_up(self, rnd: ProbeRound, seed: int) -> None:
-        # No distinct worker could be found for a replica. One value alone is streamed unverified (no
-        # evidence against it); values that already disagree are dropped: either may be the liar's.
+        # No distinct worker could be found for a replica. Values of quarantined workers are set aside (their
+        # worker was outvoted, e.g. on another seed): the seed's honest value must not be lost with them. One
+        # value left (or values that agree) is streamed unverified (no evidence against it); values that
+        # still disagree are dropped: either may be the liar's.
         s = self.store
         if not s.r.hsetnx(s.keys.k_round(rnd.run, rnd.round_id, "dec"), str(seed), "skipped"):
             return
-        stored = s.r.hmget(s.keys.k_round(rnd.run, rnd.round_id, "spot"), [f"{seed}:{r}" for r in range(3)])
-        values = [ProbeResult.model_validate_json(v) for v in stored if v is not None]
+        values = self._unquarantined_values(rnd, seed)
         spec = s.runs.run_spec(rnd.run)
         agree = all(values_agree(values[0], v, spec.spot_rtol, spec.spot_atol) for v in values[1:])
         if values and agree:
@@ -313,6 +316,17 @@ class Intake:
         self.metrics.spot_checks.labels("unresolved").inc()
         event = StreamEvent(kind="dropped", run=rnd.run, round_id=rnd.round_id, seed=seed)
         s.r.xadd(self.stream_key(rnd.run), {"e": event.model_dump_json()})
+
+    def _unquarantined_values(self, rnd: ProbeRound, seed: int) -> list[ProbeResult]:
+        """The held replicas of a spot-checked `seed` (replica order) whose worker is not quarantined (a
+        deleted worker's record is gone: its value is kept, there is no evidence against it)."""
+        s = self.store
+        stored = s.r.hmget(s.keys.k_round(rnd.run, rnd.round_id, "spot"), [f"{seed}:{r}" for r in range(3)])
+        values = [ProbeResult.model_validate_json(v) for v in stored if v is not None]
+        pipe = s.r.pipeline(transaction=False)
+        for v in values:
+            pipe.hget(s.keys.k_worker(v.worker_id), "state")
+        return [v for v, state in zip(values, pipe.execute(), strict=True) if state != "quarantined"]
 
     def _drop(self, rnd: ProbeRound, seed: int) -> None:
         # Every evaluation of the seed was non-finite: the round is told (a `dropped` event, once) rather

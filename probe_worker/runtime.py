@@ -43,6 +43,8 @@ from wire.messages import Attestation
 from wire.round_messages import IntakeReply, ProbeResult, ProbeTask, ResultBatch, non_finite_result
 
 log = logging.getLogger("sparecycles.worker")
+# Intake outcomes that keep a posted value as this worker's (what intake's `same_worker` rule checks).
+KEPT_AS_MINE = frozenset({"held", "accepted"})
 
 
 def canary_digest(seed: int, numel: int, distribution: str) -> str:
@@ -401,7 +403,9 @@ class ProbeRuntime:
 
     def should_hand_back(self, task: ProbeTask, max_hand_backs: int = 10) -> bool:
         """True if this spot-check task should go to another worker: every seed of it was already
-        evaluated here as another replica (intake would refuse it as `same_worker`).
+        evaluated here as another replica and kept by intake (`KEPT_AS_MINE`: intake would refuse it as
+        `same_worker`). A replica this worker posted as a `duplicate` does not count: handing back for it only
+        left the task to the worker intake does refuse, whose refusals spend the seed's re-dispatch bound.
 
         Bounded: after `max_hand_backs` hand-backs of the same task the worker evaluates it anyway (a
         one-worker fleet must not spin), leaving the decision to the coordinator's redispatch rule.
@@ -422,8 +426,9 @@ class ProbeRuntime:
         """Evaluate and post a task's results; returns the coordinator's per-result outcomes."""
         results = self.evaluate(task)
         reply = self.client.post_results(task.run, ResultBatch(results=results))
-        for seed in task.seeds:
-            self._posted.setdefault((task.run, task.round_id, seed), set()).add(task.replica)
+        for res, outcome in zip(results, reply.outcomes, strict=False):
+            if outcome in KEPT_AS_MINE:  # a duplicate is another worker's value: intake never refuses us for it
+                self._posted.setdefault((task.run, task.round_id, res.seed), set()).add(task.replica)
         while len(self._posted) > 100_000:
             self._posted.popitem(last=False)
         for outcome in reply.outcomes:
