@@ -1,6 +1,7 @@
 """`sparecycles bench ...`: every benchmark's command (typer + stdlib at import; the work is imported inside).
 
-kernels: probe kernels on a GPU (probe_kernels.bench, beside the kernels it measures); intake: result intake through
+kernels, probe: probe kernels and a probe worker's speed on a GPU (probe_kernels.bench, .bench_probe, beside the
+kernels they measure); intake: result intake through
 Redis (benchmarks.intake); fleet: probe throughput of real CPU workers (benchmarks.fleet); zo: the ZO
 side-by-side benchmarks (benchmarks.zo); headline: the H200 headline report and memory scan (benchmarks.headline).
 """
@@ -17,19 +18,59 @@ import typer
 from benchmarks.options import (
     DataPackOptions,
     FleetBenchOptions,
+    HeadlineReportOptions,
     IntakeBenchOptions,
+    KernelsBenchOptions,
     MemoryScanOptions,
     PrecisionOptions,
+    ProbeBenchOptions,
     ZoBenchOptions,
     parse,
 )
-from benchmarks.serving_options import ServingBench
-from probe_kernels import cli as kernels_cli
+from benchmarks.serving_options import ServingBench, ServingLoad
 from trainer.cli_settings import SettingsCommand, with_settings
 
 SECTION = "Options"  # the generated options list with --help's own
 
 bench_app = typer.Typer(help="Benchmarks (kernels, probe, intake, fleet, zo, headline).", no_args_is_help=True)
+
+
+@with_settings(model=KernelsBenchOptions, param="given", section=SECTION)
+def bench_kernels(given: dict) -> None:
+    """Effective bandwidth of the fused perturb/replay kernels vs a device copy and naive PyTorch, and the
+    per-probe perturbation overhead vs one bf16 forward of gpt2-small. Needs a CUDA GPU."""
+    from probe_kernels.bench import render, run_bench
+
+    o = parse(KernelsBenchOptions, given)
+    try:
+        res = run_bench(list(o.preset), o.dist, o.k, o.batch, o.seq_len, o.forward)
+    except (ValueError, RuntimeError) as e:
+        raise typer.BadParameter(str(e)) from e
+    render(res)
+    if o.json_out is not None:
+        o.json_out.parent.mkdir(parents=True, exist_ok=True)
+        o.json_out.write_text(json.dumps(res, indent=2))
+        typer.echo(f"wrote {o.json_out}")
+
+
+@with_settings(model=ProbeBenchOptions, param="given", section=SECTION)
+def bench_probe(given: dict) -> None:
+    """A probe worker's speed on one GPU: the compiled whole-model probe path against the per-unit eager
+    reference (probes/s, forward MFU against a measured bf16 matmul, end-to-end probe overhead against a
+    clean forward of the same compiled model, parity on seeds, determinism). Needs a CUDA GPU."""
+    from probe_kernels.bench_probe import render, run_probe_bench
+
+    o = parse(ProbeBenchOptions, given)
+    if o.json_out is not None:
+        o.json_out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        res = run_probe_bench(list(o.preset), o.batch, o.seq_len, o.parity_seeds, o.cuda_graphs, o.cross_process,
+                              o.json_out)
+    except (ValueError, RuntimeError) as e:
+        raise typer.BadParameter(str(e)) from e
+    render(res)
+    if o.json_out is not None:
+        typer.echo(f"wrote {o.json_out}")
 
 
 @with_settings(model=IntakeBenchOptions, param="given", section=SECTION)
@@ -220,15 +261,16 @@ headline_app = typer.Typer(help="Headline benchmarks: pretraining report, memory
                                 "runs the whole set on a GPU machine).", no_args_is_help=True)
 
 
-@headline_app.command("report")
+@headline_app.command("report", cls=SettingsCommand)
+@with_settings(model=HeadlineReportOptions, param="given", section=SECTION)
 def report(
     runs: Annotated[list[Path], typer.Argument(help="finished `sparecycles train` run folders (one AdamW at least)")],
-    out: Annotated[Path, typer.Option(help="folder for pretrain_summary.json and pretrain_val_loss.png")] = Path(
-        "runs/headline"),
+    given: dict,
 ) -> None:
     """Validation loss at equal steps, and steps / wall time to reach each AdamW reference's final loss."""
     from benchmarks.headline import pretrain_report
 
+    out = parse(HeadlineReportOptions, given).out
     missing = [str(r) for r in runs if not (r / "metrics.jsonl").is_file()]
     if missing:
         raise typer.BadParameter(f"not run folders (no metrics.jsonl): {', '.join(missing)}")
@@ -306,11 +348,7 @@ def bench_precision(given: dict) -> None:
 
 
 @with_settings(model=ServingBench, param="given", section="The measurement (benchmarks.serving_options.ServingBench)")
-def bench_serving(
-    given: dict,
-    redis_url: Annotated[str, typer.Option(envvar="REDIS_URL", help="Redis (keys are namespaced)")]
-    = "redis://127.0.0.1:6379/0",
-) -> None:
+def bench_serving(given: dict) -> None:
     """Serving latency beside a fleet worker: (a) engine alone, (b) busy worker, (c) engine-aware yielding[, (d) (c)
     at a lower CPU priority]."""
     from benchmarks.serving import run_serving_bench
@@ -318,7 +356,8 @@ def bench_serving(
     cfg = parse(ServingBench, given)
     if cfg.pinned and len(os.sched_getaffinity(0)) < 2:
         raise typer.BadParameter("needs 2 CPUs (the engine and worker on one, trainer and load on the other)")
-    res = run_serving_bench(redis_url, cfg, progress=lambda m: typer.echo(m, err=True))
+    _redis_answers(cfg.redis_url)
+    res = run_serving_bench(cfg, progress=lambda m: typer.echo(m, err=True))
     nan = float("nan")
     for arm, f in res["arms"].items():
         typer.echo(f"({arm}) TTFT p50/p95/p99 {f['ttft_s']['p50']:.3f}/{f['ttft_s']['p95']:.3f}/"
@@ -335,12 +374,10 @@ def bench_serving(
     typer.echo(f"wrote {cfg.out / 'serving.json'} and {cfg.out / 'serving.png'}")
 
 
+@with_settings(model=ServingLoad, param="given", section=SECTION)
 def bench_serving_load(
     url: Annotated[str, typer.Argument(help="The engine's base URL (OpenAI-compatible), e.g. http://127.0.0.1:8100")],
-    requests: Annotated[int, typer.Option(min=1, help="Requests to send")] = 40,
-    rate: Annotated[float, typer.Option(min=0.01, max=100.0, help="Poisson arrivals per second")] = 0.1,
-    seed: Annotated[int, typer.Option(help="Seed of the arrivals and of the text passages")] = 0,
-    json_path: Annotated[Path | None, typer.Option("--json-out", help="Write every request's timings here")] = None,
+    given: dict,
 ) -> None:
     """The open-loop request load alone (Poisson arrivals, lengths from a real text) against a running engine (what
     `up --serving vllm` sends, sparecycles.up_serving). Prints TTFT and end-to-end p50/p95/p99."""
@@ -348,21 +385,22 @@ def bench_serving_load(
 
     from benchmarks.serving_load import CONTEXT, make_requests, outcome_dict, percentiles, run_load, verses
 
+    o = parse(ServingLoad, given)
     model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
-    outs = run_load(url, model, make_requests(requests, rate, seed, verses(requests * CONTEXT + 1)))
+    outs = run_load(url, model, make_requests(o.requests, o.rate, o.seed, verses(o.requests * CONTEXT + 1)))
     ok = [o for o in outs if not o.error and o.end is not None]
     ttft = percentiles([o.ttft_s for o in ok if o.ttft_s is not None])
     e2e = percentiles([o.e2e_s for o in ok])
-    if json_path is not None:
-        json_path.write_text(json.dumps({"ttft_s": ttft, "e2e_s": e2e, "requests": [outcome_dict(o) for o in outs]},
+    if o.json_out is not None:
+        o.json_out.write_text(json.dumps({"ttft_s": ttft, "e2e_s": e2e, "requests": [outcome_dict(o) for o in outs]},
                                         indent=1))
     typer.echo(f"{len(ok)}/{len(outs)} answered; TTFT p50/p95/p99 {ttft}; end to end {e2e}")
 
 
 # short_help: the one-line summaries `sparecycles bench --help` lists, whole at 80 columns.
-bench_app.command("kernels", short_help="Fused perturb/replay kernels vs copy bandwidth.")(
-    kernels_cli.bench_kernels)
-bench_app.command("probe", short_help="One probe worker's speed on one GPU.")(kernels_cli.bench_probe)
+bench_app.command("kernels", cls=SettingsCommand, short_help="Fused perturb/replay kernels vs copy bandwidth.")(
+    bench_kernels)
+bench_app.command("probe", cls=SettingsCommand, short_help="One probe worker's speed on one GPU.")(bench_probe)
 bench_app.command("intake", cls=SettingsCommand, short_help="Coordinator intake: results/s and latency.")(bench_intake)
 bench_app.command("fleet", cls=SettingsCommand, short_help="Fleet probes/s with 1, 2, 4 workers; publish time.")(bench_fleet)
 bench_app.command("data-pack", cls=SettingsCommand, short_help="Tokens/s and the time to pack a 100 MB --data folder.")(
@@ -371,7 +409,7 @@ bench_app.command("precision", cls=SettingsCommand, short_help="bf16 vs TF32 sig
 bench_app.command("zo", cls=SettingsCommand, short_help="ZO-Curv and pure-ZO benchmarks on real data.")(bench_zo)
 bench_app.command("serving", cls=SettingsCommand, short_help="Serving latency beside a worker, with and without yielding.")(
     bench_serving)
-bench_app.command("serving-load", short_help="Open-loop requests against a running engine.")(bench_serving_load)
+bench_app.command("serving-load", cls=SettingsCommand, short_help="Open-loop requests against a running engine.")(bench_serving_load)
 bench_app.command("regime", short_help="Block-type lrs vs AdamW at large batch (issue 29).",
                   context_settings={"allow_extra_args": True, "ignore_unknown_options": True,
                                     "help_option_names": []})(bench_regime)

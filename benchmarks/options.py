@@ -47,7 +47,8 @@ ModelPreset = Annotated[str, AfterValidator(_model_preset)]  # a GPT-2 preset (t
 ReadyPreset = Annotated[str, AfterValidator(_ready_preset)]  # a GPT-2 preset, or "" for none
 
 
-def _redis() -> Any:
+def redis_field() -> Any:
+    """A `redis_url` field's declaration: --redis-url, else the REDIS_URL variable, else the local Redis."""
     return _F(REDIS_URL, description="Redis (keys are namespaced)", json_schema_extra={"envvar": "REDIS_URL"})
 
 
@@ -65,7 +66,7 @@ class IntakeBenchOptions(BaseModel):
     batch: int = _F(4, ge=1, le=1024, description="Results per request (a task's seeds)")
     mode: Literal["http", "store", "both"] = _F("both", description="http, store or both")
     rate: float = _F(0.0, ge=0.0, description="Open-loop offered load in results/s (http); 0 = closed loop")
-    redis_url: RedisUrl = _redis()
+    redis_url: RedisUrl = redis_field()
     coordinators: int = _F(1, ge=1, le=64, description="Coordinator processes in http mode (sparecycles "
                            "coordinator --workers)")
     print_json: bool = _F(False, description="Print one JSON object per mode", json_schema_extra={"name": "json"})
@@ -86,6 +87,48 @@ class DataPackOptions(BaseModel):
     workdir: Path | None = _F(None, description="Where the temporary folder and cache go (default: $TMPDIR)")
     out: Path = _F(Path("runs/bench-data-pack/data_pack.json"), description="Result JSON to write (under runs/, "
                    "which git ignores: benchmarks/results/ holds the committed figures)")
+
+
+def _presets() -> Any:
+    return _F(("gpt2-small", "gpt2-large"), min_length=1, description="comma-separated presets: gpt2-small, "
+              "gpt2-medium, gpt2-large")
+
+
+class KernelsBenchOptions(BaseModel):
+    """`bench kernels`: the fused perturb/replay kernels against a device copy (probe_kernels.bench.run_bench)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    preset: tuple[str, ...] = _presets()
+    dist: Literal["gauss8", "rademacher"] = _F("gauss8", description="probe distribution")
+    k: int = _F(40, ge=1, description="seeds per replay")
+    batch: int = _F(16, ge=1, description="forward batch size (gpt2-small overhead test)")
+    seq_len: int = _F(1024, ge=1, le=1024, description="forward sequence length")
+    forward: bool = _F(True, description="also measure per-probe overhead vs a gpt2-small forward")
+    json_out: Path | None = _F(None, description="write all measurements as JSON here")
+
+
+class ProbeBenchOptions(BaseModel):
+    """`bench probe`: one probe worker's speed on one GPU (probe_kernels.bench_probe.run_probe_bench)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    preset: tuple[str, ...] = _presets()
+    batch: int = _F(16, ge=1, description="probe batch size")
+    seq_len: int = _F(1024, ge=1, le=1024, description="probe sequence length")
+    parity_seeds: int = _F(100, ge=1, description="seeds compared with the reference path (the first preset; a "
+                           "tenth of them for the others)")
+    cuda_graphs: bool = _F(False, description="compile in mode reduce-overhead (CUDA graphs)")
+    cross_process: bool = _F(True, description="recompute the first preset's bits in a second process")
+    json_out: Path | None = _F(None, description="write all measurements as JSON here (after each preset)")
+
+
+class HeadlineReportOptions(BaseModel):
+    """`bench headline report`: the pretraining report of finished runs (benchmarks.headline.pretrain_report)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    out: Path = _F(Path("runs/headline"), description="folder for pretrain_summary.json and pretrain_val_loss.png")
 
 
 class MemoryScanOptions(BaseModel):
@@ -115,7 +158,7 @@ class FleetBenchOptions(BaseModel):
     threads: int = _F(1, ge=1, description="torch threads per worker process")
     ready_preset: ReadyPreset = _F("gpt2-small", description="Preset whose publish -> ready latency is measured "
                                    "('' to skip)")
-    redis_url: RedisUrl = _redis()
+    redis_url: RedisUrl = redis_field()
     print_json: bool = _json()
     device: str = _F("cpu", description="Workers' devices, round-robin: cpu, cuda:0 or cuda:1,cuda:2")
     trainer_device: str = _F("cpu", description="Where the published model lives (cpu or cuda:N): on a GPU, "

@@ -267,7 +267,8 @@ def _blocks(engine, model: str, fleet: _Fleet, workers: dict, trainer, cfg: Serv
 def _result(cfg: ServingBench, got: dict) -> dict:
     """The result dict: settings, per-arm figures (arm_figures + forwards + load averages), raw requests/spans/events,
     and each arm's p95 ratios to arm (a)."""
-    result: dict = {"settings": {**cfg.model_dump(mode="json"), "engine_cpu": ENGINE_CPU, "fleet_cpu": FLEET_CPU},
+    result: dict = {"settings": {**cfg.model_dump(mode="json", exclude={"redis_url"}),  # no password in a result
+                                  "engine_cpu": ENGINE_CPU, "fleet_cpu": FLEET_CPU},
                     "arms": {}, "raw": {}}
     for arm, g in got.items():
         result["arms"][arm] = {**arm_figures(g["blocks"]), "probe_forwards_done": g["forwards"],
@@ -335,7 +336,7 @@ def _engine(cfg: ServingBench, tmp: Path):
                        extra_args=["--enable-server-load-tracking"])
 
 
-def run_serving_bench(redis_url: str, cfg: ServingBench, progress=print) -> dict:
+def run_serving_bench(cfg: ServingBench, progress=print) -> dict:
     """Start everything (module docstring), run cfg.blocks rounds of the arms, stop everything; returns the result
     dict (also written to cfg.out/serving.json with the raw requests, spans and gate events; the plot to
     serving.png). SIGTERM stops it cleanly (every process it started)."""
@@ -351,7 +352,7 @@ def run_serving_bench(redis_url: str, cfg: ServingBench, progress=print) -> dict
         engine.start()
         engine.wait_ready()
         model = httpx.get(engine.url + "/v1/models", timeout=30).json()["data"][0]["id"]
-        fleet = _Fleet(redis_url, tmp, threads=cfg.threads, devices=(cfg.device,))
+        fleet = _Fleet(cfg.redis_url, tmp, threads=cfg.threads, devices=(cfg.device,))
         if cfg.pinned:
             os.sched_setaffinity(fleet.coord.pid, {FLEET_CPU})
         progress(f"starting the workers and the trainer (1SPSA K={cfg.probes} on gpt2-tiny) on CPU {FLEET_CPU} ...")

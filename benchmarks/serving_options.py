@@ -1,6 +1,7 @@
-"""`bench serving`'s settings as one typed model (pydantic only, so `sparecycles bench --help` stays fast): each field
-is an option of the command (trainer.cli_settings.with_settings), with its bounds and default here only. A CUDA
-device is checked against this machine's when the model is built (torch imported only then: fleet.devices)."""
+"""`bench serving`'s and `bench serving-load`'s settings as typed models (pydantic only, so `sparecycles bench --help`
+stays fast): each field is an option of the command (trainer.cli_settings.with_settings), with its bounds and default
+here only. A CUDA device is checked against this machine's when the model is built (torch imported only then:
+fleet.devices)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from benchmarks.options import RedisUrl, redis_field
 from fleet.devices import device_here
 
 ARMS = ("a", "b", "c", "d")  # engine alone, busy worker, yielding worker, yielding worker at a lower CPU priority
@@ -55,6 +57,7 @@ class ServingBench(BaseModel):
                                                                      "its weights' dtype")
     out: Path = Field(Path("runs/bench-serving"), description="folder for serving.json and serving.png (under "
                       "runs/, which git ignores: benchmarks/results/ holds the committed figures)")
+    redis_url: RedisUrl = redis_field()  # the coordinator's Redis (--redis-url, else $REDIS_URL)
 
     @model_validator(mode="after")
     def _devices_here(self) -> ServingBench:
@@ -86,3 +89,14 @@ class ServingBench(BaseModel):
         """On the CPU the engine and workers share CPU 0 and the rest uses CPU 1 (taskset); on a GPU nothing is
         pinned (they share the GPU)."""
         return self.device == "cpu"
+
+
+class ServingLoad(BaseModel):
+    """`bench serving-load`'s settings: the open-loop request load alone (benchmarks.serving_load)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    requests: int = Field(40, ge=1, description="requests to send")
+    rate: float = Field(0.1, ge=0.01, le=100, description="Poisson arrivals per second")
+    seed: int = Field(0, description="seed of the arrivals and of the text passages")
+    json_out: Path | None = Field(None, description="write every request's timings here (JSON)")

@@ -1,7 +1,7 @@
 """Seeded probe kernels: z(seed, offset) from Philox4x32-10, fused Triton apply kernels, PyTorch references.
 
 See probe_kernels.reference for the exact element layout of z and the arithmetic every implementation follows.
-Names are imported lazily so that `probe_kernels.cli` (typer only) does not pull in torch.
+Names are imported lazily so that the CLI (`sparecycles bench kernels`: benchmarks.cli) does not pull in torch.
 """
 
 from __future__ import annotations

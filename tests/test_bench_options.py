@@ -59,6 +59,14 @@ def _flags(name: str) -> set[str]:
     ("intake", "--workers --results --batch --mode --rate --redis-url --coordinators --json"),
     ("data-pack", "--size-mb --model --workdir --out"),
     ("headline memory", "--device --shapes --seq-len --json-out"),
+    ("headline report", "--out"),
+    ("serving", "--requests --rate --hold --control-interval --serving-interval --signal --nice --sched-idle --seed "
+                "--blocks --probes --train-batch-size --train-seq-len --device --train-device --threads --engine "
+                "--standin-config --standin-tokenizer --standin-dtype --out --redis-url"),
+    ("serving-load", "--requests --rate --seed --json-out"),
+    ("kernels", "--preset --dist --k --batch --seq-len --forward --no-forward --json-out"),
+    ("probe", "--preset --batch --seq-len --parity-seeds --cuda-graphs --no-cuda-graphs --cross-process "
+              "--no-cross-process --json-out"),
 ])
 def test_generated_commands_keep_every_flag(name, flags):
     assert set(flags.split()) <= _flags(name)
@@ -70,3 +78,40 @@ def test_defaults_are_the_models(monkeypatch):
         "preset": "gpt2-small", "batch_size": 16, "seq_len": 512, "steps": 60, "seeds": 8, "batches": 2,
         "corpus": "classics-small", "device": "cuda:0", "json_out": None}
     assert FleetBenchOptions().redis_url == "redis://127.0.0.1:6379/0"
+
+
+def _own_options(cmd) -> list[str]:
+    """A command's options that no options model generated: those its callback declares itself (typer.Option)."""
+    generated = {n for _, names in getattr(cmd.callback, "sections", ()) for n in names}
+    return [p.name for p in cmd.params if p.param_type_name == "option" and p.name not in generated]
+
+
+def test_bench_commands_declare_no_option_of_their_own():
+    """House rule: a command's options come from its typed model (trainer.cli_settings), none hand-declared.
+    `regime` passes its own argv to benchmarks.regime (its run/report subcommands), not such a command yet."""
+    group = get_command(bench_app)
+    commands = {**group.commands, **{f"headline {n}": c for n, c in group.commands["headline"].commands.items()}}
+    left = {"regime", "headline"}  # headline: the group of report and memory
+    assert {n: _own_options(c) for n, c in commands.items() if n not in left} == {
+        n: [] for n in commands if n not in left}
+
+
+def test_bench_serving_redis_url_is_its_models_option_read_from_redis_url_too(monkeypatch):
+    """`bench serving --redis-url` is ServingBench.redis_url, bounds and env var included: REDIS_URL is read when the
+    option is not given, a URL that is no Redis URL is refused naming the option, and serving.json never holds it."""
+    from typer.testing import CliRunner
+
+    from benchmarks.serving_options import ServingBench
+    from sparecycles.cli import app
+
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    assert ServingBench().redis_url == "redis://127.0.0.1:6379/0"
+    with pytest.raises(ValidationError, match="is not a Redis URL"):
+        ServingBench(redis_url="http://x")
+    cmd = get_command(bench_app).commands["serving"]
+    monkeypatch.setenv("REDIS_URL", "redis://127.0.0.1:6390/3")
+    assert cmd.make_context("serving", []).params["redis_url"]  # parsed only: nothing starts == "redis://127.0.0.1:6390/3"
+    assert cmd.make_context("serving", ["--redis-url", "redis://h:1/0"]).params["redis_url"] == "redis://h:1/0"
+    res = CliRunner().invoke(app, ["bench", "serving", "--redis-url", "foo"])
+    assert res.exit_code == 2 and res.output.startswith(  # refused before anything starts
+        "error: --redis-url (env var: REDIS_URL): 'foo' is not a Redis URL"), res.output

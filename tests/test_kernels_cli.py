@@ -1,4 +1,5 @@
-"""`bench kernels` command: light import, preset sizes, clear error without a GPU."""
+"""`bench kernels` and `bench probe` (benchmarks.cli, their options KernelsBenchOptions / ProbeBenchOptions): light
+import, preset sizes, clear error without a GPU."""
 
 import subprocess
 import sys
@@ -11,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_cli_module_imports_no_torch():
-    code = "import sys, probe_kernels.cli; assert 'torch' not in sys.modules and 'triton' not in sys.modules"
+    code = "import sys, benchmarks.cli; assert 'torch' not in sys.modules and 'triton' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
 
 
@@ -24,9 +25,9 @@ def test_preset_sizes_match_published_gpt2_counts():
 
 
 def test_bench_without_cuda_fails_with_clear_message():
-    from probe_kernels.cli import bench_app
+    from benchmarks.cli import bench_app
 
-    res = CliRunner().invoke(bench_app, ["--preset", "gpt2-small", "--no-forward"])
+    res = CliRunner().invoke(bench_app, ["kernels", "--preset", "gpt2-small", "--no-forward"])
     if torch.cuda.is_available():
         assert res.exit_code == 0, res.output
     else:
@@ -34,19 +35,29 @@ def test_bench_without_cuda_fails_with_clear_message():
 
 
 def test_bench_rejects_unknown_preset():
-    from probe_kernels.cli import bench_app
+    from benchmarks.cli import bench_app
 
-    res = CliRunner().invoke(bench_app, ["--preset", "gpt2-huge", "--no-forward"])
+    res = CliRunner().invoke(bench_app, ["kernels", "--preset", "gpt2-huge", "--no-forward"])
     assert res.exit_code == 2 and "unknown preset" in res.output
 
 
 def test_bench_probe_without_cuda_or_with_an_unknown_preset_fails_clearly():
-    import typer
+    from benchmarks.cli import bench_app
 
-    from probe_kernels.cli import bench_probe
-
-    app = typer.Typer()
-    app.command()(bench_probe)
-    res = CliRunner().invoke(app, ["--preset", "gpt2-huge"])
+    res = CliRunner().invoke(bench_app, ["probe", "--preset", "gpt2-huge"])
     assert res.exit_code == 2
     assert ("unknown preset" if torch.cuda.is_available() else "needs a CUDA device") in res.output
+
+
+def test_kernels_and_probe_options_are_their_models():
+    """The flags tools/h200_*.sh pass, generated from the models (no option declared by hand), with their bounds."""
+    from benchmarks.cli import bench_app
+    from benchmarks.options import KernelsBenchOptions, ProbeBenchOptions
+
+    o = KernelsBenchOptions(preset=("gpt2-small",), forward=False)
+    assert (o.dist, o.k, o.batch, o.seq_len, o.json_out) == ("gauss8", 40, 16, 1024, None)
+    assert ProbeBenchOptions().preset == ("gpt2-small", "gpt2-large") and ProbeBenchOptions().cross_process
+    res = CliRunner().invoke(bench_app, ["probe", "--seq-len", "2048"])
+    assert res.exit_code == 2 and "--seq-len" in res.output
+    res = CliRunner().invoke(bench_app, ["kernels", "--dist", "uniform"])
+    assert res.exit_code == 2
