@@ -138,3 +138,20 @@ def test_help_lists_the_settings_in_their_own_section():
         assert "--eps FLOAT" in settings and "Bound: 0<x<=1." in " ".join(settings.split()) and "--model TEXT" in settings
         assert settings.count("--seq-len ") == 1 and "--seq-len" not in own
         assert " ".join(settings.split()).count("demo preset: 150") == 1  # --steps: TrainConfig's default and the demo preset's
+
+
+def test_a_choice_named_none_reads_as_that_choice_not_as_no_default():
+    """`up --serving [none|vllm]` defaults to the choice "none": its help says `"none"`, never the `none` of an option
+    left unset (--teacher); so does every generated option whose default text reads as no default ("none", "")."""
+    import re
+
+    from typer.testing import CliRunner
+
+    from benchmarks.cli import bench_app
+
+    up = " ".join(CliRunner().invoke(app, ["up", "--help"], terminal_width=100).output.split())
+    assert re.search(r'--serving \[none\|vllm\] [^[]*\[default: \("none"\)\]', up)
+    assert re.search(r"--teacher TEXT [^[]*\[default: \(none\)\]", up)  # unset: the bare word
+    zo = " ".join(CliRunner().invoke(bench_app, ["zo", "--help"], terminal_width=100).output.split())
+    assert re.search(r'--shares TEXT [^[]*\[default: \(""\)\]', zo)  # an empty text, not nothing
+    assert re.search(r"--part \[lm\|sentiment\|all\] [^[]*\[default: \(all\)\]", zo)  # other choices as they were

@@ -171,13 +171,25 @@ def _metavar(s: Setting) -> str:
     return {"int": "INTEGER", "float": "FLOAT", "str": "TEXT", "Path": "PATH"}.get(name, "TEXT")
 
 
+def _shown(default: Any) -> str:
+    """A default as --help shows it: on/off, none (unset or empty), a comma list, else its text; a text that would
+    read as one of those (the choice "none", an empty text) in double quotes: `--serving [none|vllm]` shows
+    `"none"`, never the `none` of an option with no default."""
+    if isinstance(default, bool):
+        return "on" if default else "off"
+    if default is None or default in ({}, ()):
+        return "none"
+    if isinstance(default, tuple):
+        return ",".join(map(str, default))
+    return f'"{default}"' if isinstance(default, str) and default.strip().lower() in ("", "none") else str(default)
+
+
 def _preset_default(s: Setting) -> str:
-    """The default shown in --help: TrainConfig's, and the demo run preset's when it sets another."""
+    """The default shown in --help (`_shown`): TrainConfig's, and the demo run preset's when it sets another."""
     if s.flag:
         return "off"
     default = None if s.info.is_required() else s.info.get_default(call_default_factory=True)
-    shown = ("on" if default else "off") if isinstance(default, bool) else "none" if default is None or default in (
-        {}, ()) else ",".join(map(str, default)) if isinstance(default, tuple) else str(default)
+    shown = _shown(default)
     own = len(s.path) == 1 and TrainConfig.model_fields.get(s.path[0]) is s.info  # other models: no demo preset
     demo = RUN_PRESETS["demo"].get(s.path[0]) if own else None
     return f"{shown}; demo preset: {demo}" if demo is not None and demo != default else shown
