@@ -23,6 +23,10 @@ so redelivery only costs compute. Outcomes, each counted in `sparecycles_worker_
 - `withdrawn`: the task's round was closed on the coordinator (the trainer took it over or the run ended) ->
   acknowledged unevaluated (ProbeRuntime.withdrawn);
 - `error`: any other failure (a bug, out of memory) -> dropped after logging, the worker lives on.
+
+A requeue is an expected hand-back (`HandBack`), no error: the task logs one line naming the task, its round and why
+(INFO; WARNING when the coordinator is out of reach or forgot the worker), and Celery's own record of the Reject, a
+WARNING with a traceback, is dropped (`quiet_hand_backs`). Invalid tasks and real errors keep their tracebacks.
 """
 
 from __future__ import annotations
@@ -52,6 +56,36 @@ log = logging.getLogger("sparecycles.worker")
 REQUEUE_PAUSE_S = 0.2  # keep a draining worker from spinning on a task it keeps handing back
 SERVING_HOLD_CAP_S = 10.0  # how long a task delivered while the serving engine is busy waits for it before requeue
 HAND_BACK_PAUSE_S = 0.5
+
+
+class HandBack(Reject):
+    """An expected hand-back: the task goes back to its queue (Reject with requeue) for a reason that is no error
+    (the serving engine needs the device, the worker drains, the coordinator is out of reach for now). `reason`
+    names the round and why; `level` is the logging level of the one line the task logs for it (`log_hand_back`)."""
+
+    def __init__(self, reason: str, level: int = logging.INFO) -> None:
+        super().__init__(reason, requeue=True)
+        self.level = level
+
+
+class _QuietHandBacks(logging.Filter):
+    """Drops Celery's record of a HandBack: celery.app.trace logs every Reject as a WARNING with its traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not isinstance(record.exc_info[1] if record.exc_info else None, HandBack)
+
+
+_QUIET = _QuietHandBacks()
+
+
+def quiet_hand_backs() -> None:
+    """Install the filter that drops Celery's traceback of a HandBack (idempotent; `log_hand_back` says it once)."""
+    logging.getLogger("celery.app.trace").addFilter(_QUIET)
+
+
+def log_hand_back(task_name: str, task_id: str | None, exc: HandBack) -> None:
+    """The one line a handed-back task logs: "probe task <id> handed back to its queue: round R seeds S: why"."""
+    log.log(exc.level, "%s task %s handed back to its queue: %s", task_name, task_id, exc.reason)
 
 
 class DrainState:
@@ -117,7 +151,8 @@ def run_probe(runtime: ProbeRuntime, drain: DrainState, metrics: WorkerMetrics, 
     `hand_off(kwargs)` republishes a task for another worker (spot-check replicas of seeds this worker
     already evaluated); None disables hand-offs.
 
-    Raises celery.exceptions.Reject (requeue per the module docstring) for invalid, draining and
+    Raises celery.exceptions.Reject without requeue for invalid tasks (logged here), HandBack (a Reject with requeue,
+    its reason naming the round; logged by the caller, `log_hand_back`) for the draining, yielding, cut and
     unreachable cases; every other failure is logged and reported as an outcome, never raised. Delivered while only
     the serving engine holds the worker back, the task waits for it (at most SERVING_HOLD_CAP_S) before that.
     """
@@ -138,7 +173,7 @@ def run_probe(runtime: ProbeRuntime, drain: DrainState, metrics: WorkerMetrics, 
         outcome("requeued")
         time.sleep(REQUEUE_PAUSE_S)
         why = "draining" if drain.stopped else f"yielding: the serving engine stayed busy for {SERVING_HOLD_CAP_S:g} s"
-        raise Reject(f"worker is {why}", requeue=True)
+        raise HandBack(f"round {task.round_id} seeds {task.seeds}: the worker is {why}")
     if runtime.withdrawn(task):  # its round was closed (taken over by the trainer, or the run ended): skip, quietly
         log.debug("round %s was withdrawn; task skipped", task.round_id)
         return outcome("withdrawn")
@@ -151,20 +186,19 @@ def run_probe(runtime: ProbeRuntime, drain: DrainState, metrics: WorkerMetrics, 
         reply = runtime.run_task(task)
     except Preempted:
         outcome("preempted")
-        log.info("round %s seeds %s cut short: the serving engine needs the device; requeued", task.round_id,
-                 task.seeds)
-        raise Reject("cut short for the serving engine", requeue=True) from None
+        raise HandBack(f"round {task.round_id} seeds {task.seeds}: cut short, the serving engine needs the "
+                       "device") from None
     except (httpx.TransportError, CoordinatorHTTPError) as exc:
         if isinstance(exc, Forgotten) and exc.what == "worker":  # the control loop re-enrolls; then it runs
             outcome("requeued")
             drain.changed.set()  # heartbeat now: it finds out and re-enrolls
-            log.warning("coordinator no longer knows this worker (round %s); requeued", task.round_id)
             time.sleep(REQUEUE_PAUSE_S)
-            raise Reject("worker unknown to the coordinator", requeue=True) from None
+            raise HandBack(f"round {task.round_id} seeds {task.seeds}: the coordinator no longer knows this worker "
+                           "(it re-enrolls)", logging.WARNING) from None
         if is_transient(exc):
             outcome("requeued")
-            log.warning("coordinator unreachable for round %s: %s; requeued", task.round_id, exc)
-            raise Reject("coordinator unreachable", requeue=True) from None
+            raise HandBack(f"round {task.round_id} seeds {task.seeds}: the coordinator is unreachable ({exc})",
+                           logging.WARNING) from None
         log.warning("coordinator refused round %s: %s", task.round_id, exc)
         return outcome("refused")
     except VersionUnavailable as exc:
@@ -195,7 +229,9 @@ def register_probe_task(app: Celery, runtime: ProbeRuntime, drain: DrainState, m
     """Register `sparecycles.probe` on `app` (JSON only, acks_late, reject_on_worker_lost, no result).
 
     `trace(start, end, outcome, fired, where)` (unix seconds) is called after each delivery, however it ended (fired:
-    when the serving engine first asked to cut it, None if it did not; where: where that found it)."""
+    when the serving engine first asked to cut it, None if it did not; where: where that found it). A hand-back is
+    logged as one line (`log_hand_back`; Celery's traceback of it dropped: `quiet_hand_backs`)."""
+    quiet_hand_backs()
 
     @app.task(name=PROBE_TASK_NAME, bind=True, acks_late=True, reject_on_worker_lost=True, ignore_result=True,
               serializer="json", typing=False)
@@ -205,14 +241,17 @@ def register_probe_task(app: Celery, runtime: ProbeRuntime, drain: DrainState, m
         def hand_off(kw: dict[str, Any]) -> None:
             app.send_task(PROBE_TASK_NAME, kwargs=kw, queue=queue, ignore_result=True)
 
-        if trace is None:
-            return run_probe(runtime, drain, metrics, kwargs, hand_off if queue else None)
-        guard = drain.preemption
-        start, drain.last_outcome, guard.fired_at, guard.armed_at = time.time(), "", None, None
+        guard, start = drain.preemption, time.time()
+        if trace is not None:
+            drain.last_outcome, guard.fired_at, guard.armed_at = "", None, None
         try:
             return run_probe(runtime, drain, metrics, kwargs, hand_off if queue else None)
+        except HandBack as exc:
+            log_hand_back("probe", self.request.id, exc)
+            raise
         finally:  # a task held for the serving engine starts when it is evaluated
-            trace(guard.armed_at or start, time.time(), drain.last_outcome, guard.fired_at, guard.where)
+            if trace is not None:
+                trace(guard.armed_at or start, time.time(), drain.last_outcome, guard.fired_at, guard.where)
 
     return probe
 

@@ -39,7 +39,7 @@ from pydantic import ValidationError
 
 from fleet.teacher_weights import TeacherUnavailable
 from probe_kernels import FastForward, lm_logits
-from probe_worker.tasks import REQUEUE_PAUSE_S, DrainState
+from probe_worker.tasks import REQUEUE_PAUSE_S, DrainState, HandBack, log_hand_back, quiet_hand_backs
 from probe_worker.teacher_outcomes import TeacherRefused, TeacherUnanswered
 from trainer.kd.targets import make_targets
 from trainer.kd.teacher import TeacherMismatchError, load_teacher, teacher_sha256
@@ -150,9 +150,10 @@ class TeacherRuntime:
 
 
 def run_teacher(runtime: TeacherRuntime, metrics: TeacherMetrics, kwargs: Any, drain: DrainState | None = None) -> str:
-    """Handle one delivery of a teacher task; returns the outcome (module docstring). Raises Reject: without
-    requeue for an invalid task, with requeue while `drain` says the worker drains (as a probe task is handed
-    back); every other failure is logged and counted, never raised."""
+    """Handle one delivery of a teacher task; returns the outcome (module docstring). Raises Reject without
+    requeue for an invalid task; HandBack (a Reject with requeue, logged by the caller as one line, as a probe task's)
+    while `drain` says the worker drains or when the worker stops mid-round; every other failure is logged and
+    counted, never raised."""
     def outcome(name: str) -> str:
         metrics.tasks.labels(name).inc()
         return name
@@ -166,7 +167,7 @@ def run_teacher(runtime: TeacherRuntime, metrics: TeacherMetrics, kwargs: Any, d
     if drain is not None and drain.draining:
         outcome("requeued")
         time.sleep(REQUEUE_PAUSE_S)
-        raise Reject("worker is draining", requeue=True)
+        raise HandBack(f"teacher round {task.run} step {task.step}: the worker is draining")
     try:
         name = runtime.answer(task)
     except ValueError as exc:
@@ -182,9 +183,8 @@ def run_teacher(runtime: TeacherRuntime, metrics: TeacherMetrics, kwargs: Any, d
     except Exception as exc:
         if shutting_down():  # whatever a shutdown signal raised in here, the round is not done: not acked as one
             outcome("requeued")
-            log.warning("teacher round %s step %d put back on its queue: the worker stops (%s)", task.run, task.step,
-                        type(exc).__name__)
-            raise Reject("the worker stops; round requeued", requeue=True) from None
+            raise HandBack(f"teacher round {task.run} step {task.step}: the worker stops ({type(exc).__name__})",
+                           logging.WARNING) from None
         log.exception("teacher round %s step %d failed", task.run, task.step)
         return outcome("error")
     finally:
@@ -207,18 +207,23 @@ def register_teacher_task(app: Celery, runtime: TeacherRuntime, metrics: Teacher
                           drain: DrainState | None = None, busy: Callable[[bool], None] | None = None) -> Task:
     """Register `sparecycles.teacher` on `app` (JSON, acks_late, reject_on_worker_lost, no result); a round taken
     while `drain` says the worker drains goes back to its queue. `busy(True)` / `busy(False)` around each round
-    (the worker's heartbeat `busy`, which its GPU-yield policy also reads: its own rounds are not another load)."""
+    (the worker's heartbeat `busy`, which its GPU-yield policy also reads: its own rounds are not another load).
+    A hand-back is logged as one line, without Celery's traceback (probe_worker.tasks.log_hand_back)."""
+    quiet_hand_backs()
 
-    @app.task(name=TEACHER_TASK_NAME, acks_late=True, reject_on_worker_lost=True, ignore_result=True,
+    @app.task(name=TEACHER_TASK_NAME, bind=True, acks_late=True, reject_on_worker_lost=True, ignore_result=True,
               serializer="json", typing=False)
-    def teacher(**kwargs: Any) -> str:
-        if busy is None:
-            return run_teacher(runtime, metrics, kwargs, drain)
-        busy(True)
+    def teacher(self: Task, **kwargs: Any) -> str:
+        if busy is not None:
+            busy(True)
         try:
             return run_teacher(runtime, metrics, kwargs, drain)
+        except HandBack as exc:
+            log_hand_back("teacher", self.request.id, exc)
+            raise
         finally:
-            busy(False)
+            if busy is not None:
+                busy(False)
 
     def expired(sender: Any = None, request: Any = None, expired: bool = False, **_: Any) -> None:
         if expired and getattr(request, "name", None) == TEACHER_TASK_NAME:

@@ -212,3 +212,97 @@ def test_watch_reads_slowly_only_while_yielding_to_a_busy_engine_or_drained_with
     drain.set_serving(False)
     drain.local = True  # drained by SIGUSR1: it takes no task whatever it reads
     assert watch.next_wait(0.05, 0.2) == 0.2
+
+
+class _Runtime:
+    """A ProbeRuntime stand-in whose run_task raises `exc` (the round is never withdrawn nor handed to a peer)."""
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+    def withdrawn(self, task) -> bool:
+        return False
+
+    def run_task(self, task):
+        raise self.exc
+
+
+@pytest.mark.parametrize(("why", "level", "line"), [
+    ("cut", "INFO", "cut short, the serving engine needs the device"),
+    ("held", "INFO", "the worker is yielding: the serving engine stayed busy for 0.05 s"),
+    ("drained", "INFO", "the worker is draining"),
+    ("unreachable", "WARNING", "the coordinator is unreachable (connection refused)"),
+])
+def test_a_hand_back_logs_one_line_naming_task_round_and_why_not_a_traceback(caplog, monkeypatch, why, level, line):
+    """A probe task cut for the serving engine, held while it stays busy, drained or left by an unreachable
+    coordinator goes back to its queue (a Reject with requeue) and logs one line: no Celery Reject traceback. A real
+    error keeps its traceback (below). The task runs in this process (Celery's eager apply, the tracer a worker runs)."""
+    import logging
+
+    import httpx
+    from celery import Celery
+    from prometheus_client import CollectorRegistry
+
+    from probe_worker import tasks
+    from wire.round_messages import ProbeTask
+
+    monkeypatch.setattr(tasks, "SERVING_HOLD_CAP_S", 0.05)
+    drain = DrainState()
+    drain.set_local(why == "drained")
+    drain.set_serving(why == "held")
+    exc = httpx.ConnectError("connection refused") if why == "unreachable" else Preempted("the engine")
+    app = Celery("hand-back-test", broker="memory://", set_as_current=False)
+    probe = tasks.register_probe_task(app, _Runtime(exc), drain, WorkerMetrics(CollectorRegistry()))
+    kwargs = ProbeTask(run="r", round_id="r-3", version=0, batch_sha256="0" * 64, eps=1e-3, distribution="gauss8",
+                       seeds=[5, 6], want_clean=False).model_dump(mode="json")
+    with caplog.at_level(logging.INFO):
+        res = probe.apply(kwargs=kwargs, task_id=f"t-{why}")
+    assert res.state == "REJECTED"
+    assert drain.last_outcome == ("preempted" if why == "cut" else "requeued")
+    got = [(r.name, r.levelname, r.getMessage(), r.exc_info) for r in caplog.records if r.levelno >= logging.INFO]
+    assert got == [("sparecycles.worker", level, f"probe task t-{why} handed back to its queue: round r-3 seeds "
+                    f"[5, 6]: {line}", None)]
+
+
+def test_a_real_error_keeps_its_traceback(caplog):
+    import logging
+
+    from celery import Celery
+    from prometheus_client import CollectorRegistry
+
+    from probe_worker import tasks
+    from wire.round_messages import ProbeTask
+
+    app = Celery("error-test", broker="memory://", set_as_current=False)
+    probe = tasks.register_probe_task(app, _Runtime(RuntimeError("boom")), DrainState(),
+                                      WorkerMetrics(CollectorRegistry()))
+    kwargs = ProbeTask(run="r", round_id="r-4", version=0, batch_sha256="0" * 64, eps=1e-3, distribution="gauss8",
+                       seeds=[7], want_clean=False).model_dump(mode="json")
+    with caplog.at_level(logging.INFO):
+        assert probe.apply(kwargs=kwargs, task_id="t-error").get() == "error"
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert [(r.getMessage(), r.exc_info[1].args) for r in errors] == [("probe task of round r-4 failed", ("boom",))]
+
+
+def test_a_teacher_round_handed_back_logs_one_line_too(caplog):
+    """The teacher task's hand-back (the worker drains) is the same kind: one line, no Celery traceback."""
+    import base64
+    import logging
+
+    from celery import Celery
+    from prometheus_client import CollectorRegistry
+
+    from probe_worker.teacher import TeacherMetrics, register_teacher_task
+    from wire.teacher_messages import TeacherTask
+
+    drain = DrainState()
+    drain.set_local(True)
+    app = Celery("teacher-hand-back-test", broker="memory://", set_as_current=False)
+    teacher = register_teacher_task(app, None, TeacherMetrics(CollectorRegistry()), drain)  # never reaches a runtime
+    kwargs = TeacherTask(run="kd", teacher_dir="/nowhere", teacher_sha256="0" * 64, rank=0, step=4, key=1, batch=1,
+                         seq_len=2, ids_b64=base64.b64encode(bytes(8)).decode(), kind="topk", k=4, temperature=1.0,
+                         seed=0).model_dump(mode="json")
+    with caplog.at_level(logging.INFO):
+        assert teacher.apply(kwargs=kwargs, task_id="t-kd").state == "REJECTED"
+    assert [(r.levelname, r.getMessage(), r.exc_info) for r in caplog.records if r.levelno >= logging.INFO] == [
+        ("INFO", "teacher task t-kd handed back to its queue: teacher round kd step 4: the worker is draining", None)]
