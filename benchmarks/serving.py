@@ -75,14 +75,19 @@ def _scrape(port: int) -> dict[str, float]:
 
 def _trace(path: Path | None, t0: float, t1: float) -> tuple[list[tuple[float, float, str]], list[dict]]:
     """A worker's computing task spans (done or preempted) that overlap [t0, t1], clipped to it, and its gate events
-    (probe_worker.task_trace.TraceFile.event) in [t0 - 1, t1]."""
+    (probe_worker.task_trace.TraceFile.event) in [t0 - 1, t1]. A cut task's span ends when its evaluation stopped (the
+    check that raised); its hand-back after that (Celery's requeue, at the worker's low priority while the engine
+    runs) is an event, {"event": "hand_back", "t": its end, "stopped": s}."""
     if path is None or not path.exists():
         return [], []
     spans, events = [], []
     for line in path.read_text().splitlines():
         s = json.loads(line)
         if s.get("outcome") in ("done", "preempted") and s["end"] > t0 and s["start"] < t1:
-            spans.append((max(s["start"], t0), min(s["end"], t1), s["outcome"]))
+            end = s.get("stopped", s["end"])
+            spans.append((max(s["start"], t0), min(end, t1), s["outcome"]))
+            if "stopped" in s:
+                events.append({"event": "hand_back", "t": s["end"], "stopped": s["stopped"]})
         elif "event" in s and t0 - 1 <= s["t"] <= t1:
             events.append(s)
     return spans, events
@@ -109,7 +114,9 @@ def arm_figures(blocks) -> dict:
     """Latency percentiles, throughput, idle share used and reclaim latencies of one arm over its blocks, each
     (outcomes, worker spans, t0, t1[, gate events]) in unix seconds. Engine idle: block time outside every answered
     request's [sent, end]; used: the worker's task time in it; reclaim: per request that arrived while a task ran, the
-    task's end minus the arrival (with events: split into detect and cut, `_reclaims`)."""
+    task's end minus the arrival (with events: split into detect and cut, `_reclaims`); hand_back: a cut task's
+    stop to its hand-back's end."""
+    hand_back: list[float] = []
     ok_all, reclaim, detect, cut_s, seconds, idle_s, task_s, used_s, cut, tokens, n = [], [], [], [], 0.0, 0.0, 0.0, \
         0.0, 0, 0, 0
     for outs, spans, t0, t1, *rest in blocks:
@@ -121,6 +128,7 @@ def arm_figures(blocks) -> dict:
         task_s += sum(b - a for a, b in union(work))
         used_s += sum(b - a for a, b in union(work)) - overlap(work, busy)
         r, d, c = _reclaims(ok, spans, rest[0] if rest else [])
+        hand_back += [e["t"] - e["stopped"] for e in (rest[0] if rest else []) if e["event"] == "hand_back"]
         reclaim, detect, cut_s = reclaim + r, detect + d, cut_s + c
         cut += sum(1 for *_, k in spans if k == "preempted")
         tokens += sum(o.tokens for o in ok)
@@ -135,6 +143,7 @@ def arm_figures(blocks) -> dict:
         "idle_used_share": used_s / idle_s if idle_s > 0 else None, "tasks_cut": cut,
         "reclaim_s": percentiles(reclaim), "reclaims": len(reclaim),
         "reclaim_detect_s": percentiles(detect), "reclaim_cut_s": percentiles(cut_s),
+        "hand_back_s": percentiles(hand_back),
     }
 
 

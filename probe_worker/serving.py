@@ -275,11 +275,12 @@ class Preemption:
         self.fired_at: float | None = None  # the running (or last) task's first fire (unix s), None if none
         self.armed_at: float | None = None  # when the running (or last) task started (unix s)
         self.where = ""  # where that fire found the task (its innermost project frames), for the trace
+        self.stopped_at: float | None = None  # when the cut took effect: the check that raised (unix s), None if none
 
     def arm(self) -> None:
         """The calling thread runs a task from now; an earlier fire is forgotten."""
         self._fired.clear()
-        self.fired_at, self.where, self.armed_at = None, "", time.time()
+        self.fired_at, self.where, self.armed_at, self.stopped_at = None, "", time.time(), None
         self._started = time.monotonic()
         self._thread = threading.get_ident()
 
@@ -318,6 +319,7 @@ class Preemption:
         """Raise Preempted in the task thread once fired (the forward pre-hook's body)."""
         if self._fired.is_set() and threading.get_ident() == self._thread:
             self._fired.clear()
+            self.stopped_at = time.time()
             raise Preempted("the serving engine needs the device")
 
     def install(self):

@@ -228,8 +228,9 @@ def register_probe_task(app: Celery, runtime: ProbeRuntime, drain: DrainState, m
                         trace: Callable[..., None] | None = None) -> Task:
     """Register `sparecycles.probe` on `app` (JSON only, acks_late, reject_on_worker_lost, no result).
 
-    `trace(start, end, outcome, fired, where)` (unix seconds) is called after each delivery, however it ended (fired:
-    when the serving engine first asked to cut it, None if it did not; where: where that found it). A hand-back is
+    `trace(start, end, outcome, fired, where, stopped)` (unix seconds) is called after each delivery, however it ended
+    (fired: when the serving engine first asked to cut it, None if it did not; where: where that found it; stopped:
+    when the cut took effect, its evaluation's last moment: the hand-back follows, until `end`). A hand-back is
     logged as one line (`log_hand_back`; Celery's traceback of it dropped: `quiet_hand_backs`)."""
     quiet_hand_backs()
 
@@ -243,7 +244,7 @@ def register_probe_task(app: Celery, runtime: ProbeRuntime, drain: DrainState, m
 
         guard, start = drain.preemption, time.time()
         if trace is not None:
-            drain.last_outcome, guard.fired_at, guard.armed_at = "", None, None
+            drain.last_outcome, guard.fired_at, guard.armed_at, guard.stopped_at = "", None, None, None
         try:
             return run_probe(runtime, drain, metrics, kwargs, hand_off if queue else None)
         except HandBack as exc:
@@ -251,7 +252,8 @@ def register_probe_task(app: Celery, runtime: ProbeRuntime, drain: DrainState, m
             raise
         finally:  # a task held for the serving engine starts when it is evaluated
             if trace is not None:
-                trace(guard.armed_at or start, time.time(), drain.last_outcome, guard.fired_at, guard.where)
+                trace(guard.armed_at or start, time.time(), drain.last_outcome, guard.fired_at, guard.where,
+                      guard.stopped_at)
 
     return probe
 

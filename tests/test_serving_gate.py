@@ -4,6 +4,7 @@ engines' gauges read from Prometheus text, a bad endpoint counted and yielded to
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -180,10 +181,12 @@ def test_preemption_cuts_a_forward_at_a_module_call_in_the_task_thread_only():
     t.start()
     t.join()
     assert other == [torch.Size([1, 4])]  # another thread's forward is not cut
+    assert guard.stopped_at is None  # fired, not yet taken effect
     calls.clear()
+    before = time.time()
     with pytest.raises(Preempted):
         model(torch.ones(1, 4))
-    assert calls == []  # cut before the first module ran
+    assert calls == [] and before <= guard.stopped_at <= time.time()  # cut before the first module ran, then
     model(torch.ones(1, 4))  # fired once: the next forward runs
     guard.disarm()
     handle.remove()

@@ -70,6 +70,20 @@ def test_arm_figures_split_reclaim_into_detect_and_cut_from_the_gate_events():
     assert f["reclaim_detect_s"]["p95"] == pytest.approx(0.1) and f["reclaim_cut_s"]["p95"] == pytest.approx(0.2)
 
 
+def test_a_cut_tasks_span_ends_when_its_evaluation_stopped_and_its_hand_back_is_counted_apart(tmp_path):
+    from benchmarks.serving import _trace
+    from probe_worker.task_trace import TraceFile
+
+    trace = TraceFile(tmp_path / "t.jsonl")
+    trace(14.5, 16.0, "preempted", fired=15.05, where="f", stopped=15.3)  # stopped at 15.3, handed back by 16.0
+    trace(16.5, 17.5, "done")
+    spans, events = _trace(tmp_path / "t.jsonl", 14.0, 18.0)
+    assert spans == [(14.5, 15.3, "preempted"), (16.5, 17.5, "done")]
+    assert events == [{"event": "hand_back", "t": 16.0, "stopped": 15.3}]
+    f = arm_figures([([Outcome(sent=15.0, first=15.2, end=16.0, tokens=2)], spans, 14.0, 18.0, events)])
+    assert f["reclaim_s"]["p95"] == pytest.approx(0.3) and f["hand_back_s"]["p95"] == pytest.approx(0.7)
+
+
 def test_block_order_rotates_so_no_arm_always_follows_the_same_one():
     from benchmarks.serving import block_order
 
