@@ -206,18 +206,31 @@ def _fleet_and_trainer(fleet: _Fleet, engine, cfg: ServingBench, tmp: Path) -> t
     return {**workers, **_workers(fleet, engine, cfg, tmp, roles[1:])}, trainer
 
 
+def _set_drained(w: Worker, drained: bool, timeout_s: float = 60.0) -> None:
+    """Drain (SIGUSR1) or resume (SIGUSR2) worker `w` and wait until its metrics say so. Why wait: Python runs the
+    handlers of signals pending together in signal-number order, so a SIGUSR2 followed at once by a SIGUSR1 (the main
+    thread inside a long C call) left a worker resumed; one signal at a time, confirmed, cannot. Raises RuntimeError
+    after `timeout_s`."""
+    w.proc.send_signal(signal.SIGUSR1 if drained else signal.SIGUSR2)
+    deadline = time.monotonic() + timeout_s
+    while _scrape(w.port).get("sparecycles_worker_draining") != float(drained):
+        if w.proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"worker {w.name} did not {'drain' if drained else 'resume'} in {timeout_s:g} s")
+        time.sleep(0.05)
+
+
 def _warm(workers: dict, trainer: subprocess.Popen, timeout_s: float = 600.0) -> None:
     """Resume each worker alone until it has finished a task (its model built, compiled on CUDA), the others drained;
     then drain all. Raises RuntimeError if the trainer exits or `timeout_s` passes."""
-    for role, (proc, _, trace, _) in workers.items():
+    for role, (_, _, trace, _) in workers.items():
         for other, w in workers.items():
-            w.proc.send_signal(signal.SIGUSR2 if other == role else signal.SIGUSR1)
+            _set_drained(w, other != role)
         deadline = time.monotonic() + timeout_s
         while not (trace.exists() and '"done"' in trace.read_text()):
             if trainer.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"worker {role} finished no task while warming up (trainer rc {trainer.poll()})")
             time.sleep(0.5)
-        proc.send_signal(signal.SIGUSR1)
+        _set_drained(workers[role], True)
 
 
 def block_order(arms: tuple[str, ...], block: int) -> tuple[str, ...]:
@@ -250,7 +263,7 @@ def _blocks(engine, model: str, fleet: _Fleet, workers: dict, trainer, cfg: Serv
         for arm in block_order(cfg.arms, blk):
             for role, w in workers.items():
                 mine = ROLES.get(arm) == role
-                w.proc.send_signal(signal.SIGUSR2 if mine else signal.SIGUSR1)
+                _set_drained(w, not mine)
                 if cfg.pinned:  # a drained worker leaves the engine's core: arm (a) is the engine alone
                     _pin(w.proc.pid, ENGINE_CPU if mine else FLEET_CPU)
             time.sleep(max(3.0, 2 * cfg.hold))  # the drains take effect; the yielding worker's hold passes
