@@ -28,7 +28,8 @@ DEFAULT_OPTIMIZER = {"lm": "zocurv-line", "sentiment": "1.5spsa"}  # the fleet-p
 @dataclass(frozen=True)
 class ServingDemo:
     """`up --serving`: the engine beside the workers, its request load (`rate` per second, `requests` in all) and the
-    workers' hold (seconds idle before they take tasks again) and how often they read the engine (seconds). Run by
+    workers' hold (seconds idle before they take tasks again), how often they read the engine (seconds) and their
+    tasks' CPU nice (the workers' --nice). Run by
     sparecycles.up_serving."""
 
     engine: str
@@ -36,6 +37,7 @@ class ServingDemo:
     requests: int
     hold_s: float
     interval_s: float
+    nice: int
 
 
 def _others(task: str) -> str:
@@ -78,6 +80,10 @@ class UpOptions(BaseModel):
     serving_interval: float = Field(0.05, ge=0.01, le=10.0, allow_inf_nan=False, description="with --serving vllm: "
                                     "seconds between a worker's readings of the engine (the workers' "
                                     "--serving-interval: it bounds how late a worker sees a request)")
+    serving_nice: int = Field(0, ge=0, le=19, description="with --serving vllm: the workers' --nice (their tasks' "
+                              "CPU nice, and their session's). 0 here, not a worker's 19 beside an engine: up's "
+                              "trainer shares these CPUs, and behind it a nice-19 worker starved (the fleet's "
+                              "evaluations timed out); 19 suits a machine whose trainer runs elsewhere")
 
     @model_validator(mode="after")
     def _serving_settings_need_an_engine(self) -> UpOptions:
@@ -102,7 +108,7 @@ class UpOptions(BaseModel):
         if self.serving == "none":
             return None
         return ServingDemo(self.serving, self.serving_rate, self.serving_requests, self.serving_hold,
-                           self.serving_interval)
+                           self.serving_interval, self.serving_nice)
 
     @property
     def preset_for_task(self) -> str:

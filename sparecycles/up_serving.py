@@ -75,7 +75,7 @@ class ServingRun:
     def worker_args(self) -> tuple[str, ...]:
         """The `sparecycles worker` options that make a worker yield to this engine."""
         return ("--serving-metrics", self.engine.load_url, "--serving-hold", f"{self.demo.hold_s:g}",
-                "--serving-interval", f"{self.demo.interval_s:g}")
+                "--serving-interval", f"{self.demo.interval_s:g}", "--nice", str(self.demo.nice))
 
     def start_load(self, base: str, admin_token: str, workers: int) -> None:
         """Start sending the requests (on a thread) once `workers` workers of the coordinator at `base` take tasks

@@ -48,4 +48,5 @@ def test_up_serving_vllm_runs_beside_a_real_vllm_and_its_worker_yields(tmp_path)
     assert summary["serving"]["answered"] == REQUESTS and "requests" not in summary["serving"]
     log = (out / "logs" / "worker-0.log").read_text()
     assert "serving engine busy; yielding" in log and "taking tasks again" in log
+    assert "CPU priority" not in log  # --serving-nice 0: up's trainer shares these CPUs (a nice-19 worker starved)
     assert f"serving: {REQUESTS}/{REQUESTS} requests answered (0 failed)" in run.stderr
