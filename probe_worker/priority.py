@@ -33,12 +33,12 @@ def lower_thread_priority(nice: int, sched_idle: bool) -> None:
 
 def lower_session_priority(nice: int, switch: Path = AUTOGROUP_SWITCH, own: Path = AUTOGROUP_SELF) -> str | None:
     """Give this process's autogroup the nice `nice` (1-19), so that the threads' priority holds against an engine in
-    another session. The process first becomes a session of its own (setsid) unless it leads one already: the
-    autogroup nice is the whole session's, and a worker must not lower its starter's.
+    another session. Only where the process leads its session (`up`, `bench serving`, a service manager start it so):
+    the autogroup nice is the whole session's, and a worker must not lower its starter's, a terminal's shell included.
+    It never takes a session of its own either (setsid): that would cut it off from the terminal's Ctrl-C.
 
-    Returns None when done, else why not (autogroups off or absent; the process leads a process group of another
-    session, as a shell's job does, and setsid refuses it: start it with `setsid -w`). Raises ValueError for a nice
-    outside 1-19; never raises OSError (the reason is returned).
+    Returns None when done, else why not (autogroups off or absent; the process does not lead its session). Raises
+    ValueError for a nice outside 1-19; never raises OSError (the reason is returned).
     """
     if not 1 <= nice <= 19:
         raise ValueError(f"an autogroup nice is 1-19, got {nice}")
@@ -48,11 +48,10 @@ def lower_session_priority(nice: int, switch: Path = AUTOGROUP_SWITCH, own: Path
     except OSError:
         return "this kernel has no autogroups: the thread's nice holds against every process"
     if os.getsid(0) != os.getpid():
-        try:
-            os.setsid()
-        except OSError:
-            return ("this process leads a process group of another session (a shell's job): its nice holds only "
-                    "against that session's processes; start the worker with `setsid -w` for a session of its own")
+        return ("this process shares its session (a terminal's, a script's): its nice holds only against that "
+                "session's processes. For an engine of another session, start the worker as a session of its own: "
+                "under a service manager, or `setsid -w sparecycles worker ...` (then stop it with SIGTERM: the "
+                "terminal's Ctrl-C no longer reaches it)")
     try:
         own.write_text(str(nice))
     except OSError as exc:

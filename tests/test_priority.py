@@ -63,18 +63,14 @@ def test_lower_thread_priority_lowers_the_calling_thread_only():
 
 
 @needs_autogroups
-def test_a_child_of_this_session_takes_a_session_of_its_own_and_lowers_only_that():
+def test_only_a_session_leader_lowers_its_autogroup_and_never_its_starters():
     mine = Path("/proc/self/autogroup").read_text()
-    why, _, group, leader = _report(_child(19, 0.0))
+    why, _, group, leader = _report(_child(19, 0.0, start_new_session=True))  # as up and bench serving start it
     assert why is None and leader and group.endswith("nice 19")
+    for popen in ({}, {"process_group": 0}):  # a script's child; a shell's job: both share the starter's session
+        why, _, group, leader = _report(_child(19, 0.0, **popen))
+        assert "setsid -w" in why and not leader and group.endswith("nice 0")  # and it stays in reach of Ctrl-C
     assert Path("/proc/self/autogroup").read_text() == mine  # the starter's session keeps its nice
-
-
-@needs_autogroups
-def test_a_shells_job_in_another_session_is_refused_with_the_fix():
-    # process_group=0: the child leads a process group of this session, as a shell's job does; setsid refuses it
-    why, _, group, leader = _report(_child(19, 0.0, process_group=0))
-    assert "setsid -w" in why and not leader and group.endswith("nice 0")
 
 
 def test_refusals_without_autogroups_and_out_of_range(tmp_path):

@@ -6,15 +6,14 @@ after the hold, and the round it was holding is re-issued, evaluated once, with 
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from probe_worker.priority import AUTOGROUP_SWITCH
 from support.fleet import Fleet, make_batch
 from support.models import tiny_gpt2
 from trainer.train import lm_loss
@@ -66,9 +65,8 @@ def test_a_burst_cuts_the_task_drains_the_worker_and_its_round_is_reissued_once(
         fleet.start_worker("w", "--serving-metrics", vllm_engine.load_url, "--serving-hold", str(HOLD_S),
                            "--task-trace", str(trace), "--control-interval", str(INTERVAL_S))
         fleet.wait_consuming("w")
-        if AUTOGROUP_SWITCH.read_text().strip() == "1":  # beside an engine its tasks and its session run at nice 19
-            group = Path(f"/proc/{fleet.workers['w'].pid}/autogroup")
-            fleet.wait(lambda: group.read_text().split()[-1] == "19", "the worker's autogroup at nice 19")
+        pid = fleet.workers["w"].pid  # beside an engine its tasks run at nice 19 (the main thread runs them)
+        fleet.wait(lambda: os.getpriority(os.PRIO_PROCESS, pid) == 19, "the worker's tasks at nice 19")
         # a model slow enough on one thread that one task of SEEDS seeds takes seconds
         model = tiny_gpt2(vocab_size=128, n_positions=64, n_embd=192, n_layer=4, n_head=4, seed=5)
         be = fleet.backend(model, "serve", seeds_per_task=SEEDS)
