@@ -37,8 +37,9 @@ def lower_session_priority(nice: int, switch: Path = AUTOGROUP_SWITCH, own: Path
     the autogroup nice is the whole session's, and a worker must not lower its starter's, a terminal's shell included.
     It never takes a session of its own either (setsid): that would cut it off from the terminal's Ctrl-C.
 
-    Returns None when done, else why not (autogroups off or absent; the process does not lead its session). Raises
-    ValueError for a nice outside 1-19; never raises OSError (the reason is returned).
+    Returns None when done, else why not (autogroups off or absent; the process does not lead its session; it is in
+    no autogroup: `own` reads empty for a session the kernel keeps in init's root group, as in some containers and CI
+    runners). Raises ValueError for a nice outside 1-19; never raises OSError (the reason is returned).
     """
     if not 1 <= nice <= 19:
         raise ValueError(f"an autogroup nice is 1-19, got {nice}")
@@ -53,6 +54,9 @@ def lower_session_priority(nice: int, switch: Path = AUTOGROUP_SWITCH, own: Path
                 "under a service manager, or `setsid -w sparecycles worker ...` (then stop it with SIGTERM: the "
                 "terminal's Ctrl-C no longer reaches it)")
     try:
+        if not own.read_text().strip():
+            return ("this process's session is in no autogroup (the kernel keeps it in the root group, as for init's "
+                    "session): its nice holds against the processes of that group only")
         own.write_text(str(nice))
     except OSError as exc:
         return f"the kernel refused the autogroup nice ({exc})"
