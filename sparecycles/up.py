@@ -24,6 +24,7 @@ from fleet.attach import Fleet, FleetFiguresMode, FleetSettings, FleetStatus, wa
 from sparecycles.local_fleet import local_fleet
 from sparecycles.scrape import SCRAPE_CONFIG, write_scrape_config
 from sparecycles.services import Supervisor, die_with_parent, free_port
+from sparecycles.up_options import SERVING_JSON
 from sparecycles.up_plan import UP_SETTINGS, UpPlan, clear_folder, disk_use, plan_up, read_json  # noqa: F401 (plan_up re-exported)
 
 if TYPE_CHECKING:
@@ -348,6 +349,8 @@ def run_up(plan: UpPlan, *, progress: bool = True, keep_blobs: bool = False, exp
         clear_folder(out)
     out.mkdir(parents=True, exist_ok=True)
     (out / UP_SETTINGS).write_text(json.dumps(plan.settings, indent=2))
+    if plan.serving is None:  # an earlier `up --serving` in this --run-dir: its figures are not this run's
+        (out / SERVING_JSON).unlink(missing_ok=True)
     reused = [name for name, st in plan.states.items() if st.kind == "done"]
     for name in reused:
         log(f"{name}: reusing the finished run in {out / name} (same settings; --overwrite trains it again)")

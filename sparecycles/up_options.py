@@ -23,6 +23,7 @@ UP_RUN_OPTIONS = ("eval_on", "eval_windows", "eval_deadline", "fleet_wait", "npr
                   "progress")  # the RunOptions that apply to `up` (the others are `train`'s alone)
 NOT_UP_OPTIONS = tuple(n for n in RunOptions.model_fields if n not in UP_RUN_OPTIONS)
 DEFAULT_OPTIMIZER = {"lm": "zocurv-line", "sentiment": "1.5spsa"}  # the fleet-probed run's, by task
+SERVING_JSON = "serving.json"  # in `up`'s run folder: `--serving`'s figures (sparecycles.up_serving), that run's only
 
 
 @dataclass(frozen=True)
@@ -46,8 +47,8 @@ def _others(task: str) -> str:
 
 class UpOptions(BaseModel):
     """What `up` runs and where, and what serves beside it (`--serving`). Raises pydantic.ValidationError for a value
-    outside its choices or bounds, a --serving-* setting without --serving vllm, or --workers given beside
-    --worker-devices with another count."""
+    outside its choices or bounds, a --serving-* setting without --serving vllm, --workers given beside
+    --worker-devices with another count, or --workers given beside --gpus auto."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -58,9 +59,11 @@ class UpOptions(BaseModel):
     optimizer: str | None = Field(None, description="the fleet-probed optimizer (AdamW always runs as the baseline). "
                                   f"lm: {DEFAULT_OPTIMIZER['lm']} (default), {_others('lm')}; sentiment: "
                                   f"{DEFAULT_OPTIMIZER['sentiment']} (default), {_others('sentiment')}")
-    workers: int = Field(2, ge=1, le=64, description="local probe worker processes")
+    workers: int = Field(2, ge=1, le=64, description="local probe worker processes on the CPU (--worker-devices "
+                         "and --gpus auto place their own)")
     run_dir: Path | None = Field(None, description="run folder. Default: runs/up-<preset>-<optimizer>, plus the "
-                                 "settings that differ from the preset's (e.g. -steps5)")
+                                 "settings that differ from the preset's (e.g. -steps5) and -serving-vllm with "
+                                 "--serving vllm")
     keep_blobs: bool = Field(False, description="keep the coordinator's weight blobs and Valkey files")
     device: str | None = Field(None, description="the trainer's device (both runs): cpu (default) or cuda:N")
     worker_devices: str | None = Field(None, description="one probe worker per listed device, e.g. cuda:1,cuda:2 "
@@ -95,6 +98,17 @@ class UpOptions(BaseModel):
     @model_validator(mode="after")
     def _one_worker_count(self) -> UpOptions:
         check_worker_count(self.workers if "workers" in self.model_fields_set else None, self.worker_devices)
+        return self
+
+    @model_validator(mode="after")
+    def _gpus_auto_counts_its_workers(self) -> UpOptions:
+        # --gpus auto starts one worker per GPU after the first (fleet.devices.place); a --workers count beside it
+        # would be silently ignored, so it is refused, whatever the count: the GPUs are only counted later.
+        if self.gpus is not None and "workers" in self.model_fields_set:
+            raise ValueError(f"--gpus {self.gpus} and --workers {self.workers} conflict: --gpus auto starts one probe "
+                             "worker per GPU after the first (one GPU: one worker sharing it) and replaces --workers; "
+                             "leave --workers out, or leave --gpus out and give --device cuda:0 --worker-devices "
+                             "cuda:1,cuda:2 (one worker per listed device)")
         return self
 
     @property

@@ -14,15 +14,16 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from sparecycles.up_options import UpOptions, split_given
+from sparecycles.up_options import SERVING_JSON, UpOptions, split_given
 from trainer.preflight import input_warning, no_probe_round_warning
 from trainer.run_options import UP_FLEET_WAIT, RunOptions
 
 UP_SETTINGS = "up_settings.json"
-# Settings that name a non-default `up` folder: runs/up-<preset>-<optimizer>[-steps5][-k4][-b8][-t16][-ci4].
+# Settings that name a non-default `up` folder: runs/up-<preset>-<optimizer>[-steps5][-k4][-b8][-t16][-ci4]
+# (and -serving-vllm after them for `--serving vllm`: _folder).
 _NAME_TAGS = {"steps": "steps", "probes": "k", "batch_size": "b", "seq_len": "t", "curvature_interval": "ci"}
 # What `--overwrite` removes from an `up` folder (besides the runs' own folders); never anything else there.
-_UP_FILES = (UP_SETTINGS, "summary.json", "loss_curves.png", "curves.png", "blobs", "valkey")
+_UP_FILES = (UP_SETTINGS, "summary.json", "loss_curves.png", "curves.png", SERVING_JSON, "blobs", "valkey")
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,8 @@ def plan_up(*, settings: dict | None = None, train_options: tuple[str, ...] = ()
     `placement`: fleet.devices.Placement (the trainer's device, one device per worker); None: all on the CPU.
     The folder is `run_dir`, else `runs/up-<preset>-<optimizer>` plus a tag per setting that differs from the
     preset's (`-steps5`, `-k4`, `-b8`, `-t16`, `-ci4`; another `--model`: its name, then `--data`'s file or folder
-    name, first, e.g. up-demo-zocurv-line-my-llama-my_texts), so runs with other settings get other folders.
+    name, first, e.g. up-demo-zocurv-line-my-llama-my_texts; `--serving vllm` adds -serving-vllm, so a plain `up`
+    never reuses a folder holding serving.json), so runs with other settings get other folders.
     Raises ValueError (message names the option) for an invalid option (more ranks than CUDA devices, a batch
     the ranks cannot split, --eval-on fleet with N > 1, --serving vllm without the vLLM venv included), or when
     the folder holds a run with other settings and `overwrite` is not set (the message lists the differences);
@@ -191,7 +193,7 @@ def _run_configs(preset: str, over: dict[str, Any], optimizer: str, optimizer_op
 
 def _folder(opts: UpOptions, zo_cfg: Any, default: Any, optimizer_options: dict | None) -> Path:
     """`up`'s run folder: --run-dir, else runs/up-<preset>-<optimizer> and a tag per setting that differs from the
-    preset's (plan_up). Raises ValueError for a --run-dir that is a file."""
+    preset's, and -serving-<engine> with --serving (plan_up). Raises ValueError for a --run-dir that is a file."""
     from trainer.paths import runs_dir
 
     tags = [f"{tag}{getattr(zo_cfg, f)}" for f, tag in _NAME_TAGS.items() if getattr(zo_cfg, f) != getattr(default, f)]
@@ -202,6 +204,8 @@ def _folder(opts: UpOptions, zo_cfg: Any, default: Any, optimizer_options: dict 
         from trainer.models.causal_lm import model_label
 
         tags.insert(0, model_label(zo_cfg.model))
+    if opts.serving != "none":  # --serving vllm: its folder holds serving.json; a plain `up` must not reuse it
+        tags.append(f"serving-{opts.serving}")
     if other := _other_settings(zo_cfg, opts.preset_for_task):  # any other setting (--teacher, --lr, --set ...): a short digest
         tags.append("x" + hashlib.sha256(json.dumps(other, sort_keys=True, default=str).encode()).hexdigest()[:6])
     name = "-".join(["up", opts.preset_for_task, opts.fleet_optimizer, *tags])
@@ -250,8 +254,8 @@ def _with_folder_states(plan: UpPlan, overwrite: bool) -> UpPlan:
     if diffs:
         raise ValueError(f"{out} holds a run with other settings ({'; '.join(diffs)}); nothing was changed. "
                          "Pass --overwrite to replace it, or another --run-dir (without --run-dir, the default "
-                         "folder name carries --steps, --probes, --batch-size, --seq-len, --curvature-interval and a "
-                         "digest of any other setting)")
+                         "folder name carries --steps, --probes, --batch-size, --seq-len, --curvature-interval, --serving "
+                         "and a digest of any other setting)")
     return plan
 
 

@@ -39,9 +39,8 @@ from benchmarks.serving_load import (
 from fleet.attach import FleetError, active_workers
 from probe_worker.engine import EngineError, VllmProcess, vllm_installed, vllm_python
 from sparecycles.services import free_port
-from sparecycles.up_options import ServingDemo
+from sparecycles.up_options import SERVING_JSON, ServingDemo
 
-SERVING_JSON = "serving.json"  # in `up`'s run folder
 LOAD_DRAIN_S = 120.0  # seconds the end of `up` waits for the requests in flight before it stops the engine
 WORKERS_BESIDE_S = 60.0  # seconds the load waits for the workers to read the engine idle (then starts anyway)
 LOAD_SEED = 0  # the load's arrivals and passages (benchmarks.serving_load.make_requests)

@@ -47,3 +47,8 @@ def test_up_refuses_gpus_without_cuda_before_starting_anything(tmp_path):
                           str(tmp_path / "u"), "--no-progress"], capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and "no CUDA device is visible" in res.stderr, res.stderr[-2000:]
     assert not (tmp_path / "u").exists()  # nothing started, no folder made
+    # --workers beside --gpus auto: refused by the options' validation (UpOptions), naming both, before any device
+    res = subprocess.run([sys.executable, "-m", "sparecycles.cli", "up", "--gpus", "auto", "--workers", "3",
+                          "--run-dir", str(tmp_path / "u"), "--no-progress"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "--gpus auto and --workers 3 conflict" in res.stderr, res.stderr[-2000:]
+    assert not (tmp_path / "u").exists()

@@ -207,3 +207,30 @@ def test_up_with_a_teacher_plans_teacher_rounds_and_refuses_what_cannot_distil(t
         plan_up(settings={"teacher": str(teacher)})
     with pytest.raises(ValueError, match="pure-zo"):
         plan_up(optimizer="mezo", settings={"teacher": str(teacher)})
+
+
+def test_up_serving_names_its_own_folder_and_a_plain_up_drops_a_stale_serving_json(tmp_path, monkeypatch):
+    """`--serving vllm` is part of the default folder's name (a plain `up` with the same settings never reuses the
+    folder holding serving.json, nor the other way round); a plain `up` in a --run-dir an `up --serving` used
+    removes that run's serving.json rather than leave it beside its own summary."""
+    from sparecycles.up import run_up
+    from sparecycles.up_options import UpOptions
+    from sparecycles.up_plan import _folder
+
+    monkeypatch.setenv("SPARECYCLES_RUNS", str(tmp_path))
+    zo, default = (resolve_preset("demo", {"optimizer": "zocurv-line", **s}) for s in ({"steps": 5}, {}))
+    plain = _folder(UpOptions(), zo, default, None)  # _folder: plan_up's naming, without the vLLM venv check
+    serving = _folder(UpOptions(serving="vllm", serving_rate=0.5), zo, default, None)
+    assert (plain.name, serving.name) == ("up-demo-zocurv-line-steps5", "up-demo-zocurv-line-steps5-serving-vllm")
+    # Both runs of a plain `up` finished in a folder an `up --serving` left serving.json in: reused, no engine.
+    plan = plan_up(steps=5, run_dir=tmp_path / "shared")
+    plan.out.mkdir()
+    (plan.out / UP_SETTINGS).write_text(json.dumps(plan.settings))
+    for name, cfg in (("adamw", plan.base_cfg), ("zocurv-line", plan.zo_cfg)):
+        _fake_run(plan.out / name, cfg, finished=True, fleet_wait=plan.fleet_wait)
+    (plan.out / "serving.json").write_text(json.dumps({"engine": "vllm", "answered": 40}))
+    plan = plan_up(steps=5, run_dir=tmp_path / "shared")
+    assert plan.serving is None and {s.kind for s in plan.states.values()} == {"done"}
+    summary = run_up(plan, progress=False, export=False, log=lambda m: None)
+    assert summary["reused"] == ["adamw", "zocurv-line"] and "serving" not in summary
+    assert not (plan.out / "serving.json").exists() and "serving.json" not in summary["disk_mb"]

@@ -88,3 +88,14 @@ def test_up_serving_without_the_vllm_venv_is_refused_before_anything_starts(tmp_
     with pytest.raises(ValueError, match=r"--serving vllm: no vLLM venv at .*run `bash tools/vllm.sh install`"):
         plan_up(serving="vllm", steps=3, run_dir=tmp_path / "run")
     assert not (tmp_path / "run").exists()
+
+
+def test_up_gpus_auto_refuses_a_workers_count_naming_both():
+    """--gpus auto starts one worker per GPU after the first (fleet.devices.place) and would ignore --workers: both
+    given are refused at validation, whatever the count; each alone is accepted."""
+    with pytest.raises(ValidationError, match=r"--gpus auto and --workers 3 conflict: .*leave --workers out, or leave "
+                                              r"--gpus out and give --device cuda:0 --worker-devices"):
+        UpOptions(gpus="auto", workers=3)
+    with pytest.raises(ValidationError, match="--gpus auto and --workers 2 conflict"):
+        UpOptions(gpus="auto", workers=2)  # the default count, given: still refused
+    assert (UpOptions(gpus="auto").gpus, UpOptions(workers=3).workers) == ("auto", 3)
