@@ -66,6 +66,10 @@ SERVING_OPTIONS = {  # ServingPolicy's sub-fields as `worker` spells them (scrap
     "interval_s": {"name": "serving_interval", "help": "seconds between readings of the engine (default: "
                    "--control-interval; it bounds how late the worker sees a request); while yielding to a busy "
                    "engine or drained: the larger of it and --control-interval"},
+    "freeze_s": {"name": "serving_freeze", "help": "stop the worker (SIGSTOP, from a watcher process of normal "
+                 "priority) while the engine serves during a task, for at most this many seconds (and a third of "
+                 "the coordinator's lease); the task goes on when the engine reads idle. 0: no watcher, tasks are only "
+                 "cut in process (docs/serving.md)"},
 }
 
 

@@ -64,6 +64,9 @@ class ServingPolicy(BaseModel):
     scrape_timeout_s: one scrape's timeout (connect + read); slower counts as unreadable (and yields).
     interval_s: seconds between two readings (None: the worker's control interval). The gate sees a request at most
     this long after the endpoint does, so it bounds reclaim latency; a reading of vLLM's /load costs ~2 ms.
+    freeze_s: the longest a watcher process stops the worker (SIGSTOP) while the engine serves during a task
+    (probe_worker.freeze; at most a third of the coordinator's lease, for the heartbeats); 0: no watcher, a task is
+    only cut in process.
 
     A JSON endpoint (reply `application/json`) is read as vLLM's `/load` ({"server_load": N}, with vLLM started with
     `--enable-server-load-tracking`): the API server counts a request there when it arrives, whereas vLLM's
@@ -80,6 +83,7 @@ class ServingPolicy(BaseModel):
     hold_s: Annotated[float, Field(ge=0.0, le=3600.0, allow_inf_nan=False)] = 2.0
     scrape_timeout_s: Annotated[float, Field(gt=0.0, le=10.0, allow_inf_nan=False)] = 0.5
     interval_s: Annotated[float | None, Field(ge=0.01, le=10.0, allow_inf_nan=False)] = None
+    freeze_s: Annotated[float, Field(ge=0.0, le=3600.0, allow_inf_nan=False)] = 10.0
 
     def gauge_names(self, available: set[str]) -> tuple[str, ...]:
         """The gauges to sum, given the metric family names of a scrape (for `engine="auto"`); () if none."""
@@ -207,8 +211,11 @@ class ServingLedger:
     decision taken at t0); `engine_idle_s` += t1 - t0 if both readings saw the engine idle; `idle_used_s` += the
     worker's busy seconds in it (`busy_s` is the worker's cumulative busy time, read at each reading) when both
     readings saw it idle. Reclaim latency: at the first busy reading after an idle one (a request arrived after
-    t0), if a task was running, the latency is (that task's end) - t0, an upper bound on arrival -> device free;
-    if none was running it is 0 (the engine had the device).
+    t0), if a task was running, the latency is (that task's end, or its stop by the freeze watcher if earlier) - t0,
+    an upper bound on arrival -> device free; if none was running it is 0 (the engine had the device). A stop by the
+    watcher (`stopped_at`, the running task's first, probe_worker.freeze) that no busy reading preceded (the watcher
+    saw the request first, and this worker's readings only after it) is a reclaim too: `stopped_at` - the last
+    reading before it.
     """
 
     def __init__(self) -> None:
@@ -217,12 +224,19 @@ class ServingLedger:
         self.reclaim_count = 0
         self._last: tuple[float, bool, bool, float] | None = None  # (t, idle, yielding, busy_s)
         self._pending_from: float | None = None  # t0 of a reclaim waiting for the running task to end
+        self._counted_stop: float | None = None  # the watcher's stop already counted as a reclaim
 
     def update(self, now: float, idle: bool, yielding: bool, busy_s: float, task_running: bool,
-               last_task_end: float | None) -> float | None:
-        """Record one reading (`now` and `last_task_end` on one clock); returns a reclaim latency completed now."""
+               last_task_end: float | None, stopped_at: float | None = None) -> float | None:
+        """Record one reading (`now`, `last_task_end` and `stopped_at` on one clock); returns a reclaim latency
+        completed now."""
         done = None
-        if self._pending_from is not None and not task_running and last_task_end is not None:
+        if stopped_at is not None and stopped_at != self._counted_stop:
+            since = self._pending_from if self._pending_from is not None else self._last[0] if self._last else None
+            if since is not None and stopped_at >= since:  # the watcher stopped the task after the request came
+                self._counted_stop = stopped_at
+                done = self._reclaimed(stopped_at - since)
+        if done is None and self._pending_from is not None and not task_running and last_task_end is not None:
             done = self._reclaimed(max(0.0, last_task_end - self._pending_from))
         if self._last is not None:
             t0, was_idle, was_yielding, busy0 = self._last
@@ -231,7 +245,7 @@ class ServingLedger:
             if was_idle and idle:
                 self.engine_idle_s += dt
                 self.idle_used_s += min(dt, max(0.0, busy_s - busy0))
-            if was_idle and not idle and self._pending_from is None:
+            if was_idle and not idle and self._pending_from is None and done is None:
                 if task_running:
                     self._pending_from = t0
                 else:
@@ -276,6 +290,7 @@ class Preemption:
         self.armed_at: float | None = None  # when the running (or last) task started (unix s)
         self.where = ""  # where that fire found the task (its innermost project frames), for the trace
         self.stopped_at: float | None = None  # when the cut took effect: the check that raised (unix s), None if none
+        self.freeze = None  # the freeze watcher's link (probe_worker.freeze.FreezeLink), None without one
 
     def arm(self) -> None:
         """The calling thread runs a task from now; an earlier fire is forgotten."""
@@ -283,6 +298,8 @@ class Preemption:
         self.fired_at, self.where, self.armed_at, self.stopped_at = None, "", time.time(), None
         self._started = time.monotonic()
         self._thread = threading.get_ident()
+        if self.freeze is not None:
+            self.freeze.task_started()
 
     def disarm(self) -> None:
         """The task ended (however it ended)."""
@@ -291,6 +308,13 @@ class Preemption:
             self._busy_done += now - self._started
         self._thread, self.last_end = None, now
         self._fired.clear()
+        if self.freeze is not None:
+            self.freeze.task_ended()
+
+    def watcher_stop(self) -> float | None:
+        """When the freeze watcher first stopped the running (or last) task (unix s), None if it did not or there is
+        no watcher."""
+        return self.freeze.stopped_at() if self.freeze is not None else None
 
     def in_task(self) -> bool:
         """True in the thread of the running task."""
@@ -352,6 +376,8 @@ class ServingWatch:
         self._last_error = ""
         self._sent = (0.0, 0.0, 0.0)  # ledger totals already added to the counters
         self._engine_busy = False  # the last reading saw requests (not unreadable)
+        self._seen_stop: float | None = None  # the freeze watcher's last stop this watch has seen (unix s)
+        self._last_tick: float | None = None  # the last reading's monotonic time
 
     def tick(self, now: float | None = None) -> bool:
         """One reading (`now`: monotonic seconds); returns whether the worker yields now."""
@@ -369,15 +395,25 @@ class ServingWatch:
                 log.warning("serving engine metrics unreadable (%s); yielding until they read idle", exc)
                 self._last_error = exc.reason
         scrape_s = time.time() - wall
-        yielding = self.gate.update(now, load)
-        cut = self.drain.preemption.fire() if yielding else False  # a running task stops at its next module call
-        if yielding != self.drain.serving:
-            self._changed(yielding, wall, scrape_s, load, cut)
-        self.drain.set_serving(yielding)
         guard = self.drain.preemption
+        stop = guard.watcher_stop()  # unix s -> this reading's monotonic clock
+        stopped_at = None if stop is None else now - (wall - stop)
+        frozen = stop if stop is not None and stop != self._seen_stop else None
+        if frozen is not None:
+            self._seen_stop = frozen
+            if self._last_tick is None or stopped_at >= self._last_tick:
+                # the watcher stopped the worker since the last reading: the engine was busy then, which these readings,
+                # made by a stopped process, may not have seen; the gate holds and cuts as if they had
+                self.gate.update(stopped_at, math.inf)
+        yielding = self.gate.update(now, load)
+        cut = guard.fire() if yielding else False  # a running task stops at its next module call
+        if yielding != self.drain.serving:
+            self._changed(yielding, wall, scrape_s, load, cut, frozen)
+        self.drain.set_serving(yielding)
         idle = load is not None and load <= self.policy.busy_above
         self._engine_busy = load is not None and not idle
-        latency = self.ledger.update(now, idle, yielding, guard.busy_s(now), guard.armed, guard.last_end)
+        self._last_tick = now
+        latency = self.ledger.update(now, idle, yielding, guard.busy_s(now), guard.armed, guard.last_end, stopped_at)
         if latency is not None:
             self.metrics.serving_reclaim.observe(latency)
         totals = (self.ledger.yielded_s, self.ledger.engine_idle_s, self.ledger.idle_used_s)
@@ -387,7 +423,8 @@ class ServingWatch:
         self._sent = totals
         return yielding
 
-    def _changed(self, yielding: bool, wall: float, scrape_s: float, load: float | None, cut: bool) -> None:
+    def _changed(self, yielding: bool, wall: float, scrape_s: float, load: float | None, cut: bool,
+                 frozen: float | None = None) -> None:
         """Log a gate change and trace it (class docstring)."""
         log.info("serving engine %s; %s", "busy" if yielding else f"idle for {self.policy.hold_s:g} s",
                  "yielding" if yielding else "taking tasks again")
@@ -395,7 +432,7 @@ class ServingWatch:
         if yielding:
             self._cpu_at_yield = cpu
         if self.trace is not None:
-            extra = {"scrape_s": scrape_s, "load": load, "cut": cut} if yielding else {
+            extra = {"scrape_s": scrape_s, "load": load, "cut": cut, "frozen": frozen} if yielding else {
                 "cpu_s": cpu - self._cpu_at_yield}
             self.trace.event("yield" if yielding else "resume", wall, **extra)
 

@@ -24,7 +24,7 @@ def where_in(thread: int) -> str:
 
 class TraceFile:
     """Appends one JSON line per task, {"start": s, "end": s, "outcome": name} (unix seconds; a cut task adds "fired",
-    "where" and "stopped"), to `path`; and, from
+    "where" and "stopped"; a task the freeze watcher stopped, "frozen"), to `path`; and, from
     a serving worker's watch, one per gate change, {"event": "yield"|"resume", "t": s, ...} (`event`)."""
 
     def __init__(self, path: Path) -> None:
@@ -33,10 +33,12 @@ class TraceFile:
         self._lock = threading.Lock()
 
     def __call__(self, start: float, end: float, outcome: str, fired: float | None = None, where: str = "",
-                 stopped: float | None = None) -> None:
+                 stopped: float | None = None, frozen: float | None = None) -> None:
         extra = {"fired": round(fired, 6), "where": where} if fired is not None else {}
         if stopped is not None:  # a cut task: its evaluation stopped here; its hand-back took until `end`
             extra["stopped"] = round(stopped, 6)
+        if frozen is not None:  # the freeze watcher first stopped the worker here (probe_worker.freeze)
+            extra["frozen"] = round(frozen, 6)
         self._write({"start": round(start, 6), "end": round(end, 6), "outcome": outcome, **extra})
 
     def event(self, kind: str, t: float, **fields: float | bool | None) -> None:

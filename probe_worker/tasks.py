@@ -253,7 +253,7 @@ def register_probe_task(app: Celery, runtime: ProbeRuntime, drain: DrainState, m
         finally:  # a task held for the serving engine starts when it is evaluated
             if trace is not None:
                 trace(guard.armed_at or start, time.time(), drain.last_outcome, guard.fired_at, guard.where,
-                      guard.stopped_at)
+                      guard.stopped_at, guard.watcher_stop())
 
     return probe
 

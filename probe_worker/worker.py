@@ -38,6 +38,7 @@ from coordinator.client import CoordinatorClient, CoordinatorHTTPError, Forgotte
 from probe_kernels.reference import add_chunk_hook
 from probe_worker.broker import use_guarded_transport
 from probe_worker.cache import WeightCache
+from probe_worker.freeze import FreezeLink
 from probe_worker.metrics import default_metrics, serve_metrics
 from probe_worker.options import WorkerOptions
 from probe_worker.priority import lower_session_priority, lower_thread_priority
@@ -389,6 +390,22 @@ class ProbeWorker:
             log.info("CPU priority: tasks at nice %d%s, this session's autogroup at nice %d", nice,
                      " under SCHED_IDLE" if idle else "", nice or 19)
 
+    def _start_freeze_watcher(self) -> None:
+        """Beside an engine (--serving-freeze > 0): the process that stops this worker while the engine serves during a
+        task (probe_worker.freeze), for at most a third of the lease; none where the platform lacks memfd."""
+        policy = self.opts.serving
+        if policy is None or policy.freeze_s <= 0:
+            return
+        max_s = min(policy.freeze_s, self.reg.lease_seconds / 3)
+        try:
+            self.drain.preemption.freeze = FreezeLink(policy, policy.interval_s or self.opts.control_interval, max_s,
+                                                      self.opts.task_trace)
+        except (OSError, AttributeError) as exc:  # AttributeError: no os.memfd_create (not Linux)
+            log.warning("no freeze watcher (%s): tasks are cut in process only", exc)
+            return
+        log.info("freeze watcher %d stops this worker while the engine serves during a task (at most %g s)",
+                 self.drain.preemption.freeze.proc.pid, max_s)
+
     def _on_ready(self, sender=None, **_: object) -> None:
         # Installed after Celery's own handlers, so these win; handlers only flip flags (signal-safe).
         signal.signal(signal.SIGUSR1, lambda *_: self.drain.set_local(True))
@@ -400,6 +417,7 @@ class ProbeWorker:
                 threading.Thread(target=self.serving.run, args=(self._stop, self.opts.control_interval),
                                  name="sparecycles-serving", daemon=True).start()
             self._control.start()
+            self._start_freeze_watcher()  # before the priority drops: it keeps the normal priority
             self._lower_priority()
             if self.opts.prefetch_interval > 0:
                 threading.Thread(target=self._prefetch_loop, name=PREFETCH_THREAD, daemon=True).start()
@@ -420,6 +438,8 @@ class ProbeWorker:
         finally:
             self._stop.set()
             self.drain.changed.set()
+            if self.drain.preemption.freeze is not None:
+                self.drain.preemption.freeze.close()
             try:
                 self.client.request("DELETE", f"/v1/workers/{self.worker_id}")
             except Exception as exc:  # noqa: BLE001 - the lease expires on its own

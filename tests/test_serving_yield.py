@@ -1,6 +1,6 @@
 """Engine-aware yielding end to end: a real vLLM (tools/vllm.sh), a real coordinator and a real worker process started
-with `--serving-metrics` on the engine's /load (a request counted on arrival). A burst of requests cuts the worker's
-running task within one control interval plus one task, the worker takes nothing while the burst runs, resumes only
+with `--serving-metrics` on the engine's /load (a request counted on arrival). A burst of requests stops the worker's
+running task within one control interval plus one task (its freeze watcher, probe_worker.freeze) and cuts it, the worker takes nothing while the burst runs, resumes only
 after the hold, and the round it was holding is re-issued, evaluated once, with the in-process values."""
 
 from __future__ import annotations
@@ -99,9 +99,18 @@ def test_a_burst_cuts_the_task_drains_the_worker_and_its_round_is_reissued_once(
         spans = [s for s in _spans(trace) if s["outcome"] in ("done", "preempted")]
         cut = [s for s in spans if s["outcome"] == "preempted"]
         assert len(cut) == 1 and cut[0]["start"] < t_req <= cut[0]["end"]
-        assert cut[0]["end"] - t_req <= INTERVAL_S + one_task_s  # reclaimed within one interval plus one task
-        yielded = [e for e in _spans(trace, "event") if e["event"] == "yield" and e["t"] + e["scrape_s"] >= t_req]
-        assert yielded[0]["cut"] and yielded[0]["load"] >= 1  # /load saw the burst and the gate fired the task
+        # reclaimed within one interval plus one task: the freeze watcher's stop (probe_worker.freeze) ends it, the
+        # cut follows once the engine reads idle (the stopped worker's own readings may not have seen the burst)
+        reclaimed = min(cut[0].get("frozen", cut[0]["end"]), cut[0]["end"])
+        assert t_req <= reclaimed and reclaimed - t_req <= INTERVAL_S + one_task_s
+        assert "frozen" in cut[0]  # the burst outlasts a reading: the watcher stopped the task
+        events = _spans(trace, "event")
+        freezes = [e["t"] for e in events if e["event"] == "freeze" and e["t"] >= t_req]
+        thaws = [e["t"] for e in events if e["event"] == "thaw" and e["t"] >= t_req]
+        assert freezes[0] == pytest.approx(cut[0]["frozen"], abs=1e-5) and freezes[0] < thaws[0]
+        yielded = [e for e in events if e["event"] == "yield" and e["t"] + e["scrape_s"] >= t_req]
+        # the gate fired the task: it saw the burst in /load, or was told of the watcher's stop
+        assert yielded[0]["cut"] and (yielded[0]["load"] >= 1 or yielded[0]["frozen"] == cut[0]["frozen"])
         assert t_req <= cut[0]["fired"] <= cut[0]["end"] and cut[0]["where"]
         assert not [s for s in spans if t_req <= s["start"] <= t_last]  # nothing evaluated during the burst
         resumed = min(s["start"] for s in spans if s["start"] > t_last)

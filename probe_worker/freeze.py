@@ -1,0 +1,207 @@
+"""Freezing a worker's task the moment its serving engine reads busy: a watcher process, outside the worker's lowered
+priority, stops the worker (SIGSTOP) and continues it (SIGCONT).
+
+Why a process of its own: beside an engine, a worker's tasks and its session's autogroup run at nice 19
+(probe_worker.priority), so while the engine serves, every thread of the worker, its in-process engine watch
+included, gets ~1.5% of the core. A cut (a check at the task's next module call, probe_worker.serving) then takes
+effect only after the engine's request: measured 5.8 s p95 on CPU (docs/serving.md). A stopped process needs no CPU
+to stop. The watcher runs in a session of its own (its own autogroup) at the normal priority and does one thing:
+while the worker runs a task and the engine reads busy, the worker is stopped. It is continued when
+
+- the engine reads idle (the task goes on where it stopped; the in-process gate decides whether to cut it),
+- a signal is pending for it (SIGTERM, SIGINT, SIGUSR1: its shutdown and drains are never held up),
+- it has been stopped for `max_s` (its heartbeats and lease; it then cuts the task itself, as without a watcher,
+  and is not stopped again until the engine has read idle once), or
+- the watcher ends (SIGTERM, its parent gone, an error): never leaves the worker stopped.
+
+An unreadable engine never stops the worker (the in-process watch yields on it). A worker that cannot be stopped
+(PID 1 of a container ignores SIGSTOP from inside it) is said once and left alone.
+
+Shared memory (a memfd of SHARED.size bytes the worker creates and the watcher inherits): the running task's start
+(unix s; 0.0: none), written by the worker; when the watcher first stopped the worker during that task (unix s;
+0.0: not stopped), written by the watcher and cleared by the worker at each task start. The watcher also traces each
+stop and continue ({"event": "freeze"|"thaw", "t": unix s}) to the worker's task trace, which `bench serving` reads.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import signal
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from probe_worker.serving import EngineProbe, ServingPolicy, Unreadable
+from probe_worker.task_trace import TraceFile
+
+log = logging.getLogger("sparecycles.freeze")
+SHARED = struct.Struct("<dd")  # (task start, first stop in that task), unix seconds, 0.0 for none
+
+
+class FreezeOrders(BaseModel):
+    """What the watcher process is told (argv[1], JSON): the worker's pid, the shared memory's fd, the engine's policy,
+    seconds between readings, the longest stop (seconds) and where to trace. Strict: an unknown field is refused."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    pid: int = Field(gt=1)
+    fd: int = Field(ge=0)
+    policy: ServingPolicy
+    interval_s: float = Field(ge=0.01, le=10.0, allow_inf_nan=False)
+    max_s: float = Field(gt=0.0, le=3600.0, allow_inf_nan=False)
+    trace: Path | None = None
+
+
+class FreezeLink:
+    """The worker's end: creates the shared memory, starts the watcher (`python -m probe_worker.freeze`) in a session
+    of its own, and marks its tasks' starts and ends. `close()` ends the watcher (which continues the worker first).
+
+    Linux only (memfd, /proc). Raises OSError where a memfd or the process cannot be made.
+    """
+
+    def __init__(self, policy: ServingPolicy, interval_s: float, max_s: float, trace: Path | None = None) -> None:
+        self.fd = os.memfd_create("sparecycles-freeze", 0)
+        os.ftruncate(self.fd, SHARED.size)
+        self._shared = mmap.mmap(self.fd, SHARED.size)
+        orders = FreezeOrders(pid=os.getpid(), fd=self.fd, policy=policy, interval_s=interval_s, max_s=max_s,
+                              trace=trace)
+        # Its own session: its own autogroup at nice 0 (the worker's is lowered next) and out of the terminal's Ctrl-C
+        # (the worker's SIGINT reaches it through the worker: pending signals continue the worker, and close() ends it).
+        self.proc = subprocess.Popen([sys.executable, "-m", "probe_worker.freeze", orders.model_dump_json()],
+                                     pass_fds=(self.fd,), start_new_session=True, stdin=subprocess.DEVNULL)
+
+    def task_started(self) -> None:
+        """The calling worker starts a task now (clears the last task's stop)."""
+        SHARED.pack_into(self._shared, 0, time.time(), 0.0)
+
+    def task_ended(self) -> None:
+        """The worker's task ended (however it ended); its stop is kept until the next task starts."""
+        struct.pack_into("<d", self._shared, 0, 0.0)
+
+    def stopped_at(self) -> float | None:
+        """When the watcher first stopped the worker during the running (or last) task (unix s), None if it did not."""
+        first = SHARED.unpack_from(self._shared, 0)[1]
+        return first or None
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """End the watcher (SIGTERM, then SIGKILL after `timeout_s`) and free the shared memory."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout_s)
+        self._shared.close()
+        os.close(self.fd)
+
+
+def signal_pending(pid: int) -> bool:
+    """Whether a signal the process has not blocked is pending for it (/proc/PID/status: SigPnd of its main thread or
+    ShdPnd, the process's, less SigBlk). False when the process is gone."""
+    masks = {}
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key in ("SigPnd", "ShdPnd", "SigBlk"):
+                masks[key] = int(value.strip(), 16)
+    except (OSError, ValueError):
+        return False
+    return bool((masks.get("SigPnd", 0) | masks.get("ShdPnd", 0)) & ~masks.get("SigBlk", 0))
+
+
+def is_stopped(pid: int) -> bool:
+    """Whether the process is in the stopped state ('T' in /proc/PID/stat). False when it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2:].startswith("T")
+
+
+class Watcher:
+    """The watcher's state machine over one reading (`step`); `run` loops it. Pure apart from the signals it sends,
+    the shared memory it reads and the trace it writes (each a constructor argument, so a test can drive it)."""
+
+    def __init__(self, orders: FreezeOrders, shared, send=os.kill, trace: TraceFile | None = None) -> None:
+        self.orders, self.shared, self.send, self.trace = orders, shared, send, trace
+        self.since: float | None = None  # when the current stop began (monotonic s), None while the worker runs
+        self.spent = False  # a stop ran to max_s in this busy spell: no other stop until the engine reads idle
+        self.refused = False  # the worker did not stop (a container's PID 1): the watcher gives up
+
+    def step(self, now: float, busy: bool, task: bool, pending: bool) -> None:
+        """One reading at monotonic `now`: `busy`, the engine has requests; `task`, the worker runs a task; `pending`,
+        a signal waits for the worker. Stops or continues the worker (module docstring)."""
+        if not busy:
+            self.spent = False
+        if self.since is None:
+            if busy and task and not pending and not self.spent and not self.refused:
+                self._stop(now)
+        elif not busy or pending or now - self.since >= self.orders.max_s:
+            self.spent = busy and not pending
+            self.thaw()
+
+    def _stop(self, now: float) -> None:
+        self.send(self.orders.pid, signal.SIGSTOP)
+        self.since, wall = now, time.time()
+        if SHARED.unpack_from(self.shared, 0)[1] == 0.0:
+            struct.pack_into("<d", self.shared, 8, wall)  # the task's first stop, which reclaim latency ends at
+        if self.trace is not None:
+            self.trace.event("freeze", wall)
+
+    def thaw(self) -> None:
+        """Continue the worker if it is stopped (idempotent)."""
+        if self.since is None:
+            return
+        self.send(self.orders.pid, signal.SIGCONT)
+        self.since = None
+        if self.trace is not None:
+            self.trace.event("thaw", time.time())
+
+    def run(self) -> None:
+        """Read the engine every interval until the worker is gone; continue it on the way out."""
+        probe, pid = EngineProbe(self.orders.policy), self.orders.pid
+        try:
+            while os.getppid() == pid:
+                try:
+                    busy = probe.read() > self.orders.policy.busy_above
+                except Unreadable:
+                    busy = False
+                stopping = self.since is None
+                self.step(time.monotonic(), busy, SHARED.unpack_from(self.shared, 0)[0] > 0.0, signal_pending(pid))
+                if stopping and self.since is not None:
+                    time.sleep(0.05)
+                    if not is_stopped(pid) and os.getppid() == pid:
+                        log.warning("worker %d did not stop on SIGSTOP (PID 1 of a container?): its tasks are cut in "
+                                    "process only", pid)
+                        self.refused = True
+                        self.thaw()
+                time.sleep(self.orders.interval_s)
+        finally:
+            self.thaw()
+            probe.close()
+
+
+def main(argv: list[str]) -> int:
+    """The watcher process: `python -m probe_worker.freeze ORDERS_JSON` (FreezeOrders). Exit 2 for bad orders."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        orders = FreezeOrders.model_validate_json(argv[1] if len(argv) > 1 else "")
+    except ValueError as exc:
+        print(f"probe_worker.freeze: bad orders: {exc}", file=sys.stderr)
+        return 2
+    watcher = Watcher(orders, mmap.mmap(orders.fd, SHARED.size),
+                      trace=TraceFile(orders.trace) if orders.trace else None)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # through run's finally: the worker is continued
+    watcher.run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
