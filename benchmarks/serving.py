@@ -77,7 +77,9 @@ def _trace(path: Path | None, t0: float, t1: float) -> tuple[list[tuple[float, f
     """A worker's computing task spans (done or preempted) that overlap [t0, t1], clipped to it, and its gate events
     (probe_worker.task_trace.TraceFile.event) in [t0 - 1, t1]. A cut task's span ends when its evaluation stopped (the
     check that raised); its hand-back after that (Celery's requeue, at the worker's low priority while the engine
-    runs) is an event, {"event": "hand_back", "t": its end, "stopped": s}."""
+    runs) is an event, {"event": "hand_back", "t": its end, "stopped": s}. The seconds the freeze watcher held the
+    worker stopped (its "freeze" to its next "thaw" event, probe_worker.freeze) are taken out of the spans: a stopped
+    task computes nothing."""
     if path is None or not path.exists():
         return [], []
     spans, events = [], []
@@ -90,15 +92,42 @@ def _trace(path: Path | None, t0: float, t1: float) -> tuple[list[tuple[float, f
                 events.append({"event": "hand_back", "t": s["end"], "stopped": s["stopped"]})
         elif "event" in s and t0 - 1 <= s["t"] <= t1:
             events.append(s)
-    return spans, events
+    return minus_frozen(spans, frozen_intervals(events, t1)), events
+
+
+def frozen_intervals(events: list[dict], t1: float) -> list[tuple[float, float]]:
+    """The [freeze, thaw] intervals of a worker's events (unix s, in time order; a freeze with no thaw after it lasts
+    to `t1`)."""
+    out, since = [], None
+    for e in sorted(events, key=lambda e: e["t"]):
+        if e["event"] == "freeze" and since is None:
+            since = e["t"]
+        elif e["event"] == "thaw" and since is not None:
+            out.append((since, e["t"]))
+            since = None
+    return out + ([(since, t1)] if since is not None else [])
+
+
+def minus_frozen(spans: list[tuple[float, float, str]], frozen: list[tuple[float, float]]
+                 ) -> list[tuple[float, float, str]]:
+    """`spans` (start, end, outcome) with the `frozen` intervals cut out of them: a span a stop interrupts becomes
+    two, one ending at the stop (its kind: "done", as the task went on) and one from the continue."""
+    out = []
+    for a, b, kind in spans:
+        pieces = [(a, b)]
+        for f0, f1 in frozen:
+            pieces = [p for x, y in pieces for p in ((x, min(y, f0)), (max(x, f1), y)) if p[1] > p[0]]
+        out += [(x, y, kind if y == b else "done") for x, y in pieces]
+    return out
 
 
 def _reclaims(ok, spans, events) -> tuple[list[float], list[float], list[float]]:
-    """Per request that arrived while a task ran: the task's end minus the arrival; split, where the worker traced its
-    gate, into detect (arrival -> the end of the first reading that turned the gate to yield after it) and cut (that
-    -> the task's end)."""
+    """Per request that arrived while a task ran: the task's end (or the freeze watcher's stop) minus the arrival;
+    split, where the worker traced its gate, into detect (arrival -> the end of the first reading that turned the gate
+    to yield after it, or the watcher's stop) and cut (that -> the task's end; 0 for a stop)."""
     total, detect, cut = [], [], []
-    seen = sorted(e["t"] + e.get("scrape_s", 0.0) for e in events if e["event"] == "yield")
+    seen = sorted([e["t"] + e.get("scrape_s", 0.0) for e in events if e["event"] == "yield"]
+                  + [e["t"] for e in events if e["event"] == "freeze"])
     for o in ok:
         for a, b, _ in spans:
             if a < o.sent < b:
@@ -177,7 +206,8 @@ def _workers(fleet: _Fleet, engine, cfg: ServingBench, tmp: Path, roles: tuple[s
     url = engine.url + ("/load" if cfg.signal == "load" else "/metrics")
     yielding = ("--serving-metrics", url, "--serving-hold", str(cfg.hold),
                 *(("--serving-interval", str(cfg.serving_interval)) if cfg.serving_interval else ()))
-    lower = (*(("--nice", str(cfg.nice)) if cfg.nice is not None else ()), *(("--sched-idle",) if cfg.sched_idle else ()))
+    lower = (*(("--nice", str(cfg.nice)) if cfg.nice is not None else ()), *(("--sched-idle",) if cfg.sched_idle else ()),
+             *(("--serving-freeze", str(cfg.freeze)) if cfg.freeze is not None else ()))
     extra = {"noyield": (), "yield": yielding, "nice": (*yielding, *lower)}
     out = {}
     for role in roles:
@@ -409,7 +439,7 @@ def plot(result: dict, path: Path) -> None:
     arms = [a for a in ARMS if a in result["raw"]]
     fig, axes = plt.subplots(len(arms), 1, figsize=(11, 2.6 * len(arms)), sharey=True, squeeze=False)
     titles = {"a": "(a) engine alone", "b": "(b) busy worker, no yielding", "c": "(c) engine-aware yielding",
-              "d": "(d) engine-aware yielding, worker priority as --nice / --sched-idle say"}
+              "d": "(d) engine-aware yielding as --nice / --sched-idle / --freeze say"}
     for ax, arm in zip(axes[:, 0], arms):
         offset = 0.0
         for i, blk in enumerate(result["raw"][arm]):

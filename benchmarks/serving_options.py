@@ -35,6 +35,9 @@ class ServingBench(BaseModel):
                              "at 19 by default)")
     sched_idle: bool = Field(False, description="also run arm (d) (or, with --nice, make it): its worker's tasks "
                              "under Linux's SCHED_IDLE policy (worker --sched-idle)")
+    freeze: float | None = Field(None, ge=0, le=3600, description="also run arm (d) (or, with --nice or "
+                                 "--sched-idle, make it): its worker's --serving-freeze (seconds; 0: no freeze "
+                                 "watcher, the ablation; arm (c)'s worker has the worker's default)")
     seed: int = Field(0, description="seed of the arrivals and of the text passages")
     blocks: int = Field(4, ge=1, description="interleave the arms in this many blocks (a, b, c, then b, c, a, ...), "
                         "each block sending every arm the same requests")
@@ -81,8 +84,8 @@ class ServingBench(BaseModel):
 
     @property
     def arms(self) -> tuple[str, ...]:
-        """The arms run: a, b, c, and d with `nice` or `sched_idle`."""
-        return ARMS if self.nice is not None or self.sched_idle else ARMS[:3]
+        """The arms run: a, b, c, and d with `nice`, `sched_idle` or `freeze`."""
+        return ARMS if self.nice is not None or self.sched_idle or self.freeze is not None else ARMS[:3]
 
     @property
     def pinned(self) -> bool:

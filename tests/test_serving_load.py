@@ -84,6 +84,29 @@ def test_a_cut_tasks_span_ends_when_its_evaluation_stopped_and_its_hand_back_is_
     assert f["reclaim_s"]["p95"] == pytest.approx(0.3) and f["hand_back_s"]["p95"] == pytest.approx(0.7)
 
 
+def test_the_freeze_watchers_stops_come_out_of_the_spans_and_end_the_reclaim(tmp_path):
+    from benchmarks.serving import _trace, frozen_intervals, minus_frozen
+    from probe_worker.task_trace import TraceFile
+
+    assert frozen_intervals([{"event": "thaw", "t": 1.0}, {"event": "freeze", "t": 2.0}, {"event": "thaw", "t": 3.0},
+                             {"event": "freeze", "t": 5.0}], 9.0) == [(2.0, 3.0), (5.0, 9.0)]
+    assert minus_frozen([(0.0, 4.0, "preempted"), (4.5, 6.0, "done")], [(1.0, 2.0), (5.0, 9.0)]) == [
+        (0.0, 1.0, "done"), (2.0, 4.0, "preempted"), (4.5, 5.0, "done")]
+    trace = TraceFile(tmp_path / "t.jsonl")
+    # a task [14.5, 17.0]: a request at 15.0; the watcher stopped it at 15.12 and continued it at 16.0 (engine idle);
+    # the gate, told of the stop, cut it at 16.1; its hand-back ended at 17.0
+    trace.event("freeze", 15.12)
+    trace.event("thaw", 16.0)
+    trace.event("yield", 16.05, scrape_s=0.01, load=0.0, cut=True, frozen=15.12)
+    trace(14.5, 17.0, "preempted", fired=16.06, where="f", stopped=16.1, frozen=15.12)
+    spans, events = _trace(tmp_path / "t.jsonl", 14.0, 18.0)
+    assert spans == [(14.5, 15.12, "done"), (16.0, 16.1, "preempted")]
+    f = arm_figures([([Outcome(sent=15.0, first=15.2, end=16.0, tokens=2)], spans, 14.0, 18.0, events)])
+    assert f["reclaims"] == 1 and f["reclaim_s"]["p95"] == pytest.approx(0.12)
+    assert f["reclaim_detect_s"]["p95"] == pytest.approx(0.12) and f["reclaim_cut_s"]["p95"] == 0.0
+    assert f["worker_task_s"] == pytest.approx(0.62 + 0.1) and f["hand_back_s"]["p95"] == pytest.approx(0.9)
+
+
 def test_block_order_rotates_so_no_arm_always_follows_the_same_one():
     from benchmarks.serving import block_order
 
