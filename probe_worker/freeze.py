@@ -165,16 +165,21 @@ class Watcher:
             self.trace.event("thaw", time.time())
 
     def run(self) -> None:
-        """Read the engine every interval until the worker is gone; continue it on the way out."""
+        """Read the engine every interval while the worker runs a task or is stopped, until the worker is gone; continue
+        it on the way out."""
         probe, pid = EngineProbe(self.orders.policy), self.orders.pid
         try:
             while os.getppid() == pid:
+                task = SHARED.unpack_from(self.shared, 0)[0] > 0.0
+                if not task and self.since is None:  # nothing to stop: no reading (each costs the engine ~2 ms)
+                    time.sleep(self.orders.interval_s)
+                    continue
                 try:
                     busy = probe.read() > self.orders.policy.busy_above
                 except Unreadable:
                     busy = False
                 stopping = self.since is None
-                self.step(time.monotonic(), busy, SHARED.unpack_from(self.shared, 0)[0] > 0.0, signal_pending(pid))
+                self.step(time.monotonic(), busy, task, signal_pending(pid))
                 if stopping and self.since is not None:
                     time.sleep(0.05)
                     if not is_stopped(pid) and os.getppid() == pid:
