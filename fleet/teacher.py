@@ -141,6 +141,7 @@ class FleetTeacher:
             counter.labels(run)
         # what a worker answering through a serving engine checks and writes (probe_worker.engine_teacher)
         self.student_tokenizer, self.teacher_vocab = engine_fields(teacher.student, teacher.teacher)
+        self.on_end: Callable[[], Any] | None = None  # kd_loss_factory's `end`: run once by close()
 
     def task_for(self, step: int) -> TeacherTask:
         """The teacher round of `step`: its batch's ids, the teacher and the target recipe."""
@@ -203,6 +204,18 @@ class FleetTeacher:
         self.next_step = step
         self.advance(step)
 
+    def close(self) -> None:
+        """The run is over (finished, failed or interrupted): run `on_end` once (kd_loss_factory's `end`: the
+        teacher run ended at its coordinator, as the probe backend ends the probe run). Best effort: a failure is
+        logged, never raised (the run's own outcome stands; a resume registers the teacher run again)."""
+        on_end, self.on_end = self.on_end, None
+        if on_end is None:
+            return
+        try:
+            on_end()
+        except Exception as exc:  # noqa: BLE001 - workers then consume an empty queue until the coordinator restarts
+            log.warning("could not end teacher queue %s: %s: %s", self.queue, type(exc).__name__, str(exc)[:200])
+
     def stats(self) -> dict[str, int]:
         """{kd_taken_steps, kd_missing_steps, kd_bytes_up, kd_bytes_down, kd_send_errors}: the run's counts so far
         (bytes over the wire: batch ids sent as base64, target blobs taken; refusals of the broker or store)."""
@@ -254,14 +267,17 @@ class FleetTeacher:
 
 
 def kd_loss_factory(redis_url: str, *, window: int = 8, strict: bool = False, strict_timeout_s: float = 120.0,
-                    run: str | None = None, register: Callable[[str, str], Any] | None = None) -> Callable:
+                    run: str | None = None, register: Callable[[str, str], Any] | None = None,
+                    end: Callable[[str], Any] | None = None) -> Callable:
     """trainer.train's `kd_loss_factory`: (cfg, task, rank, batch_fn=None) -> SparseKDLoss over the teacher rounds of
     `batch_fn(step)`'s batches (this rank's, under torchrun; default task.batch) sent by a
     FleetTeacher on `redis_url` (its Celery broker and target store) for the run named `run` (default: kd-, the
     teacher's sha256 prefix and the seed, so a resumed run finds its queue; the answers' keys add a per-process
     id). `register(teacher, run)`, when given, is called once by rank 0 before the first round, with the run's name
     (`train --coordinator`: the teacher run registered at the coordinator, so its enrolled workers consume the
-    queue, as `up --teacher` registers its runs). Raises ValueError for a non-redis URL or a Redis that does not answer a PING (5 s), and (when built) for
+    queue, as `up --teacher` registers its runs). `end(run)`, when given, is called by rank 0 when the loss is
+    closed at the run's end (SparseKDLoss.close, also after a failure or Ctrl-C): the teacher run ended there, so
+    the workers stop consuming its queue, as the probe run's queue is taken off their list. Raises ValueError for a non-redis URL or a Redis that does not answer a PING (5 s), and (when built) for
     --kd-estimator full: the fleet sends sparse targets only."""
     if not redis_url.startswith(("redis://", "rediss://")):
         raise ValueError(f"teacher rounds need a redis:// URL, got {redis_url!r}")
@@ -289,6 +305,8 @@ def kd_loss_factory(redis_url: str, *, window: int = 8, strict: bool = False, st
         fleet = FleetTeacher(make_celery(redis_url), store, run=keys, queue=teacher_queue(name),
                              teacher=TeacherRecipe.of(cfg), batch_fn=whole_batches(batch_fn),
                              flow=RoundFlow(window, strict, strict_timeout_s), rank=rank, steps=cfg.steps)
+        if rank == 0 and end is not None:
+            fleet.on_end = lambda: end(name)
         return SparseKDLoss(fleet, alpha=cfg.kd_alpha, batch_fn=batch_fn)  # one round per step, rows per call
 
     return build

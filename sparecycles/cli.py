@@ -52,7 +52,8 @@ def _fleet_settings():
 def _teacher_rounds(url: str, coordinator: tuple[str, str] | None = None, **kw):
     """fleet.teacher.kd_loss_factory; `coordinator` (base URL, admin token): the run's teacher rounds are
     registered there (fleet.teacher_weights.publish_teacher: the teacher's files as blobs), so the coordinator's
-    enrolled workers consume them, as `up --teacher` registers its runs'."""
+    enrolled workers consume them, as `up --teacher` registers its runs', and ended there when the run ends
+    (finished, failed or interrupted), as its probe run is."""
     from fleet.teacher import kd_loss_factory
 
     if coordinator is None:
@@ -66,7 +67,13 @@ def _teacher_rounds(url: str, coordinator: tuple[str, str] | None = None, **kw):
             publish_teacher(client, teacher, run)
         typer.echo(f"teacher rounds of run {run} registered at {coordinator[0]}: its workers answer them", err=True)
 
-    return kd_loss_factory(url, register=register, **kw)
+    def end(run: str) -> None:
+        from coordinator.client import CoordinatorClient
+
+        with CoordinatorClient(*coordinator) as client:
+            client.end_teacher(run)
+
+    return kd_loss_factory(url, register=register, end=end, **kw)
 
 
 # `train` gets its fleet from the top layer (trainer may not import fleet, which sits above it): attach for

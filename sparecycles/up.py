@@ -195,7 +195,8 @@ def _train_with_fleet(plan: UpPlan, progress: bool, log: Callable[[str], None],
                     from fleet.teacher import kd_loss_factory
 
                     probes["kd_loss_factory"] = kd_loss_factory(redis_url, strict=plan.fleet_wait != "never",
-                                                                run=teacher_runs[name])
+                                                                run=teacher_runs[name],
+                                                                end=lambda run: _end_teacher_run(base, admin, run))
                 from trainer.distributed import DistContext
 
                 dist = DistContext(fleet=name != "adamw", fleet_rounds=FLEET_ROUNDS[plan.fleet_wait])  # config.json
@@ -237,6 +238,15 @@ def _register_teacher_runs(base: str, admin: str, teacher: str, runs: list[str])
     with CoordinatorClient(base, admin) as client:
         for run in runs:
             publish_teacher(client, teacher, run)
+
+
+def _end_teacher_run(base: str, admin: str, run: str) -> None:
+    """End `run`'s teacher rounds at the coordinator (its run is over): the workers stop consuming its queue, as
+    they stop consuming an ended probe run's."""
+    from coordinator.client import CoordinatorClient
+
+    with CoordinatorClient(base, admin) as client:
+        client.end_teacher(run)
 
 
 def _serve_metrics(out: Path, coordinator_port: int, worker_ports: list[int], log: Callable[[str], None],

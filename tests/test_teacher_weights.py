@@ -87,6 +87,32 @@ def test_publish_then_fetch_rebuilds_the_folder_bit_for_bit(env, clients, teache
     assert env.enroll("later")[0]["teacher_queues"] == [teacher_queue("kd-blobs")]
 
 
+def test_a_runs_end_ends_its_teacher_run_at_the_coordinator(env, redis_url: str, clients, teacher: Path) -> None:
+    """kd_loss_factory's `register` and `end` (what `train --coordinator` and `up` pass): building rank 0's loss
+    registers the teacher run, closing it (trainer.train does at the run's end, finished or not) ends it there, once,
+    so a worker enrolling afterwards is told of no teacher queue; another rank's loss neither registers nor ends."""
+    from fleet.teacher import kd_loss_factory
+    from trainer.config import TrainConfig
+
+    admin, _ = clients
+    name, ended = f"kd-{uuid.uuid4().hex[:8]}", []
+
+    def end(run: str) -> None:
+        ended.append(run)
+        admin.end_teacher(run)
+
+    build = kd_loss_factory(redis_url, window=1, run=name, register=lambda t, r: publish_teacher(admin, t, r), end=end)
+    cfg = TrainConfig(model="gpt2-tiny", teacher=str(teacher), kd_estimator="sampled", kd_k=K, seed=SEED, steps=3,
+                      warmup_steps=0)
+    loss, other_rank = build(cfg, None, 0, batch_fn=batch_fn), build(cfg, None, 1, batch_fn=batch_fn)
+    assert env.enroll("during")[0]["teacher_queues"] == [teacher_queue(name)]
+    other_rank.close()
+    assert ended == [] and env.enroll("still")[0]["teacher_queues"] == [teacher_queue(name)]
+    loss.close()
+    loss.close()  # a second close ends nothing more
+    assert ended == [name] and env.enroll("after")[0]["teacher_queues"] == []
+
+
 def test_corrupt_or_unregistered_refused_nothing_left(env, clients, teacher: Path, tmp_path: Path) -> None:
     admin, mine = clients
     manifest, _ = publish_teacher(admin, str(teacher), "kd-corrupt")

@@ -184,7 +184,9 @@ def test_train_coordinator_zocurv_global_equals_in_process(coordinator, tmp_path
 def test_train_coordinator_registers_its_teacher_rounds_for_the_enrolled_workers(coordinator, tmp_path):
     """`train --coordinator URL --teacher T --teacher-rounds REDIS --kd-strict`: the trainer registers its teacher
     run at the coordinator, so a plain enrolled worker (no --teacher-queue) fetches the teacher as blobs and
-    answers every step's round: every step taught (none missing), the worker in GET /v1/workers."""
+    answers every step's round: every step taught (none missing), the worker in GET /v1/workers. When the run
+    ends its teacher run is ended there too: a worker enrolling afterwards is told of no teacher queue, as of no
+    probe queue (the run's evaluation rounds)."""
     from test_kd_fleet import student_teacher_and_data
 
     url, env, workers = coordinator
@@ -201,3 +203,6 @@ def test_train_coordinator_registers_its_teacher_rounds_for_the_enrolled_workers
     assert summary["kd"]["kd_taken_steps"] == 3 and summary["kd"]["kd_missing_steps"] == 0
     admin = {"Authorization": f"Bearer {env['SPARECYCLES_ADMIN_TOKEN']}"}
     assert [w["name"] for w in httpx.get(f"{url}/v1/workers", headers=admin, timeout=10).json()] == ["tf-0"]
+    enroll = {"Authorization": f"Bearer {env['SPARECYCLES_ENROLLMENT_TOKEN']}"}
+    late = httpx.post(f"{url}/v1/workers", json={"name": "late"}, headers=enroll, timeout=10).json()
+    assert (late["queues"], late["teacher_queues"]) == ([], []), late

@@ -284,6 +284,8 @@ def _step_loop(cfg: TrainConfig, s: _Setup, book: _RunLog, ledger: TimeLedger, d
         finally:
             _close_mode(mode, failed)
             _close_mode(evaluator, failed)
+            if callable(getattr(s.loss_fn, "close", None)):  # teacher rounds: the teacher run ends with the run
+                s.loss_fn.close()
     return time.perf_counter() - t0
 
 

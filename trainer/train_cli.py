@@ -31,7 +31,8 @@ class FleetHooks:
     attach(url, wait_s=, log=, rounds=, settings=) -> fleet.attach.Fleet, raising FleetError (a RuntimeError);
     settings() -> fleet.attach.FleetSettings from the environment, raising FleetError naming each variable;
     teacher_rounds(url, window=, strict=, run=, coordinator=) -> trainer.train's kd_loss_factory (fleet.teacher),
-    raising ValueError when its Redis does not answer; `coordinator` (URL, admin token) registers the rounds there.
+    raising ValueError when its Redis does not answer; `coordinator` (URL, admin token) registers the rounds there
+    (and ends them there when the run ends: the loss's close, trainer.train).
     """
 
     attach: Callable[..., Any]

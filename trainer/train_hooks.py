@@ -32,7 +32,8 @@ class TrainHooks:
         later (logged then, at their own step; one process only: a torchrun job evaluates on its ranks).
     kd_loss_factory(cfg, task, rank, batch_fn=) (batch_fn(step) -> this rank's (x, y)): with --teacher, a loss_fn
         whose targets come from elsewhere (e.g. trainer.kd.sparse_loss.SparseKDLoss: teacher rounds on workers)
-        instead of the in-process teacher (trainer.kd.teacher.KDLoss).
+        instead of the in-process teacher (trainer.kd.teacher.KDLoss). A loss_fn with a `close()` is closed
+        once when the run ends, finished, failed or interrupted (teacher rounds: the teacher run ended).
     """
 
     mode_factory: Callable[[TrainConfig, torch.nn.Module], TrainMode] | None = None

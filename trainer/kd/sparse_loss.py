@@ -166,3 +166,10 @@ class SparseKDLoss:
     def this_part(self) -> dict[str, int]:
         """The source's counts in this invocation alone."""
         return self.source.stats()
+
+    def close(self) -> None:
+        """The run is over (trainer.train calls it once, finished, failed or interrupted): the source's own close,
+        where it has one (fleet.teacher.FleetTeacher: its teacher run ended at the coordinator)."""
+        close = getattr(self.source, "close", None)
+        if callable(close):
+            close()
