@@ -3,7 +3,8 @@
 kernels, probe: probe kernels and a probe worker's speed on a GPU (probe_kernels.bench, .bench_probe, beside the
 kernels they measure); intake: result intake through
 Redis (benchmarks.intake); fleet: probe throughput of real CPU workers (benchmarks.fleet); zo: the ZO
-side-by-side benchmarks (benchmarks.zo); headline: the H200 headline report and memory scan (benchmarks.headline).
+side-by-side benchmarks (benchmarks.zo); headline: the H200 headline report and memory scan (benchmarks.headline);
+regime: issue 29's resumable plan (benchmarks.regime_cli).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from benchmarks.options import (
     ZoBenchOptions,
     parse,
 )
+from benchmarks.regime_cli import regime_app
 from benchmarks.serving_options import ServingBench, ServingLoad
 from trainer.cli_settings import SettingsCommand, with_settings
 
@@ -306,15 +308,6 @@ def memory(given: dict) -> None:
         o.json_out.write_text(json.dumps(res, indent=2))
 
 
-def bench_regime(ctx: typer.Context) -> None:
-    """Issue 29's comparison (benchmarks.regime): `run --plan full|h200|cpu --out DIR [--jobs J --devices
-    cuda:0,cuda:1 --deadline-s S --batch-size B --seq-len T --corpus C]` runs the resumable plan, `report DIR`
-    writes regime_summary.json, regime.png and regime_tables.md."""
-    from benchmarks.regime import main
-
-    main(list(ctx.args))
-
-
 @with_settings(model=DataPackOptions, param="given", section=SECTION)
 def bench_data_pack(given: dict) -> None:
     """Tokenization throughput (tokens/s, 1 thread and every core) and the time to pack a folder of real text
@@ -410,9 +403,7 @@ bench_app.command("zo", cls=SettingsCommand, short_help="ZO-Curv and pure-ZO ben
 bench_app.command("serving", cls=SettingsCommand, short_help="Serving latency beside a worker, with and without yielding.")(
     bench_serving)
 bench_app.command("serving-load", cls=SettingsCommand, short_help="Open-loop requests against a running engine.")(bench_serving_load)
-bench_app.command("regime", short_help="Block-type lrs vs AdamW at large batch (issue 29).",
-                  context_settings={"allow_extra_args": True, "ignore_unknown_options": True,
-                                    "help_option_names": []})(bench_regime)
+bench_app.add_typer(regime_app, name="regime", short_help="Block-type lrs vs AdamW at large batch (issue 29).")
 bench_app.add_typer(headline_app, name="headline",
                     short_help="Headline benchmarks: pretraining report, memory scan.")
 

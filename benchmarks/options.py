@@ -1,4 +1,4 @@
-"""The options of `sparecycles bench fleet`, `bench zo` and `bench precision`, as typed models.
+"""The options of `sparecycles bench fleet`, `bench zo`, `bench precision`, `bench regime run`, ..., as typed models.
 
 Each command's options are generated from these fields by trainer.cli_settings (as `train`'s from TrainConfig): one
 declaration per option, with its default, bounds and help (the description); "name" in json_schema_extra spells an
@@ -16,9 +16,12 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
+from benchmarks.regime import PLANS
 from fleet.devices import device_here, devices_here
 from probe_worker.options import WorkerOptions
+from trainer.config import TrainConfig
 from trainer.models.presets import get_preset
+from trainer.run_options import RunOptions
 
 _F = Field
 _WORKER = WorkerOptions.model_fields  # the worker options `bench fleet` passes through keep their choices
@@ -283,6 +286,52 @@ class PrecisionOptions(BaseModel):
     corpus: str = _F("classics-small", description="Corpus (train split trains, validation split is scored)")
     device: str = _F("cuda:0", description="Torch device (cuda:N; cpu runs every column eagerly)")
     json_out: Path | None = _F(None, description="Write the result JSON here")
+
+
+def _override(model: type[BaseModel], name: str) -> Any:
+    """`model`'s field `name` as an optional override of it: its type and bounds (declared there once), or None."""
+    info = model.model_fields[name]
+    return Annotated[(info.annotation | None, *info.metadata)]
+
+
+_BatchSize, _SeqLen = _override(TrainConfig, "batch_size"), _override(TrainConfig, "seq_len")
+_Corpus, _Model = _override(TrainConfig, "corpus"), _override(TrainConfig, "model")
+_MicroBatchSize = _override(RunOptions, "micro_batch_size")
+PlanName = Literal[tuple(PLANS)]  # benchmarks.regime.PLANS' names: a plan added there is a choice here
+
+
+class RegimeRunOptions(BaseModel):
+    """`bench regime run`: issue 29's resumable plan (benchmarks.regime.run_plan). The overrides of the plan's run
+    settings take TrainConfig's (and RunOptions') bounds; unset, the plan's own settings stand."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    plan: PlanName = _F(description="the plan: full (64x1024), h200, h200b, h200c, h200d (one-GPU calls) or cpu "
+                        "(a tiny dry run); benchmarks.regime.PLANS")
+    out: Path = _F(description="folder of the run folders (resumable: finished runs are kept)")
+    jobs: int = _F(4, ge=1, le=256, description="runs at a time (one process each)")
+    devices: str = _F("auto", min_length=1, description="comma-separated devices, runs spread round-robin; auto: "
+                      "cuda when torch sees a GPU, else cpu")
+    deadline_s: float = _F(440.0, gt=0.0, allow_inf_nan=False, description="seconds after which the runs still "
+                           "going are stopped (checkpointed) and no other starts")
+    batch_size: _BatchSize = _F(None, description="override the plan's sequences per step")
+    seq_len: _SeqLen = _F(None, description="override the plan's tokens per sequence")
+    corpus: _Corpus = _F(None, description="override the plan's corpus")
+    model: _Model = _F(None, description="override the plan's model preset")
+    micro_batch_size: _MicroBatchSize = _F(None, description="sequences per forward/backward: each step's gradients "
+                                           "accumulate over batch/M passes (M must divide the batch)")
+
+    @model_validator(mode="after")
+    def _devices_here(self) -> RegimeRunOptions:
+        if self.devices != "auto":  # a CUDA device this machine lacks is refused before any run starts
+            devices_here(self.devices, "--devices")
+        return self
+
+    @property
+    def overrides(self) -> dict[str, Any]:
+        """The plan settings given ({setting: value}; unset ones left out)."""
+        return {k: v for k in ("batch_size", "seq_len", "corpus", "model", "micro_batch_size")
+                if (v := getattr(self, k)) is not None}
 
 
 def parse(model: type[M], given: dict[str, Any]) -> M:

@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from benchmarks.run_spec import OptionsRun, plan_parser, train_into
+from benchmarks.run_spec import OptionsRun, train_into
 
 ADAMW = "adamw"
 
@@ -270,38 +270,15 @@ def run_plan(plan_name: str, out_dir: Path, *, jobs: int, devices: list[str], de
 
 
 def main(argv: list[str]) -> None:
-    """CLI: `run --plan P --out DIR [...]`, `report DIR [DIR…]`, `one SPEC SETTINGS DIR DEV`."""
-    ap, r, _ = plan_parser("python -m benchmarks.regime", PLANS, deadline_s=440.0, one=("spec", "settings", "out", "device"),
-                           device=("devices", "auto", "comma-separated, runs spread round-robin; auto: cuda when "
-                                   "torch sees a GPU, else cpu"))
-    for k, t in (("batch-size", int), ("seq-len", int), ("corpus", str), ("model", str), ("micro-batch-size", int)):
-        r.add_argument(f"--{k}", type=t, default=None)
-    a = ap.parse_args(argv)
-    if a.cmd == "run":
-        over = {k: v for k, v in (("batch_size", a.batch_size), ("seq_len", a.seq_len), ("corpus", a.corpus),
-                                  ("model", a.model), ("micro_batch_size", a.micro_batch_size)) if v is not None}
-        devices = a.devices
-        if devices == "auto":
-            import torch
+    """`one SPEC SETTINGS DIR DEV`: one run (what run_plan starts per run, SPEC and SETTINGS as JSON); anything else
+    is `sparecycles bench regime` (benchmarks.regime_cli: `run --plan P --out DIR [...]`, `report DIR [DIR...]`)."""
+    if argv[:1] == ["one"] and len(argv) == 5:
+        spec, settings, out, device = argv[1:]
+        run_one(RegimeRun(**json.loads(spec)), json.loads(settings), device, Path(out))
+        return
+    from benchmarks.regime_cli import regime_app
 
-            devices = "cuda" if torch.cuda.is_available() else "cpu"
-        left = run_plan(a.plan, a.out, jobs=a.jobs, devices=devices.split(","), deadline_s=a.deadline_s,
-                        settings={**PLANS[a.plan].settings, **over})
-        n_done = len(finished(a.out))
-        print(json.dumps({"unfinished": left, "finished": n_done}))
-        if left and not n_done:
-            sys.exit(f"no run finished; the logs under {a.out} say why")
-    elif a.cmd == "report":
-        from benchmarks.regime_score import report
-
-        try:
-            s = report(a.out, a.more)
-        except ValueError as exc:  # e.g. no finished AdamW run to compare against
-            sys.exit(f"error: {exc}")
-        print(json.dumps({k: v for k, v in s.items() if k != "runs"}, indent=1))
-    else:
-        spec = json.loads(a.spec)
-        run_one(RegimeRun(**spec), json.loads(a.settings), a.device, Path(a.out))
+    regime_app(argv, prog_name="python -m benchmarks.regime")
 
 
 if __name__ == "__main__":

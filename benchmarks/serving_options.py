@@ -6,12 +6,17 @@ fleet.devices)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from benchmarks.options import RedisUrl, redis_field
 from fleet.devices import device_here
+
+# A request load's Poisson arrivals per second: the one bound of `bench serving --rate`, `bench serving-load --rate`
+# and `up --serving-rate` (sparecycles.up_options), all sending benchmarks.serving_load's load. Above 100/s a CPU
+# engine only queues; a finite rate above 0 gives arrival gaps make_requests can draw.
+RequestRate = Annotated[float, Field(gt=0.0, le=100.0, allow_inf_nan=False)]
 
 ARMS = ("a", "b", "c", "d")  # engine alone, busy worker, yielding worker, yielding worker at a lower CPU priority
 
@@ -22,7 +27,7 @@ class ServingBench(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     requests: int = Field(20, ge=2, description="requests per arm")
-    rate: float = Field(0.2, gt=0, le=100, description="Poisson arrivals per second")
+    rate: RequestRate = Field(0.2, description="Poisson arrivals per second")
     hold: float = Field(0.5, ge=0, le=60, description="the yielding workers' --serving-hold (seconds)")
     control_interval: float = Field(0.2, ge=0.05, le=10, description="the workers' --control-interval (seconds)")
     serving_interval: float | None = Field(None, ge=0.01, le=10, description="the yielding workers' "
@@ -100,6 +105,6 @@ class ServingLoad(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     requests: int = Field(40, ge=1, description="requests to send")
-    rate: float = Field(0.1, ge=0.01, le=100, description="Poisson arrivals per second")
+    rate: RequestRate = Field(0.1, description="Poisson arrivals per second")
     seed: int = Field(0, description="seed of the arrivals and of the text passages")
     json_out: Path | None = Field(None, description="write every request's timings here (JSON)")

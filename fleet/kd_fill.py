@@ -20,6 +20,7 @@ from typing import Any
 
 import redis
 
+from fleet.kd_options import FillOptions
 from fleet.teacher import FleetTeacher, RoundFlow, TeacherRecipe, teacher_queue
 from trainer.kd.cache import KDPlan, TargetCache, plan_for
 from trainer.kd.intake import accept
@@ -56,28 +57,6 @@ def _vocab(teacher: str) -> int:
     from transformers import AutoConfig
 
     return int(AutoConfig.from_pretrained(teacher_folder(teacher), local_files_only=True).vocab_size)
-
-
-@dataclass(frozen=True)
-class FillOptions:
-    """How a fill asks. run: the queue's run name (fleet.teacher.teacher_queue(run); default kd-<teacher
-    sha256[:12]>-<seed>, the name `train --teacher-rounds` uses, so the same workers serve both); window: rounds out
-    at once (>= 1); timeout_s: seconds a window waits for answers before re-sending the unanswered (> 0); attempts:
-    sends per step before giving up (>= 1); poll_s: seconds between reads of the answers; keys: the run name of this
-    fill's answers' keys (default: the queue's run name and this fill's own id, so two fills of one plan at once
-    never take each other's answers, as two `train --teacher-rounds` do not). Raises ValueError when out of range."""
-
-    run: str | None = None
-    window: int = 32
-    timeout_s: float = 120.0
-    attempts: int = 5
-    poll_s: float = 0.05
-    keys: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.window < 1 or not self.timeout_s > 0 or self.attempts < 1:
-            raise ValueError(f"kd fill: window {self.window} (>= 1), timeout {self.timeout_s} s (> 0), attempts "
-                             f"{self.attempts} (>= 1)")
 
 
 class _Filler:

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from benchmarks.serving_options import RequestRate
 from fleet.devices import check_worker_count
 from trainer.config import TrainConfig
 from trainer.methods import fleet_method_names
@@ -74,7 +75,7 @@ class UpOptions(BaseModel):
                                              "vLLM (CPU build, SmolLM2-135M; `bash tools/vllm.sh install` once) and "
                                              "an open-loop request load against it; every worker yields to it, and "
                                              "serving.json gets the load's latencies and the workers' figures")
-    serving_rate: float = Field(0.1, gt=0.0, le=100.0, allow_inf_nan=False, description="with --serving vllm: the "
+    serving_rate: RequestRate = Field(0.1, description="with --serving vllm: the "
                                 "request load's Poisson arrivals (requests per second)")
     serving_requests: int = Field(40, ge=1, le=10_000, description="with --serving vllm: requests the load sends "
                                   "(those not yet sent when the runs end are not sent)")

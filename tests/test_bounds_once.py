@@ -45,3 +45,21 @@ def test_probe_eps_and_adams_eps_are_named_apart_with_one_default_each():
     for cls in (ZOCurvBlockAdamW, ZOCurvLine, ScaledAdamW, ZOCurvRoleAdamW, BlockTableAdamW):
         assert _default(cls, "eps") == ADAM_EPS == 1e-8, cls
     assert _default(ZOCurvSophia, "eps") == 1e-12  # Sophia's own (Liu et al. 2023), not Adam's
+
+
+def test_the_request_rate_has_one_bound():
+    """`bench serving-load --rate`, `bench serving --rate` and `up --serving-rate` send benchmarks.serving_load's
+    load: one bound (benchmarks.serving_options.RequestRate), so a rate `up` takes is one `serving-load` takes
+    (serving-load refused 0.005/s, which up sent)."""
+    from benchmarks.serving_options import ServingBench, ServingLoad
+    from sparecycles.up_options import UpOptions
+
+    fields = (ServingLoad.model_fields["rate"], ServingBench.model_fields["rate"],
+              UpOptions.model_fields["serving_rate"])
+    assert [bounds(f) for f in fields] == [{"gt": 0.0, "le": 100.0}] * 3
+    assert ServingLoad(rate=0.005).rate == UpOptions(serving="vllm", serving_rate=0.005).serving_rate == 0.005
+    for bad in (0.0, 100.5, float("inf")):
+        with pytest.raises(ValidationError):
+            ServingLoad(rate=bad)
+        with pytest.raises(ValidationError):
+            UpOptions(serving="vllm", serving_rate=bad)

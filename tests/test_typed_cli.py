@@ -1,0 +1,119 @@
+"""The commands converted to typed options (`bench regime run`, `kd fill`'s own options, the request rate of `bench
+serving-load` and `up`): their --help lists each option with the default and bound its model declares, and a value
+out of bounds is one line, exit 2, from the real `sparecycles` app before anything starts; `python -m
+benchmarks.regime` (tools/h200_regime.sh) is the same command, run here as a real process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from sparecycles.cli import app
+
+ROOT = Path(__file__).resolve().parents[1]
+UNSET = ("REDIS_URL", "SPARECYCLES_REDIS_URL")
+
+
+def _help(args: list[str]) -> str:
+    """`sparecycles ARGS --help`, its whitespace (click's wrapping) collapsed to single spaces."""
+    res = CliRunner(env=dict.fromkeys(UNSET)).invoke(app, [*args, "--help"])
+    assert res.exit_code == 0, res.output
+    return " ".join(res.output.split())
+
+
+@pytest.mark.parametrize(("args", "entries"), [
+    (["bench", "regime", "run"], [
+        "--plan [full|h200|h200b|h200c|h200d|cpu]", "[required]", "--out PATH",
+        "--jobs INTEGER runs at a time (one process each). Bound: 1<=x<=256. [default: (4)]",
+        "Bound: 0<x. [default: (440.0)]", "[default: (auto)]",
+        "--batch-size INTEGER override the plan's sequences per step. Bound: 1<=x<=4096. [default: (none)]",
+        "--seq-len INTEGER override the plan's tokens per sequence. Bound: 2<=x<=8192. [default: (none)]",
+        "--corpus TEXT override the plan's corpus. [default: (none)]", "--micro-batch-size INTEGER"]),
+    (["kd", "fill"], [
+        "--preset TEXT", "[default: (demo)]", "[env var: SPARECYCLES_REDIS_URL; default: (redis://127.0.0.1:6379/0)]",
+        "--cache PATH The target cache folder", "--window INTEGER Teacher rounds out at once. Bound: 1<=x<=4096. "
+        "[default: (32)]", "Bound: 0.001<=x. [default: (120.0)]", "Bound: 1<=x. [default: (5)]",
+        "--progress / --no-progress Show a progress bar. [default: (on)]"]),
+    (["bench", "serving-load"], ["--rate FLOAT Poisson arrivals per second. Bound: 0<x<=100. [default: (0.1)]"]),
+    (["bench", "serving"], ["--rate FLOAT Poisson arrivals per second. Bound: 0<x<=100. [default: (0.2)]"]),
+    (["up"], ["(requests per second). Bound: 0<x<=100. [default: (0.1)]"]),
+])
+def test_help_lists_the_models_defaults_and_bounds(args, entries):
+    text = _help(args)
+    assert [e for e in entries if e not in text] == []
+
+
+def _refused(args: list[str]) -> str:
+    """The one error line of `sparecycles ARGS`, which must exit 2."""
+    res = CliRunner(env=dict.fromkeys(UNSET)).invoke(app, args)
+    lines = [line for line in res.output.splitlines() if line.strip()]
+    assert res.exit_code == 2 and len(lines) == 1, (res.exit_code, res.output)
+    return lines[0]
+
+
+RUN = ["bench", "regime", "run", "--plan", "cpu", "--out"]
+
+
+@pytest.mark.parametrize(("args", "line"), [
+    ([*RUN, "X", "--jobs", "0"], "error: --jobs: Input should be greater than or equal to 1"),
+    ([*RUN, "X", "--seq-len", "1"], "error: --seq-len: Input should be greater than or equal to 2"),
+    ([*RUN, "X", "--batch-size", "4097"], "error: --batch-size: Input should be less than or equal to 4096"),
+    ([*RUN, "X", "--deadline-s", "0"], "error: --deadline-s: Input should be greater than 0"),
+    ([*RUN, "X", "--devices", "gpu"], "error: --devices: 'gpu' is not a torch device (cpu, cuda or cuda:N)"),
+    (["bench", "regime", "run", "--plan", "nope", "--out", "X"], "error: --plan: Input should be 'full', 'h200', 'h200b', 'h200c', 'h200d' or 'cpu'"),
+    (["bench", "regime", "run", "--plan", "cpu"], "error: Missing option '--out'"),
+    (["kd", "fill", "--window", "0"], "error: --window: Input should be greater than or equal to 1"),
+    (["kd", "fill", "--window", "4097"], "error: --window: Input should be less than or equal to 4096"),
+    (["kd", "fill", "--timeout", "0"], "error: --timeout: Input should be greater than or equal to 0.001"),
+    (["kd", "fill", "--attempts", "0"], "error: --attempts: Input should be greater than or equal to 1"),
+    (["kd", "fill", "--redis-url", "http://h:1"], "error: --redis-url (env var: SPARECYCLES_REDIS_URL): a redis:// "
+     "(or rediss://) URL, got 'http://h:1'"),
+    (["bench", "serving-load", "http://127.0.0.1:1", "--rate", "0"], "error: --rate: Input should be greater than 0"),
+    (["bench", "serving-load", "http://127.0.0.1:1", "--rate", "101"], "error: --rate: Input should be less than or "
+     "equal to 100"),
+    (["up", "--serving", "vllm", "--serving-rate", "101"], "error: --serving-rate: Input should be less than or "
+     "equal to 100"),
+    (["up", "--serving", "vllm", "--serving-rate", "0"], "error: --serving-rate: Input should be greater than 0"),
+])
+def test_a_value_out_of_bounds_is_refused_naming_its_option(args, line, tmp_path):
+    got = _refused([a.replace("X", str(tmp_path / "out")) if a == "X" else a for a in args])
+    assert got.startswith(line), got
+    assert not (tmp_path / "out").exists()  # refused before anything ran
+
+
+def test_kd_fill_options_build_the_fill_options():
+    """`kd fill`'s options reach fleet.kd_fill as one FillOptions (--timeout is its timeout_s), parsed only."""
+    from typer.main import get_command
+
+    from sparecycles.kd_cli import KdFillOptions
+
+    cmd = get_command(app).commands["kd"].commands["fill"]
+    values = cmd.make_context("fill", ["--window", "8", "--timeout", "2.5", "--run", "r1", "--cache", "c"]).params
+    given = {k: values[k] for k in ("window", "timeout", "run", "cache", "attempts")}
+    assert given == {"window": 8, "timeout": 2.5, "run": "r1", "cache": Path("c"), "attempts": None}
+    o = KdFillOptions(fill={"window": 8, "timeout_s": 2.5, "run": "r1"}, cache=Path("c"))
+    assert (o.fill.window, o.fill.timeout_s, o.fill.run, o.fill.attempts, o.fill.poll_s) == (8, 2.5, "r1", 5, 0.05)
+    assert KdFillOptions().redis_url == "redis://127.0.0.1:6379/0" and KdFillOptions().fill.keys is None
+
+
+def test_python_m_benchmarks_regime_is_the_typed_command(tmp_path):
+    """tools/h200_regime.sh's call, `python -m benchmarks.regime run ...`, as a real process: its --corpus override
+    reaches every run (each fails on the unknown corpus, its log naming it), the JSON line lists them unfinished,
+    and exit 1 says no run finished; a refused value is exit 2 there too."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    base = [sys.executable, "-m", "benchmarks.regime", "run", "--plan", "cpu", "--out", str(tmp_path)]
+    bad = subprocess.run([*base, "--jobs", "0"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--jobs" in bad.stderr, bad.stderr
+    res = subprocess.run([*base, "--jobs", "4", "--devices", "cpu", "--deadline-s", "200", "--corpus",
+                          "no-such-corpus"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 1 and "no run finished" in res.stderr, res.stderr
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["finished"] == 0 and len(out["unfinished"]) == 4  # the cpu plan's first stage: 2 lrs x 2 schedules
+    for name in out["unfinished"]:
+        assert "no-such-corpus" in (tmp_path / f"{name}.log").read_text()
