@@ -51,7 +51,7 @@ def train_into(spec: OptionsRun, out_dir: Path, config: Callable[[Path], Any],
 
 def plan_parser(prog: str, plans: Any, *, device: tuple[str, str, str | None], deadline_s: float,
                 one: tuple[str, ...]) -> tuple[Any, Any, Any]:
-    """The command line both plan benchmarks share: `run --plan P --out DIR --jobs J --<device> D --deadline-s S`,
+    """benchmarks.zocurv_fair's command line (benchmarks.regime's is typed: benchmarks.regime_cli): `run --plan P --out DIR --jobs J --<device> D --deadline-s S`,
     `report OUT [MORE…]` and `one <one…>` (one run, as a subprocess of `run`). `device` is (option name, default,
     help). Returns (the parser, the run and the report subparsers), for each benchmark to add its own options."""
     import argparse
