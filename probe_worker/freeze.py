@@ -102,6 +102,17 @@ class FreezeLink:
         os.close(self.fd)
 
 
+def why_no_watcher() -> str | None:
+    """Why this process must not be stopped by a watcher, None if it may: it must lead its session (as for its
+    autogroup, probe_worker.priority). A terminal's job that stops shows as stopped, and the shell takes the terminal
+    back."""
+    if os.getsid(0) != os.getpid():
+        return ("this worker shares its session (a terminal's, a script's), where a stop would show as a stopped job: "
+                "start it as a session of its own (a service manager, or `setsid -w sparecycles worker ...`, stopped "
+                "with SIGTERM)")
+    return None
+
+
 def signal_pending(pid: int) -> bool:
     """Whether a signal the process has not blocked is pending for it (/proc/PID/status: SigPnd of its main thread or
     ShdPnd, the process's, less SigBlk). False when the process is gone."""

@@ -38,7 +38,7 @@ from coordinator.client import CoordinatorClient, CoordinatorHTTPError, Forgotte
 from probe_kernels.reference import add_chunk_hook
 from probe_worker.broker import use_guarded_transport
 from probe_worker.cache import WeightCache
-from probe_worker.freeze import FreezeLink
+from probe_worker.freeze import FreezeLink, why_no_watcher
 from probe_worker.metrics import default_metrics, serve_metrics
 from probe_worker.options import WorkerOptions
 from probe_worker.priority import lower_session_priority, lower_thread_priority
@@ -392,9 +392,14 @@ class ProbeWorker:
 
     def _start_freeze_watcher(self) -> None:
         """Beside an engine (--serving-freeze > 0): the process that stops this worker while the engine serves during a
-        task (probe_worker.freeze), for at most a third of the lease; none where the platform lacks memfd."""
+        task (probe_worker.freeze), for at most a third of the lease; only where the worker leads its session (as for
+        its autogroup, probe_worker.priority), and none where the platform lacks memfd."""
         policy = self.opts.serving
         if policy is None or policy.freeze_s <= 0:
+            return
+        why_not = why_no_watcher()
+        if why_not:
+            log.warning("no freeze watcher: %s; its tasks are cut in process only", why_not)
             return
         max_s = min(policy.freeze_s, self.reg.lease_seconds / 3)
         try:

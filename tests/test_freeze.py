@@ -68,6 +68,15 @@ def test_watcher_never_holds_a_pending_signal_and_gives_up_after_max_s_until_idl
     assert [s for _, s in sent][-2:] == [signal.SIGSTOP, signal.SIGCONT]
 
 
+def test_only_a_session_leader_gets_a_watcher():
+    code = "from probe_worker.freeze import why_no_watcher; print(why_no_watcher())"
+    run = {"capture_output": True, "text": True, "cwd": ROOT, "timeout": 60, "check": True,
+           "env": {**os.environ, "PYTHONPATH": str(ROOT)}}
+    assert subprocess.run([sys.executable, "-c", code], start_new_session=True, **run).stdout.strip() == "None"
+    for popen in ({}, {"process_group": 0}):  # a script's child, a shell's job
+        assert "setsid -w" in subprocess.run([sys.executable, "-c", code], **popen, **run).stdout
+
+
 def test_orders_are_strict():
     with pytest.raises(ValueError):
         FreezeOrders.model_validate_json('{"pid": 7, "fd": 3, "policy": {"metrics_url": "http://x/load"}, '
