@@ -124,7 +124,9 @@ class _Fleet:
                  self.enroll_token, "--name", name, "--threads", str(self.threads), "--device", device,
                  "--cache-dir", str(self.tmp / f"cache-{name}"), "--loglevel", "WARNING",
                  "--prefetch-interval", "0.2", "--control-interval", "0.1", *self.worker_args], env=env, cwd=ROOT, stdout=log,
-                stderr=subprocess.STDOUT))
+                # each a session of its own, as a service manager (and `up`) starts a worker: beside an engine it
+                # lowers its autogroup and starts its freeze watcher only so (probe_worker.priority, .freeze)
+                stderr=subprocess.STDOUT, start_new_session=True))
         self.wait(lambda: all(self.info(nm) and self.info(nm)["last_heartbeat"] > self.info(nm)["registered_at"]
                               for nm in names), "workers to start")
         return names

@@ -56,8 +56,17 @@ ENGINE_CPU, FLEET_CPU = 0, 1
 
 
 def _pin(pid: int, cpu: int) -> None:
-    """Pin every thread of process `pid` to `cpu` (taskset -a)."""
-    subprocess.run(["taskset", "-a", "-cp", str(cpu), str(pid)], check=True, capture_output=True)
+    """Pin every thread of process `pid` to `cpu`, twice over (a thread started meanwhile by one not yet pinned).
+    A thread that ends meanwhile is skipped: `taskset -a` failed the whole bench on one (a worker's short-lived
+    threads). Raises ProcessLookupError if the process itself is gone."""
+    if not Path(f"/proc/{pid}").exists():
+        raise ProcessLookupError(f"process {pid} is gone")
+    for _ in range(2):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                os.sched_setaffinity(int(tid), {cpu})
+            except (ProcessLookupError, FileNotFoundError):  # the thread ended
+                pass
 
 
 def _scrape(port: int) -> dict[str, float]:
