@@ -28,6 +28,7 @@ import redis
 import torch
 
 from benchmarks.options import FleetBenchOptions
+from probe_worker.engine import die_with_parent
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -125,8 +126,9 @@ class _Fleet:
                  "--cache-dir", str(self.tmp / f"cache-{name}"), "--loglevel", "WARNING",
                  "--prefetch-interval", "0.2", "--control-interval", "0.1", *self.worker_args], env=env, cwd=ROOT, stdout=log,
                 # each a session of its own, as a service manager (and `up`) starts a worker: beside an engine it
-                # lowers its autogroup and starts its freeze watcher only so (probe_worker.priority, .freeze)
-                stderr=subprocess.STDOUT, start_new_session=True))
+                # lowers its autogroup and starts its freeze watcher only so (probe_worker.priority, .freeze); out of
+                # the bench's session Ctrl-C no longer reaches it, so it gets SIGTERM when the bench ends, however
+                stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent))
         self.wait(lambda: all(self.info(nm) and self.info(nm)["last_heartbeat"] > self.info(nm)["registered_at"]
                               for nm in names), "workers to start")
         return names

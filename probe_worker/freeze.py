@@ -14,8 +14,10 @@ while the worker runs a task and the engine reads busy, the worker is stopped. I
   and is not stopped again until the engine has read idle once), or
 - the watcher ends (SIGTERM, its parent gone, an error): never leaves the worker stopped.
 
-An unreadable engine never stops the worker (the in-process watch yields on it). A worker that cannot be stopped
-(PID 1 of a container ignores SIGSTOP from inside it) is said once and left alone.
+An unreadable engine never stops the worker (the in-process watch yields on it). A worker that is PID 1 of its
+container gets no watcher (`why_no_watcher`: the kernel drops a SIGSTOP sent to a namespace's init from inside it).
+A stop takes effect when each of the worker's threads next enters the kernel or is scheduled: at nice 19 beside a
+busy engine that is a time slice away, not the rest of a forward.
 
 Shared memory (a memfd of SHARED.size bytes the worker creates and the watcher inherits): the running task's start
 (unix s; 0.0: none), written by the worker; when the watcher first stopped the worker during that task (unix s;
@@ -106,6 +108,8 @@ def why_no_watcher() -> str | None:
     """Why this process must not be stopped by a watcher, None if it may: it must lead its session (as for its
     autogroup, probe_worker.priority). A terminal's job that stops shows as stopped, and the shell takes the terminal
     back."""
+    if os.getpid() == 1:  # the kernel drops a SIGSTOP sent to a namespace's init from inside it
+        return "this worker is PID 1 of its container, which a stop signal from inside it cannot stop: run it under an init"
     if os.getsid(0) != os.getpid():
         return ("this worker shares its session (a terminal's, a script's), where a stop would show as a stopped job: "
                 "start it as a session of its own (a service manager, or `setsid -w sparecycles worker ...`, stopped "
@@ -144,7 +148,6 @@ class Watcher:
         self.orders, self.shared, self.send, self.trace = orders, shared, send, trace
         self.since: float | None = None  # when the current stop began (monotonic s), None while the worker runs
         self.spent = False  # a stop ran to max_s in this busy spell: no other stop until the engine reads idle
-        self.refused = False  # the worker did not stop (a container's PID 1): the watcher gives up
 
     def step(self, now: float, busy: bool, task: bool, pending: bool) -> None:
         """One reading at monotonic `now`: `busy`, the engine has requests; `task`, the worker runs a task; `pending`,
@@ -152,7 +155,7 @@ class Watcher:
         if not busy:
             self.spent = False
         if self.since is None:
-            if busy and task and not pending and not self.spent and not self.refused:
+            if busy and task and not pending and not self.spent:
                 self._stop(now)
         elif not busy or pending or now - self.since >= self.orders.max_s:
             self.spent = busy and not pending
@@ -189,15 +192,7 @@ class Watcher:
                     busy = probe.read() > self.orders.policy.busy_above
                 except Unreadable:
                     busy = False
-                stopping = self.since is None
                 self.step(time.monotonic(), busy, task, signal_pending(pid))
-                if stopping and self.since is not None:
-                    time.sleep(0.05)
-                    if not is_stopped(pid) and os.getppid() == pid:
-                        log.warning("worker %d did not stop on SIGSTOP (PID 1 of a container?): its tasks are cut in "
-                                    "process only", pid)
-                        self.refused = True
-                        self.thaw()
                 time.sleep(self.orders.interval_s)
         finally:
             self.thaw()
