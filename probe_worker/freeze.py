@@ -48,7 +48,8 @@ SHARED = struct.Struct("<dd")  # (task start, first stop in that task), unix sec
 
 class FreezeOrders(BaseModel):
     """What the watcher process is told (argv[1], JSON): the worker's pid, the shared memory's fd, the engine's policy,
-    seconds between readings, the longest stop (seconds) and where to trace. Strict: an unknown field is refused."""
+    seconds between readings while the worker runs a task and while it is stopped, the longest stop (seconds) and where
+    to trace. Strict: an unknown field is refused."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -56,6 +57,7 @@ class FreezeOrders(BaseModel):
     fd: int = Field(ge=0)
     policy: ServingPolicy
     interval_s: float = Field(ge=0.01, le=10.0, allow_inf_nan=False)
+    stopped_interval_s: float = Field(ge=0.01, le=10.0, allow_inf_nan=False)
     max_s: float = Field(gt=0.0, le=3600.0, allow_inf_nan=False)
     trace: Path | None = None
 
@@ -67,11 +69,13 @@ class FreezeLink:
     Linux only (memfd, /proc). Raises OSError where a memfd or the process cannot be made.
     """
 
-    def __init__(self, policy: ServingPolicy, interval_s: float, max_s: float, trace: Path | None = None) -> None:
-        self.fd = os.memfd_create("sparecycles-freeze", 0)
+    def __init__(self, policy: ServingPolicy, interval_s: tuple[float, float], max_s: float,
+                 trace: Path | None = None) -> None:
+        self.fd = os.memfd_create("sparecycles-freeze", os.MFD_CLOEXEC)  # the watcher alone inherits it (pass_fds)
         os.ftruncate(self.fd, SHARED.size)
         self._shared = mmap.mmap(self.fd, SHARED.size)
-        orders = FreezeOrders(pid=os.getpid(), fd=self.fd, policy=policy, interval_s=interval_s, max_s=max_s,
+        orders = FreezeOrders(pid=os.getpid(), fd=self.fd, policy=policy, interval_s=interval_s[0],
+                              stopped_interval_s=max(interval_s), max_s=max_s,
                               trace=trace)
         # Its own session: its own autogroup at nice 0 (the worker's is lowered next) and out of the terminal's Ctrl-C
         # (the worker's SIGINT reaches it through the worker: pending signals continue the worker, and close() ends it).
@@ -193,7 +197,9 @@ class Watcher:
                 except Unreadable:
                     busy = False
                 self.step(time.monotonic(), busy, task, signal_pending(pid))
-                time.sleep(self.orders.interval_s)
+                # while stopped only the engine's return to idle is looked for: fewer readings, each of which costs the
+                # engine's API server CPU while it serves (the worker's own watch slows so too, ServingWatch.next_wait)
+                time.sleep(self.orders.interval_s if self.since is None else self.orders.stopped_interval_s)
         finally:
             self.thaw()
             probe.close()

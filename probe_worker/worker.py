@@ -312,6 +312,8 @@ class ProbeWorker:
         os.environ[REENROLLED_ENV] = str(self.reenrolled)
         for handler in logging.getLogger().handlers:
             handler.flush()
+        if self.drain.preemption.freeze is not None:  # the new process starts its own; this one's would go on reading
+            self.drain.preemption.freeze.close()
         os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
 
     def _reconcile(self) -> None:
@@ -403,7 +405,8 @@ class ProbeWorker:
             return
         max_s = min(policy.freeze_s, self.reg.lease_seconds / 3)
         try:
-            self.drain.preemption.freeze = FreezeLink(policy, policy.interval_s or self.opts.control_interval, max_s,
+            fast = policy.interval_s or self.opts.control_interval  # the watch's two rates (ServingWatch.run)
+            self.drain.preemption.freeze = FreezeLink(policy, (fast, max(fast, self.opts.control_interval)), max_s,
                                                       self.opts.task_trace)
         except (OSError, AttributeError) as exc:  # AttributeError: no os.memfd_create (not Linux)
             log.warning("no freeze watcher (%s): tasks are cut in process only", exc)

@@ -28,7 +28,7 @@ def _watcher(max_s: float = 5.0) -> tuple[Watcher, list[tuple[int, int]], mmap.m
     shared = mmap.mmap(-1, SHARED.size)
     sent: list[tuple[int, int]] = []
     orders = FreezeOrders(pid=4242, fd=0, policy=ServingPolicy(metrics_url="http://127.0.0.1:1/load"), interval_s=0.05,
-                          max_s=max_s)
+                          stopped_interval_s=0.05, max_s=max_s)
     return Watcher(orders, shared, send=lambda pid, sig: sent.append((pid, sig))), sent, shared
 
 
@@ -75,15 +75,22 @@ def test_only_a_session_leader_gets_a_watcher():
     assert subprocess.run([sys.executable, "-c", code], start_new_session=True, **run).stdout.strip() == "None"
     for popen in ({}, {"process_group": 0}):  # a script's child, a shell's job
         assert "setsid -w" in subprocess.run([sys.executable, "-c", code], **popen, **run).stdout
+    # PID 1 of a PID namespace (a container's init), which a SIGSTOP from inside the namespace cannot stop
+    ns = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", code],
+                        **{**run, "check": False})
+    if ns.returncode != 0:
+        pytest.skip(f"no PID namespace here: {ns.stderr.strip()[:200]}")
+    assert "PID 1 of its container" in ns.stdout
 
 
 def test_orders_are_strict():
     with pytest.raises(ValueError):
         FreezeOrders.model_validate_json('{"pid": 7, "fd": 3, "policy": {"metrics_url": "http://x/load"}, '
-                                         '"interval_s": 0.1, "max_s": 1, "extra": 1}')
+                                         '"interval_s": 0.1, "stopped_interval_s": 0.1, "max_s": 1, "extra": 1}')
     for bad in ("0.0", "-1", "1e9"):
         with pytest.raises(ValueError):
-            FreezeOrders(pid=7, fd=3, policy=ServingPolicy(metrics_url="http://x/load"), interval_s=0.1, max_s=bad)
+            FreezeOrders(pid=7, fd=3, policy=ServingPolicy(metrics_url="http://x/load"), interval_s=0.1,
+                         stopped_interval_s=0.1, max_s=bad)
     out = subprocess.run([sys.executable, "-m", "probe_worker.freeze", "{}"], capture_output=True, text=True,
                          cwd=ROOT, timeout=60)
     assert out.returncode == 2 and "bad orders" in out.stderr
@@ -115,10 +122,11 @@ class _Engine:
 
     def __init__(self) -> None:
         engine = self
-        self.load = 0
+        self.load = self.reads = 0
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self):  # noqa: N802 - http.server's name
+                engine.reads += 1
                 body = json.dumps({"server_load": engine.load}).encode()
                 self.send_response(200)
                 self.send_header("content-type", "application/json")
@@ -140,7 +148,7 @@ import json, select, sys, time
 from pathlib import Path
 from probe_worker.freeze import FreezeLink
 from probe_worker.serving import ServingPolicy
-link = FreezeLink(ServingPolicy(metrics_url=sys.argv[1]), 0.05, float(sys.argv[2]), Path(sys.argv[3]))
+link = FreezeLink(ServingPolicy(metrics_url=sys.argv[1]), (0.05, 0.5), float(sys.argv[2]), Path(sys.argv[3]))
 print(json.dumps({"watcher": link.proc.pid}), flush=True)
 try:
     while True:
@@ -201,6 +209,9 @@ def test_a_real_worker_is_stopped_while_the_engine_serves_its_task_and_continued
     assert not is_stopped(proc.pid)
     _ask(proc, "start")
     assert _until(lambda: is_stopped(proc.pid))
+    reads = engine.reads
+    time.sleep(1.5)  # stopped: read every 0.5 s (30 readings at the running rate, 0.05 s)
+    assert engine.reads - reads <= 5
     engine.load = 0
     assert _until(lambda: not is_stopped(proc.pid))
     report = _ask(proc, "stop?")
