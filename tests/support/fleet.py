@@ -20,6 +20,7 @@ import redis
 import torch
 
 from fleet.backend import BackendTuning, CoordinatorBackend, FleetAddress
+from probe_worker.engine import die_with_parent
 from wire.messages import RunSpec
 
 REDIS_URL = "redis://127.0.0.1:6379/12"
@@ -100,7 +101,11 @@ class Fleet:
                "--soft-shutdown", "5", "--threads", "1", "--loglevel", "INFO",
                "--metrics-port", str(self.metrics_ports[name]), *extra]
         self.logs.append(open(self.tmp / f"{name}.log", "wb"))  # noqa: SIM115 - closed in close()
-        proc = subprocess.Popen(cmd, env=self.env, cwd=ROOT, stdout=self.logs[-1], stderr=subprocess.STDOUT)
+        # a worker beside an engine starts as a session of its own, as `up` and a service manager start it: only so
+        # does it lower its autogroup and start its freeze watcher (probe_worker.priority, .freeze); it gets SIGTERM
+        # if this process dies (out of pytest's session, Ctrl-C no longer reaches it)
+        own = {"start_new_session": True, "preexec_fn": die_with_parent} if "--serving-metrics" in extra else {}
+        proc = subprocess.Popen(cmd, env=self.env, cwd=ROOT, stdout=self.logs[-1], stderr=subprocess.STDOUT, **own)
         self.workers[name] = proc
         return proc
 
