@@ -135,13 +135,18 @@ def signal_pending(pid: int) -> bool:
     return bool((masks.get("SigPnd", 0) | masks.get("ShdPnd", 0)) & ~masks.get("SigBlk", 0))
 
 
-def is_stopped(pid: int) -> bool:
-    """Whether the process is in the stopped state ('T' in /proc/PID/stat). False when it is gone."""
+def process_state(pid: int) -> str | None:
+    """The process's state letter in /proc/PID/stat (R, S, T: stopped, Z: zombie, ...), None when it is gone."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
-        return False
-    return stat[stat.rfind(")") + 2:].startswith("T")
+        return None
+    return stat[stat.rfind(")") + 2:][:1]
+
+
+def is_stopped(pid: int) -> bool:
+    """Whether the process is in the stopped state ('T' in /proc/PID/stat). False when it is gone."""
+    return process_state(pid) == "T"
 
 
 class Watcher:
