@@ -56,10 +56,19 @@ class FreezeOrders(BaseModel):
     pid: int = Field(gt=1)
     fd: int = Field(ge=0)
     policy: ServingPolicy
-    interval_s: float = Field(ge=0.01, le=10.0, allow_inf_nan=False)
-    stopped_interval_s: float = Field(ge=0.01, le=10.0, allow_inf_nan=False)
+    interval_s: float = Field(ge=0.01, le=3600.0, allow_inf_nan=False)
+    stopped_interval_s: float = Field(ge=0.01, le=3600.0, allow_inf_nan=False)
     max_s: float = Field(gt=0.0, le=3600.0, allow_inf_nan=False)
     trace: Path | None = None
+
+
+def watcher_rates(serving_interval_s: float | None, control_interval_s: float, max_s: float) -> tuple[float, float]:
+    """The watcher's seconds between readings while the worker runs a task and while it is stopped: the worker's own
+    watch's two rates (ServingWatch.run: --serving-interval, else --control-interval; the larger of it and
+    --control-interval), neither slower than the longest stop `max_s` (whose end is looked at every reading)."""
+    fast = serving_interval_s or control_interval_s
+    slow = min(max(fast, control_interval_s), max_s)
+    return min(fast, slow), slow
 
 
 class FreezeLink:
@@ -121,9 +130,14 @@ def why_no_watcher() -> str | None:
     return None
 
 
-def signal_pending(pid: int) -> bool:
-    """Whether a signal the process has not blocked is pending for it (/proc/PID/status: SigPnd of its main thread or
-    ShdPnd, the process's, less SigBlk). False when the process is gone."""
+STOPS = frozenset({signal.SIGSTOP, signal.SIGCONT, signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU})  # the watcher's own
+ENDINGS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGHUP})  # the worker is asked to end
+
+
+def pending_signals(pid: int) -> frozenset[int]:
+    """The signals pending for the process that it has not blocked (/proc/PID/status: SigPnd of its main thread or
+    ShdPnd, the process's, less SigBlk), less the stop and continue signals (STOPS: the watcher's own SIGSTOP stays
+    pending until the worker's threads next run). Empty when the process is gone."""
     masks = {}
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -131,8 +145,9 @@ def signal_pending(pid: int) -> bool:
             if key in ("SigPnd", "ShdPnd", "SigBlk"):
                 masks[key] = int(value.strip(), 16)
     except (OSError, ValueError):
-        return False
-    return bool((masks.get("SigPnd", 0) | masks.get("ShdPnd", 0)) & ~masks.get("SigBlk", 0))
+        return frozenset()
+    bits = (masks.get("SigPnd", 0) | masks.get("ShdPnd", 0)) & ~masks.get("SigBlk", 0)
+    return frozenset(n for n in range(1, 65) if bits >> (n - 1) & 1) - STOPS
 
 
 def process_state(pid: int) -> str | None:
@@ -156,18 +171,22 @@ class Watcher:
     def __init__(self, orders: FreezeOrders, shared, send=os.kill, trace: TraceFile | None = None) -> None:
         self.orders, self.shared, self.send, self.trace = orders, shared, send, trace
         self.since: float | None = None  # when the current stop began (monotonic s), None while the worker runs
-        self.spent = False  # a stop ran to max_s in this busy spell: no other stop until the engine reads idle
+        self.spent = False  # a stop ran to max_s (or a signal came) in this busy spell: none other until idle is read
+        self.ending = False  # a signal asked the worker to end (ENDINGS): never stopped again
 
-    def step(self, now: float, busy: bool, task: bool, pending: bool) -> None:
-        """One reading at monotonic `now`: `busy`, the engine has requests; `task`, the worker runs a task; `pending`,
-        a signal waits for the worker. Stops or continues the worker (module docstring)."""
+    def step(self, now: float, busy: bool, task: bool, pending: frozenset[int] = frozenset()) -> None:
+        """One look at monotonic `now`: `busy`, the engine has requests (the last reading); `task`, the worker runs a
+        task; `pending`, the signals waiting for it (pending_signals). Stops or continues the worker (module docstring):
+        a signal continues it and it is not stopped again in that busy spell (it acts on the signal: a drain, a
+        shutdown that waits for the task), and never again once asked to end."""
+        self.ending = self.ending or bool(pending & ENDINGS)
         if not busy:
             self.spent = False
         if self.since is None:
-            if busy and task and not pending and not self.spent:
+            if busy and task and not pending and not self.spent and not self.ending:
                 self._stop(now)
-        elif not busy or pending or now - self.since >= self.orders.max_s:
-            self.spent = busy and not pending
+        elif not busy or pending or self.ending or now - self.since >= self.orders.max_s:
+            self.spent = busy
             self.thaw()
 
     def _stop(self, now: float) -> None:
@@ -191,20 +210,24 @@ class Watcher:
         """Read the engine every interval while the worker runs a task or is stopped, until the worker is gone; continue
         it on the way out."""
         probe, pid = EngineProbe(self.orders.policy), self.orders.pid
+        busy, next_read = False, 0.0
         try:
             while os.getppid() == pid:
-                task = SHARED.unpack_from(self.shared, 0)[0] > 0.0
+                task, now = SHARED.unpack_from(self.shared, 0)[0] > 0.0, time.monotonic()
                 if not task and self.since is None:  # nothing to stop: no reading (each costs the engine ~2 ms)
                     time.sleep(self.orders.interval_s)
                     continue
-                try:
-                    busy = probe.read() > self.orders.policy.busy_above
-                except Unreadable:
-                    busy = False
-                self.step(time.monotonic(), busy, task, signal_pending(pid))
-                # while stopped only the engine's return to idle is looked for: fewer readings, each of which costs the
-                # engine's API server CPU while it serves (the worker's own watch slows so too, ServingWatch.next_wait)
-                time.sleep(self.orders.interval_s if self.since is None else self.orders.stopped_interval_s)
+                # while stopped only the engine's return to idle is looked for: a reading every stopped_interval_s,
+                # each of which costs the engine's API server CPU while it serves (the worker's own watch slows so
+                # too, ServingWatch.next_wait); signals and max_s are looked at every interval_s (/proc, no engine)
+                if self.since is None or now >= next_read:
+                    try:
+                        busy = probe.read() > self.orders.policy.busy_above
+                    except Unreadable:
+                        busy = False
+                    next_read = now + self.orders.stopped_interval_s
+                self.step(now, busy, task, pending_signals(pid))
+                time.sleep(self.orders.interval_s)
         finally:
             self.thaw()
             probe.close()
@@ -213,6 +236,7 @@ class Watcher:
 def main(argv: list[str]) -> int:
     """The watcher process: `python -m probe_worker.freeze ORDERS_JSON` (FreezeOrders). Exit 2 for bad orders."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not one line per reading
     try:
         orders = FreezeOrders.model_validate_json(argv[1] if len(argv) > 1 else "")
     except ValueError as exc:

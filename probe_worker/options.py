@@ -68,8 +68,9 @@ SERVING_OPTIONS = {  # ServingPolicy's sub-fields as `worker` spells them (scrap
                    "engine or drained: the larger of it and --control-interval"},
     "freeze_s": {"name": "serving_freeze", "help": "stop the worker (SIGSTOP, from a watcher process of normal "
                  "priority) while the engine serves during a task, for at most this many seconds (and a third of "
-                 "the coordinator's lease); the task goes on when the engine reads idle. 0: no watcher, tasks are only "
-                 "cut in process (docs/serving.md)"},
+                 "the coordinator's lease); the task goes on when the engine reads idle. Only where the worker leads "
+                 "its session (`setsid -w`, a service manager, `up`). 0: no watcher, tasks are only cut in process "
+                 "(docs/serving.md)"},
 }
 
 

@@ -38,7 +38,7 @@ from coordinator.client import CoordinatorClient, CoordinatorHTTPError, Forgotte
 from probe_kernels.reference import add_chunk_hook
 from probe_worker.broker import use_guarded_transport
 from probe_worker.cache import WeightCache
-from probe_worker.freeze import FreezeLink, why_no_watcher
+from probe_worker.freeze import FreezeLink, watcher_rates, why_no_watcher
 from probe_worker.metrics import default_metrics, serve_metrics
 from probe_worker.options import WorkerOptions
 from probe_worker.priority import lower_session_priority, lower_thread_priority
@@ -405,10 +405,10 @@ class ProbeWorker:
             return
         max_s = min(policy.freeze_s, self.reg.lease_seconds / 3)
         try:
-            fast = policy.interval_s or self.opts.control_interval  # the watch's two rates (ServingWatch.run)
-            self.drain.preemption.freeze = FreezeLink(policy, (fast, max(fast, self.opts.control_interval)), max_s,
+            rates = watcher_rates(policy.interval_s, self.opts.control_interval, max_s)
+            self.drain.preemption.freeze = FreezeLink(policy, rates, max_s,
                                                       self.opts.task_trace)
-        except (OSError, AttributeError) as exc:  # AttributeError: no os.memfd_create (not Linux)
+        except Exception as exc:  # noqa: BLE001 - e.g. no os.memfd_create (not Linux): never the worker's priority
             log.warning("no freeze watcher (%s): tasks are cut in process only", exc)
             return
         log.info("freeze watcher %d stops this worker while the engine serves during a task (at most %g s)",

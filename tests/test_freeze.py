@@ -18,7 +18,15 @@ from pathlib import Path
 
 import pytest
 
-from probe_worker.freeze import SHARED, FreezeOrders, Watcher, is_stopped, process_state, signal_pending
+from probe_worker.freeze import (
+    SHARED,
+    FreezeOrders,
+    Watcher,
+    is_stopped,
+    pending_signals,
+    process_state,
+    watcher_rates,
+)
 from probe_worker.serving import ServingLedger, ServingPolicy
 
 ROOT = Path(__file__).parents[1]
@@ -34,38 +42,66 @@ def _watcher(max_s: float = 5.0) -> tuple[Watcher, list[tuple[int, int]], mmap.m
 
 def test_watcher_stops_only_a_task_while_busy_and_continues_it_when_idle():
     w, sent, shared = _watcher()
-    w.step(0.0, busy=True, task=False, pending=False)  # no task: nothing to stop
-    w.step(0.1, busy=False, task=True, pending=False)  # a task, engine idle
+    w.step(0.0, busy=True, task=False)  # no task: nothing to stop
+    w.step(0.1, busy=False, task=True)  # a task, engine idle
     assert sent == []
     SHARED.pack_into(shared, 0, 100.0, 0.0)
-    w.step(0.2, busy=True, task=True, pending=False)
+    w.step(0.2, busy=True, task=True)
     assert sent == [(4242, signal.SIGSTOP)] and SHARED.unpack_from(shared, 0)[1] > 0.0  # the task's first stop
     first = SHARED.unpack_from(shared, 0)[1]
-    w.step(0.3, busy=True, task=True, pending=False)  # still busy: still stopped, no second signal
-    w.step(0.4, busy=False, task=True, pending=False)
+    w.step(0.3, busy=True, task=True)  # still busy: still stopped, no second signal
+    w.step(0.4, busy=False, task=True)
     assert sent == [(4242, signal.SIGSTOP), (4242, signal.SIGCONT)]
-    w.step(0.5, busy=True, task=True, pending=False)  # stopped again; the first stop is what the task keeps
+    w.step(0.5, busy=True, task=True)  # stopped again; the first stop is what the task keeps
     assert sent[-1] == (4242, signal.SIGSTOP) and SHARED.unpack_from(shared, 0)[1] == first
 
 
 def test_watcher_never_holds_a_pending_signal_and_gives_up_after_max_s_until_idle():
     w, sent, _ = _watcher(max_s=1.0)
-    w.step(0.0, busy=True, task=True, pending=False)
-    w.step(0.1, busy=True, task=True, pending=True)  # SIGTERM waits for the worker: continue it at once
-    w.step(0.2, busy=True, task=True, pending=True)  # and do not stop it while the signal waits
+    usr1 = frozenset({signal.SIGUSR1})
+    w.step(0.0, busy=True, task=True)
+    w.step(0.1, busy=True, task=True, pending=usr1)  # a drain waits for the worker: continue it at once
+    w.step(0.2, busy=True, task=True)  # and not again in this busy spell: it acts on the signal
     assert [s for _, s in sent] == [signal.SIGSTOP, signal.SIGCONT]
-    w.step(0.3, busy=True, task=True, pending=False)
-    w.step(1.29, busy=True, task=True, pending=False)
+    w.step(0.3, busy=False, task=True)
+    w.step(0.4, busy=True, task=True)
+    w.step(1.39, busy=True, task=True)
     assert [s for _, s in sent][-1] == signal.SIGSTOP
-    w.step(1.3, busy=True, task=True, pending=False)  # stopped for max_s: continued, it cuts the task itself
-    w.step(1.4, busy=True, task=True, pending=False)  # not stopped again in this busy spell
+    w.step(1.4, busy=True, task=True)  # stopped for max_s: continued, it cuts the task itself
+    w.step(1.5, busy=True, task=True)  # not stopped again in this busy spell
     assert [s for _, s in sent][2:] == [signal.SIGSTOP, signal.SIGCONT]
-    w.step(1.5, busy=False, task=True, pending=False)
-    w.step(1.6, busy=True, task=True, pending=False)  # a new spell: stopped again
+    w.step(1.6, busy=False, task=True)
+    w.step(1.7, busy=True, task=True)  # a new spell: stopped again
     assert [s for _, s in sent][-1] == signal.SIGSTOP
     w.thaw()
     w.thaw()  # idempotent
     assert [s for _, s in sent][-2:] == [signal.SIGSTOP, signal.SIGCONT]
+
+
+def test_a_worker_asked_to_end_is_continued_and_never_stopped_again():
+    w, sent, _ = _watcher()
+    w.step(0.0, busy=True, task=True)
+    w.step(0.1, busy=True, task=True, pending=frozenset({signal.SIGTERM}))  # its warm shutdown waits for the task
+    for t in (0.2, 0.3, 0.5, 0.6):
+        w.step(t, busy=t != 0.3, task=True)  # busy spells after it: never stopped again
+    assert [s for _, s in sent] == [signal.SIGSTOP, signal.SIGCONT]
+
+
+def test_pending_signals_are_read_from_proc_without_the_stop_signals():
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert _until(lambda: process_state(child.pid) == "S")
+        child.send_signal(signal.SIGSTOP)
+        assert _until(lambda: is_stopped(child.pid))
+        assert pending_signals(child.pid) == frozenset()
+        child.send_signal(signal.SIGTERM)  # pending while it is stopped
+        assert pending_signals(child.pid) == frozenset({signal.SIGTERM})
+        child.send_signal(signal.SIGCONT)
+        assert child.wait(30) == -signal.SIGTERM
+        assert pending_signals(child.pid) == frozenset()  # gone (a reaped process)
+    finally:
+        child.kill()
+        child.wait(30)
 
 
 def test_only_a_session_leader_gets_a_watcher():
@@ -81,6 +117,14 @@ def test_only_a_session_leader_gets_a_watcher():
     if ns.returncode != 0:
         pytest.skip(f"no PID namespace here: {ns.stderr.strip()[:200]}")
     assert "PID 1 of its container" in ns.stdout
+
+
+def test_watcher_rates_follow_the_workers_watch_and_never_outlast_a_stop():
+    assert watcher_rates(0.05, 0.2, 10.0) == (0.05, 0.2)
+    assert watcher_rates(None, 0.5, 10.0) == (0.5, 0.5)
+    assert watcher_rates(None, 20.0, 10.0) == (10.0, 10.0)  # a long --control-interval: valid orders still
+    FreezeOrders(pid=7, fd=3, policy=ServingPolicy(metrics_url="http://x/load"), interval_s=10.0,
+                 stopped_interval_s=10.0, max_s=10.0)
 
 
 def test_orders_are_strict():
@@ -244,6 +288,6 @@ def test_a_stop_ends_after_max_s_and_the_watcher_never_leaves_it_stopped(worker)
     assert _until(lambda: is_stopped(proc.pid))  # a new spell
     os.kill(watcher, signal.SIGTERM)  # the watcher ends: it continues the worker on its way out
     assert _until(lambda: not is_stopped(proc.pid))
-    assert not signal_pending(proc.pid)
+    assert pending_signals(proc.pid) == frozenset()
     _ask(proc, "quit")
     assert proc.wait(20) == 0
