@@ -65,7 +65,7 @@ class FreezeOrders(BaseModel):
 def watcher_rates(serving_interval_s: float | None, control_interval_s: float, max_s: float) -> tuple[float, float]:
     """The watcher's seconds between readings while the worker runs a task and while it is stopped: the worker's own
     watch's two rates (ServingWatch.run: --serving-interval, else --control-interval; the larger of it and
-    --control-interval), neither slower than the longest stop `max_s` (whose end is looked at every reading)."""
+    --control-interval), neither slower than the longest stop `max_s` (seconds, all three)."""
     fast = serving_interval_s or control_interval_s
     slow = min(max(fast, control_interval_s), max_s)
     return min(fast, slow), slow
@@ -74,6 +74,8 @@ def watcher_rates(serving_interval_s: float | None, control_interval_s: float, m
 class FreezeLink:
     """The worker's end: creates the shared memory, starts the watcher (`python -m probe_worker.freeze`) in a session
     of its own, and marks its tasks' starts and ends. `close()` ends the watcher (which continues the worker first).
+    `interval_s`: the seconds between readings while a task runs and while the worker is stopped (watcher_rates);
+    `max_s`: the longest stop; `trace`: the worker's task trace, or None.
 
     Linux only (memfd, /proc). Raises OSError where a memfd or the process cannot be made.
     """

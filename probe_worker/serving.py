@@ -413,7 +413,8 @@ class ServingWatch:
         idle = load is not None and load <= self.policy.busy_above
         self._engine_busy = load is not None and not idle
         self._last_tick = now
-        latency = self.ledger.update(now, idle, yielding, guard.busy_s(now), guard.armed, guard.last_end, stopped_at)
+        new_stop = stopped_at if frozen is not None else None  # each stop once (told apart by its unix time)
+        latency = self.ledger.update(now, idle, yielding, guard.busy_s(now), guard.armed, guard.last_end, new_stop)
         if latency is not None:
             self.metrics.serving_reclaim.observe(latency)
         totals = (self.ledger.yielded_s, self.ledger.engine_idle_s, self.ledger.idle_used_s)

@@ -168,6 +168,47 @@ def test_watch_drains_resumes_and_fires_the_running_task(tmp_path):
     assert drain.preemption.fired_at is not None and "test_serving_gate" not in drain.preemption.where  # no project frame
 
 
+class _Link:
+    """The worker's end of a freeze watcher (probe_worker.freeze.FreezeLink), as the watcher leaves it."""
+
+    def __init__(self) -> None:
+        self.stop: float | None = None
+
+    def task_started(self) -> None:
+        self.stop = None
+
+    def task_ended(self) -> None:
+        pass
+
+    def stopped_at(self) -> float | None:
+        return self.stop
+
+
+def test_a_watcher_stop_the_readings_never_saw_holds_the_gate_cuts_the_task_and_is_the_reclaim(tmp_path):
+    import json
+    import time
+
+    from prometheus_client import CollectorRegistry
+
+    drain, link = DrainState(), _Link()
+    drain.preemption.freeze = link
+    trace = TraceFile(tmp_path / "trace.jsonl")
+    watch = ServingWatch(POLICY.model_copy(update={"hold_s": 1.0}), drain, WorkerMetrics(CollectorRegistry()),
+                         _Loads([0, 0, 0, 0, 0, 0, 0]), trace=trace)
+    assert [watch.tick(t) for t in (0.0, 0.5, 1.0)] == [True, True, False]
+    drain.preemption.arm()
+    link.stop = time.time() - 0.1  # stopped 0.1 s before the next reading, continued when the engine read idle
+    assert watch.tick(1.5) is True  # this reading sees idle, yet the gate holds, as if it had seen the request
+    with pytest.raises(Preempted):
+        drain.preemption.check()  # and the task is cut: its round is re-issued as before
+    assert watch.ledger.reclaim_count == 1 and watch.ledger.reclaims[-1] == pytest.approx(0.4, abs=0.05)
+    drain.preemption.disarm()
+    assert [watch.tick(t) for t in (2.0, 2.5)] == [True, False]  # resumes one hold after that reading
+    assert watch.ledger.reclaim_count == 1  # the same stop is counted once
+    yields = [json.loads(line) for line in trace.path.read_text().splitlines() if '"yield"' in line]
+    assert yields[-1]["cut"] and yields[-1]["load"] == 0 and yields[-1]["frozen"] == pytest.approx(link.stop)
+
+
 def test_preemption_cuts_a_forward_at_a_module_call_in_the_task_thread_only():
     guard = Preemption()
     handle = guard.install()
