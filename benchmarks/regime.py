@@ -270,15 +270,16 @@ def run_plan(plan_name: str, out_dir: Path, *, jobs: int, devices: list[str], de
 
 
 def main(argv: list[str]) -> None:
-    """`one SPEC SETTINGS DIR DEV`: one run (what run_plan starts per run, SPEC and SETTINGS as JSON); anything else
-    is `sparecycles bench regime` (benchmarks.regime_cli: `run --plan P --out DIR [...]`, `report DIR [DIR...]`)."""
+    """`one SPEC SETTINGS DIR DEV`: one run (what run_plan starts per run, SPEC and SETTINGS as JSON). The plan itself
+    is `sparecycles bench regime` or `python -m benchmarks.regime_cli` (`run --plan P --out DIR [...]`, `report DIR
+    [DIR...]`): not imported here, as benchmarks.options imports this module's PLANS. Exit 2 for anything else."""
     if argv[:1] == ["one"] and len(argv) == 5:
         spec, settings, out, device = argv[1:]
         run_one(RegimeRun(**json.loads(spec)), json.loads(settings), device, Path(out))
         return
-    from benchmarks.regime_cli import regime_app
-
-    regime_app(argv, prog_name="python -m benchmarks.regime")
+    print("usage: python -m benchmarks.regime one SPEC SETTINGS DIR DEV; the plan: `sparecycles bench regime` or "
+          "`python -m benchmarks.regime_cli run|report`", file=sys.stderr)
+    sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """`sparecycles bench regime run|report`: issue 29's comparison (benchmarks.regime), its options generated from
 benchmarks.options.RegimeRunOptions (trainer.cli_settings). typer and stdlib at import; the work is imported inside.
-`python -m benchmarks.regime run|report` (tools/h200_regime.sh) is this same app."""
+`python -m benchmarks.regime_cli run|report` (tools/h200_regime.sh) is this same app."""
 
 from __future__ import annotations
 
@@ -56,3 +56,7 @@ def report(
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None
     typer.echo(json.dumps({k: v for k, v in s.items() if k != "runs"}, indent=1))
+
+
+if __name__ == "__main__":
+    regime_app(prog_name="python -m benchmarks.regime_cli")

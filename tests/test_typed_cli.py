@@ -1,7 +1,7 @@
 """The commands converted to typed options (`bench regime run`, `kd fill`'s own options, the request rate of `bench
 serving-load` and `up`): their --help lists each option with the default and bound its model declares, and a value
 out of bounds is one line, exit 2, from the real `sparecycles` app before anything starts; `python -m
-benchmarks.regime` (tools/h200_regime.sh) is the same command, run here as a real process."""
+benchmarks.regime_cli` (tools/h200_regime.sh) is the same command, run here as a real process."""
 
 from __future__ import annotations
 
@@ -103,11 +103,11 @@ def test_kd_fill_options_build_the_fill_options():
 
 
 def test_python_m_benchmarks_regime_is_the_typed_command(tmp_path):
-    """tools/h200_regime.sh's call, `python -m benchmarks.regime run ...`, as a real process: its --corpus override
+    """tools/h200_regime.sh's call, `python -m benchmarks.regime_cli run ...`, as a real process: its --corpus override
     reaches every run (each fails on the unknown corpus, its log naming it), the JSON line lists them unfinished,
     and exit 1 says no run finished; a refused value is exit 2 there too."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    base = [sys.executable, "-m", "benchmarks.regime", "run", "--plan", "cpu", "--out", str(tmp_path)]
+    base = [sys.executable, "-m", "benchmarks.regime_cli", "run", "--plan", "cpu", "--out", str(tmp_path)]
     bad = subprocess.run([*base, "--jobs", "0"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--jobs" in bad.stderr, bad.stderr
     res = subprocess.run([*base, "--jobs", "4", "--devices", "cpu", "--deadline-s", "200", "--corpus",

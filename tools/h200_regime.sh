@@ -37,9 +37,9 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expa
 (nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 || echo "no GPU") | tee "$out/gpus.txt"
 left=$((t_start + call_s - $(date +%s) - 45))  # 45 s kept for the report and the tarball
 # shellcheck disable=SC2086
-timeout -k 10 $((left + 25)) $py -m benchmarks.regime run --plan "${PLAN:-h200}" --out "$runs" \
+timeout -k 10 $((left + 25)) $py -m benchmarks.regime_cli run --plan "${PLAN:-h200}" --out "$runs" \
   --jobs "${JOBS:-4}" --devices "${DEVICES:-cuda}" --deadline-s "$left" ${EXTRA:-} 2>&1 | tee "$out/run.log"
-timeout 30 $py -m benchmarks.regime report "$runs" > "$out/report.log" 2>&1 || echo "report failed: see report.log"
+timeout 30 $py -m benchmarks.regime_cli report "$runs" > "$out/report.log" 2>&1 || echo "report failed: see report.log"
 for f in regime_summary.json regime.png regime_tables.md; do [ -f "$runs/$f" ] && cp "$runs/$f" "$out/"; done
 tar czf "$out/runs.tgz" -C "$runs" --exclude='*.safetensors' --exclude=export .
 echo "done in $(( $(date +%s) - t_start )) s"
