@@ -329,7 +329,8 @@ def _result(cfg: ServingBench, got: dict) -> dict:
     """The result dict: settings, per-arm figures (arm_figures + forwards + load averages), raw requests/spans/events,
     and each arm's p95 ratios to arm (a)."""
     result: dict = {"settings": {**cfg.model_dump(mode="json", exclude={"redis_url"}),  # no password in a result
-                                  "engine_cpu": ENGINE_CPU, "fleet_cpu": FLEET_CPU},
+                                  "engine_cpu": ENGINE_CPU, "fleet_cpu": FLEET_CPU,
+                                  "engine_args": list(VLLM_ARGS) if cfg.engine == "vllm" else []},
                     "arms": {}, "raw": {}}
     for arm, g in got.items():
         result["arms"][arm] = {**arm_figures(g["blocks"]), "probe_forwards_done": g["forwards"],
@@ -380,6 +381,13 @@ def paired_ratios(raw: dict, seed: int, resamples: int = 2000) -> dict:
     return out
 
 
+# vLLM's flags beyond tools/vllm.sh's. /load counts requests on arrival (what a yielding worker reads). Prefix caching
+# off: the arms of a block send the same prompts, so with vLLM's default the first arm of each block prefilled its
+# ~120-token prompts (~0.28 s to a first token) and the later arms hit the cache (~0.10 s): a swing far larger than
+# the worker's cost, which rotated with the arms' order and made time to first token p95 noise (runs before 2026-12-06).
+VLLM_ARGS = ("--enable-server-load-tracking", "--no-enable-prefix-caching")
+
+
 def _engine(cfg: ServingBench, tmp: Path):
     """The engine process (not started): vLLM on SmolLM2-135M pinned to CPU 0 (with /load), or the stand-in."""
     from api.server import free_port
@@ -393,8 +401,7 @@ def _engine(cfg: ServingBench, tmp: Path):
                 *(["--threads", "1"] if cfg.pinned else [])]
         return StandinProcess(Path("."), free_port(), tmp / "engine.log", cpus=[ENGINE_CPU] if cfg.pinned else None,
                               extra_args=args)
-    return VllmProcess(smollm2_dir(), free_port(), tmp / "vllm.log", cpus=[ENGINE_CPU],
-                       extra_args=["--enable-server-load-tracking"])
+    return VllmProcess(smollm2_dir(), free_port(), tmp / "vllm.log", cpus=[ENGINE_CPU], extra_args=VLLM_ARGS)
 
 
 def run_serving_bench(cfg: ServingBench, progress=print) -> dict:
