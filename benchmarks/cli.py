@@ -359,7 +359,9 @@ def bench_serving(given: dict) -> None:
                    f"{f['probe_forwards_done']:.0f}  idle used {f['idle_used_share'] or 0:.2f}  reclaim p95 "
                    f"{f['reclaim_s']['p95'] or nan:.3f} s (detect {f['reclaim_detect_s']['p95'] or nan:.3f}, cut "
                    f"{f['reclaim_cut_s']['p95'] or nan:.3f}; then hand-back {f['hand_back_s']['p95'] or nan:.3f})  drained workers' tasks {f['drained_workers_task_s']:.1f} s  "
-                   f"load {[round(x, 1) for x in f['load_avg_1min']]}")
+                   f"load {[round(x, 1) for x in f['load_avg_1min']]}"
+                   + (f"  FAILED {f['errors']} of {f['requests']} requests (left out of the figures; serving.json"
+                      " has each error)" if f["errors"] else ""))
     for arm, r in res["paired"].items():  # the same requests in every arm; 90% block-bootstrap intervals
         typer.echo(f"({arm}) / (a) p95: " + ", ".join(
             f"{name} {r[k]['p95_ratio']:.3f}x [{r[k]['p95_ratio_90ci'][0]:.2f}, {r[k]['p95_ratio_90ci'][1]:.2f}] "

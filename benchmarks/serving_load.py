@@ -114,8 +114,12 @@ def run_load(url: str, model: str, requests: list[Request], timeout_s: float = 6
     outs = [Outcome(sent=0.0, prompt_words=len(r.prompt.split())) for r in requests]
     threads: list[threading.Thread] = []
     t0 = time.time()
+    # A connection of its own per request, none kept alive: httpx keeps an idle connection 5 s, as long as vLLM's
+    # uvicorn (timeout_keep_alive 5 s), so a request sent ~5.0 s after the last answer could go out on a connection
+    # the server was closing ("Server disconnected without sending a response": one of arm (c)'s 36 requests on
+    # 2026-12-06, sent 4.998 s after the one before it ended). Independent users do not share a connection either.
     with httpx.Client(timeout=httpx.Timeout(timeout_s, connect=10.0),
-                      limits=httpx.Limits(max_connections=len(requests) + 1)) as client:
+                      limits=httpx.Limits(max_connections=len(requests) + 1, max_keepalive_connections=0)) as client:
         for req, out in zip(requests, outs):
             delay = max(0.0, t0 + req.at_s - time.time())
             if stop is None:

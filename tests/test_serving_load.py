@@ -129,3 +129,41 @@ def test_paired_ratios_over_the_same_requests_with_a_block_bootstrap():
     assert lo == pytest.approx(1.1) and hi == pytest.approx(1.1)  # every resample scales alike: no spread
     assert got["e2e_s"]["p95_ratio"] == pytest.approx(1.1) and got["e2e_s"]["requests"] == 19  # paired: 0 left out of both
     assert paired_ratios(raw, seed=0, resamples=200) == paired_ratios(raw, seed=0, resamples=200)  # seeded
+
+
+def test_each_request_goes_out_on_a_connection_of_its_own():
+    """run_load keeps no connection alive between requests: a reused idle connection races the server's keep-alive
+    timeout (vLLM's uvicorn and httpx both keep one 5 s), and a request sent ~5 s after the last answer then failed
+    with "Server disconnected without sending a response" (seen in `bench serving`). A real HTTP/1.1 server on
+    loopback that keeps connections alive records the client port of every request."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    ports: list[int] = []
+
+    class Streams(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive unless the client closes
+
+        def log_message(self, *args) -> None:
+            pass
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers["Content-Length"]))
+            ports.append(self.client_address[1])
+            body = b'data: {"choices": [{"text": "a"}]}\n\ndata: {"choices": [{"text": "b"}]}\n\ndata: [DONE]\n\n'
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Streams)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        text = [f"w{i} " * (i % 50 + 4) for i in range(200)]
+        outs = run_load(f"http://127.0.0.1:{server.server_address[1]}", "m", make_requests(4, 20.0, 3, text))
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert [(o.error, o.tokens) for o in outs] == [("", 2)] * 4
+    assert len(ports) == 4 and len(set(ports)) == 4  # four requests, four connections
