@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -40,6 +41,7 @@ import httpx
 from benchmarks.fleet import ROOT, _Fleet
 from benchmarks.serving_load import (
     CONTEXT,
+    Request,
     make_requests,
     outcome_dict,
     overlap,
@@ -290,6 +292,17 @@ def _wait_drained(fleet: _Fleet, names: list[str], interval_s: float, timeout_s:
         time.sleep(interval_s)
 
 
+def _warm(url: str, model: str, requests: list[Request], progress) -> None:
+    """Send `requests` once, one after another, unmeasured: the arms of a block send the same prompts, so whatever an
+    engine does the first time it sees a prompt (vLLM's prefix cache fills; an engine's first run of a shape) would
+    otherwise fall on the block's first arm only, which rotates (seen on the GPU stand-in: a block's first arm decoded
+    slower). A failed warm-up request is reported and the block goes on."""
+    for req in requests:
+        for out in run_load(url, model, [replace(req, at_s=0.0)]):
+            if out.error:
+                progress(f"warm-up request failed: {out.error}")
+
+
 def _blocks(engine, model: str, fleet: _Fleet, workers: dict, trainer, cfg: ServingBench, text: list[str],
             progress) -> dict:
     """Run the arms interleaved in blocks (the machine's other load falls on every arm alike), paired: within a block
@@ -299,6 +312,8 @@ def _blocks(engine, model: str, fleet: _Fleet, workers: dict, trainer, cfg: Serv
     got = {arm: {"blocks": [], "forwards": 0.0, "load": [], "others_s": 0.0} for arm in cfg.arms}
     for blk in range(cfg.blocks):
         requests = make_requests(per_block, cfg.rate, cfg.seed + 100 * blk, text)
+        if cfg.warmup:
+            _warm(engine.url, model, requests, progress)
         for arm in block_order(cfg.arms, blk):
             for role, w in workers.items():
                 mine = ROLES.get(arm) == role

@@ -44,6 +44,9 @@ class ServingBench(BaseModel):
                                  "--sched-idle, make it): its worker's --serving-freeze (seconds; 0: no freeze "
                                  "watcher, the ablation; arm (c)'s worker has the worker's default)")
     seed: int = Field(0, description="seed of the arrivals and of the text passages")
+    warmup: bool = Field(True, description="before a block's arms, send its requests once, one after another and "
+                         "unmeasured, so that a prompt's first sight (a prefix cache; an engine's first run of a "
+                         "shape) falls on no arm")
     blocks: int = Field(4, ge=1, description="interleave the arms in this many blocks (a, b, c, then b, c, a, ...), "
                         "each block sending every arm the same requests")
     probes: int = Field(64, ge=1, le=4096, description="the trainer's probes per step (1SPSA K)")

@@ -131,39 +131,79 @@ def test_paired_ratios_over_the_same_requests_with_a_block_bootstrap():
     assert paired_ratios(raw, seed=0, resamples=200) == paired_ratios(raw, seed=0, resamples=200)  # seeded
 
 
+class _Streams:
+    """A real HTTP/1.1 server on loopback (keep-alive unless the client closes) answering /v1/completions with a
+    two-token stream after `delay_s`; it records each request's client port and the most requests it held at once."""
+
+    def __init__(self, delay_s: float = 0.0) -> None:
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.ports: list[int] = []
+        self.prompts: list[str] = []
+        self.held = self.most_held = 0
+        lock, rec = threading.Lock(), self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                import json
+                import time
+
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with lock:
+                    rec.ports.append(self.client_address[1])
+                    rec.prompts.append(body["prompt"])
+                    rec.held += 1
+                    rec.most_held = max(rec.most_held, rec.held)
+                time.sleep(delay_s)
+                with lock:
+                    rec.held -= 1
+                out = b'data: {"choices": [{"text": "a"}]}\n\ndata: {"choices": [{"text": "b"}]}\n\ndata: [DONE]\n\n'
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Content-Length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
 def test_each_request_goes_out_on_a_connection_of_its_own():
     """run_load keeps no connection alive between requests: a reused idle connection races the server's keep-alive
     timeout (vLLM's uvicorn and httpx both keep one 5 s), and a request sent ~5 s after the last answer then failed
-    with "Server disconnected without sending a response" (seen in `bench serving`). A real HTTP/1.1 server on
-    loopback that keeps connections alive records the client port of every request."""
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-    ports: list[int] = []
-
-    class Streams(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"  # keep-alive unless the client closes
-
-        def log_message(self, *args) -> None:
-            pass
-
-        def do_POST(self) -> None:
-            self.rfile.read(int(self.headers["Content-Length"]))
-            ports.append(self.client_address[1])
-            body = b'data: {"choices": [{"text": "a"}]}\n\ndata: {"choices": [{"text": "b"}]}\n\ndata: [DONE]\n\n'
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Streams)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    with "Server disconnected without sending a response" (seen in `bench serving`)."""
+    server = _Streams()
     try:
         text = [f"w{i} " * (i % 50 + 4) for i in range(200)]
-        outs = run_load(f"http://127.0.0.1:{server.server_address[1]}", "m", make_requests(4, 20.0, 3, text))
+        outs = run_load(server.url, "m", make_requests(4, 20.0, 3, text))
     finally:
-        server.shutdown()
-        server.server_close()
+        server.close()
     assert [(o.error, o.tokens) for o in outs] == [("", 2)] * 4
-    assert len(ports) == 4 and len(set(ports)) == 4  # four requests, four connections
+    assert len(server.ports) == 4 and len(set(server.ports)) == 4  # four requests, four connections
+
+
+def test_a_blocks_warm_up_sends_its_requests_once_one_after_another():
+    """`bench serving`'s warm-up (benchmarks.serving._warm): every request of the block once, in order, never two at
+    once (the engine sees each prompt alone, as the arms' requests will be), whatever their arrival times."""
+    from benchmarks.serving import _warm
+
+    server = _Streams(delay_s=0.05)
+    said: list[str] = []
+    try:
+        text = [f"w{i} " * (i % 50 + 4) for i in range(200)]
+        reqs = make_requests(3, 50.0, 5, text)  # arrivals ~20 ms apart: open loop, they would overlap
+        _warm(server.url, "m", reqs, said.append)
+    finally:
+        server.close()
+    assert server.prompts == [r.prompt for r in reqs] and server.most_held == 1 and said == []
