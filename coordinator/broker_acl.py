@@ -9,14 +9,18 @@ user may touch only:
 - exactly the queues of the runs registered at the coordinator, probe runs (`{queue_prefix}.{run}`) and teacher
   runs (`sparecycles.teacher.{run}`, issue 47), each with kombu's priority sub-queues (`{queue}\\x06\\x16*`) and no
   other (BRPOP to take a task, LPUSH to hand one back): granted at registration for the runs then registered, and
-  each new run's queue before any worker is told of it (`grant`); another run's queue is refused. The worker's
-  idle placeholder queue and Celery's default queue,
+  each new run's queue before any worker is told of it (`grant`); another run's queue is refused. An ended run's
+  queue becomes write only (`%W~`, `set_keys`): taking from it (BRPOP, RPOP, LRANGE) is refused with NOPERM, while
+  a task still in flight when the run ended can be handed back (kombu's requeue and visibility-timeout restore
+  LPUSH/RPUSH it inside a MULTI; refused, the transaction would abort and leave the message in `unacked`, where
+  every worker's restore sweep would fail on it). The worker's idle placeholder queue and Celery's default queue,
 - kombu's bookkeeping: `_kombu.*` (queue bindings), `unacked`, `unacked_index`, `unacked_mutex`
   (late acknowledgement and the visibility-timeout restore),
 - Celery's remote-control mailbox: `*.celery.pidbox*` (its own and the reply queue) and pub/sub channels,
 - teacher answers, write only (`%W~`: SET, never GET/GETDEL), the target keys `sc:kd:*`,
 
 with the command set `+@all -@admin -@dangerous` (no ACL, CONFIG, KEYS, FLUSHALL, DEBUG, ...).
+Ending a run (or a teacher run) at the coordinator makes its queue write only for every user (`set_keys`).
 Quarantine and expiry disable the user (`ACL SETUSER off` and its open connections killed); deletion
 removes it. Passwords are derived from a coordinator secret (`worker_password`), so after a Redis
 restart, which forgets users created at run time, `restore` re-creates the users of the workers that are
@@ -29,6 +33,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+from collections.abc import Sequence
 from urllib.parse import quote, urlsplit, urlunsplit
 
 import redis
@@ -56,15 +61,25 @@ def glob_escape(name: str) -> str:
     return "".join("\\" + c if c in "*?[]\\" else c for c in name)
 
 
-def queue_rules(queues: list[str]) -> list[str]:
-    """The key rules granting exactly `queues` (and their priority sub-queues), nothing more."""
-    return [rule for q in queues for rule in (f"~{glob_escape(q)}", f"~{glob_escape(q + PRIORITY_SEP)}*")]
+def queue_rules(queues: list[str], access: str = "~") -> list[str]:
+    """The key rules granting exactly `queues` (and their priority sub-queues), nothing more; `access` "~" is
+    read and write, "%W~" write only."""
+    return [rule for q in queues
+            for rule in (f"{access}{glob_escape(q)}", f"{access}{glob_escape(q + PRIORITY_SEP)}*")]
 
 
-def worker_acl_rules(queues: list[str], password: str) -> list[str]:
-    """The `ACL SETUSER` rules of a worker's broker user granted `queues` (pure: the policy in one place)."""
-    keys = [*queue_rules(queues), *(f"~{k}" for k in (*KOMBU_KEYS, *FIXED_QUEUES)), TARGET_RULE]
-    return ["reset", "on", f">{password}", *keys, "&*", *COMMANDS.split()]
+def worker_key_rules(queues: list[str], ended: Sequence[str] = ()) -> list[str]:
+    """The key rules of a worker's broker user: `queues` (the live runs') read and write, the `ended` runs' queues
+    write only (a task in flight at the end can be handed back, none taken), kombu's keys, the fixed queues and the
+    target keys (write only)."""
+    return [*queue_rules(queues), *queue_rules(list(ended), "%W~"), *(f"~{k}" for k in (*KOMBU_KEYS, *FIXED_QUEUES)),
+            TARGET_RULE]
+
+
+def worker_acl_rules(queues: list[str], password: str, ended: Sequence[str] = ()) -> list[str]:
+    """The `ACL SETUSER` rules of a worker's broker user granted `queues`, and `ended` write only (pure: the policy
+    in one place)."""
+    return ["reset", "on", f">{password}", *worker_key_rules(queues, ended), "&*", *COMMANDS.split()]
 
 
 def with_credentials(url: str, user: str, password: str) -> str:
@@ -98,27 +113,38 @@ class BrokerAcl:
         self.admin_url, self._secret = admin_url, secret
         self.r = redis.Redis.from_url(admin_url, decode_responses=True, **redis_client_kwargs())
 
-    def create(self, wid: str, queues: list[str]) -> str:
-        """Create (or reset) the user `wid` granted `queues`; return the broker URL the worker must use."""
+    def create(self, wid: str, queues: list[str], ended: Sequence[str] = ()) -> str:
+        """Create (or reset) the user `wid` granted `queues` (and `ended` write only); return the broker URL the
+        worker must use."""
         password = worker_password(self._secret, wid)
-        self.r.execute_command("ACL", "SETUSER", wid, *worker_acl_rules(queues, password))
+        self.r.execute_command("ACL", "SETUSER", wid, *worker_acl_rules(queues, password, ended))
         return with_credentials(self.admin_url, wid, password)
 
     def grant(self, wid: str, queues: list[str]) -> None:
         """Add `queues` to the existing user `wid`'s keys (its other rules unchanged)."""
         self.r.execute_command("ACL", "SETUSER", wid, *queue_rules(queues))
 
+    def set_keys(self, wid: str, queues: list[str], ended: Sequence[str]) -> None:
+        """Replace the existing user `wid`'s key rules by `worker_key_rules(queues, ended)` (Redis cannot take one
+        pattern away: `resetkeys`, then the rules); its password, on/off state, commands and channels unchanged.
+        The check applies to the user's open connections from their next command on."""
+        self.r.execute_command("ACL", "SETUSER", wid, "resetkeys", *worker_key_rules(queues, ended))
+
+    def users(self) -> set[str]:
+        """The users the broker has now."""
+        return set(self.r.execute_command("ACL", "USERS"))
+
     def server_run_id(self) -> str:
         """The broker server's run id (changes with every restart)."""
         return str(self.r.info("server")["run_id"])
 
-    def restore(self, wids: list[str], queues: list[str]) -> int:
-        """Re-create the users of `wids` that the broker lost (a restart), granted `queues`; return how many were
-        missing."""
-        have = set(self.r.execute_command("ACL", "USERS"))
+    def restore(self, wids: list[str], queues: list[str], ended: Sequence[str] = ()) -> int:
+        """Re-create the users of `wids` that the broker lost (a restart), granted `queues` (and `ended` write only);
+        return how many were missing."""
+        have = self.users()
         missing = [w for w in wids if w not in have]
         for wid in missing:
-            self.create(wid, queues)
+            self.create(wid, queues, ended)
         return len(missing)
 
     def disable(self, wid: str) -> None:

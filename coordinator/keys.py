@@ -73,6 +73,16 @@ class Keys:
         return f"{self.p}:enrolled:{token_id}"
 
     @property
+    def k_broker_queues(self) -> str:
+        """Hash queue -> "rw" (granted to the workers' broker users) or "w" (its run ended: write only)."""
+        return f"{self.p}:broker_queues"
+
+    @property
+    def k_broker_acl_lock(self) -> str:
+        """The lock every change of the workers' broker users' key rules holds (coordinator.registry)."""
+        return f"{self.p}:broker_acl_lock"
+
+    @property
     def k_expiry(self) -> str:
         """Sorted set of lost workers -> unix time at which the reaper deletes them."""
         return f"{self.p}:expiry"

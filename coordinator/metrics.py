@@ -134,6 +134,11 @@ class CoordinatorMetrics:
             self.spot_checks.labels(outcome)
         self.quarantined = Counter("sparecycles_workers_quarantined", "Workers quarantined.", registry=r)
         self.lost = Counter("sparecycles_workers_lost", "Worker leases that expired.", registry=r)
+        self.broker_revoked = Counter(
+            "sparecycles_broker_grants_revoked",
+            "Workers' broker users whose grant on an ended run's queue was withdrawn (taking refused).",
+            registry=r,
+        )
         if multiprocess_dir() is None:  # per-process figures; in multiprocess mode they would not add up
             ProcessCollector(registry=r)
         self.retracted = Counter(

@@ -23,8 +23,11 @@ Every state transition is one Lua script (`coordinator.worker_scripts`):
 
 With `settings.broker_acl` each worker also gets its own broker user (`coordinator.broker_acl`):
 created at registration with exactly the queues of the runs and teacher runs then registered, granted each new
-run's queue before the workers are told of it (`grant_queue`), disabled at quarantine, removed with the record
-(deletion or expiry).
+run's queue before the workers are told of it (`grant_queue`), an ended run's queue made write only (`revoke_queue`:
+none taken, a task in flight handed back), disabled at quarantine, removed with the record (deletion or expiry).
+What was granted is kept in `{prefix}:broker_queues` (queue -> "rw" or "w"), so registration, a revocation and a
+restore after a broker restart write the same rules; these changes hold one lock (`{prefix}:broker_acl_lock`), so a
+revocation, which rewrites a user's key rules, never drops a grant made meanwhile (several coordinator processes).
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ from wire.messages import (
 )
 
 RATE_WINDOW_S = 60
+ACL_LOCK_S = 60.0  # the broker users' lock expires after this (its holder died) and is waited for as long
 
 
 def token_digest(token: str) -> str:
@@ -104,19 +108,54 @@ class WorkerRegistry:
             pipe.hget(self.keys.k_worker(wid), "state")
         return [w for w, st in zip(wids, pipe.execute(), strict=True) if st is not None and st != "quarantined"]
 
+    def _acl_lock(self) -> redis.lock.Lock:
+        """The lock of the broker users' key rules (one writer at a time over every coordinator process)."""
+        return self.r.lock(self.keys.k_broker_acl_lock, timeout=ACL_LOCK_S, blocking_timeout=ACL_LOCK_S)
+
+    def _granted_queues(self) -> tuple[list[str], list[str]]:
+        """(queues granted read and write, ended queues granted write only), as recorded in `k_broker_queues`; the
+        queues listed to workers now count as granted too (a run registered before the record existed)."""
+        marks = self.r.hgetall(self.keys.k_broker_queues)
+        ended = sorted(q for q, mark in marks.items() if mark == "w")
+        live = set(self.all_queues()) | {q for q, mark in marks.items() if mark == "rw"}
+        return sorted(live - set(ended)), ended
+
     def grant_queue(self, queue: str) -> None:
         """Grant a new run's `queue` to every worker's broker user (a no-op without `settings.broker_acl`); called
         before the queue is listed to the workers, so none is told to consume a queue its user is refused."""
         if self.broker_acl is not None:
-            for wid in self._grantable():
-                self.broker_acl.grant(wid, [queue])
+            with self._acl_lock():
+                self.r.hset(self.keys.k_broker_queues, queue, "rw")
+                have = self.broker_acl.users()  # SETUSER on a user the broker lost would create it, off: restore's
+                for wid in self._grantable():
+                    if wid in have:
+                        self.broker_acl.grant(wid, [queue])
+
+    def revoke_queue(self, queue: str) -> int:
+        """An ended run's `queue` becomes write only for every worker's broker user: taking a task from it is refused
+        (NOPERM), handing one back that was in flight at the end is not (coordinator.broker_acl). Called after the
+        queue left the list workers consume; a worker still consuming it until its next control tick leaves it when
+        refused (probe_worker.broker). Every other grant stays. Idempotent; returns the users whose grant was
+        withdrawn now (0 when the queue had ended before, or without `settings.broker_acl`)."""
+        if self.broker_acl is None:
+            return 0
+        with self._acl_lock():
+            before = self.r.hget(self.keys.k_broker_queues, queue)
+            self.r.hset(self.keys.k_broker_queues, queue, "w")
+            live, ended = self._granted_queues()
+            have = self.broker_acl.users()  # a user the broker lost is re-created by restore, never here
+            wids = [w for w in self._grantable() if w in have]
+            for wid in wids:  # rewritten again on a repeated end: a revocation cut short is completed
+                self.broker_acl.set_keys(wid, live, ended)
+        return 0 if before == "w" else len(wids)
 
     def restore_broker_users(self) -> int:
         """Re-create the broker users a restarted Redis forgot (workers not quarantined); returns how many.
         A no-op without `settings.broker_acl`."""
         if self.broker_acl is None:
             return 0
-        return self.broker_acl.restore(self._grantable(), self.all_queues())
+        with self._acl_lock():
+            return self.broker_acl.restore(self._grantable(), *self._granted_queues())
 
     def register_worker(
         self, reg: WorkerRegistration, now: float | None = None, enrolled_by: str = "default"
@@ -171,11 +210,15 @@ class WorkerRegistry:
                 retry_after=int(s.lease_seconds),
                 reason="enrollment_cap",
             )
-        acl, queues, teacher_queues = self.broker_acl, self.runs.queues(), self.teachers.queues()
+        broker_url = self.settings.worker_broker_url
+        if self.broker_acl is not None:
+            with self._acl_lock():
+                broker_url = self.broker_acl.create(wid, *self._granted_queues())
+        queues, teacher_queues = self.runs.queues(), self.teachers.queues()
         return WorkerRegistered(
             worker_id=wid,
             worker_token=token,
-            broker_url=acl.create(wid, queues + teacher_queues) if acl is not None else self.settings.worker_broker_url,
+            broker_url=broker_url,
             queues=queues,
             teacher_queues=teacher_queues,
             heartbeat_interval_s=self.settings.heartbeat_interval_s,

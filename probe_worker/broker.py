@@ -11,6 +11,12 @@ not UTF-8 JSON, or not a kombu envelope, is dropped (it is already popped, and n
 set, so nothing redelivers it), logged once and counted in `sparecycles_worker_rejected_messages_total
 {reason="undecodable"|"not_envelope"}`; the worker keeps consuming. Envelopes whose *body* is bad still go
 to Celery, which rejects them itself.
+
+A queue the broker no longer lets this worker take from (its run ended at the coordinator, which withdrew it from the
+worker's broker user: coordinator.broker_acl) refuses the whole BRPOP with NOPERM, which would likewise end the worker
+("Unrecoverable error") in the moments before its control loop stops consuming that queue. The channel then finds
+the refused queues (LINDEX, which needs the same read permission and takes nothing), logs them once and leaves them
+out of its BRPOP until Celery cancels them; the other queues are taken from as before.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import logging
 from typing import Any
 from urllib.parse import urlparse
 
+import redis
 from celery import Celery
 from kombu.transport import redis as kombu_redis
 from kombu.transport.virtual import Message as VirtualMessage
@@ -74,6 +81,36 @@ class GuardedRedisChannel(kombu_redis.Channel):
 
     Message = GuardedMessage
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._refused: set[str] = set()  # queues the broker refused this user (`_leave_refused`)
+        super().__init__(*args, **kwargs)
+
+    @property
+    def active_queues(self) -> list[str]:
+        """kombu's consumed queues, less those the broker refused (the BRPOP and its queue cycle read this)."""
+        return [q for q in super().active_queues if q not in self._refused]
+
+    def basic_consume(self, queue: str, *args: Any, **kwargs: Any) -> Any:
+        self._refused.discard(queue)  # consumed again: granted again (the coordinator grants a queue before it lists it)
+        return super().basic_consume(queue, *args, **kwargs)
+
+    def _leave_refused(self, exc: redis.exceptions.NoPermissionError) -> None:
+        """The broker refused a BRPOP: leave out the consumed queues this user may no longer take from; re-raise
+        `exc` when none is (a refusal of another kind stays fatal, as before)."""
+        with self.conn_or_acquire() as client:
+            refused = []
+            for queue in super().active_queues:
+                try:
+                    client.lindex(queue, 0)
+                except redis.exceptions.NoPermissionError:
+                    refused.append(queue)
+        if not refused:
+            raise exc
+        self._refused.update(refused)
+        self._update_queue_cycle()
+        log.warning("the broker refused this worker's user on %s (a run that ended at the coordinator); no longer "
+                    "taking tasks from it", ", ".join(refused))
+
     def _drop(self, exc: Exception) -> None:
         reason = exc.reason if isinstance(exc, UndecodableItem) else "undecodable"
         default_metrics().rejected_messages.labels(reason).inc()
@@ -86,6 +123,9 @@ class GuardedRedisChannel(kombu_redis.Channel):
             return super()._brpop_read(**options)
         except (json.JSONDecodeError, UnicodeDecodeError, UndecodableItem) as exc:
             self._drop(exc)
+            return False
+        except redis.exceptions.NoPermissionError as exc:
+            self._leave_refused(exc)
             return False
 
     def _get(self, queue: str) -> Any:

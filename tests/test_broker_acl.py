@@ -31,6 +31,9 @@ def test_rules_and_urls_are_pure():
                    for r in rules)
     assert worker_acl_rules(["q*?"], "pw")[3] == "~q\\*\\?"  # a name is matched as itself, never as a glob
     assert with_credentials("redis://:secret@h:6380/2", "w-1", "p/w") == "redis://w-1:p%2Fw@h:6380/2"
+    ended = worker_acl_rules(["sc.probe.b"], "pw", ended=["sc.probe.a"])
+    assert "%W~sc.probe.a" in ended and "%W~sc.probe.a\x06\x16*" in ended and "~sc.probe.b" in ended
+    assert "~sc.probe.a" not in ended and "~sc.probe.a\x06\x16*" not in ended
 
 
 @pytest.fixture
@@ -189,6 +192,57 @@ def test_real_worker_process_runs_rounds_with_its_own_broker_user(tmp_path):
         v.stop()
 
 
+@pytest.mark.slow
+def test_a_real_worker_refused_one_runs_queue_goes_on_with_the_other(tmp_path):
+    """A probe-worker process (Celery, kombu's channel of probe_worker.broker) consumes two runs' queues; one queue is
+    withdrawn from its broker user while it still consumes it (as between a run's end and the worker's next control
+    tick, here held open: the run is still listed): Redis refuses its BRPOP with NOPERM, which used to end the worker
+    ("Unrecoverable error"). It leaves that queue out, lives on and evaluates the other run's round; after the run's
+    end it stops consuming the ended queue."""
+    from fleet.backend import BackendTuning, CoordinatorBackend, FleetAddress
+    from support.fleet import AclFleet, make_batch
+    from support.models import tiny_gpt2 as tiny_model
+    from trainer.zo.probes import RoundSpec
+    from wire.messages import RunSpec
+
+    v = Valkey(tmp_path / "valkey", password=secrets.token_urlsafe(16))
+    v.start()
+    fleet = AclFleet(tmp_path, v.url)
+    try:
+        fleet.start_worker("a")
+        wid = fleet.wait_consuming("a")
+        model = tiny_model()
+        address = FleetAddress(fleet.url, fleet.admin_token, v.url, fleet.prefix)
+        backends = {run: CoordinatorBackend.connect(
+            model, RunSpec(run=run, model_class=type(model).__name__, spot_check_fraction=0.0, seeds_per_task=2),
+            address, BackendTuning(round_timeout_s=120.0)) for run in ("gone", "kept")}
+        for be in backends.values():
+            be.publish(0)
+        log = tmp_path / "a.log"
+        gone, kept = f"{fleet.prefix}.probe.gone", f"{fleet.prefix}.probe.kept"
+        fleet.wait(lambda: f"consuming {gone}" in log.read_text() and f"consuming {kept}" in log.read_text(),
+                   "the worker consuming both runs' queues")
+        root = redis.Redis.from_url(v.url, decode_responses=True)
+        settings = generate_dev_settings(redis_url=v.url, blob_dir=tmp_path / "blobs", broker_acl=True,
+                                         key_prefix=fleet.prefix, queue_prefix=f"{fleet.prefix}.probe",
+                                         admin_token=fleet.admin_token)
+        assert Store(settings).workers.revoke_queue(gone) == 1
+        fleet.wait(lambda: f"refused this worker's user on {gone}" in log.read_text(), "the worker leaving the queue")
+        seeds = tuple(range(300, 306))
+        backends["kept"].submit(RoundSpec("kept-0", 0, make_batch(2, 8, seed=3), eps=1e-2, seeds=seeds,
+                                          distribution="rademacher"))
+        got = backends["kept"].collect("kept-0").results
+        assert sorted(r.seed for r in got) == list(seeds) and {r.worker for r in got} == {wid}
+        assert fleet.workers["a"].poll() is None and "Unrecoverable error" not in log.read_text()
+        backends["gone"].close(end=True)
+        fleet.wait(lambda: f"stopped consuming {gone}" in log.read_text(), "the worker cancelling the ended queue")
+        assert root.acl_getuser(wid)["enabled"] and fleet.workers["a"].poll() is None
+        backends["kept"].close()
+    finally:
+        fleet.close()
+        v.stop()
+
+
 def _register_teacher_run(admin: httpx.Client, run: str) -> None:
     """A teacher run at the coordinator: a one-file 'teacher' uploaded as a blob, then POST /v1/teachers."""
     import hashlib
@@ -255,4 +309,134 @@ def test_a_workers_broker_user_gets_exactly_its_runs_queues_and_writes_targets_o
     assert me.llen(teacher_queue("kd-after")) == 0
     with pytest.raises(redis.exceptions.NoPermissionError):
         me.llen("sc.probe.other")
+    admin.close()
+
+
+def test_ending_a_run_withdraws_its_queue_from_every_workers_broker_user(fleet):
+    """Ending a run (probe or teacher) at the coordinator: each worker's broker credentials are refused taking from its
+    queue by Redis itself (NOPERM), on a connection opened before the end too, and after re-enrolment or a broker
+    restart; a task in flight at the end is still handed back (kombu's requeue, a MULTI with LPUSH). Every other grant
+    stays: the other runs' queues, a run created afterwards, the kombu keys. Ending twice changes nothing."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from wire.teacher_messages import teacher_queue
+
+    settings, url, v = fleet
+    admin = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {settings.admin_token.get_secret_value()}"})
+    for run in ("a", "b"):
+        assert admin.post("/v1/runs", json={"run": run, "model_class": "M"}).status_code == 201
+    _register_teacher_run(admin, "kd-a")
+    enroll = {"Authorization": f"Bearer {settings.enrollment_token.get_secret_value()}"}
+    regs = [httpx.post(f"{url}/v1/workers", json={"name": n}, headers=enroll).json() for n in ("x", "y")]
+    root = redis.Redis.from_url(v.url)
+    me = redis.Redis.from_url(regs[0]["broker_url"])  # opened before the end, kept open across it
+    assert me.ping()
+
+    # a task of run a in flight (taken over kombu, not acknowledged) when the run ends
+    with Connection(v.url) as conn:
+        conn.SimpleQueue("sc.probe.a").put({"round": "a-0"})
+    with Connection(regs[0]["broker_url"]) as conn:
+        q = conn.SimpleQueue("sc.probe.a")
+        msg = q.get(timeout=10)
+        assert msg.payload == {"round": "a-0"}
+        reply = admin.post("/v1/runs/a/end").json()
+        assert reply["revoked_broker_users"] == 2 and reply["purged_tasks"] == 0
+        msg.requeue()  # the hand-back still works: LPUSH inside kombu's MULTI, onto the ended queue
+        q.close()
+    assert root.llen("sc.probe.a") == 1
+
+    def refused(client: redis.Redis, queue: str) -> None:
+        for take in (lambda: client.brpop([queue], timeout=1), lambda: client.rpop(queue),
+                     lambda: client.lrange(queue, 0, -1), lambda: client.brpop(["sc.probe.b", queue], timeout=1),
+                     lambda: client.rpop(queue + "\x06\x163")):
+            with pytest.raises(redis.exceptions.NoPermissionError):  # redis-py's class for a NOPERM reply
+                take()
+                pytest.fail(f"{queue} could still be taken from")
+
+    def allowed(client: redis.Redis, queues: list[str]) -> None:
+        for queue in queues:
+            root.lpush(queue, b"round")
+            assert client.brpop([queue], timeout=1) == (queue.encode(), b"round")
+        client.delete("_kombu.binding.x")  # kombu's keys still
+        assert client.hlen("unacked") == 0 and client.sadd("_kombu.binding.x", "y") == 1
+
+    for reg in regs:
+        refused(redis.Redis.from_url(reg["broker_url"]), "sc.probe.a")
+        allowed(redis.Redis.from_url(reg["broker_url"]), ["sc.probe.b", teacher_queue("kd-a")])
+    refused(me, "sc.probe.a")
+    assert root.llen("sc.probe.a") == 1  # the handed-back task is still there: nobody took it
+
+    # ending twice: no change, nothing counted again; a run created afterwards is granted as before
+    assert admin.post("/v1/runs/a/end").json()["revoked_broker_users"] == 0
+    assert admin.post("/v1/runs", json={"run": "c", "model_class": "M"}).status_code == 201
+    allowed(me, ["sc.probe.b", "sc.probe.c"])
+    refused(me, "sc.probe.a")
+
+    # a teacher run's end withdraws its queue the same way
+    assert admin.post("/v1/teachers/kd-a/end").json() == {"run": "kd-a", "ended": True, "revoked_broker_users": 2}
+    refused(me, teacher_queue("kd-a"))
+    assert admin.post("/v1/teachers/kd-a/end").json()["revoked_broker_users"] == 0
+
+    # a worker enrolled after the end, and a user re-created after a broker restart, hold the same rules
+    late = httpx.post(f"{url}/v1/workers", json={"name": "z"}, headers=enroll).json()
+    root.execute_command("ACL", "DELUSER", regs[1]["worker_id"])
+    assert Store(settings).workers.restore_broker_users() == 1
+    for reg in (late, regs[1]):
+        client = redis.Redis.from_url(reg["broker_url"])
+        refused(client, "sc.probe.a")
+        refused(client, teacher_queue("kd-a"))
+        allowed(client, ["sc.probe.b", "sc.probe.c"])
+
+    samples = {s.name: s.value for fam in text_string_to_metric_families(admin.get("/metrics").text)
+               for s in fam.samples}
+    assert samples["sparecycles_broker_grants_revoked_total"] == 4  # 2 users x (run a, teacher run kd-a)
+    admin.close()
+
+
+def test_a_workers_channel_leaves_an_ended_runs_queue_and_keeps_taking_the_others(fleet, caplog):
+    """The worker's kombu channel (probe_worker.broker, the transport its Celery worker uses) consumes runs a and b
+    when a ends: its next BRPOP, still naming a (the worker's control loop has not cancelled that consumer yet), is
+    refused by Redis (NOPERM), which would otherwise end the worker; the channel leaves a out, logs it and takes b's
+    task, and goes on taking b's."""
+    import contextlib
+    import socket
+
+    from kombu import Consumer, Exchange, Queue
+
+    from probe_worker.broker import GuardedRedisTransport
+
+    settings, url, v = fleet
+    admin = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {settings.admin_token.get_secret_value()}"})
+    for run in ("a", "b"):
+        assert admin.post("/v1/runs", json={"run": run, "model_class": "M"}).status_code == 201
+    enroll = {"Authorization": f"Bearer {settings.enrollment_token.get_secret_value()}"}
+    reg = httpx.post(f"{url}/v1/workers", json={"name": "x"}, headers=enroll).json()
+    got: list[dict] = []
+
+    def on_message(body: dict, message) -> None:
+        got.append(body)
+        message.ack()
+
+    def drain_until(n: int) -> None:
+        for _ in range(3):  # a refused BRPOP returns without a message; the next one takes it
+            if len(got) >= n:
+                return
+            with contextlib.suppress(socket.timeout):
+                conn.drain_events(timeout=5)
+        assert len(got) >= n, got
+
+    queues = [Queue(q, Exchange(q, "direct"), routing_key=q) for q in ("sc.probe.a", "sc.probe.b")]
+    with Connection(v.url) as root, Connection(reg["broker_url"], transport=GuardedRedisTransport) as conn:
+        with Consumer(conn, queues, callbacks=[on_message], accept=["json"]):
+            root.SimpleQueue("sc.probe.a").put({"task": "a-0"})
+            drain_until(1)
+            assert admin.post("/v1/runs/a/end").json()["revoked_broker_users"] == 1
+            root.SimpleQueue("sc.probe.b").put({"task": "b-0"})
+            with caplog.at_level("WARNING", logger="probe_worker.broker"):
+                drain_until(2)
+            assert got == [{"task": "a-0"}, {"task": "b-0"}]
+            assert "refused this worker's user on sc.probe.a" in caplog.text
+            root.SimpleQueue("sc.probe.b").put({"task": "b-1"})
+            drain_until(3)
+            assert got[-1] == {"task": "b-1"}
     admin.close()

@@ -9,7 +9,7 @@ from typing import Annotated, TypeVar
 from fastapi import APIRouter, Query
 from fastapi.concurrency import run_in_threadpool
 
-from api.deps import Admin, Reader, RunP, StoreD, VersionP
+from api.deps import Admin, MetricsD, Reader, RunP, StoreD, VersionP
 from coordinator.errors import Invalid
 from wire.messages import IntakeCounts, RunInfo, RunSpec, SeedLedgerEntry, VersionManifest
 
@@ -47,11 +47,16 @@ async def get_run(run: RunP, store: StoreD,
 
 
 @router.post("/{run}/end", dependencies=[Admin])
-def end_run(run: RunP, store: StoreD) -> dict[str, int | str]:
+def end_run(run: RunP, store: StoreD, metrics: MetricsD) -> dict[str, int | str]:
     """The trainer's run ended: its open rounds are closed, its queue leaves the list workers consume (they stop
-    within one control interval) and the tasks still queued are deleted. Idempotent; 404 for an unknown run."""
+    within one control interval), the tasks still queued are deleted, and the workers' broker users may no longer
+    take from it (`revoked_broker_users`: withdrawn now, counted in `sparecycles_broker_grants_revoked_total`).
+    Idempotent; 404 for an unknown run."""
     closed = store.runs.end_run(run)
-    return {"run": run, "closed_rounds": closed, "purged_tasks": store.dispatch.purge_queue(run)}
+    purged = store.dispatch.purge_queue(run)
+    revoked = store.workers.revoke_queue(store.keys.queue_for(run))
+    metrics.broker_revoked.inc(revoked)
+    return {"run": run, "closed_rounds": closed, "purged_tasks": purged, "revoked_broker_users": revoked}
 
 
 @router.get("/{run}/intake", dependencies=[Reader])

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from api.deps import Admin, Reader, RunP, ShaP, StoreD
-from wire.teacher_messages import TeacherManifest, TeacherRun
+from api.deps import Admin, MetricsD, Reader, RunP, ShaP, StoreD
+from wire.teacher_messages import TeacherManifest, TeacherRun, teacher_queue
 
 router = APIRouter(prefix="/v1/teachers")
 
@@ -19,9 +19,13 @@ def register_teacher_run(body: TeacherRun, store: StoreD) -> TeacherRun:
 
 
 @router.post("/{run}/end", dependencies=[Admin])
-def end_teacher_run(run: RunP, store: StoreD) -> dict[str, str | bool]:
-    """Take the run's teacher queue off the list workers consume (they stop within one control interval)."""
-    return {"run": run, "ended": store.teachers.end(run)}
+def end_teacher_run(run: RunP, store: StoreD, metrics: MetricsD) -> dict[str, str | bool | int]:
+    """Take the run's teacher queue off the list workers consume (they stop within one control interval); the
+    workers' broker users may no longer take from it (`revoked_broker_users`, as a probe run's end). Idempotent."""
+    ended = store.teachers.end(run)
+    revoked = store.workers.revoke_queue(teacher_queue(run)) if ended else 0
+    metrics.broker_revoked.inc(revoked)
+    return {"run": run, "ended": ended, "revoked_broker_users": revoked}
 
 
 @router.get("/{sha256}", dependencies=[Reader])
