@@ -10,7 +10,9 @@ output lengths from a real text); it reads the workers' serving figures from the
 before it stops them. On leaving, at the runs' end, it stops sending and waits up to LOAD_DRAIN_S for the requests
 in flight (after Ctrl-C or an error, not at all), stops the engine and writes `serving.json` into the run folder
 (`figures`: the load's time to first token and end to end p50/p95/p99, every request, and the workers' figures,
-wire.messages.ServingFigures).
+wire.messages.ServingFigures). The requests not yet due when the runs end are never sent: serving.json counts them
+(`requests_unsent`, with the seconds the load ran and those its arrivals span) and the summary line says how many of
+those planned were sent and why not all (`load_summary`).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ LOAD_DRAIN_S = 120.0  # seconds the end of `up` waits for the requests in flight
 WORKERS_BESIDE_S = 60.0  # seconds the load waits for the workers to read the engine idle (then starts anyway)
 LOAD_SEED = 0  # the load's arrivals and passages (benchmarks.serving_load.make_requests)
 WORKER_FIGURES = ("yielded_s", "engine_idle_s", "idle_used_s")  # summed over the workers
+RUNS_ENDED, STOPPED_EARLY = "the runs ended", "up stopped early (an error or Ctrl-C)"  # what ended the load
 
 
 def check_engine(demo: ServingDemo | None) -> None:
@@ -69,6 +72,9 @@ class ServingRun:
     thread: threading.Thread | None = None
     outcomes: list[Outcome] = field(default_factory=list)
     workers: list[dict[str, Any]] = field(default_factory=list)
+    started_at: float | None = None  # unix seconds the load began (start_load), None if it never did
+    stopped_at: float | None = None  # unix seconds it was told to send no more (end_load)
+    ended_by: str = RUNS_ENDED  # what told it to stop (serving_beside: STOPPED_EARLY on an error or Ctrl-C)
 
     @property
     def worker_args(self) -> tuple[str, ...]:
@@ -87,9 +93,16 @@ class ServingRun:
             self.outcomes = run_load(self.engine.url, self.model, self.requests, stop=self.stop)
 
         self.thread = threading.Thread(target=load, name="serving-load", daemon=True)
+        self.started_at = time.time()
         self.thread.start()
-        self.log(f"request load: {self.demo.requests} requests at {self.demo.rate:g}/s against {self.engine.url}; "
+        self.log(f"request load: {self.demo.requests} requests at {self.demo.rate:g}/s against {self.engine.url}, "
+                 f"their arrivals over ~{self.planned_s:.0f} s (those not yet due when the runs end are not sent); "
                  f"every worker yields to {self.engine.load_url} (hold {self.demo.hold_s:g} s)")
+
+    @property
+    def planned_s(self) -> float:
+        """Seconds from the load's start to its last request's arrival (the Poisson schedule of make_requests)."""
+        return self.requests[-1].at_s if self.requests else 0.0
 
     def wait_workers_beside(self, base: str, admin_token: str, workers: int) -> None:
         """Wait up to WORKERS_BESIDE_S seconds until `workers` workers' heartbeats say they read the engine idle
@@ -115,20 +128,26 @@ class ServingRun:
     def end_load(self, drain_s: float) -> None:
         """Send no more requests; wait up to `drain_s` seconds for those in flight."""
         self.stop.set()
+        if self.started_at is not None and self.stopped_at is None:
+            self.stopped_at = time.time()
         if self.thread is not None:
             self.thread.join(drain_s)
 
     def figures(self) -> dict[str, Any]:
-        """serving.json: the load (requests sent, answered, failed; TTFT and end-to-end percentiles in seconds), the
-        workers' figures (seconds yielded, the engine's idle seconds, those the worker used, reclaim p95) and their
-        sums, and every request."""
+        """serving.json: the load (requests planned, sent, not sent, answered, failed; the seconds its arrivals span
+        and the seconds it ran, None if it never started; TTFT and end-to-end percentiles in seconds), the workers'
+        figures (seconds yielded, the engine's idle seconds, those the worker used, reclaim p95) and their sums, and
+        every request."""
         ok = [o for o in self.outcomes if not o.error and o.end is not None]
         totals = {k: sum(w.get(k, 0.0) for w in self.workers) for k in WORKER_FIGURES}
         idle = totals["engine_idle_s"]
+        ran = None if self.started_at is None else (self.stopped_at or time.time()) - self.started_at
         return {
             "engine": self.demo.engine, "model": str(self.engine.model_dir), "load_url": self.engine.load_url,
-            "rate_per_s": self.demo.rate, "requests_planned": self.demo.requests, "hold_s": self.demo.hold_s,
-            "requests_sent": len(self.outcomes), "answered": len(ok), "failed": len(self.outcomes) - len(ok),
+            "rate_per_s": self.demo.rate, "requests_planned": len(self.requests), "hold_s": self.demo.hold_s,
+            "requests_sent": len(self.outcomes), "requests_unsent": len(self.requests) - len(self.outcomes),
+            "load_planned_s": self.planned_s, "load_ran_s": ran, "load_ended_by": self.ended_by,
+            "answered": len(ok), "failed": len(self.outcomes) - len(ok),
             "ttft_s": percentiles([o.ttft_s for o in ok if o.ttft_s is not None]),
             "e2e_s": percentiles([o.e2e_s for o in ok if o.e2e_s is not None]),
             "workers": self.workers,
@@ -172,11 +191,27 @@ def _finish(run: ServingRun, out: Path, drain_s: float, log: Callable[[str], Non
     (out / SERVING_JSON).write_text(json.dumps(figures, indent=1))
     t, e, w = figures["ttft_s"], figures["e2e_s"], figures["workers_total"]
     fmt = "{:.2f}".format
-    log(f"serving: {figures['answered']}/{figures['requests_sent']} requests answered ({figures['failed']} failed); "
+    log(f"serving: {load_summary(figures)}; "
         f"TTFT p50/p95 {fmt(t['p50'] or 0)}/{fmt(t['p95'] or 0)} s, end to end {fmt(e['p50'] or 0)}/"
         f"{fmt(e['p95'] or 0)} s; workers yielded {w['yielded_s']:.1f} s, used {w['idle_used_s']:.1f} of the engine's "
         f"{w['engine_idle_s']:.1f} idle s ({out / SERVING_JSON})")
     return figures
+
+
+def load_summary(figures: dict[str, Any]) -> str:
+    """The summary's words on the load (`ServingRun.figures`): the requests answered of those sent, and, when not all
+    planned were sent, how many were and why (the runs ended before the rest were due, or the load never started)."""
+    sent, planned, answered = figures["requests_sent"], figures["requests_planned"], figures["answered"]
+    done = f"{answered}/{sent} requests answered ({figures['failed']} failed)"
+    if sent == planned:
+        return done
+    if figures["load_ran_s"] is None:
+        why = ("the fleet-probed run, with which it starts, did not train this time" if figures["load_ended_by"] ==
+               RUNS_ENDED else f"{figures['load_ended_by']} before the fleet-probed run it starts with")
+        return f"0 of {planned} requests sent: the load never started ({why})"
+    return (f"{sent} of {planned} requests sent: {figures['load_ended_by']} {figures['load_ran_s']:.0f} s into the "
+            f"load, whose arrivals at {figures['rate_per_s']:g}/s span ~{figures['load_planned_s']:.0f} s (fewer "
+            f"--serving-requests or a higher --serving-rate fit a shorter run); {done}")
 
 
 @contextlib.contextmanager
@@ -191,5 +226,8 @@ def serving_beside(demo: ServingDemo | None, out: Path, log: Callable[[str], Non
     try:
         yield run
         drain_s = LOAD_DRAIN_S
+    except BaseException:
+        run.ended_by = STOPPED_EARLY
+        raise
     finally:
         _finish(run, out, drain_s, log)

@@ -39,6 +39,7 @@ def test_up_serving_vllm_runs_beside_a_real_vllm_and_its_worker_yields(tmp_path)
     assert summary["zocurv-line"]["final_val_loss"] != summary["adamw"]["final_val_loss"]
     serving = json.loads((out / "serving.json").read_text())
     assert serving["requests_sent"] == serving["answered"] == REQUESTS and serving["failed"] == 0
+    assert serving["requests_unsent"] == 0 and serving["load_ran_s"] > 0
     assert [r["error"] for r in serving["requests"]] == [""] * REQUESTS
     assert all(r["tokens"] >= 8 for r in serving["requests"])  # each streamed its 8-32 tokens
     assert 0 < serving["ttft_s"]["p50"] <= serving["ttft_s"]["p95"] <= serving["e2e_s"]["p95"]

@@ -1,0 +1,80 @@
+"""`up --serving vllm`'s account of its request load (sparecycles.up_serving): the requests not yet due when the runs
+end are never sent, and serving.json and the summary line say how many of those planned were sent and why, rather
+than "3/3 requests answered" for a load of 40. No engine here: the load's outcomes are set as run_load returns them.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from benchmarks.serving_load import CONTEXT, Outcome, make_requests
+from sparecycles.up_options import SERVING_JSON, UpOptions
+from sparecycles.up_serving import LOAD_SEED, ServingRun, _finish, serving_beside
+
+
+def _run(tmp_path, logs: list[str]) -> ServingRun:
+    demo = UpOptions(serving="vllm").serving_demo  # the defaults: 40 requests at 0.1/s
+    text = [f"sentence {i} of a passage long enough." for i in range(demo.requests * CONTEXT + 1)]
+    engine = SimpleNamespace(model_dir=tmp_path / "smollm2", url="http://127.0.0.1:1", log_path=tmp_path / "vllm.log",
+                             load_url="http://127.0.0.1:1/load", stop=lambda: None)
+    requests = make_requests(demo.requests, demo.rate, LOAD_SEED, text)
+    return ServingRun(demo, engine, "smollm2", requests, logs.append)
+
+
+def _answered(n: int) -> list[Outcome]:
+    t = time.time()
+    return [Outcome(sent=t + i, first=t + i + 0.2, end=t + i + 1.0, tokens=8) for i in range(n)]
+
+
+def test_a_load_the_runs_ended_before_says_how_many_of_its_requests_were_sent(tmp_path):
+    logs: list[str] = []
+    run = _run(tmp_path, logs)
+    span = run.requests[-1].at_s
+    assert span > 300  # 40 Poisson arrivals at 0.1/s span minutes; `up --steps 12` trains for well under one
+    run.started_at = time.time() - 28.0  # the load began with the fleet-probed run, 28 s before its end
+    run.outcomes = _answered(3)  # run_load returns the outcomes of the requests sent before the stop
+    figures = _finish(run, tmp_path, 0.0, logs.append)
+    assert (figures["requests_planned"], figures["requests_sent"], figures["requests_unsent"]) == (40, 3, 37)
+    assert figures["answered"] == 3 and figures["failed"] == 0 and figures["load_planned_s"] == span
+    assert figures["load_ran_s"] == pytest.approx(28.0, abs=1.0) and figures["load_ended_by"] == "the runs ended"
+    assert json.loads((tmp_path / SERVING_JSON).read_text())["requests_unsent"] == 37
+    [line] = logs
+    assert line.startswith(f"serving: 3 of 40 requests sent: the runs ended 28 s into the load, whose arrivals at "
+                           f"0.1/s span ~{span:.0f} s (fewer --serving-requests or a higher --serving-rate fit a "
+                           "shorter run); 3/3 requests answered (0 failed); TTFT p50/p95 0.20/0.20 s")
+
+
+def test_a_load_sent_in_full_or_never_started_is_reported_as_such(tmp_path):
+    logs: list[str] = []
+    run = _run(tmp_path, logs)
+    run.started_at, run.outcomes = time.time() - 400.0, _answered(40)
+    figures = _finish(run, tmp_path, 0.0, logs.append)
+    assert figures["requests_unsent"] == 0 and logs[-1].startswith("serving: 40/40 requests answered (0 failed); TTFT")
+
+    never = _run(tmp_path, logs)  # the fleet-probed run was reused: only AdamW trained, the load never began
+    figures = _finish(never, tmp_path, 0.0, logs.append)
+    assert (figures["requests_sent"], figures["requests_unsent"], figures["load_ran_s"]) == (0, 40, None)
+    assert logs[-1].startswith("serving: 0 of 40 requests sent: the load never started (the fleet-probed run, with "
+                               "which it starts, did not train this time); TTFT")
+
+
+def test_a_load_cut_or_never_started_by_an_error_says_so(tmp_path, monkeypatch):
+    logs: list[str] = []
+    run = _run(tmp_path, logs)
+    monkeypatch.setattr("sparecycles.up_serving._start", lambda demo, out, log: run)
+    with pytest.raises(KeyboardInterrupt), serving_beside(run.demo, tmp_path, logs.append) as started:
+        started.started_at, started.outcomes = time.time() - 5.0, _answered(1)
+        raise KeyboardInterrupt
+    assert logs[-1].startswith("serving: 1 of 40 requests sent: up stopped early (an error or Ctrl-C) 5 s into the "
+                               "load")
+
+    never = _run(tmp_path, logs)
+    monkeypatch.setattr("sparecycles.up_serving._start", lambda demo, out, log: never)
+    with pytest.raises(RuntimeError), serving_beside(never.demo, tmp_path, logs.append):
+        raise RuntimeError("the AdamW baseline failed")
+    assert logs[-1].startswith("serving: 0 of 40 requests sent: the load never started (up stopped early (an error "
+                               "or Ctrl-C) before the fleet-probed run it starts with)")
