@@ -292,7 +292,7 @@ def _wait_drained(fleet: _Fleet, names: list[str], interval_s: float, timeout_s:
         time.sleep(interval_s)
 
 
-def _warm(url: str, model: str, requests: list[Request], progress) -> None:
+def _warm_prompts(url: str, model: str, requests: list[Request], progress) -> None:
     """Send `requests` once, one after another, unmeasured: the arms of a block send the same prompts, so whatever an
     engine does the first time it sees a prompt (vLLM's prefix cache fills; an engine's first run of a shape) would
     otherwise fall on the block's first arm only, which rotates (seen on the GPU stand-in: a block's first arm decoded
@@ -313,7 +313,7 @@ def _blocks(engine, model: str, fleet: _Fleet, workers: dict, trainer, cfg: Serv
     for blk in range(cfg.blocks):
         requests = make_requests(per_block, cfg.rate, cfg.seed + 100 * blk, text)
         if cfg.warmup:
-            _warm(engine.url, model, requests, progress)
+            _warm_prompts(engine.url, model, requests, progress)
         for arm in block_order(cfg.arms, blk):
             for role, w in workers.items():
                 mine = ROLES.get(arm) == role

@@ -194,16 +194,16 @@ def test_each_request_goes_out_on_a_connection_of_its_own():
 
 
 def test_a_blocks_warm_up_sends_its_requests_once_one_after_another():
-    """`bench serving`'s warm-up (benchmarks.serving._warm): every request of the block once, in order, never two at
+    """`bench serving`'s warm-up (benchmarks.serving._warm_prompts): every request of the block once, in order, never two at
     once (the engine sees each prompt alone, as the arms' requests will be), whatever their arrival times."""
-    from benchmarks.serving import _warm
+    from benchmarks.serving import _warm_prompts
 
     server = _Streams(delay_s=0.05)
     said: list[str] = []
     try:
         text = [f"w{i} " * (i % 50 + 4) for i in range(200)]
         reqs = make_requests(3, 50.0, 5, text)  # arrivals ~20 ms apart: open loop, they would overlap
-        _warm(server.url, "m", reqs, said.append)
+        _warm_prompts(server.url, "m", reqs, said.append)
     finally:
         server.close()
     assert server.prompts == [r.prompt for r in reqs] and server.most_held == 1 and said == []

