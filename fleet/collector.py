@@ -16,10 +16,12 @@ from collections import Counter
 from collections.abc import Callable
 
 from coordinator.client import CoordinatorClient
+from trainer.console import raise_if_stopping
 from trainer.zo.backend import COUNT_KEYS, Collected
 from trainer.zo.probes import SeedResult
 
 RoundSeed = tuple[str, int]
+READ_BLOCK_MS = 200  # the longest read of a round's wait: the most a stop waits before the wait gives up
 
 
 class ResultCollector:
@@ -145,7 +147,9 @@ class ResultCollector:
 
         With a `round_id` that was `expect`ed, waits up to `timeout_s` (0: round_timeout_s) until every seed
         of the round has arrived or was dropped, calling `poll()` between reads (it raises to stop waiting,
-        e.g. when the round's upload failed); otherwise returns what is there now.
+        e.g. when the round's upload failed); otherwise returns what is there now. A run that is stopping (the first
+        Ctrl-C or SIGTERM of its step loop, trainer.console.STOP_REQUESTED) stops waiting within one read
+        (READ_BLOCK_MS): trainer.console.StopWaiting, the results read so far staying buffered.
         """
         self.drain(block_ms=0)  # what is there now: a training step pays this (fleet.attach)
         if round_id is not None and round_id in self.waiting:
@@ -153,7 +157,8 @@ class ResultCollector:
             while (self.waiting[round_id] - {s for (r, s) in self.buffered if r == round_id}
                    and time.monotonic() < deadline):
                 poll()
-                self.drain(block_ms=200)
+                raise_if_stopping(f"round {round_id} of run {self.run}")
+                self.drain(block_ms=READ_BLOCK_MS)
         results = self._hand_out([k for k in self.buffered if round_id is None or k[0] == round_id])
         out = dict.fromkeys(COUNT_KEYS, 0)
         if counts:

@@ -10,7 +10,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import secrets
+import signal
 import socket
 import subprocess
 import sys
@@ -19,6 +21,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+from safetensors import safe_open
+
+from coordinator.keys import Keys
+from fleet.backend import BackendTuning
+from fleet.collector import READ_BLOCK_MS
 
 REDIS_URL = os.environ.get("SPARECYCLES_TEST_REDIS", "redis://127.0.0.1:6379/0")
 # Evaluation stays on the trainer here (--eval-on auto would move it to the fleet: tests/test_fleet_eval.py).
@@ -206,3 +213,92 @@ def test_train_coordinator_registers_its_teacher_rounds_for_the_enrolled_workers
     enroll = {"Authorization": f"Bearer {env['SPARECYCLES_ENROLLMENT_TOKEN']}"}
     late = httpx.post(f"{url}/v1/workers", json={"name": "late"}, headers=enroll, timeout=10).json()
     assert (late["queues"], late["teacher_queues"]) == ([], []), late
+
+
+# A stopped trainer's wait for a round gives up within one read of the results stream (fleet.collector.READ_BLOCK_MS);
+# then it checkpoints (a demo model: milliseconds) and ends its coordinator run, one HTTP call bounded by the client's
+# timeout (BackendTuning.timeout_s). Far below the round timeout (BackendTuning.round_timeout_s, 300 s) that the wait
+# ran to before the stop reached it (the first SIGTERM of a fleet-probed run was held 40-57 s).
+STOP_BOUND_S = READ_BLOCK_MS / 1000 + BackendTuning().timeout_s
+assert STOP_BOUND_S < BackendTuning().round_timeout_s
+
+
+def _incomplete(store, keys: Keys, run: str) -> list[str]:
+    """The open rounds of `run` that lack results (a completed round stays open until it is stale)."""
+    out = []
+    for rid in (r.decode() for r in store.smembers(keys.k_run(run, "rounds:open"))):
+        done, n = store.hmget(keys.k_round(run, rid), ["done", "n_seeds"])
+        if int(done) < int(n):
+            out.append(rid)
+    return out
+
+
+def _waiting_round(store, keys: Keys, still_s: float = 2.0, timeout_s: float = 120.0) -> tuple[str, str]:
+    """(run, round) of the trainer's coordinator run (the one `train-*` run) once one round of it stays without its
+    results for `still_s` seconds: the trainer waits for it (its worker is stopped, so nobody completes it)."""
+    deadline, last, since = time.monotonic() + timeout_s, None, 0.0
+    while time.monotonic() < deadline:
+        runs = [r.decode() for r in store.smembers(keys.k_runs) if r.startswith(b"train-")]
+        opened = [(run, rid) for run in runs for rid in _incomplete(store, keys, run)]
+        now = opened[0] if len(opened) == 1 else None
+        if now != last:
+            last, since = now, time.monotonic()
+        elif now is not None and time.monotonic() - since >= still_s:
+            return now
+        time.sleep(0.1)
+    raise AssertionError(f"no round of the trainer stayed open for {still_s} s within {timeout_s} s")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_sigterm_while_the_trainer_waits_for_a_round_stops_it_at_once_and_resumes_the_same_run(coordinator, tmp_path):
+    """`train --coordinator --fleet-sync` waiting for a round its (stopped) worker never finishes: one SIGTERM ends it
+    within STOP_BOUND_S (before, the wait held the stop until the round came in, or its 300 s timeout) with exit 130
+    and the stop line naming the step checkpointed; the checkpoint holds the cut step's round as in flight, with
+    the weights it probes; the coordinator run is ended (its open rounds closed, off the runs list). Resumed, with
+    the worker going again, the run completes and equals the same run probed in process, bit for bit."""
+    import redis
+
+    from trainer.checkpoint import checkpoint_step
+
+    url, env, workers = coordinator
+    workers.append(worker := _start_worker(url, env, tmp_path))
+    zo = [*TINY, "--optimizer", "zocurv-line", "--steps", "10", "--curvature-interval", "2", "--fleet-sync"]
+    run_dir = tmp_path / "fleet"
+    argv = [sys.executable, "-m", "sparecycles.cli", "train", *zo, "--run-dir", str(run_dir), "--coordinator", url]
+    store, keys = redis.Redis.from_url(REDIS_URL), Keys(env["SPARECYCLES_KEY_PREFIX"], "")
+    log = tmp_path / "trainer.log"
+    with open(log, "wb") as sink:
+        trainer = subprocess.Popen(argv, env=env, stdout=sink, stderr=subprocess.STDOUT)
+    try:
+        metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + 300
+        while not (metrics.is_file() and any(r[0] >= 4 for r in _losses(run_dir))):  # the round of step 2 folded
+            assert trainer.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.05)
+        worker.send_signal(signal.SIGSTOP)  # from here on no round completes
+        run, rid = _waiting_round(store, keys)
+        t0 = time.monotonic()
+        trainer.send_signal(signal.SIGTERM)
+        trainer.wait(timeout=BackendTuning().round_timeout_s)
+        took = time.monotonic() - t0
+    finally:
+        trainer.kill()
+        worker.send_signal(signal.SIGCONT)
+    out = log.read_text()
+    assert trainer.returncode == 130 and took < STOP_BOUND_S, (took, out[-3000:])
+    m = re.search(r"stopped after step (\d+), checkpointed in (\S+); resume with: (.+)", out)
+    assert m and "Traceback" not in out, out[-3000:]
+    step = int(m[1])
+    assert checkpoint_step(run_dir / "checkpoint.safetensors") == step and rid == f"line-{step}"  # cut in its wait
+    with safe_open(str(run_dir / "checkpoint.safetensors"), framework="pt") as f:
+        meta = json.loads(f.metadata()["sparecycles"])["meta"]["mode"]
+    assert [r["round_id"] for r in meta["curvature"]["inflight"]] == [rid] and step in meta["round_weights"]
+    assert run.encode() not in store.smembers(keys.k_runs) and not store.smembers(keys.k_run(run, "rounds:open"))
+    assert store.hget(keys.k_round(run, rid), "state") == b"closed"  # ended: no worker evaluates it any more
+
+    res = _cli("train", *zo, "--run-dir", str(run_dir), "--coordinator", url, "--resume", env=env)
+    assert res.returncode == 0, res.stderr[-3000:] + (tmp_path / "worker.log").read_text()[-3000:]
+    local = {k: v for k, v in env.items() if k not in ("SPARECYCLES_ADMIN_TOKEN", "SPARECYCLES_REDIS_URL")}
+    res = _cli("train", *zo[:-1], "--run-dir", str(tmp_path / "local"), env=local)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert _losses(run_dir) == _losses(tmp_path / "local") and len(_losses(run_dir)) == 10 + 5

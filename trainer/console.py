@@ -116,15 +116,31 @@ def stop_signals() -> Iterator[None]:
             signal.signal(sig, old)
 
 
-# Set by deferred_interrupt's first signal until the run stops: a wait inside a step (a teacher round's --kd-strict
-# wait, fleet.teacher) gives up at once instead of holding the stop for its whole timeout.
+# Set by deferred_interrupt's first signal until the run stops: a wait inside a step gives up at once instead of
+# holding the stop for its whole timeout (a teacher round's --kd-strict wait, fleet.teacher; a fleet round's results,
+# fleet.collector: raise_if_stopping).
 STOP_REQUESTED = threading.Event()
+
+
+class StopWaiting(KeyboardInterrupt):
+    """A wait inside a step gave up because the run is stopping (STOP_REQUESTED: the first Ctrl-C or SIGTERM): the
+    step is cut where it waited, and the step loop checkpoints the steps completed before it, as after an error the
+    step raised (the state a cut step leaves is resumable: trainer.zo.modes.ZOCurvMode re-issues its rounds)."""
+
+
+def raise_if_stopping(what: str) -> None:
+    """Raise StopWaiting (naming `what`, the thing waited for) once the run is stopping; else nothing. Called between
+    the reads of a wait that would otherwise hold a stop for its whole timeout (a fleet round's results: up to the
+    round timeout, 300 s)."""
+    if STOP_REQUESTED.is_set():
+        raise StopWaiting(f"stopped waiting for {what}: the run is stopping")
 
 
 @contextlib.contextmanager
 def deferred_interrupt() -> Iterator[Callable[[], bool]]:
-    """Turn the first Ctrl-C (SIGINT) or SIGTERM into a flag checked between steps (a step is never cut in
-    half); the run then checkpoints and raises KeyboardInterrupt. A second signal interrupts at once.
+    """Turn the first Ctrl-C (SIGINT) or SIGTERM into a flag checked between steps (a step is not cut in half, but
+    for a wait inside it that gives up on STOP_REQUESTED: raise_if_stopping); the run then checkpoints and raises
+    KeyboardInterrupt. A second signal interrupts at once.
     Outside the main thread signals cannot be caught: no-op.
     """
     hit = {"n": 0}

@@ -4,8 +4,8 @@ same update (ZO-Curv multipliers and curvature state, a pure-ZO step replayed fr
 - `ShardedBackend` (in process): each rank evaluates its share of a round's seeds (seeds[r::N]) on rank 0's probe
   batch and all-gathers the scalars (L±, L0): K probes cost K/N forward pairs per rank.
 - `LeaderBackend` (rank 0 with a fleet): wraps the fleet's backend (fleet.backend.CoordinatorBackend) and
-  broadcasts what each `collect` handed out, or the error it raised (every rank's trainer.zo.rounds.RoundBook
-  has the fleet's timing, DistContext.fleet_rounds, so each makes the same collects).
+  broadcasts what each `collect` handed out, or the error it raised (a stop's trainer.console.StopWaiting too: every
+  rank's step is cut alike; every rank's trainer.zo.rounds.RoundBook has the fleet's timing, DistContext.fleet_rounds, so each makes the same collects).
 - `FollowerBackend` (ranks > 0 with a fleet): talks to nobody; keeps the same version snapshots as the leader's and
   receives each `collect` from rank 0.
 
@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from trainer.console import StopWaiting
 from trainer.distributed import DistContext
 from trainer.zo.backend import Collected, InProcessBackend
 from trainer.zo.probes import RoundSpec, SeedResult
@@ -69,7 +70,7 @@ class LeaderBackend:
     def collect(self, round_id: str | None = None, timeout_s: float = 0.0, counts: bool = False) -> Collected:
         try:
             got = self.inner.collect(round_id, timeout_s, counts=counts)
-        except Exception as exc:
+        except (Exception, StopWaiting) as exc:  # a stop cuts every rank's step where rank 0 stopped waiting
             self.ctx.broadcast_object(("error", exc, 0))
             raise
         self.ctx.broadcast_object(("ok", got, self.inner.forward_passes))

@@ -8,7 +8,8 @@
     5. loop         per step: lr schedule -> mode.step -> log -> evaluate every `eval_every` (the Evaluator:
                     on the trainer, or handed to a fleet whose records arrive later and are logged at their own
                     step; all are in before the final checkpoint) -> checkpoint every `checkpoint_every`;
-                    Ctrl-C / SIGTERM finish the step, checkpoint, stop; an unreachable fleet checkpoints and stops
+                    Ctrl-C / SIGTERM finish the step, checkpoint, stop (a step waiting for the fleet's round is
+                    cut there instead: trainer.console.StopWaiting); an unreachable fleet checkpoints and stops
     6. report       loss.png, summary.json (with the time ledger, trainer.ledger) and (`export`) the model as a
                     transformers folder
 

@@ -124,9 +124,13 @@ class ZOCurvMode:
             stats.update(self._publish(step))
         if step % self.cfg.curvature_interval == 0:
             t0 = self._clock()
-            stats.update(refresh(opt, self.rounds, self.backend, self._probe_batch(batch), step))
-            if self.backend.evaluates_published:
-                self._hold_round_weights()
+            try:
+                stats.update(refresh(opt, self.rounds, self.backend, self._probe_batch(batch), step))
+            finally:  # also when the refresh is cut (a stop while it waits: trainer.console.StopWaiting; a fleet
+                # unreachable): the checkpoint of the steps before it then holds the weights of the rounds it issued,
+                # and the resume re-issues them as in flight (load_extra_state) for the retried step to fold
+                if self.backend.evaluates_published:
+                    self._hold_round_weights()
             self.probe_wall_s += self._clock() - t0
         loss, gnorm = backprop_step(self.model, opt, self.loss_fn, batch, self.cfg.grad_clip)
         self.train_forwards += 1
