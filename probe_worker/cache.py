@@ -49,6 +49,15 @@ from wire.shards import parse_safetensors
 log = logging.getLogger("sparecycles.worker")
 
 SHARD_FETCH_TRIES = 3
+SHARD_READ_THREADS = 8  # shards one snapshot load reads and hashes at once
+
+
+class LoadStopped(Exception):
+    """A weight load gave up because the worker is stopping (WeightCache.stopping): a snapshot load before its next
+    shard (the shards already read stay cached on disk, the version is not loaded), a ledger replay before its next
+    entry (the entries done are kept as their version)."""
+
+
 class VersionUnavailable(LookupError):
     """The coordinator has neither a snapshot of a version nor a ledger path to it from one."""
 
@@ -108,6 +117,9 @@ class WeightCache:
         # True where a replay can be cut inside an entry (a serving worker's chunk hook): each entry backs up the
         # tensors it changes (one model copy), so a cut puts them back and keeps the entries done
         self.interruptible = False
+        # True once the worker is stopping (its warm shutdown began: SIGTERM): a snapshot load starts no further shard
+        # and a ledger replay no further entry (LoadStopped), so the stop waits for the shards being read, not all
+        self.stopping: Callable[[], bool] = lambda: False
         self.metrics = metrics or default_metrics()
         self._loaded: OrderedDict[tuple[str, int], LoadedVersion] = OrderedDict()
         self._recent: OrderedDict[tuple[str, int], VersionManifest] = OrderedDict()
@@ -348,6 +360,8 @@ class WeightCache:
         done = 0
         try:
             for e in entries:
+                if self.stopping():
+                    raise LoadStopped(f"run {run}: replay to version {version} stopped, the worker is stopping")
                 self.interrupt()  # between entries: here the model is exactly version base_v + done
                 # a cut inside an entry (a chunk hook, probe_kernels.reference) puts the entry's tensors back first
                 backup = [p.detach().clone() for p, _ in params] if self.interruptible else None
@@ -379,15 +393,28 @@ class WeightCache:
         """Fetch (only missing shards), verify and load a snapshot version; prune old shards from disk.
 
         Reads no loaded model, so it needs no evaluation lock. On CUDA the host-to-device copies run on the
-        loading thread's current stream (the default one), so they queue between an evaluation's kernels."""
+        loading thread's current stream (the default one), so they queue between an evaluation's kernels.
+        Raises LoadStopped once `stopping()`: each shard checks it before it is read, so a stop waits only for the
+        shards being read (at most SHARD_READ_THREADS), not for the whole snapshot."""
         tensors: dict[str, torch.Tensor] = {}
         key = (run, version)
+
+        def read(ref: ShardRef) -> torch.Tensor:
+            if self.stopping():
+                raise LoadStopped(f"run {run} version {version}: load stopped before shard {ref.name}, the worker "
+                                  "is stopping")
+            return self.shard_buffer(ref)
+
         with self._lock:  # its shards are not pruned by another version's load meanwhile
             self._reading[key] = manifest
         try:
             # read and hash the shards in parallel (hashlib and file reads drop the GIL)
-            with ThreadPoolExecutor(max(1, min(8, len(manifest.shards))), thread_name_prefix="shard-read") as pool:
-                bufs = list(pool.map(self.shard_buffer, manifest.shards))
+            pool = ThreadPoolExecutor(max(1, min(SHARD_READ_THREADS, len(manifest.shards))),
+                                      thread_name_prefix="shard-read")
+            try:
+                bufs = list(pool.map(read, manifest.shards))
+            finally:  # after an error (a stop, a corrupt shard) the shards not started are not read at all
+                pool.shutdown(wait=True, cancel_futures=True)
         finally:
             with self._lock:
                 del self._reading[key]

@@ -15,9 +15,9 @@ so redelivery only costs compute. Outcomes, each counted in `sparecycles_worker_
 - `handed_back`: a spot-check replica of seeds this worker already evaluated in another replica ->
   an identical copy is republished and this delivery acknowledged after a short pause, so that an
   idle worker takes the copy (bounded per seed and replica; then it is evaluated here anyway);
-- `requeued`: the worker is draining, the coordinator no longer knows it (it re-enrolls), or the
-  coordinator/broker stayed unreachable after bounded retries -> rejected with requeue, so another worker
-  (or this one later) evaluates it;
+- `requeued`: the worker is draining, the coordinator no longer knows it (it re-enrolls), the
+  coordinator/broker stayed unreachable after bounded retries, or the worker is stopping and its weight load stopped
+  (probe_worker.cache.LoadStopped) -> rejected with requeue, so another worker (or this one later) evaluates it;
 - `preempted`: cut short mid-evaluation because the co-located serving engine got requests
   (probe_worker.serving) -> nothing posted, rejected with requeue: the round's task is evaluated again later;
 - `withdrawn`: the task's round was closed on the coordinator (the trainer took it over or the run ended) ->
@@ -44,7 +44,7 @@ from pydantic import ValidationError
 
 from coordinator.celery_app import PROBE_TASK_NAME
 from coordinator.client import CoordinatorHTTPError, CorruptBlobError, Forgotten, is_transient
-from probe_worker.cache import VersionUnavailable
+from probe_worker.cache import LoadStopped, VersionUnavailable
 from probe_worker.metrics import WorkerMetrics
 from probe_worker.runtime import ProbeRuntime, parse_task
 from probe_worker.serving import Preempted, Preemption
@@ -144,6 +144,13 @@ class DrainState:
             self.changed.set()
 
 
+def shutting_down() -> bool:
+    """This Celery worker received its warm or cold shutdown signal (celery.worker.state)."""
+    from celery.worker import state
+
+    return state.should_stop is not None or state.should_terminate is not None
+
+
 def run_probe(runtime: ProbeRuntime, drain: DrainState, metrics: WorkerMetrics, kwargs: Any,
               hand_off: Callable[[dict[str, Any]], None] | None = None) -> str:
     """Handle one delivery of a probe task; returns the outcome name.
@@ -152,8 +159,8 @@ def run_probe(runtime: ProbeRuntime, drain: DrainState, metrics: WorkerMetrics, 
     already evaluated); None disables hand-offs.
 
     Raises celery.exceptions.Reject without requeue for invalid tasks (logged here), HandBack (a Reject with requeue,
-    its reason naming the round; logged by the caller, `log_hand_back`) for the draining, yielding, cut and
-    unreachable cases; every other failure is logged and reported as an outcome, never raised. Delivered while only
+    its reason naming the round; logged by the caller, `log_hand_back`) for the draining, yielding, cut,
+    unreachable and stopping (a weight load stopped by the worker's shutdown: probe_worker.cache.LoadStopped) cases; every other failure is logged and reported as an outcome, never raised. Delivered while only
     the serving engine holds the worker back, the task waits for it (at most SERVING_HOLD_CAP_S) before that.
     """
     def outcome(name: str) -> str:
@@ -201,6 +208,10 @@ def run_probe(runtime: ProbeRuntime, drain: DrainState, metrics: WorkerMetrics, 
                            logging.WARNING) from None
         log.warning("coordinator refused round %s: %s", task.round_id, exc)
         return outcome("refused")
+    except LoadStopped:  # the worker is stopping: its weight load stopped between shards, the task goes back
+        outcome("requeued")
+        raise HandBack(f"round {task.round_id} seeds {task.seeds}: the worker is stopping (its weight load "
+                       "stopped)") from None
     except VersionUnavailable as exc:
         log.warning("round %s: %s", task.round_id, exc)
         return outcome("refused")

@@ -39,7 +39,14 @@ from pydantic import ValidationError
 
 from fleet.teacher_weights import TeacherUnavailable
 from probe_kernels import FastForward, lm_logits
-from probe_worker.tasks import REQUEUE_PAUSE_S, DrainState, HandBack, log_hand_back, quiet_hand_backs
+from probe_worker.tasks import (
+    REQUEUE_PAUSE_S,
+    DrainState,
+    HandBack,
+    log_hand_back,
+    quiet_hand_backs,
+    shutting_down,
+)
 from probe_worker.teacher_outcomes import TeacherRefused, TeacherUnanswered
 from trainer.kd.targets import make_targets
 from trainer.kd.teacher import TeacherMismatchError, load_teacher, teacher_sha256
@@ -194,13 +201,6 @@ def run_teacher(runtime: TeacherRuntime, metrics: TeacherMetrics, kwargs: Any, d
         metrics.tokens_per_s.set(runtime.last_tokens_per_s)
         metrics.bytes.inc(runtime.last_bytes)
     return outcome(name)
-
-
-def shutting_down() -> bool:
-    """This Celery worker received its warm or cold shutdown signal (celery.worker.state)."""
-    from celery.worker import state
-
-    return state.should_stop is not None or state.should_terminate is not None
 
 
 def register_teacher_task(app: Celery, runtime: TeacherRuntime, metrics: TeacherMetrics,

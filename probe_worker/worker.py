@@ -10,7 +10,9 @@ the worker should consume: the coordinator's queue list, or nothing while draini
 'draining'/'quarantined', SIGUSR1 until SIGUSR2, or, optionally, while other processes keep the GPU busy). Queues are added and cancelled
 through Celery's remote control addressed to this worker only; a task delivered before a cancel
 takes effect is handed back (rejected with requeue) unevaluated, and the in-flight task always
-finishes. SIGTERM is Celery's warm shutdown within `soft_shutdown` seconds; the worker then deregisters.
+finishes. SIGTERM is Celery's warm shutdown within `soft_shutdown` seconds; a weight load in progress (a task's, the
+prefetch's) stops before its next shard (a task's goes back to its queue: WeightCache.stopping); the worker then
+deregisters.
 
 A coordinator that no longer knows the worker (heartbeat 401 "unknown token" / 404 "unknown worker": its Redis
 came back empty, a failover, a flush, an admin's DELETE) is joined again with the enrollment token under a new
@@ -45,7 +47,13 @@ from probe_worker.priority import lower_session_priority, lower_thread_priority
 from probe_worker.runtime import ProbeRuntime
 from probe_worker.serving import Preempted, ServingWatch
 from probe_worker.task_trace import TraceFile
-from probe_worker.tasks import BusyPolicy, DrainState, gpu_utilization_reader, register_probe_task
+from probe_worker.tasks import (
+    BusyPolicy,
+    DrainState,
+    gpu_utilization_reader,
+    register_probe_task,
+    shutting_down,
+)
 from wire.messages import Heartbeat, WorkerRegistered, WorkerRegistration
 from wire.teacher_messages import TEACHER_QUEUE_PREFIX
 
@@ -134,6 +142,7 @@ class ProbeWorker:
         self.cache = WeightCache(self.client, opts.cache_dir, opts.device, keep_versions=opts.keep_versions,
                                  keep_disk_versions=opts.keep_versions + 1, metrics=self.metrics,
                                  shared_blob_dir=opts.blob_dir)
+        self.cache.stopping = self._stopping  # a weight load stops between shards once the worker stops
         self.runtime = ProbeRuntime(self.client, self.worker_id, self.cache, self.metrics,
                                     probe_path=opts.probe_path, cuda_graphs=opts.cuda_graphs,
                                     attn_dtype=attention_dtype(opts.tf32_attention, opts.device))
@@ -201,6 +210,12 @@ class ProbeWorker:
             guard.check()
         elif self.drain.serving and threading.current_thread().name == PREFETCH_THREAD:
             raise Preempted("the serving engine needs the device")
+
+    def _stopping(self) -> bool:
+        """Whether this worker is stopping: Celery's warm or cold shutdown began (SIGTERM, SIGINT, SIGQUIT) or its run
+        ended. A weight load (a task's or the prefetch thread's) then starts no further shard (WeightCache.stopping):
+        a task's goes back to its queue, and the process ends after the shards being read, not the whole snapshot."""
+        return self._stop.is_set() or shutting_down()
 
     def _replay_interrupt(self) -> None:
         """Between two ledger entries of a replay (any thread: a task's or the prefetch's): stop while the serving

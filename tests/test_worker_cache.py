@@ -518,3 +518,45 @@ def test_a_replay_cut_inside_an_entry_puts_it_back_and_keeps_the_entries_before(
     assert metrics.replayed._value.get() == 2
     assert all(torch.equal(a, b) for (_, a), b in zip(params_of(v2.model), states[1]))
     be.close()
+
+
+def test_a_snapshot_load_stops_between_shards_once_the_worker_stops(env):
+    """A worker stopping while it loads a snapshot (its warm shutdown began: WeightCache.stopping) starts no further
+    shard: the load raises LoadStopped after the shards already being read (here the first one: every later shard
+    sees the stop before it is read), keeps no version, and a probe task whose load stopped goes back to its queue.
+    Once loading again, the version loads whole and bit-exact, reading only the shards it lacks."""
+    from probe_worker.cache import LoadStopped
+    from probe_worker.tasks import HandBack
+
+    model = tiny_model(seed=6)
+    be = env.backend(model, "stopping")
+    be.publish(0)
+    client, wid = env.worker("w0")
+    metrics = WorkerMetrics(CollectorRegistry())
+    cache = WeightCache(client, env.tmp / "wc", metrics=metrics)
+    checks = []
+    cache.stopping = lambda: bool(checks.append(1)) or len(checks) > 1  # the stop comes after the first shard began
+    with pytest.raises(LoadStopped):
+        cache.get("stopping", 0)
+    shards = client.version("stopping", 0).shards
+    assert len(shards) > 3 and metrics.cache_misses.labels("shard")._value.get() == 1  # one shard read of many
+    assert metrics.weight_bytes._value.get() in {s.bytes for s in shards} and not cache.has("stopping", 0)
+
+    runtime = ProbeRuntime(client, wid, cache, metrics)
+    batch = make_batch(1)
+    kwargs = ProbeTask(run="stopping", round_id="st-0", version=0, eps=1e-3, distribution="rademacher", seeds=[1],
+                       want_clean=False,
+                       batch_sha256=be.publisher.blobs.upload(encode_batch(batch))).model_dump(mode="json")
+    be.submit(RoundSpec("st-0", 0, batch, eps=1e-3, seeds=(1,), distribution="rademacher"))
+    with pytest.raises(HandBack) as exc:
+        run_probe(runtime, DrainState(), metrics, kwargs)
+    assert exc.value.requeue is True and "the worker is stopping" in exc.value.reason
+    assert metrics.tasks.labels("requeued")._value.get() == 1 and not cache.has("stopping", 0)
+
+    cache.stopping = lambda: False
+    loaded = cache.get("stopping", 0)
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(params_of(loaded.model), params_of(model)))
+    assert metrics.cache_hits.labels("shard")._value.get() == 1  # the shard read before the stop, from disk
+    assert metrics.cache_misses.labels("shard")._value.get() == len(shards)
+    assert run_probe(runtime, DrainState(), metrics, kwargs) == "done"
+    be.close()
