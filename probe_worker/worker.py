@@ -24,7 +24,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import signal
 import socket
 import sys
 import threading
@@ -49,6 +48,7 @@ from probe_worker.serving import Preempted, ServingWatch
 from probe_worker.task_trace import TraceFile
 from probe_worker.tasks import (
     BusyPolicy,
+    DrainSignals,
     DrainState,
     gpu_utilization_reader,
     register_probe_task,
@@ -139,6 +139,7 @@ class ProbeWorker:
         self.app.conf.broker_transport_options = transport
         use_guarded_transport(self.app, self.reg.broker_url)  # a bad queue item is dropped, not fatal
         self.drain = DrainState()
+        self._drain_signals = DrainSignals(self.drain)  # SIGUSR1 drains, SIGUSR2 resumes
         self.cache = WeightCache(self.client, opts.cache_dir, opts.device, keep_versions=opts.keep_versions,
                                  keep_disk_versions=opts.keep_versions + 1, metrics=self.metrics,
                                  shared_blob_dir=opts.blob_dir)
@@ -430,9 +431,7 @@ class ProbeWorker:
                  self.drain.preemption.freeze.proc.pid, max_s)
 
     def _on_ready(self, sender=None, **_: object) -> None:
-        # Installed after Celery's own handlers, so these win; handlers only flip flags (signal-safe).
-        signal.signal(signal.SIGUSR1, lambda *_: self.drain.set_local(True))
-        signal.signal(signal.SIGUSR2, lambda *_: self.drain.set_local(False))
+        self._drain_signals.install()  # after Celery's own handlers, so these win; in the order they arrive
         if not self._control.is_alive():
             # Before the priority drops below: the engine's watch and the heartbeats keep the normal priority, so a
             # starved task thread (SCHED_IDLE on a busy core) never lets the worker's lease lapse.

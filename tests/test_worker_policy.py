@@ -1,6 +1,15 @@
-"""Drain state and the GPU-busy yield policy of a probe worker (pure state machines, no I/O)."""
+"""Drain state and the GPU-busy yield policy of a probe worker (pure state machines, no I/O), and the local drain
+signals (SIGUSR1, SIGUSR2) applied in the order they arrive (a real process receiving real signals)."""
 
 from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -53,3 +62,52 @@ def test_policy_arguments_are_validated():
             BusyPolicy(**bad)
     with pytest.raises(ValueError):
         gpu_utilization_reader("cpu")
+
+
+# A process whose main thread is busy in one C call (hashing a zero-filled buffer of about BUSY_S seconds' worth:
+# hashlib lets other threads run meanwhile, as torch does) while the drain signals arrive: Python runs no handler of
+# its own until the call returns. It prints "busy" first, then its drain state and whether the signals took effect
+# while the call still ran (a second or more before it returned).
+_BUSY_PROCESS = """
+import hashlib, json, threading, time
+from probe_worker.tasks import DrainSignals, DrainState
+
+drain = DrainState()
+DrainSignals(drain).install()
+t = time.perf_counter()
+hashlib.sha256(bytes(64 << 20))
+data = bytes(int((64 << 20) * {busy_s} / (time.perf_counter() - t)))  # calloc'd: no memory until read
+applied = []
+threading.Thread(target=lambda: drain.changed.wait() and applied.append(time.monotonic()), daemon=True).start()
+print("busy", flush=True)
+hashlib.sha256(data)
+end = time.monotonic()  # a handler run by Python itself would have run just before this: after the call
+print(json.dumps({{"local": drain.local, "while_busy": bool(applied) and applied[0] < end - 1.0}}), flush=True)
+"""
+BUSY_S = 2.0
+SIGNAL_GAP_S = 0.2  # between the two signals: each is delivered (its C-level handler runs) before the next is sent
+
+
+def _drain_after(first: signal.Signals, second: signal.Signals) -> dict:
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen([sys.executable, "-c", _BUSY_PROCESS.format(busy_s=BUSY_S)], stdout=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONPATH": str(root)})
+    try:
+        assert proc.stdout.readline().strip() == "busy"
+        proc.send_signal(first)
+        time.sleep(SIGNAL_GAP_S)
+        proc.send_signal(second)
+        out = proc.communicate(timeout=60)[0]
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out
+    return json.loads(out)
+
+
+def test_drain_signals_apply_in_the_order_they_arrived_while_the_main_thread_is_busy():
+    """SIGUSR2 (resume) then SIGUSR1 (drain), sent while the worker's main thread is in one long C call, leave it
+    drained, and the other order resumed: the last signal sent wins (Python's own handlers would run in signal-number
+    order once the call returned: USR1 then USR2, resumed either way). Each takes effect at once, not when the call
+    returns (probe_worker.tasks.DrainSignals)."""
+    assert _drain_after(signal.SIGUSR2, signal.SIGUSR1) == {"local": True, "while_busy": True}
+    assert _drain_after(signal.SIGUSR1, signal.SIGUSR2) == {"local": False, "while_busy": True}
