@@ -43,4 +43,5 @@ echo "bench rc=${PIPESTATUS[0]}" | tee -a "$out/bench.log"
 pkill -f "nvidia-smi dmon" 2>/dev/null
 cp /tmp/bench-serving-*/engine.log "$out/engine.log" 2>/dev/null
 tail -c 200000 /tmp/bench-serving-*/trainer.log > "$out/trainer.log" 2>/dev/null
+for f in /tmp/bench-serving-*/bench-*.log; do [ -f "$f" ] && tail -c 100000 "$f" > "$out/$(basename "$f")"; done
 true
