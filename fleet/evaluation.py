@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from trainer import health as run_health
+from trainer.console import STOP_REQUESTED
 from trainer.evaluation import EvalWindows, batch_values, combine, lm_windows
 from trainer.models.causal_lm import model_label
 from trainer.zo.probes import canonical_blocks
@@ -147,10 +148,12 @@ class FleetEvaluator:
         return self._take(force=False)
 
     def finish(self) -> list[dict[str, Any]]:
-        """Every outstanding evaluation's record, waiting for the fleet up to each one's deadline."""
+        """Every outstanding evaluation's record, waiting for the fleet up to each one's deadline; once the run is
+        stopping (trainer.console.STOP_REQUESTED: the first Ctrl-C or SIGTERM) without waiting: the trainer evaluates
+        the missing batches itself, so the records are complete and the stop is not held for `deadline_s`."""
         out: list[dict[str, Any]] = []
         while self.pending:
-            out += self._take(force=False)
+            out += self._take(force=STOP_REQUESTED.is_set())
             if self.pending:
                 time.sleep(min(0.05, self.poll_s))
         return out

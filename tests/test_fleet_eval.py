@@ -137,6 +137,39 @@ def test_a_worker_that_never_answers_leaves_the_evaluation_to_the_trainer(efleet
 
 
 @pytest.mark.slow
+def test_a_stopping_run_finishes_its_evaluation_on_the_trainer_without_waiting_for_the_fleet(efleet, tmp_path):
+    """The final evaluation's wait (`finish`) of a run that is stopping (the first Ctrl-C or SIGTERM of its step
+    loop: STOP_REQUESTED) does not wait `deadline_s` for a worker that answers nothing: the trainer evaluates the
+    batches itself at once, and the record is complete, the trainer's own value bit for bit."""
+    from fleet.evaluation import FleetEvaluator
+    from trainer.console import STOP_REQUESTED
+    from trainer.tasks import LMTask
+    from trainer.train import evaluate
+
+    cfg = _cfg(tmp_path, "stopping")
+    task = LMTask(cfg)
+    model = task.build_model()
+    deadline_s = 300.0  # what the wait held a stop for before
+    ev = FleetEvaluator(task, cfg, model, _attached(efleet), deadline_s=deadline_s, full=False)
+    proc = efleet.workers["a"]
+    os.kill(proc.pid, signal.SIGSTOP)  # alive, answering nothing
+    try:
+        ev.request(0, model)
+        STOP_REQUESTED.set()
+        t0 = time.monotonic()
+        records = ev.finish()
+        took = time.monotonic() - t0
+    finally:
+        STOP_REQUESTED.clear()
+        os.kill(proc.pid, signal.SIGCONT)
+        ev.close(wait=False)
+    assert took < deadline_s and [r["step"] for r in records] == [0]
+    rec = records[0]
+    assert rec["eval_on"] == "trainer" and rec["eval_trainer_batches"] == ev.windows.n_batches
+    assert rec["val_loss"] == evaluate(model, task.corpus.val, cfg)
+
+
+@pytest.mark.slow
 def test_a_worker_killed_mid_evaluation_is_replaced_and_each_batch_counts_once(efleet, tmp_path):
     from fleet.evaluation import FleetEvaluator
     from trainer.tasks import LMTask
