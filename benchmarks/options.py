@@ -337,12 +337,6 @@ class RegimeRunOptions(BaseModel):
 def parse(model: type[M], given: dict[str, Any]) -> M:
     """`model` from a command's generated option values (trainer.cli_settings.with_settings); raises
     typer.BadParameter (exit 2) with the validators' message, naming the option."""
-    import typer
-    from pydantic import ValidationError
+    from trainer.cli_settings import build
 
-    from trainer.preflight import explain
-
-    try:
-        return model(**given)
-    except ValidationError as exc:
-        raise typer.BadParameter(explain(exc, model)) from None
+    return build(model, given)

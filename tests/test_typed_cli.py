@@ -30,19 +30,19 @@ def _help(args: list[str]) -> str:
 @pytest.mark.parametrize(("args", "entries"), [
     (["bench", "regime", "run"], [
         "--plan [full|h200|h200b|h200c|h200d|cpu]", "[required]", "--out PATH",
-        "--jobs INTEGER runs at a time (one process each). Bound: 1<=x<=256. [default: (4)]",
-        "Bound: 0<x. [default: (440.0)]", "[default: (auto)]",
-        "--batch-size INTEGER override the plan's sequences per step. Bound: 1<=x<=4096. [default: (none)]",
-        "--seq-len INTEGER override the plan's tokens per sequence. Bound: 2<=x<=8192. [default: (none)]",
-        "--corpus TEXT override the plan's corpus. [default: (none)]", "--micro-batch-size INTEGER"]),
+        "--jobs INTEGER runs at a time (one process each). Bound: 1<=x<=256. [default: 4]",
+        "Bound: 0<x. [default: 440.0]", "[default: auto]",
+        "--batch-size INTEGER override the plan's sequences per step. Bound: 1<=x<=4096. [default: none]",
+        "--seq-len INTEGER override the plan's tokens per sequence. Bound: 2<=x<=8192. [default: none]",
+        "--corpus TEXT override the plan's corpus. [default: none]", "--micro-batch-size INTEGER"]),
     (["kd", "fill"], [
-        "--preset TEXT", "[default: (demo)]", "[env var: SPARECYCLES_REDIS_URL; default: (redis://127.0.0.1:6379/0)]",
+        "--preset TEXT", "[default: demo]", "[env var: SPARECYCLES_REDIS_URL; default: redis://127.0.0.1:6379/0]",
         "--cache PATH The target cache folder", "--window INTEGER Teacher rounds out at once. Bound: 1<=x<=4096. "
-        "[default: (32)]", "Bound: 0.001<=x. [default: (120.0)]", "Bound: 1<=x. [default: (5)]",
-        "--progress / --no-progress Show a progress bar. [default: (on)]"]),
-    (["bench", "serving-load"], ["--rate FLOAT Poisson arrivals per second. Bound: 0<x<=100. [default: (0.1)]"]),
-    (["bench", "serving"], ["--rate FLOAT Poisson arrivals per second. Bound: 0<x<=100. [default: (0.2)]"]),
-    (["up"], ["(requests per second). Bound: 0<x<=100. [default: (0.1)]"]),
+        "[default: 32]", "Bound: 0.001<=x. [default: 120.0]", "Bound: 1<=x. [default: 5]",
+        "--progress / --no-progress Show a progress bar. [default: on]"]),
+    (["bench", "serving-load"], ["--rate FLOAT Poisson arrivals per second. Bound: 0<x<=100. [default: 0.1]"]),
+    (["bench", "serving"], ["--rate FLOAT Poisson arrivals per second. Bound: 0<x<=100. [default: 0.2]"]),
+    (["up"], ["(requests per second). Bound: 0<x<=100. [default: 0.1]"]),
 ])
 def test_help_lists_the_models_defaults_and_bounds(args, entries):
     text = _help(args)
@@ -117,3 +117,30 @@ def test_python_m_benchmarks_regime_is_the_typed_command(tmp_path):
     assert out["finished"] == 0 and len(out["unfinished"]) == 4  # the cpu plan's first stage: 2 lrs x 2 schedules
     for name in out["unfinished"]:
         assert "no-such-corpus" in (tmp_path / f"{name}.log").read_text()
+
+
+def _leaves(cmd, path: tuple[str, ...] = ()):
+    """The argv prefix of every command under `cmd` (groups walked)."""
+    if hasattr(cmd, "commands"):
+        for name, sub in cmd.commands.items():
+            yield from _leaves(sub, (*path, name))
+    else:
+        yield path
+
+
+def test_every_help_shows_its_defaults_bare():
+    """A generated option's default is shown as click shows a plain one, `[default: 20]`, never in parentheses
+    (`[default: (20)]`, click's spelling of a `show_default` text): every command of the app, and `train --help` as
+    a real process; the hidden `train --fleet-sync` and `--config` stay out of it."""
+    from typer.main import get_command
+
+    commands = list(_leaves(get_command(app)))
+    assert ("coordinator",) in commands and ("data", "pack") in commands and len(commands) > 20
+    shown = {" ".join(c): _help(list(c)) for c in commands}
+    assert {c: t for c, t in shown.items() if "default: (" in t} == {}
+    res = subprocess.run([sys.executable, "-m", "sparecycles.cli", "train", "--help"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "COLUMNS": "200"})
+    text = " ".join(res.stdout.split())
+    assert res.returncode == 0 and "--steps INTEGER optimizer steps. Bound: 1<=x<=10,000,000. [default: 300; demo " \
+        "preset: 150]" in text, text
+    assert "--fleet-sync" not in text and "--config" not in text

@@ -11,7 +11,8 @@ are generated the same way.
 
 A field may say more about its option in `json_schema_extra` (`cli_extra`): "envvar" (a variable, or a list of them,
 read when the option is not given), "repeat" (a tuple field as a repeatable option named without its plural "s":
-`teacher_queues` is `--teacher-queue`), "name" (another option name), "help" (help text other than the description).
+`teacher_queues` is `--teacher-queue`), "name" (another option name), "help" (help text other than the description),
+"metavar" (the value's name in --help, e.g. KEY=VALUE), "hidden" (left out of --help, still accepted).
 A nested model field may also give "options" ({sub-field: those keys, or None to leave it out}: how its sub-fields,
 declared in a model owned elsewhere, are spelled as options) and "switch": False (no flag turns it on: any of its
 sub-options does).
@@ -26,7 +27,7 @@ import inspect
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
 
 import annotated_types as at
 import typer
@@ -35,6 +36,8 @@ from pydantic.fields import FieldInfo
 from typer.core import TyperCommand
 
 from trainer.config import RUN_PRESETS, TrainConfig
+
+M = TypeVar("M", bound=BaseModel)
 
 # The section of --help that lists them (the command's own options come first, under "Options").
 SECTION = "Training settings (TrainConfig; `up --set KEY=VALUE` takes the same names)"
@@ -53,6 +56,8 @@ class Setting:
     envvar: str | tuple[str, ...] | None = None
     repeat: bool = False
     doc: str | None = None
+    metavar: str | None = None
+    hidden: bool = False
 
     @property
     def option(self) -> str:
@@ -116,7 +121,8 @@ def _setting(name: str, path: tuple[str, ...], info: FieldInfo, given: dict[str,
     envvar = cli.get("envvar")
     name = cli.get("name") or (name.removesuffix("s") if _is_dict(info) or cli.get("repeat") else name)
     return Setting(name, path, info, envvar=tuple(envvar) if isinstance(envvar, list) else envvar,
-                   repeat=bool(cli.get("repeat")), doc=cli.get("help"))
+                   repeat=bool(cli.get("repeat")), doc=cli.get("help"), metavar=cli.get("metavar"),
+                   hidden=bool(cli.get("hidden")))
 
 
 def _settings(model: type[BaseModel] = TrainConfig) -> tuple[Setting, ...]:
@@ -161,6 +167,8 @@ def _bound_text(info: FieldInfo) -> str:
 
 def _metavar(s: Setting) -> str:
     ann = _bare(s.info.annotation)
+    if s.metavar:
+        return s.metavar
     if s.is_dict:
         return "KEY=VALUE"
     if get_origin(ann) is Literal:
@@ -214,15 +222,15 @@ def _parameter(s: Setting) -> inspect.Parameter:
     ann = _bare(s.info.annotation)
     required = s.info.is_required() and len(s.path) == 1  # a sub-field is required only once its model is on
     envvar = list(s.envvar) if isinstance(s.envvar, tuple) else s.envvar
-    common = dict(help=_help(s), show_default=not required and _preset_default(s), envvar=envvar)
+    common = dict(help=_help(s), show_default=not required and _preset_default(s), envvar=envvar, hidden=s.hidden)
     unset = ... if required else None
     if s.flag or ann is bool:
         return inspect.Parameter(s.name, inspect.Parameter.KEYWORD_ONLY, annotation=bool | None,
                                  default=typer.Option(unset, f"{s.option}/--no-{s.option[2:]}", **common))
     if s.is_dict or s.repeat:
         return inspect.Parameter(s.name, inspect.Parameter.KEYWORD_ONLY, annotation=list[str] | None,
-                                 default=typer.Option(unset, s.option, metavar="KEY=VALUE" if s.is_dict else "TEXT",
-                                                      **common))
+                                 default=typer.Option(unset, s.option, metavar=s.metavar or
+                                                      ("KEY=VALUE" if s.is_dict else "TEXT"), **common))
     return inspect.Parameter(s.name, inspect.Parameter.KEYWORD_ONLY, annotation=Any,
                              default=typer.Option(unset, s.option, metavar=_metavar(s), parser=s.parse, **common))
 
@@ -298,7 +306,13 @@ def parse_set(items: tuple[str, ...] | list[str], *, exclude: tuple[str, ...] = 
 
 class SettingsCommand(TyperCommand):
     """A typer command whose --help lists each model's generated options in a section of its own (`with_settings`'
-    `section`), after the command's own options."""
+    `section`), after the command's own options, each default shown bare (`_plain_default`). Its help is click's
+    plain one whatever its app's rich_markup_mode: rich's tables know neither the sections nor the bare defaults (a
+    group invoked on its own, `bench_app`, showed `[default: (20)]`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.rich_markup_mode = None
 
     def format_options(self, ctx: Any, formatter: Any) -> None:
         sections = list(getattr(self.callback, "sections", ()))
@@ -307,11 +321,22 @@ class SettingsCommand(TyperCommand):
         for param in self.get_params(ctx):
             record = param.get_help_record(ctx)
             if record is not None:
-                rows[where.get(param.name, "Options")].append(record)
+                rows[where.get(param.name, "Options")].append(_plain_default(param, record))
         for title, records in rows.items():
             if records:
                 with formatter.section(title):
                     formatter.write_dl(records)
+
+
+def _plain_default(param: Any, record: tuple[str, str]) -> tuple[str, str]:
+    """`record` (an option's --help row) with the default its generator gave as text shown bare: click shows a
+    `show_default` text in parentheses, as if it were a description ("[default: (20)]"), while a generated option's
+    default is None (unset: the model's or preset's value) and its `show_default` the value itself (`_preset_default`):
+    "[default: 20]", as click shows a plain default."""
+    shown = getattr(param, "show_default", None)
+    if not isinstance(shown, str):
+        return record
+    return record[0], record[1].replace(f"default: ({shown})", f"default: {shown}", 1)
 
 
 def with_settings(*, exclude: tuple[str, ...] = (), model: type[BaseModel] = TrainConfig, param: str = "settings",
@@ -342,6 +367,18 @@ def with_settings(*, exclude: tuple[str, ...] = (), model: type[BaseModel] = Tra
         return command
 
     return wrap
+
+
+def build(model: type[M], given: dict[str, Any]) -> M:
+    """`model` from a command's generated option values (`with_settings`' dict); raises typer.BadParameter (exit 2)
+    with the validators' message, naming the option (`explain`), for what the model refuses: each value was already
+    checked on its own when the command line was parsed, so what is left are the rules between options."""
+    from pydantic import ValidationError
+
+    try:
+        return model(**given)
+    except ValidationError as exc:
+        raise typer.BadParameter(explain(exc, model)) from None
 
 
 def explain(exc: Exception, model: type | None = None) -> str:
