@@ -83,7 +83,7 @@ app.add_typer(trainer_cli.data_app, name="data")
 app.add_typer(kd_app, name="kd")  # `kd fill`: teacher targets ahead of time (fleet.kd_fill)
 app.command("train", cls=SettingsCommand, short_help="Train one model in this process; write its run folder.")(
     stops_cleanly(train_command(FLEET_HOOKS)))
-app.command("export", short_help="Export a finished run's model as a transformers folder.")(
+app.command("export", cls=SettingsCommand, short_help="Export a finished run's model as a transformers folder.")(
     export_cli.export)
 app.add_typer(bench_app, name="bench")
 app.command("coordinator")(api_cli.coordinator)

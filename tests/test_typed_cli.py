@@ -43,6 +43,8 @@ def _help(args: list[str]) -> str:
     (["bench", "serving-load"], ["--rate FLOAT Poisson arrivals per second. Bound: 0<x<=100. [default: 0.1]"]),
     (["bench", "serving"], ["--rate FLOAT Poisson arrivals per second. Bound: 0<x<=100. [default: 0.2]"]),
     (["up"], ["(requests per second). Bound: 0<x<=100. [default: 0.1]"]),
+    (["export"], ["--partial / --no-partial Export the checkpoint of an unfinished (interrupted) run. [default: off]",
+                  "--overwrite / --no-overwrite Replace a non-empty OUT_DIR. [default: off]", "--best / --no-best"]),
 ])
 def test_help_lists_the_models_defaults_and_bounds(args, entries):
     text = _help(args)
