@@ -103,8 +103,6 @@ NOT_YET_TYPED = {
     "train": ["preset", "coordinator", "teacher_rounds", "fleet_sync", "config"],
     "coordinator": ["host", "port", "log_level", "access_log", "workers"],
     "up": ["set_", "optimizer_option"],
-    "data fetch": ["corpus", "task", "force"],
-    "data pack": ["corpus", "data", "model", "text_field", "encoding_errors", "out"],
 }
 
 

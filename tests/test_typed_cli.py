@@ -45,6 +45,12 @@ def _help(args: list[str]) -> str:
     (["up"], ["(requests per second). Bound: 0<x<=100. [default: 0.1]"]),
     (["export"], ["--partial / --no-partial Export the checkpoint of an unfinished (interrupted) run. [default: off]",
                   "--overwrite / --no-overwrite Replace a non-empty OUT_DIR. [default: off]", "--best / --no-best"]),
+    (["data", "fetch"], ["--corpus TEXT Corpus to build", "--task [sentiment]",
+                         "--force / --no-force Rebuild even if the cache verifies. [default: off]"]),
+    (["data", "pack"], ["--corpus TEXT Corpus to pack (built first if needed); ignored with --data. [default: classics-",
+                        "[default: gpt2-tiny]",
+                        "--text-field TEXT", "[default: text]", "--encoding-errors [strict|replace]",
+                        "[default: strict]", "--out PATH", "[default: .data]"]),
 ])
 def test_help_lists_the_models_defaults_and_bounds(args, entries):
     text = _help(args)
@@ -82,6 +88,9 @@ RUN = ["bench", "regime", "run", "--plan", "cpu", "--out"]
     (["up", "--serving", "vllm", "--serving-rate", "101"], "error: --serving-rate: Input should be less than or "
      "equal to 100"),
     (["up", "--serving", "vllm", "--serving-rate", "0"], "error: --serving-rate: Input should be greater than 0"),
+    (["data", "fetch", "--task", "nope"], "error: --task: Input should be 'sentiment'"),
+    (["data", "pack", "--data", "X", "--encoding-errors", "ignore"], "error: --encoding-errors: Input should be "
+     "'strict' or 'replace'"),
 ])
 def test_a_value_out_of_bounds_is_refused_naming_its_option(args, line, tmp_path):
     got = _refused([a.replace("X", str(tmp_path / "out")) if a == "X" else a for a in args])

