@@ -1,29 +1,42 @@
-"""`sparecycles coordinator`: serve the REST API with uvicorn (imports only typer at module top)."""
+"""`sparecycles coordinator`: serve the REST API with uvicorn.
+
+`CoordinatorOptions` declares its options, each with its default and bound; the top layer (sparecycles.cli) generates
+them into the command (trainer.cli_settings, which this torch-free layer may not import) and hands `coordinator` the
+values given. Imports only typer and pydantic at module top.
+"""
 
 from __future__ import annotations
 
+from typing import Annotated, Any, Literal
+
 import typer
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's
+LogLevel = Annotated[Literal[LOG_LEVELS],  # type: ignore[valid-type]
+                     BeforeValidator(lambda v: v.lower() if isinstance(v, str) else v)]  # INFO is info
 
 
-def coordinator(
-    host: str = typer.Option("127.0.0.1", help="Interface to bind (0.0.0.0 in containers)."),
-    port: int = typer.Option(8787, min=1, max=65535, help="TCP port."),
-    log_level: str = typer.Option("info", help="uvicorn log level: critical, error, warning, info, debug or trace "
-                                  "(access lines are info: --access-log shows them at info and below)."),
-    access_log: bool = typer.Option(
-        False, help="Log one line per HTTP request (uvicorn's access log; off by default: at thousands of "
-        "results/s it costs the coordinator CPU; rejections are counted in /metrics either way)."
-    ),
-    workers: int = typer.Option(
-        1,
-        min=1,
-        max=64,
-        help="Coordinator processes sharing the port, each a uvicorn server with its own SO_REUSEPORT "
-        "listener. Above 1, /metrics sums every process's counters through prometheus-client's "
-        "multiprocess mode (PROMETHEUS_MULTIPROC_DIR, a fresh temporary directory unless set; its *.db "
-        "files are cleared at start).",
-    ),
-) -> None:
+class CoordinatorOptions(BaseModel):
+    """`coordinator`'s options (the server's own settings come from SPARECYCLES_* variables: CoordinatorSettings).
+    Raises pydantic.ValidationError for a value outside its choices or bounds, naming the field."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    host: str = Field("127.0.0.1", min_length=1, description="Interface to bind (0.0.0.0 in containers)")
+    port: int = Field(8787, ge=1, le=65535, description="TCP port")
+    log_level: LogLevel = Field("info", description="uvicorn log level: critical, error, warning, info, debug or "
+                                "trace (access lines are info: --access-log shows them at info and below)")
+    access_log: bool = Field(False, description="Log one line per HTTP request (uvicorn's access log; off by "
+                             "default: at thousands of results/s it costs the coordinator CPU; rejections are "
+                             "counted in /metrics either way)")
+    workers: int = Field(1, ge=1, le=64, description="Coordinator processes sharing the port, each a uvicorn server "
+                         "with its own SO_REUSEPORT listener. Above 1, /metrics sums every process's counters "
+                         "through prometheus-client's multiprocess mode (PROMETHEUS_MULTIPROC_DIR, a fresh temporary "
+                         "directory unless set; its *.db files are cleared at start)")
+
+
+def coordinator(given: dict[str, Any]) -> None:
     """Serve the coordinator API. Settings come from SPARECYCLES_* environment variables (and REDIS_URL);
     it refuses to start with empty, short, default or placeholder secrets (naming the variable) unless
     SPARECYCLES_DEV_MODE=1."""
@@ -38,11 +51,7 @@ def coordinator(
 
     from coordinator.settings import CoordinatorSettings, settings_problems
 
-    if log_level.lower() not in ("critical", "error", "warning", "info", "debug", "trace"):
-        raise typer.BadParameter(f"one of critical, error, warning, info, debug, trace; got {log_level!r}",
-                                 param_hint="--log-level")
-    log_level = log_level.lower()
-
+    o = CoordinatorOptions(**given)  # each value was checked, naming its option, when the command line was parsed
     try:
         CoordinatorSettings()  # fail here, once, with a clear message (each worker process re-reads it)
     except ValidationError as exc:
@@ -50,7 +59,7 @@ def coordinator(
         typer.echo(f"refusing to start: {'; '.join(settings_problems(exc, CoordinatorSettings))}", err=True)
         raise typer.Exit(2) from exc
     with contextlib.ExitStack() as stack:
-        if workers > 1:
+        if o.workers > 1:
             # Must be in the environment before a worker process imports prometheus-client.
             mp = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
             if mp:
@@ -62,19 +71,16 @@ def coordinator(
                 os.environ["PROMETHEUS_MULTIPROC_DIR"] = tmp
         options = {
             "factory": True,
-            "log_level": log_level,
-            "access_log": access_log,
+            "log_level": o.log_level,
+            "access_log": o.access_log,
             "proxy_headers": True,
             "timeout_graceful_shutdown": 10,
         }
-        if workers > 1 and hasattr(socket, "SO_REUSEPORT"):
+        if o.workers > 1 and hasattr(socket, "SO_REUSEPORT"):
             from api.server import serve_processes
 
             raise typer.Exit(
-                serve_processes("api.app:app_from_env", host=host, port=port, workers=workers, **options)
+                serve_processes("api.app:app_from_env", host=o.host, port=o.port, workers=o.workers, **options)
             )
-        uvicorn.run("api.app:app_from_env", host=host, port=port, workers=workers, **options)
+        uvicorn.run("api.app:app_from_env", host=o.host, port=o.port, workers=o.workers, **options)
 
-
-if __name__ == "__main__":
-    typer.run(coordinator)

@@ -250,7 +250,7 @@ def bench_http(
         env["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
     else:
         env.pop("PROMETHEUS_MULTIPROC_DIR", None)
-    cmd = [sys.executable, "-m", "api.cli", "--port", str(port), "--log-level", "warning"]
+    cmd = [sys.executable, "-m", "sparecycles.cli", "coordinator", "--port", str(port), "--log-level", "warning"]
     proc = subprocess.Popen(cmd + ["--workers", str(coordinators)], env=env)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -86,7 +86,8 @@ app.command("train", cls=SettingsCommand, short_help="Train one model in this pr
 app.command("export", cls=SettingsCommand, short_help="Export a finished run's model as a transformers folder.")(
     export_cli.export)
 app.add_typer(bench_app, name="bench")
-app.command("coordinator")(api_cli.coordinator)
+app.command("coordinator", cls=SettingsCommand)(
+    with_settings(model=api_cli.CoordinatorOptions, param="given", section="Options")(api_cli.coordinator))
 app.command("worker", cls=SettingsCommand, short_help="Join a coordinator and evaluate its probe tasks.")(worker_cli.worker)
 app.command("fleet", cls=SettingsCommand, short_help="A fleet on this machine for your own loop, up until stopped.")(fleet_command)
 

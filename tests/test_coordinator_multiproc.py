@@ -83,7 +83,8 @@ def test_coordinator_with_two_workers_reports_the_sum_over_processes(tmp_path):
     (mp_dir / "counter_1.db").write_bytes(b"stale values of an earlier run")  # cleared at start
     port = free_port()
     env = settings_env(settings, PROMETHEUS_MULTIPROC_DIR=str(mp_dir))
-    cmd = [sys.executable, "-m", "api.cli", "--port", str(port), "--log-level", "warning", "--workers", "2"]
+    cmd = [sys.executable, "-m", "sparecycles.cli", "coordinator", "--port", str(port), "--log-level", "warning",
+           "--workers", "2"]
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
     try:

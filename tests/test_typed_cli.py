@@ -45,6 +45,10 @@ def _help(args: list[str]) -> str:
     (["up"], ["(requests per second). Bound: 0<x<=100. [default: 0.1]"]),
     (["export"], ["--partial / --no-partial Export the checkpoint of an unfinished (interrupted) run. [default: off]",
                   "--overwrite / --no-overwrite Replace a non-empty OUT_DIR. [default: off]", "--best / --no-best"]),
+    (["coordinator"], ["--host TEXT Interface to bind (0.0.0.0 in containers). [default: 127.0.0.1]",
+                       "--port INTEGER TCP port. Bound: 1<=x<=65,535. [default: 8787]",
+                       "--log-level [critical|error|warning|info|debug|trace]", "[default: info]",
+                       "--access-log / --no-access-log", "Bound: 1<=x<=64. [default: 1]"]),
     (["data", "fetch"], ["--corpus TEXT Corpus to build", "--task [sentiment]",
                          "--force / --no-force Rebuild even if the cache verifies. [default: off]"]),
     (["data", "pack"], ["--corpus TEXT Corpus to pack (built first if needed); ignored with --data. [default: classics-",
@@ -88,6 +92,12 @@ RUN = ["bench", "regime", "run", "--plan", "cpu", "--out"]
     (["up", "--serving", "vllm", "--serving-rate", "101"], "error: --serving-rate: Input should be less than or "
      "equal to 100"),
     (["up", "--serving", "vllm", "--serving-rate", "0"], "error: --serving-rate: Input should be greater than 0"),
+    (["coordinator", "--port", "0"], "error: --port: Input should be greater than or equal to 1"),
+    (["coordinator", "--port", "65536"], "error: --port: Input should be less than or equal to 65535"),
+    (["coordinator", "--workers", "0"], "error: --workers: Input should be greater than or equal to 1"),
+    (["coordinator", "--workers", "65"], "error: --workers: Input should be less than or equal to 64"),
+    (["coordinator", "--log-level", "loud"], "error: --log-level: Input should be 'critical', 'error', 'warning', "
+     "'info', 'debug' or 'trace'"),
     (["data", "fetch", "--task", "nope"], "error: --task: Input should be 'sentiment'"),
     (["data", "pack", "--data", "X", "--encoding-errors", "ignore"], "error: --encoding-errors: Input should be "
      "'strict' or 'replace'"),
