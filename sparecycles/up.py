@@ -26,6 +26,7 @@ from sparecycles.scrape import SCRAPE_CONFIG, write_scrape_config
 from sparecycles.services import Supervisor, die_with_parent, free_port
 from sparecycles.up_options import SERVING_JSON
 from sparecycles.up_plan import UP_SETTINGS, UpPlan, clear_folder, disk_use, plan_up, read_json  # noqa: F401 (plan_up re-exported)
+from trainer.run_options import TEACHER_ROUNDS_ENV  # train's --teacher-rounds, for up's torchrun ranks
 
 if TYPE_CHECKING:
     from sparecycles.up_serving import ServingRun
@@ -211,9 +212,6 @@ def _train_with_fleet(plan: UpPlan, progress: bool, log: Callable[[str], None],
     finally:
         sup.stop_all()
         (out / SCRAPE_CONFIG).unlink(missing_ok=True)  # its ports are closed now
-
-
-TEACHER_ROUNDS_ENV = "SPARECYCLES_TEACHER_ROUNDS"  # trainer.cli's --teacher-rounds, for up's torchrun ranks
 
 
 def teacher_note(plan: UpPlan) -> str:

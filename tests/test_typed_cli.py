@@ -55,6 +55,9 @@ def _help(args: list[str]) -> str:
                         "[default: gpt2-tiny]",
                         "--text-field TEXT", "[default: text]", "--encoding-errors [strict|replace]",
                         "[default: strict]", "--out PATH", "[default: .data]"]),
+    (["train"], ["--preset TEXT Run preset (demo)", "[default: demo]",
+                 "[env var: SPARECYCLES_COORDINATOR_URL; default: none]", "--teacher-rounds TEXT",
+                 "[env var: SPARECYCLES_TEACHER_ROUNDS; default: none]"]),
 ])
 def test_help_lists_the_models_defaults_and_bounds(args, entries):
     text = _help(args)
@@ -101,6 +104,8 @@ RUN = ["bench", "regime", "run", "--plan", "cpu", "--out"]
     (["data", "fetch", "--task", "nope"], "error: --task: Input should be 'sentiment'"),
     (["data", "pack", "--data", "X", "--encoding-errors", "ignore"], "error: --encoding-errors: Input should be "
      "'strict' or 'replace'"),
+    (["train", "--teacher-rounds", "http://h:1"], "error: --teacher-rounds (env var: SPARECYCLES_TEACHER_ROUNDS): "
+     "String should match pattern '^rediss?://'"),
 ])
 def test_a_value_out_of_bounds_is_refused_naming_its_option(args, line, tmp_path):
     got = _refused([a.replace("X", str(tmp_path / "out")) if a == "X" else a for a in args])

@@ -24,6 +24,7 @@ UP_FLEET_WAIT = "interval"  # `up`'s fold timing unless --fleet-wait is given: i
 KD_WINDOW = 8  # steps of teacher rounds sent ahead by default
 NOT_OPTIONS = ("fleet",)  # fields the commands set themselves, never generated as options
 
+TEACHER_ROUNDS_ENV = "SPARECYCLES_TEACHER_ROUNDS"  # read by --teacher-rounds: a password stays out of argv
 COORDINATOR = "--coordinator (or SPARECYCLES_COORDINATOR_URL)"  # what attaches `train` to a fleet
 _F = Field
 
@@ -73,8 +74,11 @@ class RunOptions(BaseModel):
     teacher_queue: RunId | None = _F(None, description="with --teacher-rounds: the run name RUN of the queue "
                                      "sparecycles.teacher.RUN its workers consume (default: kd-<12 hex of the "
                                      "teacher's sha256>-<seed>)")
-    teacher_rounds: str | None = _F(None, pattern=r"^rediss?://", description="with --teacher: its targets from "
-                                    "teacher rounds on the fleet through this redis:// URL")
+    teacher_rounds: str | None = _F(
+        None, pattern=r"^rediss?://", description="with --teacher: its targets from teacher rounds on the fleet "
+        "through this redis:// URL instead of a teacher in this process; a step whose targets have not arrived "
+        "trains on CE alone and is counted (kd_missing_steps). The env var keeps a password out of argv",
+        json_schema_extra={"envvar": TEACHER_ROUNDS_ENV})
     kd_cache: Path | None = _F(None, description="with --teacher: read each step's targets from this target cache "
                                "(`sparecycles kd fill`) instead of a teacher")
     resume: bool = _F(False, description="continue from the run folder's checkpoint")

@@ -1,8 +1,8 @@
 """`sparecycles train`: the command, built by `train_command(hooks)`.
 
 Its options are generated: the training settings from TrainConfig and how the run runs from RunOptions
-(trainer.run_options), both through trainer.cli_settings; the command declares only --preset, --coordinator and
---teacher-rounds (read from the environment too) and two hidden ones. The fleet (fleet.attach, fleet.teacher) sits
+(trainer.run_options), both through trainer.cli_settings, and its own (--preset, --coordinator, read from the
+environment too, and two hidden ones) from TrainCommandOptions. The fleet (fleet.attach, fleet.teacher) sits
 above the trainer, so the top layer hands it in as `FleetHooks` (sparecycles.cli); nothing is set at module level.
 Only light modules are imported until every option is checked: an option error never waits for torch.
 """
@@ -12,13 +12,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
 import typer
+from pydantic import BaseModel, ConfigDict, Field
 
 from trainer import launch
 from trainer.cli import _refuse_or_reuse, _report, _run_train, _serve_metrics, _setup_dist
-from trainer.cli_settings import with_settings
+from trainer.cli_settings import build, with_settings
 from trainer.run_options import NOT_OPTIONS, RunOptions
 
 RUN_SECTION = "How the run runs (RunOptions; `up` takes the same names)"
@@ -40,21 +41,23 @@ class FleetHooks:
     teacher_rounds: Callable[..., Any]
 
 
-_O = typer.Option
-Preset = Annotated[str, _O(help="Run preset (demo) or model preset (gpt2-tiny, gpt2-small, ...): the defaults "
-                           "that the training settings below override.")]
-Coordinator = Annotated[str | None, _O(
-    envvar="SPARECYCLES_COORDINATOR_URL",
-    help="Get the probes (and by default the evaluation) from this coordinator's fleet; needs "
-         "SPARECYCLES_ADMIN_TOKEN and SPARECYCLES_REDIS_URL in the environment. Default: all in process.")]
-TeacherRounds = Annotated[str | None, _O(
-    envvar="SPARECYCLES_TEACHER_ROUNDS",
-    help="With --teacher: its targets from teacher rounds on the fleet through this redis:// URL instead of a "
-         "teacher in this process; a step whose targets have not arrived trains on CE alone and is counted "
-         "(kd_missing_steps). The env var keeps a password out of argv.")]
-FleetSync = Annotated[bool, _O(hidden=True, help="Same as --fleet-wait sync (kept for old commands).")]
-ConfigFile = Annotated[Path | None, _O(hidden=True, help="A whole TrainConfig as JSON (what `up --nproc-per-node` "
-                                       "hands its ranks): replaces --preset and the run's settings.")]
+class TrainCommandOptions(BaseModel):
+    """`train`'s own options, neither a training setting (TrainConfig) nor how the run runs (RunOptions): where its
+    defaults and its fleet come from, and two hidden ones. Each field is one generated option (trainer.cli_settings);
+    the coordinator's URL is checked with the fleet's environment (trainer.preflight.check_coordinator_url)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    preset: str = Field("demo", min_length=1, description="Run preset (demo) or model preset (gpt2-tiny, gpt2-small, "
+                        "...): the defaults that the training settings below override")
+    coordinator: str | None = Field(None, description="Get the probes (and by default the evaluation) "
+                                    "from this coordinator's fleet; needs SPARECYCLES_ADMIN_TOKEN and "
+                                    "SPARECYCLES_REDIS_URL in the environment. Default: all in process",
+                                    json_schema_extra={"envvar": "SPARECYCLES_COORDINATOR_URL"})
+    fleet_sync: bool = Field(False, description="Same as --fleet-wait sync (kept for old commands)",
+                             json_schema_extra={"hidden": True})
+    config: Path | None = Field(None, description="A whole TrainConfig as JSON (what `up --nproc-per-node` hands its "
+                                "ranks): replaces --preset and the run's settings", json_schema_extra={"hidden": True})
 
 
 def train_command(hooks: FleetHooks) -> Callable[..., None]:
@@ -62,8 +65,8 @@ def train_command(hooks: FleetHooks) -> Callable[..., None]:
 
     @with_settings(model=RunOptions, param="run", exclude=NOT_OPTIONS, section=RUN_SECTION)
     @with_settings()
-    def train(settings: dict, run: dict, preset: Preset = "demo", coordinator: Coordinator = None,
-              teacher_rounds: TeacherRounds = None, fleet_sync: FleetSync = False, config: ConfigFile = None) -> None:
+    @with_settings(model=TrainCommandOptions, param="own", section="Options")
+    def train(settings: dict, run: dict, own: dict) -> None:
         """Train a model and write a run folder (metrics.jsonl, TensorBoard event files, checkpoint.safetensors,
         loss.png, summary.json, export/).
 
@@ -72,22 +75,22 @@ def train_command(hooks: FleetHooks) -> Callable[..., None]:
         --overwrite; an interrupted one continues with --resume. Under torchrun (or with --nproc-per-node) every
         rank runs this command; rank 0 alone writes the run folder and talks to the coordinator.
         """
-        opts = run_options(run, coordinator=coordinator, teacher_rounds=teacher_rounds, fleet_sync=fleet_sync)
-        cfg = _resolve_checked(preset, settings, opts, coordinator, config)
-        _train(cfg, opts, coordinator, hooks)
+        o = build(TrainCommandOptions, own)
+        opts = run_options(run, coordinator=o.coordinator, fleet_sync=o.fleet_sync)
+        cfg = _resolve_checked(o.preset, settings, opts, o.coordinator, o.config)
+        _train(cfg, opts, o.coordinator, hooks)
 
     return train
 
 
-def run_options(given: dict[str, Any], *, coordinator: str | None, teacher_rounds: str | None = None,
-                fleet_sync: bool = False) -> RunOptions:
+def run_options(given: dict[str, Any], *, coordinator: str | None, fleet_sync: bool = False) -> RunOptions:
     """`train`'s RunOptions from its generated options' values; raises typer.BadParameter (exit 2) with the
     validators' message for a refused option or combination."""
     from pydantic import ValidationError
 
     from trainer.preflight import explain
 
-    values = {**given, "fleet": bool(coordinator), "teacher_rounds": teacher_rounds}
+    values = {**given, "fleet": bool(coordinator)}
     if fleet_sync:
         values["fleet_wait"] = "sync"
     try:
