@@ -16,7 +16,7 @@ from probe_worker import cli as worker_cli
 from sparecycles.cli_errors import OneLineErrors
 from sparecycles.fleet_cli import fleet as fleet_command
 from sparecycles.kd_cli import kd_app
-from sparecycles.up_options import NOT_UP_OPTIONS, UpOptions
+from sparecycles.up_options import NOT_UP_OPTIONS, UpOptions, UpOverrides
 from sparecycles.up_plan import NOT_SETTABLE
 from trainer import cli as trainer_cli
 from trainer import export_cli
@@ -97,15 +97,8 @@ app.command("fleet", cls=SettingsCommand, short_help="A fleet on this machine fo
 @with_settings(model=UpOptions, param="options", section="Options")
 @with_settings(model=RunOptions, param="run", exclude=NOT_UP_OPTIONS, section=RUN_SECTION)
 @with_settings(exclude=NOT_SETTABLE)
-def up(
-    settings: dict, run: dict, options: dict,
-    set_: list[str] | None = typer.Option(None, "--set", metavar="KEY=VALUE", help="KEY=VALUE: a training setting of both runs, by the "
-                                          "name of its option below, e.g. --set lr=6e-4 --set warmup_steps=40 "
-                                          "--set corpus=classics. Repeatable."),
-    optimizer_option: list[str] | None = typer.Option(
-        None, metavar="KEY=VALUE", help="KEY=VALUE: a knob of the fleet-probed run's optimizer (repeatable), e.g. "
-        "start=one for zocurv-trust, s_max=8 for zocurv-line; the folder name gets -KEY-VALUE."),
-) -> None:
+@with_settings(model=UpOverrides, param="overrides", section="Options")
+def up(settings: dict, run: dict, options: dict, overrides: dict) -> None:
     """Run everything on this machine: Valkey, coordinator, probe workers, trainer.
 
     Trains an AdamW baseline and the fleet-probed run at equal steps; writes curves (PNG) and summary.json
@@ -119,7 +112,7 @@ def up(
 
     plan = None
     try:
-        plan = _plan(settings, run, options, set_, optimizer_option)
+        plan = _plan(settings, run, options, overrides)
         summary = run_up(plan, progress=plan_progress(run), keep_blobs=bool(options.get("keep_blobs")),
                          export=run.get("export", True),
                          log=lambda m: typer.secho(m, fg=typer.colors.YELLOW if m.startswith("warning") else None,
@@ -138,25 +131,25 @@ def plan_progress(run: dict) -> bool:
     return run.get("progress", RunOptions.model_fields["progress"].default)
 
 
-def _plan(settings: dict, run: dict, options: dict, set_: list[str] | None, optimizer_option: list[str] | None):
+def _plan(settings: dict, run: dict, options: dict, overrides: dict):
     """`up`'s UpPlan from its options (sparecycles.up_plan.plan_up), the devices placed first (fleet.devices)."""
     from pydantic import ValidationError
 
     from fleet.devices import place_here
     from sparecycles.up_plan import plan_up
-    from trainer.cli_settings import key_values
     from trainer.preflight import explain
 
     try:
         opts = UpOptions(**options)
     except ValidationError as exc:  # one line naming the option, exit 2
         raise ValueError(explain(exc)) from None
+    more = UpOverrides(**overrides)  # each item already checked when parsed (a --set item: by plan_up, naming it)
     placement = place_here(device=opts.device, worker_devices=opts.worker_devices, gpus=opts.gpus,
                            workers=opts.workers)
     if placement.note:
         typer.echo(placement.note, err=True)
-    return plan_up(**options, **run, settings=settings, placement=placement, train_options=tuple(set_ or ()),
-                   optimizer_options=key_values(optimizer_option or []))
+    return plan_up(**options, **run, settings=settings, placement=placement, train_options=more.train_options,
+                   optimizer_options=dict(more.optimizer_options))
 
 
 def _print_summary(plan, summary: dict) -> None:

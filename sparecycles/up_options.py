@@ -131,6 +131,23 @@ class UpOptions(BaseModel):
         return "sentiment-demo" if self.task == "sentiment" and self.preset == "demo" else self.preset
 
 
+class UpOverrides(BaseModel):
+    """`up`'s repeatable KEY=VALUE options, each one generated option (trainer.cli_settings): `--set`, any training
+    setting of both runs by its option's name (checked by sparecycles.up_plan.parse_train_options, naming it), and
+    `--optimizer-option`, a knob of the fleet-probed run's optimizer (VALUE read as JSON; trainer.cli_settings.
+    key_values). `plan_up(**overrides)` takes both by these names."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    train_options: tuple[str, ...] = Field((), description="KEY=VALUE: a training setting of both runs, by the name "
+                                           "of its option below, e.g. --set lr=6e-4 --set warmup_steps=40 --set "
+                                           "corpus=classics", json_schema_extra={"name": "set", "repeat": True,
+                                                                                 "metavar": "KEY=VALUE"})
+    optimizer_options: dict[str, Any] = Field({}, description="KEY=VALUE: a knob of the fleet-probed run's "
+                                              "optimizer, e.g. start=one for zocurv-trust, s_max=8 for zocurv-line; "
+                                              "the folder name gets -KEY-VALUE")
+
+
 def split_given(given: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """(UpOptions, RunOptions, TrainConfig) keyword arguments from `plan_up`'s keywords, each to the model that owns
     its name. Raises TypeError for a name none of them has."""

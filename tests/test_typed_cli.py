@@ -42,7 +42,9 @@ def _help(args: list[str]) -> str:
         "--progress / --no-progress Show a progress bar. [default: on]"]),
     (["bench", "serving-load"], ["--rate FLOAT Poisson arrivals per second. Bound: 0<x<=100. [default: 0.1]"]),
     (["bench", "serving"], ["--rate FLOAT Poisson arrivals per second. Bound: 0<x<=100. [default: 0.2]"]),
-    (["up"], ["(requests per second). Bound: 0<x<=100. [default: 0.1]"]),
+    (["up"], ["(requests per second). Bound: 0<x<=100. [default: 0.1]",
+              "--set KEY=VALUE KEY=VALUE: a training setting of both runs, by the name of its option below",
+              "--optimizer-option KEY=VALUE KEY=VALUE: a knob of the fleet-probed run's optimizer"]),
     (["export"], ["--partial / --no-partial Export the checkpoint of an unfinished (interrupted) run. [default: off]",
                   "--overwrite / --no-overwrite Replace a non-empty OUT_DIR. [default: off]", "--best / --no-best"]),
     (["coordinator"], ["--host TEXT Interface to bind (0.0.0.0 in containers). [default: 127.0.0.1]",
@@ -95,6 +97,8 @@ RUN = ["bench", "regime", "run", "--plan", "cpu", "--out"]
     (["up", "--serving", "vllm", "--serving-rate", "101"], "error: --serving-rate: Input should be less than or "
      "equal to 100"),
     (["up", "--serving", "vllm", "--serving-rate", "0"], "error: --serving-rate: Input should be greater than 0"),
+    (["up", "--optimizer-option", "s_max"], "error: --optimizer-option: expected KEY=VALUE, got 's_max'"),
+    (["up", "--set", "steps"], "error: --set 'steps': use KEY=VALUE"),
     (["coordinator", "--port", "0"], "error: --port: Input should be greater than or equal to 1"),
     (["coordinator", "--port", "65536"], "error: --port: Input should be less than or equal to 65535"),
     (["coordinator", "--workers", "0"], "error: --workers: Input should be greater than or equal to 1"),
@@ -170,3 +174,30 @@ def test_every_help_shows_its_defaults_bare():
     assert res.returncode == 0 and "--steps INTEGER optimizer steps. Bound: 1<=x<=10,000,000. [default: 300; demo " \
         "preset: 150]" in text, text
     assert "--fleet-sync" not in text and "--config" not in text
+
+
+def test_converted_commands_parse_into_their_models():
+    """`coordinator --log-level WARNING` is uvicorn's warning; `up --set`/`--optimizer-option` repeat into one tuple
+    and one dict (VALUE read as JSON); `train --fleet-sync --config F` still parse, hidden; parsed only."""
+    from typer.main import get_command
+
+    from api.cli import CoordinatorOptions
+    from sparecycles.up_options import UpOverrides
+    from trainer.cli import FetchOptions, PackOptions
+    from trainer.train_cli import TrainCommandOptions
+
+    commands = get_command(app).commands
+    values = commands["coordinator"].make_context("coordinator", ["--log-level", "WARNING", "--port", "9"]).params
+    assert (values["log_level"], values["port"], values["workers"]) == ("warning", 9, None)  # unset: the model's
+    assert CoordinatorOptions().model_dump() == {"host": "127.0.0.1", "port": 8787, "log_level": "info",
+                                                 "access_log": False, "workers": 1}
+    up = commands["up"].make_context("up", ["--set", "lr=6e-4", "--set", "steps=5", "--optimizer-option", "s_max=8",
+                                            "--optimizer-option", "start=one"]).params
+    assert (up["set"], up["optimizer_option"]) == (["lr=6e-4", "steps=5"], ["s_max=8", "start=one"])
+    assert UpOverrides(train_options=("lr=6e-4",), optimizer_options={"s_max": 8}).optimizer_options == {"s_max": 8}
+    train = commands["train"].make_context("train", ["--fleet-sync", "--config", "c.json"]).params
+    assert (train["fleet_sync"], train["config"], train["preset"]) == (True, Path("c.json"), None)
+    assert TrainCommandOptions().preset == "demo" and TrainCommandOptions().coordinator is None
+    assert FetchOptions().corpus_to_build == "classics-small" and FetchOptions(task="sentiment").corpus_to_build is None
+    assert PackOptions().model_dump() == {"corpus": "classics-large", "data": None, "model": "gpt2-tiny",
+                                          "text_field": "text", "encoding_errors": "strict", "out": Path(".data")}
