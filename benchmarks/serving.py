@@ -308,7 +308,7 @@ def _blocks(engine, model: str, fleet: _Fleet, workers: dict, trainer, cfg: Serv
     """Run the arms interleaved in blocks (the machine's other load falls on every arm alike), paired: within a block
     every arm is sent the same requests (prompts, output lengths, arrival times); returns
     {arm: {"blocks": [(outcomes, spans, t0, t1, events)], "forwards": n, "load": [1-min load averages]}}."""
-    per_block = max(1, cfg.requests // cfg.blocks)
+    per_block = cfg.requests // cfg.blocks  # ServingBench: a multiple of blocks
     got = {arm: {"blocks": [], "forwards": 0.0, "load": [], "others_s": 0.0} for arm in cfg.arms}
     for blk in range(cfg.blocks):
         requests = make_requests(per_block, cfg.rate, cfg.seed + 100 * blk, text)

@@ -77,6 +77,14 @@ class ServingBench(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _whole_blocks(self) -> ServingBench:
+        if self.requests % self.blocks:  # the arms are paired block by block: each block sends every arm as many
+            raise ValueError(f"--requests {self.requests} is not a multiple of --blocks {self.blocks} (each block "
+                             f"sends every arm the same number of requests; e.g. --requests "
+                             f"{self.requests - self.requests % self.blocks or self.blocks})")
+        return self
+
+    @model_validator(mode="after")
     def _standin_needs_a_config(self) -> ServingBench:
         given = [f"--{n.replace('_', '-')}" for n in ("standin_config", "standin_tokenizer")
                  if getattr(self, n) is not None]

@@ -136,3 +136,15 @@ def test_bench_serving_redis_url_is_its_models_option_read_from_redis_url_too(mo
     res = CliRunner().invoke(app, ["bench", "serving", "--redis-url", "foo"])
     assert res.exit_code == 2 and res.output.startswith(  # refused before anything starts
         "error: --redis-url (env var: REDIS_URL): 'foo' is not a Redis URL"), res.output
+
+
+def test_bench_serving_refuses_requests_that_do_not_fill_whole_blocks():
+    """Every block sends every arm the same requests: --requests 10 --blocks 4 sent 8 per arm and 5 over 6 blocks sent
+    6, neither said. Now refused, naming both options and a count that fits."""
+    from benchmarks.serving_options import ServingBench
+
+    with pytest.raises(ValidationError, match=r"--requests 10 is not a multiple of --blocks 4 .*--requests 8"):
+        ServingBench(requests=10, blocks=4)
+    with pytest.raises(ValidationError, match=r"--requests 5 is not a multiple of --blocks 6 .*--requests 6"):
+        ServingBench(requests=5, blocks=6)
+    assert ServingBench(requests=36, blocks=6).requests == 36
