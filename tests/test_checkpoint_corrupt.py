@@ -64,3 +64,17 @@ def test_up_on_an_interrupted_folder_with_a_corrupt_checkpoint_is_one_line_exit_
     _corrupt(ckpt, "truncated")
     # plan_up is the first thing `up` does: the error comes before any coordinator or worker starts
     _assert_one_line_error(_cli("up", *TINY, "--run-dir", str(out), "--no-progress"), ckpt)
+
+
+@pytest.mark.parametrize("made", [False, True])
+def test_train_resume_where_no_run_was_started_writes_nothing(tmp_path, made):
+    """`train --resume` on a mistyped folder (absent, or empty) is one line and exit 2, and leaves it as it was: it
+    wrote config.json there before finding no checkpoint (a newcomer's tryout)."""
+    run = tmp_path / "none"
+    if made:
+        run.mkdir()
+    res = _cli("train", *TINY, "--run-dir", str(run), "--no-progress", "--resume")
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-3000:]
+    line = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
+    assert len(line) == 1 and f"nothing to resume in {run}" in line[0] and "without --resume" in line[0]
+    assert (sorted(run.iterdir()) == [] if made else not run.exists())

@@ -70,12 +70,16 @@ class RunDir:
         config and where its probes come from (trainer.preflight.probe_source; `fleet_wait` None: in process).
 
         Raises:
-            ValueError: the path is a file, or `resume` with a config.json of a different run (names the fields).
+            ValueError: the path is a file, `resume` where no run was started (no config.json; nothing is written),
+                or `resume` with a config.json of a different run (names the fields).
             FileExistsError: the folder already holds a run and neither `resume` nor `overwrite` is set.
         """
         run = cls(Path(cfg.run_dir) if cfg.run_dir else default_run_dir(cfg))
         if run.path.exists() and not run.path.is_dir():
             raise ValueError(f"run folder {run.path} exists and is not a folder; pass another --run-dir")
+        if resume and not run.config.is_file():  # before writing anything: a mistyped folder stays as it was
+            raise ValueError(f"nothing to resume in {run.path} (no config.json: no run was started there); start "
+                             "without --resume or pass the right --run-dir")
         run.path.mkdir(parents=True, exist_ok=True)
         ours = {**cfg.run_json(), **probe_source(cfg, fleet_wait)}
         if not resume and not overwrite and run.metrics.is_file() and run.metrics.stat().st_size > 0:
