@@ -98,6 +98,10 @@ RUN = ["bench", "regime", "run", "--plan", "cpu", "--out"]
      "equal to 100"),
     (["up", "--serving", "vllm", "--serving-rate", "0"], "error: --serving-rate: Input should be greater than 0"),
     (["up", "--optimizer-option", "s_max"], "error: --optimizer-option: expected KEY=VALUE, got 's_max'"),
+    (["up", "--optimizer-option", "s_max=8", "--optimizer-option", "s_max=9"], "error: --optimizer-option: s_max "
+     "given twice"),
+    (["train", "--optimizer", "zocurv-line", "--optimizer-option", "s_max=8", "--optimizer-option", "s_max=9"],
+     "error: --optimizer-option: s_max given twice"),
     (["up", "--set", "steps"], "error: --set 'steps': use KEY=VALUE"),
     (["coordinator", "--port", "0"], "error: --port: Input should be greater than or equal to 1"),
     (["coordinator", "--port", "65536"], "error: --port: Input should be less than or equal to 65535"),

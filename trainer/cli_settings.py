@@ -237,12 +237,15 @@ def _parameter(s: Setting) -> inspect.Parameter:
 
 def key_values(items: list[str], option: str = "--optimizer-option") -> dict:
     """KEY=VALUE pairs as a dict; VALUE is read as JSON (8, 0.5, true, null) or else kept as text (block). The
-    model validates them. Raises typer.BadParameter (naming `option`) for an item without '='."""
+    model validates them. Raises typer.BadParameter (naming `option`) for an item without '=' or a KEY given twice
+    (as `--set` refuses one: the later value silently won)."""
     out = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise typer.BadParameter(f"expected KEY=VALUE, got {item!r}", param_hint=option)
+        if key.strip() in out:
+            raise typer.BadParameter(f"{key.strip()} given twice", param_hint=option)
         try:
             out[key.strip()] = json.loads(value)
         except json.JSONDecodeError:
