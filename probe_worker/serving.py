@@ -362,7 +362,7 @@ class ServingWatch:
     drain: the worker's probe_worker.tasks.DrainState; metrics: its WorkerMetrics; probe: where loads come from
     (default: EngineProbe(policy)); trace: where the gate's changes go (TraceFile.event: "yield" with the reading's
     unix start, its scrape seconds, the load and whether a task was cut; "resume" with the process CPU seconds spent
-    while yielding), None: nowhere.
+    while yielding and "idle_since", the unix start of the first idle reading of the hold it ends), None: nowhere.
     """
 
     def __init__(self, policy: ServingPolicy, drain, metrics, probe: EngineProbe | None = None,
@@ -408,7 +408,8 @@ class ServingWatch:
         yielding = self.gate.update(now, load)
         cut = guard.fire() if yielding else False  # a running task stops at its next module call
         if yielding != self.drain.serving:
-            self._changed(yielding, wall, scrape_s, load, cut, frozen)
+            idle_since = None if self.gate.idle_since is None else wall - (now - self.gate.idle_since)
+            self._changed(yielding, wall, scrape_s, load, cut, frozen, idle_since)
         self.drain.set_serving(yielding)
         idle = load is not None and load <= self.policy.busy_above
         self._engine_busy = load is not None and not idle
@@ -425,7 +426,7 @@ class ServingWatch:
         return yielding
 
     def _changed(self, yielding: bool, wall: float, scrape_s: float, load: float | None, cut: bool,
-                 frozen: float | None = None) -> None:
+                 frozen: float | None = None, idle_since: float | None = None) -> None:
         """Log a gate change and trace it (class docstring)."""
         log.info("serving engine %s; %s", "busy" if yielding else f"idle for {self.policy.hold_s:g} s",
                  "yielding" if yielding else "taking tasks again")
@@ -434,7 +435,7 @@ class ServingWatch:
             self._cpu_at_yield = cpu
         if self.trace is not None:
             extra = {"scrape_s": scrape_s, "load": load, "cut": cut, "frozen": frozen} if yielding else {
-                "cpu_s": cpu - self._cpu_at_yield}
+                "cpu_s": cpu - self._cpu_at_yield, "idle_since": idle_since}
             self.trace.event("yield" if yielding else "resume", wall, **extra)
 
     def figures(self) -> ServingFigures:

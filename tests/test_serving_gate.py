@@ -165,6 +165,7 @@ def test_watch_drains_resumes_and_fires_the_running_task(tmp_path):
     events = [json.loads(line) for line in trace.path.read_text().splitlines()]
     assert [(e["event"], e.get("load"), e.get("cut")) for e in events] == [("yield", 0, False), ("resume", None, None),
                                                                          ("yield", 2, True)]
+    assert events[1]["t"] - events[1]["idle_since"] == pytest.approx(1.0, abs=2e-6)  # the hold, from its first idle reading
     assert drain.preemption.fired_at is not None and "test_serving_gate" not in drain.preemption.where  # no project frame
 
 
