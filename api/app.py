@@ -137,9 +137,9 @@ def _reaper(
     settings: CoordinatorSettings, store: Store, metrics: CoordinatorMetrics, watch: RoundWatch
 ) -> Callable[[], Coroutine[None, None, None]]:
     """The lease reaper, a coroutine function run beside the server: every `settings.reaper_interval_s` seconds it
-    re-creates the broker users a restarted broker forgot, marks workers whose lease expired as lost and
-    re-issues the seeds of rounds past their deadline (`coordinator.deadlines`). A Redis outage logs one line
-    and is retried; it never ends the task."""
+    re-creates the broker users a restarted broker forgot, retires the ended runs' queues from them once their window
+    passed, marks workers whose lease expired as lost and re-issues the seeds of rounds past their deadline
+    (`coordinator.deadlines`). A Redis outage logs one line and is retried; it never ends the task."""
     redis_run_id: list[str] = []
 
     def reap_and_watch() -> None:
@@ -149,6 +149,10 @@ def _reaper(
             if redis_run_id and run_id != redis_run_id[0]:
                 log.warning("the broker restarted: %d broker users re-created", store.workers.restore_broker_users())
             redis_run_id[:] = [run_id]
+            retired = store.workers.retire_ended_queues()
+            if retired:
+                log.info("retired the ended queues %s from the workers' broker users", ", ".join(retired))
+                metrics.broker_retired.inc(len(retired))
         lost = store.workers.reap_expired()
         metrics.lost.inc(len(lost))
         if lost:

@@ -20,7 +20,11 @@ user may touch only:
 - teacher answers, write only (`%W~`: SET, never GET/GETDEL), the target keys `sc:kd:*`,
 
 with the command set `+@all -@admin -@dangerous` (no ACL, CONFIG, KEYS, FLUSHALL, DEBUG, ...).
-Ending a run (or a teacher run) at the coordinator makes its queue write only for every user (`set_keys`).
+Ending a run (or a teacher run) at the coordinator makes its queue write only for every user (`set_keys`); a
+retirement window later (`settings.ended_queue_retire_timeouts` visibility timeouts: no task taken before the end is
+held longer) the reaper drops that rule again (`set_keys`), so a long-lived coordinator's users do not keep one
+pattern per run ever ended, and deletes what is left of the queue (`forget_queues`: tasks handed back meanwhile, and
+the unacked entries of tasks whose worker died holding them, which a later restore sweep could no longer hand back).
 Quarantine and expiry disable the user (`ACL SETUSER off` and its open connections killed); deletion
 removes it. Passwords are derived from a coordinator secret (`worker_password`), so after a Redis
 restart, which forgets users created at run time, `restore` re-creates the users of the workers that are
@@ -33,6 +37,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import json
 from collections.abc import Sequence
 from urllib.parse import quote, urlsplit, urlunsplit
 
@@ -102,6 +107,16 @@ def worker_password(secret: bytes, wid: str) -> str:
     return base64.urlsafe_b64encode(mac).decode().rstrip("=")
 
 
+def _routing_key(raw: str) -> str | None:
+    """The routing key of one kombu unacked entry (JSON [message, exchange, routing key]); None if not of that form
+    (never ours to drop)."""
+    try:
+        entry = json.loads(raw)
+    except ValueError:
+        return None
+    return entry[2] if isinstance(entry, list) and len(entry) == 3 and isinstance(entry[2], str) else None
+
+
 class BrokerAcl:
     """Creates, disables and deletes the workers' broker users on the broker Redis at `admin_url`.
 
@@ -129,6 +144,29 @@ class BrokerAcl:
         pattern away: `resetkeys`, then the rules); its password, on/off state, commands and channels unchanged.
         The check applies to the user's open connections from their next command on."""
         self.r.execute_command("ACL", "SETUSER", wid, "resetkeys", *worker_key_rules(queues, ended))
+
+    def forget_queues(self, queues: Sequence[str]) -> int:
+        """Delete what is left on the broker of retired queues (their runs ended a retirement window ago): the lists
+        (and priority sub-queues) and kombu's unacked entries that would hand a task back onto one of them. Returns
+        how many unacked entries were dropped.
+
+        Without their rule a hand-back onto them is refused (NOPERM) and would abort kombu's restore transaction,
+        leaving the entry in `unacked` for every worker's restore sweep to fail on; removed here, a late ack or
+        requeue of it finds nothing and does nothing (kombu's restore WATCHes `unacked` and re-reads). kombu keeps
+        an entry as JSON [message, exchange, routing key] and restores it to the queues bound under that routing
+        key; Celery and kombu bind a queue under its own name, so an entry belongs to the queue its routing key
+        names."""
+        gone = set(queues)
+        tags = [tag for tag, raw in self.r.hscan_iter("unacked") if _routing_key(raw) in gone]
+        pipe = self.r.pipeline(transaction=True)
+        if tags:
+            pipe.hdel("unacked", *tags)
+            pipe.zrem("unacked_index", *tags)
+        # kombu names a queue's priority sub-queues "<queue>\x06\x16<n>", n a priority step of 1..9 (priority 0
+        # is the queue itself)
+        pipe.delete(*(k for q in queues for k in (q, *(f"{q}{PRIORITY_SEP}{n}" for n in range(1, 10)))))
+        pipe.execute()
+        return len(tags)
 
     def users(self) -> set[str]:
         """The users the broker has now."""

@@ -78,6 +78,12 @@ class Keys:
         return f"{self.p}:broker_queues"
 
     @property
+    def k_broker_ended(self) -> str:
+        """Hash queue -> when its run ended (unix seconds), for the queues marked "w" in `k_broker_queues`: the
+        reaper retires each mark a window after this (coordinator.registry `retire_ended_queues`)."""
+        return f"{self.p}:broker_queues_ended"
+
+    @property
     def k_broker_acl_lock(self) -> str:
         """The lock every change of the workers' broker users' key rules holds (coordinator.registry)."""
         return f"{self.p}:broker_acl_lock"

@@ -139,6 +139,12 @@ class CoordinatorMetrics:
             "Workers' broker users whose grant on an ended run's queue was withdrawn (taking refused).",
             registry=r,
         )
+        self.broker_retired = Counter(
+            "sparecycles_broker_queues_retired",
+            "Ended runs' queues whose write-only rule was dropped from every worker's broker user, and whose "
+            "leftovers were deleted, a retirement window after the end (SPARECYCLES_ENDED_QUEUE_RETIRE_TIMEOUTS).",
+            registry=r,
+        )
         if multiprocess_dir() is None:  # per-process figures; in multiprocess mode they would not add up
             ProcessCollector(registry=r)
         self.retracted = Counter(

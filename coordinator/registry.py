@@ -28,6 +28,9 @@ none taken, a task in flight handed back), disabled at quarantine, removed with 
 What was granted is kept in `{prefix}:broker_queues` (queue -> "rw" or "w"), so registration, a revocation and a
 restore after a broker restart write the same rules; these changes hold one lock (`{prefix}:broker_acl_lock`), so a
 revocation, which rewrites a user's key rules, never drops a grant made meanwhile (several coordinator processes).
+A "w" mark is not kept for ever: `{prefix}:broker_queues_ended` records when each queue ended, and the reaper
+(`retire_ended_queues`) drops the marks older than `settings.ended_queue_retire_s` (no task taken before the end is
+held longer), rewrites the users' key rules once and deletes the queue's leftovers on the broker.
 """
 
 from __future__ import annotations
@@ -126,28 +129,77 @@ class WorkerRegistry:
         if self.broker_acl is not None:
             with self._acl_lock():
                 self.r.hset(self.keys.k_broker_queues, queue, "rw")
+                self.r.hdel(self.keys.k_broker_ended, queue)  # a run registered again under an ended run's name
                 have = self.broker_acl.users()  # SETUSER on a user the broker lost would create it, off: restore's
                 for wid in self._grantable():
                     if wid in have:
                         self.broker_acl.grant(wid, [queue])
 
-    def revoke_queue(self, queue: str) -> int:
+    def revoke_queue(self, queue: str, now: float | None = None) -> int:
         """An ended run's `queue` becomes write only for every worker's broker user: taking a task from it is refused
         (NOPERM), handing one back that was in flight at the end is not (coordinator.broker_acl). Called after the
         queue left the list workers consume; a worker still consuming it until its next control tick leaves it when
-        refused (probe_worker.broker). Every other grant stays. Idempotent; returns the users whose grant was
-        withdrawn now (0 when the queue had ended before, or without `settings.broker_acl`)."""
+        refused (probe_worker.broker). Every other grant stays. `now` (unix seconds) is recorded as the end, from
+        which `retire_ended_queues` counts its window (a repeated end keeps the first). Idempotent; returns the users
+        whose grant was withdrawn now (0 when the queue had ended before, or without `settings.broker_acl`)."""
         if self.broker_acl is None:
             return 0
+        now = time.time() if now is None else now
         with self._acl_lock():
             before = self.r.hget(self.keys.k_broker_queues, queue)
             self.r.hset(self.keys.k_broker_queues, queue, "w")
+            self.r.hsetnx(self.keys.k_broker_ended, queue, now)
             live, ended = self._granted_queues()
             have = self.broker_acl.users()  # a user the broker lost is re-created by restore, never here
             wids = [w for w in self._grantable() if w in have]
             for wid in wids:  # rewritten again on a repeated end: a revocation cut short is completed
                 self.broker_acl.set_keys(wid, live, ended)
         return 0 if before == "w" else len(wids)
+
+    def retire_ended_queues(self, now: float | None = None) -> list[str]:
+        """Retire the ended queues whose run ended `settings.ended_queue_retire_s` or more before `now` (unix
+        seconds): their "w" marks are dropped, every worker's broker user is rewritten once without them (`set_keys`)
+        and their leftovers on the broker are deleted (`BrokerAcl.forget_queues`). Returns the queues retired, sorted
+        ([] without `settings.broker_acl`). Called by the reaper on every tick: when nothing is due it reads two
+        hashes and takes no lock; under the lock it reads them again, so concurrent reapers retire a queue once.
+
+        A "w" mark without an end time (written before ends were recorded) is given `now`, so it is retired one
+        window later."""
+        if self.broker_acl is None:
+            return []
+        now = time.time() if now is None else now
+        if not self._due_queues(now):
+            return []
+        with self._acl_lock():
+            due = self._due_queues(now)
+            if not due:
+                return []
+            live, ended = self._granted_queues()
+            kept = [q for q in ended if q not in due]
+            have = self.broker_acl.users()  # a user the broker lost is re-created by restore, never here
+            for wid in self._grantable():
+                if wid in have:
+                    self.broker_acl.set_keys(wid, live, kept)
+            # After the rules: a hand-back that lands before them is deleted here, one refused after them leaves its
+            # entry in `unacked`, dropped here too. The marks go last, so a retirement cut short is done again.
+            self.broker_acl.forget_queues(due)
+            self.r.hdel(self.keys.k_broker_queues, *due)
+            self.r.hdel(self.keys.k_broker_ended, *due)
+        return due
+
+    def _due_queues(self, now: float) -> list[str]:
+        """The "w"-marked queues that ended `settings.ended_queue_retire_s` or more before `now`; a mark without an
+        end time is stamped `now` (its window starts here)."""
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hgetall(self.keys.k_broker_queues)
+        pipe.hgetall(self.keys.k_broker_ended)
+        marks, ended_at = pipe.execute()
+        ended = [q for q, mark in marks.items() if mark == "w"]
+        for q in ended:
+            if q not in ended_at:
+                self.r.hsetnx(self.keys.k_broker_ended, q, now)
+        cutoff = now - self.settings.ended_queue_retire_s
+        return sorted(q for q in ended if q in ended_at and float(ended_at[q]) <= cutoff)
 
     def restore_broker_users(self) -> int:
         """Re-create the broker users a restarted Redis forgot (workers not quarantined); returns how many.

@@ -147,6 +147,15 @@ class CoordinatorSettings(BaseSettings):
     heartbeat_interval_s: float = Field(default=10.0, gt=0)
     reaper_interval_s: float = Field(default=1.0, gt=0)
     visibility_timeout_s: int = Field(default=3600, gt=0)
+    # An ended run's queue stays write only in the workers' broker users (a task in flight at the end can be handed
+    # back) for this many visibility timeouts, then the reaper retires it (coordinator.registry). The visibility
+    # timeout is the bound: a task is held (unacked) at most that long before a worker's restore sweep hands it back
+    # (every <= 10 s, probe_worker.worker), so a task taken before the end comes back by then; hence at least one.
+    ended_queue_retire_timeouts: int = Field(
+        default=2, ge=1, le=1000,
+        description="Visibility timeouts (SPARECYCLES_VISIBILITY_TIMEOUT_S) after a run's end before its queue's "
+                    "write-only rule is dropped from every worker's broker user and its leftover tasks deleted",
+    )
     # Re-sends per (seed, replica). Celery cannot address "any worker but X", so a spot-check replica can
     # land on the worker that evaluated the other replica several times before another takes it; re-sends
     # cost no evaluation, so the bound is generous.
@@ -188,6 +197,12 @@ class CoordinatorSettings(BaseSettings):
     def worker_broker_url(self) -> str:
         """The broker URL handed to workers (`broker_url`, else `redis_url`)."""
         return self.broker_url or self.redis_url
+
+    @property
+    def ended_queue_retire_s(self) -> float:
+        """Seconds from a run's end until its queue's write-only broker rule is retired
+        (`ended_queue_retire_timeouts` visibility timeouts)."""
+        return float(self.ended_queue_retire_timeouts * self.visibility_timeout_s)
 
 
 def generate_dev_settings(**overrides: Any) -> CoordinatorSettings:

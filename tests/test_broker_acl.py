@@ -7,6 +7,7 @@ transport (the transport its Celery worker uses) with the credentials registrati
 
 from __future__ import annotations
 
+import json
 import secrets
 import time
 
@@ -440,3 +441,140 @@ def test_a_workers_channel_leaves_an_ended_runs_queue_and_keeps_taking_the_other
             drain_until(3)
             assert got[-1] == {"task": "b-1"}
     admin.close()
+
+
+def test_an_ended_runs_write_only_rule_is_retired_after_its_window(fleet):
+    """An ended run's queue stays write only in every worker's broker user for the retirement window (a task in flight
+    at the end is handed back), then the reaper's `retire_ended_queues` drops the rule (the users' key patterns are
+    exactly the live runs' again, also after a broker restart), deletes the tasks handed back meanwhile and the unacked
+    entry of a worker that died holding one of its tasks (else a worker's restore sweep would be refused on it), and
+    does so once. The clock is driven through `now`, from the end time the coordinator recorded."""
+    settings, url, v = fleet
+    admin = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {settings.admin_token.get_secret_value()}"})
+    for run in ("a", "b"):
+        assert admin.post("/v1/runs", json={"run": run, "model_class": "M"}).status_code == 201
+    enroll = {"Authorization": f"Bearer {settings.enrollment_token.get_secret_value()}"}
+    regs = [httpx.post(f"{url}/v1/workers", json={"name": n}, headers=enroll).json() for n in ("x", "y")]
+    wids = [reg["worker_id"] for reg in regs]
+    root = redis.Redis.from_url(v.url, decode_responses=True)
+    workers = Store(settings).workers
+    window = settings.ended_queue_retire_s
+    assert window == 2 * 3600  # the defaults: two visibility timeouts
+
+    kombu_keys = ["~_kombu.*", "~unacked", "~unacked_index", "~unacked_mutex", "~*.celery.pidbox*",
+                  "~sparecycles.idle*", "~sparecycles.default*", "%W~sc:kd:*"]
+    live_b = ["~sc.probe.b", "~sc.probe.b\x06\x16*"]
+    ended_a = ["%W~sc.probe.a", "%W~sc.probe.a\x06\x16*"]
+
+    def keys_of(wid: str) -> list[str]:
+        return root.acl_getuser(wid)["keys"]
+
+    with Connection(v.url) as conn:
+        for run, task in (("a", "a-0"), ("a", "a-1"), ("b", "b-0")):
+            conn.SimpleQueue(f"sc.probe.{run}").put({"task": task})
+    # worker x holds a-0 across the end; a worker that dies (no restore at shutdown, as at SIGKILL) holds a-1 and b-0,
+    # left in kombu's `unacked`
+    live = Connection(regs[0]["broker_url"])
+    held = live.SimpleQueue("sc.probe.a").get(timeout=10)
+    assert held.payload == {"task": "a-0"}
+    for run, task in (("a", "a-1"), ("b", "b-0")):
+        with Connection(regs[0]["broker_url"]) as dead:
+            q = dead.SimpleQueue(f"sc.probe.{run}")
+            assert q.get(timeout=10).payload == {"task": task}
+            q.channel.qos.restore_at_shutdown = False
+            q.close()
+    assert root.hlen("unacked") == 3
+
+    assert admin.post("/v1/runs/a/end").json()["revoked_broker_users"] == 2
+    t_end = float(root.hget("sc:broker_queues_ended", "sc.probe.a"))
+    for wid in wids:
+        assert keys_of(wid) == [*live_b, *ended_a, *kombu_keys]
+
+    # within the window: nothing retired, the hand-backs go through (kombu's requeue, a MULTI with LPUSH; a plain
+    # LPUSH as the other worker's user)
+    assert workers.retire_ended_queues(now=t_end + window - 1) == []
+    held.requeue()
+    live.close()
+    me = redis.Redis.from_url(regs[1]["broker_url"])
+    assert me.lpush("sc.probe.a", b"handed back") == 2
+    for wid in wids:
+        assert keys_of(wid) == [*live_b, *ended_a, *kombu_keys]
+    assert root.hget("sc:broker_queues", "sc.probe.a") == "w"
+
+    # at the window's end: retired once, leftovers deleted, the other run's unacked task kept
+    assert workers.retire_ended_queues(now=t_end + window) == ["sc.probe.a"]
+    for wid in wids:
+        assert keys_of(wid) == [*live_b, *kombu_keys]
+    assert root.hgetall("sc:broker_queues") == {"sc.probe.b": "rw"} and root.hgetall("sc:broker_queues_ended") == {}
+    assert root.exists("sc.probe.a") == 0
+    assert [json.loads(raw)[2] for raw in root.hvals("unacked")] == ["sc.probe.b"] and root.zcard("unacked_index") == 1
+    assert workers.retire_ended_queues(now=t_end + 10 * window) == []
+
+    # a worker's restore sweep (kombu's, as its user) hands b-0 back; nothing of run a is left to be refused on
+    with Connection(regs[1]["broker_url"], transport_options={"visibility_timeout": 1e-3}) as conn:
+        conn.default_channel.qos.restore_visible(num=10, interval=1)
+    assert root.hlen("unacked") == 0 and root.llen("sc.probe.b") == 1
+    for refused in (lambda: me.brpop(["sc.probe.a"], timeout=1), lambda: me.lpush("sc.probe.a", b"x")):
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            refused()
+    assert me.brpop(["sc.probe.b"], timeout=1)[0] == b"sc.probe.b"
+
+    # a broker restart re-creates a user without the retired rule
+    root.execute_command("ACL", "DELUSER", wids[0])
+    assert workers.restore_broker_users() == 1
+    assert keys_of(wids[0]) == [*live_b, *kombu_keys]
+
+    # a mark from before ends were recorded: its window starts at the first sweep that sees it
+    root.hset("sc:broker_queues", "sc.probe.old", "w")
+    assert workers.retire_ended_queues() == []
+    t_old = float(root.hget("sc:broker_queues_ended", "sc.probe.old"))
+    assert workers.retire_ended_queues(now=t_old + window - 1) == []
+    assert workers.retire_ended_queues(now=t_old + window) == ["sc.probe.old"]
+    admin.close()
+
+
+def test_the_retirement_window_is_whole_visibility_timeouts_and_at_least_one():
+    from pydantic import ValidationError
+
+    from coordinator.settings import CoordinatorSettings, settings_problems
+
+    assert generate_dev_settings(visibility_timeout_s=600, ended_queue_retire_timeouts=3).ended_queue_retire_s == 1800
+    with pytest.raises(ValidationError) as exc:
+        generate_dev_settings(ended_queue_retire_timeouts=0)
+    assert settings_problems(exc.value, CoordinatorSettings) == [
+        "SPARECYCLES_ENDED_QUEUE_RETIRE_TIMEOUTS: Input should be greater than or equal to 1"]
+
+
+def test_the_coordinators_reaper_retires_an_ended_queue_and_counts_it(tmp_path):
+    """The wiring: the running coordinator's reaper calls `retire_ended_queues` on its own clock and counts each
+    retirement in `sparecycles_broker_queues_retired_total`. A one-second window (visibility timeout 1 s, one
+    timeout) so the real clock passes it; waited for, bounded, never timed."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    v = Valkey(tmp_path / "valkey", password=secrets.token_urlsafe(16))
+    v.start()
+    settings = generate_dev_settings(redis_url=v.url, blob_dir=tmp_path / "blobs", broker_acl=True, key_prefix="sc",
+                                     queue_prefix="sc.probe", visibility_timeout_s=1, ended_queue_retire_timeouts=1)
+    try:
+        with ServerThread(create_app(settings)) as srv:
+            admin = httpx.Client(base_url=srv.url,
+                                 headers={"Authorization": f"Bearer {settings.admin_token.get_secret_value()}"})
+            assert admin.post("/v1/runs", json={"run": "a", "model_class": "M"}).status_code == 201
+            enroll = {"Authorization": f"Bearer {settings.enrollment_token.get_secret_value()}"}
+            wid = httpx.post(f"{srv.url}/v1/workers", json={"name": "x"}, headers=enroll).json()["worker_id"]
+            root = redis.Redis.from_url(v.url, decode_responses=True)
+            assert admin.post("/v1/runs/a/end").json()["revoked_broker_users"] == 1
+
+            def retired() -> float:
+                return next(s.value for fam in text_string_to_metric_families(admin.get("/metrics").text)
+                            for s in fam.samples if s.name == "sparecycles_broker_queues_retired_total")
+
+            deadline = time.monotonic() + 60
+            while retired() == 0 and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert retired() == 1
+            assert not [k for k in root.acl_getuser(wid)["keys"] if "sc.probe.a" in k]
+            assert root.hgetall("sc:broker_queues") == {}
+            admin.close()
+    finally:
+        v.stop()
