@@ -54,7 +54,7 @@ def test_a_resumed_run_shows_its_newest_val_loss_not_step_0s(tmp_path, fail_at_s
     (["train", "--lrr", "3"], "error: No such option: --lrr"),
     (["train", "--data", "EMPTY"], "the folder holds no text files"),
     (["train", "--text-field", "body"], "error: --text-field says how --data is read: it needs --data"),
-    (["export"], "error: Missing argument 'run_dir'."),
+    (["export"], "error: Missing argument 'RUN_DIR'."),
     # a validator's message without pydantic's "Value error, "; the environment variables named, not a list repr
     (["worker", "--coordinator", "http://127.0.0.1:1", "--device", "gpu"], "error: --device: use cpu or cuda:N"),
     (["worker"], "(env var: SPARECYCLES_COORDINATOR_URL or SPARECYCLES_COORDINATOR)"),

@@ -180,6 +180,33 @@ def test_every_help_shows_its_defaults_bare():
     assert "--fleet-sync" not in text and "--config" not in text
 
 
+def test_every_help_lists_its_positional_arguments_under_arguments():
+    """A positional argument is listed under "Arguments" with its help, never under "Options" as if it were an option
+    (SettingsCommand listed `export`'s `run_dir <path>` there): every command of the app; `export`'s by the names its
+    help text uses (RUN_DIR, OUT_DIR)."""
+    from typer.main import get_command
+
+    root = get_command(app)
+    with_arguments = {}
+    for path in _leaves(root):
+        cmd = root
+        for name in path:
+            cmd = cmd.commands[name]
+        arguments = [p for p in cmd.params if p.param_type_name == "argument"]
+        if arguments:
+            out = CliRunner(env=dict.fromkeys(UNSET)).invoke(app, [*path, "--help"], terminal_width=200).output
+            listed = out.partition("\nArguments:\n")[2].partition("\nOptions:\n")[0]
+            options = out.partition("\nOptions:\n")[2]
+            with_arguments[" ".join(path)] = [line.split()[0] for line in listed.splitlines() if line.strip()]
+            assert not any(line.split()[0] in (a.metavar, a.name, f"{a.name}...") for line in options.splitlines()
+                           if line.strip() for a in arguments), out
+    assert {"export", "bench headline report", "bench serving-load"} <= set(with_arguments)
+    assert with_arguments["export"] == ["RUN_DIR", "OUT_DIR"]
+    text = _help(["export"])
+    assert "Arguments: RUN_DIR <path> Run folder of `sparecycles train` or `sparecycles up`. [required] OUT_DIR " \
+        "<path> Output folder (config.json, model.safetensors, tokenizer). [required] Options: --partial" in text, text
+
+
 def test_converted_commands_parse_into_their_models():
     """`coordinator --log-level WARNING` is uvicorn's warning; `up --set`/`--optimizer-option` repeat into one tuple
     and one dict (VALUE read as JSON); `train --fleet-sync --config F` still parse, hidden; parsed only."""

@@ -308,8 +308,9 @@ def parse_set(items: tuple[str, ...] | list[str], *, exclude: tuple[str, ...] = 
 
 
 class SettingsCommand(TyperCommand):
-    """A typer command whose --help lists each model's generated options in a section of its own (`with_settings`'
-    `section`), after the command's own options, each default shown bare (`_plain_default`). Its help is click's
+    """A typer command whose --help lists its positional arguments under "Arguments" (as typer's own help does),
+    each model's generated options in a section of its own (`with_settings`' `section`), after the command's own
+    options, each default shown bare (`_plain_default`). Its help is click's
     plain one whatever its app's rich_markup_mode: rich's tables know neither the sections nor the bare defaults (a
     group invoked on its own, `bench_app`, showed `[default: (20)]`)."""
 
@@ -320,11 +321,12 @@ class SettingsCommand(TyperCommand):
     def format_options(self, ctx: Any, formatter: Any) -> None:
         sections = list(getattr(self.callback, "sections", ()))
         where = {name: title for title, names in sections for name in names}
-        rows: dict[str, list] = {"Options": [], **{title: [] for title, _ in sections}}
+        rows: dict[str, list] = {"Arguments": [], "Options": [], **{title: [] for title, _ in sections}}
         for param in self.get_params(ctx):
             record = param.get_help_record(ctx)
             if record is not None:
-                rows[where.get(param.name, "Options")].append(_plain_default(param, record))
+                title = "Arguments" if param.param_type_name == "argument" else where.get(param.name, "Options")
+                rows[title].append(_plain_default(param, record))
         for title, records in rows.items():
             if records:
                 with formatter.section(title):

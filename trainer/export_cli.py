@@ -24,8 +24,8 @@ class ExportOptions(BaseModel):
 
 @with_settings(model=ExportOptions, param="given", section="Options")
 def export(
-    run_dir: Annotated[Path, typer.Argument(help="Run folder of `sparecycles train` or `sparecycles up`.")],
-    out_dir: Annotated[Path, typer.Argument(help="Output folder (config.json, model.safetensors, tokenizer).")],
+    run_dir: Annotated[Path, typer.Argument(metavar="RUN_DIR", help="Run folder of `sparecycles train` or `sparecycles up`.")],
+    out_dir: Annotated[Path, typer.Argument(metavar="OUT_DIR", help="Output folder (config.json, model.safetensors, tokenizer).")],
     given: dict,
 ) -> None:
     """Export a finished run's model for `transformers`: AutoModelForCausalLM (a GPT-2 preset, or your --model
