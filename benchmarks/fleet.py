@@ -123,7 +123,7 @@ class _Fleet:
             self.procs.append(subprocess.Popen(
                 [sys.executable, "-m", "probe_worker.cli", "--coordinator", self.url, "--token",
                  self.enroll_token, "--name", name, "--threads", str(self.threads), "--device", device,
-                 "--cache-dir", str(self.tmp / f"cache-{name}"), "--loglevel", "WARNING",
+                 "--cache-dir", str(self.tmp / f"cache-{name}"), "--log-level", "WARNING",
                  "--prefetch-interval", "0.2", "--control-interval", "0.1", *self.worker_args], env=env, cwd=ROOT, stdout=log,
                 # each a session of its own, as a service manager (and `up`) starts a worker: beside an engine it
                 # lowers its autogroup and starts its freeze watcher only so (probe_worker.priority, .freeze); out of

@@ -24,7 +24,7 @@ def worker(given: dict[str, Any]) -> None:
     """Register with the coordinator and evaluate probe tasks until SIGTERM (SIGUSR1 drains, SIGUSR2 resumes)."""
     opts = worker_options(given)
     _check_token(opts.token)
-    logging.basicConfig(level=opts.loglevel, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=opts.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))  # one line per heartbeat
     _set_up_torch(opts)
     import httpx

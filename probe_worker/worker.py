@@ -452,7 +452,7 @@ class ProbeWorker:
         worker_ready.connect(self._on_ready, weak=False)
         argv = [
             "worker", "--pool=solo", "--concurrency=1", "--prefetch-multiplier=1",
-            "-Q", ",".join(sorted(self.consumed)), "-n", self.hostname, f"--loglevel={self.opts.loglevel}",
+            "-Q", ",".join(sorted(self.consumed)), "-n", self.hostname, f"--loglevel={self.opts.log_level}",
             "--without-gossip", "--without-mingle", "--without-heartbeat",
         ]
         try:

@@ -27,7 +27,7 @@ BASE = {"coordinator": "http://127.0.0.1:8000", "token": "t"}
     ({"serving": {"metrics_url": "http://h/metrics", "hold_s": -1}}, "greater than or equal to 0"),
     ({"teacher_engine": "h:8000", "teacher_queues": ("q",)}, "use http"),
     ({"teacher_pause": -1.0}, "greater than or equal"),
-    ({"loglevel": "loud"}, "use DEBUG, INFO"),
+    ({"log_level": "loud"}, "use DEBUG, INFO"),
     ({"probe_path": "fast"}, "'auto', 'whole' or 'per_unit'"),
     ({"tf32_attention": "fp16"}, "'auto', 'fp32' or 'bf16'"),
     ({"control_interval": 0.01}, "greater than or equal to 0.05"),
@@ -43,20 +43,47 @@ def test_validators_refuse_naming_the_option(given, message):
 
 def test_what_the_rules_accept():
     alone = WorkerOptions(**BASE)
-    assert (alone.device, alone.keep_versions, alone.control_interval, alone.serving, alone.loglevel) == (
+    assert (alone.device, alone.keep_versions, alone.control_interval, alone.serving, alone.log_level) == (
         "cpu", 2, 0.5, None, "INFO")
-    full = WorkerOptions(**BASE, device="cuda:1", yield_gpu_util=80.0, loglevel="debug", teacher_engine="http://e:1",
+    full = WorkerOptions(**BASE, device="cuda:1", yield_gpu_util=80.0, log_level="debug", teacher_engine="http://e:1",
                          teacher_queues=("q1", "q2"), serving={"metrics_url": "http://e:1/metrics", "gauges": ("g",)})
-    assert full.loglevel == "DEBUG" and full.teacher_queues == ("q1", "q2")
+    assert full.log_level == "DEBUG" and full.teacher_queues == ("q1", "q2")
     assert full.serving is not None and full.serving.gauges == ("g",) and full.serving.hold_s == 2.0
 
 
+def test_every_command_spells_its_log_level_option_log_level():
+    """One spelling of the log level option, `--log-level` (`coordinator`'s, uvicorn's): `worker` took `--loglevel`
+    (Celery's spelling) and refused `--log-level`; no deployment file or doc used `--loglevel`, so no alias keeps it
+    (its refusal names --log-level). `worker --log-level debug` parses to WorkerOptions.log_level DEBUG."""
+    from typer.main import get_command
+
+    def flags(cmd, path=()):
+        for name, sub in getattr(cmd, "commands", {}).items():
+            yield from flags(sub, (*path, name))
+        for p in getattr(cmd, "params", ()):
+            for flag in (*p.opts, *p.secondary_opts):
+                if "level" in flag:
+                    yield " ".join(path), flag
+
+    spelled = set(flags(get_command(app)))
+    assert {("coordinator", "--log-level"), ("worker", "--log-level")} <= spelled
+    assert {flag for _, flag in spelled} == {"--log-level"}, spelled
+    values = WORKER.make_context("worker", ["--coordinator", "http://h:1", "--token", "t", "--log-level", "debug"]).params
+    by_name = table(WorkerOptions)
+    assert WorkerOptions(**collect({k: v for k, v in values.items() if k in by_name}, by_name)).log_level == "DEBUG"
+    from typer.testing import CliRunner
+
+    old = CliRunner().invoke(app, ["worker", "--coordinator", "http://h:1", "--token", "t", "--loglevel", "INFO"])
+    assert old.exit_code == 2 and "No such option: --loglevel (Possible options: --log-level)" in old.output, old.output
+
+
 def test_the_command_is_generated_from_the_model_with_every_flag_kept():
-    """The flags of the hand-declared command (before WorkerOptions), their env vars, and what they parse to."""
+    """The flags of the hand-declared command (before WorkerOptions; --loglevel since spelled --log-level, as
+    `coordinator` spells it), their env vars, and what they parse to."""
     flags = {o for p in WORKER.params for o in (*p.opts, *p.secondary_opts)}
     kept = ("--coordinator --token --device --name --metrics-port --metrics-host --cache-dir --keep-versions "
             "--blob-dir --control-interval --soft-shutdown --prefetch-interval --yield-gpu-util --threads "
-            "--probe-path --cuda-graphs --tf32-attention --teacher-engine --teacher-queue --loglevel "
+            "--probe-path --cuda-graphs --tf32-attention --teacher-engine --teacher-queue --log-level "
             "--serving-metrics --serving-engine --serving-gauge --serving-busy-above --serving-hold --task-trace")
     assert set(kept.split()) <= flags and "--no-cuda-graphs" in flags
     envvars = {p.name: p.envvar for p in WORKER.params if p.envvar}

@@ -98,7 +98,7 @@ class Fleet:
         self.metrics_ports[name] = _free_port()
         cmd = [sys.executable, "-m", "probe_worker.cli", "--coordinator", self.url, "--token", self.enroll_token,
                "--name", name, "--cache-dir", str(self.tmp / f"cache-{name}"), "--control-interval", "0.25",
-               "--soft-shutdown", "5", "--threads", "1", "--loglevel", "INFO",
+               "--soft-shutdown", "5", "--threads", "1", "--log-level", "INFO",
                "--metrics-port", str(self.metrics_ports[name]), *extra]
         self.logs.append(open(self.tmp / f"{name}.log", "wb"))  # noqa: SIM115 - closed in close()
         # a worker beside an engine starts as a session of its own, as `up` and a service manager start it: only so
