@@ -21,7 +21,7 @@ from sparecycles.up_plan import NOT_SETTABLE
 from trainer import cli as trainer_cli
 from trainer import export_cli
 from trainer.cli_settings import SettingsCommand, with_settings
-from trainer.console import stops_cleanly
+from trainer.console import stop_status, stops_cleanly
 from trainer.run_options import RunOptions
 from trainer.train_cli import RUN_SECTION, FleetHooks, train_command
 
@@ -122,7 +122,7 @@ def up(settings: dict, run: dict, options: dict, overrides: dict) -> None:
         raise typer.Exit(2) from exc
     except KeyboardInterrupt:
         typer.echo(f"interrupted: every process stopped; {stopped_note(plan)}", err=True)
-        raise typer.Exit(130) from None
+        raise typer.Exit(stop_status()) from None
     _print_summary(plan, summary)
 
 

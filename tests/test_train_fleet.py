@@ -253,7 +253,7 @@ def _waiting_round(store, keys: Keys, still_s: float = 2.0, timeout_s: float = 1
 @pytest.mark.timeout(900)
 def test_sigterm_while_the_trainer_waits_for_a_round_stops_it_at_once_and_resumes_the_same_run(coordinator, tmp_path):
     """`train --coordinator --fleet-sync` waiting for a round its (stopped) worker never finishes: one SIGTERM ends it
-    within STOP_BOUND_S (before, the wait held the stop until the round came in, or its 300 s timeout) with exit 130
+    within STOP_BOUND_S (before, the wait held the stop until the round came in, or its 300 s timeout) with exit 143
     and the stop line naming the step checkpointed; the checkpoint holds the cut step's round as in flight, with
     the weights it probes; the coordinator run is ended (its open rounds closed, off the runs list). Resumed, with
     the worker going again, the run completes and equals the same run probed in process, bit for bit."""
@@ -285,7 +285,7 @@ def test_sigterm_while_the_trainer_waits_for_a_round_stops_it_at_once_and_resume
         trainer.kill()
         worker.send_signal(signal.SIGCONT)
     out = log.read_text()
-    assert trainer.returncode == 130 and took < STOP_BOUND_S, (took, out[-3000:])
+    assert trainer.returncode == 143 and took < STOP_BOUND_S, (took, out[-3000:])
     m = re.search(r"stopped after step (\d+), checkpointed in (\S+); resume with: (.+)", out)
     assert m and "Traceback" not in out, out[-3000:]
     step = int(m[1])

@@ -92,23 +92,43 @@ class Interrupted(KeyboardInterrupt):
         self.step, self.run_dir = step, run_dir
 
 
+# The signal that asked this process to stop (the first of the stop, SIGINT or SIGTERM), noted by the stop handlers
+# (here and trainer.launch.launch_torchrun's): a clean stop exits with 128 + it (stop_status).
+_STOPPED_BY: list[int] = []
+
+
+def note_stop(signum: int) -> None:
+    """Note `signum` as the signal that stops this process, unless one was noted since `stop_signals` began."""
+    if not _STOPPED_BY:
+        _STOPPED_BY.append(signum)
+
+
+def stop_status() -> int:
+    """The exit status of a clean stop: 128 + the signal that asked for it, as a shell reports a process that signal
+    ended: 143 for SIGTERM (`kill`, `timeout`, Docker/Compose and Kubernetes stops), 130 for SIGINT (Ctrl-C), also
+    when none was noted (a KeyboardInterrupt from Python's own SIGINT handler)."""
+    return 128 + (_STOPPED_BY[0] if _STOPPED_BY else signal.SIGINT)
+
+
 def _raise_interrupt(signum, frame):
+    note_stop(signum)
     raise KeyboardInterrupt
 
 
 @contextlib.contextmanager
 def stop_signals() -> Iterator[None]:
     """SIGINT and SIGTERM raise KeyboardInterrupt from here on (the first instruction of `up` and `train`, so start-up
-    is covered too); the previous handlers come back on exit. SIGINT gets Python's own handler even when this process
-    inherited SIGINT *ignored*: a process started in the background by a non-interactive shell (`cmd &` in a script,
+    is covered too); the previous handlers come back on exit. SIGINT gets one (raising as Python's own does) even when
+    this process inherited SIGINT *ignored*: a process started in the background by a non-interactive shell (`cmd &` in a script,
     a CI job) does, Python then installs no handler, and a Ctrl-C / `kill -INT` was dropped until the step loop's own
     handler (deferred_interrupt) took over: it then looked as if the first signal was ignored and a second one
-    needed. Outside the main thread signals cannot be caught: no-op."""
+    needed. The signal is noted for the exit status (stop_status). Outside the main thread signals cannot be caught:
+    no-op."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = {signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler),
-                signal.SIGTERM: signal.signal(signal.SIGTERM, _raise_interrupt)}
+    _STOPPED_BY.clear()
+    previous = {sig: signal.signal(sig, _raise_interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
@@ -150,6 +170,7 @@ def deferred_interrupt() -> Iterator[Callable[[], bool]]:
 
     def handler(signum, frame):
         hit["n"] += 1
+        note_stop(signum)
         STOP_REQUESTED.set()
         if hit["n"] > 1:
             raise KeyboardInterrupt
@@ -190,7 +211,8 @@ def stop_line(exc: BaseException, argv: list[str], rank: int | None = None) -> s
 
 def stops_cleanly(command: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap a typer command (`train`) so that SIGINT and SIGTERM are handled from its first instruction
-    (stop_signals) and a stop ends with stop_line and exit status 130, no traceback."""
+    (stop_signals) and a stop ends with stop_line and exit status stop_status() (SIGTERM 143, Ctrl-C 130), no
+    traceback."""
     import functools
     import os
 
@@ -207,6 +229,6 @@ def stops_cleanly(command: Callable[..., Any]) -> Callable[..., Any]:
                 line = stop_line(exc, sys.argv[1:], rank)
                 if line:
                     typer.echo(line, err=True)
-                raise typer.Exit(130) from None
+                raise typer.Exit(stop_status()) from None
 
     return wrapper

@@ -88,6 +88,9 @@ def launch_torchrun(nproc: int, args: list[str], *, env: dict[str, str] | None =
     import threading
 
     def _interrupt(signum, frame):
+        from trainer.console import note_stop
+
+        note_stop(signum)  # the exit status of the command that stops (trainer.console.stop_status)
         raise KeyboardInterrupt
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
