@@ -3,8 +3,8 @@
 Settings follow DESIGN.md section 3, each avoiding a known way to lose or double work: JSON only (no
 pickle), late acks + reject on worker lost (a killed worker's task is redelivered), prefetch 1, a
 visibility timeout longer than the longest task plus its wait, cancel long-running tasks when the broker
-connection is lost, soft shutdown so SIGTERM returns the in-flight task, results ignored (accepted
-results travel on a Redis Stream instead).
+connection is lost, a soft shutdown before a cold one (SIGQUIT; SIGTERM's warm shutdown waits for the task),
+results ignored (accepted results travel on a Redis Stream instead).
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ def make_celery(
     """Build the Celery app for `broker_url` (redis:// or amqp://).
 
     `visibility_timeout_s` (seconds) must exceed the longest probe task including its queue wait;
-    `soft_shutdown_s` is how long a SIGTERMed worker may finish its in-flight task.
+    `soft_shutdown_s` is how long a cold shutdown (SIGQUIT, a second SIGINT) waits before it cuts the running
+    task (Celery >= 5.5; a warm shutdown, SIGTERM, waits for the task however long).
     Raises ValueError on a non-positive timeout.
     """
     if visibility_timeout_s <= 0 or soft_shutdown_s < 0:

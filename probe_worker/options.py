@@ -97,8 +97,13 @@ class WorkerOptions(BaseModel):
                                "are read there in place instead of downloaded")
     control_interval: float = _F(0.5, ge=0.05, allow_inf_nan=False, description="seconds between heartbeats/drain "
                                  "checks")
-    soft_shutdown: float = _F(30.0, ge=0.0, allow_inf_nan=False, description="seconds SIGTERM waits for the "
-                              "in-flight task")
+    # Celery's worker_soft_shutdown_timeout (with soft shutdown on idle): Celery >= 5.5 applies it to a cold
+    # shutdown only; under the solo pool its wait runs in the signal handler, on the task's own (main) thread.
+    soft_shutdown: float = _F(30.0, ge=0.0, allow_inf_nan=False, description="seconds a cold shutdown (SIGQUIT, or "
+                              "a second Ctrl-C) waits, idle or not, before it cuts the running task, which does not "
+                              "advance meanwhile (the wait holds its thread); 0: it cuts at once. SIGTERM, a warm "
+                              "shutdown, does not use it: the worker takes no further task and waits for the running "
+                              "one however long it takes")
     prefetch_interval: float = _F(1.0, ge=0.0, allow_inf_nan=False, description="seconds between checks for a new "
                                   "version to load ahead of its rounds (with one run: back-to-back 2 s long polls "
                                   "instead; 0: load at the first task)")

@@ -10,7 +10,8 @@ the worker should consume: the coordinator's queue list, or nothing while draini
 'draining'/'quarantined', SIGUSR1 until SIGUSR2, or, optionally, while other processes keep the GPU busy). Queues are added and cancelled
 through Celery's remote control addressed to this worker only; a task delivered before a cancel
 takes effect is handed back (rejected with requeue) unevaluated, and the in-flight task always
-finishes. SIGTERM is Celery's warm shutdown within `soft_shutdown` seconds; a weight load in progress (a task's, the
+finishes. SIGTERM is Celery's warm shutdown: it waits for the running task however long (`soft_shutdown` is the
+wait of a cold one, SIGQUIT or a second SIGINT, before it cuts the task); a weight load in progress (a task's, the
 prefetch's) stops before its next shard (a task's goes back to its queue: WeightCache.stopping); the worker then
 deregisters.
 

@@ -77,6 +77,27 @@ def test_every_command_spells_its_log_level_option_log_level():
     assert old.exit_code == 2 and "No such option: --loglevel (Possible options: --log-level)" in old.output, old.output
 
 
+def test_soft_shutdown_help_says_what_celery_does_with_it():
+    """`--soft-shutdown` is Celery's worker_soft_shutdown_timeout (soft shutdown on idle too), which Celery >= 5.5
+    applies to a cold shutdown only (SIGQUIT, a second Ctrl-C), its wait run on the solo pool's one thread; SIGTERM is
+    a warm shutdown that waits for the running task without any limit. Its help said "seconds SIGTERM waits for the
+    in-flight task": SIGTERM never used it. Checked against the installed Celery's signal handlers."""
+    from celery.apps import worker as celery_worker
+
+    from coordinator.celery_app import make_celery
+
+    conf = make_celery("redis://127.0.0.1:1/0", soft_shutdown_s=7.0).conf
+    assert (conf.worker_soft_shutdown_timeout, conf.worker_enable_soft_shutdown_on_idle) == (7.0, True)
+    assert celery_worker.install_worker_term_handler.keywords == {"sig": "SIGTERM", "how": "Warm"}
+    assert celery_worker.install_worker_term_hard_handler.keywords["how"] == "Cold"
+    assert celery_worker.install_worker_term_hard_handler.keywords["callback"] is celery_worker.on_cold_shutdown
+    text = " ".join(next(p for p in WORKER.params if p.name == "soft_shutdown").help.split())
+    assert text.startswith("seconds a cold shutdown (SIGQUIT, or a second Ctrl-C) waits, idle or not, before it cuts "
+                           "the running task"), text
+    assert "SIGTERM, a warm shutdown, does not use it: the worker takes no further task and waits for the running " \
+        "one however long it takes" in text, text
+
+
 def test_the_command_is_generated_from_the_model_with_every_flag_kept():
     """The flags of the hand-declared command (before WorkerOptions; --loglevel since spelled --log-level, as
     `coordinator` spells it), their env vars, and what they parse to."""
