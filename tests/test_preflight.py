@@ -53,12 +53,14 @@ def test_preflight_knows_every_optimizer():
             assert rounds == (3 if m.probes_along_step else 4), name
 
 
-def _fake_run(folder, cfg, *, finished: bool, checkpoint: bool = True, fleet_wait: str | None = None):
-    """The files `trainer.train.train` leaves: config.json (steps excluded; probes from a fleet waiting as
-    `fleet_wait` says, None: in process), metrics, summary when finished."""
+def _fake_run(folder, cfg, *, finished: bool, checkpoint: bool = True, fleet_wait: str | None = None,
+              steps_recorded: bool = True):
+    """The files `trainer.train.train` leaves: config.json (with steps, or without as before they were recorded;
+    probes from a fleet waiting as `fleet_wait` says, None: in process), metrics, summary when finished."""
     folder.mkdir(parents=True)
     settings = run_settings(cfg, fleet_wait)
-    (folder / "config.json").write_text(json.dumps({k: v for k, v in settings.items() if k != "steps"}))
+    (folder / "config.json").write_text(json.dumps({k: v for k, v in settings.items()
+                                                    if k != "steps" or steps_recorded}))
     (folder / "metrics.jsonl").write_text('{"step": 0, "val_loss": 10.8}\n')
     if checkpoint:
         (folder / "checkpoint.safetensors").write_bytes(b"x")
@@ -76,6 +78,13 @@ def test_folder_state_kinds(tmp_path):
     _fake_run(tmp_path / "cut", cfg, finished=False)
     assert folder_state(tmp_path / "cut", cfg).kind == "resume"
     assert folder_state(tmp_path / "cut", cfg.model_copy(update={"lr": 1e-3})).diffs == ("lr: 0.003 -> 0.001",)
+    longer = cfg.model_copy(update={"steps": 300})  # another --steps is another run unless --resume extends it
+    assert folder_state(tmp_path / "cut", longer).diffs == ("steps: 150 -> 300",)
+    _fake_run(tmp_path / "older", cfg, finished=False, steps_recorded=False)  # steps unknown: the rest is judged
+    assert folder_state(tmp_path / "older", longer).kind == "resume"
+    # An extension to 300 stopped midway: config.json's 300 is the run's, not the finished part's summary (150).
+    (tmp_path / "done" / "config.json").write_text(json.dumps(run_settings(longer)))
+    assert folder_state(tmp_path / "done", longer).kind == "resume"
 
 
 def test_up_default_folder_carries_the_settings_and_a_finished_run_is_never_replaced(tmp_path, monkeypatch):

@@ -149,10 +149,13 @@ def _report(result: Any, warning: str | None, require_fleet: bool = False) -> No
 
 def _refuse_or_reuse(folder: Path, state: Any, is_main: bool) -> None:
     """A folder already holding a run without --resume or --overwrite: one with other settings is refused
-    (typer.Exit(2), naming the differences); this run, finished, is reused (rank 0 prints its summary)."""
+    (typer.Exit(2), naming the differences, and --resume where only --steps differs); this run, finished, is
+    reused (rank 0 prints its summary)."""
     if state.kind == "other":
+        extend = all(d.startswith("steps: ") for d in state.diffs)  # trainer.preflight.differences' lines
         typer.secho(f"error: {folder} holds a run with other settings ({'; '.join(state.diffs)}); pass "
-                    "--overwrite to replace it, or another --run-dir", fg=typer.colors.RED, err=True)
+                    + ("--resume to continue it to the new --steps (its lr decay re-planned), " if extend else "")
+                    + "--overwrite to replace it, or another --run-dir", fg=typer.colors.RED, err=True)
         raise typer.Exit(2)
     if is_main:
         typer.echo(f"{folder} already holds this run, finished (same settings): reused, nothing trained "

@@ -181,8 +181,9 @@ class TrainConfig(BaseModel):
         return self
 
     def run_json(self) -> dict:
-        """The run's identity as written to config.json and compared on --resume: every field but `run_dir`
-        and `steps` (a run may be extended), `optimizer_options` / `anytime` only when set, `schedule` only
+        """The run's identity as compared on --resume: every field but `run_dir` and `steps` (a run may be extended
+        or shortened: config.json records `steps` beside it, trainer.run_dir, and the resume says how that changes
+        the lr schedule, `replan_note`), `optimizer_options` / `anytime` only when set, `schedule` only
         when not "cosine", `data`/`text_field`/`encoding_errors` only with `data` and the kd_* fields only with
         `teacher` (folders from before those fields existed still resume); `corpus` only without `data` (the run
         does not read it: `recorded_run` drops it from an older folder's config.json)."""
@@ -221,6 +222,24 @@ def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, total_steps
     if schedule == "linear":
         return lr * (1.0 - progress)
     return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def replan_note(cfg: TrainConfig, *, planned_steps: int | None, at_step: int) -> str | None:
+    """The console line of a resume whose --steps differs from the `planned_steps` the run's schedule was built for
+    (config.json's `steps`): the decay after warmup spans `cfg.steps` from now on, so the lr of the next step
+    changes (`at_step`: the checkpoint's completed steps, the 0-based index of that step); the line gives it
+    under both plans (`lr_at`; past its end the old plan's lr is min_lr, or 0 for linear) and the
+    --steps that keeps the old one. The trainer has no schedule meant for extension (no constant stage), so the
+    re-planned decay is the only way to extend a run. None when nothing changes: `planned_steps` None (a fresh run,
+    or a folder from before steps were recorded) or equal to `cfg.steps`, or no step left to run."""
+    if planned_steps is None or planned_steps == cfg.steps or at_step >= cfg.steps:
+        return None
+    kw = dict(lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, schedule=cfg.schedule)
+    before = lr_at(at_step, total_steps=planned_steps, **kw)
+    after = lr_at(at_step, total_steps=cfg.steps, **kw)
+    return (f"resuming after step {at_step} with --steps {cfg.steps}: lr {before:.2e} -> {after:.2e}, the "
+            f"{cfg.schedule} decay built for {planned_steps} steps is re-planned over {cfg.steps} (--steps "
+            f"{planned_steps} keeps the old schedule)")
 
 
 def resolve_preset(preset: str, overrides: dict) -> TrainConfig:

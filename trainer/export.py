@@ -159,7 +159,8 @@ def export_trained(model: torch.nn.Module, cfg_json: dict[str, Any], out_dir: Pa
     Args:
         model: the trained model (GPT2LMHeadModel for task "lm", BertForSequenceClassification for
             "sentiment").
-        cfg_json: the run's config.json (TrainConfig fields less run_dir and steps).
+        cfg_json: the run's config.json (TrainConfig.run_json with the probes' source and `steps`), or
+            TrainConfig.run_json alone (the end of `trainer.train.train`).
         out_dir: destination folder; `step`: optimizer steps the weights have taken.
         run_dir: the run folder, for provenance (its summary.json's final metrics are copied when present).
 

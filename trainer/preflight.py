@@ -226,8 +226,9 @@ def folder_state(run_dir: Path, cfg: TrainConfig, fleet_wait: str | None = None)
     """Classify `run_dir` (a `sparecycles train` folder) against `cfg` with its probes from a fleet waiting as
     `fleet_wait` says (None: in process; `run_settings`); see FolderState.
 
-    The folder's settings are its `config.json`; `steps` comes from there or, for a finished run, from
-    `summary.json` (an interrupted run's `config.json` may omit it: `--resume` may extend a run). A run probed by a
+    The folder's settings are its `config.json`, `steps` included (the total its lr schedule is built for; a
+    `--resume` with another --steps rewrites it, trainer.run_dir); a folder from before steps were recorded there
+    takes them from a finished run's `summary.json`, or judges the rest when interrupted. A run probed by a
     fleet and the same settings probed in process are other runs (`probe_source`): neither reuses nor resumes the
     other.
     """
@@ -242,8 +243,8 @@ def folder_state(run_dir: Path, cfg: TrainConfig, fleet_wait: str | None = None)
     old = recorded_run(old)
     new = run_settings(cfg, fleet_wait)
     summary = _read_json(summary_path)
-    if summary is not None and "steps" in summary:
-        old = {**old, "steps": summary["steps"]}
+    if summary is not None and "steps" in summary and "steps" not in old:  # a folder from before config.json had
+        old = {**old, "steps": summary["steps"]}  # them (else config.json's: an extension stopped midway is newer)
     old.pop("run_dir", None)
     if "steps" not in old:  # interrupted, steps not recorded: judge the rest
         new = {k: v for k, v in new.items() if k != "steps"}

@@ -1,7 +1,9 @@
 """A run folder and the files the training loop writes into it.
 
     <run_dir>/config.json            the run's identity (TrainConfig.run_json and where its probes come from,
-                                     trainer.preflight.probe_source); --resume must match it
+                                     trainer.preflight.probe_source); --resume must match it. Beside it `steps`,
+                                     the total the lr schedule is built for: a --resume may change it (rewritten,
+                                     and the resume says how the lr changes: trainer.config.replan_note)
     <run_dir>/metrics.jsonl          one JSON record per step ({"step", "lr", "loss", ...}) and per evaluation
                                      ({"step", "val_loss", ...}); steps count completed optimizer steps
     <run_dir>/checkpoint.safetensors trainer.checkpoint.Checkpointer
@@ -17,7 +19,7 @@ from typing import Any
 
 from trainer.config import TrainConfig, recorded_run
 from trainer.paths import runs_dir
-from trainer.preflight import probe_source
+from trainer.preflight import run_settings
 from trainer.report import read_metrics
 
 CHECKPOINT_NAME = "checkpoint.safetensors"
@@ -53,7 +55,9 @@ def default_run_dir(cfg: TrainConfig) -> Path:
 class RunDir:
     """The folder of one run: where each file lives, the config check on open, and the metrics log.
 
-    Build with `RunDir.open`; `path` is the folder.
+    Build with `RunDir.open`; `path` is the folder. `planned_steps`: after a resuming `open`, the `steps` the
+    folder's config.json records (the total the checkpointed run's lr schedule was built for; `record_steps`
+    replaces it once the resume has started); None for a fresh run or a folder from before steps were recorded.
     """
 
     def __init__(self, path: Path) -> None:
@@ -63,11 +67,15 @@ class RunDir:
         self.checkpoint = path / CHECKPOINT_NAME
         self.plot = path / "loss.png"
         self.summary = path / "summary.json"
+        self.planned_steps: int | None = None
 
     @classmethod
     def open(cls, cfg: TrainConfig, *, resume: bool, overwrite: bool, fleet_wait: str | None = None) -> RunDir:
         """Create (or reopen) the folder of `cfg` (cfg.run_dir, else `default_run_dir`) and write config.json: the
-        config and where its probes come from (trainer.preflight.probe_source; `fleet_wait` None: in process).
+        config, where its probes come from (trainer.preflight.probe_source; `fleet_wait` None: in process) and
+        `steps` (trainer.preflight.run_settings). A resume compares all but `steps` and keeps the recorded one
+        (`planned_steps`) until the trainer has restored the checkpoint and calls `record_steps`: a resume that
+        fails before leaves the plan its checkpoint was trained under.
 
         Raises:
             ValueError: the path is a file, `resume` where no run was started (no config.json; nothing is written),
@@ -81,17 +89,28 @@ class RunDir:
             raise ValueError(f"nothing to resume in {run.path} (no config.json: no run was started there); start "
                              "without --resume or pass the right --run-dir")
         run.path.mkdir(parents=True, exist_ok=True)
-        ours = {**cfg.run_json(), **probe_source(cfg, fleet_wait)}
+        ours = run_settings(cfg, fleet_wait)
         if not resume and not overwrite and run.metrics.is_file() and run.metrics.stat().st_size > 0:
             raise FileExistsError(f"{run.path} already holds a run; pass --resume to continue it, --overwrite to "
                                   "start afresh, or another --run-dir")
         if resume and run.config.is_file():
             old = recorded_run(json.loads(run.config.read_text()))
+            run.planned_steps = old.pop("steps", None)  # may differ: the run is extended (or shortened)
+            ours.pop("steps")
             if old != ours:
                 diff = sorted(k for k in set(old) | set(ours) if old.get(k) != ours.get(k))
                 raise ValueError(f"--resume with a different config than {run.config} (fields: {diff})")
+            if run.planned_steps is not None:
+                ours["steps"] = run.planned_steps
         run.config.write_text(json.dumps(ours, indent=2))
         return run
+
+    def record_steps(self, steps: int) -> None:
+        """Record in config.json that the run's lr schedule is built for `steps` from now on (a resume with
+        another --steps, once its checkpoint is restored)."""
+        recorded = json.loads(self.config.read_text())
+        if recorded.get("steps") != steps:
+            self.config.write_text(json.dumps({**recorded, "steps": steps}, indent=2))
 
     @classmethod
     def open_on_ranks(cls, cfg: TrainConfig, *, resume: bool, overwrite: bool, dist: Any,

@@ -81,7 +81,8 @@ class RunOptions(BaseModel):
         json_schema_extra={"envvar": TEACHER_ROUNDS_ENV})
     kd_cache: Path | None = _F(None, description="with --teacher: read each step's targets from this target cache "
                                "(`sparecycles kd fill`) instead of a teacher")
-    resume: bool = _F(False, description="continue from the run folder's checkpoint")
+    resume: bool = _F(False, description="continue from the run folder's checkpoint (another --steps re-plans "
+                       "the lr decay and says how)")
     overwrite: bool = _F(False, description="start afresh in a run folder that already holds a run with other "
                          "settings")
     export: bool = _F(True, description="at the end, export the model as a transformers folder RUN_DIR/export")

@@ -3,7 +3,9 @@
     1. run folder   the Task (LM or sentiment: its data read first, so a refusal there leaves no folder), then
                     RunDir.open: create it, check --resume against its config.json, write config.json
     2. build        the task's model, the method's TrainMode (trainer.methods registry)
-    3. position     --resume: Checkpointer.restore and cut metrics.jsonl back to the checkpoint; else start at 0
+    3. position     --resume: Checkpointer.restore (a --steps below its step is refused; another --steps than
+                    config.json records re-plans the lr decay: one console line says how, replan_note, and
+                    config.json records the new one) and cut metrics.jsonl back to the checkpoint; else start at 0
     4. evaluate     step 0 on the held-out split (kept from the first invocation on resume)
     5. loop         per step: lr schedule -> mode.step -> log -> evaluate every `eval_every` (the Evaluator:
                     on the trainer, or handed to a fleet whose records arrive later and are logged at their own
@@ -39,7 +41,7 @@ from coordinator.client import is_transient
 from trainer import health as run_health
 from trainer import metrics as prom
 from trainer.checkpoint import Checkpointer  # noqa: F401  (public here too)
-from trainer.config import TrainConfig, lr_at
+from trainer.config import TrainConfig, lr_at, replan_note
 from trainer.console import Interrupted, deferred_interrupt, progress_bar, quiet_hf_bars
 from trainer.dist_backends import build_rank_mode
 from trainer.dist_checkpoint import make_checkpointer
@@ -83,7 +85,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, over
 
     Raises:
         ValueError: unknown model preset or corpus, CUDA asked for but absent, a folder holding a different
-            run's config.
+            run's config, `resume` with a `cfg.steps` below the checkpoint's step.
         trainer.checkpoint.CheckpointError: `resume` with no usable checkpoint.
         FileExistsError: the folder already holds a run and neither `resume` nor `overwrite` is set.
         FloatingPointError: the training loss became non-finite.
@@ -192,6 +194,14 @@ def _set_up(cfg: TrainConfig, *, resume: bool, progress: bool, overwrite: bool, 
 
     # 3. position: a resume continues from the checkpoint and forgets what was logged after it
     start = ckpt.restore() if resume else 0
+    if start > cfg.steps:  # the loop would run nothing and report a run of fewer steps than its weights took
+        raise ValueError(f"--steps {cfg.steps} is below the {start} steps the checkpoint in {run.path} has taken; "
+                         f"resume with --steps {start} or more, or start afresh with --overwrite")
+    if resume and dist.is_main:
+        note = replan_note(cfg, planned_steps=run.planned_steps, at_step=start)
+        if note is not None:  # another --steps moves the lr decay: said, not done silently
+            logging.getLogger(__name__).warning("%s", note)
+        run.record_steps(cfg.steps)
     if hasattr(loss_fn, "seek"):  # teacher rounds (trainer.kd.sparse_loss.SparseKDLoss): the window starts at this step
         loss_fn.seek(start)
     history = run.restart_metrics(start if resume else None) if dist.is_main else []
