@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -115,11 +114,11 @@ def test_an_unknown_host_fails_at_once():
 
     settings = attach_mod.FleetSettings(admin_token="x" * 24, redis_url="redis://127.0.0.1:6379/0")
     said: list[str] = []
-    t0 = time.monotonic()
     with pytest.raises(attach_mod.FleetError, match="no such host"):
         attach_mod.attach("http://no-such-host.invalid:8000", settings=settings, wait_s=60.0, log=said.append)
-    assert said == []  # never "retrying for up to 60 s"
-    assert time.monotonic() - t0 < 60.0
+    # never "retrying for up to 60 s": the retry loop says so at its first failure, before its first wait (no wall
+    # time asserted: the name service's own answer may be slow on a loaded machine)
+    assert said == []
 
 
 def test_config_json_names_the_data_not_a_corpus():
