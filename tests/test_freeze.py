@@ -286,7 +286,10 @@ def test_a_stop_ends_after_max_s_and_the_watcher_never_leaves_it_stopped(worker)
     time.sleep(0.5)
     assert not is_stopped(proc.pid)  # and not stopped again in that busy spell
     engine.load = 0
-    time.sleep(0.3)
+    reads = engine.reads
+    # the busy spell ends once the watcher reads idle: the first reading counted from here answered 0, and the one
+    # after it began after that answer arrived (one client, one reading at a time)
+    assert _until(lambda: engine.reads >= reads + 2)
     engine.load = 1
     assert _until(lambda: is_stopped(proc.pid))  # a new spell
     os.kill(watcher, signal.SIGTERM)  # the watcher ends: it continues the worker on its way out

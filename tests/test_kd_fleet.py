@@ -19,6 +19,7 @@ import torch
 
 from coordinator.celery_app import make_celery
 from fleet.teacher import FleetTeacher, RoundFlow, TeacherRecipe, TeacherTimeout, teacher_queue
+from support.fleet import Fleet
 from support.teacher import start_teacher_worker, stop_teacher_worker
 from trainer.data import get_batch
 from trainer.kd.sparse_loss import SparseKDLoss
@@ -155,10 +156,16 @@ def test_out_of_range_task_ids_rejected() -> None:
                     seq_len=4, ids_b64="AAAAAA==", kind="sampled", k=4, temperature=1.0, seed=0)
 
 
+# What Celery's worker prints once it has handled the signal sent before the next one (a SIGINT: its warm
+# shutdown, and a second SIGINT is the cold one); a signal sent before the last one was handled would merge with it.
+HANDLED = {signal.SIGINT: "Hitting Ctrl+C again will initiate cold shutdown"}
+
+
 def _round_held_by_slow_worker(redis_url: str, teacher_dir: Path, signals: list[int],
                                wait_s: float) -> tuple[str, FleetTeacher]:
     """A strict fleet of window 1 whose step-0 round a slow worker takes and sits on, until `signals` are sent to
-    its process group (1 s apart) and it exits (within `wait_s`). Returns (run, fleet)."""
+    its process group (each once the worker said it handled the one before: HANDLED) and it exits (within
+    `wait_s`). Returns (run, fleet)."""
     run = f"kd-{uuid.uuid4().hex[:8]}"
     fleet = _fleet(redis_url, teacher_dir, run, window=1, strict=True, strict_timeout_s=120)
     fleet.advance(0)
@@ -168,8 +175,11 @@ def _round_held_by_slow_worker(redis_url: str, teacher_dir: Path, signals: list[
         while fleet.store.llen(teacher_queue(run)) and time.monotonic() < deadline:
             time.sleep(0.1)  # the slow worker took the round and sits on it
         assert _worker_busy(redis_url, run)  # an enrolled worker, in GET /v1/workers, busy with its round
-        for sig in signals:
-            time.sleep(1.0)
+        for before, sig in zip([None, *signals], signals):
+            if before is not None:
+                said = HANDLED[before]
+                Fleet.wait(lambda said=said: said in slow.log_path.read_text(errors="replace"),
+                           f"the worker to handle {signal.Signals(before).name}")
             os.killpg(slow.pid, sig)
         assert slow.wait(wait_s) is not None
     finally:

@@ -303,7 +303,8 @@ def test_enrolled_worker_elsewhere_answers_teacher_rounds_and_drains(teacher: Pa
         assert (tmp_path / "cache" / "teachers" / fleet.sha / "config.json").is_file()
         assert procs.admin.post(f"/v1/workers/{wid}/drain").status_code == 200
         procs.wait(lambda: procs.metric("t", "sparecycles_worker_draining") == 1, "the worker drains")
-        time.sleep(1.0)  # its queues cancelled at the next reconcile
+        log = procs.tmp / "t.log"  # its queues cancelled at the next reconcile:
+        procs.wait(lambda: f"stopped consuming {teacher_queue(run)}" in log.read_text(), "the worker leaves its queue")
         assert fleet.advance(5) == 2  # steps 5 and 6 (3 and 4 went out with the window before the drain)
         time.sleep(3.0)  # a drained worker takes nothing: the rounds stay queued
         assert store.llen(teacher_queue(run)) == 2
