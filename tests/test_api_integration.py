@@ -28,7 +28,7 @@ def metric_samples(env: Env) -> dict[tuple[str, tuple], float]:
     return out
 
 
-def wait_for(predicate, what: str, deadline_s: float = 15.0):
+def wait_for(predicate, what: str, deadline_s: float = 120.0):
     """Poll until `predicate()` is truthy (a deadline guards against hangs; no timing is asserted)."""
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:

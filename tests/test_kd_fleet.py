@@ -60,10 +60,10 @@ def _start_worker(redis_url: str, run: str, pause_s: float = 0.0) -> subprocess.
 
 def _worker_busy(redis_url: str, run: str) -> bool:
     """Whether the enrolled teacher worker of `run` (support.teacher) heartbeats busy (GET /v1/workers), waiting
-    up to 30 s for the heartbeat that says so."""
+    up to 120 s for the heartbeat that says so (a liveness bound only: it beats every 0.5 s)."""
     from support.teacher import coordinator_of
 
-    fleet, deadline = coordinator_of(redis_url), time.monotonic() + 30
+    fleet, deadline = coordinator_of(redis_url), time.monotonic() + 120
     while time.monotonic() < deadline:
         if any(w["name"] == f"teacher-{run}" and w["busy"] for w in fleet.admin.get("/v1/workers").json()):
             return True
@@ -171,9 +171,8 @@ def _round_held_by_slow_worker(redis_url: str, teacher_dir: Path, signals: list[
     fleet.advance(0)
     slow = _start_worker(redis_url, run, pause_s=600)
     try:
-        deadline = time.monotonic() + 60
-        while fleet.store.llen(teacher_queue(run)) and time.monotonic() < deadline:
-            time.sleep(0.1)  # the slow worker took the round and sits on it
+        # the slow worker (a process started just now: START_TIMEOUT_S) took the round and sits on it
+        Fleet.wait(lambda: fleet.store.llen(teacher_queue(run)) == 0, "the slow worker to take the round")
         assert _worker_busy(redis_url, run)  # an enrolled worker, in GET /v1/workers, busy with its round
         for before, sig in zip([None, *signals], signals):
             if before is not None:
@@ -191,7 +190,7 @@ def _round_held_by_slow_worker(redis_url: str, teacher_dir: Path, signals: list[
 def test_killed_worker_round_redelivered_taken_once(redis_url: str, teacher_dir: Path) -> None:
     """A worker SIGKILLed while it holds a round: the broker redelivers it to the next worker; the answer is
     written once (SET NX) and taken once (GETDEL): one take, no missing step, nothing counted twice."""
-    run, fleet = _round_held_by_slow_worker(redis_url, teacher_dir, [signal.SIGKILL], wait_s=10)
+    run, fleet = _round_held_by_slow_worker(redis_url, teacher_dir, [signal.SIGKILL], wait_s=60)
     proc = _start_worker(redis_url, run)
     try:
         got = fleet.take(batch_fn(0)[0], 50257)

@@ -51,9 +51,9 @@ def test_coordinator_and_clients_survive_a_redis_outage(tmp_path, valkey):
         assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
 
         valkey.start()
-        for _ in range(200):  # the coordinator notices on its own (its start-up wait retries)
-            if httpx.get(f"{srv.url}/readyz").status_code == 200:
-                break
+        deadline = time.monotonic() + 120  # the coordinator notices on its own (its start-up wait retries)
+        while httpx.get(f"{srv.url}/readyz").status_code != 200:
+            assert time.monotonic() < deadline, "the coordinator never saw the store come up"
             time.sleep(0.05)
         reg = httpx.post(f"{srv.url}/v1/workers", json={"name": "w"}, headers=enroll).json()
         admin = {"Authorization": f"Bearer {settings.admin_token.get_secret_value()}"}

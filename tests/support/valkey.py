@@ -43,11 +43,14 @@ class Valkey:
             self.cmd, cwd=self.data, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
         client = redis.Redis.from_url(self.url)
-        for _ in range(300):
+        deadline = time.monotonic() + 120  # a liveness bound only: it answers in milliseconds on an idle machine
+        while True:
             try:
                 client.ping()
                 break
             except redis.RedisError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise
                 time.sleep(0.05)
         client.close()
 
