@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -66,8 +65,9 @@ def test_policy_arguments_are_validated():
 
 # A process whose main thread is busy in one C call (hashing a zero-filled buffer of about BUSY_S seconds' worth:
 # hashlib lets other threads run meanwhile, as torch does) while the drain signals arrive: Python runs no handler of
-# its own until the call returns. It prints "busy" first, then its drain state and whether the signals took effect
-# while the call still ran (a second or more before it returned).
+# its own until the call returns. It prints "busy" first, "applied" from another thread each time a signal took
+# effect, then its drain state and whether that state was reached while the call still ran (half a second or more
+# before it returned: Python's own handlers would run within milliseconds after it).
 _BUSY_PROCESS = """
 import hashlib, json, threading, time
 from probe_worker.tasks import DrainSignals, DrainState
@@ -77,15 +77,23 @@ DrainSignals(drain).install()
 t = time.perf_counter()
 hashlib.sha256(bytes(64 << 20))
 data = bytes(int((64 << 20) * {busy_s} / (time.perf_counter() - t)))  # calloc'd: no memory until read
-applied = []
-threading.Thread(target=lambda: drain.changed.wait() and applied.append(time.monotonic()), daemon=True).start()
+applied = []  # (monotonic s, drain.local) at each change
+
+def watch():
+    while True:
+        drain.changed.wait()
+        drain.changed.clear()
+        applied.append((time.monotonic(), drain.local))
+        print("applied", flush=True)
+
+threading.Thread(target=watch, daemon=True).start()
 print("busy", flush=True)
 hashlib.sha256(data)
 end = time.monotonic()  # a handler run by Python itself would have run just before this: after the call
-print(json.dumps({{"local": drain.local, "while_busy": bool(applied) and applied[0] < end - 1.0}}), flush=True)
+last = applied[-1] if applied else (end, None)
+print(json.dumps({{"local": drain.local, "while_busy": last[0] < end - 0.5 and last[1] == drain.local}}), flush=True)
 """
-BUSY_S = 2.0
-SIGNAL_GAP_S = 0.2  # between the two signals: each is delivered (its C-level handler runs) before the next is sent
+BUSY_S = 3.0  # leaves this test ~2.5 s after "busy" to send both signals, its own wake-ups on a loaded machine included
 
 
 def _drain_after(first: signal.Signals, second: signal.Signals) -> dict:
@@ -95,13 +103,16 @@ def _drain_after(first: signal.Signals, second: signal.Signals) -> dict:
     try:
         assert proc.stdout.readline().strip() == "busy"
         proc.send_signal(first)
-        time.sleep(SIGNAL_GAP_S)
+        # the first was delivered and applied before the second is sent (two pending at once would be delivered
+        # lowest number first, whatever the order they were sent in)
+        line = proc.stdout.readline()
+        assert line.strip() == "applied", f"the first signal did not take effect while the call ran: {line!r}"
         proc.send_signal(second)
         out = proc.communicate(timeout=60)[0]
     finally:
         proc.kill()
     assert proc.returncode == 0, out
-    return json.loads(out)
+    return json.loads(out.splitlines()[-1])
 
 
 def test_drain_signals_apply_in_the_order_they_arrived_while_the_main_thread_is_busy():
