@@ -215,11 +215,13 @@ def _fleet(tmp_path: Path):
         try:
             procs.append(subprocess.Popen([sys.executable, "-m", "sparecycles.cli", "coordinator", "--port", str(port),
                                            "--log-level", "warning"], env=env, stdout=clog, stderr=subprocess.STDOUT))
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:
+            deadline = time.monotonic() + 180  # a liveness bound only: seconds on an idle machine
+            while True:
                 with contextlib.suppress(httpx.HTTPError):
                     if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
                         break
+                assert procs[0].poll() is None and time.monotonic() < deadline, (
+                    (tmp_path / "coordinator.log").read_text()[-3000:])
                 time.sleep(0.2)
             wenv = {k: v for k, v in env.items() if k not in ("SPARECYCLES_REDIS_URL", "SPARECYCLES_ADMIN_TOKEN")}
             procs.append(subprocess.Popen([sys.executable, "-m", "sparecycles.cli", "worker", "--coordinator", url,
