@@ -99,10 +99,12 @@ def test_prometheus_scrapes_a_live_coordinator(tmp_path):
     from api.server import free_port
     from support.coordinator import running_env
 
-    gen = running_env(tmp_path)
+    # one active worker: sparecycles_workers{state="active"} == 1 until its lease ends (it never heartbeats), longer
+    # than the wait below (the default 30 s lease let a Prometheus slow to start on a loaded machine scrape 0)
+    gen = running_env(tmp_path, lease_seconds=600.0)
     env = next(gen)
     try:
-        env.enroll("scraped")  # one active worker: sparecycles_workers{state="active"} == 1
+        env.enroll("scraped")
         host_port = env.url.removeprefix("http://")
         cfg = tmp_path / "prometheus.yml"
         cfg.write_text(
@@ -116,7 +118,7 @@ def test_prometheus_scrapes_a_live_coordinator(tmp_path):
                                  f"--web.listen-address=127.0.0.1:{port}"],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
-            value, deadline = None, time.monotonic() + 60
+            value, deadline = None, time.monotonic() + 180  # a liveness bound only
             while value is None and time.monotonic() < deadline:
                 time.sleep(1)
                 try:
