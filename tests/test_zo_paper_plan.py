@@ -4,6 +4,7 @@ merging an earlier call's summary (A3w's lr and the drift from an included A1), 
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import typer
@@ -114,9 +115,11 @@ def test_two_calls_merge_into_one_summary(tmp_path):
     assert s1["arms"]["A1"]["iterations"] == 2 and "drift" not in s1 and len(s1["ledgers"]["A1"]) == 2
     assert all(len(sd) == 40 and len(c) == 40 and e == PAPER.eps for sd, c, e in s1["ledgers"]["A1"])
     inc = json.loads((tmp_path / "c1" / "paper_summary.json").read_text())
+    t0 = time.perf_counter()
     s2 = paper_comparison(tmp_path / "c2", lambda dt: _Tiny().to(dt), data,
                           PaperCall(total_s=60.0, arms=("A3w", "A2"), include=inc, iters_cap=1, matmul={"A2": "high"}),
                           set_matmul=calls.append)
+    spent = time.perf_counter() - t0  # at least what the call spent before its first arm (the drift measure included)
     assert calls == ["highest", "high", "highest"]  # A2 high, A3w the default
     assert [r["arm"] for r in s2["table"]] == ["A1", "A2", "A3w"]
     assert s2["arms"]["A1"] == inc["arms"]["A1"]
@@ -124,8 +127,9 @@ def test_two_calls_merge_into_one_summary(tmp_path):
     assert s2["arms"]["A3w"]["lr"] == pytest.approx(PAPER.lr * sum(ws) / len(ws))
     assert s2["drift"]["steps"] == 2 and s2["drift"]["cycles"] == 2 * 40
     assert [c["arms"] for c in s2["meta"]["calls"]] == [["A1"], ["A2", "A3w"]]
-    # the arms run now share the budget: A2 (0.16) and A3w (0.11) of 60 s
-    assert s2["arms"]["A2"]["time_s"] == pytest.approx(60 * 16 / 27, rel=0.05)
+    # the arms run now share the budget: A2 (0.16) and A3w (0.11) of the 60 s less what the call spent before A2
+    # (bracketed by this test's own reading around the call: a loaded machine widens it, never fails it)
+    assert (60 - spent) * 16 / 27 <= s2["arms"]["A2"]["time_s"] <= 60 * 16 / 27
     with pytest.raises(ValueError, match="A3w"):
         paper_comparison(tmp_path / "c3", lambda dt: _Tiny().to(dt), data, PaperCall(total_s=1.0, arms=("A3w",)))
 
