@@ -3,6 +3,8 @@ OpenAI-compatible API and exposes the queue gauges that engine-aware yielding re
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 
@@ -16,7 +18,11 @@ def test_vllm_serves_smollm2_and_exposes_its_queue_gauges(vllm_engine):
         first = client.post("/v1/completions", json=body).json()
         again = client.post("/v1/completions", json=body).json()
         metrics = client.get("/metrics").text
-        load = client.get("/load").json()
+        # vLLM counts a request off /load in a background task run after its response was sent, which this test may
+        # read first: wait for it (a liveness bound only)
+        deadline = time.monotonic() + 60
+        while (load := client.get("/load").json()) != {"server_load": 0} and time.monotonic() < deadline:
+            time.sleep(0.05)
     assert first["usage"]["completion_tokens"] == 4
     assert first["choices"][0]["text"] == again["choices"][0]["text"]  # greedy: the same tokens twice
     assert first["choices"][0]["text"].strip().startswith("Paris")
