@@ -135,7 +135,7 @@ class WorkerOptions(BaseModel):
     sched_idle: bool = _F(False, description="run tasks under Linux's SCHED_IDLE policy (alone or with --nice): a "
                           "task of normal priority that wakes preempts them at once, where nice 19 still lets them "
                           "finish a time slice")
-    log_level: LogLevel = _F("INFO", description="log level (DEBUG, INFO, WARNING)")
+    log_level: LogLevel = _F("INFO", description="log level (DEBUG, INFO, WARNING, ERROR or CRITICAL; any case)")
     serving: ServingPolicy | None = _F(None, json_schema_extra={"switch": False, "options": SERVING_OPTIONS},
                                        description="yielding to a serving engine beside this worker")
     task_trace: Path | None = _F(None, description="append each task's start, end and outcome there (JSON lines; "
