@@ -243,3 +243,19 @@ def test_up_serving_names_its_own_folder_and_a_plain_up_drops_a_stale_serving_js
     summary = run_up(plan, progress=False, export=False, log=lambda m: None)
     assert summary["reused"] == ["adamw", "zocurv-line"] and "serving" not in summary
     assert not (plan.out / "serving.json").exists() and "serving.json" not in summary["disk_mb"]
+
+
+def test_a_folder_of_runs_is_named_with_its_runs_count(tmp_path):
+    """trainer.run_dir.not_a_run_folder: a folder of one run says "1 run" and "export it", of two "2 runs" and
+    "export one of them", each naming the last run's folder; a run folder itself is fine (None)."""
+    from trainer.run_dir import not_a_run_folder
+
+    (tmp_path / "adamw").mkdir()
+    (tmp_path / "adamw" / "config.json").write_text("{}")
+    assert not_a_run_folder(tmp_path) == (f"{tmp_path} holds 1 run (adamw; a `sparecycles up` folder): export it, "
+                                          f"e.g. `sparecycles export {tmp_path / 'adamw'} OUT_DIR`")
+    (tmp_path / "zo").mkdir()
+    (tmp_path / "zo" / "config.json").write_text("{}")
+    assert not_a_run_folder(tmp_path).startswith(f"{tmp_path} holds 2 runs (adamw, zo; a `sparecycles up` folder): "
+                                                 "export one of them, e.g.")
+    assert not_a_run_folder(tmp_path / "zo") is None

@@ -35,7 +35,8 @@ def not_a_run_folder(path: Path) -> str | None:
         return None
     runs = sorted(p.name for p in path.iterdir() if (p / "config.json").is_file())
     if runs:
-        return (f"{path} holds {len(runs)} runs ({', '.join(runs)}; a `sparecycles up` folder): export one of them, "
+        return (f"{path} holds {len(runs)} run{'s' * (len(runs) > 1)} ({', '.join(runs)}; a `sparecycles up` folder): "
+                f"export {'one of them' if len(runs) > 1 else 'it'}, "
                 f"e.g. `sparecycles export {path / runs[-1]} OUT_DIR`")
     return f"{path} is not a run folder (no config.json); pass the folder `sparecycles train` wrote"
 
