@@ -1,21 +1,31 @@
 """Transformers exports (trainer.export): a gpt2-tiny run reloads through AutoModelForCausalLM with the run's
 validation loss bit for bit, the MiniLM classifier through AutoModelForSequenceClassification with the run's
 test accuracy, the GPT-2 tokenizer encodes like the project's tiktoken BPE, SmolLM2's architecture
-(a tiny LlamaForCausalLM) round-trips, and run folders that cannot be exported are clear errors."""
+(a tiny LlamaForCausalLM) round-trips, run folders that cannot be exported are clear errors, and --overwrite replaces
+only an earlier export (never a run, a folder of runs, the current folder, home, ...: refused, nothing deleted)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from trainer.config import TrainConfig
-from trainer.export import ExportError, export_model, export_run, gpt2_tokenizer
+from trainer.export import (
+    ExportError,
+    _write_folder,
+    export_model,
+    export_run,
+    gpt2_tokenizer,
+    out_dir_refusal,
+)
 from trainer.train import train
 
 
@@ -101,6 +111,88 @@ def test_unexportable_run_folders_are_clear_errors(lm_run, tmp_path):
     bad = subprocess.run([*cli, str(no_ckpt), str(tmp_path / "o5")], capture_output=True, text=True,
                          timeout=300)
     assert bad.returncode == 2 and "first checkpoint" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def _files(root):
+    """sha256 of every file under `root` by relative path (links not followed): what a refusal must leave alone."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file() and not p.is_symlink()}
+
+
+def test_overwrite_refuses_every_folder_that_is_not_an_earlier_export(lm_run, tmp_path, monkeypatch):
+    _, res = lm_run
+    runs = tmp_path / "runs"  # a folder of runs, as `sparecycles train` leaves runs/
+    t1, t2 = runs / "t1", runs / "t2"
+    shutil.copytree(res.run_dir, t1)
+    shutil.copytree(res.run_dir, t2)
+    notes = tmp_path / "notes"  # a user's folder
+    notes.mkdir()
+    (notes / "todo.txt").write_text("keep me\n")
+    nested = tmp_path / "nested"  # an export with a folder in it: more than an export
+    shutil.copytree(res.run_dir / "export", nested)
+    (nested / "mine").mkdir()
+    (nested / "mine" / "a.txt").write_text("mine\n")
+    shutil.copytree(res.run_dir / "export", tmp_path / "earlier")
+    link = tmp_path / "link"  # to an earlier export: replacing would put a folder where the user's link was
+    link.symlink_to(tmp_path / "earlier", target_is_directory=True)
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / ".bashrc").write_text("# mine\n")
+    monkeypatch.setenv("HOME", str(home))
+    work = tmp_path / "deep" / "work"  # the current folder, inside one more folder
+    shutil.copytree(res.run_dir / "export", work)  # even an export is not replaced while it is the current folder
+    monkeypatch.chdir(work)
+    before = _files(tmp_path)
+    assert len(before) > 20 and "runs/t2/checkpoint.safetensors" in before
+    refused = [
+        (runs, "OUT_DIR .*/runs holds the run folder .*/t1"),
+        (t1, "is the run folder itself"),
+        (t2, "not an earlier export \\(it holds a run \\(checkpoint.safetensors, metrics.jsonl\\)\\)"),
+        (t1 / "export", "inside the run folder"),
+        (notes, "not an earlier export \\(it has no sparecycles.json, config.json, model.safetensors\\)"),
+        (nested, "it holds folders \\(mine\\)"),
+        (link, "is a link"),
+        (home, "root or your home folder"),
+        (Path("."), "the current folder or one above it"),
+        (tmp_path / "deep", "the current folder or one above it"),
+    ]
+    for out, why in refused:
+        with pytest.raises(FileExistsError, match=why) as got:
+            export_run(t1, out, overwrite=True)
+        assert "nothing was deleted" in str(got.value) or "run folder itself" in str(got.value)
+        assert _files(tmp_path) == before, out
+    assert "root" in out_dir_refusal(Path("/"), overwrite=True)
+    # Without --overwrite the run folder itself is named as such, not met with a hint to pass --overwrite.
+    with pytest.raises(FileExistsError, match="is the run folder itself"):
+        export_run(t1, t1)
+    # The CLI: exit 2, one line naming the reason, no traceback, nothing deleted.
+    cli = [sys.executable, "-m", "sparecycles.cli", "export"]
+    for out, why in [(runs, "holds the run folder"), (t1, "is the run folder itself")]:
+        bad = subprocess.run([*cli, str(t1), str(out), "--overwrite"], capture_output=True, text=True, timeout=300)
+        assert bad.returncode == 2 and why in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
+        assert len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+        assert _files(tmp_path) == before
+
+
+def test_overwrite_replaces_an_earlier_export_whole_and_a_failed_one_leaves_it(lm_run, tmp_path):
+    _, res = lm_run
+    out = tmp_path / "hf"
+    export_run(res.run_dir, out)
+    (out / "stale.txt").write_text("from the earlier export\n")
+    (out / "sparecycles.json").write_text(json.dumps({"step": -1}))
+    export_run(res.run_dir, out, overwrite=True)
+    assert not (out / "stale.txt").exists() and json.loads((out / "sparecycles.json").read_text())["step"] == 4
+    assert load_file(out / "model.safetensors").keys() == load_file(res.run_dir / "export" / "model.safetensors").keys()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no staging folder left beside it
+    before = _files(out)
+
+    def fail(tmp):
+        (tmp / "config.json").write_text("{}")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        _write_folder(out, fail, overwrite=True)
+    assert _files(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
 
 
 def test_tiny_llama_prompt_classifier_exports_its_lm():

@@ -46,7 +46,8 @@ def _help(args: list[str]) -> str:
               "--set KEY=VALUE KEY=VALUE: a training setting of both runs, by the name of its option below",
               "--optimizer-option KEY=VALUE KEY=VALUE: a knob of the fleet-probed run's optimizer"]),
     (["export"], ["--partial / --no-partial Export the checkpoint of an unfinished (interrupted) run. [default: off]",
-                  "--overwrite / --no-overwrite Replace a non-empty OUT_DIR. [default: off]", "--best / --no-best"]),
+                  "--overwrite / --no-overwrite Replace an earlier export in OUT_DIR (never a run or any other folder). "
+                  "[default: off]", "--best / --no-best"]),
     (["coordinator"], ["--host TEXT Interface to bind (0.0.0.0 in containers). [default: 127.0.0.1]",
                        "--port INTEGER TCP port. Bound: 1<=x<=65,535. [default: 8787]",
                        "--log-level [critical|error|warning|info|debug|trace]", "[default: info]",

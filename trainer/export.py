@@ -86,26 +86,111 @@ def gpt2_tokenizer(model_max_length: int = 1024):
                              unk_token=eot, model_max_length=model_max_length)
 
 
-def _write_folder(out_dir: Path, write, overwrite: bool) -> Path:
-    """Run write(tmp) in a fresh sibling folder, then move it to `out_dir` (readers never see half a folder).
+EXPORT_INFO = "sparecycles.json"  # every export writes it (export_model); a run folder never does
+_RUN_FILES = (CHECKPOINT_NAME, "metrics.jsonl")  # trainer.run_dir: what makes a folder a run's
 
-    Raises FileExistsError when `out_dir` exists and is not empty and `overwrite` is False.
+
+def _is_within(path: Path, folder: Path) -> bool:
+    """`path` is `folder` or inside it (both resolved)."""
+    return path == folder or folder in path.parents
+
+
+def not_an_export(folder: Path) -> str | None:
+    """Why `folder` is not an export this module wrote (None when it is): an export holds `sparecycles.json`,
+    `config.json` and the weights (`model.safetensors`, or its `.index.json` when sharded), no run files
+    (checkpoint.safetensors, metrics.jsonl) and no subfolders (save_pretrained writes a flat folder, so a folder
+    with folders in it holds more than an export)."""
+    names = {p.name for p in folder.iterdir()}
+    run_files = sorted(names & set(_RUN_FILES))
+    if run_files:
+        return f"it holds a run ({', '.join(run_files)})"
+    missing = [n for n in (EXPORT_INFO, "config.json") if n not in names]
+    if not names & {"model.safetensors", "model.safetensors.index.json"}:
+        missing.append("model.safetensors")
+    if missing:
+        return f"it has no {', '.join(missing)}"
+    subfolders = sorted(p.name for p in folder.iterdir() if p.is_dir())
+    if subfolders:
+        return f"it holds folders ({', '.join(subfolders[:3])}), which an export never does"
+    return None
+
+
+def out_dir_refusal(out_dir: Path, *, overwrite: bool, run_dir: Path | None = None) -> str | None:
+    """Why an export may not be written to `out_dir` (None when it may), one line fit for a user. Nothing is
+    touched; `export_run` asks before building the model, `_write_folder` again before it writes.
+
+    A missing or empty `out_dir` is fine. A non-empty one needs `overwrite`, and `overwrite` replaces only an
+    earlier export (`not_an_export`): never the run folder `run_dir`, a folder holding it or inside it, the current
+    folder or one above it, the filesystem root or the home folder (or one above it), nor a link.
+    """
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        return f"{out} exists and is not a folder; pass another output folder"
+    here, target = Path.cwd().resolve(), out.resolve()
+    if run_dir is not None:
+        run = Path(run_dir).resolve()
+        if target == run:
+            return (f"OUT_DIR {out} is the run folder itself; export to a new folder, e.g. "
+                    f"`sparecycles export {run_dir} {Path(run_dir).name}-hf`")
+        if run in target.parents:
+            if out.is_dir() and any(out.iterdir()):
+                return (f"OUT_DIR {out} is a non-empty folder inside the run folder {run_dir}; nothing was "
+                        "deleted; export to a new folder outside it")
+        elif _is_within(run, target):
+            return (f"OUT_DIR {out} holds the run folder {run_dir}; nothing was deleted; export to a new folder, "
+                    f"e.g. `sparecycles export {run_dir} {Path(run_dir).name}-hf`")
+    if not out.is_dir() or not any(out.iterdir()):
+        return None
+    if not overwrite:
+        return (f"{out} is not empty; pass another output folder, or --overwrite to replace an earlier export "
+                "there")
+    home = Path.home().resolve()
+    if target == Path(target.anchor) or _is_within(home, target):
+        return f"--overwrite refused: {out} is the filesystem root or your home folder; nothing was deleted"
+    if _is_within(here, target):
+        return (f"--overwrite refused: {out} is the current folder or one above it; nothing was deleted; pass "
+                "a new output folder")
+    if out.is_symlink():
+        return f"--overwrite refused: {out} is a link; nothing was deleted; pass the folder it points to"
+    why = not_an_export(out)
+    if why is not None:
+        return (f"--overwrite refused: {out} is not an earlier export ({why}); --overwrite replaces only a "
+                "folder `sparecycles export` wrote; nothing was deleted; pass a new or empty output folder")
+    return None
+
+
+def _write_folder(out_dir: Path, write, overwrite: bool) -> Path:
+    """Run write(tmp) in a fresh sibling folder, then swap it in for `out_dir` (readers never see half a folder).
+
+    An earlier export at `out_dir` is renamed aside, the new one renamed in, then the old one removed: a failed
+    write, or a failed rename, leaves the earlier export as it was.
+
+    Raises FileExistsError (`out_dir_refusal`'s line) when `out_dir` may not be written; nothing is touched.
     """
     out_dir = Path(out_dir)
-    if out_dir.exists() and not out_dir.is_dir():
-        raise FileExistsError(f"{out_dir} exists and is not a folder")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
-        raise FileExistsError(f"{out_dir} is not empty; pass --overwrite or another output folder")
+    why = out_dir_refusal(out_dir, overwrite=overwrite)
+    if why is not None:
+        raise FileExistsError(why)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}-"))
+    old: Path | None = None
     try:
         write(tmp)
         tmp.chmod(0o755)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.rename(tmp, out_dir)
+        if out_dir.exists():  # an earlier export (or an empty folder): set aside until the new one is in place
+            old = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}-old-"))
+            os.replace(out_dir, old)  # replaces the empty placeholder mkdtemp made
+        try:
+            os.rename(tmp, out_dir)
+        except OSError:
+            if old is not None:
+                os.replace(old, out_dir)
+                old = None
+            raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
     return out_dir
 
 
@@ -119,11 +204,11 @@ def export_model(model: torch.nn.Module, out_dir: Path, *, tokenizer, info: dict
             (its LM is exported; template and label words go to sparecycles.json). Saved in its own dtype.
         tokenizer: the tokenizer to save beside it (any transformers tokenizer).
         info: JSON-serialisable provenance written to `sparecycles.json`.
-        overwrite: replace a non-empty `out_dir`.
+        overwrite: replace a non-empty `out_dir` that holds an earlier export (`out_dir_refusal`).
 
     Raises:
         TypeError: `model` is neither a PreTrainedModel nor a PromptClassifier.
-        FileExistsError: `out_dir` is not empty and `overwrite` is False.
+        FileExistsError: `out_dir` may not be written (`out_dir_refusal`); nothing is deleted.
     """
     from transformers import GenerationConfig, PreTrainedModel
 
@@ -147,7 +232,7 @@ def export_model(model: torch.nn.Module, out_dir: Path, *, tokenizer, info: dict
     def write(tmp: Path) -> None:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        (tmp / "sparecycles.json").write_text(json.dumps(info, indent=2))
+        (tmp / EXPORT_INFO).write_text(json.dumps(info, indent=2))
 
     return _write_folder(out_dir, write, overwrite)
 
@@ -290,7 +375,7 @@ def export_run(run_dir: Path, out_dir: Path, *, partial: bool = False, overwrite
 
     Args:
         run_dir: a folder `sparecycles train` (or `sparecycles up`) wrote.
-        out_dir: destination (created; must be empty unless `overwrite`).
+        out_dir: destination (created; must be empty, or with `overwrite` an earlier export: `out_dir_refusal`).
         partial: export the checkpoint of an unfinished (interrupted) run instead of refusing.
         best: export the served anytime model (`served.safetensors`, trainer.anytime.serve: the candidate
             chosen at the last evaluation) instead of the trained weights; `sparecycles.json` gets "served"
@@ -299,9 +384,13 @@ def export_run(run_dir: Path, out_dir: Path, *, partial: bool = False, overwrite
     Raises:
         ExportError: no run folder, no config.json, no or unreadable checkpoint, an unfinished run without
             `partial`, an unknown task/model, or a checkpoint that does not fit the model.
-        FileExistsError: `out_dir` is not empty and `overwrite` is False.
+        FileExistsError: `out_dir` may not be written (`out_dir_refusal`: not empty without `overwrite`, or
+            `overwrite` on a folder that is not an earlier export, the run folder, ...); nothing is deleted.
     """
     cfg_json, step, finished = run_status(run_dir)
+    why = out_dir_refusal(out_dir, overwrite=overwrite, run_dir=run_dir)  # before the model is built
+    if why is not None:
+        raise FileExistsError(why)
     if finished is None and not partial:
         raise ExportError(f"{run_dir} has not finished: its checkpoint is at step {step} and summary.json "
                           "names no finished run at that step; finish it with "
@@ -317,8 +406,8 @@ def export_run(run_dir: Path, out_dir: Path, *, partial: bool = False, overwrite
             meta = json.loads(f.metadata()["sparecycles"])
         model.eval()
         out = export_trained(model, cfg_json, out_dir, step=int(meta["step"]), run_dir=None, overwrite=overwrite)
-        info = json.loads((out / "sparecycles.json").read_text())
-        (out / "sparecycles.json").write_text(json.dumps({**info, "run_dir": str(run_dir), "served": meta}, indent=2))
+        info = json.loads((out / EXPORT_INFO).read_text())
+        (out / EXPORT_INFO).write_text(json.dumps({**info, "run_dir": str(run_dir), "served": meta}, indent=2))
         return out
     _load_model_tensors(Path(run_dir) / CHECKPOINT_NAME, model)
     model.eval()

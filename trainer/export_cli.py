@@ -17,7 +17,7 @@ class ExportOptions(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     partial: bool = Field(False, description="Export the checkpoint of an unfinished (interrupted) run")
-    overwrite: bool = Field(False, description="Replace a non-empty OUT_DIR")
+    overwrite: bool = Field(False, description="Replace an earlier export in OUT_DIR (never a run or any other folder)")
     best: bool = Field(False, description="Export the served anytime model (RUN_DIR/served.safetensors, a run "
                        "trained with --anytime) instead of the trained weights")
 
