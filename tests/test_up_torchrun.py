@@ -131,12 +131,14 @@ def test_ctrl_c_stops_the_ranks_and_every_service(tmp_path):
         while time.monotonic() < deadline and not (metrics.is_file() and '"loss"' in metrics.read_text()):
             assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
             time.sleep(0.5)
-        ranks = [c for c in processes_of(run_dir) if "train --config" in c and "torch.distributed.run" not in c]
+        ranks = [c for c in processes_of(run_dir) if "train --config" in c and "trainer.torchrun_agent" not in c]
         assert len(ranks) == 2, processes_of(run_dir)
     finally:
         proc.send_signal(signal.SIGINT)  # also on failure: never leave a fleet behind
         out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 130, out.decode()[-3000:]
+    # torchrun's agent (trainer.torchrun_agent) says it stopped in one line: no SignalException traceback
+    assert "torchrun: stopped by SIGTERM" in out.decode() and "Traceback" not in out.decode(), out.decode()[-3000:]
     assert processes_of(run_dir) == []
     assert (run_dir / "adamw" / "checkpoint.dcp" / "sparecycles.json").is_file()  # the ranks' collective save
     again = plan_up(run_dir=run_dir, steps=500, batch_size=8, seq_len=32, workers=1, nproc_per_node=2)

@@ -70,9 +70,10 @@ def launch_backend(nproc: int, device: str | None) -> str:
 
 def launch_torchrun(nproc: int, args: list[str], *, env: dict[str, str] | None = None,
                     preexec_fn: Callable[[], None] | None = None, stop_grace_s: float = 120.0) -> int:
-    """Run `sparecycles ARGS` under torchrun (`python -m torch.distributed.run --standalone`) with `nproc`
-    processes on this machine and return its exit status: the one launcher of `train --nproc-per-node` and
-    `up --nproc-per-node`. `env`: the ranks' environment (default: this one; PYTHONFAULTHANDLER=1 added, so a rank killed by a fatal signal
+    """Run `sparecycles ARGS` under torchrun (`python -m trainer.torchrun_agent --standalone`: torchrun's agent,
+    whose stop by signal is one line, not a traceback) with `nproc` processes on this machine and return its exit
+    status: the one launcher of `train --nproc-per-node` and `up --nproc-per-node`. `env`: the ranks' environment
+    (default: this one; PYTHONFAULTHANDLER=1 added, so a rank killed by a fatal signal
     prints its Python stack); `preexec_fn`: runs in torchrun's
     process before it starts (`up`: die with its parent).
 
@@ -93,7 +94,7 @@ def launch_torchrun(nproc: int, args: list[str], *, env: dict[str, str] | None =
         note_stop(signum)  # the exit status of the command that stops (trainer.console.stop_status)
         raise KeyboardInterrupt
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+    cmd = [sys.executable, "-m", "trainer.torchrun_agent", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "sparecycles.cli", *args]
     # A rank that dies in native code (a SIGABRT from a C++ terminate) prints its Python stack: the one clue to why.
     env = {**(os.environ if env is None else env), "PYTHONFAULTHANDLER": "1"}
