@@ -193,7 +193,8 @@ def _run_configs(preset: str, over: dict[str, Any], optimizer: str, optimizer_op
 
 def _folder(opts: UpOptions, zo_cfg: Any, default: Any, optimizer_options: dict | None) -> Path:
     """`up`'s run folder: --run-dir, else runs/up-<preset>-<optimizer> and a tag per setting that differs from the
-    preset's, and -serving-<engine> with --serving (plan_up). Raises ValueError for a --run-dir that is a file."""
+    preset's, and -serving-<engine> with --serving (plan_up). Raises ValueError for a --run-dir that is a file or a
+    `train` run folder (its summary.json would be replaced, or deleted by --overwrite)."""
     from trainer.paths import runs_dir
 
     tags = [f"{tag}{getattr(zo_cfg, f)}" for f, tag in _NAME_TAGS.items() if getattr(zo_cfg, f) != getattr(default, f)]
@@ -212,6 +213,9 @@ def _folder(opts: UpOptions, zo_cfg: Any, default: Any, optimizer_options: dict 
     out = (Path(opts.run_dir) if opts.run_dir else runs_dir() / name).resolve()
     if out.exists() and not out.is_dir():
         raise ValueError(f"--run-dir {out} exists and is not a folder")
+    if (out / "config.json").is_file():  # up writes summary.json (and with --overwrite clears it) at its top
+        raise ValueError(f"--run-dir {out} is a `sparecycles train` run folder (it holds config.json), not an `up` "
+                         "folder; nothing was changed. Pass another --run-dir")
     return out
 
 

@@ -259,3 +259,17 @@ def test_a_folder_of_runs_is_named_with_its_runs_count(tmp_path):
     assert not_a_run_folder(tmp_path).startswith(f"{tmp_path} holds 2 runs (adamw, zo; a `sparecycles up` folder): "
                                                  "export one of them, e.g.")
     assert not_a_run_folder(tmp_path / "zo") is None
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_up_refuses_a_train_run_folder_and_leaves_it_as_it_was(tmp_path, overwrite):
+    """`up --run-dir` naming a `train` run folder (config.json at its top) is refused before anything is written:
+    `up` writes its own summary.json there, and --overwrite would delete the run's (sparecycles.up_plan._folder)."""
+    run = tmp_path / "t1"
+    run.mkdir()
+    files = {"config.json": '{"optimizer": "adamw"}', "summary.json": '{"final_val_loss": 7.3}', "curves.png": "png"}
+    for name, text in files.items():
+        (run / name).write_text(text)
+    with pytest.raises(ValueError, match=r"is a `sparecycles train` run folder .*nothing was changed"):
+        plan_up(run_dir=run, steps=5, overwrite=overwrite)
+    assert {p.name: p.read_text() for p in run.iterdir()} == files
