@@ -107,3 +107,82 @@ def test_cli_names_resume_for_a_steps_change_and_prints_the_line(tmp_path):
     assert ("resuming after step 2 with --steps 4: lr 1.00e-05 -> 7.53e-04, the cosine decay built for 2 steps is "
             "re-planned over 4 (--steps 2 keeps the old schedule)\n") in resumed.stderr
     assert json.loads((run / "config.json").read_text())["steps"] == 4
+
+
+def test_no_note_when_the_next_steps_lr_is_the_same_under_both_plans(tmp_path):
+    """Inside warmup the lr does not depend on the total: a resume there says nothing (it printed "lr x -> x")."""
+    cfg = _cfg(tmp_path, steps=8, warmup_steps=3)
+    assert lr_at(1, lr=LR, min_lr=MIN_LR, warmup_steps=3, total_steps=4) == lr_at(
+        1, lr=LR, min_lr=MIN_LR, warmup_steps=3, total_steps=8) == 2 * LR / 3
+    assert replan_note(cfg, planned_steps=4, at_step=1) is None
+    assert replan_note(cfg, planned_steps=4, at_step=3) is None  # warmup's end: lr under both plans
+    assert "lr 1.00e-05 -> 9.05e-04" in replan_note(cfg, planned_steps=4, at_step=4)  # past it the plans part
+
+
+def test_a_resume_with_no_step_left_ends_on_the_evaluation_an_uninterrupted_run_writes(tmp_path, fail_at_step):
+    """Interrupted after 4 steps of 8, resumed with --steps 4 (what the refusal of fewer steps suggests): the loop
+    runs nothing, and the run must still end on an evaluation of its weights; it reported step 0's val loss as the
+    final one. A constant lr (min_lr = lr, no warmup) makes both plans train the same weights, so the summary is
+    compared with an uninterrupted 4-step run's, to the bit."""
+    from trainer import train as train_mod
+
+    const = dict(min_lr=LR, warmup_steps=0, eval_every=3, checkpoint_every=8)  # no evaluation at step 4 of 8
+    whole = train(_cfg(tmp_path / "whole", steps=4, **const), progress=False, export=False)
+    undo = fail_at_step(train_mod.AdamWMode, 4)
+    with pytest.raises(KeyboardInterrupt):
+        train(_cfg(tmp_path / "cut", steps=8, **const), progress=False, export=False)
+    undo()
+    vals_at = lambda d: {r["step"]: r["val_loss"] for r in map(json.loads, (d / "metrics.jsonl").read_text()  # noqa: E731
+                                                               .splitlines()) if "val_loss" in r}
+    assert sorted(vals_at(tmp_path / "cut")) == [0, 3]  # interrupted before any evaluation of step 4
+    part = train(_cfg(tmp_path / "cut", steps=4, **const), resume=True, progress=False, export=False)
+    assert whole.final_val_loss < whole.initial_val_loss - 0.01  # the weights learned: step 0's loss is not final
+    assert (part.initial_val_loss, part.final_val_loss) == (whole.initial_val_loss, whole.final_val_loss)
+    keys = ("steps", "initial_val_loss", "final_val_loss", "tokens")
+    assert {k: part.summary[k] for k in keys} == {k: whole.summary[k] for k in keys}
+    assert part.summary["resumed_from_step"] == 4
+    assert vals_at(tmp_path / "cut") == vals_at(tmp_path / "whole")  # step 4's evaluation logged, once
+    assert folder_state(tmp_path / "cut", _cfg(tmp_path / "cut", steps=4, **const)).kind == "done"
+
+
+def test_cli_resume_keeps_a_derived_warmup_and_changes_nothing_on_a_finished_run(tmp_path):
+    """--warmup-steps left unset is derived from --steps (a 10-step gpt2-tiny run gets 1, 20 steps get 2): a
+    --resume to 20 keeps the run's 1 (it was refused: fields ['warmup_steps']); a --resume of the finished run
+    changes nothing; --resume with --overwrite is refused; an explicit other --warmup-steps is refused naming the
+    recorded one."""
+    run = tmp_path / "cli"
+
+    def cli(steps: int, *extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "sparecycles.cli", "train", "--preset", "gpt2-tiny", "--steps",
+                               str(steps), "--batch-size", "2", "--seq-len", "16", "--lr", "1e-3", "--eval-every", "5",
+                               "--eval-batches", "1", "--no-progress", "--no-export", "--run-dir", str(run), *extra],
+                              capture_output=True, text=True, timeout=600)
+
+    first = cli(10)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert json.loads((run / "config.json").read_text())["warmup_steps"] == 1
+    refused = cli(20)
+    assert refused.returncode == 2
+    assert ("(steps: 10 -> 20; warmup_steps: 1 -> 2); pass --resume to continue it to the new --steps (its lr decay "
+            "re-planned, its warmup kept)") in refused.stderr
+    both = cli(20, "--resume", "--overwrite")
+    assert both.returncode == 2 and both.stderr.strip().splitlines() == [
+        "error: --resume continues the run in the folder and --overwrite starts it afresh: give one of them"]
+    explicit = cli(20, "--resume", "--warmup-steps", "2")
+    assert explicit.returncode == 2 and "(recorded -> given: warmup_steps: 1 -> 2)" in explicit.stderr
+    resumed = cli(20, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    recorded = json.loads((run / "config.json").read_text())
+    assert (recorded["warmup_steps"], recorded["steps"]) == (1, 20)
+    lrs = {r["step"]: r["lr"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "lr" in r}
+    kw = dict(lr=1e-3, min_lr=1e-5, warmup_steps=1)
+    assert lrs == {**{s + 1: lr_at(s, total_steps=10, **kw) for s in range(10)},
+                   **{s + 1: lr_at(s, total_steps=20, **kw) for s in range(10, 20)}}
+    summary = (run / "summary.json").read_bytes()
+    assert json.loads(summary)["steps"] == 20
+    again = cli(20, "--resume")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stderr.strip().splitlines() == [
+        f"{run} already holds this run, finished at --steps 20: nothing to resume, nothing changed (a larger --steps "
+        "extends it)"]
+    assert (run / "summary.json").read_bytes() == summary

@@ -147,14 +147,17 @@ def _report(result: Any, warning: str | None, require_fleet: bool = False) -> No
             raise typer.Exit(1)
 
 
-def _refuse_or_reuse(folder: Path, state: Any, is_main: bool) -> None:
+def _refuse_or_reuse(folder: Path, state: Any, is_main: bool, resumable: bool = False) -> None:
     """A folder already holding a run without --resume or --overwrite: one with other settings is refused
-    (typer.Exit(2), naming the differences, and --resume where only --steps differs); this run, finished, is
-    reused (rank 0 prints its summary)."""
+    (typer.Exit(2), naming the differences, and --resume where `resumable`: a --resume would continue it, only
+    --steps and what follows from it differ, trainer.train_cli._as_resumed); this run, finished, is reused (rank 0
+    prints its summary)."""
     if state.kind == "other":
-        extend = all(d.startswith("steps: ") for d in state.diffs)  # trainer.preflight.differences' lines
+        extend = resumable and any(d.startswith("steps: ") for d in state.diffs)  # preflight.differences' lines
         typer.secho(f"error: {folder} holds a run with other settings ({'; '.join(state.diffs)}); pass "
-                    + ("--resume to continue it to the new --steps (its lr decay re-planned), " if extend else "")
+                    + ("--resume to continue it to the new --steps (its lr decay re-planned"
+                       + (", its warmup kept" if any(d.startswith("warmup_steps: ") for d in state.diffs) else "")
+                       + "), " if extend else "")
                     + "--overwrite to replace it, or another --run-dir", fg=typer.colors.RED, err=True)
         raise typer.Exit(2)
     if is_main:

@@ -231,21 +231,28 @@ def replan_note(cfg: TrainConfig, *, planned_steps: int | None, at_step: int) ->
     under both plans (`lr_at`; past its end the old plan's lr is min_lr, or 0 for linear) and the
     --steps that keeps the old one. The trainer has no schedule meant for extension (no constant stage), so the
     re-planned decay is the only way to extend a run. None when nothing changes: `planned_steps` None (a fresh run,
-    or a folder from before steps were recorded) or equal to `cfg.steps`, or no step left to run."""
+    or a folder from before steps were recorded) or equal to `cfg.steps`, no step left to run, or the next step's lr
+    the same under both plans (a resume inside warmup: the line would read "lr x -> x")."""
     if planned_steps is None or planned_steps == cfg.steps or at_step >= cfg.steps:
         return None
     kw = dict(lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, schedule=cfg.schedule)
     before = lr_at(at_step, total_steps=planned_steps, **kw)
     after = lr_at(at_step, total_steps=cfg.steps, **kw)
+    if before == after:
+        return None
     return (f"resuming after step {at_step} with --steps {cfg.steps}: lr {before:.2e} -> {after:.2e}, the "
             f"{cfg.schedule} decay built for {planned_steps} steps is re-planned over {cfg.steps} (--steps "
             f"{planned_steps} keeps the old schedule)")
 
 
-def resolve_preset(preset: str, overrides: dict) -> TrainConfig:
+def resolve_preset(preset: str, overrides: dict, *, recorded_warmup: int | None = None) -> TrainConfig:
     """Build a TrainConfig from a run preset name (e.g. "demo") or a model preset name plus overrides.
 
-    Overrides whose value is None are ignored (CLI options left unset).
+    Overrides whose value is None are ignored (CLI options left unset): a setting is the user's when it is among
+    `overrides` with a value, the one rule every derived default below follows. `warmup_steps` the user did not
+    set is derived from --steps (a preset's scales down with a shorter run), or with `recorded_warmup` (a
+    --resume: the warmup the run's config.json records) is that one: the run keeps the warmup it started with
+    when --steps changes, where the derived one would move with it and make the resume another run.
     Raises ValueError if `preset` is neither a run preset nor a model preset (`--task sentiment` ignores the
     model, so a typo would otherwise run silently with the LM defaults).
     """
@@ -269,4 +276,6 @@ def resolve_preset(preset: str, overrides: dict) -> TrainConfig:
     warmup = base.get("warmup_steps", default["warmup_steps"].default)
     if "warmup_steps" not in given and warmup >= base.get("steps", default["steps"].default):
         base["warmup_steps"] = base["steps"] // 10
+    if "warmup_steps" not in given and recorded_warmup is not None:
+        base["warmup_steps"] = recorded_warmup
     return TrainConfig(**base)

@@ -19,7 +19,7 @@ from typing import Any
 
 from trainer.config import TrainConfig, recorded_run
 from trainer.paths import runs_dir
-from trainer.preflight import run_settings
+from trainer.preflight import differences, run_settings
 from trainer.report import read_metrics
 
 CHECKPOINT_NAME = "checkpoint.safetensors"
@@ -98,9 +98,9 @@ class RunDir:
             old = recorded_run(json.loads(run.config.read_text()))
             run.planned_steps = old.pop("steps", None)  # may differ: the run is extended (or shortened)
             ours.pop("steps")
-            if old != ours:
-                diff = sorted(k for k in set(old) | set(ours) if old.get(k) != ours.get(k))
-                raise ValueError(f"--resume with a different config than {run.config} (fields: {diff})")
+            if old != ours:  # each field with its recorded value and this invocation's
+                raise ValueError(f"--resume with a different config than {run.config} (recorded -> given: "
+                                 f"{'; '.join(differences(old, ours))})")
             if run.planned_steps is not None:
                 ours["steps"] = run.planned_steps
         run.config.write_text(json.dumps(ours, indent=2))

@@ -82,7 +82,7 @@ class RunOptions(BaseModel):
     kd_cache: Path | None = _F(None, description="with --teacher: read each step's targets from this target cache "
                                "(`sparecycles kd fill`) instead of a teacher")
     resume: bool = _F(False, description="continue from the run folder's checkpoint (another --steps re-plans "
-                       "the lr decay and says how)")
+                       "the lr decay and says how; a --warmup-steps left unset keeps the run's)")
     overwrite: bool = _F(False, description="start afresh in a run folder that already holds a run with other "
                          "settings")
     export: bool = _F(True, description="at the end, export the model as a transformers folder RUN_DIR/export")
@@ -101,6 +101,13 @@ class RunOptions(BaseModel):
         if self.eval_on == "fleet" and (self.nproc_per_node or 1) > 1:
             raise ValueError(f"--eval-on fleet: a trainer of {self.nproc_per_node} ranks evaluates on its ranks (their "
                              "forward is collective); drop --eval-on fleet or --nproc-per-node")
+        return self
+
+    @model_validator(mode="after")
+    def _resume_or_overwrite(self) -> RunOptions:
+        if self.resume and self.overwrite:  # continue the folder's run, or start afresh: not both
+            raise ValueError("--resume continues the run in the folder and --overwrite starts it afresh: give one "
+                             "of them")
         return self
 
     @model_validator(mode="after")

@@ -6,6 +6,7 @@
     3. position     --resume: Checkpointer.restore (a --steps below its step is refused; another --steps than
                     config.json records re-plans the lr decay: one console line says how, replan_note, and
                     config.json records the new one) and cut metrics.jsonl back to the checkpoint; else start at 0
+                    (a checkpoint already at --steps: the loop runs nothing but still ends on the final evaluation)
     4. evaluate     step 0 on the held-out split (kept from the first invocation on resume)
     5. loop         per step: lr schedule -> mode.step -> log -> evaluate every `eval_every` (the Evaluator:
                     on the trainer, or handed to a fleet whose records arrive later and are logged at their own
@@ -229,6 +230,21 @@ def _initial_evaluation(s: _Setup, book: _RunLog, ledger: TimeLedger, dist: Dist
         book.vals[0] = kept
 
 
+def _final_evaluation(s: _Setup, book: _RunLog, ledger: TimeLedger, dist: DistContext, done: int) -> None:
+    """The evaluation that ends a run, for a resume whose checkpoint is already at --steps (the loop runs no step):
+    the record the interrupted run logged at that step when it has one (kept, as step 0's is), else an evaluation
+    of the restored weights, logged as the loop's last step would have (with the anytime model's figures). Without
+    it the summary reported step 0's val loss as the final one."""
+    kept = dist.broadcast_object(next((r for r in s.history if r["step"] == done and "val_loss" in r), None))
+    if kept is not None:
+        book.vals[done] = kept
+        return
+    with ledger.phase("eval"):
+        got = s.evaluator.request(done, s.model) + s.evaluator.finish()
+        served = s.anytime.evaluate(done, s.model, s.task.evaluate) if s.anytime is not None else None
+    book.log_vals(got, done, served)
+
+
 def _step_loop(cfg: TrainConfig, s: _Setup, book: _RunLog, ledger: TimeLedger, dist: DistContext,
                status: Callable[[], str] | None) -> float:
     """Step 5: the optimizer steps from `s.start` to `cfg.steps` (log, evaluate, checkpoint); returns the loop's
@@ -242,6 +258,8 @@ def _step_loop(cfg: TrainConfig, s: _Setup, book: _RunLog, ledger: TimeLedger, d
             deferred_interrupt() as interrupted:
         failed = True
         try:
+            if done == cfg.steps:  # a resume with no step left (--steps = the checkpoint's step): the run still ends
+                _final_evaluation(s, book, ledger, dist, done)  # on an evaluation of its weights, as it would have
             for step in range(s.start, cfg.steps):
                 lr = lr_at(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps,
                            schedule=cfg.schedule)

@@ -78,7 +78,8 @@ def train_command(hooks: FleetHooks) -> Callable[..., None]:
         o = build(TrainCommandOptions, own)
         opts = run_options(run, coordinator=o.coordinator, fleet_sync=o.fleet_sync)
         cfg = _resolve_checked(o.preset, settings, opts, o.coordinator, o.config)
-        _train(cfg, opts, o.coordinator, hooks)
+        resumed = cfg if o.config else _as_resumed(cfg, o.preset, settings)
+        _train(resumed if opts.resume else cfg, opts, o.coordinator, hooks, resumed=resumed)
 
     return train
 
@@ -99,8 +100,33 @@ def run_options(given: dict[str, Any], *, coordinator: str | None, fleet_sync: b
         raise typer.BadParameter(explain(exc)) from None
 
 
-def _train(cfg: Any, opts: RunOptions, coordinator: str | None, hooks: FleetHooks) -> None:
-    """`train` once every option is checked: torchrun, the folder, the fleet, the run, the report."""
+def _as_resumed(cfg: Any, preset: str, overrides: dict[str, Any]) -> Any:
+    """`cfg` as a --resume of the run in its folder trains it: a --warmup-steps the user did not set is the one the
+    folder's config.json records (trainer.config.resolve_preset's `recorded_warmup`), not the one derived from this
+    --steps, so lengthening a run whose warmup was derived is the same run. `cfg` itself when the folder records
+    none or the recorded warmup does not fit this --steps (the resume is then refused naming both values)."""
+    import json
+
+    from trainer.config import resolve_preset
+    from trainer.run_dir import default_run_dir
+
+    try:
+        recorded = json.loads(((cfg.run_dir or default_run_dir(cfg)) / "config.json").read_text()).get("warmup_steps")
+    except (OSError, ValueError, AttributeError):  # no folder yet, or not a run's config.json
+        return cfg
+    if not isinstance(recorded, int) or recorded == cfg.warmup_steps:
+        return cfg
+    try:
+        return resolve_preset(preset, overrides, recorded_warmup=recorded)
+    except ValueError:  # e.g. the recorded warmup reaches past a shortened --steps
+        return cfg
+
+
+def _train(cfg: Any, opts: RunOptions, coordinator: str | None, hooks: FleetHooks, resumed: Any = None) -> None:
+    """`train` once every option is checked: torchrun, the folder, the fleet, the run, the report. `resumed`: `cfg`
+    as --resume would train it (`_as_resumed`), for the refusal of another --steps without --resume (it names
+    --resume when that resume would be accepted). A --resume of this run, finished with this --steps, changes
+    nothing: one line, exit 0 (it used to rewrite summary.json)."""
     from trainer.preflight import folder_state, no_probe_round_warning
     from trainer.run_dir import default_run_dir
 
@@ -116,7 +142,13 @@ def _train(cfg: Any, opts: RunOptions, coordinator: str | None, hooks: FleetHook
     fleet_wait = (opts.fleet_wait or "never") if coordinator else None  # None: probes in process
     state = folder_state(folder, cfg, fleet_wait)
     if not opts.resume and not opts.overwrite and state.kind in ("done", "other"):
-        return _refuse_or_reuse(folder, state, dist.is_main)
+        extend = folder_state(folder, resumed or cfg, fleet_wait).diffs if state.kind == "other" else ()
+        return _refuse_or_reuse(folder, state, dist.is_main, resumable=all(d.startswith("steps: ") for d in extend))
+    if opts.resume and state.kind == "done":  # its summary is this run's final one: nothing to train or rewrite
+        if dist.is_main:
+            typer.echo(f"{folder} already holds this run, finished at --steps {cfg.steps}: nothing to resume, "
+                       "nothing changed (a larger --steps extends it)", err=True)
+        return None
     warning = no_probe_round_warning(cfg, fleet_wait)
     if warning and dist.is_main:
         typer.secho(f"warning: {warning}", fg=typer.colors.YELLOW, err=True)
