@@ -200,13 +200,14 @@ class Watcher:
             self.trace.event("freeze", wall)
 
     def thaw(self) -> None:
-        """Continue the worker if it is stopped (idempotent)."""
+        """Continue the worker if it is stopped (idempotent). The trace line is written first: whoever sees the worker
+        running again (it reads its trace, `bench serving`, a test) finds the thaw already there."""
         if self.since is None:
             return
-        self.send(self.orders.pid, signal.SIGCONT)
-        self.since = None
         if self.trace is not None:
             self.trace.event("thaw", time.time())
+        self.send(self.orders.pid, signal.SIGCONT)
+        self.since = None
 
     def run(self) -> None:
         """Read the engine every interval while the worker runs a task or is stopped, until the worker is gone; continue
