@@ -7,6 +7,9 @@ values given. Imports only typer and pydantic at module top.
 
 from __future__ import annotations
 
+import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Annotated, Any, Literal
 
 import typer
@@ -82,5 +85,32 @@ def coordinator(given: dict[str, Any]) -> None:
             raise typer.Exit(
                 serve_processes("api.app:app_from_env", host=o.host, port=o.port, workers=o.workers, **options)
             )
-        uvicorn.run("api.app:app_from_env", host=o.host, port=o.port, workers=o.workers, **options)
+        with _stop_status() as stopped:
+            uvicorn.run("api.app:app_from_env", host=o.host, port=o.port, workers=o.workers, **options)
+        if stopped:
+            raise typer.Exit(128 + stopped[0])
+
+
+@contextmanager
+def _stop_status() -> Iterator[list[int]]:
+    """Note the signal (SIGINT or SIGTERM) that stops the server in the yielded list, for exit status 128 + it (130
+    after Ctrl-C, 143 after SIGTERM, as `train`, `up` and `fleet` end). uvicorn installs its own handlers while it
+    serves and, once shut down, restores these and raises the signal again: the handler then notes it and raises
+    KeyboardInterrupt, caught here (before uvicorn serves, the same stops start-up at once). The previous handlers
+    come back on exit."""
+    stopped: list[int] = []
+
+    def stop(signum: int, frame: object) -> None:
+        stopped.append(signum)
+        raise KeyboardInterrupt
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield stopped
+    except KeyboardInterrupt:
+        if not stopped:
+            stopped.append(signal.SIGINT)
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 

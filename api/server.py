@@ -103,7 +103,8 @@ def serve_processes(app: str, *, host: str, port: int, workers: int, **uvicorn_o
     reconnecting at once) goes to whichever process wakes first, and keep-alive connections stay
     there: in the intake bench one of two processes often served nearly all 64 workers. `uvicorn_options` go to
     `uvicorn.Config` (e.g. `factory=True`, `log_level`). Stops every process on SIGINT/SIGTERM, or
-    when one exits (a service manager restarts the whole); returns 0 after a signal, 1 otherwise.
+    when one exits (a service manager restarts the whole); returns 128 + the signal after one (130 after Ctrl-C, 143
+    after SIGTERM, as the other long-running commands end), 1 otherwise.
     Raises OSError if `host:port` is already taken (checked without SO_REUSEPORT, which would
     otherwise silently share the port with a stale server).
     """
@@ -115,8 +116,13 @@ def serve_processes(app: str, *, host: str, port: int, workers: int, **uvicorn_o
     procs = [
         ctx.Process(target=_serve_one, args=(app, family, addr, uvicorn_options)) for _ in range(workers)
     ]
-    stop = threading.Event()
-    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    stop, signals = threading.Event(), []
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        signals.append(signum)
+        stop.set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         for p in procs:
             p.start()
@@ -133,7 +139,7 @@ def serve_processes(app: str, *, host: str, port: int, workers: int, **uvicorn_o
                 p.join()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    return 0 if stop.is_set() else 1
+    return 128 + signals[0] if signals else 1
 
 
 def _serve_one(app: str, family: int, addr: tuple, options: dict[str, Any]) -> None:

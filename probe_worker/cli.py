@@ -9,6 +9,7 @@ Celery) is imported inside the command.
 from __future__ import annotations
 
 import logging
+import signal
 from typing import Any
 
 import typer
@@ -21,7 +22,8 @@ SECTION = "How the worker runs (WorkerOptions)"
 
 @with_settings(model=WorkerOptions, param="given", section=SECTION)
 def worker(given: dict[str, Any]) -> None:
-    """Register with the coordinator and evaluate probe tasks until SIGTERM (SIGUSR1 drains, SIGUSR2 resumes)."""
+    """Register with the coordinator and evaluate probe tasks until SIGTERM (SIGUSR1 drains, SIGUSR2 resumes); a stop by
+    SIGTERM exits 143, by Ctrl-C 130."""
     opts = worker_options(given)
     _check_token(opts.token)
     logging.basicConfig(level=opts.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -32,13 +34,28 @@ def worker(given: dict[str, Any]) -> None:
     from coordinator.client import CoordinatorHTTPError
     from probe_worker.worker import ProbeWorker
 
+    stopped = _note_stop()
     try:
         ProbeWorker(opts).run()
+    except KeyboardInterrupt:  # Ctrl-C before Celery's own handlers took over (registration, start-up)
+        stopped.append("SIGINT")
     except (httpx.HTTPError, CoordinatorHTTPError) as exc:
         # Registration is retried with backoff inside; reaching here means the coordinator is unreachable
         # or refused the token: say so in one line instead of a traceback.
         typer.secho(f"error: cannot join {opts.coordinator}: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from exc
+    if stopped:  # Celery's shutdown ends 0 (SIGTERM) or 1 (Ctrl-C): 128 + the signal, as the other commands
+        raise typer.Exit(128 + signal.Signals[stopped[0]])
+
+
+def _note_stop() -> list[str]:
+    """A list that gets the name of each signal Celery shuts the worker down for ("SIGTERM", "SIGINT", "SIGQUIT";
+    celery.signals.worker_shutting_down), for the exit status 128 + the first: 143 after SIGTERM, 130 after Ctrl-C."""
+    from celery.signals import worker_shutting_down
+
+    stopped: list[str] = []
+    worker_shutting_down.connect(lambda sig=None, **_: stopped.append(str(sig)), weak=False)
+    return stopped
 
 
 def worker_options(given: dict[str, Any]) -> WorkerOptions:

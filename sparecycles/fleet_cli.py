@@ -3,8 +3,9 @@
 Starts an embedded Valkey (unless REDIS_URL), a coordinator and N probe workers (sparecycles.local_fleet), waits for
 the workers, prints the environment that `sparecycles.connect`, `sparecycles train --coordinator` and
 examples/hf_trainer.py read as `export` lines on stdout (also written to FOLDER/fleet.env, readable by this user
-only, for `source`), then stays up until Ctrl-C or SIGTERM, when it stops every process it started and removes the
-file. A service that dies ends it with exit status 1, naming its log.
+only, for `source`), then stays up until Ctrl-C or SIGTERM, when it stops every process it started, removes the
+file and exits 128 + the signal (130 after Ctrl-C, 143 after SIGTERM), as `train` and `up` do. A service that dies
+ends it with exit status 1, naming its log.
 
 Checked before anything starts (exit 2, one line, nothing written): the devices (fleet.devices.place_here, as `up`
 checks them), a folder that is not a folder, and a folder another `sparecycles fleet` holds (an exclusive lock on
@@ -101,7 +102,7 @@ def _run(opts: FleetOptions) -> None:
     from fleet.devices import place_here
     from sparecycles.local_fleet import FLEET_ENV, local_fleet
     from sparecycles.services import Supervisor
-    from trainer.console import stop_signals
+    from trainer.console import stop_signals, stop_status
 
     try:
         devices = place_here(worker_devices=opts.worker_devices, workers=opts.workers).workers
@@ -113,6 +114,7 @@ def _run(opts: FleetOptions) -> None:
     os.environ["SPARECYCLES_UP_RUN"] = str(out)  # every child inherits it: an orphan is findable, as `up`'s are
     env_file = out / FLEET_ENV
     sup = Supervisor(out / "logs")
+    stopped = False
     with _held(out), stop_signals():
         try:
             with local_fleet(out, devices, sup, lambda m: typer.echo(m, err=True), key_prefix="fleet") as local:
@@ -130,9 +132,12 @@ def _run(opts: FleetOptions) -> None:
                     time.sleep(0.5)
         except KeyboardInterrupt:
             typer.echo("stopping the fleet", err=True)
+            stopped = True
         except (RuntimeError, FleetError) as exc:  # a service died or never became ready
             typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
             raise typer.Exit(1) from exc
         finally:
             sup.stop_all()
             env_file.unlink(missing_ok=True)
+    if stopped:  # a clean stop by Ctrl-C or SIGTERM: 128 + the signal, as `train` and `up` end
+        raise typer.Exit(stop_status())
