@@ -108,7 +108,7 @@ def create_app(
     metrics = metrics or CoordinatorMetrics()
     metrics.attach_live(store.workers.worker_state_counts, store.dispatch.queue_depths, store.dispatch.outstanding_seeds)
     intake = Intake(store, metrics)
-    reaper = _reaper(settings, store, metrics, RoundWatch(store))
+    reaper = _reaper(settings, store, metrics, RoundWatch(store, intake.drop_spot_copy))
     clients: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
     aredis = _async_redis_per_loop(settings, clients)
     lifespan = _lifespan(store, reaper, aredis, clients)

@@ -11,7 +11,8 @@ them; the first result wins, because intake already drops a second result of a s
 
 deadline = max(`speculate_min_s`, `speculate_factor` x quantile `speculate_quantile` of the last 256
 progress gaps of the run), or `speculate_initial_s` before any gap was seen. A round is re-issued at most
-`speculate_max` times. A worker that is lost (lease expired) makes the rounds re-issue at the next tick
+`speculate_max` times; a spot-check copy whose first replica the only live worker holds is given up instead
+(`drop_spot_copy`). A worker that is lost (lease expired) makes the rounds re-issue at the next tick
 without waiting for the deadline. Re-issues are counted in `sparecycles_tasks_redispatched_total{reason=
 "deadline"}`; outstanding seeds per run are the gauge `sparecycles_outstanding_seeds`.
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import time
+from collections.abc import Callable
 
 from coordinator.store import Store
 from wire.round_messages import ProbeRound
@@ -45,8 +47,11 @@ def quantile(values: list[float], q: float) -> float:
 class RoundWatch:
     """Per-process watcher of open rounds; `tick(now)` is called by the coordinator's reaper loop."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, drop_spot_copy: Callable[[ProbeRound, int], None] | None = None) -> None:
+        """`drop_spot_copy(round, seed)` gives up a spot-check copy no live worker could take
+        (coordinator.intake.Intake.drop_spot_copy); None re-issues every outstanding copy."""
         self.store = store
+        self.drop_spot_copy = drop_spot_copy
         self.s = store.settings
         self._last: dict[tuple[str, str], tuple[int, float]] = {}  # (run, round) -> (done, time it changed)
         self._gaps: dict[str, collections.deque[float]] = {}
@@ -110,6 +115,12 @@ class RoundWatch:
         st.r.expire(st.keys.k_round(run, rid, "speculated"), 7 * 86400)
         rnd: ProbeRound = st.rounds.get_round(run, rid)
         pending = st.dispatch.outstanding(run, rid)
+        if self.drop_spot_copy is not None and pending.get(1):
+            # a second replica whose first is held by the only live worker would come back refused (`same_worker`)
+            keep = [s for s in pending[1] if st.spot_copy_placeable(run, rid, s)]
+            for seed in set(pending[1]) - set(keep):
+                self.drop_spot_copy(rnd, seed)
+            pending[1] = keep
         tasks = []
         for replica, seeds in pending.items():
             if seeds:

@@ -8,6 +8,7 @@ the state store (`settings.broker_url`).
 from __future__ import annotations
 
 import hashlib
+import json
 
 import redis
 from celery import Celery
@@ -69,8 +70,9 @@ class Dispatch:
         pipe.hkeys(self.keys.k_round(run, rid, "acc"))
         pipe.hgetall(self.keys.k_round(run, rid, "dec"))
         pipe.hkeys(self.keys.k_round(run, rid, "spot"))
-        seeds, acc, dec, held = pipe.execute()
-        fraction = self.runs.run_spec(run).spot_check_fraction
+        pipe.hget(self.keys.k_round(run, rid), "n_spot")
+        seeds, acc, dec, held, n_spot = pipe.execute()
+        fraction = self.runs.run_spec(run).spot_check_fraction if int(n_spot or 0) else 0.0
         resolved = set(acc) | {k for k, v in dec.items() if ":" not in k and v != "agree"}
         held = set(held)
         out: dict[int, list[int]] = {0: [], 1: []}
@@ -82,6 +84,11 @@ class Dispatch:
                 if f"{seed}:{replica}" not in held:
                     out[replica].append(seed)
         return out
+
+    def spot_holders(self, run: str, rid: str, seed: int) -> set[str]:
+        """Ids of the workers whose replica of spot-checked `seed` intake holds (a copy must go to another)."""
+        held = self.r.hmget(self.keys.k_round(run, rid, "spot"), [f"{seed}:{r}" for r in range(3)])
+        return {json.loads(v)["worker_id"] for v in held if v is not None}
 
     def outstanding_seeds(self) -> dict[str, int]:
         """Seeds of open rounds not yet delivered, per run (`n_seeds - done` summed over open rounds)."""

@@ -64,9 +64,10 @@ class Intake:
         spec = self.store.runs.run_spec(run)
         fraction = spec.spot_check_fraction
         # Skipped without spot checks: a hash per seed of a large round stalls the event loop (~10 ms per 30k).
+        # A round opened without spot checks (one live worker then: coordinator.rounds) has none, whatever the hash.
         spot = (
             frozenset(s for s in rnd.seeds if spot_check_selected(run, rid, s, fraction))
-            if fraction > 0
+            if fraction > 0 and int(self.store.r.hget(self.store.keys.k_round(run, rid), "n_spot") or 0)
             else frozenset()
         )
         return rnd, spot, spec.spot_check_fraction, spec.spot_rtol, spec.spot_atol
@@ -289,7 +290,9 @@ class Intake:
         key = s.keys.k_round(rnd.run, rnd.round_id, "redispatch")
         by_replica: dict[int, list[int]] = {}
         for seed, replica in seed_replicas:
-            if s.r.hincrby(key, f"{seed}:{replica}", 1) <= s.settings.max_redispatch:
+            if replica > 0 and not s.spot_copy_placeable(rnd.run, rnd.round_id, seed):
+                self.drop_spot_copy(rnd, seed)  # no other worker to take it: re-sending would only loop
+            elif s.r.hincrby(key, f"{seed}:{replica}", 1) <= s.settings.max_redispatch:
                 by_replica.setdefault(replica, []).append(seed)
             elif replica > 0:
                 self._give_up(rnd, seed)
@@ -298,24 +301,33 @@ class Intake:
         for replica, seeds in by_replica.items():
             self._send(rnd, seeds, replica, reason)
 
-    def _give_up(self, rnd: ProbeRound, seed: int) -> None:
+    def drop_spot_copy(self, rnd: ProbeRound, seed: int) -> None:
+        """A spot-check copy of `seed` that no live worker but those holding its other replicas could take: given up
+        now (`_give_up`: the held value streams unverified), counted in `sparecycles_spot_copies_dropped_total{reason=
+        "no_other_worker"}`, instead of being re-sent to a worker intake refuses again (`same_worker`)."""
+        if self._give_up(rnd, seed):
+            self.metrics.spot_copies_dropped.labels("no_other_worker").inc()
+
+    def _give_up(self, rnd: ProbeRound, seed: int) -> bool:
         # No distinct worker could be found for a replica. Values of quarantined workers are set aside (their
         # worker was outvoted, e.g. on another seed): the seed's honest value must not be lost with them. One
         # value left (or values that agree) is streamed unverified (no evidence against it); values that
         # still disagree are dropped: either may be the liar's.
+        # Returns whether this call decided the seed (False: decided before).
         s = self.store
         if not s.r.hsetnx(s.keys.k_round(rnd.run, rnd.round_id, "dec"), str(seed), "skipped"):
-            return
+            return False
         values = self._unquarantined_values(rnd, seed)
         spec = s.runs.run_spec(rnd.run)
         agree = all(values_agree(values[0], v, spec.spot_rtol, spec.spot_atol) for v in values[1:])
         if values and agree:
             self.metrics.spot_checks.labels("skipped").inc()
             self._publish_value(rnd, values[0], verified=False)
-            return
+            return True
         self.metrics.spot_checks.labels("unresolved").inc()
         event = StreamEvent(kind="dropped", run=rnd.run, round_id=rnd.round_id, seed=seed)
         s.r.xadd(self.stream_key(rnd.run), {"e": event.model_dump_json()})
+        return True
 
     def _unquarantined_values(self, rnd: ProbeRound, seed: int) -> list[ProbeResult]:
         """The held replicas of a spot-checked `seed` (replica order) whose worker is not quarantined (a

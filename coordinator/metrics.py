@@ -132,6 +132,16 @@ class CoordinatorMetrics:
         )
         for outcome in SPOT_OUTCOMES:
             self.spot_checks.labels(outcome)
+        self.spot_copies_dropped = Counter(
+            "sparecycles_spot_copies_dropped",
+            "Spot-check copies not evaluated for want of a second worker, by reason: one_worker_at_open (a round "
+            "opened with one live worker has no spot checks), no_other_worker (only the workers that evaluated the "
+            "seed's other replicas were live: the copy was given up, not re-sent).",
+            ["reason"],
+            registry=r,
+        )
+        for reason in ("one_worker_at_open", "no_other_worker"):
+            self.spot_copies_dropped.labels(reason)
         self.quarantined = Counter("sparecycles_workers_quarantined", "Workers quarantined.", registry=r)
         self.lost = Counter("sparecycles_workers_lost", "Worker leases that expired.", registry=r)
         self.broker_revoked = Counter(

@@ -402,6 +402,15 @@ class WorkerRegistry:
         more = page and ids[-1] > page[-1]
         return out, (page[-1] if more else None)
 
+    def live_workers(self, exclude: set[str] | frozenset[str] = frozenset()) -> int:
+        """Workers that hold a lease and can take tasks now or after a drain (active or draining), not in
+        `exclude` (worker ids)."""
+        wids = [w for w in self.r.smembers(self.keys.k_workers) if w not in exclude]
+        pipe = self.r.pipeline(transaction=False)
+        for wid in wids:
+            pipe.hget(self.keys.k_worker(wid), "state")
+        return sum(1 for state in pipe.execute() if state in ("active", "draining"))
+
     def idle_workers(self) -> int:
         """Active workers whose last heartbeat said they were not busy."""
         wids = list(self.r.smembers(self.keys.k_workers))

@@ -9,6 +9,7 @@ created_at, published), `{p}:{run}:rd:{rid}:seeds` (set), `{p}:{run}:rounds` and
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import redis
 
@@ -25,6 +26,8 @@ class RoundStore:
 
     def __init__(self, r: redis.Redis, keys: Keys, runs: RunStore, dispatch: Dispatch, blobs: BlobStore) -> None:
         self.r, self.keys, self.runs, self.dispatch, self.blobs = r, keys, runs, dispatch, blobs
+        # Workers able to take tasks (coordinator.registry.WorkerRegistry.live_workers, set by Store); None: unknown
+        self.live_workers: Callable[[], int] | None = None
 
     def create_round(self, rnd: ProbeRound, now: float | None = None) -> tuple[RoundInfo, int]:
         """Open a round and publish its Celery tasks (primaries, then spot-check replicas).
@@ -51,6 +54,11 @@ class RoundStore:
         spot = [
             s for s in rnd.seeds if spot_check_selected(rnd.run, rnd.round_id, s, spec.spot_check_fraction)
         ]
+        dropped = 0
+        if spot and self.live_workers is not None and self.live_workers() == 1:
+            # One live worker: a second replica could only come back to it (intake refuses that as `same_worker`).
+            # The round is opened without spot checks (its seeds plain), counted; none live: the copies wait.
+            dropped, spot = len(spot), []
         tasks = self.dispatch.tasks_for(rnd, rnd.seeds, 0) + self.dispatch.tasks_for(rnd, spot, 1)
         pipe = self.r.pipeline()
         for i in range(0, len(rnd.seeds), 8192):
@@ -64,6 +72,7 @@ class RoundStore:
                 "version": rnd.version,
                 "n_seeds": len(rnd.seeds),
                 "n_spot": len(spot),
+                "spot_dropped": dropped,
                 "done": 0,
                 "tasks": len(tasks),
                 "created_at": time.time() if now is None else now,
@@ -75,6 +84,10 @@ class RoundStore:
         self.dispatch.publish_tasks(rnd.run, tasks)
         self.r.hset(key, "published", 1)
         return self.round_info(rnd.run, rnd.round_id), len(tasks)
+
+    def spot_dropped(self, run: str, rid: str) -> int:
+        """Spot-check copies round `rid` was opened without (one live worker at its opening), 0 if none."""
+        return int(self.r.hget(self.keys.k_round(run, rid), "spot_dropped") or 0)
 
     def get_round(self, run: str, rid: str) -> ProbeRound:
         """The round request as posted; raises NotFound."""

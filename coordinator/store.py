@@ -57,6 +57,14 @@ class Store:
         self.workers = WorkerRegistry(self.r, self.keys, settings, self.runs, self.teachers)
         # a new run's queue is granted to the workers' broker users before they are told to consume it
         self.runs.on_new_queue = self.teachers.on_new_queue = self.workers.grant_queue
+        self.rounds.live_workers = self.workers.live_workers
+
+    def spot_copy_placeable(self, run: str, rid: str, seed: int) -> bool:
+        """Whether a copy of spot-checked `seed` can go to a worker that did not evaluate one of its held replicas:
+        some live worker (active or draining) is not among them. False means a copy would only come back refused
+        (`same_worker`) or wait for a worker that is not there."""
+        holders = self.dispatch.spot_holders(run, rid, seed)
+        return not holders or self.workers.live_workers(exclude=holders) > 0
 
     def ping(self) -> bool:
         """True if Redis answers."""

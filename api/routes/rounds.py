@@ -21,6 +21,8 @@ def create_round(run: RunP, body: ProbeRound, store: StoreD, metrics: MetricsD) 
     if sent:
         metrics.rounds_opened.inc()
         metrics.tasks_published.inc(sent)
+        if dropped := store.rounds.spot_dropped(run, body.round_id):
+            metrics.spot_copies_dropped.labels("one_worker_at_open").inc(dropped)
     return info
 
 
