@@ -29,12 +29,23 @@ def _env_example() -> dict[str, str]:
     return {k.strip(): v.strip() for k, v in pairs}
 
 
-def _shipped_secrets() -> dict[str, str]:
-    """Every literal value in docker/ and ops/ that looks like a secret ("FILE:LINE NAME" -> value): NAME=VALUE or
-    NAME: VALUE with NAME containing TOKEN/PASSWORD/SECRET, a password inside a URL, redis --requirepass. Values
-    taken from the environment (${...}, $$VAR) are not literals."""
+def _shipped_files(root: Path) -> list[Path]:
+    """The files of docker/ and ops/ the repository ships: those git tracks, never a file a user made by following
+    the docs (docker/.env with the real secrets, which .gitignore keeps out). Outside a git checkout (a copied
+    tree): every file except .env ones."""
+    res = subprocess.run(["git", "-C", str(root), "ls-files", "-z", "--", "docker", "ops"], capture_output=True,
+                         text=True)
+    if res.returncode == 0 and res.stdout:
+        return sorted(root / rel for rel in res.stdout.split("\0") if rel and (root / rel).is_file())
+    return sorted(p for d in ("docker", "ops") for p in (root / d).rglob("*") if p.is_file() and p.name != ".env")
+
+
+def _shipped_secrets(root: Path = ROOT) -> dict[str, str]:
+    """Every literal value in docker/ and ops/ (as shipped: `_shipped_files`) that looks like a secret ("FILE:LINE
+    NAME" -> value): NAME=VALUE or NAME: VALUE with NAME containing TOKEN/PASSWORD/SECRET, a password inside a URL,
+    redis --requirepass. Values taken from the environment (${...}, $$VAR) are not literals."""
     found = {}
-    for path in sorted(p for d in ("docker", "ops") for p in (ROOT / d).rglob("*") if p.is_file()):
+    for path in _shipped_files(root):
         for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
             line = re.sub(r"\$\{[^}]*\}", "${}", line)  # ${VAR:?message}: from the environment
             hits = [(m.group(1), m.group(2)) for m in SECRET_NAME.finditer(line)]
@@ -43,8 +54,27 @@ def _shipped_secrets() -> dict[str, str]:
             for name, value in hits:
                 value = value.strip("\"',;")
                 if value and not value.startswith("$"):
-                    found[f"{path.relative_to(ROOT)}:{n} {name}"] = value
+                    found[f"{path.relative_to(root)}:{n} {name}"] = value
     return found
+
+
+def test_a_users_docker_env_is_not_read_and_is_ignored_by_git(tmp_path):
+    """The Deployment section's `cp docker/.env.example docker/.env` (then real secrets in it) changes neither what
+    counts as shipped nor git's status: docker/.env is ignored, and the scan reads only tracked files."""
+    check = subprocess.run(["git", "-C", str(ROOT), "check-ignore", "-q", "docker/.env"])
+    assert check.returncode == 0, "docker/.env (the user's real secrets) must be ignored by git"
+    repo = tmp_path / "clone"
+    (repo / "docker").mkdir(parents=True)
+    (repo / "ops").mkdir()
+    (repo / "docker/.env.example").write_text("SPARECYCLES_ADMIN_TOKEN=replace-with-a-long-random-string\n")
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "docker/.env.example"], check=True)
+    (repo / "docker/.env").write_text("SPARECYCLES_ADMIN_TOKEN=k3J9-qwZr_81xPLmv0aTy-real\n")
+    shipped = {"docker/.env.example:1 SPARECYCLES_ADMIN_TOKEN": "replace-with-a-long-random-string"}
+    assert _shipped_secrets(repo) == shipped
+    (repo / ".git").rename(repo / "not-git")  # a copied tree without git: .env files still left out
+    assert _shipped_secrets(repo) == shipped
 
 
 def test_every_shipped_placeholder_is_refused():
