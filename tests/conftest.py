@@ -52,12 +52,24 @@ def redis_url() -> str:
 
 
 @pytest.fixture(scope="session")
-def vllm_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
-    """A real vLLM (probe_worker.engine.VllmProcess) serving SmolLM2-135M on a free loopback port, answering /health;
-    one per session, stopped at its end (support.vllm.running_vllm). Needs `bash tools/vllm.sh install`."""
-    from support.vllm import running_vllm
+def vllm_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+    """The session's vLLM holder (support.vllm.SessionVllm): it starts the engine when a test first asks and stops it
+    at the session's end. Tests take `vllm_engine` instead."""
+    from support.vllm import SessionVllm
 
-    yield from running_vllm(tmp_path_factory.mktemp("vllm"))
+    holder = SessionVllm(tmp_path_factory.mktemp("vllm"))
+    try:
+        yield holder
+    finally:
+        holder.stop()
+
+
+@pytest.fixture
+def vllm_engine(vllm_session) -> object:
+    """A real vLLM (probe_worker.engine.VllmProcess) serving SmolLM2-135M on a free loopback port, answering /health;
+    one per session. Asked per test, so a failure is never kept for later tests: without the vLLM venv (`bash
+    tools/vllm.sh install`) the test skips naming it; an engine that does not start fails this test only."""
+    return vllm_session.get()
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ nothing else is addressed). A tiny ZO-Curv run trains through the composed fleet
 fleet gave nothing exits 1); Prometheus has every target up and data in the trainer's and the workers' series; a
 worker killed while it holds a probe task leaves the run to finish, its round re-issued (summary.json's
 fleet.tasks_redispatched); `down` then `up` again reuses the finished run; `down -v` leaves no container, network
-or volume. CI: .ci/run installs docker.io and starts the daemon (tools/dockerd.sh)."""
+or volume. `bash tools/bootstrap.sh --test-services` installs docker.io and starts the daemon (tools/dockerd.sh)."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ PORTS = ("COORDINATOR_PORT", "REDIS_PORT", "PROMETHEUS_PORT", "TRAINER_METRICS_P
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(COMPOSE is None or DOCKER is None or shutil.which("dockerd") is None,
-                       reason="needs Debian's docker.io and docker-compose (.ci/run installs both)"),
+                       reason="needs Debian's docker.io and docker-compose (tools/bootstrap.sh --test-services)"),
 ]
 
 

@@ -98,7 +98,7 @@ def test_renormalised_keeps_the_top_k_distribution_of_the_temperature() -> None:
 # ---- with a real vLLM ----------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def engine_url(request: pytest.FixtureRequest) -> str:
     """The session's vLLM (conftest's vllm_engine); SPARECYCLES_TEST_VLLM_URL names one already running instead
     (a developer's, started by `tools/vllm.sh start`: a 2-core machine pays ~1 min per engine start)."""

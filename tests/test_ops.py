@@ -77,7 +77,7 @@ PROMETHEUS = shutil.which("prometheus")
 COMPOSE = shutil.which("docker-compose")
 
 
-@pytest.mark.skipif(COMPOSE is None, reason="docker-compose not installed (.ci/run installs Debian's package)")
+@pytest.mark.skipif(COMPOSE is None, reason="docker-compose not installed (tools/bootstrap.sh --test-services)")
 def test_docker_compose_config_validates(tmp_path):
     env_file = tmp_path / ".env"
     env_file.write_text((ROOT / "docker/.env.example").read_text())
@@ -94,7 +94,7 @@ def test_docker_compose_config_validates(tmp_path):
     assert res.returncode != 0 and "SPARECYCLES_" in res.stderr
 
 
-@pytest.mark.skipif(PROMETHEUS is None, reason="prometheus not installed (.ci/run installs Debian's package)")
+@pytest.mark.skipif(PROMETHEUS is None, reason="prometheus not installed (tools/bootstrap.sh --test-services)")
 def test_prometheus_scrapes_a_live_coordinator(tmp_path):
     from api.server import free_port
     from support.coordinator import running_env
@@ -189,7 +189,7 @@ def test_compose_passes_only_variables_its_programs_read():
 PROMTOOL = shutil.which("promtool")
 
 
-@pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed (Debian's prometheus package ships it; .ci/run)")
+@pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed (bootstrap.sh --test-services)")
 def test_promtool_exercises_every_alert_rule():
     """ops/alerts_test.yml gives each alert of ops/alerts.yml a fixture on which it fires (and a time before which
     it must not): promtool evaluates the real rules on them."""

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PROMETHEUS = shutil.which("prometheus")
 
 pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(PROMETHEUS is None, reason="prometheus not installed (.ci/run installs Debian's)")]
+              pytest.mark.skipif(PROMETHEUS is None, reason="prometheus not installed (bootstrap.sh --test-services)")]
 
 
 def _dashboard_queries() -> dict[str, str]:

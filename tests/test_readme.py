@@ -41,6 +41,18 @@ def test_readme_test_command_is_the_one_ci_runs():
     assert test_cmd in [line.strip() for line in ci]
 
 
+def test_readme_test_command_sets_up_what_the_tests_need_and_lists_skip_reasons():
+    """On a fresh machine the test command installs and starts the services the tests use (tools/test_services.sh
+    through bootstrap's --test-services) and prints why each skipped test skipped; CI requires every service."""
+    test_cmd = _blocks(README)[0].splitlines()[1].split("   #", 1)[0].strip()
+    assert test_cmd.startswith("bash tools/bootstrap.sh --test-services && .venv/bin/python -m pytest ")
+    assert " -rs " in test_cmd
+    assert "export SPARECYCLES_TEST_SERVICES_STRICT=1" in (ROOT / ".ci" / "run").read_text()
+    assert "bash tools/test_services.sh" in (ROOT / "tools" / "bootstrap.sh").read_text()
+    res = subprocess.run(["bash", "tools/bootstrap.sh", "--no-such-flag"], cwd=ROOT, capture_output=True, text=True)
+    assert res.returncode == 2 and "usage: bash tools/bootstrap.sh [--test-services]" in res.stderr
+
+
 def test_readme_links_point_at_files():
     for target in re.findall(r"\]\(([^)#]+)\)", README):
         if not target.startswith("http"):

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from probe_worker.engine import vllm_installed
+from probe_worker.engine import vllm_installed, vllm_python
+from support.vllm import NO_VENV
 
 pytestmark = pytest.mark.slow  # a vLLM process and a whole `up` (~2 min)
 
@@ -23,7 +24,7 @@ REQUESTS = 8  # at 0.5/s (seed 0) from the fleet-probed run's start: sent within
 
 def test_up_serving_vllm_runs_beside_a_real_vllm_and_its_worker_yields(tmp_path):
     if not vllm_installed():
-        pytest.fail("no vLLM venv: run `bash tools/vllm.sh install` first")
+        pytest.skip(NO_VENV.format(venv=vllm_python().parent.parent))
     out = tmp_path / "run"
     run = subprocess.run([sys.executable, "-m", "sparecycles.cli", "up", "--serving", "vllm", "--serving-requests",
                           str(REQUESTS), "--serving-rate", "0.5", "--serving-hold", "0.5", "--steps", "12",
