@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +34,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from coordinator.settings import env_var_of, secret_problem, url_password_problem
 
 COUNTDOWN_EVERY_S = 10.0  # while waiting for the coordinator, a line saying so every this many seconds
+REFUSED_TRIES = 10  # tries 0.5 s apart, each refused: nothing listens on that port (a restart takes less)
 
 
 class FleetError(RuntimeError):
@@ -365,19 +366,27 @@ def check_key_prefix(settings: FleetSettings) -> None:
                          "set SPARECYCLES_KEY_PREFIX to the coordinator's own (its workers would be registered there)")
 
 
+def _causes(exc: BaseException | None) -> Iterator[BaseException]:
+    """`exc` and the exceptions it was raised from or during (__cause__, else __context__), each once."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
 def no_such_host(exc: BaseException) -> bool:
     """True when `exc` (an httpx error) was caused by a host name that does not resolve (getaddrinfo's EAI_NONAME or
     EAI_NODATA): a permanent error. A temporary resolver failure (EAI_AGAIN) or a refused connection is not."""
     import socket
 
     permanent = {getattr(socket, n) for n in ("EAI_NONAME", "EAI_NODATA") if hasattr(socket, n)}
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, socket.gaierror) and exc.errno in permanent:
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
+    return any(isinstance(e, socket.gaierror) and e.errno in permanent for e in _causes(exc))
+
+
+def connection_refused(exc: BaseException) -> bool:
+    """True when `exc` (an httpx error) was caused by a refused connection: the host answers, no one listens."""
+    return any(isinstance(e, ConnectionRefusedError) for e in _causes(exc))
 
 
 def attach(url: str, *, settings: FleetSettings | None = None, wait_s: float = 120.0, min_workers: int = 1,
@@ -387,9 +396,9 @@ def attach(url: str, *, settings: FleetSettings | None = None, wait_s: float = 1
 
     `settings` default to the environment (FleetSettings); `rounds` (ROUND_MODES) says when ZO-Curv rounds
     fold: "async" as they arrive, "sync" at their own refresh, "next" at the refresh after (trainer.zo.rounds.RoundBook).
-    Raises FleetError when the coordinator does not
-    answer /readyz (at once for a host name that does not resolve, `no_such_host`; otherwise one bounded retry loop
-    of `wait_s` seconds: `log` says so at the first failure and counts down
+    Raises FleetError when the coordinator does not answer /readyz (at once for a host name that does not resolve,
+    `no_such_host`; after REFUSED_TRIES refused connections in a row, ~5 s, for a port no one listens on; otherwise
+    one bounded retry loop of `wait_s` seconds: `log` says so at the first failure and counts down
     every COUNTDOWN_EVERY_S seconds), refuses the admin token, or has too few
     active workers after `wait_s` seconds; ValueError for a URL that is not http(s).
     """
@@ -402,6 +411,7 @@ def attach(url: str, *, settings: FleetSettings | None = None, wait_s: float = 1
         settings = load_settings()
     deadline = time.monotonic() + wait_s
     said_at: float | None = None
+    refused = 0
     while True:
         check()
         try:
@@ -414,6 +424,10 @@ def attach(url: str, *, settings: FleetSettings | None = None, wait_s: float = 1
                 raise FleetError(f"the coordinator at {base}: no such host ({exc}); check the host name in "
                                  "--coordinator (or SPARECYCLES_COORDINATOR_URL)") from None
             why = f"{type(exc).__name__}: {exc}"
+            refused = refused + 1 if connection_refused(exc) else 0
+            if refused >= REFUSED_TRIES:
+                raise FleetError(f"the coordinator at {base}: connection refused {refused} times in a row (nothing listens "
+                                 "there); check the port in --coordinator and that the coordinator runs") from None
         left = deadline - time.monotonic()
         if left <= 0:
             raise FleetError(f"the coordinator at {base} is not reachable or not ready after {wait_s:.0f} s ({why})")

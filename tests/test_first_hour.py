@@ -133,6 +133,23 @@ def test_waiting_for_the_coordinator_counts_down(monkeypatch):
     assert len(said) >= 2 and all(s.startswith("  still not reachable; giving up in ") for s in said[1:])
 
 
+def test_a_closed_port_fails_after_a_few_refused_tries_not_the_whole_wait(monkeypatch):
+    """A port nobody listens on (connection refused) is reported after REFUSED_TRIES tries in a row, not after
+    --attach-wait's 120 s: only a coordinator that is starting (not ready, timing out) is worth the long wait."""
+    from fleet import attach as attach_mod
+
+    assert attach_mod.REFUSED_TRIES == 10  # ~5 s at 0.5 s apart
+    monkeypatch.setattr(attach_mod, "REFUSED_TRIES", 3)
+    said: list[str] = []
+    url = f"http://127.0.0.1:{_free_port()}"
+    settings = attach_mod.FleetSettings(admin_token="x" * 24, redis_url="redis://127.0.0.1:6379/0")
+    with pytest.raises(attach_mod.FleetError) as exc:
+        attach_mod.attach(url, settings=settings, wait_s=3600.0, log=said.append)
+    assert str(exc.value) == (f"the coordinator at {url}: connection refused 3 times in a row (nothing listens "
+                              "there); check the port in --coordinator and that the coordinator runs")
+    assert "retrying for up to 3600 s (--attach-wait)" in said[0]
+
+
 def test_status_line_is_not_cut_at_80_columns():
     """The live line of `up` (loss, val, workers, probes/s, stale) stays whole on an 80-column terminal."""
     from rich.console import Console
