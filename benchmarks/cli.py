@@ -1,17 +1,16 @@
-"""`sparecycles bench ...`: every benchmark's command (typer + stdlib at import; the work is imported inside).
+"""`sparecycles bench ...`: the product's benchmarks (typer + stdlib at import; the work is imported inside).
 
 kernels, probe: probe kernels and a probe worker's speed on a GPU (probe_kernels.bench, .bench_probe, beside the
-kernels they measure); intake: result intake through
-Redis (benchmarks.intake); fleet: probe throughput of real CPU workers (benchmarks.fleet); zo: the ZO
-side-by-side benchmarks (benchmarks.zo); headline: the H200 headline report and memory scan (benchmarks.headline);
-regime: issue 29's resumable plan (benchmarks.regime_cli).
+kernels they measure); intake: result intake through Redis (benchmarks.intake); fleet: probe throughput of real
+workers (benchmarks.fleet); data-pack, precision; serving, serving-load: latency beside a serving engine
+(benchmarks.serving). The experiments (ZO side by side, the block-type lr regime, the headline report) are not
+product commands: they live in experiments/ at the repository root (experiments/README.md).
 """
 
 from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -19,22 +18,18 @@ import typer
 from benchmarks.options import (
     DataPackOptions,
     FleetBenchOptions,
-    HeadlineReportOptions,
     IntakeBenchOptions,
     KernelsBenchOptions,
-    MemoryScanOptions,
     PrecisionOptions,
     ProbeBenchOptions,
-    ZoBenchOptions,
     parse,
 )
-from benchmarks.regime_cli import regime_app
 from benchmarks.serving_options import ServingBench, ServingLoad
 from trainer.cli_settings import SettingsCommand, with_settings
 
 SECTION = "Options"  # the generated options list with --help's own
 
-bench_app = typer.Typer(help="Benchmarks (kernels, probe, intake, fleet, zo, headline).", no_args_is_help=True)
+bench_app = typer.Typer(help="Benchmarks (kernels, probe, intake, fleet, serving, ...).", no_args_is_help=True)
 
 
 @with_settings(model=KernelsBenchOptions, param="given", section=SECTION)
@@ -147,167 +142,6 @@ def _redis_answers(url: str) -> None:
                                  "--redis-url (or REDIS_URL) at yours", param_hint="--redis-url") from None
 
 
-@with_settings(model=ZoBenchOptions, param="given", section=SECTION)
-def bench_zo(given: dict) -> None:
-    """Run the ZO benchmarks on real data and write lm_summary.json / sentiment_summary.json and PNGs."""
-    from benchmarks.zo import SentimentSpec, lm_comparison, sentiment_comparison
-
-    o = parse(ZoBenchOptions, given)
-    if o.regime == "paper":
-        _bench_zo_paper(o)
-        return
-    # Every option is checked before anything runs: with --part all the lm part takes minutes first.
-    ms, head_init, grid = _check_zo_project(o)
-    if o.part in ("lm", "all"):
-        s = lm_comparison(o.out, o.steps, o.device, o.probes, o.seed)
-        typer.echo(json.dumps({k: {"final_val_loss": v["final_val_loss"], "steps_to_adamw_final":
-                                   v["steps_to_adamw_final"]} for k, v in s["runs"].items()}))
-    if o.part in ("sentiment", "all"):
-        spec = SentimentSpec(model=o.model, head_init=head_init, budget=o.budget, probes=o.k, seed=o.seed,
-                             device=o.device, evals=o.evals)
-        s = sentiment_comparison(o.out, spec, grid, ms, o.backprop_steps, o.backprop_lr)
-        typer.echo(json.dumps({m: {k2: v for k2, v in b.items() if k2 != "curve"} for m, b in s["best"].items()}))
-        if "1.5spsa_vs_mezo" in s:
-            typer.echo(json.dumps({"1.5spsa_vs_mezo": s["1.5spsa_vs_mezo"]}))
-
-
-def _check_zo_project(o: ZoBenchOptions) -> tuple[tuple[str, ...], str | None, tuple[float, ...]]:
-    """`bench zo --regime project`'s options checked before anything runs; returns (methods, the resolved
-    head init, the lr grid). Raises typer.BadParameter naming the option at fault."""
-    from benchmarks.zo import check_sentiment_folder, forwards_per_step, resolve_head_init
-    from trainer.methods import method_names
-
-    part, out, device, methods, model, lrs, budget, k = o.part, o.out, o.device, o.methods, o.model, o.lrs, o.budget, o.k
-    ms = tuple(m.strip() for m in methods.split(",") if m.strip())
-    pure_zo = method_names(kind="pure-zo", task="sentiment")
-    bad = [m for m in ms if m not in pure_zo]
-    if bad or not ms:
-        raise typer.BadParameter(f"methods are {', '.join(pure_zo)}; got {methods!r}", param_hint="--methods")
-    try:
-        head_init = resolve_head_init(model, o.head_init)
-    except ValueError as e:
-        raise typer.BadParameter(str(e), param_hint="--head-init") from None
-    try:  # empty is allowed: tools/h200_headline.sh merges earlier runs' JSON with --lrs ""
-        grid = tuple(float(x) for x in lrs.split(",") if x.strip())
-    except ValueError:
-        grid = (float("nan"),)
-    if not all(0 < lr < 1 for lr in grid):
-        raise typer.BadParameter(f"comma-separated learning rates in (0, 1), got {lrs!r}", param_hint="--lrs")
-    import torch
-
-    try:
-        dev = torch.device(device)
-    except RuntimeError:
-        raise typer.BadParameter(f"cpu or cuda[:N], got {device!r}", param_hint="--device") from None
-    if dev.type not in ("cpu", "cuda") or (dev.type == "cuda" and not torch.cuda.is_available()):
-        raise typer.BadParameter(f"{device!r} is not available here (CUDA available: "
-                                 f"{torch.cuda.is_available()})", param_hint="--device")
-    if part in ("sentiment", "all") and grid:
-        # forward passes per step: 2 per probe (+1 clean for 1.5-SPSA); a smaller budget would run no step
-        need = {m: forwards_per_step(m, k) for m in ms}
-        short = {m: n for m, n in need.items() if budget < n}
-        if short:
-            raise typer.BadParameter(f"{budget} forward passes is less than one step of {short} (forwards per "
-                                     f"step with --k {k}); raise --budget", param_hint="--budget")
-    if part in ("sentiment", "all"):
-        try:
-            check_sentiment_folder(out, model)
-        except ValueError as e:
-            raise typer.BadParameter(str(e), param_hint="--out") from None
-    return ms, head_init, grid
-
-
-def _bench_zo_paper(o: ZoBenchOptions) -> None:
-    """`bench zo --regime paper`: validate, run benchmarks.zo_paper.paper_main, print the arms' table."""
-    from benchmarks.zo_paper import PaperCall, paper_main
-    from benchmarks.zo_paper_plan import check_plan, paper_arms, parse_matmul, parse_weights
-
-    time_budget, names, include = o.time_budget, o.arm_names, o.include
-    try:
-        weights = parse_weights(o.shares)
-        paper_arms(time_budget, weights=weights)
-    except ValueError as e:
-        raise typer.BadParameter(str(e), param_hint="--shares") from None
-    try:
-        plan = [a["name"] for a in paper_arms(time_budget, names)]
-    except ValueError as e:
-        raise typer.BadParameter(str(e), param_hint="--arms") from None
-    inc = None
-    if include is not None:
-        try:
-            inc = json.loads(include.read_text())
-        except (OSError, ValueError) as e:
-            raise typer.BadParameter(f"cannot read {include}: {e}", param_hint="--include") from None
-    try:
-        check_plan(plan, inc)
-    except ValueError as e:
-        raise typer.BadParameter(str(e), param_hint="--arms") from None
-    try:
-        matmul = parse_matmul(o.fp32_matmul, plan)
-    except ValueError as e:
-        raise typer.BadParameter(str(e), param_hint="--fp32-matmul") from None
-    import torch
-
-    if o.device.startswith("cuda") and not torch.cuda.is_available():
-        raise typer.BadParameter(f"{o.device!r} is not available here", param_hint="--device")
-    call = PaperCall(total_s=time_budget, arms=names, seed=o.seed, resume=o.resume, matmul=matmul,
-                     weights=weights or None, drift=o.drift, iters_cap=o.iters_cap, end_by=o.end_by)
-    s = paper_main(o.out, call, device=o.device, include=include)
-    for row in s["table"]:
-        typer.echo(json.dumps(row))
-    if "drift" in s:
-        typer.echo(json.dumps({"drift": s["drift"]}))
-
-
-headline_app = typer.Typer(help="Headline benchmarks: pretraining report, memory scan (tools/h200_headline.sh "
-                                "runs the whole set on a GPU machine).", no_args_is_help=True)
-
-
-@headline_app.command("report", cls=SettingsCommand)
-@with_settings(model=HeadlineReportOptions, param="given", section=SECTION)
-def report(
-    runs: Annotated[list[Path], typer.Argument(help="finished `sparecycles train` run folders (one AdamW at least)")],
-    given: dict,
-) -> None:
-    """Validation loss at equal steps, and steps / wall time to reach each AdamW reference's final loss."""
-    from benchmarks.headline import pretrain_report
-
-    out = parse(HeadlineReportOptions, given).out
-    missing = [str(r) for r in runs if not (r / "metrics.jsonl").is_file()]
-    if missing:
-        raise typer.BadParameter(f"not run folders (no metrics.jsonl): {', '.join(missing)}")
-    try:
-        res = pretrain_report(runs, out)
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc)) from exc
-    for name, r in res["runs"].items():
-        same = r.get("same_lr_adamw", {})
-        typer.echo(f"{name}: final val {r['final_val_loss']:.4f}; reaches best AdamW final at step "
-                   f"{r['best_adamw']['step_reached']} (ratio {r['best_adamw']['step_ratio']}); same-lr AdamW "
-                   f"final at step {same.get('step_reached')} (ratio {same.get('step_ratio')})")
-    typer.echo(f"wrote {out / 'pretrain_summary.json'} and {out / 'pretrain_val_loss.png'}")
-
-
-@headline_app.command("memory", cls=SettingsCommand)
-@with_settings(model=MemoryScanOptions, param="given", section=SECTION)
-def memory(given: dict) -> None:
-    """Largest GPT shape that takes a training step in place with AdamW vs 1.5-SPSA on one GPU; peak memory."""
-    from benchmarks.headline import memory_scan
-
-    o = parse(MemoryScanOptions, given)
-    try:
-        res = memory_scan(o.device, o.shapes, seq_len=o.seq_len)
-    except (ValueError, RuntimeError) as exc:
-        raise typer.BadParameter(str(exc)) from exc
-    for t in res["trials"]:
-        typer.echo(f"{t['method']:8s} {t['shape']:9s} {t['params'] / 1e9:6.2f}B params  "
-                   f"{'ok ' if t['ok'] else 'OOM'} peak {t['peak_bytes'] / 2**30:7.1f} GiB")
-    typer.echo(f"largest: {res['largest']} on {res['gpu']} ({res['gpu_bytes'] / 2**30:.0f} GiB)")
-    if o.json_out is not None:
-        o.json_out.parent.mkdir(parents=True, exist_ok=True)
-        o.json_out.write_text(json.dumps(res, indent=2))
-
-
 @with_settings(model=DataPackOptions, param="given", section=SECTION)
 def bench_data_pack(given: dict) -> None:
     """Tokenization throughput (tokens/s, 1 thread and every core) and the time to pack a folder of real text
@@ -401,13 +235,9 @@ bench_app.command("fleet", cls=SettingsCommand, short_help="Fleet probes/s with 
 bench_app.command("data-pack", cls=SettingsCommand, short_help="Tokens/s and the time to pack a 100 MB --data folder.")(
     bench_data_pack)
 bench_app.command("precision", cls=SettingsCommand, short_help="bf16 vs TF32 signal-to-noise per round kind.")(bench_precision)
-bench_app.command("zo", cls=SettingsCommand, short_help="ZO-Curv and pure-ZO benchmarks on real data.")(bench_zo)
 bench_app.command("serving", cls=SettingsCommand, short_help="Serving latency beside a worker, with and without yielding.")(
     bench_serving)
 bench_app.command("serving-load", cls=SettingsCommand, short_help="Open-loop requests against a running engine.")(bench_serving_load)
-bench_app.add_typer(regime_app, name="regime", short_help="Block-type lrs vs AdamW at large batch (issue 29).")
-bench_app.add_typer(headline_app, name="headline",
-                    short_help="Headline benchmarks: pretraining report, memory scan.")
 
 if __name__ == "__main__":
     bench_app()

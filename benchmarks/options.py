@@ -1,12 +1,12 @@
-"""The options of `sparecycles bench fleet`, `bench zo`, `bench precision`, `bench regime run`, ..., as typed models.
+"""The options of `sparecycles bench fleet`, `bench intake`, `bench precision`, `bench kernels`, ..., as typed models.
 
 Each command's options are generated from these fields by trainer.cli_settings (as `train`'s from TrainConfig): one
 declaration per option, with its default, bounds and help (the description); "name" in json_schema_extra spells an
 option otherwise than its field (`print_json` is `--json`), "envvar" reads a variable when the option is not given.
-The run functions take the model (benchmarks.fleet.run_fleet_bench) or the small specs built from it
-(benchmarks.zo.SentimentSpec / LmSpec, benchmarks.zo_paper.PaperCall). `parse(model, given)` builds one from a
+The run functions take the model (benchmarks.fleet.run_fleet_bench). `parse(model, given)` builds one from a
 command's values and turns a refusal into typer.BadParameter (exit 2) naming the option; the rules between options
-are model validators (testable without the CLI). Torch-free.
+are model validators (testable without the CLI). The experiments' command lines (experiments/) use `parse` too.
+Torch-free.
 """
 
 from __future__ import annotations
@@ -16,12 +16,9 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
-from benchmarks.regime import PLANS
 from fleet.devices import device_here, devices_here
 from probe_worker.options import WorkerOptions
-from trainer.config import TrainConfig
 from trainer.models.presets import get_preset
-from trainer.run_options import RunOptions
 
 _F = Field
 _WORKER = WorkerOptions.model_fields  # the worker options `bench fleet` passes through keep their choices
@@ -126,26 +123,6 @@ class ProbeBenchOptions(BaseModel):
     json_out: Path | None = _F(None, description="write all measurements as JSON here (after each preset)")
 
 
-class HeadlineReportOptions(BaseModel):
-    """`bench headline report`: the pretraining report of finished runs (benchmarks.headline.pretrain_report)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    out: Path = _F(Path("runs/headline"), description="folder for pretrain_summary.json and pretrain_val_loss.png")
-
-
-class MemoryScanOptions(BaseModel):
-    """`bench headline memory`: the largest GPT shape that trains in place on one GPU (benchmarks.headline)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    device: str = _F("cuda", description="CUDA device")
-    shapes: tuple[str, ...] = _F(("gpt2-xl", "gpt-2.7b", "gpt-6.7b", "gpt-13b", "gpt-30b", "gpt-45b"), min_length=1,
-                                 description="comma-separated shapes, ascending (benchmarks.headline.SCAN_SHAPES)")
-    seq_len: int = _F(1024, ge=1, le=1024, description="tokens per sequence (batch 1)")
-    json_out: Path | None = _F(None, description="write the scan as JSON here")
-
-
 class FleetBenchOptions(BaseModel):
     """`bench fleet`: probe throughput of real workers and publish -> ready latency (benchmarks.fleet)."""
 
@@ -208,69 +185,6 @@ class FleetBenchOptions(BaseModel):
         return ("--cuda-graphs",) * self.worker_cuda_graphs + ("--tf32-attention", self.tf32_attention)
 
 
-class ZoBenchOptions(BaseModel):
-    """`bench zo`: the ZO side-by-side benchmarks (benchmarks.zo; --regime paper: benchmarks.zo_paper)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    part: Literal["lm", "sentiment", "all"] = _F(
-        "all", description="lm (gpt2-tiny: AdamW vs ZO-Curv), sentiment (MeZO/1SPSA/1.5-SPSA) or all")
-    out: Path = _F(Path("runs/zo-bench"), description="Folder for JSON summaries, PNG figures and run folders")
-    device: str = _F("cpu", description="cpu or cuda[:N]")
-    steps: int = _F(600, ge=1, description="lm: optimizer steps per run")
-    probes: int = _F(32, ge=1, description="lm: block-scaled probes per curvature round")
-    k: int = _F(16, ge=1, description="sentiment: probes K per step of 1SPSA and 1.5-SPSA")
-    budget: int = _F(6000, ge=3, description="sentiment: forward passes per run")
-    lrs: str = _F("1e-5,1e-4,1e-3", description="sentiment: comma-separated learning rates tried per method")
-    seed: int = _F(0, ge=0, description="Run seed")
-    methods: str = _F("mezo,1spsa,1.5spsa", description="sentiment: comma-separated ZO methods to sweep")
-    model: Literal["minilm", "smollm2"] = _F(
-        "minilm", description="sentiment: minilm (MiniLM-L6 + new head) or smollm2 (SmolLM2-135M-Instruct as a "
-        "prompt + label-word classifier, all parameters)")
-    head_init: str | None = _F(None, description="sentiment: classifier start; minilm: random (BERT init, default) "
-                               "or linear-probe (logistic regression on frozen features first: LP-FT); smollm2: "
-                               "prompt (the zero-shot prompt classifier, its only start)")
-    evals: int = _F(10, ge=1, description="sentiment: accuracy evaluations per run")
-    backprop_steps: int = _F(0, ge=0, description="sentiment: also run the backprop AdamW baseline this many steps")
-    backprop_lr: float | None = _F(None, ge=0.0, description="sentiment: AdamW lr of the baseline (default 5e-5 "
-                                   "minilm, 1e-5 smollm2)")
-    regime: Literal["project", "paper"] = _F(
-        "project", description="sentiment: project (the sweep above) or paper (smollm2 only: 1.5-SPSA's published "
-        "regime, arms A1..A6 of issue 18; benchmarks.zo_paper)")
-    arms: str = _F("", description="regime paper: comma-separated arms (A1,A2,A3,A3w,A4-16,A4-128,A5-1e-05,"
-                   "A5-3e-05,A6-1e-05,A6-5e-05); empty = all. The time budget is shared by these only")
-    time_budget: float = _F(300.0, ge=1.0, description="regime paper: seconds shared by the arms run now (each "
-                            "stops at its share or its iteration cap)")
-    fp32_matmul: str = _F("highest", description="regime paper, CUDA: fp32 arms' matmuls, highest (true fp32) or "
-                          "high (TF32: ~2x faster, but its rounding swamps h at eps 1e-4); per arm: e.g. "
-                          "high,A1=highest,A3=highest (a bare mode is the default)")
-    include: Path | None = _F(None, description="regime paper: an earlier call's paper_summary.json to merge: its "
-                              "arms are kept unless re-run; its A1 gives A3w's lr and the drift's ledger")
-    resume: bool = _F(False, description="regime paper: an arm named in --arms that stopped on time in the "
-                      "--include summary continues from its last iteration (its step ledger replayed) instead of "
-                      "restarting; one that finished there is kept")
-    shares: str = _F("", description="regime paper: share weights overriding the defaults (A1 24, A2 16, A3 11, "
-                     "A3w 11, A4-16 5, A4-128 8, A5-* 5, A6-* 3), e.g. A1=70,A3=24; renormalised")
-    drift: bool = _F(True, description="regime paper: measure the bf16 in-place drift on A1's ledger (once per "
-                     "ledger, after the arms; ~10 s on a GPU at 75 iterations)")
-    iters_cap: int | None = _F(None, ge=1, description="regime paper: cap every arm's iterations (smoke tests)")
-    end_by: float | None = _F(None, description="regime paper: wall-clock deadline (unix seconds, e.g. "
-                              "$(( $(date +%s) + 540 ))): the arms' budget shrinks so the run ends by then")
-
-    @model_validator(mode="after")
-    def _paper_options(self) -> ZoBenchOptions:
-        if self.regime == "paper" and self.model != "smollm2":
-            raise ValueError(f"--model: --regime paper runs on smollm2 only, got {self.model!r}")
-        if self.resume and self.include is None:
-            raise ValueError("--resume continues arms of an --include summary: give --include")
-        return self
-
-    @property
-    def arm_names(self) -> tuple[str, ...] | None:
-        """--arms as a tuple (None: every arm)."""
-        return tuple(a.strip() for a in self.arms.split(",") if a.strip()) or None
-
-
 class PrecisionOptions(BaseModel):
     """`bench precision`: per round kind, TF32 and bf16 forwards' signal-to-noise against fp32
     (benchmarks.precision.measure)."""
@@ -286,52 +200,6 @@ class PrecisionOptions(BaseModel):
     corpus: str = _F("classics-small", description="Corpus (train split trains, validation split is scored)")
     device: str = _F("cuda:0", description="Torch device (cuda:N; cpu runs every column eagerly)")
     json_out: Path | None = _F(None, description="Write the result JSON here")
-
-
-def _override(model: type[BaseModel], name: str) -> Any:
-    """`model`'s field `name` as an optional override of it: its type and bounds (declared there once), or None."""
-    info = model.model_fields[name]
-    return Annotated[(info.annotation | None, *info.metadata)]
-
-
-_BatchSize, _SeqLen = _override(TrainConfig, "batch_size"), _override(TrainConfig, "seq_len")
-_Corpus, _Model = _override(TrainConfig, "corpus"), _override(TrainConfig, "model")
-_MicroBatchSize = _override(RunOptions, "micro_batch_size")
-PlanName = Literal[tuple(PLANS)]  # benchmarks.regime.PLANS' names: a plan added there is a choice here
-
-
-class RegimeRunOptions(BaseModel):
-    """`bench regime run`: issue 29's resumable plan (benchmarks.regime.run_plan). The overrides of the plan's run
-    settings take TrainConfig's (and RunOptions') bounds; unset, the plan's own settings stand."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    plan: PlanName = _F(description="the plan: full (64x1024), h200, h200b, h200c, h200d (one-GPU calls) or cpu "
-                        "(a tiny dry run); benchmarks.regime.PLANS")
-    out: Path = _F(description="folder of the run folders (resumable: finished runs are kept)")
-    jobs: int = _F(4, ge=1, le=256, description="runs at a time (one process each)")
-    devices: str = _F("auto", min_length=1, description="comma-separated devices, runs spread round-robin; auto: "
-                      "cuda when torch sees a GPU, else cpu")
-    deadline_s: float = _F(440.0, gt=0.0, allow_inf_nan=False, description="seconds after which the runs still "
-                           "going are stopped (checkpointed) and no other starts")
-    batch_size: _BatchSize = _F(None, description="override the plan's sequences per step")
-    seq_len: _SeqLen = _F(None, description="override the plan's tokens per sequence")
-    corpus: _Corpus = _F(None, description="override the plan's corpus")
-    model: _Model = _F(None, description="override the plan's model preset")
-    micro_batch_size: _MicroBatchSize = _F(None, description="sequences per forward/backward: each step's gradients "
-                                           "accumulate over batch/M passes (M must divide the batch)")
-
-    @model_validator(mode="after")
-    def _devices_here(self) -> RegimeRunOptions:
-        if self.devices != "auto":  # a CUDA device this machine lacks is refused before any run starts
-            devices_here(self.devices, "--devices")
-        return self
-
-    @property
-    def overrides(self) -> dict[str, Any]:
-        """The plan settings given ({setting: value}; unset ones left out)."""
-        return {k: v for k in ("batch_size", "seq_len", "corpus", "model", "micro_batch_size")
-                if (v := getattr(self, k)) is not None}
 
 
 def parse(model: type[M], given: dict[str, Any]) -> M:

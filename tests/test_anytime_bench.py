@@ -8,8 +8,8 @@ import json
 import pytest
 
 import trainer.data.corpus as corpus_mod
-from benchmarks.anytime import main, speedup, wsd_lr
-from benchmarks.anytime_report import main as report_main
+from experiments.anytime.bench import main, speedup, wsd_lr
+from experiments.anytime.report import main as report_main
 
 
 def test_wsd_schedule_closed_form():

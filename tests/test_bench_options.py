@@ -1,5 +1,6 @@
-"""The bench commands' typed options (benchmarks.options): the rules between options as model validators, without
-the CLI, and the generated commands keeping every flag that docs/RESULTS.md and tools/h200_*.sh use."""
+"""The bench commands' typed options (benchmarks.options, and the experiments' own: experiments/zo, headline,
+regime): the rules between options as model validators, without the CLI, and the generated commands keeping every
+flag that docs/RESULTS.md and the experiments' run scripts use."""
 
 from __future__ import annotations
 
@@ -10,7 +11,14 @@ from pydantic import ValidationError
 from typer.main import get_command
 
 from benchmarks.cli import bench_app
-from benchmarks.options import FleetBenchOptions, IntakeBenchOptions, PrecisionOptions, ZoBenchOptions
+from benchmarks.options import FleetBenchOptions, IntakeBenchOptions, PrecisionOptions
+from experiments.headline.cli import headline_app
+from experiments.regime.cli import regime_app
+from experiments.zo.cli import ZoBenchOptions
+from experiments.zo.cli import app as zo_app
+
+# The experiments' command lines (`python -m experiments.NAME`), not the product's `sparecycles bench`.
+EXPERIMENT_APPS = {"zo": zo_app, "headline": headline_app, "regime": regime_app}
 
 
 def test_paper_regime_rules_are_validators():
@@ -42,8 +50,9 @@ def test_fleet_options_derive_the_batches_and_worker_arguments():
 
 
 def _flags(name: str) -> set[str]:
-    cmd = get_command(bench_app)
-    for part in name.split():
+    first, *rest = name.split()
+    cmd = get_command(EXPERIMENT_APPS[first]) if first in EXPERIMENT_APPS else get_command(bench_app).commands[first]
+    for part in rest:
         cmd = cmd.commands[part]
     return {o for p in cmd.params for o in (*p.opts, *p.secondary_opts)}
 
@@ -104,12 +113,15 @@ NOT_YET_TYPED: dict[str, list[str]] = {}
 
 def test_every_command_takes_its_options_from_typed_models():
     """House rule: a command's options come from its typed model (trainer.cli_settings), none hand-declared, and no
-    command passes unparsed arguments through (as `bench regime` did to benchmarks.regime's own parser, with no
-    --help, defaults or bounds of its own): every command of the `sparecycles` app, groups walked."""
+    command passes unparsed arguments through (as `bench regime` once did to the regime plan's own parser, with no
+    --help, defaults or bounds of its own): every command of the `sparecycles` app and of the experiments' command
+    lines, groups walked."""
     from sparecycles.cli import app
 
     leaves = dict(_leaves(get_command(app)))
-    assert {"bench regime run", "bench regime report", "kd fill", "bench serving-load", "up"} <= set(leaves)
+    for name, sub in EXPERIMENT_APPS.items():
+        leaves.update(_leaves(get_command(sub), name) if name != "zo" else [("zo", get_command(sub))])
+    assert {"regime run", "regime report", "headline report", "zo", "kd fill", "bench serving-load", "up"} <= set(leaves)
     passed_through = [n for n, c in leaves.items() if c.allow_extra_args or c.ignore_unknown_options]
     assert passed_through == []
     own = {n: _own_options(c) for n, c in leaves.items()}

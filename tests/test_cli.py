@@ -24,7 +24,7 @@ def test_help_lists_every_command():
     for cmd in ("up", "train", "export", "data", "coordinator", "worker", "bench"):
         assert cmd in res.stdout
     bench = _cli("bench", "--help")
-    for cmd in ("kernels", "intake", "fleet", "zo"):
+    for cmd in ("kernels", "intake", "fleet", "serving"):
         assert cmd in bench.stdout
 
 

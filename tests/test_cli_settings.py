@@ -147,11 +147,11 @@ def test_a_choice_named_none_reads_as_that_choice_not_as_no_default():
 
     from typer.testing import CliRunner
 
-    from benchmarks.cli import bench_app
+    from experiments.zo.cli import app as zo_app
 
     up = " ".join(CliRunner().invoke(app, ["up", "--help"], terminal_width=100).output.split())
     assert re.search(r'--serving \[none\|vllm\] [^[]*\[default: "none"\]', up)
     assert re.search(r"--teacher TEXT [^[]*\[default: none\]", up)  # unset: the bare word
-    zo = " ".join(CliRunner().invoke(bench_app, ["zo", "--help"], terminal_width=100).output.split())
+    zo = " ".join(CliRunner().invoke(zo_app, ["--help"], terminal_width=100).output.split())
     assert re.search(r'--shares TEXT [^[]*\[default: ""\]', zo)  # an empty text, not nothing
     assert re.search(r"--part \[lm\|sentiment\|all\] [^[]*\[default: all\]", zo)  # other choices as they were

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from benchmarks.headline import first_reach, pretrain_report
-from benchmarks.zo import fit_linear_probe_head_, reach_ratio
+from experiments.headline.bench import first_reach, pretrain_report
+from experiments.zo.bench import fit_linear_probe_head_, reach_ratio
 
 
 def _run(tmp, name, optimizer, lr, vals, step_s):

@@ -1,11 +1,11 @@
-"""benchmarks.kd_report: the steps at which a taught run reaches CE-only's final loss, from run folders."""
+"""experiments.kd.report: the steps at which a taught run reaches CE-only's final loss, from run folders."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from benchmarks.kd_report import main, step_reaching
+from experiments.kd.report import main, step_reaching
 
 
 def _run(d: Path, curve: list[tuple[int, float]], kd: dict | None, phases: dict) -> None:

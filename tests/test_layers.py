@@ -60,3 +60,54 @@ def test_root_packages_are_ours_alone():
     assert {r: d for r, d in shared.items() if d} == {}, "root packages also provided by other distributions"
     assert sorted(set(roots) & set(sys.stdlib_module_names)) == []
     assert {"sparecycles"} <= set(owners.get("probe_kernels", [])), "the check must see this project's install"
+
+
+def _stated_order(text: str) -> list[str]:
+    """The layer order a document states as "`a` > `b` | `c` > ...": one entry per layer, siblings as "b | c"."""
+    import re
+
+    m = re.search(r"(`\w+`(?:\s*[>|]\s*`\w+`)+)", text)
+    assert m, "no layer order of the form `a` > `b` | `c` found"
+    return [" | ".join(re.findall(r"`(\w+)`", layer)) for layer in re.sub(r"\s+", " ", m.group(1)).split(">")]
+
+
+def _contract(key: str, value: str) -> dict:
+    import tomllib
+
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    return next(c for c in contracts if c[key] == value)
+
+
+def test_the_documents_state_the_contracts_layers():
+    """DESIGN.md (section 4) and development.md state the order the `layers` contract enforces, and every product
+    root package is either in it or is `experiments`, which the `product-without-experiments` contract keeps out
+    of every product package's imports: a layer added, dropped or swapped in one place and not the other fails."""
+    import tomllib
+
+    layers = _contract("id", "layers")["layers"]
+    design = (ROOT / "docs" / "DESIGN.md").read_text(encoding="utf-8")
+    stated = design[design.index("Imports flow down that order"):]
+    assert _stated_order(stated) == layers
+    dev = (ROOT / "docs" / "development.md").read_text(encoding="utf-8")
+    assert _stated_order(dev[dev.index("Imports flow down"):]) == layers
+    roots = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["root_packages"]
+    in_layers = {p.strip() for layer in layers for p in layer.split("|")}
+    assert set(roots) - in_layers == {"experiments"}
+    apart = _contract("id", "product-without-experiments")
+    assert sorted(apart["source_modules"]) == sorted(in_layers) and apart["forbidden_modules"] == ["experiments"]
+
+
+def test_the_layer_order_reader_reads_what_it_checks():
+    """The reader above is not vacuous: a swapped order reads as swapped."""
+    assert _stated_order("flow (`a` > `b` | `c` > `d`); more") == ["a", "b | c", "d"]
+    assert _stated_order("`x` >\n`y`") == ["x", "y"]
+
+
+def test_experiments_are_not_installed():
+    """experiments/ stays out of the wheel: setuptools' find config names the product's packages only."""
+    import tomllib
+    from fnmatch import fnmatch
+
+    find = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    assert not [p for p in find["include"] for m in ("experiments", "experiments.zo") if fnmatch(m, p)]
+    assert (ROOT / "experiments" / "README.md").is_file()

@@ -23,7 +23,12 @@ DOWN = "redis://127.0.0.1:1/0"  # port 1: nothing listens, the connection is ref
 
 def _refused(args: list[str]) -> str:
     """The one error line of `sparecycles ARGS`, which must exit 2."""
-    res = CliRunner(env=dict.fromkeys(UNSET)).invoke(app, args)
+    if args[:1] == ["headline"]:  # the experiment's command line, `python -m experiments.headline`
+        from experiments.headline.cli import headline_app
+
+        res = CliRunner(env=dict.fromkeys(UNSET)).invoke(headline_app, args[1:])
+    else:
+        res = CliRunner(env=dict.fromkeys(UNSET)).invoke(app, args)
     lines = [line for line in res.output.splitlines() if line.strip()]
     assert res.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: "), (res.exit_code, res.output)
     return lines[0]
@@ -32,7 +37,7 @@ def _refused(args: list[str]) -> str:
 @pytest.mark.parametrize(("args", "line"), [
     (["bench", "fleet", "--workers", "1,,2"], "error: --workers: '1,,2' has an empty item"),
     (["bench", "fleet", "--workers", "1,2,"], "error: --workers: '1,2,' has an empty item"),
-    (["bench", "headline", "memory", "--shapes", "gpt2-xl,,gpt-2.7b"], "error: --shapes: 'gpt2-xl,,gpt-2.7b' has an "
+    (["headline", "memory", "--shapes", "gpt2-xl,,gpt-2.7b"], "error: --shapes: 'gpt2-xl,,gpt-2.7b' has an "
      "empty item"),
     (["train", "--anytime-windows", "4,,8"], "error: --anytime-windows: '4,,8' has an empty item"),
     (["fleet", "--worker-devices", "cpu,,cpu"], "error: --worker-devices: 'cpu,,cpu' has an empty item"),

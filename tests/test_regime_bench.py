@@ -1,11 +1,21 @@
-"""Issue 29's benchmark plan (benchmarks.regime): the adaptive stages, and its scoring (benchmarks.regime_score)."""
+"""Issue 29's benchmark plan (experiments.regime.plan): the adaptive stages, and its scoring (experiments.regime.score)."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks.regime import ADAMW, CPU, FULL, H200, Plan, RegimeRun, bracket_lrs, next_runs, run_config
-from benchmarks.regime_score import arm_key, summarize, tables
+from experiments.regime.plan import (
+    ADAMW,
+    CPU,
+    FULL,
+    H200,
+    Plan,
+    RegimeRun,
+    bracket_lrs,
+    next_runs,
+    run_config,
+)
+from experiments.regime.score import arm_key, summarize, tables
 
 PLAN = Plan({}, t_ref=100, adamw_lrs=(1.0, 2.0, 4.0), schedules=("cosine", "linear"),
             arms=(("zocurv-static", ()), ("zocurv-trust", (("start", "one"),))), fracs=(0.75, 0.5), adamw_seeds=3)
@@ -96,7 +106,7 @@ def test_summary_ratio_and_tables():
 def test_a_run_that_fails_is_reported_once_not_restarted(tmp_path):
     """A run whose process exits without a summary (here: an unknown corpus) is not started again every second
     (that truncated its log and hid the error); it comes back among the unfinished, its log holding the reason."""
-    from benchmarks.regime import run_plan
+    from experiments.regime.plan import run_plan
 
     left = run_plan("cpu", tmp_path, jobs=2, devices=["cpu"], deadline_s=240.0,
                     settings={**CPU.settings, "corpus": "no-such-corpus"})
@@ -114,7 +124,7 @@ def test_micro_batches_give_the_run_of_the_whole_batch(tmp_path):
     micro-batch that does not divide the batch is refused with the fix."""
     import json
 
-    from benchmarks.regime import run_one
+    from experiments.regime.plan import run_one
 
     spec = RegimeRun("zocurv-static", 3e-3, 3)
     losses = {}

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from benchmarks.zo import SentimentSpec, resolve_head_init, sentiment_run, sentiment_summary
+from experiments.zo.bench import SentimentSpec, resolve_head_init, sentiment_run, sentiment_summary
 from probe_kernels import perturb
 from trainer.prompt_classifier import (
     LABEL_WORDS,

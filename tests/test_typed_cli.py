@@ -1,7 +1,8 @@
-"""The commands converted to typed options (`bench regime run`, `kd fill`'s own options, the request rate of `bench
-serving-load` and `up`): their --help lists each option with the default and bound its model declares, and a value
-out of bounds is one line, exit 2, from the real `sparecycles` app before anything starts; `python -m
-benchmarks.regime_cli` (tools/h200_regime.sh) is the same command, run here as a real process."""
+"""The commands converted to typed options (`kd fill`'s own options, the request rate of `bench serving-load` and
+`up`; the experiment command `python -m experiments.regime run`): their --help lists each option with the default
+and bound its model declares, and a value out of bounds is one line, exit 2, from the real `sparecycles` app (the
+experiment's own app for `regime ...`) before anything starts; `python -m experiments.regime` is run here as a real
+process too."""
 
 from __future__ import annotations
 
@@ -14,21 +15,32 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from experiments.headline.cli import headline_app
+from experiments.regime.cli import regime_app
+from experiments.zo.cli import app as zo_app
 from sparecycles.cli import app
+
+EXPERIMENTS = {"regime": regime_app, "headline": headline_app, "zo": zo_app}  # `python -m experiments.NAME`
 
 ROOT = Path(__file__).resolve().parents[1]
 UNSET = ("REDIS_URL", "SPARECYCLES_REDIS_URL")
 
 
+def _app(args: list[str]):
+    """(the app, its arguments): `regime ...` is the experiment's command line (`python -m experiments.regime`), as
+    are `headline ...` and `zo`."""
+    return (EXPERIMENTS[args[0]], args[1:]) if args[:1] and args[0] in EXPERIMENTS else (app, args)
+
+
 def _help(args: list[str]) -> str:
     """`sparecycles ARGS --help`, its whitespace (click's wrapping) collapsed to single spaces."""
-    res = CliRunner(env=dict.fromkeys(UNSET)).invoke(app, [*args, "--help"])
+    res = CliRunner(env=dict.fromkeys(UNSET)).invoke(*_app([*args, "--help"]))
     assert res.exit_code == 0, res.output
     return " ".join(res.output.split())
 
 
 @pytest.mark.parametrize(("args", "entries"), [
-    (["bench", "regime", "run"], [
+    (["regime", "run"], [
         "--plan [full|h200|h200b|h200c|h200d|cpu]", "[required]", "--out PATH",
         "--jobs INTEGER runs at a time (one process each). Bound: 1<=x<=256. [default: 4]",
         "Bound: 0<x. [default: 440.0]", "[default: auto]",
@@ -69,13 +81,13 @@ def test_help_lists_the_models_defaults_and_bounds(args, entries):
 
 def _refused(args: list[str]) -> str:
     """The one error line of `sparecycles ARGS`, which must exit 2."""
-    res = CliRunner(env=dict.fromkeys(UNSET)).invoke(app, args)
+    res = CliRunner(env=dict.fromkeys(UNSET)).invoke(*_app(args))
     lines = [line for line in res.output.splitlines() if line.strip()]
     assert res.exit_code == 2 and len(lines) == 1, (res.exit_code, res.output)
     return lines[0]
 
 
-RUN = ["bench", "regime", "run", "--plan", "cpu", "--out"]
+RUN = ["regime", "run", "--plan", "cpu", "--out"]
 
 
 @pytest.mark.parametrize(("args", "line"), [
@@ -84,8 +96,8 @@ RUN = ["bench", "regime", "run", "--plan", "cpu", "--out"]
     ([*RUN, "X", "--batch-size", "4097"], "error: --batch-size: Input should be less than or equal to 4096"),
     ([*RUN, "X", "--deadline-s", "0"], "error: --deadline-s: Input should be greater than 0"),
     ([*RUN, "X", "--devices", "gpu"], "error: --devices: 'gpu' is not a torch device (cpu, cuda or cuda:N)"),
-    (["bench", "regime", "run", "--plan", "nope", "--out", "X"], "error: --plan: Input should be 'full', 'h200', 'h200b', 'h200c', 'h200d' or 'cpu'"),
-    (["bench", "regime", "run", "--plan", "cpu"], "error: Missing option '--out'"),
+    (["regime", "run", "--plan", "nope", "--out", "X"], "error: --plan: Input should be 'full', 'h200', 'h200b', 'h200c', 'h200d' or 'cpu'"),
+    (["regime", "run", "--plan", "cpu"], "error: Missing option '--out'"),
     (["kd", "fill", "--window", "0"], "error: --window: Input should be greater than or equal to 1"),
     (["kd", "fill", "--window", "4097"], "error: --window: Input should be less than or equal to 4096"),
     (["kd", "fill", "--timeout", "0"], "error: --timeout: Input should be greater than or equal to 0.001"),
@@ -137,12 +149,12 @@ def test_kd_fill_options_build_the_fill_options():
     assert KdFillOptions().redis_url == "redis://127.0.0.1:6379/0" and KdFillOptions().fill.keys is None
 
 
-def test_python_m_benchmarks_regime_is_the_typed_command(tmp_path):
-    """tools/h200_regime.sh's call, `python -m benchmarks.regime_cli run ...`, as a real process: its --corpus override
+def test_python_m_experiments_regime_is_the_typed_command(tmp_path):
+    """experiments/regime/run.sh's call, `python -m experiments.regime run ...`, as a real process: its --corpus override
     reaches every run (each fails on the unknown corpus, its log naming it), the JSON line lists them unfinished,
     and exit 1 says no run finished; a refused value is exit 2 there too."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    base = [sys.executable, "-m", "benchmarks.regime_cli", "run", "--plan", "cpu", "--out", str(tmp_path)]
+    base = [sys.executable, "-m", "experiments.regime", "run", "--plan", "cpu", "--out", str(tmp_path)]
     bad = subprocess.run([*base, "--jobs", "0"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--jobs" in bad.stderr, bad.stderr
     res = subprocess.run([*base, "--jobs", "4", "--devices", "cpu", "--deadline-s", "200", "--corpus",
@@ -170,7 +182,9 @@ def test_every_help_shows_its_defaults_bare():
     from typer.main import get_command
 
     commands = list(_leaves(get_command(app)))
+    commands += [(name, *c) for name, sub in EXPERIMENTS.items() for c in _leaves(get_command(sub))]
     assert ("coordinator",) in commands and ("data", "pack") in commands and len(commands) > 20
+    assert ("regime", "run") in commands and ("headline", "memory") in commands and ("zo",) in commands
     shown = {" ".join(c): _help(list(c)) for c in commands}
     assert {c: t for c, t in shown.items() if "default: (" in t} == {}
     res = subprocess.run([sys.executable, "-m", "sparecycles.cli", "train", "--help"], cwd=ROOT, capture_output=True,
@@ -201,7 +215,7 @@ def test_every_help_lists_its_positional_arguments_under_arguments():
             with_arguments[" ".join(path)] = [line.split()[0] for line in listed.splitlines() if line.strip()]
             assert not any(line.split()[0] in (a.metavar, a.name, f"{a.name}...") for line in options.splitlines()
                            if line.strip() for a in arguments), out
-    assert {"export", "bench headline report", "bench serving-load"} <= set(with_arguments)
+    assert {"export", "bench serving-load"} <= set(with_arguments)
     assert with_arguments["export"] == ["RUN_DIR", "OUT_DIR"]
     text = _help(["export"])
     assert "Arguments: RUN_DIR <path> Run folder of `sparecycles train` or `sparecycles up`. [required] OUT_DIR " \

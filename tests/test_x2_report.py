@@ -1,10 +1,10 @@
-"""benchmarks.x2_report's pure helpers: evaluation pauses removed from the wall clock, time to a target loss."""
+"""experiments.x2.report's pure helpers: evaluation pauses removed from the wall clock, time to a target loss."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks.x2_report import time_to_reach, train_wall, val_curve
+from experiments.x2.report import time_to_reach, train_wall, val_curve
 
 
 def _records():

@@ -1,4 +1,4 @@
-"""`sparecycles bench zo` option checks: every bad option fails before any benchmark runs."""
+"""`python -m experiments.zo` option checks: every bad option fails before any benchmark runs."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from benchmarks.cli import bench_zo
+from experiments.zo.cli import bench_zo
 
 app = typer.Typer()
 app.command()(bench_zo)

@@ -12,7 +12,7 @@ import torch
 import typer
 from typer.testing import CliRunner
 
-from benchmarks.zo_paper_steps import (
+from experiments.zo_paper.steps import (
     PAPER,
     PlateauState,
     ZOParamStepper,
@@ -149,7 +149,7 @@ class _Tiny(torch.nn.Module):
 
 
 def _tiny_data():
-    from benchmarks.zo_paper import PaperData
+    from experiments.zo_paper.paper import PaperData
 
     g = torch.Generator().manual_seed(1)
     out = {}
@@ -162,7 +162,7 @@ def _tiny_data():
 
 @pytest.mark.parametrize("numerics", ["master", "inplace"])
 def test_zo_arm_logs_selects_on_val_and_scores_test_once(numerics):
-    from benchmarks.zo_paper import run_zo_arm
+    from experiments.zo_paper.paper import run_zo_arm
 
     data = _tiny_data()
     dtype = torch.float32 if numerics == "master" else torch.bfloat16
@@ -185,7 +185,7 @@ def test_zo_arm_logs_selects_on_val_and_scores_test_once(numerics):
 
 
 def test_backprop_arm_and_drift_on_tiny_model():
-    from benchmarks.zo_paper import run_backprop_arm
+    from experiments.zo_paper.paper import run_backprop_arm
 
     data = _tiny_data()
     r = run_backprop_arm(data, _Tiny(), {"name": "b", "lr": 0.05, "batch_size": 8, "max_iters": 30,
@@ -201,7 +201,7 @@ def test_backprop_arm_and_drift_on_tiny_model():
 
 
 def test_paper_regime_options_are_checked_before_running(tmp_path):
-    from benchmarks.cli import bench_zo
+    from experiments.zo.cli import bench_zo
 
     app = typer.Typer()
     app.command()(bench_zo)
@@ -219,7 +219,7 @@ def test_paper_comparison_runs_every_arm_and_writes_the_table(tmp_path):
     """The orchestration on the tiny classifier: every arm, A3w's lr from A1's mean w, the drift, JSON + PNGs."""
     import json
 
-    from benchmarks.zo_paper import PaperCall, paper_arms, paper_comparison
+    from experiments.zo_paper.paper import PaperCall, paper_arms, paper_comparison
 
     data = _tiny_data()
     s = paper_comparison(tmp_path, lambda dt: _Tiny().to(dt), data, PaperCall(total_s=3600.0, iters_cap=2))
@@ -246,7 +246,7 @@ def test_paper_comparison_runs_every_arm_and_writes_the_table(tmp_path):
 def test_with_lr_zero_the_start_is_selected_and_scored():
     """No evaluation beats the start: the selection is iteration 0 (earliest of equal bests), scored on the
     start's weights."""
-    from benchmarks.zo_paper import run_zo_arm
+    from experiments.zo_paper.paper import run_zo_arm
 
     data = _tiny_data()
     arm = {"name": "z", "method": "1spsa", "numerics": "master", "lr": 0.0, "eps": 1e-2, "batch_size": 8,

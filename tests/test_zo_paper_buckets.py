@@ -1,4 +1,4 @@
-"""Length-bucketed forwards (benchmarks.length_buckets): the optimal split on known lengths, and bucketed
+"""Length-bucketed forwards (experiments.zo_paper.length_buckets): the optimal split on known lengths, and bucketed
 loss / accuracy equal to one padded forward on a tiny random Llama prompt classifier."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from benchmarks.length_buckets import bucket_batch, bucketed_ce, length_buckets, padded_tokens
+from experiments.zo_paper.length_buckets import bucket_batch, bucketed_ce, length_buckets, padded_tokens
 from trainer.prompt_classifier import PromptClassifier
 
 
@@ -84,7 +84,7 @@ def test_bucketed_loss_and_accuracy_equal_one_padded_forward():
     assert float(loss) == pytest.approx(float(ref_loss), rel=1e-5)
     assert int(right) == ref_right
     # the paper harness's loss: same mean, train accuracy over all rows
-    from benchmarks.zo_paper import AccuracyLoss
+    from experiments.zo_paper.paper import AccuracyLoss
 
     acc = AccuracyLoss()
     assert float(acc(model, buckets)) == pytest.approx(float(ref_loss), rel=1e-5)
@@ -93,8 +93,8 @@ def test_bucketed_loss_and_accuracy_equal_one_padded_forward():
 
 
 def test_paper_batches_keep_the_drawn_rows_and_the_eval_covers_every_row():
-    from benchmarks.zo_paper import PaperData
-    from benchmarks.zo_paper_steps import batch_rows
+    from experiments.zo_paper.paper import PaperData
+    from experiments.zo_paper.steps import batch_rows
 
     splits = {s: _right_padded(n, 20, seed=i) for i, (s, n) in enumerate((("train", 200), ("val", 90),
                                                                           ("test", 130)))}
@@ -121,7 +121,7 @@ def test_paper_batches_keep_the_drawn_rows_and_the_eval_covers_every_row():
 
 
 def test_padding_report_counts_the_tokens_of_the_paper_batches():
-    from benchmarks.zo_paper import PaperData, padding_report
+    from experiments.zo_paper.paper import PaperData, padding_report
 
     splits = {s: _right_padded(n, 20, seed=i) for i, (s, n) in enumerate((("train", 200), ("val", 20),
                                                                           ("test", 20)))}

@@ -1,4 +1,4 @@
-"""Splitting `bench zo --regime paper` over device calls: share renormalisation, per-arm fp32 matmul, and
+"""Splitting `python -m experiments.zo --regime paper` over device calls: share renormalisation, per-arm fp32 matmul, and
 merging an earlier call's summary (A3w's lr and the drift from an included A1), on a tiny CPU classifier."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from benchmarks.zo_paper_plan import (
+from experiments.zo_paper.plan import (
     arm_seconds,
     canonical_order,
     merge_include,
@@ -18,7 +18,7 @@ from benchmarks.zo_paper_plan import (
     parse_matmul,
     parse_weights,
 )
-from benchmarks.zo_paper_steps import PAPER
+from experiments.zo_paper.steps import PAPER
 
 
 def test_shares_renormalise_over_the_arms_run_now():
@@ -79,7 +79,7 @@ def test_resumed_arm_equals_the_uninterrupted_run():
     bit for bit), losses and train accuracies as one run of 4 iterations; the plateau state carries over."""
     from test_zo_paper import _Tiny, _tiny_data
 
-    from benchmarks.zo_paper import run_zo_arm
+    from experiments.zo_paper.paper import run_zo_arm
 
     data = _tiny_data()
     arm = dict(paper_arms(1e9, ("A1",))[0], probes=6, max_iters=4, patience=1, lr=1e-3, eps=1e-2)
@@ -104,7 +104,7 @@ def test_two_calls_merge_into_one_summary(tmp_path):
     lists all three in the canonical order."""
     from test_zo_paper import _Tiny, _tiny_data
 
-    from benchmarks.zo_paper import PaperCall, paper_comparison
+    from experiments.zo_paper.paper import PaperCall, paper_comparison
 
     data = _tiny_data()
     calls = []
@@ -135,7 +135,7 @@ def test_two_calls_merge_into_one_summary(tmp_path):
 
 
 def test_cli_checks_include_and_per_arm_matmul(tmp_path):
-    from benchmarks.cli import bench_zo
+    from experiments.zo.cli import bench_zo
 
     app = typer.Typer()
     app.command()(bench_zo)

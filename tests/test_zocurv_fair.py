@@ -1,4 +1,4 @@
-"""Scoring of the issue-17 fair comparison (benchmarks.zocurv_fair): pure functions on synthetic runs."""
+"""Scoring of the issue-17 fair comparison (experiments.zocurv_fair.fair): pure functions on synthetic runs."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from dataclasses import asdict
 
 import pytest
 
-from benchmarks.zocurv_fair import FairRun, fair_config, final_plan, h200_plan, step_ratio, summarize
-from benchmarks.zocurv_fair_score import merge_runs, variant_key
+from experiments.zocurv_fair.fair import FairRun, fair_config, final_plan, h200_plan, step_ratio, summarize
+from experiments.zocurv_fair.score import merge_runs, variant_key
 
 
 def test_step_ratio_smallest_full_schedule_reaching_the_target():

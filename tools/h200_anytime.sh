@@ -4,14 +4,14 @@
 # decay over the last 20%); at each evaluation the raw and served validation losses, the winning candidate and
 # the anytime speedup; beside them AdamW runs annealed at 1/4, 1/2 and 3/4 of the run (branched from the main
 # run's stable phase, each with its own WSD decay). Candidates are scored in the trainer process on the same GPU
-# (benchmarks/anytime.py says why). Writes $OUT/anytime.json, $OUT/anytime.png, $OUT/table.md and the log.
+# (experiments/anytime/bench.py says why). Writes $OUT/anytime.json, $OUT/anytime.png, $OUT/table.md and the log.
 #
 # Here (a machine with the registries), once:   bash tools/h200_anytime.sh pack
 #   -> .data/ (classics-large: xz token arrays + manifest) and .whl/ (pydantic & co. for the GPU image's python)
 # On the GPU (device call, carry [".data", ".whl"]):   bash tools/h200_anytime.sh [steps] [plain|pull]
 #   steps default 1500 (24.6M tokens, under one epoch of the 31.3M training tokens); ~12 steps/s in bf16
 #   autocast + TF32 -> ~165 s of main-run steps + ~40 s of references + evaluations; stopped at a deadline.
-# Then here: python -m benchmarks.anytime_report OUT/anytime.json --out benchmarks/results/anytime \
+# Then here: python -m experiments.anytime.report OUT/anytime.json --out benchmarks/results/anytime \
 #   [--pull-json OUT2/anytime_pull.json]   (a second call: bash tools/h200_anytime.sh 1500 pull)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -36,9 +36,9 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 SPARECYCLES_CACHE=$PWD/.data
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 extra=(); name=anytime
 [ "$arm" = pull ] && extra=(--pull --ref-fracs "") && name=anytime_pull
-timeout "${ANYTIME_TIMEOUT_S:-530}" python3 -m benchmarks.anytime --out "$out" --steps "$steps" --device cuda \
+timeout "${ANYTIME_TIMEOUT_S:-530}" python3 -m experiments.anytime.bench --out "$out" --steps "$steps" --device cuda \
   --deadline-s "${ANYTIME_DEADLINE_S:-470}" --name "$name" "${extra[@]}" 2>&1 | tee "$out/$name.log"
 rm -f "$out/served.safetensors"  # 500 MB of weights: not worth carrying back
 [ "$arm" = plain ] && [ -f "$out/anytime.json" ] && \
-  python3 -m benchmarks.anytime_report "$out/anytime.json" --out "$out" > /dev/null
+  python3 -m experiments.anytime.report "$out/anytime.json" --out "$out" > /dev/null
 tail -30 "$out/table.md" 2>/dev/null

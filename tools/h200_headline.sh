@@ -23,13 +23,13 @@ wait_or_stop() {  # wait for the background jobs; past the deadline stop them (t
   if [ -n "$(jobs -rp)" ]; then echo "deadline: stopping $(jobs -rp | wc -l) job(s)"; kill -TERM $(jobs -rp) 2>/dev/null; pkill -TERM -f "from sparecycles.cli import app"; sleep 3; fi
 }
 sc() { python3 -c 'import sys; from sparecycles.cli import app; sys.argv[0] = "sparecycles"; app()' "$@"; }
-sweep() {  # sweep DEFAULT_JOBS BENCH_ARGS...: one `bench zo` process per METHOD:LR job ($FINETUNE_JOBS
+sweep() {  # sweep DEFAULT_JOBS BENCH_ARGS...: one `python -m experiments.zo` process per METHOD:LR job ($FINETUNE_JOBS
   # overrides), spread round-robin over the GPUs; sets i to the number of jobs started
   local jobs=$1 job m lr; shift
   i=0
   for job in ${FINETUNE_JOBS:-$jobs}; do
     m=${job%%:*} lr=${job##*:}
-    sc bench zo "$@" --methods "$m" --lrs "$lr" --device cuda:$(( i % ngpu )) > "$res/logs/ft-$m-$lr.log" 2>&1 &
+    python3 -m experiments.zo "$@" --methods "$m" --lrs "$lr" --device cuda:$(( i % ngpu )) > "$res/logs/ft-$m-$lr.log" 2>&1 &
     i=$((i + 1))
   done
 }
@@ -43,7 +43,7 @@ if [ "$part" = pretrain ]; then
   (
     for lr in 1e-3 5e-4 2e-3; do sc train "${common[@]}" --optimizer adamw --lr $lr --device cuda:0 --run-dir $res/adamw-lr$lr; done
     CUDA_VISIBLE_DEVICES=0 sc bench kernels --preset gpt2-small --json-out $res/kernels.json
-    sc bench headline memory --device cuda:0 --json-out $res/memory.json
+    python3 -m experiments.headline memory --device cuda:0 --json-out $res/memory.json
   ) > "$out/gpu0.log" 2>&1 &
   (
     for lr in 1e-3 2e-3; do
@@ -52,7 +52,7 @@ if [ "$part" = pretrain ]; then
     done
   ) > "$out/gpu1.log" 2>&1 &
   wait_or_stop
-  sc bench headline report $res/adamw-lr* $res/zocurv-line-lr* --out $res/report > "$out/report.log" 2>&1
+  python3 -m experiments.headline report $res/adamw-lr* $res/zocurv-line-lr* --out $res/report > "$out/report.log" 2>&1
 elif [ "$part" = finetune ]; then
   # MiniLM-L6 sentiment from a linear-probe head: one process per (method, lr), three per GPU (more
   # processes time-slice one GPU too finely). Each run writes its curve after every evaluation, so the
@@ -61,7 +61,7 @@ elif [ "$part" = finetune ]; then
   ft=(--part sentiment --budget "$budget" --k 16 --evals 40 --head-init linear-probe --out $res/sentiment)
   sweep "mezo:3e-5 mezo:1e-4 1spsa:1e-5 1spsa:3e-5 1.5spsa:1e-5 1.5spsa:3e-5" "${ft[@]}"
   wait_or_stop
-  sc bench zo --part sentiment --budget 3 --lrs "" --methods mezo --evals 1 --head-init linear-probe \
+  python3 -m experiments.zo --part sentiment --budget 3 --lrs "" --methods mezo --evals 1 --head-init linear-probe \
     --device cuda:0 --out $res/sentiment > "$res/logs/ft-summary.log" 2>&1
   tail -n 4 $res/logs/*.log > "$out/finetune-tail.log"
 elif [ "$part" = finetune-smollm2 ]; then
@@ -78,11 +78,11 @@ elif [ "$part" = finetune-smollm2 ]; then
   ft=(--part sentiment --model smollm2 --budget "$budget" --k 16 --evals "${FINETUNE_EVALS:-20}" --out $res/sentiment-smollm2)
   sweep "mezo:3e-5 mezo:1e-4 1spsa:1e-4 1spsa:3e-4 1.5spsa:1e-4 1.5spsa:3e-4" "${ft[@]}"
   if [ "${BACKPROP_STEPS:-300}" -gt 0 ]; then
-    sc bench zo "${ft[@]}" --methods mezo --lrs "" --backprop-steps "${BACKPROP_STEPS:-300}" --evals 10 \
+    python3 -m experiments.zo "${ft[@]}" --methods mezo --lrs "" --backprop-steps "${BACKPROP_STEPS:-300}" --evals 10 \
       --device cuda:$(( i % ngpu )) > "$res/logs/ft-backprop.log" 2>&1 &
   fi
   wait_or_stop
-  sc bench zo --part sentiment --model smollm2 --budget 3 --lrs "" --methods mezo --evals 1 \
+  python3 -m experiments.zo --part sentiment --model smollm2 --budget 3 --lrs "" --methods mezo --evals 1 \
     --device cuda:0 --out $res/sentiment-smollm2 > "$res/logs/ft-summary.log" 2>&1
   tail -n 4 $res/logs/*.log > "$out/finetune-smollm2-tail.log"
 else

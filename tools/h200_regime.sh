@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Issue 29, reduced plan, ONE device call on one H200 (<= 540 s): benchmarks.regime's plan "h200" — gpt2-small,
+# Issue 29, reduced plan, ONE device call on one H200 (<= 540 s): experiments.regime.plan's plan "h200" — gpt2-small,
 # 32x512 tokens per step on classics-large, T_ref 200 (3.3M tokens of its 31.3M), AdamW lr 6e-4 / 1.2e-3 cosine and
 # 1.2e-3 linear-to-zero, the static table (normalised) at 6e-4 and 1.2e-3, the trust region from the table and
 # from 1 at 1.2e-3, and the trust region from the table at T = 150: 8 runs, 4 at a time on the GPU. Memory (measured
 # 2026-12-02): a gpt2-small run of 32x512 in fp32 peaks at ~27.5 GB, so 4 at once fit in the H200's ~139 GB; 6 at
 # once ran out of memory (4 of 8 runs died). Follow-up calls resume from the earlier calls' run folders, carried in:
-# RUNS=$PWD/.regime-runs PLAN=h200b|h200c|h200d (benchmarks.regime's PLANS; results in benchmarks/results/h200/regime/).
+# RUNS=$PWD/.regime-runs PLAN=h200b|h200c|h200d (experiments.regime.plan's PLANS; results in benchmarks/results/h200/regime/).
 # Prepare here (once, repository root): bash tools/h200_anytime.sh pack   -> .data/ (classics-large packed by
 # `sparecycles data pack`, with its selection split, where the trust region's held-out probe batches come from)
 # and .whl/ (the same carry as the anytime benchmark's).
@@ -13,9 +13,9 @@
 # Back in $OUT (7 files): run.log, report.log, gpus.txt, regime_summary.json, regime.png, regime_tables.md and
 # runs.tgz (every run folder: metrics.jsonl, spec.json, summary.json, logs). Here, afterwards:
 #   mkdir -p benchmarks/results/h200/regime && cp FILES_AT/regime_* benchmarks/results/h200/regime/
-#   python -m benchmarks.regime_score tables benchmarks/results/h200/regime/regime_summary.json \
+#   python -m experiments.regime.score tables benchmarks/results/h200/regime/regime_summary.json \
 #       benchmarks/results/h200/regime/regime_tables.md
-# (or untar runs.tgz into DIR and `sparecycles bench regime report DIR`, which also draws the PNG).
+# (or untar runs.tgz into DIR and `python -m experiments.regime report DIR`, which also draws the PNG).
 # Env: PLAN (default h200), RUNS (/tmp/regime-runs), JOBS (4), CALL_S (530: the call ends by then), PY (python3), DEVICES (cuda), EXTRA (more `run` options, e.g.
 # "--batch-size 16 --seq-len 512" if 8 runs of 32x512 prove too slow: the summary says which finished).
 # Sizing (estimate, not measured): issue 17's 7 concurrent gpt2-small runs of 400 x 16x512 took 272 s on this
@@ -37,9 +37,9 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expa
 (nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 || echo "no GPU") | tee "$out/gpus.txt"
 left=$((t_start + call_s - $(date +%s) - 45))  # 45 s kept for the report and the tarball
 # shellcheck disable=SC2086
-timeout -k 10 $((left + 25)) $py -m benchmarks.regime_cli run --plan "${PLAN:-h200}" --out "$runs" \
+timeout -k 10 $((left + 25)) $py -m experiments.regime run --plan "${PLAN:-h200}" --out "$runs" \
   --jobs "${JOBS:-4}" --devices "${DEVICES:-cuda}" --deadline-s "$left" ${EXTRA:-} 2>&1 | tee "$out/run.log"
-timeout 30 $py -m benchmarks.regime_cli report "$runs" > "$out/report.log" 2>&1 || echo "report failed: see report.log"
+timeout 30 $py -m experiments.regime report "$runs" > "$out/report.log" 2>&1 || echo "report failed: see report.log"
 for f in regime_summary.json regime.png regime_tables.md; do [ -f "$runs/$f" ] && cp "$runs/$f" "$out/"; done
 tar czf "$out/runs.tgz" -C "$runs" --exclude='*.safetensors' --exclude=export .
 echo "done in $(( $(date +%s) - t_start )) s"

@@ -2,10 +2,10 @@
 # Issue 21 on two GPUs (x2 fallback of the 8-GPU run): one `sparecycles up --gpus auto --optimizer zocurv-global`
 # (AdamW alone on GPU 0 as the baseline, then zocurv-global on GPU 0 with its line rounds evaluated by a probe
 # worker on GPU 1, through embedded Valkey, the coordinator and Celery), both at issue 17's tuned setting
-# (benchmarks/zocurv_fair.py: gpt2-small 16x512, lr 6e-4, warmup 10%, cosine to 0.1x, wd 0.1, clip 1.0,
+# (experiments/zocurv_fair/fair.py: gpt2-small 16x512, lr 6e-4, warmup 10%, cosine to 0.1x, wd 0.1, clip 1.0,
 # refresh every 50 steps, probe batch 8) for T steps on classics-small; then, as long as the call's time allows,
 # the same zocurv-global run probing in process on GPU 0. `nvidia-smi dmon` per GPU all along;
-# benchmarks/x2_report.py turns it into x2_summary.json + x2_val_loss_vs_wall.png under $OUT.
+# experiments/x2/report.py turns it into x2_summary.json + x2_val_loss_vs_wall.png under $OUT.
 # Pack first, here: bash tools/h200_fleet.sh pack  (fills .dev/whl2 and .dev/h200lm, git-ignored; carry both).
 # On the GPU machine: bash tools/h200_x2.sh [steps] [budget_s]   (defaults 400, 540: the whole call's seconds)
 # Env: UP_S (seconds for up; default budget - 130), INPROC=0 skips the in-process run, BENCH_S=N adds
@@ -60,7 +60,7 @@ if [ -n "${BENCH_S:-}" ]; then
     --json-out "$out/fleet.json" > /tmp/logs/bench_fleet.log 2>&1
   echo "bench fleet rc=$?" | tee -a /tmp/logs/bench_fleet.log; tail -n 12 /tmp/logs/bench_fleet.log
 fi
-python3 -m benchmarks.x2_report /tmp/up "$out" --inproc /tmp/inproc \
+python3 -m experiments.x2.report /tmp/up "$out" --inproc /tmp/inproc \
   --dmon gpu0=/tmp/logs/dmon_gpu0.log gpu1=/tmp/logs/dmon_gpu1.log > /tmp/logs/report.log 2>&1
 echo "report rc=$?" >> /tmp/logs/report.log
 cp /tmp/up/summary.json "$out/up_summary.json" 2>/dev/null

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 18 on one H200: 1.5-SPSA in its published regime vs 1SPSA, MeZO and backprop (benchmarks.zo_paper), in
+# Issue 18 on one H200: 1.5-SPSA in its published regime vs 1SPSA, MeZO and backprop (experiments.zo_paper.paper), in
 # three device calls on one warm machine (each <= 600 s; SmolLM2's 98 MB GGUF travels in two halves, the layout
 # of `tools/h200_pack.sh smollm2`: .h200s1/ and .h200s2/ in the repository root, wheels in .whl/):
 #   part1  carries .h200s1 + .whl: keeps .h200s1 in /root/keep (a later call removes carried folders it does not
@@ -8,7 +8,7 @@
 #          the bf16 in-place memory scan (55B, 60B, 66B, 70B, 73B until one runs out of memory)
 #          -> $OUT/forward_timing.json, $OUT/inplace_memory.json.  ~70-100 s.
 #   part2  carries .h200s2 + .whl: rejoins and converts the GGUF into /tmp/zo-cache (once per machine; keeps
-#          .h200s2 in /root/keep too), then `bench zo --regime paper` on ARMS (default A1) until the call's
+#          .h200s2 in /root/keep too), then `python -m experiments.zo --regime paper` on ARMS (default A1) until the call's
 #          deadline; the summary goes to $OUT/zo-paper and /root/keep/zo-paper (the next call includes it).
 #   part3  carries .whl only: reuses /tmp/zo-cache (rebuilt from /root/keep's halves if missing), includes
 #          /root/keep/zo-paper/paper_summary.json with --resume (an arm that stopped on time there continues
@@ -54,10 +54,10 @@ if [ "$part" = part1 ]; then
 import json, sys, time
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
-from benchmarks.zo_paper import inplace_memory_scan
+from experiments.zo_paper.paper import inplace_memory_scan
 from trainer.prompt_classifier import PromptClassifier
 # SmolLM2-135M's shape (random weights); training batch 0 of the paper regime: one chunk 512 x 66, or its
-# length buckets (benchmarks.length_buckets on the real lengths, computed on CPU)
+# length buckets (experiments.zo_paper.length_buckets on the real lengths, computed on CPU)
 cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                   num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)
 layouts = {"one_chunk": [(512, 66)], "bucketed": [(155, 24), (177, 34), (115, 43), (65, 66)]}
@@ -111,8 +111,8 @@ else
 fi
 drift=(--drift); [ "$part" = part2 ] && drift=(--no-drift)  # part3 measures it on the finished A1 ledger
 echo "$part: arms $arms, shares ${shares:-default}, $(left) s left of $call_s"
-timeout -k 5 "$(( $(left) + 15 ))" python3 -c 'import sys; from sparecycles.cli import app; sys.argv[0] = "sparecycles"; app()' \
-  bench zo --part sentiment --model smollm2 --regime paper --device "${DEVICE:-cuda}" --arms "$arms" --shares "$shares" \
+timeout -k 5 "$(( $(left) + 15 ))" python3 -m experiments.zo \
+  --part sentiment --model smollm2 --regime paper --device "${DEVICE:-cuda}" --arms "$arms" --shares "$shares" \
   --time-budget 100000 --end-by "$end_by" --fp32-matmul "${FP32_MATMUL:-highest}" "${drift[@]}" ${inc[@]+"${inc[@]}"} \
   ${EXTRA:-} --out "$out/zo-paper" 2>&1 | grep --line-buffered -v "it/s]" | tee "$out/$part.log"
 mkdir -p "$keep/zo-paper" && cp "$out/zo-paper/paper_summary.json" "$keep/zo-paper/" 2>/dev/null

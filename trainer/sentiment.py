@@ -2,7 +2,7 @@
 
 `SentimentTask` holds the tokenized splits and draws counter-based batches; `classifier_loss` is the
 loss every optimizer uses (backprop AdamW and the ZO probe backends alike); `SentimentRunTask` is the
-`trainer.train.Task` that `train()` picks for `cfg.task == "sentiment"`. benchmarks.zo re-exports
+`trainer.train.Task` that `train()` picks for `cfg.task == "sentiment"`. experiments.zo.bench re-exports
 the first two for its side-by-side benchmark.
 """
 
