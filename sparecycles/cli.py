@@ -13,6 +13,7 @@ import typer
 from api import cli as api_cli
 from benchmarks.cli import bench_app
 from probe_worker import cli as worker_cli
+from probe_worker.engine_proxy import ProxyOptions
 from sparecycles.cli_errors import OneLineErrors
 from sparecycles.fleet_cli import fleet as fleet_command
 from sparecycles.kd_cli import kd_app
@@ -91,6 +92,19 @@ app.command("coordinator", cls=SettingsCommand)(
 app.command("worker", cls=SettingsCommand, short_help="Join a coordinator and evaluate its probe tasks.")(worker_cli.worker)
 app.command("fleet", cls=SettingsCommand, short_help="A fleet on this machine for your own loop, up until stopped.")(fleet_command)
 
+
+
+@app.command("engine-proxy", cls=SettingsCommand,
+             short_help="Serve a load proxy (vLLM's /load) in front of a serving engine whose gauges move late.")
+@with_settings(model=ProxyOptions, param="given", section="Options")
+def engine_proxy(given: dict) -> None:
+    """Forward every request to --upstream (an engine such as llama.cpp's llama-server or SGLang) and answer
+    GET /load as vLLM does with --enable-server-load-tracking ({"server_load": N}): N counts a request from its
+    arrival at the proxy until its answer has streamed back, so a worker reading it (--serving-metrics URL/load)
+    sees a request before the engine's own gauges move (probe_worker.engine_proxy). Runs until SIGINT/SIGTERM."""
+    from probe_worker.engine_proxy import serve
+
+    serve(ProxyOptions(**given))  # each value was checked, naming its option, when the command line was parsed
 
 @app.command("up", cls=SettingsCommand, short_help="Everything on this machine: AdamW vs a fleet-probed run.")
 @stops_cleanly  # SIGINT/SIGTERM from the first instruction: `kill`/`timeout` get Ctrl-C's clean shutdown of every child
