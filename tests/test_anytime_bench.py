@@ -1,5 +1,5 @@
 """The anytime benchmark's pure helpers (WSD schedule, anytime speedup) and a tiny CPU dry run of the driver
-and its report (the H200 run itself is tools/h200_anytime.sh)."""
+and its report (the H200 run itself is experiments/anytime/run.sh)."""
 
 from __future__ import annotations
 

@@ -74,7 +74,7 @@ def _flags(name: str) -> set[str]:
                 "--standin-config --standin-tokenizer --standin-dtype --out --redis-url"),
     ("serving-load", "--requests --rate --seed --json-out"),
     ("regime run", "--plan --out --jobs --devices --deadline-s --batch-size --seq-len --corpus --model "
-                   "--micro-batch-size"),  # tools/h200_regime.sh's, its EXTRA's and docs/training.md's
+                   "--micro-batch-size"),  # experiments/regime/run.sh's, its EXTRA's and docs/training.md's
     ("kernels", "--preset --dist --k --batch --seq-len --forward --no-forward --json-out"),
     ("probe", "--preset --batch --seq-len --parity-seeds --cuda-graphs --no-cuda-graphs --cross-process "
               "--no-cross-process --json-out"),
@@ -98,7 +98,7 @@ def _own_options(cmd) -> list[str]:
 
 
 def _leaves(cmd, name: str = ""):
-    """(name, command) of every command under `cmd`, groups walked ("bench regime run")."""
+    """(name, command) of every command under `cmd`, groups walked ("regime run")."""
     if hasattr(cmd, "commands"):  # a group (typer vendors its own click: no isinstance against click.Group)
         for n, c in cmd.commands.items():
             yield from _leaves(c, f"{name} {n}".strip())

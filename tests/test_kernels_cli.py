@@ -50,7 +50,7 @@ def test_bench_probe_without_cuda_or_with_an_unknown_preset_fails_clearly():
 
 
 def test_kernels_and_probe_options_are_their_models():
-    """The flags tools/h200_*.sh pass, generated from the models (no option declared by hand), with their bounds."""
+    """The flags experiments/gpu_runs/run.sh passes, generated from the models (no option declared by hand), with their bounds."""
     from benchmarks.cli import bench_app
     from benchmarks.options import KernelsBenchOptions, ProbeBenchOptions
 

@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("json", type=Path)
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/anytime"))
-    p.add_argument("--pull-json", type=Path, default=None, help="the --pull ablation's JSON (tools/h200_anytime.sh "
+    p.add_argument("--pull-json", type=Path, default=None, help="the --pull ablation's JSON (experiments/anytime/run.sh "
                    "STEPS pull), compared with the plain run at its last step")
     a = p.parse_args(argv)
     result = json.loads(a.json.read_text())

@@ -7,7 +7,7 @@
 - `memory_scan(device, sizes)`: the largest GPT shape that takes a training step in place on one GPU with
   AdamW (fp32 weights + gradients + two moments) and with 1.5-SPSA (fp32 weights only, updated in place by
   seed replay), with the peak memory of each step.
-The runs themselves are ordinary `sparecycles train` invocations (tools/h200_headline.sh).
+The runs themselves are ordinary `sparecycles train` invocations (experiments/headline/run.sh).
 """
 
 from __future__ import annotations

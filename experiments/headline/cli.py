@@ -20,7 +20,7 @@ SECTION = "Options"
 
 
 class HeadlineReportOptions(BaseModel):
-    """`bench headline report`: the pretraining report of finished runs (experiments.headline.bench.pretrain_report)."""
+    """`python -m experiments.headline report`: the pretraining report of finished runs (experiments.headline.bench.pretrain_report)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -28,7 +28,7 @@ class HeadlineReportOptions(BaseModel):
 
 
 class MemoryScanOptions(BaseModel):
-    """`bench headline memory`: the largest GPT shape that trains in place on one GPU (experiments.headline.bench)."""
+    """`python -m experiments.headline memory`: the largest GPT shape that trains in place on one GPU (experiments.headline.bench)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -39,7 +39,7 @@ class MemoryScanOptions(BaseModel):
     json_out: Path | None = Field(None, description="write the scan as JSON here")
 
 
-headline_app = typer.Typer(cls=OneLineErrors, rich_markup_mode=None, help="Headline benchmarks: pretraining report, memory scan (tools/h200_headline.sh "
+headline_app = typer.Typer(cls=OneLineErrors, rich_markup_mode=None, help="Headline benchmarks: pretraining report, memory scan (experiments/headline/run.sh "
                                 "runs the whole set on a GPU machine).", no_args_is_help=True)
 
 

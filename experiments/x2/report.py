@@ -1,4 +1,4 @@
-"""Issue 21 on two GPUs (tools/h200_x2.sh): AdamW alone on GPU 0 vs zocurv-global on GPU 0 with its probes on
+"""Issue 21 on two GPUs (experiments/x2/run.sh): AdamW alone on GPU 0 vs zocurv-global on GPU 0 with its probes on
 a worker on GPU 1 (`sparecycles up --gpus auto`); wall-clock to AdamW's final validation loss, fleet figures,
 publish -> ready per version and GPU utilisation (a benchmark report, not a test).
 

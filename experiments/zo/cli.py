@@ -19,7 +19,7 @@ SECTION = "Options"
 
 
 class ZoBenchOptions(BaseModel):
-    """`bench zo`: the ZO side-by-side benchmarks (experiments.zo.bench; --regime paper: experiments.zo_paper.paper)."""
+    """`python -m experiments.zo`: the ZO side-by-side benchmarks (experiments.zo.bench; --regime paper: experiments.zo_paper.paper)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -106,7 +106,7 @@ def bench_zo(given: dict) -> None:
 
 
 def _check_zo_project(o: ZoBenchOptions) -> tuple[tuple[str, ...], str | None, tuple[float, ...]]:
-    """`bench zo --regime project`'s options checked before anything runs; returns (methods, the resolved
+    """`--regime project`'s options checked before anything runs; returns (methods, the resolved
     head init, the lr grid). Raises typer.BadParameter naming the option at fault."""
     from experiments.zo.bench import check_sentiment_folder, forwards_per_step, resolve_head_init
     from trainer.methods import method_names
@@ -121,7 +121,7 @@ def _check_zo_project(o: ZoBenchOptions) -> tuple[tuple[str, ...], str | None, t
         head_init = resolve_head_init(model, o.head_init)
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--head-init") from None
-    try:  # empty is allowed: tools/h200_headline.sh merges earlier runs' JSON with --lrs ""
+    try:  # empty is allowed: experiments/headline/run.sh merges earlier runs' JSON with --lrs ""
         grid = tuple(float(x) for x in lrs.split(",") if x.strip())
     except ValueError:
         grid = (float("nan"),)

@@ -6,12 +6,12 @@
 # refresh every 50 steps, probe batch 8) for T steps on classics-small; then, as long as the call's time allows,
 # the same zocurv-global run probing in process on GPU 0. `nvidia-smi dmon` per GPU all along;
 # experiments/x2/report.py turns it into x2_summary.json + x2_val_loss_vs_wall.png under $OUT.
-# Pack first, here: bash tools/h200_fleet.sh pack  (fills .dev/whl2 and .dev/h200lm, git-ignored; carry both).
-# On the GPU machine: bash tools/h200_x2.sh [steps] [budget_s]   (defaults 400, 540: the whole call's seconds)
+# Pack first, here: bash experiments/gpu_runs/fleet_up.sh pack  (fills .dev/whl2 and .dev/h200lm, git-ignored; carry both).
+# On the GPU machine: bash experiments/x2/run.sh [steps] [budget_s]   (defaults 400, 540: the whole call's seconds)
 # Env: UP_S (seconds for up; default budget - 130), INPROC=0 skips the in-process run, BENCH_S=N adds
 # `bench fleet` (worker on GPU 1, trainer on GPU 0: publish -> ready, trainer cost per version) for N seconds.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 T0=$(date +%s)
 steps=${1:-400}
 budget=${2:-540}

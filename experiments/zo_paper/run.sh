@@ -16,7 +16,7 @@
 #          SHARES A1=70,A3=24,A5-3e-05=3,A6-5e-05=3), measures the drift on A1's ledger, and leaves the merged
 #          summary in $OUT/zo-paper and /root/keep/zo-paper (a part4 with other ARMS merges it the same way).
 # Usage: [ARMS=..] [SHARES=..] [FP32_MATMUL=highest|high|high,A1=highest,..] [CALL_S=575] [EXTRA="--iters-cap 2"] \
-#          bash tools/h200_zo_paper.sh part1|part2|part3
+#          bash experiments/zo_paper/run.sh part1|part2|part3
 # Every call ends by CALL_S seconds after it started (default 575 of the 600 s limit): the bench gets
 # `--end-by` (its arms' budget shrinks to what is left after loading), and `timeout` kills it 15 s after that
 # as a last resort (the summary is written after every arm, so only a killed arm would be lost).
@@ -97,7 +97,7 @@ fi
 if [ ! -f "$cache/models/smollm2-135m/source.json" ] || [ ! -f "$cache/tasks/sentiment/manifest.json" ]; then
   [ -d .h200s1 ] || cp -r "$keep/.h200s1" . || { echo "no .h200s1: run part1 first on this warm machine" >&2; exit 1; }
   [ -d .h200s2 ] || cp -r "$keep/.h200s2" . || { echo "no .h200s2: carry it (part2)" >&2; exit 1; }
-  bash tools/h200_smollm2_cache.sh "$cache" || exit 1
+  bash experiments/headline/smollm2_cache.sh "$cache" || exit 1
 fi
 [ -d .h200s2 ] && { rm -rf "$keep/.h200s2"; cp -r .h200s2 "$keep/"; }
 export SPARECYCLES_CACHE=$cache

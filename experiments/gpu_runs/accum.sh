@@ -4,9 +4,9 @@
 # step, one process), and under torchrun N=1 with --micro-batch-size 2 (NCCL process group, DCP checkpoints) log
 # the same losses up to fp32 summation order; a second plain run gives the noise floor (CUDA's embedding backward
 # adds with atomics). Also: --nproc-per-node 2 on this one-GPU machine is refused before anything starts.
-# Prepare here: bash tools/h200_anytime.sh pack (carry .data and .whl). Usage on the device: bash tools/h200_accum.sh
+# Prepare here: bash experiments/anytime/run.sh pack (carry .data and .whl). Usage on the device: bash experiments/gpu_runs/accum.sh
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 out=${OUT:-/tmp/accum-out}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1

@@ -2,10 +2,10 @@
 # The idle-GPU path on a GPU machine (issue 15): `sparecycles up --gpus auto` (trainer on GPU 0, a probe worker
 # on every other GPU, through embedded Valkey, the coordinator and Celery), the same zocurv-line run with its
 # probes in process, and `bench fleet --device` (GPU worker probes/s, publish -> ready of gpt2-small).
-# Pack first, here: bash tools/h200_fleet.sh pack  (fills .dev/whl2 and .dev/h200lm, git-ignored; carry both).
-# On the GPU machine: bash tools/h200_fleet.sh run [steps]   (results under $OUT)
+# Pack first, here: bash experiments/gpu_runs/fleet_up.sh pack  (fills .dev/whl2 and .dev/h200lm, git-ignored; carry both).
+# On the GPU machine: bash experiments/gpu_runs/fleet_up.sh run [steps]   (results under $OUT)
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 if [ "${1:-}" = pack ]; then
   cache="${SPARECYCLES_CACHE:-$HOME/.cache/sparecycles}"
   grep -qxF /.dev/ .git/info/exclude 2>/dev/null || echo /.dev/ >> .git/info/exclude

@@ -6,9 +6,9 @@
 # with atomics, so two plain runs may differ in the last bits); 1.5-SPSA is forward-only and must match exactly.
 # With more than one GPU it also times N=2 vs N=1 (tokens/s; goal >= 1.9x), else says it did not.
 # Needs tools/h200_pack.sh run first (carry .h200 and .whl). Writes torchrun_summary.json and logs under $OUT.
-# Usage (repository root on the device): bash tools/h200_torchrun.sh [steps]
+# Usage (repository root on the device): bash experiments/gpu_runs/torchrun.sh [steps]
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 steps=${1:-20}
 out=${OUT:-/tmp/torchrun-out}
 mkdir -p "$out"

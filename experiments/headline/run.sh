@@ -9,13 +9,13 @@
 # carried folders it does not name), a later one on the same warm machine carries .h200s2 and .whl and copies
 # .h200s1 back first (README, "--model smollm2").
 # Writes a tarball and logs under $OUT.
-# Usage: bash tools/h200_headline.sh pretrain|finetune|finetune-smollm2 [steps] [budget: forward passes per ZO run]
+# Usage: bash experiments/headline/run.sh pretrain|finetune|finetune-smollm2 [steps] [budget: forward passes per ZO run]
 set -uo pipefail
 part=${1:?usage: h200_headline.sh pretrain|finetune|finetune-smollm2 [steps] [budget]}
 steps=${2:-1000}
 out=${OUT:-/tmp/headline-out}
 mkdir -p "$out"
-source "$(dirname "$0")/h200_common.sh"
+source "$(dirname "$0")/../../tools/h200_common.sh"
 h200_install .h200/cache || exit 1
 deadline=$(( $(date +%s) + ${HEADLINE_SECONDS:-510} ))  # leave time to pack before the call's limit
 wait_or_stop() {  # wait for the background jobs; past the deadline stop them (their metrics are on disk)
@@ -71,7 +71,7 @@ elif [ "$part" = finetune-smollm2 ]; then
   # CPU, 15 MeZO steps on one fixed batch of 16 took its loss 0.425 -> 0.411 at 1e-5, -> 0.332 at 1e-4 and
   # diverged at 1e-3; K = 16 averages the slopes' noise down, so 1SPSA / 1.5-SPSA get a larger grid.
   export SPARECYCLES_CACHE=$PWD/.h200sc
-  if ! bash tools/h200_smollm2_cache.sh "$SPARECYCLES_CACHE" > "$out/smollm2-cache.log" 2>&1; then
+  if ! bash experiments/headline/smollm2_cache.sh "$SPARECYCLES_CACHE" > "$out/smollm2-cache.log" 2>&1; then
     tail -n 20 "$out/smollm2-cache.log"; exit 1
   fi
   budget=${3:-10000}

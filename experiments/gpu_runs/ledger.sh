@@ -9,18 +9,18 @@
 # the worker's forwards (the trainer's own ledger is what the goal is about); a two-GPU run (nvidia-h200-x2) would put
 # the worker on GPU 1 (`up --gpus auto` does that by itself) and needs nothing else.
 #
-# Pack first, here: bash tools/h200_fleet.sh pack  (fills .dev/whl2 and .dev/h200lm, git-ignored; carry both).
+# Pack first, here: bash experiments/gpu_runs/fleet_up.sh pack  (fills .dev/whl2 and .dev/h200lm, git-ignored; carry both).
 # On the GPU machine, sized for one call (<= 600 s; the whole script stays under ~480 s at the defaults):
-#   bash tools/h200_ledger.sh all          # A then B+C at STEPS=500 (A ~90 s, up ~260 s, set-up ~40 s)
-#   STEPS=1000 bash tools/h200_ledger.sh train   # A alone at the issue's 1,000 steps (~200 s), one call
-#   STEPS=1000 bash tools/h200_ledger.sh up      # B and C at 1,000 steps (~420 s), a second call
+#   bash experiments/gpu_runs/ledger.sh all          # A then B+C at STEPS=500 (A ~90 s, up ~260 s, set-up ~40 s)
+#   STEPS=1000 bash experiments/gpu_runs/ledger.sh train   # A alone at the issue's 1,000 steps (~200 s), one call
+#   STEPS=1000 bash experiments/gpu_runs/ledger.sh up      # B and C at 1,000 steps (~420 s), a second call
 # Estimates from issue 21's H200 figures (16x512 AdamW 0.075 s/step -> ~0.15 s/step at 16x1024); each stage runs under
 # `timeout`, so a slower machine cuts a stage rather than the call. Writes $OUT/ledger_<run>.json (each run's
 # time_ledger + final val loss + evaluations), $OUT/ledgers.json (all) and $OUT/logs.tgz.
 # CPU dry run of the same commands (tiny settings, no packing):
-#   SKIP_INSTALL=1 PY=.venv/bin/python PRESET=gpt2-tiny BATCH=4 SEQ=32 STEPS=6 EVAL_EVERY=3 CI=2 DEVICE=cpu GPUS= EVAL_WINDOWS=subset bash tools/h200_ledger.sh all
+#   SKIP_INSTALL=1 PY=.venv/bin/python PRESET=gpt2-tiny BATCH=4 SEQ=32 STEPS=6 EVAL_EVERY=3 CI=2 DEVICE=cpu GPUS= EVAL_WINDOWS=subset bash experiments/gpu_runs/ledger.sh all
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 T0=$(date +%s)
 part=${1:-all}
 PY=${PY:-python3}  # the dry run passes the project venv's python

