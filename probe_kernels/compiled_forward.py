@@ -20,6 +20,20 @@ from probe_kernels.evaluator import canonical_offsets
 
 log = logging.getLogger("sparecycles.kernels")
 
+SEGMENT_ATTR = "_sparecycles_segment"  # set on each block of a segmented copy: a forward pre-hook's stop point
+
+
+def repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's repeated transformer blocks: the children of its longest nn.ModuleList (GPT-2's `h`, Llama's
+    `layers`); [] for a model without one."""
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 0]
+    return list(max(lists, key=len)) if lists else []
+
+
+def is_segment(module: torch.nn.Module) -> bool:
+    """Whether `module` is a block of a segmented FastForward copy (a stop point between device work)."""
+    return getattr(module, SEGMENT_ATTR, False)
+
 
 def _configure_inductor() -> bool:
     """Inductor's deterministic mode (no on-device benchmarking that changes numerics, so two processes
@@ -146,6 +160,10 @@ class FastForward:
         compile: torch.compile fn (default: on CUDA; static shapes, Inductor's deterministic mode). A model the
             compiler cannot handle is run eagerly (logged) at the first call.
         cuda_graphs: compile in mode "reduce-overhead" (CUDA graphs: for static shapes; outputs cloned).
+        segmented: compile each repeated block on its own (`repeated_blocks`; the rest runs eagerly) and mark it
+            (`is_segment`), so that a forward pre-hook runs between blocks, even compiled: where the worker waits
+            for the device and checks whether to stop (probe_worker.serving.Preemption), beside a serving engine.
+            Without blocks the whole forward is compiled as usual; never with CUDA graphs.
         pad_head / eager_masks: the compiled copy's GPT-2 fixes (`_pad_output_head`, `_masks_outside_graph`;
             default: when compiled). attn_dtype: run the copy's sdpa attention in this dtype (activations only, the
             weights keep `dtype`; e.g. bf16 attention on fp32 weights: the flash kernel; `_attention_in`). Uncompiled, the copy runs the model's exact code: with dtype None the
@@ -155,7 +173,8 @@ class FastForward:
 
     def __init__(self, model: torch.nn.Module, fn: Callable[[torch.nn.Module, object], object],
                  dtype: torch.dtype | None = None, compile: bool | None = None, cuda_graphs: bool = False,
-                 pad_head: bool | None = None, eager_masks: bool | None = None, attn_dtype: torch.dtype | None = None):
+                 pad_head: bool | None = None, eager_masks: bool | None = None, attn_dtype: torch.dtype | None = None,
+                 segmented: bool = False):
         params = list(model.parameters())
         if not params:
             raise TypeError(f"{type(model).__name__} has no parameters")
@@ -174,7 +193,8 @@ class FastForward:
             self.padded_head = _pad_output_head(self.shadow) if (self.compiled if pad_head is None else pad_head) else False
         self.eager_masks = _masks_outside_graph(model) if (self.compiled if eager_masks is None else eager_masks) else 0
         self.attn_dtype = attn_dtype if attn_dtype is not None and _attention_in(self.shadow, attn_dtype) else None
-        self.cuda_graphs = bool(cuda_graphs and self.compiled and device.type == "cuda")
+        # segmented: no CUDA graphs (one graph per block would hand each block's output to the next replay's pool)
+        self.cuda_graphs = bool(cuda_graphs and self.compiled and device.type == "cuda" and not segmented)
         self.inductor_deterministic = _configure_inductor() if self.compiled else False
         shadow = self.shadow
 
@@ -183,9 +203,10 @@ class FastForward:
 
         self._eager = forward
         self._forward = forward
-        if self.compiled:
-            self._forward = torch.compile(forward, dynamic=False,
-                                          mode="reduce-overhead" if self.cuda_graphs else None)
+        mode = "reduce-overhead" if self.cuda_graphs else None
+        self.segments = _segment(self.shadow, self.compiled, mode) if segmented else 0
+        if self.compiled and not self.segments:
+            self._forward = torch.compile(forward, dynamic=False, mode=mode)
         self.compile_seconds: float | None = None
         self.device = device
 
@@ -226,6 +247,8 @@ class FastForward:
             except Exception:  # a model the compiler cannot handle is still evaluated (eagerly)
                 log.exception("torch.compile failed for %s; evaluating eagerly", type(self.model).__name__)
                 self._forward, self.compiled, self.cuda_graphs = self._eager, False, False
+                for block in repeated_blocks(self.shadow) if self.segments else ():
+                    block.__dict__.pop("forward", None)  # the class's own forward again
                 out = self._run(batch)
             if self.compiled and self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
@@ -247,6 +270,16 @@ class FastForward:
     def close(self) -> None:
         """Free the copy and the compiled forward."""
         self._forward, self._eager, self.shadow = None, None, None
+
+
+def _segment(shadow: torch.nn.Module, compiled: bool, mode: str | None) -> int:
+    """Mark (and with `compiled`, compile on its own) each repeated block of `shadow`; returns how many."""
+    blocks = repeated_blocks(shadow)
+    for block in blocks:
+        setattr(block, SEGMENT_ATTR, True)
+        if compiled:  # the block's forward only: its module call, and so the pre-hooks, stay eager
+            block.forward = torch.compile(block.forward, dynamic=False, mode=mode)
+    return len(blocks)
 
 
 def _detach(out, clone: bool):

@@ -76,7 +76,7 @@ class WholeModelEvaluator:
 
     model: any torch.nn.Module (left untouched: the clean weights are only read); loss_fn(model, batch) ->
     scalar tensor. The copy and its forward are a `FastForward` (compile: torch.compile it, default on CUDA;
-    cuda_graphs: mode "reduce-overhead", default off). Same methods as ProbeEvaluator (loss, clean_loss,
+    cuda_graphs: mode "reduce-overhead", default off; segmented: compiled block by block, FastForward's). Same methods as ProbeEvaluator (loss, clean_loss,
     losses, loss_swapped, close). Raises TypeError/ValueError for a bad model or loss_fn.
     """
 
@@ -84,11 +84,11 @@ class WholeModelEvaluator:
 
     def __init__(self, model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, object], torch.Tensor],
                  compile: bool | None = None, cuda_graphs: bool = False, pad_head: bool | None = None,
-                 eager_masks: bool | None = None, attn_dtype: torch.dtype | None = None):
+                 eager_masks: bool | None = None, attn_dtype: torch.dtype | None = None, segmented: bool = False):
         rows = checked_rows(model, loss_fn)
         self.model, self.loss_fn = model, loss_fn
         self.fwd = FastForward(model, loss_fn, compile=compile, cuda_graphs=cuda_graphs, pad_head=pad_head,
-                               eager_masks=eager_masks, attn_dtype=attn_dtype)
+                               eager_masks=eager_masks, attn_dtype=attn_dtype, segmented=segmented)
         self.shadow = self.fwd.shadow
         shadow_rows = canonical_offsets(self.shadow)
         if [(n, o) for n, _, o in rows] != [(n, o) for n, _, o in shadow_rows]:
@@ -224,11 +224,11 @@ class WholeModelEvaluator:
 
 def make_evaluator(model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, object], torch.Tensor],
                    mode: str = "auto", compile: bool | None = None, cuda_graphs: bool = False,
-                   reserve: int | None = None, attn_dtype: torch.dtype | None = None):
+                   reserve: int | None = None, attn_dtype: torch.dtype | None = None, segmented: bool = False):
     """The probe evaluator for `model`: WholeModelEvaluator ("whole") or ProbeEvaluator ("per_unit").
 
     mode "auto" chooses from free memory (`choose_mode`, `reserve` bytes kept for activations) and logs the
-    choice with its numbers at INFO. compile/cuda_graphs/attn_dtype go to WholeModelEvaluator. Raises ValueError for an
+    choice with its numbers at INFO. compile/cuda_graphs/attn_dtype/segmented go to WholeModelEvaluator. Raises ValueError for an
     unknown mode.
     """
     if mode not in MODES:
@@ -245,5 +245,6 @@ def make_evaluator(model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, o
     else:
         log.info("probe path: %s (set explicitly; one model copy is %.2f GB)", chosen, need / 1e9)
     if chosen == "whole":
-        return WholeModelEvaluator(model, loss_fn, compile=compile, cuda_graphs=cuda_graphs, attn_dtype=attn_dtype)
+        return WholeModelEvaluator(model, loss_fn, compile=compile, cuda_graphs=cuda_graphs, attn_dtype=attn_dtype,
+                                   segmented=segmented)
     return ProbeEvaluator(model, loss_fn)

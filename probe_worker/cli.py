@@ -24,6 +24,9 @@ SECTION = "How the worker runs (WorkerOptions)"
 def worker(given: dict[str, Any]) -> None:
     """Register with the coordinator and evaluate probe tasks until SIGTERM (SIGUSR1 drains, SIGUSR2 resumes); a stop by
     SIGTERM exits 143, by Ctrl-C 130."""
+    from probe_worker.drain_signals import hold_drain_signals
+
+    hold_drain_signals()  # before torch, CUDA or Celery start a thread: every thread it starts holds them too
     opts = worker_options(given)
     _check_token(opts.token)
     logging.basicConfig(level=opts.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

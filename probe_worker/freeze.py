@@ -134,11 +134,12 @@ def why_no_watcher() -> str | None:
 
 STOPS = frozenset({signal.SIGSTOP, signal.SIGCONT, signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU})  # the watcher's own
 ENDINGS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGHUP})  # the worker is asked to end
+TAKEN = frozenset({signal.SIGUSR1, signal.SIGUSR2})  # blocked by the worker and taken by its sigwait (drain_signals)
 
 
 def pending_signals(pid: int) -> frozenset[int]:
     """The signals pending for the process that it has not blocked (/proc/PID/status: SigPnd of its main thread or
-    ShdPnd, the process's, less SigBlk), less the stop and continue signals (STOPS: the watcher's own SIGSTOP stays
+    ShdPnd, the process's, less SigBlk; the drain signals count though blocked: TAKEN), less the stop and continue signals (STOPS: the watcher's own SIGSTOP stays
     pending until the worker's threads next run). Empty when the process is gone."""
     masks = {}
     try:
@@ -148,7 +149,8 @@ def pending_signals(pid: int) -> frozenset[int]:
                 masks[key] = int(value.strip(), 16)
     except (OSError, ValueError):
         return frozenset()
-    bits = (masks.get("SigPnd", 0) | masks.get("ShdPnd", 0)) & ~masks.get("SigBlk", 0)
+    waited = sum(1 << (int(sig) - 1) for sig in TAKEN)  # blocked, yet taken at once by the worker's sigwait
+    bits = (masks.get("SigPnd", 0) | masks.get("ShdPnd", 0)) & ~(masks.get("SigBlk", 0) & ~waited)
     return frozenset(n for n in range(1, 65) if bits >> (n - 1) & 1) - STOPS
 
 

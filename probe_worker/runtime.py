@@ -80,21 +80,22 @@ class ProbeRuntime:
         probe_path: "auto" (whole-model copy when it fits in free memory, else per-unit), "whole" or
             "per_unit" (probe_kernels.fastpath.make_evaluator); compile: torch.compile the whole-model forward
             (None: on CUDA); cuda_graphs: replay it as CUDA graphs; attn_dtype: the attention dtype of the
-            perturbing kinds' fp32 forwards (None: theirs; bf16: probe_kernels.FastForward's attn_dtype).
+            perturbing kinds' fp32 forwards (None: theirs; bf16: probe_kernels.FastForward's attn_dtype);
+            segmented: compile the forwards block by block, so a task can stop between blocks (beside an engine).
     Raises ValueError for an unknown probe_path.
     """
 
     def __init__(self, client: CoordinatorClient, worker_id: str, cache: WeightCache,
                  metrics: WorkerMetrics | None = None, keep_rounds: int = 64, probe_path: str = "auto",
                  compile: bool | None = None, cuda_graphs: bool = False,
-                 attn_dtype: torch.dtype | None = None) -> None:
+                 attn_dtype: torch.dtype | None = None, segmented: bool = False) -> None:
         if probe_path not in MODES:
             raise ValueError(f"probe_path must be one of {MODES}, got {probe_path!r}")
         self.client, self.worker_id, self.cache = client, worker_id, cache
         self.metrics = metrics or default_metrics()
         self.keep_rounds = keep_rounds
         self.probe_path, self.compile, self.cuda_graphs = probe_path, compile, cuda_graphs
-        self.attn_dtype = attn_dtype
+        self.attn_dtype, self.segmented = attn_dtype, segmented
         self._clean: OrderedDict[tuple[str, int, str], float] = OrderedDict()
         self._batches: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._attested: set[str] = set()
@@ -146,7 +147,8 @@ class ProbeRuntime:
             ev.close()
             del self._evaluators[slot]  # the old scratch copy is freed before the new one is sized
         ev = self._evaluators[slot] = make_evaluator(model, loss_fn, self.probe_path, self.compile, self.cuda_graphs,
-                                                     attn_dtype=self.attn_dtype if slot == torch.float32 else None)
+                                                     attn_dtype=self.attn_dtype if slot == torch.float32 else None,
+                                                     segmented=self.segmented)
         return ev
 
     @torch.no_grad()
@@ -337,7 +339,7 @@ class ProbeRuntime:
                 ff.close()
             self._ff = None
             ff = self._ff = FastForward(model, lm_batch_loss, dtype=dtype, compile=self.compile,
-                                        cuda_graphs=self.cuda_graphs)
+                                        cuda_graphs=self.cuda_graphs, segmented=self.segmented)
         self._ff_holds = holds
         return ff
 

@@ -339,19 +339,44 @@ class Preemption:
         self._fired.set()
         return True
 
-    def check(self) -> None:
-        """Raise Preempted in the task thread once fired (the forward pre-hook's body)."""
-        if self._fired.is_set() and threading.get_ident() == self._thread:
+    def check(self, segment=None) -> None:
+        """Raise Preempted in the task thread once fired (the forward pre-hook's body). Before `segment`, a block of
+        a segmented forward (probe_kernels.compiled_forward.is_segment), on CUDA, first wait for the device work the
+        task queued: at most the previous block's kernels, so a cut lands within one block and leaves nothing of
+        the worker's queued on the device for the engine to wait behind."""
+        if threading.get_ident() != self._thread:
+            return
+        if segment is not None:
+            wait_for_device(segment)
+        if self._fired.is_set():
             self._fired.clear()
             self.stopped_at = time.time()
             raise Preempted("the serving engine needs the device")
 
     def install(self):
         """Register the global forward pre-hook (torch.nn.modules.module.register_module_forward_pre_hook); returns
-        its handle (`.remove()` takes it out)."""
+        its handle (`.remove()` takes it out). Inside a compiled region the hook does nothing: traced, it would put
+        a guard on the fired flag, and each cut would recompile the forward."""
+        import torch
         from torch.nn.modules.module import register_module_forward_pre_hook
 
-        return register_module_forward_pre_hook(lambda _module, _args: self.check())
+        from probe_kernels.compiled_forward import is_segment
+
+        def hook(module, _args) -> None:
+            if not torch.compiler.is_compiling():
+                self.check(module if is_segment(module) else None)
+
+        return register_module_forward_pre_hook(hook)
+
+
+def wait_for_device(module) -> None:
+    """Wait until the device of `module`'s parameters has run the work queued on its current stream (CUDA only;
+    nothing for a module on the CPU or without parameters)."""
+    param = next(module.parameters(), None)
+    if param is not None and param.is_cuda:
+        import torch
+
+        torch.cuda.current_stream(param.device).synchronize()
 
 
 class ServingWatch:

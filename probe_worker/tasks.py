@@ -32,8 +32,6 @@ WARNING with a traceback, is dropped (`quiet_hand_backs`). Invalid tasks and rea
 from __future__ import annotations
 
 import logging
-import os
-import signal
 import threading
 import time
 from collections.abc import Callable
@@ -144,57 +142,6 @@ class DrainState:
         if value != self.remote:
             self.remote = value
             self.changed.set()
-
-
-LOCAL_DRAIN = {signal.SIGUSR1: True, signal.SIGUSR2: False}  # signal -> DrainState.set_local's value
-
-
-class DrainSignals:
-    """SIGUSR1 (drain) and SIGUSR2 (resume) applied to `drain` in the order they arrived, by a thread of their own.
-
-    Python runs the handlers of the signals that came in while its main thread was busy in one C call (a long torch
-    op, a weight read) in signal-number order once it returns: SIGUSR2 then SIGUSR1 sent a moment apart ended resumed,
-    not drained. The C-level handler writes each signal's number to the wakeup fd (signal.set_wakeup_fd) as it is
-    delivered, so this reads a pipe there and applies the signals in that order, at once, whatever the main thread
-    does. Two signals pending in the kernel at once (a stopped process) are delivered lowest number first: no
-    process can tell their order. Where something else already reads the wakeup fd the handlers act themselves
-    (in the interpreter's order), said once in the log. `install()` from the main thread, after Celery installed
-    its own handlers (SIGUSR1 is its thread dump): these replace them."""
-
-    def __init__(self, drain: DrainState) -> None:
-        self.drain = drain
-        self._read_fd: int | None = None
-        self._direct = False
-
-    def install(self) -> None:
-        """Install the handlers (again: a restarted Celery worker put its own back); the first call also sets the
-        wakeup fd and starts the thread that applies the signals."""
-        if self._read_fd is None and not self._direct:
-            r, w = os.pipe()
-            os.set_blocking(w, False)
-            previous = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
-            if previous == -1:
-                self._read_fd = r
-                threading.Thread(target=self._apply, args=(r,), name="sparecycles-drain-signals", daemon=True).start()
-            else:  # another reader's: give it back
-                signal.set_wakeup_fd(previous)
-                os.close(r)
-                os.close(w)
-                self._direct = True
-                log.warning("the wakeup fd is taken: SIGUSR1/SIGUSR2 that arrive together apply in signal order")
-        for sig, value in LOCAL_DRAIN.items():
-            signal.signal(sig, (lambda *_, v=value: self.drain.set_local(v)) if self._direct else _delivered)
-
-    def _apply(self, fd: int) -> None:
-        while data := os.read(fd, 512):
-            for sig in data:
-                if sig in LOCAL_DRAIN:
-                    self.drain.set_local(LOCAL_DRAIN[sig])
-
-
-def _delivered(signum: int, frame: Any) -> None:
-    """The Python-level handler of a drain signal: nothing (its C-level one wrote it to the wakeup fd, which
-    DrainSignals reads); installed so that there is a C-level one."""
 
 
 def shutting_down() -> bool:

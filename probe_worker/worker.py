@@ -40,6 +40,7 @@ from coordinator.client import CoordinatorClient, CoordinatorHTTPError, Forgotte
 from probe_kernels.reference import add_chunk_hook
 from probe_worker.broker import use_guarded_transport
 from probe_worker.cache import WeightCache
+from probe_worker.drain_signals import DrainSignals
 from probe_worker.freeze import FreezeLink, watcher_rates, why_no_watcher
 from probe_worker.metrics import default_metrics, serve_metrics
 from probe_worker.options import WorkerOptions
@@ -49,7 +50,6 @@ from probe_worker.serving import Preempted, ServingWatch
 from probe_worker.task_trace import TraceFile
 from probe_worker.tasks import (
     BusyPolicy,
-    DrainSignals,
     DrainState,
     gpu_utilization_reader,
     register_probe_task,
@@ -147,7 +147,8 @@ class ProbeWorker:
         self.cache.stopping = self._stopping  # a weight load stops between shards once the worker stops
         self.runtime = ProbeRuntime(self.client, self.worker_id, self.cache, self.metrics,
                                     probe_path=opts.probe_path, cuda_graphs=opts.cuda_graphs,
-                                    attn_dtype=attention_dtype(opts.tf32_attention, opts.device))
+                                    attn_dtype=attention_dtype(opts.tf32_attention, opts.device),
+                                    segmented=opts.serving is not None)  # beside an engine: stop between blocks
         self.serving: ServingWatch | None = None
         trace = TraceFile(opts.task_trace) if opts.task_trace else None
         if opts.serving is not None:

@@ -351,3 +351,45 @@ def test_a_teacher_round_handed_back_logs_one_line_too(caplog):
         assert teacher.apply(kwargs=kwargs, task_id="t-kd").state == "REJECTED"
     assert [(r.levelname, r.getMessage(), r.exc_info) for r in caplog.records if r.levelno >= logging.INFO] == [
         ("INFO", "teacher task t-kd handed back to its queue: teacher round kd step 4: the worker is draining", None)]
+
+
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])  # compiling: ~1 min
+def test_a_cut_lands_within_one_block_of_a_segmented_forward(compiled):
+    """Beside an engine the worker's forward is segmented (probe_kernels.FastForward(segmented=True): each block
+    compiled on its own, the pre-hooks run between blocks): a fire during block 1 stops the forward at block 2's
+    start, compiled or not, and the fire costs no recompile (the hook is not traced into the compiled blocks)."""
+    import torch._dynamo
+
+    from probe_kernels.compiled_forward import FastForward, is_segment, repeated_blocks
+    from support.fleet import make_batch
+    from support.models import tiny_gpt2
+    from trainer.models.losses import lm_batch_loss
+
+    torch._dynamo.reset()
+    model = tiny_gpt2(n_layer=4)
+    ff = FastForward(model, lm_batch_loss, compile=compiled, segmented=True)
+    blocks = repeated_blocks(ff.shadow)
+    assert ff.segments == 4 and blocks == list(ff.shadow.transformer.h) and all(map(is_segment, blocks))
+    assert not ff.cuda_graphs and not any(map(is_segment, model.modules()))  # the model itself is left untouched
+    batch = make_batch(2, 16, seed=3)
+    want = lm_batch_loss(model, batch)
+    guard = Preemption()
+    handle = guard.install()
+    ran: list[int] = []
+    try:
+        assert torch.equal(ff(batch), want) if not compiled else torch.allclose(ff(batch), want, atol=1e-5)
+        frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        fire_after = [1]  # once, at block 1's end
+        for i, block in enumerate(blocks):
+            block.register_forward_hook(lambda m, a, o, i=i: ran.append(i) or (
+                guard.fire() and fire_after.pop() if fire_after == [i] else None))
+        guard.arm()
+        with pytest.raises(Preempted):
+            ff(batch)
+        assert ran == [0, 1]  # block 2 never started: the cut landed within one block of the fire
+        ran.clear()
+        ff(batch)  # fired once: the next forward runs to its end, on the same compiled blocks
+        assert ran == [0, 1, 2, 3] and torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames
+    finally:
+        guard.disarm()
+        handle.remove()

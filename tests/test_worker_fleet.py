@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from probe_kernels import ProbeEvaluator
+from probe_worker.drain_signals import threads_taking_drain_signals
 from support.fleet import make_batch
 from support.models import tiny_gpt2
 from trainer.train import lm_loss
@@ -99,6 +100,8 @@ def test_elastic_drain_and_join(fleet):
         fleet.workers[name].send_signal(signal.SIGUSR1)
     for name in ("b", "c"):
         fleet.wait(lambda name=name: fleet.metric(name, "sparecycles_worker_draining") == 1.0, f"worker {name} drained")
+    for name in ("b", "c"):  # every thread of the real worker holds them: none can reach a replaced handler
+        assert threads_taking_drain_signals(fleet.workers[name].pid) == []
     seeds = tuple(range(2100, 2108))
     be.submit(RoundSpec("el-1", 0, batch, eps=1e-2, seeds=seeds, distribution="rademacher"))
     res = _by_seed(be.collect("el-1").results)
