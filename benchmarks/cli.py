@@ -24,6 +24,7 @@ from benchmarks.options import (
     ProbeBenchOptions,
     parse,
 )
+from benchmarks.segments import SegmentsBench
 from benchmarks.serving_options import ServingBench, ServingLoad
 from trainer.cli_settings import SettingsCommand, with_settings
 
@@ -174,6 +175,20 @@ def bench_precision(given: dict) -> None:
     typer.echo(f"bound: bf16 SNR >= {res['snr_bound']:g}; from this measurement: {res['measured_precision']}")
 
 
+@with_settings(model=SegmentsBench, param="given", section=SECTION)
+def bench_segments(given: dict) -> None:
+    """A worker's forward whole vs segmented (one block's kernels queued at a time, beside an engine): forwards/s
+    with the engine idle and the time from a cut to the device idle (benchmarks.segments)."""
+    from benchmarks.segments import measure, table
+
+    o = SegmentsBench(**given)
+    res = measure(o, progress=lambda m: typer.echo(m, err=True))
+    if o.json_out is not None:
+        o.json_out.parent.mkdir(parents=True, exist_ok=True)
+        o.json_out.write_text(json.dumps(res, indent=1))
+    typer.echo(table(res))
+
+
 @with_settings(model=ServingBench, param="given", section="The measurement (benchmarks.serving_options.ServingBench)")
 def bench_serving(given: dict) -> None:
     """Serving latency beside a fleet worker: (a) engine alone, (b) busy worker, (c) engine-aware yielding[, (d) (c)
@@ -235,6 +250,8 @@ bench_app.command("fleet", cls=SettingsCommand, short_help="Fleet probes/s with 
 bench_app.command("data-pack", cls=SettingsCommand, short_help="Tokens/s and the time to pack a 100 MB --data folder.")(
     bench_data_pack)
 bench_app.command("precision", cls=SettingsCommand, short_help="bf16 vs TF32 signal-to-noise per round kind.")(bench_precision)
+bench_app.command("segments", cls=SettingsCommand, short_help="A worker's forward whole vs segmented beside an engine.")(
+    bench_segments)
 bench_app.command("serving", cls=SettingsCommand, short_help="Serving latency beside a worker, with and without yielding.")(
     bench_serving)
 bench_app.command("serving-load", cls=SettingsCommand, short_help="Open-loop requests against a running engine.")(bench_serving_load)
