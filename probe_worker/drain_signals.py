@@ -22,6 +22,7 @@ class LocalDrain(Protocol):
 
 
 LOCAL_DRAIN = {signal.SIGUSR1: True, signal.SIGUSR2: False}  # signal -> DrainState.set_local's value
+TAKER_NAME = "drain-signals"  # the sigwait thread's kernel name (/proc/PID/task/TID/comm, at most 15 bytes)
 
 
 def hold_drain_signals() -> None:
@@ -40,12 +41,15 @@ def hold_drain_signals() -> None:
 
 def threads_taking_drain_signals(pid: int | str = "self") -> list[int]:
     """The thread ids of process `pid` that do not block SIGUSR1/SIGUSR2 (/proc/PID/task/TID/status, SigBlk): a
-    drain signal could be delivered to one of them, and so to a handler. Empty when all hold them (or none is
-    readable)."""
+    drain signal could be delivered to one of them, and so to a handler. The sigwait thread (named TAKER_NAME) is
+    not counted: the kernel unblocks the signals it waits for while it waits, and hands them to it, not to a
+    handler. Empty when all hold them (or none is readable)."""
     bits = sum(1 << (int(sig) - 1) for sig in LOCAL_DRAIN)
     open_ = []
     for status in Path(f"/proc/{pid}/task").glob("*/status"):
         try:
+            if (status.parent / "comm").read_text().strip() == TAKER_NAME:
+                continue
             blocked = next(int(line.split(":")[1], 16) for line in status.read_text().splitlines()
                            if line.startswith("SigBlk:"))
         except (OSError, StopIteration, ValueError):
@@ -86,6 +90,10 @@ class DrainSignals:
             signal.signal(sig, lambda *_, v=value: self.drain.set_local(v))
 
     def _take(self) -> None:
+        try:  # named, so that a reader of /proc tells it from a thread that could run a handler
+            Path(f"/proc/self/task/{threading.get_native_id()}/comm").write_text(TAKER_NAME)
+        except OSError:
+            pass
         while True:
             sig = signal.sigwait(set(LOCAL_DRAIN))
             self.drain.set_local(LOCAL_DRAIN[sig])

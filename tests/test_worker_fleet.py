@@ -9,6 +9,7 @@ The tests share one fleet (conftest.py's `fleet`: a coordinator and workers a, b
 from __future__ import annotations
 
 import signal
+from pathlib import Path
 
 import httpx
 import pytest
@@ -101,7 +102,9 @@ def test_elastic_drain_and_join(fleet):
     for name in ("b", "c"):
         fleet.wait(lambda name=name: fleet.metric(name, "sparecycles_worker_draining") == 1.0, f"worker {name} drained")
     for name in ("b", "c"):  # every thread of the real worker holds them: none can reach a replaced handler
-        assert threads_taking_drain_signals(fleet.workers[name].pid) == []
+        pid = fleet.workers[name].pid
+        open_ = threads_taking_drain_signals(pid)
+        assert open_ == [], [(t, t == pid, Path(f"/proc/{pid}/task/{t}/comm").read_text().strip()) for t in open_]
     seeds = tuple(range(2100, 2108))
     be.submit(RoundSpec("el-1", 0, batch, eps=1e-2, seeds=seeds, distribution="rademacher"))
     res = _by_seed(be.collect("el-1").results)

@@ -176,3 +176,46 @@ def test_a_drain_signal_survives_a_triton_compile(tmp_path):
         proc.kill()
     assert proc.returncode == 0, out
     assert json.loads(out.splitlines()[-1]) == {"local": True}
+
+
+# On a GPU, the worker's own path: torch.compile of a model on CUDA (Inductor generates Triton kernels and compiles
+# them in this process, or in its compile workers) after the drain signals were installed.
+_CUDA_COMPILING_PROCESS = """
+import json, sys
+from probe_worker.drain_signals import DrainSignals, hold_drain_signals
+if sys.argv[1] == "held":
+    hold_drain_signals()
+import torch
+from probe_worker.tasks import DrainState
+
+drain = DrainState()
+DrainSignals(drain).install()
+model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.LayerNorm(64)).cuda()
+torch.compile(model)(torch.randn(8, 64, device="cuda"))
+torch.cuda.synchronize()
+drain.changed.clear()
+print("compiled", flush=True)
+drain.changed.wait(20)
+print(json.dumps({"local": drain.local}), flush=True)
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+def test_a_drain_signal_survives_an_inductor_compile_on_cuda(tmp_path):
+    """The GPU bench's case itself: a worker process compiles its forward on CUDA, then gets SIGUSR1: drained."""
+    root = Path(__file__).resolve().parents[1]
+    script = tmp_path / "cuda_compiling.py"
+    script.write_text(_CUDA_COMPILING_PROCESS)
+    proc = subprocess.Popen([sys.executable, str(script), "held"], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+                                 "TRITON_CACHE_DIR": str(tmp_path / "triton"),
+                                 "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")})
+    try:
+        assert proc.stdout.readline().strip() == "compiled"
+        proc.send_signal(signal.SIGUSR1)
+        out = proc.communicate(timeout=60)[0]
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out
+    assert json.loads(out.splitlines()[-1]) == {"local": True}

@@ -6,6 +6,8 @@
 # Valkey. Arms a, b, c interleaved, as on the CPU.
 # Pack here first (fills .devcarry/, git-ignored; carry it):  bash tools/h200_serving.sh pack
 # On the GPU machine:                                         bash tools/h200_serving.sh run   (results under $OUT)
+#                                                             bash tools/h200_serving.sh checks (drain after a CUDA
+#                                                             compile; bench segments)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = pack ]; then
@@ -30,7 +32,30 @@ out=${OUT:-/tmp/serving-out}; mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .devcarry/whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 SPARECYCLES_CACHE=$PWD/.devcarry/cache SPARECYCLES_RUNS=/tmp/runs
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
-python3 -c 'import torch, transformers; print(torch.__version__, transformers.__version__)' | tee -a "$out/gpu.txt"
+python3 -c 'import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__)' \
+  | tee -a "$out/gpu.txt"
+if [ "${1:-}" = checks ]; then
+  # The drain signal after a CUDA compile (the worker's own path), the segmented forward's cost and cut.
+  python3 -m pytest -q -p no:cacheprovider -rs tests/test_worker_policy.py -k "triton or inductor" 2>&1 \
+    | tail -5 | tee "$out/checks.log"
+  python3 - <<'PY' 2>&1 | tee -a "$out/checks.log"
+# The same CUDA compile without the hold before torch's import (threads that take the signal exist): the record of
+# what a drain met before the fix.
+import pathlib, re, signal, subprocess, sys, tempfile
+src = pathlib.Path("tests/test_worker_policy.py").read_text()
+body = re.search(r'_CUDA_COMPILING_PROCESS = """(.*?)"""', src, re.S).group(1)
+for mode in ("held", "free"):
+    d = tempfile.mkdtemp()
+    f = pathlib.Path(d, "p.py"); f.write_text(body)
+    p = subprocess.Popen([sys.executable, str(f), mode], stdout=subprocess.PIPE, text=True)
+    first = p.stdout.readline().strip()
+    p.send_signal(signal.SIGUSR1)
+    print(mode, first, p.communicate(timeout=60)[0].strip().splitlines()[-1:], "rc", p.returncode)
+PY
+  python3 -m sparecycles.cli bench segments --preset "${PRESET:-gpt2-medium}" --batch-size 16 --seq-len 512 \
+    --cuts "${CUTS:-100}" --json-out "$out/segments.json" 2>&1 | tail -12 | tee "$out/segments.log"
+  exit 0
+fi
 bash tools/valkey_up.sh 6390 || exit 1
 (nvidia-smi dmon -s u -d 1 > "$out/dmon.log" 2>&1 &)
 timeout "${BENCH_SECONDS:-500}" python3 -m sparecycles.cli bench serving --engine standin \
