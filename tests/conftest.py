@@ -121,3 +121,20 @@ def fail_at_step(monkeypatch: pytest.MonkeyPatch) -> Callable[..., Callable[[], 
         return lambda: monkeypatch.setattr(mode_cls, "step", real)
 
     return arm
+
+
+@pytest.fixture
+def engine_url(request: pytest.FixtureRequest) -> str:
+    """The session's vLLM (vllm_engine above); SPARECYCLES_TEST_VLLM_URL names one already running instead (a
+    developer's, started by `tools/vllm.sh start`: a 2-core machine pays ~1 min per engine start)."""
+    import os
+
+    return os.environ.get("SPARECYCLES_TEST_VLLM_URL") or request.getfixturevalue("vllm_engine").url
+
+
+@pytest.fixture(scope="module")
+def smollm2_folder() -> Path:
+    """SmolLM2-135M-Instruct's transformers folder (trainer.models.pretrained.smollm2_dir: fetched once, cached)."""
+    from trainer.models.pretrained import smollm2_dir
+
+    return smollm2_dir()

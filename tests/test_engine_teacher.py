@@ -28,9 +28,8 @@ from probe_worker.engine_teacher import (
     renormalised,
     row_topk,
 )
+from support.engine_teacher import K, real_rows
 from wire.engine_answers import CompletionAnswer
-
-K = 16  # below vLLM's default --max-logprobs (20): the session engine serves it as started
 
 
 def _answer(row: list[int], k: int, *, first=None, tweak=None) -> CompletionAnswer:
@@ -98,31 +97,6 @@ def test_renormalised_keeps_the_top_k_distribution_of_the_temperature() -> None:
 # ---- with a real vLLM ----------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def engine_url(request: pytest.FixtureRequest) -> str:
-    """The session's vLLM (conftest's vllm_engine); SPARECYCLES_TEST_VLLM_URL names one already running instead
-    (a developer's, started by `tools/vllm.sh start`: a 2-core machine pays ~1 min per engine start)."""
-    import os
-
-    return os.environ.get("SPARECYCLES_TEST_VLLM_URL") or request.getfixturevalue("vllm_engine").url
-
-
-@pytest.fixture(scope="module")
-def smollm2() -> Path:
-    from trainer.models.pretrained import smollm2_dir
-
-    return smollm2_dir()
-
-
-def _real_rows(folder: Path, b: int, t: int) -> torch.Tensor:
-    """(b, t) int64 ids of real English text (support.user_data.real_documents) in `folder`'s tokenizer."""
-    from support.user_data import real_documents
-    from trainer.data.model_tokenizer import tokenizer_for
-
-    ids = tokenizer_for(str(folder)).encode_batch(["\n\n".join(real_documents())])[0]
-    return torch.tensor(ids[100 : 100 + b * t]).reshape(b, t)
-
-
 def _task(folder: Path, student: str, x: torch.Tensor, k: int = K, temperature: float = 1.0):
     import base64
 
@@ -139,7 +113,7 @@ def _task(folder: Path, student: str, x: torch.Tensor, k: int = K, temperature: 
 
 @pytest.mark.slow
 def test_the_engines_topk_equals_the_in_process_topk_teacher(engine_url: str, redis_url: str,
-                                                              smollm2: Path) -> None:
+                                                              smollm2_folder: Path) -> None:
     """SmolLM2-135M in float32 on both sides (vLLM's CPU engine; trainer.kd.teacher.load_teacher on the CPU), 2 x 64
     tokens of real text, k = 16. Tolerance: every log-probability within 1e-3 nats of the in-process teacher's
     (rank by rank, and at the engine's own ids of the in-process full log_softmax: both sides sum in other orders,
@@ -152,13 +126,13 @@ def test_the_engines_topk_equals_the_in_process_topk_teacher(engine_url: str, re
     from wire.kd_targets import decode, encode
     from wire.teacher_messages import target_key
 
-    x = _real_rows(smollm2, 2, 64)
-    task = _task(smollm2, str(smollm2), x)
+    x = real_rows(smollm2_folder, 2, 64)
+    task = _task(smollm2_folder, str(smollm2_folder), x)
     store = redis.Redis.from_url(redis_url)
     engine = EngineTeacher(engine_url, store)
     got = engine.targets(x.tolist(), K, 1.0, task.teacher_vocab)
     with torch.no_grad():
-        z = load_teacher(str(smollm2), "cpu")(input_ids=x).logits.float()
+        z = load_teacher(str(smollm2_folder), "cpu")(input_ids=x).logits.float()
     ref = make_targets(z, kind="topk", k=K, temperature=1.0, seed=0, step=0, rank=0)
     full = torch.log_softmax(z, -1)
     assert got.ids.shape == ref.ids.shape == (2, 64, K) and got.vocab == ref.vocab == 49152
@@ -176,7 +150,7 @@ def test_the_engines_topk_equals_the_in_process_topk_teacher(engine_url: str, re
 
 @pytest.mark.slow
 def test_a_student_whose_tokenizer_is_not_the_engines_is_refused_naming_both(engine_url: str, redis_url: str,
-                                                                              smollm2: Path) -> None:
+                                                                              smollm2_folder: Path) -> None:
     """A gpt2-tiny student (tiktoken GPT-2) and the engine's SmolLM2: the round is refused (counted), its key never
     written, the reason naming the student's tokenizer and the engine's model."""
     from prometheus_client import CollectorRegistry
@@ -185,7 +159,7 @@ def test_a_student_whose_tokenizer_is_not_the_engines_is_refused_naming_both(eng
     from probe_worker.teacher_outcomes import TeacherRefused
     from wire.teacher_messages import target_key
 
-    task = _task(smollm2, "gpt2-tiny", _real_rows(smollm2, 1, 8))
+    task = _task(smollm2_folder, "gpt2-tiny", real_rows(smollm2_folder, 1, 8))
     store = redis.Redis.from_url(redis_url)
     engine = EngineTeacher(engine_url, store)
     metrics = TeacherMetrics(registry=CollectorRegistry())
@@ -199,7 +173,7 @@ def test_a_student_whose_tokenizer_is_not_the_engines_is_refused_naming_both(eng
 
 @pytest.mark.slow
 def test_an_engine_that_does_not_answer_in_time_leaves_the_round_unanswered_and_counted(
-        engine_url: str, redis_url: str, smollm2: Path) -> None:
+        engine_url: str, redis_url: str, smollm2_folder: Path) -> None:
     """An engine answer later than the worker's timeout (here 1 ms): outcome engine_error, nothing written (the
     trainer's step then trains on CE alone, counted missing: tests/test_kd_fleet.py)."""
     import httpx
@@ -208,7 +182,7 @@ def test_an_engine_that_does_not_answer_in_time_leaves_the_round_unanswered_and_
     from probe_worker.teacher import TeacherMetrics, run_teacher
     from wire.teacher_messages import target_key
 
-    task = _task(smollm2, str(smollm2), _real_rows(smollm2, 2, 64))
+    task = _task(smollm2_folder, str(smollm2_folder), real_rows(smollm2_folder, 2, 64))
     store = redis.Redis.from_url(redis_url)
     engine = EngineTeacher(engine_url, store)
     engine.check_tokenizer(task.student_tokenizer)  # the checks answered; the round's request is the late one
@@ -221,7 +195,7 @@ def test_an_engine_that_does_not_answer_in_time_leaves_the_round_unanswered_and_
 
 @pytest.mark.slow
 def test_train_with_teacher_rounds_answered_by_the_engine_takes_every_step(engine_url: str, redis_url: str,
-                                                                           smollm2: Path, tmp_path: Path) -> None:
+                                                                           smollm2_folder: Path, tmp_path: Path) -> None:
     """`sparecycles train --model STUDENT --teacher SMOLLM2 --teacher-rounds URL --kd-estimator topk --kd-strict` with
     a real enrolled worker (`sparecycles worker --teacher-engine URL`, support.teacher) that never loads the model:
     the student trained through teacher rounds took every step's targets (none missing; the worker answered every
@@ -232,12 +206,12 @@ def test_train_with_teacher_rounds_answered_by_the_engine_takes_every_step(engin
     from support.teacher import start_teacher_worker, stop_teacher_worker
     from trainer.kd.teacher import teacher_sha256
 
-    student = _student_and_data(tmp_path, smollm2)
-    queue = f"sparecycles.teacher.kd-{teacher_sha256(str(smollm2))[:12]}-0"
+    student = _student_and_data(tmp_path, smollm2_folder)
+    queue = f"sparecycles.teacher.kd-{teacher_sha256(str(smollm2_folder))[:12]}-0"
     proc = start_teacher_worker(redis_url, queue, args=("--teacher-engine", engine_url))
     try:
         res = CliRunner().invoke(app, [
-            "train", "--model", str(student), "--data", str(tmp_path / "data"), "--teacher", str(smollm2),
+            "train", "--model", str(student), "--data", str(tmp_path / "data"), "--teacher", str(smollm2_folder),
             "--teacher-rounds", redis_url, "--kd-estimator", "topk", "--kd-k", str(K), "--kd-strict",
             "--kd-window", "2", "--steps", "3", "--batch-size", "2", "--seq-len", "32", "--warmup-steps", "0",
             "--seed", "0", "--run-dir", str(tmp_path / "run"), "--no-progress", "--no-export"])
@@ -254,24 +228,23 @@ def test_train_with_teacher_rounds_answered_by_the_engine_takes_every_step(engin
     assert f"'{queue}'" in log and "loaded on" not in log  # enrolled, consuming the queue; never loaded the model
 
 
-def _student_and_data(tmp_path: Path, smollm2: Path) -> Path:
+def _student_and_data(tmp_path: Path, smollm2_folder: Path) -> Path:
     """A tiny Llama student with SmolLM2's vocabulary and tokenizer files (tmp_path/student) and real text
     (tmp_path/data); returns the student folder."""
-    from test_kd import _llama_dir
-
+    from support.models import tiny_llama_dir
     from support.user_data import real_documents
 
     student = tmp_path / "student"
-    _llama_dir(student, 49152, 0)
+    tiny_llama_dir(student, 49152, 0)
     for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(smollm2 / f, student / f)
+        shutil.copy(smollm2_folder / f, student / f)
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "docs.txt").write_text("\n\n".join(real_documents()))
     return student
 
 
 @pytest.mark.slow
-def test_kd_fill_from_the_engine_fills_the_target_cache(engine_url: str, redis_url: str, smollm2: Path,
+def test_kd_fill_from_the_engine_fills_the_target_cache(engine_url: str, redis_url: str, smollm2_folder: Path,
                                                         tmp_path: Path) -> None:
     """`sparecycles kd fill --kd-estimator topk` answered by a worker that asks the engine: every planned step
     stored, each a topk/1 blob of k ids per position that `train --kd-cache` then reads, none missing."""
@@ -281,9 +254,9 @@ def test_kd_fill_from_the_engine_fills_the_target_cache(engine_url: str, redis_u
     from sparecycles.cli import app
     from support.teacher import start_teacher_worker, stop_teacher_worker
 
-    student = _student_and_data(tmp_path, smollm2)
+    student = _student_and_data(tmp_path, smollm2_folder)
     run = f"kdfill-{uuid.uuid4().hex[:8]}"
-    args = ["--model", str(student), "--data", str(tmp_path / "data"), "--teacher", str(smollm2), "--kd-estimator",
+    args = ["--model", str(student), "--data", str(tmp_path / "data"), "--teacher", str(smollm2_folder), "--kd-estimator",
             "topk", "--kd-k", str(K), "--steps", "2", "--batch-size", "2", "--seq-len", "32", "--seed", "0"]
     proc = start_teacher_worker(redis_url, teacher_queue(run), args=("--teacher-engine", engine_url))
     try:

@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 import redis
 import torch
-from test_engine_teacher import K, _real_rows, engine_url, smollm2  # noqa: F401 - fixtures
 
 from coordinator.celery_app import make_celery
 from coordinator.client import CoordinatorClient
 from fleet.teacher import FleetTeacher, RoundFlow, TeacherRecipe, teacher_queue
 from fleet.teacher_weights import publish_teacher
+from support.engine_teacher import K, real_rows
 from support.fleet import AclFleet
 from support.valkey import Valkey
 from wire.teacher_messages import target_key
@@ -27,8 +27,8 @@ from wire.teacher_messages import target_key
 
 @pytest.mark.slow
 def test_the_enrolled_worker_answers_teacher_rounds_through_the_engine_and_drains(
-        tmp_path: Path, engine_url: str, smollm2: Path) -> None:  # noqa: F811 - fixtures
-    rows = _real_rows(smollm2, 2 * 2, 32)  # steps 0..1, 2 rows each
+        tmp_path: Path, engine_url: str, smollm2_folder: Path) -> None:
+    rows = real_rows(smollm2_folder, 2 * 2, 32)  # steps 0..1, 2 rows each
 
     def batch_fn(step: int) -> tuple[torch.Tensor, torch.Tensor]:
         x = rows[2 * step : 2 * step + 2]
@@ -41,13 +41,13 @@ def test_the_enrolled_worker_answers_teacher_rounds_through_the_engine_and_drain
     queue = teacher_queue(run)
     try:
         with CoordinatorClient(fleet.url, fleet.admin_token) as admin:
-            publish_teacher(admin, str(smollm2), run)
+            publish_teacher(admin, str(smollm2_folder), run)
         fleet.start_worker("t", "--teacher-engine", engine_url)
         wid = fleet.wait_consuming("t")
         assert fleet.worker_info("t")["state"] == "active"
         assert [w["worker_id"] for w in fleet.admin.get("/v1/workers").json()] == [wid]
         store = redis.Redis.from_url(v.url)
-        recipe = TeacherRecipe(str(smollm2), "topk", K, 1.0, 0, student=str(smollm2))
+        recipe = TeacherRecipe(str(smollm2_folder), "topk", K, 1.0, 0, student=str(smollm2_folder))
         teacher = FleetTeacher(make_celery(v.url), store, run=run, teacher=recipe, batch_fn=batch_fn,
                                flow=RoundFlow(window=2, strict=True, strict_timeout_s=120.0), steps=2)
         teacher.seek(0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from support.models import tiny_llama_dir
 from trainer.kd.estimators import full_ce, full_kl, kd_loss, sparse_ce
 from trainer.kd.targets import make_targets, target_seed
 from wire.kd_targets import KDTargets, TargetFormatError, decode, encode
@@ -111,18 +112,6 @@ def test_intake_rejects_shape_vocab_and_garbage():
         decode(b"\x00" * 5, batch_shape=(1, 2), vocab=300)
 
 
-def _llama_dir(folder, vocab: int, seed: int):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
-                         tie_word_embeddings=True, eos_token_id=0, bos_token_id=None)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        LlamaForCausalLM(config).save_pretrained(folder)
-    return folder
-
-
 def test_kd_loss_fn_mixes_ce_and_the_estimator_with_seeded_targets(tmp_path):
     """KDLoss on two tiny Llamas equals (1 - a) CE + a sparse_ce of make_targets(seed, batch_key, rank), by hand."""
     import torch.nn.functional as F
@@ -130,8 +119,8 @@ def test_kd_loss_fn_mixes_ce_and_the_estimator_with_seeded_targets(tmp_path):
 
     from trainer.kd.teacher import KDLoss, batch_key, load_teacher
 
-    student = AutoModelForCausalLM.from_pretrained(_llama_dir(tmp_path / "s", 400, 0))
-    teacher = load_teacher(str(_llama_dir(tmp_path / "t", 400, 1)), "cpu")
+    student = AutoModelForCausalLM.from_pretrained(tiny_llama_dir(tmp_path / "s", 400, 0))
+    teacher = load_teacher(str(tiny_llama_dir(tmp_path / "t", 400, 1)), "cpu")
     x = torch.randint(0, 400, (2, 8), generator=torch.Generator().manual_seed(0))
     y = torch.roll(x, -1, 1)
     loss_fn = KDLoss(teacher, alpha=0.3, estimator="sampled", k=4, temperature=2.0, seed=5, rank=1)
@@ -153,7 +142,7 @@ def test_a_teacher_with_another_tokenizer_is_refused_before_the_run_starts(tmp_p
     from trainer.kd.teacher import TeacherMismatchError
     from trainer.train import train
 
-    other = _llama_dir(hf_tokenizer_dir(tmp_path / "other", vocab_size=400), 400, 2)
+    other = tiny_llama_dir(hf_tokenizer_dir(tmp_path / "other", vocab_size=400), 400, 2)
     cfg = TrainConfig(teacher=str(other), steps=3, warmup_steps=0, run_dir=tmp_path / "run")
     with pytest.raises(TeacherMismatchError, match=r"vocab 400\) differs from the student's .*vocab 50257"):
         train(cfg, progress=False)
@@ -220,12 +209,12 @@ def test_a_teacher_run_with_fleet_probes_needs_a_method_that_does_not_update_fro
     from trainer.config import TrainConfig
     from trainer.kd.teacher import TeacherMismatchError, check_teacher_run
 
-    folder = _llama_dir(hf_tokenizer_dir(tmp_path / "t", vocab_size=400), 400, 2)
+    folder = tiny_llama_dir(hf_tokenizer_dir(tmp_path / "t", vocab_size=400), 400, 2)
     student = str(folder)  # a student of the same folder: one tokenizer
     with pytest.raises(TeacherMismatchError, match="mezo is pure-zo"):
         check_teacher_run(TrainConfig(model=student, teacher=student, optimizer="mezo"), fleet=True)
     check_teacher_run(TrainConfig(model=student, teacher=student, optimizer="mezo"), fleet=False)
     check_teacher_run(TrainConfig(model=student, teacher=student, optimizer="zocurv-line"), fleet=True)
-    bare = _llama_dir(tmp_path / "bare", 400, 2)
+    bare = tiny_llama_dir(tmp_path / "bare", 400, 2)
     with pytest.raises(TeacherMismatchError, match="--teacher: .*no tokenizer files"):
         check_teacher_run(TrainConfig(model=student, teacher=str(bare)), fleet=False)

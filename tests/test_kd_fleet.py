@@ -20,6 +20,7 @@ import torch
 from coordinator.celery_app import make_celery
 from fleet.teacher import FleetTeacher, RoundFlow, TeacherRecipe, TeacherTimeout, teacher_queue
 from support.fleet import Fleet
+from support.models import student_teacher_and_data, tiny_llama_dir
 from support.teacher import start_teacher_worker, stop_teacher_worker
 from trainer.data import get_batch
 from trainer.kd.sparse_loss import SparseKDLoss
@@ -247,26 +248,6 @@ def test_train_cli_with_teacher_rounds_end_to_end(redis_url: str, tmp_path: Path
     assert len(steps) == 3 and all(r["kd_loss"] > 0 and r["kd_missing_steps"] == 0 for r in steps)
 
 
-def student_teacher_and_data(tmp_path: Path) -> tuple[Path, Path]:
-    """Two tiny Llama folders of one 400-word tokenizer (student seed 0, teacher seed 1) and real text in
-    tmp_path/data; returns (student, teacher)."""
-    import shutil
-
-    from test_kd import _llama_dir
-
-    from support.user_data import hf_tokenizer_dir, real_documents
-
-    student = _llama_dir(hf_tokenizer_dir(tmp_path / "student", vocab_size=400), 400, 0)
-    teacher = tmp_path / "teacher"
-    shutil.copytree(student, teacher)
-    for f in teacher.glob("*.safetensors"):
-        f.unlink()
-    _llama_dir(teacher, 400, 1)
-    (tmp_path / "data").mkdir()
-    (tmp_path / "data" / "docs.txt").write_text("\n\n".join(real_documents()))
-    return student, teacher
-
-
 def base64_ids(b: int, t: int) -> str:
     """The base64 text of a (b, t) batch's uint32 ids, as a teacher round carries it."""
     import base64
@@ -459,11 +440,10 @@ def test_ctrl_c_during_a_strict_wait_stops_the_run_at_once_saying_so(redis_url: 
     """`train --teacher-rounds --kd-strict` with no worker on its queue, Ctrl-C (SIGINT) while the first step waits
     for its targets: the wait ends at once with a line saying so, the step trains on CE alone, the run checkpoints
     and exits 130 (before: silent until the 120 s strict timeout, then TeacherTimeout)."""
-    from test_kd import _llama_dir
 
     from support.user_data import hf_tokenizer_dir, real_documents
 
-    student = _llama_dir(hf_tokenizer_dir(tmp_path / "student", vocab_size=400), 400, 0)
+    student = tiny_llama_dir(hf_tokenizer_dir(tmp_path / "student", vocab_size=400), 400, 0)
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "docs.txt").write_text("\n\n".join(real_documents()))
     queue = f"kdq-{uuid.uuid4().hex[:8]}"

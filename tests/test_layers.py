@@ -111,3 +111,22 @@ def test_experiments_are_not_installed():
     find = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
     assert not [p for p in find["include"] for m in ("experiments", "experiments.zo") if fnmatch(m, p)]
     assert (ROOT / "experiments" / "README.md").is_file()
+
+
+def test_no_test_file_imports_another_test_file():
+    """Shared helpers live in tests/support/ and shared fixtures in conftest.py: a test file importing another
+    (`from test_kd import ...`) runs that file's module-level code and hides what it depends on."""
+    import ast
+
+    found = []
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            found += [f"{path.name}: {n}" for n in names if n.split(".")[-1].startswith("test_")]
+    assert sorted(set(found) - NOT_YET_MOVED) == []
+
+
+# A serving test's import of another serving test, from work in progress elsewhere: its helpers belong in
+# tests/support/ too. No other entry may be added.
+NOT_YET_MOVED = {"test_engine_proxy.py: tests.test_serving_standin"}

@@ -194,7 +194,7 @@ def test_train_coordinator_registers_its_teacher_rounds_for_the_enrolled_workers
     answers every step's round: every step taught (none missing), the worker in GET /v1/workers. When the run
     ends its teacher run is ended there too: a worker enrolling afterwards is told of no teacher queue, as of no
     probe queue (the run's evaluation rounds)."""
-    from test_kd_fleet import student_teacher_and_data
+    from support.models import student_teacher_and_data
 
     url, env, workers = coordinator
     student, teacher = student_teacher_and_data(tmp_path)

@@ -4,7 +4,6 @@ per-iteration h/w statistics, and the arm runner on a tiny CPU classifier."""
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -22,6 +21,7 @@ from experiments.zo_paper.steps import (
     plateau_update,
 )
 from probe_kernels.reference import direction_ref
+from support.zo_paper import TinyClassifier, tiny_paper_data
 
 
 def _bf16_rne(x: np.ndarray) -> np.ndarray:
@@ -133,42 +133,15 @@ def test_h_and_w_statistics_on_a_quadratic(lam, w, floored):
     assert torch.allclose(st.model.theta.double(), expect, atol=1e-6)
 
 
-class _Tiny(torch.nn.Module):
-    """Mean-pooled embedding + linear head: a classifier with the PromptClassifier interface."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        g = torch.Generator().manual_seed(0)
-        self.emb = torch.nn.Parameter(torch.randn(20, 4, generator=g) * 0.5)
-        self.head = torch.nn.Parameter(torch.randn(2, 4, generator=g) * 0.5)
-
-    def forward(self, input_ids, attention_mask):
-        m = attention_mask[..., None].to(self.emb.dtype)
-        x = (self.emb[input_ids] * m).sum(1) / m.sum(1)
-        return SimpleNamespace(logits=x @ self.head.T)
-
-
-def _tiny_data():
-    from experiments.zo_paper.paper import PaperData
-
-    g = torch.Generator().manual_seed(1)
-    out = {}
-    for name, n in (("train", 40), ("val", 20), ("test", 30)):
-        labels = torch.randint(0, 2, (n,), generator=g)
-        ids = torch.randint(0, 10, (n, 6), generator=g) + 10 * labels[:, None]  # the words tell the label
-        out[name] = (ids, torch.ones_like(ids), labels)
-    return PaperData(out)
-
-
 @pytest.mark.parametrize("numerics", ["master", "inplace"])
 def test_zo_arm_logs_selects_on_val_and_scores_test_once(numerics):
     from experiments.zo_paper.paper import run_zo_arm
 
-    data = _tiny_data()
+    data = tiny_paper_data()
     dtype = torch.float32 if numerics == "master" else torch.bfloat16
     arm = {"name": "t", "method": "1.5spsa", "numerics": numerics, "lr": 0.5, "eps": 1e-2, "batch_size": 16,
            "probes": 4, "max_iters": 6, "eval_every": 2, "time_s": 1e9, "patience": 2}
-    r = run_zo_arm(data, _Tiny().to(dtype), arm, seed=0)
+    r = run_zo_arm(data, TinyClassifier().to(dtype), arm, seed=0)
     assert r["iterations"] == 6 and r["stop"] == "max_iters" and r["forward_passes"] == 6 * 9
     assert r["seq_forwards"] == 6 * 9 * 16
     assert [e["iteration"] for e in r["evals"]] == [0, 2, 4, 6]
@@ -187,11 +160,11 @@ def test_zo_arm_logs_selects_on_val_and_scores_test_once(numerics):
 def test_backprop_arm_and_drift_on_tiny_model():
     from experiments.zo_paper.paper import run_backprop_arm
 
-    data = _tiny_data()
-    r = run_backprop_arm(data, _Tiny(), {"name": "b", "lr": 0.05, "batch_size": 8, "max_iters": 30,
+    data = tiny_paper_data()
+    r = run_backprop_arm(data, TinyClassifier(), {"name": "b", "lr": 0.05, "batch_size": 8, "max_iters": 30,
                                           "eval_every": 10, "time_s": 1e9})
     assert r["iterations"] == 30 and r["val_acc"] >= r["evals"][0]["val_acc"]
-    m = _Tiny().to(torch.bfloat16)
+    m = TinyClassifier().to(torch.bfloat16)
     w = [m.emb.data, m.head.data]
     d = numerics_drift(w, [0, 80], [([1, 2], [1e-3, -1e-3], 1e-3), ([3, 4], [2e-3, 0.0], 1e-3)])
     assert d["steps"] == 2 and d["cycles"] == 4
@@ -221,8 +194,8 @@ def test_paper_comparison_runs_every_arm_and_writes_the_table(tmp_path):
 
     from experiments.zo_paper.paper import PaperCall, paper_arms, paper_comparison
 
-    data = _tiny_data()
-    s = paper_comparison(tmp_path, lambda dt: _Tiny().to(dt), data, PaperCall(total_s=3600.0, iters_cap=2))
+    data = tiny_paper_data()
+    s = paper_comparison(tmp_path, lambda dt: TinyClassifier().to(dt), data, PaperCall(total_s=3600.0, iters_cap=2))
     names = [a["name"] for a in paper_arms(3.0)]
     assert all(r["iterations"] == 2 and r["stop"] == "max_iters" for r in s["arms"].values())
     assert [r["arm"] for r in s["table"]] == names
@@ -233,12 +206,12 @@ def test_paper_comparison_runs_every_arm_and_writes_the_table(tmp_path):
     assert json.loads((tmp_path / "paper_summary.json").read_text())["table"] == s["table"]
     assert (tmp_path / "paper_curves.png").stat().st_size > 0 and (tmp_path / "paper_hw.png").stat().st_size > 0
     # a call whose budget is already spent runs nothing and says so (the device call must end in time)
-    none = paper_comparison(tmp_path / "late", lambda dt: _Tiny().to(dt), data, PaperCall(total_s=1e-9,
+    none = paper_comparison(tmp_path / "late", lambda dt: TinyClassifier().to(dt), data, PaperCall(total_s=1e-9,
                                                                                        arms=("A1", "A2")))
     assert none["table"] == [] and none["meta"]["skipped"] == dict.fromkeys(("A1", "A2"), "no time left in this call")
     import time
 
-    late = paper_comparison(tmp_path / "late2", lambda dt: _Tiny().to(dt), data,  # a deadline already past:
+    late = paper_comparison(tmp_path / "late2", lambda dt: TinyClassifier().to(dt), data,  # a deadline already past:
                             PaperCall(total_s=3600.0, arms=("A1",), end_by=time.time() - 1.0))  # 3600 s -> nothing
     assert late["table"] == [] and late["meta"]["calls"][-1]["total_s"] <= 0
 
@@ -248,9 +221,9 @@ def test_with_lr_zero_the_start_is_selected_and_scored():
     start's weights."""
     from experiments.zo_paper.paper import run_zo_arm
 
-    data = _tiny_data()
+    data = tiny_paper_data()
     arm = {"name": "z", "method": "1spsa", "numerics": "master", "lr": 0.0, "eps": 1e-2, "batch_size": 8,
            "probes": 2, "max_iters": 4, "eval_every": 2, "time_s": 1e9}
-    r = run_zo_arm(data, _Tiny(), arm)
+    r = run_zo_arm(data, TinyClassifier(), arm)
     assert r["selected_iteration"] == 0
     assert r["test_acc"] == r["evals"][0]["test_acc_peek"] == r["initial_test_acc"]

@@ -77,16 +77,15 @@ def test_merge_keeps_included_arms_unless_rerun():
 def test_resumed_arm_equals_the_uninterrupted_run():
     """A1 stopped on time after 1 iteration, then resumed from its ledger to 4: the same weights (fingerprint,
     bit for bit), losses and train accuracies as one run of 4 iterations; the plateau state carries over."""
-    from test_zo_paper import _Tiny, _tiny_data
-
     from experiments.zo_paper.paper import run_zo_arm
+    from support.zo_paper import TinyClassifier, tiny_paper_data
 
-    data = _tiny_data()
+    data = tiny_paper_data()
     arm = dict(paper_arms(1e9, ("A1",))[0], probes=6, max_iters=4, patience=1, lr=1e-3, eps=1e-2)
-    full = run_zo_arm(data, _Tiny(), arm, keep_ledger=True)
-    cut = run_zo_arm(data, _Tiny(), dict(arm, time_s=1e-9), keep_ledger=True)
+    full = run_zo_arm(data, TinyClassifier(), arm, keep_ledger=True)
+    cut = run_zo_arm(data, TinyClassifier(), dict(arm, time_s=1e-9), keep_ledger=True)
     assert cut["iterations"] == 1 and cut["stop"] == "time"
-    res = run_zo_arm(data, _Tiny(), arm, keep_ledger=True, resume=dict(cut, ledger=cut["ledger"]))
+    res = run_zo_arm(data, TinyClassifier(), arm, keep_ledger=True, resume=dict(cut, ledger=cut["ledger"]))
     assert res["iterations"] == 4 and res["stop"] == "max_iters"
     assert res["resumed"][0]["from_iteration"] == 1 and res["resumed"][0]["fingerprint_ok"] is True
     assert res["fingerprint"] == full["fingerprint"]
@@ -95,20 +94,19 @@ def test_resumed_arm_equals_the_uninterrupted_run():
     assert res["ledger"] == full["ledger"] and res["forward_passes"] == full["forward_passes"]
     assert len({x["lr"] for x in full["log"]}) > 1  # patience 1: the plateau rule fired (and replayed)
     with pytest.raises(ValueError, match="ledger"):
-        run_zo_arm(data, _Tiny(), arm, resume=dict(cut, ledger=[]))
+        run_zo_arm(data, TinyClassifier(), arm, resume=dict(cut, ledger=[]))
 
 
 def test_two_calls_merge_into_one_summary(tmp_path):
     """Call 1 runs A1 only (no drift); call 2 runs A2 and A3w, including call 1: A3w's lr comes from the
     included A1's mean w, the drift replays the included ledger, A1 is carried over unchanged, and the table
     lists all three in the canonical order."""
-    from test_zo_paper import _Tiny, _tiny_data
-
     from experiments.zo_paper.paper import PaperCall, paper_comparison
+    from support.zo_paper import TinyClassifier, tiny_paper_data
 
-    data = _tiny_data()
+    data = tiny_paper_data()
     calls = []
-    s1 = paper_comparison(tmp_path / "c1", lambda dt: _Tiny().to(dt), data,
+    s1 = paper_comparison(tmp_path / "c1", lambda dt: TinyClassifier().to(dt), data,
                           PaperCall(total_s=60.0, arms=("A1",), drift=False, iters_cap=2, matmul={"A1": "highest"}),
                           set_matmul=calls.append)
     assert calls == ["highest"] and s1["arms"]["A1"]["fp32_matmul"] == "highest"
@@ -116,7 +114,7 @@ def test_two_calls_merge_into_one_summary(tmp_path):
     assert all(len(sd) == 40 and len(c) == 40 and e == PAPER.eps for sd, c, e in s1["ledgers"]["A1"])
     inc = json.loads((tmp_path / "c1" / "paper_summary.json").read_text())
     t0 = time.perf_counter()
-    s2 = paper_comparison(tmp_path / "c2", lambda dt: _Tiny().to(dt), data,
+    s2 = paper_comparison(tmp_path / "c2", lambda dt: TinyClassifier().to(dt), data,
                           PaperCall(total_s=60.0, arms=("A3w", "A2"), include=inc, iters_cap=1, matmul={"A2": "high"}),
                           set_matmul=calls.append)
     spent = time.perf_counter() - t0  # at least what the call spent before its first arm (the drift measure included)
@@ -131,7 +129,7 @@ def test_two_calls_merge_into_one_summary(tmp_path):
     # (bracketed by this test's own reading around the call: a loaded machine widens it, never fails it)
     assert (60 - spent) * 16 / 27 <= s2["arms"]["A2"]["time_s"] <= 60 * 16 / 27
     with pytest.raises(ValueError, match="A3w"):
-        paper_comparison(tmp_path / "c3", lambda dt: _Tiny().to(dt), data, PaperCall(total_s=1.0, arms=("A3w",)))
+        paper_comparison(tmp_path / "c3", lambda dt: TinyClassifier().to(dt), data, PaperCall(total_s=1.0, arms=("A3w",)))
 
 
 def test_cli_checks_include_and_per_arm_matmul(tmp_path):
