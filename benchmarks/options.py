@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
+from benchmarks import RESULTS
 from fleet.devices import device_here, devices_here
 from probe_worker.options import WorkerOptions
 from trainer.models.presets import get_preset
@@ -86,7 +87,7 @@ class DataPackOptions(BaseModel):
     model: str = _F("gpt2-tiny", description="Model preset or transformers folder whose tokenizer packs it")
     workdir: Path | None = _F(None, description="Where the temporary folder and cache go (default: $TMPDIR)")
     out: Path = _F(Path("runs/bench-data-pack/data_pack.json"), description="Result JSON to write (under runs/, "
-                   "which git ignores: benchmarks/results/ holds the committed figures)")
+                   f"which git ignores: {RESULTS}/ holds the committed figures)")
 
 
 def _presets() -> Any:

@@ -10,6 +10,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from benchmarks import RESULTS
 from benchmarks.options import RedisUrl, redis_field
 from fleet.devices import device_here
 
@@ -67,7 +68,7 @@ class ServingBench(BaseModel):
     standin_dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="--engine standin: "
                                                                      "its weights' dtype")
     out: Path = Field(Path("runs/bench-serving"), description="folder for serving.json and serving.png (under "
-                      "runs/, which git ignores: benchmarks/results/ holds the committed figures)")
+                      f"runs/, which git ignores: {RESULTS}/ holds the committed figures)")
     redis_url: RedisUrl = redis_field()  # the coordinator's Redis (--redis-url, else $REDIS_URL)
 
     @model_validator(mode="after")

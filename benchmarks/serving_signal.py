@@ -19,6 +19,8 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks import RESULTS
+
 PROMPT = "In the beginning God created the heaven and the earth. " * 10
 
 
@@ -77,7 +79,7 @@ def measure(requests: int) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--requests", type=int, default=8)
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results/cpu/serving/signal.json"))
+    p.add_argument("--out", type=Path, default=Path(RESULTS) / "cpu/serving/signal.json")
     a = p.parse_args()
     res = measure(a.requests)
     a.out.parent.mkdir(parents=True, exist_ok=True)

@@ -20,9 +20,9 @@ def _build(root: Path, site: Path) -> subprocess.CompletedProcess:
 def test_the_site_builds_strictly_with_its_figures(tmp_path):
     res = _build(ROOT, tmp_path / "site")
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    # a figure of docs/RESULTS.md, next to its files under benchmarks/results/, is in the site and linked there
-    assert (tmp_path / "site" / "_repo" / "benchmarks" / "results" / "h200" / "kd-fleet" / "kd_curves.png").is_file()
-    assert "_repo/benchmarks/results/h200/kd-fleet/kd_curves.png" in (tmp_path / "site" / "RESULTS" /
+    # a figure of docs/RESULTS.md, next to its files under results/, is in the site and linked there
+    assert (tmp_path / "site" / "_repo" / "experiments" / "kd" / "results" / "fleet" / "kd_curves.png").is_file()
+    assert "_repo/experiments/kd/results/fleet/kd_curves.png" in (tmp_path / "site" / "RESULTS" /
                                                                        "index.html").read_text()
 
 
@@ -32,7 +32,8 @@ def _copy(tmp_path: Path) -> Path:
     (root / "tools").mkdir()
     shutil.copy(ROOT / "tools" / "mkdocs_hooks.py", root / "tools")
     shutil.copy(ROOT / "mkdocs.yml", root)
-    shutil.copytree(ROOT / "benchmarks" / "results", root / "benchmarks" / "results")
+    shutil.copytree(ROOT / "results", root / "results")
+    shutil.copytree(ROOT / "experiments", root / "experiments")
     shutil.copytree(ROOT / "examples", root / "examples")
     return root
 

@@ -67,7 +67,7 @@ def test_bench_serving_writes_under_runs_which_git_ignores():
     out = ServingBench().out
     assert out == Path("runs/bench-serving")
     ignored = subprocess.run(["git", "check-ignore", "-q", str(out / "serving.json")], cwd=ROOT)
-    assert ignored.returncode == 0  # a user's run never overwrites benchmarks/results/cpu/serving/
+    assert ignored.returncode == 0  # a user's run never overwrites results/cpu/serving/
 
 
 @pytest.mark.parametrize(("args", "line"), [

@@ -1,5 +1,5 @@
 """Each round kind's forward precision (trainer.zo.probes.KINDS[kind].precision) is the one its measurement gives:
-benchmarks/results/h200_gpu37/precision.json (`sparecycles bench precision` on an H200) names, per kind, whether
+results/h200_gpu37/precision.json (`sparecycles bench precision` on an H200) names, per kind, whether
 every row of it has bf16 SNR >= SNR_BOUND; the declaration must match it. Plus the SNR arithmetic on closed forms
 and the CPU rule (a CPU worker never changes dtype, so its values stay bit-equal to the trainer's)."""
 
@@ -15,7 +15,7 @@ import torch
 from benchmarks.precision import kind_of_row, precisions, snr
 from trainer.zo import probes
 
-RESULT = Path(__file__).resolve().parents[1] / "benchmarks/results/h200_gpu37/precision.json"
+RESULT = Path(__file__).resolve().parents[1] / "results/h200_gpu37/precision.json"
 
 
 def test_declared_precision_is_the_measured_one():

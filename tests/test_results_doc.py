@@ -3,8 +3,8 @@
 The rule, checked here without running anything:
 
 - the document is split at its ``## `` headings; each section (one measurement: its figures, the command that
-  measured them and where the raw output lies) cites at least one *backing file*: a path under
-  ``benchmarks/results/`` or a ``probe_kernels/*.json`` (a folder cited with a trailing ``/`` counts);
+  measured them and where the raw output lies) cites at least one *backing file*: a path under ``results/`` (the
+  product's benches) or an experiment's ``experiments/NAME/results/`` (a folder cited with a trailing ``/`` counts);
 - every backing path cited anywhere in the document exists in the repository (a file, or a non-empty folder);
 - the text before the first ``## `` heading carries no figures of its own (only the rule).
 
@@ -19,8 +19,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "RESULTS.md"
-# A backing path: benchmarks/results/... or probe_kernels/....json, up to a quote, space, bracket or comma.
-BACKING = re.compile(r"(benchmarks/results/[A-Za-z0-9_.*/-]*[A-Za-z0-9_/*]|probe_kernels/[A-Za-z0-9_.-]+\.json)")
+# A backing path, up to a quote, space, bracket or comma: experiments/NAME/results/..., or results/X/... or
+# results/X.ext (a word of its own: "results/s" is a rate, not a path).
+BACKING = re.compile(r"(experiments/[a-z0-9_]+/results/(?:[A-Za-z0-9_.*/-]*[A-Za-z0-9_/*])?"
+                     r"|(?<!\w)results/[A-Za-z0-9_*-]+[/.](?:[A-Za-z0-9_.*/-]*[A-Za-z0-9_/*])?)")
 
 
 def sections(text: str) -> list[tuple[str, str]]:
@@ -42,7 +44,7 @@ def test_every_results_section_cites_a_backing_file():
     secs = sections(DOC.read_text(encoding="utf-8"))
     assert len(secs) > 5, "docs/RESULTS.md lost its sections"
     uncited = [h for h, body in secs[1:] if not BACKING.search(body)]
-    assert not uncited, f"sections without a file under benchmarks/results/ (or probe_kernels/*.json): {uncited}"
+    assert not uncited, f"sections without a file under results/ or experiments/NAME/results/: {uncited}"
 
 
 def test_every_cited_backing_path_exists():
@@ -59,8 +61,10 @@ def test_the_preamble_holds_no_figures():
 
 def test_the_rule_catches_an_uncited_section(tmp_path):
     """The checks above can fail: a section without a backing path, and a path that does not exist."""
-    text = "# R\n\n## cited\n\n`benchmarks/results/zo/lm_summary.json`: 5.1\n\n## bare\n\n9,754 results/s\n"
+    text = "# R\n\n## cited\n\n`experiments/zo/results/lm_summary.json`: 5.1\n\n## bare\n\n9,754 results/s\n"
     secs = sections(text)
     assert [h for h, b in secs[1:] if not BACKING.search(b)] == ["bare"]
-    assert not _exists("benchmarks/results/no-such-run/out.json")
-    assert _exists("benchmarks/results/zo/lm_summary.json")
+    assert not _exists("results/no-such-run/out.json")
+    assert _exists("experiments/zo/results/lm_summary.json")
+    assert BACKING.findall("`../results/cpu/fleet.json`, experiments/x2/results/ and 12 results/s") == [
+        "results/cpu/fleet.json", "experiments/x2/results/"]

@@ -1,5 +1,5 @@
 """MkDocs hooks (mkdocs.yml `hooks:`): a page's links to repository files outside docs/ (a figure under
-benchmarks/results/, a source file, an example) work in the built site as they do on GitHub.
+results/, a source file, an example) work in the built site as they do on GitHub.
 
 `on_files` adds each such file to the site under `_repo/<its path>`; `on_page_markdown` points the link there. Only
 files that exist and are not Markdown are added: a link to a missing file, or to a Markdown file outside docs/, is

@@ -17,7 +17,7 @@ first reaches L (linear interpolation between evaluations), divided by s; `None`
 standard errors on the selection batches (optimizer state kept); its final raw loss is then compared with the
 plain WSD run's at the same step. Usage: `python -m experiments.anytime.bench --out DIR [--steps 1500] [--device cuda]`
 (CPU dry run: `--preset gpt2-tiny --corpus ... --steps 40 --batch-size 2 --seq-len 32 --device cpu`); then
-`python -m experiments.anytime.report DIR/anytime.json --out benchmarks/results/anytime`.
+`python -m experiments.anytime.report DIR/anytime.json --out experiments/anytime/results`.
 """
 
 from __future__ import annotations

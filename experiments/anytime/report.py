@@ -1,6 +1,6 @@
 """Tables and the curve plot of the anytime benchmark (experiments.anytime.bench): JSON -> results folder + README text.
 
-`python -m experiments.anytime.report RUN/anytime.json --out benchmarks/results/anytime` copies the JSON, draws
+`python -m experiments.anytime.report RUN/anytime.json --out experiments/anytime/results` copies the JSON, draws
 `anytime.png` (raw and served validation loss over steps, the annealed references, and the anytime speedup)
 and writes `table.md` (one row per evaluation, then the references against the served model at their step),
 which is also printed for the README.
@@ -100,7 +100,7 @@ def pull_line(plain: dict[str, Any], pulled: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("json", type=Path)
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results/anytime"))
+    p.add_argument("--out", type=Path, default=Path("experiments/anytime/results"))
     p.add_argument("--pull-json", type=Path, default=None, help="the --pull ablation's JSON (experiments/anytime/run.sh "
                    "STEPS pull), compared with the plain run at its last step")
     a = p.parse_args(argv)

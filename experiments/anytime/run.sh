@@ -11,7 +11,7 @@
 # On the GPU (device call, carry [".data", ".whl"]):   bash experiments/anytime/run.sh [steps] [plain|pull]
 #   steps default 1500 (24.6M tokens, under one epoch of the 31.3M training tokens); ~12 steps/s in bf16
 #   autocast + TF32 -> ~165 s of main-run steps + ~40 s of references + evaluations; stopped at a deadline.
-# Then here: python -m experiments.anytime.report OUT/anytime.json --out benchmarks/results/anytime \
+# Then here: python -m experiments.anytime.report OUT/anytime.json --out results/anytime \
 #   [--pull-json OUT2/anytime_pull.json]   (a second call: bash experiments/anytime/run.sh 1500 pull)
 set -uo pipefail
 cd "$(dirname "$0")/../.."

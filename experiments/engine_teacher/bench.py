@@ -4,7 +4,7 @@ probe_worker.engine_teacher) against CE alone, and the engine's teacher tokens/s
 (what probe_worker.teacher does per round) on the same machine.
 
     python -m experiments.engine_teacher.bench --engine http://127.0.0.1:8100 --steps 300 \
-        --out benchmarks/results/cpu/engine-teacher
+        --out experiments/engine_teacher/results/kd-cache
 
 Student: a 2-layer Llama (hidden 64) with SmolLM2-135M's tokenizer and vocabulary; teacher: SmolLM2-135M
 (trainer.models.pretrained.smollm2_dir) served by the engine in float32. Data: text decoded from the built

@@ -1,6 +1,6 @@
 """Issue 36's must-show from a `experiments/kd/run.sh run` folder: CE alone vs fleet-taught, steps to the same loss.
 
-`python -m experiments.kd.report RUNS --out benchmarks/results/h200/kd-fleet` reads RUNS/ce-N and every taught run
+`python -m experiments.kd.report RUNS --out experiments/kd/results/fleet` reads RUNS/ce-N and every taught run
 RUNS/NAME-N beside it (kd-N, or a variant's name from h200_kd.sh's KD_VARIANTS: the run folders of `train` at
 horizon N steps: metrics.jsonl, summary.json), and writes:
 

@@ -3,7 +3,7 @@ per round (probe_worker/teacher.py: compiled forward, trainer.kd.targets.make_ta
 wire.kd_targets blob), tokens/s each, the blob's bytes, and the determinism the fleet's parity rests on (the same
 logits give the same sampled ids twice on the device; top-k on the device equals top-k on the CPU).
 
-    python -m experiments.kd.teacher --preset gpt2-small --device cuda:0 --out benchmarks/results/h200/kd_teacher.json
+    python -m experiments.kd.teacher --preset gpt2-small --device cuda:0 --out experiments/kd/results/teacher_gpt2small.json
 
 The teacher's weights are a seeded init (--config: SmolLM2-135M's architecture without its weights): throughput does not depend on them. Redis is not in the loop.
 """

@@ -18,7 +18,7 @@ Plans (`PLANS`): "full" is issue 29's (gpt2-small, 64×1024 tokens per step, T_r
 × both schedules); "h200" the reduced one-call plan (32×512 on classics-large, T_ref 200, 2 lrs, static and trust-region arms,
 arms started with AdamW at a fixed lr: experiments/regime/run.sh) and its follow-up calls "h200b" (adaptive: bracket closed,
 arms at the best lr, shorter T), "h200c" and "h200d" (explicit runs around what the earlier calls found; the
-2026-12-02 result in benchmarks/results/h200/regime/); "cpu" a tiny dry run. `--batch-size`/`--seq-len`/`--corpus`
+2026-12-02 result in experiments/regime/results/); "cpu" a tiny dry run. `--batch-size`/`--seq-len`/`--corpus`
 override a plan's settings (the same command at another regime), `--devices cuda:0,…,cuda:7` spreads runs
 over GPUs round-robin (one process per run), `--micro-batch-size M` accumulates each step's gradients over
 batch/M forward/backward passes: 0.5M tokens per step per GPU is `--plan full --batch-size 512 --seq-len 1024

@@ -5,16 +5,16 @@
 # from 1 at 1.2e-3, and the trust region from the table at T = 150: 8 runs, 4 at a time on the GPU. Memory (measured
 # 2026-12-02): a gpt2-small run of 32x512 in fp32 peaks at ~27.5 GB, so 4 at once fit in the H200's ~139 GB; 6 at
 # once ran out of memory (4 of 8 runs died). Follow-up calls resume from the earlier calls' run folders, carried in:
-# RUNS=$PWD/.regime-runs PLAN=h200b|h200c|h200d (experiments.regime.plan's PLANS; results in benchmarks/results/h200/regime/).
+# RUNS=$PWD/.regime-runs PLAN=h200b|h200c|h200d (experiments.regime.plan's PLANS; results in experiments/regime/results/).
 # Prepare here (once, repository root): bash experiments/anytime/run.sh pack   -> .data/ (classics-large packed by
 # `sparecycles data pack`, with its selection split, where the trust region's held-out probe batches come from)
 # and .whl/ (the same carry as the anytime benchmark's).
 # Run: device `run` with carry [".data", ".whl"], timeout_s 560, command `bash experiments/regime/run.sh`.
 # Back in $OUT (7 files): run.log, report.log, gpus.txt, regime_summary.json, regime.png, regime_tables.md and
 # runs.tgz (every run folder: metrics.jsonl, spec.json, summary.json, logs). Here, afterwards:
-#   mkdir -p benchmarks/results/h200/regime && cp FILES_AT/regime_* benchmarks/results/h200/regime/
-#   python -m experiments.regime.score tables benchmarks/results/h200/regime/regime_summary.json \
-#       benchmarks/results/h200/regime/regime_tables.md
+#   mkdir -p experiments/regime/results && cp FILES_AT/regime_* experiments/regime/results/
+#   python -m experiments.regime.score tables experiments/regime/results/regime_summary.json \
+#       experiments/regime/results/regime_tables.md
 # (or untar runs.tgz into DIR and `python -m experiments.regime report DIR`, which also draws the PNG).
 # Env: PLAN (default h200), RUNS (/tmp/regime-runs), JOBS (4), CALL_S (530: the call ends by then), PY (python3), DEVICES (cuda), EXTRA (more `run` options, e.g.
 # "--batch-size 16 --seq-len 512" if 8 runs of 32x512 prove too slow: the summary says which finished).

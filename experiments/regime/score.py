@@ -3,7 +3,7 @@
 Pure functions over run-result dicts (experiments.zocurv_fair.score.load_result: final val loss, curve, wall
 and probe seconds, logged multipliers), except `report` / `plot` / `write_tables` (files).
 `python -m experiments.regime.score tables SUMMARY.json OUT.md` turns a summary (e.g. the one an H200 call
-returned) into the markdown tables of benchmarks/results/.
+returned) into the markdown tables of experiments/regime/results/.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ batches 0..74 of experiments.zo_paper.steps.batch_rows(0, it, 1000, 512)), mean 
   4 chunks): val 32,500 -> 18,010 tokens, test 66,000 -> 36,872 (1.8x).
 (experiments.zo_paper.paper.padding_report recomputes these numbers from the cached data.) On CPU (real SmolLM2
 classifier, fp32, one thread, batch 64 in <= 4 chunks of >= 16 rows, 4 batches) the bucketed forward took
-1.59x less CPU time for 1.58x fewer tokens (benchmarks/results/h200/zo-paper/bucketing_cpu.json).
+1.59x less CPU time for 1.58x fewer tokens (experiments/zo_paper/results/tf32/bucketing_cpu.json).
 """
 
 from __future__ import annotations

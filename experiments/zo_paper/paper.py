@@ -294,7 +294,7 @@ def paper_main(out_dir: Path, call: PaperCall = PaperCall(), *, device: str = "c
     call.matmul: torch.set_float32_matmul_precision for the fp32 arms on CUDA, {arm: mode} (zo_paper_plan.
     parse_matmul; an arm left out: "highest"): "highest" (true fp32, the default) or "high" (TF32, about 2x
     faster). At ε = 1e-4, h needs the loss to ~1e-8·|h|: TF32 (and bf16) forwards put rounding noise 10-100x
-    larger than h into it (benchmarks/results/h200/zo-paper/RESULTS.md). include: an earlier call's
+    larger than h into it (experiments/zo_paper/results/tf32/RESULTS.md). include: an earlier call's
     paper_summary.json to merge (its arms kept unless re-run; its A1 serves A3w and the drift); it replaces
     call.include.
     Raises ValueError for an unknown mode or arm, A3w without A1; FetchError / DataFetchError when weights or

@@ -24,7 +24,7 @@ def paper_arms(total_s: float, names: tuple[str, ...] | None = None, mezo_lrs=(1
     zo = {"method": "1.5spsa", "numerics": "master", "lr": PAPER.lr, "eps": PAPER.eps, "batch_size": PAPER.batch_size,
           "probes": PAPER.probes, "max_iters": 75, "eval_every": 3, "patience": PAPER.patience}
     # A2 (bf16) steps on one padded batch: on the H200 a bucketed bf16 forward of batch 0 took 0.130 s against
-    # 0.055 s padded (fp32: 0.154 vs 0.212 s; benchmarks/results/h200/zo-paper-s6/forward_timing.json)
+    # 0.055 s padded (fp32: 0.154 vs 0.212 s; experiments/zo_paper/results/fp32/forward_timing.json)
     arms = [dict(zo, name="A1", share=0.24, keeps_ledger=True),
             dict(zo, name="A2", numerics="inplace", share=0.16, max_chunks=1),
             dict(zo, name="A3", method="1spsa", share=0.11, keeps_ledger=True),

@@ -21,7 +21,7 @@
 # `--end-by` (its arms' budget shrinks to what is left after loading), and `timeout` kills it 15 s after that
 # as a last resort (the summary is written after every arm, so only a killed arm would be lost).
 #
-# Sizing, measured 2026-12-01 (session 6, benchmarks/results/h200/zo-paper-s6/RESULTS.md): true fp32 A1 = 12.1 s
+# Sizing, measured 2026-12-01 (session 6, experiments/zo_paper/results/fp32/RESULTS.md): true fp32 A1 = 12.1 s
 # per iteration (81 bucketed forwards of ~0.15 s + an evaluation every 3 iterations), so 75 iterations = 15 min;
 # A3 (80 forwards) 11.9 s; A2 (bf16 in place) 7.5 s; MeZO 0.051 s per step. part1's projection (12.6 s) held;
 # the pre-run estimate here (8-9 s, assuming ~50-60 TFLOP/s fp32) was 1.4x too low. Length bucketing pays only

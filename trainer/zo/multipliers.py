@@ -92,7 +92,7 @@ def update_group_multipliers(prev: Mapping[K, float], est: Mapping[K, CurvEstima
     values start at 1. Outputs stay in [1, s_max] (convex combinations of values in [1, s_max]).
 
     negative: what a trusted *negative* mean curvature means — "skip" (default: left unchanged, like an
-    untrusted group) or "flat" (target s_max; the first H200 run's rule, benchmarks/results/h200/zocurv-fair).
+    untrusted group) or "flat" (target s_max; the first H200 run's rule, experiments/zocurv_fair/results).
     "skip" is the rule the derivation supports: s_G ∝ S_G^(−1/2) equalises the second-order cost
     ½·lr²·s_G²·n_G·S_G of a sign-like step, which is only a cost (and only bounds s_G) for S_G > 0. A
     confidently negative S_G says the loss is concave across the probe radius ε_G in that group: the

@@ -71,7 +71,7 @@ class ZOStepper:
         seeds, coeffs = list(r.seeds), [float(x) for x in c]
         decoupled_decay_(self.masters, lr, self.weight_decay)
         # One launch for the whole model on CUDA (bit-identical to per-tensor replay_: probe_kernels/parity.py);
-        # per-tensor launches made MeZO's 2-forward steps launch-bound (benchmarks/results/h200/RESULTS.md).
+        # per-tensor launches made MeZO's 2-forward steps launch-bound (experiments/headline/results/RESULTS.md).
         replay_model(self.masters, self.offsets, seeds, coeffs, self.dist)
         for p, w in zip(self.params, self.masters):
             if p.dtype != torch.float32:

@@ -1,4 +1,6 @@
-"""One device session: tune the launch options, then run the benchmark with them (writes JSON to argv[1])."""
+"""`python3 -m experiments.gpu_runs.kernels_tuned OUT.json` (one device call): tune the probe kernels' launch
+options for gpt2-small (probe_kernels.tune), check parity with them, then run the kernel benchmark (gpt2-small,
+gpt2-large) with them and write its JSON to OUT.json."""
 
 import json
 import sys

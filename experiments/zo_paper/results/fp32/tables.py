@@ -1,6 +1,6 @@
 """Markdown tables of RESULTS.md, computed from this folder's paper_summary.json and inplace_memory.json.
 
-Run: python3 benchmarks/results/h200/zo-paper-s6/tables.py   (stdlib only; prints markdown to stdout).
+Run: python3 experiments/zo_paper/results/fp32/tables.py   (stdlib only; prints markdown to stdout).
 Accuracies in percent (binomial SE from the summary), h in loss units / eps^2, w dimensionless.
 """
 import json
