@@ -1,4 +1,4 @@
-"""The GPU parts of `sparecycles bench fleet` (issue 15): publish -> ready from a trainer on a GPU, the training
+"""The GPU parts of `sparecycles bench fleet`: publish -> ready from a trainer on a GPU, the training
 loop's cost per published version, and the worker's losses against in-process evaluation on the same GPU.
 
 - `publish_ready`: a model on the trainer's device published as new versions (weights scaled by 1 + 1e-3 v

@@ -1,4 +1,4 @@
-"""`sparecycles bench precision`: which round kinds may run their forward in bf16 (issue 37).
+"""`sparecycles bench precision`: which round kinds may run their forward in bf16.
 
 For each round kind, the quantity the round measures (its *signal*) is computed on real batches three ways:
 the reference (fp32 weights, fp32 matmuls: torch "highest", eager), TF32 (fp32 weights, TF32 matmuls, compiled:

@@ -1,4 +1,4 @@
-"""`sparecycles kd fill`: teacher targets of a planned run, computed ahead of time by teacher workers (issue 36).
+"""`sparecycles kd fill`: teacher targets of a planned run, computed ahead of time by teacher workers (docs/distillation.md).
 
 Lives in the top layer: it sends through fleet.teacher (trainer may not import fleet). Heavy imports happen inside
 the body, after the options are checked.

@@ -1,4 +1,4 @@
-"""A run's health: every way a run degrades, said where the user looks (issue 39).
+"""A run's health: every way a run degrades, said where the user looks.
 
 `Health` collects warnings of a few fixed kinds (`KINDS`) while a run trains; each kind is said once on the
 console when it first happens (logger "sparecycles.health", WARNING), counted in the Prometheus counter

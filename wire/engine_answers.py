@@ -1,4 +1,4 @@
-"""A serving engine's answers that an engine-backed teacher reads (issue 47): vLLM's OpenAI-compatible
+"""A serving engine's answers that an engine-backed teacher reads: vLLM's OpenAI-compatible
 `POST /v1/completions` with `prompt_logprobs=k`, `logprobs=k`, `return_tokens_as_token_ids` and `POST /tokenize`.
 
 Strict pydantic models of only the fields read (the engine adds others, ignored); torch-free. A completion's

@@ -1,6 +1,6 @@
 """The distillation-target wire format: sparse teacher targets per position, versioned, checked at intake.
 
-A teacher round answers one batch (B, T) with K entries per token position (issue 36). The blob is a safetensors
+A teacher round answers one batch (B, T) with K entries per token position. The blob is a safetensors
 file whose `__metadata__` holds {"sparecycles.kd": "<kind>/1", "vocab": V, "temperature": T} and whose tensors are
 exactly:
 

@@ -1,8 +1,8 @@
 """Weight shards as zero-copy safetensors streams, and their zero-copy parse on the worker side.
 
 A published version is a list of safetensors shards (fleet.publisher.write_shards). Serialising one with
-`safetensors.torch.save` copies every byte into a new `bytes` object (0.7 s for gpt2-small's 498 MB on an H200
-host, and the same again to parse it back); at issue 15's publish -> ready budget of 2 s these copies are the
+`safetensors.torch.save` copies every byte into a new `bytes` object (0.7 s for gpt2-small's 498 MB on a GPU
+host, and the same again to parse it back); at the publish -> ready budget of 2 s these copies are the
 largest part. Here a shard is instead described (`ShardPlan`: header bytes + the CPU tensors) and streamed as
 memoryviews of the tensors' own storage, hashed while it is written or sent; the bytes are exactly those of
 `safetensors.torch.save` of the same dict (tests/test_shards.py compares them), so the content address is

@@ -1,4 +1,4 @@
-"""Teacher rounds (issue 36): `TeacherTask` (trainer -> worker, a Celery task by name) and the Redis key its
+"""Teacher rounds: `TeacherTask` (trainer -> worker, a Celery task by name) and the Redis key its
 answer lands under. Strict, frozen, versioned pydantic models on wire.messages' base; torch-free.
 
 A task names one batch of one rank: its token ids (B, T) travel as little-endian uint32 in base64 (B * T * 4
@@ -43,7 +43,7 @@ def target_key(run: str, rank: int, recipe: str, key: int) -> str:
 
 
 class StudentTokenizer(Part):
-    """The student's tokenizer as a worker that asks a serving engine checks it (issue 47): its name
+    """The student's tokenizer as a worker that asks a serving engine checks it: its name
     (trainer.data.model_tokenizer's) and its ids of each of trainer.kd.teacher.ENGINE_PROBE_TEXTS, in order."""
 
     name: Annotated[str, Field(min_length=1, max_length=4096)]

@@ -1,4 +1,4 @@
-"""Teacher runs (issue 47): registered by the trainer (admin), their queues listed to every worker, the teacher's
+"""Teacher runs: registered by the trainer (admin), their queues listed to every worker, the teacher's
 manifest read by the workers that fetch its files as blobs (coordinator.teachers)."""
 
 from __future__ import annotations

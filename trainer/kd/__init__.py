@@ -1,1 +1,1 @@
-"""Knowledge distillation from a teacher's sparse targets (issue 36): estimators, target sampling, config."""
+"""Knowledge distillation from a teacher's sparse targets: estimators, target sampling, config."""

@@ -1,4 +1,4 @@
-"""A folder of teacher targets computed ahead of time (issue 36, offline precompute), and the loss that reads it.
+"""A folder of teacher targets computed ahead of time (offline precompute), and the loss that reads it.
 
 `sparecycles kd fill` (fleet.kd_fill) sends the teacher rounds of a planned run to teacher workers and stores each
 step's answer here; `train --teacher ... --kd-cache DIR` reads them instead of asking a teacher (`CacheTargets`).

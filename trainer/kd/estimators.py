@@ -1,4 +1,4 @@
-"""KD estimators: pure functions of the student's logits and the teacher's targets (issue 36).
+"""KD estimators: pure functions of the student's logits and the teacher's targets.
 
 Notation: student logits s (N, V), teacher logits z (N, V) over N token positions, temperature tau;
 p = softmax(z / tau) (the teacher), q = softmax(s / tau) (the student at the same temperature). Every loss is in

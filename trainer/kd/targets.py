@@ -1,4 +1,4 @@
-"""Teacher targets from teacher logits: sampled ids or top-k, seeded by (seed, step, rank) (issue 36).
+"""Teacher targets from teacher logits: sampled ids or top-k, seeded by (seed, step, rank).
 
 A pure function of the teacher's logits and the seed triple, so an in-process teacher and a fleet worker produce
 the same ids bit for bit on the same device and dtype. Randomness: a torch.Generator seeded from

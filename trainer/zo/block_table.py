@@ -5,8 +5,8 @@ Pre-Training" (ICML 2025). Their Blockwise LR runs each block type at a fixed mu
 η_Norm = η, η_VO = 4η, η_FFN = 6η, η_QK = 8η, η_Emb = 10η (trainer.zo.multipliers.WANG2025_MULTIPLIERS),
 reported ~1.9× fewer steps on LLaMA-1.1B at 0.13–0.3M tokens per step. The table gives lr *ratios*
 relative to the sharpest block type (Norm); what the base η is, is a separate choice. (The project's seed
-abstracts, ../shared/seeds/, do not cover this paper; the ratios are the published table as issue 29
-quotes it.)
+abstracts, ../shared/seeds/, do not cover this paper; the ratios are the published table as the
+block-type lr comparison (experiments/regime) quotes it.)
 
 Normalisation (`table_multipliers`, `norm`):
 - "geomean" (default): divide the table by its parameter-weighted geometric mean

@@ -1,4 +1,4 @@
-"""The block-type lr methods of issue 29: AdamW (ScaledAdamW) at per-role multipliers, as ZO-Curv update rules
+"""The block-type lr methods (per-role learning rates at large batch): AdamW (ScaledAdamW) at per-role multipliers, as ZO-Curv update rules
 (trainer.zo.optimizers.CurvRule) that trainer.zo.modes.ZOCurvMode drives like every ZO-Curv method, so their probe
 rounds run in process or on a fleet alike (the mode's backend and trainer.zo.rounds.RoundBook's fold timing).
 

@@ -1,4 +1,4 @@
-"""ZO-Curv second generation (DESIGN.md §2 (d), (e); issue 17): per-role and global lr multipliers, one optimizer.
+"""ZO-Curv second generation (DESIGN.md §2 (d), (e)): per-role and global lr multipliers, one optimizer.
 
 `ZOCurvRoleAdamW` is AdamW where block b runs at lr·g·s_b (s_b a float, or a float32 tensor broadcast over the
 block when GPT-2's fused c_attn carries QK and V columns, trainer.zo.groups; g a global multiplier). The multiplier

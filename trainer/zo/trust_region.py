@@ -1,13 +1,13 @@
 """A calibrated block trust region: per-role lr multipliers from line fits along each role's displacement.
 
-Every refresh (issue 29), for each block type (role) G, with d_G = (θ_t − θ_prev) restricted to G's
+Every refresh, for each block type (role) G, with d_G = (θ_t − θ_prev) restricted to G's
 elements (θ_prev: the weights at the previous refresh), the loss is measured at the designed points
 θ_t + α·d_G, α ∈ `alphas` (α = 0 is θ_t; α = −1 would be θ_t with G moved back to θ_prev), on B held-out
 batches. Per batch b a least-squares quadratic f_b(α) = c + b·α + ½·a·α² (trainer.zo.multipliers.quadratic_fit)
 gives the best step along d_G relative to the one taken, r_{G,b} = clip(1 + α*, r_min, r_max) with α* = −b/a
 (trainer.zo.multipliers.line_ratio: the last k steps of G should have been r times as long). The evidence is
 y_{G,b} = log r_{G,b}; its mean ȳ_G over batches, standard error SE_G = std_b(y)/√B measured *across batches*
-(the batch-to-batch variance that one batch's residual SNR omits: the sign flips at |SNR| 14–41 of issue 17
+(the batch-to-batch variance that one batch's residual SNR omits: the sign flips at |SNR| 14–41 of the fair comparison (experiments/zocurv_fair)
 came from that), and z_G = ȳ_G/SE_G (`fit_role`).
 
 Update (`TrustRegion.update`), per role:
