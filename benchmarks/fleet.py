@@ -141,7 +141,7 @@ class _Fleet:
         deadline = time.monotonic() + timeout_s
         while not cond():
             for p in self.procs:
-                if p.poll() not in (None, 0, -signal.SIGTERM):
+                if p.poll() not in (None, 0, -signal.SIGTERM, 128 + signal.SIGTERM):  # a stop by SIGTERM exits 143
                     raise RuntimeError(f"a worker exited with {p.returncode}; logs in {self.tmp}")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"timed out waiting for {what}; logs in {self.tmp}")
