@@ -35,7 +35,10 @@ _PRCTL = _prctl()  # resolved before any fork: the child must not dlopen or impo
 def die_with_parent() -> None:
     """Runs in a child between fork and exec (Popen's preexec_fn): on Linux the child gets SIGTERM when the thread
     that started it exits, however it ends, SIGKILL included (prctl PR_SET_PDEATHSIG = 1; it survives exec, so the
-    engine that `taskset` and `tools/vllm.sh start` exec into keeps it). Elsewhere: nothing."""
+    engine that `taskset` and `tools/vllm.sh start` exec into keeps it). Elsewhere: nothing. The child also gets
+    the signal mask of a fresh process: a worker blocks SIGUSR1/SIGUSR2 (probe_worker.drain_signals), which an
+    engine may handle itself (vLLM's API server hears of a dead engine core by SIGUSR1)."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1, signal.SIGUSR2})
     if _PRCTL is not None:
         _PRCTL(1, signal.SIGTERM)
 
