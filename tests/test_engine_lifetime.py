@@ -56,3 +56,22 @@ def test_an_engine_dies_when_its_starter_is_killed(tmp_path):
     finally:
         if _alive(child):
             os.kill(child, signal.SIGKILL)
+
+
+def test_an_engine_child_starts_with_the_drain_signals_unblocked():
+    """A worker holds SIGUSR1/SIGUSR2 (probe_worker.drain_signals); an engine it starts gets a fresh process's mask."""
+    code = """
+import signal, subprocess, sys
+from probe_worker.drain_signals import hold_drain_signals
+from probe_worker.engine import die_with_parent
+hold_drain_signals()
+read = [sys.executable, "-c", "print([l for l in open('/proc/self/status') if l.startswith('SigBlk')][0])"]
+print(subprocess.run(read, capture_output=True, text=True).stdout.strip())
+print(subprocess.run(read, capture_output=True, text=True, preexec_fn=die_with_parent).stdout.strip())
+"""
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(root)}, check=True).stdout.split("\n")
+    usr = (1 << (signal.SIGUSR1 - 1)) | (1 << (signal.SIGUSR2 - 1))
+    inherited, engine = (int(line.split(":")[1], 16) for line in out[:2])
+    assert inherited & usr == usr and engine & usr == 0
