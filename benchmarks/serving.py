@@ -39,6 +39,7 @@ from typing import NamedTuple
 import httpx
 
 from benchmarks.fleet import ROOT, _Fleet
+from benchmarks.serving_llamacpp import LLAMACPP_ARGS, llamacpp_engine
 from benchmarks.serving_load import (
     CONTEXT,
     Request,
@@ -345,7 +346,8 @@ def _result(cfg: ServingBench, got: dict) -> dict:
     and each arm's p95 ratios to arm (a)."""
     result: dict = {"settings": {**cfg.model_dump(mode="json", exclude={"redis_url"}),  # no password in a result
                                   "engine_cpu": ENGINE_CPU, "fleet_cpu": FLEET_CPU,
-                                  "engine_args": list(VLLM_ARGS) if cfg.engine == "vllm" else []},
+                                  "engine_args": list({"vllm": VLLM_ARGS, "llamacpp": LLAMACPP_ARGS}.get(
+                                      cfg.engine, ()))},
                     "arms": {}, "raw": {}}
     for arm, g in got.items():
         result["arms"][arm] = {**arm_figures(g["blocks"]), "probe_forwards_done": g["forwards"],
@@ -404,12 +406,15 @@ VLLM_ARGS = ("--enable-server-load-tracking", "--no-enable-prefix-caching")
 
 
 def _engine(cfg: ServingBench, tmp: Path):
-    """The engine process (not started): vLLM on SmolLM2-135M pinned to CPU 0 (with /load), or the stand-in."""
+    """The engine process (not started): vLLM on SmolLM2-135M pinned to CPU 0 (with /load), llama.cpp behind the
+    load proxy, or the stand-in."""
     from api.server import free_port
     from benchmarks.serving_standin import StandinProcess
     from probe_worker.engine import VllmProcess
     from trainer.models.pretrained import smollm2_dir
 
+    if cfg.engine == "llamacpp":
+        return llamacpp_engine(cfg, tmp / "engine.log", ENGINE_CPU)
     if cfg.engine == "standin":
         args = ["--config", str(cfg.standin_config), "--device", cfg.device, "--dtype", cfg.standin_dtype,
                 *(["--tokenizer", str(cfg.standin_tokenizer)] if cfg.standin_tokenizer else []),

@@ -59,8 +59,15 @@ class ServingBench(BaseModel):
     train_device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$", description="the trainer's device (a GPU "
                               "host with one GPU: its per-step work, one replay of K seeds, runs in every arm)")
     threads: int = Field(1, ge=1, le=256, description="each worker's torch CPU threads")
-    engine: Literal["vllm", "standin"] = Field("vllm", description="vllm (tools/vllm.sh, SmolLM2-135M on CPU 0) or "
-                                               "standin (benchmarks.serving_standin, where vLLM cannot go)")
+    engine: Literal["vllm", "standin", "llamacpp"] = Field("vllm", description="vllm (tools/vllm.sh, SmolLM2-135M "
+                                                           "on CPU 0), standin (benchmarks.serving_standin, where "
+                                                           "vLLM cannot go) or llamacpp (llama.cpp's llama-server, "
+                                                           "tools/llamacpp.sh, behind the load proxy whose /load the "
+                                                           "workers read: benchmarks.serving_llamacpp)")
+    llamacpp_server: Path | None = Field(None, description="--engine llamacpp: the llama-server binary (default: "
+                                         "`bash tools/llamacpp.sh bin`'s, its --cuda build with a CUDA --device)")
+    llamacpp_model: Path | None = Field(None, description="--engine llamacpp: a GGUF file (default: SmolLM2-135M-"
+                                        "Instruct's Q4_1, the one the project fetches)")
     standin_config: Path | None = Field(None, description="--engine standin: the model's config.json (seeded random "
                                         "weights)")
     standin_tokenizer: Path | None = Field(None, description="--engine standin: a tokenizer folder (default: one id "
@@ -97,6 +104,17 @@ class ServingBench(BaseModel):
             raise ValueError(f"--standin-config {self.standin_config}: no such file (a model's config.json)")
         if self.standin_tokenizer is not None and not self.standin_tokenizer.is_dir():
             raise ValueError(f"--standin-tokenizer {self.standin_tokenizer}: no such folder")
+        return self
+
+    @model_validator(mode="after")
+    def _llamacpp_files(self) -> ServingBench:
+        given = [f"--{n.replace('_', '-')}" for n in ("llamacpp_server", "llamacpp_model") if getattr(self, n)]
+        if self.engine != "llamacpp" and given:  # never ignored: the user meant llama.cpp
+            raise ValueError(f"{' and '.join(given)} {'need' if len(given) > 1 else 'needs'} --engine llamacpp")
+        for name in ("llamacpp_server", "llamacpp_model"):
+            path = getattr(self, name)
+            if path is not None and not path.is_file():
+                raise ValueError(f"--{name.replace('_', '-')} {path}: no such file")
         return self
 
     @property
