@@ -96,9 +96,19 @@ build() {
   mkdir -p "$out"
   exec 9>"$out/.lock"
   flock 9
-  [ -f "$out/CMakeCache.txt" ] || cmake -S "$src" -B "$out" "${flags[@]}" >&2
-  nice -n "${NICE:-0}" cmake --build "$out" --target llama-server -j "${JOBS:-$(nproc)}" >&2
+  # Output in $out/build.log (thousands of lines); its tail on stderr when a step fails.
+  if [ ! -f "$out/CMakeCache.txt" ]; then
+    cmake -S "$src" -B "$out" "${flags[@]}" > "$out/build.log" 2>&1 || { rm -f "$out/CMakeCache.txt"; fail "$out"; }
+  fi
+  nice -n "${NICE:-0}" cmake --build "$out" --target llama-server -j "${JOBS:-$(nproc)}" >> "$out/build.log" 2>&1 \
+    || fail "$out"
   binary "$out"
+}
+
+fail() {
+  tail -n 40 "$1/build.log" >&2
+  echo "llamacpp.sh build: failed (the whole output: $1/build.log)" >&2
+  exit 1
 }
 
 binary() {
