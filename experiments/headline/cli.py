@@ -39,8 +39,9 @@ class MemoryScanOptions(BaseModel):
     json_out: Path | None = Field(None, description="write the scan as JSON here")
 
 
-headline_app = typer.Typer(cls=OneLineErrors, rich_markup_mode=None, help="Headline benchmarks: pretraining report, memory scan (experiments/headline/run.sh "
-                                "runs the whole set on a GPU machine).", no_args_is_help=True)
+headline_app = typer.Typer(cls=OneLineErrors, rich_markup_mode=None, no_args_is_help=True,
+                           help="Headline benchmarks: pretraining report, memory scan (experiments/headline/run.sh "
+                           "runs the whole set on a GPU machine).")
 
 
 @headline_app.command("report", cls=SettingsCommand)

@@ -66,8 +66,9 @@ class RegimeRunOptions(BaseModel):
                 if (v := getattr(self, k)) is not None}
 
 
-regime_app = typer.Typer(cls=OneLineErrors, help="Issue 29's comparison: block-type lrs vs AdamW at large batch, a resumable plan "
-                              "(experiments.regime.plan).", no_args_is_help=True, rich_markup_mode=None)
+regime_app = typer.Typer(cls=OneLineErrors, help="Block-type lrs vs AdamW at large batch: a resumable plan of full "
+                         "schedules (experiments.regime.plan; experiments/regime/README.md).", no_args_is_help=True,
+                         rich_markup_mode=None)
 
 
 @regime_app.command("run", cls=SettingsCommand)
