@@ -85,6 +85,10 @@ def test_docker_compose_config_validates(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     assert "noeviction" in res.stdout and "probe-worker" in res.stdout
+    res = subprocess.run([COMPOSE, "-f", str(ROOT / "docker/compose.yml"), "--env-file", str(env_file), "--profile",
+                          "serving", "config"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "serving-worker" in res.stdout and "http://engine:8001/load" in res.stdout
     # Without the secrets the file refuses to render instead of starting with blanks.
     empty = tmp_path / "empty.env"
     empty.write_text("")
@@ -169,7 +173,7 @@ def test_compose_passes_only_variables_its_programs_read():
     """A deployment file is code: every SPARECYCLES_* variable a service gets is read by the program it runs
     (a variable nobody reads is a setting that silently does nothing, like the trainer's coordinator URL was).
     Both compose files: the GPU fleet and the CPU one (docker/compose.cpu.yml, two named workers)."""
-    for path, services in (("docker/compose.yml", ("coordinator", "trainer", "probe-worker")),
+    for path, services in (("docker/compose.yml", ("coordinator", "trainer", "probe-worker", "serving-worker")),
                            ("docker/compose.cpu.yml", ("coordinator", "trainer", "probe-worker-1", "probe-worker-2"))):
         compose = yaml.safe_load((ROOT / path).read_text())
         checked = 0
@@ -184,6 +188,37 @@ def test_compose_passes_only_variables_its_programs_read():
     trainer = " ".join(compose["services"]["trainer"]["command"])
     assert "--coordinator http://coordinator:8000" in trainer  # the compose trainer probes on the fleet
     assert compose["services"]["trainer"]["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
+
+
+def test_the_serving_profile_shares_one_gpu_and_wires_the_engines_load_to_the_worker():
+    """compose.yml's `--profile serving`: a vLLM engine and a worker on the same GPU; the worker reads the engine's
+    /load (counted from a request's arrival: --enable-server-load-tracking) at the engine's own port, with options
+    `sparecycles worker` has; the engine leaves the worker part of the GPU's memory, as .env.example says."""
+    from urllib.parse import urlsplit
+
+    import typer.main
+
+    from sparecycles.cli import app
+
+    svcs = yaml.safe_load((ROOT / "docker/compose.yml").read_text())["services"]
+    engine, worker = svcs["engine"], svcs["serving-worker"]
+    assert engine["profiles"] == worker["profiles"] == ["serving"]
+    for svc in (engine, worker):
+        assert svc["deploy"]["resources"]["reservations"]["devices"] == [
+            {"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
+    eng, wrk = _options(engine["command"]), _options(worker["command"])
+    assert "--enable-server-load-tracking" in engine["command"]
+    url = urlsplit(wrk["--serving-metrics"])
+    assert (url.hostname, url.port, url.path) == ("engine", int(eng["--port"]), "/load")
+    assert engine["ports"] == [f"{eng['--port']}:{eng['--port']}"] and worker["depends_on"]["engine"] == {
+        "condition": "service_healthy"}
+    assert f":{eng['--port']}/health" in " ".join(engine["healthcheck"]["test"])
+    known = {o for p in typer.main.get_command(app).commands["worker"].params for o in p.opts}
+    assert set(wrk) <= known, set(wrk) - known
+    default = float(re.fullmatch(r"\$\{SPARECYCLES_ENGINE_GPU_MEMORY:-([0-9.]+)\}", eng["--gpu-memory-utilization"])[1])
+    example = dict(line.split("=", 1) for line in (ROOT / "docker/.env.example").read_text().splitlines()
+                   if line and not line.startswith("#"))
+    assert 0 < default < 1 and float(example["SPARECYCLES_ENGINE_GPU_MEMORY"]) == default
 
 
 PROMTOOL = shutil.which("promtool")
