@@ -3,7 +3,8 @@
 kernels, probe: probe kernels and a probe worker's speed on a GPU (probe_kernels.bench, .bench_probe, beside the
 kernels they measure); intake: result intake through Redis (benchmarks.intake); fleet: probe throughput of real
 workers (benchmarks.fleet); data-pack, precision; serving, serving-load: latency beside a serving engine
-(benchmarks.serving). The experiments (ZO side by side, the block-type lr regime, the headline report) are not
+(benchmarks.serving); churn: a trainer on a local fleet whose workers come and go on a seeded
+schedule (benchmarks.churn). The experiments (ZO side by side, the block-type lr regime, the headline report) are not
 product commands: they live in experiments/ at the repository root (experiments/README.md).
 """
 
@@ -15,6 +16,7 @@ from typing import Annotated
 
 import typer
 
+from benchmarks.churn import ChurnOptions
 from benchmarks.options import (
     DataPackOptions,
     FleetBenchOptions,
@@ -128,6 +130,21 @@ def bench_fleet(given: dict) -> None:
     if res.ready_preset:
         typer.echo(f"  publish -> every worker ready, {res.ready_preset} ({res.ready_bytes / 2**20:.0f} MiB): "
                    f"{res.publish_to_ready_s:.2f} s (publish itself {res.publish_s:.2f} s; shards by {res.blob_path})")
+
+
+@with_settings(model=ChurnOptions, param="given", section=SECTION)
+def bench_churn(given: dict) -> None:
+    """A trainer on a local fleet of CPU workers killed, terminated, stopped past their lease and joined on a seeded
+    schedule, per --fleet-wait, with and without churn: wall time, re-issues, wasted results, rounds lost, results
+    counted twice, join -> first task, kill -> re-issue, and sync's losses against the in-process run.
+    Writes OUT/churn.json and OUT/churn.png."""
+    from benchmarks.churn import run_churn_bench
+
+    o = parse(ChurnOptions, given)
+    rep = run_churn_bench(o, lambda m: typer.echo(m, err=True))
+    for f in rep["arms"]:
+        typer.echo(json.dumps({k: v for k, v in f.items() if k != "events"}))
+    typer.echo(f"wrote {o.out / 'churn.json'} and {o.out / 'churn.png'}")
 
 
 def _redis_answers(url: str) -> None:
@@ -247,6 +264,7 @@ bench_app.command("kernels", cls=SettingsCommand, short_help="Fused perturb/repl
 bench_app.command("probe", cls=SettingsCommand, short_help="One probe worker's speed on one GPU.")(bench_probe)
 bench_app.command("intake", cls=SettingsCommand, short_help="Coordinator intake: results/s and latency.")(bench_intake)
 bench_app.command("fleet", cls=SettingsCommand, short_help="Fleet probes/s with 1, 2, 4 workers; publish time.")(bench_fleet)
+bench_app.command("churn", cls=SettingsCommand, short_help="A trainer on a fleet whose workers come and go.")(bench_churn)
 bench_app.command("data-pack", cls=SettingsCommand, short_help="Tokens/s and the time to pack a 100 MB --data folder.")(
     bench_data_pack)
 bench_app.command("precision", cls=SettingsCommand, short_help="bf16 vs TF32 signal-to-noise per round kind.")(bench_precision)
