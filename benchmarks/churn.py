@@ -6,7 +6,8 @@ on `--redis-url` (a key prefix of its own, short leases so a stopped worker is f
 here), then `sparecycles train --coordinator` (ZO-Curv, zocurv-line) while every `--every-s` seconds one event
 strikes, chosen by a seeded generator: `kill` (SIGKILL a worker), `term` (SIGTERM: its warm shutdown), `stop`
 (SIGSTOP past its lease, then SIGCONT) or `join` (a new worker process). The pool stays between 1 and N live workers (a
-removal with one left becomes a join, a join with N live a removal). Once per second the bench samples the
+removal with one left becomes a join, a join with N live a removal); the schedule starts once the trainer has
+attached (its coordinator run exists). Once per second the bench samples the
 coordinator (active workers, rounds open); the figures (benchmarks.churn_report) come from the coordinator's counters,
 its Redis (every round and every stream event of the run) and the workers' logs. The in-process run of the same
 settings is the reference of the `sync` arms' losses (bit for bit).
@@ -57,7 +58,9 @@ class ChurnOptions(BaseModel):
     probes: int = Field(8, ge=1, description="Probe seeds per round")
     batch_size: int = Field(4, ge=1, description="Trainer batch rows")
     seq_len: int = Field(32, ge=2, description="Trainer tokens per row")
-    out: Path = Field(Path("benchmarks/results/churn"), description="Folder of churn.json, churn.png and the runs")
+    out: Path = Field(Path("benchmarks/results/churn"), description="Folder of churn.json and churn.png")
+    work: Path | None = Field(None, description="Folder of the arms' runs, logs and blobs (default: a new temporary "
+                              "folder, named in churn.json)")
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis of the arms' coordinators (each under a key "
                            "prefix of its own, deleted after the arm)", json_schema_extra={"envvar": "REDIS_URL"})
 
@@ -81,21 +84,24 @@ def trainer_args(o: ChurnOptions, run_dir: Path) -> list[str]:
             "--no-progress", "--run-dir", str(run_dir), "--overwrite"]
 
 
-def choose(rng: random.Random, events: tuple[str, ...], pool: Pool, cap: int) -> str:
-    """The next event: drawn from `events`; a removal with one live worker left becomes `join`, a `join` with `cap`
-    live becomes a removal (the first removal kind in `events`, else nothing: "none")."""
+def choose(rng: random.Random, events: tuple[str, ...], pool: Pool, cap: int, ready: set[str]) -> str:
+    """The next event: drawn from `events`. A removal strikes a worker in the pool (`ready`: registered and active at
+    the coordinator, not one still starting) and leaves at least one: with fewer than two it becomes `join`; a `join`
+    with `cap` workers started and not removed becomes a removal; "none" when neither is possible."""
     ev = rng.choice(events)
     removals = [e for e in events if e != "join"]
-    if ev != "join" and len(pool.live) <= 1:
-        return "join"
-    if ev == "join" and len(pool.live) + len(pool.stopped) >= cap:
-        return removals[0] if removals and len(pool.live) > 1 else "none"
+    can_remove = bool(removals) and len(ready.intersection(pool.live)) >= 2
+    can_join = "join" in events and len(pool.live) + len(pool.stopped) < cap
+    if ev != "join" and not can_remove:
+        return "join" if can_join else "none"
+    if ev == "join" and not can_join:
+        return removals[0] if can_remove else "none"
     return ev
 
 
 def strike(ev: str, rng: random.Random, pool: Pool, procs: dict, start_worker: Callable[[str], None],
-           stop_s: float) -> str | None:
-    """Apply event `ev` to a worker chosen by `rng` (a new one for `join`); returns the worker's name."""
+           stop_s: float, ready: set[str]) -> str | None:
+    """Apply event `ev` to a worker of `ready` chosen by `rng` (a new one for `join`); returns the worker's name."""
     if ev == "none":
         return None
     if ev == "join":
@@ -105,7 +111,7 @@ def strike(ev: str, rng: random.Random, pool: Pool, procs: dict, start_worker: C
         pool.live.append(name)
         pool.joined.append(name)
         return name
-    name = rng.choice(pool.live)
+    name = rng.choice(sorted(ready.intersection(pool.live)))
     pool.live.remove(name)
     sig = {"kill": signal.SIGKILL, "term": signal.SIGTERM, "stop": signal.SIGSTOP}[ev]
     with contextlib.suppress(ProcessLookupError):
@@ -226,17 +232,20 @@ def run_arm(o: ChurnOptions, wait: str, churn: bool, folder: Path, log: Callable
         trainer = site.start("trainer", [*trainer_args(o, folder / "run"), "--coordinator", site.url,
                                          "--fleet-wait", wait], site.env)
         t0, events, timeline, runs = time.time(), [], [], set()
-        next_at = time.monotonic() + o.every_s
+        next_at = float("inf")  # the schedule starts once the trainer has attached (its coordinator run exists)
         with httpx.Client(base_url=site.url, headers={"Authorization": f"Bearer {site.admin}"}, timeout=30) as http:
             while trainer.poll() is None:
                 for name in resume_due(pool, site.procs):
                     events.append({"t": time.time() - t0, "event": "cont", "worker": name})
                 if churn and time.monotonic() >= next_at:
-                    ev = choose(rng, o.events, pool, o.workers)
-                    name = strike(ev, rng, pool, site.procs, site.start_worker, o.stop_s)
+                    ready = set(timeline[-1]["active"]) if timeline else set()
+                    ev = choose(rng, o.events, pool, o.workers, ready)
+                    name = strike(ev, rng, pool, site.procs, site.start_worker, o.stop_s, ready)
                     events.append({"t": time.time() - t0, "event": ev, "worker": name})
                     next_at += o.every_s
                 timeline.append(sample(http, site, runs, time.time() - t0))
+                if runs and next_at == float("inf"):
+                    next_at = time.monotonic() + o.every_s
                 time.sleep(1.0)
             wall = time.time() - t0
             final = snapshot(http, site, runs)
@@ -263,16 +272,20 @@ def run_in_process(o: ChurnOptions, folder: Path) -> Path:
 def run_churn_bench(o: ChurnOptions, log: Callable[[str], None]) -> dict:
     """Every arm of `o` (churn, then without when `o.baseline`), the in-process reference, the figures; writes
     `o.out`/churn.json (after each arm) and churn.png. Returns the report (benchmarks.churn_report.report)."""
+    import tempfile
+
     from benchmarks.churn_report import plot, report
 
     o.out.mkdir(parents=True, exist_ok=True)
+    work = o.work or Path(tempfile.mkdtemp(prefix="sparecycles-churn-"))
+    log(f"runs, logs and blobs in {work}")
     with _environ(FAST_FLEET):  # the in-process reference trains with the arms' thread count too
-        reference = run_in_process(o, o.out / "in-process") if "sync" in o.waits else None
+        reference = run_in_process(o, work / "in-process") if "sync" in o.waits else None
         arms: list[dict] = []
         for wait in o.waits:
             for churn in (True, False) if o.baseline else (True,):
                 log(f"arm {wait} {'with' if churn else 'without'} churn")
-                arms.append(run_arm(o, wait, churn, o.out / f"{wait}-{'churn' if churn else 'calm'}", log))
+                arms.append(run_arm(o, wait, churn, work / f"{wait}-{'churn' if churn else 'calm'}", log))
                 rep = report(o, arms, reference)
                 (o.out / "churn.json").write_text(json.dumps(rep, indent=1))
     plot([a for a in arms if a["churn"]], o.out / "churn.png")

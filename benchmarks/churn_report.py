@@ -56,7 +56,8 @@ def sample(http, site, runs: set[str], t: float) -> dict[str, Any]:
     workers = [w for w in http.get("/v1/workers", params={"limit": 1000}).json() if w["state"] == "active"]
     open_rounds = sum(r.scard(k.k_run(run, "rounds:open")) for run in runs)
     reissued = _metrics(http).get("sparecycles_tasks_redispatched_total", {})
-    return {"t": round(t, 2), "workers": len(workers), "rounds_open": open_rounds,
+    return {"t": round(t, 2), "workers": len(workers), "active": sorted(w["name"] for w in workers),
+            "rounds_open": open_rounds,
             "deadline_reissues": reissued.get("deadline", 0.0)}
 
 
@@ -97,7 +98,9 @@ def _stamp(line: str) -> float | None:
 
 
 def join_to_first_task(log: Path) -> float | None:
-    """Seconds from a worker's ready line ("ready on") to its first task received, from its log; None without."""
+    """Seconds from a joined worker's ready line ("ready on": registered, consuming) to its first task received,
+    from its log; None when it got none (stopped first, or no task was waiting: then it idles until the next
+    round, which is not a join latency)."""
     ready = None
     for line in log.read_text(errors="replace").splitlines() if log.is_file() else []:
         if ready is None and "ready on" in line:
@@ -108,16 +111,16 @@ def join_to_first_task(log: Path) -> float | None:
 
 
 def kill_to_reissue(events: list[dict], timeline: list[dict]) -> list[float]:
-    """Seconds from each kill, term or stop to the next sample whose deadline re-issues grew (none: left out)."""
+    """Seconds from a kill, term or stop to the first sample whose deadline re-issues grew, when that comes before
+    the next such event (a removal of a worker that held no task re-issues nothing: left out)."""
+    removals = [ev["t"] for ev in events if ev["event"] in ("kill", "term", "stop")]
     out = []
-    for ev in events:
-        if ev["event"] not in ("kill", "term", "stop"):
-            continue
-        before = [s["deadline_reissues"] for s in timeline if s["t"] <= ev["t"]]
+    for t, t_next in zip(removals, [*removals[1:], float("inf")], strict=True):
+        before = [s["deadline_reissues"] for s in timeline if s["t"] <= t]
         base = before[-1] if before else 0.0
-        later = [s["t"] for s in timeline if s["t"] > ev["t"] and s["deadline_reissues"] > base]
+        later = [s["t"] for s in timeline if t < s["t"] <= t_next and s["deadline_reissues"] > base]
         if later:
-            out.append(round(later[0] - ev["t"], 2))
+            out.append(round(later[0] - t, 2))
     return out
 
 
@@ -145,7 +148,9 @@ def figures(arm: dict, reference: Path | None) -> dict[str, Any]:
         "rounds_incomplete": incomplete, "trainer_rounds_skipped": skipped,
         "rounds_lost": max(0, incomplete - int(skipped.get("dropped", 0)) - int(skipped.get("pending_at_end", 0))),
         "results_counted_twice": final["doubled"],
-        "join_to_first_task_s": {w: join_to_first_task(Path(arm["logs"]) / f"{w}.log") for w in arm["joined"]},
+        "join_to_first_task_s": [j for w in arm["joined"] if (j := join_to_first_task(Path(arm["logs"]) / f"{w}.log"))
+                                 is not None],
+        "joined": len(arm["joined"]),
         "kill_to_reissue_s": kill_to_reissue(arm["events"], arm["timeline"]),
         "final_val_loss": summary.get("final_val_loss"),
     }
@@ -162,7 +167,7 @@ def report(o, arms: list[dict], reference: Path | None) -> dict[str, Any]:
         if f["churn"] and f["wait"] in calm:
             f["wall_vs_no_churn"] = round(f["wall_s"] / calm[f["wait"]], 3)
     ref = json.loads((reference / "summary.json").read_text()) if reference is not None else {}
-    return {"options": json.loads(o.model_dump_json()), "in_process_final_val_loss": ref.get("final_val_loss"),
+    return {"options": json.loads(o.model_dump_json()), "work": str(Path(arms[0]["run_dir"]).parent.parent), "in_process_final_val_loss": ref.get("final_val_loss"),
             "arms": figs, "events": {f"{a['wait']}-{'churn' if a['churn'] else 'calm'}": a["events"] for a in arms},
             "timelines": {f"{a['wait']}-{'churn' if a['churn'] else 'calm'}": a["timeline"] for a in arms}}
 

@@ -14,21 +14,26 @@ from benchmarks.churn import ChurnOptions, Pool, choose, run_churn_bench
 
 
 def test_the_schedule_keeps_one_to_n_live_workers():
-    """A removal with one live worker becomes a join; a join with N live (stopped ones count) becomes a removal."""
-    rng, pool = random.Random(0), Pool(live=["w0"])
-    assert {choose(rng, ("kill", "term", "stop"), pool, 4) for _ in range(20)} == {"join"}
+    """A removal strikes a ready worker and leaves one: with one ready it becomes a join (a worker still starting
+    does not count); a join with N started and not removed (stopped ones count) becomes a removal, or nothing."""
+    rng, kinds = random.Random(0), ("kill", "term", "stop", "join")
+    pool = Pool(live=["w0", "w1"])
+    assert {choose(rng, ("kill", "term", "stop"), pool, 4, {"w0"}) for _ in range(20)} == {"none"}
+    assert {choose(rng, ("kill", "join"), pool, 4, {"w0"}) for _ in range(20)} == {"join"}
     pool = Pool(live=["w0", "w1", "w2"], stopped={"w3": 0.0})
-    assert {choose(rng, ("join",), pool, 4) for _ in range(5)} == {"none"}
-    assert {choose(rng, ("join", "kill"), pool, 4) for _ in range(20)} == {"kill"}
-    draws = [choose(random.Random(7), ("kill", "term", "stop", "join"), Pool(live=["a", "b"]), 4) for _ in range(3)]
-    assert draws == [choose(random.Random(7), ("kill", "term", "stop", "join"), Pool(live=["a", "b"]), 4)] * 3
+    ready = {"w0", "w1", "w2"}
+    assert {choose(rng, ("join",), pool, 4, ready) for _ in range(5)} == {"none"}
+    assert {choose(rng, ("join", "kill"), pool, 4, ready) for _ in range(20)} == {"kill"}
+    assert len({choose(rng, kinds, Pool(live=["a", "b", "c"]), 4, {"a", "b", "c"}) for _ in range(60)}) == 4
+    draws = [choose(random.Random(7), kinds, Pool(live=["a", "b"]), 4, {"a", "b"}) for _ in range(3)]
+    assert len(set(draws)) == 1  # seeded: the same schedule every time
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_short_churn_schedule_loses_nothing_and_doubles_nothing(tmp_path):
     o = ChurnOptions(workers=3, every_s=3.0, seed=1, waits=("sync",), baseline=False, steps=8, curvature_interval=2,
-                     probes=4, out=tmp_path)
+                     probes=4, out=tmp_path, work=tmp_path / "work")
     rep = run_churn_bench(o, print)  # on the shared Redis (REDIS_URL or 127.0.0.1:6379), its own key prefix
     (arm,) = rep["arms"]
     assert sum(arm["events"].values()) >= 2, arm  # the schedule struck while the trainer ran
