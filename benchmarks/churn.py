@@ -285,7 +285,9 @@ def run_churn_bench(o: ChurnOptions, log: Callable[[str], None]) -> dict:
         for wait in o.waits:
             for churn in (True, False) if o.baseline else (True,):
                 log(f"arm {wait} {'with' if churn else 'without'} churn")
-                arms.append(run_arm(o, wait, churn, work / f"{wait}-{'churn' if churn else 'calm'}", log))
+                name = f"{wait}-{'churn' if churn else 'calm'}"
+                arms.append(run_arm(o, wait, churn, work / name, log))
+                (work / f"{name}.json").write_text(json.dumps(arms[-1], default=list))  # the raw record, kept
                 rep = report(o, arms, reference)
                 (o.out / "churn.json").write_text(json.dumps(rep, indent=1))
     plot([a for a in arms if a["churn"]], o.out / "churn.png")

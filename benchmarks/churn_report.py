@@ -114,8 +114,8 @@ def kill_to_reissue(events: list[dict], timeline: list[dict]) -> list[float]:
     """Seconds from a kill, term or stop to the first sample whose deadline re-issues grew, when that comes before
     the next such event (a removal of a worker that held no task re-issues nothing: left out)."""
     removals = [ev["t"] for ev in events if ev["event"] in ("kill", "term", "stop")]
-    out = []
-    for t, t_next in zip(removals, [*removals[1:], float("inf")], strict=True):
+    out: list[float] = []
+    for t, t_next in zip(removals, [*removals[1:], float("inf")][: len(removals)], strict=True):
         before = [s["deadline_reissues"] for s in timeline if s["t"] <= t]
         base = before[-1] if before else 0.0
         later = [s["t"] for s in timeline if t < s["t"] <= t_next and s["deadline_reissues"] > base]
