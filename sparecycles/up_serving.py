@@ -2,7 +2,8 @@
 
 `serving_beside(demo, out, log)` starts the engine (probe_worker.engine.VllmProcess: `tools/vllm.sh start` on
 SmolLM2-135M, the folder trainer.models.pretrained.smollm2_dir() writes, with --enable-server-load-tracking so its
-/load counts a request when it arrives), waits for /health and yields a `ServingRun`, whose `worker_args` every
+/load counts a request when it arrives), waits for /health, measures the engine alone (one warm-up request, then a short block of `alone_count` requests
+at the load's rate, before any worker or trainer starts: `measure_alone`) and yields a `ServingRun`, whose `worker_args` every
 worker `up` starts gets (`--serving-metrics <engine>/load --serving-hold S --serving-interval I`). When the
 fleet-probed run starts (after the AdamW baseline, whose steps send the workers no probe task), once every worker reads
 the engine idle, `up` starts the request load on a thread (`start_load`; benchmarks.serving_load: Poisson arrivals, prompts and
@@ -10,7 +11,8 @@ output lengths from a real text); it reads the workers' serving figures from the
 before it stops them. On leaving, at the runs' end, it stops sending and waits up to LOAD_DRAIN_S for the requests
 in flight (after Ctrl-C or an error, not at all), stops the engine and writes `serving.json` into the run folder
 (`figures`: the load's time to first token and end to end p50/p95/p99, every request, and the workers' figures,
-wire.messages.ServingFigures). The requests not yet due when the runs end are never sent: serving.json counts them
+wire.messages.ServingFigures; the engine-alone block's percentiles and `p95_vs_alone`, the load's p95 over the
+alone block's: what serving lost beside `up`, trainer included on a CPU host). The requests not yet due when the runs end are never sent: serving.json counts them
 (`requests_unsent`, with the seconds the load ran and those its arrivals span) and the summary line says how many of
 those planned were sent and why not all (`load_summary`).
 """
@@ -19,10 +21,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +50,33 @@ LOAD_DRAIN_S = 120.0  # seconds the end of `up` waits for the requests in flight
 WORKERS_BESIDE_S = 60.0  # seconds the load waits for the workers to read the engine idle (then starts anyway)
 LOAD_SEED = 0  # the load's arrivals and passages (benchmarks.serving_load.make_requests)
 WORKER_FIGURES = ("yielded_s", "engine_idle_s", "idle_used_s")  # summed over the workers
+ALONE_SHARE, ALONE_MIN = 1 / 3, 6  # the engine-alone block: a third of --serving-requests, at least 6 (alone_count)
 RUNS_ENDED, STOPPED_EARLY = "the runs ended", "up stopped early (an error or Ctrl-C)"  # what ended the load
+
+
+def alone_count(requests: int) -> int:
+    """Requests of the engine-alone block sent before the fleet starts, for a load of `requests`: a third of them,
+    at least ALONE_MIN (a short block: its p95 is nearly its slowest request)."""
+    return max(ALONE_MIN, math.ceil(requests * ALONE_SHARE))
+
+
+def split_requests(n: int, alone: int, rate: float, seed: int) -> tuple[Request, list[Request], list[Request]]:
+    """One warm-up request, `alone` requests for the engine-alone block and `n` for the load, from one Poisson schedule
+    at `rate` over consecutive passages (benchmarks.serving_load.make_requests: no prompt repeats, so the engine's
+    prefix cache helps neither block); each block's arrivals start from 0 again."""
+    made = make_requests(1 + alone + n, rate, seed, verses((1 + alone + n) * CONTEXT + 1))
+
+    def rebased(reqs: list[Request], since: float) -> list[Request]:
+        return [replace(r, at_s=r.at_s - since) for r in reqs]
+
+    return (replace(made[0], at_s=0.0), rebased(made[1:1 + alone], made[0].at_s),
+            rebased(made[1 + alone:], made[alone].at_s))
+
+
+def p95_ratio(with_s: dict[str, float | None], alone_s: dict[str, float | None]) -> float | None:
+    """The load's p95 over the engine-alone block's (seconds over seconds); None when either is missing or 0."""
+    a, b = with_s.get("p95"), alone_s.get("p95")
+    return a / b if a is not None and b else None
 
 
 def check_engine(demo: ServingDemo | None) -> None:
@@ -68,6 +97,9 @@ class ServingRun:
     model: str  # the engine's model id (GET /v1/models)
     requests: list[Request]
     log: Callable[[str], None]
+    alone_requests: list[Request] = field(default_factory=list)  # the engine-alone block (measure_alone)
+    warmup: Request | None = None  # sent once before that block, not counted
+    alone: list[Outcome] = field(default_factory=list)  # the engine-alone block's requests sent
     stop: threading.Event = field(default_factory=threading.Event)
     thread: threading.Thread | None = None
     outcomes: list[Outcome] = field(default_factory=list)
@@ -81,6 +113,15 @@ class ServingRun:
         """The `sparecycles worker` options that make a worker yield to this engine."""
         return ("--serving-metrics", self.engine.load_url, "--serving-hold", f"{self.demo.hold_s:g}",
                 "--serving-interval", f"{self.demo.interval_s:g}", "--nice", str(self.demo.nice))
+
+    def measure_alone(self) -> None:
+        """Send the warm-up request, then the engine-alone block at the load's rate, and wait for their answers (the
+        engine has nothing else to do: no worker, trainer or load has started)."""
+        if self.warmup is not None:
+            run_load(self.engine.url, self.model, [self.warmup])
+        self.log(f"engine alone: {len(self.alone_requests)} requests at {self.demo.rate:g}/s before the fleet starts "
+                 f"(~{self.alone_requests[-1].at_s if self.alone_requests else 0:.0f} s of arrivals)")
+        self.alone = run_load(self.engine.url, self.model, self.alone_requests, stop=self.stop)
 
     def start_load(self, base: str, admin_token: str, workers: int) -> None:
         """Start sending the requests (on a thread) once `workers` workers of the coordinator at `base` take tasks
@@ -138,7 +179,10 @@ class ServingRun:
         and the seconds it ran, None if it never started; TTFT and end-to-end percentiles in seconds), the workers'
         figures (seconds yielded, the engine's idle seconds, those the worker used, reclaim p95) and their sums, and
         every request."""
-        ok = [o for o in self.outcomes if not o.error and o.end is not None]
+        ok = answered(self.outcomes)
+        alone = _block(self.alone)
+        ttft, e2e = (percentiles([o.ttft_s for o in ok if o.ttft_s is not None]),
+                     percentiles([o.e2e_s for o in ok if o.e2e_s is not None]))
         totals = {k: sum(w.get(k, 0.0) for w in self.workers) for k in WORKER_FIGURES}
         idle = totals["engine_idle_s"]
         ran = None if self.started_at is None else (self.stopped_at or time.time()) - self.started_at
@@ -148,12 +192,26 @@ class ServingRun:
             "requests_sent": len(self.outcomes), "requests_unsent": len(self.requests) - len(self.outcomes),
             "load_planned_s": self.planned_s, "load_ran_s": ran, "load_ended_by": self.ended_by,
             "answered": len(ok), "failed": len(self.outcomes) - len(ok),
-            "ttft_s": percentiles([o.ttft_s for o in ok if o.ttft_s is not None]),
-            "e2e_s": percentiles([o.e2e_s for o in ok if o.e2e_s is not None]),
+            "ttft_s": ttft, "e2e_s": e2e, "alone": alone,
+            "p95_vs_alone": {"ttft_s": p95_ratio(ttft, alone["ttft_s"]), "e2e_s": p95_ratio(e2e, alone["e2e_s"])},
             "workers": self.workers,
             "workers_total": {**totals, "idle_used_share": totals["idle_used_s"] / idle if idle else None},
             "engine_log": str(self.engine.log_path), "requests": [outcome_dict(o) for o in self.outcomes],
+            "requests_alone": [outcome_dict(o) for o in self.alone],
         }
+
+
+def answered(outcomes: list[Outcome]) -> list[Outcome]:
+    """The requests answered in full (no error, a last token)."""
+    return [o for o in outcomes if not o.error and o.end is not None]
+
+
+def _block(outcomes: list[Outcome]) -> dict[str, Any]:
+    """The engine-alone block's figures: requests sent, answered, failed; TTFT and end-to-end percentiles (s)."""
+    ok = answered(outcomes)
+    return {"requests_sent": len(outcomes), "answered": len(ok), "failed": len(outcomes) - len(ok),
+            "ttft_s": percentiles([o.ttft_s for o in ok if o.ttft_s is not None]),
+            "e2e_s": percentiles([o.e2e_s for o in ok if o.e2e_s is not None])}
 
 
 def _start(demo: ServingDemo, out: Path, log: Callable[[str], None]) -> ServingRun:
@@ -166,7 +224,7 @@ def _start(demo: ServingDemo, out: Path, log: Callable[[str], None]) -> ServingR
     engine.start()
     try:
         log(f"vLLM on {engine.url} (log {engine.log_path}); waiting for /health ...")
-        requests = make_requests(demo.requests, demo.rate, LOAD_SEED, verses(demo.requests * CONTEXT + 1))
+        warmup, alone, requests = split_requests(demo.requests, alone_count(demo.requests), demo.rate, LOAD_SEED)
         engine.wait_ready()
         model = httpx.get(engine.url + "/v1/models", timeout=30).json()["data"][0]["id"]
     except EngineError as exc:
@@ -176,7 +234,7 @@ def _start(demo: ServingDemo, out: Path, log: Callable[[str], None]) -> ServingR
     except BaseException:
         engine.stop()
         raise
-    return ServingRun(demo, engine, model, requests, log)
+    return ServingRun(demo, engine, model, requests, log, alone_requests=alone, warmup=warmup)
 
 
 def _finish(run: ServingRun, out: Path, drain_s: float, log: Callable[[str], None]) -> dict[str, Any]:
@@ -189,13 +247,24 @@ def _finish(run: ServingRun, out: Path, drain_s: float, log: Callable[[str], Non
         run.thread.join(30.0)  # the engine's end fails the streams left: run_load returns
     figures = run.figures()
     (out / SERVING_JSON).write_text(json.dumps(figures, indent=1))
+    log(f"{serving_line(figures)} ({out / SERVING_JSON})")
+    return figures
+
+
+def serving_line(figures: dict[str, Any]) -> str:
+    """serving.json's figures in one line: the requests answered, TTFT and end-to-end p50/p95 (s), p95 end to end
+    against the engine alone, and the share of the engine's idle seconds the workers used."""
     t, e, w = figures["ttft_s"], figures["e2e_s"], figures["workers_total"]
     fmt = "{:.2f}".format
-    log(f"serving: {load_summary(figures)}; "
-        f"TTFT p50/p95 {fmt(t['p50'] or 0)}/{fmt(t['p95'] or 0)} s, end to end {fmt(e['p50'] or 0)}/"
-        f"{fmt(e['p95'] or 0)} s; workers yielded {w['yielded_s']:.1f} s, used {w['idle_used_s']:.1f} of the engine's "
-        f"{w['engine_idle_s']:.1f} idle s ({out / SERVING_JSON})")
-    return figures
+    ratio, alone = figures["p95_vs_alone"], figures["alone"]
+    vs = ("no engine-alone figure" if ratio["e2e_s"] is None else
+          f"p95 {ratio['e2e_s']:.2f}x end to end, {ratio['ttft_s'] or 0:.2f}x TTFT, of the engine alone "
+          f"({fmt(alone['e2e_s']['p95'] or 0)}/{fmt(alone['ttft_s']['p95'] or 0)} s, {alone['answered']} requests)")
+    share = w.get("idle_used_share")
+    return (f"serving: {load_summary(figures)}; TTFT p50/p95 {fmt(t['p50'] or 0)}/{fmt(t['p95'] or 0)} s, end to end "
+            f"{fmt(e['p50'] or 0)}/{fmt(e['p95'] or 0)} s; {vs}; workers yielded {w['yielded_s']:.1f} s, used "
+            f"{w['idle_used_s']:.1f} of the engine's {w['engine_idle_s']:.1f} idle s"
+            + (f" ({share:.0%})" if share is not None else ""))
 
 
 def load_summary(figures: dict[str, Any]) -> str:
@@ -224,6 +293,7 @@ def serving_beside(demo: ServingDemo | None, out: Path, log: Callable[[str], Non
     run = _start(demo, out, log)
     drain_s = 0.0
     try:
+        run.measure_alone()
         yield run
         drain_s = LOAD_DRAIN_S
     except BaseException:

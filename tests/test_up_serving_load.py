@@ -13,7 +13,7 @@ import pytest
 
 from benchmarks.serving_load import CONTEXT, Outcome, make_requests
 from sparecycles.up_options import SERVING_JSON, UpOptions
-from sparecycles.up_serving import LOAD_SEED, ServingRun, _finish, serving_beside
+from sparecycles.up_serving import LOAD_SEED, ServingRun, _finish, alone_count, serving_beside, split_requests
 
 
 def _run(tmp_path, logs: list[str]) -> ServingRun:
@@ -85,3 +85,32 @@ def test_a_load_cut_or_never_started_by_an_error_says_so(tmp_path, monkeypatch):
         raise RuntimeError("the AdamW baseline failed")
     assert logs[-1].startswith("serving: 0 of 40 requests sent: the load never started (up stopped early (an error "
                                "or Ctrl-C) before the fleet-probed run it starts with)")
+
+
+def test_the_load_is_set_against_the_engine_alone_and_the_idle_seconds_used(tmp_path):
+    warmup, alone, load = split_requests(40, alone_count(40), 0.1, LOAD_SEED)
+    assert (len(alone), len(load)) == (14, 40) and alone_count(8) == 6  # a third of the load, at least 6
+    prompts = [r.prompt for r in (warmup, *alone, *load)]
+    assert len(set(prompts)) == len(prompts)  # no prompt repeats: the prefix cache helps neither block
+    assert warmup.at_s == 0.0 and 0 < alone[0].at_s < alone[-1].at_s and 0 < load[0].at_s < load[-1].at_s
+    logs: list[str] = []
+    run = _run(tmp_path, logs)
+    t = time.time()
+    run.started_at = t - 400.0
+    run.outcomes = [Outcome(sent=t, first=t + 0.1 * (i + 1), end=t + 1.5 * (i + 1), tokens=8) for i in range(40)]
+    run.alone = [Outcome(sent=t, first=t + 0.1, end=t + 1.0 * (i + 1), tokens=8) for i in range(14)]
+    run.workers = [{"name": "local-0", "yielded_s": 5.0, "engine_idle_s": 200.0, "idle_used_s": 50.0},
+                   {"name": "local-1", "yielded_s": 3.0, "engine_idle_s": 200.0, "idle_used_s": 70.0}]
+    figures = _finish(run, tmp_path, 0.0, logs.append)
+    assert figures["alone"]["answered"] == figures["alone"]["requests_sent"] == 14
+    # nearest-rank p95: the load's 38th of 40 (57.0 s end to end, 3.8 s TTFT) over the block's 14th of 14 (14.0, 0.1)
+    assert (figures["e2e_s"]["p95"], figures["alone"]["e2e_s"]["p95"]) == pytest.approx((57.0, 14.0))
+    ratio = figures["p95_vs_alone"]
+    assert ratio["e2e_s"] == pytest.approx(figures["e2e_s"]["p95"] / figures["alone"]["e2e_s"]["p95"])
+    assert ratio["ttft_s"] == pytest.approx(figures["ttft_s"]["p95"] / figures["alone"]["ttft_s"]["p95"])
+    assert figures["workers_total"]["idle_used_share"] == pytest.approx(120.0 / 400.0)
+    assert len(figures["requests_alone"]) == 14
+    assert logs[-1].startswith(f"serving: 40/40 requests answered (0 failed); TTFT p50/p95 2.00/3.80 s, end to end "
+                               f"30.00/57.00 s; p95 {57 / 14:.2f}x end to end, {3.8 / 0.1:.2f}x TTFT, of the engine "
+                               "alone (14.00/0.10 s, 14 requests); workers yielded 8.0 s, used 120.0 of the engine's "
+                               "400.0 idle s (30%)")
