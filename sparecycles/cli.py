@@ -6,8 +6,6 @@ Each subcommand lives in the `cli` module of the package that owns it; those mod
 
 from __future__ import annotations
 
-import json
-
 import typer
 
 from api import cli as api_cli
@@ -167,16 +165,11 @@ def _plan(settings: dict, run: dict, options: dict, overrides: dict):
 
 
 def _print_summary(plan, summary: dict) -> None:
-    """`up`'s end: summary.json on stdout; the time ledgers and the folder's disk use on stderr."""
-    from trainer.ledger import format_ledger
+    """`up`'s end: one line per run, serving's line if any, and where summary.json (every figure) is: on stdout
+    (sparecycles.up_summary.end_lines). The time ledgers and disk use are in summary.json."""
+    from sparecycles.up_summary import end_lines
 
-    typer.echo(json.dumps(summary, indent=2))
-    for name in ("adamw", summary["optimizer"]):
-        if "time_ledger" in summary.get(name, {}):
-            typer.echo("\n".join(format_ledger(summary[name]["time_ledger"], f"{name} time ledger")), err=True)
-    disk = summary["disk_mb"]
-    parts = ", ".join(f"{k} {v:.1f}" for k, v in disk.items() if k != "total" and v >= 0.1)
-    typer.echo(f"{plan.out}: {disk['total']:.1f} MB on disk ({parts}); wall {summary['wall_s']:.0f} s", err=True)
+    typer.echo("\n".join(end_lines(summary, plan.out)))
 
 
 @app.command("version")

@@ -25,22 +25,13 @@ from sparecycles.local_fleet import local_fleet
 from sparecycles.scrape import SCRAPE_CONFIG, write_scrape_config
 from sparecycles.services import Supervisor, die_with_parent, free_port
 from sparecycles.up_options import SERVING_JSON
-from sparecycles.up_plan import UP_SETTINGS, UpPlan, clear_folder, disk_use, plan_up, read_json  # noqa: F401 (plan_up re-exported)
+from sparecycles.up_plan import UP_SETTINGS, UpPlan, clear_folder, plan_up, read_json  # noqa: F401 (plan_up re-exported)
+from sparecycles.up_summary import build_summary, end_lines, title, write_summary  # noqa: F401 (end_lines re-exported)
+from sparecycles.up_summary import run_summary as _run_summary  # noqa: F401 (re-exported: tests/test_kd_cache.py)
 from trainer.run_options import TEACHER_ROUNDS_ENV  # train's --teacher-rounds, for up's torchrun ranks
 
 if TYPE_CHECKING:
     from sparecycles.up_serving import ServingRun
-
-
-def _run_summary(run_dir: Path) -> dict:
-    """Initial/final validation figures (loss, and accuracy for classifiers) and test figures of a finished run."""
-    s = json.loads((run_dir / "summary.json").read_text())
-    keys = [k for k in s if k.startswith(("initial_val_", "final_val_", "test_"))]
-    return {**{k: s[k] for k in keys}, **({"time_ledger": s["time_ledger"]} if "time_ledger" in s else {}),
-            **({"evaluations": s["evaluations"]} if "evaluations" in s else {}),
-            **({"kd": s["kd"]} if "kd" in s else {}),  # teacher rounds over the whole run: taught, missing, bytes
-            **({"kd_this_invocation": s["kd_this_invocation"]} if "kd_this_invocation" in s else {}),  # --resume
-            **({"warnings": s["warnings"]} if s.get("warnings") else {})}  # the run's health (trainer.health)
 
 
 def _prefetch_inputs(cfg, progress: bool) -> None:
@@ -334,7 +325,7 @@ def _plot(plan: UpPlan, title: str) -> Path:
 
 def run_up(plan: UpPlan, *, progress: bool = True, keep_blobs: bool = False, export: bool = True,
            log: Callable[[str], None] = lambda m: print(m, file=sys.stderr)) -> dict:
-    """Carry out `plan` (from `plan_up`) and return its summary (also written to `<out>/summary.json`).
+    """Carry out `plan` (from `plan_up`) and return its summary (also written, once, to `<out>/summary.json`).
 
     Finished runs with the same settings are reused (both finished: no service starts), interrupted ones
     resume from their checkpoints; the rest train: an AdamW backprop baseline in this process, then the
@@ -344,7 +335,6 @@ def run_up(plan: UpPlan, *, progress: bool = True, keep_blobs: bool = False, exp
     Raises RuntimeError if a service fails to start (the message names its log file); always stops every
     process it started.
     """
-    out, opt = plan.out, plan.optimizer
     for w in plan.warnings:
         log(f"warning: {w}")
     if plan.nproc is not None:
@@ -353,6 +343,37 @@ def run_up(plan: UpPlan, *, progress: bool = True, keep_blobs: bool = False, exp
         log(launch_note(plan))
     t0 = time.perf_counter()
     _prefetch_inputs(plan.zo_cfg, progress)  # first: a refusal found while reading the data leaves the folder as it was
+    reused = _prepare_folder(plan, log)
+    old = read_json(plan.out / "summary.json") or {}
+    if len(reused) == 2:  # nothing to train: no service needed
+        # Nothing ran this time: the summary says so, not the Valkey (or Redis) of the invocation that trained them.
+        fleet, redis_desc, extra = old.get("fleet", {}), "not started (both runs reused)", {}
+        if plan.serving is not None:
+            log(f"--serving {plan.serving.engine}: no engine started (nothing to train)")
+    else:
+        fleet, redis_desc, extra = _train_beside_serving(plan, progress, log, export)
+        fleet = fleet or old.get("fleet", {})  # the fleet-probed run was reused, only AdamW trained
+    png = _plot(plan, title(plan))
+    from trainer.report import read_metrics
+
+    late = late_rounds_warning(plan, read_metrics(plan.out / plan.optimizer / "metrics.jsonl"))
+    if late:
+        log(f"warning: {late}")
+    if not keep_blobs:  # a finished run never reads them again; a resumed one publishes afresh
+        for name in ("blobs", "valkey"):
+            shutil.rmtree(plan.out / name, ignore_errors=True)
+    summary = build_summary(plan, rounds=_rounds_note(plan.optimizer, plan.fleet_wait), teacher=teacher_note(plan),
+                            reused=reused, fleet=fleet, redis_desc=redis_desc, late=late, png=png,
+                            wall_s=time.perf_counter() - t0, extra=extra)
+    for w in summary["warnings"][len(plan.warnings) + bool(late):]:
+        log(f"warning: {w}")
+    return write_summary(plan.out, summary)
+
+
+def _prepare_folder(plan: UpPlan, log: Callable[[str], None]) -> list[str]:
+    """Clear the run folder if the plan says so, write its settings, drop an earlier `--serving` run's serving.json
+    when this one serves nothing; log and return the finished runs reused."""
+    out = plan.out
     if plan.clear:
         clear_folder(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -362,59 +383,17 @@ def run_up(plan: UpPlan, *, progress: bool = True, keep_blobs: bool = False, exp
     reused = [name for name, st in plan.states.items() if st.kind == "done"]
     for name in reused:
         log(f"{name}: reusing the finished run in {out / name} (same settings; --overwrite trains it again)")
-    old = read_json(out / "summary.json") or {}
-    summary_extra: dict = {}
-    if len(reused) == 2:  # nothing to train: no service needed
-        # Nothing ran this time: the summary says so, not the Valkey (or Redis) of the invocation that trained them.
-        fleet, redis_desc = old.get("fleet", {}), "not started (both runs reused)"
-        if plan.serving is not None:
-            log(f"--serving {plan.serving.engine}: no engine started (nothing to train)")
-    else:
-        from sparecycles.up_serving import serving_beside
+    return reused
 
-        with serving_beside(plan.serving, out, log) as serving:  # --serving: an engine and its load beside the fleet
-            fleet, redis_desc = _train_with_fleet(plan, progress, log, export, serving)
-        fleet = fleet or old.get("fleet", {})  # the fleet-probed run was reused, only AdamW trained
-        if serving is not None:
-            summary_extra["serving"] = {k: v for k, v in serving.figures().items() if k != "requests"}
-    sentiment = plan.task == "sentiment"
-    from trainer.models.causal_lm import model_label
 
-    # a folder --model by its name (the title stays one line); --data by the path given
-    model_name, data_name = (("minilm-l6", "sentiment") if sentiment else
-                             (model_label(plan.zo_cfg.model), plan.zo_cfg.data or plan.zo_cfg.corpus))
-    steps = plan.zo_cfg.steps
-    png = _plot(plan, f"{model_name} on {data_name}: {opt} (fleet of {plan.workers}) vs AdamW, {steps} steps")
-    from trainer.report import read_metrics
+def _train_beside_serving(plan: UpPlan, progress: bool, log: Callable[[str], None],
+                          export: bool) -> tuple[dict, str, dict]:
+    """Train the runs not finished with the fleet, beside `--serving`'s engine and load if any. Returns (fleet figures,
+    Redis description, the summary's extra entries: `serving`, serving.json's figures less every request)."""
+    from sparecycles.up_serving import serving_beside
 
-    late = late_rounds_warning(plan, read_metrics(out / opt / "metrics.jsonl"))
-    if late:
-        log(f"warning: {late}")
-    if not keep_blobs:  # a finished run never reads them again; a resumed one publishes afresh
-        for name in ("blobs", "valkey"):
-            shutil.rmtree(out / name, ignore_errors=True)
-    summary = {
-        "task": plan.task, "preset": plan.preset, "model": model_name, "corpus": data_name, "steps": steps,
-        "workers": plan.workers, "optimizer": opt, "redis": redis_desc, "reused": reused,
-        "adamw": _run_summary(out / "adamw"), opt: _run_summary(out / opt), "fleet": fleet,
-        "trainer_device": plan.zo_cfg.device, "trainer_ranks": plan.nproc or 1,
-        "trainer_launch": "in process" if plan.nproc is None else f"torchrun --nproc-per-node {plan.nproc}",
-        "worker_devices": list(plan.worker_devices or ("cpu",) * plan.workers),
-        "forward_dtype": "float32 (TF32 matmuls on CUDA)" if any(d.startswith("cuda") for d in plan.worker_devices)
-        else "float32",
-        "rounds": _rounds_note(opt, plan.fleet_wait), "teacher": teacher_note(plan), "evaluation": (
-            f"on the fleet ({'the whole validation split' if plan.eval_windows == 'full' else 'the eval_batches subset'}"
-            f"; a version no worker answers for in {plan.eval_deadline:.0f} s is evaluated by the trainer)"
-            if plan.eval_on == "fleet" else "on the trainer"),
-        "warnings": [*plan.warnings, *([late] if late else [])], "wall_s": time.perf_counter() - t0, "plot": str(png),
-        "logs": str(out / "logs"), **summary_extra,
-    }
-    summary["warnings"] += [f"{name}: {w}" for name in ("adamw", opt) for w in summary[name].get("warnings", [])]
-    for w in summary["warnings"][len(plan.warnings) + bool(late):]:
-        log(f"warning: {w}")
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    sizes = disk_use(out)
-    summary["disk_mb"] = {k: round(v / 2**20, 1) for k, v in sizes.items()}
-    summary["disk_mb"]["total"] = round(sum(sizes.values()) / 2**20, 1)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    return summary
+    with serving_beside(plan.serving, plan.out, log) as serving:  # --serving: an engine and its load beside the fleet
+        fleet, redis_desc = _train_with_fleet(plan, progress, log, export, serving)
+    if serving is None:
+        return fleet, redis_desc, {}
+    return fleet, redis_desc, {"serving": {k: v for k, v in serving.figures().items() if k not in ("requests", "requests_alone")}}
