@@ -18,7 +18,7 @@ from probe_worker.engine import vllm_installed, vllm_python
 from sparecycles.up_serving import alone_count, serving_line
 from support.vllm import NO_VENV
 
-pytestmark = pytest.mark.slow  # a vLLM process and a whole `up` (~2 min)
+pytestmark = pytest.mark.slow  # a vLLM process and a whole `up` (two 20-step runs)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,6 +34,7 @@ def _option(args: list[str], name: str) -> str:
     return args[args.index(name) + 1]
 
 
+@pytest.mark.timeout(1800)  # on 2 cores under load ~20 it took over 15 min
 def test_up_serving_vllm_as_the_readme_shows_it_serves_every_request_and_applies_rounds(tmp_path):
     """The README's command, as written (its run folder and --no-progress added): its load fits the fleet-probed run
     (every request sent and answered) and that run applies the workers' probe rounds."""
