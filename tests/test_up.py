@@ -11,7 +11,13 @@ import pytest
 
 from support.processes import processes_of, start_up
 
+DEMO_RECORD = Path(__file__).resolve().parents[1] / "results" / "cpu" / "up_demo.json"
+SHORT_ARGS = ("--steps", "12", "--curvature-interval", "4", "--no-export", "--eval-windows", "subset")
 pytestmark = pytest.mark.slow  # end to end: `sparecycles up` starts Valkey, a coordinator, 2 workers, the trainer
+
+
+def _last_lines(out: bytes, n: int) -> list[str]:
+    return out.decode().rstrip("\n").splitlines()[-n:]
 
 
 def _files(run_dir: Path) -> dict[str, bytes]:
@@ -22,7 +28,7 @@ def _files(run_dir: Path) -> dict[str, bytes]:
 @pytest.mark.timeout(1800)  # three invocations of `up`; the first trains both runs
 def test_up_runs_both_curves_and_leaves_no_process(tmp_path):
     run_dir = tmp_path / "up"
-    proc = start_up(run_dir, "--steps", "12", "--curvature-interval", "4", "--no-export", "--eval-windows", "subset")
+    proc = start_up(run_dir, *SHORT_ARGS)
     out, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, out.decode()[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -48,6 +54,17 @@ def test_up_runs_both_curves_and_leaves_no_process(tmp_path):
     assert summary["reused"] == [] and not any("run too short" in w for w in summary["warnings"])
     assert not (run_dir / "blobs").exists() and not (run_dir / "valkey").exists()  # no --keep-blobs
     assert summary["disk_mb"]["total"] > summary["disk_mb"]["adamw"] > 1
+    # The console ends with one line per run and the pointer to summary.json, not the summary itself
+    assert _last_lines(out, 3) == [
+        f"adamw: val loss {summary['adamw']['initial_val_loss']:.4f} -> {summary['adamw']['final_val_loss']:.4f} "
+        "after 12 steps",
+        f"zocurv-line: val loss {summary['zocurv-line']['initial_val_loss']:.4f} -> "
+        f"{summary['zocurv-line']['final_val_loss']:.4f} after 12 steps; fleet of 2: "
+        f"{summary['fleet']['results_accepted']:.0f} results accepted, {summary['fleet']['results_stale']:.0f} stale, "
+        f"{summary['fleet']['probes_per_s']:.2f} probes/s",
+        f"every figure: {run_dir / 'summary.json'} (plot loss_curves.png, {summary['disk_mb']['total']:.1f} MB on "
+        f"disk, wall {summary['wall_s']:.0f} s)"]
+    assert '"disk_mb"' not in out.decode()
 
     # The same command again: both finished runs reused, no service started, every file of both runs kept.
     files, log_size = _files(run_dir), (run_dir / "logs" / "coordinator.log").stat().st_size
@@ -57,6 +74,9 @@ def test_up_runs_both_curves_and_leaves_no_process(tmp_path):
     again = json.loads((run_dir / "summary.json").read_text())
     assert again["reused"] == ["adamw", "zocurv-line"] and again["redis"] == "not started (both runs reused)"
     assert {k: again[k] for k in ("adamw", "zocurv-line", "fleet")} == {k: summary[k] for k in ("adamw", "zocurv-line", "fleet")}
+    assert [line.split(" after ")[1] for line in _last_lines(out, 3)[:2]] == [
+        "12 steps (reused)", f"12 steps (reused); fleet of 2: {summary['fleet']['results_accepted']:.0f} results "
+        f"accepted, {summary['fleet']['results_stale']:.0f} stale, {summary['fleet']['probes_per_s']:.2f} probes/s"]
     assert _files(run_dir) == files and (run_dir / "logs" / "coordinator.log").stat().st_size == log_size
 
     # Other --steps into the same folder: refused before anything starts, naming the difference.
@@ -64,6 +84,15 @@ def test_up_runs_both_curves_and_leaves_no_process(tmp_path):
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 2 and "steps: 12 -> 13" in out.decode() and "--overwrite" in out.decode(), out.decode()
     assert _files(run_dir) == files and json.loads((run_dir / "summary.json").read_text()) == again
+
+    # The demo's record (results/cpu/up_demo.json, which the docs' figures are checked against) holds this
+    # short run's figures at the same commit: a change that moves them moves the demo's too (tests/test_demo_figures.py)
+    short = json.loads(DEMO_RECORD.read_text())["measured"]["short"]
+    assert short["args"] == list(SHORT_ARGS)
+    for name in ("adamw", "zocurv-line"):
+        assert summary[name]["final_val_loss"] == pytest.approx(short["final_val_loss"][name], abs=5e-3), (
+            f"{name}'s final validation loss moved from the recorded {short['final_val_loss'][name]}: the code changed "
+            "the demo's figures too; rerun the demo and update results/cpu/up_demo.json and the docs")
 
 
 def test_invalid_option_fails_before_any_child_starts(tmp_path):
