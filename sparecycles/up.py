@@ -396,4 +396,5 @@ def _train_beside_serving(plan: UpPlan, progress: bool, log: Callable[[str], Non
         fleet, redis_desc = _train_with_fleet(plan, progress, log, export, serving)
     if serving is None:
         return fleet, redis_desc, {}
-    return fleet, redis_desc, {"serving": {k: v for k, v in serving.figures().items() if k not in ("requests", "requests_alone")}}
+    figures = {k: v for k, v in serving.figures().items() if k not in ("requests", "requests_alone")}
+    return fleet, redis_desc, {"serving": figures}

@@ -2,17 +2,18 @@
 
 `serving_beside(demo, out, log)` starts the engine (probe_worker.engine.VllmProcess: `tools/vllm.sh start` on
 SmolLM2-135M, the folder trainer.models.pretrained.smollm2_dir() writes, with --enable-server-load-tracking so its
-/load counts a request when it arrives), waits for /health, measures the engine alone (one warm-up request, then a short block of `alone_count` requests
-at the load's rate, before any worker or trainer starts: `measure_alone`) and yields a `ServingRun`, whose `worker_args` every
-worker `up` starts gets (`--serving-metrics <engine>/load --serving-hold S --serving-interval I`). When the
-fleet-probed run starts (after the AdamW baseline, whose steps send the workers no probe task), once every worker reads
-the engine idle, `up` starts the request load on a thread (`start_load`; benchmarks.serving_load: Poisson arrivals, prompts and
-output lengths from a real text); it reads the workers' serving figures from their last heartbeats (`read_workers`)
-before it stops them. On leaving, at the runs' end, it stops sending and waits up to LOAD_DRAIN_S for the requests
-in flight (after Ctrl-C or an error, not at all), stops the engine and writes `serving.json` into the run folder
-(`figures`: the load's time to first token and end to end p50/p95/p99, every request, and the workers' figures,
-wire.messages.ServingFigures; the engine-alone block's percentiles and `p95_vs_alone`, the load's p95 over the
-alone block's: what serving lost beside `up`, trainer included on a CPU host). The requests not yet due when the runs end are never sent: serving.json counts them
+/load counts a request when it arrives), waits for /health, measures the engine alone (one warm-up request, then a
+short block of `alone_count` requests at the load's rate, before any worker or trainer starts: `measure_alone`) and
+yields a `ServingRun`, whose `worker_args` every worker `up` starts gets (`--serving-metrics <engine>/load
+--serving-hold S --serving-interval I`). When the fleet-probed run starts (after the AdamW baseline, whose steps send
+the workers no probe task), once every worker reads the engine idle, `up` starts the request load on a thread
+(`start_load`; benchmarks.serving_load: Poisson arrivals, prompts and output lengths from a real text); it reads the
+workers' serving figures from their last heartbeats (`read_workers`) before it stops them. On leaving, at the runs'
+end, it stops sending and waits up to LOAD_DRAIN_S for the requests in flight (after Ctrl-C or an error, not at all),
+stops the engine and writes `serving.json` into the run folder (`figures`: the load's time to first token and end to
+end p50/p95/p99, every request, and the workers' figures, wire.messages.ServingFigures; the engine-alone block's
+percentiles and `p95_vs_alone`, the load's p95 over the alone block's: what serving lost beside `up`, trainer included
+on a CPU host). The requests not yet due when the runs end are never sent: serving.json counts them
 (`requests_unsent`, with the seconds the load ran and those its arrivals span) and the summary line says how many of
 those planned were sent and why not all (`load_summary`).
 """
@@ -177,8 +178,9 @@ class ServingRun:
     def figures(self) -> dict[str, Any]:
         """serving.json: the load (requests planned, sent, not sent, answered, failed; the seconds its arrivals span
         and the seconds it ran, None if it never started; TTFT and end-to-end percentiles in seconds), the workers'
-        figures (seconds yielded, the engine's idle seconds, those the worker used, reclaim p95) and their sums, and
-        every request."""
+        figures (seconds yielded, the engine's idle seconds, those the worker used, reclaim p95) and their sums with
+        `idle_used_share`, the engine-alone block (`alone`) and `p95_vs_alone` (p95_ratio), and every request of
+        both."""
         ok = answered(self.outcomes)
         alone = _block(self.alone)
         ttft, e2e = (percentiles([o.ttft_s for o in ok if o.ttft_s is not None]),

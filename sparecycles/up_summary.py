@@ -39,11 +39,11 @@ def title(plan: UpPlan) -> str:
             f"{plan.zo_cfg.steps} steps")
 
 
-def build_summary(plan: UpPlan, *, rounds: str, teacher: str, reused: list[str], fleet: dict, redis_desc: str, late: str | None, png: Path,
-             wall_s: float, extra: dict) -> dict:
+def build_summary(plan: UpPlan, *, rounds: str, teacher: str, reused: list[str], fleet: dict, redis_desc: str,
+                  late: str | None, png: Path, wall_s: float, extra: dict) -> dict:
     """summary.json's figures (less `disk_mb`, which `write_summary` adds): the settings, each run's figures
-    (run_summary), the fleet's, `rounds` and `teacher` (sparecycles.up's notes) and where evaluation ran, warnings (the plan's, `late`, each
-    run's), wall seconds, the plot and logs, and `extra` (serving)."""
+    (run_summary), the fleet's, `rounds` and `teacher` (sparecycles.up's notes) and where evaluation ran, warnings
+    (the plan's, `late`, each run's), wall seconds, the plot and logs, and `extra` (serving)."""
     out, opt = plan.out, plan.optimizer
     model_name, data_name = names(plan)
     summary = {
