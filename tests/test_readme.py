@@ -64,6 +64,14 @@ def _commands(block: str, prefix: str) -> list[list[str]]:
     return [shlex.split(line, comments=True) for line in block.splitlines() if line.startswith(prefix)]
 
 
+def test_own_model_commands_work_without_an_activated_venv():
+    """"Your model and data" may be read without Install's `source .venv/bin/activate`: its commands name the venv's
+    python and sparecycles (a bare `python` would miss transformers and the project)."""
+    lines = [line for block in _blocks(_section("Your model and data")) for line in block.splitlines()]
+    starts = [line.split()[0] for line in lines if re.match(r"[./\w-]*(python|sparecycles)\b", line)]
+    assert starts and set(starts) == {".venv/bin/python", ".venv/bin/sparecycles"}, starts
+
+
 @pytest.mark.slow
 def test_own_model_example_runs_offline_as_written(tmp_path):
     """"Your model and data": the model folder made by the README's script (no network: HF_HUB_OFFLINE), `train`
@@ -82,11 +90,11 @@ def test_own_model_example_runs_offline_as_written(tmp_path):
     (tmp_path / "my_texts").mkdir()
     for i, doc in enumerate(real_documents()):
         (tmp_path / "my_texts" / f"{i:03d}.txt").write_text(doc)
-    (train,) = _commands(run, "sparecycles train")
+    (train,) = _commands(run, ".venv/bin/sparecycles train")
     res = subprocess.run([sys.executable, "-m", "sparecycles.cli", *train[1:]], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
-    (load,) = _commands(run, "python -c")  # runs/ is SPARECYCLES_RUNS here, as ./runs is by default
+    (load,) = _commands(run, ".venv/bin/python -c")  # runs/ is SPARECYCLES_RUNS here, as ./runs is by default
     res = subprocess.run([sys.executable, *load[1:]], cwd=tmp_path, env=env, capture_output=True, text=True,
                          timeout=300)
     assert res.returncode == 0 and "LlamaForCausalLM" in res.stdout, res.stderr[-3000:]
