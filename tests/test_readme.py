@@ -98,7 +98,7 @@ def test_own_model_example_runs_offline_as_written(tmp_path):
     res = subprocess.run([sys.executable, *load[1:]], cwd=tmp_path, env=env, capture_output=True, text=True,
                          timeout=300)
     assert res.returncode == 0 and "LlamaForCausalLM" in res.stdout, res.stderr[-3000:]
-    (up,) = _commands(run, "sparecycles up")
+    (up,) = _commands(run, ".venv/bin/sparecycles up")
     _plan_matches_readme(up, tmp_path, env)
 
 
