@@ -37,6 +37,9 @@ class CoordinatorOptions(BaseModel):
                          "with its own SO_REUSEPORT listener. Above 1, /metrics sums every process's counters "
                          "through prometheus-client's multiprocess mode (PROMETHEUS_MULTIPROC_DIR, a fresh temporary "
                          "directory unless set; its *.db files are cleared at start)")
+    check: bool = Field(False, description="Only check the settings from the environment (its secrets included) "
+                        "and exit: 0 when the coordinator would start, 2 naming each refused variable (the compose "
+                        "files' one-shot `check` service, which every other service waits for)")
 
 
 def coordinator(given: dict[str, Any]) -> None:
@@ -61,6 +64,9 @@ def coordinator(given: dict[str, Any]) -> None:
         # Each reason names its environment variable; never the input values: they are secrets.
         typer.echo(f"refusing to start: {'; '.join(settings_problems(exc, CoordinatorSettings))}", err=True)
         raise typer.Exit(2) from exc
+    if o.check:
+        typer.echo("settings accepted: the coordinator, its workers and the trainer may start", err=True)
+        return
     with contextlib.ExitStack() as stack:
         if o.workers > 1:
             # Must be in the environment before a worker process imports prometheus-client.

@@ -31,7 +31,7 @@ PACKAGES = ("sparecycles", "benchmarks", "coordinator", "api", "probe_worker", "
 STEPS = 20
 TRAIN_ARGS = (f"--preset demo --steps {STEPS} --batch-size 4 --seq-len 32 --curvature-interval 4 --eval-every 10 "
               "--eval-batches 2 --eval-on trainer --optimizer zocurv-line --fleet-wait sync --require-fleet "
-              "--no-progress --no-export")
+              "--export")  # the default progress: plain lines in `logs`, without a terminal
 PORTS = ("COORDINATOR_PORT", "REDIS_PORT", "PROMETHEUS_PORT", "TRAINER_METRICS_PORT", "WORKER1_METRICS_PORT",
          "WORKER2_METRICS_PORT")
 
@@ -167,7 +167,25 @@ def test_compose_cpu_fleet_trains_survives_a_killed_worker_and_cleans_up(tmp_pat
 
     fleet = Fleet(tmp_path)
     try:
-        # The README's command. `up -d` returns once the coordinator is healthy (the others depend on it).
+        # A placeholder secret: the README's `run --rm check` prints the refusal naming the variable and exits 2;
+        # `up -d` alone fails on `check` too, nothing else started, the reason in `logs check`.
+        good = fleet.env_file.read_text()
+        fleet.env_file.write_text(good.replace(fleet.env["SPARECYCLES_ADMIN_TOKEN"],
+                                               "replace-with-a-long-random-string"))
+        refused = fleet.compose("run", "--rm", "check", timeout=300, check=False)
+        assert refused.returncode == 2, refused.stdout + refused.stderr
+        assert "refusing to start: SPARECYCLES_ADMIN_TOKEN is a placeholder" in refused.stdout + refused.stderr
+        refused = fleet.compose("up", "-d", timeout=600, check=False)
+        assert refused.returncode != 0 and "check" in refused.stdout + refused.stderr
+        why = fleet.compose("logs", "check", timeout=60).stdout
+        assert "refusing to start: SPARECYCLES_ADMIN_TOKEN is a placeholder" in why, why
+        assert fleet.container("coordinator") == "" and fleet.container("redis") == ""
+        fleet.compose("down", timeout=300)
+        fleet.env_file.write_text(good)
+
+        # The README's commands. `up -d` returns once the coordinator is healthy (the others depend on it).
+        accepted = fleet.compose("run", "--rm", "check", timeout=300)
+        assert "settings accepted" in accepted.stdout + accepted.stderr
         fleet.compose("up", "-d", timeout=600)
         trainer = fleet.container("trainer")
         assert trainer and all(fleet.container(s) for s in ("probe-worker-1", "probe-worker-2", "prometheus"))
@@ -192,6 +210,12 @@ def test_compose_cpu_fleet_trains_survives_a_killed_worker_and_cleans_up(tmp_pat
         code = _run(DOCKER, "wait", trainer, timeout=900).stdout.strip()
         log = _run(DOCKER, "logs", trainer, timeout=60)
         assert code == "0", log.stdout[-3000:] + log.stderr[-3000:]  # --require-fleet: the fleet's rounds folded
+        # The README's next commands: the trainer's progress lines, then the model copied out before `down -v`.
+        progress = fleet.compose("logs", "-f", "trainer", timeout=120).stdout
+        assert re.search(rf"zocurv-line \S+ step {STEPS}/{STEPS} \(100%\)", progress), progress[-3000:]
+        _run(DOCKER, "cp", f"{trainer}:/data/run/export", str(tmp_path / "my-model"), timeout=120)
+        assert (tmp_path / "my-model" / "config.json").is_file()
+        assert any(p.suffix == ".safetensors" for p in (tmp_path / "my-model").iterdir())
 
         summary = json.loads(fleet.summary())
         assert summary["steps"] == STEPS and summary["optimizer"] == "zocurv-line"

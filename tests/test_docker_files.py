@@ -5,6 +5,7 @@ could not run a single command). The images are built and run for real by tests/
 from __future__ import annotations
 
 import re
+import subprocess
 import tomllib
 from pathlib import Path
 
@@ -105,9 +106,46 @@ def test_readme_deployment_runs_the_commands_the_compose_test_runs():
     and down -v on docker/compose.cpu.yml with an env file (the test's own: fresh secrets, free ports)."""
     section = (ROOT / "README.md").read_text().split("\n## Deployment\n", 1)[1].split("\n## ", 1)[0]
     lines = [ln.split("  #", 1)[0].strip() for ln in re.findall(r"```bash\n(.*?)```", section, re.S)[0].splitlines()]
-    base = "docker-compose -f docker/compose.cpu.yml --env-file docker/.env"
     assert lines == ["bash tools/dockerd.sh && bash tools/images.sh", "cp docker/.env.example docker/.env",
-                     f"{base} up -d", f"{base} down -v"]
+                     'dc="docker-compose -f docker/compose.cpu.yml --env-file docker/.env"',
+                     "$dc run --rm check && $dc up -d", "$dc logs -f trainer",
+                     'docker cp "$($dc ps -q trainer)":/data/run/export my-model', "$dc down -v"]
     test = (ROOT / "tests/test_compose.py").read_text()
     assert all(s in test for s in ('"tools/dockerd.sh"', '"tools/images.sh"', '"docker/compose.cpu.yml"',
-                                   'compose("up", "-d"', 'compose("down", "-v"'))
+                                   'compose("run", "--rm", "check"', 'compose("up", "-d"',
+                                   'compose("logs", "-f", "trainer"', '"cp", f"{trainer}:/data/run/export"',
+                                   'compose("down", "-v"'))
+
+
+def _stub(folder: Path, name: str, body: str) -> None:
+    (folder / name).write_text(f"#!/bin/bash\n{body}\n")
+    (folder / name).chmod(0o755)
+
+
+@pytest.mark.parametrize("uid", [0, 1000])
+def test_dockerd_sh_installs_docker_compose_when_missing(tmp_path, uid):
+    """The Deployment block's `docker-compose` comes from its first line: tools/dockerd.sh installs Debian's package
+    when no docker-compose is on PATH (as root with apt-get), and otherwise stops naming it. Run on a PATH of stubs
+    only (`id`, `apt-get` recording its arguments and failing the install), so nothing is installed here."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    _stub(bin_dir, "id", f"echo {uid}")
+    _stub(bin_dir, "apt-get", f'echo "$*" >> {tmp_path}/apt.log; [ "$1" = update ]')
+    res = subprocess.run(["/bin/bash", str(ROOT / "tools/dockerd.sh")], env={"PATH": str(bin_dir)},
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 1, res.stderr
+    calls = (tmp_path / "apt.log").read_text().splitlines() if (tmp_path / "apt.log").exists() else []
+    if uid == 0:
+        assert calls == ["update -qq", "install -y -qq --no-install-recommends docker-compose"]
+    else:
+        assert calls == [] and "docker-compose not installed, and this is not root with apt-get" in res.stderr
+
+
+def test_the_composed_trainers_print_progress_lines_to_their_logs():
+    """Without a terminal `train` prints a plain progress line every 5% of its steps (trainer.console); the compose
+    files' trainers keep that default (no --no-progress), so `logs -f trainer` shows the run going."""
+    env_example = (ROOT / "docker/.env.example").read_text()
+    assert "--no-progress" not in env_example
+    for compose in ("docker/compose.yml", "docker/compose.cpu.yml"):
+        trainer = yaml.safe_load((ROOT / compose).read_text())["services"]["trainer"]
+        assert "--no-progress" not in str(trainer["command"]) + str(trainer["environment"]), compose

@@ -133,6 +133,35 @@ def _run(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
                           text=True, timeout=120)
 
 
+@pytest.mark.parametrize("compose", ["docker/compose.yml", "docker/compose.cpu.yml"])
+def test_a_one_shot_check_refuses_placeholders_before_any_service_starts(compose):
+    """Each compose file's `check` runs `coordinator --check` with the coordinator's secrets; every other service
+    waits for it to succeed (directly or through a service that does), so a refused secret stops `up -d` at `check`
+    with the reason in its output. `coordinator --check` exits 2 naming each refused variable, 0 for good ones."""
+    services = yaml.safe_load((ROOT / compose).read_text())["services"]
+    check = services["check"]
+    assert check["command"] == ["coordinator", "--check"] and check["restart"] == "no"
+    secrets = {k for k in services["coordinator"]["environment"] if re.search("TOKEN|REDIS_URL", k)}
+    assert secrets <= set(check["environment"]) and len(secrets) == 3, secrets
+
+    def waits_for_check(name: str) -> bool:
+        deps = services[name].get("depends_on") or {}
+        deps = deps if isinstance(deps, dict) else {d: {} for d in deps}
+        return any(d == "check" and c.get("condition") == "service_completed_successfully" or
+                   d != "check" and waits_for_check(d) for d, c in deps.items())
+
+    assert all(waits_for_check(n) for n in services if n != "check"), compose
+
+    env = {k: v for k, v in _compose_env("coordinator").items() if k in secrets}
+    res = _run(["coordinator", "--check"], env)
+    assert res.returncode == 2 and res.stderr.startswith("refusing to start: "), res.stderr
+    assert all(f"{var} " in res.stderr for var in secrets), res.stderr
+    good = {"SPARECYCLES_ADMIN_TOKEN": "k3J9-qwZr_81xPLmv0aTy", "SPARECYCLES_ENROLLMENT_TOKEN": "Zq8-vT1mW_4bNc7yLp2e",
+            "SPARECYCLES_REDIS_URL": "redis://:Hx7-pL2q_Wm9vRt4yK8s@127.0.0.1:6380/0"}
+    res = _run(["coordinator", "--check", "--port", "1"], good)
+    assert res.returncode == 0 and "settings accepted" in res.stderr, res.stderr
+
+
 def test_services_refuse_the_env_example_at_start_up(monkeypatch):
     """`docker compose up` with docker/.env.example unchanged: the coordinator, the workers, the trainer and
     Grafana each exit at once naming the variables to set."""
