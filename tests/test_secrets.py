@@ -135,9 +135,9 @@ def _run(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("compose", ["docker/compose.yml", "docker/compose.cpu.yml"])
 def test_a_one_shot_check_refuses_placeholders_before_any_service_starts(compose):
-    """Each compose file's `check` runs `coordinator --check` with the coordinator's secrets; every other service
-    waits for it to succeed (directly or through a service that does), so a refused secret stops `up -d` at `check`
-    with the reason in its output. `coordinator --check` exits 2 naming each refused variable, 0 for good ones."""
+    """Each compose file's `check` runs `coordinator --check` with the coordinator's secrets; every service that
+    takes a secret waits for it to succeed (directly or through a service that does), so a refused secret stops
+    `up -d` at `check` with the reason in its output. `coordinator --check` exits 2 naming each refused variable, 0 for good ones."""
     services = yaml.safe_load((ROOT / compose).read_text())["services"]
     check = services["check"]
     assert check["command"] == ["coordinator", "--check"] and check["restart"] == "no"
@@ -150,7 +150,10 @@ def test_a_one_shot_check_refuses_placeholders_before_any_service_starts(compose
         return any(d == "check" and c.get("condition") == "service_completed_successfully" or
                    d != "check" and waits_for_check(d) for d, c in deps.items())
 
-    assert all(waits_for_check(n) for n in services if n != "check"), compose
+    with_secrets = [n for n, svc in services.items() if n != "check" and re.search(
+        "TOKEN|PASSWORD|REDIS_URL", str(svc.get("environment", "")) + str(svc.get("command", "")))]
+    assert {"redis", "coordinator", "trainer"} <= set(with_secrets)
+    assert all(waits_for_check(n) for n in with_secrets), compose
 
     env = {k: v for k, v in _compose_env("coordinator").items() if k in secrets}
     res = _run(["coordinator", "--check"], env)
