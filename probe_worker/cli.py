@@ -39,7 +39,7 @@ def worker(given: dict[str, Any]) -> None:
 
     stopped = _note_stop()
     try:
-        ProbeWorker(opts).run()
+        ProbeWorker.create(opts).run()
     except KeyboardInterrupt:  # Ctrl-C before Celery's own handlers took over (registration, start-up)
         stopped.append("SIGINT")
     except (httpx.HTTPError, CoordinatorHTTPError) as exc:

@@ -50,6 +50,7 @@ from probe_worker.runtime import ProbeRuntime, parse_task
 from probe_worker.serving import Preempted, Preemption
 from trainer.zo.probes import ProbeFitError
 from wire.batch import BatchFormatError
+from wire.round_messages import ProbeTask
 
 log = logging.getLogger("sparecycles.worker")
 
@@ -163,24 +164,9 @@ def run_probe(runtime: ProbeRuntime, drain: DrainState, metrics: WorkerMetrics, 
     unreachable and stopping (a weight load stopped by the worker's shutdown: probe_worker.cache.LoadStopped) cases; every other failure is logged and reported as an outcome, never raised. Delivered while only
     the serving engine holds the worker back, the task waits for it (at most SERVING_HOLD_CAP_S) before that.
     """
-    def outcome(name: str) -> str:
-        metrics.tasks.labels(name).inc()
-        drain.last_outcome = name
-        return name
-
-    try:
-        task = parse_task(kwargs)
-    except (ValidationError, ValueError, TypeError) as exc:
-        outcome("invalid")
-        log.warning("rejected an invalid probe task: %s", str(exc)[:500])
-        raise Reject(f"invalid probe task: {str(exc)[:200]}", requeue=False) from None
-    if drain.serving and not drain.stopped:  # the engine is busy: hold this task until it has been idle for the hold
-        drain.serving_clear.wait(SERVING_HOLD_CAP_S)
-    if drain.draining:
-        outcome("requeued")
-        time.sleep(REQUEUE_PAUSE_S)
-        why = "draining" if drain.stopped else f"yielding: the serving engine stayed busy for {SERVING_HOLD_CAP_S:g} s"
-        raise HandBack(f"round {task.round_id} seeds {task.seeds}: the worker is {why}")
+    outcome = _outcome_counter(drain, metrics)
+    task = _parse_or_reject(kwargs, outcome)
+    _hold_or_hand_back(task, drain, outcome)
     if runtime.withdrawn(task):  # its round was closed (taken over by the trainer, or the run ended): skip, quietly
         log.debug("round %s was withdrawn; task skipped", task.round_id)
         return outcome("withdrawn")
@@ -193,46 +179,96 @@ def run_probe(runtime: ProbeRuntime, drain: DrainState, metrics: WorkerMetrics, 
         reply = runtime.run_task(task)
     except Preempted:
         outcome("preempted")
-        raise HandBack(f"round {task.round_id} seeds {task.seeds}: cut short, the serving engine needs the "
-                       "device") from None
-    except (httpx.TransportError, CoordinatorHTTPError) as exc:
-        if isinstance(exc, Forgotten) and exc.what == "worker":  # the control loop re-enrolls; then it runs
-            outcome("requeued")
-            drain.changed.set()  # heartbeat now: it finds out and re-enrolls
-            time.sleep(REQUEUE_PAUSE_S)
-            raise HandBack(f"round {task.round_id} seeds {task.seeds}: the coordinator no longer knows this worker "
-                           "(it re-enrolls)", logging.WARNING) from None
-        if is_transient(exc):
-            outcome("requeued")
-            raise HandBack(f"round {task.round_id} seeds {task.seeds}: the coordinator is unreachable ({exc})",
-                           logging.WARNING) from None
-        log.warning("coordinator refused round %s: %s", task.round_id, exc)
-        return outcome("refused")
-    except LoadStopped:  # the worker is stopping: its weight load stopped between shards, the task goes back
-        outcome("requeued")
-        raise HandBack(f"round {task.round_id} seeds {task.seeds}: the worker is stopping (its weight load "
-                       "stopped)") from None
-    except VersionUnavailable as exc:
-        log.warning("round %s: %s", task.round_id, exc)
-        return outcome("refused")
-    except CorruptBlobError as exc:
-        log.error("round %s: %s", task.round_id, exc)
-        return outcome("corrupt")
-    except BatchFormatError as exc:
-        outcome("invalid")
-        log.warning("rejected round %s: its batch %s", task.round_id, str(exc)[:500])
-        raise Reject(f"invalid batch: {str(exc)[:200]}", requeue=False) from None
-    except ProbeFitError as exc:
-        outcome("invalid")
-        log.warning("rejected round %s: it does not fit the model: %s", task.round_id, str(exc)[:500])
-        raise Reject(f"round does not fit the model: {str(exc)[:200]}", requeue=False) from None
-    except Exception:
-        log.exception("probe task of round %s failed", task.round_id)
-        return outcome("error")
+        raise HandBack(f"{_which(task)}: cut short, the serving engine needs the device") from None
+    except Exception as exc:  # noqa: BLE001 - each failure is sorted into an outcome (or a Reject) by _failed
+        return _failed(task, exc, drain, outcome)
     finally:
         drain.preemption.disarm()
     log.info("round %s seeds %s replica %d -> %s", task.round_id, task.seeds, task.replica, reply.outcomes)
     return outcome("done")
+
+
+def _which(task: ProbeTask) -> str:
+    """How a hand-back names its task: "round R seeds S"."""
+    return f"round {task.round_id} seeds {task.seeds}"
+
+
+def _outcome_counter(drain: DrainState, metrics: WorkerMetrics) -> Callable[[str], str]:
+    """`outcome(name)`: counts a task's outcome (sparecycles_worker_tasks_total{outcome}), records it as the
+    drain's `last_outcome` and returns it."""
+
+    def outcome(name: str) -> str:
+        metrics.tasks.labels(name).inc()
+        drain.last_outcome = name
+        return name
+
+    return outcome
+
+
+def _parse_or_reject(kwargs: Any, outcome: Callable[[str], str]) -> ProbeTask:
+    """The task's `ProbeTask`; raises Reject without requeue (outcome `invalid`, logged) for invalid kwargs."""
+    try:
+        return parse_task(kwargs)
+    except (ValidationError, ValueError, TypeError) as exc:
+        outcome("invalid")
+        log.warning("rejected an invalid probe task: %s", str(exc)[:500])
+        raise Reject(f"invalid probe task: {str(exc)[:200]}", requeue=False) from None
+
+
+def _hold_or_hand_back(task: ProbeTask, drain: DrainState, outcome: Callable[[str], str]) -> None:
+    """Hold a task delivered while only the serving engine is busy (at most SERVING_HOLD_CAP_S); then raise HandBack
+    (outcome `requeued`, after REQUEUE_PAUSE_S) if the worker is still not taking tasks."""
+    if drain.serving and not drain.stopped:  # the engine is busy: hold this task until it has been idle for the hold
+        drain.serving_clear.wait(SERVING_HOLD_CAP_S)
+    if drain.draining:
+        outcome("requeued")
+        time.sleep(REQUEUE_PAUSE_S)
+        why = "draining" if drain.stopped else f"yielding: the serving engine stayed busy for {SERVING_HOLD_CAP_S:g} s"
+        raise HandBack(f"{_which(task)}: the worker is {why}")
+
+
+def _failed(task: ProbeTask, exc: Exception, drain: DrainState, outcome: Callable[[str], str]) -> str:
+    """Sort a failed evaluation: returns the outcome name (`refused`, `corrupt`, `error`), or raises HandBack
+    (`requeued`: the coordinator forgot this worker or is out of reach, or the worker is stopping) or Reject without
+    requeue (`invalid`: the batch or the round does not fit the model)."""
+    if isinstance(exc, (httpx.TransportError, CoordinatorHTTPError)):
+        return _coordinator_failed(task, exc, drain, outcome)
+    if isinstance(exc, LoadStopped):  # the worker is stopping: its weight load stopped between shards, the task goes back
+        outcome("requeued")
+        raise HandBack(f"{_which(task)}: the worker is stopping (its weight load stopped)") from None
+    if isinstance(exc, VersionUnavailable):
+        log.warning("round %s: %s", task.round_id, exc)
+        return outcome("refused")
+    if isinstance(exc, CorruptBlobError):
+        log.error("round %s: %s", task.round_id, exc)
+        return outcome("corrupt")
+    if isinstance(exc, BatchFormatError):
+        outcome("invalid")
+        log.warning("rejected round %s: its batch %s", task.round_id, str(exc)[:500])
+        raise Reject(f"invalid batch: {str(exc)[:200]}", requeue=False) from None
+    if isinstance(exc, ProbeFitError):
+        outcome("invalid")
+        log.warning("rejected round %s: it does not fit the model: %s", task.round_id, str(exc)[:500])
+        raise Reject(f"round does not fit the model: {str(exc)[:200]}", requeue=False) from None
+    log.error("probe task of round %s failed", task.round_id, exc_info=exc)
+    return outcome("error")
+
+
+def _coordinator_failed(task: ProbeTask, exc: httpx.TransportError | CoordinatorHTTPError, drain: DrainState,
+                        outcome: Callable[[str], str]) -> str:
+    """A call to the coordinator failed: HandBack (requeued) if it forgot this worker (the control loop re-enrolls)
+    or is out of reach for now; else it refused the task (a 4xx): outcome `refused`."""
+    if isinstance(exc, Forgotten) and exc.what == "worker":  # the control loop re-enrolls; then it runs
+        outcome("requeued")
+        drain.changed.set()  # heartbeat now: it finds out and re-enrolls
+        time.sleep(REQUEUE_PAUSE_S)
+        raise HandBack(f"{_which(task)}: the coordinator no longer knows this worker (it re-enrolls)",
+                       logging.WARNING) from None
+    if is_transient(exc):
+        outcome("requeued")
+        raise HandBack(f"{_which(task)}: the coordinator is unreachable ({exc})", logging.WARNING) from None
+    log.warning("coordinator refused round %s: %s", task.round_id, exc)
+    return outcome("refused")
 
 
 def register_probe_task(app: Celery, runtime: ProbeRuntime, drain: DrainState, metrics: WorkerMetrics,

@@ -25,206 +25,75 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import socket
 import sys
 import threading
 import time
 from typing import NoReturn
 
-import torch
 from celery.signals import worker_ready
 from tenacity import RetryCallState, RetryError, Retrying, stop_when_event_set, wait_exponential, wait_fixed
 
-from coordinator.celery_app import PROBE_TASK_NAME, make_celery
 from coordinator.client import CoordinatorClient, CoordinatorHTTPError, Forgotten
-from probe_kernels.reference import add_chunk_hook
-from probe_worker.broker import use_guarded_transport
-from probe_worker.cache import WeightCache
+from probe_worker.assembly import (
+    ADOPT_ENV,
+    PREFETCH_THREAD,
+    REENROLLED_ENV,
+    WorkerParts,
+    build_parts,
+)
 from probe_worker.drain_signals import DrainSignals
 from probe_worker.freeze import FreezeLink, watcher_rates, why_no_watcher
-from probe_worker.metrics import default_metrics, serve_metrics
+from probe_worker.metrics import serve_metrics
 from probe_worker.options import WorkerOptions
 from probe_worker.priority import lower_session_priority, lower_thread_priority
-from probe_worker.runtime import ProbeRuntime
-from probe_worker.serving import Preempted, ServingWatch
-from probe_worker.task_trace import TraceFile
-from probe_worker.tasks import (
-    BusyPolicy,
-    DrainState,
-    gpu_utilization_reader,
-    register_probe_task,
-    shutting_down,
-)
+from probe_worker.serving import Preempted
+from probe_worker.tasks import BusyPolicy
 from wire.messages import Heartbeat, WorkerRegistered, WorkerRegistration
 from wire.teacher_messages import TEACHER_QUEUE_PREFIX
 
 REENROLL_MAX_WAIT_S = 30.0  # the longest wait between two re-enrollment attempts (exponential backoff below)
-ADOPT_ENV = "SPARECYCLES_WORKER_ADOPT"  # a registration handed to the restarted process (_restart_as)
-REENROLLED_ENV = "SPARECYCLES_WORKER_REENROLLED"  # re-enrollments before that restart (the metric goes on)
 LONG_POLL_S = 2.0  # a prefetch long poll's wait (short: a stopping coordinator waits for pending ones)
-PREFETCH_THREAD = "sparecycles-prefetch"  # the thread that loads versions ahead of their rounds
 log = logging.getLogger("sparecycles.worker")
 IDLE_QUEUE = "sparecycles.idle"  # consumed only while no run queue exists (Celery needs at least one)
-
-
-def _adopted_registration() -> tuple[WorkerRegistered | None, int]:
-    """The registration a restarting worker handed to its new process (`ProbeWorker._restart_as`), or None, and
-    the re-enrollments before. Removed from the environment at once, so no child process inherits the token.
-    """
-    body = os.environ.pop(ADOPT_ENV, None)
-    count = os.environ.pop(REENROLLED_ENV, "0")
-    return (WorkerRegistered.model_validate_json(body) if body else None), int(count) if count.isdigit() else 0
-
-
-def warm_up() -> None:
-    """Import the evaluation stack (torch, transformers' model base, kernels, the loss) before consuming.
-
-    On a busy host these imports take seconds; paying them before the first task keeps that task well
-    inside the visibility timeout (otherwise the broker would redeliver it to another worker).
-    """
-    import transformers.modeling_utils  # noqa: F401
-
-    import probe_kernels  # noqa: F401
-    from trainer.batch_losses import loss_for_kind
-
-    loss_for_kind("lm"), loss_for_kind("classifier")  # both probe losses' modules
-
-
-def attention_dtype(option: str, device: str) -> torch.dtype | None:
-    """The attention dtype of a worker's fp32 (TF32-kind) forwards for `--tf32-attention option` on `device`:
-    torch.bfloat16 for "bf16", None (fp32) for "fp32"; "auto" is bf16 on CUDA (measured SNR: docs/RESULTS.md) and
-    fp32 on CPU, where a worker's losses equal the trainer's bit for bit (trainer.zo.probes.forward_dtype's rule).
-    Raises ValueError for any other option."""
-    if option not in ("auto", "fp32", "bf16"):
-        raise ValueError(f"tf32_attention must be auto, fp32 or bf16, got {option!r}")
-    if option == "auto":
-        option = "bf16" if torch.device(device).type == "cuda" else "fp32"
-    return torch.bfloat16 if option == "bf16" else None
 
 
 class ProbeWorker:
     """One registered worker. `run()` blocks until Celery shuts down (SIGTERM/SIGINT), then deregisters.
 
-    Raises CoordinatorHTTPError/httpx errors if registration fails, ValueError for a
-    coordinator that names a different probe task.
+    Build one with `ProbeWorker.create(opts)` (registers over HTTP and builds the parts:
+    probe_worker.assembly.build_parts); the constructor takes built `WorkerParts` and does no I/O.
     """
 
-    def __init__(self, opts: WorkerOptions) -> None:
-        self.opts = opts
-        self.host = socket.gethostname()[:64] or "unknown"
-        self.name = opts.name or f"{self.host}-{opts.device}"
-        self.metrics = default_metrics()
-        self.client = CoordinatorClient(opts.coordinator)
-        adopted, self.reenrolled = _adopted_registration()
-        self.metrics.reenrollments.inc(self.reenrolled)
-        self.reg = adopted or self.client.register(
-            WorkerRegistration(name=self.name[:128], device=opts.device, host=self.host), opts.token
-        )
-        self.client.token = self.reg.worker_token
-        if self.reg.probe_task_name != PROBE_TASK_NAME:
-            raise ValueError(f"coordinator sends task {self.reg.probe_task_name!r}; this worker runs "
-                             f"{PROBE_TASK_NAME!r}; upgrade the worker")
-        self.worker_id = self.reg.worker_id
-        # Heartbeats get their own short-timeout, single-try client: a hung coordinator must not stall the
-        # control loop (and with it local drains) behind the task path's long retries.
-        self.hb_client = CoordinatorClient(opts.coordinator, self.client.token, attempts=1,
-                                           timeout_s=max(1.0, min(5.0, self.reg.lease_seconds / 3)))
+    def __init__(self, parts: WorkerParts) -> None:
+        opts = self.opts = parts.opts
+        self.host, self.name, self.metrics = parts.host, parts.name, parts.metrics
+        self.reg, self.reenrolled, self.worker_id = parts.reg, parts.reenrolled, parts.reg.worker_id
+        self.client, self.hb_client, self.app = parts.client, parts.hb_client, parts.app
         self.hostname = f"{self.worker_id}@{self.host}"
-        self.app = make_celery(self.reg.broker_url, visibility_timeout_s=self.reg.visibility_timeout_s,
-                               soft_shutdown_s=opts.soft_shutdown)
-        # kombu sweeps for expired unacked messages only every interval * throttle seconds (100 s by
-        # default); sweep at a fifth of the visibility timeout so a killed worker's task returns promptly.
-        transport = dict(self.app.conf.broker_transport_options or {})
-        transport["unacked_restore_interval"] = max(1.0, min(10.0, self.reg.visibility_timeout_s / 5))
-        transport["unacked_restore_throttle"] = 1
-        self.app.conf.broker_transport_options = transport
-        use_guarded_transport(self.app, self.reg.broker_url)  # a bad queue item is dropped, not fatal
-        self.drain = DrainState()
+        self.drain, self.cache, self.runtime, self.serving = parts.drain, parts.cache, parts.runtime, parts.serving
         self._drain_signals = DrainSignals(self.drain)  # SIGUSR1 drains, SIGUSR2 resumes
-        self.cache = WeightCache(self.client, opts.cache_dir, opts.device, keep_versions=opts.keep_versions,
-                                 keep_disk_versions=opts.keep_versions + 1, metrics=self.metrics,
-                                 shared_blob_dir=opts.blob_dir)
-        self.cache.stopping = self._stopping  # a weight load stops between shards once the worker stops
-        self.runtime = ProbeRuntime(self.client, self.worker_id, self.cache, self.metrics,
-                                    probe_path=opts.probe_path, cuda_graphs=opts.cuda_graphs,
-                                    attn_dtype=attention_dtype(opts.tf32_attention, opts.device),
-                                    segmented=opts.serving is not None)  # beside an engine: stop between blocks
-        self.serving: ServingWatch | None = None
-        trace = TraceFile(opts.task_trace) if opts.task_trace else None
-        if opts.serving is not None:
-            self.serving = ServingWatch(opts.serving, self.drain, self.metrics, trace=trace)
-            self.drain.set_serving(True)  # until the engine reads idle for the hold time (EngineGate starts so)
-            self.drain.preemption.install()
-            self.cache.interrupt = self._replay_interrupt  # a ledger replay stops between entries while yielding
-            self.cache.interruptible = True  # ... and inside one, at a chunk of directions (_chunk_check)
-            add_chunk_hook(self._chunk_check)
-        register_probe_task(self.app, self.runtime, self.drain, self.metrics, trace)
-        self._register_teacher()
-        warm_up()
         self.queues = list(self.reg.queues)
         self.teacher_queues = list(self.reg.teacher_queues)
         self.consumed = set(self._wanted()) or {IDLE_QUEUE}
-        self._stop = threading.Event()
+        self._stop = parts.stop
         self._hb_state: str | None = None  # the heartbeat's last state, logged when it changes
         self._prefetched: dict[str, int] = {}
-        self._gpu_util = gpu_utilization_reader(opts.device) if opts.yield_gpu_util else None
+        self._gpu_util = parts.gpu_util
         self._busy_policy = BusyPolicy(opts.yield_gpu_util) if opts.yield_gpu_util else None
         self._control = threading.Thread(target=self._control_loop, name="sparecycles-control", daemon=True)
 
-    def _register_teacher(self) -> None:
-        """Teacher rounds as a round kind of this worker (probe_worker.teacher): the `sparecycles.teacher` task of
-        the coordinator's teacher queues (and --teacher-queue's), answered by the teacher loaded in this process
-        (from the round's folder, else fetched from the coordinator's blobs) or, with `teacher_engine`, through
-        that serving engine; handed back while the worker drains. The targets are written with this worker's
-        broker credentials (its ACL user may write target keys, never read them: coordinator.broker_acl); the worker
-        reads busy while it holds a round, as while it evaluates probes."""
-        import functools
+    @classmethod
+    def create(cls, opts: WorkerOptions) -> ProbeWorker:
+        """Register with the coordinator and build a worker from `opts` (probe_worker.assembly.build_parts).
 
-        import redis
-
-        from fleet.teacher_weights import fetch_teacher
-        from probe_worker.teacher import TeacherRuntime, default_teacher_metrics, register_teacher_task
-
-        store = redis.Redis.from_url(self.reg.broker_url, socket_timeout=10, socket_connect_timeout=5)
-        if self.opts.teacher_engine:
-            from probe_worker.engine_teacher import EngineTeacher
-
-            runtime = EngineTeacher(self.opts.teacher_engine, store)
-        else:
-            runtime = TeacherRuntime(self.opts.device, store, fetch=functools.partial(fetch_teacher, self.client),
-                                     pause_s=self.opts.teacher_pause)
-        register_teacher_task(self.app, runtime, default_teacher_metrics(), self.drain,
-                              busy=lambda held: setattr(self.runtime, "busy", held))
+        Raises CoordinatorHTTPError/httpx errors if registration fails, ValueError for a
+        coordinator that names a different probe task.
+        """
+        return cls(build_parts(opts))
 
     def _wanted(self) -> set[str]:
         """The queues to consume when not draining: the coordinator's probe and teacher queues, --teacher-queue's."""
         return set(self.queues) | set(self.teacher_queues) | set(self.opts.teacher_queues)
-
-    def _chunk_check(self) -> None:
-        """Before each perturbation, and each chunk of directions the CPU path generates
-        (probe_kernels.reference.add_chunk_hook): a task stops once the engine fired it; the prefetch thread's replay
-        stops while yielding. On CUDA the task first waits for the work it queued (the previous forward), so a cut
-        leaves at most one forward running on the device; this costs the probe loop its run-ahead (one host-device
-        round trip per probe)."""
-        guard = self.drain.preemption
-        if guard.in_task():
-            if self.opts.device.startswith("cuda"):
-                torch.cuda.current_stream(torch.device(self.opts.device)).synchronize()
-            guard.check()
-        elif self.drain.serving and threading.current_thread().name == PREFETCH_THREAD:
-            raise Preempted("the serving engine needs the device")
-
-    def _stopping(self) -> bool:
-        """Whether this worker is stopping: Celery's warm or cold shutdown began (SIGTERM, SIGINT, SIGQUIT) or its run
-        ended. A weight load (a task's or the prefetch thread's) then starts no further shard (WeightCache.stopping):
-        a task's goes back to its queue, and the process ends after the shards being read, not the whole snapshot."""
-        return self._stop.is_set() or shutting_down()
-
-    def _replay_interrupt(self) -> None:
-        """Between two ledger entries of a replay (any thread: a task's or the prefetch's): stop while the serving
-        engine needs the device (WeightCache keeps the entries replayed so far)."""
-        if self.drain.serving:
-            raise Preempted("the serving engine needs the device")
 
     # ---- control loop ------------------------------------------------------------------------------
 
@@ -324,7 +193,7 @@ class ProbeWorker:
     def _restart_as(self, reg: WorkerRegistered) -> NoReturn:
         """Replace this process by a fresh start of the same command that adopts `reg` (a running Celery worker
         cannot switch broker credentials): the registration travels in the environment, read once and removed at
-        start (`_adopted_registration`); the re-enrollment count too."""
+        start (`probe_worker.assembly.adopted_registration`); the re-enrollment count too."""
         log.warning("re-enrolled as %s with new broker credentials; restarting the worker process", reg.worker_id)
         os.environ[ADOPT_ENV] = reg.model_dump_json()
         os.environ[REENROLLED_ENV] = str(self.reenrolled)

@@ -61,7 +61,7 @@ def test_attention_dtype_auto_is_fp32_on_cpu_and_bf16_on_cuda():
     import pytest
     import torch
 
-    from probe_worker.worker import attention_dtype
+    from probe_worker.assembly import attention_dtype
 
     assert attention_dtype("auto", "cpu") is None
     assert attention_dtype("auto", "cuda:0") is torch.bfloat16
