@@ -58,7 +58,7 @@ class ChurnOptions(BaseModel):
     probes: int = Field(8, ge=1, description="Probe seeds per round")
     batch_size: int = Field(4, ge=1, description="Trainer batch rows")
     seq_len: int = Field(32, ge=2, description="Trainer tokens per row")
-    out: Path = Field(Path("benchmarks/results/churn"), description="Folder of churn.json and churn.png")
+    out: Path = Field(Path("results/churn"), description="Folder of churn.json and churn.png")
     work: Path | None = Field(None, description="Folder of the arms' runs, logs and blobs (default: a new temporary "
                               "folder, named in churn.json)")
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis of the arms' coordinators (each under a key "
