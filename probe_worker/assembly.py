@@ -137,7 +137,7 @@ def chunk_check(drain: DrainState, device: str) -> Callable[[], None]:
             if device.startswith("cuda"):
                 torch.cuda.current_stream(torch.device(device)).synchronize()
             guard.check()
-        elif drain.serving and threading.current_thread().name == PREFETCH_THREAD:
+        elif drain.engine_busy and threading.current_thread().name == PREFETCH_THREAD:
             raise Preempted("the serving engine needs the device")
 
     return check
@@ -148,7 +148,7 @@ def replay_interrupt(drain: DrainState) -> Callable[[], None]:
     engine is busy (WeightCache keeps the entries replayed so far)."""
 
     def interrupt() -> None:
-        if drain.serving:
+        if drain.engine_busy:
             raise Preempted("the serving engine needs the device")
 
     return interrupt
@@ -206,7 +206,7 @@ def build_parts(opts: WorkerOptions) -> WorkerParts:
     trace = TraceFile(opts.task_trace) if opts.task_trace else None
     if opts.serving is not None:
         serving = ServingWatch(opts.serving, drain, metrics, trace=trace)
-        drain.set_serving(True)  # until the engine reads idle for the hold time (EngineGate starts so)
+        drain.set_engine_busy(True)  # until the engine reads idle for the hold time (EngineGate starts so)
         drain.preemption.install()
         cache.interrupt = replay_interrupt(drain)  # a ledger replay stops between entries while the engine is busy
         cache.interruptible = True  # ... and inside one, at a chunk of directions (chunk_check)

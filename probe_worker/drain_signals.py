@@ -18,10 +18,10 @@ log = logging.getLogger(__name__)
 class LocalDrain(Protocol):
     """What the signals act on (probe_worker.tasks.DrainState)."""
 
-    def set_local(self, value: bool) -> None: ...
+    def set_operator_drain(self, value: bool) -> None: ...
 
 
-LOCAL_DRAIN = {signal.SIGUSR1: True, signal.SIGUSR2: False}  # signal -> DrainState.set_local's value
+LOCAL_DRAIN = {signal.SIGUSR1: True, signal.SIGUSR2: False}  # signal -> DrainState.set_operator_drain's value
 TAKER_NAME = "drain-signals"  # the sigwait thread's kernel name (/proc/PID/task/TID/comm, at most 15 bytes)
 
 
@@ -87,7 +87,7 @@ class DrainSignals:
                 log.warning("%d thread(s) started before the drain signals were held (%s): a library that replaces "
                             "their handlers can lose a drain; call hold_drain_signals() first", len(open_), open_)
         for sig, value in LOCAL_DRAIN.items():
-            signal.signal(sig, lambda *_, v=value: self.drain.set_local(v))
+            signal.signal(sig, lambda *_, v=value: self.drain.set_operator_drain(v))
 
     def _take(self) -> None:
         try:  # named, so that a reader of /proc tells it from a thread that could run a handler
@@ -96,4 +96,4 @@ class DrainSignals:
             pass
         while True:
             sig = signal.sigwait(set(LOCAL_DRAIN))
-            self.drain.set_local(LOCAL_DRAIN[sig])
+            self.drain.set_operator_drain(LOCAL_DRAIN[sig])

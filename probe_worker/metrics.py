@@ -34,6 +34,8 @@ METRICS: tuple[tuple[str, type, str, str, tuple[str, ...]], ...] = (
     ("rejected_messages", Counter, "rejected_messages_total", "Broker queue items dropped before Celery saw them, "
      "by reason (undecodable: not UTF-8 JSON; not_envelope: JSON that is not a kombu message)", ("reason",)),
     ("draining", Gauge, "draining", "1 while the worker is draining (not taking tasks)", ()),
+    ("not_taking", Gauge, "not_taking_tasks", "1 while this reason keeps the worker from taking tasks (operator_drain, "
+     "coordinator_drain, gpu_busy, engine_busy, shutting_down)", ("reason",)),
     # Beside a serving engine (probe_worker.serving; `--serving-metrics`)
     ("serving_load", Gauge, "serving_engine_load", "The co-located engine's requests running + waiting at the last "
      "readable scrape", ()),
@@ -71,6 +73,7 @@ class WorkerMetrics:
     reenrollments: Counter
     rejected_messages: Counter
     draining: Gauge
+    not_taking: Gauge
     serving_load: Gauge
     serving_yielded: Counter
     serving_idle: Counter

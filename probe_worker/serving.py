@@ -381,7 +381,7 @@ def wait_for_device(module) -> None:
 
 class ServingWatch:
     """The worker's side of engine-aware yielding: one `tick()` per control interval reads the engine, updates the
-    gate, drains or resumes the worker (`DrainState.set_serving`), cuts a running task while yielding, and keeps the
+    gate, drains or resumes the worker (`DrainState.set_engine_busy`), cuts a running task while yielding, and keeps the
     ledger and the metrics. `figures()` is the heartbeat's part.
 
     drain: the worker's probe_worker.tasks.DrainState; metrics: its WorkerMetrics; probe: where loads come from
@@ -400,7 +400,7 @@ class ServingWatch:
         self.scrape_errors = 0
         self._last_error = ""
         self._sent = (0.0, 0.0, 0.0)  # ledger totals already added to the counters
-        self._engine_busy = False  # the last reading saw requests (not unreadable)
+        self._load_busy = False  # the last reading saw requests (not unreadable)
         self._seen_stop: float | None = None  # the freeze watcher's last stop this watch has seen (unix s)
         self._last_tick: float | None = None  # the last reading's monotonic time
 
@@ -432,12 +432,12 @@ class ServingWatch:
                 self.gate.update(stopped_at, math.inf)
         yielding = self.gate.update(now, load)
         cut = guard.fire() if yielding else False  # a running task stops at its next module call
-        if yielding != self.drain.serving:
+        if yielding != self.drain.engine_busy:
             idle_since = None if self.gate.idle_since is None else wall - (now - self.gate.idle_since)
             self._changed(yielding, wall, scrape_s, load, cut, frozen, idle_since)
-        self.drain.set_serving(yielding)
+        self.drain.set_engine_busy(yielding)
         idle = load is not None and load <= self.policy.busy_above
-        self._engine_busy = load is not None and not idle
+        self._load_busy = load is not None and not idle
         self._last_tick = now
         new_stop = stopped_at if frozen is not None else None  # each stop once (told apart by its unix time)
         latency = self.ledger.update(now, idle, yielding, guard.busy_s(now), guard.armed, guard.last_end, new_stop)
@@ -477,7 +477,7 @@ class ServingWatch:
         is looked for (the hold that follows is longer than a slow wait, and once idle is read the readings are fast
         again), and a drained worker takes no task whatever it reads. While the worker may compute, a request must
         be seen at once (reclaim latency)."""
-        calm = (self.drain.serving and self._engine_busy) or self.drain.stopped
+        calm = (self.drain.engine_busy and self._load_busy) or self.drain.drained
         return slow_s if calm and not self.drain.preemption.armed else fast_s
 
     def run(self, stop: threading.Event, interval_s: float) -> None:
@@ -492,7 +492,7 @@ class ServingWatch:
                     self.tick()
                 except Exception as exc:  # noqa: BLE001 - never let the watch die: yield and retry next tick
                     log.exception("serving watch tick failed: %s", exc)
-                    self.drain.set_serving(True)
+                    self.drain.set_engine_busy(True)
                 stop.wait(self.next_wait(fast, slow))
         finally:
             self.probe.close()

@@ -15,10 +15,10 @@ so redelivery only costs compute. Outcomes, each counted in `sparecycles_worker_
 - `handed_back`: a spot-check replica of seeds this worker already evaluated in another replica ->
   an identical copy is republished and this delivery acknowledged after a short pause, so that an
   idle worker takes the copy (bounded per seed and replica; then it is evaluated here anyway);
-- `requeued`: the worker is draining, the coordinator no longer knows it (it re-enrolls), the
+- `requeued`: the worker is not taking tasks (a drain, or `engine_busy` past the hold: NOT_TAKING_TASKS), the coordinator no longer knows it (it re-enrolls), the
   coordinator/broker stayed unreachable after bounded retries, or the worker is stopping and its weight load stopped
   (probe_worker.cache.LoadStopped) -> rejected with requeue, so another worker (or this one later) evaluates it;
-- `preempted`: cut short mid-evaluation because the co-located serving engine got requests
+- `preempted`: cut (`cut`) mid-evaluation because the co-located serving engine got requests
   (probe_worker.serving) -> nothing posted, rejected with requeue: the round's task is evaluated again later;
 - `withdrawn`: the task's round was closed on the coordinator (the trainer took it over or the run ended) ->
   acknowledged unevaluated (ProbeRuntime.withdrawn);
@@ -89,59 +89,82 @@ def log_hand_back(task_name: str, task_id: str | None, exc: HandBack) -> None:
     log.log(exc.level, "%s task %s handed back to its queue: %s", task_name, task_id, exc.reason)
 
 
-class DrainState:
-    """Whether this worker takes tasks: draining if asked locally (SIGUSR1), by the coordinator, by
-    the GPU-busy policy, or by a co-located serving engine's load (probe_worker.serving).
+# Why a worker is not taking tasks, one name each (docs/operations.md, "Why a worker takes no task"): its log lines,
+# the `sparecycles_worker_not_taking_tasks{reason}` gauge and DrainState's attributes use these names.
+OPERATOR_DRAIN = "operator_drain"  # SIGUSR1 on the worker, until SIGUSR2 (probe_worker.drain_signals)
+COORDINATOR_DRAIN = "coordinator_drain"  # the coordinator's state 'draining'/'quarantined', or it refused a heartbeat
+GPU_BUSY = "gpu_busy"  # --yield-gpu-util: other processes keep the GPU busy (BusyPolicy)
+ENGINE_BUSY = "engine_busy"  # --serving-metrics: the co-located engine's gate (probe_worker.serving.EngineGate)
+SHUTTING_DOWN = "shutting_down"  # Celery's warm or cold shutdown began (SIGTERM, SIGINT, SIGQUIT)
+NOT_TAKING_TASKS = (OPERATOR_DRAIN, COORDINATOR_DRAIN, GPU_BUSY, ENGINE_BUSY, SHUTTING_DOWN)
+# How a running (or delivered) task stops short, one name each: `hand back` (HandBack: rejected with requeue, back to
+# its queue), `cut` (probe_worker.serving.Preempted: stopped mid-evaluation at the next block, then handed back; task
+# outcome `preempted`), `freeze` (probe_worker.freeze: the whole process stopped with SIGSTOP while the engine serves,
+# resumed with SIGCONT; the task goes on).
+HAND_BACK, CUT, FREEZE = "hand_back", "cut", "freeze"
 
-    Thread-safe; `changed` is set on every transition so the control loop reacts at once. `preemption` cuts a
-    running task short (serving only) and keeps the busy clock; `last_outcome` is the last task's outcome name.
+
+class DrainState:
+    """Why this worker is not taking tasks (NOT_TAKING_TASKS), one flag per reason, and the task stops that go with
+    them. Drains (`operator_drain`, `coordinator_drain`, `gpu_busy`) cancel the worker's queues and hand back what was
+    delivered; `engine_busy` keeps the probe queues and holds a delivered task for the engine (run_probe), cutting a
+    running one (`preemption`); `shutting_down` is Celery's own state (`shutting_down()`).
+
+    Thread-safe; `changed` is set on every transition so the control loop reacts at once. `engine_idle` is set while
+    the engine lets the worker take tasks. `preemption` cuts a running task short (serving only) and keeps the busy
+    clock; `last_outcome` is the last task's outcome name.
     """
 
     def __init__(self) -> None:
-        self.local = False
-        self.remote = False
-        self.policy = False
-        self.serving = False
+        self.operator_drain = False
+        self.coordinator_drain = False
+        self.gpu_busy = False
+        self.engine_busy = False
         self.changed = threading.Event()
-        self.serving_clear = threading.Event()  # set while the serving engine lets the worker take tasks
-        self.serving_clear.set()
+        self.engine_idle = threading.Event()  # set while the serving engine lets the worker take tasks
+        self.engine_idle.set()
         self.preemption = Preemption()
         self.last_outcome = ""
 
     @property
-    def draining(self) -> bool:
-        """True while tasks must not be started."""
-        return self.local or self.remote or self.policy or self.serving
-
-    def set_serving(self, value: bool) -> None:
-        """Record the serving engine's gate (probe_worker.serving.EngineGate: True while it needs the device)."""
-        if value != self.serving:
-            self.serving = value
-            (self.serving_clear.clear if value else self.serving_clear.set)()
-            self.changed.set()
+    def drained(self) -> bool:
+        """True while a drain holds (operator, coordinator or GPU-busy): the queues are cancelled. The engine's gate
+        is no drain: it only holds the task delivered (run_probe), as cancelling and re-adding a queue in quick
+        succession, as a serving gate does, can leave Celery not consuming it."""
+        return self.operator_drain or self.coordinator_drain or self.gpu_busy
 
     @property
-    def stopped(self) -> bool:
-        """True while a drain other than the serving engine's holds: local, the coordinator's or the GPU policy's.
-        These stop the queues; the serving engine's only holds the task delivered (run_probe), as cancelling and
-        re-adding a queue in quick succession, as a serving gate does, can leave Celery not consuming it."""
-        return self.local or self.remote or self.policy
+    def taking_tasks(self) -> bool:
+        """False while any reason of NOT_TAKING_TASKS but `shutting_down` holds: tasks must not be started."""
+        return not (self.drained or self.engine_busy)
 
-    def set_policy(self, value: bool) -> None:
-        """Record the GPU-busy policy's decision (BusyPolicy)."""
-        if value != self.policy:
-            self.policy = value
-            self.changed.set()
+    def reasons(self) -> list[str]:
+        """The reasons (NOT_TAKING_TASKS' names, in that order) that hold now; empty while the worker takes tasks."""
+        flags = [self.operator_drain, self.coordinator_drain, self.gpu_busy, self.engine_busy, shutting_down()]
+        return [name for name, on in zip(NOT_TAKING_TASKS, flags, strict=True) if on]
 
-    def set_local(self, value: bool) -> None:
-        """Drain (True) or resume (False) on local request; safe to call from a signal handler."""
-        self.local = value
+    def set_operator_drain(self, value: bool) -> None:
+        """Drain (True: SIGUSR1) or resume (False: SIGUSR2) on the operator's request; safe from a signal handler."""
+        self.operator_drain = value
         self.changed.set()
 
-    def set_remote(self, value: bool) -> None:
-        """Record the coordinator's view (state 'draining' or 'quarantined' -> True)."""
-        if value != self.remote:
-            self.remote = value
+    def set_coordinator_drain(self, value: bool) -> None:
+        """Record the coordinator's view (state 'draining' or 'quarantined', or a refused heartbeat -> True)."""
+        if value != self.coordinator_drain:
+            self.coordinator_drain = value
+            self.changed.set()
+
+    def set_gpu_busy(self, value: bool) -> None:
+        """Record the GPU-busy policy's decision (BusyPolicy)."""
+        if value != self.gpu_busy:
+            self.gpu_busy = value
+            self.changed.set()
+
+    def set_engine_busy(self, value: bool) -> None:
+        """Record the serving engine's gate (probe_worker.serving.EngineGate: True while it needs the device)."""
+        if value != self.engine_busy:
+            self.engine_busy = value
+            (self.engine_idle.clear if value else self.engine_idle.set)()
             self.changed.set()
 
 
@@ -179,7 +202,7 @@ def run_probe(runtime: ProbeRuntime, drain: DrainState, metrics: WorkerMetrics, 
         reply = runtime.run_task(task)
     except Preempted:
         outcome("preempted")
-        raise HandBack(f"{_which(task)}: cut short, the serving engine needs the device") from None
+        raise HandBack(f"{_which(task)}: {CUT} ({ENGINE_BUSY}): the serving engine needs the device") from None
     except Exception as exc:  # noqa: BLE001 - each failure is sorted into an outcome (or a Reject) by _failed
         return _failed(task, exc, drain, outcome)
     finally:
@@ -218,13 +241,14 @@ def _parse_or_reject(kwargs: Any, outcome: Callable[[str], str]) -> ProbeTask:
 def _hold_or_hand_back(task: ProbeTask, drain: DrainState, outcome: Callable[[str], str]) -> None:
     """Hold a task delivered while only the serving engine is busy (at most SERVING_HOLD_CAP_S); then raise HandBack
     (outcome `requeued`, after REQUEUE_PAUSE_S) if the worker is still not taking tasks."""
-    if drain.serving and not drain.stopped:  # the engine is busy: hold this task until it has been idle for the hold
-        drain.serving_clear.wait(SERVING_HOLD_CAP_S)
-    if drain.draining:
+    if drain.engine_busy and not drain.drained:  # the engine is busy: hold this task until it has been idle for the hold
+        drain.engine_idle.wait(SERVING_HOLD_CAP_S)
+    if not drain.taking_tasks:
         outcome("requeued")
         time.sleep(REQUEUE_PAUSE_S)
-        why = "draining" if drain.stopped else f"yielding: the serving engine stayed busy for {SERVING_HOLD_CAP_S:g} s"
-        raise HandBack(f"{_which(task)}: the worker is {why}")
+        why = (", ".join(drain.reasons()) if drain.drained
+               else f"{ENGINE_BUSY}: the serving engine stayed busy for {SERVING_HOLD_CAP_S:g} s")
+        raise HandBack(f"{_which(task)}: not taking tasks ({why})")
 
 
 def _failed(task: ProbeTask, exc: Exception, drain: DrainState, outcome: Callable[[str], str]) -> str:
@@ -235,7 +259,7 @@ def _failed(task: ProbeTask, exc: Exception, drain: DrainState, outcome: Callabl
         return _coordinator_failed(task, exc, drain, outcome)
     if isinstance(exc, LoadStopped):  # the worker is stopping: its weight load stopped between shards, the task goes back
         outcome("requeued")
-        raise HandBack(f"{_which(task)}: the worker is stopping (its weight load stopped)") from None
+        raise HandBack(f"{_which(task)}: not taking tasks ({SHUTTING_DOWN}: its weight load stopped)") from None
     if isinstance(exc, VersionUnavailable):
         log.warning("round %s: %s", task.round_id, exc)
         return outcome("refused")

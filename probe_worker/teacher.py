@@ -171,10 +171,10 @@ def run_teacher(runtime: TeacherRuntime, metrics: TeacherMetrics, kwargs: Any, d
         outcome("invalid")
         log.warning("rejected an invalid teacher task: %s", str(exc)[:300])
         raise Reject(f"invalid teacher task: {str(exc)[:200]}", requeue=False) from None
-    if drain is not None and drain.draining:
+    if drain is not None and not drain.taking_tasks:
         outcome("requeued")
         time.sleep(REQUEUE_PAUSE_S)
-        raise HandBack(f"teacher round {task.run} step {task.step}: the worker is draining")
+        raise HandBack(f"teacher round {task.run} step {task.step}: not taking tasks ({', '.join(drain.reasons())})")
     try:
         name = runtime.answer(task)
     except ValueError as exc:

@@ -6,8 +6,9 @@ acks, reject on worker lost, prefetch 1, visibility timeout from the coordinator
 started with `--pool=solo` (one process per device: CUDA does not survive fork).
 
 A control thread heartbeats every `control_interval` seconds and reconciles the consumed queues with what
-the worker should consume: the coordinator's queue list, or nothing while draining (coordinator state
-'draining'/'quarantined', SIGUSR1 until SIGUSR2, or, optionally, while other processes keep the GPU busy). Queues are added and cancelled
+the worker should consume: the coordinator's queue list, or nothing while drained (`coordinator_drain`: state
+'draining'/'quarantined'; `operator_drain`: SIGUSR1 until SIGUSR2; `gpu_busy`, optionally: other processes keep the GPU
+busy; docs/operations.md names each reason). Queues are added and cancelled
 through Celery's remote control addressed to this worker only; a task delivered before a cancel
 takes effect is handed back (rejected with requeue) unevaluated, and the in-flight task always
 finishes. SIGTERM is Celery's warm shutdown: it waits for the running task however long (`soft_shutdown` is the
@@ -47,7 +48,7 @@ from probe_worker.metrics import serve_metrics
 from probe_worker.options import WorkerOptions
 from probe_worker.priority import lower_session_priority, lower_thread_priority
 from probe_worker.serving import Preempted
-from probe_worker.tasks import BusyPolicy
+from probe_worker.tasks import NOT_TAKING_TASKS, BusyPolicy
 from wire.messages import Heartbeat, WorkerRegistered, WorkerRegistration
 from wire.teacher_messages import TEACHER_QUEUE_PREFIX
 
@@ -110,7 +111,7 @@ class ProbeWorker:
             if exc.status in (401, 403, 404):  # refused for another reason: take no more work
                 self._heartbeat_state("refused", f"coordinator refuses this worker's heartbeat ({exc}); draining",
                                       logging.ERROR)
-                self.drain.set_remote(True)
+                self.drain.set_coordinator_drain(True)
             else:
                 self._heartbeat_state(f"http {exc.status}", f"heartbeat failed: {exc}; retrying")
             return
@@ -120,7 +121,7 @@ class ProbeWorker:
             return
         self._heartbeat_state("ok", "heartbeats answered again")
         self.queues, self.teacher_queues = list(reply.queues), list(reply.teacher_queues)
-        self.drain.set_remote(reply.state in ("draining", "quarantined"))
+        self.drain.set_coordinator_drain(reply.state in ("draining", "quarantined"))
 
     def _heartbeat_state(self, state: str, message: str, level: int = logging.WARNING) -> None:
         """Log `message` only when the heartbeat's state changes (not twice a second while it persists)."""
@@ -149,7 +150,7 @@ class ProbeWorker:
         # ~25 ms later by the add of the same queue (the run is re-created at once) could leave Celery not
         # consuming a queue this worker believes it consumes (a re-issued round then sat unconsumed until its
         # deadline). A task taken meanwhile is refused as from an unknown worker and requeued.
-        self.drain.set_remote(True)
+        self.drain.set_coordinator_drain(True)
         reg = self._register_with_backoff()
         if reg is None:  # shutting down
             return
@@ -162,7 +163,7 @@ class ProbeWorker:
         self.client.token = self.hb_client.token = reg.worker_token
         self.runtime.rebind(reg.worker_id)
         self._prefetched.clear()  # runs re-created by their trainer publish their versions again
-        self.drain.set_remote(False)
+        self.drain.set_coordinator_drain(False)
         self._hb_state = "ok"
         log.warning("re-enrolled as %s (was %s)", reg.worker_id, old)
 
@@ -204,11 +205,14 @@ class ProbeWorker:
         os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
 
     def _reconcile(self) -> None:
-        # the serving engine's gate keeps the probe queues (run_probe holds a task delivered meanwhile: DrainState.stopped)
-        want = set() if self.drain.stopped else set(self.queues) if self.drain.serving else self._wanted()
-        if not want and not self.drain.draining:
+        # the serving engine's gate keeps the probe queues (run_probe holds a task delivered meanwhile: DrainState.drained)
+        want = set() if self.drain.drained else set(self.queues) if self.drain.engine_busy else self._wanted()
+        if not want and self.drain.taking_tasks:
             want = {IDLE_QUEUE}
-        self.metrics.draining.set(1 if self.drain.draining else 0)
+        self.metrics.draining.set(1 if not self.drain.taking_tasks else 0)
+        reasons = self.drain.reasons()
+        for reason in NOT_TAKING_TASKS:
+            self.metrics.not_taking.labels(reason).set(1 if reason in reasons else 0)
         for q in sorted(want - self.consumed):
             self.app.control.add_consumer(q, destination=[self.hostname], reply=False)
             self.consumed.add(q)
@@ -216,7 +220,7 @@ class ProbeWorker:
         for q in sorted(self.consumed - want):
             self.app.control.cancel_consumer(q, destination=[self.hostname], reply=False)
             self.consumed.discard(q)
-            log.info("stopped consuming %s", q)
+            log.info("stopped consuming %s (%s)", q, ", ".join(reasons) or "not wanted")
 
     def _prefetch_loop(self) -> None:
         # Load each consumed run's latest published version before its first round arrives, so a new
@@ -227,7 +231,7 @@ class ProbeWorker:
         wait = 0.0
         while not self._stop.wait(wait):
             wait = self.opts.prefetch_interval
-            if self.drain.draining:
+            if not self.drain.taking_tasks:
                 continue
             probe_queues = {q for q in self.consumed - {IDLE_QUEUE, *self.opts.teacher_queues}
                             if not q.startswith(TEACHER_QUEUE_PREFIX + ".")}
@@ -254,7 +258,7 @@ class ProbeWorker:
             self.drain.changed.clear()
             if self._gpu_util is not None:
                 try:
-                    self.drain.set_policy(self._busy_policy.update(self._gpu_util(), self.runtime.busy))
+                    self.drain.set_gpu_busy(self._busy_policy.update(self._gpu_util(), self.runtime.busy))
                 except Exception as exc:  # noqa: BLE001 - NVML hiccup: keep the last decision
                     log.warning("GPU utilization unreadable: %s", exc)
             self._heartbeat()

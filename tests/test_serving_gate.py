@@ -122,7 +122,7 @@ def test_an_unreachable_endpoint_is_counted_and_yielded_to():
     drain = DrainState()
     # port 9 (discard) on loopback: nothing listens, the connection is refused
     watch = ServingWatch(POLICY.model_copy(update={"hold_s": 0.0}), drain, metrics, EngineProbe(POLICY))
-    assert watch.tick(0.0) is True and drain.draining
+    assert watch.tick(0.0) is True and not drain.taking_tasks
     assert watch.tick(1.0) is True
     assert watch.scrape_errors == 2
     assert metrics.serving_errors.labels("unreachable")._value.get() == 2
@@ -153,9 +153,9 @@ def test_watch_drains_resumes_and_fires_the_running_task(tmp_path):
     trace = TraceFile(tmp_path / "trace.jsonl")
     watch = ServingWatch(POLICY.model_copy(update={"hold_s": 1.0}), drain, metrics, _Loads([0, 0, 0, 2, None, 0]),
                          trace=trace)
-    assert [watch.tick(t) for t in (0.0, 0.5, 1.0)] == [True, True, False] and not drain.draining
+    assert [watch.tick(t) for t in (0.0, 0.5, 1.0)] == [True, True, False] and drain.taking_tasks
     drain.preemption.arm()  # a task starts
-    assert watch.tick(1.5) is True and drain.serving  # a request: yield, and the task is fired
+    assert watch.tick(1.5) is True and drain.engine_busy  # a request: yield, and the task is fired
     with pytest.raises(Preempted):
         drain.preemption.check()
     drain.preemption.disarm()
@@ -249,13 +249,13 @@ def test_watch_reads_slowly_only_while_yielding_to_a_busy_engine_or_drained_with
     watch.tick(0.2)
     assert watch.next_wait(0.05, 0.2) == 0.2
     watch.tick(0.4)  # idle seen: the hold is counted at the fast rate
-    assert drain.serving and watch.next_wait(0.05, 0.2) == 0.05
+    assert drain.engine_busy and watch.next_wait(0.05, 0.2) == 0.05
     watch.tick(0.6)  # unreadable: yielding, but not known busy
     assert watch.next_wait(0.05, 0.2) == 0.05
     watch.tick(0.8)
     assert watch.next_wait(0.05, 0.2) == 0.2
-    drain.set_serving(False)
-    drain.local = True  # drained by SIGUSR1: it takes no task whatever it reads
+    drain.set_engine_busy(False)
+    drain.operator_drain = True  # drained by SIGUSR1: it takes no task whatever it reads
     assert watch.next_wait(0.05, 0.2) == 0.2
 
 
@@ -273,9 +273,9 @@ class _Runtime:
 
 
 @pytest.mark.parametrize(("why", "level", "line"), [
-    ("cut", "INFO", "cut short, the serving engine needs the device"),
-    ("held", "INFO", "the worker is yielding: the serving engine stayed busy for 0.05 s"),
-    ("drained", "INFO", "the worker is draining"),
+    ("cut", "INFO", "cut (engine_busy): the serving engine needs the device"),
+    ("held", "INFO", "not taking tasks (engine_busy: the serving engine stayed busy for 0.05 s)"),
+    ("drained", "INFO", "not taking tasks (operator_drain)"),
     ("unreachable", "WARNING", "the coordinator is unreachable (connection refused)"),
 ])
 def test_a_hand_back_logs_one_line_naming_task_round_and_why_not_a_traceback(caplog, monkeypatch, why, level, line):
@@ -293,8 +293,8 @@ def test_a_hand_back_logs_one_line_naming_task_round_and_why_not_a_traceback(cap
 
     monkeypatch.setattr(tasks, "SERVING_HOLD_CAP_S", 0.05)
     drain = DrainState()
-    drain.set_local(why == "drained")
-    drain.set_serving(why == "held")
+    drain.set_operator_drain(why == "drained")
+    drain.set_engine_busy(why == "held")
     exc = httpx.ConnectError("connection refused") if why == "unreachable" else Preempted("the engine")
     app = Celery("hand-back-test", broker="memory://", set_as_current=False)
     probe = tasks.register_probe_task(app, _Runtime(exc), drain, WorkerMetrics(CollectorRegistry()))
@@ -341,7 +341,7 @@ def test_a_teacher_round_handed_back_logs_one_line_too(caplog):
     from wire.teacher_messages import TeacherTask
 
     drain = DrainState()
-    drain.set_local(True)
+    drain.set_operator_drain(True)
     app = Celery("teacher-hand-back-test", broker="memory://", set_as_current=False)
     teacher = register_teacher_task(app, None, TeacherMetrics(CollectorRegistry()), drain)  # never reaches a runtime
     kwargs = TeacherTask(run="kd", teacher_dir="/nowhere", teacher_sha256="0" * 64, rank=0, step=4, key=1, batch=1,
@@ -350,7 +350,8 @@ def test_a_teacher_round_handed_back_logs_one_line_too(caplog):
     with caplog.at_level(logging.INFO):
         assert teacher.apply(kwargs=kwargs, task_id="t-kd").state == "REJECTED"
     assert [(r.levelname, r.getMessage(), r.exc_info) for r in caplog.records if r.levelno >= logging.INFO] == [
-        ("INFO", "teacher task t-kd handed back to its queue: teacher round kd step 4: the worker is draining", None)]
+        ("INFO", "teacher task t-kd handed back to its queue: teacher round kd step 4: not taking tasks "
+         "(operator_drain)", None)]
 
 
 @pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])  # compiling: ~1 min

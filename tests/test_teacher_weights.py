@@ -250,7 +250,7 @@ def test_a_round_taken_while_the_worker_drains_or_yields_goes_back(redis_url: st
     task = _task(fleet, 0).model_dump(mode="json")
     key = target_key(run, 0, fleet.recipe, fleet.task_for(0).key)
     try:
-        for set_drain in (drain.set_local, drain.set_serving):
+        for set_drain in (drain.set_operator_drain, drain.set_engine_busy):
             set_drain(True)
             with pytest.raises(Reject) as refused:
                 run_teacher(runtime, metrics, task, drain)

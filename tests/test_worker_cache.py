@@ -146,17 +146,17 @@ def test_runtime_posts_evaluator_values_once_and_rejects_bad_tasks(env):
             run_probe(runtime, drain, metrics, bad)
         assert exc.value.requeue is False
     assert metrics.tasks.labels("invalid")._value.get() == 6
-    drain.set_local(True)
+    drain.set_operator_drain(True)
     with pytest.raises(Reject) as exc:
         run_probe(runtime, drain, metrics, kwargs)
     assert exc.value.requeue is True and metrics.tasks.labels("requeued")._value.get() == 1
-    drain.set_local(False)
-    drain.set_serving(True)  # only the serving engine holds the worker back: the delivered task waits for it, then runs
-    threading.Timer(0.3, drain.set_serving, args=(False,)).start()
-    assert run_probe(runtime, drain, metrics, kwargs) == "done" and not drain.serving
+    drain.set_operator_drain(False)
+    drain.set_engine_busy(True)  # only the serving engine holds the worker back: the delivered task waits for it, then runs
+    threading.Timer(0.3, drain.set_engine_busy, args=(False,)).start()
+    assert run_probe(runtime, drain, metrics, kwargs) == "done" and not drain.engine_busy
     assert metrics.tasks.labels("requeued")._value.get() == 1  # held, not handed back
     unknown = {**kwargs, "version": 9}
-    drain.set_local(False)
+    drain.set_operator_drain(False)
     assert run_probe(runtime, drain, metrics, unknown) == "refused"  # 404: no such version
     be.close()
 
@@ -550,7 +550,7 @@ def test_a_snapshot_load_stops_between_shards_once_the_worker_stops(env):
     be.submit(RoundSpec("st-0", 0, batch, eps=1e-3, seeds=(1,), distribution="rademacher"))
     with pytest.raises(HandBack) as exc:
         run_probe(runtime, DrainState(), metrics, kwargs)
-    assert exc.value.requeue is True and "the worker is stopping" in exc.value.reason
+    assert exc.value.requeue is True and "not taking tasks (shutting_down" in exc.value.reason
     assert metrics.tasks.labels("requeued")._value.get() == 1 and not cache.has("stopping", 0)
 
     cache.stopping = lambda: False

@@ -39,20 +39,23 @@ def test_busy_policy_hysteresis_and_own_work_ignored():
 
 def test_drain_state_combines_sources_and_signals_changes():
     d = DrainState()
-    assert not d.draining
-    d.set_remote(True)
-    assert d.draining and d.changed.is_set()
+    assert d.taking_tasks and d.reasons() == []
+    d.set_coordinator_drain(True)
+    assert not d.taking_tasks and d.changed.is_set() and d.reasons() == ["coordinator_drain"]
     d.changed.clear()
-    d.set_remote(True)  # no transition, no wake-up
+    d.set_coordinator_drain(True)  # no transition, no wake-up
     assert not d.changed.is_set()
-    d.set_policy(True)
-    d.set_remote(False)
-    assert d.draining  # the policy still holds it
-    d.set_policy(False)
-    d.set_local(True)
-    assert d.draining
-    d.set_local(False)
-    assert not d.draining
+    d.set_gpu_busy(True)
+    d.set_coordinator_drain(False)
+    assert not d.taking_tasks and d.drained and d.reasons() == ["gpu_busy"]  # the policy still holds it
+    d.set_gpu_busy(False)
+    d.set_operator_drain(True)
+    d.set_engine_busy(True)
+    assert d.reasons() == ["operator_drain", "engine_busy"] and not d.engine_idle.is_set()
+    d.set_operator_drain(False)
+    assert not d.taking_tasks and not d.drained  # the engine's gate holds tasks, it drains no queue
+    d.set_engine_busy(False)
+    assert d.taking_tasks and d.engine_idle.is_set() and d.reasons() == []
 
 
 def test_policy_arguments_are_validated():
@@ -79,13 +82,13 @@ DrainSignals(drain).install()
 t = time.perf_counter()
 hashlib.sha256(bytes(64 << 20))
 data = bytes(int((64 << 20) * {busy_s} / (time.perf_counter() - t)))  # calloc'd: no memory until read
-applied = []  # (monotonic s, drain.local) at each change
+applied = []  # (monotonic s, drain.operator_drain) at each change
 
 def watch():
     while True:
         drain.changed.wait()
         drain.changed.clear()
-        applied.append((time.monotonic(), drain.local))
+        applied.append((time.monotonic(), drain.operator_drain))
         print("applied", flush=True)
 
 threading.Thread(target=watch, daemon=True).start()
@@ -93,7 +96,7 @@ print("busy", flush=True)
 hashlib.sha256(data)
 end = time.monotonic()  # a handler run by Python itself would have run just before this: after the call
 last = applied[-1] if applied else (end, None)
-print(json.dumps({{"local": drain.local, "while_busy": last[0] < end - 0.5 and last[1] == drain.local}}), flush=True)
+print(json.dumps({{"operator_drain": drain.operator_drain, "while_busy": last[0] < end - 0.5 and last[1] == drain.operator_drain}}), flush=True)
 """
 BUSY_S = 3.0  # leaves this test ~2.5 s after "busy" to send both signals, its own wake-ups on a loaded machine included
 
@@ -122,8 +125,8 @@ def test_drain_signals_apply_in_the_order_they_arrived_while_the_main_thread_is_
     drained, and the other order resumed: the last signal sent wins (Python's own handlers would run in signal-number
     order once the call returned: USR1 then USR2, resumed either way). Each takes effect at once, not when the call
     returns (probe_worker.drain_signals.DrainSignals)."""
-    assert _drain_after(signal.SIGUSR2, signal.SIGUSR1) == {"local": True, "while_busy": True}
-    assert _drain_after(signal.SIGUSR1, signal.SIGUSR2) == {"local": False, "while_busy": True}
+    assert _drain_after(signal.SIGUSR2, signal.SIGUSR1) == {"operator_drain": True, "while_busy": True}
+    assert _drain_after(signal.SIGUSR1, signal.SIGUSR2) == {"operator_drain": False, "while_busy": True}
 
 
 # A process set up as `sparecycles worker` sets itself up (the drain signals held first, then installed), that then
@@ -153,7 +156,7 @@ triton.compile(ASTSource(fn=double, signature={"p": "*fp32", "n": "i32"}, conste
 drain.changed.clear()
 print("compiled", signal.getsignal(signal.SIGUSR1) is not None, flush=True)
 drain.changed.wait(20)
-print(json.dumps({"local": drain.local}), flush=True)
+print(json.dumps({"operator_drain": drain.operator_drain}), flush=True)
 """
 
 
@@ -175,7 +178,7 @@ def test_a_drain_signal_survives_a_triton_compile(tmp_path):
     finally:
         proc.kill()
     assert proc.returncode == 0, out
-    assert json.loads(out.splitlines()[-1]) == {"local": True}
+    assert json.loads(out.splitlines()[-1]) == {"operator_drain": True}
 
 
 # On a GPU, the worker's own path: torch.compile of a model on CUDA (Inductor generates Triton kernels and compiles
@@ -196,7 +199,7 @@ torch.cuda.synchronize()
 drain.changed.clear()
 print("compiled", flush=True)
 drain.changed.wait(20)
-print(json.dumps({"local": drain.local}), flush=True)
+print(json.dumps({"operator_drain": drain.operator_drain}), flush=True)
 """
 
 
@@ -218,4 +221,4 @@ def test_a_drain_signal_survives_an_inductor_compile_on_cuda(tmp_path):
     finally:
         proc.kill()
     assert proc.returncode == 0, out
-    assert json.loads(out.splitlines()[-1]) == {"local": True}
+    assert json.loads(out.splitlines()[-1]) == {"operator_drain": True}
