@@ -6,6 +6,8 @@
 #                              root only, for the ones missing
 #   dockerd                    tools/dockerd.sh (a running one is reused)
 #   the vLLM venv              tools/vllm.sh install (~/.cache/sparecycles/vllm-venv, once)
+#   llama.cpp's llama-server   tools/llamacpp.sh fetch + build (CPU; ~/.cache/sparecycles/llamacpp-*, once: the
+#                              build's first run is the long one, later runs only check)
 # A step that cannot be done here (not root, no network) is named on stderr and the others go on: the tests that
 # need it then skip, naming it (pytest -rs lists them). SPARECYCLES_TEST_SERVICES_STRICT=1 (CI) makes any such
 # step an error (exit 1, after trying them all).
@@ -61,6 +63,7 @@ step "Redis on 127.0.0.1:6379" start_redis
 step "Debian packages" apt_packages
 step "dockerd" bash tools/dockerd.sh
 step "the vLLM venv" bash tools/vllm.sh install
+step "llama-server" bash -c "bash tools/llamacpp.sh fetch >/dev/null && bash tools/llamacpp.sh build >/dev/null"
 if [ ${#failed[@]} -gt 0 ] && [ "${SPARECYCLES_TEST_SERVICES_STRICT:-0}" = 1 ]; then
   note "SPARECYCLES_TEST_SERVICES_STRICT=1 and not set up: ${failed[*]}"
   exit 1
