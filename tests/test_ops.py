@@ -329,7 +329,7 @@ def test_one_shot_services_do_not_restart_and_gpu_services_are_documented():
     assert svcs["trainer"]["restart"] == "no"  # one-shot: `unless-stopped` would train the finished run again
     assert all(svcs[n]["restart"] == "unless-stopped" for n in ("redis", "coordinator", "probe-worker", "prometheus"))
     gpu = sorted(n for n, s in svcs.items() if "devices" in s.get("deploy", {}).get("resources", {}).get("reservations", {}))
-    assert gpu == ["probe-worker", "trainer"]
+    assert gpu == ["engine", "probe-worker", "serving-worker", "trainer"]  # the last two of `--profile serving`
     fleet = (ROOT / "README.md").read_text().split("## Deployment", 1)[1].split("\n## ", 1)[0]
     assert all(f"`{n}`" in fleet for n in gpu) and "NVIDIA" in fleet  # README's Deployment section says who takes a GPU
 
