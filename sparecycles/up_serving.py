@@ -85,7 +85,7 @@ def check_engine(demo: ServingDemo | None) -> None:
     install did not finish."""
     if demo is not None and not vllm_installed():
         raise ValueError(f"--serving {demo.engine}: no vLLM venv at {vllm_python().parent.parent}; run `bash "
-                         "tools/vllm.sh install` first (once, ~2 GB)")
+                         "tools/vllm.sh install` first (once, 3.5 GB)")
 
 
 @dataclass

