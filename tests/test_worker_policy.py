@@ -165,12 +165,21 @@ def test_a_drain_signal_survives_a_triton_compile(tmp_path):
     with sigwait, LLVM's handler (installed by that compile, over Python's) swallowed it: the drain the GPU serving
     bench lost in 2 of 4 runs (a kernel found in Triton's cache compiles nothing, hence only some runs)."""
     pytest.importorskip("triton", reason="triton (installed with torch on Linux x86-64) compiles the kernel")
+    assert _drained_after_compile(tmp_path, _COMPILING_PROCESS, "TRITON_DEFAULT_FP_FUSION=1") == {
+        "operator_drain": True}
+
+
+def _drained_after_compile(tmp_path: Path, code: str, *env: str, args: tuple[str, ...] = ()) -> dict:
+    """Run `code` from a file (Triton reads a kernel's source) with private compile caches and `env` ("NAME=value");
+    once it prints "compiled", send SIGUSR1; returns its last line's JSON (its drain state)."""
     root = Path(__file__).resolve().parents[1]
-    script = tmp_path / "compiling.py"  # a file: Triton reads a kernel's source
-    script.write_text(_COMPILING_PROCESS)
-    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(root), "TRITON_CACHE_DIR": str(tmp_path / "triton"),
-                                 "TRITON_DEFAULT_FP_FUSION": "1"})
+    script = tmp_path / "compiling.py"
+    script.write_text(code)
+    extra = dict(e.split("=", 1) for e in env)
+    proc = subprocess.Popen([sys.executable, str(script), *args], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, **extra, "TRITON_CACHE_DIR": str(tmp_path / "triton"),
+                                 "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+                                 "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])})
     try:
         assert proc.stdout.readline().split()[0] == "compiled"
         proc.send_signal(signal.SIGUSR1)
@@ -178,7 +187,7 @@ def test_a_drain_signal_survives_a_triton_compile(tmp_path):
     finally:
         proc.kill()
     assert proc.returncode == 0, out
-    assert json.loads(out.splitlines()[-1]) == {"operator_drain": True}
+    return json.loads(out.splitlines()[-1])
 
 
 # On a GPU, the worker's own path: torch.compile of a model on CUDA (Inductor generates Triton kernels and compiles
@@ -207,18 +216,4 @@ print(json.dumps({"operator_drain": drain.operator_drain}), flush=True)
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
 def test_a_drain_signal_survives_an_inductor_compile_on_cuda(tmp_path):
     """The GPU bench's case itself: a worker process compiles its forward on CUDA, then gets SIGUSR1: drained."""
-    root = Path(__file__).resolve().parents[1]
-    script = tmp_path / "cuda_compiling.py"
-    script.write_text(_CUDA_COMPILING_PROCESS)
-    proc = subprocess.Popen([sys.executable, str(script), "held"], stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
-                                 "TRITON_CACHE_DIR": str(tmp_path / "triton"),
-                                 "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")})
-    try:
-        assert proc.stdout.readline().strip() == "compiled"
-        proc.send_signal(signal.SIGUSR1)
-        out = proc.communicate(timeout=60)[0]
-    finally:
-        proc.kill()
-    assert proc.returncode == 0, out
-    assert json.loads(out.splitlines()[-1]) == {"operator_drain": True}
+    assert _drained_after_compile(tmp_path, _CUDA_COMPILING_PROCESS, args=("held",)) == {"operator_drain": True}
