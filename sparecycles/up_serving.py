@@ -162,10 +162,10 @@ class ServingRun:
 
     def read_workers(self, base: str, admin_token: str) -> None:
         """The workers' serving figures from their last heartbeats (GET /v1/workers at the coordinator `base`); kept
-        as they were when the coordinator does not answer."""
+        as they were when the coordinator does not answer; by name."""
         with contextlib.suppress(httpx.HTTPError, FleetError):
-            self.workers = [{"name": w["name"], **w["serving"]} for w in active_workers(base, admin_token)
-                            if w.get("serving")]
+            self.workers = sorted(({"name": w["name"], **w["serving"]} for w in active_workers(base, admin_token)
+                                   if w.get("serving")), key=lambda w: w["name"])  # one order, whatever the listing's
 
     def end_load(self, drain_s: float) -> None:
         """Send no more requests; wait up to `drain_s` seconds for those in flight."""

@@ -236,7 +236,7 @@ def test_converted_commands_parse_into_their_models():
     values = commands["coordinator"].make_context("coordinator", ["--log-level", "WARNING", "--port", "9"]).params
     assert (values["log_level"], values["port"], values["workers"]) == ("warning", 9, None)  # unset: the model's
     assert CoordinatorOptions().model_dump() == {"host": "127.0.0.1", "port": 8787, "log_level": "info",
-                                                 "access_log": False, "workers": 1}
+                                                 "access_log": False, "workers": 1, "check": False}
     up = commands["up"].make_context("up", ["--set", "lr=6e-4", "--set", "steps=5", "--optimizer-option", "s_max=8",
                                             "--optimizer-option", "start=one"]).params
     assert (up["set"], up["optimizer_option"]) == (["lr=6e-4", "steps=5"], ["s_max=8", "start=one"])
