@@ -53,6 +53,8 @@ from wire.messages import Heartbeat, WorkerRegistered, WorkerRegistration
 from wire.teacher_messages import TEACHER_QUEUE_PREFIX
 
 REENROLL_MAX_WAIT_S = 30.0  # the longest wait between two re-enrollment attempts (exponential backoff below)
+RESTART_TASK_WAIT_S = 60.0  # the longest a re-enrolling worker waits for its running task before it restarts
+ACK_SETTLE_S = 0.5  # then for the solo pool to ack or requeue that task's message
 LONG_POLL_S = 2.0  # a prefetch long poll's wait (short: a stopping coordinator waits for pending ones)
 log = logging.getLogger("sparecycles.worker")
 IDLE_QUEUE = "sparecycles.idle"  # consumed only while no run queue exists (Celery needs at least one)
@@ -196,6 +198,13 @@ class ProbeWorker:
         cannot switch broker credentials): the registration travels in the environment, read once and removed at
         start (`probe_worker.assembly.adopted_registration`); the re-enrollment count too."""
         log.warning("re-enrolled as %s with new broker credentials; restarting the worker process", reg.worker_id)
+        # A task cut by the exec would stay unacked in the broker until its visibility timeout (an hour): let the
+        # running one end first (it is refused as from an unknown worker and requeued, or it finishes), and its ack
+        # or requeue leave; the drain set by `_reenroll` hands back any task delivered meanwhile.
+        deadline = time.monotonic() + RESTART_TASK_WAIT_S
+        while self.runtime.busy and time.monotonic() < deadline:
+            self._stop.wait(0.05)
+        self._stop.wait(ACK_SETTLE_S)
         os.environ[ADOPT_ENV] = reg.model_dump_json()
         os.environ[REENROLLED_ENV] = str(self.reenrolled)
         for handler in logging.getLogger().handlers:
