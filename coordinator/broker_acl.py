@@ -7,7 +7,7 @@ With `settings.broker_acl`, registration creates the user `<worker id>` with a f
 user may touch only:
 
 - exactly the queues of the runs registered at the coordinator, probe runs (`{queue_prefix}.{run}`) and teacher
-  runs (`sparecycles.teacher.{run}`, issue 47), each with kombu's priority sub-queues (`{queue}\\x06\\x16*`) and no
+  runs (`sparecycles.teacher.{run}`), each with kombu's priority sub-queues (`{queue}\\x06\\x16*`) and no
   other (BRPOP to take a task, LPUSH to hand one back): granted at registration for the runs then registered, and
   each new run's queue before any worker is told of it (`grant`); another run's queue is refused. An ended run's
   queue becomes write only (`%W~`, `set_keys`): taking from it (BRPOP, RPOP, LRANGE) is refused with NOPERM, while

@@ -1,4 +1,4 @@
-"""Teacher runs (issue 47): the runs whose teacher rounds the fleet's workers answer, registered at the coordinator
+"""Teacher runs: the runs whose teacher rounds the fleet's workers answer, registered at the coordinator
 (a part of `coordinator.store.Store`, built with the state Redis client, the key layout and the blob store).
 
 A trainer (or `sparecycles up`) uploads the teacher's files as blobs and registers `TeacherRun(run, teacher)`;

@@ -1,4 +1,4 @@
-"""Offline precompute of teacher targets (issue 36): fill a trainer.kd.cache.TargetCache for a planned run.
+"""Offline precompute of teacher targets: fill a trainer.kd.cache.TargetCache for a planned run.
 
 `fill(cfg, root, redis_url)` sends the teacher rounds of every step of [0, cfg.steps) the cache lacks through
 fleet.teacher.FleetTeacher (one window of at most `window` steps at a time), takes each answer from Redis with

@@ -1,4 +1,4 @@
-"""Teacher rounds from the trainer's side (issue 36): a window of steps ahead sent to the workers' teacher round
+"""Teacher rounds from the trainer's side: a window of steps ahead sent to the workers' teacher round
 kind (probe_worker/teacher.py, on `sparecycles worker`) and their target blobs taken at intake: a targets source of
 trainer.kd.sparse_loss.SparseKDLoss, the loss_fn that uses them.
 

@@ -1,4 +1,4 @@
-"""A teacher's weights as coordinator blobs (issue 47), as weight versions are delivered: for workers that cannot
+"""A teacher's weights as coordinator blobs, as weight versions are delivered: for workers that cannot
 read the teacher's folder.
 
 `publish_teacher(client, teacher, run)` uploads each file of trainer.kd.teacher.teacher_files (config.json and the

@@ -12,7 +12,7 @@ A version the coordinator has no snapshot for (404) is a pure-ZO seed-ledger ver
 replaying ledger entries on the newest loaded version below it (or the newest snapshot when none is
 loaded or it is more than `max_replay` entries behind), in fp32 with the kernels' replay.
 
-Loads overlap with evaluation (issue 37): a snapshot load reads nothing of the loaded models, so it runs
+Loads overlap with evaluation: a snapshot load reads nothing of the loaded models, so it runs
 beside a task's evaluation; only a replay, which clones a loaded model's parameters, needs the caller's
 evaluation lock (`WeightCache.get`'s `replay_lock`). The cache's own lock guards its dictionaries only,
 never a load: a version already loaded is returned at once while another version loads, and a thread asking

@@ -1,4 +1,4 @@
-"""Teacher rounds answered by a serving engine (issue 47): the model an inference engine already serves gives a
+"""Teacher rounds answered by a serving engine: the model an inference engine already serves gives a
 round's top-k targets through its OpenAI-compatible API, and this worker never loads a model.
 
 One round (B rows of T ids) is one `POST /v1/completions` whose prompts are the rows' token ids, with

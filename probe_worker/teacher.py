@@ -1,4 +1,4 @@
-"""Teacher rounds, a round kind of `sparecycles worker` (issues 36, 47): the Celery task `sparecycles.teacher` (a
+"""Teacher rounds, a round kind of `sparecycles worker`: the Celery task `sparecycles.teacher` (a
 wire.teacher_messages.TeacherTask in, a wire.kd_targets blob out under its Redis key), registered by
 probe_worker.worker on the enrolled worker's Celery app, its queues the coordinator's teacher queues.
 

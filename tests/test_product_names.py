@@ -13,12 +13,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 MODULE_NAME = re.compile(r"issue|h[12]00|session|_s\d+$|gpu\d+", re.I)
 DOCSTRING = re.compile(r"\bissues? \d+|\bh[12]00\b", re.I)
-# Docstrings still naming an issue, in packages being reworked elsewhere at the time of writing: each to be reworded
-# there (a new entry is not allowed: the test below fails on any module not listed).
-NOT_YET_REWORDED = {
-    "coordinator/broker_acl.py", "coordinator/teachers.py", "fleet/kd_fill.py", "fleet/teacher.py",
-    "fleet/teacher_weights.py", "probe_worker/cache.py", "probe_worker/engine_teacher.py", "probe_worker/teacher.py",
-}
 
 
 def _installed_modules() -> list[Path]:
@@ -37,8 +31,7 @@ def test_no_installed_module_is_named_after_an_issue_run_or_machine():
 def test_no_installed_module_docstring_names_an_issue_or_machine():
     said = {str(f.relative_to(ROOT)) for f in _installed_modules()
             if DOCSTRING.search(ast.get_docstring(ast.parse(f.read_text(encoding="utf-8"))) or "")}
-    assert said - NOT_YET_REWORDED == set()
-    assert NOT_YET_REWORDED - said == set(), "reworded: drop them from NOT_YET_REWORDED"
+    assert said == set()
 
 
 def test_the_patterns_catch_what_they_name():
