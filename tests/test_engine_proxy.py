@@ -21,7 +21,7 @@ from api.server import free_port
 from benchmarks.serving_standin import StandinProcess
 from probe_worker.engine_proxy import ProxyOptions
 from probe_worker.serving import EngineProbe, ServingPolicy
-from tests.test_serving_standin import CONFIG
+from support.standin import CONFIG
 
 
 @contextmanager

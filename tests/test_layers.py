@@ -124,9 +124,5 @@ def test_no_test_file_imports_another_test_file():
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             found += [f"{path.name}: {n}" for n in names if n.split(".")[-1].startswith("test_")]
-    assert sorted(set(found) - NOT_YET_MOVED) == []
+    assert sorted(set(found)) == []
 
-
-# A serving test's import of another serving test, from work in progress elsewhere: its helpers belong in
-# tests/support/ too. No other entry may be added.
-NOT_YET_MOVED = {"test_engine_proxy.py: tests.test_serving_standin"}

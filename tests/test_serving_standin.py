@@ -13,10 +13,7 @@ import httpx
 from api.server import free_port
 from benchmarks.serving_standin import StandinProcess
 from probe_worker.serving import EngineProbe, ServingPolicy
-
-CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
-          "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 256,
-          "max_position_embeddings": 1024, "tie_word_embeddings": True}
+from support.standin import CONFIG
 
 
 def test_standin_streams_max_tokens_and_shows_its_load(tmp_path):
