@@ -16,7 +16,7 @@
 #   fleet-tf32, fleet-tf32attn, fleet-tf32cg, fleet-eval, fleet-evalcg   `bench fleet` 128 seeds: seeded rounds
 #                   (TF32; bf16 attention; + CUDA graphs) or eval rounds (bf16 compiled; + CUDA graphs) (FLEET_S 110)
 #   precision       `bench precision` (PRECISION_S 200)
-# Env: WHL (the carried wheels: .whl from tools/h200_pack.sh, default; .dev/whl2 from experiments/gpu_runs/fleet_up.sh
+# Env: WHL (the carried wheels: .whl from experiments/gpu_runs/pack.sh, default; .dev/whl2 from experiments/gpu_runs/fleet_up.sh
 # pack), DATA (a carried data folder whose cache/ becomes SPARECYCLES_CACHE, e.g. .dev/h200lm), OUT (/tmp/gpu-runs),
 # DRY=1 (print the commands only).
 # The earlier calls, as stages (docs/RESULTS.md cites them):

@@ -5,14 +5,14 @@
 # 8 x 256 on classics, 20 steps. A second plain AdamW run gives the noise floor (CUDA's embedding backward adds
 # with atomics, so two plain runs may differ in the last bits); 1.5-SPSA is forward-only and must match exactly.
 # With more than one GPU it also times N=2 vs N=1 (tokens/s; goal >= 1.9x), else says it did not.
-# Needs tools/h200_pack.sh run first (carry .h200 and .whl). Writes torchrun_summary.json and logs under $OUT.
+# Needs experiments/gpu_runs/pack.sh run first (carry .h200 and .whl). Writes torchrun_summary.json and logs under $OUT.
 # Usage (repository root on the device): bash experiments/gpu_runs/torchrun.sh [steps]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 steps=${1:-20}
 out=${OUT:-/tmp/torchrun-out}
 mkdir -p "$out"
-source tools/h200_common.sh
+source experiments/gpu_runs/common.sh
 h200_install .h200/cache || exit 1
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader | tee "$out/gpus.txt"
 ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')

@@ -4,7 +4,7 @@
 #             scans there; zocurv-line (in-process probes on the same GPU) on GPU 1.
 #   finetune: MiniLM-L6 sentiment, MeZO / 1SPSA / 1.5-SPSA / backprop, runs spread over the GPUs.
 #   finetune-smollm2: the same for SmolLM2-135M-Instruct as a prompt classifier (all 134.5M parameters).
-# Needs tools/h200_pack.sh run first (carry .h200 and .whl); finetune-smollm2 needs `tools/h200_pack.sh
+# Needs experiments/gpu_runs/pack.sh run first (carry .h200 and .whl); finetune-smollm2 needs `experiments/gpu_runs/pack.sh
 # smollm2` instead: one call carries .h200s1 and copies it out of the repository (a later call removes
 # carried folders it does not name), a later one on the same warm machine carries .h200s2 and .whl and copies
 # .h200s1 back first (README, "--model smollm2").
@@ -15,7 +15,7 @@ part=${1:?usage: h200_headline.sh pretrain|finetune|finetune-smollm2 [steps] [bu
 steps=${2:-1000}
 out=${OUT:-/tmp/headline-out}
 mkdir -p "$out"
-source "$(dirname "$0")/../../tools/h200_common.sh"
+source "$(dirname "$0")/../../experiments/gpu_runs/common.sh"
 h200_install .h200/cache || exit 1
 deadline=$(( $(date +%s) + ${HEADLINE_SECONDS:-510} ))  # leave time to pack before the call's limit
 wait_or_stop() {  # wait for the background jobs; past the deadline stop them (their metrics are on disk)

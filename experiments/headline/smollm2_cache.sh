@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Rebuild the sparecycles cache for SmolLM2 on a machine without registry access, from the two halves that
-# `tools/h200_pack.sh smollm2` packed (.h200s1 carried by one device call, .h200s2 by the next), then convert
+# `experiments/gpu_runs/pack.sh smollm2` packed (.h200s1 carried by one device call, .h200s2 by the next), then convert
 # it once (trainer.models.pretrained.smollm2_dir). Run from the repository root with the project importable
 # (python3 with torch, transformers, gguf and tenacity; experiments/headline/run.sh sets PYTHONPATH).
 # Usage: bash experiments/headline/smollm2_cache.sh CACHE    (then SPARECYCLES_CACHE=CACHE loads SmolLM2 offline)
@@ -14,7 +14,7 @@ py=${PYTHON:-python3}
 g=SmolLM2-135M-Instruct.Q4_1.gguf
 for f in ".h200s1/$g.part1" ".h200s1/$g.sha256" ".h200s2/$g.part2" ".h200s2/$g.sha256"; do
   [ -f "$f" ] || { echo "missing $f: carry .h200s1 in one device call and .h200s2 in a later one on the same" \
-                        "warm machine (made by tools/h200_pack.sh smollm2)" >&2; exit 1; }
+                        "warm machine (made by experiments/gpu_runs/pack.sh smollm2)" >&2; exit 1; }
 done
 [ "$(cat ".h200s1/$g.sha256")" = "$(cat ".h200s2/$g.sha256")" ] ||
   { echo "the two halves come from different packs" >&2; exit 1; }

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 18 on one H200: 1.5-SPSA in its published regime vs 1SPSA, MeZO and backprop (experiments.zo_paper.paper), in
 # three device calls on one warm machine (each <= 600 s; SmolLM2's 98 MB GGUF travels in two halves, the layout
-# of `tools/h200_pack.sh smollm2`: .h200s1/ and .h200s2/ in the repository root, wheels in .whl/):
+# of `experiments/gpu_runs/pack.sh smollm2`: .h200s1/ and .h200s2/ in the repository root, wheels in .whl/):
 #   part1  carries .h200s1 + .whl: keeps .h200s1 in /root/keep (a later call removes carried folders it does not
 #          name); times one SmolLM2-shaped forward of training batch 0 (512 prompts) padded to its longest row
 #          and length-bucketed, in true fp32 / TF32 / bf16, and prints A1's projected seconds per iteration; then

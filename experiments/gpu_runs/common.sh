@@ -1,5 +1,5 @@
 # Sourced by tools/h200_*.sh on the device machine (repository root as the working folder).
-# h200_install [CACHE]: install the carried wheels (.whl, from tools/h200_pack.sh) into /tmp/site and point python at
+# h200_install [CACHE]: install the carried wheels (.whl, from experiments/gpu_runs/pack.sh) into /tmp/site and point python at
 # them and this checkout; with CACHE (a carried cache folder, e.g. .h200/cache), SPARECYCLES_CACHE is set there and its
 # classics corpus unpacked. Returns 1 when the install fails.
 h200_install() {

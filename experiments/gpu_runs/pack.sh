@@ -2,10 +2,10 @@
 # Pack what a GPU machine without registry access needs for tools/h200_headline.sh (git-ignored folders,
 # listed in .git/info/exclude; a device call carries at most 64 MiB). Run from the repository root after
 # tools/bootstrap.sh.
-#   bash tools/h200_pack.sh          .h200/ (the tokenized classics corpus (xz), the sentiment splits, the
+#   bash experiments/gpu_runs/pack.sh          .h200/ (the tokenized classics corpus (xz), the sentiment splits, the
 #                                    MiniLM-L6 files with weights cast to bf16: 45 MB instead of 91 MB) and
 #                                    .whl/ (wheels of the pure-Python/cp312 dependencies the GPU image lacks).
-#   bash tools/h200_pack.sh smollm2  SmolLM2-135M-Instruct's Q4_1 GGUF (98,362,432 bytes, over one call's
+#   bash experiments/gpu_runs/pack.sh smollm2  SmolLM2-135M-Instruct's Q4_1 GGUF (98,362,432 bytes, over one call's
 #                                    limit) split in two halves, .h200s1/ and .h200s2/, each with the sha256
 #                                    of the whole file; .h200s2/cache/tasks holds the sentiment splits; .whl/
 #                                    gets `gguf` too. One call carries .h200s1 and copies it out of the

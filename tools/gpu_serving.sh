@@ -4,9 +4,9 @@
 # weights, bf16, SmolLM2's tokenizer, FIFO greedy decode, vLLM's gauge names and /load) on cuda:0 beside real
 # `sparecycles worker`s on cuda:0, fed by a real pure-ZO trainer (1SPSA on gpt2-tiny) through a real coordinator and
 # Valkey. Arms a, b, c interleaved, as on the CPU.
-# Pack here first (fills .devcarry/, git-ignored; carry it):  bash tools/h200_serving.sh pack
-# On the GPU machine:                                         bash tools/h200_serving.sh run   (results under $OUT)
-#                                                             bash tools/h200_serving.sh checks (drain after a CUDA
+# Pack here first (fills .devcarry/, git-ignored; carry it):  bash tools/gpu_serving.sh pack
+# On the GPU machine:                                         bash tools/gpu_serving.sh run   (results under $OUT)
+#                                                             bash tools/gpu_serving.sh checks (drain after a CUDA
 #                                                             compile; bench segments)
 # With llama.cpp's llama-server instead (behind the load proxy; docs/serving.md): ENGINE=llamacpp for `pack`, then
 # on the GPU machine `build-llamacpp` (CUDA sm_90 build and a random-weight SmolLM2-135M-shaped GGUF into .devbuild/,
