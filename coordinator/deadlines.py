@@ -58,7 +58,8 @@ class RoundWatch:
         self._lost_since_tick = False
 
     def worker_lost(self) -> None:
-        """A lease expired: the next tick re-issues outstanding seeds of quiet rounds without a deadline."""
+        """A lease expired: the next tick at which a worker can take copies (the run's queue empty, a worker idle)
+        re-issues the outstanding seeds of every open round without waiting for its deadline."""
         self._lost_since_tick = True
 
     def deadline(self, run: str) -> float:
@@ -76,6 +77,7 @@ class RoundWatch:
         st, lost, self._lost_since_tick = self.store, self._lost_since_tick, False
         reissued = []
         alive = set()
+        held_back = False  # a lost worker's round that no idle worker could take yet
         for run in st.r.smembers(st.keys.k_runs):
             rids = sorted(st.r.smembers(st.keys.k_run(run, "rounds:open")))
             if not rids:
@@ -104,8 +106,14 @@ class RoundWatch:
                     if n:
                         reissued.append((run, rid, n))
                         self._last[key] = (done, now)  # the next deadline counts from this re-issue
+                else:
+                    held_back = True
         for key in set(self._last) - alive:
             del self._last[key]
+        # A lapsed lease is acted on once a worker can take the copies (the queue drained, a worker idle), not only
+        # at the tick that saw it: otherwise the lost worker's seeds wait for the round's deadline or the broker's
+        # visibility timeout, whichever comes first.
+        self._lost_since_tick = self._lost_since_tick or (lost and held_back)
         return reissued
 
     def _reissue(self, run: str, rid: str) -> int:

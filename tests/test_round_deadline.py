@@ -91,6 +91,30 @@ def test_quiet_round_is_reissued(env: Env):
     assert _gauge(env, "sparecycles_outstanding_seeds", "d") == 0
 
 
+def test_a_lost_lease_is_acted_on_once_a_worker_can_take_the_copies(env: Env):
+    """A lease lapses while the run's queue still holds tasks (every worker busy): nothing is re-issued then; once
+    the queue drains and a worker is idle, the lost worker's seeds go out at once, well before the round's deadline
+    (speculate_initial_s, 30 s here)."""
+    env.create_run("l", spot_check_fraction=0.0, seeds_per_task=2)
+    env.publish_version("l", 0, b"v0")
+    rnd = {"run": "l", "round_id": "r0", "version": 0, "batch_sha256": env.upload(b"b"), "eps": 1e-3,
+           "distribution": "rademacher", "seeds": [1, 2, 3, 4]}
+    assert env.admin.post("/v1/runs/l/rounds", json=rnd).status_code == 201
+    store = Store(env.settings)
+    watch = RoundWatch(store)
+    t0 = float(env.r.hget(store.keys.k_round("l", "r0"), "created_at"))
+    assert watch.tick(t0) == []
+    env.enroll("w")  # an idle worker to take the copies
+    watch.worker_lost()
+    assert watch.tick(t0 + 0.5) == []  # the queue still holds both tasks: a copy would wait behind them
+    assert watch.tick(t0 + 1.0) == []  # ...still held back, not forgotten
+    env.r.delete(env.settings.queue_prefix + ".l")  # the tasks taken (one by the worker that is then lost)
+    assert watch.tick(t0 + 1.5) == [("l", "r0", 2)]  # seeds 1-4 outstanding: re-issued at once, 28.5 s early
+    assert sorted(s for m in env.queue_messages("l") for s in m["kwargs"]["seeds"]) == [1, 2, 3, 4]
+    env.r.delete(env.settings.queue_prefix + ".l")
+    assert watch.tick(t0 + 2.0) == []  # acted on once: the next re-issue waits for the deadline again
+
+
 class _PausableFleet:
     """The fleet harness of test_worker_fleet with the field's settings: leases long (60 s) and a
     visibility timeout of an hour, so neither lease expiry nor broker redelivery can rescue the round."""
