@@ -5,9 +5,11 @@ on `--redis-url` (a key prefix of its own, short leases so a stopped worker is f
 `sparecycles worker` processes (the layers keep benchmarks from sparecycles.local_fleet: the same commands, started
 here), then `sparecycles train --coordinator` (ZO-Curv, zocurv-line) while every `--every-s` seconds one event
 strikes, chosen by a seeded generator: `kill` (SIGKILL a worker), `term` (SIGTERM: its warm shutdown), `stop`
-(SIGSTOP past its lease, then SIGCONT) or `join` (a new worker process). The pool stays between 1 and N live workers (a
-removal with one left becomes a join, a join with N live a removal); the schedule starts once the trainer has
-attached (its coordinator run exists). Once per second the bench samples the
+(SIGSTOP past its lease, then SIGCONT), `join` (a new worker process), `yield` (SIGUSR1: the worker stops taking
+tasks, as for a serving burst, until SIGUSR2 `--stop-s` later) or `restart` (the coordinator stopped by SIGTERM and
+started again on the same port and Redis). The pool stays between 1 and N live workers (a removal with one left
+becomes a join, a join with N live a removal); the schedule starts once the trainer has attached (its coordinator
+run exists). A restart zeroes the coordinator's in-memory counters: the bench adds what they read before it. Once per second the bench samples the
 coordinator (active workers, rounds open); the figures (benchmarks.churn_report) come from the coordinator's counters,
 its Redis (every round and every stream event of the run) and the workers' logs. The in-process run of the same
 settings is the reference of the `sync` arms' losses (bit for bit).
@@ -32,7 +34,10 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 Wait = Literal["sync", "interval", "never"]
-Event = Literal["kill", "term", "stop", "join"]
+Event = Literal["kill", "term", "stop", "join", "yield", "restart"]
+REMOVALS = {"kill": signal.SIGKILL, "term": signal.SIGTERM, "stop": signal.SIGSTOP, "yield": signal.SIGUSR1}
+# A paused worker's signal back: SIGCONT after `stop`, SIGUSR2 (the end of an operator drain) after `yield`.
+RESUME = {"stop": signal.SIGCONT, "yield": signal.SIGUSR2}
 # Short leases and timeouts (the coordinator's environment) so churn is found out in seconds, as in the fleet tests.
 FAST_FLEET = {"SPARECYCLES_LEASE_SECONDS": "4", "SPARECYCLES_HEARTBEAT_INTERVAL_S": "0.5",
               "SPARECYCLES_REAPER_INTERVAL_S": "0.2", "SPARECYCLES_VISIBILITY_TIMEOUT_S": "20",
@@ -50,8 +55,10 @@ class ChurnOptions(BaseModel):
     waits: tuple[Wait, ...] = Field(("sync", "interval", "never"), min_length=1,
                                     description="Comma-separated --fleet-wait policies, one arm each")
     events: tuple[Event, ...] = Field(("kill", "term", "stop", "join"), min_length=1,
-                                      description="Comma-separated event kinds drawn from: kill, term, stop, join")
-    stop_s: float = Field(6.0, gt=0, description="Seconds a stopped worker stays stopped (past its 4 s lease)")
+                                      description="Comma-separated event kinds drawn from: kill, term, stop, join, "
+                                      "yield, restart")
+    stop_s: float = Field(6.0, gt=0, description="Seconds a stopped worker stays stopped (past its 4 s lease), and a "
+                          "yielding one yields")
     baseline: bool = Field(True, description="Also run each policy without churn (wall time's reference)")
     steps: int = Field(120, ge=4, description="Trainer steps per arm")
     curvature_interval: int = Field(2, ge=1, description="Steps per ZO-Curv round")
@@ -67,10 +74,11 @@ class ChurnOptions(BaseModel):
 
 @dataclass
 class Pool:
-    """The bench's view of the workers: names of live (not stopped) ones, stopped ones with their resume time."""
+    """The bench's view of the workers: names of live (not stopped or yielding) ones, paused ones (stopped or
+    yielding) with their resume time and signal."""
 
     live: list[str] = field(default_factory=list)
-    stopped: dict[str, float] = field(default_factory=dict)
+    stopped: dict[str, tuple[float, signal.Signals]] = field(default_factory=dict)
     joined: list[str] = field(default_factory=list)
     started: int = 0
 
@@ -85,11 +93,14 @@ def trainer_args(o: ChurnOptions, run_dir: Path) -> list[str]:
 
 
 def choose(rng: random.Random, events: tuple[str, ...], pool: Pool, cap: int, ready: set[str]) -> str:
-    """The next event: drawn from `events`. A removal strikes a worker in the pool (`ready`: registered and active at
-    the coordinator, not one still starting) and leaves at least one: with fewer than two it becomes `join`; a `join`
-    with `cap` workers started and not removed becomes a removal; "none" when neither is possible."""
+    """The next event: drawn from `events`. A removal (kill, term, stop, yield) strikes a worker in the pool (`ready`:
+    registered and active at the coordinator, not one still starting) and leaves at least one: with fewer than two it
+    becomes `join`; a `join` with `cap` workers started and not removed becomes a removal; "none" when neither is
+    possible. `restart` (the coordinator) is always possible."""
     ev = rng.choice(events)
-    removals = [e for e in events if e != "join"]
+    if ev == "restart":
+        return ev
+    removals = [e for e in events if e in REMOVALS]
     can_remove = bool(removals) and len(ready.intersection(pool.live)) >= 2
     can_join = "join" in events and len(pool.live) + len(pool.stopped) < cap
     if ev != "join" and not can_remove:
@@ -99,11 +110,15 @@ def choose(rng: random.Random, events: tuple[str, ...], pool: Pool, cap: int, re
     return ev
 
 
-def strike(ev: str, rng: random.Random, pool: Pool, procs: dict, start_worker: Callable[[str], None],
-           stop_s: float, ready: set[str]) -> str | None:
-    """Apply event `ev` to a worker of `ready` chosen by `rng` (a new one for `join`); returns the worker's name."""
+def strike(ev: str, rng: random.Random, pool: Pool, site: Site, stop_s: float, ready: set[str]) -> str | None:
+    """Apply event `ev` to a worker of `ready` chosen by `rng` (a new one for `join`; the coordinator for `restart`);
+    returns the name of the process struck."""
     if ev == "none":
         return None
+    if ev == "restart":
+        site.restart_coordinator()
+        return "coordinator"
+    procs, start_worker = site.procs, site.start_worker
     if ev == "join":
         name = f"worker-{pool.started}"
         pool.started += 1
@@ -113,21 +128,20 @@ def strike(ev: str, rng: random.Random, pool: Pool, procs: dict, start_worker: C
         return name
     name = rng.choice(sorted(ready.intersection(pool.live)))
     pool.live.remove(name)
-    sig = {"kill": signal.SIGKILL, "term": signal.SIGTERM, "stop": signal.SIGSTOP}[ev]
     with contextlib.suppress(ProcessLookupError):
-        os.killpg(procs[name].pid, sig)
-    if ev == "stop":
-        pool.stopped[name] = time.monotonic() + stop_s
+        os.killpg(procs[name].pid, REMOVALS[ev])
+    if ev in RESUME:
+        pool.stopped[name] = (time.monotonic() + stop_s, RESUME[ev])
     return name
 
 
 def resume_due(pool: Pool, procs: dict) -> list[str]:
-    """SIGCONT the stopped workers whose time is up; returns their names (live again)."""
+    """SIGCONT the stopped workers (SIGUSR2 the yielding ones) whose time is up; returns their names (live again)."""
     now, back = time.monotonic(), []
-    for name, at in list(pool.stopped.items()):
+    for name, (at, sig) in list(pool.stopped.items()):
         if now >= at:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(procs[name].pid, signal.SIGCONT)
+                os.killpg(procs[name].pid, sig)
             del pool.stopped[name]
             pool.live.append(name)
             back.append(name)
@@ -137,7 +151,8 @@ def resume_due(pool: Pool, procs: dict) -> list[str]:
 @dataclass
 class Site:
     """One arm's fleet: the coordinator's URL, its admin token, its Redis and key prefix, the environments of the
-    trainer (`env`) and the workers (`worker_env`: no admin token, no Redis URL), and its processes by name."""
+    trainer (`env`) and the workers (`worker_env`: no admin token, no Redis URL), its processes by name and the
+    coordinator's counters as read before each restart of it (`counted`, summed: a restart starts them at 0)."""
 
     url: str
     admin: str
@@ -147,6 +162,7 @@ class Site:
     worker_env: dict[str, str]
     folder: Path
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    counted: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def start(self, name: str, args: list[str], env: dict[str, str]) -> subprocess.Popen:
         """Start `sparecycles ARGS` as `name` (its own session, SIGTERM if this process dies; log in logs/)."""
@@ -158,6 +174,37 @@ class Site:
                                                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                                 start_new_session=True, preexec_fn=die_with_parent)
         return self.procs[name]
+
+    def start_coordinator(self) -> None:
+        """The coordinator process on the port of `url`."""
+        port = self.url.rsplit(":", 1)[1]
+        self.start("coordinator", ["coordinator", "--port", port, "--log-level", "warning"], self.env)
+
+    def restart_coordinator(self) -> None:
+        """Read the coordinator's counters into `counted`, stop it (SIGTERM, SIGKILL after 20 s) and start it again.
+        The workers' and the trainer's calls meanwhile meet a closed port and retry."""
+        import httpx
+
+        from benchmarks.churn_report import add_counts, counters
+
+        with contextlib.suppress(httpx.HTTPError):
+            with httpx.Client(base_url=self.url, timeout=10) as http:
+                self.counted = add_counts(self.counted, counters(http))
+        proc = self.procs["coordinator"]
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        self.start_coordinator()
+        for _ in range(600):  # back within seconds; the samples skip the gap
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200:
+                    return
+            time.sleep(0.1)
+        raise RuntimeError(f"the restarted coordinator is not ready; see {self.folder / 'logs' / 'coordinator.log'}")
 
     def start_worker(self, name: str) -> None:
         self.start(name, ["worker", "--coordinator", self.url, "--name", name, "--device", "cpu", "--threads", "1",
@@ -202,7 +249,7 @@ def start_site(o: ChurnOptions, folder: Path) -> Site:
     worker_env = {k: v for k, v in env.items() if k not in ("SPARECYCLES_REDIS_URL", "SPARECYCLES_ADMIN_TOKEN")}
     site = Site(f"http://127.0.0.1:{port}", env["SPARECYCLES_ADMIN_TOKEN"], o.redis_url, prefix, env, worker_env,
                 folder)
-    site.start("coordinator", ["coordinator", "--port", str(port), "--log-level", "warning"], env)
+    site.start_coordinator()
     for i in range(o.workers):
         site.start_worker(f"worker-{i}")
 
@@ -222,7 +269,7 @@ def run_arm(o: ChurnOptions, wait: str, churn: bool, folder: Path, log: Callable
     (benchmarks.churn_report.figures reads it). Raises RuntimeError when the trainer fails."""
     import httpx
 
-    from benchmarks.churn_report import sample, snapshot
+    from benchmarks.churn_report import add_counts, sample, snapshot
 
     folder.mkdir(parents=True, exist_ok=True)
     rng, pool = random.Random(o.seed), Pool(live=[f"worker-{i}" for i in range(o.workers)], started=o.workers)
@@ -240,15 +287,17 @@ def run_arm(o: ChurnOptions, wait: str, churn: bool, folder: Path, log: Callable
                 if churn and time.monotonic() >= next_at:
                     ready = set(timeline[-1]["active"]) if timeline else set()
                     ev = choose(rng, o.events, pool, o.workers, ready)
-                    name = strike(ev, rng, pool, site.procs, site.start_worker, o.stop_s, ready)
+                    name = strike(ev, rng, pool, site, o.stop_s, ready)
                     events.append({"t": time.time() - t0, "event": ev, "worker": name})
                     next_at += o.every_s
-                timeline.append(sample(http, site, runs, time.time() - t0))
+                with contextlib.suppress(httpx.HTTPError):  # a restarting coordinator: no sample
+                    timeline.append(sample(http, site, runs, time.time() - t0))
                 if runs and next_at == float("inf"):
                     next_at = time.monotonic() + o.every_s
                 time.sleep(1.0)
             wall = time.time() - t0
             final = snapshot(http, site, runs)
+            final["metrics"] = add_counts(site.counted, final["metrics"])
         if trainer.returncode != 0:
             tail = (folder / "logs" / "trainer.log").read_text(errors="replace")[-2000:]
             raise RuntimeError(f"the {wait} trainer exited {trainer.returncode}: {tail}")

@@ -35,7 +35,16 @@ def _keys(site):
     return Keys(site.prefix, f"{site.prefix}.probe")
 
 
-def _metrics(http) -> dict[str, dict[str, float]]:
+def add_counts(a: dict[str, dict[str, float]], b: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    """Counters `a` + `b`, by name and label value (a name or label in one only keeps its value)."""
+    out = {name: dict(labels) for name, labels in a.items()}
+    for name, labels in b.items():
+        for label, v in labels.items():
+            out.setdefault(name, {})[label] = out.get(name, {}).get(label, 0.0) + v
+    return out
+
+
+def counters(http) -> dict[str, dict[str, float]]:
     """The coordinator's counters by name and label value (the one label each has), from /metrics."""
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -55,7 +64,7 @@ def sample(http, site, runs: set[str], t: float) -> dict[str, Any]:
     runs |= set(r.smembers(k.k_runs))
     workers = [w for w in http.get("/v1/workers", params={"limit": 1000}).json() if w["state"] == "active"]
     open_rounds = sum(r.scard(k.k_run(run, "rounds:open")) for run in runs)
-    reissued = _metrics(http).get("sparecycles_tasks_redispatched_total", {})
+    reissued = add_counts(site.counted, counters(http)).get("sparecycles_tasks_redispatched_total", {})
     return {"t": round(t, 2), "workers": len(workers), "active": sorted(w["name"] for w in workers),
             "rounds_open": open_rounds,
             "deadline_reissues": reissued.get("deadline", 0.0)}
@@ -83,7 +92,7 @@ def snapshot(http, site, runs: set[str]) -> dict[str, Any]:
             elif ev["kind"] == "dropped":
                 dropped += 1
     doubled = sum(max(0, n - retracted[key] - 1) for key, n in accepted.items())
-    return {"metrics": _metrics(http), "rounds": rounds, "seeds_accepted": len(accepted), "doubled": doubled,
+    return {"metrics": counters(http), "rounds": rounds, "seeds_accepted": len(accepted), "doubled": doubled,
             "dropped_events": dropped}
 
 
@@ -182,15 +191,16 @@ def plot(arms: list[dict], path: Path) -> None:
     if not arms:
         return
     fig, axes = plt.subplots(len(arms), 1, figsize=(9, 2.6 * len(arms)), squeeze=False, sharex=False)
-    colors = {"kill": "red", "term": "orange", "stop": "purple", "cont": "gray", "join": "green"}
+    colors = {"kill": "red", "term": "orange", "stop": "purple", "cont": "gray", "join": "green", "yield": "gold",
+              "restart": "blue"}
     for ax, arm in zip(axes[:, 0], arms, strict=True):
         t = [s["t"] for s in arm["timeline"]]
         ax.step(t, [s["workers"] for s in arm["timeline"]], where="post", label="workers active")
         ax.step(t, [s["rounds_open"] for s in arm["timeline"]], where="post", label="rounds in flight")
         for ev in arm["events"]:
             ax.axvline(ev["t"], color=colors.get(ev["event"], "black"), alpha=0.4, lw=1)
-        ax.set_title(f"--fleet-wait {arm['wait']}: events (red kill, orange term, purple stop, gray cont, green join)",
-                     fontsize=9)
+        ax.set_title(f"--fleet-wait {arm['wait']}: events (red kill, orange term, purple stop, gray cont, green join, "
+                     "gold yield, blue coordinator restart)", fontsize=9)
         ax.set_ylabel("count")
         ax.legend(loc="upper right", fontsize=8)
     axes[-1, 0].set_xlabel("seconds since the trainer started")

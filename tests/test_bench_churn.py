@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import json
 import random
+import signal
 
 import pytest
 
 from benchmarks.churn import ChurnOptions, Pool, choose, run_churn_bench
+from benchmarks.churn_report import add_counts
 
 
 def test_the_schedule_keeps_one_to_n_live_workers():
@@ -20,13 +22,24 @@ def test_the_schedule_keeps_one_to_n_live_workers():
     pool = Pool(live=["w0", "w1"])
     assert {choose(rng, ("kill", "term", "stop"), pool, 4, {"w0"}) for _ in range(20)} == {"none"}
     assert {choose(rng, ("kill", "join"), pool, 4, {"w0"}) for _ in range(20)} == {"join"}
-    pool = Pool(live=["w0", "w1", "w2"], stopped={"w3": 0.0})
+    pool = Pool(live=["w0", "w1", "w2"], stopped={"w3": (0.0, signal.SIGCONT)})
     ready = {"w0", "w1", "w2"}
     assert {choose(rng, ("join",), pool, 4, ready) for _ in range(5)} == {"none"}
     assert {choose(rng, ("join", "kill"), pool, 4, ready) for _ in range(20)} == {"kill"}
     assert len({choose(rng, kinds, Pool(live=["a", "b", "c"]), 4, {"a", "b", "c"}) for _ in range(60)}) == 4
+    # a yield is a removal (the worker takes no task until SIGUSR2); a coordinator restart is always possible
+    assert {choose(rng, ("yield", "restart"), Pool(live=["a"]), 4, {"a"}) for _ in range(40)} == {"none", "restart"}
+    assert {choose(rng, ("yield",), Pool(live=["a", "b"]), 4, {"a", "b"}) for _ in range(5)} == {"yield"}
     draws = [choose(random.Random(7), kinds, Pool(live=["a", "b"]), 4, {"a", "b"}) for _ in range(3)]
     assert len(set(draws)) == 1  # seeded: the same schedule every time
+
+
+def test_counters_read_before_a_coordinator_restart_are_added():
+    before = {"sparecycles_tasks_redispatched_total": {"deadline": 3.0}, "x_total": {"": 1.0}}
+    after = {"sparecycles_tasks_redispatched_total": {"deadline": 2.0, "same_worker": 1.0}}
+    assert add_counts(before, after) == {"sparecycles_tasks_redispatched_total": {"deadline": 5.0, "same_worker": 1.0},
+                                         "x_total": {"": 1.0}}
+    assert before["sparecycles_tasks_redispatched_total"] == {"deadline": 3.0}  # the inputs are left as they were
 
 
 @pytest.mark.slow
