@@ -88,10 +88,8 @@ class _LiveGauges(Collector):
 class CoordinatorMetrics:
     """All coordinator metrics on one registry. Histogram units: versions, seconds."""
 
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
-        self._live: _LiveGauges | None = None
-        r = self.registry
+    def _add_intake_metrics(self, r: CollectorRegistry) -> None:
+        """Intake, dispatch, round, blob and HTTP-refusal metrics on registry `r`."""
         self.results = Counter(
             "sparecycles_intake_results",
             "Probe results received, by intake outcome.",
@@ -127,6 +125,12 @@ class CoordinatorMetrics:
         self.rejected_requests = Counter(
             "sparecycles_rejected_requests", "HTTP requests refused, by reason.", ["reason"], registry=r
         )
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._live: _LiveGauges | None = None
+        r = self.registry
+        self._add_intake_metrics(r)
         self.spot_checks = Counter(
             "sparecycles_spot_checks", "Spot-check decisions, by outcome.", ["outcome"], registry=r
         )

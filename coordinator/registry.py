@@ -79,6 +79,46 @@ def parse_worker_token(token: str) -> str | None:
     return wid
 
 
+def _new_worker_fields(reg: WorkerRegistration, token: str, enrolled_by: str, now: float,
+                       expires: float) -> dict[str, object]:
+    """A new worker's hash fields: state active, the token's sha256 (never the token), a first lease to `expires`
+    (unix seconds), zeroed counters."""
+    return {
+        "name": reg.name,
+        "device": reg.device,
+        "host": reg.host,
+        "state": "active",
+        "token_sha256": token_digest(token),
+        "enrolled_by": enrolled_by,
+        "registered_at": now,
+        "last_heartbeat": now,
+        "lease_expires_at": expires,
+        "busy": 0,
+        "version": -1,
+        "accepted": 0,
+        "rejected": 0,
+    }
+
+
+def _refuse_registration(reply: list, s: CoordinatorSettings) -> None:
+    """Raise TooMany for the REGISTER script's refusals: ["rate", seconds to wait] (registrations per minute of
+    one enrollment token) or ["cap", workers held] (workers per enrollment token). Returns for any other reply."""
+    if reply[0] == "rate":
+        raise TooMany(
+            f"more than {s.registrations_per_minute} registrations this minute with this enrollment "
+            "token (SPARECYCLES_REGISTRATIONS_PER_MINUTE)",
+            retry_after=max(1, int(reply[1])),
+            reason="registration_rate",
+        )
+    if reply[0] == "cap":
+        raise TooMany(
+            f"this enrollment token already holds {reply[1]} workers, the cap "
+            "(SPARECYCLES_MAX_WORKERS_PER_ENROLLMENT); delete workers or wait for lost ones to expire",
+            retry_after=int(s.lease_seconds),
+            reason="enrollment_cap",
+        )
+
+
 class WorkerRegistry:
     """Worker records and leases on Redis; transitions as in the module table."""
 
@@ -222,21 +262,7 @@ class WorkerRegistry:
         wid = "w-" + secrets.token_hex(8)
         token = f"{wid}.{secrets.token_urlsafe(32)}"
         expires = now + self.settings.lease_seconds
-        fields = {
-            "name": reg.name,
-            "device": reg.device,
-            "host": reg.host,
-            "state": "active",
-            "token_sha256": token_digest(token),
-            "enrolled_by": enrolled_by,
-            "registered_at": now,
-            "last_heartbeat": now,
-            "lease_expires_at": expires,
-            "busy": 0,
-            "version": -1,
-            "accepted": 0,
-            "rejected": 0,
-        }
+        fields = _new_worker_fields(reg, token, enrolled_by, now, expires)
         s = self.settings
         keys = [
             self.keys.k_worker(wid),
@@ -248,20 +274,7 @@ class WorkerRegistry:
         argv = [wid, expires, s.max_workers_per_enrollment, s.registrations_per_minute, RATE_WINDOW_S]
         argv += [x for kv in fields.items() for x in kv]
         reply = self._scripts["REGISTER"](keys=keys, args=argv)
-        if reply[0] == "rate":
-            raise TooMany(
-                f"more than {s.registrations_per_minute} registrations this minute with this enrollment "
-                "token (SPARECYCLES_REGISTRATIONS_PER_MINUTE)",
-                retry_after=max(1, int(reply[1])),
-                reason="registration_rate",
-            )
-        if reply[0] == "cap":
-            raise TooMany(
-                f"this enrollment token already holds {reply[1]} workers, the cap "
-                "(SPARECYCLES_MAX_WORKERS_PER_ENROLLMENT); delete workers or wait for lost ones to expire",
-                retry_after=int(s.lease_seconds),
-                reason="enrollment_cap",
-            )
+        _refuse_registration(reply, s)
         broker_url = self.settings.worker_broker_url
         if self.broker_acl is not None:
             with self._acl_lock():
