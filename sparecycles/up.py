@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fleet.attach import Fleet, FleetFiguresMode, FleetSettings, FleetStatus, wait_for_workers  # noqa: F401 (re-exported)
-from sparecycles.local_fleet import local_fleet
+from sparecycles.local_fleet import LocalFleet, local_fleet
 from sparecycles.scrape import SCRAPE_CONFIG, write_scrape_config
 from sparecycles.services import Supervisor, die_with_parent, free_port
 from sparecycles.up_options import SERVING_JSON
@@ -130,6 +130,26 @@ def _train_runs(plan: UpPlan, run: Callable[[str, object, bool], None], status, 
     return sum_fleet(parts)
 
 
+def _open_fleet(plan: UpPlan, local: LocalFleet, check: Callable[[], None], log: Callable[[str], None],
+                teacher_runs: dict[str, str]) -> Fleet:
+    """The trainer's handle on `local`'s fleet once its `plan.workers` workers registered (waiting up to 120 s;
+    `check` raises when a child died); with teacher rounds, `teacher_runs` (run name -> teacher run) registered."""
+    settings, base = local.settings, local.url
+    admin = settings.admin_token.get_secret_value()
+    # Each ZO-Curv round folds at the refresh after it, whatever the fleet's timing (trainer.zo.rounds.RoundBook
+    # lag 1): the run is reproducible and an interrupted one, resumed, is the same run bit for bit.
+    # One host: the trainer writes weight shards straight into the coordinator's blob directory and the
+    # workers read them there (SPARECYCLES_BLOB_DIR in their environment), no HTTP copies.
+    fleet = Fleet(base, FleetSettings(admin_token=admin, redis_url=local.redis_url, key_prefix=settings.key_prefix,
+                                      blob_dir=plan.out / "blobs"),
+                  plan.workers, FleetStatus(base), run_prefix="up", rounds=FLEET_ROUNDS[plan.fleet_wait])
+    wait_for_workers(base, admin, plan.workers, 120.0, check=check)
+    if plan.teacher_rounds:
+        _register_teacher_runs(base, admin, plan.zo_cfg.teacher, list(teacher_runs.values()))
+        log(f"teacher rounds on the {plan.workers} workers: {teacher_note(plan)}")
+    return fleet
+
+
 def _train_with_fleet(plan: UpPlan, progress: bool, log: Callable[[str], None],
                       export: bool, serving: ServingRun | None = None) -> tuple[dict, str]:
     """Start Valkey (unless REDIS_URL), the coordinator and the workers; train the runs not finished (AdamW, then
@@ -138,34 +158,22 @@ def _train_with_fleet(plan: UpPlan, progress: bool, log: Callable[[str], None],
     ServingRun beside them (its worker options go to every worker, its load starts once they are ready, their
     figures are read before they stop).
     Returns (fleet figures, Redis description)."""
-    out, workers = plan.out, plan.workers
     # Every descendant (Valkey, coordinator, workers, torchrun's ranks) inherits this marker: orphans are findable.
-    os.environ["SPARECYCLES_UP_RUN"] = str(out)
-    sup = Supervisor(out / "logs")
+    os.environ["SPARECYCLES_UP_RUN"] = str(plan.out)
+    sup = Supervisor(plan.out / "logs")
     try:
-        devices = plan.worker_devices or ("cpu",) * workers
-        with local_fleet(out, devices, sup, log, worker_args=serving.worker_args if serving else ()) as local:
-            settings, redis_url, redis_desc, env = local.settings, local.redis_url, local.redis_desc, local.env
-            admin, port, base = settings.admin_token.get_secret_value(), local.port, local.url
-            metrics_ports = list(local.metrics_ports)
-            teacher_runs = {name: f"{settings.key_prefix}-{name}" for name in ("adamw", plan.optimizer)}
-            trainer_port = _serve_metrics(out, port, metrics_ports, log, here=plan.nproc is None)
-            # Each ZO-Curv round folds at the refresh after it, whatever the fleet's timing (trainer.zo.rounds.RoundBook
-            # lag 1): the run is reproducible and an interrupted one, resumed, is the same run bit for bit.
-            # One host: the trainer writes weight shards straight into the coordinator's blob directory and the
-            # workers read them there (SPARECYCLES_BLOB_DIR in their environment), no HTTP copies.
-            fleet = Fleet(base, FleetSettings(admin_token=admin, redis_url=redis_url, key_prefix=settings.key_prefix,
-                                              blob_dir=out / "blobs"),
-                          workers, FleetStatus(base), run_prefix="up", rounds=FLEET_ROUNDS[plan.fleet_wait])
-            wait_for_workers(base, admin, workers, 120.0, check=sup.check)
-            if plan.teacher_rounds:
-                _register_teacher_runs(base, admin, plan.zo_cfg.teacher, list(teacher_runs.values()))
-                log(f"teacher rounds on the {workers} workers: {teacher_note(plan)}")
+        devices = plan.worker_devices or ("cpu",) * plan.workers
+        with local_fleet(plan.out, devices, sup, log, worker_args=serving.worker_args if serving else ()) as local:
+            redis_url, redis_desc, env, base = local.redis_url, local.redis_desc, local.env, local.url
+            admin = local.settings.admin_token.get_secret_value()
+            teacher_runs = {name: f"{local.settings.key_prefix}-{name}" for name in ("adamw", plan.optimizer)}
+            trainer_port = _serve_metrics(plan.out, local.port, list(local.metrics_ports), log, here=plan.nproc is None)
+            fleet = _open_fleet(plan, local, sup.check, log, teacher_runs)
             status = fleet.status
 
             def run(name: str, cfg, resume: bool) -> None:
                 if serving is not None and name != "adamw":  # the requests meet the workers' probe tasks
-                    serving.start_load(base, admin, workers)
+                    serving.start_load(base, admin, plan.workers)
                 if plan.nproc is not None:  # rank 0 attaches to this coordinator as `train --coordinator` does
                     from sparecycles.up_ranks import RankRun, train_ranks
 
@@ -178,6 +186,7 @@ def _train_with_fleet(plan: UpPlan, progress: bool, log: Callable[[str], None],
                                     coordinator=base, teacher_queue=teacher_runs[name] if plan.teacher_rounds else None)
                     train_ranks(plan, name, cfg, run=ranks, env=ranks_env, preexec_fn=die_with_parent)
                     return
+                from trainer.distributed import DistContext
                 from trainer.train import TrainHooks, train
 
                 evaluator = (fleet.evaluator_factory(deadline_s=plan.eval_deadline, full=plan.eval_windows == "full")
@@ -189,8 +198,6 @@ def _train_with_fleet(plan: UpPlan, progress: bool, log: Callable[[str], None],
                     probes["kd_loss_factory"] = kd_loss_factory(redis_url, strict=plan.fleet_wait != "never",
                                                                 run=teacher_runs[name],
                                                                 end=lambda run: _end_teacher_run(base, admin, run))
-                from trainer.distributed import DistContext
-
                 dist = DistContext(fleet=name != "adamw", fleet_rounds=FLEET_ROUNDS[plan.fleet_wait])  # config.json
                 train(cfg, progress=progress, resume=resume, overwrite=True, export=export,
                       dist=dist, hooks=TrainHooks(evaluator_factory=evaluator, **probes))
@@ -202,7 +209,7 @@ def _train_with_fleet(plan: UpPlan, progress: bool, log: Callable[[str], None],
                     serving.read_workers(base, admin)
     finally:
         sup.stop_all()
-        (out / SCRAPE_CONFIG).unlink(missing_ok=True)  # its ports are closed now
+        (plan.out / SCRAPE_CONFIG).unlink(missing_ok=True)  # its ports are closed now
 
 
 def teacher_note(plan: UpPlan) -> str:

@@ -305,6 +305,27 @@ def fetch_corpus(name: str, *, force: bool = False, progress: bool = True) -> di
         return _build(name, d, progress)
 
 
+def _write_splits(name: str, d: Path, docs: list[Document], tokens: list[np.ndarray]) -> dict[str, Any]:
+    """Assign each document (its uint16 GPT-2 token ids in `tokens`) to a split of corpus `name`, write every
+    split's `<split>.bin` into `d` and return the manifest's "splits" entry (file, tokens, docs, sha256 and
+    tokens/docs by source, per split)."""
+    which = assign_splits([doc.doc_id for doc in docs], [len(t) for t in tokens], corpus_splits(name))
+    d.mkdir(parents=True, exist_ok=True)
+    splits: dict[str, Any] = {}
+    for split in corpus_splits(name):
+        picked = [(doc, t) for doc, t in zip(docs, tokens, strict=True) if which[doc.doc_id] == split]
+        arr = np.concatenate([t for _, t in picked]) if picked else np.zeros(0, np.uint16)
+        atomic_write(d / f"{split}.bin", arr.tobytes())
+        by_source: dict[str, dict[str, int]] = {}
+        for doc, t in picked:
+            s = by_source.setdefault(doc.source, {"tokens": 0, "docs": 0})
+            s["tokens"] += len(t)
+            s["docs"] += 1
+        splits[split] = {"file": f"{split}.bin", "tokens": int(arr.size), "docs": len(picked),
+                         "sha256": sha256_file(d / f"{split}.bin"), "by_source": by_source}
+    return splits
+
+
 def _build(name: str, d: Path, progress: bool) -> dict[str, Any]:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -342,20 +363,7 @@ def _build(name: str, d: Path, progress: bool) -> dict[str, Any]:
                 ids.append(EOT)
             tokens.append(np.asarray(ids, dtype=np.uint16))
             bar.advance(task)
-    which = assign_splits([doc.doc_id for doc in docs], [len(t) for t in tokens], corpus_splits(name))
-    d.mkdir(parents=True, exist_ok=True)
-    splits: dict[str, Any] = {}
-    for split in corpus_splits(name):
-        picked = [(doc, t) for doc, t in zip(docs, tokens, strict=True) if which[doc.doc_id] == split]
-        arr = np.concatenate([t for _, t in picked]) if picked else np.zeros(0, np.uint16)
-        atomic_write(d / f"{split}.bin", arr.tobytes())
-        by_source: dict[str, dict[str, int]] = {}
-        for doc, t in picked:
-            s = by_source.setdefault(doc.source, {"tokens": 0, "docs": 0})
-            s["tokens"] += len(t)
-            s["docs"] += 1
-        splits[split] = {"file": f"{split}.bin", "tokens": int(arr.size), "docs": len(picked),
-                         "sha256": sha256_file(d / f"{split}.bin"), "by_source": by_source}
+    splits = _write_splits(name, d, docs, tokens)
     manifest = {
         "name": name,
         "format_version": FORMAT_VERSION,
