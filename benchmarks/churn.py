@@ -6,8 +6,9 @@ on `--redis-url` (a key prefix of its own, short leases so a stopped worker is f
 here), then `sparecycles train --coordinator` (ZO-Curv, zocurv-line) while every `--every-s` seconds one event
 strikes, chosen by a seeded generator: `kill` (SIGKILL a worker), `term` (SIGTERM: its warm shutdown), `stop`
 (SIGSTOP past its lease, then SIGCONT), `join` (a new worker process), `yield` (SIGUSR1: the worker stops taking
-tasks, as for a serving burst, until SIGUSR2 `--stop-s` later) or `restart` (the coordinator stopped by SIGTERM and
-started again on the same port and Redis). The pool stays between 1 and N live workers (a removal with one left
+tasks, as for a serving burst, until SIGUSR2 `--stop-s` later), `restart` (the coordinator stopped by SIGTERM and
+started again on the same port and Redis) or `redis` (with it among the events each arm has a Redis of its own,
+append-only: benchmarks.churn_redis; SHUTDOWN and started again). The pool stays between 1 and N live workers (a removal with one left
 becomes a join, a join with N live a removal); the schedule starts once the trainer has attached (its coordinator
 run exists). A restart zeroes the coordinator's in-memory counters: the bench adds what they read before it. Once per second the bench samples the
 coordinator (active workers, rounds open); the figures (benchmarks.churn_report) come from the coordinator's counters,
@@ -33,8 +34,11 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from benchmarks.churn_redis import OwnRedis
+
 Wait = Literal["sync", "interval", "never"]
-Event = Literal["kill", "term", "stop", "join", "yield", "restart"]
+Event = Literal["kill", "term", "stop", "join", "yield", "restart", "redis"]
+RESTARTS = ("restart", "redis")  # the coordinator's, the Redis's: always possible
 REMOVALS = {"kill": signal.SIGKILL, "term": signal.SIGTERM, "stop": signal.SIGSTOP, "yield": signal.SIGUSR1}
 # A paused worker's signal back: SIGCONT after `stop`, SIGUSR2 (the end of an operator drain) after `yield`.
 RESUME = {"stop": signal.SIGCONT, "yield": signal.SIGUSR2}
@@ -56,7 +60,7 @@ class ChurnOptions(BaseModel):
                                     description="Comma-separated --fleet-wait policies, one arm each")
     events: tuple[Event, ...] = Field(("kill", "term", "stop", "join"), min_length=1,
                                       description="Comma-separated event kinds drawn from: kill, term, stop, join, "
-                                      "yield, restart")
+                                      "yield, restart, redis")
     stop_s: float = Field(6.0, gt=0, description="Seconds a stopped worker stays stopped (past its 4 s lease), and a "
                           "yielding one yields")
     baseline: bool = Field(True, description="Also run each policy without churn (wall time's reference)")
@@ -69,7 +73,7 @@ class ChurnOptions(BaseModel):
     work: Path | None = Field(None, description="Folder of the arms' runs, logs and blobs (default: a new temporary "
                               "folder, named in churn.json)")
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis of the arms' coordinators (each under a key "
-                           "prefix of its own, deleted after the arm)", json_schema_extra={"envvar": "REDIS_URL"})
+                           "prefix of its own, deleted after the arm); with `redis` among the events each arm starts its own instead", json_schema_extra={"envvar": "REDIS_URL"})
 
 
 @dataclass
@@ -96,9 +100,9 @@ def choose(rng: random.Random, events: tuple[str, ...], pool: Pool, cap: int, re
     """The next event: drawn from `events`. A removal (kill, term, stop, yield) strikes a worker in the pool (`ready`:
     registered and active at the coordinator, not one still starting) and leaves at least one: with fewer than two it
     becomes `join`; a `join` with `cap` workers started and not removed becomes a removal; "none" when neither is
-    possible. `restart` (the coordinator) is always possible."""
+    possible. `restart` (the coordinator) and `redis` are always possible."""
     ev = rng.choice(events)
-    if ev == "restart":
+    if ev in RESTARTS:
         return ev
     removals = [e for e in events if e in REMOVALS]
     can_remove = bool(removals) and len(ready.intersection(pool.live)) >= 2
@@ -118,6 +122,9 @@ def strike(ev: str, rng: random.Random, pool: Pool, site: Site, stop_s: float, r
     if ev == "restart":
         site.restart_coordinator()
         return "coordinator"
+    if ev == "redis" and site.own_redis is not None:
+        site.own_redis.restart()
+        return "redis"
     procs, start_worker = site.procs, site.start_worker
     if ev == "join":
         name = f"worker-{pool.started}"
@@ -163,6 +170,7 @@ class Site:
     folder: Path
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     counted: dict[str, dict[str, float]] = field(default_factory=dict)
+    own_redis: OwnRedis | None = None
 
     def start(self, name: str, args: list[str], env: dict[str, str]) -> subprocess.Popen:
         """Start `sparecycles ARGS` as `name` (its own session, SIGTERM if this process dies; log in logs/)."""
@@ -226,6 +234,9 @@ class Site:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+        if self.own_redis is not None:  # the arm's own: nothing to delete, only to stop
+            self.own_redis.stop()
+            return
         r = redis.Redis.from_url(self.redis_url)
         for pattern in (f"{self.prefix}*", f"_kombu.binding*.{self.prefix}*"):
             keys = list(r.scan_iter(pattern, count=1000))
@@ -242,13 +253,15 @@ def start_site(o: ChurnOptions, folder: Path) -> Site:
     from fleet.attach import FleetError, wait_for_workers
 
     prefix, port = "churn" + secrets.token_hex(4), free_port()
-    env = {**os.environ, **FAST_FLEET, "SPARECYCLES_REDIS_URL": o.redis_url, "SPARECYCLES_KEY_PREFIX": prefix,
+    own = OwnRedis(folder / "redis", free_port()) if "redis" in o.events else None
+    redis_url = own.url if own is not None else o.redis_url
+    env = {**os.environ, **FAST_FLEET, "SPARECYCLES_REDIS_URL": redis_url, "SPARECYCLES_KEY_PREFIX": prefix,
            "SPARECYCLES_QUEUE_PREFIX": f"{prefix}.probe", "SPARECYCLES_ADMIN_TOKEN": secrets.token_urlsafe(32),
            "SPARECYCLES_ENROLLMENT_TOKEN": secrets.token_urlsafe(32), "SPARECYCLES_BLOB_DIR": str(folder / "blobs")}
     env.pop("REDIS_URL", None)
     worker_env = {k: v for k, v in env.items() if k not in ("SPARECYCLES_REDIS_URL", "SPARECYCLES_ADMIN_TOKEN")}
-    site = Site(f"http://127.0.0.1:{port}", env["SPARECYCLES_ADMIN_TOKEN"], o.redis_url, prefix, env, worker_env,
-                folder)
+    site = Site(f"http://127.0.0.1:{port}", env["SPARECYCLES_ADMIN_TOKEN"], redis_url, prefix, env, worker_env,
+                folder, own_redis=own)
     site.start_coordinator()
     for i in range(o.workers):
         site.start_worker(f"worker-{i}")
@@ -268,6 +281,7 @@ def run_arm(o: ChurnOptions, wait: str, churn: bool, folder: Path, log: Callable
     """One arm: a fresh fleet, the trainer with `--fleet-wait wait`, churn or not; returns its raw record
     (benchmarks.churn_report.figures reads it). Raises RuntimeError when the trainer fails."""
     import httpx
+    import redis
 
     from benchmarks.churn_report import add_counts, sample, snapshot
 
@@ -290,7 +304,7 @@ def run_arm(o: ChurnOptions, wait: str, churn: bool, folder: Path, log: Callable
                     name = strike(ev, rng, pool, site, o.stop_s, ready)
                     events.append({"t": time.time() - t0, "event": ev, "worker": name})
                     next_at += o.every_s
-                with contextlib.suppress(httpx.HTTPError):  # a restarting coordinator: no sample
+                with contextlib.suppress(httpx.HTTPError, redis.RedisError):  # restarting: no sample
                     timeline.append(sample(http, site, runs, time.time() - t0))
                 if runs and next_at == float("inf"):
                     next_at = time.monotonic() + o.every_s

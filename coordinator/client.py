@@ -18,7 +18,7 @@ from json import loads
 from typing import Any, Self, TypeVar
 
 import httpx
-from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential
+from tenacity import Retrying, retry_if_exception, stop_after_attempt, stop_after_delay, wait_exponential
 
 from wire.messages import (
     Attestation,
@@ -119,18 +119,22 @@ class CoordinatorClient:
         timeout_s: per-request timeout in seconds (connect, read, write, pool).
         attempts: total tries for a transient failure (>= 1).
         max_wait_s: cap of the exponential backoff between tries, seconds.
+        outage_s: seconds a transient failure is retried even past `attempts` (0: `attempts` alone decides). A
+            caller that has already reached the coordinator sets it (`outage_s` attribute) so that a restart or a
+            rolling deploy, seconds with the port closed, is waited out, while a first call to a wrong address
+            still fails after `attempts`.
     Raises ValueError for a non-http(s) base_url or non-positive limits.
     """
 
     def __init__(self, base_url: str, token: str | None = None, *, timeout_s: float = 30.0,
-                 attempts: int = 10, max_wait_s: float = 5.0) -> None:
+                 attempts: int = 10, max_wait_s: float = 5.0, outage_s: float = 0.0) -> None:
         if not base_url.startswith(("http://", "https://")):
             raise ValueError(f"coordinator URL must start with http:// or https://, got {base_url!r}")
-        if timeout_s <= 0 or attempts < 1 or max_wait_s < 0:
-            raise ValueError("timeout_s must be > 0, attempts >= 1 and max_wait_s >= 0")
+        if timeout_s <= 0 or attempts < 1 or max_wait_s < 0 or not 0 <= outage_s < float("inf"):
+            raise ValueError("timeout_s must be > 0, attempts >= 1, max_wait_s >= 0 and outage_s finite and >= 0")
         self.base_url = base_url.rstrip("/")
         self.token = token
-        self.attempts, self.max_wait_s = attempts, max_wait_s
+        self.attempts, self.max_wait_s, self.outage_s = attempts, max_wait_s, outage_s
         self._http = httpx.Client(base_url=self.base_url, timeout=httpx.Timeout(timeout_s))
 
     def close(self) -> None:
@@ -147,7 +151,7 @@ class CoordinatorClient:
 
     def _retrying(self, fn: Callable[[], T]) -> T:
         for attempt in Retrying(
-            stop=stop_after_attempt(self.attempts),
+            stop=stop_after_attempt(self.attempts) & stop_after_delay(self.outage_s),  # both spent
             wait=wait_exponential(multiplier=0.2, max=self.max_wait_s),
             retry=retry_if_exception(is_transient),
             reraise=True,

@@ -67,7 +67,8 @@ class BackendTuning:
     `blob_dir` (the coordinator's blob directory when this process shares its disk, else HTTP); UploadQueue:
     `background` (uploads on a background thread); ResultCollector: `consumer` (stream consumer name),
     `claim_idle_ms` (a pending entry idle this long is claimed), `round_timeout_s`; the HTTP client: `timeout_s` (per
-    request) and `attempts`."""
+    request), `attempts` and, once the run is reached, `outage_s` (seconds a coordinator that stopped answering is
+    waited for: a restart, a rolling deploy)."""
 
     consumer: str = "trainer-0"
     round_timeout_s: float = 300.0
@@ -75,6 +76,7 @@ class BackendTuning:
     shard_bytes: int = 256 << 20
     timeout_s: float = 30.0
     attempts: int = 5
+    outage_s: float = 120.0
     history: int = 2
     background: bool = False
     max_pending: int = 2
@@ -126,6 +128,7 @@ class CoordinatorBackend:
             client.create_run(run)
             run = run.run
         client.run_info(run)  # raises if the run does not exist
+        client.outage_s = t.outage_s  # reached: from here on a closed port is a restart to wait out, not a wrong address
         blobs, uploads = BlobSender(client, t.blob_dir), UploadQueue(t.background)
         publisher = VersionPublisher(model, run, client, blobs, uploads, shard_bytes=t.shard_bytes, history=t.history,
                                      max_pending=t.max_pending, upload_threads=t.upload_threads)

@@ -12,6 +12,7 @@ import signal
 import pytest
 
 from benchmarks.churn import ChurnOptions, Pool, choose, run_churn_bench
+from benchmarks.churn_redis import OwnRedis
 from benchmarks.churn_report import add_counts
 
 
@@ -29,6 +30,7 @@ def test_the_schedule_keeps_one_to_n_live_workers():
     assert len({choose(rng, kinds, Pool(live=["a", "b", "c"]), 4, {"a", "b", "c"}) for _ in range(60)}) == 4
     # a yield is a removal (the worker takes no task until SIGUSR2); a coordinator restart is always possible
     assert {choose(rng, ("yield", "restart"), Pool(live=["a"]), 4, {"a"}) for _ in range(40)} == {"none", "restart"}
+    assert {choose(rng, ("redis",), Pool(live=["a"]), 4, set()) for _ in range(3)} == {"redis"}
     assert {choose(rng, ("yield",), Pool(live=["a", "b"]), 4, {"a", "b"}) for _ in range(5)} == {"yield"}
     draws = [choose(random.Random(7), kinds, Pool(live=["a", "b"]), 4, {"a", "b"}) for _ in range(3)]
     assert len(set(draws)) == 1  # seeded: the same schedule every time
@@ -40,6 +42,27 @@ def test_counters_read_before_a_coordinator_restart_are_added():
     assert add_counts(before, after) == {"sparecycles_tasks_redispatched_total": {"deadline": 5.0, "same_worker": 1.0},
                                          "x_total": {"": 1.0}}
     assert before["sparecycles_tasks_redispatched_total"] == {"deadline": 3.0}  # the inputs are left as they were
+
+
+def test_the_benchs_own_redis_keeps_its_data_across_a_restart(tmp_path):
+    """The `redis` event's Redis: what was written before SHUTDOWN (queued tasks, unacked hashes, the coordinator's
+    keys) is there after the restart, from the append-only file; a client reconnects by itself."""
+    import redis
+
+    from api.server import free_port
+
+    own = OwnRedis(tmp_path / "redis", free_port())
+    try:
+        r = redis.Redis.from_url(own.url)
+        r.rpush("q", "t1", "t2")
+        r.hset("unacked", "tag", "msg")
+        own.restart()
+        assert own.restarts == 1 and own.proc.poll() is None
+        assert r.lrange("q", 0, -1) == [b"t1", b"t2"] and r.hgetall("unacked") == {b"tag": b"msg"}
+        assert (tmp_path / "redis").is_dir() and any((tmp_path / "redis").rglob("*.aof*"))
+    finally:
+        own.stop()
+    assert own.proc.poll() is not None
 
 
 @pytest.mark.slow

@@ -162,3 +162,35 @@ def test_train_checkpoints_when_the_fleet_stays_unreachable(tmp_path, monkeypatc
     monkeypatch.setattr(train_mod.AdamWMode, "step", real_step)
     resumed = train_mod.train(cfg, resume=True, progress=False)
     assert resumed.summary["resumed_from_step"] == 5  # not 4: the position reached was kept
+
+
+def test_a_reached_client_waits_out_a_coordinator_restart(tmp_path):
+    """The coordinator stopped and started again on its port (a restart, a rolling deploy): a client that reached it
+    (outage_s set, as fleet.backend sets it once the run is found) retries the closed port until it answers; a first
+    call to a closed port still fails after `attempts` (a wrong address is said in seconds)."""
+    from api.server import free_port
+
+    settings = generate_dev_settings(blob_dir=tmp_path / "blobs")
+    port = free_port()
+    admin = settings.admin_token.get_secret_value()
+    with pytest.raises(httpx.ConnectError):
+        with CoordinatorClient(f"http://127.0.0.1:{port}", admin, attempts=2, max_wait_s=0.1) as fresh:
+            fresh.has_blob("ab" * 32)
+    with ServerThread(create_app(settings), port=port):
+        client = CoordinatorClient(f"http://127.0.0.1:{port}", admin, attempts=2, max_wait_s=0.5, outage_s=60)
+        assert client.has_blob("ab" * 32) is False
+    restarted = threading.Event()
+
+    def restart_later() -> None:
+        time.sleep(3.0)  # down for 3 s: 2 attempts alone (0.2 s of backoff) would have given up
+        with ServerThread(create_app(settings), port=port):
+            restarted.set()
+            time.sleep(10)
+
+    t = threading.Thread(target=restart_later, daemon=True)
+    t.start()
+    t0 = time.monotonic()
+    assert client.has_blob("ab" * 32) is False  # answered (404: no such blob) by the restarted coordinator
+    assert restarted.is_set() and time.monotonic() - t0 >= 2.5
+    client.close()
+    t.join()
