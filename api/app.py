@@ -106,7 +106,8 @@ def create_app(
     """Build the API. `store`/`metrics` may be injected (tests, in-process benches); otherwise created."""
     store = store or Store(settings)
     metrics = metrics or CoordinatorMetrics()
-    metrics.attach_live(store.workers.worker_state_counts, store.dispatch.queue_depths, store.dispatch.outstanding_seeds)
+    metrics.attach_live(store.workers.worker_state_counts, store.dispatch.queue_depths, store.dispatch.outstanding_seeds,
+                        store.shares.run_shares)
     intake = Intake(store, metrics)
     reaper = _reaper(settings, store, metrics, RoundWatch(store, intake.drop_spot_copy))
     clients: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -64,6 +64,11 @@ class Keys:
         return f"{self.p}:workers"
 
     @property
+    def k_share_assign(self) -> str:
+        """Hash worker id -> "run<TAB>unix time": the run each worker was last told to consume (coordinator.shares)."""
+        return f"{self.p}:share_assign"
+
+    @property
     def k_leases(self) -> str:
         """Sorted set worker id -> lease expiry (unix seconds)."""
         return f"{self.p}:leases"

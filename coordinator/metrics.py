@@ -28,7 +28,7 @@ SPOT_OUTCOMES = ("agree", "disagree", "resolved", "unresolved", "skipped")
 
 
 class _LiveGauges(Collector):
-    """Gauges read from Redis at scrape time: workers by state, Celery queue depth and outstanding seeds
+    """Gauges read from Redis at scrape time: workers by state, Celery queue depth, outstanding seeds and share
     per run, and whether Redis could be read at all (`sparecycles_state_store_up`)."""
 
     def __init__(
@@ -36,10 +36,12 @@ class _LiveGauges(Collector):
         workers: Callable[[], dict[str, int]],
         queues: Callable[[], dict[str, int]],
         outstanding: Callable[[], dict[str, int]] | None = None,
+        shares: Callable[[], dict[str, float]] | None = None,
     ) -> None:
         self._workers = workers
         self._queues = queues
         self._outstanding = outstanding
+        self._shares = shares
 
     def _families(self) -> list[tuple[GaugeMetricFamily, Callable[[], dict[str, int]] | None]]:
         fams = [
@@ -59,6 +61,9 @@ class _LiveGauges(Collector):
             fams.append(
                 (GaugeMetricFamily("sparecycles_outstanding_seeds", help_, labels=["run"]), self._outstanding)
             )
+        if self._shares is not None:
+            help_ = "A run's share of the pool (its RunSpec's `share`; workers' time follows the shares), by run."
+            fams.append((GaugeMetricFamily("sparecycles_run_share", help_, labels=["run"]), self._shares))
         up = GaugeMetricFamily("sparecycles_state_store_up", "1 if the last scrape could read Redis, else 0.")
         return [*fams, (up, None)]
 
@@ -161,6 +166,12 @@ class CoordinatorMetrics:
         )
         if multiprocess_dir() is None:  # per-process figures; in multiprocess mode they would not add up
             ProcessCollector(registry=r)
+        self.run_worker_seconds = Counter(
+            "sparecycles_run_worker_seconds",
+            "Workers' wall time spent on a run's tasks (seconds, as each task's results report it), by run.",
+            ["run"],
+            registry=r,
+        )
         self.retracted = Counter(
             "sparecycles_results_retracted", "Accepted results retracted after quarantine.", registry=r
         )
@@ -170,9 +181,10 @@ class CoordinatorMetrics:
         workers: Callable[[], dict[str, int]],
         queues: Callable[[], dict[str, int]],
         outstanding: Callable[[], dict[str, int]] | None = None,
+        shares: Callable[[], dict[str, float]] | None = None,
     ) -> None:
-        """Register the scrape-time gauges (worker states, queue depths, outstanding seeds per run)."""
-        self._live = _LiveGauges(workers, queues, outstanding)
+        """Register the scrape-time gauges (worker states, queue depths, outstanding seeds and share per run)."""
+        self._live = _LiveGauges(workers, queues, outstanding, shares)
         self.registry.register(self._live)
 
     def exposition(self) -> bytes:

@@ -24,6 +24,7 @@ class RunStore:
     def __init__(self, r: redis.Redis, keys: Keys, blobs: BlobStore) -> None:
         self.r, self.keys, self.blobs = r, keys, blobs
         self.on_new_queue: Callable[[str], None] = lambda queue: None  # Store: granted to the workers' broker users
+        self.on_new_run: Callable[[str, float], None] = lambda run, share: None  # Store: the run's share recorded
 
     def queues(self) -> list[str]:
         """Celery queues of all runs (workers consume these)."""
@@ -47,6 +48,7 @@ class RunStore:
                 },
             )
             self.on_new_queue(self.keys.queue_for(spec.run))  # before any worker is told to consume it
+            self.on_new_run(spec.run, spec.share)  # its share and virtual-time base, before a heartbeat lists it
             self.r.sadd(self.keys.k_runs, spec.run)
         return self.run_info(spec.run)
 

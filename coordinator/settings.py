@@ -156,6 +156,10 @@ class CoordinatorSettings(BaseSettings):
         description="Visibility timeouts (SPARECYCLES_VISIBILITY_TIMEOUT_S) after a run's end before its queue's "
                     "write-only rule is dropped from every worker's broker user and its leftover tasks deleted",
     )
+    # Shares (coordinator.share_math): a worker stays on its run while that run's virtual time (worker-seconds per
+    # unit of share) is within this many seconds of the most-owed run's, so queues switch rarely; the runs' split
+    # then stays within about this much (plus one task) of their shares.
+    share_hysteresis_s: float = Field(default=1.0, ge=0.0, le=3600.0, allow_inf_nan=False)
     # Re-sends per (seed, replica). Celery cannot address "any worker but X", so a spot-check replica can
     # land on the worker that evaluated the other replica several times before another takes it; re-sends
     # cost no evaluation, so the bound is generous.

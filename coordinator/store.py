@@ -9,6 +9,7 @@
 | `rounds` | `coordinator.rounds` | probe rounds: open, progress, close; spot-check selection | r, keys, runs, dispatch, blobs |
 | `teachers` | `coordinator.teachers` | teacher runs (their queues) and their teachers' blob manifests | r, keys, blobs |
 | `workers` | `coordinator.registry` | workers: registration, hashed tokens, leases, states, broker users | r, keys, settings, runs, teachers |
+| `shares` | `coordinator.shares` | runs' shares and worker-seconds; the run each heartbeat tells a worker to consume | r, keys, runs, queue depths, lease |
 
 Callers name the part: `store.runs.create_run(spec)`, `store.workers.heartbeat(...)`, `store.keys.k_round(...)`.
 Intake (results, spot checks) lives in `coordinator.intake`. Errors are the `CoordinatorError` family
@@ -28,6 +29,7 @@ from coordinator.registry import WorkerRegistry
 from coordinator.rounds import RoundStore
 from coordinator.runs import RunStore
 from coordinator.settings import CoordinatorSettings
+from coordinator.shares import ShareBook
 from coordinator.teachers import TeacherRuns
 
 __all__ = ["Store", "redis_client_kwargs", "results_stream_key", "spot_check_selected"]
@@ -37,7 +39,7 @@ class Store:
     """Coordinator state on Redis. `settings.redis_url` holds state; the broker may be another URL.
 
     Attributes: settings, r (the state Redis client, decoded responses), celery, and the parts of the module
-    table: keys, blobs, runs, dispatch, rounds, teachers, workers.
+    table: keys, blobs, runs, dispatch, rounds, teachers, workers, shares.
     """
 
     def __init__(self, settings: CoordinatorSettings, celery_app: Celery | None = None) -> None:
@@ -58,6 +60,10 @@ class Store:
         # a new run's queue is granted to the workers' broker users before they are told to consume it
         self.runs.on_new_queue = self.teachers.on_new_queue = self.workers.grant_queue
         self.rounds.live_workers = self.workers.live_workers
+        self.shares = ShareBook(self.r, self.keys, self.runs, self.dispatch.queue_depths, settings.lease_seconds,
+                                settings.share_hysteresis_s)
+        self.runs.on_new_run = self.shares.start_run
+        self.workers.probe_queues = self.shares.queues_for  # each heartbeat's queues follow the runs' shares
 
     def spot_copy_placeable(self, run: str, rid: str, seed: int) -> bool:
         """Whether a copy of spot-checked `seed` can go to a worker that did not evaluate one of its held replicas:

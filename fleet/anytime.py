@@ -30,7 +30,7 @@ from trainer.evaluation import EvalWindows, batch_values
 from trainer.zo.probes import canonical_blocks
 from wire import batch as batch_wire
 from wire.bounds import MAX_STALENESS  # an eval run's results never go stale: every version's score is wanted
-from wire.messages import RunSpec
+from wire.messages import RunSpec, share_fields
 from wire.round_messages import MAX_EVAL_TERMS, EvalSpec, ProbeRound, WeightTerm
 
 log = logging.getLogger("sparecycles.fleet")
@@ -65,6 +65,7 @@ class FleetScorer:
         per_task = min(64, max(1, -(-self.windows.n_batches // (4 * max(1, fleet.workers)))))
         spec = RunSpec(run=f"{fleet.run_prefix}-any-{secrets.token_hex(4)}", model_class=type(model).__name__,
                        model_preset=model_preset, staleness=MAX_STALENESS, seeds_per_task=per_task,
+                       **share_fields(fleet.share),
                        **({"spot_check_fraction": 0.0} if fleet.workers < 2 else {}))
         backend = CoordinatorBackend.connect(self.scratch, spec, FleetAddress.of(fleet.base, fleet.settings),
                                              BackendTuning.publishing(fleet.settings.blob_dir))

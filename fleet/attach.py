@@ -32,6 +32,7 @@ from pydantic import Field, SecretStr, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from coordinator.settings import env_var_of, secret_problem, url_password_problem
+from wire import bounds
 
 COUNTDOWN_EVERY_S = 10.0  # while waiting for the coordinator, a line saying so every this many seconds
 REFUSED_TRIES = 10  # tries 0.5 s apart, each refused: nothing listens on that port (a restart takes less)
@@ -278,6 +279,7 @@ class Fleet:
     status: FleetStatus
     run_prefix: str = "train"
     rounds: str = "async"
+    share: float = 1.0  # each coordinator run of this trainer states it (RunSpec.share; coordinator.share_math)
 
     def probe_backend(self, cfg, model):
         """The run's probe backend on this fleet: a fleet.backend.CoordinatorBackend on a new coordinator run,
@@ -289,7 +291,7 @@ class Fleet:
         from fleet.backend import BackendTuning, CoordinatorBackend, FleetAddress
         from trainer.methods import fleet_method_names, get_method
         from trainer.models.causal_lm import model_label
-        from wire.messages import RunSpec
+        from wire.messages import RunSpec, share_fields
 
         method = get_method(cfg.optimizer)
         if cfg.optimizer not in fleet_method_names():
@@ -302,7 +304,7 @@ class Fleet:
         # re-sends it to the same one until it gives up (issue 21's x2 run: 62 refused re-evaluations for 3
         # spot-checked seeds, their rounds folded up to 72 steps late). Spot checks start at two workers.
         spec = RunSpec(run=f"{self.run_prefix}-{secrets.token_hex(4)}", model_class=type(model).__name__,
-                       model_preset=model_label(cfg.model) if lm else None, staleness=cfg.staleness,
+                       model_preset=model_label(cfg.model) if lm else None, staleness=cfg.staleness, **share_fields(self.share),
                        **({"spot_check_fraction": 0.0} if self.workers < 2 else {}),
                        **({"seeds_per_task": max(1, -(-cfg.probes // max(1, self.workers)))} if pure else {}))
         # ZO-Curv steps publish inside their steps: their backend serialises and uploads in the background
@@ -329,7 +331,6 @@ class Fleet:
         loss_fn = loss_fn or loss_for_kind(batch_kind_for_model(type(model).__name__))
         mode = build_mode(cfg, model, loss_fn, backend=backend, timing=self.rounds)
         return FleetFiguresMode(mode, self.status, backend)
-
 
     def evaluator_factory(self, deadline_s: float = 120.0, full: bool = False):
         """trainer.train's `evaluator_factory`: held-out evaluation on this fleet (fleet.evaluation.FleetEvaluator,
@@ -391,18 +392,18 @@ def connection_refused(exc: BaseException) -> bool:
 
 def attach(url: str, *, settings: FleetSettings | None = None, wait_s: float = 120.0, min_workers: int = 1,
            check: Callable[[], None] = lambda: None, log: Callable[[str], None] = lambda m: None,
-           run_prefix: str = "train", rounds: str = "async") -> Fleet:
+           run_prefix: str = "train", rounds: str = "async", share: float = 1.0) -> Fleet:
     """Connect to the coordinator at `url` and wait for `min_workers` active workers (at most `wait_s` s).
 
-    `settings` default to the environment (FleetSettings); `rounds` (ROUND_MODES) says when ZO-Curv rounds
-    fold: "async" as they arrive, "sync" at their own refresh, "next" at the refresh after (trainer.zo.rounds.RoundBook).
+    `settings` default to the environment (FleetSettings); `rounds` (ROUND_MODES): when ZO-Curv rounds fold ("async"
+    as they arrive, "sync" at their refresh, "next" at the one after); `share`: each of its runs' (wire.bounds.Share).
     Raises FleetError when the coordinator does not answer /readyz (at once for a host name that does not resolve,
     `no_such_host`; after REFUSED_TRIES refused connections in a row, ~5 s, for a port no one listens on; otherwise
-    one bounded retry loop of `wait_s` seconds: `log` says so at the first failure and counts down
-    every COUNTDOWN_EVERY_S seconds), refuses the admin token, or has too few
-    active workers after `wait_s` seconds; ValueError for a URL that is not http(s).
+    one bounded retry loop of `wait_s` seconds: `log` says so at the first failure and counts down every
+    COUNTDOWN_EVERY_S seconds), refuses the admin token, or has too few active workers after `wait_s` seconds;
+    ValueError for a URL that is not http(s) or a share out of bounds.
     """
-    base = url.rstrip("/")
+    base, share = url.rstrip("/"), bounds.check(bounds.Share, share)
     if rounds not in ROUND_MODES:
         raise ValueError(f"rounds must be one of {ROUND_MODES}, got {rounds!r}")
     if not base.startswith(("http://", "https://")):
@@ -446,4 +447,4 @@ def attach(url: str, *, settings: FleetSettings | None = None, wait_s: float = 1
         raise FleetError(f"the coordinator at {base} stopped answering: {exc}") from None
     workers = wait_for_workers(base, token, min_workers, max(0.0, deadline - time.monotonic()), check=check, log=log)
     check_key_prefix(settings)
-    return Fleet(base, settings, len(workers), FleetStatus(base), run_prefix, rounds)
+    return Fleet(base, settings, len(workers), FleetStatus(base), run_prefix, rounds, share)

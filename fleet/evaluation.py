@@ -38,7 +38,7 @@ from trainer.models.causal_lm import model_label
 from trainer.zo.probes import canonical_blocks
 from wire import batch as batch_wire
 from wire.bounds import MAX_STALENESS  # an eval run's results never go stale: every version's score is wanted
-from wire.messages import RunSpec
+from wire.messages import RunSpec, share_fields
 from wire.round_messages import EvalSpec, ProbeRound, WeightTerm
 
 log = logging.getLogger("sparecycles.fleet")
@@ -110,6 +110,7 @@ class FleetEvaluator:
             seeds_per_task = min(64, max(1, -(-self.windows.n_batches // (4 * max(1, fleet.workers)))))
         spec = RunSpec(run=f"{fleet.run_prefix}-eval-{secrets.token_hex(4)}", model_class=type(model).__name__,
                        model_preset=model_preset, staleness=MAX_STALENESS, seeds_per_task=seeds_per_task,
+                       **share_fields(fleet.share),
                        **({"spot_check_fraction": 0.0} if fleet.workers < 2 else {}))
         backend = CoordinatorBackend.connect(model, spec, FleetAddress.of(fleet.base, fleet.settings),
                                              BackendTuning.publishing(fleet.settings.blob_dir))

@@ -39,6 +39,7 @@ from trainer.evaluation import batch_of, batch_values
 from trainer.models.losses import lm_batch_loss
 from trainer.zo import probes
 from wire.batch import BatchFormatError, batch_kind_for_model, check_fits, decode_batch
+from wire.bounds import MAX_TASK_S
 from wire.messages import Attestation
 from wire.round_messages import IntakeReply, ProbeResult, ProbeTask, ResultBatch, non_finite_result
 
@@ -425,9 +426,11 @@ class ProbeRuntime:
         return True
 
     def run_task(self, task: ProbeTask) -> IntakeReply:
-        """Evaluate and post a task's results; returns the coordinator's per-result outcomes."""
+        """Evaluate and post a task's results and wall time (`task_s`: the run's worker-seconds); returns outcomes."""
+        t0 = time.monotonic()
         results = self.evaluate(task)
-        reply = self.client.post_results(task.run, ResultBatch(results=results))
+        took = min(time.monotonic() - t0, MAX_TASK_S)
+        reply = self.client.post_results(task.run, ResultBatch(results=results, task_s=took, schema_version=2))
         for res, outcome in zip(results, reply.outcomes, strict=False):
             if outcome in KEPT_AS_MINE:  # a duplicate is another worker's value: intake never refuses us for it
                 self._posted.setdefault((task.run, task.round_id, res.seed), set()).add(task.replica)

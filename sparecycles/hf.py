@@ -16,6 +16,7 @@ the workers compute, so Trainer.evaluate on `windows_dataset(windows)` scores th
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from transformers import TrainerCallback
 
 from sparecycles.loop import AnytimeModel, Evaluation, Fleet, ZOCurv
 from trainer.evaluation import EvalWindows
+from wire.bounds import Share, check
 
 
 def lm_compute_loss(outputs: Any, labels: torch.Tensor, num_items_in_batch: Any = None) -> torch.Tensor:
@@ -65,13 +67,20 @@ class FleetCallback(TrainerCallback):
         anytime: AnytimeSettings fields. run_dir: where served.safetensors and `anytime/` (the export) go.
         batch_size, seq_len: the anytime selection windows (default: the evaluation windows').
         deadline_s: seconds without a fleet result before a version is evaluated here.
+        share: the pool share of this training's coordinator runs (as `sparecycles.connect(share=)`; None: the
+            fleet's, default 1); needs `fleet`.
     """
 
     def __init__(self, windows: EvalWindows, *, fleet: Fleet | None = None, eval_every: int = 0,
                  anytime_tokens=None, anytime: dict[str, Any] | None = None, run_dir: str | Path = "run",
-                 batch_size: int | None = None, seq_len: int | None = None, deadline_s: float = 120.0) -> None:
+                 batch_size: int | None = None, seq_len: int | None = None, deadline_s: float = 120.0,
+                 share: float | None = None) -> None:
         if eval_every < 0:
             raise ValueError(f"eval_every must be >= 0, got {eval_every}")
+        if share is not None:
+            if fleet is None:
+                raise ValueError("share is a share of a fleet's pool: it needs `fleet`")
+            fleet = dataclasses.replace(fleet, share=check(Share, share))
         self.windows, self.fleet, self.eval_every, self.deadline_s = windows, fleet, eval_every, deadline_s
         self.anytime_tokens, self.anytime_settings, self.run_dir = anytime_tokens, anytime, Path(run_dir)
         self.batch_size = batch_size or windows.batch_size

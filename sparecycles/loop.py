@@ -48,7 +48,7 @@ class Credentials(TypedDict, total=False):
 
 
 def connect(url: str, *, wait_s: float = 120.0, min_workers: int = 1, log=lambda m: None, rounds: str = "async",
-            run_prefix: str = "loop", check=lambda: None, settings: FleetSettings | None = None,
+            run_prefix: str = "loop", check=lambda: None, settings: FleetSettings | None = None, share: float = 1.0,
             **credentials: Unpack[Credentials]) -> Fleet:
     """Connect to the coordinator at `url` (http(s)) and wait up to `wait_s` s for `min_workers` active workers.
 
@@ -57,7 +57,9 @@ def connect(url: str, *, wait_s: float = 120.0, min_workers: int = 1, log=lambda
     disk); each one not given is read from the environment (SPARECYCLES_ADMIN_TOKEN, ...; fleet.attach.FleetSettings),
     or all of them from `settings` (what `sparecycles train --coordinator` passes, read with its option checks).
     `rounds`: when ZO-Curv rounds fold ("async", "sync": bit-identical to in process, "next";
-    fleet.attach.ROUND_MODES). `log(line)` hears why it waits. Raises FleetError (unreachable, token refused, no
+    fleet.attach.ROUND_MODES). `share`: this process's share of the pool, stated by each of its coordinator runs
+    (finite, > 0, at most wire.bounds.MAX_SHARE; default 1): runs with work split the workers' time in proportion to
+    their shares (docs/operations.md, "Shares"). `log(line)` hears why it waits. Raises FleetError (unreachable, token refused, no
     worker in time, a credential missing or refused), ValueError (a URL that is not http(s), an unknown `rounds`)
     and TypeError (a keyword that is no credential).
     """
@@ -82,7 +84,7 @@ def connect(url: str, *, wait_s: float = 120.0, min_workers: int = 1, log=lambda
             e = exc.errors(include_input=False, include_url=False)[0]
             raise FleetError(f"connect: {e['loc'][0]} {e['msg'].removeprefix('Value error, ')}") from None
     return attach(url, settings=settings, wait_s=wait_s, min_workers=min_workers, log=log, rounds=rounds,
-                  run_prefix=run_prefix, check=check)
+                  run_prefix=run_prefix, check=check, share=share)
 
 
 class Evaluation:
@@ -195,9 +197,10 @@ class VersionChannel:
         import secrets
 
         from fleet.backend import BackendTuning, CoordinatorBackend, FleetAddress
-        from wire.messages import RunSpec
+        from wire.messages import RunSpec, share_fields
 
         spec = RunSpec(run=run or f"{fleet.run_prefix}-v-{secrets.token_hex(4)}", model_class=type(model).__name__,
+                       **share_fields(fleet.share),
                        **({"spot_check_fraction": 0.0} if fleet.workers < 2 else {}))
         s = fleet.settings
         self.backend = CoordinatorBackend.connect(model, spec, FleetAddress.of(fleet.base, s),

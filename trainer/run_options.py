@@ -16,6 +16,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from wire.bounds import MAX_SHARE, Share
 from wire.messages import RunId
 
 # --fleet-wait -> the round mode of fleet.attach (trainer.zo.rounds.RoundBook's fold timing)
@@ -53,6 +54,8 @@ class RunOptions(BaseModel):
         "mode)")
     attach_wait: float = _F(120.0, ge=0.0, allow_inf_nan=False, description="with --coordinator: seconds to wait "
                             "for the coordinator and at least one active probe worker before giving up")
+    share: Share = _F(1.0, description="with --coordinator: this run's share of the fleet's pool (finite, > 0, at "
+                      f"most {MAX_SHARE:g}): runs with work split the workers' time in proportion to their shares")
     require_fleet: bool = _F(False, description="with --coordinator: a run in which no probe round from the fleet "
                              "was ever applied (it equals AdamW) ends with an error (exit 1) instead of a warning")
     nproc_per_node: int | None = _F(None, ge=1, description="train under torchrun with N processes on this machine "
@@ -96,6 +99,8 @@ class RunOptions(BaseModel):
                                  f"rounds: they need {COORDINATOR}")
             if self.require_fleet:
                 raise ValueError(f"--require-fleet needs {COORDINATOR}")
+            if self.share != 1.0:
+                raise ValueError(f"--share is a share of a fleet's pool: it needs {COORDINATOR}")
             if self.eval_on == "fleet":
                 raise ValueError(f"--eval-on fleet needs {COORDINATOR}")
         if self.eval_on == "fleet" and (self.nproc_per_node or 1) > 1:

@@ -29,7 +29,7 @@ RUN_SECTION = "How the run runs (RunOptions; `up` takes the same names)"
 class FleetHooks:
     """What the top layer (sparecycles.cli) hands `train` for a fleet.
 
-    attach(url, wait_s=, log=, rounds=, settings=) -> fleet.attach.Fleet, raising FleetError (a RuntimeError);
+    attach(url, wait_s=, log=, rounds=, settings=, share=) -> fleet.attach.Fleet, raising FleetError (a RuntimeError);
     settings() -> fleet.attach.FleetSettings from the environment, raising FleetError naming each variable;
     teacher_rounds(url, window=, strict=, run=, coordinator=) -> trainer.train's kd_loss_factory (fleet.teacher),
     raising ValueError when its Redis does not answer; `coordinator` (URL, admin token) registers the rounds there
@@ -229,7 +229,7 @@ def _attach_fleet(url: str, cfg: Any, opts: RunOptions, settings: Any, hooks: Fl
     the fleet nothing, an unreachable coordinator, a refused token or no active worker in time."""
     probes, evaluate = _fleet_use(cfg, opts)
     try:
-        fleet = hooks.attach(url, wait_s=opts.attach_wait, rounds=opts.rounds(),
+        fleet = hooks.attach(url, wait_s=opts.attach_wait, rounds=opts.rounds(), share=opts.share,
                              log=lambda m: typer.echo(m, err=True), settings=settings)
     except (RuntimeError, ValueError) as exc:
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)

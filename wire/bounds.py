@@ -30,11 +30,16 @@ MAX_STALENESS = 1_000_000  # versions
 SEED_LIMIT = 1 << 64  # probe seeds: [0, 2**64), the Philox key (probe_kernels.philox.SEED_LIMIT)
 RUN_SEED_LIMIT = 1 << 63  # run seeds: [0, 2**63), a non-negative int64
 MAX_KD_K = 1024  # distillation ids per position (S sampled, k topk): far above any useful S or k
+MAX_SHARE = 1000.0  # a run's share of the pool (relative weight): 1000:1 already leaves the small run a worker
+# for about a thousandth of the time, finer than a pool of a few workers can split
+MAX_TASK_S = 86_400.0  # seconds a worker reports for one task: a day, far above any probe task
 
 ProbeEps = Annotated[float, Field(gt=0.0, le=MAX_PROBE_EPS, allow_inf_nan=False)]
 Staleness = Annotated[int, Field(ge=0, le=MAX_STALENESS)]
 Seed = Annotated[int, Field(ge=0, lt=SEED_LIMIT)]
 RunSeed = Annotated[int, Field(ge=0, lt=RUN_SEED_LIMIT)]
+Share = Annotated[float, Field(gt=0.0, le=MAX_SHARE, allow_inf_nan=False)]  # --share: a run's weight in the pool
+TaskSeconds = Annotated[float, Field(ge=0.0, le=MAX_TASK_S, allow_inf_nan=False)]  # one task's wall time
 KDIds = Annotated[int, Field(ge=1, le=MAX_KD_K)]  # --kd-k, a teacher round's k, a target blob's K
 
 _ADAPTERS: dict[int, TypeAdapter] = {}  # by id(bound): the types above live as long as the module

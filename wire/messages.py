@@ -17,10 +17,12 @@ from pydantic import (
     ConfigDict,
     Field,
     JsonValue,
+    SerializerFunctionWrapHandler,
+    model_serializer,
     model_validator,
 )
 
-from wire.bounds import Seed, Staleness
+from wire.bounds import Seed, Share, Staleness
 
 SCHEMA_VERSION = 1
 MAX_SEEDS_PER_ROUND = 65_536
@@ -180,8 +182,13 @@ class RunSpec(Message):
 
     Spot checks: a fraction `spot_check_fraction` of each round's seeds is evaluated by two workers;
     values disagreeing by more than `spot_atol + spot_rtol * max(|a|, |b|)` trigger a third evaluation.
+
+    `share` (schema version 2; wire.bounds.Share: finite, > 0, <= MAX_SHARE) is the run's weight in the pool: the
+    coordinator splits workers' time between runs with work in proportion to their shares (coordinator.share_math).
+    A spec whose share is the default 1 serialises without it, byte-identical to a schema-1 spec.
     """
 
+    schema_version: Literal[1, 2] = 1
     run: RunId
     model_class: ShortText
     model_preset: ShortText | None = None
@@ -194,6 +201,26 @@ class RunSpec(Message):
     spot_atol: FiniteFloat = Field(default=1e-6, ge=0.0, le=1e3)
     seeds_per_task: int = Field(default=4, ge=1, le=MAX_SEEDS_PER_TASK)
     canary: CanarySpec | None = None
+    share: Share = 1.0
+
+    @model_serializer(mode="wrap")
+    def _drop_default_share(self, handler: SerializerFunctionWrapHandler) -> dict:
+        """Without `share` when it is the default 1 (what schema-1 coordinators accept: they forbid unknown fields)."""
+        out = handler(self)
+        if out.get("share") == 1.0:
+            del out["share"]
+        return out
+
+    @model_validator(mode="after")
+    def _check_share_schema(self) -> RunSpec:
+        if self.share != 1.0 and self.schema_version < 2:
+            raise ValueError("a share other than 1 needs schema_version 2")
+        return self
+
+
+def share_fields(share: float) -> dict[str, float | int]:
+    """A RunSpec's keyword arguments for a run of `share` ({} for the default 1, which schema 1 carries)."""
+    return {} if share == 1.0 else {"share": share, "schema_version": 2}
 
 
 class RunInfo(Message):

@@ -20,7 +20,7 @@ from pydantic import (
     model_validator,
 )
 
-from wire.bounds import ProbeEps, Seed
+from wire.bounds import ProbeEps, Seed, TaskSeconds
 from wire.messages import (
     BASE_KINDS,
     GROUP_KINDS,
@@ -270,13 +270,35 @@ class ProbeResult(Message):
     l0: FiniteFloat | None = None
 
 
-class ResultBatch(Message):
-    """`POST /v1/runs/{run}/results` body: the results of one task (or a few), one worker, one round."""
+class _TaskTime(Message):
+    """`task_s` (schema version 2): the task's wall time on the worker, seconds (wire.bounds.TaskSeconds); the
+    coordinator adds it to the run's worker-seconds (coordinator.shares). Absent in schema 1, and then not sent."""
+
+    schema_version: Literal[1, 2] = 1
+    task_s: TaskSeconds | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_absent_time(self, handler: SerializerFunctionWrapHandler) -> dict:
+        out = handler(self)
+        if out.get("task_s", 0) is None:
+            del out["task_s"]
+        return out
+
+    @model_validator(mode="after")
+    def _check_time_schema(self) -> _TaskTime:
+        if self.task_s is not None and self.schema_version < 2:
+            raise ValueError("`task_s` needs schema_version 2")
+        return self
+
+
+class ResultBatch(_TaskTime):
+    """`POST /v1/runs/{run}/results` body: the results of one task (or a few), one worker, one round, and the
+    task's wall time (`task_s`, schema 2)."""
 
     results: list[ProbeResult] = Field(min_length=1, max_length=MAX_RESULTS_PER_BATCH)
 
 
-class ResultEnvelope(Message):
+class ResultEnvelope(_TaskTime):
     """What intake parses first: a `ResultBatch` whose entries are still unchecked JSON values.
 
     Each entry is then validated on its own (`parse_result`), so one bad entry costs only its own

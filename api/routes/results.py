@@ -47,7 +47,11 @@ async def submit_results(run: RunP, request: Request) -> Response:
             raise RequestValidationError(errors) from None
         parsed = [parse_result(entry) for entry in envelope.results]
         outcomes = await state.intake.submit_entries_async(state.aredis(), who.worker_id, run, parsed)
+        task_s = envelope.task_s
     else:
         outcomes = await state.intake.submit_async(state.aredis(), who.worker_id, run, list(body.results))
+        task_s = body.task_s
+    if task_s is not None and await state.store.shares.add_time_async(state.aredis(), run, task_s) is not None:
+        state.metrics.run_worker_seconds.labels(run).inc(task_s)  # the run's worker-seconds (its share's measure)
     # Serialised directly (the hot path): the outcomes are already of the IntakeReply type.
     return Response(json.dumps({"schema_version": 1, "outcomes": outcomes}), media_type="application/json")

@@ -1,0 +1,101 @@
+"""Shares on a real coordinator (real Redis, uvicorn, HTTP; workers played over HTTP): the share's bounds at the
+boundary, the heartbeat's queue answer by share, worker-seconds from results, a run's end freeing its share."""
+
+from __future__ import annotations
+
+import json
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from support.coordinator import Env, result, round_body
+
+
+def _metrics(env: Env) -> dict[tuple[str, tuple], float]:
+    out = {}
+    for fam in text_string_to_metric_families(env.admin.get("/metrics").text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def _refused(env: Env) -> float:
+    return _metrics(env).get(("sparecycles_rejected_requests_total", (("reason", "validation"),)), 0.0)
+
+
+def test_share_out_of_bounds_is_refused_and_counted(env: Env) -> None:
+    before = _refused(env)
+    bodies = [{"share": 0.0, "schema_version": 2}, {"share": -1.0, "schema_version": 2},
+              {"share": 1001.0, "schema_version": 2}, {"share": 3.0}]  # the last: a share needs schema 2
+    for extra in bodies:
+        resp = env.admin.post("/v1/runs", json={"run": "x", "model_class": "GPT2LMHeadModel", **extra})
+        assert resp.status_code == 422, (extra, resp.text)
+    raw = b'{"run": "x", "model_class": "GPT2LMHeadModel", "schema_version": 2, "share": Infinity}'
+    resp = env.admin.post("/v1/runs", content=raw, headers={"content-type": "application/json"})
+    assert resp.status_code == 422
+    assert _refused(env) - before == 5
+    assert env.admin.get("/v1/runs/x").status_code == 404
+
+    env.create_run("x", share=2.5, schema_version=2)
+    assert env.admin.get("/v1/runs/x").json()["spec"]["share"] == 2.5
+    env.create_run("y")  # default share 1: the spec carries no share, as a schema-1 one
+    assert "share" not in env.admin.get("/v1/runs/y").json()["spec"]
+    m = _metrics(env)
+    assert m[("sparecycles_run_share", (("run", "x"),))] == 2.5
+    assert m[("sparecycles_run_share", (("run", "y"),))] == 1.0
+
+
+def _open_round(env: Env, run: str, rid: str, seeds: list[int]) -> None:
+    batch = env.upload(run.encode() * 64)
+    assert env.admin.post(f"/v1/runs/{run}/rounds", json=round_body(run, rid, batch, seeds)).status_code == 201
+
+
+def test_heartbeats_follow_shares_and_an_ended_run_frees_its_share(env: Env) -> None:
+    env.create_run("a", share=3.0, schema_version=2, spot_check_fraction=0.0, seeds_per_task=1)
+    env.create_run("b", spot_check_fraction=0.0, seeds_per_task=1)
+    for run in ("a", "b"):
+        env.publish_version(run, 0, run.encode() * 8)
+        _open_round(env, run, "r0", list(range(8)))  # 8 tasks wait in each queue (no worker takes them)
+    workers = [env.enroll(f"w{i}") for i in range(4)]
+    qa, qb = (f"{env.settings.queue_prefix}.{run}" for run in ("a", "b"))
+
+    def beat(reg: dict, w) -> list[str]:
+        resp = w.post(f"/v1/workers/{reg['worker_id']}/heartbeat", json={"busy": True})
+        assert resp.status_code == 200, resp.text
+        return resp.json()["queues"]
+
+    answers = [beat(reg, w) for reg, w in workers]
+    assert sorted(map(tuple, answers)) == [(qa,), (qa,), (qa,), (qb,)]  # 4 workers at 3:1: three on a, one on b
+    assert [beat(reg, w) for reg, w in workers] == answers  # steady: nobody switches
+
+    # worker-seconds: each task's `task_s` is added to its run (counter and Redis), results of any outcome
+    reg, w = workers[0]
+    for seed, took in ((0, 1.5), (1, 2.25)):
+        batch = {"schema_version": 2, "task_s": took, "results": [result("a", "r0", seed, reg["worker_id"])]}
+        assert w.post("/v1/runs/a/results", json=batch).status_code == 200
+    bad = {"schema_version": 2, "task_s": -1.0, "results": [result("a", "r0", 2, reg["worker_id"])]}
+    assert w.post("/v1/runs/a/results", json=bad).status_code == 422
+    m = _metrics(env)
+    assert m[("sparecycles_run_worker_seconds_total", (("run", "a"),))] == 3.75
+    assert ("sparecycles_run_worker_seconds_total", (("run", "b"),)) not in m
+    assert float(env.r.hget(f"{env.settings.key_prefix}:{{a}}:run", "worker_s")) == 3.75
+
+    # run a ends: at their next heartbeat every worker is on b, the only run with work
+    assert env.admin.post("/v1/runs/a/end").status_code == 200
+    assert [beat(reg, w) for reg, w in workers] == [[qb]] * 4
+    # b's queue emptied: every worker consumes every run's queue (work-conserving: none waits for an answer)
+    env.r.delete(qb)
+    assert [beat(reg, w) for reg, w in workers] == [[qb]] * 4
+    env.create_run("c", spot_check_fraction=0.0)
+    qc = f"{env.settings.queue_prefix}.c"
+    assert beat(*workers[0]) == [qb, qc]
+
+
+def test_a_new_run_starts_level_with_the_least_served(env: Env) -> None:
+    env.create_run("a", spot_check_fraction=0.0)
+    reg, w = env.enroll("w0")
+    batch = {"schema_version": 2, "task_s": 40.0, "results": [result("a", "r0", 0, reg["worker_id"])]}
+    w.post("/v1/runs/a/results", json=batch)  # the round is unknown (refused), the time still counts
+    env.create_run("b", share=2.0, schema_version=2, spot_check_fraction=0.0)
+    key = f"{env.settings.key_prefix}:{{b}}:run"
+    assert float(env.r.hget(key, "vt_base")) == 40.0  # a's virtual time 40 / 1: b owes nothing and is owed nothing
+    assert json.loads(env.r.hget(key, "spec"))["share"] == 2.0
