@@ -272,8 +272,10 @@ class ProbeResult(Message):
 
 class _TaskTime(Message):
     """`task_s` (schema version 2): the task's wall time on the worker, seconds (wire.bounds.TaskSeconds); the
-    coordinator adds it to the run's worker-seconds (coordinator.shares). Absent in schema 1, and then not sent."""
+    coordinator adds it to the run's worker-seconds (coordinator.shares). Absent in schema 1, and then not sent.
+    Non-finite losses of its results serialise as JSON constants, as each `ProbeResult` does on its own."""
 
+    model_config = ConfigDict(**Message.model_config, ser_json_inf_nan="constants")
     schema_version: Literal[1, 2] = 1
     task_s: TaskSeconds | None = None
 
