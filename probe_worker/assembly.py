@@ -26,7 +26,7 @@ from probe_worker.broker import use_guarded_transport
 from probe_worker.cache import WeightCache
 from probe_worker.metrics import WorkerMetrics, default_metrics
 from probe_worker.options import WorkerOptions
-from probe_worker.runtime import ProbeRuntime
+from probe_worker.runtime import ForwardSettings, ProbeRuntime
 from probe_worker.serving import Preempted, ServingWatch
 from probe_worker.task_trace import TraceFile
 from probe_worker.tasks import DrainState, gpu_utilization_reader, register_probe_task, shutting_down
@@ -199,9 +199,10 @@ def build_parts(opts: WorkerOptions) -> WorkerParts:
     cache = WeightCache(client, opts.cache_dir, opts.device, keep_versions=opts.keep_versions,
                         keep_disk_versions=opts.keep_versions + 1, metrics=metrics, shared_blob_dir=opts.blob_dir)
     cache.stopping = lambda: stop.is_set() or shutting_down()  # a weight load stops between shards once stopping
-    runtime = ProbeRuntime(client, reg.worker_id, cache, metrics, probe_path=opts.probe_path,
-                           cuda_graphs=opts.cuda_graphs, attn_dtype=attention_dtype(opts.tf32_attention, opts.device),
-                           segmented=opts.serving is not None)  # beside an engine: stop between blocks
+    forwards = ForwardSettings(probe_path=opts.probe_path, cuda_graphs=opts.cuda_graphs,
+                               attn_dtype=attention_dtype(opts.tf32_attention, opts.device),
+                               segmented=opts.serving is not None)  # beside an engine: stop between blocks
+    runtime = ProbeRuntime(client, reg.worker_id, cache, metrics, forwards=forwards)
     serving = None
     trace = TraceFile(opts.task_trace) if opts.task_trace else None
     if opts.serving is not None:

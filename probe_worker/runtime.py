@@ -24,6 +24,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -68,6 +69,28 @@ def parse_task(kwargs: Any) -> ProbeTask:
     return ProbeTask.model_validate_json(json.dumps(kwargs, allow_nan=False))
 
 
+@dataclass(frozen=True)
+class ForwardSettings:
+    """How a worker's probe and eval forwards run.
+
+    probe_path: "auto" (whole-model copy when it fits in free memory, else per-unit), "whole" or "per_unit"
+    (probe_kernels.fastpath.make_evaluator); compile: torch.compile the whole-model forward (None: on CUDA);
+    cuda_graphs: replay it as CUDA graphs; attn_dtype: the attention dtype of the perturbing kinds' fp32 forwards
+    (None: theirs; bf16: probe_kernels.FastForward's attn_dtype); segmented: compile the forwards block by block, so
+    a task can stop between blocks (beside an engine). Raises ValueError for an unknown probe_path.
+    """
+
+    probe_path: str = "auto"
+    compile: bool | None = None
+    cuda_graphs: bool = False
+    attn_dtype: torch.dtype | None = None
+    segmented: bool = False
+
+    def __post_init__(self) -> None:
+        if self.probe_path not in MODES:
+            raise ValueError(f"probe_path must be one of {MODES}, got {self.probe_path!r}")
+
+
 class ProbeRuntime:
     """Evaluates probe tasks for worker `worker_id` on `cache.device`; thread-safe for one task at a time
     (`_lock`, the evaluation lock), with `prefetch` loading snapshot versions beside a running task.
@@ -78,25 +101,18 @@ class ProbeRuntime:
         cache: the weight cache (decides the device).
         metrics: counters and histograms (default: the process-wide set).
         keep_rounds: clean losses remembered (per (run, version, batch hash)).
-        probe_path: "auto" (whole-model copy when it fits in free memory, else per-unit), "whole" or
-            "per_unit" (probe_kernels.fastpath.make_evaluator); compile: torch.compile the whole-model forward
-            (None: on CUDA); cuda_graphs: replay it as CUDA graphs; attn_dtype: the attention dtype of the
-            perturbing kinds' fp32 forwards (None: theirs; bf16: probe_kernels.FastForward's attn_dtype);
-            segmented: compile the forwards block by block, so a task can stop between blocks (beside an engine).
-    Raises ValueError for an unknown probe_path.
+        forwards: how the probe and eval forwards run (ForwardSettings; default: its defaults).
     """
 
     def __init__(self, client: CoordinatorClient, worker_id: str, cache: WeightCache,
-                 metrics: WorkerMetrics | None = None, keep_rounds: int = 64, probe_path: str = "auto",
-                 compile: bool | None = None, cuda_graphs: bool = False,
-                 attn_dtype: torch.dtype | None = None, segmented: bool = False) -> None:
-        if probe_path not in MODES:
-            raise ValueError(f"probe_path must be one of {MODES}, got {probe_path!r}")
+                 metrics: WorkerMetrics | None = None, keep_rounds: int = 64,
+                 forwards: ForwardSettings | None = None) -> None:
         self.client, self.worker_id, self.cache = client, worker_id, cache
         self.metrics = metrics or default_metrics()
         self.keep_rounds = keep_rounds
-        self.probe_path, self.compile, self.cuda_graphs = probe_path, compile, cuda_graphs
-        self.attn_dtype, self.segmented = attn_dtype, segmented
+        f = forwards or ForwardSettings()
+        self.probe_path, self.compile, self.cuda_graphs = f.probe_path, f.compile, f.cuda_graphs
+        self.attn_dtype, self.segmented = f.attn_dtype, f.segmented
         self._clean: OrderedDict[tuple[str, int, str], float] = OrderedDict()
         self._batches: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._attested: set[str] = set()

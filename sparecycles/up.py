@@ -26,7 +26,7 @@ from sparecycles.scrape import SCRAPE_CONFIG, write_scrape_config
 from sparecycles.services import Supervisor, die_with_parent, free_port
 from sparecycles.up_options import SERVING_JSON
 from sparecycles.up_plan import UP_SETTINGS, UpPlan, clear_folder, plan_up, read_json  # noqa: F401 (plan_up re-exported)
-from sparecycles.up_summary import build_summary, end_lines, title, write_summary  # noqa: F401 (end_lines re-exported)
+from sparecycles.up_summary import UpOutcome, build_summary, end_lines, title, write_summary  # noqa: F401 (end_lines re-exported)
 from sparecycles.up_summary import run_summary as _run_summary  # noqa: F401 (re-exported: tests/test_kd_cache.py)
 from trainer.run_options import TEACHER_ROUNDS_ENV  # train's --teacher-rounds, for up's torchrun ranks
 
@@ -369,9 +369,9 @@ def run_up(plan: UpPlan, *, progress: bool = True, keep_blobs: bool = False, exp
     if not keep_blobs:  # a finished run never reads them again; a resumed one publishes afresh
         for name in ("blobs", "valkey"):
             shutil.rmtree(plan.out / name, ignore_errors=True)
-    summary = build_summary(plan, rounds=_rounds_note(plan.optimizer, plan.fleet_wait), teacher=teacher_note(plan),
-                            reused=reused, fleet=fleet, redis_desc=redis_desc, late=late, png=png,
-                            wall_s=time.perf_counter() - t0, extra=extra)
+    summary = build_summary(plan, UpOutcome(reused, fleet, redis_desc, extra),
+                            rounds=_rounds_note(plan.optimizer, plan.fleet_wait), teacher=teacher_note(plan),
+                            late=late, png=png, wall_s=time.perf_counter() - t0)
     for w in summary["warnings"][len(plan.warnings) + bool(late):]:
         log(f"warning: {w}")
     return write_summary(plan.out, summary)

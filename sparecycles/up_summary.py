@@ -4,6 +4,7 @@ lines (one per run, `--serving`'s, and where summary.json is)."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -39,12 +40,26 @@ def title(plan: UpPlan) -> str:
             f"{plan.zo_cfg.steps} steps")
 
 
-def build_summary(plan: UpPlan, *, rounds: str, teacher: str, reused: list[str], fleet: dict, redis_desc: str,
-                  late: str | None, png: Path, wall_s: float, extra: dict) -> dict:
+@dataclass(frozen=True)
+class UpOutcome:
+    """What one `up` invocation reused and trained, for summary.json: the finished runs it reused, the fleet's
+    figures (summed over the fleet-probed run's parts), where Redis came from, and `extra` (`--serving`'s
+    figures, or {})."""
+
+    reused: list[str]
+    fleet: dict
+    redis_desc: str
+    extra: dict
+
+
+def build_summary(plan: UpPlan, outcome: UpOutcome, *, rounds: str, teacher: str, late: str | None, png: Path,
+                  wall_s: float) -> dict:
     """summary.json's figures (less `disk_mb`, which `write_summary` adds): the settings, each run's figures
-    (run_summary), the fleet's, `rounds` and `teacher` (sparecycles.up's notes) and where evaluation ran, warnings
-    (the plan's, `late`, each run's), wall seconds, the plot and logs, and `extra` (serving)."""
+    (run_summary), the fleet's and what was reused (`outcome`), `rounds` and `teacher` (sparecycles.up's notes) and
+    where evaluation ran, warnings (the plan's, `late`, each run's), wall seconds, the plot and logs, and
+    `outcome.extra` (serving)."""
     out, opt = plan.out, plan.optimizer
+    reused, fleet, redis_desc, extra = outcome.reused, outcome.fleet, outcome.redis_desc, outcome.extra
     model_name, data_name = names(plan)
     summary = {
         "task": plan.task, "preset": plan.preset, "model": model_name, "corpus": data_name, "steps": plan.zo_cfg.steps,

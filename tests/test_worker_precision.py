@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from probe_worker.runtime import ProbeRuntime
+from probe_worker.runtime import ForwardSettings, ProbeRuntime
 from trainer.models.losses import lm_batch_loss
 
 
@@ -23,7 +23,8 @@ def tiny(seed=0):
 
 
 def runtime():
-    return ProbeRuntime(None, "w", SimpleNamespace(device="cpu"), probe_path="whole", compile=False)  # type: ignore[arg-type]
+    return ProbeRuntime(None, "w", SimpleNamespace(device="cpu"),  # type: ignore[arg-type]
+                        forwards=ForwardSettings(probe_path="whole", compile=False))
 
 
 @torch.no_grad()
