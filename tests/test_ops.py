@@ -34,7 +34,7 @@ def _exported() -> set[str]:
     from trainer import metrics as trainer_metrics
 
     coord = CoordinatorMetrics()
-    coord.attach_live(lambda: {"active": 1}, lambda: {"run": 0}, lambda: {"run": 0})
+    coord.attach_live(lambda: {"active": 1}, lambda: {"run": 0}, lambda: {"run": 0}, lambda: {"run": 1.0})
     worker_reg = CollectorRegistry()
     WorkerMetrics(registry=worker_reg)
     TeacherMetrics(registry=worker_reg)
