@@ -4,8 +4,8 @@ kernels, probe: probe kernels and a probe worker's speed on a GPU (probe_kernels
 kernels they measure); intake: result intake through Redis (benchmarks.intake); fleet: probe throughput of real
 workers (benchmarks.fleet); data-pack, precision; serving, serving-load: latency beside a serving engine
 (benchmarks.serving); churn: a trainer on a local fleet whose workers come and go on a seeded
-schedule (benchmarks.churn). The experiments (ZO side by side, the block-type lr regime, the headline report) are not
-product commands: they live in experiments/ at the repository root (experiments/README.md).
+schedule (benchmarks.churn); shares: two runs on a local fleet at stated shares (benchmarks.shares). The
+experiments (ZO side by side, the block-type lr regime, the headline report) are not product commands: they live in experiments/ at the repository root (experiments/README.md).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from benchmarks.options import (
 )
 from benchmarks.segments import SegmentsBench
 from benchmarks.serving_options import ServingBench, ServingLoad
+from benchmarks.shares import SharesOptions
 from trainer.cli_settings import SettingsCommand, with_settings
 
 SECTION = "Options"  # the generated options list with --help's own
@@ -145,6 +146,19 @@ def bench_churn(given: dict) -> None:
     for f in rep["arms"]:
         typer.echo(json.dumps({k: v for k, v in f.items() if k != "events"}))
     typer.echo(f"wrote {o.out / 'churn.json'} and {o.out / 'churn.png'}")
+
+
+@with_settings(model=SharesOptions, param="given", section=SECTION)
+def bench_shares(given: dict) -> None:
+    """Two runs at stated shares on a local fleet of CPU workers, then the first ends: each run's worker-seconds
+    (the coordinator's sparecycles_run_worker_seconds_total) against the shares, and the second run taking the pool.
+    Writes OUT/shares.json and OUT/shares.png."""
+    from benchmarks.shares import run_shares_bench
+
+    o = parse(SharesOptions, given)
+    rep = run_shares_bench(o, lambda m: typer.echo(m, err=True))
+    typer.echo(json.dumps(rep["figures"]))
+    typer.echo(f"wrote {o.out / 'shares.json'} and {o.out / 'shares.png'}")
 
 
 def _redis_answers(url: str) -> None:
@@ -265,6 +279,7 @@ bench_app.command("probe", cls=SettingsCommand, short_help="One probe worker's s
 bench_app.command("intake", cls=SettingsCommand, short_help="Coordinator intake: results/s and latency.")(bench_intake)
 bench_app.command("fleet", cls=SettingsCommand, short_help="Fleet probes/s with 1, 2, 4 workers; publish time.")(bench_fleet)
 bench_app.command("churn", cls=SettingsCommand, short_help="A trainer on a fleet whose workers come and go.")(bench_churn)
+bench_app.command("shares", cls=SettingsCommand, short_help="Two runs sharing a fleet at stated shares.")(bench_shares)
 bench_app.command("data-pack", cls=SettingsCommand, short_help="Tokens/s and the time to pack a 100 MB --data folder.")(
     bench_data_pack)
 bench_app.command("precision", cls=SettingsCommand, short_help="bf16 vs TF32 signal-to-noise per round kind.")(bench_precision)

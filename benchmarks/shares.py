@@ -126,3 +126,112 @@ def sample(read: Callable[[], dict[str, float]], until: Callable[[], bool], t0: 
         rows.append({"t": time.monotonic() - t0, **read()})
         time.sleep(every_s)
     return rows
+
+
+def _at(rows: list[dict], t: float) -> dict:
+    """The last sample at or before `t` ({"t": 0} before the first)."""
+    return max((r for r in rows if r["t"] <= t), key=lambda r: r["t"], default={"t": 0.0})
+
+
+def _rate(r0: dict, r1: dict, run: str) -> float:
+    """`run`'s worker-seconds per second between samples r0 and r1."""
+    return (r1.get(run, 0.0) - r0.get(run, 0.0)) / max(r1["t"] - r0["t"], 1e-9)
+
+
+def _last_growth(rows: list[dict], run: str) -> float:
+    """The time of the last sample at which `run`'s worker-seconds had grown since the one before (0 if never)."""
+    grew = [r1["t"] for r0, r1 in zip([{"t": 0.0}, *rows], rows) if r1.get(run, 0.0) > r0.get(run, 0.0)]
+    return max(grew, default=0.0)
+
+
+def summarize(o: SharesOptions, rows: list[dict], ended_at: float, lease_s: float) -> dict:
+    """The figures of `rows` (samples {t, a, b} in worker-seconds, seconds since the start; a ended at `ended_at`):
+    the ratio a/b at a's end against the shares', the same over the shared span's second half (both runs warm), each
+    run's worker-seconds per second in that half, b's from one lease after a's end, and when a's counter last grew."""
+    end, half = _at(rows, ended_at), _at(rows, ended_at / 2)
+    w = {run: end.get(run, 0.0) for run in ("a", "b")}
+    half_w = {run: w[run] - half.get(run, 0.0) for run in ("a", "b")}
+    want = o.share_a / o.share_b
+    tail = [r for r in rows if r["t"] >= ended_at + lease_s]
+    return {
+        "target_ratio": want,
+        "worker_seconds_at_end": w,
+        "ratio_at_end": w["a"] / w["b"] if w["b"] else None,
+        "ratio_error_at_end": (w["a"] / w["b"]) / want - 1 if w["b"] else None,
+        "ratio_second_half": half_w["a"] / half_w["b"] if half_w["b"] else None,
+        "a_rate_shared": _rate(half, end, "a"),
+        "b_rate_shared": _rate(half, end, "b"),
+        "b_rate_alone": _rate(tail[0], tail[-1], "b") if len(tail) > 1 else None,
+        "a_last_growth_after_end_s": max(0.0, _last_growth(rows, "a") - ended_at),
+    }
+
+
+def plot(rows: list[dict], ended_at: float, o: SharesOptions, path: Path) -> None:
+    """Worker-seconds of each run over time (the samples), a's end marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for run, share in (("a", o.share_a), ("b", o.share_b)):
+        ax.plot([r["t"] for r in rows], [r.get(run, 0.0) for r in rows], label=f"run {run} (share {share:g})")
+    ax.axvline(ended_at, color="grey", linestyle="--", label="a ends")
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("worker-seconds (sparecycles_run_worker_seconds_total)")
+    ax.set_title(f"{o.workers} CPU workers, shares {o.share_a:g}:{o.share_b:g}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_shares_bench(o: SharesOptions, log: Callable[[str], None]) -> dict:
+    """Run the bench (module docstring); writes OUT/shares.json and OUT/shares.png and returns the report. Raises
+    RuntimeError when the fleet does not come up or a pump fails."""
+    import json
+    import tempfile
+
+    import httpx
+
+    from benchmarks.churn import FAST_FLEET, ChurnOptions, start_site
+    from fleet.backend import BackendTuning, CoordinatorBackend, FleetAddress
+    from wire.messages import RunSpec, share_fields
+
+    folder = Path(tempfile.mkdtemp(prefix="shares-"))
+    site = start_site(ChurnOptions(workers=o.workers, redis_url=o.redis_url), folder)
+    try:
+        log(f"{o.workers} workers up; runs a (share {o.share_a:g}) and b (share {o.share_b:g})")
+        model, batch = probe_model(o.width, o.seq_len), token_batch(o.batch_size, o.seq_len, seed=1)
+        address = FleetAddress(site.url, site.admin, site.redis_url, site.prefix)
+        backends = {run: CoordinatorBackend.connect(model, RunSpec(
+            run=run, model_class=type(model).__name__, spot_check_fraction=0.0, seeds_per_task=o.seeds_per_task,
+            **share_fields(share)), address, BackendTuning(round_timeout_s=300.0))
+            for run, share in (("a", o.share_a), ("b", o.share_b))}
+        for be in backends.values():
+            be.publish(0)
+        pumps = {run: RoundPump(be, batch, o.seeds, ahead=3, name=run).start() for run, be in backends.items()}
+        admin = httpx.Client(base_url=site.url, headers={"Authorization": f"Bearer {site.admin}"}, timeout=30)
+        t0 = time.monotonic()
+        read = lambda: worker_seconds(admin.get("/metrics").text)  # noqa: E731
+        rows = sample(read, lambda: time.monotonic() - t0 >= o.duration_s, t0)
+        pumps["a"].stop()
+        backends["a"].close(end=True)
+        ended_at = time.monotonic() - t0
+        log(f"a ended at {ended_at:.1f} s; b alone for {o.tail_s:g} s")
+        rows += sample(read, lambda: time.monotonic() - t0 >= ended_at + o.tail_s, t0)
+        pumps["b"].stop()
+        backends["b"].close(end=True)
+        for run, pump in pumps.items():
+            if pump.error is not None:
+                raise RuntimeError(f"run {run}'s rounds failed: {pump.error!r}")
+        lease_s = float(FAST_FLEET["SPARECYCLES_LEASE_SECONDS"])
+        report = {"options": json.loads(o.model_dump_json()), "lease_s": lease_s, "a_ended_at_s": ended_at,
+                  "rounds": {run: len(p.done) for run, p in pumps.items()}, "work": str(folder),
+                  "figures": summarize(o, rows, ended_at, lease_s), "samples": rows}
+    finally:
+        site.stop_all()
+    o.out.mkdir(parents=True, exist_ok=True)
+    (o.out / "shares.json").write_text(json.dumps(report, indent=1) + "\n")
+    plot(rows, ended_at, o, o.out / "shares.png")
+    return report
