@@ -5,7 +5,8 @@ kernels they measure); intake: result intake through Redis (benchmarks.intake); 
 workers (benchmarks.fleet); data-pack, precision; serving, serving-load: latency beside a serving engine
 (benchmarks.serving); churn: a trainer on a local fleet whose workers come and go on a seeded
 schedule (benchmarks.churn); shares: two runs on a local fleet at stated shares (benchmarks.shares). The
-experiments (ZO side by side, the block-type lr regime, the headline report) are not product commands: they live in experiments/ at the repository root (experiments/README.md).
+experiments (ZO side by side, the block-type lr regime, the headline report) are not product commands: they live
+in experiments/ at the repository root (experiments/README.md).
 """
 
 from __future__ import annotations
