@@ -73,6 +73,14 @@ class ShareBook:
         """run -> worker-seconds of every listed run (summed `task_s`)."""
         return {run: load.worker_s for run, load in self._loads().items()}
 
+    def workers_on(self, run: str, now: float | None = None) -> set[str] | None:
+        """Workers told within one lease to consume `run`'s queue (its own, or every queue); None when no worker was
+        told anything within a lease (no heartbeat since: the caller knows nothing from shares)."""
+        now = time.time() if now is None else now
+        fresh = {wid: entry.partition("\t") for wid, entry in self.r.hgetall(self.keys.k_share_assign).items()}
+        fresh = {wid: r for wid, (r, _, at) in fresh.items() if float(at or 0) >= now - self.lease_s}
+        return None if not fresh else {wid for wid, r in fresh.items() if r in (run, "")}
+
     def queues_for(self, wid: str, now: float | None = None) -> list[str]:
         """The probe queues worker `wid` is told to consume now: its chosen run's queue, or every run's queue when
         no run has a task waiting (work-conserving). Records the answer in `k_share_assign`."""

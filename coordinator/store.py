@@ -67,10 +67,15 @@ class Store:
 
     def spot_copy_placeable(self, run: str, rid: str, seed: int) -> bool:
         """Whether a copy of spot-checked `seed` can go to a worker that did not evaluate one of its held replicas:
-        some live worker (active or draining) is not among them. False means a copy would only come back refused
-        (`same_worker`) or wait for a worker that is not there."""
+        some live worker (active or draining) is not among them and, once workers heartbeat under shares
+        (coordinator.shares), one of those is told to consume the run. False means a copy would only come back refused
+        (`same_worker`) or wait for a worker that is not there: a run held to one worker by its share spot-checks
+        nothing while that lasts, as a one-worker fleet (the copies are given up and counted, not re-sent)."""
         holders = self.dispatch.spot_holders(run, rid, seed)
-        return not holders or self.workers.live_workers(exclude=holders) > 0
+        if not holders:
+            return True
+        on = self.shares.workers_on(run)  # under shares, only the workers told to consume the run can take it
+        return self.workers.live_workers(exclude=holders) > 0 and (on is None or bool(on - holders))
 
     def ping(self) -> bool:
         """True if Redis answers."""

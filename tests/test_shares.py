@@ -99,3 +99,29 @@ def test_a_new_run_starts_level_with_the_least_served(env: Env) -> None:
     key = f"{env.settings.key_prefix}:{{b}}:run"
     assert float(env.r.hget(key, "vt_base")) == 40.0  # a's virtual time 40 / 1: b owes nothing and is owed nothing
     assert json.loads(env.r.hget(key, "spec"))["share"] == 2.0
+
+
+def test_a_run_held_to_one_worker_gives_up_its_spot_copies(env: Env) -> None:
+    """Two workers, two runs with work at 1:1: one worker each. Run x's spot copy comes back from x's only worker
+    (`same_worker`): with no other worker told to consume x it is given up and counted, not re-sent."""
+    env.create_run("x", spot_check_fraction=1.0, spot_rtol=1e-6, spot_atol=0.0, seeds_per_task=1)
+    env.create_run("y", spot_check_fraction=0.0, seeds_per_task=1)
+    for run in ("x", "y"):
+        env.publish_version(run, 0, run.encode() * 8)
+    workers = [env.enroll(f"w{i}") for i in range(2)]  # enrolled before the rounds: x's copies are sent
+    for run in ("x", "y"):
+        _open_round(env, run, "r0", [1, 2, 3])
+    told = {}
+    for reg, w in workers:
+        told[reg["worker_id"]] = w.post(f"/v1/workers/{reg['worker_id']}/heartbeat", json={}).json()["queues"]
+    qx = f"{env.settings.queue_prefix}.x"
+    on_x = [wid for wid, queues in told.items() if queues == [qx]]
+    assert len(on_x) == 1
+    client = dict((reg["worker_id"], w) for reg, w in workers)[on_x[0]]
+    sent = len(env.queue_messages("x"))
+    post = lambda res: client.post("/v1/runs/x/results", json={"results": [res]}).json()["outcomes"]  # noqa: E731
+    assert post(result("x", "r0", 1, on_x[0])) == ["held"]
+    assert post(result("x", "r0", 1, on_x[0], replica=1)) == ["same_worker"]
+    assert len(env.queue_messages("x")) == sent  # not re-sent
+    m = _metrics(env)
+    assert m[("sparecycles_spot_copies_dropped_total", (("reason", "no_other_worker"),))] == 1
