@@ -135,6 +135,7 @@ class CoordinatorClient:
         self.base_url = base_url.rstrip("/")
         self.token = token
         self.attempts, self.max_wait_s, self.outage_s = attempts, max_wait_s, outage_s
+        self.results_schema = 2  # 1 once the coordinator refused a result batch's task time (post_results)
         self._http = httpx.Client(base_url=self.base_url, timeout=httpx.Timeout(timeout_s))
 
     def close(self) -> None:
@@ -232,12 +233,19 @@ class CoordinatorClient:
         self.request("POST", f"/v1/runs/{run}/attest", json=att.model_dump(mode="json"))
 
     def post_results(self, run: str, batch: ResultBatch) -> IntakeReply:
-        """`POST /v1/runs/{run}/results`: report one task's results; returns the per-result outcomes."""
-        # Serialised by pydantic: a non-finite loss travels as a JSON NaN token (httpx's json= refuses it).
-        r = self.request(
-            "POST", f"/v1/runs/{run}/results", content=batch.model_dump_json().encode(),
-            content_type="application/json",
-        )
+        """`POST /v1/runs/{run}/results`: report one task's results; returns the per-result outcomes. A batch with
+        the task's time (schema 2) that a coordinator refuses (422: one older than shares) is sent again without it,
+        and so are all later ones of this client."""
+        if batch.task_s is not None and self.results_schema < 2:
+            batch = ResultBatch(results=batch.results)
+        try:  # serialised by pydantic: a non-finite loss travels as a JSON NaN token (httpx's json= refuses it)
+            r = self.request("POST", f"/v1/runs/{run}/results", content=batch.model_dump_json().encode(),
+                             content_type="application/json")
+        except CoordinatorHTTPError as exc:
+            if exc.status != 422 or batch.task_s is None or "task_s" not in exc.detail:
+                raise
+            self.results_schema = 1
+            return self.post_results(run, batch)
         return IntakeReply.model_validate_json(r.content)
 
     # ---- trainer (admin) calls ------------------------------------------------------------------------

@@ -126,8 +126,8 @@ class WorkerRegistry:
     def __init__(self, r: redis.Redis, keys: Keys, settings: CoordinatorSettings, runs: RunStore,
                  teachers: TeacherRuns) -> None:
         self.r, self.keys, self.settings, self.runs, self.teachers = r, keys, settings, runs, teachers
-        # (worker id, now) -> the probe queues of its heartbeat; Store: by the runs' shares (coordinator.shares)
-        self.probe_queues: Callable[[str, float], list[str]] = lambda wid, now: self.runs.queues()
+        # (worker id, now, active) -> the probe queues of its heartbeat; Store: by the runs' shares (coordinator.shares)
+        self.probe_queues: Callable[[str, float, bool], list[str]] = lambda wid, now, active: self.runs.queues()
 
     @functools.cached_property
     def _scripts(self) -> dict:
@@ -317,7 +317,7 @@ class WorkerRegistry:
         if hb.serving is not None:  # the worker's figures beside a serving engine, shown in GET /v1/workers
             self.r.hset(keys[0], "serving", hb.serving.model_dump_json())
         lease = Lease(worker_id=wid, expires_at=expires, lease_seconds=self.settings.lease_seconds)
-        return HeartbeatReply(lease=lease, state=state, queues=self.probe_queues(wid, now),
+        return HeartbeatReply(lease=lease, state=state, queues=self.probe_queues(wid, now, state == "active"),
                               teacher_queues=self.teachers.queues())
 
     def reap_expired(self, now: float | None = None) -> list[str]:

@@ -81,10 +81,14 @@ class ShareBook:
         fresh = {wid: r for wid, (r, _, at) in fresh.items() if float(at or 0) >= now - self.lease_s}
         return None if not fresh else {wid for wid, r in fresh.items() if r in (run, "")}
 
-    def queues_for(self, wid: str, now: float | None = None) -> list[str]:
+    def queues_for(self, wid: str, now: float | None = None, active: bool = True) -> list[str]:
         """The probe queues worker `wid` is told to consume now: its chosen run's queue, or every run's queue when
-        no run has a task waiting (work-conserving). Records the answer in `k_share_assign`."""
+        no run has a task waiting (work-conserving). Records the answer in `k_share_assign`. A worker not `active`
+        (draining, quarantined: it takes no task) is told every queue and counted on no run."""
         now = time.time() if now is None else now
+        if not active:
+            self.r.hdel(self.keys.k_share_assign, wid)
+            return self.runs.queues()
         loads = self._loads(self._depths())
         if not loads:
             self.r.hset(self.keys.k_share_assign, wid, f"\t{now}")

@@ -125,3 +125,54 @@ def test_a_run_held_to_one_worker_gives_up_its_spot_copies(env: Env) -> None:
     assert len(env.queue_messages("x")) == sent  # not re-sent
     m = _metrics(env)
     assert m[("sparecycles_spot_copies_dropped_total", (("reason", "no_other_worker"),))] == 1
+
+
+def test_a_worker_client_falls_back_to_schema_1_on_a_coordinator_without_task_time(env: Env, monkeypatch) -> None:
+    """A coordinator older than shares refuses a result batch with `task_s` (422, unknown field): the worker's client
+    sends it again without, and every later batch too (played here by a route refusing what schema 1 forbids)."""
+    from coordinator.client import CoordinatorClient, CoordinatorHTTPError
+    from wire.round_messages import ProbeResult, ResultBatch
+
+    env.create_run("q", spot_check_fraction=0.0)
+    env.publish_version("q", 0, b"w")
+    _open_round(env, "q", "r0", [1, 2])
+    reg, _ = env.enroll("old")
+    client = CoordinatorClient(env.url, reg["worker_token"])
+    real = client.request
+    sent = []
+
+    def old_coordinator(method, path, **kw):
+        sent.append(json.loads(kw["content"]))
+        if "task_s" in sent[-1]:
+            raise CoordinatorHTTPError(method, path, 422, '{"detail": [{"loc": ["body", "task_s"], "msg": "Extra '
+                                       'inputs are not permitted"}]}')
+        return real(method, path, **kw)
+
+    monkeypatch.setattr(client, "request", old_coordinator)
+    try:
+        for seed in (1, 2):
+            res = ProbeResult(run="q", round_id="r0", seed=seed, version=0, worker_id=reg["worker_id"], l_plus=1.0,
+                              l_minus=2.0)
+            assert client.post_results("q", ResultBatch(results=[res], task_s=0.5, schema_version=2)).outcomes == [
+                "accepted"]
+    finally:
+        client.close()
+    assert ["task_s" in body for body in sent] == [True, False, False]  # refused once, then schema 1 only
+    assert client.results_schema == 1
+
+
+def test_a_drained_worker_counts_on_no_run(env: Env) -> None:
+    """An admin drains one of two workers: it takes no task, so the other one is told the run with work, and the
+    drained one every queue (its heartbeat's state says draining)."""
+    env.create_run("a", spot_check_fraction=0.0, seeds_per_task=1)
+    env.create_run("b", spot_check_fraction=0.0, seeds_per_task=1)
+    env.publish_version("a", 0, b"a" * 8)
+    _open_round(env, "a", "r0", [1, 2, 3])
+    (r0, w0), (r1, w1) = env.enroll("w0"), env.enroll("w1")
+    qa, qb = (f"{env.settings.queue_prefix}.{run}" for run in ("a", "b"))
+    assert env.admin.post(f"/v1/workers/{r0['worker_id']}/drain").status_code == 200
+    hb0 = w0.post(f"/v1/workers/{r0['worker_id']}/heartbeat", json={}).json()
+    hb1 = w1.post(f"/v1/workers/{r1['worker_id']}/heartbeat", json={}).json()
+    assert (hb0["state"], hb0["queues"]) == ("draining", [qa, qb])
+    assert hb1["queues"] == [qa]
+    assert set(env.r.hgetall(f"{env.settings.key_prefix}:share_assign")) == {r1["worker_id"]}
