@@ -57,6 +57,7 @@ RESTART_TASK_WAIT_S = 60.0  # the longest a re-enrolling worker waits for its ru
 ACK_SETTLE_S = 0.5  # then for the solo pool to ack or requeue that task's message
 LONG_POLL_S = 2.0  # a prefetch long poll's wait (short: a stopping coordinator waits for pending ones)
 log = logging.getLogger("sparecycles.worker")
+COMMAND_SETTLE_S = 2.0  # seconds a queue command is given to reach the consumer before it counts as lost
 IDLE_QUEUE = "sparecycles.idle"  # consumed only while no run queue exists (Celery needs at least one)
 
 
@@ -84,6 +85,8 @@ class ProbeWorker:
         self._gpu_util = parts.gpu_util
         self._busy_policy = BusyPolicy(opts.yield_gpu_util) if opts.yield_gpu_util else None
         self._control = threading.Thread(target=self._control_loop, name="sparecycles-control", daemon=True)
+        self._celery = None  # the in-process Celery consumer (worker_ready's sender): what it really consumes
+        self._commanded_at = 0.0  # monotonic time of the last add/cancel command sent
 
     @classmethod
     def create(cls, opts: WorkerOptions) -> ProbeWorker:
@@ -213,7 +216,24 @@ class ProbeWorker:
             self.drain.preemption.freeze.close()
         os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
 
+    def _celery_queues(self) -> set[str] | None:
+        """The queues the in-process Celery consumer consumes now (None before it is ready)."""
+        task_consumer = getattr(self._celery, "task_consumer", None)
+        return None if task_consumer is None else {q.name for q in list(task_consumer.queues)}
+
+    def _resync_consumed(self) -> None:
+        # add/cancel are broadcast through the broker (reply=False): one sent while it was away (a Redis restart)
+        # is lost, and the worker would believe it consumes a run queue it does not. Trust what Celery consumes once
+        # the last command had time to apply; the reconcile then sends the difference again.
+        actual = self._celery_queues()
+        if actual is None or actual == self.consumed or time.monotonic() - self._commanded_at < COMMAND_SETTLE_S:
+            return
+        log.warning("the consumer takes %s, not %s (a queue command was lost): sending it again",
+                    sorted(actual), sorted(self.consumed))
+        self.consumed = actual
+
     def _reconcile(self) -> None:
+        self._resync_consumed()
         # the serving engine's gate keeps the probe queues (run_probe holds a task delivered meanwhile: DrainState.drained)
         want = set() if self.drain.drained else set(self.queues) if self.drain.engine_busy else self._wanted()
         if not want and self.drain.taking_tasks:
@@ -224,10 +244,12 @@ class ProbeWorker:
             self.metrics.not_taking.labels(reason).set(1 if reason in reasons else 0)
         for q in sorted(want - self.consumed):
             self.app.control.add_consumer(q, destination=[self.hostname], reply=False)
+            self._commanded_at = time.monotonic()
             self.consumed.add(q)
             log.info("consuming %s", q)
         for q in sorted(self.consumed - want):
             self.app.control.cancel_consumer(q, destination=[self.hostname], reply=False)
+            self._commanded_at = time.monotonic()
             self.consumed.discard(q)
             log.info("stopped consuming %s (%s)", q, ", ".join(reasons) or "not wanted")
 
@@ -315,6 +337,7 @@ class ProbeWorker:
                  self.drain.preemption.freeze.proc.pid, max_s)
 
     def _on_ready(self, sender=None, **_: object) -> None:
+        self._celery = sender
         self._drain_signals.install()  # after Celery's own handlers, so these win; in the order they arrive
         if not self._control.is_alive():
             # Before the priority drops below: the engine's watch and the heartbeats keep the normal priority, so a
