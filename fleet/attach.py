@@ -403,7 +403,7 @@ def attach(url: str, *, settings: FleetSettings | None = None, wait_s: float = 1
     COUNTDOWN_EVERY_S seconds), refuses the admin token, or has too few active workers after `wait_s` seconds;
     ValueError for a URL that is not http(s) or a share out of bounds.
     """
-    base, share = url.rstrip("/"), bounds.check(bounds.Share, share)
+    base, share = url.rstrip("/"), bounds.check_share(share)
     if rounds not in ROUND_MODES:
         raise ValueError(f"rounds must be one of {ROUND_MODES}, got {rounds!r}")
     if not base.startswith(("http://", "https://")):

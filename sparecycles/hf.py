@@ -26,7 +26,7 @@ from transformers import TrainerCallback
 
 from sparecycles.loop import AnytimeModel, Evaluation, Fleet, ZOCurv
 from trainer.evaluation import EvalWindows
-from wire.bounds import Share, check
+from wire.bounds import check_share
 
 
 def lm_compute_loss(outputs: Any, labels: torch.Tensor, num_items_in_batch: Any = None) -> torch.Tensor:
@@ -80,7 +80,7 @@ class FleetCallback(TrainerCallback):
         if share is not None:
             if fleet is None:
                 raise ValueError("share is a share of a fleet's pool: it needs `fleet`")
-            fleet = dataclasses.replace(fleet, share=check(Share, share))
+            fleet = dataclasses.replace(fleet, share=check_share(share))
         self.windows, self.fleet, self.eval_every, self.deadline_s = windows, fleet, eval_every, deadline_s
         self.anytime_tokens, self.anytime_settings, self.run_dir = anytime_tokens, anytime, Path(run_dir)
         self.batch_size = batch_size or windows.batch_size

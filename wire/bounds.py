@@ -52,3 +52,11 @@ def check(bound: Any, value: Any) -> Any:
     if adapter is None:
         adapter = _ADAPTERS[id(bound)] = TypeAdapter(bound)
     return adapter.validate_python(value)
+
+
+def check_share(share: Any) -> float:
+    """`share` validated as a `Share` (a run's share of the pool). Raises ValueError naming the share and its bound."""
+    try:
+        return check(Share, share)
+    except ValueError:
+        raise ValueError(f"a share must be a finite number > 0 and <= {MAX_SHARE:g}, got {share!r}") from None
