@@ -310,14 +310,16 @@ class WorkerRegistry:
         now = time.time() if now is None else now
         expires = now + self.settings.lease_seconds
         keys = [self.keys.k_worker(wid), self.keys.k_leases, self.keys.k_expiry]
-        version = -1 if hb.version is None else hb.version
-        state = self._scripts["HEARTBEAT"](keys=keys, args=[wid, now, expires, int(hb.busy), version])
-        if state is None:
+        args = [wid, now, expires, int(hb.busy), -1 if hb.version is None else hb.version]
+        if (state := self._scripts["HEARTBEAT"](keys=keys, args=args)) is None:
             raise NotFound(f"unknown worker {wid}")
+        taking = state == "active"  # a worker yielding to its engine (its yielded_s grew) takes no task either
         if hb.serving is not None:  # the worker's figures beside a serving engine, shown in GET /v1/workers
+            prev = self.r.hget(keys[0], "serving")
+            taking &= prev is None or hb.serving.yielded_s <= ServingFigures.model_validate_json(prev).yielded_s
             self.r.hset(keys[0], "serving", hb.serving.model_dump_json())
         lease = Lease(worker_id=wid, expires_at=expires, lease_seconds=self.settings.lease_seconds)
-        return HeartbeatReply(lease=lease, state=state, queues=self.probe_queues(wid, now, state == "active"),
+        return HeartbeatReply(lease=lease, state=state, queues=self.probe_queues(wid, now, taking),
                               teacher_queues=self.teachers.queues())
 
     def reap_expired(self, now: float | None = None) -> list[str]:

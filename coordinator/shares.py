@@ -84,7 +84,8 @@ class ShareBook:
     def queues_for(self, wid: str, now: float | None = None, active: bool = True) -> list[str]:
         """The probe queues worker `wid` is told to consume now: its chosen run's queue, or every run's queue when
         no run has a task waiting (work-conserving). Records the answer in `k_share_assign`. A worker not `active`
-        (draining, quarantined: it takes no task) is told every queue and counted on no run."""
+        (draining, quarantined, or yielding to its serving engine: it takes no task) is told every queue and counted
+        on no run."""
         now = time.time() if now is None else now
         if not active:
             self.r.hdel(self.keys.k_share_assign, wid)

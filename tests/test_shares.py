@@ -176,3 +176,24 @@ def test_a_drained_worker_counts_on_no_run(env: Env) -> None:
     assert (hb0["state"], hb0["queues"]) == ("draining", [qa, qb])
     assert hb1["queues"] == [qa]
     assert set(env.r.hgetall(f"{env.settings.key_prefix}:share_assign")) == {r1["worker_id"]}
+
+
+def test_a_worker_yielding_to_its_engine_counts_on_no_run(env: Env) -> None:
+    """A worker beside a serving engine whose yielded seconds grew since its last heartbeat is yielding: it takes
+    no task, so it is counted on no run (told every queue) until its yielded seconds stop growing."""
+    env.create_run("a", spot_check_fraction=0.0, seeds_per_task=1)
+    env.publish_version("a", 0, b"a" * 8)
+    _open_round(env, "a", "r0", [1, 2, 3])
+    reg, w = env.enroll("beside-engine")
+    qa = f"{env.settings.queue_prefix}.a"
+    assign = f"{env.settings.key_prefix}:share_assign"
+
+    def beat(yielded_s: float) -> list[str]:
+        serving = {"yielded_s": yielded_s, "engine_idle_s": 0.0, "idle_used_s": 0.0}
+        resp = w.post(f"/v1/workers/{reg['worker_id']}/heartbeat", json={"serving": serving})
+        assert resp.status_code == 200, resp.text
+        return resp.json()["queues"]
+
+    assert beat(0.0) == [qa] and reg["worker_id"] in env.r.hgetall(assign)  # first figures: taking tasks
+    assert beat(2.5) == [qa] and reg["worker_id"] not in env.r.hgetall(assign)  # yielded 2.5 s since: on no run
+    assert beat(2.5) == [qa] and reg["worker_id"] in env.r.hgetall(assign)  # the yield is over: on run a again
