@@ -9,7 +9,8 @@ A control thread heartbeats every `control_interval` seconds and reconciles the 
 the worker should consume: the coordinator's queue list, or nothing while drained (`coordinator_drain`: state
 'draining'/'quarantined'; `operator_drain`: SIGUSR1 until SIGUSR2; `gpu_busy`, optionally: other processes keep the GPU
 busy; docs/operations.md names each reason). Queues are added and cancelled
-through Celery's remote control addressed to this worker only; a task delivered before a cancel
+through Celery's remote control addressed to this worker only (a command lost on the way, sent while the broker was
+away, is sent again: each reconcile compares with what the in-process consumer consumes); a task delivered before a cancel
 takes effect is handed back (rejected with requeue) unevaluated, and the in-flight task always
 finishes. SIGTERM is Celery's warm shutdown: it waits for the running task however long (`soft_shutdown` is the
 wait of a cold one, SIGQUIT or a second SIGINT, before it cuts the task); a weight load in progress (a task's, the
