@@ -27,8 +27,15 @@ import httpx
 import redis
 import torch
 
+from benchmarks.fleet_gpu import compare_losses, publish_ready, trainer_cost
 from benchmarks.options import FleetBenchOptions
 from probe_worker.engine import die_with_parent
+from trainer.batch_losses import loss_for_kind
+from trainer.models import build_model
+from trainer.zo.probes import RoundSpec
+from wire import batch as batch_wire
+from wire.messages import RunSpec
+from wire.round_messages import EvalSpec, ProbeRound, WeightTerm
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -160,7 +167,6 @@ class _Fleet:
 
     def backend(self, model, run: str, seeds_per_task: int, background: bool = False):
         from fleet.backend import BackendTuning, CoordinatorBackend, FleetAddress
-        from wire.messages import RunSpec
 
         spec = RunSpec(run=run, model_class=type(model).__name__, spot_check_fraction=0.0,
                        seeds_per_task=seeds_per_task)
@@ -204,8 +210,6 @@ def run_fleet_bench(opts: FleetBenchOptions, devices: tuple[str, ...] = ("cpu",)
     worker, trainer.zo.probes.forward_dtype). Raises RuntimeError if a worker dies or a phase exceeds its (generous)
     time limit.
     """
-    from trainer.models import build_model
-
     batch, trainer_device, counts = opts.batch, opts.trainer_device, opts.workers
     res = FleetBenchResult(opts.preset, opts.seeds, opts.seeds_per_task, batch, opts.threads, os.cpu_count() or 1,
                            worker_devices=tuple(devices), trainer_device=trainer_device, blob_path=opts.blob_path,
@@ -245,8 +249,6 @@ def _throughput_phase(fleet: _Fleet, names: list[str], res: FleetBenchResult, mo
     then time one round of `seeds` seeds (submit -> every result collected) into res.probes_per_s and
     res.forward_passes_per_s under the worker count; save. Returns the timed round's SeedResults. Raises
     RuntimeError when the round returns fewer seeds."""
-    from trainer.zo.probes import RoundSpec
-
     n = len(names)
     be = fleet.backend(model, f"fleet-{n}", seeds_per_task)
     be.publish(0)
@@ -277,8 +279,6 @@ def _eval_phase(fleet: _Fleet, names: list[str], res: FleetBenchResult, model, s
     (= probes_per_s: results/s) and res.tokens_per_s; save. Raises RuntimeError when the round returns fewer."""
     import hashlib
 
-    from wire import batch as batch_wire
-    from wire.round_messages import EvalSpec, ProbeRound, WeightTerm
 
     n = len(names)
     b, t = res.batch
@@ -312,9 +312,6 @@ def _compare_phase(res: FleetBenchResult, got: list, model, xb, device: str, com
                    save: Callable[[FleetBenchResult], None]) -> None:
     """The timed round's first `compare_seeds` results against in-process evaluation on `device`
     (benchmarks.fleet_gpu.compare_losses) into res.loss_compare; an error is kept in res.errors instead; save."""
-    from benchmarks.fleet_gpu import compare_losses
-    from trainer.batch_losses import loss_for_kind
-
     try:
         res.loss_compare = compare_losses(got, model, xb, loss_for_kind("lm"), 1e-3, "rademacher",
                                           device, compare_seeds)
@@ -344,9 +341,6 @@ def _cpu_publish_phase(fleet: _Fleet, names: list[str], res: FleetBenchResult, r
 def _gpu_publish_phases(fleet: _Fleet, names: list[str], res: FleetBenchResult, ready_preset: str, big,
                         seeds_per_task: int, interval: int, train_batch: tuple[int, int], save) -> None:
     """publish -> ready (synchronous, then background) and the training loop's cost of a model on a GPU."""
-    from benchmarks.fleet_gpu import publish_ready, trainer_cost
-    from trainer.batch_losses import loss_for_kind
-
     torch.set_float32_matmul_precision("high")  # the trainer's precision on CUDA (trainer.train)
     res.ready_preset = ready_preset
     res.ready_bytes = sum(p.numel() * p.element_size() for p in big.parameters())

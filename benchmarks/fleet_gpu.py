@@ -21,6 +21,8 @@ from collections.abc import Callable
 
 import torch
 
+from probe_kernels import WholeModelEvaluator
+
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
@@ -105,7 +107,6 @@ def compare_losses(results, model: torch.nn.Module, batch, loss_fn: Callable, ep
                    device: str, seeds: int = 16, compiled: bool = True) -> dict:
     """The worker's (l_plus, l_minus) of `results` (SeedResult of one seeded round on `model`'s published
     weights) against the same seeds evaluated here on `device` (see the module docstring)."""
-    from probe_kernels import WholeModelEvaluator
     from trainer.zo.backend import InProcessBackend
     from trainer.zo.probes import RoundSpec
 

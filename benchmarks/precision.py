@@ -34,6 +34,12 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.options import PrecisionOptions
+from probe_kernels import FastForward, WholeModelEvaluator, lm_logits
+from trainer.anytime.ring import build_mixture
+from trainer.data.batches import get_batch
+from trainer.models import build_model
+from trainer.models.losses import lm_batch_loss
+from trainer.zo import probes
 
 
 def snr(signal: Sequence[float], measured: Sequence[float]) -> dict[str, float]:
@@ -50,8 +56,6 @@ def snr(signal: Sequence[float], measured: Sequence[float]) -> dict[str, float]:
 
 
 def _site(model: torch.nn.Module, base: torch.nn.Module | None, ev, batch):
-    from trainer.zo import probes
-
     blocks = probes.canonical_blocks(model)
     upd = None
     if base is not None:
@@ -64,8 +68,6 @@ def _site(model: torch.nn.Module, base: torch.nn.Module | None, ev, batch):
 
 def _kind_signals(model, prev, far, ev, batches, seeds: int, group: list[int]) -> dict[str, list[float]]:
     """Every perturbing kind's signals on `model` (θ_v) through evaluator `ev` (see the module docstring)."""
-    from trainer.zo import probes
-
     out: dict[str, list[float]] = {}
     for batch in batches:
         s_prev, s_far = _site(model, prev, ev, batch), _site(model, far, ev, batch)
@@ -94,8 +96,6 @@ def _kind_signals(model, prev, far, ev, batches, seeds: int, group: list[int]) -
 def _eval_signals(fwd: Callable, versions: list[dict], mixtures: list[list[float]], batches) -> dict[str, list[float]]:
     """eval: L(v_i) − L(v_j) over version pairs; eval_mixture: L(c_i) − L(c_{i+1}) over mixture candidates.
     fwd(state_dict, batch) -> loss (float)."""
-    from trainer.anytime.ring import build_mixture
-
     out: dict[str, list[float]] = {"eval": [], "eval_mixture": []}
     cands = [build_mixture([(i, c) for i, c in enumerate(coeffs)], lambda i: versions[i]) for coeffs in mixtures]
     for batch in batches:
@@ -115,10 +115,7 @@ def _kl(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> float:
 def _trained_snapshots(o: PrecisionOptions, lr: float) -> tuple[Any, Any, dict[int, dict], list[float]]:
     """o.preset trained o.steps AdamW steps (lr, wd 0) on o.corpus's train split in TF32, with state-dict snapshots
     after steps T-20, T-10, T-1 and T. Returns (the model in eval mode, the corpus, the snapshots, the losses)."""
-    from trainer.data.batches import get_batch
     from trainer.data.corpus import load_corpus
-    from trainer.models import build_model
-    from trainer.models.losses import lm_batch_loss
 
     cor = load_corpus(o.corpus)
     steps = o.steps
@@ -147,11 +144,6 @@ def measure(o: PrecisionOptions, lr: float = 1e-3, compile: bool | None = None,
     "settings": ..., "train_loss": [...], "seconds": ...}, for `bench precision`'s options `o` (the model trained
     at `lr` first). compile: the TF32 and bf16 columns' torch.compile (default: on CUDA). Raises what the corpus
     and model loaders raise."""
-    from probe_kernels import FastForward, WholeModelEvaluator, lm_logits
-    from trainer.data.batches import get_batch
-    from trainer.models.losses import lm_batch_loss
-    from trainer.zo import probes
-
     t_start = time.perf_counter()
     device, steps, seeds, n_batches, b, t = o.device, o.steps, o.seeds, o.batches, o.batch_size, o.seq_len
     model, cor, snaps, losses = _trained_snapshots(o, lr)

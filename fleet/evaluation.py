@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from fleet.anytime import FleetScorer
 from trainer import health as run_health
 from trainer.console import STOP_REQUESTED
 from trainer.evaluation import EvalWindows, batch_values, combine, lm_windows
@@ -170,8 +171,6 @@ class FleetEvaluator:
         """A fleet.anytime.FleetScorer for `anytime` (trainer.anytime.serve.Anytime): its candidates scored on this
         fleet over the selection split (closed with this evaluator). Raises ValueError with `pull` (a pull rewrites
         a version the coordinator already holds) or a ring larger than an eval round's mixture."""
-        from fleet.anytime import FleetScorer
-
         if anytime.settings.pull:
             raise ValueError("--pull is in-process only: a pull republishes a version the fleet already holds")
         select = self.select or {"batch_size": anytime.batch_size, "seq_len": anytime.seq_len, "split": "select"}

@@ -22,6 +22,7 @@ import torch
 
 from coordinator.client import CoordinatorClient
 from fleet.uploads import BlobSender, UploadQueue
+from trainer.models.params import param_order_hash
 from trainer.zo import probes
 from wire.messages import SeedLedgerEntry, ShardRef, VersionManifest
 from wire.shards import ShardPlan, plan_shards
@@ -130,8 +131,6 @@ class VersionPublisher:
         dtypes = {p.dtype for p in model.parameters()}
         if len(dtypes) != 1 or next(iter(dtypes)) not in DTYPE_NAMES:
             raise ValueError(f"publishable models have one float dtype of {list(DTYPE_NAMES.values())}")
-        from trainer.models.params import param_order_hash
-
         self.model, self.run, self.client, self.blobs, self.uploads = model, run, client, blobs, uploads
         self.blocks = probes.canonical_blocks(model)
         self.shard_bytes, self.history = shard_bytes, history

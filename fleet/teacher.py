@@ -30,7 +30,9 @@ from celery import Celery
 from kombu.exceptions import OperationalError
 from tenacity import RetryError, Retrying, retry_if_result, stop_after_delay, stop_when_event_set, wait_fixed
 
+from coordinator.celery_app import make_celery
 from trainer.console import STOP_REQUESTED
+from trainer.data.model_tokenizer import tokenizer_for
 from trainer.kd.sparse_loss import SparseKDLoss, intake_step, whole_batches
 from trainer.kd.teacher import ENGINE_PROBE_TEXTS, batch_key, teacher_folder, teacher_sha256
 from trainer.ledger import phase
@@ -62,8 +64,6 @@ def engine_fields(student: str | None, teacher: str) -> tuple[StudentTokenizer |
     TokenizerError for a student without a tokenizer, ValueError for a config without an int vocab_size."""
     if student is None:
         return None, None
-    from trainer.data.model_tokenizer import tokenizer_for
-
     tok = tokenizer_for(student)
     vocab = json.loads((teacher_folder(teacher) / "config.json").read_text()).get("vocab_size")
     if not isinstance(vocab, int):
@@ -286,8 +286,6 @@ def kd_loss_factory(redis_url: str, *, window: int = 8, strict: bool = False, st
     except redis.RedisError as exc:
         where = redis_url.split("://", 1)[1].rsplit("@", 1)[-1]  # host:port/db, never a password
         raise ValueError(f"the Redis at {where} does not answer ({exc})") from None
-    from coordinator.celery_app import make_celery
-
     def build(cfg, task, rank: int, batch_fn: Callable | None = None) -> SparseKDLoss:
         if cfg.kd_estimator == "full":
             raise ValueError("teacher rounds on the fleet send sparse targets: --kd-estimator sampled or topk")

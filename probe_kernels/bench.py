@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 
 from probe_kernels.dist import ProbeDist, as_dist
+from probe_kernels.evaluator import ProbeEvaluator, canonical_offsets
+from probe_kernels.ops import ModelPlan, perturb, perturb_model, triton_available
 
 PRESETS = {  # GPT-2 family shapes (Sophia's settings; DESIGN.md section 2)
     "gpt2-small": {"n_layer": 12, "n_embd": 768, "n_head": 12},
@@ -58,8 +60,6 @@ def bench_preset(name: str, dist: ProbeDist, k: int) -> dict:
     "one_launch" rows launch through a prepared `ModelPlan` (the kernel alone); "list_api" rows call
     perturb_model, whose per-call Python over every tensor is included. Replay is timed for both
     distributions (`dist` first)."""
-    from probe_kernels.ops import ModelPlan, perturb, perturb_model
-
     dev = torch.device("cuda")
     sizes = preset_sizes(name)
     n = sum(sizes)
@@ -131,8 +131,6 @@ def bench_forward(dist: ProbeDist, batch: int, seq_len: int) -> dict:
     """Per-probe perturbation overhead vs one bf16 forward (with loss) of gpt2-small at (batch, seq_len)."""
     from transformers import GPT2LMHeadModel
 
-    from probe_kernels.evaluator import ProbeEvaluator, canonical_offsets
-    from probe_kernels.ops import ModelPlan
 
     dev = torch.device("cuda")
     model = GPT2LMHeadModel(preset_config("gpt2-small")).to(dev, torch.bfloat16).eval()
@@ -177,8 +175,6 @@ def bench_forward(dist: ProbeDist, batch: int, seq_len: int) -> dict:
 def run_bench(presets: list[str], dist: ProbeDist | str = ProbeDist.GAUSS8, k: int = 40, batch: int = 16,
               seq_len: int = 1024, forward: bool = True) -> dict:
     """All measurements as a JSON-ready dict; raises RuntimeError without CUDA or triton."""
-    from probe_kernels.ops import triton_available
-
     dist = as_dist(dist)
     for p in presets:
         preset_config(p)

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from trainer.models.causal_lm import manifest_model_config, transformers_class
+from trainer.models.params import canonical_parameters, param_order_hash
 from wire.messages import VersionManifest
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -18,16 +20,12 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 def model_config(model_config_json: dict[str, Any]):
     """The `transformers` config a manifest names: trainer.models.causal_lm.manifest_model_config (one place)."""
-    from trainer.models.causal_lm import manifest_model_config
-
     return manifest_model_config(model_config_json)
 
 
 def model_class(name: str) -> type[torch.nn.Module]:
     """The `transformers` model class called `name`: trainer.models.causal_lm.transformers_class (one place).
     Raises ValueError for a name that is not a PreTrainedModel class."""
-    from trainer.models.causal_lm import transformers_class
-
     return transformers_class(name)
 
 
@@ -41,8 +39,6 @@ def build_from_tensors(manifest: VersionManifest, tensors: dict[str, torch.Tenso
     on `device` and the parameters copied in. Returns the model in eval mode, requires_grad off.
     Raises ValueError if names, shapes, dtypes or the canonical-order hash differ from the manifest.
     """
-    from trainer.models.params import canonical_parameters, param_order_hash
-
     cls, config = model_class(manifest.model_class), model_config(manifest.model_config_json)
     with torch.random.fork_rng(devices=[]), torch.device("meta"):
         model = cls(config)

@@ -30,9 +30,14 @@ from typing import Any, TypedDict, Unpack
 
 import torch
 
-from fleet.attach import Fleet, FleetError, FleetSettings, attach
-from trainer.evaluation import EvalWindows, InlineWindowsEvaluator, lm_windows
+from fleet.attach import Fleet, FleetError, FleetSettings, attach, load_settings
+from trainer.anytime.serve import Anytime
+from trainer.anytime.settings import AnytimeSettings
+from trainer.config import TrainConfig
+from trainer.evaluation import EvalWindows, InlineWindowsEvaluator, evaluate_all, lm_windows
 from trainer.models.losses import lm_loss
+from trainer.zo.wrapper import zocurv_wrapper
+from wire.messages import RunSpec, share_fields
 
 __all__ = ["AnytimeModel", "Evaluation", "EvalWindows", "Fleet", "FleetError", "VersionChannel", "ZOCurv", "connect",
            "lm_loss", "lm_windows"]
@@ -72,7 +77,6 @@ def connect(url: str, *, wait_s: float = 120.0, min_workers: int = 1, log=lambda
     if given:
         from pydantic import ValidationError
 
-        from fleet.attach import load_settings
 
         try:
             base = load_settings().model_dump() if not {"admin_token", "redis_url"} <= set(given) else {}
@@ -147,9 +151,6 @@ class AnytimeModel:
     def __init__(self, model: torch.nn.Module, select_tokens, *, batch_size: int, seq_len: int,
                  run_dir: str | Path, settings: Any = None, evaluation: Evaluation | None = None,
                  device: str = "cpu") -> None:
-        from trainer.anytime.serve import Anytime
-        from trainer.anytime.settings import AnytimeSettings
-
         if not isinstance(settings, AnytimeSettings):
             settings = AnytimeSettings(**(settings or {}))
         Path(run_dir).mkdir(parents=True, exist_ok=True)
@@ -169,8 +170,6 @@ class AnytimeModel:
         """Choose and serve a candidate at `step`; returns the record (served, served_val_loss, served_sel_loss,
         raw_sel_loss, ...; trainer.anytime.serve.Anytime.evaluate). served_val_loss is measured here on the
         evaluation's windows (NaN without an evaluation)."""
-        from trainer.evaluation import evaluate_all
-
         windows = self.evaluation.windows if self.evaluation is not None else None
         dev = self.anytime.batches[0][0].device if self.anytime.batches else "cpu"
         self.last = self.anytime.evaluate(step, self.model, lambda m: evaluate_all(m, windows, dev) if windows
@@ -197,7 +196,6 @@ class VersionChannel:
         import secrets
 
         from fleet.backend import BackendTuning, CoordinatorBackend, FleetAddress
-        from wire.messages import RunSpec, share_fields
 
         spec = RunSpec(run=run or f"{fleet.run_prefix}-v-{secrets.token_hex(4)}", model_class=type(model).__name__,
                        **share_fields(fleet.share),
@@ -235,9 +233,6 @@ def ZOCurv(model: torch.nn.Module, *, method: str = "zocurv-block", fleet: Fleet
     round-trips through load_state_dict (the AdamW moments and the curvature state).
     Raises pydantic.ValidationError for bad settings; ValueError for a method that is not zo-curv.
     """
-    from trainer.config import TrainConfig
-    from trainer.zo.wrapper import zocurv_wrapper
-
     backend = fleet.probe_backend(TrainConfig(optimizer=method, **settings), model) if fleet is not None else None
     return zocurv_wrapper(model, method=method, backend=backend, loss_fn=loss_fn,
                           timing=fleet.rounds if fleet is not None else "async", **settings)

@@ -19,6 +19,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from trainer.models.io import read_safetensors_metadata
+
 FORMAT_VERSION = 1
 
 
@@ -71,8 +73,6 @@ def save_checkpoint(
 
 def checkpoint_step(path: Path) -> int | None:
     """The step a checkpoint holds (its metadata only, no tensor read), or None when missing or unreadable."""
-    from trainer.models.io import read_safetensors_metadata
-
     try:
         return int(json.loads(read_safetensors_metadata(path)["sparecycles"])["step"])
     except (OSError, KeyError, ValueError, TypeError, SafetensorError):

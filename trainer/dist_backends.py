@@ -21,6 +21,8 @@ import torch
 
 from trainer.console import StopWaiting
 from trainer.distributed import DistContext
+from trainer.methods import get_method
+from trainer.mode_builders import build_mode
 from trainer.zo.backend import Collected, InProcessBackend
 from trainer.zo.probes import RoundSpec, SeedResult
 
@@ -153,9 +155,6 @@ def build_rank_mode(cfg: Any, model: torch.nn.Module, loss_fn: Any, mode_factory
     """This rank's TrainMode: `mode_factory(cfg, model)` (rank 0's fleet mode; `loss_fn=` too with a --teacher) or trainer.mode_builders.build_mode, then
     `adapt_mode`. A rank > 0 of a fleet run builds its mode on a FollowerBackend (history as the fleet's: 0 for
     pure ZO, else 2) and never sees the fleet. One process: exactly the mode a plain run builds."""
-    from trainer.methods import get_method
-    from trainer.mode_builders import build_mode
-
     if ctx.parallel and ctx.fleet and not ctx.is_main:
         pure = get_method(cfg.optimizer).kind == "pure-zo"
         mode = build_mode(cfg, model, loss_fn, backend=FollowerBackend(model, loss_fn, ctx, history=0 if pure else 2),

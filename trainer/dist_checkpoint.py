@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from trainer.checkpoint import Checkpointer, CheckpointError, unreadable_message
+from trainer.checkpoint import Checkpointer, CheckpointError, checkpoint_step, unreadable_message
 from trainer.distributed import DistContext
 
 DCP_NAME = "checkpoint.dcp"
@@ -149,8 +149,6 @@ def dcp_step(path: Path) -> int | None:
 
 def _newer(legacy: Path | None, folder: Path) -> bool:
     """Whether the single-process checkpoint `legacy` holds a later step than the DCP folder `folder`."""
-    from trainer.checkpoint import checkpoint_step
-
     step = checkpoint_step(legacy) if legacy is not None else None
     return step is not None and step > (dcp_step(folder) or -1)
 

@@ -24,6 +24,7 @@ from typing import Any, Literal, Protocol
 import torch
 import torch.nn.functional as F
 
+from trainer.data import iter_eval_batches
 from trainer.models.losses import lm_loss
 
 EvalKind = Literal["lm", "classifier"]
@@ -63,8 +64,6 @@ def batch_of(tensors: tuple[torch.Tensor, ...], batch_size: int, k: int,
 
 def lm_windows(tokens, batch_size: int, seq_len: int, max_batches: int | None, split: str = "val") -> EvalWindows:
     """The windows trainer.data.iter_eval_batches yields (`max_batches` batches, None: the whole split), stacked."""
-    from trainer.data import iter_eval_batches
-
     xs, ys = zip(*iter_eval_batches(tokens, batch_size, seq_len, max_batches), strict=True)
     if not xs:
         raise ValueError("the validation split is shorter than one batch; lower --batch-size/--seq-len")

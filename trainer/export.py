@@ -34,6 +34,9 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from trainer.models import build_model, load_minilm_classifier
+from trainer.models.causal_lm import build_causal_lm, context_of, is_preset
+from trainer.paths import cache_dir
 from trainer.run_dir import not_a_run_folder
 
 CHECKPOINT_NAME = "checkpoint.safetensors"
@@ -52,7 +55,6 @@ def gpt2_tokenizer_file() -> Path:
         trainer.data.sources.DataFetchError: the rank file is not cached and cannot be fetched.
     """
     from trainer.data.tokenizer import RANKS_SHA256
-    from trainer.paths import cache_dir
 
     path = cache_dir() / "tokenizers" / f"gpt2-transformers-{RANKS_SHA256[:16]}.json"
     if not path.is_file():
@@ -332,14 +334,9 @@ def build_run_model(cfg_json: dict[str, Any]) -> torch.nn.Module:
     """
     task = cfg_json.get("task", "lm")
     if task == "sentiment":
-        from trainer.models import load_minilm_classifier
-
         return load_minilm_classifier(seed=int(cfg_json.get("seed", 0)))[0]
     if task != "lm":
         raise ExportError(f"cannot export task {task!r}: known tasks are lm and sentiment")
-    from trainer.models import build_model
-    from trainer.models.causal_lm import build_causal_lm, is_preset
-
     try:
         if not is_preset(cfg_json["model"]):  # a transformers folder: its class and config (tiny next to a run)
             return build_causal_lm(cfg_json["model"], seed=int(cfg_json.get("seed", 0)))[0]
@@ -356,8 +353,6 @@ def run_tokenizer(cfg_json: dict[str, Any], model: torch.nn.Module):
     folder's own tokenizer (AutoTokenizer, local files only) for a folder.
 
     Raises ExportError when the folder or its tokenizer is gone."""
-    from trainer.models.causal_lm import context_of, is_preset
-
     spec = cfg_json.get("model", "gpt2-tiny")
     if is_preset(spec):
         return gpt2_tokenizer(model.config.n_positions)

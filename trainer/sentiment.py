@@ -14,6 +14,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from trainer.data import load_sentiment
+from trainer.evaluation import EvalWindows, evaluate_all
+from trainer.models import load_minilm_classifier
+
 Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 EVAL_SUBSET_KEY = 2024  # Philox key of the fixed validation subset (independent of the run seed)
 
@@ -118,7 +122,6 @@ class SentimentRunTask:
     def __init__(self, cfg) -> None:
         from transformers import AutoTokenizer
 
-        from trainer.data import load_sentiment
         from trainer.models.pretrained import minilm_dir
 
         self.cfg = cfg
@@ -131,8 +134,6 @@ class SentimentRunTask:
 
     def build_model(self) -> torch.nn.Module:
         """Pretrained encoder + head initialised from cfg.seed (trainer.models.load_minilm_classifier)."""
-        from trainer.models import load_minilm_classifier
-
         model, _ = load_minilm_classifier(seed=self.cfg.seed)
         return model.to(self.cfg.device)
 
@@ -142,15 +143,11 @@ class SentimentRunTask:
 
     def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
         """{"val_loss": nats, "val_acc": fraction} on the fixed validation subset."""
-        from trainer.evaluation import evaluate_all
-
         return evaluate_all(model, self.eval_windows(), self.cfg.device)
 
     def eval_windows(self, full: bool = False):
         """trainer.evaluation.EvalWindows of the validation sentences `evaluate` scores (full: all of them), in
         batches of cfg.batch_size (the chunks loss_and_accuracy used), on the CPU."""
-        from trainer.evaluation import EvalWindows
-
         ids, mask, labels = (t.cpu() for t in self.data.splits["val"])
         if not full:
             rows = self.eval_rows.cpu()

@@ -10,8 +10,11 @@ from typing import Any, Protocol
 import torch
 
 from trainer.config import TrainConfig
+from trainer.data import get_batch, load_corpus
 from trainer.evaluation import EvalWindows, evaluate_all, lm_windows
+from trainer.models.causal_lm import build_causal_lm, model_label
 from trainer.models.losses import lm_batch_loss, lm_loss  # noqa: F401  (lm_loss: public here, trainer.train re-exports it)
+from trainer.sentiment import SentimentRunTask
 
 
 class Task(Protocol):
@@ -56,8 +59,6 @@ class LMTask:
 
     def __init__(self, cfg: TrainConfig) -> None:
         if cfg.data is None:
-            from trainer.data import load_corpus
-
             self.corpus, self.data_name = load_corpus(cfg.corpus), cfg.corpus
         else:
             from trainer.data.user import check_fits, load_user_corpus
@@ -66,8 +67,6 @@ class LMTask:
                                            encoding_errors=cfg.encoding_errors)
             check_fits(self.corpus, cfg.data, cfg.batch_size, cfg.seq_len)
             self.data_name = self.corpus.name
-        from trainer.models.causal_lm import model_label
-
         self.cfg, self.model_name = cfg, model_label(cfg.model)
         self.tokens_per_step = cfg.batch_size * cfg.seq_len
         self._windows: dict[bool, EvalWindows] = {}
@@ -75,8 +74,6 @@ class LMTask:
     loss_fn = staticmethod(lm_batch_loss)
 
     def build_model(self) -> torch.nn.Module:
-        from trainer.models.causal_lm import build_causal_lm
-
         model, info = build_causal_lm(self.cfg.model, seed=self.cfg.seed, device=self.cfg.device)
         if self.cfg.seq_len > info.context:
             raise ValueError(f"--seq-len {self.cfg.seq_len} exceeds {self.cfg.model}'s context of "
@@ -85,8 +82,6 @@ class LMTask:
         return model
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        from trainer.data import get_batch
-
         cfg = self.cfg
         x, y = get_batch(self.corpus.train, cfg.batch_size, cfg.seq_len, cfg.seed, step)
         return x.to(cfg.device), y.to(cfg.device)
@@ -109,8 +104,6 @@ class LMTask:
 def build_task(cfg: TrainConfig) -> Task:
     """The Task of `cfg.task`: "lm" -> LMTask, "sentiment" -> trainer.sentiment.SentimentRunTask."""
     if cfg.task == "sentiment":
-        from trainer.sentiment import SentimentRunTask
-
         return SentimentRunTask(cfg)
     return LMTask(cfg)
 

@@ -23,6 +23,7 @@ import torch
 from trainer.anytime.ring import CandidateSpec, VersionRing
 from trainer.anytime.select import Score, Selection, select_candidate
 from trainer.anytime.settings import AnytimeSettings
+from trainer.data import iter_eval_batches
 
 SERVED_NAME = "served.safetensors"
 
@@ -79,8 +80,6 @@ class Anytime:
 
     def __init__(self, settings: AnytimeSettings, select_tokens, *, batch_size: int, seq_len: int, device: str,
                  run_path: Path, loss: Callable[..., torch.Tensor], score: Score | None = None) -> None:
-        from trainer.data import iter_eval_batches
-
         if select_tokens is None:
             raise ValueError("the anytime model needs a corpus with a selection split (e.g. --corpus "
                              "classics-large): choosing on the validation split would bias what it reports")

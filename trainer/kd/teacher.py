@@ -15,8 +15,10 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from trainer.data.model_tokenizer import TokenizerError, tokenizer_for
 from trainer.kd.estimators import full_kl, kd_loss, sparse_ce
 from trainer.kd.targets import make_targets
+from trainer.methods import get_method
 
 Estimator = Literal["full", "sampled", "topk"]
 TEACHER_PRESETS = ("smollm2-135m",)
@@ -56,8 +58,6 @@ def check_tokenizers(student: str, teacher: str) -> None:
     trainer.data.tokenizer_for sha256 and vocabulary size match, or when the files differ but vocabulary, end-of-text
     id and the ids of TOKENIZER_PROBE_TEXTS all match (a GPT-2 preset student, a teacher exported by trainer.export).
     Raises TeacherMismatchError (also for a teacher folder without tokenizer files)."""
-    from trainer.data.model_tokenizer import TokenizerError, tokenizer_for
-
     s = tokenizer_for(student)
     try:
         t = tokenizer_for(str(teacher_folder(teacher)))
@@ -77,8 +77,6 @@ def check_teacher_run(cfg, *, fleet: bool) -> None:
     and never see the teacher's targets, so the teacher would not reach the update), or tokenizers that differ
     (check_tokenizers). A ZO-Curv run on the fleet is allowed: its probes size the steps of (1-a) CE + a KD for the
     CE loss the run is judged by. cfg: trainer.config.TrainConfig. Raises TeacherMismatchError."""
-    from trainer.methods import get_method
-
     if cfg.teacher is None:
         return
     kind = get_method(cfg.optimizer).kind

@@ -13,6 +13,8 @@ import json
 
 import torch
 
+from probe_kernels import canonical_offsets
+
 
 def canonical_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
     """Return `list(model.named_parameters())`: (name, parameter) pairs, tied weights once."""
@@ -24,8 +26,6 @@ def param_offsets(model: torch.nn.Module) -> list[int]:
 
     offsets[k + 1] - offsets[k] == numel of parameter k.
     """
-    from probe_kernels import canonical_offsets
-
     return [o for _, _, o in canonical_offsets(model)]
 
 

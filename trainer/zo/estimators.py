@@ -17,6 +17,8 @@ from collections.abc import Sequence
 
 import torch
 
+from probe_kernels import direction
+
 _MASK64 = (1 << 64) - 1
 _SEED_MASK = (1 << 63) - 1  # seeds stay non-negative int64 so every tensor library can carry them
 
@@ -231,8 +233,6 @@ def block_scales(seed: int, n_blocks: int, dist: str = "gauss8") -> torch.Tensor
     a_b = probe_kernels.direction(derive_seed(seed, TAG_BLOCK_SCALE), offset=b, numel=1, gauss8): block b's
     scale is element b of its own seeded stream, so any worker computes it from (seed, b) alone.
     """
-    from probe_kernels import direction
-
     return direction(derive_seed(seed, TAG_BLOCK_SCALE), 0, n_blocks, dist)
 
 
@@ -251,8 +251,6 @@ def block_scaled_direction(seed: int, offsets: Sequence[int], sizes: Sequence[in
     offsets/sizes: global flat offset and numel of each block (trainer.models.param_offsets order).
     Materialises z; for tests and small models (evaluation perturbs block by block without it).
     """
-    from probe_kernels import direction
-
     a = block_scales(seed, len(sizes))
     rs = block_sign_seed(seed)
     parts = [a[b] * direction(rs, o, n, "rademacher") for b, (o, n) in enumerate(zip(offsets, sizes))]

@@ -33,11 +33,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from trainer.data import get_batch, load_corpus
 from trainer.method_options import RegimeOptions
 from trainer.zo import estimators as est
 from trainer.zo.block_table import table_multipliers
 from trainer.zo.group_line import DESIGN_EPS, group_line_rounds, group_line_table
-from trainer.zo.groups import GroupMap, Role, block_multipliers
+from trainer.zo.groups import GroupMap, Role, assign_roles, block_multipliers
 from trainer.zo.optimizers import ADAM_EPS, Refresh
 from trainer.zo.probes import RoundSpec
 from trainer.zo.role_rules import ScaledAdamW
@@ -55,8 +56,6 @@ def held_out_source(cfg: TrainConfig) -> ProbeSource:
     """source(refresh, b) -> (x, y) int64 (probe_batch_size, seq_len) on cfg.device: window index
     refresh·batches + b of the corpus's selection split (validation without one), seed stream TAG_PROBE. The corpus
     loads on the first call."""
-    from trainer.data import get_batch, load_corpus
-
     batches = RegimeOptions(**cfg.optimizer_options).batches
     tokens: list[Any] = []
 
@@ -187,8 +186,6 @@ def build_regime_rule(groups: list[dict], blocks: list[Any], cfg: TrainConfig, o
     param `groups`: the table normalised by `o.norm`; for zocurv-trust the region starting at it (o.start "table")
     or at 1, probing `source` (default: held_out_source(cfg)). Raises ValueError for another optimizer or a model
     trainer.zo.groups cannot assign, TypeError for non-fp32 weights."""
-    from trainer.zo.groups import assign_roles
-
     if cfg.optimizer not in REGIME_METHODS:
         raise ValueError(f"{cfg.optimizer!r} is not one of {REGIME_METHODS}")
     gmap = assign_roles([(b.name, b.param) for b in blocks])

@@ -17,6 +17,9 @@ from typing import Any
 
 import torch
 
+from trainer.config import TrainConfig
+from trainer.mode_builders import build_optimizer
+from trainer.models.losses import lm_batch_loss
 from trainer.zo.backend import InProcessBackend, ProbeBackend
 from trainer.zo.modes import publish_version, refresh
 from trainer.zo.rounds import RoundBook
@@ -111,10 +114,6 @@ def zocurv_wrapper(model: torch.nn.Module, *, method: str = "zocurv-block", back
                    loss_fn=None, timing: str = "async", **settings: Any) -> ZOCurvWrapper:
     """`ZOCurvWrapper` over the method registry's rule for `method`, its knobs from TrainConfig(optimizer=method,
     **settings) (validated there: one config, one place). Raises pydantic.ValidationError, ValueError."""
-    from trainer.config import TrainConfig
-    from trainer.mode_builders import build_optimizer
-    from trainer.models.losses import lm_batch_loss
-
     cfg = TrainConfig(optimizer=method, **settings)
     rule = build_optimizer(cfg, model)
     return ZOCurvWrapper(model, rule, loss_fn=loss_fn or lm_batch_loss, backend=backend,
