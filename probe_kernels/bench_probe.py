@@ -25,6 +25,8 @@ import torch
 
 from probe_kernels.bench import _ms, forward_flops, preset_config
 from probe_kernels.dist import as_dist
+from probe_kernels.evaluator import ProbeEvaluator
+from probe_kernels.fastpath import WholeModelEvaluator, model_bytes
 
 
 def lm_loss(model, batch):
@@ -52,8 +54,6 @@ def build(preset: str, batch: int, seq_len: int, device: str = "cuda"):
 
 def loss_bits(preset: str, batch: int, seq_len: int, cuda_graphs: bool, seeds: int, eps: float = 1e-3) -> list[str]:
     """float.hex of L0 and of L(+-eps z_s) for s < seeds through the compiled fast path (determinism check)."""
-    from probe_kernels.fastpath import WholeModelEvaluator
-
     model, b = build(preset, batch, seq_len)
     fast = WholeModelEvaluator(model, lm_loss, compile=True, cuda_graphs=cuda_graphs)
     out = [fast.clean_loss(b).hex()]
@@ -111,12 +111,33 @@ def _top_kernels(fn, top: int = 8) -> list[tuple[str, float]]:
     return [(e.key[:80], e.self_device_time_total / 1e3) for e in rows]
 
 
+def _pipelined(fast: WholeModelEvaluator, b, eps: float, rounds: int, res: dict) -> None:
+    """Into `res` (and its "ms"): a task's probes pipelined (WholeModelEvaluator.losses: one wait per 4 seeds x +-),
+    as the worker runs them, against 8 clean forwards; with the GPU kernel time per call; or "pipelined_error"."""
+    ms = res["ms"]
+    try:  # a task's probes pipelined (WholeModelEvaluator.losses: one wait per 4 seeds x +-), as the worker runs them
+        def clean8():
+            return torch.stack([fast._launch(b) for _ in range(8)]).tolist()
+
+        def task8():
+            return fast.losses(b, [11, 12, 13, 14], eps)
+
+        cl8, pr8 = _paired(clean8, task8, rounds, rep=400)
+        ms["fast_clean_pipelined"], ms["fast_probe_pipelined"] = _median(cl8) / 8, _median(pr8) / 8
+        res["overhead_pipelined_rounds"] = [p / c - 1 for c, p in zip(cl8, pr8)]
+        res["overhead_pipelined"] = _median(res["overhead_pipelined_rounds"])
+        res["probes_per_s_pipelined"] = 1e3 / ms["fast_probe_pipelined"]
+        # where the difference goes: GPU kernel time per call (torch.profiler) against the wall above
+        res["kernel_ms_per_probe_pipelined"] = _kernel_ms(task8) / 8
+        res["kernel_ms_per_clean_pipelined"] = _kernel_ms(clean8) / 8
+        res["top_kernels_probe_task"] = _top_kernels(task8)
+    except Exception as exc:  # noqa: BLE001 - the per-call figures above still count
+        res["pipelined_error"] = repr(exc)[:1000]
+
+
 def bench_one(preset: str, batch: int, seq_len: int, parity_seeds: int, cuda_graphs: bool, peak: float,
               eps: float = 1e-3, eager_parity: bool = True, rounds: int = 5) -> dict:
     """All measurements of one preset (see the module docstring) as a JSON-ready dict."""
-    from probe_kernels.evaluator import ProbeEvaluator
-    from probe_kernels.fastpath import WholeModelEvaluator, model_bytes
-
     model, b = build(preset, batch, seq_len)
     flops = forward_flops(model, batch, seq_len)
     seeds = list(range(parity_seeds))
@@ -149,24 +170,7 @@ def bench_one(preset: str, batch: int, seq_len: int, parity_seeds: int, cuda_gra
     res["overhead_rounds"] = [p / c - 1 for c, p in zip(cl, pr)]
     plan = fast._plan(as_dist("gauss8"))
     ms["fast_perturb_only"] = _ms(lambda: plan.perturb(11, eps))
-    try:  # a task's probes pipelined (WholeModelEvaluator.losses: one wait per 4 seeds x +-), as the worker runs them
-        def clean8():
-            return torch.stack([fast._launch(b) for _ in range(8)]).tolist()
-
-        def task8():
-            return fast.losses(b, [11, 12, 13, 14], eps)
-
-        cl8, pr8 = _paired(clean8, task8, rounds, rep=400)
-        ms["fast_clean_pipelined"], ms["fast_probe_pipelined"] = _median(cl8) / 8, _median(pr8) / 8
-        res["overhead_pipelined_rounds"] = [p / c - 1 for c, p in zip(cl8, pr8)]
-        res["overhead_pipelined"] = _median(res["overhead_pipelined_rounds"])
-        res["probes_per_s_pipelined"] = 1e3 / ms["fast_probe_pipelined"]
-        # where the difference goes: GPU kernel time per call (torch.profiler) against the wall above
-        res["kernel_ms_per_probe_pipelined"] = _kernel_ms(task8) / 8
-        res["kernel_ms_per_clean_pipelined"] = _kernel_ms(clean8) / 8
-        res["top_kernels_probe_task"] = _top_kernels(task8)
-    except Exception as exc:  # noqa: BLE001 - the per-call figures above still count
-        res["pipelined_error"] = repr(exc)[:1000]
+    _pipelined(fast, b, eps, rounds, res)
     vals = [(fast.loss(b, s, eps), fast.loss(b, s, -eps)) for s in seeds]
     again = [(fast.loss(b, s, eps), fast.loss(b, s, -eps)) for s in seeds[:10]]
     res["parity_fast"] = {**_parity(ref_vals, vals), "l0_abs": abs(l0 - ref_l0)}
@@ -262,7 +266,6 @@ def profile_fast(preset: str = "gpt2-small", batch: int = 16, seq_len: int = 102
     """torch.profiler table of the compiled fast path's clean forward (CUDA time per kernel), as text."""
     from torch.profiler import ProfilerActivity, profile
 
-    from probe_kernels.fastpath import WholeModelEvaluator
 
     model, b = build(preset, batch, seq_len)
     fast = WholeModelEvaluator(model, lm_loss)

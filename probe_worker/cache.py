@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import logging
 import os
 import tempfile
@@ -41,8 +42,10 @@ from typing import Any
 import torch
 
 from coordinator.client import CoordinatorClient, CoordinatorHTTPError, CorruptBlobError
+from probe_kernels import replay_
 from probe_worker.metrics import WorkerMetrics, default_metrics
 from probe_worker.model_build import build_from_tensors  # noqa: F401  (public here too)
+from trainer.paths import cache_dir
 from wire.messages import ShardRef, VersionManifest
 from wire.shards import parse_safetensors
 
@@ -101,8 +104,6 @@ class WeightCache:
         if keep_versions < 1 or keep_disk_versions < keep_versions:
             raise ValueError("need keep_versions >= 1 and keep_disk_versions >= keep_versions")
         if root is None:
-            from trainer.paths import cache_dir
-
             root = cache_dir() / "worker"
         self.client, self.device = client, device
         self.shared_blob_dir = Path(shared_blob_dir) if shared_blob_dir else None
@@ -318,16 +319,8 @@ class WeightCache:
         while len(self._loaded) > self.keep_versions:
             self._loaded.popitem(last=False)
 
-    @torch.no_grad()
-    def _replay(self, run: str, version: int) -> LoadedVersion:
-        """theta_version from the newest loaded (or, if none or too far behind, the newest snapshot) version
-        below it, by applying seed-ledger entries: theta <- scale * theta + sum_k c_k z(s_k) per entry (scale
-        only on parameters of at least `scale_min_dim` dimensions), in fp32 with the kernels' replay, exactly
-        as `SeedLedgerEntry` defines the step and in the trainer's order (decay, then replay, per tensor).
-
-        The caller excludes evaluations (`get`'s replay_lock): the base model's parameters are read here."""
-        from probe_kernels import replay_
-
+    def _replay_base(self, run: str, version: int) -> tuple[int, LoadedVersion]:
+        """(version, it) where `_replay` to `version` starts, as it says; VersionUnavailable without a snapshot."""
         with self._lock:  # a snapshot load beside us may add or evict versions
             below = {v: lv for (r, v), lv in self._loaded.items() if r == run and v < version}
         base_v = max(below, default=None)
@@ -340,9 +333,11 @@ class WeightCache:
                 base_v = snaps[-1]
                 base_manifest = self.client.version(run, base_v)
                 base, _ = self._load((run, base_v), lambda: self._load_snapshot(run, base_v, base_manifest))
-        assert base is not None
-        if base.manifest.dtype != "float32":
-            raise ValueError(f"ledger replay needs float32 master weights; version {base_v} is {base.manifest.dtype}")
+        assert base is not None and base_v is not None
+        return base_v, base
+
+    def _ledger_entries(self, run: str, base_v: int, version: int) -> list:
+        """Seed-ledger entries base_v + 1 .. `version` (VersionUnavailable unless contiguous), 1000 per request."""
         entries: list = []
         while len(entries) < version - base_v:
             got = self.client.ledger(run, base_v + len(entries), min(1000, version - base_v - len(entries)))
@@ -351,12 +346,24 @@ class WeightCache:
             entries += got
         if [e.version for e in entries] != list(range(base_v + 1, version + 1)):
             raise VersionUnavailable(f"run {run}: ledger from {base_v} does not reach version {version} contiguously")
+        return entries
+
+    @torch.no_grad()
+    def _replay(self, run: str, version: int) -> LoadedVersion:
+        """theta_version from the newest loaded (or, if none or too far behind, the newest snapshot) version
+        below it, by applying seed-ledger entries: theta <- scale * theta + sum_k c_k z(s_k) per entry (scale
+        only on parameters of at least `scale_min_dim` dimensions), in fp32 with the kernels' replay, exactly
+        as `SeedLedgerEntry` defines the step and in the trainer's order (decay, then replay, per tensor).
+
+        The caller excludes evaluations (`get`'s replay_lock): the base model's parameters are read here."""
+        base_v, base = self._replay_base(run, version)
+        if base.manifest.dtype != "float32":
+            raise ValueError(f"ledger replay needs float32 master weights; version {base_v} is {base.manifest.dtype}")
+        entries = self._ledger_entries(run, base_v, version)
         tensors = {n: p.detach().clone() for n, p in base.model.named_parameters()}
         model = build_from_tensors(base.manifest, tensors, self.device)
-        params, offset = [], 0
-        for _, p in model.named_parameters():
-            params.append((p, offset))
-            offset += p.numel()
+        ps = [p for _, p in model.named_parameters()]  # each with its canonical offset
+        params = list(zip(ps, itertools.accumulate((p.numel() for p in ps), initial=0)))
         done = 0
         try:
             for e in entries:

@@ -345,7 +345,7 @@ def test_a_runs_summary_counts_every_round_books_skipped_rounds():
     """summary.json's rounds_skipped reads every round book's counters (trainer.zo.rounds: <prefix>_dropped_rounds,
     <prefix>_pending_rounds), the trust region's `trust_` as zocurv-line's `line_` and the others' `curv_`: the last
     record that carries them wins; a run without rounds has none."""
-    from trainer.train import _rounds_summary
+    from trainer.train_report import rounds_summary as _rounds_summary
 
     recs = [{"step": 1, "trust_dropped_rounds": 3.0, "trust_pending_rounds": 5.0, "loss": 2.0},
             {"step": 2, "loss": 1.9}, {"step": 3, "trust_dropped_rounds": 90.0, "trust_pending_rounds": 0.0}]

@@ -41,6 +41,7 @@ import torch
 from coordinator.client import is_transient
 from trainer import health as run_health
 from trainer import metrics as prom
+from trainer.anytime.serve import Anytime
 from trainer.checkpoint import Checkpointer  # noqa: F401  (public here too)
 from trainer.config import TrainConfig, lr_at, replan_note
 from trainer.console import Interrupted, deferred_interrupt, progress_bar, quiet_hf_bars
@@ -49,26 +50,16 @@ from trainer.dist_checkpoint import make_checkpointer
 from trainer.distributed import SINGLE, DistContext
 from trainer.evaluation import Evaluator, InlineEvaluator, poll_quietly
 from trainer.events import EventLog
+from trainer.kd.teacher import KDLoss, check_teacher_run, load_teacher
 from trainer.ledger import TimeLedger
 from trainer.ledger import phase as ledger_phase
 from trainer.methods import get_method
+from trainer.models import param_order_hash
 from trainer.modes import AdamWMode, TrainMode  # noqa: F401  (AdamWMode: tests patch it here)
-from trainer.report import fleet_summary, plot_loss_curves
 from trainer.run_dir import CHECKPOINT_NAME, RunDir, default_run_dir  # noqa: F401  (public here too)
 from trainer.tasks import LMTask, Task, build_task, evaluate, lm_batch_loss, lm_loss  # noqa: F401  (likewise)
 from trainer.train_hooks import TrainHooks
-
-
-@dataclass(frozen=True)
-class RunResult:
-    """What a finished (or resumed-and-finished) run produced. Losses in nats/token; wall time in seconds."""
-
-    run_dir: Path
-    steps: int
-    initial_val_loss: float
-    final_val_loss: float
-    wall_s: float
-    summary: dict[str, Any]
+from trainer.train_report import RunResult, write_report
 
 
 def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, overwrite: bool = False,
@@ -158,18 +149,14 @@ def _train(cfg: TrainConfig, ledger: TimeLedger, *, resume: bool, progress: bool
     book = _RunLog(cfg, s, ledger)
     _initial_evaluation(s, book, ledger, dist)
     wall = _step_loop(cfg, s, book, ledger, dist, hooks.status)
-    return _report(cfg, s, book, ledger, dist, export, wall)
+    return write_report(cfg, s, book, ledger, dist, export, wall)
 
 
 def _set_up(cfg: TrainConfig, *, resume: bool, progress: bool, overwrite: bool, dist: DistContext,
             hooks: TrainHooks) -> _Setup:
     """Steps 1-3: open the run folder, build the task, model and step strategy, and find the position (a resume
     continues from the checkpoint and forgets what was logged after it). Raises as `train` does."""
-    from trainer.models import param_order_hash
-
     if cfg.teacher is not None:  # refused before the run folder exists: task and method, then tokenizers
-        from trainer.kd.teacher import check_teacher_run
-
         check_teacher_run(cfg, fleet=dist.fleet or hooks.mode_factory is not None)
 
     # 1. the task first: a refusal found while reading the data (an empty file, a bad JSON line) leaves no folder
@@ -245,6 +232,30 @@ def _final_evaluation(s: _Setup, book: _RunLog, ledger: TimeLedger, dist: DistCo
     book.log_vals(got, done, served)
 
 
+def _kd_stats(kd) -> dict[str, float]:
+    """The step record's distillation figures of loss `kd` (--teacher): this rank's last CE and KD terms (a step on
+    CE alone has no KD term: its record has no kd_loss, strict JSON has no NaN) and teacher rounds' counters
+    (kd_missing_steps); {} for a plain loss."""
+    out = ({name: v for name, v in zip(("ce_loss", "kd_loss"), kd.last, strict=True)
+            if not math.isnan(v)} if hasattr(kd, "last") else {})
+    out.update(kd.stats() if hasattr(kd, "stats") else {})
+    return out
+
+
+def _evaluate_after(cfg: TrainConfig, s: _Setup, book: _RunLog, ledger: TimeLedger, done: int) -> None:
+    """After step `done`: request an evaluation when one is due (every `eval_every` steps and at the end, with the
+    anytime model's), else take what the evaluator has finished; the final one is complete before the run reports.
+    Logs the records."""
+    evaluator, model, anytime = s.evaluator, s.model, s.anytime
+    with ledger.phase("eval"):
+        due = done % cfg.eval_every == 0 or done == cfg.steps
+        got = evaluator.request(done, model) if due else evaluator.poll()
+        served = anytime.evaluate(done, model, s.task.evaluate) if due and anytime is not None else None
+        if done == cfg.steps:
+            got += evaluator.finish()
+    book.log_vals(got, done, served)
+
+
 def _step_loop(cfg: TrainConfig, s: _Setup, book: _RunLog, ledger: TimeLedger, dist: DistContext,
                status: Callable[[], str] | None) -> float:
     """Step 5: the optimizer steps from `s.start` to `cfg.steps` (log, evaluate, checkpoint); returns the loop's
@@ -271,20 +282,9 @@ def _step_loop(cfg: TrainConfig, s: _Setup, book: _RunLog, ledger: TimeLedger, d
                 done = step + 1
                 if anytime is not None:
                     anytime.publish(done, model)
-                kd = s.loss_fn  # --teacher: this rank's last CE and KD terms
-                # A step on CE alone has no KD term: its record has no kd_loss (strict JSON has no NaN).
-                kd_stats = ({name: v for name, v in zip(("ce_loss", "kd_loss"), kd.last, strict=True)
-                             if not math.isnan(v)} if hasattr(kd, "last") else {})
-                kd_stats.update(kd.stats() if hasattr(kd, "stats") else {})  # teacher rounds: kd_missing_steps
                 book.log({"step": done, "lr": lr, "tokens": done * task.tokens_per_step,
-                          "elapsed_s": time.perf_counter() - t0, **stats, **kd_stats})
-                with ledger.phase("eval"):
-                    due = done % cfg.eval_every == 0 or done == cfg.steps
-                    got = evaluator.request(done, model) if due else evaluator.poll()
-                    served = anytime.evaluate(done, model, task.evaluate) if due and anytime is not None else None
-                    if done == cfg.steps:  # the final evaluation is complete before the run reports
-                        got += evaluator.finish()
-                book.log_vals(got, done, served)
+                          "elapsed_s": time.perf_counter() - t0, **stats, **_kd_stats(s.loss_fn)})
+                _evaluate_after(cfg, s, book, ledger, done)
                 if done % cfg.checkpoint_every == 0 or done == cfg.steps:
                     with ledger.phase("checkpoint"):
                         ckpt.save(done)
@@ -307,9 +307,8 @@ def _step_loop(cfg: TrainConfig, s: _Setup, book: _RunLog, ledger: TimeLedger, d
             if not (isinstance(exc, ConnectionError) or is_transient(exc)):
                 raise
             ckpt.save(done)
-            raise RuntimeError(
-                f"the fleet stayed unreachable ({exc}); checkpointed at step {done}: rerun with --resume"
-            ) from exc
+            raise RuntimeError(f"the fleet stayed unreachable ({exc}); checkpointed at step {done}: "
+                               "rerun with --resume") from exc
         finally:
             _close_mode(mode, failed)
             _close_mode(evaluator, failed)
@@ -318,91 +317,12 @@ def _step_loop(cfg: TrainConfig, s: _Setup, book: _RunLog, ledger: TimeLedger, d
     return time.perf_counter() - t0
 
 
-def _report(cfg: TrainConfig, s: _Setup, book: _RunLog, ledger: TimeLedger, dist: DistContext, export: bool,
-            wall: float) -> RunResult:
-    """Step 6: the task's final metrics (every rank), then by rank 0 loss.png, summary.json and (`export`) the
-    model as a transformers folder."""
-    task, model, run, vals = s.task, s.model, s.run, book.vals
-    scalars = ("val_loss", "val_acc")
-    initial = {k: v for k, v in vals[0].items() if k in scalars}
-    last_val = {k: v for k, v in vals[max(vals)].items() if k in scalars}
-
-    with ledger.phase("eval"):
-        final = task.final(model)  # every rank: a sharded model's forward is collective
-    full = dist.full_model(model, task.build_model) if export else model  # FSDP2: gathered on rank 0
-    ranks = _ranks_summary(model, dist)  # a collective: every rank
-    if not dist.is_main:
-        return RunResult(run.path, cfg.steps, initial["val_loss"], last_val["val_loss"], wall, {})
-    with ledger.phase("log"):
-        plot_loss_curves({cfg.optimizer: run.records()}, run.plot,
-                         title=f"{task.model_name} on {task.data_name} ({cfg.optimizer})")
-    ledger.stop()
-    summary = {
-        "model": task.model_name, "corpus": task.data_name, "optimizer": cfg.optimizer, "steps": cfg.steps,
-        **{f"initial_{k}": v for k, v in initial.items()}, **{f"final_{k}": v for k, v in last_val.items()},
-        "wall_s_this_invocation": wall, "tokens": cfg.steps * task.tokens_per_step, "resumed_from_step": s.start,
-        "run_dir": str(run.path), **final, **ranks, "time_ledger": ledger.to_json(),
-    }
-    kd = s.loss_fn
-    if hasattr(kd, "stats"):  # --teacher-rounds: targets taken, steps missing, bytes each way, over the whole run
-        summary["kd"] = kd.stats()
-        if s.start:  # a resumed run: this invocation's own counts beside them
-            summary["kd_this_invocation"] = kd.this_part()
-    rounds = _rounds_summary(run.records())
-    if rounds:
-        summary["rounds_skipped"] = rounds
-    fleet = fleet_summary(run.records())
-    if fleet:  # a fleet-probed run: workers at the end and at most, tasks published and re-issued, results
-        summary["fleet"] = fleet
-    evals_by_fleet = [r for r in vals.values() if r.get("eval_on") is not None]
-    if evals_by_fleet:
-        summary["evaluations"] = {"fleet": sum(r["eval_on"] == "fleet" for r in evals_by_fleet),
-                                  "trainer_fallback": sum(r["eval_on"] != "fleet" for r in evals_by_fleet)}
-    if s.anytime is not None and s.anytime.last is not None:
-        served = [r for r in run.records() if "served_val_loss" in r]
-        summary.update(final_served_val_loss=served[-1]["served_val_loss"], final_served=served[-1]["served"])
-    health = run_health.current()
-    if health is not None:  # the run's warnings (trainer.health): what degraded, said in the summary too
-        health.finish(run.records())
-        summary.update(warnings=health.lines(), warning_counts=health.counts())
-    run.write_summary(summary)
-    if export:
-        from trainer.export import export_trained
-
-        export_trained(full, cfg.run_json(), run.path / "export", step=cfg.steps, run_dir=run.path)
-    return RunResult(run.path, cfg.steps, initial["val_loss"], last_val["val_loss"], wall, summary)
-
-
-def _ranks_summary(model: torch.nn.Module, dist: DistContext) -> dict[str, Any]:
-    """Who trained the run: `world_size` (processes), `rank_devices` (each rank's device, by rank) and `launcher`
-    ("torchrun" when torchrun started the processes, even one; else "in process"). Every rank calls it."""
-    device = str(next(model.parameters()).device)
-    return {"world_size": dist.world, "rank_devices": dist.all_gather_object(device),
-            "launcher": "torchrun" if dist.launched else "in process"}
-
-
-def _rounds_summary(records: list[dict[str, Any]]) -> dict[str, float]:
-    """The probe rounds a ZO-Curv run never folded, from its step records: `dropped` (gone stale before they
-    completed: skipped, never waited for) and `pending_at_end` (still out when the run ended); {} for a run
-    without rounds."""
-    out: dict[str, float] = {}
-    for r in records:  # every round book's counters: <prefix>_dropped_rounds|pending_rounds (trainer.zo.rounds)
-        for k, v in r.items():
-            if k.endswith("_dropped_rounds"):
-                out["dropped"] = v
-            elif k.endswith("_pending_rounds"):
-                out["pending_at_end"] = v
-    return out
-
-
 def _loss_fn(cfg: TrainConfig, task: Task, dist: DistContext, kd_loss_factory=None):
     """The task's loss, or with --teacher the distillation loss: kd_loss_factory's (teacher rounds on the
     fleet), else trainer.kd.teacher.KDLoss in process."""
     if cfg.teacher is None:
         return task.loss_fn
     if kd_loss_factory is not None:
-        from trainer.methods import get_method
-
         kind = get_method(cfg.optimizer).kind
 
         def rank_batch(step: int):
@@ -412,8 +332,6 @@ def _loss_fn(cfg: TrainConfig, task: Task, dist: DistContext, kd_loss_factory=No
             return dist.batch_for(task, step, kind)
 
         return kd_loss_factory(cfg, task, dist.rank, batch_fn=rank_batch)
-    from trainer.kd.teacher import KDLoss, load_teacher
-
     return KDLoss(load_teacher(cfg.teacher, cfg.device), alpha=cfg.kd_alpha, estimator=cfg.kd_estimator,
                   k=cfg.kd_k, temperature=cfg.kd_temperature, seed=cfg.seed, rank=dist.rank)
 
@@ -423,8 +341,6 @@ def _build_anytime(cfg: TrainConfig, task: Task, run_path: Path):
     Raises ValueError when the corpus has no selection split."""
     if cfg.anytime is None:
         return None
-    from trainer.anytime.serve import Anytime
-
     corpus = getattr(task, "corpus", None)
     return Anytime(cfg.anytime, getattr(corpus, "select", None), batch_size=cfg.batch_size, seq_len=cfg.seq_len,
                    device=cfg.device, run_path=run_path, loss=lm_loss)
