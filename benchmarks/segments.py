@@ -1,7 +1,7 @@
 """`sparecycles bench segments`: what bounding a worker's queued device work costs, and how fast a cut lands.
 
 Beside a serving engine a worker's forward is segmented (probe_kernels.FastForward(segmented=True): each transformer
-block compiled on its own) and its task waits for the device before each block (probe_worker.serving.Preemption),
+block compiled on its own) and its task waits for the device before each block (probe_worker.preemption.Preemption),
 so that at most one block's kernels are queued when the engine needs the device. Against the usual whole-model
 compile on the same model, batch and device this measures, side by side in one process:
 
@@ -72,7 +72,7 @@ def _throughput(ff, batch, o: SegmentsBench, device) -> float:
 
 def _cut_latencies(ff, batch, guard, forward_s: float, o: SegmentsBench, device) -> tuple[list[float], int]:
     """Seconds from each fire to the device idle again, and how many forwards the fire stopped (Preempted)."""
-    from probe_worker.serving import Preempted
+    from probe_worker.preemption import Preempted
 
     draw = random.Random(o.seed)
     out, stopped = [], 0
@@ -101,7 +101,7 @@ def measure(o: SegmentsBench, progress=print) -> dict:
     import torch
 
     from probe_kernels.compiled_forward import FastForward
-    from probe_worker.serving import Preemption
+    from probe_worker.preemption import Preemption
     from trainer.models.causal_lm import build_causal_lm
     from trainer.models.losses import lm_batch_loss
 

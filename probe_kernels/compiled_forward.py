@@ -162,7 +162,7 @@ class FastForward:
         cuda_graphs: compile in mode "reduce-overhead" (CUDA graphs: for static shapes; outputs cloned).
         segmented: compile each repeated block on its own (`repeated_blocks`; the rest runs eagerly) and mark it
             (`is_segment`), so that a forward pre-hook runs between blocks, even compiled: where the worker waits
-            for the device and checks whether to stop (probe_worker.serving.Preemption), beside a serving engine.
+            for the device and checks whether to stop (probe_worker.preemption.Preemption), beside a serving engine.
             Without blocks the whole forward is compiled as usual; never with CUDA graphs.
         pad_head / eager_masks: the compiled copy's GPT-2 fixes (`_pad_output_head`, `_masks_outside_graph`;
             default: when compiled). attn_dtype: run the copy's sdpa attention in this dtype (activations only, the

@@ -26,8 +26,9 @@ from probe_worker.broker import use_guarded_transport
 from probe_worker.cache import WeightCache
 from probe_worker.metrics import WorkerMetrics, default_metrics
 from probe_worker.options import WorkerOptions
+from probe_worker.preemption import Preempted
 from probe_worker.runtime import ForwardSettings, ProbeRuntime
-from probe_worker.serving import Preempted, ServingWatch
+from probe_worker.serving import ServingWatch
 from probe_worker.task_trace import TraceFile
 from probe_worker.tasks import DrainState, gpu_utilization_reader, register_probe_task, shutting_down
 from wire.messages import WorkerRegistered, WorkerRegistration

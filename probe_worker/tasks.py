@@ -46,8 +46,8 @@ from coordinator.celery_app import PROBE_TASK_NAME
 from coordinator.client import CoordinatorHTTPError, CorruptBlobError, Forgotten, is_transient
 from probe_worker.cache import LoadStopped, VersionUnavailable
 from probe_worker.metrics import WorkerMetrics
+from probe_worker.preemption import Preempted, Preemption
 from probe_worker.runtime import ProbeRuntime, parse_task
-from probe_worker.serving import Preempted, Preemption
 from trainer.zo.probes import ProbeFitError
 from wire.batch import BatchFormatError
 from wire.round_messages import ProbeTask
@@ -98,7 +98,7 @@ ENGINE_BUSY = "engine_busy"  # --serving-metrics: the co-located engine's gate (
 SHUTTING_DOWN = "shutting_down"  # Celery's warm or cold shutdown began (SIGTERM, SIGINT, SIGQUIT)
 NOT_TAKING_TASKS = (OPERATOR_DRAIN, COORDINATOR_DRAIN, GPU_BUSY, ENGINE_BUSY, SHUTTING_DOWN)
 # How a running (or delivered) task stops short, one name each: `hand back` (HandBack: rejected with requeue, back to
-# its queue), `cut` (probe_worker.serving.Preempted: stopped mid-evaluation at the next block, then handed back; task
+# its queue), `cut` (probe_worker.preemption.Preempted: stopped mid-evaluation at the next block, then handed back; task
 # outcome `preempted`), `freeze` (probe_worker.freeze: the whole process stopped with SIGSTOP while the engine serves,
 # resumed with SIGCONT; the task goes on).
 HAND_BACK, CUT, FREEZE = "hand_back", "cut", "freeze"

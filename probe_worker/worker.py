@@ -47,8 +47,8 @@ from probe_worker.drain_signals import DrainSignals
 from probe_worker.freeze import FreezeLink, watcher_rates, why_no_watcher
 from probe_worker.metrics import serve_metrics
 from probe_worker.options import WorkerOptions
+from probe_worker.preemption import Preempted
 from probe_worker.priority import lower_session_priority, lower_thread_priority
-from probe_worker.serving import Preempted
 from probe_worker.tasks import NOT_TAKING_TASKS, BusyPolicy
 from wire.messages import Heartbeat, WorkerRegistered, WorkerRegistration
 from wire.teacher_messages import TEACHER_QUEUE_PREFIX

@@ -11,11 +11,10 @@ import torch
 from pydantic import ValidationError
 
 from probe_worker.metrics import WorkerMetrics
+from probe_worker.preemption import Preempted, Preemption
 from probe_worker.serving import (
     EngineGate,
     EngineProbe,
-    Preempted,
-    Preemption,
     ServingLedger,
     ServingPolicy,
     ServingWatch,

@@ -1,10 +1,10 @@
-"""`bench serving`'s arithmetic (benchmarks.serving_load, benchmarks.serving.arm_figures): exact values on small cases."""
+"""`bench serving`'s arithmetic (benchmarks.serving_load, benchmarks.serving_figures.arm_figures): exact values on small cases."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks.serving import arm_figures
+from benchmarks.serving_figures import arm_figures, worker_trace
 from benchmarks.serving_load import (
     CONTEXT,
     MAX_OUT,
@@ -71,13 +71,12 @@ def test_arm_figures_split_reclaim_into_detect_and_cut_from_the_gate_events():
 
 
 def test_a_cut_tasks_span_ends_when_its_evaluation_stopped_and_its_hand_back_is_counted_apart(tmp_path):
-    from benchmarks.serving import _trace
     from probe_worker.task_trace import TraceFile
 
     trace = TraceFile(tmp_path / "t.jsonl")
     trace(14.5, 16.0, "preempted", fired=15.05, where="f", stopped=15.3)  # stopped at 15.3, handed back by 16.0
     trace(16.5, 17.5, "done")
-    spans, events = _trace(tmp_path / "t.jsonl", 14.0, 18.0)
+    spans, events = worker_trace(tmp_path / "t.jsonl", 14.0, 18.0)
     assert spans == [(14.5, 15.3, "preempted"), (16.5, 17.5, "done")]
     assert events == [{"event": "hand_back", "t": 16.0, "stopped": 15.3}]
     f = arm_figures([([Outcome(sent=15.0, first=15.2, end=16.0, tokens=2)], spans, 14.0, 18.0, events)])
@@ -85,7 +84,7 @@ def test_a_cut_tasks_span_ends_when_its_evaluation_stopped_and_its_hand_back_is_
 
 
 def test_the_freeze_watchers_stops_come_out_of_the_spans_and_end_the_reclaim(tmp_path):
-    from benchmarks.serving import _trace, frozen_intervals, minus_frozen
+    from benchmarks.serving_figures import frozen_intervals, minus_frozen, worker_trace
     from probe_worker.task_trace import TraceFile
 
     assert frozen_intervals([{"event": "thaw", "t": 1.0}, {"event": "freeze", "t": 2.0}, {"event": "thaw", "t": 3.0},
@@ -99,7 +98,7 @@ def test_the_freeze_watchers_stops_come_out_of_the_spans_and_end_the_reclaim(tmp
     trace.event("thaw", 16.0)
     trace.event("yield", 16.05, scrape_s=0.01, load=0.0, cut=True, frozen=15.12)
     trace(14.5, 17.0, "preempted", fired=16.06, where="f", stopped=16.1, frozen=15.12)
-    spans, events = _trace(tmp_path / "t.jsonl", 14.0, 18.0)
+    spans, events = worker_trace(tmp_path / "t.jsonl", 14.0, 18.0)
     assert spans == [(14.5, 15.12, "done"), (16.0, 16.1, "preempted")]
     f = arm_figures([([Outcome(sent=15.0, first=15.2, end=16.0, tokens=2)], spans, 14.0, 18.0, events)])
     assert f["reclaims"] == 1 and f["reclaim_s"]["p95"] == pytest.approx(0.12)
@@ -115,7 +114,7 @@ def test_block_order_rotates_so_no_arm_always_follows_the_same_one():
 
 
 def test_paired_ratios_over_the_same_requests_with_a_block_bootstrap():
-    from benchmarks.serving import paired_ratios
+    from benchmarks.serving_figures import paired_ratios
 
     def blocks(scale: float) -> list[dict]:  # two blocks of 10 requests, latencies 1..20 s times `scale`
         return [{"requests": [{"ttft_s": scale * (10 * b + i + 1), "e2e_s": 2 * scale * (10 * b + i + 1)}

@@ -441,7 +441,7 @@ def _blocks(backend) -> list[torch.Tensor]:
 def test_an_interrupted_replay_keeps_the_entries_it_finished(env):
     """A serving worker's replay stopped between entries (WeightCache.interrupt raising, as while it yields) keeps the
     entries it finished as their version, bit-identical to the trainer's, and the next replay goes on from there."""
-    from probe_worker.serving import Preempted
+    from probe_worker.preemption import Preempted
 
     model, be, _, _, metrics, cache = _ledger_run(env, 9, "partial", "w1", "wp")
     states = []
@@ -475,7 +475,7 @@ def test_a_replay_cut_inside_an_entry_puts_it_back_and_keeps_the_entries_before(
     to the trainer's; the next replay goes on from there."""
     from probe_kernels import replay_
     from probe_kernels.reference import add_chunk_hook
-    from probe_worker.serving import Preempted
+    from probe_worker.preemption import Preempted
 
     model = tiny_model(seed=9)
     be = env.backend(model, "cut")
