@@ -279,7 +279,6 @@ def _eval_phase(fleet: _Fleet, names: list[str], res: FleetBenchResult, model, s
     (= probes_per_s: results/s) and res.tokens_per_s; save. Raises RuntimeError when the round returns fewer."""
     import hashlib
 
-
     n = len(names)
     b, t = res.batch
     be = fleet.backend(model, f"fleet-eval-{n}", seeds_per_task)

@@ -131,7 +131,6 @@ def bench_forward(dist: ProbeDist, batch: int, seq_len: int) -> dict:
     """Per-probe perturbation overhead vs one bf16 forward (with loss) of gpt2-small at (batch, seq_len)."""
     from transformers import GPT2LMHeadModel
 
-
     dev = torch.device("cuda")
     model = GPT2LMHeadModel(preset_config("gpt2-small")).to(dev, torch.bfloat16).eval()
     gen = torch.Generator(device=dev).manual_seed(1)

@@ -266,7 +266,6 @@ def profile_fast(preset: str = "gpt2-small", batch: int = 16, seq_len: int = 102
     """torch.profiler table of the compiled fast path's clean forward (CUDA time per kernel), as text."""
     from torch.profiler import ProfilerActivity, profile
 
-
     model, b = build(preset, batch, seq_len)
     fast = WholeModelEvaluator(model, lm_loss)
     fast.clean_loss(b)

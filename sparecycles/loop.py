@@ -77,7 +77,6 @@ def connect(url: str, *, wait_s: float = 120.0, min_workers: int = 1, log=lambda
     if given:
         from pydantic import ValidationError
 
-
         try:
             base = load_settings().model_dump() if not {"admin_token", "redis_url"} <= set(given) else {}
         except FleetError:
