@@ -16,8 +16,6 @@ redelivered task re-posts identical values, which the coordinator deduplicates b
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import math
 import threading
@@ -30,10 +28,11 @@ from typing import Any
 import torch
 
 from coordinator.client import CoordinatorClient
-from probe_kernels import FastForward, direction, make_evaluator
+from probe_kernels import FastForward, make_evaluator
 from probe_kernels.fastpath import MODES
 from probe_worker.cache import WeightCache
 from probe_worker.metrics import WorkerMetrics, default_metrics
+from probe_worker.task_checks import canary_digest
 from trainer.anytime.ring import build_mixture
 from trainer.batch_losses import loss_for_kind
 from trainer.evaluation import batch_of, batch_values
@@ -47,26 +46,6 @@ from wire.round_messages import IntakeReply, ProbeResult, ProbeTask, ResultBatch
 log = logging.getLogger("sparecycles.worker")
 # Intake outcomes that keep a posted value as this worker's (what intake's `same_worker` rule checks).
 KEPT_AS_MINE = frozenset({"held", "accepted"})
-
-
-def canary_digest(seed: int, numel: int, distribution: str) -> str:
-    """sha256 hex of z(seed)[0:numel] as little-endian float32 bytes (the run's canary, DESIGN.md §3).
-
-    z comes from `probe_kernels.direction` on the CPU (bit-identical on every device by construction).
-    """
-    z = direction(seed, 0, numel, distribution, device="cpu").to(torch.float32).contiguous()
-    return hashlib.sha256(z.numpy().astype("<f4", copy=False).tobytes()).hexdigest()
-
-
-def parse_task(kwargs: Any) -> ProbeTask:
-    """Validate Celery task kwargs (a JSON object) as a `ProbeTask`.
-
-    Validated through JSON so integers stay integers and no Python-side coercion happens.
-    Raises TypeError for a non-dict, pydantic.ValidationError (a ValueError) on anything malformed.
-    """
-    if not isinstance(kwargs, dict):
-        raise TypeError(f"probe task kwargs must be a JSON object, got {type(kwargs).__name__}")
-    return ProbeTask.model_validate_json(json.dumps(kwargs, allow_nan=False))
 
 
 @dataclass(frozen=True)

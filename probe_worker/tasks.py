@@ -47,7 +47,8 @@ from coordinator.client import CoordinatorHTTPError, CorruptBlobError, Forgotten
 from probe_worker.cache import LoadStopped, VersionUnavailable
 from probe_worker.metrics import WorkerMetrics
 from probe_worker.preemption import Preempted, Preemption
-from probe_worker.runtime import ProbeRuntime, parse_task
+from probe_worker.runtime import ProbeRuntime
+from probe_worker.task_checks import parse_task
 from trainer.zo.probes import ProbeFitError
 from wire.batch import BatchFormatError
 from wire.round_messages import ProbeTask
