@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import redis
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
@@ -27,21 +28,15 @@ from wire.round_messages import INTAKE_OUTCOMES
 SPOT_OUTCOMES = ("agree", "disagree", "resolved", "unresolved", "skipped")
 
 
+@dataclass(eq=False)  # registered by identity: hashable as any object
 class _LiveGauges(Collector):
     """Gauges read from Redis at scrape time: workers by state, Celery queue depth, outstanding seeds and share
     per run, and whether Redis could be read at all (`sparecycles_state_store_up`)."""
 
-    def __init__(
-        self,
-        workers: Callable[[], dict[str, int]],
-        queues: Callable[[], dict[str, int]],
-        outstanding: Callable[[], dict[str, int]] | None = None,
-        shares: Callable[[], dict[str, float]] | None = None,
-    ) -> None:
-        self._workers = workers
-        self._queues = queues
-        self._outstanding = outstanding
-        self._shares = shares
+    _workers: Callable[[], dict[str, int]]
+    _queues: Callable[[], dict[str, int]]
+    _outstanding: Callable[[], dict[str, int]] | None = None
+    _shares: Callable[[], dict[str, float]] | None = None
 
     def _families(self) -> list[tuple[GaugeMetricFamily, Callable[[], dict[str, int]] | None]]:
         fams = [

@@ -23,6 +23,17 @@ def _stop(proc: subprocess.Popen, sig: int, seen: list[str]) -> tuple[int, str]:
     return proc.returncode, out
 
 
+def _signalled_when_ready(proc: subprocess.Popen, ready: str, sig: int) -> tuple[int, str]:
+    """Wait for `ready` in `proc`'s output, then send `sig` once (even if the wait failed); returns (exit status,
+    every line it printed)."""
+    seen: list[str] = []
+    try:
+        read_until(proc, ready, seen)
+    finally:
+        rc, out = _stop(proc, sig, seen)
+    return rc, out
+
+
 @pytest.fixture
 def coordinator_only(tmp_path):
     """A coordinator process on real Redis (tests.support.fleet.Fleet, no workers)."""
@@ -39,11 +50,7 @@ def test_coordinator_exits_128_plus_the_signal(sig, status, coordinator_only):
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "sparecycles.cli", "coordinator", "--port", str(port)],
                             env=coordinator_only.env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    seen: list[str] = []
-    try:
-        read_until(proc, "Application startup complete", seen)
-    finally:
-        rc, out = _stop(proc, sig, seen)
+    rc, out = _signalled_when_ready(proc, "Application startup complete", sig)
     assert rc == status, out[-3000:]
     assert "Traceback" not in out, out[-3000:]
 
@@ -56,11 +63,7 @@ def test_worker_exits_128_plus_the_signal(sig, status, coordinator_only):
     cmd = [sys.executable, "-m", "sparecycles.cli", "worker", "--coordinator", f.url, "--token", f.enroll_token,
            "--name", "x", "--cache-dir", str(f.tmp / "cache"), "--threads", "1", "--log-level", "INFO"]
     proc = subprocess.Popen(cmd, env=f.env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    seen: list[str] = []
-    try:
-        read_until(proc, "ready on cpu", seen)
-    finally:
-        rc, out = _stop(proc, sig, seen)
+    rc, out = _signalled_when_ready(proc, "ready on cpu", sig)
     assert rc == status, out[-3000:]
     assert "Traceback" not in out, out[-3000:]
 
@@ -70,11 +73,8 @@ def test_fleet_exits_128_plus_the_signal(sig, status, tmp_path):
     """`sparecycles fleet --workers 1`, ready (its "fleet ready" line): one signal stops every process it started,
     removes fleet.env and ends with 143 / 130 (0 before)."""
     folder = tmp_path / "fl"
-    proc, seen = start_cli(["fleet", "--workers", "1", "--folder", str(folder)], sigint_ignored=True), []
-    try:
-        read_until(proc, "fleet ready", seen)
-    finally:
-        rc, out = _stop(proc, sig, seen)
+    proc = start_cli(["fleet", "--workers", "1", "--folder", str(folder)], sigint_ignored=True)
+    rc, out = _signalled_when_ready(proc, "fleet ready", sig)
     assert rc == status, out[-3000:]
     assert "stopping the fleet" in out and "Traceback" not in out, out[-3000:]
     assert processes_of(folder) == [] and not (folder / "fleet.env").exists()

@@ -17,7 +17,7 @@ from coordinator.client import CoordinatorClient
 from coordinator.stream import ResultStreamReader
 from probe_worker.metrics import WorkerMetrics
 from probe_worker.runtime import ProbeRuntime
-from support.coordinator import Env, result, round_body, running_env
+from support.coordinator import Env, open_spot_round, result, running_env
 from wire.round_messages import ProbeResult, ProbeTask
 
 RUN, RID = "g", "r0"
@@ -26,12 +26,6 @@ RUN, RID = "g", "r0"
 @pytest.fixture
 def env(tmp_path):
     yield from running_env(tmp_path, max_redispatch=1)
-
-
-def _open(env: Env, seeds: list[int]) -> None:
-    env.create_run(RUN, spot_check_fraction=1.0, spot_rtol=1e-6, spot_atol=0.0, seeds_per_task=1)
-    env.publish_version(RUN, 0, b"w")
-    assert env.admin.post(f"/v1/runs/{RUN}/rounds", json=round_body(RUN, RID, env.upload(b"b"), seeds)).status_code == 201
 
 
 def _post(client, res: dict) -> list[str]:
@@ -70,7 +64,7 @@ def test_give_up_keeps_the_honest_value_once_the_liar_is_quarantined(env: Env):
     honest H2 outvotes L on s0 (L quarantined); H1 then takes s1's replica 2 twice (same_worker, bound spent):
     s1's one value not from a quarantined worker (H1's) is streamed, unverified, never dropped."""
     s0, s1 = 10, 11
-    _open(env, [s0, s1])
+    open_spot_round(env, RUN, RID, [s0, s1])
     (rl, liar), (r1, h1), (r2, h2) = env.enroll("liar"), env.enroll("h1"), env.enroll("h2")
     L, H1, H2 = rl["worker_id"], r1["worker_id"], r2["worker_id"]
     for s in (s0, s1):
@@ -94,7 +88,7 @@ def test_give_up_still_drops_a_disagreement_nobody_was_caught_in(env: Env):
     """Without a quarantined worker behind either value, values that disagree are dropped when the bound is
     spent (either may be the liar's): the round is told with one `dropped` event."""
     s0 = 20
-    _open(env, [s0])
+    open_spot_round(env, RUN, RID, [s0])
     (ra, a), (rb, b) = env.enroll("a"), env.enroll("b")
     A, B = ra["worker_id"], rb["worker_id"]
     assert _post(a, result(RUN, RID, s0, A, lp=1.0)) == ["held"]
@@ -110,7 +104,7 @@ def test_worker_hands_back_only_for_a_replica_intake_kept_as_its_own(env: Env):
     itself (intake holds it: the liar is outvoted); the worker whose replica 1 is held hands it back. Handing
     back on a duplicate left the task to the one worker intake refuses (`same_worker`), spending the bound."""
     s0 = 30
-    _open(env, [s0])
+    open_spot_round(env, RUN, RID, [s0])
     rl, liar = env.enroll("liar")
     x, cx = _runtime(env, "x")
     y, cy = _runtime(env, "y")

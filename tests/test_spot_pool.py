@@ -14,7 +14,7 @@ from coordinator.intake import Intake
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.store import Store
 from coordinator.stream import ResultStreamReader
-from support.coordinator import Env, result, round_body, running_env
+from support.coordinator import Env, open_spot_round, result, running_env
 
 RUN, RID = "p", "r0"
 
@@ -23,14 +23,6 @@ RUN, RID = "p", "r0"
 def env(tmp_path):
     # explicit RoundWatch ticks decide here, not the app's reaper
     yield from running_env(tmp_path, reaper_interval_s=3600.0)
-
-
-def _open(env: Env, seeds: list[int]) -> dict:
-    env.create_run(RUN, spot_check_fraction=1.0, spot_rtol=1e-6, spot_atol=0.0, seeds_per_task=1)
-    env.publish_version(RUN, 0, b"w")
-    reply = env.admin.post(f"/v1/runs/{RUN}/rounds", json=round_body(RUN, RID, env.upload(b"b"), seeds))
-    assert reply.status_code == 201, reply.text
-    return reply.json()
 
 
 def _metric(env: Env, name: str, **labels: str) -> float:
@@ -63,7 +55,7 @@ def test_a_round_opened_with_one_live_worker_has_no_spot_copies(env: Env):
     """One worker enrolled: the round's seeds go out once each, plain; the worker's values are accepted at once
     (not held for a twin that only it could evaluate), and the 3 copies not sent are counted."""
     reg, w = env.enroll("only")
-    info = _open(env, [1, 2, 3])
+    info = open_spot_round(env, RUN, RID, [1, 2, 3])
     assert info["n_spot_checks"] == 0 and _replicas(env) == [([1], 0), ([2], 0), ([3], 0)]
     assert _metric(env, "sparecycles_spot_copies_dropped_total", reason="one_worker_at_open") == 3
     assert [_post(w, result(RUN, RID, s, reg["worker_id"])) for s in (1, 2, 3)] == [["accepted"]] * 3
@@ -72,7 +64,7 @@ def test_a_round_opened_with_one_live_worker_has_no_spot_copies(env: Env):
 
 def test_no_live_worker_at_opening_keeps_the_copies_waiting(env: Env):
     """No worker yet (the pool is not there): the copies are sent and wait in the queue, nothing counted."""
-    info = _open(env, [1, 2])
+    info = open_spot_round(env, RUN, RID, [1, 2])
     assert info["n_spot_checks"] == 2 and sorted(r for _, r in _replicas(env)) == [0, 0, 1, 1]
     assert _metric(env, "sparecycles_spot_copies_dropped_total", reason="one_worker_at_open") == 0
 
@@ -82,7 +74,7 @@ def test_a_copy_only_its_first_evaluator_could_take_is_given_up_not_resent(env: 
     `same_worker`, and with no other live worker it is given up at once: a's value streamed unverified, no task
     re-sent, one copy counted. With b still live the copy goes back to the queue for b (re-sent once)."""
     (ra, a), (rb, b) = env.enroll("a"), env.enroll("b")
-    _open(env, [7, 8])
+    open_spot_round(env, RUN, RID, [7, 8])
     queued = len(_replicas(env))
     assert queued == 4
     A = ra["worker_id"]
@@ -103,7 +95,7 @@ def test_a_deadline_gives_up_a_copy_no_other_worker_could_take(env: Env):
     """A round's deadline passes (a lost lease) with seed 5's replica 0 held by a, the only live worker: the
     deadline re-issues seed 6's replicas (nobody holds either) and gives up seed 5's copy instead of re-sending it."""
     (ra, a), (rb, _) = env.enroll("a"), env.enroll("b")
-    _open(env, [5, 6])
+    open_spot_round(env, RUN, RID, [5, 6])
     assert _post(a, result(RUN, RID, 5, ra["worker_id"])) == ["held"]
     assert env.admin.delete(f"/v1/workers/{rb['worker_id']}").status_code in (200, 204)
     store = Store(env.settings)

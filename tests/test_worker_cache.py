@@ -13,14 +13,15 @@ import torch
 from celery.exceptions import Reject
 from prometheus_client import CollectorRegistry
 
-from coordinator.client import CorruptBlobError
+from coordinator.client import CoordinatorClient, CorruptBlobError
 from fleet.backend import BackendTuning, CoordinatorBackend, FleetAddress
 from fleet.publisher import write_shards
 from probe_kernels import ProbeEvaluator
 from probe_kernels.reference import direction_ref
 from probe_worker.cache import WeightCache
 from probe_worker.metrics import WorkerMetrics
-from probe_worker.runtime import ProbeRuntime, canary_digest
+from probe_worker.runtime import ProbeRuntime
+from probe_worker.task_checks import canary_digest
 from probe_worker.tasks import DrainState, run_probe
 from support.worker_env import REDIS_URL, make_batch, params_of, tiny_model, worker_env
 from trainer.train import lm_loss
@@ -35,13 +36,18 @@ def env(tmp_path):
     yield from worker_env(tmp_path)
 
 
+def _worker_cache(env, name: str) -> tuple[CoordinatorClient, str, WorkerMetrics, WeightCache]:
+    """Worker `name` enrolled at `env`'s coordinator: its client, id, metrics and a weight cache in env.tmp/wc."""
+    client, wid = env.worker(name)
+    metrics = WorkerMetrics(CollectorRegistry())
+    return client, wid, metrics, WeightCache(client, env.tmp / "wc", metrics=metrics)
+
+
 def test_published_version_loads_bit_exact_and_fetches_only_new_shards(env):
     model = tiny_model()
     be = env.backend(model, "shards")
     be.publish(0)
-    client, _ = env.worker("w0")
-    metrics = WorkerMetrics(CollectorRegistry())
-    cache = WeightCache(client, env.tmp / "wc", metrics=metrics)
+    client, _, metrics, cache = _worker_cache(env, "w0")
     loaded = cache.get("shards", 0)
     n_shards = len(loaded.manifest.shards)
     assert n_shards == len(write_shards(model, 4096)) > 3  # 4 KiB shards: the tiny model spans many
@@ -480,9 +486,7 @@ def test_a_replay_cut_inside_an_entry_puts_it_back_and_keeps_the_entries_before(
     model = tiny_model(seed=9)
     be = env.backend(model, "cut")
     be.publish(0)
-    client, _ = env.worker("w1")
-    metrics = WorkerMetrics(CollectorRegistry())
-    cache = WeightCache(client, env.tmp / "wc", metrics=metrics)
+    client, _, metrics, cache = _worker_cache(env, "w1")
     cache.get("cut", 0)
     states = []
     with torch.no_grad():
@@ -531,9 +535,7 @@ def test_a_snapshot_load_stops_between_shards_once_the_worker_stops(env):
     model = tiny_model(seed=6)
     be = env.backend(model, "stopping")
     be.publish(0)
-    client, wid = env.worker("w0")
-    metrics = WorkerMetrics(CollectorRegistry())
-    cache = WeightCache(client, env.tmp / "wc", metrics=metrics)
+    client, wid, metrics, cache = _worker_cache(env, "w0")
     checks = []
     cache.stopping = lambda: bool(checks.append(1)) or len(checks) > 1  # the stop comes after the first shard began
     with pytest.raises(LoadStopped):

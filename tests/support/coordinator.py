@@ -129,6 +129,16 @@ def round_body(run: str, rid: str, batch: str, seeds: list[int], *, want_clean: 
     return {**body, **kw}
 
 
+def open_spot_round(env: Env, run: str, rid: str, seeds: list[int]) -> dict:
+    """Create `run` with every seed spot-checked (one seed per task, rtol 1e-6, atol 0), publish its version 0 and
+    open round `rid` over `seeds`; returns the coordinator's reply to the round (asserts it was created)."""
+    env.create_run(run, spot_check_fraction=1.0, spot_rtol=1e-6, spot_atol=0.0, seeds_per_task=1)
+    env.publish_version(run, 0, b"w")
+    reply = env.admin.post(f"/v1/runs/{run}/rounds", json=round_body(run, rid, env.upload(b"b"), seeds))
+    assert reply.status_code == 201, reply.text
+    return reply.json()
+
+
 def result(run: str, rid: str, seed: int, wid: str, lp: float = 1.0, lm: float = 2.0, **kw) -> dict:
     """A probe result as JSON."""
     return {
