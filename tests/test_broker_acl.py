@@ -21,7 +21,12 @@ from api.server import ServerThread
 from coordinator.broker_acl import with_credentials, worker_acl_rules
 from coordinator.settings import generate_dev_settings
 from coordinator.store import Store
+from fleet.backend import BackendTuning, CoordinatorBackend, FleetAddress
+from support.fleet import AclFleet, make_batch
+from support.models import tiny_gpt2 as tiny_model
 from support.valkey import Valkey
+from trainer.zo.probes import RoundSpec
+from wire.messages import RunSpec
 
 
 def test_rules_and_urls_are_pure():
@@ -134,114 +139,100 @@ def test_quarantined_worker_cannot_touch_registry_keys(fleet):
     admin.close()
 
 
-@pytest.mark.slow
-def test_real_worker_process_runs_rounds_with_its_own_broker_user(tmp_path):
-    """A probe-worker process (Celery) evaluates rounds with only its ACL user's rights, also across an
-    8 s broker outage with a Redis restart (issue 14 case 5 end to end)."""
-    from fleet.backend import BackendTuning, CoordinatorBackend, FleetAddress
-    from support.fleet import AclFleet, make_batch
-    from support.models import tiny_gpt2 as tiny_model
-    from trainer.zo.probes import RoundSpec
-    from wire.messages import RunSpec
-
+@pytest.fixture
+def acl_worker(tmp_path):
+    """A private Valkey with a password, a coordinator with broker ACLs on it (support.fleet.AclFleet) and its
+    probe-worker process "a" consuming: yields (the Valkey, the fleet, the worker's id); stops both."""
     v = Valkey(tmp_path / "valkey", password=secrets.token_urlsafe(16))
     v.start()
-
     fleet = AclFleet(tmp_path, v.url)
     try:
         fleet.start_worker("a")
-        wid = fleet.wait_consuming("a")
-        root = redis.Redis.from_url(v.url, decode_responses=True)
-        assert root.acl_getuser(wid)["enabled"]
-        model = tiny_model()
-        run = RunSpec(
-            run="aclrun", model_class=type(model).__name__, spot_check_fraction=0.0, seeds_per_task=2
-        )
-        be = CoordinatorBackend.connect(model, run, FleetAddress(fleet.url, fleet.admin_token, v.url, fleet.prefix),
-                                        BackendTuning(round_timeout_s=120.0))
-        be.publish(0)
-        seeds = tuple(range(100, 106))
-        be.submit(RoundSpec("acl-0", 0, make_batch(2, 8, seed=1), eps=1e-2, seeds=seeds, distribution="rademacher"))
-        got = be.collect("acl-0").results
-        assert sorted(r.seed for r in got) == list(seeds) and {r.worker for r in got} == {wid}
-
-        # an 8 s broker outage mid-run, Redis restarted (which forgets ACL users created at run time):
-        # the coordinator re-creates the worker's user, the worker reconnects, the trainer's round ends
-        seeds = tuple(range(200, 212))
-        be.submit(RoundSpec("acl-1", 0, make_batch(2, 8, seed=2), eps=1e-2, seeds=seeds, distribution="rademacher"))
-        v.stop()
-        time.sleep(8.0)  # the outage lasts this long (not an assertion on timing)
-        v.start()
-        got = be.collect("acl-1").results
-        assert sorted(r.seed for r in got) == list(seeds) and {r.worker for r in got} == {wid}
-        # The round may complete before the coordinator notices the restart (the worker can have taken every
-        # task before the outage): wait for the re-creation itself, bounded, rather than racing it.
-        deadline = time.monotonic() + 60
-        restored = False
-        while not restored and time.monotonic() < deadline:
-            user = redis.Redis.from_url(v.url, decode_responses=True).acl_getuser(wid)
-            restored = bool(user and user["enabled"]) and "the broker restarted: 1 broker users re-created" in (
-                tmp_path / "coordinator.log").read_text()
-            if not restored:
-                time.sleep(0.5)
-        assert restored, "the coordinator did not re-create the worker's broker user after the restart"
-        be.close()
-        log = (tmp_path / "a.log").read_text()
-        assert "NOPERM" not in log and "No permissions" not in log
+        yield v, fleet, fleet.wait_consuming("a")
     finally:
         fleet.close()
         v.stop()
 
 
 @pytest.mark.slow
-def test_a_real_worker_refused_one_runs_queue_goes_on_with_the_other(tmp_path):
+def test_real_worker_process_runs_rounds_with_its_own_broker_user(acl_worker, tmp_path):
+    """A probe-worker process (Celery) evaluates rounds with only its ACL user's rights, also across an
+    8 s broker outage with a Redis restart (issue 14 case 5 end to end)."""
+    v, fleet, wid = acl_worker
+    root = redis.Redis.from_url(v.url, decode_responses=True)
+    assert root.acl_getuser(wid)["enabled"]
+    model = tiny_model()
+    run = RunSpec(
+        run="aclrun", model_class=type(model).__name__, spot_check_fraction=0.0, seeds_per_task=2
+    )
+    be = CoordinatorBackend.connect(model, run, FleetAddress(fleet.url, fleet.admin_token, v.url, fleet.prefix),
+                                    BackendTuning(round_timeout_s=120.0))
+    be.publish(0)
+    seeds = tuple(range(100, 106))
+    be.submit(RoundSpec("acl-0", 0, make_batch(2, 8, seed=1), eps=1e-2, seeds=seeds, distribution="rademacher"))
+    got = be.collect("acl-0").results
+    assert sorted(r.seed for r in got) == list(seeds) and {r.worker for r in got} == {wid}
+
+    # an 8 s broker outage mid-run, Redis restarted (which forgets ACL users created at run time):
+    # the coordinator re-creates the worker's user, the worker reconnects, the trainer's round ends
+    seeds = tuple(range(200, 212))
+    be.submit(RoundSpec("acl-1", 0, make_batch(2, 8, seed=2), eps=1e-2, seeds=seeds, distribution="rademacher"))
+    v.stop()
+    time.sleep(8.0)  # the outage lasts this long (not an assertion on timing)
+    v.start()
+    got = be.collect("acl-1").results
+    assert sorted(r.seed for r in got) == list(seeds) and {r.worker for r in got} == {wid}
+    # The round may complete before the coordinator notices the restart (the worker can have taken every
+    # task before the outage): wait for the re-creation itself, bounded, rather than racing it.
+    deadline = time.monotonic() + 60
+    restored = False
+    while not restored and time.monotonic() < deadline:
+        user = redis.Redis.from_url(v.url, decode_responses=True).acl_getuser(wid)
+        restored = bool(user and user["enabled"]) and "the broker restarted: 1 broker users re-created" in (
+            tmp_path / "coordinator.log").read_text()
+        if not restored:
+            time.sleep(0.5)
+    assert restored, "the coordinator did not re-create the worker's broker user after the restart"
+    be.close()
+    log = (tmp_path / "a.log").read_text()
+    assert "NOPERM" not in log and "No permissions" not in log
+
+
+@pytest.mark.slow
+def test_a_real_worker_refused_one_runs_queue_goes_on_with_the_other(acl_worker, tmp_path):
     """A probe-worker process (Celery, kombu's channel of probe_worker.broker) consumes two runs' queues; one queue is
     withdrawn from its broker user while it still consumes it (as between a run's end and the worker's next control
     tick, here held open: the run is still listed): Redis refuses its BRPOP with NOPERM, which used to end the worker
     ("Unrecoverable error"). It leaves that queue out, lives on and evaluates the other run's round; after the run's
     end it stops consuming the ended queue."""
-    from fleet.backend import BackendTuning, CoordinatorBackend, FleetAddress
-    from support.fleet import AclFleet, make_batch
-    from support.models import tiny_gpt2 as tiny_model
-    from trainer.zo.probes import RoundSpec
-    from wire.messages import RunSpec
-
-    v = Valkey(tmp_path / "valkey", password=secrets.token_urlsafe(16))
-    v.start()
-    fleet = AclFleet(tmp_path, v.url)
-    try:
-        fleet.start_worker("a")
-        wid = fleet.wait_consuming("a")
-        model = tiny_model()
-        address = FleetAddress(fleet.url, fleet.admin_token, v.url, fleet.prefix)
-        backends = {run: CoordinatorBackend.connect(
-            model, RunSpec(run=run, model_class=type(model).__name__, spot_check_fraction=0.0, seeds_per_task=2),
-            address, BackendTuning(round_timeout_s=120.0)) for run in ("gone", "kept")}
-        for be in backends.values():
-            be.publish(0)
-        log = tmp_path / "a.log"
-        gone, kept = f"{fleet.prefix}.probe.gone", f"{fleet.prefix}.probe.kept"
-        fleet.wait(lambda: f"consuming {gone}" in log.read_text() and f"consuming {kept}" in log.read_text(),
-                   "the worker consuming both runs' queues")
-        root = redis.Redis.from_url(v.url, decode_responses=True)
-        settings = generate_dev_settings(redis_url=v.url, blob_dir=tmp_path / "blobs", broker_acl=True,
-                                         key_prefix=fleet.prefix, queue_prefix=f"{fleet.prefix}.probe",
-                                         admin_token=fleet.admin_token)
-        assert Store(settings).workers.revoke_queue(gone) == 1
-        fleet.wait(lambda: f"refused this worker's user on {gone}" in log.read_text(), "the worker leaving the queue")
-        seeds = tuple(range(300, 306))
-        backends["kept"].submit(RoundSpec("kept-0", 0, make_batch(2, 8, seed=3), eps=1e-2, seeds=seeds,
-                                          distribution="rademacher"))
-        got = backends["kept"].collect("kept-0").results
-        assert sorted(r.seed for r in got) == list(seeds) and {r.worker for r in got} == {wid}
-        assert fleet.workers["a"].poll() is None and "Unrecoverable error" not in log.read_text()
-        backends["gone"].close(end=True)
-        fleet.wait(lambda: f"stopped consuming {gone}" in log.read_text(), "the worker cancelling the ended queue")
-        assert root.acl_getuser(wid)["enabled"] and fleet.workers["a"].poll() is None
-        backends["kept"].close()
-    finally:
-        fleet.close()
-        v.stop()
+    v, fleet, wid = acl_worker
+    model = tiny_model()
+    address = FleetAddress(fleet.url, fleet.admin_token, v.url, fleet.prefix)
+    backends = {run: CoordinatorBackend.connect(
+        model, RunSpec(run=run, model_class=type(model).__name__, spot_check_fraction=0.0, seeds_per_task=2),
+        address, BackendTuning(round_timeout_s=120.0)) for run in ("gone", "kept")}
+    for be in backends.values():
+        be.publish(0)
+    log = tmp_path / "a.log"
+    gone, kept = f"{fleet.prefix}.probe.gone", f"{fleet.prefix}.probe.kept"
+    fleet.wait(lambda: f"consuming {gone}" in log.read_text() and f"consuming {kept}" in log.read_text(),
+               "the worker consuming both runs' queues")
+    root = redis.Redis.from_url(v.url, decode_responses=True)
+    settings = generate_dev_settings(redis_url=v.url, blob_dir=tmp_path / "blobs", broker_acl=True,
+                                     key_prefix=fleet.prefix, queue_prefix=f"{fleet.prefix}.probe",
+                                     admin_token=fleet.admin_token)
+    assert Store(settings).workers.revoke_queue(gone) == 1
+    fleet.wait(lambda: f"refused this worker's user on {gone}" in log.read_text(), "the worker leaving the queue")
+    seeds = tuple(range(300, 306))
+    backends["kept"].submit(RoundSpec("kept-0", 0, make_batch(2, 8, seed=3), eps=1e-2, seeds=seeds,
+                                      distribution="rademacher"))
+    got = backends["kept"].collect("kept-0").results
+    assert sorted(r.seed for r in got) == list(seeds) and {r.worker for r in got} == {wid}
+    assert fleet.workers["a"].poll() is None and "Unrecoverable error" not in log.read_text()
+    backends["gone"].close(end=True)
+    fleet.wait(lambda: f"stopped consuming {gone}" in log.read_text(), "the worker cancelling the ended queue")
+    assert root.acl_getuser(wid)["enabled"] and fleet.workers["a"].poll() is None
+    backends["kept"].close()
 
 
 def _register_teacher_run(admin: httpx.Client, run: str) -> None:
