@@ -157,20 +157,31 @@ def resume_due(pool: Pool, procs: dict) -> list[str]:
 
 @dataclass
 class Site:
-    """One arm's fleet: the coordinator's URL, its admin token, its Redis and key prefix, the environments of the
-    trainer (`env`) and the workers (`worker_env`: no admin token, no Redis URL), its processes by name and the
+    """One arm's fleet: the coordinator's URL, the environments of the trainer (`env`: admin token, Redis URL and key
+    prefix are read from it) and the workers (`worker_env`: no admin token, no Redis URL), its processes by name and the
     coordinator's counters as read before each restart of it (`counted`, summed: a restart starts them at 0)."""
 
     url: str
-    admin: str
-    redis_url: str
-    prefix: str
     env: dict[str, str]
     worker_env: dict[str, str]
     folder: Path
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     counted: dict[str, dict[str, float]] = field(default_factory=dict)
     own_redis: OwnRedis | None = None
+
+    @property
+    def admin(self) -> str:
+        """The coordinator's admin token (the trainer's environment holds it)."""
+        return self.env["SPARECYCLES_ADMIN_TOKEN"]
+
+    @property
+    def redis_url(self) -> str:
+        return self.env["SPARECYCLES_REDIS_URL"]
+
+    @property
+    def prefix(self) -> str:
+        """The arm's Redis key prefix."""
+        return self.env["SPARECYCLES_KEY_PREFIX"]
 
     def start(self, name: str, args: list[str], env: dict[str, str]) -> subprocess.Popen:
         """Start `sparecycles ARGS` as `name` (its own session, SIGTERM if this process dies; log in logs/)."""
@@ -260,8 +271,7 @@ def start_site(o: ChurnOptions, folder: Path) -> Site:
            "SPARECYCLES_ENROLLMENT_TOKEN": secrets.token_urlsafe(32), "SPARECYCLES_BLOB_DIR": str(folder / "blobs")}
     env.pop("REDIS_URL", None)
     worker_env = {k: v for k, v in env.items() if k not in ("SPARECYCLES_REDIS_URL", "SPARECYCLES_ADMIN_TOKEN")}
-    site = Site(f"http://127.0.0.1:{port}", env["SPARECYCLES_ADMIN_TOKEN"], redis_url, prefix, env, worker_env,
-                folder, own_redis=own)
+    site = Site(f"http://127.0.0.1:{port}", env, worker_env, folder, own_redis=own)
     site.start_coordinator()
     for i in range(o.workers):
         site.start_worker(f"worker-{i}")

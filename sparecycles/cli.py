@@ -37,9 +37,11 @@ app = typer.Typer(
 
 
 def _attach(url: str, **kw):
+    import dataclasses
+
     from sparecycles.loop import connect  # the public API's connect: one code path for the CLI and any loop
 
-    return connect(url, run_prefix="train", **kw)
+    return dataclasses.replace(connect(url, **kw), run_prefix="train")  # its runs are named train-...
 
 
 def _fleet_settings():

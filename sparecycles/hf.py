@@ -64,8 +64,8 @@ class FleetCallback(TrainerCallback):
         fleet: from sparecycles.connect; None evaluates in process (same records, `eval_on: "trainer"`).
         eval_every: optimizer steps between evaluations (0: only at the end).
         anytime_tokens: a selection split ((N,) token ids) for the anytime model (None: none);
-        anytime: AnytimeSettings fields. run_dir: where served.safetensors and `anytime/` (the export) go.
-        batch_size, seq_len: the anytime selection windows (default: the evaluation windows').
+        anytime: AnytimeSettings fields, and `batch_size` and `seq_len` of the anytime selection windows (default:
+            the evaluation windows'). run_dir: where served.safetensors and `anytime/` (the export) go.
         deadline_s: seconds without a fleet result before a version is evaluated here.
         share: the pool share of this training's coordinator runs (as `sparecycles.connect(share=)`; None: the
             fleet's, default 1); needs `fleet`.
@@ -73,8 +73,7 @@ class FleetCallback(TrainerCallback):
 
     def __init__(self, windows: EvalWindows, *, fleet: Fleet | None = None, eval_every: int = 0,
                  anytime_tokens=None, anytime: dict[str, Any] | None = None, run_dir: str | Path = "run",
-                 batch_size: int | None = None, seq_len: int | None = None, deadline_s: float = 120.0,
-                 share: float | None = None) -> None:
+                 deadline_s: float = 120.0, share: float | None = None) -> None:
         if eval_every < 0:
             raise ValueError(f"eval_every must be >= 0, got {eval_every}")
         if share is not None:
@@ -82,9 +81,10 @@ class FleetCallback(TrainerCallback):
                 raise ValueError("share is a share of a fleet's pool: it needs `fleet`")
             fleet = dataclasses.replace(fleet, share=check_share(share))
         self.windows, self.fleet, self.eval_every, self.deadline_s = windows, fleet, eval_every, deadline_s
-        self.anytime_tokens, self.anytime_settings, self.run_dir = anytime_tokens, anytime, Path(run_dir)
-        self.batch_size = batch_size or windows.batch_size
-        self.seq_len = seq_len or int(windows.tensors[0].shape[1])
+        settings = dict(anytime or {})
+        self.batch_size = settings.pop("batch_size", None) or windows.batch_size
+        self.seq_len = settings.pop("seq_len", None) or int(windows.tensors[0].shape[1])
+        self.anytime_tokens, self.anytime_settings, self.run_dir = anytime_tokens, settings or None, Path(run_dir)
         self.evaluation: Evaluation | None = None
         self.anytime: AnytimeModel | None = None
         self.optimizer = None

@@ -53,7 +53,7 @@ class Credentials(TypedDict, total=False):
 
 
 def connect(url: str, *, wait_s: float = 120.0, min_workers: int = 1, log=lambda m: None, rounds: str = "async",
-            run_prefix: str = "loop", check=lambda: None, settings: FleetSettings | None = None, share: float = 1.0,
+            check=lambda: None, settings: FleetSettings | None = None, share: float = 1.0,
             **credentials: Unpack[Credentials]) -> Fleet:
     """Connect to the coordinator at `url` (http(s)) and wait up to `wait_s` s for `min_workers` active workers.
 
@@ -87,7 +87,7 @@ def connect(url: str, *, wait_s: float = 120.0, min_workers: int = 1, log=lambda
             e = exc.errors(include_input=False, include_url=False)[0]
             raise FleetError(f"connect: {e['loc'][0]} {e['msg'].removeprefix('Value error, ')}") from None
     return attach(url, settings=settings, wait_s=wait_s, min_workers=min_workers, log=log, rounds=rounds,
-                  run_prefix=run_prefix, check=check, share=share)
+                  run_prefix="loop", check=check, share=share)
 
 
 class Evaluation:
