@@ -63,6 +63,9 @@ class ChurnOptions(BaseModel):
                                       "yield, restart, redis")
     stop_s: float = Field(6.0, gt=0, description="Seconds a stopped worker stays stopped (past its 4 s lease), and a "
                           "yielding one yields")
+    replace: bool = Field(True, description="Keep the pool at --workers, as a replica set does: while a worker "
+                          "killed or terminated is missing, the next event is its replacement joining; off: every "
+                          "event is drawn freely and the pool may fall to one worker")
     baseline: bool = Field(True, description="Also run each policy without churn (wall time's reference)")
     steps: int = Field(120, ge=4, description="Trainer steps per arm")
     curvature_interval: int = Field(2, ge=1, description="Steps per ZO-Curv round")
@@ -96,11 +99,18 @@ def trainer_args(o: ChurnOptions, run_dir: Path) -> list[str]:
             "--no-progress", "--run-dir", str(run_dir), "--overwrite"]
 
 
-def choose(rng: random.Random, events: tuple[str, ...], pool: Pool, cap: int, ready: set[str]) -> str:
+def choose(rng: random.Random, events: tuple[str, ...], pool: Pool, cap: int, ready: set[str],
+           replace: bool = False) -> str:
     """The next event: drawn from `events`. A removal (kill, term, stop, yield) strikes a worker in the pool (`ready`:
     registered and active at the coordinator, not one still starting) and leaves at least one: with fewer than two it
     becomes `join`; a `join` with `cap` workers started and not removed becomes a removal; "none" when neither is
-    possible. `restart` (the coordinator) and `redis` are always possible."""
+    possible. `restart` (the coordinator) and `redis` are always possible. With `replace` (and `join` among
+    `events`) a pool below `cap` gets `join` and a full one draws from the other events."""
+    full = len(pool.live) + len(pool.stopped) >= cap
+    if replace and "join" in events and (not full or len(events) > 1):
+        if not full:
+            return "join"
+        events = tuple(e for e in events if e != "join")
     ev = rng.choice(events)
     if ev in RESTARTS:
         return ev
@@ -310,7 +320,7 @@ def run_arm(o: ChurnOptions, wait: str, churn: bool, folder: Path, log: Callable
                     events.append({"t": time.time() - t0, "event": "cont", "worker": name})
                 if churn and time.monotonic() >= next_at:
                     ready = set(timeline[-1]["active"]) if timeline else set()
-                    ev = choose(rng, o.events, pool, o.workers, ready)
+                    ev = choose(rng, o.events, pool, o.workers, ready, o.replace)
                     name = strike(ev, rng, pool, site, o.stop_s, ready)
                     events.append({"t": time.time() - t0, "event": ev, "worker": name})
                     next_at += o.every_s

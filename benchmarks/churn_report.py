@@ -12,6 +12,7 @@ logged loss equals the in-process run's bit for bit.
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections import Counter
 from datetime import datetime
@@ -138,6 +139,16 @@ def _losses(run_dir: Path) -> list[tuple[int, str, float]]:
     return [(r["step"], key, r[key]) for r in recs for key in ("loss", "val_loss") if key in r]
 
 
+def mean_active(timeline: list[dict]) -> float | None:
+    """Workers active at the coordinator, averaged over the arm's wall time (each sample held until the next one);
+    None with fewer than two samples. What churn left of the pool: a wall ratio near calm/this is lost capacity, not
+    overhead."""
+    if len(timeline) < 2:
+        return None
+    spans = [(b["t"] - a["t"], len(a["active"])) for a, b in itertools.pairwise(timeline)]
+    return round(sum(dt * n for dt, n in spans) / sum(dt for dt, _ in spans), 2)
+
+
 def figures(arm: dict, reference: Path | None) -> dict[str, Any]:
     """The figures of one arm's raw record (benchmarks.churn.run_arm)."""
     final, run_dir = arm["final"], Path(arm["run_dir"])
@@ -162,6 +173,7 @@ def figures(arm: dict, reference: Path | None) -> dict[str, Any]:
         "joined": len(arm["joined"]),
         "kill_to_reissue_s": kill_to_reissue(arm["events"], arm["timeline"]),
         "final_val_loss": summary.get("final_val_loss"),
+        "mean_active_workers": mean_active(arm["timeline"]),
     }
     if arm["wait"] == "sync" and reference is not None:
         out["bit_equal_to_in_process"] = _losses(run_dir) == _losses(reference)

@@ -36,6 +36,35 @@ def test_the_schedule_keeps_one_to_n_live_workers():
     assert len(set(draws)) == 1  # seeded: the same schedule every time
 
 
+def test_a_replacing_schedule_keeps_the_pool_at_n():
+    """With `replace`, a pool below N gets a join and a full one never does: played out over 200 events (a kill or
+    term removes for good, a stop comes back), the pool never falls below N - 1; without it the same draw lets the
+    pool fall to one."""
+    from benchmarks.churn_report import mean_active
+
+    kinds = ("kill", "term", "stop", "join")
+    assert choose(random.Random(0), kinds, Pool(live=["a", "b", "c"]), 4, {"a", "b", "c"}, True) == "join"
+    full = Pool(live=["a", "b", "c"], stopped={"d": (0.0, signal.SIGCONT)})
+    assert "join" not in {choose(random.Random(i), kinds, full, 4, {"a", "b", "c"}, True) for i in range(40)}
+
+    def play(replace: bool) -> list[int]:
+        rng, pool, sizes = random.Random(3), Pool(live=["w0", "w1", "w2", "w3"], started=4), []
+        for _ in range(200):  # a stopped worker is back before the next event (stop_s < the event period)
+            ev = choose(rng, kinds, pool, 4, set(pool.live), replace)
+            if ev == "join":
+                pool.live.append(f"w{pool.started}")
+                pool.started += 1
+            elif ev in ("kill", "term"):
+                pool.live.remove(rng.choice(pool.live))
+            sizes.append(len(pool.live))
+        return sizes
+
+    assert min(play(True)) >= 3 and min(play(False)) == 1
+    assert mean_active([{"t": 0.0, "active": ["a"] * 4}, {"t": 3.0, "active": ["a"] * 2},
+                        {"t": 4.0, "active": []}]) == 3.5  # 4 workers for 3 s, 2 for 1 s
+    assert mean_active([{"t": 0.0, "active": []}]) is None
+
+
 def test_counters_read_before_a_coordinator_restart_are_added():
     before = {"sparecycles_tasks_redispatched_total": {"deadline": 3.0}, "x_total": {"": 1.0}}
     after = {"sparecycles_tasks_redispatched_total": {"deadline": 2.0, "same_worker": 1.0}}
