@@ -22,7 +22,7 @@ from celery import Celery
 from coordinator.celery_app import PROBE_TASK_NAME, make_celery
 from coordinator.client import CoordinatorClient
 from probe_kernels.reference import add_chunk_hook
-from probe_worker.broker import use_guarded_transport
+from probe_worker.broker import TEACHER_FIRST, use_guarded_transport
 from probe_worker.cache import WeightCache
 from probe_worker.metrics import WorkerMetrics, default_metrics
 from probe_worker.options import WorkerOptions
@@ -89,9 +89,11 @@ def broker_app(reg: WorkerRegistered, soft_shutdown_s: float) -> Celery:
     """The Celery app on the registration's broker (coordinator.celery_app.make_celery), its transport guarded (a bad
     queue item is dropped, not fatal: probe_worker.broker). kombu sweeps for expired unacked messages only every
     interval * throttle seconds (100 s by default); here at a fifth of the visibility timeout (1..10 s), so a killed
-    worker's task returns promptly."""
+    worker's task returns promptly. Teacher rounds are taken before probe rounds (probe_worker.broker.TeacherFirstCycle).
+    """
     app = make_celery(reg.broker_url, visibility_timeout_s=reg.visibility_timeout_s, soft_shutdown_s=soft_shutdown_s)
     transport = dict(app.conf.broker_transport_options or {})
+    transport["queue_order_strategy"] = TEACHER_FIRST
     transport["unacked_restore_interval"] = max(1.0, min(10.0, reg.visibility_timeout_s / 5))
     transport["unacked_restore_throttle"] = 1
     app.conf.broker_transport_options = transport

@@ -30,12 +30,15 @@ import redis
 from celery import Celery
 from kombu.transport import redis as kombu_redis
 from kombu.transport.virtual import Message as VirtualMessage
+from kombu.utils.scheduling import round_robin_cycle
 
 from probe_worker.metrics import default_metrics
+from wire.teacher_messages import TEACHER_QUEUE_PREFIX
 
 log = logging.getLogger(__name__)
 
 GUARDED_TRANSPORT = "probe_worker.broker:GuardedRedisTransport"
+TEACHER_FIRST = "probe_worker.broker:TeacherFirstCycle"  # kombu's `queue_order_strategy` (broker_app sets it)
 
 
 class UndecodableItem(Exception):
@@ -139,6 +142,22 @@ class GuardedRedisChannel(kombu_redis.Channel):
             if problem is None:
                 return payload
             self._drop(UndecodableItem("not_envelope", problem))
+
+
+class TeacherFirstCycle(round_robin_cycle):
+    """The order of a worker's BRPOP over its queues: every teacher queue (wire.teacher_messages.teacher_queue) before
+    every probe queue, round-robin within each group (kombu moves the queue it took from to the end of the list).
+
+    A worker consumes its run's probe queue (or the queue its share gives it) and every teacher run's queue. A
+    student's step waits for its teacher targets, while a probe round only feeds curvature that folds when it comes,
+    so with both kinds waiting the teacher round goes first. kombu's default (`round_robin`) would alternate them.
+    Selected as the Redis transport's `queue_order_strategy` (kombu.utils.scheduling.cycle_by_name takes a path)."""
+
+    def consume(self, n: int) -> list[str]:
+        """The first `n` queues, teacher queues first, each group in the cycle's order."""
+        items = self.items[:n]
+        teacher = [q for q in items if q.startswith(f"{TEACHER_QUEUE_PREFIX}.")]
+        return teacher + [q for q in items if not q.startswith(f"{TEACHER_QUEUE_PREFIX}.")]
 
 
 class GuardedRedisTransport(kombu_redis.Transport):
