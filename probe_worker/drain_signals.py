@@ -35,7 +35,8 @@ def hold_drain_signals() -> None:
     process (an inductor compile on CUDA) installs LLVM's signal handlers with sigaction, over Python's: LLVM's
     SIGUSR1 handler is its "info" handler, which swallows the signal, so every drain after a compile was lost (a
     cached kernel compiles nothing, which is why it happened in some runs only). A blocked signal reaches no handler:
-    it waits, pending, for sigwait (tests/test_worker_policy.py reproduces the loss with a CUDA-target compile)."""
+    it waits, pending, for sigwait (tests/probe_worker/test_worker_policy.py reproduces the loss with a CUDA-target
+    compile)."""
     signal.pthread_sigmask(signal.SIG_BLOCK, set(LOCAL_DRAIN))
 
 

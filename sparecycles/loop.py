@@ -98,7 +98,7 @@ class Evaluation:
     earlier steps'; here: this one's), `poll()` the records ready now, `finish()` all outstanding ones (a version
     no worker answers for within `deadline_s` s is evaluated here, and its record says `eval_on: "trainer"`).
     A record: {"step", "val_loss" (nats/token: the mean of the batches' mean token cross-entropy), "eval_on", ...};
-    on the fleet it equals the in-process one bit for bit on the same device (tests/test_fleet_eval.py).
+    on the fleet it equals the in-process one bit for bit on the same device (tests/fleet/test_fleet_eval.py).
     Raises ValueError when the windows' kind is not the model's (CoordinatorHTTPError: the coordinator refused).
     """
 

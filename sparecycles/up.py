@@ -27,7 +27,7 @@ from sparecycles.services import Supervisor, die_with_parent, free_port
 from sparecycles.up_options import SERVING_JSON
 from sparecycles.up_plan import UP_SETTINGS, UpPlan, clear_folder, plan_up, read_json  # noqa: F401 (plan_up re-exported)
 from sparecycles.up_summary import UpOutcome, build_summary, end_lines, title, write_summary  # noqa: F401 (end_lines re-exported)
-from sparecycles.up_summary import run_summary as _run_summary  # noqa: F401 (re-exported: tests/test_kd_cache.py)
+from sparecycles.up_summary import run_summary as _run_summary  # noqa: F401 (re-exported: tests/fleet/test_kd_cache.py)
 from trainer.run_options import TEACHER_ROUNDS_ENV  # train's --teacher-rounds, for up's torchrun ranks
 
 if TYPE_CHECKING:

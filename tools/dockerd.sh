@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Make sure a Docker daemon answers on this host, starting one if none does (idempotent: a running one is reused).
-# Used by tools/test_services.sh (the README's test command), tests/test_compose.py and the README's Deployment section.
+# Used by tools/test_services.sh (the README's test command), tests/deploy/test_compose.py and the README's Deployment section.
 #
 # The daemon it starts keeps every container on the host's network: no default bridge (docker's would take a
 # 172.17.x subnet), no iptables rules. Images are built with `--network host` and docker/compose.cpu.yml runs every

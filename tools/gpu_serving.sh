@@ -61,13 +61,13 @@ python3 -c 'import torch, transformers, triton; print(torch.__version__, transfo
   | tee -a "$out/gpu.txt"
 if [ "${1:-}" = checks ]; then
   # The drain signal after a CUDA compile (the worker's own path), the segmented forward's cost and cut.
-  python3 -m pytest -q -p no:cacheprovider -rs tests/test_worker_policy.py -k "triton or inductor" 2>&1 \
+  python3 -m pytest -q -p no:cacheprovider -rs tests/probe_worker/test_worker_policy.py -k "triton or inductor" 2>&1 \
     | tail -5 | tee "$out/checks.log"
   python3 - <<'PY' 2>&1 | tee -a "$out/checks.log"
 # The same CUDA compile without the hold before torch's import (threads that take the signal exist): the record of
 # what a drain met before the fix.
 import pathlib, re, signal, subprocess, sys, tempfile
-src = pathlib.Path("tests/test_worker_policy.py").read_text()
+src = pathlib.Path("tests/probe_worker/test_worker_policy.py").read_text()
 body = re.search(r'_CUDA_COMPILING_PROCESS = """(.*?)"""', src, re.S).group(1)
 for mode in ("held", "free"):
     d = tempfile.mkdtemp()

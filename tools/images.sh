@@ -5,7 +5,7 @@
 #   sparecycles:cpu                   docker/Dockerfile on that base; torch's CPU wheel from pip's find-links
 #   sparecycles-redis:bookworm        Debian's redis-server (docker/debian/redis.Dockerfile)
 #   sparecycles-prometheus:bookworm   Debian's prometheus (docker/debian/prometheus.Dockerfile)
-# Grafana has no Debian package: compose.cpu.yml runs none; tests/test_ops_fleet.py checks the dashboard's queries
+# Grafana has no Debian package: compose.cpu.yml runs none; tests/deploy/test_ops_fleet.py checks the dashboard's queries
 # against a live Prometheus instead.
 #
 # Idempotent: each image carries a label with the sha256 of its inputs (recipe, base image, build arguments, the

@@ -60,7 +60,7 @@ RUN_PRESETS: dict[str, dict] = {
 # `--task sentiment` fine-tunes a pretrained encoder, so the LM presets' lr would wreck it: when the
 # user gives no --lr, each optimizer starts from its registered `sentiment_lr` (trainer.methods), the lr the
 # sentiment benchmark picked on validation accuracy (experiments/zo/results/sentiment_summary.json; AdamW:
-# measured on 30 steps at batch 16, tests/test_train_sentiment.py).
+# measured on 30 steps at batch 16, tests/trainer/test_train_sentiment.py).
 
 
 class TrainConfig(BaseModel):

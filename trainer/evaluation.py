@@ -12,7 +12,7 @@ selected once per run, on the CPU), combined in batch order:
 
 `batch_values` is what a trainer and a worker both run for one batch (same model code, same fp32 reduction),
 and `combine` is the one way values become a record, so a fleet-evaluated record equals the trainer-evaluated
-one bit for bit on the same device (tests/test_fleet_eval.py). `InlineEvaluator` is the loop's default
+one bit for bit on the same device (tests/fleet/test_fleet_eval.py). `InlineEvaluator` is the loop's default
 (evaluate now, on the trainer); fleet.evaluation.FleetEvaluator hands versions to the fleet instead.
 """
 

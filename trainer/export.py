@@ -8,7 +8,7 @@ A folder holds `config.json`, `model.safetensors` (fp32, as trained; tied weight
   (trainer.data.tokenizer); `gpt2_tokenizer` converts those ranks with transformers' `TikTokenConverter`
   (vocab = the 50,257 ranks as byte-level strings, merges = every split of a token into two tokens,
   ordered by the merged token's rank) under the GPT-2 pre-tokenisation regex, so it encodes text to the
-  same ids as `gpt2_encoding()` (tests/test_export.py checks a slice of the corpus). `<|endoftext|>` = 50256
+  same ids as `gpt2_encoding()` (tests/trainer/test_export.py checks a slice of the corpus). `<|endoftext|>` = 50256
   is BOS, EOS and UNK, as in GPT-2; `model_max_length` is the preset's context.
 - The MiniLM sentiment classifier -> `BertForSequenceClassification` with its trained head, labels
   0 = negative, 1 = positive; its tokenizer's `model_max_length` is the run's `seq_len`, the length it was

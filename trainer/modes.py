@@ -2,7 +2,7 @@
 
 The ZO modes (ZO-Curv, pure ZO) live in trainer.zo.modes; which mode a `--optimizer` name gets is the
 registry's business (trainer.mode_builders.build_mode). Modes import neither the registry nor the config at run
-time (the registry builds them: no import circle, tests/test_layers.py).
+time (the registry builds them: no import circle, tests/repo/test_layers.py).
 """
 
 from __future__ import annotations

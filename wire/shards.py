@@ -5,7 +5,7 @@ A published version is a list of safetensors shards (fleet.publisher.write_shard
 host, and the same again to parse it back); at the publish -> ready budget of 2 s these copies are the
 largest part. Here a shard is instead described (`ShardPlan`: header bytes + the CPU tensors) and streamed as
 memoryviews of the tensors' own storage, hashed while it is written or sent; the bytes are exactly those of
-`safetensors.torch.save` of the same dict (tests/test_shards.py compares them), so the content address is
+`safetensors.torch.save` of the same dict (tests/wire/test_shards.py compares them), so the content address is
 unchanged. `parse_safetensors` is the inverse on a buffer the worker already holds (a read file or a
 download): tensors are views of that buffer, validated against the header, with no second copy.
 

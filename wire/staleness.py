@@ -4,7 +4,7 @@ than latest − S, i.e. latest − version > S, for the bound S >= 0 in versions
 Pure and torch-free, so the trainer (trainer.zo.rounds, trainer.zo.backend) and the
 coordinator (coordinator.runs) call the same function. The coordinator's intake decides inside a Redis Lua
 script; `IS_STALE_LUA` is this rule's Lua twin, prepended to that script (coordinator.intake_scripts) and tested against `is_stale` over
-a grid of (version, latest, S) by tests/test_staleness.py. Versions are < 2**53 (messages.Version), so Lua's
+a grid of (version, latest, S) by tests/wire/test_staleness.py. Versions are < 2**53 (messages.Version), so Lua's
 doubles hold them and their differences exactly.
 """
 

@@ -1,5 +1,5 @@
-"""What the engine-teacher tests share (tests/test_engine_teacher*.py): the k a session engine serves as started,
-and real English rows in a model folder's tokenizer."""
+"""What the engine-teacher tests share (tests/probe_worker/test_engine_teacher*.py): the k a session engine serves
+as started, and real English rows in a model folder's tokenizer."""
 
 from __future__ import annotations
 

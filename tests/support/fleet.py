@@ -21,10 +21,10 @@ import torch
 
 from fleet.backend import BackendTuning, CoordinatorBackend, FleetAddress
 from probe_worker.engine import die_with_parent
+from support.paths import ROOT
 from wire.messages import RunSpec
 
 REDIS_URL = "redis://127.0.0.1:6379/12"
-ROOT = Path(__file__).resolve().parents[2]
 VISIBILITY_S = 5
 START_TIMEOUT_S = 180.0  # a liveness bound only: a worker process starts in ~10 s, far slower on a loaded 2-core CI
 

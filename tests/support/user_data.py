@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from support.paths import ROOT
 
 
 def real_documents(min_chars: int = 400) -> list[str]:

@@ -313,7 +313,7 @@ def _eval(site: ProbeSite, k: int, eps: float, dist: str, group: Sequence[int], 
 
 
 # Adding a kind: a ProbeKind member and one entry here (the wire name in wire.messages.ProbeKindName
-# is checked against this table by tests/test_zo_probes.py).
+# is checked against this table by tests/trainer/test_zo_probes.py).
 KINDS: dict[ProbeKind, KindRule] = {
     ProbeKind.SEEDED: KindRule(_seeded),
     ProbeKind.BLOCK_SCALED: KindRule(_block_scaled),
