@@ -157,7 +157,7 @@ class FleetStatus:
 
     Scrapes go through one pooled httpx.Client: a bare `httpx.get` builds a client (and its TLS context) per
     call, ~50 ms against a local coordinator here (3.6 ms pooled), paid on every training step by
-    FleetFiguresMode (issue 21's x2 run: 0.136 s per fleet step vs 0.075 s in process).
+    FleetFiguresMode (the x2 experiment's run: 0.136 s per fleet step vs 0.075 s in process).
     """
 
     def __init__(self, base: str) -> None:
@@ -301,7 +301,7 @@ class Fleet:
         # The workers build the model from the manifest (class + config + shards) and pick the loss and batch
         # format from its class, exactly as the backend does here.
         # A fleet of one worker cannot spot-check: a replica must come from another worker, so the coordinator
-        # re-sends it to the same one until it gives up (issue 21's x2 run: 62 refused re-evaluations for 3
+        # re-sends it to the same one until it gives up (the x2 experiment's run: 62 refused re-evaluations for 3
         # spot-checked seeds, their rounds folded up to 72 steps late). Spot checks start at two workers.
         spec = RunSpec(run=f"{self.run_prefix}-{secrets.token_hex(4)}", model_class=type(model).__name__,
                        model_preset=model_label(cfg.model) if lm else None, staleness=cfg.staleness, **share_fields(self.share),

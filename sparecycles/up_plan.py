@@ -265,7 +265,7 @@ def _with_folder_states(plan: UpPlan, overwrite: bool) -> UpPlan:
 
 def _set_names(message: str, from_set: set[str]) -> str:
     """`message` (option errors: "--seq-len: ...", "--corpus: ...") with each setting that came from `up --set`
-    named as the user wrote it: "--set seq_len" (issue 39: an error must name what the user typed)."""
+    named as the user wrote it: "--set seq_len" (an error names what the user typed)."""
     import re
 
     for key in sorted(from_set, key=len, reverse=True):

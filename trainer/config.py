@@ -133,12 +133,12 @@ class TrainConfig(BaseModel):
     # The method's own knobs (trainer.methods.Method.options), validated against it; {} keeps its defaults.
     optimizer_options: dict[str, float | int | str | bool | None] = Field(
         default_factory=dict, description="a knob of the chosen optimizer, e.g. s_max=8 for zocurv-line")
-    # The anytime model (trainer.anytime, issue 31): None = off. LM task only; needs a corpus with a
+    # The anytime model (trainer.anytime): None = off. LM task only; needs a corpus with a
     # selection split (checked when the corpus is loaded).
     anytime: AnytimeSettings | None = Field(None, description="the anytime model (served_val_loss, "
                                             "RUN_DIR/served.safetensors, `export --best`)")
 
-    # Distillation (trainer.kd, issue 36): None = off. In process for now (the teacher on the trainer's device).
+    # Distillation (trainer.kd): None = off. In process for now (the teacher on the trainer's device).
     teacher: str | None = Field(None, min_length=1, description="distillation teacher: smollm2-135m or a "
                                 "transformers folder with the student's tokenizer (loss (1-a) CE + a KD)")
     kd_alpha: float = Field(0.5, ge=0, le=1.0, description="--teacher: KD weight a in (1-a) CE + a KD")
@@ -168,7 +168,7 @@ class TrainConfig(BaseModel):
         method = get_method(self.optimizer)
         if self.task not in method.tasks:
             # ZO-Curv estimates curvature for pretraining-scale backprop runs (DESIGN section 2); the
-            # sentiment task compares the pure-ZO methods (issue 3), so it is not wired or tested there.
+            # sentiment task compares the pure-ZO methods, so it is not wired or tested there.
             why = "; ZO-Curv variants run on the LM task (--task lm)" if method.kind == "zo-curv" else ""
             raise ValueError(f"--task {self.task} supports {', '.join(method_names(task=self.task))}, "
                              f"not {self.optimizer!r}{why}")

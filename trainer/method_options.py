@@ -45,7 +45,7 @@ class LineOptions(MethodOptions):
 
 
 class RoleOptions(MethodOptions):
-    """zocurv-group / -global / -group-global / -group-fixed (trainer.zo.role_rules; issue 17): group multipliers
+    """zocurv-group / -global / -group-global / -group-fixed (trainer.zo.role_rules): group multipliers
     s_G = clip((S_max/S_G)^γ, 1, s_max) with EMA `group_beta`, trusted when |SNR| >= snr_min, a trusted
     negative curvature "skip"ped (default: the quadratic rule gives no step there) or read as "flat" (target
     s_max: the first H200 run's rule); global multiplier capped at m_max with EMA `global_beta`
@@ -61,7 +61,7 @@ class RoleOptions(MethodOptions):
 
 
 class RegimeOptions(MethodOptions):
-    """zocurv-static / zocurv-trust (trainer.zo.regime_mode; issue 29): `norm` of Wang et al.'s table
+    """zocurv-static / zocurv-trust (trainer.zo.regime_mode): `norm` of Wang et al.'s table
     ("geomean": parameter-weighted geometric mean 1, so the base lr means what AdamW's does; "smallest": the
     raw table, Norm = 1; trainer.zo.block_table). zocurv-trust only: `start` at the table or at 1, `batches`
     held-out probe batches per refresh (the SE is measured across them), the rule of

@@ -99,7 +99,7 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            SophiaOptions),
     Method("zocurv-line", "zo-curv", "AdamW with per-block Newton multipliers along the last update (default)",
            LineOptions, probes_along_step=True),
-    # Second generation (issue 17; trainer.zo.role_rules): knobs in RoleOptions, probe budget per refresh is
+    # Second generation (trainer.zo.role_rules): knobs in RoleOptions, probe budget per refresh is
     # TrainConfig.probe_budget.
     Method("zocurv-group", "zo-curv", "AdamW with upward-only per-role multipliers from group curvature probes",
            RoleOptions),
@@ -108,7 +108,7 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("zocurv-group-global", "zo-curv", "zocurv-group and zocurv-global together", RoleOptions),
     Method("zocurv-group-fixed", "zo-curv", "ablation: Wang et al. 2025's per-role multipliers fixed, no probes",
            RoleOptions, needs_probes=False),
-    # Issue 29 (trainer.zo.regime_mode): block-type lrs, static (zero probes) or from the calibrated trust region.
+    # Regimes (trainer.zo.regime_mode): block-type lrs, static (zero probes) or from the calibrated trust region.
     Method("zocurv-static", "zo-curv", "AdamW with Wang et al. 2025's per-role lr table, normalised, no probes",
            RegimeOptions, needs_probes=False),
     Method("zocurv-trust", "zo-curv", "AdamW with per-role multipliers from a calibrated block trust region",

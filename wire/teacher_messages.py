@@ -96,7 +96,7 @@ class TeacherTask(Message):
             return b""
 
 
-# ---- The teacher's weights as coordinator blobs, and a teacher run registered at the coordinator (issue 47) ----
+# ---- The teacher's weights as coordinator blobs, and a teacher run registered at the coordinator ----
 # A worker that cannot read the round's teacher_dir (another machine) rebuilds the folder from the coordinator's
 # blob store (`GET /v1/blobs/{sha256}`, as weight versions are delivered): the files teacher_sha256 covers
 # (config.json and the weight files), each one blob named by its sha256.

@@ -168,7 +168,8 @@ _CLASSICS = ("shakespeare", "milton", "kjv", "sotu", "moby-dick", "fortunes")
 CORPORA: dict[str, tuple[str, ...]] = {
     "classics-small": ("shakespeare", "milton", "kjv"),
     "classics": _CLASSICS,
-    # >= 30M GPT-2 tokens (issue 31): the classics, Webster's 1913 (GCIDE), the Python and Linux docs.
+    # >= 30M GPT-2 tokens, room for the anytime model's selection split: the classics, Webster's 1913 (GCIDE), the
+    # Python and Linux docs.
     "classics-large": (*_CLASSICS, "gcide", "python-docs", "linux-docs"),
 }
 SELECT_CORPORA = frozenset({"classics-large"})

@@ -81,7 +81,7 @@ ARTIFACTS: dict[str, Artifact] = {
                  "1b2afb4e3853af422a232a678bd57ef30a57b4e0af5cc9a396f7c8d2f1532afd", 39_400_844),
         Artifact("fortunes", "apt", "fortunes", "1:1.99.1-7.3", "fortunes_1%3a1.99.1-7.3_all.deb",
                  "41d0551dc0ff52f875a2ecef7c39da2f672ab468c37e170119f7e0245a9d63c5", 848_988),
-        # classics-large (issue 31): Debian bookworm main, pinned 2026-12-01 (apt-get download).
+        # classics-large: Debian bookworm main, pinned 2026-12-01 (apt-get download).
         Artifact("dict-gcide", "apt", "dict-gcide", "0.48.5+nmu2", "dict-gcide_0.48.5+nmu2_all.deb",
                  "7b0af5cfde3cbdef5e9d6e78f92ec335ced7c2790f37a40f49bebc6f7347ac0f", 14_800_692),
         Artifact("python3.11-doc", "apt", "python3.11-doc", "3.11.2-6+deb12u8",

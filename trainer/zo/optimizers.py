@@ -97,7 +97,7 @@ class ZOCurvOptimizer(torch.optim.Optimizer):
     Probe source: the curvature comes only from refreshes (trainer.zo.modes.refresh, which ZOCurvMode and every
     fleet run call: it marks the optimizer with `attach_probe_source`). Stepped without one (a plain torch loop) the
     multipliers stay 1.0 and the optimizer is AdamW: the first such `step` says so once, loudly (a UserWarning and a
-    log WARNING); with `require_probes = True` it raises RuntimeError instead (issue 39).
+    log WARNING); with `require_probes = True` it raises RuntimeError instead.
     """
 
     history = 0
