@@ -13,7 +13,6 @@ import pytest
 
 from coordinator.blobs import BlobStore
 from coordinator.client import CoordinatorClient, CoordinatorHTTPError, upload_chunks
-from support.coordinator import running_env
 
 
 @pytest.mark.parametrize(("size", "chunk"), [(0, 4), (1, 4), (4, 4), (10, 4), (10, 3), (4096, 1000)])
@@ -28,11 +27,6 @@ def test_upload_chunks_rebuild_the_bytes_within_the_chunk_size(size, chunk):
 def test_upload_chunks_refuse_a_non_positive_size():
     with pytest.raises(ValueError, match="chunk_bytes"):
         list(upload_chunks(b"abc", 0))
-
-
-@pytest.fixture
-def env(tmp_path):
-    yield from running_env(tmp_path)
 
 
 def test_put_blob_of_many_chunks_arrives_whole_and_verified(env):

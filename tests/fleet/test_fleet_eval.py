@@ -13,6 +13,7 @@ import time
 import pytest
 from pydantic import ValidationError
 
+from support.events import metrics_records
 from wire.round_messages import EvalSpec, ProbeRound, ProbeTask, WeightTerm
 
 SHA = "a" * 64
@@ -51,12 +52,8 @@ def _cfg(tmp_path, name: str, **kw):
     return TrainConfig(**{**base, **kw})
 
 
-def _records(run_dir) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def _evals(run_dir) -> dict[int, dict]:
-    return {r["step"]: r for r in _records(run_dir) if "val_loss" in r}
+    return {r["step"]: r for r in metrics_records(run_dir) if "val_loss" in r}
 
 
 def _attached(f, workers: int = 1, rounds: str = "async"):
@@ -107,8 +104,8 @@ def test_fleet_evaluation_equals_the_trainers_bit_for_bit(efleet, trainer_run, t
     summary = json.loads((res.run_dir / "summary.json").read_text())
     assert summary["final_val_loss"] == ref[4]["val_loss"]
     assert summary["evaluations"] == {"fleet": 3, "trainer_fallback": 0}
-    losses = [(r["step"], r["loss"]) for r in _records(res.run_dir) if "loss" in r]
-    assert losses == [(r["step"], r["loss"]) for r in _records(trainer_run) if "loss" in r]
+    losses = [(r["step"], r["loss"]) for r in metrics_records(res.run_dir) if "loss" in r]
+    assert losses == [(r["step"], r["loss"]) for r in metrics_records(trainer_run) if "loss" in r]
 
 
 @pytest.mark.slow
@@ -232,7 +229,7 @@ def test_fleet_wait_never_with_a_stopped_worker_finishes_and_counts_its_skipped_
     finally:
         for p in alive:
             os.kill(p.pid, signal.SIGCONT)
-    steps = [r["step"] for r in _records(res.run_dir) if "loss" in r]
+    steps = [r["step"] for r in metrics_records(res.run_dir) if "loss" in r]
     assert steps == list(range(1, 9))  # the same step count as without a fleet
     summary = json.loads((res.run_dir / "summary.json").read_text())
     assert summary["rounds_skipped"]["dropped"] >= 1  # rounds at steps 2 and 4 went stale unanswered
@@ -322,7 +319,7 @@ def test_anytime_candidates_scored_on_the_fleet_choose_as_in_process_bit_for_bit
             "served_z", "candidates", "quad_ok", "quad_resid", "quad_pred", "quad_meas")
 
     def served(run_dir):  # a fleet's evaluation record may come later than the served figures: a record of their own
-        return {r["step"]: {k: r.get(k) for k in keys} for r in _records(run_dir) if "served" in r}
+        return {r["step"]: {k: r.get(k) for k in keys} for r in metrics_records(run_dir) if "served" in r}
 
     mine, theirs = served(res.run_dir), served(ref.run_dir)
     assert sorted(mine) == [4, 8] and mine == theirs  # bits, not approx

@@ -15,6 +15,7 @@ import torch
 from safetensors import safe_open
 
 from fleet.attach import Fleet, FleetStatus
+from support.events import metrics_records
 from support.fleet import make_batch
 from support.models import tiny_gpt2
 from support.resume import assert_same_checkpoints
@@ -143,10 +144,6 @@ def _cfg(tmp_path, name: str) -> TrainConfig:
                        optimizer_options={"batches": 2, "start": "one", "agree": 1, "z_min": 0.1})
 
 
-def _records(run_dir) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def test_trust_on_a_fleet_folds_at_the_next_refresh_and_resumes(one_worker, tmp_path, fail_at_step):
     """`up`'s timing ("next"): each refresh's rounds fold at the refresh after (the trainer waits for them only
     before publishing the version after that); Ctrl-C with a refresh's 10 rounds in flight, resume on a new
@@ -158,7 +155,7 @@ def test_trust_on_a_fleet_folds_at_the_next_refresh_and_resumes(one_worker, tmp_
         return Fleet(procs.url, settings, 1, FleetStatus(procs.url), run_prefix="trust", rounds="next")
 
     straight = train(_cfg(tmp_path, "straight"), progress=False, export=False, hooks=TrainHooks(mode_factory=attach().mode_factory))
-    folded = [(r["step"], r["tr_version"]) for r in _records(straight.run_dir) if "tr_version" in r]
+    folded = [(r["step"], r["tr_version"]) for r in metrics_records(straight.run_dir) if "tr_version" in r]
     assert folded == [(5, 2.0), (7, 4.0)]  # logged steps count from 1: refresh 2 folds at 4, 4 at 6, 6 never
     undo = fail_at_step(ZOCurvMode, 5)  # checkpointed after step 4: refresh 4's rounds in flight
     with pytest.raises(KeyboardInterrupt):
@@ -172,7 +169,7 @@ def test_trust_on_a_fleet_folds_at_the_next_refresh_and_resumes(one_worker, tmp_
                     hooks=TrainHooks(mode_factory=attach().mode_factory))
     assert resumed.summary["resumed_from_step"] == 5
     keys = ("loss", "val_loss", "tr_version", "mult_embed", "mult_qk", "tr_z_ffn")
-    after = [(r["step"], k, r[k]) for r in _records(resumed.run_dir) for k in keys if k in r and r["step"] > 5]
-    assert after and after == [(r["step"], k, r[k]) for r in _records(straight.run_dir) for k in keys
+    after = [(r["step"], k, r[k]) for r in metrics_records(resumed.run_dir) for k in keys if k in r and r["step"] > 5]
+    assert after and after == [(r["step"], k, r[k]) for r in metrics_records(straight.run_dir) for k in keys
                                if k in r and r["step"] > 5]  # floats compared exactly
     assert_same_checkpoints(straight.run_dir, resumed.run_dir)

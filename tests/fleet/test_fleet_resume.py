@@ -16,6 +16,7 @@ from safetensors import safe_open
 
 from fleet.attach import Fleet, FleetStatus
 from sparecycles.up import FLEET_PARTS, plan_up, run_up, sum_fleet
+from support.events import metrics_records
 from support.resume import assert_same_checkpoints
 from trainer.config import TrainConfig
 from trainer.train import TrainHooks, train
@@ -39,14 +40,10 @@ def _cfg(tmp_path, name: str) -> TrainConfig:
                        probe_batch_size=1, curvature_interval=3, run_dir=tmp_path / name)
 
 
-def _records(run_dir) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def _losses(run_dir) -> list[tuple[int, str, float]]:
     """(step, "loss" | "val_loss", value) in step order: a fleet evaluation's record lands when its result
     arrives (after later steps' losses, by the fleet's timing), so file order is not compared, the values are."""
-    return sorted((r["step"], k, r[k]) for r in _records(run_dir) for k in ("loss", "val_loss") if k in r)
+    return sorted((r["step"], k, r[k]) for r in metrics_records(run_dir) for k in ("loss", "val_loss") if k in r)
 
 
 def _inflight(run_dir: Path) -> list[dict]:
@@ -77,9 +74,9 @@ def test_fleet_sync_run_interrupted_and_resumed_is_the_same_run(one_worker, tmp_
     assert resumed.summary["resumed_from_step"] == 6
     assert _losses(resumed.run_dir) == _losses(straight.run_dir)  # floats compared exactly
     assert_same_checkpoints(straight.run_dir, resumed.run_dir)
-    folded = [(r["step"], r["curv_accepted"], r["curv_median"]) for r in _records(straight.run_dir) if "curv_median" in r]
+    folded = [(r["step"], r["curv_accepted"], r["curv_median"]) for r in metrics_records(straight.run_dir) if "curv_median" in r]
     assert len(folded) == 2  # rounds 3 and 6, each folded at its own step in both runs
-    assert folded == [(r["step"], r["curv_accepted"], r["curv_median"]) for r in _records(resumed.run_dir)
+    assert folded == [(r["step"], r["curv_accepted"], r["curv_median"]) for r in metrics_records(resumed.run_dir)
                       if "curv_median" in r]
 
 
@@ -110,9 +107,9 @@ def test_up_interrupted_and_resumed_equals_the_uninterrupted_run(tmp_path, fail_
     assert_same_checkpoints(a, b)
     untimed = [{k: v for k, v in r["zocurv-line"].items() if k != "time_ledger"} for r in (resumed, straight)]
     assert untimed[0] == untimed[1]  # the time ledgers differ: wall times
-    folded = [(r["step"], r["curv_accepted"], r["curv_median"]) for r in _records(a) if "curv_median" in r]
+    folded = [(r["step"], r["curv_accepted"], r["curv_median"]) for r in metrics_records(a) if "curv_median" in r]
     assert [s for s, *_ in folded] == [7, 10]  # rounds 3 and 6 fold in steps 6 and 9 (logged as completed steps)
-    assert folded == [(r["step"], r["curv_accepted"], r["curv_median"]) for r in _records(b) if "curv_median" in r]
+    assert folded == [(r["step"], r["curv_accepted"], r["curv_median"]) for r in metrics_records(b) if "curv_median" in r]
     assert "refresh after it" in resumed["rounds"]
     # fleet figures: both parts' coordinator counters summed (round 6 was evaluated in both parts)
     parts = json.loads((zo / FLEET_PARTS).read_text())

@@ -10,11 +10,10 @@ anything starts.
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from fleet.attach import Fleet, FleetStatus
+from support.events import metrics_records
 from trainer.config import TrainConfig
 from trainer.methods import METHODS, fleet_method_names
 from trainer.train import TrainHooks, train
@@ -44,16 +43,12 @@ def _cfg(tmp_path, name: str, optimizer: str) -> TrainConfig:
                        optimizer_options=VARIANTS.get(optimizer, {}), run_dir=tmp_path / name)
 
 
-def _records(run_dir) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def _values(run_dir) -> list[tuple[int, str, float]]:
     """Every logged value that does not measure time or the fleet: losses, curvature, multipliers, accepted
     results and rounds (a fleet's redeliveries, counted `duplicate` by the coordinator, and its forward passes
     are its own)."""
     skip = ("elapsed_s", "probe_wall_s", "publish_s", "publish_unix", "forward_passes", "probe_forwards")
-    return [(r["step"], k, v) for r in _records(run_dir) for k, v in sorted(r.items())
+    return [(r["step"], k, v) for r in metrics_records(run_dir) for k, v in sorted(r.items())
             if k != "step" and k not in skip and not k.startswith("fleet_") and not k.endswith("_duplicate")]
 
 
@@ -76,7 +71,7 @@ def test_fleet_sync_equals_in_process(one_worker, tmp_path, optimizer):
     assert got == want  # floats compared exactly: losses, curvature, multipliers, round counters
     accepted = [v for _, k, v in got if k.endswith("_accepted")]
     assert accepted and max(accepted) > 0  # the worker's results were taken
-    assert max(r.get("fleet_results_accepted", 0) for r in _records(on_fleet.run_dir)) > 0
+    assert max(r.get("fleet_results_accepted", 0) for r in metrics_records(on_fleet.run_dir)) > 0
 
 
 @pytest.mark.parametrize("optimizer", ["zocurv-group-fixed", "zocurv-static", "adamw"])

@@ -65,7 +65,7 @@ def _train(setup, run_dir: Path, *extra: str, k: int = K):
                                     *extra])
 
 
-def _records(run_dir: Path) -> list[dict]:
+def _loss_records(run_dir: Path) -> list[dict]:
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [{k: r[k] for k in ("step", "loss", "ce_loss", "kd_loss", "val_loss") if k in r} for r in recs]
 
@@ -121,8 +121,8 @@ def test_train_from_the_cache_equals_teacher_rounds_counts_missing_and_refuses_a
     assert res.exit_code == 0, res.output
     res = _train(setup, tmp_path / "cached", "--kd-cache", str(cache_root))
     assert res.exit_code == 0, res.output
-    assert _records(tmp_path / "cached") == _records(tmp_path / "rounds")  # bit for bit: loss, CE, KD, val loss
-    assert sum("kd_loss" in r for r in _records(tmp_path / "cached")) == STEPS
+    assert _loss_records(tmp_path / "cached") == _loss_records(tmp_path / "rounds")  # bit for bit: loss, CE, KD, val loss
+    assert sum("kd_loss" in r for r in _loss_records(tmp_path / "cached")) == STEPS
     cached = json.loads((tmp_path / "cached" / "summary.json").read_text())
     assert cached["kd"]["kd_taken_steps"] == STEPS and cached["kd"]["kd_missing_steps"] == 0
     rounds = json.loads((tmp_path / "rounds" / "summary.json").read_text())
@@ -164,10 +164,10 @@ def test_micro_batches_and_curvature_probes_take_their_rows_of_the_step_targets(
         summaries[name] = json.loads((tmp_path / name / "summary.json").read_text())
         assert summaries[name]["kd"]["kd_taken_steps"] == STEPS and summaries[name]["kd"]["kd_missing_steps"] == 0
         assert "teacher_missing" not in summaries[name].get("warning_counts", {}), name
-        assert sum("kd_loss" in r for r in _records(tmp_path / name)) == STEPS, name
+        assert sum("kd_loss" in r for r in _loss_records(tmp_path / name)) == STEPS, name
     assert summaries["micro"]["final_val_loss"] == pytest.approx(summaries["whole"]["final_val_loss"], rel=1e-4)
     # each step's record: the whole batch's CE and KD terms, micro-batched or not (before: the last micro-batch's)
-    whole, micro = (_records(tmp_path / n) for n in ("whole", "micro"))
+    whole, micro = (_loss_records(tmp_path / n) for n in ("whole", "micro"))
     for w, m in zip(whole, micro, strict=True):
         for term in ("ce_loss", "kd_loss"):
             assert (term in w) == (term in m), (w, m)

@@ -15,7 +15,7 @@ from support.processes import processes_of, start_up
 pytestmark = pytest.mark.slow  # end to end: `sparecycles up` with MiniLM-L6 probe workers
 
 
-def _records(path):
+def _jsonl_records(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
@@ -38,14 +38,14 @@ def test_up_sentiment_runs_both_runs_through_the_fleet_and_leaves_no_process(tmp
     fleet = summary["fleet"]
     assert fleet.get("results_accepted", 0) + fleet.get("results_held", 0) >= 2 * 2
     for name in ("adamw", "1.5spsa"):
-        recs = _records(run_dir / name / "metrics.jsonl")
+        recs = _jsonl_records(run_dir / name / "metrics.jsonl")
         assert [r["step"] for r in recs if "loss" in r] == [1, 2]
         evals = [r for r in recs if "val_loss" in r]
         assert [r["step"] for r in evals] == [0, 2]
         assert summary[name]["final_val_acc"] == evals[-1]["val_acc"]
         assert summary[name]["initial_val_loss"] == evals[0]["val_loss"]
         assert 0.0 <= summary[name]["test_acc"] <= 1.0 and summary[name]["test_sentences"] > 1000
-    zo_steps = [r for r in _records(run_dir / "1.5spsa" / "metrics.jsonl") if "loss" in r]
+    zo_steps = [r for r in _jsonl_records(run_dir / "1.5spsa" / "metrics.jsonl") if "loss" in r]
     for r in zo_steps:
         assert r["forward_passes"] == r["step"] * (2 * 2 + 1) and r["probe_accepted"] == 2 * r["step"]
         assert r["fleet_workers"] == 2 and r["fleet_probes_per_s"] >= 0.0  # the fleet's figures, per step
@@ -55,7 +55,7 @@ def test_up_sentiment_runs_both_runs_through_the_fleet_and_leaves_no_process(tmp
     # Step 1's logged loss is L0, the clean loss a worker process computed on the model it built from the
     # published manifest; AdamW's step 1 logs the trainer's own loss of the same initial model on the same
     # batch: equal bit for bit.
-    adamw_steps = [r for r in _records(run_dir / "adamw" / "metrics.jsonl") if "loss" in r]
+    adamw_steps = [r for r in _jsonl_records(run_dir / "adamw" / "metrics.jsonl") if "loss" in r]
     assert zo_steps[0]["loss"] == adamw_steps[0]["loss"]
     assert summary["adamw"]["final_val_loss"] != summary["adamw"]["initial_val_loss"]  # backprop moved theta
     assert (run_dir / "curves.png").stat().st_size > 20_000

@@ -10,7 +10,8 @@ import numpy as np
 from trainer.events import scalars_of
 
 
-def _records(run_dir):
+def metrics_records(run_dir) -> list[dict]:
+    """The records of a run folder's metrics.jsonl (one JSON object a line), in order."""
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -26,7 +27,7 @@ def tensorboard_scalars(run_dir) -> dict[str, list[tuple[int, float]]]:
 def expected_scalars(run_dir) -> dict[str, list[tuple[int, float]]]:
     """metrics.jsonl as TensorBoard shows it: per key, (step, value rounded to float32) in file order."""
     out: dict[str, list[tuple[int, float]]] = {}
-    for rec in _records(run_dir):
+    for rec in metrics_records(run_dir):
         for k, v in scalars_of(rec).items():
             out.setdefault(k, []).append((rec["step"], float(np.float32(v))))
     return out

@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import trainer.data.corpus as corpus_mod
+from support.events import metrics_records
 from trainer.anytime.ring import CandidateSpec, VersionRing
 from trainer.anytime.settings import AnytimeSettings
 from trainer.config import TrainConfig
@@ -40,10 +41,6 @@ def _cfg(tmp_path, corpus, **anytime):
                                                windows=(2, 4), **anytime))
 
 
-def _records(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def test_served_model_is_logged_and_exports_with_its_loss_bit_for_bit(tmp_path, select_corpus):
     from transformers import AutoModelForCausalLM
 
@@ -52,7 +49,7 @@ def test_served_model_is_logged_and_exports_with_its_loss_bit_for_bit(tmp_path, 
 
     cfg = _cfg(tmp_path, select_corpus)
     res = train(cfg, progress=False, export=False)
-    evals = [r for r in _records(res.run_dir) if "val_loss" in r]
+    evals = [r for r in metrics_records(res.run_dir) if "val_loss" in r]
     assert [r["step"] for r in evals] == [0, 6, 12]
     served = [r for r in evals if "served_val_loss" in r]
     assert [r["step"] for r in served] == [6, 12]

@@ -17,6 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from support.events import metrics_records
 from trainer.config import TrainConfig
 from trainer.export import (
     ExportError,
@@ -27,10 +28,6 @@ from trainer.export import (
     out_dir_refusal,
 )
 from trainer.train import train
-
-
-def _records(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +53,7 @@ def test_gpt2_export_reloads_with_the_runs_validation_loss_bit_for_bit(lm_run):
     model = AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
     assert type(model).__name__ == "GPT2LMHeadModel" and model.dtype == torch.float32
     assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()  # still tied
-    last_eval = [r for r in _records(res.run_dir) if "val_loss" in r][-1]
+    last_eval = [r for r in metrics_records(res.run_dir) if "val_loss" in r][-1]
     assert last_eval["step"] == 4
     # The run's own evaluation (same windows, same loss function) on the reloaded model: identical float.
     assert evaluate(model, load_corpus(cfg.corpus).val, cfg) == last_eval["val_loss"] == res.final_val_loss

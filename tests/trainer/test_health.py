@@ -40,7 +40,7 @@ def test_warn_goes_to_the_active_run_once_per_kind_on_the_console(caplog):
         health.warn("nope", "x")
 
 
-def _records(book: RoundBook) -> list[dict]:
+def _round_stats(book: RoundBook) -> list[dict]:
     return [{"step": 1, **book.stats("curv")}]
 
 
@@ -56,12 +56,12 @@ def test_round_warnings_from_the_round_book_counters():
     assert (book.refreshes, book.refreshes_folded, book.folded, book.dropped) == (3, 0, 0, 2)
     h = health.Health("t-health-b")
     h.fleet_probes = True
-    h.finish(_records(book))
+    h.finish(_round_stats(book))
     assert h.counts() == {"rounds_dropped": 2, "rounds_never_applied": 1}
     assert "0 of 3 refreshes had data" in h.never_applied() and "equals AdamW" in h.never_applied()
     # In process (not fleet-probed) a run without folds is not "never applied"; one that folded is not either.
     h2 = health.Health("t-health-c")
-    h2.finish(_records(book))
+    h2.finish(_round_stats(book))
     assert h2.never_applied() is None
 
 

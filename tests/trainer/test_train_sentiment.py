@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from support.events import metrics_records
 from support.resume import assert_same_checkpoints
 from trainer.config import TrainConfig
 from trainer.train import train
@@ -18,10 +19,6 @@ def _cfg(tmp_path, name, **kw):
                 warmup_steps=3, eval_every=30, eval_batches=8, checkpoint_every=30, run_dir=tmp_path / name)
     base.update(kw)
     return TrainConfig(**base)
-
-
-def _records(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.slow  # 30 steps of MiniLM-L6 fine-tuning
@@ -36,7 +33,7 @@ def test_adamw_fine_tuning_beats_chance(tmp_path):
     assert s["final_val_loss"] < s["initial_val_loss"] - 0.08
     assert s["test_acc"] >= 0.65 and s["test_sentences"] > 1000
     assert (s["model"], s["corpus"]) == ("minilm-l6", "sentiment")
-    recs = _records(res.run_dir)
+    recs = metrics_records(res.run_dir)
     assert [r["step"] for r in recs if "loss" in r] == list(range(1, 31))
     evals = [r for r in recs if "val_loss" in r]
     assert [r["step"] for r in evals] == [0, 30] and all("val_acc" in r for r in evals)
@@ -48,7 +45,7 @@ def test_adamw_fine_tuning_beats_chance(tmp_path):
 def test_one_and_a_half_spsa_logs_curvature_and_forward_passes(tmp_path):
     res = train(_cfg(tmp_path, "spsa", optimizer="1.5spsa", steps=3, warmup_steps=0, lr=1e-5, min_lr=1e-6,
                      probes=2, eval_every=3, checkpoint_every=3), progress=False)
-    steps = [r for r in _records(res.run_dir) if "loss" in r]
+    steps = [r for r in metrics_records(res.run_dir) if "loss" in r]
     assert len(steps) == 3
     for r in steps:
         assert r["forward_passes"] == r["step"] * (2 * 2 + 1)  # K=2 probe pairs + the clean pass L0
@@ -77,7 +74,7 @@ def test_mezo_interrupt_then_resume_is_bit_identical(tmp_path, fail_at_step):
     assert_same_checkpoints(straight.run_dir, resumed.run_dir)
     assert resumed.summary["final_val_acc"] == straight.summary["final_val_acc"]
     assert resumed.summary["test_acc"] == straight.summary["test_acc"]
-    steps = [r for r in _records(resumed.run_dir) if "loss" in r]
+    steps = [r for r in metrics_records(resumed.run_dir) if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2, 3, 4] and steps[-1]["forward_passes"] == 4 * 2
 
 
