@@ -3,9 +3,24 @@ which `bench serving` reads and plots; and where a cut found a task (its innermo
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import json
+import os
 import threading
 from pathlib import Path
+
+
+@functools.cache
+def _package_dirs() -> tuple[str, ...]:
+    """The folders of the packages a task runs in (probe_worker, probe_kernels, trainer, wire), each ending in a
+    separator: a frame counts by where its file is, not by a folder name in its path (tests/probe_worker/ is no
+    package frame)."""
+    dirs = []
+    for pkg in ("probe_worker", "probe_kernels", "trainer", "wire"):
+        spec = importlib.util.find_spec(pkg)
+        dirs += [os.path.join(os.path.realpath(d), "") for d in (spec.submodule_search_locations or [])] if spec else []
+    return tuple(dirs)
 
 
 def where_in(thread: int) -> str:
@@ -13,10 +28,10 @@ def where_in(thread: int) -> str:
     diagnostic of where a cut found a task."""
     import sys
 
-    frame, out = sys._current_frames().get(thread), []
+    frame, out, dirs = sys._current_frames().get(thread), [], _package_dirs()
     while frame is not None and len(out) < 4:
         code = frame.f_code
-        if any(f"/{pkg}/" in code.co_filename for pkg in ("probe_worker", "probe_kernels", "trainer", "wire")):
+        if os.path.realpath(code.co_filename).startswith(dirs):
             out.append(f"{Path(code.co_filename).stem}:{code.co_name}:{frame.f_lineno}")
         frame = frame.f_back
     return " > ".join(reversed(out))
