@@ -107,16 +107,16 @@ def choose(rng: random.Random, events: tuple[str, ...], pool: Pool, cap: int, re
     possible. `restart` (the coordinator) and `redis` are always possible. With `replace` (and `join` among
     `events`) a pool below `cap` gets `join` and a full one draws from the other events."""
     full = len(pool.live) + len(pool.stopped) >= cap
-    if replace and "join" in events and (not full or len(events) > 1):
+    if replace and "join" in events:
         if not full:
             return "join"
-        events = tuple(e for e in events if e != "join")
+        events = tuple(e for e in events if e != "join") or events
     ev = rng.choice(events)
     if ev in RESTARTS:
         return ev
     removals = [e for e in events if e in REMOVALS]
     can_remove = bool(removals) and len(ready.intersection(pool.live)) >= 2
-    can_join = "join" in events and len(pool.live) + len(pool.stopped) < cap
+    can_join = "join" in events and not full
     if ev != "join" and not can_remove:
         return "join" if can_join else "none"
     if ev == "join" and not can_join:

@@ -155,9 +155,8 @@ class TeacherFirstCycle(round_robin_cycle):
 
     def consume(self, n: int) -> list[str]:
         """The first `n` queues, teacher queues first, each group in the cycle's order."""
-        items = self.items[:n]
-        teacher = [q for q in items if q.startswith(f"{TEACHER_QUEUE_PREFIX}.")]
-        return teacher + [q for q in items if not q.startswith(f"{TEACHER_QUEUE_PREFIX}.")]
+        items, prefix = self.items[:n], f"{TEACHER_QUEUE_PREFIX}."
+        return sorted(items, key=lambda q: not q.startswith(prefix))  # stable: each group keeps the cycle's order
 
 
 class GuardedRedisTransport(kombu_redis.Transport):
