@@ -433,7 +433,6 @@ def attach(url: str, *, settings: FleetSettings | None = None, wait_s: float = 1
         if left <= 0:
             raise FleetError(f"the coordinator at {base} is not reachable or not ready after {wait_s:.0f} s ({why})")
         if said_at is None:  # at once, then a countdown
-            # the wait the user set, not what is left of it after the first try (slow on a loaded host)
             log(f"the coordinator at {base} is not reachable or not ready ({why}); retrying for up to {wait_s:.0f} s "
                 "(--attach-wait)")
             said_at = time.monotonic()
