@@ -9,7 +9,8 @@ strikes, chosen by a seeded generator: `kill` (SIGKILL a worker), `term` (SIGTER
 tasks, as for a serving burst, until SIGUSR2 `--stop-s` later), `restart` (the coordinator stopped by SIGTERM and
 started again on the same port and Redis) or `redis` (with it among the events each arm has a Redis of its own,
 append-only: benchmarks.churn_redis; SHUTDOWN and started again). The pool stays between 1 and N live workers (a removal with one left
-becomes a join, a join with N live a removal); the schedule starts once the trainer has attached (its coordinator
+becomes a join, a join with N live a removal; `--replace`, the default, starts a killed or terminated worker's
+replacement at once, as a replica set does); the schedule starts once the trainer has attached (its coordinator
 run exists). A restart zeroes the coordinator's in-memory counters: the bench adds what they read before it. Once per second the bench samples the
 coordinator (active workers, rounds open); the figures (benchmarks.churn_report) come from the coordinator's counters,
 its Redis (every round and every stream event of the run) and the workers' logs. The in-process run of the same
@@ -42,6 +43,7 @@ RESTARTS = ("restart", "redis")  # the coordinator's, the Redis's: always possib
 REMOVALS = {"kill": signal.SIGKILL, "term": signal.SIGTERM, "stop": signal.SIGSTOP, "yield": signal.SIGUSR1}
 # A paused worker's signal back: SIGCONT after `stop`, SIGUSR2 (the end of an operator drain) after `yield`.
 RESUME = {"stop": signal.SIGCONT, "yield": signal.SIGUSR2}
+REPLACED = ("kill", "term")  # removals for good: with --replace each starts its replacement at once
 # Short leases and timeouts (the coordinator's environment) so churn is found out in seconds, as in the fleet tests.
 FAST_FLEET = {"SPARECYCLES_LEASE_SECONDS": "4", "SPARECYCLES_HEARTBEAT_INTERVAL_S": "0.5",
               "SPARECYCLES_REAPER_INTERVAL_S": "0.2", "SPARECYCLES_VISIBILITY_TIMEOUT_S": "20",
@@ -63,9 +65,9 @@ class ChurnOptions(BaseModel):
                                       "yield, restart, redis")
     stop_s: float = Field(6.0, gt=0, description="Seconds a stopped worker stays stopped (past its 4 s lease), and a "
                           "yielding one yields")
-    replace: bool = Field(True, description="Keep the pool at --workers, as a replica set does: while a worker "
-                          "killed or terminated is missing, the next event is its replacement joining; off: every "
-                          "event is drawn freely and the pool may fall to one worker")
+    replace: bool = Field(True, description="Keep the pool at --workers, as a replica set does: a worker killed or "
+                          "terminated is replaced at once (a new worker process starts as it goes); off: every event "
+                          "is drawn freely and the pool may fall to one worker")
     baseline: bool = Field(True, description="Also run each policy without churn (wall time's reference)")
     steps: int = Field(120, ge=4, description="Trainer steps per arm")
     curvature_interval: int = Field(2, ge=1, description="Steps per ZO-Curv round")
@@ -122,6 +124,12 @@ def choose(rng: random.Random, events: tuple[str, ...], pool: Pool, cap: int, re
     if ev == "join" and not can_join:
         return removals[0] if can_remove else "none"
     return ev
+
+
+def with_replacement(ev: str, replace: bool) -> tuple[str, ...]:
+    """The events to apply for drawn event `ev`: with `replace`, a removal for good (kill, term) is followed at once by
+    its replacement's `join`, as a replica set starts a new process as the old one goes; otherwise `ev` alone."""
+    return (ev, "join") if replace and ev in REPLACED else (ev,)
 
 
 def strike(ev: str, rng: random.Random, pool: Pool, site: Site, stop_s: float, ready: set[str]) -> str | None:
@@ -321,8 +329,9 @@ def run_arm(o: ChurnOptions, wait: str, churn: bool, folder: Path, log: Callable
                 if churn and time.monotonic() >= next_at:
                     ready = set(timeline[-1]["active"]) if timeline else set()
                     ev = choose(rng, o.events, pool, o.workers, ready, o.replace)
-                    name = strike(ev, rng, pool, site, o.stop_s, ready)
-                    events.append({"t": time.time() - t0, "event": ev, "worker": name})
+                    for e in with_replacement(ev, o.replace):
+                        name = strike(e, rng, pool, site, o.stop_s, ready)
+                        events.append({"t": time.time() - t0, "event": e, "worker": name})
                     next_at += o.every_s
                 with contextlib.suppress(httpx.HTTPError, redis.RedisError):  # restarting: no sample
                     timeline.append(sample(http, site, runs, time.time() - t0))

@@ -11,7 +11,7 @@ import signal
 
 import pytest
 
-from benchmarks.churn import ChurnOptions, Pool, choose, run_churn_bench
+from benchmarks.churn import ChurnOptions, Pool, choose, run_churn_bench, with_replacement
 from benchmarks.churn_redis import OwnRedis
 from benchmarks.churn_report import add_counts
 
@@ -37,9 +37,9 @@ def test_the_schedule_keeps_one_to_n_live_workers():
 
 
 def test_a_replacing_schedule_keeps_the_pool_at_n():
-    """With `replace`, a pool below N gets a join and a full one never does: played out over 200 events (a kill or
-    term removes for good, a stop comes back), the pool never falls below N - 1; without it the same draw lets the
-    pool fall to one."""
+    """With `replace`, a kill or term is followed at once by its replacement's join, and a full pool draws no other
+    join: played out over 200 events (a stop comes back before the next), N processes after every event; without
+    it the same draw lets the pool fall to one."""
     from benchmarks.churn_report import mean_active
 
     kinds = ("kill", "term", "stop", "join")
@@ -47,19 +47,23 @@ def test_a_replacing_schedule_keeps_the_pool_at_n():
     full = Pool(live=["a", "b", "c"], stopped={"d": (0.0, signal.SIGCONT)})
     assert "join" not in {choose(random.Random(i), kinds, full, 4, {"a", "b", "c"}, True) for i in range(40)}
 
+    assert with_replacement("kill", True) == ("kill", "join")
+    assert with_replacement("term", True) == ("term", "join") and with_replacement("stop", True) == ("stop",)
+    assert with_replacement("kill", False) == ("kill",) and with_replacement("yield", True) == ("yield",)
+
     def play(replace: bool) -> list[int]:
         rng, pool, sizes = random.Random(3), Pool(live=["w0", "w1", "w2", "w3"], started=4), []
         for _ in range(200):  # a stopped worker is back before the next event (stop_s < the event period)
-            ev = choose(rng, kinds, pool, 4, set(pool.live), replace)
-            if ev == "join":
-                pool.live.append(f"w{pool.started}")
-                pool.started += 1
-            elif ev in ("kill", "term"):
-                pool.live.remove(rng.choice(pool.live))
+            for ev in with_replacement(choose(rng, kinds, pool, 4, set(pool.live), replace), replace):
+                if ev == "join":
+                    pool.live.append(f"w{pool.started}")
+                    pool.started += 1
+                elif ev in ("kill", "term"):
+                    pool.live.remove(rng.choice(pool.live))
             sizes.append(len(pool.live))
         return sizes
 
-    assert min(play(True)) >= 3 and min(play(False)) == 1
+    assert min(play(True)) == 4 and min(play(False)) == 1  # replaced at once: 4 processes after every event
     assert mean_active([{"t": 0.0, "active": ["a"] * 4}, {"t": 3.0, "active": ["a"] * 2},
                         {"t": 4.0, "active": []}]) == 3.5  # 4 workers for 3 s, 2 for 1 s
     assert mean_active([{"t": 0.0, "active": []}]) is None
