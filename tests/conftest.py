@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from _pytest.reports import CollectReport
 
-from support.paths import ENGINE_FILES, ROOT
+from support.paths import ROOT
 
 # experiments/ is not installed (pyproject.toml's package list): the tests of its drivers import it from this
 # checkout's root, as `python -m experiments.NAME` does from there.
@@ -146,12 +146,3 @@ def smollm2_folder() -> Path:
     from trainer.models.pretrained import smollm2_dir
 
     return smollm2_dir()
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Group each test with its file (module-scoped fixtures such as `fleet` are then set up once), and the files of
-    ENGINE_FILES together: the groups pytest-xdist's `--dist loadgroup` hands to one worker each."""
-    tests_dir = Path(__file__).parent
-    for item in items:
-        rel = item.path.relative_to(tests_dir).as_posix()
-        item.add_marker(pytest.mark.xdist_group("engine" if rel in ENGINE_FILES else rel))
