@@ -161,13 +161,13 @@ class FleetStatus:
     """
 
     def __init__(self, base: str) -> None:
-        self.base, self.t0, self.accepted0 = base, time.monotonic(), None
+        self.base, self.t0, self.accepted0, self.most_workers = base, time.monotonic(), None, 0.0
         self.last: dict[str, float] = {}
         self.client = httpx.Client(timeout=1.0)
 
     def snapshot(self) -> dict[str, float]:
-        """Scrape once: active workers, tasks published and re-issued (the coordinator's counters since it
-        started), results by outcome, accepted results/s since start."""
+        """Scrape once: active workers (the most seen in any scrape: `most_workers`), tasks published and re-issued
+        (the coordinator's counters since it started), results by outcome, accepted results/s since start."""
         from prometheus_client.parser import text_string_to_metric_families
 
         # Only a 200 in Prometheus text is parsed: a 503 (an older coordinator while Redis is down)
@@ -199,7 +199,7 @@ class FleetStatus:
         snap["probes_per_s"] = (accepted - self.accepted0) / max(1e-9, snap["seconds"])
         total = sum(v for k, v in snap.items() if k.startswith("results_"))
         snap["stale_fraction"] = snap.get("results_stale", 0.0) / total if total else 0.0
-        self.last = snap
+        self.last, self.most_workers = snap, max(self.most_workers, snap["workers"])
         return snap
 
     def __call__(self) -> str:

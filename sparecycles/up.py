@@ -123,8 +123,8 @@ def _train_runs(plan: UpPlan, run: Callable[[str, object, bool], None], status, 
     log(f"{plan.optimizer}: {_rounds_note(plan.optimizer, plan.fleet_wait)}")
     try:
         run(plan.optimizer, plan.zo_cfg, zo_state == "resume")
-    finally:  # the coordinator still answers here: its counters cover this part
-        parts.append(status.snapshot())
+    finally:  # the coordinator still answers here: its counters cover this part; its workers, the most seen at once
+        parts.append({**status.snapshot(), "workers": status.most_workers})  # (one may be between states at the end)
         parts_path.parent.mkdir(parents=True, exist_ok=True)
         parts_path.write_text(json.dumps(parts, indent=2))
     return sum_fleet(parts)

@@ -114,14 +114,14 @@ def test_up_status_keeps_its_last_figures_through_a_503():
 
     from sparecycles.up import FleetStatus
 
-    app, state = FastAPI(), {"down": False}
+    app, state = FastAPI(), {"down": False, "active": 2.0}
 
     @app.get("/metrics")
     def metrics():
         if state["down"]:  # what an older coordinator answered while Redis was down
             return JSONResponse({"detail": "state store unavailable; retry"}, status_code=503)
         return PlainTextResponse(
-            'sparecycles_workers{state="active"} 2.0\n', media_type="text/plain; version=0.0.4"
+            f'sparecycles_workers{{state="active"}} {state["active"]}\n', media_type="text/plain; version=0.0.4"
         )
 
     with ServerThread(app) as srv:
@@ -130,6 +130,8 @@ def test_up_status_keeps_its_last_figures_through_a_503():
         state["down"] = True
         assert status.snapshot()["workers"] == 2.0  # kept, not parsed as Prometheus text
         assert "workers 2" in status()
+        state.update(down=False, active=1.0)  # one between states at the run's end: the most seen stays
+        assert status.snapshot()["workers"] == 1.0 and status.most_workers == 2.0
 
 
 def test_train_checkpoints_when_the_fleet_stays_unreachable(tmp_path, monkeypatch):

@@ -93,6 +93,7 @@ def test_malformed_batches_are_rejected_counted_and_survived(fleet, minilm):
     the next well-formed round completes with the in-process values."""
     model, batch = minilm
     be = fleet.backend(model, "senti-bad", seeds_per_task=1)
+    fleet.wait_consuming("a"), fleet.wait_consuming("b")  # their /metrics answer (this test may run first)
     be.publish(0)
     ids, mask, _ = batch
     bad = [b"garbage, not a safetensors batch", encode_batch((ids, ids.clone()), "lm"),
