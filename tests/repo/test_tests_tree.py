@@ -8,7 +8,9 @@
   exists, so a moved or renamed test cannot leave a stale pointer behind. results/ is left out: its logs and
   records are what ran at the commit they name, paths included.
 
-Static: reads files, runs nothing but `git ls-files`."""
+- Every collected test has a node id of its own (pytest-xdist runs a node id once).
+
+Reads files and runs `git ls-files`; the last check runs `pytest --collect-only`."""
 
 from __future__ import annotations
 
@@ -83,3 +85,15 @@ def test_the_path_pattern_finds_what_it_names():
             "(tests/support/paths.py); not mytests/a.py nor docs/tests/b.py")
     assert TEST_PATH.findall(text) == ["tests/trainer/test_train.py", "tests/probe_worker/test_engine_teacher*.py",
                                        "tests/support/paths.py"]
+
+
+def test_every_collected_test_has_a_node_id_of_its_own():
+    """pytest-xdist (the README's test command) schedules by node id: a test generated under another's id runs once
+    for all of them (schemathesis' `schema.parametrize()` gave 31 operations one id)."""
+    import sys
+
+    res = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "tests"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    ids = [line for line in res.stdout.splitlines() if "::" in line]
+    assert res.returncode == 0 and len(ids) > 1000, res.stdout[-2000:] + res.stderr[-2000:]
+    assert [i for i, n in Counter(ids).items() if n > 1] == []
